@@ -1,0 +1,2 @@
+//! model
+pub mod ops;
