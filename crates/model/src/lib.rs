@@ -1,2 +1,14 @@
-//! model
+//! The Llama model: configuration, seeded initialisation, parameters, the decoder itself, the
+//! segment mechanism that runs it piece by piece, and the fused op library with backward passes.
+
+pub mod config;
+pub mod init;
+pub mod llama;
 pub mod ops;
+pub mod params;
+pub mod segment;
+
+pub use config::LlamaConfig;
+pub use llama::{Llama, Piece, Targets};
+pub use params::{ParamKind, ParamSet, Parameter};
+pub use segment::Recompute;

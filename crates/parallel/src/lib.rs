@@ -1,1 +1,5 @@
-//! parallel
+//! Parallel layout of a training job: the `parallel:` recipe section and the rank layout.
+
+pub mod config;
+
+pub use config::ParallelConfig;

@@ -1,0 +1,174 @@
+//! Defines how preprocessing finds its input files ([`expand_inputs`]) and turns each file
+//! into documents ([`read_documents`]).
+//!
+//! * `.txt` (and `.text`): the whole file is one document, or, with a separator, the file is
+//!   split at every occurrence of the separator string; empty pieces are dropped.
+//! * `.jsonl`: one JSON object per non-blank line; the document is the string in the
+//!   configured field. Errors name the file and the 1-based line.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{DataError, Result};
+
+/// Resolves files and glob patterns into a sorted, de-duplicated list of files. Every
+/// pattern must match at least one file.
+pub fn expand_inputs(inputs: &[String]) -> Result<Vec<PathBuf>> {
+    if inputs.is_empty() {
+        return Err(DataError::config(
+            "inputs",
+            "at least one input file or glob is required",
+        ));
+    }
+    let mut files = Vec::new();
+    for input in inputs {
+        let is_pattern = input.contains(['*', '?', '[']);
+        if !is_pattern {
+            let p = PathBuf::from(input);
+            if !p.is_file() {
+                return Err(DataError::Input {
+                    input: input.clone(),
+                    message: "no such file".into(),
+                });
+            }
+            files.push(p);
+            continue;
+        }
+        let paths = glob::glob(input).map_err(|e| DataError::Input {
+            input: input.clone(),
+            message: format!("bad glob pattern: {e}"),
+        })?;
+        let mut matched = 0;
+        for entry in paths {
+            let p = entry.map_err(|e| DataError::Input {
+                input: input.clone(),
+                message: format!("cannot read {}: {}", e.path().display(), e.error()),
+            })?;
+            if p.is_file() {
+                files.push(p);
+                matched += 1;
+            }
+        }
+        if matched == 0 {
+            return Err(DataError::Input {
+                input: input.clone(),
+                message: "pattern matched no files".into(),
+            });
+        }
+    }
+    files.sort();
+    files.dedup();
+    for f in &files {
+        input_kind(f)?;
+    }
+    Ok(files)
+}
+
+/// The two supported input formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputKind {
+    /// Plain text.
+    Text,
+    /// JSON Lines.
+    Jsonl,
+}
+
+/// Classifies a file by extension (`.txt`/`.text` or `.jsonl`).
+pub fn input_kind(path: &Path) -> Result<InputKind> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("txt") | Some("text") => Ok(InputKind::Text),
+        Some("jsonl") => Ok(InputKind::Jsonl),
+        _ => Err(DataError::Input {
+            input: path.display().to_string(),
+            message: "unsupported extension (expected .txt, .text or .jsonl)".into(),
+        }),
+    }
+}
+
+/// Reads all documents of one input file.
+pub fn read_documents(path: &Path, json_key: &str, separator: Option<&str>) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+    match input_kind(path)? {
+        InputKind::Text => Ok(split_text(text, separator)),
+        InputKind::Jsonl => parse_jsonl(path, &text, json_key),
+    }
+}
+
+fn split_text(text: String, separator: Option<&str>) -> Vec<String> {
+    match separator {
+        Some(sep) if !sep.is_empty() => text
+            .split(sep)
+            .filter(|d| !d.trim().is_empty())
+            .map(str::to_owned)
+            .collect(),
+        _ if text.trim().is_empty() => Vec::new(),
+        _ => vec![text],
+    }
+}
+
+fn parse_jsonl(path: &Path, text: &str, key: &str) -> Result<Vec<String>> {
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let err = |message: String| DataError::Jsonl {
+            path: path.to_path_buf(),
+            line: i + 1,
+            message,
+        };
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| err(format!("invalid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| err("expected a JSON object".into()))?;
+        match obj.get(key) {
+            Some(serde_json::Value::String(s)) => docs.push(s.clone()),
+            Some(other) => {
+                let kind = match other {
+                    serde_json::Value::Null => "null",
+                    serde_json::Value::Bool(_) => "a boolean",
+                    serde_json::Value::Number(_) => "a number",
+                    serde_json::Value::Array(_) => "an array",
+                    _ => "an object",
+                };
+                return Err(err(format!("field `{key}` is {kind}, expected a string")));
+            }
+            None => return Err(err(format!("missing field `{key}`"))),
+        }
+    }
+    Ok(docs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn separator_splits_and_drops_empty_pieces() {
+        let docs = split_text("a\n\n\nb\n\n\n\n\n\n".into(), Some("\n\n\n"));
+        assert_eq!(docs, vec!["a".to_string(), "b".to_string()]);
+        assert_eq!(split_text("whole".into(), None), vec!["whole".to_string()]);
+        assert!(split_text(" \n".into(), None).is_empty());
+    }
+
+    #[test]
+    fn jsonl_errors_name_line() {
+        let p = Path::new("x.jsonl");
+        let text = "{\"text\": \"a\"}\n\n{\"body\": \"b\"}\n";
+        let e = parse_jsonl(p, text, "text").unwrap_err().to_string();
+        assert!(
+            e.contains("x.jsonl:3") && e.contains("missing field `text`"),
+            "{e}"
+        );
+        let e = parse_jsonl(p, "{\"text\": 5}", "text")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("x.jsonl:1") && e.contains("a number"), "{e}");
+        let e = parse_jsonl(p, "not json", "text").unwrap_err().to_string();
+        assert!(e.contains("invalid JSON"), "{e}");
+        assert_eq!(
+            parse_jsonl(p, "{\"body\":\"b\"}", "body").unwrap(),
+            vec!["b"]
+        );
+    }
+}

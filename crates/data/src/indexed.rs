@@ -1,0 +1,295 @@
+//! Defines the Megatron-LM indexed dataset format (`.bin` + `.idx`): [`DType`] codes, the
+//! layout constants, and [`IndexedDatasetWriter`], which writes files byte-compatible with
+//! Megatron's `megatron/core/datasets/indexed_dataset.py`.
+//!
+//! Layout of `P.idx` (all integers little-endian):
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 9 | magic `MMIDIDX\x00\x00` |
+//! | 8 | version, u64 = 1 |
+//! | 1 | dtype code, u8 (see [`DType`]) |
+//! | 8 | sequence count N, u64 |
+//! | 8 | document count D, u64 (= documents + 1: the document indices start with 0) |
+//! | 4·N | sequence lengths in tokens, i32 |
+//! | 8·N | sequence pointers: byte offsets into `P.bin`, i64 |
+//! | 8·D | document indices: sequence index where each document starts, then N, i64 |
+//!
+//! `P.bin` is the concatenation of all sequences' tokens in the dtype. This crate writes one
+//! sequence per document, so the document indices are `0, 1, …, N`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{DataError, Result};
+
+/// The 9 magic bytes that start every `.idx` file.
+pub const IDX_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
+/// The only `.idx` version in existence.
+pub const IDX_VERSION: u64 = 1;
+/// Length of the fixed header: magic, version, dtype code, sequence count, document count.
+pub const IDX_HEADER_LEN: u64 = 9 + 8 + 1 + 8 + 8;
+
+/// Element types of the `.bin` file, with Megatron's numeric codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    /// Code 1.
+    U8,
+    /// Code 2.
+    I8,
+    /// Code 3.
+    I16,
+    /// Code 4.
+    I32,
+    /// Code 5.
+    I64,
+    /// Code 6.
+    F64,
+    /// Code 7.
+    F32,
+    /// Code 8.
+    U16,
+}
+
+impl DType {
+    /// Megatron's numeric code for this dtype.
+    pub fn code(self) -> u8 {
+        match self {
+            DType::U8 => 1,
+            DType::I8 => 2,
+            DType::I16 => 3,
+            DType::I32 => 4,
+            DType::I64 => 5,
+            DType::F64 => 6,
+            DType::F32 => 7,
+            DType::U16 => 8,
+        }
+    }
+
+    /// The dtype for a Megatron code, `None` for unknown codes.
+    pub fn from_code(code: u8) -> Option<DType> {
+        Some(match code {
+            1 => DType::U8,
+            2 => DType::I8,
+            3 => DType::I16,
+            4 => DType::I32,
+            5 => DType::I64,
+            6 => DType::F64,
+            7 => DType::F32,
+            8 => DType::U16,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::U16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// NumPy-style name (`uint16`, `int32`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::F64 => "float64",
+            DType::F32 => "float32",
+            DType::U16 => "uint16",
+        }
+    }
+
+    /// Largest token id the dtype can store, `None` for float dtypes.
+    pub fn max_token(self) -> Option<u64> {
+        match self {
+            DType::U8 => Some(u8::MAX as u64),
+            DType::I8 => Some(i8::MAX as u64),
+            DType::I16 => Some(i16::MAX as u64),
+            DType::U16 => Some(u16::MAX as u64),
+            DType::I32 => Some(i32::MAX as u64),
+            DType::I64 => Some(u32::MAX as u64),
+            DType::F32 | DType::F64 => None,
+        }
+    }
+
+    /// Megatron's choice of token dtype: `uint16` when the vocabulary has fewer than 65500
+    /// entries, `int32` otherwise.
+    pub fn for_vocab_size(vocab_size: usize) -> DType {
+        if vocab_size < 65_500 {
+            DType::U16
+        } else {
+            DType::I32
+        }
+    }
+}
+
+/// `prefix` + `.bin`.
+pub fn bin_path(prefix: &Path) -> PathBuf {
+    with_suffix(prefix, ".bin")
+}
+
+/// `prefix` + `.idx`.
+pub fn idx_path(prefix: &Path) -> PathBuf {
+    with_suffix(prefix, ".idx")
+}
+
+fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+/// Streams documents into `P.bin` and writes `P.idx` on [`finish`](Self::finish).
+///
+/// Only `uint16` and `int32` token dtypes can be written (the ones Megatron's preprocessing
+/// produces); each added document becomes one sequence.
+pub struct IndexedDatasetWriter {
+    bin: BufWriter<File>,
+    bin_path: PathBuf,
+    idx_path: PathBuf,
+    dtype: DType,
+    lengths: Vec<i32>,
+    bytes: u64,
+    buf: Vec<u8>,
+}
+
+impl IndexedDatasetWriter {
+    /// Creates (truncating) `prefix.bin`; `prefix.idx` is written by [`finish`](Self::finish).
+    /// Parent directories are created if missing.
+    pub fn create(prefix: &Path, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::U16 | DType::I32) {
+            return Err(DataError::config(
+                "dtype",
+                format!(
+                    "cannot write {} tokens (only uint16 or int32)",
+                    dtype.name()
+                ),
+            ));
+        }
+        let bin_path = bin_path(prefix);
+        if let Some(parent) = bin_path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
+        }
+        let file = File::create(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
+        Ok(IndexedDatasetWriter {
+            bin: BufWriter::with_capacity(1 << 20, file),
+            bin_path,
+            idx_path: idx_path(prefix),
+            dtype,
+            lengths: Vec::new(),
+            bytes: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The token dtype being written.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Appends one document (one sequence). Token ids must fit the dtype.
+    pub fn add_document(&mut self, tokens: &[u32]) -> Result<()> {
+        let len = i32::try_from(tokens.len()).map_err(|_| DataError::OutOfRange {
+            what: "document length",
+            index: tokens.len() as u64,
+            len: i32::MAX as u64,
+        })?;
+        self.buf.clear();
+        for &t in tokens {
+            match self.dtype {
+                DType::U16 => {
+                    let v = u16::try_from(t).map_err(|_| self.bad_token(t))?;
+                    self.buf.extend_from_slice(&v.to_le_bytes());
+                }
+                _ => {
+                    let v = i32::try_from(t).map_err(|_| self.bad_token(t))?;
+                    self.buf.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        self.bin
+            .write_all(&self.buf)
+            .map_err(|e| DataError::io(&self.bin_path, e))?;
+        self.bytes += self.buf.len() as u64;
+        self.lengths.push(len);
+        Ok(())
+    }
+
+    fn bad_token(&self, t: u32) -> DataError {
+        DataError::BadToken {
+            path: self.bin_path.clone(),
+            sequence: self.lengths.len(),
+            value: t as i64,
+        }
+    }
+
+    /// Flushes `P.bin`, writes `P.idx`, and returns the number of `.bin` bytes written.
+    pub fn finish(mut self) -> Result<u64> {
+        self.bin
+            .flush()
+            .map_err(|e| DataError::io(&self.bin_path, e))?;
+        let doc_indices: Vec<i64> = (0..=self.lengths.len() as i64).collect();
+        let bytes = encode_index(self.dtype, &self.lengths, &doc_indices);
+        std::fs::write(&self.idx_path, bytes).map_err(|e| DataError::io(&self.idx_path, e))?;
+        Ok(self.bytes)
+    }
+}
+
+/// Encodes a complete `.idx` file for the given sequence lengths and document indices;
+/// sequence pointers are the running byte offsets of the sequences.
+pub fn encode_index(dtype: DType, lengths: &[i32], doc_indices: &[i64]) -> Vec<u8> {
+    let n = lengths.len();
+    let mut out = Vec::with_capacity(IDX_HEADER_LEN as usize + 12 * n + 8 * doc_indices.len());
+    out.extend_from_slice(IDX_MAGIC);
+    out.extend_from_slice(&IDX_VERSION.to_le_bytes());
+    out.push(dtype.code());
+    out.extend_from_slice(&(n as u64).to_le_bytes());
+    out.extend_from_slice(&(doc_indices.len() as u64).to_le_bytes());
+    for &l in lengths {
+        out.extend_from_slice(&l.to_le_bytes());
+    }
+    let mut pointer = 0i64;
+    for &l in lengths {
+        out.extend_from_slice(&pointer.to_le_bytes());
+        pointer += l as i64 * dtype.size() as i64;
+    }
+    for &d in doc_indices {
+        out.extend_from_slice(&d.to_le_bytes());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_codes_round_trip() {
+        for code in 1..=8u8 {
+            assert_eq!(DType::from_code(code).map(|d| d.code()), Some(code));
+        }
+        assert_eq!(DType::from_code(0), None);
+        assert_eq!(DType::from_code(9), None);
+    }
+
+    #[test]
+    fn vocab_size_selects_dtype() {
+        assert_eq!(DType::for_vocab_size(4096), DType::U16);
+        assert_eq!(DType::for_vocab_size(65_499), DType::U16);
+        assert_eq!(DType::for_vocab_size(65_500), DType::I32);
+        assert_eq!(DType::for_vocab_size(128_256), DType::I32);
+    }
+
+    #[test]
+    fn suffixes_append_not_replace() {
+        assert_eq!(bin_path(Path::new("a/b.v1")), PathBuf::from("a/b.v1.bin"));
+        assert_eq!(idx_path(Path::new("a/b")), PathBuf::from("a/b.idx"));
+    }
+}

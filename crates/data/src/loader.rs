@@ -1,0 +1,277 @@
+//! Defines what the trainer consumes: [`GptData`] (opened datasets + sample index for one
+//! split), [`Batch`], [`Split`] and [`micro_batch_indices`].
+//!
+//! The only loader state is the number of global samples consumed, which the trainer keeps:
+//! global sample `i` is the same for every parallel layout, so resuming from `consumed` or
+//! changing the data-parallel size keeps the global sample order identical.
+
+use std::path::{Path, PathBuf};
+
+use crate::blend::BlendIndex;
+use crate::config::DataConfig;
+use crate::error::{DataError, Result};
+use crate::reader::IndexedDataset;
+use crate::rng::mix_seed;
+use crate::sample_index::SampleIndex;
+use crate::split::SplitWeights;
+use crate::tokenizer::{eod_id, load_tokenizer};
+
+/// Which document range of each dataset to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// The first part of the `split` weights.
+    Train,
+    /// The second part of the `split` weights.
+    Valid,
+}
+
+impl Split {
+    fn position(self) -> usize {
+        match self {
+            Split::Train => 0,
+            Split::Valid => 1,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Valid => "valid",
+        }
+    }
+}
+
+/// One micro-batch, row-major `[micro_batch, seq_len]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Input token ids.
+    pub tokens: Vec<u32>,
+    /// Target ids: the inputs shifted left by one.
+    pub labels: Vec<u32>,
+    /// 1.0 where the loss counts, 0.0 where it is masked (`eod_mask_loss`).
+    pub loss_mask: Vec<f32>,
+    /// Rows.
+    pub micro_batch: usize,
+    /// Columns.
+    pub seq_len: usize,
+}
+
+struct Part {
+    dataset: IndexedDataset,
+    index: SampleIndex,
+}
+
+/// Opened datasets and sample index for one split.
+pub struct GptData {
+    parts: Vec<Part>,
+    blend: Option<BlendIndex>,
+    seq_len: usize,
+    num_samples: u64,
+    eod: u32,
+    vocab_size: usize,
+    eod_mask_loss: bool,
+}
+
+fn resolve(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+impl GptData {
+    /// Opens every dataset of `cfg` (paths relative to `base_dir`), loads the tokenizer, and
+    /// builds the sample index providing `num_samples` samples of `seq_len + 1` tokens for
+    /// `split`. The result depends only on the datasets, `seed`, `seq_len` and `split`
+    /// (and `num_samples` only decides how far the index reaches).
+    pub fn open(
+        cfg: &DataConfig,
+        base_dir: &Path,
+        split: Split,
+        seq_len: usize,
+        seed: u64,
+        num_samples: u64,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        if seq_len == 0 {
+            return Err(DataError::config("seq_len", "must be at least 1"));
+        }
+        let tok_path = resolve(base_dir, &cfg.tokenizer);
+        let tokenizer = load_tokenizer(&tok_path)?;
+        let eod = eod_id(&tokenizer, &tok_path)?;
+        let vocab_size = tokenizer.get_vocab_size(true);
+        let weights = SplitWeights::parse(&cfg.split, "data.split")?;
+
+        let blend = if cfg.datasets.len() > 1 {
+            let w: Vec<f64> = cfg.datasets.iter().map(|d| d.weight).collect();
+            Some(BlendIndex::new(&w, num_samples)?)
+        } else {
+            None
+        };
+        let split_seed = mix_seed(&[seed, split.position() as u64]);
+        let mut parts = Vec::with_capacity(cfg.datasets.len());
+        for (i, spec) in cfg.datasets.iter().enumerate() {
+            let prefix = resolve(base_dir, &spec.prefix);
+            let dataset = IndexedDataset::open(&prefix)?;
+            if let Some(max) = dataset.dtype().max_token() {
+                if (vocab_size as u64).saturating_sub(1) > max {
+                    return Err(DataError::config(
+                        format!("data.datasets[{i}].prefix"),
+                        format!(
+                            "{} stores {} tokens, too narrow for the tokenizer's {vocab_size} ids",
+                            prefix.display(),
+                            dataset.dtype().name()
+                        ),
+                    ));
+                }
+            }
+            let needed = blend.as_ref().map_or(num_samples, |b| b.counts()[i]);
+            let docs = weights.ranges(dataset.num_documents())[split.position()].clone();
+            let di = dataset.document_indices();
+            let (first, last) = (di[docs.start] as usize, di[docs.end] as usize);
+            if needed > 0 && first == last {
+                return Err(DataError::config(
+                    "data.split",
+                    format!(
+                        "`{}` leaves the {} split of {} ({} documents) without documents; \
+                         raise that part of the split",
+                        cfg.split,
+                        split.name(),
+                        prefix.display(),
+                        dataset.num_documents()
+                    ),
+                ));
+            }
+            let lengths = &dataset.sequence_lengths()[first..last];
+            let index = SampleIndex::build(first, lengths, seq_len, split_seed, needed).map_err(
+                |e| match e {
+                    DataError::Config { message, .. } => DataError::config(
+                        format!("data.datasets[{i}]"),
+                        format!("{} ({} split): {message}", prefix.display(), split.name()),
+                    ),
+                    other => other,
+                },
+            )?;
+            parts.push(Part { dataset, index });
+        }
+        Ok(GptData {
+            parts,
+            blend,
+            seq_len,
+            num_samples,
+            eod,
+            vocab_size,
+            eod_mask_loss: cfg.eod_mask_loss,
+        })
+    }
+
+    /// Global sample `global_index`: `seq_len + 1` token ids. Indices at or beyond
+    /// `num_samples` are an error.
+    pub fn sample(&self, global_index: u64) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(self.seq_len + 1);
+        self.sample_into(global_index, &mut out)?;
+        Ok(out)
+    }
+
+    fn sample_into(&self, global_index: u64, out: &mut Vec<u32>) -> Result<()> {
+        if global_index >= self.num_samples {
+            return Err(DataError::OutOfRange {
+                what: "sample",
+                index: global_index,
+                len: self.num_samples,
+            });
+        }
+        let (d, within) = match &self.blend {
+            Some(b) => b.get(global_index)?,
+            None => (0, global_index),
+        };
+        let part = &self.parts[d];
+        for span in part.index.spans(within)? {
+            part.dataset
+                .read_into(span.sequence, span.offset, span.len, out)?;
+        }
+        Ok(())
+    }
+
+    /// Builds a micro-batch from global samples: row `r` has `tokens = s[..seq_len]` and
+    /// `labels = s[1..]` of sample `global_indices[r]`.
+    pub fn batch(&self, global_indices: &[u64]) -> Result<Batch> {
+        let (rows, s) = (global_indices.len(), self.seq_len);
+        let mut tokens = Vec::with_capacity(rows * s);
+        let mut labels = Vec::with_capacity(rows * s);
+        let mut sample = Vec::with_capacity(s + 1);
+        for &g in global_indices {
+            sample.clear();
+            self.sample_into(g, &mut sample)?;
+            tokens.extend_from_slice(&sample[..s]);
+            labels.extend_from_slice(&sample[1..]);
+        }
+        let loss_mask = tokens
+            .iter()
+            .map(|&t| {
+                if self.eod_mask_loss && t == self.eod {
+                    0.0
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        Ok(Batch {
+            tokens,
+            labels,
+            loss_mask,
+            micro_batch: rows,
+            seq_len: s,
+        })
+    }
+
+    /// Id of `<|endoftext|>` in the tokenizer.
+    pub fn eod_id(&self) -> u32 {
+        self.eod
+    }
+
+    /// Vocabulary size of the tokenizer, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Tokens per row of a batch.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    /// Samples available (`sample(i)` works for `i < num_samples()`).
+    pub fn num_samples(&self) -> u64 {
+        self.num_samples
+    }
+
+    /// Samples per epoch of each dataset's split, in configuration order.
+    pub fn samples_per_epoch(&self) -> Vec<u64> {
+        self.parts
+            .iter()
+            .map(|p| p.index.samples_per_epoch())
+            .collect()
+    }
+}
+
+/// Global sample indices of the micro-batches of data-parallel rank `dp_rank` (of
+/// `dp_size`) for the global batch `[consumed, consumed + global_batch)`: the rank takes the
+/// contiguous slice `[r * global_batch / dp_size, (r + 1) * global_batch / dp_size)` and cuts
+/// it into micro-batches of `micro_batch` (a smaller last one if it does not divide).
+/// Returns nothing for meaningless arguments (`dp_rank >= dp_size`, zero sizes).
+pub fn micro_batch_indices(
+    consumed: u64,
+    global_batch: usize,
+    micro_batch: usize,
+    dp_rank: usize,
+    dp_size: usize,
+) -> Vec<Vec<u64>> {
+    if dp_size == 0 || micro_batch == 0 || dp_rank >= dp_size {
+        return Vec::new();
+    }
+    let lo = consumed + (dp_rank * global_batch / dp_size) as u64;
+    let hi = consumed + ((dp_rank + 1) * global_batch / dp_size) as u64;
+    let all: Vec<u64> = (lo..hi).collect();
+    all.chunks(micro_batch).map(<[u64]>::to_vec).collect()
+}

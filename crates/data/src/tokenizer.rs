@@ -1,0 +1,166 @@
+//! Defines tokenizer training ([`TokenizerTrainOptions`], [`train_tokenizer`]) and loading
+//! ([`load_tokenizer`], [`eod_id`]).
+//!
+//! Trained tokenizers are GPT-2 style byte-level BPE: no normalizer, a ByteLevel
+//! pre-tokenizer (GPT-2 regex, no prefix space), ByteLevel post-processor and decoder, and the
+//! full 256-symbol byte alphabet so every input is encodable. The single special token
+//! [`EOD_TOKEN`] (`<|endoftext|>`) always gets id 0. Training is deterministic: the same
+//! inputs and options give a byte-identical `tokenizer.json`.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder};
+
+use crate::error::{DataError, Result};
+
+/// The end-of-document token appended after every document; id 0 in trained tokenizers.
+pub const EOD_TOKEN: &str = "<|endoftext|>";
+
+/// Byte alphabet size plus the special token: the smallest meaningful vocabulary.
+const MIN_VOCAB: usize = 256 + 1;
+
+/// Options of [`train_tokenizer`] (`pretrain tokenizer train`).
+#[derive(Debug, Clone)]
+pub struct TokenizerTrainOptions {
+    /// Plain-text training files; read line by line, in the given order.
+    pub inputs: Vec<PathBuf>,
+    /// Final vocabulary size including the 256 byte symbols and `<|endoftext|>` (at least 257).
+    pub vocab_size: usize,
+    /// A pair must occur at least this often to be merged.
+    pub min_frequency: u64,
+    /// Where to write `tokenizer.json` (parent directories are created).
+    pub output: PathBuf,
+    /// Show a progress bar (only ever drawn when stderr is a terminal).
+    pub show_progress: bool,
+}
+
+impl Default for TokenizerTrainOptions {
+    /// 4096 entries, minimum frequency 2, output `tokenizer.json`, progress shown.
+    fn default() -> Self {
+        TokenizerTrainOptions {
+            inputs: Vec::new(),
+            vocab_size: 4096,
+            min_frequency: 2,
+            output: PathBuf::from("tokenizer.json"),
+            show_progress: true,
+        }
+    }
+}
+
+/// What [`train_tokenizer`] produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizerTrainSummary {
+    /// The written `tokenizer.json`.
+    pub output: PathBuf,
+    /// Vocabulary size actually reached (may be below the request on small corpora).
+    pub vocab_size: usize,
+    /// Id of `<|endoftext|>` (always 0).
+    pub eod_id: u32,
+}
+
+impl std::fmt::Display for TokenizerTrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "wrote {} (vocab size {}, {EOD_TOKEN} = {})",
+            self.output.display(),
+            self.vocab_size,
+            self.eod_id
+        )
+    }
+}
+
+/// Trains a byte-level BPE tokenizer on `opts.inputs` and saves it to `opts.output`.
+pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSummary> {
+    if opts.inputs.is_empty() {
+        return Err(DataError::config(
+            "inputs",
+            "at least one training file is required",
+        ));
+    }
+    if opts.vocab_size < MIN_VOCAB {
+        return Err(DataError::config(
+            "vocab_size",
+            format!(
+                "{} is too small: need at least {MIN_VOCAB} (256 bytes + {EOD_TOKEN})",
+                opts.vocab_size
+            ),
+        ));
+    }
+    let mut files = Vec::with_capacity(opts.inputs.len());
+    for p in &opts.inputs {
+        std::fs::metadata(p).map_err(|e| DataError::io(p, e))?;
+        files.push(
+            p.to_str()
+                .ok_or_else(|| {
+                    DataError::config("inputs", format!("{} is not valid UTF-8", p.display()))
+                })?
+                .to_string(),
+        );
+    }
+    let tok_err = |message: String| DataError::Tokenizer {
+        path: opts.output.clone(),
+        message,
+    };
+
+    let mut trainer = BpeTrainerBuilder::new()
+        .vocab_size(opts.vocab_size)
+        .min_frequency(opts.min_frequency)
+        .show_progress(opts.show_progress && std::io::stderr().is_terminal())
+        .special_tokens(vec![AddedToken::from(EOD_TOKEN.to_string(), true)])
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let byte_level = ByteLevel::new(false, true, true);
+    let mut tokenizer = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
+        .with_pre_tokenizer(Some(byte_level))
+        .with_post_processor(Some(byte_level))
+        .with_decoder(Some(byte_level))
+        .build()
+        .map_err(|e| tok_err(format!("cannot build tokenizer: {e}")))?;
+    tokenizer
+        .train_from_files(&mut trainer, files)
+        .map_err(|e| tok_err(format!("training failed: {e}")))?;
+
+    if let Some(parent) = opts.output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
+    }
+    let json = tokenizer
+        .to_string(true)
+        .map_err(|e| tok_err(format!("cannot serialise: {e}")))?;
+    std::fs::write(&opts.output, json + "\n").map_err(|e| DataError::io(&opts.output, e))?;
+
+    // Reload through the generic loader: proves the file is a valid HF tokenizer.json.
+    let loaded = load_tokenizer(&opts.output)?;
+    Ok(TokenizerTrainSummary {
+        output: opts.output.clone(),
+        vocab_size: loaded.get_vocab_size(true),
+        eod_id: eod_id(&loaded, &opts.output)?,
+    })
+}
+
+/// Loads any Hugging Face `tokenizer.json`; errors name the file.
+pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
+    let path = path.as_ref();
+    if let Err(e) = std::fs::metadata(path) {
+        return Err(DataError::io(path, e));
+    }
+    Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
+        path: path.to_path_buf(),
+        message: format!("not a valid tokenizer.json: {e}"),
+    })
+}
+
+/// The id of [`EOD_TOKEN`] in `tokenizer` (loaded from `path`, used in the error).
+pub fn eod_id(tokenizer: &Tokenizer, path: &Path) -> Result<u32> {
+    tokenizer
+        .token_to_id(EOD_TOKEN)
+        .ok_or_else(|| DataError::MissingEod {
+            path: path.to_path_buf(),
+            token: EOD_TOKEN.to_string(),
+        })
+}

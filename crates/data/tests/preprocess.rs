@@ -1,0 +1,167 @@
+//! Preprocessing tests: text/JSONL → `.bin`/`.idx` → tokens round trip, separators, JSONL
+//! errors, worker-count independence.
+
+mod common;
+
+use std::path::Path;
+
+use data::indexed::{bin_path, idx_path};
+use data::{load_tokenizer, preprocess, DataError, IndexedDataset, PreprocessOptions};
+
+fn opts(inputs: Vec<String>, tokenizer: &Path, prefix: &Path) -> PreprocessOptions {
+    PreprocessOptions {
+        inputs,
+        tokenizer: tokenizer.to_path_buf(),
+        output_prefix: prefix.to_path_buf(),
+        show_progress: false,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn text_and_jsonl_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok_path = common::small_tokenizer(dir.path());
+    let input = dir.path().join("in");
+    std::fs::create_dir_all(&input).unwrap();
+    let texts = [
+        "First document.\nWith two lines.",
+        "Second: ÄÖÜ ✓ <tags>",
+        "  third  ",
+    ];
+    std::fs::write(input.join("b.txt"), texts[0]).unwrap();
+    std::fs::write(input.join("c.txt"), texts[1]).unwrap();
+    std::fs::write(
+        input.join("a.jsonl"),
+        format!(
+            "{}\n\n{}\n",
+            serde_json::json!({"text": texts[2], "id": 1}),
+            serde_json::json!({"text": "json two", "meta": {"x": [1]}})
+        ),
+    )
+    .unwrap();
+    let prefix = dir.path().join("out/ds");
+    let summary = preprocess(&opts(
+        vec![
+            format!("{}/*.txt", input.display()),
+            input.join("a.jsonl").display().to_string(),
+        ],
+        &tok_path,
+        &prefix,
+    ))
+    .unwrap();
+    // Files are sorted: a.jsonl (2 documents), b.txt, c.txt.
+    let expected = [texts[2], "json two", texts[0], texts[1]];
+    assert_eq!(summary.files, 3);
+    assert_eq!(summary.documents, 4);
+    assert!(summary.to_string().contains("4 documents"), "{summary}");
+
+    let tok = load_tokenizer(&tok_path).unwrap();
+    let ds = IndexedDataset::open(&prefix).unwrap();
+    assert_eq!(ds.num_sequences(), 4);
+    assert_eq!(ds.num_tokens(), summary.tokens);
+    assert_eq!(
+        std::fs::metadata(bin_path(&prefix)).unwrap().len(),
+        summary.output_bytes
+    );
+    for (i, text) in expected.iter().enumerate() {
+        let len = ds.sequence_lengths()[i] as usize;
+        let ids = ds.get(i, 0, len).unwrap();
+        assert_eq!(*ids.last().unwrap(), 0, "EOD closes document {i}");
+        assert!(!ids[..len - 1].contains(&0));
+        assert_eq!(ids[..len - 1], *tok.encode(*text, false).unwrap().get_ids());
+        assert_eq!(tok.decode(&ids[..len - 1], false).unwrap(), *text);
+    }
+}
+
+#[test]
+fn separator_splits_text_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let f = dir.path().join("multi.txt");
+    std::fs::write(&f, "one\n\n\ntwo\nlines\n\n\n\n\n\nthree").unwrap();
+    let prefix = dir.path().join("sep");
+    let mut o = opts(vec![f.display().to_string()], &tok, &prefix);
+    o.doc_separator = Some("\n\n\n".into());
+    assert_eq!(preprocess(&o).unwrap().documents, 3);
+    o.doc_separator = None;
+    assert_eq!(preprocess(&o).unwrap().documents, 1);
+}
+
+#[test]
+fn jsonl_errors_name_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let f = dir.path().join("corpus.jsonl");
+    std::fs::write(
+        &f,
+        "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"content\": \"no text\"}\n",
+    )
+    .unwrap();
+    let prefix = dir.path().join("j");
+    let e = preprocess(&opts(vec![f.display().to_string()], &tok, &prefix)).unwrap_err();
+    assert!(matches!(e, DataError::Jsonl { line: 3, .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("corpus.jsonl:3") && msg.contains("missing field `text`"),
+        "{msg}"
+    );
+
+    // A custom key reads the same file further, then fails on line 1 which lacks it.
+    let mut o = opts(vec![f.display().to_string()], &tok, &prefix);
+    o.json_key = "content".into();
+    let e = preprocess(&o).unwrap_err().to_string();
+    assert!(
+        e.contains("corpus.jsonl:1") && e.contains("`content`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn output_does_not_depend_on_worker_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let docs = common::write_docs(dir.path(), "w", 40);
+    let mut outputs = Vec::new();
+    for workers in [1usize, 2] {
+        let prefix = dir.path().join(format!("w{workers}"));
+        let mut o = opts(vec![format!("{}/*.txt", docs.display())], &tok, &prefix);
+        o.workers = Some(workers);
+        preprocess(&o).unwrap();
+        outputs.push((
+            std::fs::read(bin_path(&prefix)).unwrap(),
+            std::fs::read(idx_path(&prefix)).unwrap(),
+        ));
+    }
+    assert_eq!(outputs[0], outputs[1]);
+}
+
+#[test]
+fn bad_inputs_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let prefix = dir.path().join("x");
+    let none = format!("{}/nothing/*.txt", dir.path().display());
+    let e = preprocess(&opts(vec![none], &tok, &prefix)).unwrap_err();
+    assert!(e.to_string().contains("matched no files"), "{e}");
+
+    let csv = dir.path().join("table.csv");
+    std::fs::write(&csv, "a,b").unwrap();
+    let e = preprocess(&opts(vec![csv.display().to_string()], &tok, &prefix)).unwrap_err();
+    assert!(e.to_string().contains("unsupported extension"), "{e}");
+
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "\n").unwrap();
+    let e = preprocess(&opts(vec![empty.display().to_string()], &tok, &prefix)).unwrap_err();
+    assert!(matches!(e, DataError::EmptyDataset { .. }), "{e}");
+
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "hello").unwrap();
+    let e = preprocess(&opts(
+        vec![text.display().to_string()],
+        &dir.path().join("tok.json"),
+        &prefix,
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("tok.json"), "{e}");
+}

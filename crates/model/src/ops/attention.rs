@@ -1,0 +1,275 @@
+//! `causal_attention`: flash-style causal scaled-dot-product attention with grouped-query heads
+//! on the `[b, s, heads, d]` layout: the forward op, its public wrapper and the per-head GEMM
+//! helper shared with the backward kernel (in `attention_bwd.rs`).
+//!
+//! The forward runs one rayon task per `(batch, query head)`. Each task walks blocks of `BLOCK`
+//! query rows; a block's scores against the keys it may see (`[BLOCK, r1]`) live in a transient
+//! per-task scratch, get a row softmax and are multiplied by `V`. Only the per-row log-sum-exp
+//! `[b, hq, s]` survives the op (stashed in the op struct for the backward pass).
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::attention_bwd::AttentionBwd;
+use super::common::{compute_dtype, prepare, same_device, same_dtype, slice, Float, SyncPtr};
+
+pub(super) const OP: &str = "causal_attention";
+
+/// Query rows per block: bounds the per-task scratch to `BLOCK * s` elements.
+pub(super) const BLOCK: usize = 64;
+
+/// Sizes of one attention call: `q` is `[b, s, hq, d]`, `k` and `v` are `[b, s, hkv, d]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Dims {
+    pub b: usize,
+    pub s: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+}
+
+impl Dims {
+    fn from_layouts(q: &Layout, k: &Layout) -> Result<Self> {
+        let (&[b, s, hq, d], &[_, _, hkv, _]) = (q.dims(), k.dims()) else {
+            bail!(
+                "{OP}: expected rank-4 q and k, got {:?} and {:?}",
+                q.dims(),
+                k.dims()
+            )
+        };
+        Ok(Self { b, s, hq, hkv, d })
+    }
+
+    /// Query heads per kv head.
+    pub fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+}
+
+/// `dst[m×n] = (acc ? dst : 0) + beta · lhs[m×k] · rhs[k×n]`, single-threaded (called inside rayon
+/// tasks). Every matrix is `(pointer, row stride, column stride)` in elements; `dst` has unit
+/// column stride.
+///
+/// # Safety
+/// All pointers must be valid for the elements the strides and sizes address, and `dst` must not
+/// be written concurrently by another task.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(super) unsafe fn matmul<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: (*mut T, usize),
+    acc: bool,
+    lhs: (*const T, usize, usize),
+    rhs: (*const T, usize, usize),
+    beta: T,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst.0,
+        1,
+        dst.1 as isize,
+        acc,
+        lhs.0,
+        lhs.2 as isize,
+        lhs.1 as isize,
+        rhs.0,
+        rhs.2 as isize,
+        rhs.1 as isize,
+        T::one(),
+        beta,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
+/// Forward kernel: returns the output `[b, s, hq, d]` and the log-sum-exp `[b, hq, s]`.
+fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
+    let Dims { b, s, hq, hkv, d } = dm;
+    let (qs, ks) = (hq * d, hkv * d); // row strides of q/out and k/v
+    let group = dm.group();
+    let mut out = vec![T::zero(); b * s * qs]; // [b, s, hq, d]
+    let mut lse = vec![T::zero(); b * hq * s]; // [b, hq, s]
+    if out.is_empty() {
+        return (out, lse);
+    }
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    lse.par_chunks_mut(s).enumerate().for_each(|(bh, lse)| {
+        let (bi, h) = (bh / hq, bh % hq);
+        let g = h / group;
+        // SAFETY: offsets stay inside `[b, s, h*, d]`; this task alone writes head `h` of batch
+        // `bi` of `out`.
+        unsafe {
+            let q_h = q.as_ptr().add(bi * s * qs + h * d); // [s, d], row stride qs
+            let k_h = k.as_ptr().add(bi * s * ks + g * d); // [s, d], row stride ks
+            let v_h = v.as_ptr().add(bi * s * ks + g * d); // [s, d], row stride ks
+            let o_h = out_ptr.get().add(bi * s * qs + h * d); // [s, d], row stride qs
+            let mut scores = vec![T::zero(); BLOCK.min(s) * s]; // [m, n] scratch
+            for r0 in (0..s).step_by(BLOCK) {
+                let r1 = (r0 + BLOCK).min(s);
+                let (m, n) = (r1 - r0, r1); // query rows r0..r1 see keys 0..r1
+                                            // S = Q[r0..r1] · K[0..n]^T · scale   [m, n]
+                let sp = scores.as_mut_ptr();
+                matmul(
+                    (m, n, d),
+                    (sp, n),
+                    false,
+                    (q_h.add(r0 * qs), qs, 1),
+                    (k_h, 1, ks),
+                    scale,
+                );
+                for (i, row) in scores[..m * n].chunks_exact_mut(n).enumerate() {
+                    let qi = r0 + i;
+                    let (seen, masked) = row.split_at_mut(qi + 1);
+                    let max = seen
+                        .iter()
+                        .fold(T::neg_infinity(), |a, &x| num_traits::Float::max(a, x));
+                    let mut sum = T::zero();
+                    for x in seen.iter_mut() {
+                        *x = (*x - max).exp();
+                        sum = sum + *x;
+                    }
+                    let inv = T::one() / sum;
+                    seen.iter_mut().for_each(|x| *x = *x * inv);
+                    masked.fill(T::zero());
+                    lse[qi] = max + sum.ln();
+                }
+                // O[r0..r1] = P · V[0..n]   [m, d]
+                let o_blk = (o_h.add(r0 * qs), qs);
+                matmul((m, d, n), o_blk, false, (sp, n, 1), (v_h, ks, 1), T::one());
+            }
+        }
+    });
+    (out, lse)
+}
+
+/// The forward op on `(q, k, v)`; keeps the log-sum-exp `[b, hq, s]` for the backward pass.
+struct Attention {
+    scale: f64,
+    lse: Mutex<Option<Tensor>>,
+}
+
+impl Attention {
+    #[allow(clippy::too_many_arguments)]
+    fn fwd<T: Float>(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<CpuStorage> {
+        let dm = Dims::from_layouts(l1, l2)?;
+        let q = slice::<T>(OP, "q", s1, l1)?;
+        let k = slice::<T>(OP, "k", s2, l2)?;
+        let v = slice::<T>(OP, "v", s3, l3)?;
+        let (out, lse) = attention_fwd(q, k, v, dm, T::from_f64(self.scale));
+        let lse = Tensor::from_vec(lse, (dm.b, dm.hq, dm.s), &Device::Cpu)?;
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        Ok(T::to_cpu_storage_owned(out))
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match s1 {
+            CpuStorage::F32(_) => self.fwd::<f32>(s1, l1, s2, l2, s3, l3)?,
+            CpuStorage::F64(_) => self.fwd::<f64>(s1, l1, s2, l2, s3, l3)?,
+            s => bail!("{OP}: unsupported dtype {:?}", s.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(lse) = lse else {
+            bail!(
+                "{OP}: backward called without a stashed log-sum-exp (forward did not run on cpu)"
+            )
+        };
+        let bwd = AttentionBwd {
+            scale: self.scale,
+            out: out.contiguous()?,
+            dout: grad.contiguous()?,
+            lse,
+        };
+        // Flat [nq + 2 nkv]: dq [b, s, hq, d], dk and dv [b, s, hkv, d].
+        let flat = q.apply_op3_no_bwd(k, v, &bwd)?;
+        let (nq, nkv) = (q.elem_count(), k.elem_count());
+        let dq = flat.narrow(0, 0, nq)?.reshape(q.shape())?;
+        let dk = flat.narrow(0, nq, nkv)?.reshape(k.shape())?;
+        let dv = flat.narrow(0, nq + nkv, nkv)?.reshape(v.shape())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// See [`super::causal_attention`].
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let &[b, s, hq, d] = q.dims() else {
+        bail!("{OP}: `q` must be [b, s, hq, d], got {:?}", q.dims())
+    };
+    let &[kb, ks, hkv, kd] = k.dims() else {
+        bail!("{OP}: `k` must be [b, s, hkv, d], got {:?}", k.dims())
+    };
+    if (kb, ks, kd) != (b, s, d) {
+        bail!(
+            "{OP}: `k` {:?} does not match `q` {:?} in b, s or d",
+            k.dims(),
+            q.dims()
+        )
+    }
+    if v.dims() != k.dims() {
+        bail!(
+            "{OP}: `v` {:?} must have the shape of `k` {:?}",
+            v.dims(),
+            k.dims()
+        )
+    }
+    if hkv == 0 || hq % hkv != 0 {
+        bail!("{OP}: query heads {hq} must be a multiple of kv heads {hkv}")
+    }
+    if d == 0 {
+        bail!("{OP}: the head dim must be non-zero")
+    }
+    if !scale.is_finite() {
+        bail!("{OP}: `scale` must be finite, got {scale}")
+    }
+    same_dtype(OP, ("q", q), ("k", k))?;
+    same_dtype(OP, ("q", q), ("v", v))?;
+    same_device(OP, ("q", q), ("k", k))?;
+    same_device(OP, ("q", q), ("v", v))?;
+    let dtype = q.dtype();
+    let cdt = compute_dtype(OP, "q", dtype)?;
+    let (q, k, v) = (prepare(q, cdt)?, prepare(k, cdt)?, prepare(v, cdt)?);
+    let op = Attention {
+        scale,
+        lse: Mutex::new(None),
+    };
+    q.apply_op3(&k, &v, op)?.to_dtype(dtype)
+}

@@ -1,0 +1,173 @@
+//! `cross_entropy`: per-row softmax cross-entropy of `[n, v]` logits against `[n]` u32 targets,
+//! and its backward kernel. The backward recovers each row's log-sum-exp from the forward result
+//! (`lse_i = loss_i + logits[i, t_i]`), so nothing is stashed and the logits are read twice in all.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::common::{compute_dtype, prepare, same_device, slice, Float};
+
+const OP: &str = "cross_entropy";
+
+/// Errors unless every target is a valid class index `< v`.
+fn check_targets(targets: &[u32], v: usize) -> Result<()> {
+    if let Some((i, &t)) = targets.iter().enumerate().find(|(_, &t)| t as usize >= v) {
+        bail!("{OP}: target {t} of row {i} is out of range for {v} classes")
+    }
+    Ok(())
+}
+
+/// Forward: `loss_i = logsumexp(logits[i]) - logits[i, t_i]`.
+struct CrossEntropy;
+
+impl CrossEntropy {
+    fn fwd<T: Float>(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<CpuStorage> {
+        let logits = slice::<T>(OP, "logits", s1, l1)?; // [n, v]
+        let targets = slice::<u32>(OP, "targets", s2, l2)?; // [n]
+        let v = l1.dims()[1];
+        check_targets(targets, v)?;
+        let mut loss = vec![T::zero(); targets.len()]; // [n]
+        if v == 0 {
+            return Ok(T::to_cpu_storage_owned(loss));
+        }
+        loss.par_iter_mut()
+            .zip(logits.par_chunks(v).zip(targets.par_iter()))
+            .for_each(|(loss, (row, &t))| {
+                let max = row
+                    .iter()
+                    .fold(T::neg_infinity(), |m, &x| num_traits::Float::max(m, x));
+                let sum = row.iter().fold(T::zero(), |acc, &x| acc + (x - max).exp());
+                *loss = max + sum.ln() - row[t as usize];
+            });
+        Ok(T::to_cpu_storage_owned(loss))
+    }
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match s1 {
+            CpuStorage::F32(_) => self.fwd::<f32>(s1, l1, s2, l2)?,
+            CpuStorage::F64(_) => self.fwd::<f64>(s1, l1, s2, l2)?,
+            s => bail!("{OP}: unsupported dtype {:?}", s.dtype()),
+        };
+        Ok((out, l2.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        loss: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // [n, 2]: the forward loss and its upstream gradient per row.
+        let loss_grad = Tensor::stack(&[loss, &grad.to_dtype(loss.dtype())?], 1)?;
+        let dlogits = logits.apply_op3_no_bwd(targets, &loss_grad, &CrossEntropyBwd)?;
+        Ok((Some(dlogits), None))
+    }
+}
+
+/// Backward kernel on `(logits [n, v], targets [n], [loss, grad] [n, 2])`:
+/// `dlogits[i] = (softmax(logits[i]) - onehot(t_i)) * grad_i`, with `lse_i = loss_i + logits[i, t_i]`.
+struct CrossEntropyBwd;
+
+impl CrossEntropyBwd {
+    #[allow(clippy::too_many_arguments)]
+    fn bwd<T: Float>(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<CpuStorage> {
+        let logits = slice::<T>(OP, "logits", s1, l1)?; // [n, v]
+        let targets = slice::<u32>(OP, "targets", s2, l2)?; // [n]
+        let loss_grad = slice::<T>(OP, "loss/grad", s3, l3)?; // [n, 2]
+        let v = l1.dims()[1];
+        check_targets(targets, v)?;
+        let mut d = vec![T::zero(); logits.len()]; // [n, v]
+        if v == 0 {
+            return Ok(T::to_cpu_storage_owned(d));
+        }
+        d.par_chunks_mut(v)
+            .zip(logits.par_chunks(v))
+            .zip(targets.par_iter().zip(loss_grad.par_chunks(2)))
+            .for_each(|((d, row), (&t, lg))| {
+                let t = t as usize;
+                let (loss, g) = (lg[0], lg[1]);
+                let lse = loss + row[t];
+                for (d, &x) in d.iter_mut().zip(row) {
+                    *d = (x - lse).exp() * g;
+                }
+                d[t] = d[t] - g;
+            });
+        Ok(T::to_cpu_storage_owned(d))
+    }
+}
+
+impl CustomOp3 for CrossEntropyBwd {
+    fn name(&self) -> &'static str {
+        "cross_entropy-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match s1 {
+            CpuStorage::F32(_) => self.bwd::<f32>(s1, l1, s2, l2, s3, l3)?,
+            CpuStorage::F64(_) => self.bwd::<f64>(s1, l1, s2, l2, s3, l3)?,
+            s => bail!("{OP}: unsupported dtype {:?}", s.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// See [`super::cross_entropy`].
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let &[n, v] = logits.dims() else {
+        bail!("{OP}: `logits` must be [n, v], got {:?}", logits.dims())
+    };
+    if targets.dims() != [n] {
+        bail!(
+            "{OP}: `targets` must be [n] = [{n}] for `logits` {:?}, got {:?}",
+            logits.dims(),
+            targets.dims()
+        )
+    }
+    if targets.dtype() != DType::U32 {
+        bail!("{OP}: `targets` must be u32, got {:?}", targets.dtype())
+    }
+    if v == 0 && n > 0 {
+        bail!("{OP}: `logits` {:?} has no classes", logits.dims())
+    }
+    same_device(OP, ("logits", logits), ("targets", targets))?;
+    let dtype = logits.dtype();
+    let cdt = compute_dtype(OP, "logits", dtype)?;
+    let loss = prepare(logits, cdt)?.apply_op2(&targets.detach().contiguous()?, CrossEntropy)?;
+    loss.to_dtype(dtype)
+}

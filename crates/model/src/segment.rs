@@ -1,0 +1,113 @@
+//! Segments: a model piece run with its own autograd graph.
+//!
+//! A segment's input is a leaf `Var` and its output is handed on detached, so each piece's graph is
+//! separate and is freed right after that piece's backward. The backward pass of a segment is driven
+//! by the upstream gradient through [`grad_inject`](crate::ops::grad_inject). The same mechanism
+//! serves activation recompute (keep only the input, re-run the forward inside backward) and, later,
+//! pipeline stages (the upstream gradient arrives from the next stage).
+
+use candle_core::backprop::GradStore;
+use candle_core::{Result, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::ops::grad_inject;
+
+/// What a segment keeps between its forward and its backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep the whole graph (all intermediate activations) until backward.
+    #[default]
+    None,
+    /// Keep only the segment's input; re-run its forward during backward.
+    Full,
+}
+
+/// The forward state of one segment that its backward pass needs.
+pub struct SegmentRun {
+    /// The input as a leaf variable (so its gradient is produced), or `None` for inputs that take
+    /// no gradient (token ids).
+    input: Option<Var>,
+    /// The raw input, for inputs without gradient that a recompute needs again.
+    raw_input: Tensor,
+    /// The output with its graph, kept unless recomputing.
+    output: Option<Tensor>,
+}
+
+/// Runs `f` on `x` as a segment. `x_needs_grad` is false for integer inputs (token ids).
+/// Returns the detached output and the state for [`backward`].
+pub fn forward(
+    f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    x: &Tensor,
+    x_needs_grad: bool,
+    recompute: Recompute,
+) -> Result<(Tensor, SegmentRun)> {
+    match recompute {
+        Recompute::None => {
+            let input = if x_needs_grad {
+                Some(Var::from_tensor(x)?)
+            } else {
+                None
+            };
+            let y = f(input.as_ref().map(|v| v.as_tensor()).unwrap_or(x))?;
+            Ok((
+                y.detach(),
+                SegmentRun {
+                    input,
+                    raw_input: x.clone(),
+                    output: Some(y),
+                },
+            ))
+        }
+        Recompute::Full => {
+            // The graph built here is dropped with `y` at the end of this scope.
+            let y = f(x)?;
+            Ok((
+                y.detach(),
+                SegmentRun {
+                    input: None,
+                    raw_input: x.clone(),
+                    output: None,
+                },
+            ))
+        }
+    }
+}
+
+/// Back-propagates through a segment. `dy` is the gradient of the loss with respect to the
+/// segment's output, or `None` when the output is the (scalar) loss itself. Returns the
+/// gradients of the segment's parameters and its input's gradient (if the input takes one).
+pub fn backward(
+    f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    run: SegmentRun,
+    x_needs_grad: bool,
+    dy: Option<&Tensor>,
+) -> Result<(GradStore, Option<Tensor>)> {
+    let SegmentRun {
+        input,
+        raw_input,
+        output,
+    } = run;
+    let (input, output) = match output {
+        Some(y) => (input, y),
+        None => {
+            let input = if x_needs_grad {
+                Some(Var::from_tensor(&raw_input)?)
+            } else {
+                None
+            };
+            let y = f(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?;
+            (input, y)
+        }
+    };
+    let root = match dy {
+        Some(dy) => grad_inject(&output, dy)?,
+        None => output,
+    };
+    let mut grads = root.backward()?;
+    let dx = match &input {
+        Some(v) => grads.remove(v.as_tensor()),
+        None => None,
+    };
+    Ok((grads, dx))
+}

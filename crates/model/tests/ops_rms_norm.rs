@@ -1,0 +1,105 @@
+//! Tests of `model::ops::rms_norm`: finite-difference gradients (f64), agreement with a
+//! composition of candle primitives (f32, f64), non-contiguous input, half dtypes and errors.
+
+mod ops_util;
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use model::ops::rms_norm;
+use ops_util::{assert_close, check_fd_grads, check_vs_reference, run_with_grads, Rng};
+
+const EPS: f64 = 1e-5;
+
+fn op(t: &[Tensor]) -> Result<Tensor> {
+    rms_norm(&t[0], &t[1], EPS)
+}
+
+/// `x * (mean(x²) + eps)^-1/2 * w` from candle primitives.
+fn reference(t: &[Tensor]) -> Result<Tensor> {
+    let (x, w) = (&t[0], &t[1]);
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + EPS)?.sqrt()?.recip()?;
+    x.broadcast_mul(&r)?.broadcast_mul(w)
+}
+
+fn inputs(rng: &mut Rng, dims: &[usize], dtype: DType) -> Vec<Tensor> {
+    let h = *dims.last().unwrap();
+    vec![
+        rng.tensor(dims, 1.0, dtype),
+        (rng.tensor(h, 0.5, dtype) + 1.0).unwrap(),
+    ]
+}
+
+/// Analytic dx and dweight vs central finite differences, f64, tolerance 1e-6 (see `FD_TOL`).
+#[test]
+fn gradients_match_finite_differences() {
+    let mut rng = Rng::new(1);
+    check_fd_grads(&op, &inputs(&mut rng, &[2, 3, 7], DType::F64), &[0, 1], 11);
+    check_fd_grads(&op, &inputs(&mut rng, &[5, 16], DType::F64), &[0, 1], 12);
+}
+
+/// Output and gradients vs the primitive composition: f64 within 1e-10, f32 within 1e-5.
+#[test]
+fn matches_primitive_composition() {
+    let mut rng = Rng::new(2);
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
+        for dims in [&[3, 5, 64][..], &[130, 33], &[1, 1]] {
+            check_vs_reference(
+                &op,
+                &reference,
+                &inputs(&mut rng, dims, dtype),
+                &[0, 1],
+                tol,
+                21,
+            );
+        }
+    }
+}
+
+/// A transposed (non-contiguous) `x` gives the same output and gradient as its contiguous copy.
+#[test]
+fn non_contiguous_input() {
+    let mut rng = Rng::new(3);
+    let base = rng.tensor((16, 6), 1.0, DType::F32); // [h, n]
+    let w = rng.tensor(16, 1.0, DType::F32);
+    let r = rng.tensor((6, 16), 1.0, DType::F32);
+    let view = |t: &[Tensor]| rms_norm(&t[0].t()?, &t[1], EPS); // x = base^T: [n, h], strided
+    let copy = |t: &[Tensor]| rms_norm(&t[0].t()?.contiguous()?, &t[1], EPS);
+    let (o1, g1) = run_with_grads(&view, &[base.clone(), w.clone()], &[0, 1], &r);
+    let (o2, g2) = run_with_grads(&copy, &[base, w], &[0, 1], &r);
+    assert_close("output", &o1, &o2, 0.0, 0.0);
+    assert_close("dx", &g1[0], &g2[0], 0.0, 0.0);
+    assert_close("dweight", &g1[1], &g2[1], 0.0, 0.0);
+}
+
+/// bf16 and f16 inputs run through f32 and come back in their dtype, close to the f32 result.
+#[test]
+fn half_dtypes() {
+    let mut rng = Rng::new(4);
+    let t = inputs(&mut rng, &[4, 32], DType::F32);
+    let want = op(&t).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let half: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dtype).unwrap()).collect();
+        let got = op(&half).unwrap();
+        assert_eq!(got.dtype(), dtype);
+        assert_close("half output", &got, &want, 2e-2, 2e-2);
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
+    assert!(rms_norm(&x, &Tensor::ones(3, DType::F32, &dev).unwrap(), EPS).is_err());
+    assert!(rms_norm(&x, &Tensor::ones(4, DType::F64, &dev).unwrap(), EPS).is_err());
+    assert!(rms_norm(
+        &x.to_dtype(DType::U32).unwrap(),
+        &Tensor::ones(4, DType::U32, &dev).unwrap(),
+        EPS
+    )
+    .is_err());
+    assert!(rms_norm(
+        &Tensor::new(1f32, &dev).unwrap(),
+        &Tensor::ones(1, DType::F32, &dev).unwrap(),
+        EPS
+    )
+    .is_err());
+}

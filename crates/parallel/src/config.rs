@@ -1,0 +1,52 @@
+//! `ParallelConfig`: the `parallel:` section of a recipe (how ranks split the work).
+
+use serde::{Deserialize, Serialize};
+
+/// Degrees of data, tensor and pipeline parallelism and their options.
+/// The world size is `dp × tp × pp`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Data-parallel replicas: each sees its slice of every global batch.
+    #[serde(default = "one")]
+    pub dp: usize,
+    /// Tensor-parallel ranks: each holds a slice of every layer's matrices.
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Pipeline stages: each holds a contiguous range of layers.
+    #[serde(default = "one")]
+    pub pp: usize,
+    /// Model chunks per pipeline rank (interleaved 1F1B when greater than 1).
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
+    /// Split norms and residual activations along the sequence across tensor-parallel ranks.
+    #[serde(default)]
+    pub sequence_parallel: bool,
+    /// Shard optimizer state across data-parallel ranks (ZeRO stage 1).
+    #[serde(default)]
+    pub zero1: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            virtual_stages: 1,
+            sequence_parallel: false,
+            zero1: false,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// Number of ranks the layout needs.
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+}

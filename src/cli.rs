@@ -1,0 +1,205 @@
+//! The `pretrain` command line: training from a recipe, recipe checking, tokenizer training and
+//! corpus preprocessing.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use tracing::info;
+
+use crate::recipe::{self, Recipe};
+use crate::train::Trainer;
+
+/// Megatron-style 3D-parallel Llama pretraining.
+#[derive(Debug, Parser)]
+#[command(name = "pretrain", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// Train from a recipe (the default command).
+    #[command(flatten)]
+    pub train: Option<RecipeArgs>,
+    /// Other commands.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// A recipe file and its overrides.
+#[derive(Debug, Args, Clone)]
+pub struct RecipeArgs {
+    /// Recipe YAML file.
+    #[arg(long)]
+    pub recipe: PathBuf,
+    /// Override recipe keys: `--set train.lr=3e-4` or `--set parallel.tp=2,parallel.dp=2`; repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+impl RecipeArgs {
+    /// Loads and validates the recipe.
+    pub fn load(&self) -> Result<Recipe> {
+        Ok(recipe::load(&self.recipe, &self.overrides)?)
+    }
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train from a recipe.
+    Train(RecipeArgs),
+    /// Parse and validate a recipe and print what it would run.
+    Check(RecipeArgs),
+    /// Tokenizer tools.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+    /// Tokenize documents into a Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`).
+    Preprocess(PreprocessArgs),
+}
+
+/// Tokenizer subcommands.
+#[derive(Debug, Subcommand)]
+pub enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer with an `<|endoftext|>` special token.
+    Train {
+        /// Text files to learn from.
+        #[arg(long, num_args = 1.., required = true)]
+        input: Vec<PathBuf>,
+        /// Vocabulary size, special token included.
+        #[arg(long)]
+        vocab_size: usize,
+        /// Minimum pair frequency for a merge.
+        #[arg(long, default_value_t = 2)]
+        min_frequency: u64,
+        /// Output `tokenizer.json`.
+        #[arg(long)]
+        output: PathBuf,
+    },
+}
+
+/// Arguments of `pretrain preprocess`.
+#[derive(Debug, Args)]
+pub struct PreprocessArgs {
+    /// Input `.txt` / `.jsonl` files or glob patterns.
+    #[arg(long, num_args = 1.., required = true)]
+    pub input: Vec<String>,
+    /// Tokenizer (`tokenizer.json`).
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// Output prefix: writes `PREFIX.bin` and `PREFIX.idx`.
+    #[arg(long)]
+    pub output_prefix: PathBuf,
+    /// JSON field holding the text in `.jsonl` inputs.
+    #[arg(long, default_value = "text")]
+    pub json_key: String,
+    /// Split `.txt` files into documents at this separator; `\n` and `\t` are understood
+    /// (e.g. `'\n\n\n'`). Default: one document per file.
+    #[arg(long)]
+    pub doc_separator: Option<String>,
+    /// Tokenizer threads (default: all cores).
+    #[arg(long)]
+    pub workers: Option<usize>,
+}
+
+/// Runs the parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    match (cli.train, cli.command) {
+        (Some(args), None) | (None, Some(Command::Train(args))) => train(&args),
+        (None, Some(Command::Check(args))) => check(&args),
+        (
+            None,
+            Some(Command::Tokenizer(TokenizerCommand::Train {
+                input,
+                vocab_size,
+                min_frequency,
+                output,
+            })),
+        ) => {
+            let opts = data::TokenizerTrainOptions {
+                inputs: input,
+                vocab_size,
+                min_frequency,
+                output,
+                show_progress: true,
+            };
+            let s = data::train_tokenizer(&opts)?;
+            info!(
+                "wrote {} (vocabulary {}, <|endoftext|> = {})",
+                s.output.display(),
+                s.vocab_size,
+                s.eod_id
+            );
+            Ok(())
+        }
+        (None, Some(Command::Preprocess(a))) => {
+            let opts = data::PreprocessOptions {
+                inputs: a.input,
+                tokenizer: a.tokenizer,
+                output_prefix: a.output_prefix,
+                json_key: a.json_key,
+                doc_separator: a
+                    .doc_separator
+                    .map(|s| s.replace("\\n", "\n").replace("\\t", "\t")),
+                workers: a.workers,
+                show_progress: true,
+            };
+            info!("{}", data::preprocess(&opts)?);
+            Ok(())
+        }
+        _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),
+    }
+}
+
+fn train(args: &RecipeArgs) -> Result<()> {
+    let recipe = args.load()?;
+    let dir = recipe.run.dir.clone();
+    let mut trainer = Trainer::new(recipe, true).context("setting up the run")?;
+    let (records, val) = trainer.run()?;
+    if let Some(last) = records.last() {
+        info!(
+            "done: {} steps, final loss={:.4}{}",
+            last.step,
+            last.loss,
+            val.map_or(String::new(), |v| format!(", val_loss={v:.4}"))
+        );
+    }
+    info!(
+        "metrics: {}, plot: {}",
+        dir.join("metrics.jsonl").display(),
+        dir.join("loss.svg").display()
+    );
+    Ok(())
+}
+
+fn check(args: &RecipeArgs) -> Result<()> {
+    let r = args.load()?;
+    let m = &r.model;
+    println!("{}: valid", args.recipe.display());
+    println!(
+        "model: {:.3}B parameters ({} layers, hidden {}, {} heads / {} kv heads, ffn {}, vocab {})",
+        m.num_params() as f64 / 1e9,
+        m.num_hidden_layers,
+        m.hidden_size,
+        m.num_attention_heads,
+        m.num_key_value_heads,
+        m.intermediate_size,
+        m.vocab_size
+    );
+    let p = &r.parallel;
+    println!(
+        "layout: dp={} tp={} pp={} (virtual {}) = {} ranks, sequence_parallel={}, zero1={}",
+        p.dp,
+        p.tp,
+        p.pp,
+        p.virtual_stages,
+        p.world_size(),
+        p.sequence_parallel,
+        p.zero1
+    );
+    println!(
+        "batch: {} sequences × {} tokens = {} tokens/step; micro-batch {}, {} accumulation steps per rank",
+        r.train.global_batch,
+        r.train.seq_len,
+        r.train.global_batch * r.train.seq_len,
+        r.train.micro_batch,
+        r.grad_accum_steps()
+    );
+    Ok(())
+}

@@ -1,0 +1,171 @@
+//! In-place kernels over flat fp32 buffers: gradient accumulation, the AdamW update and the
+//! sum of squares for the global gradient norm. CPU versions here; each is a candle in-place op
+//! so a device version slots in beside it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Elements per parallel chunk of the element-wise kernels.
+const CHUNK: usize = 1 << 14;
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        bail!("{what}: expected an f32 buffer, got {:?}", s.dtype())
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => bail!("{what}: buffer must be contiguous"),
+    }
+}
+
+fn f32_slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'a mut [f32]> {
+    let dtype = s.dtype();
+    let CpuStorage::F32(v) = s else {
+        bail!("{what}: expected an f32 buffer, got {dtype:?}")
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&mut v[a..b]),
+        None => bail!("{what}: buffer must be contiguous"),
+    }
+}
+
+/// `dst += src` where `dst` is an f32 view (e.g. a slice of a gradient buffer) and `src` a
+/// contiguous gradient of any float dtype with the same number of elements.
+struct AddInto;
+
+impl InplaceOp2 for AddInto {
+    fn name(&self) -> &'static str {
+        "add-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        src: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        let dst = f32_slice_mut(dst, dl, "add-into")?;
+        let Some((a, b)) = sl.contiguous_offsets() else {
+            bail!("add-into: gradient must be contiguous")
+        };
+        if b - a != dst.len() {
+            bail!(
+                "add-into: gradient has {} elements, buffer slice {}",
+                b - a,
+                dst.len()
+            );
+        }
+        fn add<T: Copy + Sync>(dst: &mut [f32], src: &[T], f: impl Fn(T) -> f32 + Sync) {
+            dst.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| {
+                    d.iter_mut().zip(s).for_each(|(d, s)| *d += f(*s));
+                });
+        }
+        match src {
+            CpuStorage::F32(v) => add(dst, &v[a..b], |x| x),
+            CpuStorage::F64(v) => add(dst, &v[a..b], |x| x as f32),
+            CpuStorage::BF16(v) => add(dst, &v[a..b], |x| x.to_f32()),
+            CpuStorage::F16(v) => add(dst, &v[a..b], |x| x.to_f32()),
+            s => bail!("add-into: unsupported gradient dtype {:?}", s.dtype()),
+        }
+        Ok(())
+    }
+}
+
+/// Adds `grad` (any float dtype, same element count) into the f32 view `dst`.
+pub fn add_into(dst: &Tensor, grad: &Tensor) -> Result<()> {
+    dst.inplace_op2(&grad.contiguous()?, &AddInto)
+}
+
+/// Sum of squares of an f32 buffer, accumulated in f64 (a scalar f64 tensor).
+struct SumSquares;
+
+impl CustomOp1 for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum-squares"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let v = f32_slice(s, l, "sum-squares")?;
+        let total: f64 = v
+            .par_chunks(CHUNK)
+            .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+            .sum();
+        Ok((CpuStorage::F64(vec![total]), Shape::from(())))
+    }
+}
+
+/// `Σ x²` of a contiguous f32 buffer, in f64.
+pub fn sum_squares(buf: &Tensor) -> Result<f64> {
+    buf.apply_op1_no_bwd(&SumSquares)?.to_scalar::<f64>()
+}
+
+/// One AdamW step over a flat state `[master | exp_avg | exp_avg_sq]` (3 n f32) and gradients
+/// `[n]` f32, in place.
+pub struct AdamWStep {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// 1-based step number (bias correction).
+    pub step: u64,
+    /// Factor applied to every gradient first (global-norm clipping).
+    pub grad_scale: f64,
+    /// `(start, len, weight_decay)` ranges covering `[0, n)`.
+    pub decay: Vec<(usize, usize, f64)>,
+}
+
+impl InplaceOp2 for AdamWStep {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(&self, st: &mut CpuStorage, sl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
+        let state = f32_slice_mut(st, sl, "adamw state")?;
+        let grad = f32_slice(g, gl, "adamw gradient")?;
+        let n = grad.len();
+        if state.len() != 3 * n {
+            bail!(
+                "adamw: state has {} elements, expected 3 × {n}",
+                state.len()
+            );
+        }
+        let (master, rest) = state.split_at_mut(n);
+        let (m, v) = rest.split_at_mut(n);
+        let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
+        let bc1 = 1.0 - self.beta1.powi(self.step as i32);
+        let bc2 = 1.0 - self.beta2.powi(self.step as i32);
+        let step_size = (self.lr / bc1) as f32;
+        let (inv_sqrt_bc2, eps, gs) = (
+            (1.0 / bc2.sqrt()) as f32,
+            self.eps as f32,
+            self.grad_scale as f32,
+        );
+        for &(start, len, wd) in &self.decay {
+            let keep = (1.0 - self.lr * wd) as f32;
+            let r = start..start + len;
+            master[r.clone()]
+                .par_chunks_mut(CHUNK)
+                .zip(m[r.clone()].par_chunks_mut(CHUNK))
+                .zip(v[r.clone()].par_chunks_mut(CHUNK))
+                .zip(grad[r].par_chunks(CHUNK))
+                .for_each(|(((p, m), v), g)| {
+                    for i in 0..p.len() {
+                        let g = g[i] * gs;
+                        m[i] = b1 * m[i] + (1.0 - b1) * g;
+                        v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                        let denom = v[i].sqrt() * inv_sqrt_bc2 + eps;
+                        p[i] = p[i] * keep - step_size * m[i] / denom;
+                    }
+                });
+        }
+        Ok(())
+    }
+}

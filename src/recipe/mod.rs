@@ -1,0 +1,50 @@
+//! Typed training recipes: YAML files with `inherit:`, `--set a.b=value` overrides and validation
+//! of every inconsistency before anything is allocated.
+
+mod load;
+mod sections;
+mod validate;
+
+use data::DataConfig;
+use model::LlamaConfig;
+use parallel::ParallelConfig;
+use serde::{Deserialize, Serialize};
+
+pub use load::{load, RecipeError};
+pub use sections::{
+    CheckpointConfig, DeviceKind, Dtype, OptimizerConfig, Resume, RunConfig, ScheduleConfig,
+    ScheduleKind, TrainConfig,
+};
+
+/// A complete training recipe. Every key of the YAML file maps to a documented field here or in
+/// the section types; unknown keys are errors.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// The model's shape (Hugging Face `LlamaConfig` names).
+    pub model: LlamaConfig,
+    /// Datasets, tokenizer and split.
+    pub data: DataConfig,
+    /// Parallel layout.
+    #[serde(default)]
+    pub parallel: ParallelConfig,
+    /// Steps, batch sizes, sequence length, numerics.
+    pub train: TrainConfig,
+    /// AdamW hyper-parameters.
+    pub optimizer: OptimizerConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Saving and resuming.
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    /// Outputs and logging.
+    #[serde(default)]
+    pub run: RunConfig,
+}
+
+impl Recipe {
+    /// Gradient-accumulation steps per optimizer step: `global_batch / (micro_batch × dp)`.
+    pub fn grad_accum_steps(&self) -> usize {
+        self.train.global_batch / (self.train.micro_batch * self.parallel.dp)
+    }
+}

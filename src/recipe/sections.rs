@@ -1,0 +1,228 @@
+//! The recipe's own sections (`train`, `optimizer`, `schedule`, `checkpoint`, `run`); `model`,
+//! `data` and `parallel` are defined by the crates that use them.
+
+use std::path::PathBuf;
+
+use model::Recompute;
+use serde::{Deserialize, Serialize};
+
+/// Element type of parameters and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 32-bit floats everywhere.
+    F32,
+    /// bfloat16 parameters and activations; fp32 master weights, moments and gradient buffers.
+    Bf16,
+}
+
+/// Where the ranks compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// Host CPU (all cores shared by the ranks).
+    Cpu,
+    /// One CUDA GPU per rank (needs the `cuda` build).
+    Cuda,
+}
+
+/// `train:` — how long and on what batches to train.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps to run.
+    pub steps: usize,
+    /// Sequences per optimizer step, over all data-parallel ranks.
+    pub global_batch: usize,
+    /// Sequences per forward/backward pass on one rank. Gradient accumulation steps are
+    /// `global_batch / (micro_batch × parallel.dp)`.
+    pub micro_batch: usize,
+    /// Tokens per training sequence.
+    pub seq_len: usize,
+    /// Seed of the initialisation and of the data order.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Clip the global gradient norm to this value; 0 disables clipping.
+    #[serde(default = "default_clip")]
+    pub grad_clip: f64,
+    /// Activation recompute: `none` keeps every layer's activations, `full` keeps only layer inputs.
+    #[serde(default)]
+    pub recompute: Recompute,
+    /// Parameter and activation dtype.
+    #[serde(default = "default_dtype")]
+    pub dtype: Dtype,
+    /// Compute device.
+    #[serde(default = "default_device")]
+    pub device: DeviceKind,
+    /// Run validation every this many steps (and after the last step); 0 disables it.
+    #[serde(default)]
+    pub eval_interval: usize,
+    /// Micro-batches per validation run.
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: usize,
+}
+
+fn default_seed() -> u64 {
+    1234
+}
+fn default_clip() -> f64 {
+    1.0
+}
+fn default_dtype() -> Dtype {
+    Dtype::F32
+}
+fn default_device() -> DeviceKind {
+    DeviceKind::Cpu
+}
+fn default_eval_batches() -> usize {
+    8
+}
+
+/// `optimizer:` — AdamW with decoupled weight decay.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// Peak learning rate (reached at the end of warmup).
+    pub lr: f64,
+    /// First-moment decay.
+    #[serde(default = "default_beta1")]
+    pub beta1: f64,
+    /// Second-moment decay.
+    #[serde(default = "default_beta2")]
+    pub beta2: f64,
+    /// Denominator epsilon.
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    /// Decoupled weight decay applied to projection matrices (never to norm gains).
+    #[serde(default = "default_wd")]
+    pub weight_decay: f64,
+    /// Also decay the token embedding (and a tied output projection).
+    #[serde(default)]
+    pub decay_embeddings: bool,
+}
+
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.95
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+fn default_wd() -> f64 {
+    0.1
+}
+
+/// Shape of the learning-rate curve after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    /// Stay at the peak.
+    Constant,
+    /// Cosine from the peak down to `min_lr` at the last step.
+    Cosine,
+    /// Warmup–stable–decay: the peak until the last `decay_fraction` of steps, then linear to `min_lr`.
+    Wsd,
+}
+
+/// `schedule:` — the learning-rate schedule.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    /// Curve after warmup.
+    pub kind: ScheduleKind,
+    /// Steps of linear warmup from 0 to the peak.
+    #[serde(default)]
+    pub warmup_steps: usize,
+    /// Final learning rate of `cosine` and `wsd`.
+    #[serde(default)]
+    pub min_lr: f64,
+    /// Fraction of all steps spent decaying (`wsd` only).
+    #[serde(default = "default_decay_fraction")]
+    pub decay_fraction: f64,
+}
+
+fn default_decay_fraction() -> f64 {
+    0.2
+}
+
+/// Which checkpoint a run starts from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Resume {
+    /// Start from the seeded initialisation.
+    #[default]
+    None,
+    /// The newest complete checkpoint in the checkpoint directory, if any.
+    Auto,
+    /// This step directory.
+    #[serde(untagged)]
+    Path(PathBuf),
+}
+
+/// `checkpoint:` — saving and resuming.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every this many steps (and after the last step); 0 disables saving.
+    #[serde(default)]
+    pub interval: usize,
+    /// How many of the newest checkpoints to keep.
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+    /// Where to start from: `none`, `auto` or a step directory.
+    #[serde(default)]
+    pub resume: Resume,
+    /// Directory of the step directories; default `<run.dir>/checkpoints`.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+}
+
+fn default_keep() -> usize {
+    3
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            interval: 0,
+            keep: default_keep(),
+            resume: Resume::None,
+            dir: None,
+        }
+    }
+}
+
+/// `run:` — where outputs go and how often to log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Output directory (metrics, plot, resolved recipe, checkpoints).
+    #[serde(default = "default_dir")]
+    pub dir: PathBuf,
+    /// Print a log line every this many steps.
+    #[serde(default = "one")]
+    pub log_interval: usize,
+    /// Peak dense throughput of one device in TFLOP/s, used for MFU; omitted on CPU (MFU is then
+    /// not reported) and looked up from the GPU model on CUDA when absent.
+    #[serde(default)]
+    pub peak_tflops: Option<f64>,
+}
+
+fn default_dir() -> PathBuf {
+    PathBuf::from("runs/default")
+}
+fn one() -> usize {
+    1
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            dir: default_dir(),
+            log_interval: 1,
+            peak_tflops: None,
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Run outputs: one JSON line per step and per validation in `metrics.jsonl`, the loss-curve plot
+//! `loss.svg`, and process memory readings.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+/// What one optimizer step measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRecord {
+    /// 1-based step number.
+    pub step: usize,
+    /// Mean next-token loss over the global batch's counted tokens.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Training throughput over all ranks.
+    pub tokens_per_s: f64,
+    /// Achieved model TFLOP/s (see `LlamaConfig::flops_per_token`).
+    pub tflops: f64,
+    /// Model FLOPs utilisation, when the device peak is known.
+    pub mfu: Option<f64>,
+    /// Peak resident memory of the process, MiB.
+    pub mem_mib: f64,
+    /// Global samples consumed after this step.
+    pub consumed_samples: u64,
+    /// Wall time of the step, seconds.
+    pub step_time_s: f64,
+}
+
+/// A validation result.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalRecord {
+    /// Step after which validation ran.
+    pub step: usize,
+    /// Mean validation loss.
+    pub val_loss: f64,
+}
+
+/// Appends records to `metrics.jsonl` and keeps the curves for the plot.
+pub struct Metrics {
+    out: BufWriter<File>,
+    dir: PathBuf,
+    train: Vec<(usize, f64)>,
+    valid: Vec<(usize, f64)>,
+}
+
+impl Metrics {
+    /// Opens `dir/metrics.jsonl` (appending, so a resumed run continues the file).
+    pub fn open(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating run directory {}", dir.display()))?;
+        let path = dir.join("metrics.jsonl");
+        let f = File::options()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self {
+            out: BufWriter::new(f),
+            dir: dir.to_path_buf(),
+            train: vec![],
+            valid: vec![],
+        })
+    }
+
+    /// Records a step.
+    pub fn step(&mut self, r: &StepRecord) -> Result<()> {
+        self.train.push((r.step, r.loss));
+        self.line(r)
+    }
+
+    /// Records a validation.
+    pub fn eval(&mut self, r: &EvalRecord) -> Result<()> {
+        self.valid.push((r.step, r.val_loss));
+        self.line(r)
+    }
+
+    fn line<T: Serialize>(&mut self, r: &T) -> Result<()> {
+        serde_json::to_writer(&mut self.out, r)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()?;
+        Ok(())
+    }
+
+    /// Writes `loss.svg` with the training and validation curves.
+    pub fn plot(&self) -> Result<()> {
+        let path = self.dir.join("loss.svg");
+        std::fs::write(&path, loss_svg(&self.train, &self.valid))
+            .with_context(|| format!("writing {}", path.display()))
+    }
+}
+
+/// An SVG line chart of loss against step: training in blue, validation in orange, with axis
+/// ranges and tick labels.
+fn loss_svg(train: &[(usize, f64)], valid: &[(usize, f64)]) -> String {
+    let (w, h, m) = (720.0, 420.0, 56.0);
+    let all = train.iter().chain(valid).filter(|p| p.1.is_finite());
+    let (mut x1, mut y0, mut y1) = (1usize, f64::MAX, f64::MIN);
+    for &(s, l) in all {
+        x1 = x1.max(s);
+        y0 = y0.min(l);
+        y1 = y1.max(l);
+    }
+    if y0 > y1 {
+        (y0, y1) = (0.0, 1.0);
+    }
+    let pad = ((y1 - y0) * 0.05).max(1e-3);
+    let (y0, y1) = (y0 - pad, y1 + pad);
+    let px = |s: usize| m + (s as f64 / x1 as f64) * (w - 2.0 * m);
+    let py = |l: f64| h - m - (l - y0) / (y1 - y0) * (h - 2.0 * m);
+    let line = |pts: &[(usize, f64)], color: &str| {
+        let p: Vec<String> = pts
+            .iter()
+            .filter(|p| p.1.is_finite())
+            .map(|&(s, l)| format!("{:.1},{:.1}", px(s), py(l)))
+            .collect();
+        format!(
+            r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
+            p.join(" ")
+        )
+    };
+    let mut svg = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<line x1="{m}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/><line x1="{m}" y1="{m}" x2="{m}" y2="{b}" stroke="black"/>
+"#,
+        b = h - m,
+        r = w - m
+    );
+    for i in 0..=4 {
+        let l = y0 + (y1 - y0) * i as f64 / 4.0;
+        svg += &format!(
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{l:.3}</text>"#,
+            m - 6.0,
+            py(l) + 4.0
+        );
+        let s = x1 * i / 4;
+        svg += &format!(
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{s}</text>"#,
+            px(s),
+            h - m + 16.0
+        );
+    }
+    svg += &format!(
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">step</text>"#,
+        w / 2.0,
+        h - 12.0
+    );
+    svg += &line(train, "#1f77b4");
+    svg += &line(valid, "#ff7f0e");
+    svg += &format!(
+        r##"<text x="{:.1}" y="24" fill="#1f77b4">train loss</text><text x="{:.1}" y="24" fill="#ff7f0e">validation loss</text></svg>
+"##,
+        w - 240.0,
+        w - 150.0
+    );
+    svg
+}
+
+/// Peak resident set size of this process in MiB (Linux `VmHWM`; 0 where unavailable).
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<f64>().ok())
+            })
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
