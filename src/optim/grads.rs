@@ -51,3 +51,34 @@ impl GradBuffer {
         kernels::sum_squares(&self.flat)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accumulates_into_slots_and_zeroes() {
+        let layout = FlatLayout {
+            offsets: vec![0, 2],
+            numels: vec![2, 3],
+            total: 5,
+        };
+        let g = GradBuffer::new(layout, &Device::Cpu).unwrap();
+        let a = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let b = Tensor::new(&[[1f64, 1.0, 1.0]], &Device::Cpu).unwrap();
+        g.accumulate(0, &a).unwrap();
+        g.accumulate(0, &a).unwrap();
+        g.accumulate(1, &b).unwrap();
+        assert_eq!(
+            g.flat().to_vec1::<f32>().unwrap(),
+            vec![2.0, 4.0, 1.0, 1.0, 1.0]
+        );
+        assert_eq!(g.sum_squares().unwrap(), 4.0 + 16.0 + 3.0);
+        assert!(
+            g.accumulate(1, &a).is_err(),
+            "element count mismatch is an error"
+        );
+        g.zero().unwrap();
+        assert_eq!(g.sum_squares().unwrap(), 0.0);
+    }
+}

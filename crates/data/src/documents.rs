@@ -6,6 +6,8 @@
 //! * `.jsonl`: one JSON object per non-blank line; the document is the string in the
 //!   configured field. Errors name the file and the 1-based line.
 
+use std::fs::File;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use crate::error::{DataError, Result};
@@ -84,12 +86,28 @@ pub fn input_kind(path: &Path) -> Result<InputKind> {
     }
 }
 
-/// Reads all documents of one input file.
-pub fn read_documents(path: &Path, json_key: &str, separator: Option<&str>) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+/// Iterates over the documents of one input file. Text files are read whole; JSONL files
+/// are streamed line by line, so their size is not limited by memory.
+pub fn read_documents(
+    path: &Path,
+    json_key: &str,
+    separator: Option<&str>,
+) -> Result<Box<dyn Iterator<Item = Result<String>> + Send>> {
     match input_kind(path)? {
-        InputKind::Text => Ok(split_text(text, separator)),
-        InputKind::Jsonl => parse_jsonl(path, &text, json_key),
+        InputKind::Text => {
+            let text = std::fs::read_to_string(path).map_err(|e| DataError::io(path, e))?;
+            Ok(Box::new(split_text(text, separator).into_iter().map(Ok)))
+        }
+        InputKind::Jsonl => {
+            let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+            Ok(Box::new(JsonlDocs {
+                reader: BufReader::with_capacity(1 << 20, file),
+                path: path.to_path_buf(),
+                key: json_key.to_string(),
+                line: 0,
+                done: false,
+            }))
+        }
     }
 }
 
@@ -105,38 +123,77 @@ fn split_text(text: String, separator: Option<&str>) -> Vec<String> {
     }
 }
 
-fn parse_jsonl(path: &Path, text: &str, key: &str) -> Result<Vec<String>> {
-    let mut docs = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let err = |message: String| DataError::Jsonl {
-            path: path.to_path_buf(),
-            line: i + 1,
-            message,
-        };
-        let value: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| err(format!("invalid JSON: {e}")))?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| err("expected a JSON object".into()))?;
-        match obj.get(key) {
-            Some(serde_json::Value::String(s)) => docs.push(s.clone()),
-            Some(other) => {
-                let kind = match other {
-                    serde_json::Value::Null => "null",
-                    serde_json::Value::Bool(_) => "a boolean",
-                    serde_json::Value::Number(_) => "a number",
-                    serde_json::Value::Array(_) => "an array",
-                    _ => "an object",
-                };
-                return Err(err(format!("field `{key}` is {kind}, expected a string")));
+/// Streaming JSONL document reader; stops after the first error.
+struct JsonlDocs {
+    reader: BufReader<File>,
+    path: PathBuf,
+    key: String,
+    line: usize,
+    done: bool,
+}
+
+impl Iterator for JsonlDocs {
+    type Item = Result<String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let mut buf = String::new();
+        while !self.done {
+            buf.clear();
+            self.line += 1;
+            match self.reader.read_line(&mut buf) {
+                Ok(0) => self.done = true,
+                Ok(_) => match parse_jsonl_line(&self.path, self.line, &buf, &self.key) {
+                    Ok(None) => continue,
+                    Ok(Some(doc)) => return Some(Ok(doc)),
+                    Err(e) => {
+                        self.done = true;
+                        return Some(Err(e));
+                    }
+                },
+                Err(e) => {
+                    self.done = true;
+                    let message = format!("cannot read line: {e}");
+                    return Some(Err(DataError::Jsonl {
+                        path: self.path.clone(),
+                        line: self.line,
+                        message,
+                    }));
+                }
             }
-            None => return Err(err(format!("missing field `{key}`"))),
         }
+        None
     }
-    Ok(docs)
+}
+
+/// Parses one JSONL line (1-based `line`); blank lines give `None`.
+fn parse_jsonl_line(path: &Path, line: usize, text: &str, key: &str) -> Result<Option<String>> {
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    let err = |message: String| DataError::Jsonl {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| err(format!("invalid JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| err("expected a JSON object".into()))?;
+    match obj.get(key) {
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => {
+            let kind = match other {
+                serde_json::Value::Null => "null",
+                serde_json::Value::Bool(_) => "a boolean",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Array(_) => "an array",
+                _ => "an object",
+            };
+            Err(err(format!("field `{key}` is {kind}, expected a string")))
+        }
+        None => Err(err(format!("missing field `{key}`"))),
+    }
 }
 
 #[cfg(test)]
@@ -153,22 +210,26 @@ mod tests {
 
     #[test]
     fn jsonl_errors_name_line() {
-        let p = Path::new("x.jsonl");
-        let text = "{\"text\": \"a\"}\n\n{\"body\": \"b\"}\n";
-        let e = parse_jsonl(p, text, "text").unwrap_err().to_string();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.jsonl");
+        let read = |text: &str, key: &str| -> Result<Vec<String>> {
+            std::fs::write(&p, text).unwrap();
+            read_documents(&p, key, None)?.collect()
+        };
+        let e = read("{\"text\": \"a\"}\n\n{\"body\": \"b\"}\n", "text")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("x.jsonl:3") && e.contains("missing field `text`"),
             "{e}"
         );
-        let e = parse_jsonl(p, "{\"text\": 5}", "text")
-            .unwrap_err()
-            .to_string();
+        let e = read("{\"text\": 5}", "text").unwrap_err().to_string();
         assert!(e.contains("x.jsonl:1") && e.contains("a number"), "{e}");
-        let e = parse_jsonl(p, "not json", "text").unwrap_err().to_string();
+        let e = read("not json", "text").unwrap_err().to_string();
         assert!(e.contains("invalid JSON"), "{e}");
         assert_eq!(
-            parse_jsonl(p, "{\"body\":\"b\"}", "body").unwrap(),
-            vec!["b"]
+            read("{\"body\":\"b\"}\r\n{\"body\":\"c\"}", "body").unwrap(),
+            vec!["b", "c"]
         );
     }
 }

@@ -5,7 +5,7 @@
 //! `<|endoftext|>` id; every document becomes one sequence. Files are read in sorted order;
 //! documents are collected into batches of about 32 MB of text (across file boundaries) and
 //! each batch is tokenized in parallel, then written in input order, so the output is
-//! identical for any worker count. Each input file is read into memory whole.
+//! identical for any worker count. JSONL files are streamed; a text file is read whole.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -143,42 +143,37 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
     let (mut documents, mut tokens) = (0u64, 0u64);
     let mut pending: Vec<(usize, String)> = Vec::new();
     let mut pending_bytes = 0usize;
+    let mut flush = |pending: &mut Vec<(usize, String)>, bytes: &mut usize| -> Result<()> {
+        let encoded = pool.install(|| {
+            pending
+                .par_iter()
+                .map(|(f, doc)| encode(&tokenizer, doc, eod, &files[*f], &opts.tokenizer))
+                .collect::<Result<Vec<Vec<u32>>>>()
+        })?;
+        for ids in &encoded {
+            writer.add_document(ids)?;
+            tokens += ids.len() as u64;
+        }
+        documents += encoded.len() as u64;
+        bar.inc(*bytes as u64);
+        pending.clear();
+        *bytes = 0;
+        Ok(())
+    };
     for (f, file) in files.iter().enumerate() {
         for doc in read_documents(file, &opts.json_key, opts.doc_separator.as_deref())? {
+            let doc = doc?;
             pending_bytes += doc.len();
             pending.push((f, doc));
-        }
-        if pending_bytes >= BATCH_BYTES || f + 1 == files.len() {
-            let encoded = pool.install(|| {
-                pending
-                    .par_iter()
-                    .map(|(f, doc)| {
-                        let enc = tokenizer.encode_fast(doc.as_str(), false).map_err(|e| {
-                            DataError::Tokenizer {
-                                path: opts.tokenizer.clone(),
-                                message: format!(
-                                    "encoding a document of {} failed: {e}",
-                                    files[*f].display()
-                                ),
-                            }
-                        })?;
-                        let mut ids = enc.get_ids().to_vec();
-                        ids.push(eod);
-                        Ok(ids)
-                    })
-                    .collect::<Result<Vec<Vec<u32>>>>()
-            })?;
-            for ids in &encoded {
-                writer.add_document(ids)?;
-                tokens += ids.len() as u64;
+            if pending_bytes >= BATCH_BYTES {
+                flush(&mut pending, &mut pending_bytes)?;
             }
-            documents += encoded.len() as u64;
-            bar.inc(pending_bytes as u64);
-            pending.clear();
-            pending_bytes = 0;
         }
     }
+    flush(&mut pending, &mut pending_bytes)?;
     if documents == 0 {
+        drop(writer);
+        let _ = std::fs::remove_file(bin_path(&opts.output_prefix));
         return Err(DataError::EmptyDataset {
             path: opts.output_prefix.clone(),
             what: "the inputs contain no documents".into(),
@@ -199,4 +194,24 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
         bin: bin_path(&opts.output_prefix),
         idx: idx_path(&opts.output_prefix),
     })
+}
+
+/// Token ids of one document followed by the EOD id; errors name the input file.
+fn encode(
+    tokenizer: &tokenizers::Tokenizer,
+    doc: &str,
+    eod: u32,
+    file: &std::path::Path,
+    tokenizer_path: &std::path::Path,
+) -> Result<Vec<u32>> {
+    let enc = tokenizer
+        .encode_fast(doc, false)
+        .map_err(|e| DataError::Tokenizer {
+            path: tokenizer_path.to_path_buf(),
+            message: format!("encoding a document of {} failed: {e}", file.display()),
+        })?;
+    let mut ids = Vec::with_capacity(enc.len() + 1);
+    ids.extend_from_slice(enc.get_ids());
+    ids.push(eod);
+    Ok(ids)
 }

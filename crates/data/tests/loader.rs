@@ -263,3 +263,10 @@ fn open_errors_are_specific() {
         .unwrap();
     assert!(e.to_string().starts_with("data.datasets[0].weight:"), "{e}");
 }
+
+#[test]
+fn loader_types_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<GptData>();
+    assert_send_sync::<data::IndexedDataset>();
+}

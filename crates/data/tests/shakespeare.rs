@@ -1,6 +1,5 @@
-//! End-to-end test on the bundled Shakespeare corpus with the committed tokenizer, plus an
-//! ignored test that writes the local dataset `data/shakespeare/shakespeare.{bin,idx}`:
-//! `cargo test -p data --test shakespeare -- --ignored`.
+//! End-to-end test on the bundled Shakespeare corpus with the committed tokenizer, and a check
+//! that the committed dataset `data/shakespeare/shakespeare.{bin,idx}` is reproducible.
 
 mod common;
 
@@ -35,6 +34,27 @@ fn bundled_corpus_end_to_end() {
     // Byte-level BPE with 4096 entries compresses English prose roughly 3-4x.
     assert!(s.tokens > 200_000 && s.tokens < 400_000, "{}", s.tokens);
 
+    // Every play decodes back to its exact text, followed by the EOD id.
+    let tok = data::load_tokenizer(common::shakespeare_dir().join("tokenizer.json")).unwrap();
+    let ds = data::IndexedDataset::open(&prefix).unwrap();
+    let mut plays: Vec<_> = std::fs::read_dir(common::shakespeare_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+        .collect();
+    plays.sort();
+    for (i, play) in plays.iter().enumerate() {
+        let len = ds.sequence_lengths()[i] as usize;
+        let ids = ds.get(i, 0, len).unwrap();
+        assert_eq!(ids[len - 1], 0);
+        let text = tok.decode(&ids[..len - 1], false).unwrap();
+        assert!(
+            text == std::fs::read_to_string(play).unwrap(),
+            "{}",
+            play.display()
+        );
+    }
+
     let cfg = DataConfig {
         datasets: vec![DatasetSpec {
             prefix: prefix.clone(),
@@ -55,7 +75,6 @@ fn bundled_corpus_end_to_end() {
     );
     let b = train.batch(&[0, 1, 2, 3]).unwrap();
     assert!(b.tokens.iter().all(|&t| (t as usize) < 4096));
-    let tok = data::load_tokenizer(common::shakespeare_dir().join("tokenizer.json")).unwrap();
     let text = tok.decode(&b.tokens[..256], false).unwrap();
     assert!(text.chars().any(|c| c.is_alphabetic()), "{text}");
 
@@ -68,10 +87,29 @@ fn bundled_corpus_end_to_end() {
     assert!(e.to_string().contains("data.split"), "{e}");
 }
 
-/// Writes the git-ignored local dataset used by the example recipes.
+/// The committed dataset `data/shakespeare/shakespeare.{bin,idx}` (scenes as documents, split at
+/// three consecutive newlines) is exactly what `pretrain preprocess` makes from the bundled texts.
 #[test]
-#[ignore]
-fn generate_local_dataset() {
-    let s = preprocess_corpus(&common::shakespeare_dir().join("shakespeare"));
-    eprintln!("{s}");
+fn committed_dataset_is_reproducible() {
+    let dir = common::shakespeare_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tmp.path().join("shakespeare");
+    let s = preprocess(&PreprocessOptions {
+        inputs: vec![format!("{}/*_gut.txt", dir.display())],
+        tokenizer: dir.join("tokenizer.json"),
+        output_prefix: prefix.clone(),
+        doc_separator: Some("\n\n\n".into()),
+        show_progress: false,
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(s.documents > 150, "{s}");
+    for ext in ["bin", "idx"] {
+        let fresh = std::fs::read(prefix.with_extension(ext)).unwrap();
+        let committed = std::fs::read(dir.join("shakespeare").with_extension(ext)).unwrap();
+        assert!(
+            fresh == committed,
+            "data/shakespeare/shakespeare.{ext} differs from a fresh preprocess"
+        );
+    }
 }

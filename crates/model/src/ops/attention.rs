@@ -14,7 +14,9 @@ use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Te
 use rayon::prelude::*;
 
 use super::attention_bwd::AttentionBwd;
-use super::common::{compute_dtype, prepare, same_device, same_dtype, slice, Float, SyncPtr};
+use super::common::{
+    compute_dtype, max, prepare, same_device, same_dtype, slice, sum, Float, SyncPtr,
+};
 
 pub(super) const OP: &str = "causal_attention";
 
@@ -114,7 +116,8 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
                 let (m, n) = (r1 - r0, r1); // query rows r0..r1 see keys 0..r1
-                                            // S = Q[r0..r1] · K[0..n]^T · scale   [m, n]
+
+                // S = Q[r0..r1] · K[0..n]^T · scale   [m, n]
                 let sp = scores.as_mut_ptr();
                 matmul(
                     (m, n, d),
@@ -127,18 +130,13 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
                 for (i, row) in scores[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
                     let (seen, masked) = row.split_at_mut(qi + 1);
-                    let max = seen
-                        .iter()
-                        .fold(T::neg_infinity(), |a, &x| num_traits::Float::max(a, x));
-                    let mut sum = T::zero();
-                    for x in seen.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum = sum + *x;
-                    }
-                    let inv = T::one() / sum;
-                    seen.iter_mut().for_each(|x| *x = *x * inv);
+                    let row_max = max(seen);
+                    seen.iter_mut().for_each(|x| *x = (*x - row_max).fast_exp());
+                    let row_sum = sum(seen);
+                    let inv = T::one() / row_sum;
+                    seen.iter_mut().for_each(|x| *x *= inv);
                     masked.fill(T::zero());
-                    lse[qi] = max + sum.ln();
+                    lse[qi] = row_max + row_sum.ln();
                 }
                 // O[r0..r1] = P · V[0..n]   [m, d]
                 let o_blk = (o_h.add(r0 * qs), qs);

@@ -7,7 +7,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, T
 use rayon::prelude::*;
 
 use super::attention::{matmul, Dims, BLOCK, OP};
-use super::common::{slice, Float, SyncPtr};
+use super::common::{dot, slice, Float, SyncPtr};
 
 /// Forward-only op on `(q, k, v)` computing their gradients; the forward output, its upstream
 /// gradient and the log-sum-exp ride along in the struct. Returns the flat `[nq + 2 nkv]`
@@ -57,20 +57,19 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
         let g = h / group;
         let (q_off, kv_off) = (bi * s * qs + h * d, bi * s * ks + g * d);
         let lse = &x.lse[bh * s..(bh + 1) * s]; // [s]
-                                                // D_i = Σ_c dO[i, c] · O[i, c]   [s]
+
+        // D_i = Σ_c dO[i, c] · O[i, c]   [s]
         let dsum: Vec<T> = (0..s)
             .map(|i| {
                 let at = q_off + i * qs;
-                let (o, dout) = (&x.o[at..at + d], &x.dout[at..at + d]);
-                o.iter()
-                    .zip(dout)
-                    .fold(T::zero(), |a, (&o, &dg)| a + o * dg)
+                dot(&x.o[at..at + d], &x.dout[at..at + d])
             })
             .collect();
         let mut p = vec![T::zero(); BLOCK.min(s) * s]; // [m, n] probabilities
         let mut ds = vec![T::zero(); BLOCK.min(s) * s]; // [m, n] dP, then dS
-                                                        // SAFETY: offsets stay inside the `[b, s, h*, d]` buffers; this task alone writes head `h`
-                                                        // of batch `bi` of dq, its own slot of `parts`, or (no GQA) head `g == h` of dk/dv.
+
+        // SAFETY: offsets stay inside the `[b, s, h*, d]` buffers; this task alone writes head `h`
+        // of batch `bi` of dq, its own slot of `parts`, or (no GQA) head `g == h` of dk/dv.
         unsafe {
             let q_h = x.q.as_ptr().add(q_off); // [s, d], row stride qs
             let do_h = x.dout.as_ptr().add(q_off); // [s, d], row stride qs
@@ -93,7 +92,7 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
                 for (i, row) in p[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
                     let (seen, masked) = row.split_at_mut(qi + 1);
-                    seen.iter_mut().for_each(|x| *x = (*x - lse[qi]).exp());
+                    seen.iter_mut().for_each(|x| *x = (*x - lse[qi]).fast_exp());
                     masked.fill(T::zero());
                 }
                 // dV[0..n] += P^T · dO[r0..r1]   [n, d]
@@ -141,8 +140,8 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
                     for t in 0..group {
                         let at = ((bi * hq + g * group + t) * s + j) * d;
                         for c in 0..d {
-                            dk[c] = dk[c] + pk[at + c];
-                            dv[c] = dv[c] + pv[at + c];
+                            dk[c] += pk[at + c];
+                            dv[c] += pv[at + c];
                         }
                     }
                 }

@@ -6,7 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{compute_dtype, prepare, same_device, slice, Float};
+use super::common::{compute_dtype, max, prepare, same_device, slice, sum_exp, Float};
 
 const OP: &str = "cross_entropy";
 
@@ -40,11 +40,9 @@ impl CrossEntropy {
         loss.par_iter_mut()
             .zip(logits.par_chunks(v).zip(targets.par_iter()))
             .for_each(|(loss, (row, &t))| {
-                let max = row
-                    .iter()
-                    .fold(T::neg_infinity(), |m, &x| num_traits::Float::max(m, x));
-                let sum = row.iter().fold(T::zero(), |acc, &x| acc + (x - max).exp());
-                *loss = max + sum.ln() - row[t as usize];
+                let row_max = max(row);
+                let row_sum = sum_exp(row, row_max);
+                *loss = row_max + row_sum.ln() - row[t as usize];
             });
         Ok(T::to_cpu_storage_owned(loss))
     }
@@ -116,9 +114,9 @@ impl CrossEntropyBwd {
                 let (loss, g) = (lg[0], lg[1]);
                 let lse = loss + row[t];
                 for (d, &x) in d.iter_mut().zip(row) {
-                    *d = (x - lse).exp() * g;
+                    *d = (x - lse).fast_exp() * g;
                 }
-                d[t] = d[t] - g;
+                d[t] -= g;
             });
         Ok(T::to_cpu_storage_owned(d))
     }

@@ -4,6 +4,14 @@
 //! silently drop gradients, so training code uses only these ops and candle's differentiable primitives.
 //! Each op is a candle `CustomOp` with a CPU forward (f32 and f64; bf16 through f32), and a `bwd`
 //! built from other ops of this library. Shapes use the model's activation layout `[b, s, heads, d]`.
+//!
+//! Common behaviour: inputs may be non-contiguous (the wrappers make them contiguous first); bf16
+//! and f16 inputs are computed in f32 and the result is converted back; bad shapes, dtypes or
+//! devices are reported as `candle_core::Error`s naming the op, never as panics. The CPU kernels
+//! parallelise with rayon; there is no CUDA kernel yet (candle's "no cuda implementation" error).
+//!
+//! One file per op: `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`), `swiglu.rs`,
+//! `cross_entropy.rs`, `grad_inject.rs`; shared kernel helpers live in `common.rs`.
 
 use candle_core::{Result, Tensor};
 
@@ -17,7 +25,8 @@ mod rope;
 mod swiglu;
 
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) * weight`.
-/// `x`: `[.., h]`, `weight`: `[h]`; returns the shape of `x`.
+/// `x`: `[.., h]`, `weight`: `[h]` (same dtype); returns the shape of `x`. Sums accumulate in the
+/// compute dtype (f32, or f64 for f64). Backward gives `dx` and `dweight` (summed over all rows).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     rms_norm::rms_norm(x, weight, eps)
 }
@@ -25,6 +34,8 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 /// Rotary position embedding in Hugging Face's rotate-half convention:
 /// `y = x * cos + rotate_half(x) * sin`, `rotate_half([x1, x2]) = [-x2, x1]` on the halves of `d`.
 /// `x`: `[b, s, heads, d]`; `cos`, `sin`: `[s, d / 2]` (the angle of pair `i` at position `p`).
+/// `cos`/`sin` may have any float dtype (converted to the compute dtype of `x`) and get no gradient;
+/// the backward pass is the inverse rotation of the upstream gradient.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     rope::rope(x, cos, sin)
 }
@@ -32,24 +43,29 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// Causal scaled-dot-product attention with grouped-query heads.
 /// `q`: `[b, s, hq, d]`, `k`, `v`: `[b, s, hkv, d]` with `hq % hkv == 0`; returns `[b, s, hq, d]`.
 /// Query head `i` attends with kv head `i / (hq / hkv)`. Only the per-row log-sum-exp (`[b, hq, s]`)
-/// is kept for the backward pass; scores are recomputed there, never stored.
+/// is kept for the backward pass; scores are recomputed there, never stored. The CPU kernel runs
+/// one task per `(batch, query head)` over blocks of 64 query rows (transient scratch of
+/// `64 × s` per task); the backward sums `dK`/`dV` over the query heads sharing a kv head.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     attention::causal_attention(q, k, v, scale)
 }
 
-/// SwiGLU: `silu(gate) * up`, elementwise, same shapes.
+/// SwiGLU: `silu(gate) * up`, elementwise, same shapes and dtypes. Backward gives `d gate` and `d up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     swiglu::swiglu(gate, up)
 }
 
 /// Per-row cross-entropy: `logits` `[n, v]` (float), `targets` `[n]` (u32); returns `[n]` losses
-/// `logsumexp(logits[i]) - logits[i, targets[i]]` in the dtype of `logits`.
+/// `logsumexp(logits[i]) - logits[i, targets[i]]` in the dtype of `logits`. A target `>= v` is an
+/// error. Backward gives `dlogits = (softmax - onehot) * grad_loss`; `targets` get no gradient.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy::cross_entropy(logits, targets)
 }
 
 /// A scalar whose backward pass hands `grad` to `y`: calling `.backward()` on the result
 /// back-propagates the upstream gradient `grad` (same shape as `y`) through `y`'s graph.
+/// The value is a zero scalar (shape `()`, dtype of `y`); the gradient handed to `y` is `grad`
+/// times the scalar's own upstream gradient (1 for a direct `.backward()`), in `y`'s dtype.
 pub fn grad_inject(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
     grad_inject::grad_inject(y, grad)
 }

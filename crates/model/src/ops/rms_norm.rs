@@ -5,7 +5,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{compute_dtype, prepare, rows_per_task, same_device, same_dtype, slice, Float};
+use super::common::{
+    compute_dtype, dot, dot3, prepare, rows_per_task, same_device, same_dtype, slice, Float,
+};
 
 const OP: &str = "rms_norm";
 
@@ -17,7 +19,7 @@ struct RmsNorm {
 /// `1 / sqrt(mean(row²) + eps)`, accumulated in `T`.
 #[inline]
 fn inv_rms<T: Float>(row: &[T], eps: T) -> T {
-    let sumsq = row.iter().fold(T::zero(), |acc, &v| acc + v * v);
+    let sumsq = dot(row, row);
     let h = T::from(row.len()).unwrap_or_else(T::one);
     T::one() / (sumsq / h + eps).sqrt()
 }
@@ -127,15 +129,11 @@ impl RmsNormBwd {
                     .zip(g.chunks_exact(h))
                 {
                     let r = inv_rms(x, eps);
-                    let a = x
-                        .iter()
-                        .zip(g)
-                        .zip(w)
-                        .fold(T::zero(), |acc, ((&x, &g), &w)| acc + g * w * x);
+                    let a = dot3(g, w, x);
                     let c = r * r * r * a / hf;
                     for j in 0..h {
                         dx[j] = r * g[j] * w[j] - x[j] * c;
-                        dw[j] = dw[j] + g[j] * x[j] * r;
+                        dw[j] += g[j] * x[j] * r;
                     }
                 }
                 dw
@@ -143,7 +141,7 @@ impl RmsNormBwd {
             .collect();
         for p in &partials {
             for (d, &v) in dw.iter_mut().zip(p) {
-                *d = *d + v;
+                *d += v;
             }
         }
         Ok(T::to_cpu_storage_owned(out))

@@ -14,7 +14,7 @@ const CHUNK: usize = 16 * 1024;
 
 #[inline]
 fn sigmoid<T: Float>(x: T) -> T {
-    T::one() / (T::one() + (-x).exp())
+    T::one() / (T::one() + (-x).fast_exp())
 }
 
 /// Forward: `y = gate * sigmoid(gate) * up`.

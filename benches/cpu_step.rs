@@ -1,0 +1,103 @@
+//! CPU training-step benchmark of the tiny recipe's model: forward alone, and a full step
+//! (forward, backward, AdamW), on a fixed synthetic batch. `bench/cpu_step.sh` runs it beside the
+//! PyTorch reference `bench/torch_llama.py` on the same model and batch and reports the ratio.
+//!
+//! Run: `cargo bench --bench cpu_step -- [recipe] [steps]`; prints one JSON line.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use data::Batch;
+use model::{Llama, Recompute};
+use pretrain::optim::{AdamW, FlatLayout, GradBuffer};
+use pretrain::recipe::load;
+use pretrain::train::step::{forward_backward, MicroBatch};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let recipe_path = args
+        .first()
+        .map(String::as_str)
+        .unwrap_or("recipes/tiny.yaml");
+    let steps: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(10);
+    let r = load(Path::new(recipe_path), &[])?;
+    let (b, s, v) = (
+        r.train.micro_batch,
+        r.train.seq_len,
+        r.model.vocab_size as u64,
+    );
+    let micro = r.grad_accum_steps();
+
+    // The same token stream as the PyTorch script: x_{i+1} = (x_i · 6364136223846793005 + 1442695040888963407) mod 2⁶⁴, token = x >> 33 mod vocab.
+    let mut x: u64 = 42;
+    let mut next = || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((x >> 33) % v) as u32
+    };
+    let batches: Vec<Batch> = (0..micro)
+        .map(|_| {
+            let seqs: Vec<Vec<u32>> = (0..b).map(|_| (0..=s).map(|_| next()).collect()).collect();
+            Batch {
+                tokens: seqs.iter().flat_map(|q| q[..s].to_vec()).collect(),
+                labels: seqs.iter().flat_map(|q| q[1..].to_vec()).collect(),
+                loss_mask: vec![1.0; b * s],
+                micro_batch: b,
+                seq_len: s,
+            }
+        })
+        .collect();
+
+    let dev = Device::Cpu;
+    let model = Llama::new(&r.model, r.train.seed, DType::F32, &dev)?;
+    let grads = GradBuffer::new(FlatLayout::of(model.params()), &dev)?;
+    let mut opt = AdamW::new(model.params(), &r.optimizer, &dev)?;
+    let scale = 1.0 / (micro * b * s) as f64;
+    let mbs: Vec<MicroBatch> = batches
+        .iter()
+        .map(|bt| MicroBatch::new(bt, scale, &dev))
+        .collect::<Result<_, _>>()?;
+
+    let (mut fwd, mut step) = (vec![], vec![]);
+    let mut loss = 0.0;
+    for i in 0..steps + 2 {
+        let t0 = Instant::now();
+        for mb in &mbs {
+            let l = model
+                .token_losses(&mb.tokens, &mb.targets.labels)?
+                .mean_all()?;
+            std::hint::black_box(l.to_scalar::<f32>()?);
+        }
+        let t1 = Instant::now();
+        grads.zero()?;
+        loss = 0.0;
+        for mb in &mbs {
+            loss += forward_backward(&model, mb, Recompute::None, &grads)?;
+        }
+        opt.step(model.params(), &grads, r.optimizer.lr, 1.0)?;
+        let t2 = Instant::now();
+        if i >= 2 {
+            fwd.push((t1 - t0).as_secs_f64() * 1e3);
+            step.push((t2 - t1).as_secs_f64() * 1e3);
+        }
+    }
+    println!(
+        "{{\"impl\": \"candle\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
+        rayon::current_num_threads(),
+        micro * b * s,
+        median(fwd),
+        median(step),
+        loss
+    );
+    Ok(())
+}

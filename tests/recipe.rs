@@ -1,0 +1,248 @@
+//! Recipe loading and validation: each class of mistake gives a message naming its field.
+
+use std::path::Path;
+
+use pretrain::recipe::{load, RecipeError};
+
+const TINY: &str = "recipes/tiny.yaml";
+
+fn err(overrides: &[&str]) -> String {
+    let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    match load(Path::new(TINY), &o) {
+        Ok(_) => panic!("{overrides:?} should be rejected"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn assert_err(overrides: &[&str], needle: &str) {
+    let e = err(overrides);
+    assert!(
+        e.contains(needle),
+        "error for {overrides:?} should mention `{needle}`, got:\n{e}"
+    );
+}
+
+#[test]
+fn shipped_recipes_are_valid() {
+    for r in ["recipes/tiny.yaml", "recipes/1b.yaml", "recipes/7b.yaml"] {
+        load(Path::new(r), &[]).unwrap_or_else(|e| panic!("{r}: {e}"));
+    }
+    let seven = load(Path::new("recipes/7b.yaml"), &[]).unwrap();
+    assert_eq!(
+        (
+            seven.model.num_hidden_layers,
+            seven.model.hidden_size,
+            seven.model.num_attention_heads
+        ),
+        (32, 4096, 32)
+    );
+    assert_eq!(
+        (seven.model.intermediate_size, seven.train.seq_len),
+        (11008, 4096)
+    );
+    assert_eq!(
+        seven.model.num_params(),
+        6_738_415_616,
+        "Llama-2-7B has 6.74B parameters"
+    );
+}
+
+#[test]
+fn overrides_apply_and_repeat() {
+    let o = vec![
+        "train.steps=70".to_string(),
+        "parallel.tp=2,parallel.dp=2".to_string(),
+    ];
+    let r = load(Path::new(TINY), &o).unwrap();
+    assert_eq!((r.train.steps, r.parallel.tp, r.parallel.dp), (70, 2, 2));
+    assert_eq!(r.grad_accum_steps(), 2, "32 / (8 × 2)");
+}
+
+#[test]
+fn unknown_keys_are_rejected_with_their_path() {
+    assert_err(
+        &["model.hiden_size=3"],
+        "model.hiden_size: unknown field `hiden_size`",
+    );
+    assert_err(&["bogus.x=1"], "unknown field `bogus`");
+}
+
+#[test]
+fn wrong_types_name_the_field() {
+    assert_err(&["train.steps=many"], "train.steps");
+}
+
+#[test]
+fn heads_must_divide_hidden_size() {
+    assert_err(
+        &["model.hidden_size=130"],
+        "model.hidden_size (130) must be divisible by model.num_attention_heads (4)",
+    );
+}
+
+#[test]
+fn kv_heads_must_divide_heads() {
+    assert_err(
+        &["model.num_key_value_heads=3"],
+        "model.num_attention_heads (4) must be divisible by model.num_key_value_heads (3)",
+    );
+}
+
+#[test]
+fn head_dim_must_be_even() {
+    assert_err(
+        &["model.hidden_size=12,model.num_attention_heads=4,model.num_key_value_heads=4"],
+        "must be even",
+    );
+}
+
+#[test]
+fn global_batch_must_split_into_micro_batches_and_replicas() {
+    assert_err(
+        &["train.global_batch=20"],
+        "train.global_batch (20) must be divisible by train.micro_batch × parallel.dp (8 × 1 = 8)",
+    );
+    assert_err(&["parallel.dp=3"], "(8 × 3 = 24)");
+}
+
+#[test]
+fn tensor_parallel_must_divide_heads_ffn_and_vocab() {
+    assert_err(
+        &["parallel.tp=3"],
+        "parallel.tp (3) must divide model.num_attention_heads",
+    );
+    assert_err(
+        &["parallel.tp=2,model.intermediate_size=385"],
+        "parallel.tp (2) must divide model.intermediate_size (385)",
+    );
+    assert_err(
+        &["parallel.tp=2,model.vocab_size=4097"],
+        "parallel.tp (2) must divide model.vocab_size (4097)",
+    );
+}
+
+#[test]
+fn pipeline_chunks_must_divide_layers() {
+    assert_err(
+        &["parallel.pp=3"],
+        "parallel.pp × parallel.virtual_stages (3 × 1) must divide model.num_hidden_layers (4)",
+    );
+    assert_err(
+        &["parallel.pp=2,parallel.virtual_stages=4"],
+        "(2 × 4) must divide",
+    );
+}
+
+#[test]
+fn interleaving_needs_micro_batches_in_multiples_of_pp() {
+    assert_err(
+        &["parallel.pp=2,parallel.virtual_stages=2,train.global_batch=24"],
+        "micro-batches per step (3",
+    );
+    assert_err(
+        &["parallel.virtual_stages=2"],
+        "parallel.virtual_stages > 1 needs parallel.pp > 1",
+    );
+}
+
+#[test]
+fn parallel_options_need_their_axis() {
+    assert_err(
+        &["parallel.sequence_parallel=true"],
+        "parallel.sequence_parallel needs parallel.tp > 1",
+    );
+    assert_err(&["parallel.zero1=true"], "parallel.zero1");
+    assert_err(&["parallel.dp=0"], "parallel.dp must be at least 1");
+}
+
+#[test]
+fn sequence_must_fit_the_position_table() {
+    assert_err(
+        &["train.seq_len=256"],
+        "train.seq_len (256) exceeds model.max_position_embeddings (128)",
+    );
+}
+
+#[test]
+fn schedule_must_fit_the_run() {
+    assert_err(
+        &["schedule.warmup_steps=500"],
+        "schedule.warmup_steps (500) exceeds train.steps (200)",
+    );
+    assert_err(
+        &["schedule.min_lr=1.0"],
+        "schedule.min_lr (1) must be in [0, optimizer.lr",
+    );
+    assert_err(
+        &["schedule.kind=wsd,schedule.decay_fraction=0"],
+        "schedule.decay_fraction",
+    );
+}
+
+#[test]
+fn optimizer_hyperparameters_are_checked() {
+    assert_err(&["optimizer.lr=0"], "optimizer.lr (0) must be positive");
+    assert_err(
+        &["optimizer.beta2=1.0"],
+        "optimizer.beta2 (1) must be in [0, 1)",
+    );
+    assert_err(&["optimizer.weight_decay=-1"], "optimizer.weight_decay");
+}
+
+#[test]
+fn all_problems_are_reported_at_once() {
+    let e = err(&["train.global_batch=20", "optimizer.lr=0"]);
+    assert!(
+        e.contains("train.global_batch") && e.contains("optimizer.lr"),
+        "{e}"
+    );
+}
+
+#[test]
+fn data_section_is_validated() {
+    assert_err(&["data.split=abc"], "data.split");
+    assert_err(&["data.datasets=[]"], "data.datasets");
+}
+
+#[test]
+fn malformed_overrides_are_rejected() {
+    assert_err(&["steps"], "--set steps: expected key.path=value");
+    assert_err(&["train.steps.x=1"], "`train.steps` is not a section");
+}
+
+#[test]
+fn inherit_merges_and_detects_cycles() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::canonicalize(TINY).unwrap();
+    let child = dir.path().join("child.yaml");
+    std::fs::write(
+        &child,
+        format!("inherit: {}\ntrain:\n  steps: 90\n", base.display()),
+    )
+    .unwrap();
+    let r = load(&child, &[]).unwrap();
+    assert_eq!(r.train.steps, 90);
+    assert_eq!(r.train.global_batch, 32, "inherited");
+
+    let a = dir.path().join("a.yaml");
+    let b = dir.path().join("b.yaml");
+    std::fs::write(&a, "inherit: b.yaml\n").unwrap();
+    std::fs::write(&b, "inherit: a.yaml\n").unwrap();
+    assert!(matches!(
+        load(&a, &[]),
+        Err(RecipeError::InheritCycle { .. })
+    ));
+}
+
+#[test]
+fn yaml_syntax_errors_name_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bad.yaml");
+    std::fs::write(&p, "model:\n  hidden_size: [1,\n").unwrap();
+    let e = load(&p, &[]).unwrap_err().to_string();
+    assert!(e.contains("bad.yaml") && e.contains("line"), "{e}");
+    let e = load(&dir.path().join("missing.yaml"), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing.yaml"), "{e}");
+}
