@@ -10,7 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use data::Batch;
 use model::{Llama, Recompute};
-use pretrain::optim::{AdamW, FlatLayout, GradBuffer};
+use pretrain::optim::{layout_of, write_params, AdamW, GradBuffer};
 use pretrain::recipe::load;
 use pretrain::train::step::{forward_backward, MicroBatch};
 
@@ -59,9 +59,16 @@ fn main() -> anyhow::Result<()> {
         .collect();
 
     let dev = Device::Cpu;
-    let model = Llama::new(&r.model, r.train.seed, DType::F32, &dev)?;
-    let grads = GradBuffer::new(FlatLayout::of(model.params()), &dev)?;
-    let mut opt = AdamW::new(model.params(), &r.optimizer, &dev)?;
+    let model = Llama::new(
+        &r.model,
+        model::Placement::whole(&r.model),
+        r.train.seed,
+        DType::F32,
+        &dev,
+    )?;
+    let grads = GradBuffer::new(layout_of(model.params(), 1), &dev)?;
+    let layout = layout_of(model.params(), 1);
+    let mut opt = AdamW::new(model.params(), &layout, vec![0..layout.total], &r.optimizer)?;
     let scale = 1.0 / (micro * b * s) as f64;
     let mbs: Vec<MicroBatch> = batches
         .iter()
@@ -82,9 +89,10 @@ fn main() -> anyhow::Result<()> {
         grads.zero()?;
         loss = 0.0;
         for mb in &mbs {
-            loss += forward_backward(&model, mb, Recompute::None, &grads)?;
+            loss += forward_backward(&model, mb, Recompute::None, &grads, &mut |_| Ok(()))?;
         }
-        opt.step(model.params(), &grads, r.optimizer.lr, 1.0)?;
+        opt.step(&grads, r.optimizer.lr, 1.0)?;
+        write_params(model.params(), &layout, &opt.master()?)?;
         let t2 = Instant::now();
         if i >= 2 {
             fwd.push((t1 - t0).as_secs_f64() * 1e3);

@@ -3,12 +3,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use tracing::info;
 
 use crate::recipe::{self, Recipe};
-use crate::train::Trainer;
 
 /// Megatron-style 3D-parallel Llama pretraining.
 #[derive(Debug, Parser)]
@@ -150,14 +149,14 @@ pub fn run(cli: Cli) -> Result<()> {
 fn train(args: &RecipeArgs) -> Result<()> {
     let recipe = args.load()?;
     let dir = recipe.run.dir.clone();
-    let mut trainer = Trainer::new(recipe, true).context("setting up the run")?;
-    let (records, val) = trainer.run()?;
-    if let Some(last) = records.last() {
+    let out = crate::train::train(recipe, true)?;
+    if let Some(last) = out.records.last() {
+        let val = out
+            .val_loss
+            .map_or(String::new(), |v| format!(", val_loss={v:.4}"));
         info!(
-            "done: {} steps, final loss={:.4}{}",
-            last.step,
-            last.loss,
-            val.map_or(String::new(), |v| format!(", val_loss={v:.4}"))
+            "done: {} steps, final loss={:.4}{val}",
+            last.step, last.loss
         );
     }
     info!(

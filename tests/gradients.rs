@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use data::Batch;
 use model::{Llama, LlamaConfig, Recompute};
-use pretrain::optim::{FlatLayout, GradBuffer};
+use pretrain::optim::{layout_of, GradBuffer};
 use pretrain::train::step::{forward_backward, MicroBatch};
 
 fn config(tied: bool) -> LlamaConfig {
@@ -58,12 +58,12 @@ fn counted(batches: &[Batch]) -> f64 {
 
 /// Runs forward/backward over `batches` (one global batch) and returns (loss, grads per param).
 fn grads_of(model: &Llama, batches: &[Batch], recompute: Recompute) -> (f64, Vec<Vec<f32>>) {
-    let buf = GradBuffer::new(FlatLayout::of(model.params()), &Device::Cpu).unwrap();
+    let buf = GradBuffer::new(layout_of(model.params(), 1), &Device::Cpu).unwrap();
     let scale = 1.0 / counted(batches);
     let mut loss = 0.0;
     for b in batches {
         let mb = MicroBatch::new(b, scale, &Device::Cpu).unwrap();
-        loss += forward_backward(model, &mb, recompute, &buf).unwrap();
+        loss += forward_backward(model, &mb, recompute, &buf, &mut |_| Ok(())).unwrap();
     }
     let g = (0..model.params().len())
         .map(|i| buf.get(i).unwrap().to_vec1::<f32>().unwrap())
@@ -89,7 +89,14 @@ fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
     for tied in [true, false] {
-        let model = Llama::new(&config(tied), 3, DType::F32, &Device::Cpu).unwrap();
+        let model = Llama::new(
+            &config(tied),
+            model::Placement::whole(&config(tied)),
+            3,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
         let (loss, grads) = grads_of(&model, &[batch(2, 0)], Recompute::None);
         assert!(
             (loss - (96f64).ln()).abs() < 0.1,
@@ -110,7 +117,14 @@ fn every_parameter_receives_a_nonzero_gradient() {
 
 #[test]
 fn full_recompute_gives_identical_gradients() {
-    let model = Llama::new(&config(false), 5, DType::F32, &Device::Cpu).unwrap();
+    let model = Llama::new(
+        &config(false),
+        model::Placement::whole(&config(false)),
+        5,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
     let batches = [batch(2, 0), batch(2, 100)];
     let (l0, g0) = grads_of(&model, &batches, Recompute::None);
     let (l1, g1) = grads_of(&model, &batches, Recompute::Full);
@@ -123,7 +137,14 @@ fn full_recompute_gives_identical_gradients() {
 
 #[test]
 fn segments_equal_one_whole_graph_backward() {
-    let model = Llama::new(&config(true), 7, DType::F32, &Device::Cpu).unwrap();
+    let model = Llama::new(
+        &config(true),
+        model::Placement::whole(&config(true)),
+        7,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
     let b = batch(2, 0);
     let (loss, seg) = grads_of(&model, std::slice::from_ref(&b), Recompute::None);
 
@@ -159,7 +180,14 @@ fn segments_equal_one_whole_graph_backward() {
 
 #[test]
 fn accumulating_micro_batches_equals_one_large_batch() {
-    let model = Llama::new(&config(false), 9, DType::F32, &Device::Cpu).unwrap();
+    let model = Llama::new(
+        &config(false),
+        model::Placement::whole(&config(false)),
+        9,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
     let big = batch(4, 0);
     let halves: Vec<Batch> = (0..2)
         .map(|h| {
@@ -186,9 +214,30 @@ fn accumulating_micro_batches_equals_one_large_batch() {
 
 #[test]
 fn initialisation_is_bit_identical_for_equal_seeds() {
-    let a = Llama::new(&config(false), 11, DType::F32, &Device::Cpu).unwrap();
-    let b = Llama::new(&config(false), 11, DType::F32, &Device::Cpu).unwrap();
-    let c = Llama::new(&config(false), 12, DType::F32, &Device::Cpu).unwrap();
+    let a = Llama::new(
+        &config(false),
+        model::Placement::whole(&config(false)),
+        11,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let b = Llama::new(
+        &config(false),
+        model::Placement::whole(&config(false)),
+        11,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let c = Llama::new(
+        &config(false),
+        model::Placement::whole(&config(false)),
+        12,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
     for ((pa, pb), pc) in a
         .params()
         .iter()

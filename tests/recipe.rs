@@ -76,7 +76,7 @@ fn wrong_types_name_the_field() {
 fn heads_must_divide_hidden_size() {
     assert_err(
         &["model.hidden_size=130"],
-        "model.hidden_size (130) must be divisible by model.num_attention_heads (4)",
+        "model.hidden_size (130) must be divisible by model.num_attention_heads (8)",
     );
 }
 
@@ -84,7 +84,7 @@ fn heads_must_divide_hidden_size() {
 fn kv_heads_must_divide_heads() {
     assert_err(
         &["model.num_key_value_heads=3"],
-        "model.num_attention_heads (4) must be divisible by model.num_key_value_heads (3)",
+        "model.num_attention_heads (8) must be divisible by model.num_key_value_heads (3)",
     );
 }
 

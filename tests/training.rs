@@ -1,11 +1,12 @@
 //! End-to-end training of the tiny recipe on the bundled corpus: determinism, the committed
 //! golden loss curve, and the command line.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
 use pretrain::recipe::{load, Recipe};
-use pretrain::train::Trainer;
+use pretrain::train::train;
 
 const GOLDEN: &str = "tests/golden/tiny_losses.json";
 const GOLDEN_STEPS: usize = 8;
@@ -18,16 +19,9 @@ fn tiny(extra: &[&str]) -> Recipe {
     load(Path::new("recipes/tiny.yaml"), &o).unwrap()
 }
 
-fn run(recipe: Recipe) -> (Vec<f64>, Vec<Vec<f32>>) {
-    let mut t = Trainer::new(recipe, false).unwrap();
-    let (records, _) = t.run().unwrap();
-    let weights = t
-        .model()
-        .params()
-        .iter()
-        .map(|p| p.var.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-        .collect();
-    (records.iter().map(|r| r.loss).collect(), weights)
+fn run(recipe: Recipe) -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
+    let out = train(recipe, false).unwrap();
+    (out.records.iter().map(|r| r.loss).collect(), out.weights)
 }
 
 #[test]

@@ -1,10 +1,13 @@
-//! `AdamW`: fp32 master weights and moments over flat buffers, decoupled weight decay with a mask,
-//! serializable state.
+//! `AdamW`: fp32 master weights and moments over the flat ranges a rank owns, decoupled weight
+//! decay with a mask, serializable state.
 
-use candle_core::{DType, Device, Result, Tensor};
+use std::ops::Range;
+
+use candle_core::{DType, Result, Tensor};
 use model::{ParamKind, ParamSet};
+use parallel::flat::intersect;
 
-use super::{kernels::AdamWStep, FlatLayout, GradBuffer};
+use super::{flatten_params, kernels::AdamWStep, FlatLayout, GradBuffer};
 use crate::recipe::OptimizerConfig;
 
 /// The optimizer's complete state, as saved in checkpoints.
@@ -12,66 +15,87 @@ use crate::recipe::OptimizerConfig;
 pub struct AdamWState {
     /// Steps taken so far.
     pub step: u64,
-    /// `[3, total]` f32: master weights, first moments, second moments.
+    /// `[3, owned elements]` f32: master weights, first moments, second moments.
     pub buffers: Tensor,
 }
 
-/// AdamW over a `ParamSet`, keeping its own fp32 copy of every parameter.
+/// AdamW over the flat ranges `owned` of a parameter layout, keeping its own fp32 copy of them.
 pub struct AdamW {
     cfg: OptimizerConfig,
-    layout: FlatLayout,
-    /// `(start, len, weight_decay)` covering the whole flat range.
+    owned: Vec<Range<usize>>,
+    /// Elements owned.
+    n: usize,
+    /// `(start, len, weight_decay)` in owned coordinates, covering `[0, n)`.
     decay: Vec<(usize, usize, f64)>,
     step: u64,
-    /// `[3 total]` f32: master | exp_avg | exp_avg_sq.
+    /// `[3 n]` f32: master | exp_avg | exp_avg_sq.
     state: Tensor,
 }
 
 impl AdamW {
-    /// Fresh state: master weights copied from `params` (as f32), zero moments.
-    pub fn new(params: &ParamSet, cfg: &OptimizerConfig, device: &Device) -> Result<Self> {
-        let layout = FlatLayout::of(params);
-        let masters: Vec<Tensor> = params
+    /// Fresh state for the flat ranges `owned` of `layout`: master weights copied from `params`
+    /// (as f32), zero moments.
+    pub fn new(
+        params: &ParamSet,
+        layout: &FlatLayout,
+        owned: Vec<Range<usize>>,
+        cfg: &OptimizerConfig,
+    ) -> Result<Self> {
+        let flat = flatten_params(params, layout)?;
+        let masters: Vec<Tensor> = owned
             .iter()
-            .map(|p| p.var.as_tensor().to_dtype(DType::F32)?.flatten_all())
+            .map(|r| flat.narrow(0, r.start, r.len()))
             .collect::<Result<_>>()?;
-        let zeros = Tensor::zeros(2 * layout.total, DType::F32, device)?;
-        let state = Tensor::cat(&[Tensor::cat(&masters, 0)?, zeros], 0)?;
-        let decay = params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
+        let master = Tensor::cat(&masters, 0)?;
+        let n = master.elem_count();
+        let state = Tensor::cat(
+            &[master, Tensor::zeros(2 * n, DType::F32, flat.device())?],
+            0,
+        )?;
+        let mut decay = Vec::new();
+        let mut base = 0;
+        for r in &owned {
+            let mut covered = r.start;
+            for (i, p) in params.iter().enumerate() {
+                let cut = intersect(&layout.range(i), r);
+                if cut.is_empty() {
+                    continue;
+                }
+                if cut.start > covered {
+                    decay.push((base + covered - r.start, cut.start - covered, 0.0));
+                    // padding
+                }
                 let wd = match p.kind {
                     ParamKind::Matrix => cfg.weight_decay,
                     ParamKind::Embedding if cfg.decay_embeddings => cfg.weight_decay,
                     ParamKind::Embedding | ParamKind::Norm => 0.0,
                 };
-                (layout.offsets[i], layout.numels[i], wd)
-            })
-            .collect();
+                decay.push((base + cut.start - r.start, cut.len(), wd));
+                covered = cut.end;
+            }
+            if r.end > covered {
+                decay.push((base + covered - r.start, r.end - covered, 0.0));
+            }
+            base += r.len();
+        }
         Ok(Self {
             cfg: cfg.clone(),
-            layout,
+            owned,
+            n,
             decay,
             step: 0,
             state,
         })
     }
 
-    /// The flat layout the optimizer expects gradients in.
-    pub fn layout(&self) -> &FlatLayout {
-        &self.layout
+    /// The flat ranges this optimizer updates.
+    pub fn owned(&self) -> &[Range<usize>] {
+        &self.owned
     }
 
-    /// Applies one update with learning rate `lr`, scaling gradients by `grad_scale` (clipping),
-    /// then writes the new master weights into `params` (cast to their dtype).
-    pub fn step(
-        &mut self,
-        params: &ParamSet,
-        grads: &GradBuffer,
-        lr: f64,
-        grad_scale: f64,
-    ) -> Result<()> {
+    /// Applies one update with learning rate `lr`, scaling gradients by `grad_scale` (clipping).
+    /// The new master weights are in [`AdamW::master`].
+    pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
         self.step += 1;
         let op = AdamWStep {
             lr,
@@ -82,38 +106,39 @@ impl AdamW {
             grad_scale,
             decay: self.decay.clone(),
         };
-        self.state.inplace_op2(grads.flat(), &op)?;
-        self.write_params(params)
+        let g = grads.flat();
+        let own = match self.owned.as_slice() {
+            [r] if r.len() == g.elem_count() => g.clone(),
+            rs => Tensor::cat(
+                &rs.iter()
+                    .map(|r| g.narrow(0, r.start, r.len()))
+                    .collect::<Result<Vec<_>>>()?,
+                0,
+            )?,
+        };
+        self.state.inplace_op2(&own, &op)
     }
 
-    /// Copies the master weights into the model's parameters.
-    pub fn write_params(&self, params: &ParamSet) -> Result<()> {
-        for (i, p) in params.iter().enumerate() {
-            let master = self
-                .state
-                .narrow(0, self.layout.offsets[i], self.layout.numels[i])?;
-            p.var
-                .set(&master.reshape(p.var.shape())?.to_dtype(p.var.dtype())?)?;
-        }
-        Ok(())
+    /// The owned master weights, back to back `[n]`.
+    pub fn master(&self) -> Result<Tensor> {
+        self.state.narrow(0, 0, self.n)
     }
 
     /// A copy of the state for checkpointing.
     pub fn state(&self) -> Result<AdamWState> {
         Ok(AdamWState {
             step: self.step,
-            buffers: self.state.reshape((3, self.layout.total))?.copy()?,
+            buffers: self.state.reshape((3, self.n))?.copy()?,
         })
     }
 
-    /// Restores a saved state (shapes must match this optimizer's parameters).
+    /// Restores a saved state (shapes must match this optimizer's owned ranges).
     pub fn load_state(&mut self, s: &AdamWState) -> Result<()> {
-        let expected = (3, self.layout.total);
-        if s.buffers.dims() != [expected.0, expected.1] {
+        if s.buffers.dims() != [3, self.n] {
             candle_core::bail!(
-                "optimizer state has shape {:?}, this model needs {:?}",
+                "optimizer state has shape {:?}, this rank needs [3, {}]",
                 s.buffers.dims(),
-                expected
+                self.n
             );
         }
         self.state = s.buffers.to_dtype(DType::F32)?.flatten_all()?.copy()?;
@@ -125,6 +150,7 @@ impl AdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
     use model::init::Init;
 
     fn cfg() -> OptimizerConfig {
@@ -168,6 +194,7 @@ mod tests {
             ParamKind::Matrix,
             Init::Normal { std: 1.0 },
             1,
+            (0, 1),
             DType::F32,
             &dev,
         )
@@ -178,13 +205,15 @@ mod tests {
             ParamKind::Norm,
             Init::Constant(1.0),
             1,
+            (0, 1),
             DType::F32,
             &dev,
         )
         .unwrap();
         let c = cfg();
-        let mut opt = AdamW::new(&ps, &c, &dev).unwrap();
-        let grads = GradBuffer::new(FlatLayout::of(&ps), &dev).unwrap();
+        let layout = crate::optim::layout_of(&ps, 1);
+        let mut opt = AdamW::new(&ps, &layout, vec![0..layout.total], &c).unwrap();
+        let grads = GradBuffer::new(layout.clone(), &dev).unwrap();
 
         let mut p: Vec<Vec<f64>> = ps
             .iter()
@@ -217,7 +246,8 @@ mod tests {
                 grads.accumulate(i, &gt).unwrap();
             }
             let scale = 0.5;
-            opt.step(&ps, &grads, c.lr, scale).unwrap();
+            opt.step(&grads, c.lr, scale).unwrap();
+            crate::optim::write_params(&ps, &layout, &opt.master().unwrap()).unwrap();
             for (i, wd) in [(0, c.weight_decay), (1, 0.0)] {
                 let gs: Vec<f64> = g[i].iter().map(|x| x * scale).collect();
                 reference(&mut p[i], &mut m[i], &mut v[i], &gs, &c, wd, t);
@@ -250,16 +280,18 @@ mod tests {
             ParamKind::Matrix,
             Init::Normal { std: 1.0 },
             2,
+            (0, 1),
             DType::F32,
             &dev,
         )
         .unwrap();
-        let mut a = AdamW::new(&ps, &cfg(), &dev).unwrap();
-        let g = GradBuffer::new(FlatLayout::of(&ps), &dev).unwrap();
+        let layout = crate::optim::layout_of(&ps, 1);
+        let mut a = AdamW::new(&ps, &layout, vec![0..4], &cfg()).unwrap();
+        let g = GradBuffer::new(layout.clone(), &dev).unwrap();
         g.accumulate(0, &Tensor::new(&[1f32, -2.0, 3.0, 0.5], &dev).unwrap())
             .unwrap();
-        a.step(&ps, &g, 0.1, 1.0).unwrap();
-        let mut b = AdamW::new(&ps, &cfg(), &dev).unwrap();
+        a.step(&g, 0.1, 1.0).unwrap();
+        let mut b = AdamW::new(&ps, &layout, vec![0..4], &cfg()).unwrap();
         b.load_state(&a.state().unwrap()).unwrap();
         let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
         assert_eq!(sa.step, sb.step);

@@ -1,6 +1,8 @@
 //! `GradBuffer`: one persistent flat fp32 buffer that accumulates every parameter's gradient
 //! across the micro-batches of a step.
 
+use std::ops::Range;
+
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::{kernels, FlatLayout};
@@ -41,14 +43,31 @@ impl GradBuffer {
             .narrow(0, self.layout.offsets[i], self.layout.numels[i])
     }
 
+    /// Replaces parameter `i`'s gradient (e.g. with its sum over ranks).
+    pub fn set(&self, i: usize, grad: &Tensor) -> Result<()> {
+        self.flat.slice_set(
+            &grad.to_dtype(DType::F32)?.flatten_all()?,
+            0,
+            self.layout.offsets[i],
+        )
+    }
+
     /// The whole buffer `[total]`.
     pub fn flat(&self) -> &Tensor {
         &self.flat
     }
 
-    /// `Σ g²` over the whole buffer (f64 accumulation).
-    pub fn sum_squares(&self) -> Result<f64> {
-        kernels::sum_squares(&self.flat)
+    /// The layout.
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    /// `Σ g²` over a flat range (f64 accumulation).
+    pub fn sum_squares(&self, r: Range<usize>) -> Result<f64> {
+        if r.is_empty() {
+            return Ok(0.0);
+        }
+        kernels::sum_squares(&self.flat.narrow(0, r.start, r.len())?)
     }
 }
 
@@ -58,11 +77,7 @@ mod tests {
 
     #[test]
     fn accumulates_into_slots_and_zeroes() {
-        let layout = FlatLayout {
-            offsets: vec![0, 2],
-            numels: vec![2, 3],
-            total: 5,
-        };
+        let layout = FlatLayout::new(&[2, 3], 1 << 20, 1);
         let g = GradBuffer::new(layout, &Device::Cpu).unwrap();
         let a = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
         let b = Tensor::new(&[[1f64, 1.0, 1.0]], &Device::Cpu).unwrap();
@@ -73,12 +88,13 @@ mod tests {
             g.flat().to_vec1::<f32>().unwrap(),
             vec![2.0, 4.0, 1.0, 1.0, 1.0]
         );
-        assert_eq!(g.sum_squares().unwrap(), 4.0 + 16.0 + 3.0);
+        assert_eq!(g.sum_squares(0..5).unwrap(), 4.0 + 16.0 + 3.0);
+        assert_eq!(g.sum_squares(2..5).unwrap(), 3.0);
         assert!(
             g.accumulate(1, &a).is_err(),
             "element count mismatch is an error"
         );
         g.zero().unwrap();
-        assert_eq!(g.sum_squares().unwrap(), 0.0);
+        assert_eq!(g.sum_squares(0..5).unwrap(), 0.0);
     }
 }

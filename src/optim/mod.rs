@@ -1,5 +1,6 @@
 //! The optimizer side of a step: persistent flat fp32 gradient buffers, AdamW with fp32 master
-//! weights and moments, weight-decay masks and global-norm clipping.
+//! weights and moments over the flat ranges a rank owns (everything, or its ZeRO-1 shards),
+//! weight-decay masks and global-norm clipping.
 
 mod adamw;
 mod grads;
@@ -7,34 +8,52 @@ pub mod kernels;
 
 pub use adamw::{AdamW, AdamWState};
 pub use grads::GradBuffer;
+pub use parallel::flat::FlatLayout;
 
+use candle_core::{DType, Result, Tensor};
 use model::ParamSet;
 
-/// Where each parameter lives in the flat buffers: `offsets[i]..offsets[i] + numel[i]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FlatLayout {
-    /// Start of each parameter.
-    pub offsets: Vec<usize>,
-    /// Elements of each parameter.
-    pub numels: Vec<usize>,
-    /// Total elements.
-    pub total: usize,
+/// Default bucket size for data-parallel communication (elements).
+pub const BUCKET_ELEMS: usize = 1 << 22;
+
+/// The layout of `params` with buckets padded for `dp_size` ranks.
+pub fn layout_of(params: &ParamSet, dp_size: usize) -> FlatLayout {
+    let numels: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
+    FlatLayout::new(&numels, BUCKET_ELEMS, dp_size)
 }
 
-impl FlatLayout {
-    /// Parameters laid out back to back in `ParamSet` order.
-    pub fn of(params: &ParamSet) -> Self {
-        let numels: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
-        let mut offsets = Vec::with_capacity(numels.len());
-        let mut total = 0;
-        for n in &numels {
-            offsets.push(total);
-            total += n;
+/// All parameters as one flat f32 vector `[layout.total]` (padding zero).
+pub fn flatten_params(params: &ParamSet, layout: &FlatLayout) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(2 * params.len());
+    let mut end = 0;
+    for (i, p) in params.iter().enumerate() {
+        let r = layout.range(i);
+        if r.start > end {
+            parts.push(Tensor::zeros(r.start - end, DType::F32, p.var.device())?);
         }
-        Self {
-            offsets,
-            numels,
-            total,
-        }
+        parts.push(p.var.as_tensor().to_dtype(DType::F32)?.flatten_all()?);
+        end = r.end;
     }
+    if let (true, Some(p)) = (layout.total > end, params.iter().next()) {
+        parts.push(Tensor::zeros(
+            layout.total - end,
+            DType::F32,
+            p.var.device(),
+        )?);
+    }
+    Tensor::cat(&parts, 0)
+}
+
+/// Writes a whole flat f32 vector `[layout.total]` into the parameters (cast to their dtype).
+pub fn write_params(params: &ParamSet, layout: &FlatLayout, flat: &Tensor) -> Result<()> {
+    for (i, p) in params.iter().enumerate() {
+        let r = layout.range(i);
+        p.var.set(
+            &flat
+                .narrow(0, r.start, r.len())?
+                .reshape(p.var.shape())?
+                .to_dtype(p.var.dtype())?,
+        )?;
+    }
+    Ok(())
 }

@@ -71,6 +71,12 @@ impl Recipe {
                 self.train.seq_len, par.tp
             ));
         }
+        if !(par.timeout_s > 0.0) {
+            p.push(format!(
+                "parallel.timeout_s ({}) must be positive",
+                par.timeout_s
+            ));
+        }
         if par.zero1 && par.dp == 1 {
             p.push("parallel.zero1 shards optimizer state across data-parallel ranks and needs parallel.dp > 1".into());
         }

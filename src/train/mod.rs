@@ -1,31 +1,42 @@
-//! The single-rank training loop: data → segments forward/backward → clipped AdamW step, with a
-//! log line per step, periodic validation and run outputs.
+//! The training loop of one rank: data → segments forward/backward (gradients synchronised across
+//! data-parallel ranks while the backward runs) → exact global gradient norm → clipped AdamW step
+//! over the rank's owned flat ranges (ZeRO-1 shards or everything), with a log line per step,
+//! periodic validation and run outputs; and [`train`], which launches the ranks.
 
 pub mod metrics;
+pub mod rank;
 pub mod step;
 
 use std::path::Path;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use data::{micro_batch_indices, GptData, Split};
 use model::{llama::masked_mean, Llama};
+use parallel::dp::{gather_shards, GradSync};
+use parallel::flat::intersect;
+use parallel::tp::Shard;
+use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
-use crate::optim::{AdamW, FlatLayout, GradBuffer};
+use crate::optim::{layout_of, write_params, AdamW, GradBuffer};
 use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
 use crate::schedule::lr_at;
 use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
+pub use rank::RankCtx;
 use step::{forward_backward, MicroBatch};
 
-/// Everything one training run holds.
+/// Everything one rank of a training run holds.
 pub struct Trainer {
     recipe: Recipe,
+    ctx: RankCtx,
     device: Device,
     model: Llama,
     grads: GradBuffer,
     optimizer: AdamW,
+    sync: Option<GradSync>,
     train_data: GptData,
     valid_data: Option<GptData>,
     metrics: Option<Metrics>,
@@ -33,6 +44,16 @@ pub struct Trainer {
     step: usize,
     /// Global samples consumed (the data loader's whole state).
     consumed: u64,
+}
+
+/// What a finished run reports.
+pub struct RunOutput {
+    /// Every step's record (identical on all ranks).
+    pub records: Vec<StepRecord>,
+    /// The last validation loss, if validation ran.
+    pub val_loss: Option<f64>,
+    /// Whole parameters by name, assembled from every rank's slices.
+    pub weights: std::collections::BTreeMap<String, Vec<f32>>,
 }
 
 /// The compute device a recipe asks for.
@@ -48,14 +69,23 @@ pub fn device_for(kind: DeviceKind) -> Result<Device> {
     }
 }
 
+fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
+    if group.size() == 1 {
+        return Ok(v);
+    }
+    Ok(comm
+        .all_reduce(group, &Tensor::new(&[v], &Device::Cpu)?, ReduceOp::Sum)?
+        .to_vec1::<f64>()?[0])
+}
+
 impl Trainer {
-    /// Opens the data, builds the model and optimizer. `write_outputs` is false for in-memory runs
-    /// (tests) that should leave no files.
-    pub fn new(recipe: Recipe, write_outputs: bool) -> Result<Self> {
-        if recipe.parallel.world_size() > 1 {
+    /// Opens the data, builds this rank's part of the model and its optimizer. `write_outputs` is
+    /// false for in-memory runs (tests) that should leave no files.
+    pub fn new(recipe: Recipe, ctx: RankCtx, write_outputs: bool) -> Result<Self> {
+        if recipe.parallel.pp > 1 {
             bail!(
-                "parallel: dp × tp × pp = {} ranks; this build trains on one rank (set parallel.dp = tp = pp = 1)",
-                recipe.parallel.world_size()
+                "parallel.pp = {}: pipeline parallelism is not available in this build",
+                recipe.parallel.pp
             );
         }
         if recipe.checkpoint.interval > 0 || recipe.checkpoint.resume != Resume::None {
@@ -100,25 +130,48 @@ impl Trainer {
         } else {
             None
         };
-        let model = Llama::new(&recipe.model, t.seed, dtype, &device)?;
-        let grads = GradBuffer::new(FlatLayout::of(model.params()), &device)?;
-        let optimizer = AdamW::new(model.params(), &recipe.optimizer, &device)?;
-        let metrics = if write_outputs {
+        let model = Llama::new(
+            &recipe.model,
+            ctx.placement(recipe.model.num_hidden_layers),
+            t.seed,
+            dtype,
+            &device,
+        )?;
+        let (dp, zero1) = (ctx.dp.size(), recipe.parallel.zero1);
+        let layout = layout_of(model.params(), dp);
+        let grads = GradBuffer::new(layout.clone(), &device)?;
+        let owned = layout.owned(zero1, ctx.coords.dp, dp);
+        let optimizer = AdamW::new(model.params(), &layout, owned, &recipe.optimizer)?;
+        let sync = if dp > 1 {
+            Some(GradSync::new(
+                layout,
+                grads.flat().clone(),
+                ctx.comm.clone(),
+                ctx.dp.clone(),
+                zero1,
+            )?)
+        } else {
+            None
+        };
+        let write = write_outputs && ctx.is_main();
+        let metrics = if write {
             Some(Metrics::open(&recipe.run.dir)?)
         } else {
             None
         };
-        if write_outputs {
+        if write {
             let path = recipe.run.dir.join("recipe.yaml");
             std::fs::write(&path, serde_yaml::to_string(&recipe)?)
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(Self {
             recipe,
+            ctx,
             device,
             model,
             grads,
             optimizer,
+            sync,
             train_data,
             valid_data,
             metrics,
@@ -127,7 +180,7 @@ impl Trainer {
         })
     }
 
-    /// The model being trained.
+    /// This rank's part of the model.
     pub fn model(&self) -> &Llama {
         &self.model
     }
@@ -135,33 +188,60 @@ impl Trainer {
     /// One optimizer step over the next global batch.
     pub fn train_step(&mut self) -> Result<StepRecord> {
         let start = Instant::now();
-        let (t, r) = (&self.recipe.train, &self.recipe);
+        let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
+        let comm = ctx.comm.as_ref();
         self.grads.zero()?;
         let batches = micro_batch_indices(
             self.consumed,
             t.global_batch,
             t.micro_batch,
-            0,
-            r.parallel.dp,
+            ctx.coords.dp,
+            ctx.dp.size(),
         )
         .iter()
         .map(|ix| self.train_data.batch(ix))
         .collect::<Result<Vec<_>, _>>()?;
-        let counted: f64 = batches
+        let local: f64 = batches
             .iter()
             .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
             .sum();
-        let scale = 1.0 / counted.max(1.0);
+        let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
+
+        if let Some(s) = &mut self.sync {
+            s.start();
+        }
         let mut loss = 0.0;
-        for b in &batches {
+        for (k, b) in batches.iter().enumerate() {
+            let last = k + 1 == batches.len();
+            let (model, grads, sync) = (&self.model, &self.grads, &mut self.sync);
+            let mut ready = |i: usize| -> Result<()> {
+                if !last {
+                    return Ok(());
+                }
+                let p = model.params().get(i);
+                if ctx.sequence_parallel && p.shard == Shard::Replicated {
+                    // Sequence-parallel norms saw only this rank's tokens: sum over the TP group.
+                    grads.set(i, &comm.all_reduce(&ctx.tp, &grads.get(i)?, ReduceOp::Sum)?)?;
+                }
+                if let Some(s) = sync {
+                    s.ready(i)?;
+                }
+                Ok(())
+            };
             loss += forward_backward(
-                &self.model,
+                model,
                 &MicroBatch::new(b, scale, &self.device)?,
                 t.recompute,
-                &self.grads,
+                grads,
+                &mut ready,
             )?;
         }
-        let grad_norm = self.grads.sum_squares()?.sqrt();
+        if let Some(s) = &mut self.sync {
+            s.finish()
+                .context("synchronising gradients across data-parallel ranks")?;
+        }
+        let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
+        let grad_norm = self.grad_norm()?;
         if !grad_norm.is_finite() {
             bail!(
                 "step {}: gradient norm is {grad_norm} (loss {loss}); stopping before the update",
@@ -174,8 +254,14 @@ impl Trainer {
             1.0
         };
         let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
-        self.optimizer
-            .step(self.model.params(), &self.grads, lr, clip)?;
+        self.optimizer.step(&self.grads, lr, clip)?;
+        let master = self.optimizer.master()?;
+        let full = if r.parallel.zero1 {
+            gather_shards(self.grads.layout(), &master, comm, &ctx.dp)?
+        } else {
+            master
+        };
+        write_params(self.model.params(), self.grads.layout(), &full)?;
         self.step += 1;
         self.consumed += t.global_batch as u64;
 
@@ -199,14 +285,37 @@ impl Trainer {
         })
     }
 
-    /// Mean loss over the validation micro-batches (the same samples every time).
+    /// The global gradient norm: each element counted once over the whole job (tensor-parallel
+    /// replicas of a parameter only on TP index 0; ZeRO-1 shards summed over data-parallel ranks).
+    fn grad_norm(&self) -> Result<f64> {
+        let ctx = &self.ctx;
+        let mut sq = 0.0;
+        for (i, p) in self.model.params().iter().enumerate() {
+            if p.shard == Shard::Replicated && ctx.coords.tp != 0 {
+                continue;
+            }
+            for r in self.optimizer.owned() {
+                sq += self
+                    .grads
+                    .sum_squares(intersect(&self.grads.layout().range(i), r))?;
+            }
+        }
+        let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
+        if self.recipe.parallel.zero1 {
+            sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp, sq)?;
+        }
+        Ok(sq.sqrt())
+    }
+
+    /// Mean loss over the validation micro-batches (the same samples every time), split across
+    /// data-parallel ranks.
     pub fn evaluate(&self) -> Result<f64> {
         let Some(valid) = &self.valid_data else {
             bail!("validation is disabled (train.eval_interval = 0)")
         };
-        let t = &self.recipe.train;
+        let (t, ctx) = (&self.recipe.train, &self.ctx);
         let (mut sum, mut count) = (0.0, 0.0);
-        for i in 0..t.eval_batches {
+        for i in (ctx.coords.dp..t.eval_batches).step_by(ctx.dp.size()) {
             let ix: Vec<u64> = (0..t.micro_batch)
                 .map(|j| (i * t.micro_batch + j) as u64)
                 .collect();
@@ -218,7 +327,8 @@ impl Trainer {
             sum += masked_mean(&self.model.token_losses(&tokens, &labels)?.detach(), &mask)? * n;
             count += n;
         }
-        Ok(sum / count.max(1.0))
+        let comm = ctx.comm.as_ref();
+        Ok(all_reduce_f64(comm, &ctx.dp, sum)? / all_reduce_f64(comm, &ctx.dp, count)?.max(1.0))
     }
 
     /// Trains for the recipe's steps; returns every step's record and the final validation loss.
@@ -228,19 +338,28 @@ impl Trainer {
             self.recipe.run.log_interval,
             self.recipe.train.eval_interval,
         );
-        info!(
-            "model: {} parameters, {} layers; {} micro-batches of {} × {} tokens per step",
-            self.model.config().num_params(),
-            self.model.config().num_hidden_layers,
-            self.recipe.grad_accum_steps(),
-            self.recipe.train.micro_batch,
-            self.recipe.train.seq_len
-        );
+        let main = self.ctx.is_main();
+        if main {
+            let p = &self.recipe.parallel;
+            info!(
+                "model: {} parameters, {} layers; layout dp={} tp={} pp={}{}{}; {} micro-batches of {} × {} tokens per rank and step",
+                self.model.config().num_params(),
+                self.model.config().num_hidden_layers,
+                p.dp,
+                p.tp,
+                p.pp,
+                if p.sequence_parallel { " +sp" } else { "" },
+                if p.zero1 { " +zero1" } else { "" },
+                self.recipe.grad_accum_steps(),
+                self.recipe.train.micro_batch,
+                self.recipe.train.seq_len
+            );
+        }
         let mut records = Vec::with_capacity(steps);
         let mut last_eval = None;
         while self.step < steps {
             let rec = self.train_step()?;
-            if rec.step % log_every == 0 || rec.step == steps {
+            if main && (rec.step % log_every == 0 || rec.step == steps) {
                 let mfu = rec
                     .mfu
                     .map_or("n/a".to_string(), |m| format!("{:.1}%", 100.0 * m));
@@ -254,7 +373,9 @@ impl Trainer {
             }
             if eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps) {
                 let val_loss = self.evaluate()?;
-                info!("step={} val_loss={val_loss:.4}", rec.step);
+                if main {
+                    info!("step={} val_loss={val_loss:.4}", rec.step);
+                }
                 if let Some(m) = &mut self.metrics {
                     m.eval(&EvalRecord {
                         step: rec.step,
@@ -271,4 +392,95 @@ impl Trainer {
         }
         Ok((records, last_eval))
     }
+
+    /// This rank's parameter slices: `(name, global shape, slice, values)`.
+    pub fn weight_slices(&self) -> Result<Vec<WeightSlice>> {
+        self.model
+            .params()
+            .iter()
+            .map(|p| {
+                Ok(WeightSlice {
+                    name: p.name.clone(),
+                    global_shape: p.global_shape.clone(),
+                    slice: p.slice.clone(),
+                    values: p
+                        .var
+                        .as_tensor()
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One rank's slice of one parameter.
+pub struct WeightSlice {
+    /// Parameter name.
+    pub name: String,
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// `(offset, length)` per dimension.
+    pub slice: Vec<(usize, usize)>,
+    /// Row-major values of the slice.
+    pub values: Vec<f32>,
+}
+
+/// Assembles whole tensors (row-major) from slices of any ranks; replicas overwrite each other.
+pub fn assemble(
+    slices: impl IntoIterator<Item = WeightSlice>,
+) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let mut out = std::collections::BTreeMap::new();
+    for s in slices {
+        let full: &mut Vec<f32> = out
+            .entry(s.name.clone())
+            .or_insert_with(|| vec![0.0; s.global_shape.iter().product()]);
+        let cols_full = if s.global_shape.len() == 2 {
+            s.global_shape[1]
+        } else {
+            s.global_shape[0]
+        };
+        let ((r0, rows), (c0, cols)) = match s.slice.as_slice() {
+            [r, c] => (*r, *c),
+            [c] => ((0, 1), *c),
+            _ => continue,
+        };
+        for r in 0..rows {
+            let dst = (r0 + r) * cols_full + c0;
+            full[dst..dst + cols].copy_from_slice(&s.values[r * cols..(r + 1) * cols]);
+        }
+    }
+    out
+}
+
+/// Runs a whole training job: one rank in this thread, or `dp × tp × pp` ranks as threads sharing
+/// the local communicator. Returns rank 0's records and the assembled final weights.
+pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
+    let world = recipe.parallel.world_size();
+    let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
+    let results = parallel::launch::run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
+        let run = || -> Result<_> {
+            let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+            let mut trainer = Trainer::new(recipe.clone(), ctx, write_outputs)?;
+            let (records, val) = trainer.run()?;
+            Ok((records, val, trainer.weight_slices()?))
+        };
+        run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    })?;
+    let mut records = None;
+    let mut val_loss = None;
+    let mut all = Vec::new();
+    for (r, v, w) in results {
+        if records.is_none() {
+            records = Some(r);
+            val_loss = v;
+        }
+        all.extend(w);
+    }
+    Ok(RunOutput {
+        records: records.unwrap_or_default(),
+        val_loss,
+        weights: assemble(all),
+    })
 }

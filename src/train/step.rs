@@ -32,12 +32,14 @@ impl MicroBatch {
 }
 
 /// Runs forward and backward of `mb`, adds the gradients into `grads` and returns the
-/// micro-batch's scaled loss (its share of the global-batch mean).
+/// micro-batch's scaled loss (its share of the global-batch mean). `ready(i)` is called for each
+/// parameter right after the backward of the last piece that uses it.
 pub fn forward_backward(
     model: &Llama,
     mb: &MicroBatch,
     recompute: Recompute,
     grads: &GradBuffer,
+    ready: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let pieces = model.pieces();
     let run_piece = |piece: Piece| {
@@ -70,8 +72,21 @@ pub fn forward_backward(
     }
     let loss = x.to_scalar::<f32>()? as f64;
 
+    // A parameter is final after the backward of the earliest piece (in forward order) using it.
+    let mut seen = std::collections::HashSet::new();
+    let first_use: Vec<Vec<usize>> = pieces
+        .iter()
+        .map(|&p| {
+            model
+                .piece_params(p)
+                .into_iter()
+                .filter(|i| seen.insert(*i))
+                .collect()
+        })
+        .collect();
+
     let mut dy: Option<Tensor> = None;
-    for (&piece, run) in pieces.iter().zip(runs).rev() {
+    for ((&piece, run), finals) in pieces.iter().zip(runs).zip(&first_use).rev() {
         let (store, dx) = segment::backward(
             &run_piece(piece),
             run,
@@ -89,6 +104,9 @@ pub fn forward_backward(
             grads
                 .accumulate(i, g)
                 .with_context(|| format!("accumulating the gradient of {}", p.name))?;
+        }
+        for &i in finals {
+            ready(i)?;
         }
         dy = dx;
     }

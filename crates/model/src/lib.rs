@@ -9,6 +9,6 @@ pub mod params;
 pub mod segment;
 
 pub use config::LlamaConfig;
-pub use llama::{Llama, Piece, Targets};
+pub use llama::{Llama, Piece, Placement, Targets};
 pub use params::{ParamKind, ParamSet, Parameter};
 pub use segment::Recompute;

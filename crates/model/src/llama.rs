@@ -1,9 +1,18 @@
 //! The Llama decoder: token embedding, `num_hidden_layers` pre-norm blocks (grouped-query attention
 //! with rotary embeddings, SwiGLU MLP), final RMSNorm and the output projection, with Hugging Face
-//! parameter names. The model is cut into segments (embedding, each block, head + loss) that
-//! [`crate::segment`] runs with separate autograd graphs.
+//! parameter names.
+//!
+//! A rank holds the part of the model its [`Placement`] names (all of it on one rank; a layer range
+//! with an optional embedding and head on a pipeline stage) split across its tensor-parallel group
+//! as the TP plan says. The model never calls a collective itself: tensor parallelism enters only
+//! through `TensorParallel::{enter, exit}` around the column/row-parallel regions and through the
+//! vocab-parallel embedding and loss. The model is cut into segments (embedding, each block, head
+//! with loss) that [`crate::segment`] runs with separate autograd graphs.
+
+use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Result, Tensor};
+use parallel::tp::{vocab_parallel_cross_entropy, vocab_parallel_embedding, TensorParallel};
 
 use crate::config::LlamaConfig;
 use crate::init::Init;
@@ -29,10 +38,35 @@ struct Block {
 pub enum Piece {
     /// Token ids `[b, s]` → hidden states `[b, s, h]`.
     Embedding,
-    /// Decoder block `i`: `[b, s, h]` → `[b, s, h]`.
+    /// Decoder block `i` (global layer index): `[b, s, h]` → `[b, s, h]`.
     Block(usize),
     /// Final norm, output projection and the loss: `[b, s, h]` → scalar.
     Head,
+}
+
+/// Which part of the model a rank holds, and its tensor-parallel group.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    /// Tensor-parallel group (`None`: no tensor parallelism).
+    pub tp: Option<TensorParallel>,
+    /// Global indices of the decoder blocks held, in execution order.
+    pub layers: Vec<usize>,
+    /// Holds the token embedding (first pipeline stage).
+    pub embedding: bool,
+    /// Holds the final norm, output projection and loss (last pipeline stage).
+    pub head: bool,
+}
+
+impl Placement {
+    /// The whole model on one rank.
+    pub fn whole(config: &LlamaConfig) -> Self {
+        Self {
+            tp: None,
+            layers: (0..config.num_hidden_layers).collect(),
+            embedding: true,
+            head: true,
+        }
+    }
 }
 
 /// Targets of one micro-batch, for the head segment.
@@ -47,23 +81,32 @@ pub struct Targets {
     pub loss_scale: f64,
 }
 
-/// A Llama model whose parameters live in a [`ParamSet`].
+/// A Llama model (or this rank's part of it) whose parameters live in a [`ParamSet`].
 #[derive(Debug, Clone)]
 pub struct Llama {
     config: LlamaConfig,
+    placement: Placement,
     params: ParamSet,
-    embed_tokens: usize,
-    blocks: Vec<Block>,
-    norm: usize,
-    lm_head: usize,
+    /// Token embedding (first stage), or the tied output matrix's copy on a last stage.
+    embed_tokens: Option<usize>,
+    blocks: BTreeMap<usize, Block>,
+    norm: Option<usize>,
+    lm_head: Option<usize>,
     /// `[max_pos, head_dim / 2]` rotary tables in the parameter dtype.
     cos: Tensor,
     sin: Tensor,
 }
 
 impl Llama {
-    /// Builds the model with seeded initialisation (bit-identical for equal `seed`).
-    pub fn new(config: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+    /// Builds this rank's part of the model with seeded, layout-free initialisation: every
+    /// parameter equals the corresponding slice of the single-rank model built with `seed`.
+    pub fn new(
+        config: &LlamaConfig,
+        placement: Placement,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let (h, f, v) = (
             config.hidden_size,
             config.intermediate_size,
@@ -72,25 +115,36 @@ impl Llama {
         let kv = config.num_key_value_heads * config.head_dim();
         let std = config.init_std;
         let out_std = std / (2.0 * config.num_hidden_layers as f64).sqrt();
+        let tp = placement
+            .tp
+            .as_ref()
+            .map_or((0, 1), |t| (t.index(), t.size()));
         let mut p = ParamSet::default();
         let mut add = |name: &str, shape: &[usize], kind: ParamKind, init: Init| {
-            p.add(name, shape, kind, init, seed, dtype, device)
+            p.add(name, shape, kind, init, seed, tp, dtype, device)
         };
-        let embed_tokens = add(
-            "model.embed_tokens.weight",
-            &[v, h],
-            ParamKind::Embedding,
+        let (one, w, wo) = (
+            Init::Constant(1.0),
             Init::Normal { std },
-        )?;
-        let mut blocks = Vec::with_capacity(config.num_hidden_layers);
-        for i in 0..config.num_hidden_layers {
+            Init::Normal { std: out_std },
+        );
+        // The tied output matrix is the embedding: a last stage without the embedding keeps its own
+        // copy (same name, same initial values) whose gradient is summed with the first stage's.
+        let embed_tokens = if placement.embedding || (placement.head && config.tie_word_embeddings)
+        {
+            Some(add(
+                "model.embed_tokens.weight",
+                &[v, h],
+                ParamKind::Embedding,
+                w,
+            )?)
+        } else {
+            None
+        };
+        let mut blocks = BTreeMap::new();
+        for &i in &placement.layers {
             let n = |s: &str| format!("model.layers.{i}.{s}.weight");
-            let (one, w, wo) = (
-                Init::Constant(1.0),
-                Init::Normal { std },
-                Init::Normal { std: out_std },
-            );
-            blocks.push(Block {
+            let block = Block {
                 input_layernorm: add(&n("input_layernorm"), &[h], ParamKind::Norm, one)?,
                 q_proj: add(&n("self_attn.q_proj"), &[h, h], ParamKind::Matrix, w)?,
                 k_proj: add(&n("self_attn.k_proj"), &[kv, h], ParamKind::Matrix, w)?,
@@ -105,27 +159,23 @@ impl Llama {
                 gate_proj: add(&n("mlp.gate_proj"), &[f, h], ParamKind::Matrix, w)?,
                 up_proj: add(&n("mlp.up_proj"), &[f, h], ParamKind::Matrix, w)?,
                 down_proj: add(&n("mlp.down_proj"), &[h, f], ParamKind::Matrix, wo)?,
-            });
+            };
+            blocks.insert(i, block);
         }
-        let norm = add(
-            "model.norm.weight",
-            &[h],
-            ParamKind::Norm,
-            Init::Constant(1.0),
-        )?;
-        let lm_head = if config.tie_word_embeddings {
-            embed_tokens
+        let (norm, lm_head) = if placement.head {
+            let norm = add("model.norm.weight", &[h], ParamKind::Norm, one)?;
+            let head = match (config.tie_word_embeddings, embed_tokens) {
+                (true, Some(e)) => e,
+                _ => add("lm_head.weight", &[v, h], ParamKind::Matrix, w)?,
+            };
+            (Some(norm), Some(head))
         } else {
-            add(
-                "lm_head.weight",
-                &[v, h],
-                ParamKind::Matrix,
-                Init::Normal { std },
-            )?
+            (None, None)
         };
         let (cos, sin) = rope_tables(config, dtype, device)?;
         Ok(Self {
             config: config.clone(),
+            placement,
             params: p,
             embed_tokens,
             blocks,
@@ -141,25 +191,35 @@ impl Llama {
         &self.config
     }
 
-    /// All trainable parameters.
+    /// What this rank holds.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// This rank's trainable parameters.
     pub fn params(&self) -> &ParamSet {
         &self.params
     }
 
-    /// The segments of a full forward pass, in order.
+    /// The segments this rank runs for one micro-batch, in forward order.
     pub fn pieces(&self) -> Vec<Piece> {
-        let mut v = vec![Piece::Embedding];
-        v.extend((0..self.blocks.len()).map(Piece::Block));
-        v.push(Piece::Head);
+        let mut v = Vec::new();
+        if self.placement.embedding {
+            v.push(Piece::Embedding);
+        }
+        v.extend(self.placement.layers.iter().map(|&i| Piece::Block(i)));
+        if self.placement.head {
+            v.push(Piece::Head);
+        }
         v
     }
 
     /// Indices of the parameters a piece uses.
     pub fn piece_params(&self, piece: Piece) -> Vec<usize> {
         match piece {
-            Piece::Embedding => vec![self.embed_tokens],
+            Piece::Embedding => self.embed_tokens.into_iter().collect(),
             Piece::Block(i) => {
-                let b = &self.blocks[i];
+                let b = &self.blocks[&i];
                 vec![
                     b.input_layernorm,
                     b.q_proj,
@@ -172,7 +232,7 @@ impl Llama {
                     b.down_proj,
                 ]
             }
-            Piece::Head => vec![self.norm, self.lm_head],
+            Piece::Head => self.norm.into_iter().chain(self.lm_head).collect(),
         }
     }
 
@@ -180,57 +240,139 @@ impl Llama {
         self.params.get(i).var.as_tensor()
     }
 
-    /// Token ids `[b, s]` → hidden states `[b, s, h]`.
-    pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        let (b, s) = tokens.dims2()?;
-        self.w(self.embed_tokens)
-            .embedding(&tokens.flatten_all()?)?
-            .reshape((b, s, self.config.hidden_size))
+    fn enter(&self, x: &Tensor) -> Result<Tensor> {
+        self.placement
+            .tp
+            .as_ref()
+            .map_or_else(|| Ok(x.clone()), |tp| tp.enter(x))
     }
 
-    /// Decoder block `i`: `[b, s, h]` → `[b, s, h]`.
+    fn exit(&self, y: &Tensor) -> Result<Tensor> {
+        self.placement
+            .tp
+            .as_ref()
+            .map_or_else(|| Ok(y.clone()), |tp| tp.exit(y))
+    }
+
+    fn missing(&self, what: &str) -> candle_core::Error {
+        candle_core::Error::Msg(format!(
+            "this rank's model part has no {what} ({:?})",
+            self.placement.layers
+        ))
+    }
+
+    /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence parallelism).
+    pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        let w = self.w(self
+            .embed_tokens
+            .filter(|_| self.placement.embedding)
+            .ok_or_else(|| self.missing("embedding"))?);
+        match &self.placement.tp {
+            Some(tp) => vocab_parallel_embedding(
+                tokens,
+                w,
+                self.params.get(self.embed_tokens.unwrap()).slice[0].0,
+                tp,
+            ),
+            None => {
+                let (b, s) = tokens.dims2()?;
+                w.embedding(&tokens.flatten_all()?)?
+                    .reshape((b, s, self.config.hidden_size))
+            }
+        }
+    }
+
+    /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism).
     pub fn block(&self, i: usize, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
-        let blk = &self.blocks[i];
-        let (b, s, _) = x.dims3()?;
-        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim());
-        let (cos, sin) = (self.cos.narrow(0, 0, s)?, self.sin.narrow(0, 0, s)?);
+        let blk = self
+            .blocks
+            .get(&i)
+            .ok_or_else(|| self.missing(&format!("layer {i}")))?;
+        let tp = self.placement.tp.as_ref().map_or(1, |t| t.size());
+        let (hq, hkv, d) = (
+            c.num_attention_heads / tp,
+            c.num_key_value_heads / tp,
+            c.head_dim(),
+        );
 
-        let h = ops::rms_norm(x, self.w(blk.input_layernorm), c.rms_norm_eps)?; // [b, s, h]
-        let q = linear(&h, self.w(blk.q_proj))?.reshape((b, s, hq, d))?;
-        let k = linear(&h, self.w(blk.k_proj))?.reshape((b, s, hkv, d))?;
+        let h = ops::rms_norm(x, self.w(blk.input_layernorm), c.rms_norm_eps)?; // [b, s(/tp), h]
+        let h = self.enter(&h)?; // [b, s, h]
+        let (b, s, _) = h.dims3()?;
+        let (cos, sin) = (self.cos.narrow(0, 0, s)?, self.sin.narrow(0, 0, s)?);
+        let q = linear(&h, self.w(blk.q_proj))?.reshape((b, s, hq, d))?; // [b, s, hq/tp, d]
+        let k = linear(&h, self.w(blk.k_proj))?.reshape((b, s, hkv, d))?; // [b, s, hkv/tp, d]
         let v = linear(&h, self.w(blk.v_proj))?.reshape((b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
-        let a = ops::causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?; // [b, s, hq, d]
-        let x = (x + linear(&a.reshape((b, s, hq * d))?, self.w(blk.o_proj))?)?;
+        let a = ops::causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?; // [b, s, hq/tp, d]
+        let o = linear(&a.reshape((b, s, hq * d))?, self.w(blk.o_proj))?; // [b, s, h] partial
+        let x = (x + self.exit(&o)?)?;
 
-        let h = ops::rms_norm(&x, self.w(blk.post_attention_layernorm), c.rms_norm_eps)?;
+        let h = self.enter(&ops::rms_norm(
+            &x,
+            self.w(blk.post_attention_layernorm),
+            c.rms_norm_eps,
+        )?)?;
         let g = ops::swiglu(
             &linear(&h, self.w(blk.gate_proj))?,
             &linear(&h, self.w(blk.up_proj))?,
-        )?; // [b, s, f]
-        x + linear(&g, self.w(blk.down_proj))?
+        )?; // [b, s, f/tp]
+        x + self.exit(&linear(&g, self.w(blk.down_proj))?)?
     }
 
-    /// Final norm and output projection: `[b, s, h]` → logits `[b * s, v]` (f32).
-    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
-        let h = ops::rms_norm(x, self.w(self.norm), self.config.rms_norm_eps)?;
-        linear(&h.flatten_to(1)?, self.w(self.lm_head))?.to_dtype(DType::F32)
+    /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]` (f32).
+    fn local_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let (norm, head) = self
+            .norm
+            .zip(self.lm_head)
+            .ok_or_else(|| self.missing("head"))?;
+        let h = self.enter(&ops::rms_norm(x, self.w(norm), self.config.rms_norm_eps)?)?; // [b, s, h]
+        linear(&h.flatten_to(1)?, self.w(head))?.to_dtype(DType::F32)
+    }
+
+    /// Per-position next-token losses `[b * s]` from the last hidden states; identical on every
+    /// tensor-parallel rank. The full logits are never gathered across ranks.
+    pub fn losses(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let logits = self.local_logits(x)?; // [b * s, v/tp]
+        match self.placement.tp.as_ref().filter(|t| t.size() > 1) {
+            Some(tp) => {
+                let start = self
+                    .params
+                    .get(self.lm_head.expect("checked by local_logits"))
+                    .slice[0]
+                    .0;
+                vocab_parallel_cross_entropy(&logits, labels, start, &tp.group)
+            }
+            None => ops::cross_entropy(&logits, labels),
+        }
     }
 
     /// Head segment: the micro-batch's summed masked cross-entropy times `targets.loss_scale`.
     pub fn head_loss(&self, x: &Tensor, targets: &Targets) -> Result<Tensor> {
-        let losses = ops::cross_entropy(&self.logits(x)?, &targets.labels)?; // [b * s]
-        (losses * &targets.loss_mask)?.sum_all()? * targets.loss_scale
+        (self.losses(x, &targets.labels)? * &targets.loss_mask)?.sum_all()? * targets.loss_scale
     }
 
-    /// Full forward without segments (evaluation, tests): per-position losses `[b * s]`.
-    pub fn token_losses(&self, tokens: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
+    pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
+        if self.placement.tp.as_ref().is_some_and(|t| t.size() > 1) || !self.placement.embedding {
+            candle_core::bail!("full logits need the whole model on one rank");
+        }
+        self.local_logits(&self.hidden(tokens)?)
+    }
+
+    /// Embedding and every block held, without segments: `[b, s]` → `[b, s(/tp), h]`.
+    pub fn hidden(&self, tokens: &Tensor) -> Result<Tensor> {
         let mut x = self.embed(tokens)?;
-        for i in 0..self.blocks.len() {
+        for &i in &self.placement.layers {
             x = self.block(i, &x)?;
         }
-        ops::cross_entropy(&self.logits(&x)?, labels)
+        Ok(x)
+    }
+
+    /// Full forward without segments (evaluation, tests) on a rank holding the embedding and the
+    /// head: per-position losses `[b * s]`.
+    pub fn token_losses(&self, tokens: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        self.losses(&self.hidden(tokens)?, labels)
     }
 }
 
@@ -241,7 +383,9 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let rows = x.elem_count() / n_in.max(1);
     let y = x.reshape((rows, n_in))?.matmul(&w.t()?)?; // [rows, out]
     let mut out = dims;
-    *out.last_mut().expect("linear input has at least one dim") = w.dim(0)?;
+    if let Some(last) = out.last_mut() {
+        *last = w.dim(0)?;
+    }
     y.reshape(out)
 }
 

@@ -1,6 +1,7 @@
 //! `Parameter` and `ParamSet`: the model's named trainable tensors with their optimiser metadata.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
+use parallel::tp::{tp_shard, Shard};
 
 use crate::init::Init;
 
@@ -24,6 +25,12 @@ pub struct Parameter {
     pub var: Var,
     /// Its role.
     pub kind: ParamKind,
+    /// Shape of the whole (unsharded) tensor.
+    pub global_shape: Vec<usize>,
+    /// How it is split across tensor-parallel ranks (from the TP plan).
+    pub shard: Shard,
+    /// `(offset, length)` of this rank's slice along each dimension of `global_shape`.
+    pub slice: Vec<(usize, usize)>,
 }
 
 /// The ordered list of a model's parameters; indices into it identify parameters everywhere
@@ -34,25 +41,42 @@ pub struct ParamSet {
 }
 
 impl ParamSet {
-    /// Creates parameter `name` of `shape` from `init` (seeded, layout-free) and returns its index.
+    /// Creates this rank's slice of parameter `name` (whole shape `global_shape`, 1-D or 2-D)
+    /// from `init`, split as the TP plan says for tensor-parallel shard `tp.0` of `tp.1`, and
+    /// returns its index. The values are exactly that slice of the single-rank tensor.
+    #[allow(clippy::too_many_arguments)]
     pub fn add(
         &mut self,
         name: &str,
-        shape: &[usize],
+        global_shape: &[usize],
         kind: ParamKind,
         init: Init,
         seed: u64,
+        tp: (usize, usize),
         dtype: DType,
         device: &Device,
     ) -> Result<usize> {
-        let cols = *shape.last().unwrap_or(&1);
-        let rows = shape.iter().product::<usize>() / cols.max(1);
-        let values = init.block(seed, name, 0, 0, rows, cols, cols);
-        let t = Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?;
+        let shard = tp_shard(name);
+        let slice = shard
+            .slice_of(global_shape, tp.0, tp.1)
+            .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+        let local: Vec<usize> = slice.iter().map(|s| s.1).collect();
+        let (row0, rows, col0, cols, full_cols) = match slice.as_slice() {
+            [(r0, r), (c0, c)] => (*r0, *r, *c0, *c, global_shape[1]),
+            [(c0, c)] => (0, 1, *c0, *c, global_shape[0]),
+            _ => {
+                candle_core::bail!("{name}: parameters are 1-D or 2-D, got shape {global_shape:?}")
+            }
+        };
+        let values = init.block(seed, name, row0, col0, rows, cols, full_cols);
+        let t = Tensor::from_vec(values, local.as_slice(), device)?.to_dtype(dtype)?;
         self.params.push(Parameter {
             name: name.to_string(),
             var: Var::from_tensor(&t)?,
             kind,
+            global_shape: global_shape.to_vec(),
+            shard,
+            slice,
         });
         Ok(self.params.len() - 1)
     }

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// Degrees of data, tensor and pipeline parallelism and their options.
 /// The world size is `dp × tp × pp`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
     /// Data-parallel replicas: each sees its slice of every global batch.
@@ -25,6 +25,14 @@ pub struct ParallelConfig {
     /// Shard optimizer state across data-parallel ranks (ZeRO stage 1).
     #[serde(default)]
     pub zero1: bool,
+    /// Seconds any communication may wait for its peers before failing with an error that names
+    /// the missing ranks.
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+}
+
+fn default_timeout() -> f64 {
+    300.0
 }
 
 fn one() -> usize {
@@ -40,6 +48,7 @@ impl Default for ParallelConfig {
             virtual_stages: 1,
             sequence_parallel: false,
             zero1: false,
+            timeout_s: default_timeout(),
         }
     }
 }

@@ -1,5 +1,13 @@
-//! Parallel layout of a training job: the `parallel:` recipe section and the rank layout.
+//! Parallel training: the `parallel:` recipe section, the rank mesh, the `Comm` trait and its
+//! backends, tensor- and sequence-parallel ops and layers, data-parallel gradient sync and ZeRO-1.
 
+pub mod comm;
 pub mod config;
+pub mod dp;
+pub mod flat;
+pub mod launch;
+pub mod mesh;
+pub mod tp;
 
+pub use comm::{Comm, CommError, Group, ReduceOp};
 pub use config::ParallelConfig;

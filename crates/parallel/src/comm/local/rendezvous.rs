@@ -1,0 +1,293 @@
+//! The rendezvous of the `local` backend: [`GroupState`] matches the members' calls of one group
+//! into slots by sequence number, checks that they agree, and computes each collective once.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+use candle_core::{DType, DeviceLocation, Error, Result, Shape, Tensor};
+
+use super::{lock, wait_until, Call};
+use crate::comm::{CommError, Group, ReduceOp};
+
+/// A collective and the parameters every member must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    AllReduce(ReduceOp),
+    AllGather(usize),
+    ReduceScatter(usize),
+    Broadcast(usize),
+    Barrier,
+}
+
+impl Kind {
+    /// The operation's name in error messages.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all_reduce",
+            Kind::AllGather(_) => "all_gather",
+            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::Broadcast(_) => "broadcast",
+            Kind::Barrier => "barrier",
+        }
+    }
+}
+
+/// What one member brings to a collective; all members' signatures must be equal.
+#[derive(Debug, Clone, PartialEq)]
+struct Signature {
+    kind: Kind,
+    tensor: Option<(Shape, DType, DeviceLocation)>,
+}
+
+impl fmt::Display for Signature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            Kind::AllReduce(op) => write!(f, "all_reduce({op:?})")?,
+            Kind::AllGather(dim) => write!(f, "all_gather(dim {dim})")?,
+            Kind::ReduceScatter(dim) => write!(f, "reduce_scatter(dim {dim})")?,
+            Kind::Broadcast(root) => write!(f, "broadcast(root {root})")?,
+            Kind::Barrier => write!(f, "barrier")?,
+        }
+        match &self.tensor {
+            Some((shape, dtype, device)) => write!(f, " of {shape:?} {dtype:?} on {device:?}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// How a slot failed, shared by all of its members.
+enum SlotError {
+    Invalid(String),
+    /// The members that had not arrived when a waiter gave up.
+    Timeout(Vec<usize>),
+}
+
+/// Progress of one collective.
+enum SlotState {
+    /// Waiting for members; holds the contributions in member order.
+    Gathering(Vec<Option<Tensor>>),
+    /// The last member is computing the result.
+    Computing,
+    /// One result per member (`None` for a barrier), taken by its member.
+    Done(Vec<Option<Tensor>>),
+    Failed(SlotError),
+}
+
+/// One collective call, matched across the members by sequence number.
+struct Slot {
+    /// The first arrival's member index and signature.
+    first: (usize, Signature),
+    arrived: Vec<bool>,
+    state: SlotState,
+    /// Members that have collected their outcome.
+    taken: usize,
+}
+
+/// Matching state of one group.
+struct GroupInner {
+    /// Next sequence number of each member.
+    next_seq: Vec<u64>,
+    slots: HashMap<u64, Slot>,
+}
+
+/// The state of one group: its slots behind a mutex, and a condition variable to wait on.
+pub(super) struct GroupState {
+    inner: Mutex<GroupInner>,
+    cv: Condvar,
+}
+
+impl GroupState {
+    /// The state of a group of `size` members that has not run anything yet.
+    pub(super) fn new(size: usize) -> Self {
+        let inner = GroupInner {
+            next_seq: vec![0; size],
+            slots: HashMap::new(),
+        };
+        Self {
+            inner: Mutex::new(inner),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Wakes every waiter (after a failure was recorded), taking the lock first so that no
+    /// waiter misses the wake-up between its failure check and its wait.
+    pub(super) fn wake_all(&self) {
+        let _guard = lock(&self.inner);
+        self.cv.notify_all();
+    }
+
+    /// Number of slots alive.
+    pub(super) fn pending(&self) -> usize {
+        lock(&self.inner).slots.len()
+    }
+
+    /// Runs member `me`'s next collective `kind` with tensor `t` (`None` for a barrier), waiting
+    /// until `deadline`; returns this member's result (`None` for a barrier).
+    pub(super) fn run(
+        &self,
+        call: &Call<'_>,
+        group: &Group,
+        me: usize,
+        kind: Kind,
+        t: Option<&Tensor>,
+        deadline: Instant,
+    ) -> std::result::Result<Option<Tensor>, CommError> {
+        let n = group.size();
+        let sig = Signature {
+            kind,
+            tensor: t.map(|t| (t.shape().clone(), t.dtype(), t.device().location())),
+        };
+        let mut inner = lock(&self.inner);
+        let seq = inner.next_seq[me];
+        inner.next_seq[me] += 1;
+        let slot = inner.slots.entry(seq).or_insert_with(|| Slot {
+            first: (me, sig.clone()),
+            arrived: vec![false; n],
+            state: SlotState::Gathering(vec![None; n]),
+            taken: 0,
+        });
+        slot.arrived[me] = true;
+        let mut inputs = None;
+        if let SlotState::Gathering(contribs) = &mut slot.state {
+            if sig != slot.first.1 {
+                let (first, first_sig) = (group.ranks()[slot.first.0], &slot.first.1);
+                let message = format!(
+                    "call #{seq} on this group does not match: rank {} passed {sig}, \
+                     rank {first} passed {first_sig}",
+                    call.me
+                );
+                slot.state = SlotState::Failed(SlotError::Invalid(message));
+                self.cv.notify_all();
+            } else {
+                contribs[me] = t.map(Tensor::detach);
+                if slot.arrived.iter().all(|&a| a) {
+                    inputs = Some(std::mem::take(contribs));
+                    slot.state = SlotState::Computing;
+                }
+            }
+        }
+        if let Some(inputs) = inputs {
+            // Last to arrive: compute once, without holding the group's lock.
+            drop(inner);
+            let outcome = compute(kind, group, inputs.into_iter().flatten().collect());
+            inner = lock(&self.inner);
+            if let Some(slot) = inner.slots.get_mut(&seq) {
+                if matches!(slot.state, SlotState::Computing) {
+                    slot.state = match outcome {
+                        Ok(results) => SlotState::Done(results),
+                        Err(e) => SlotState::Failed(SlotError::Invalid(e.to_string())),
+                    };
+                }
+            }
+            self.cv.notify_all();
+        }
+        loop {
+            let Some(slot) = inner.slots.get_mut(&seq) else {
+                return Err(call.invalid(format!("internal: slot #{seq} vanished")));
+            };
+            let outcome = match &mut slot.state {
+                SlotState::Done(results) => Some(Ok(results[me].take())),
+                SlotState::Failed(SlotError::Invalid(msg)) => Some(Err(call.invalid(msg.clone()))),
+                SlotState::Failed(SlotError::Timeout(missing)) => {
+                    Some(Err(call.timeout(missing.clone())))
+                }
+                SlotState::Gathering(_) | SlotState::Computing => call.peer_failed().map(Err),
+            };
+            if let Some(outcome) = outcome {
+                slot.taken += 1;
+                if slot.taken == n {
+                    inner.slots.remove(&seq);
+                }
+                return outcome;
+            }
+            inner = match wait_until(&self.cv, inner, deadline) {
+                Some(guard) => guard,
+                None => {
+                    // Give up: the slot fails for every member, late arrivals included.
+                    let mut guard = lock(&self.inner);
+                    if let Some(slot) = guard.slots.get_mut(&seq) {
+                        let missing = (0..n).filter(|&i| !slot.arrived[i]);
+                        let missing = missing.map(|i| group.ranks()[i]).collect();
+                        slot.state = SlotState::Failed(SlotError::Timeout(missing));
+                    }
+                    self.cv.notify_all();
+                    guard
+                }
+            };
+        }
+    }
+}
+
+/// A new tensor with `t`'s values (never sharing `t`'s storage).
+pub(super) fn fresh(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        t.copy()
+    } else {
+        t.contiguous()
+    }
+}
+
+/// Element-wise reduction of `inputs` in member order: `((x0 op x1) op x2) …`.
+fn reduce(inputs: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+    let Some((first, rest)) = inputs.split_first() else {
+        return Err(Error::msg("no contributions"));
+    };
+    if rest.is_empty() {
+        return fresh(first);
+    }
+    let mut acc = first.clone();
+    for x in rest {
+        acc = match op {
+            ReduceOp::Sum => acc.add(x)?,
+            ReduceOp::Max => acc.maximum(x)?,
+        };
+    }
+    Ok(acc)
+}
+
+fn check_dim(inputs: &[Tensor], dim: usize) -> Result<()> {
+    match inputs.first() {
+        Some(t) if dim >= t.rank() => {
+            let msg = format!("dim {dim} out of range for shape {:?}", t.shape());
+            Err(Error::msg(msg))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The per-member results of collective `kind` over `inputs` (one per member, in member order).
+fn compute(kind: Kind, group: &Group, inputs: Vec<Tensor>) -> Result<Vec<Option<Tensor>>> {
+    let n = group.size();
+    let shared = |t: Tensor| vec![Some(t); n];
+    match kind {
+        Kind::Barrier => Ok(vec![None; n]),
+        Kind::AllReduce(op) => Ok(shared(reduce(&inputs, op)?)),
+        Kind::AllGather(dim) => {
+            check_dim(&inputs, dim)?;
+            let all = if n == 1 {
+                fresh(&inputs[0])?
+            } else {
+                Tensor::cat(&inputs, dim)?
+            };
+            Ok(shared(all))
+        }
+        Kind::ReduceScatter(dim) => {
+            check_dim(&inputs, dim)?;
+            let len = inputs[0].dim(dim)?;
+            if len % n != 0 {
+                let msg = format!("dim {dim} of size {len} is not divisible by {n} members");
+                return Err(Error::msg(msg));
+            }
+            let sum = reduce(&inputs, ReduceOp::Sum)?;
+            let chunk = len / n;
+            let part = |i: usize| Ok(Some(sum.narrow(dim, i * chunk, chunk)?.contiguous()?));
+            (0..n).map(part).collect()
+        }
+        Kind::Broadcast(root) => match group.index_of(root) {
+            Some(i) => Ok(shared(fresh(&inputs[i])?)),
+            None => Err(Error::msg(format!("broadcast root {root} is not a member"))),
+        },
+    }
+}

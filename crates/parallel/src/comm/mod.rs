@@ -1,0 +1,119 @@
+//! The `Comm` trait: collectives and point-to-point transfers over groups of ranks, with every
+//! wait bounded by a timeout and every failure reported with the rank and the operation.
+
+pub mod local;
+
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Shape, Tensor};
+
+/// A set of ranks taking part in a collective, as sorted global ranks. Member `i` of the group is
+/// `ranks()[i]`; collectives order contributions by member index.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Group {
+    ranks: Arc<[usize]>,
+}
+
+impl Group {
+    /// A group of these global ranks (sorted, deduplicated).
+    pub fn new(mut ranks: Vec<usize>) -> Self {
+        ranks.sort_unstable();
+        ranks.dedup();
+        Self {
+            ranks: ranks.into(),
+        }
+    }
+
+    /// The member ranks in order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Member index of global `rank`, if it belongs to the group.
+    pub fn index_of(&self, rank: usize) -> Option<usize> {
+        self.ranks.iter().position(|&r| r == rank)
+    }
+}
+
+impl fmt::Debug for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", &*self.ranks)
+    }
+}
+
+/// Reduction of an all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// Why a communication operation failed; converted into a candle error so it flows through
+/// model code with `?`.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    /// Another rank failed (its error or panic); pending and later operations end with this.
+    #[error("rank {me}: {op} over ranks {group:?} aborted: rank {failed} failed: {reason}")]
+    PeerFailed {
+        me: usize,
+        op: &'static str,
+        group: Vec<usize>,
+        failed: usize,
+        reason: String,
+    },
+    /// The peers did not arrive in time.
+    #[error("rank {me}: {op} over ranks {group:?} timed out after {secs:.1}s waiting for ranks {missing:?}")]
+    Timeout {
+        me: usize,
+        op: &'static str,
+        group: Vec<usize>,
+        secs: f64,
+        missing: Vec<usize>,
+    },
+    /// The call itself is wrong (rank not in group, shapes that disagree across ranks, ...).
+    #[error("rank {me}: {op} over ranks {group:?}: {message}")]
+    Invalid {
+        me: usize,
+        op: &'static str,
+        group: Vec<usize>,
+        message: String,
+    },
+}
+
+/// Collectives and point-to-point transfers among the ranks of one job.
+///
+/// Every member of a group must call the same collectives on that group in the same order (as
+/// with NCCL). Results are identical on every member: reductions add contributions in member
+/// order. All calls return an error instead of hanging: after the backend's timeout, or as soon as
+/// any rank calls [`Comm::abort`].
+pub trait Comm: Send + Sync {
+    /// This rank's global index.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the job.
+    fn world_size(&self) -> usize;
+    /// Element-wise reduction of every member's `t` (same shape and dtype everywhere).
+    fn all_reduce(&self, group: &Group, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    /// Members' `t` concatenated along `dim` in member order.
+    fn all_gather(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor>;
+    /// Sum of members' `t`, cut along `dim` into `group.size()` equal chunks; member `i` gets chunk `i`.
+    fn reduce_scatter(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor>;
+    /// Global rank `root`'s `t`, on every member (other members' `t` gives only shape and dtype).
+    fn broadcast(&self, group: &Group, t: &Tensor, root: usize) -> Result<Tensor>;
+    /// Sends `t` to global rank `dst` (does not wait for the matching `recv`).
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()>;
+    /// Receives the next tensor sent by global rank `src`, which must have `shape` and `dtype`.
+    fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor>;
+    /// Returns once every member has called it.
+    fn barrier(&self, group: &Group) -> Result<()>;
+    /// Declares this rank failed with `reason`: every pending and future operation of every rank
+    /// returns [`CommError::PeerFailed`] naming this rank.
+    fn abort(&self, reason: &str);
+}

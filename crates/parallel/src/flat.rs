@@ -1,0 +1,145 @@
+//! `FlatLayout`: where every parameter's gradient (and optimizer state) lives in one flat fp32
+//! buffer, cut into buckets for data-parallel communication.
+//!
+//! Parameters are laid out back to back in model order; consecutive parameters are grouped into
+//! buckets of about `bucket_elems` elements, and each bucket is padded to a multiple of the
+//! data-parallel size so that it reduce-scatters into equal shards (ZeRO-1). Padding elements stay
+//! zero.
+
+use std::ops::Range;
+
+/// One bucket: a contiguous range of parameters and of the flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// Parameter indices in the bucket.
+    pub params: Range<usize>,
+    /// First flat element.
+    pub start: usize,
+    /// Elements including padding (a multiple of the data-parallel size).
+    pub len: usize,
+}
+
+impl Bucket {
+    /// Flat range of data-parallel rank `dp_index`'s shard of the bucket.
+    pub fn shard(&self, dp_index: usize, dp_size: usize) -> Range<usize> {
+        let n = self.len / dp_size;
+        self.start + dp_index * n..self.start + (dp_index + 1) * n
+    }
+}
+
+/// Offsets of parameters and buckets in the flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlatLayout {
+    /// Start of each parameter.
+    pub offsets: Vec<usize>,
+    /// Elements of each parameter.
+    pub numels: Vec<usize>,
+    /// The buckets, in flat order.
+    pub buckets: Vec<Bucket>,
+    /// Total elements including padding.
+    pub total: usize,
+}
+
+impl FlatLayout {
+    /// Lays out parameters of `numels` elements into buckets of at least `bucket_elems` elements
+    /// (the last may be smaller), each padded to a multiple of `dp_size`.
+    pub fn new(numels: &[usize], bucket_elems: usize, dp_size: usize) -> Self {
+        let mut offsets = Vec::with_capacity(numels.len());
+        let mut buckets = Vec::new();
+        let (mut total, mut first, mut filled) = (0, 0, 0);
+        for (i, &n) in numels.iter().enumerate() {
+            offsets.push(total + filled);
+            filled += n;
+            if filled >= bucket_elems || i + 1 == numels.len() {
+                let len = filled.div_ceil(dp_size) * dp_size;
+                buckets.push(Bucket {
+                    params: first..i + 1,
+                    start: total,
+                    len,
+                });
+                total += len;
+                first = i + 1;
+                filled = 0;
+            }
+        }
+        Self {
+            offsets,
+            numels: numels.to_vec(),
+            buckets,
+            total,
+        }
+    }
+
+    /// Flat range of parameter `i`.
+    pub fn range(&self, i: usize) -> Range<usize> {
+        self.offsets[i]..self.offsets[i] + self.numels[i]
+    }
+
+    /// Index of the bucket holding parameter `i`.
+    pub fn bucket_of(&self, i: usize) -> usize {
+        self.buckets
+            .iter()
+            .position(|b| b.params.contains(&i))
+            .expect("every parameter is in a bucket")
+    }
+
+    /// The flat ranges a data-parallel rank owns: everything, or with ZeRO-1 its shard of each bucket.
+    pub fn owned(&self, zero1: bool, dp_index: usize, dp_size: usize) -> Vec<Range<usize>> {
+        if zero1 {
+            self.buckets
+                .iter()
+                .map(|b| b.shard(dp_index, dp_size))
+                .filter(|r| !r.is_empty())
+                .collect()
+        } else {
+            vec![0..self.total]
+        }
+    }
+}
+
+/// The overlap of two ranges (possibly empty).
+pub fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    a.start.max(b.start)..a.end.min(b.end).max(a.start.max(b.start))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_padded_and_cover_everything() {
+        let l = FlatLayout::new(&[5, 3, 7, 2], 8, 4);
+        assert_eq!(l.offsets, vec![0, 5, 8, 15]);
+        assert_eq!(
+            l.buckets[0],
+            Bucket {
+                params: 0..2,
+                start: 0,
+                len: 8
+            }
+        );
+        assert_eq!(
+            l.buckets[1],
+            Bucket {
+                params: 2..4,
+                start: 8,
+                len: 12
+            }
+        );
+        assert_eq!(l.total, 20);
+        assert_eq!(l.bucket_of(3), 1);
+        assert_eq!(l.buckets[1].shard(1, 4), 11..14);
+        let owned = l.owned(true, 3, 4);
+        assert_eq!(owned, vec![6..8, 17..20]);
+        assert_eq!(l.owned(false, 0, 4), vec![0..20]);
+        assert_eq!(intersect(&(0..5), &(3..9)), 3..5);
+        assert!(intersect(&(0..2), &(3..9)).is_empty());
+    }
+
+    #[test]
+    fn one_rank_has_no_padding() {
+        let l = FlatLayout::new(&[5, 3, 7], 1 << 20, 1);
+        assert_eq!(l.total, 15);
+        assert_eq!(l.buckets.len(), 1);
+    }
+}

@@ -1,0 +1,37 @@
+//! Vocab-parallel cross-entropy: each rank holds logits for its slice of the vocabulary; the loss
+//! is computed from three small all-reduces (row max, row sum of exponentials, target logit) and
+//! the full `[n, v]` logits are never gathered.
+
+use candle_core::{DType, Result, Tensor, D};
+
+use super::ops::{reduce_from_tp, TpGroup};
+use crate::comm::ReduceOp;
+
+/// Per-row losses `[n]` from this rank's logits `[n, v/tp]` (f32) covering vocabulary ids
+/// `vocab_start..vocab_start + v/tp`, and the global `targets` `[n]` (u32). Every rank gets the
+/// same losses; gradients reach each rank's own logits (`softmax − onehot` on its slice).
+pub fn vocab_parallel_cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    vocab_start: usize,
+    tp: &TpGroup,
+) -> Result<Tensor> {
+    let (n, local_v) = logits.dims2()?;
+    let row_max = logits.detach().max_keepdim(D::Minus1)?; // [n, 1]
+    let row_max = tp.comm.all_reduce(&tp.group, &row_max, ReduceOp::Max)?;
+    let z = logits.broadcast_sub(&row_max)?; // [n, v/tp]
+    let sum_exp = reduce_from_tp(&z.exp()?.sum_keepdim(D::Minus1)?, tp)?; // [n, 1]
+
+    let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    let (mut local, mut mask) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for &id in &t {
+        let inside = (id as usize) >= vocab_start && (id as usize) < vocab_start + local_v;
+        local.push(if inside { id - vocab_start as u32 } else { 0 });
+        mask.push(if inside { 1f32 } else { 0.0 });
+    }
+    let dev = logits.device();
+    let local = Tensor::from_vec(local, (n, 1), dev)?;
+    let mask = Tensor::from_vec(mask, n, dev)?.to_dtype(z.dtype())?;
+    let target_logit = reduce_from_tp(&(z.gather(&local, 1)?.squeeze(1)? * mask)?, tp)?; // [n]
+    sum_exp.squeeze(1)?.log()? - target_logit
+}

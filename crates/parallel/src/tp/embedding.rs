@@ -1,0 +1,37 @@
+//! Vocab-parallel embedding: each rank holds rows `vocab_start..vocab_start + v/tp` of the
+//! embedding matrix, looks up the ids it owns (zeros elsewhere) and the partial results are summed
+//! across the tensor-parallel group (reduce-scattered along the sequence with sequence parallelism).
+
+use candle_core::{DType, Result, Tensor};
+
+use super::TensorParallel;
+
+/// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence parallelism)
+/// from this rank's rows `w` `[v/tp, h]` starting at vocabulary id `vocab_start`.
+pub fn vocab_parallel_embedding(
+    ids: &Tensor,
+    w: &Tensor,
+    vocab_start: usize,
+    tp: &TensorParallel,
+) -> Result<Tensor> {
+    let (b, s) = ids.dims2()?;
+    let (local_v, h) = w.dims2()?;
+    let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    let (mut local, mut mask) = (
+        Vec::with_capacity(flat.len()),
+        Vec::with_capacity(flat.len()),
+    );
+    for &id in &flat {
+        let inside = (id as usize) >= vocab_start && (id as usize) < vocab_start + local_v;
+        local.push(if inside { id - vocab_start as u32 } else { 0 });
+        mask.push(if inside { 1f32 } else { 0.0 });
+    }
+    let dev = w.device();
+    let local = Tensor::from_vec(local, b * s, dev)?;
+    let mask = Tensor::from_vec(mask, (b * s, 1), dev)?.to_dtype(w.dtype())?;
+    let e = w
+        .embedding(&local)?
+        .broadcast_mul(&mask)?
+        .reshape((b, s, h))?; // [b, s, h] partial
+    tp.exit(&e)
+}

@@ -1,0 +1,60 @@
+//! Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with optional sequence parallelism
+//! (Korthikanti et al. 2022): the communication primitives, the TP plan, and the vocab-parallel
+//! embedding and cross-entropy.
+
+pub mod cross_entropy;
+pub mod embedding;
+pub mod ops;
+pub mod plan;
+
+use candle_core::{Result, Tensor};
+
+pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use embedding::vocab_parallel_embedding;
+pub use ops::TpGroup;
+pub use plan::{tp_shard, Shard};
+
+/// How one rank's layers are split: its tensor-parallel group and whether activations outside
+/// the column/row-parallel regions are split along the sequence.
+#[derive(Clone, Debug)]
+pub struct TensorParallel {
+    /// The tensor-parallel group.
+    pub group: TpGroup,
+    /// Sequence parallelism: norms and residuals hold `[b, s / tp, h]`.
+    pub sequence_parallel: bool,
+}
+
+/// The dimension of `[b, s, h]` activations that sequence parallelism splits.
+pub const SEQ_DIM: usize = 1;
+
+impl TensorParallel {
+    /// Degree of tensor parallelism.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's shard index.
+    pub fn index(&self) -> usize {
+        self.group.index()
+    }
+
+    /// Entry of a column-parallel region: the full `[b, s, h]` input every rank multiplies by its
+    /// column shard (`gather_seq` from `[b, s/tp, h]` with sequence parallelism, else `copy_to_tp`).
+    pub fn enter(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel {
+            ops::gather_seq(x, &self.group, SEQ_DIM)
+        } else {
+            ops::copy_to_tp(x, &self.group)
+        }
+    }
+
+    /// Exit of a row-parallel region: sums the ranks' partial `[b, s, h]` results
+    /// (`reduce_scatter_seq` to `[b, s/tp, h]` with sequence parallelism, else `reduce_from_tp`).
+    pub fn exit(&self, y: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel {
+            ops::reduce_scatter_seq(y, &self.group, SEQ_DIM)
+        } else {
+            ops::reduce_from_tp(y, &self.group)
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Tests of `Mesh`: the Megatron tp-dp-pp rank order, coordinate round trips, groups and
+//! pipeline neighbours, including the worked example of the module docs.
+
+use parallel::config::ParallelConfig;
+use parallel::mesh::{Axis, Coords, Mesh};
+
+fn ranks(groups: &[parallel::Group]) -> Vec<Vec<usize>> {
+    groups.iter().map(|g| g.ranks().to_vec()).collect()
+}
+
+const SHAPES: [(usize, usize, usize); 10] = [
+    (1, 1, 1),
+    (2, 1, 1),
+    (1, 2, 1),
+    (1, 1, 2),
+    (2, 2, 2),
+    (3, 2, 1),
+    (2, 3, 4),
+    (4, 1, 3),
+    (1, 8, 2),
+    (5, 3, 2),
+];
+
+#[test]
+fn new_rejects_zero_sizes() {
+    for (dp, tp, pp) in [(0, 1, 1), (1, 0, 1), (1, 1, 0)] {
+        let err = Mesh::new(dp, tp, pp).unwrap_err();
+        assert!(err.contains("at least 1"), "{err}");
+    }
+    assert!(Mesh::new(usize::MAX, 2, 1).is_err());
+}
+
+#[test]
+fn from_config_and_sizes() {
+    let c = ParallelConfig {
+        dp: 3,
+        tp: 2,
+        pp: 4,
+        ..Default::default()
+    };
+    let m = Mesh::from_config(&c).unwrap();
+    assert_eq!(m.world_size(), 24);
+    assert_eq!(
+        (m.size(Axis::Dp), m.size(Axis::Tp), m.size(Axis::Pp)),
+        (3, 2, 4)
+    );
+}
+
+#[test]
+fn coords_round_trip_and_formula() {
+    for (dp, tp, pp) in SHAPES {
+        let m = Mesh::new(dp, tp, pp).unwrap();
+        assert_eq!(m.world_size(), dp * tp * pp);
+        for r in 0..m.world_size() {
+            let c = m.coords(r);
+            assert!(c.dp < dp && c.tp < tp && c.pp < pp);
+            assert_eq!(r, c.tp + tp * (c.dp + dp * c.pp), "shape {dp}x{tp}x{pp}");
+            assert_eq!(m.rank_of(c), r);
+        }
+    }
+}
+
+#[test]
+fn groups_partition_the_world() {
+    for (dp, tp, pp) in SHAPES {
+        let m = Mesh::new(dp, tp, pp).unwrap();
+        for axis in Axis::ORDER {
+            let groups = m.groups(axis);
+            assert_eq!(groups.len(), m.world_size() / m.size(axis));
+            let mut seen = vec![false; m.world_size()];
+            for g in &groups {
+                assert_eq!(g.size(), m.size(axis));
+                let c0 = m.coords(g.ranks()[0]);
+                for (i, &r) in g.ranks().iter().enumerate() {
+                    assert!(!seen[r], "rank {r} in two {axis} groups");
+                    seen[r] = true;
+                    assert_eq!(&m.group(axis, r), g);
+                    // Members differ only along `axis`, and member i has coordinate i.
+                    let c = m.coords(r);
+                    assert_eq!(c.get(axis), i);
+                    for other in Axis::ORDER.into_iter().filter(|&a| a != axis) {
+                        assert_eq!(c.get(other), c0.get(other));
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+    }
+}
+
+#[test]
+fn megatron_ordering_2x2x2() {
+    let m = Mesh::new(2, 2, 2).unwrap();
+    assert_eq!(ranks(&m.groups(Axis::Tp)), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+    assert_eq!(ranks(&m.groups(Axis::Dp)), [[0, 2], [1, 3], [4, 6], [5, 7]]);
+    assert_eq!(ranks(&m.groups(Axis::Pp)), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+}
+
+#[test]
+fn worked_example_16_ranks() {
+    // The table of the module docs: dp=2, tp=2, pp=4; (rank, dp, tp, pp).
+    #[rustfmt::skip]
+    let table = [
+        (0, 0, 0, 0), (1, 0, 1, 0), (2, 1, 0, 0), (3, 1, 1, 0),
+        (4, 0, 0, 1), (5, 0, 1, 1), (6, 1, 0, 1), (7, 1, 1, 1),
+        (8, 0, 0, 2), (9, 0, 1, 2), (10, 1, 0, 2), (11, 1, 1, 2),
+        (12, 0, 0, 3), (13, 0, 1, 3), (14, 1, 0, 3), (15, 1, 1, 3),
+    ];
+    let m = Mesh::new(2, 2, 4).unwrap();
+    assert_eq!(m.world_size(), 16);
+    for (rank, dp, tp, pp) in table {
+        assert_eq!(m.coords(rank), Coords { dp, tp, pp });
+        assert_eq!(m.rank_of(Coords { dp, tp, pp }), rank);
+    }
+    let tp: Vec<Vec<usize>> = (0..8).map(|i| vec![2 * i, 2 * i + 1]).collect();
+    assert_eq!(ranks(&m.groups(Axis::Tp)), tp);
+    assert_eq!(
+        ranks(&m.groups(Axis::Dp)),
+        [
+            [0, 2],
+            [1, 3],
+            [4, 6],
+            [5, 7],
+            [8, 10],
+            [9, 11],
+            [12, 14],
+            [13, 15]
+        ]
+    );
+    assert_eq!(
+        ranks(&m.groups(Axis::Pp)),
+        [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    );
+    assert_eq!(m.pp_next(5), Some(9));
+    assert_eq!(m.pp_prev(5), Some(1));
+    assert!((0..4).all(|r| m.is_first_stage(r) && !m.is_last_stage(r)));
+    assert!((12..16).all(|r| m.is_last_stage(r) && !m.is_first_stage(r)));
+    assert!((4..12).all(|r| !m.is_first_stage(r) && !m.is_last_stage(r)));
+}
+
+#[test]
+fn pipeline_neighbours() {
+    for (dp, tp, pp) in SHAPES {
+        let m = Mesh::new(dp, tp, pp).unwrap();
+        for r in 0..m.world_size() {
+            let c = m.coords(r);
+            assert_eq!(m.is_first_stage(r), c.pp == 0);
+            assert_eq!(m.is_last_stage(r), c.pp == pp - 1);
+            assert_eq!(m.pp_prev(r).is_none(), m.is_first_stage(r));
+            assert_eq!(m.pp_next(r).is_none(), m.is_last_stage(r));
+            if let Some(n) = m.pp_next(r) {
+                assert_eq!(m.coords(n), Coords { pp: c.pp + 1, ..c });
+                assert_eq!(m.pp_prev(n), Some(r));
+            }
+        }
+    }
+    let single = Mesh::new(4, 2, 1).unwrap();
+    assert!((0..8).all(|r| single.is_first_stage(r) && single.is_last_stage(r)));
+}

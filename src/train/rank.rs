@@ -1,0 +1,69 @@
+//! `RankCtx`: one rank's place in the job — its mesh coordinates, communicator and process groups.
+
+use std::sync::Arc;
+
+use model::Placement;
+use parallel::mesh::{Axis, Coords, Mesh};
+use parallel::tp::{TensorParallel, TpGroup};
+use parallel::{Comm, Group, ParallelConfig};
+
+/// Everything a rank needs to know about the job layout.
+#[derive(Clone)]
+pub struct RankCtx {
+    /// Global rank.
+    pub rank: usize,
+    /// The job's mesh.
+    pub mesh: Mesh,
+    /// This rank's coordinates.
+    pub coords: Coords,
+    /// The job's communicator.
+    pub comm: Arc<dyn Comm>,
+    /// Data-parallel group.
+    pub dp: Group,
+    /// Tensor-parallel group.
+    pub tp: Group,
+    /// Sequence parallelism on.
+    pub sequence_parallel: bool,
+}
+
+impl RankCtx {
+    /// The context of `rank` in the layout `cfg`, communicating through `comm`.
+    pub fn new(cfg: &ParallelConfig, rank: usize, comm: Arc<dyn Comm>) -> anyhow::Result<Self> {
+        let mesh = Mesh::from_config(cfg).map_err(anyhow::Error::msg)?;
+        Ok(Self {
+            rank,
+            coords: mesh.coords(rank),
+            dp: mesh.group(Axis::Dp, rank),
+            tp: mesh.group(Axis::Tp, rank),
+            mesh,
+            comm,
+            sequence_parallel: cfg.sequence_parallel,
+        })
+    }
+
+    /// Tensor-parallel setup for the model (`None` without tensor parallelism).
+    pub fn tensor_parallel(&self) -> Option<TensorParallel> {
+        (self.tp.size() > 1).then(|| TensorParallel {
+            group: TpGroup {
+                comm: self.comm.clone(),
+                group: self.tp.clone(),
+            },
+            sequence_parallel: self.sequence_parallel,
+        })
+    }
+
+    /// The part of the model this rank holds.
+    pub fn placement(&self, num_layers: usize) -> Placement {
+        Placement {
+            tp: self.tensor_parallel(),
+            layers: (0..num_layers).collect(),
+            embedding: true,
+            head: true,
+        }
+    }
+
+    /// Whether this rank writes logs and run outputs.
+    pub fn is_main(&self) -> bool {
+        self.rank == 0
+    }
+}
