@@ -5,6 +5,7 @@
 //! Run: `cargo bench --bench cpu_step -- [recipe] [steps]`; prints one JSON line.
 
 use std::path::Path;
+
 use std::time::Instant;
 
 use candle_core::{DType, Device};
@@ -13,6 +14,9 @@ use model::{Llama, Recompute};
 use pretrain::optim::{layout_of, write_params, AdamW, GradBuffer};
 use pretrain::recipe::load;
 use pretrain::train::step::{forward_backward, MicroBatch};
+
+#[global_allocator]
+static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));

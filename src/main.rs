@@ -1,7 +1,11 @@
 //! The `pretrain` binary.
 
 use clap::Parser;
+
 use tracing_subscriber::EnvFilter;
+
+#[global_allocator]
+static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
 
 fn main() -> std::process::ExitCode {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
