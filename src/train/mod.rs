@@ -3,6 +3,7 @@
 //! over the rank's owned flat ranges (ZeRO-1 shards or everything), with a log line per step,
 //! periodic validation and run outputs; and [`train`], which launches the ranks.
 
+pub mod checkpoint;
 pub mod metrics;
 pub mod rank;
 pub mod step;
@@ -88,9 +89,6 @@ impl Trainer {
                 recipe.parallel.pp
             );
         }
-        if recipe.checkpoint.interval > 0 || recipe.checkpoint.resume != Resume::None {
-            bail!("checkpoint: saving and resuming are not available in this build; set checkpoint.interval: 0 and resume: none");
-        }
         let device = device_for(recipe.train.device)?;
         let dtype = match recipe.train.dtype {
             Dtype::F32 => DType::F32,
@@ -164,7 +162,7 @@ impl Trainer {
             std::fs::write(&path, serde_yaml::to_string(&recipe)?)
                 .with_context(|| format!("writing {}", path.display()))?;
         }
-        Ok(Self {
+        let mut trainer = Self {
             recipe,
             ctx,
             device,
@@ -177,7 +175,18 @@ impl Trainer {
             metrics,
             step: 0,
             consumed: 0,
-        })
+        };
+        let from = match &trainer.recipe.checkpoint.resume {
+            Resume::None => None,
+            Resume::Auto => ckpt::find_latest(&trainer.checkpoint_root()),
+            Resume::Path(p) => Some(p.clone()),
+        };
+        if let Some(dir) = from {
+            trainer
+                .load_checkpoint(&dir)
+                .with_context(|| format!("resuming from {}", dir.display()))?;
+        }
+        Ok(trainer)
     }
 
     /// This rank's part of the model.
@@ -384,6 +393,11 @@ impl Trainer {
                     m.plot()?;
                 }
                 last_eval = Some(val_loss);
+            }
+            let every = self.recipe.checkpoint.interval;
+            if every > 0 && (rec.step % every == 0 || rec.step == steps) {
+                self.save_checkpoint()
+                    .with_context(|| format!("saving the checkpoint of step {}", rec.step))?;
             }
             records.push(rec);
         }

@@ -7,6 +7,7 @@ pub mod dp;
 pub mod flat;
 pub mod launch;
 pub mod mesh;
+pub mod pipeline;
 pub mod tp;
 
 pub use comm::{Comm, CommError, Group, ReduceOp};

@@ -1,0 +1,261 @@
+//! Reading a checkpoint: manifest and integrity checks, finding the newest complete checkpoint,
+//! and assembling any block of any tensor from the pieces of whichever ranks wrote it.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use sha2::{Digest, Sha256};
+
+use crate::error::CkptError;
+use crate::format::{Kind, Manifest, PieceMeta, FORMAT, MANIFEST, TOKENIZER};
+use crate::write::hex;
+use crate::Result;
+
+/// An opened, verified checkpoint.
+pub struct Checkpoint {
+    dir: PathBuf,
+    manifest: Manifest,
+    files: HashMap<String, Mmap>,
+    by_tensor: HashMap<(String, Kind), Vec<usize>>,
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    if !path.exists() {
+        return Err(CkptError::Incomplete {
+            dir: dir.to_path_buf(),
+            file: MANIFEST,
+        });
+    }
+    let text = fs::read(&path).map_err(CkptError::io(&path))?;
+    let m: Manifest = serde_json::from_slice(&text).map_err(|e| CkptError::Format {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    if m.format != FORMAT {
+        return Err(CkptError::Format {
+            path,
+            message: format!("format `{}`, expected `{FORMAT}`", m.format),
+        });
+    }
+    Ok(m)
+}
+
+/// The newest complete checkpoint under `root`: the one `latest` names if it is complete, else the
+/// highest step directory with a valid manifest. `None` when there is none (or no `root`).
+pub fn find_latest(root: &Path) -> Option<PathBuf> {
+    if let Ok(name) = fs::read_to_string(root.join("latest")) {
+        let dir = root.join(name.trim());
+        if read_manifest(&dir).is_ok() {
+            return Some(dir);
+        }
+    }
+    let mut best: Option<(u64, PathBuf)> = None;
+    for e in fs::read_dir(root).ok()?.flatten() {
+        let path = e.path();
+        let step = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step-")?.parse::<u64>().ok());
+        if let (Some(s), Ok(_)) = (step, read_manifest(&path)) {
+            if best.as_ref().is_none_or(|(b, _)| s > *b) {
+                best = Some((s, path));
+            }
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+impl Checkpoint {
+    /// Opens the step directory `dir`, checking that the manifest exists and that every shard file
+    /// is present with the recorded size and SHA-256.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let manifest = read_manifest(dir)?;
+        let mut files = HashMap::new();
+        for f in &manifest.files {
+            let path = dir.join(&f.name);
+            let mut file =
+                File::open(&path).map_err(|_| CkptError::MissingFile { path: path.clone() })?;
+            let len = file.metadata().map_err(CkptError::io(&path))?.len();
+            if len != f.bytes {
+                let (expected, found) = (format!("{} bytes", f.bytes), format!("{len} bytes"));
+                return Err(CkptError::Corrupt {
+                    path,
+                    what: "size",
+                    expected,
+                    found,
+                });
+            }
+            let mut hasher = Sha256::new();
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = file.read(&mut buf).map_err(CkptError::io(&path))?;
+                if n == 0 {
+                    break;
+                }
+                hasher.update(&buf[..n]);
+            }
+            let sum = hex(&hasher.finalize());
+            if sum != f.sha256 {
+                return Err(CkptError::Corrupt {
+                    path,
+                    what: "sha256",
+                    expected: f.sha256.clone(),
+                    found: sum,
+                });
+            }
+            // SAFETY: the file is only read, and checkpoints are not modified once complete.
+            let map = unsafe { Mmap::map(&file) }.map_err(CkptError::io(&path))?;
+            SafeTensors::deserialize(&map).map_err(|e| CkptError::Format {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+            files.insert(f.name.clone(), map);
+        }
+        let mut by_tensor: HashMap<(String, Kind), Vec<usize>> = HashMap::new();
+        for (i, p) in manifest.pieces.iter().enumerate() {
+            by_tensor
+                .entry((p.name.clone(), p.kind))
+                .or_default()
+                .push(i);
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            files,
+            by_tensor,
+        })
+    }
+
+    /// The step directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The tokenizer saved with the checkpoint.
+    pub fn tokenizer_path(&self) -> PathBuf {
+        self.dir.join(TOKENIZER)
+    }
+
+    /// Names of all tensors with master weights, sorted, with their whole shapes.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let mut v: Vec<(String, Vec<usize>)> = self
+            .by_tensor
+            .iter()
+            .filter(|((_, k), _)| *k == Kind::Master)
+            .map(|((n, _), ix)| (n.clone(), self.manifest.pieces[ix[0]].global_shape.clone()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn mismatch(&self, message: String) -> CkptError {
+        CkptError::Mismatch {
+            dir: self.dir.clone(),
+            message,
+        }
+    }
+
+    fn piece_data(&self, p: &PieceMeta) -> Result<Vec<f32>> {
+        let path = self.dir.join(&p.file);
+        let map = self
+            .files
+            .get(&p.file)
+            .ok_or_else(|| CkptError::MissingFile { path: path.clone() })?;
+        let st = SafeTensors::deserialize(map).map_err(|e| CkptError::Format {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let view = st.tensor(&p.key).map_err(|e| CkptError::Format {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        if view.dtype() != safetensors::Dtype::F32
+            || view.data().len() != 4 * (p.range.1 - p.range.0)
+        {
+            return Err(CkptError::Format {
+                path,
+                message: format!("tensor {} has the wrong type or size", p.key),
+            });
+        }
+        Ok(view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// The row-major values of the block `block` (`(offset, length)` per dimension) of tensor `name`
+    /// of kind `kind`, assembled from every piece that overlaps it. `global_shape` must match the
+    /// checkpoint's; every element of the block must be present exactly once.
+    pub fn read_block(
+        &self,
+        name: &str,
+        kind: Kind,
+        global_shape: &[usize],
+        block: &[(usize, usize)],
+    ) -> Result<Vec<f32>> {
+        let ix = self
+            .by_tensor
+            .get(&(name.to_string(), kind))
+            .ok_or_else(|| self.mismatch(format!("no {} of tensor {name}", kind.as_str())))?;
+        let shape = &self.manifest.pieces[ix[0]].global_shape;
+        if shape.as_slice() != global_shape {
+            return Err(self.mismatch(format!(
+                "{name} has shape {shape:?} in the checkpoint, the model needs {global_shape:?}"
+            )));
+        }
+        let rc = |b: &[(usize, usize)]| match b {
+            [r, c] => (*r, *c),
+            [c] => ((0, 1), *c),
+            _ => ((0, 1), (0, 1)),
+        };
+        let ((br0, brn), (bc0, bcn)) = rc(block);
+        let mut out = vec![0f32; brn * bcn];
+        let mut filled = 0usize;
+        for &i in ix {
+            let p = &self.manifest.pieces[i];
+            let ((pr0, _), (pc0, pcn)) = rc(&p.block);
+            let (a, b) = p.range;
+            if pcn == 0 || a >= b {
+                continue;
+            }
+            let data = self.piece_data(p)?;
+            for row in a / pcn..=(b - 1) / pcn {
+                let (cs, ce) = (
+                    (a.max(row * pcn)) - row * pcn,
+                    (b.min((row + 1) * pcn)) - row * pcn,
+                );
+                let gr = pr0 + row;
+                if gr < br0 || gr >= br0 + brn {
+                    continue;
+                }
+                let (g0, g1) = ((pc0 + cs).max(bc0), (pc0 + ce).min(bc0 + bcn));
+                if g0 >= g1 {
+                    continue;
+                }
+                let src = row * pcn + (g0 - pc0) - a;
+                let dst = (gr - br0) * bcn + (g0 - bc0);
+                out[dst..dst + (g1 - g0)].copy_from_slice(&data[src..src + (g1 - g0)]);
+                filled += g1 - g0;
+            }
+        }
+        if filled != out.len() {
+            return Err(self.mismatch(format!(
+                "{} of {name}: the pieces cover {filled} of the {} elements requested",
+                kind.as_str(),
+                out.len()
+            )));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,199 @@
+//! Writing a checkpoint: every rank writes its pieces into the temporary step directory, then
+//! rank 0 writes the manifest, renames the directory into place, updates `latest` and prunes.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use sha2::{Digest, Sha256};
+
+use crate::error::CkptError;
+use crate::format::{
+    FileEntry, Kind, Manifest, PieceMeta, RankRecord, FORMAT, MANIFEST, TOKENIZER,
+};
+use crate::Result;
+
+/// Name of the directory of `step`: `step-00000100`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+fn tmp_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("{}.tmp", step_dir_name(step)))
+}
+
+/// Writes `bytes` to `path` and flushes them to disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(CkptError::io(path))?;
+    f.write_all(bytes).map_err(CkptError::io(path))?;
+    f.sync_all().map_err(CkptError::io(path))
+}
+
+/// One rank's share of a checkpoint.
+pub struct RankWriter {
+    dir: PathBuf,
+    rank: usize,
+    pieces: Vec<(PieceMeta, Vec<f32>)>,
+}
+
+impl RankWriter {
+    /// Starts rank `rank`'s share of the checkpoint of `step` under `root` (the temporary step
+    /// directory is created if needed).
+    pub fn new(root: &Path, step: u64, rank: usize) -> Result<Self> {
+        let dir = tmp_dir(root, step);
+        fs::create_dir_all(&dir).map_err(CkptError::io(&dir))?;
+        Ok(Self {
+            dir,
+            rank,
+            pieces: Vec::new(),
+        })
+    }
+
+    fn file_name(&self) -> String {
+        format!("rank-{:05}.safetensors", self.rank)
+    }
+
+    /// Adds elements `range` (row-major) of the block `block` of tensor `name` (whole shape
+    /// `global_shape`); `data.len()` must equal the range's length.
+    pub fn add(
+        &mut self,
+        name: &str,
+        kind: Kind,
+        global_shape: &[usize],
+        block: &[(usize, usize)],
+        range: (usize, usize),
+        data: Vec<f32>,
+    ) {
+        debug_assert_eq!(data.len(), range.1 - range.0);
+        let key = format!("{}/{}/{}", kind.as_str(), name, range.0);
+        let meta = PieceMeta {
+            name: name.to_string(),
+            kind,
+            global_shape: global_shape.to_vec(),
+            block: block.to_vec(),
+            range,
+            key,
+            file: self.file_name(),
+        };
+        self.pieces.push((meta, data));
+    }
+
+    /// Writes the rank's safetensors file and its sidecar record.
+    pub fn write(self) -> Result<()> {
+        let path = self.dir.join(self.file_name());
+        let bytes: Vec<Vec<u8>> = self
+            .pieces
+            .iter()
+            .map(|(_, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        let views = self
+            .pieces
+            .iter()
+            .zip(&bytes)
+            .map(|((m, d), b)| {
+                Ok((
+                    m.key.clone(),
+                    TensorView::new(Dtype::F32, vec![d.len()], b)?,
+                ))
+            })
+            .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
+            .map_err(|e| CkptError::Format {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let data = safetensors::serialize(views, None).map_err(|e| CkptError::Format {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        write_synced(&path, &data)?;
+        let record = RankRecord {
+            file: FileEntry {
+                name: self.file_name(),
+                bytes: data.len() as u64,
+                sha256: hex(&Sha256::digest(&data)),
+            },
+            pieces: self.pieces.into_iter().map(|(m, _)| m).collect(),
+        };
+        let side = self.dir.join(format!("rank-{:05}.json", self.rank));
+        let json = serde_json::to_vec(&record).expect("records serialise");
+        write_synced(&side, &json)
+    }
+}
+
+/// Lower-case hex of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Completes the checkpoint of `step` once all `world_size` ranks have written: collects their
+/// records into `manifest` (whose `files`/`pieces` are filled here), copies `tokenizer`, writes the
+/// manifest last, renames the directory into place, points `latest` at it and keeps the newest
+/// `keep` checkpoints. Returns the step directory.
+pub fn finalize(
+    root: &Path,
+    mut manifest: Manifest,
+    world_size: usize,
+    tokenizer: &Path,
+    keep: usize,
+) -> Result<PathBuf> {
+    let tmp = tmp_dir(root, manifest.step);
+    manifest.format = FORMAT.to_string();
+    manifest.files.clear();
+    manifest.pieces.clear();
+    for rank in 0..world_size {
+        let side = tmp.join(format!("rank-{rank:05}.json"));
+        let text = fs::read(&side).map_err(CkptError::io(&side))?;
+        let record: RankRecord = serde_json::from_slice(&text).map_err(|e| CkptError::Format {
+            path: side.clone(),
+            message: e.to_string(),
+        })?;
+        manifest.files.push(record.file);
+        manifest.pieces.extend(record.pieces);
+    }
+    let tok = tmp.join(TOKENIZER);
+    fs::copy(tokenizer, &tok).map_err(CkptError::io(tokenizer))?;
+    let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialise");
+    write_synced(&tmp.join(MANIFEST), &json)?;
+
+    let dir = root.join(step_dir_name(manifest.step));
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(CkptError::io(&dir))?;
+    }
+    fs::rename(&tmp, &dir).map_err(CkptError::io(&tmp))?;
+    let latest_tmp = root.join("latest.tmp");
+    write_synced(&latest_tmp, step_dir_name(manifest.step).as_bytes())?;
+    fs::rename(&latest_tmp, root.join("latest")).map_err(CkptError::io(root.join("latest")))?;
+    File::open(root)
+        .and_then(|d| d.sync_all())
+        .map_err(CkptError::io(root))?;
+    prune(root, keep)?;
+    Ok(dir)
+}
+
+/// Removes all but the newest `keep` complete step directories, and leftover temporary ones.
+pub fn prune(root: &Path, keep: usize) -> Result<()> {
+    let mut steps: Vec<(u64, PathBuf)> = Vec::new();
+    for e in fs::read_dir(root).map_err(CkptError::io(root))? {
+        let path = e.map_err(CkptError::io(root))?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("")
+            .to_string();
+        if let Some(n) = name.strip_prefix("step-") {
+            if n.ends_with(".tmp") {
+                fs::remove_dir_all(&path).map_err(CkptError::io(&path))?;
+            } else if let (Ok(s), true) = (n.parse::<u64>(), path.join(MANIFEST).exists()) {
+                steps.push((s, path));
+            }
+        }
+    }
+    steps.sort();
+    let drop = steps.len().saturating_sub(keep);
+    for (_, path) in steps.into_iter().take(drop) {
+        fs::remove_dir_all(&path).map_err(CkptError::io(&path))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,268 @@
+//! Pipeline schedules as data: the [`Action`] a pipeline stage performs, the per-stage action
+//! lists of a [`Schedule`], the [`ScheduleKind`] selector, the [`ScheduleError`]s of bad sizes,
+//! and [`build`], the one place where a schedule kind is turned into action lists.
+//!
+//! # Chunks and stages
+//!
+//! A model is cut into `pp * v` consecutive chunks ("global chunks"). Pipeline stage `s` holds
+//! the local chunks `c = 0..v`, where local chunk `c` is global chunk `c * pp + s` (Megatron's
+//! virtual-pipeline layout; with `v = 1` stage `s` simply holds chunk `s`).
+//!
+//! Activations of global chunk `g` flow to global chunk `g + 1` (on stage `(s + 1) % pp`, so the
+//! last stage wraps around to the first stage's next chunk), gradients flow from `g + 1` back to
+//! `g`. Global chunk 0 reads its input from the data (no receive) and the last global chunk
+//! computes the loss (its backward needs no received gradient).
+//!
+//! # Execution model
+//!
+//! Each stage executes its list in order. Sends are non-blocking (buffered); receives block until
+//! the matching send has happened. Every receive is placed immediately before the compute that
+//! consumes it and every send immediately after the compute that produces it.
+
+use std::fmt;
+
+use super::{afab, interleaved, one_f_one_b};
+
+/// One step of a pipeline stage's program.
+///
+/// `chunk` is always the *local* chunk index (`0..v`) on the stage that executes the action, and
+/// `micro` the micro-batch index (`0..m`). For communication, `chunk` names the local chunk that
+/// produced (send) or will consume (receive) the tensor; `to` / `from` are pipeline stage indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Run the forward pass of local chunk `chunk` on micro-batch `micro`.
+    Forward { chunk: usize, micro: usize },
+    /// Run the backward pass of local chunk `chunk` on micro-batch `micro`.
+    Backward { chunk: usize, micro: usize },
+    /// Send the output activation of (`chunk`, `micro`) to stage `to` (non-blocking).
+    SendActivation {
+        chunk: usize,
+        micro: usize,
+        to: usize,
+    },
+    /// Receive the input activation of (`chunk`, `micro`) from stage `from` (blocking).
+    RecvActivation {
+        chunk: usize,
+        micro: usize,
+        from: usize,
+    },
+    /// Send the input gradient of (`chunk`, `micro`) to stage `to` (non-blocking).
+    SendGrad {
+        chunk: usize,
+        micro: usize,
+        to: usize,
+    },
+    /// Receive the output gradient of (`chunk`, `micro`) from stage `from` (blocking).
+    RecvGrad {
+        chunk: usize,
+        micro: usize,
+        from: usize,
+    },
+}
+
+impl Action {
+    /// The local chunk index the action refers to.
+    pub fn chunk(&self) -> usize {
+        match *self {
+            Action::Forward { chunk, .. }
+            | Action::Backward { chunk, .. }
+            | Action::SendActivation { chunk, .. }
+            | Action::RecvActivation { chunk, .. }
+            | Action::SendGrad { chunk, .. }
+            | Action::RecvGrad { chunk, .. } => chunk,
+        }
+    }
+
+    /// The micro-batch index the action refers to.
+    pub fn micro(&self) -> usize {
+        match *self {
+            Action::Forward { micro, .. }
+            | Action::Backward { micro, .. }
+            | Action::SendActivation { micro, .. }
+            | Action::RecvActivation { micro, .. }
+            | Action::SendGrad { micro, .. }
+            | Action::RecvGrad { micro, .. } => micro,
+        }
+    }
+
+    /// True for [`Action::Forward`] and [`Action::Backward`].
+    pub fn is_compute(&self) -> bool {
+        matches!(self, Action::Forward { .. } | Action::Backward { .. })
+    }
+}
+
+impl fmt::Display for Action {
+    /// Short names, e.g. `F c0 m3`, `B c1 m0`, `send-act c0 m3 -> 1`, `recv-grad c0 m3 <- 2`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Action::Forward { chunk, micro } => write!(f, "F c{chunk} m{micro}"),
+            Action::Backward { chunk, micro } => write!(f, "B c{chunk} m{micro}"),
+            Action::SendActivation { chunk, micro, to } => {
+                write!(f, "send-act c{chunk} m{micro} -> {to}")
+            }
+            Action::RecvActivation { chunk, micro, from } => {
+                write!(f, "recv-act c{chunk} m{micro} <- {from}")
+            }
+            Action::SendGrad { chunk, micro, to } => {
+                write!(f, "send-grad c{chunk} m{micro} -> {to}")
+            }
+            Action::RecvGrad { chunk, micro, from } => {
+                write!(f, "recv-grad c{chunk} m{micro} <- {from}")
+            }
+        }
+    }
+}
+
+/// The per-stage programs of one training step of a pipeline group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    /// Number of pipeline stages.
+    pub pp: usize,
+    /// Virtual stages (model chunks) per pipeline stage.
+    pub v: usize,
+    /// Micro-batches per step (per data-parallel rank).
+    pub m: usize,
+    /// `actions[s]` is the execution order of stage `s`.
+    pub actions: Vec<Vec<Action>>,
+}
+
+impl Schedule {
+    /// Total number of model chunks, `pp * v`.
+    pub fn num_chunks(&self) -> usize {
+        self.pp * self.v
+    }
+
+    /// Global chunk index of local chunk `chunk` on stage `stage`: `chunk * pp + stage`.
+    pub fn global_chunk(&self, stage: usize, chunk: usize) -> usize {
+        chunk * self.pp + stage
+    }
+}
+
+/// Upper bound on `pp * v * m` accepted by [`build`] (keeps the action lists allocatable).
+pub const MAX_PAIRS: usize = 1 << 24;
+
+/// Which pipeline schedule to build; see [`build`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScheduleKind {
+    /// GPipe: all forwards, then all backwards (`v = 1` only).
+    AllForwardAllBackward,
+    /// Megatron's non-interleaved 1F1B (`v = 1` only).
+    OneFOneB,
+    /// Megatron's interleaved 1F1B with `v` virtual stages per rank (`m % pp == 0`).
+    Interleaved,
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ScheduleKind::AllForwardAllBackward => "all-forward-all-backward",
+            ScheduleKind::OneFOneB => "1F1B",
+            ScheduleKind::Interleaved => "interleaved 1F1B",
+        })
+    }
+}
+
+/// Why a schedule cannot be built for the requested sizes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    /// `pp == 0`.
+    #[error("pp must be at least 1")]
+    ZeroStages,
+    /// `v == 0`.
+    #[error("v (virtual stages per pipeline rank) must be at least 1")]
+    ZeroVirtualStages,
+    /// `m == 0`.
+    #[error("m (micro-batches per step) must be at least 1")]
+    ZeroMicroBatches,
+    /// A non-interleaved schedule was asked for more than one chunk per rank.
+    #[error("{kind} supports only one model chunk per pipeline rank (v = 1), got v = {v}")]
+    VirtualNotSupported { kind: ScheduleKind, v: usize },
+    /// Virtual stages without pipeline parallelism.
+    #[error("v = {v} virtual stages per rank need parallel.pp >= 2 (got pp = {pp})")]
+    VirtualNeedsPipeline { v: usize, pp: usize },
+    /// Interleaving requires whole groups of `pp` micro-batches.
+    #[error(
+        "interleaved 1F1B needs the number of micro-batches ({m}) to be a multiple of \
+         parallel.pp ({pp})"
+    )]
+    MicroBatchesNotMultipleOfPp { m: usize, pp: usize },
+    /// `pp * v * m` exceeds [`MAX_PAIRS`].
+    #[error(
+        "schedule too large: pp ({pp}) * v ({v}) * m ({m}) exceeds {MAX_PAIRS} \
+         (chunk, micro-batch) pairs"
+    )]
+    TooLarge { pp: usize, v: usize, m: usize },
+}
+
+/// Build the action lists of `kind` for `pp` stages, `v` chunks per stage and `m` micro-batches.
+///
+/// This is the single place where a [`ScheduleKind`] is mapped to its implementation.
+pub fn build(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Result<Schedule, ScheduleError> {
+    check_sizes(pp, v, m)?;
+    let actions = match kind {
+        ScheduleKind::AllForwardAllBackward => afab::actions(pp, v, m)?,
+        ScheduleKind::OneFOneB => one_f_one_b::actions(pp, v, m)?,
+        ScheduleKind::Interleaved => interleaved::actions(pp, v, m)?,
+    };
+    Ok(Schedule { pp, v, m, actions })
+}
+
+/// Checks shared by every schedule: non-zero sizes and no overflow.
+fn check_sizes(pp: usize, v: usize, m: usize) -> Result<(), ScheduleError> {
+    if pp == 0 {
+        return Err(ScheduleError::ZeroStages);
+    }
+    if v == 0 {
+        return Err(ScheduleError::ZeroVirtualStages);
+    }
+    if m == 0 {
+        return Err(ScheduleError::ZeroMicroBatches);
+    }
+    let pairs = pp.checked_mul(v).and_then(|x| x.checked_mul(m));
+    if pairs.is_none_or(|n| n > MAX_PAIRS) {
+        return Err(ScheduleError::TooLarge { pp, v, m });
+    }
+    Ok(())
+}
+
+/// Appends the forward of local `chunk` on `micro` for `stage`, wrapped in its communication:
+/// receive the input activation (unless this is global chunk 0), compute, send the output
+/// activation (unless this is the last global chunk).
+pub(crate) fn push_forward(
+    list: &mut Vec<Action>,
+    (pp, v, stage): (usize, usize, usize),
+    chunk: usize,
+    micro: usize,
+) {
+    let global = chunk * pp + stage;
+    if global > 0 {
+        let from = (stage + pp - 1) % pp;
+        list.push(Action::RecvActivation { chunk, micro, from });
+    }
+    list.push(Action::Forward { chunk, micro });
+    if global + 1 < pp * v {
+        let to = (stage + 1) % pp;
+        list.push(Action::SendActivation { chunk, micro, to });
+    }
+}
+
+/// Appends the backward of local `chunk` on `micro` for `stage`, wrapped in its communication:
+/// receive the output gradient (unless this is the last global chunk, which owns the loss),
+/// compute, send the input gradient (unless this is global chunk 0).
+pub(crate) fn push_backward(
+    list: &mut Vec<Action>,
+    (pp, v, stage): (usize, usize, usize),
+    chunk: usize,
+    micro: usize,
+) {
+    let global = chunk * pp + stage;
+    if global + 1 < pp * v {
+        let from = (stage + 1) % pp;
+        list.push(Action::RecvGrad { chunk, micro, from });
+    }
+    list.push(Action::Backward { chunk, micro });
+    if global > 0 {
+        let to = (stage + pp - 1) % pp;
+        list.push(Action::SendGrad { chunk, micro, to });
+    }
+}

@@ -1,0 +1,292 @@
+//! A tensor-free simulator for [`Schedule`]s: [`simulate`] checks that a schedule is complete and
+//! consistent, executes every stage's action list with configurable compute costs
+//! ([`SimCosts`]), and returns per-stage timelines and statistics ([`SimReport`]) or the first
+//! problem found ([`SimError`]).
+//!
+//! Execution model (the one the real executor follows): a stage runs its actions in order; a
+//! forward costs `SimCosts::forward` and a backward `SimCosts::backward`; sends take no time and
+//! never block (buffered); a receive blocks until the matching send has happened and then moves
+//! the stage's clock to at least the send time. Because stages only interact through messages,
+//! running each stage as far as it can go, round-robin, yields exactly the times of a lock-step
+//! event-ordered execution; when a full round makes no progress the schedule is deadlocked.
+//!
+//! Checks, in order: static structure (stage count, indices in range, every (chunk, micro) has
+//! exactly one forward and one backward per stage, every message goes between the right stages
+//! and has exactly one matching send and receive) and then, while executing: a backward before
+//! its forward, a compute before its input arrived, a send before the compute producing it, and
+//! deadlock.
+
+use std::collections::{HashMap, HashSet};
+
+use super::check::{validate, Key, Payload};
+use super::schedule::{Action, Schedule};
+
+/// Compute cost of one forward / backward of one chunk, in arbitrary time units.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimCosts {
+    /// Duration of a forward of one chunk on one micro-batch.
+    pub forward: f64,
+    /// Duration of a backward of one chunk on one micro-batch.
+    pub backward: f64,
+}
+
+impl Default for SimCosts {
+    /// `forward = 1`, `backward = 2`.
+    fn default() -> Self {
+        SimCosts {
+            forward: 1.0,
+            backward: 2.0,
+        }
+    }
+}
+
+impl SimCosts {
+    /// Costs of a whole stage's layers (`forward`, `backward`) split evenly over `v` chunks.
+    pub fn per_chunk(forward: f64, backward: f64, v: usize) -> Self {
+        let v = v.max(1) as f64;
+        SimCosts {
+            forward: forward / v,
+            backward: backward / v,
+        }
+    }
+}
+
+/// One executed compute action of a stage.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Span {
+    /// Start time.
+    pub start: f64,
+    /// End time.
+    pub end: f64,
+    /// The [`Action::Forward`] or [`Action::Backward`] executed.
+    pub action: Action,
+}
+
+/// Result of a successful simulation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimReport {
+    /// Compute spans of every stage, in execution order.
+    pub timelines: Vec<Vec<Span>>,
+    /// Time at which the last stage finishes.
+    pub makespan: f64,
+    /// Total compute time of each stage.
+    pub compute_time: Vec<f64>,
+    /// Per-stage bubble fraction, `1 - compute_time[s] / makespan`.
+    pub bubble: Vec<f64>,
+    /// Mean of [`SimReport::bubble`] over stages.
+    pub bubble_fraction: f64,
+    /// Per stage, the largest number of forwards whose backward had not yet run.
+    pub peak_in_flight: Vec<usize>,
+}
+
+/// A problem found in a schedule; `stage` is a pipeline stage index, `index` a position in its
+/// action list.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SimError {
+    /// Costs must be finite and non-negative.
+    #[error("compute costs must be finite and >= 0 (forward {forward}, backward {backward})")]
+    InvalidCosts { forward: f64, backward: f64 },
+    /// `pp`, `v` or `m` is zero, or `pp * v * m` overflows.
+    #[error("schedule sizes must be at least 1 and small enough (pp {pp}, v {v}, m {m})")]
+    BadSizes { pp: usize, v: usize, m: usize },
+    /// `actions.len() != pp`.
+    #[error("schedule has {got} action lists but pp = {pp}")]
+    StageCount { pp: usize, got: usize },
+    /// A chunk, micro-batch or stage index out of range.
+    #[error("stage {stage} action {index} `{action}` is out of range (pp {pp}, v {v}, m {m})")]
+    OutOfRange {
+        stage: usize,
+        index: usize,
+        action: Action,
+        pp: usize,
+        v: usize,
+        m: usize,
+    },
+    /// A forward or backward appears more than once.
+    #[error("stage {stage} runs `{action}` more than once")]
+    DuplicateCompute { stage: usize, action: Action },
+    /// A forward or backward never appears.
+    #[error("stage {stage} never runs `{action}`")]
+    MissingCompute { stage: usize, action: Action },
+    /// A send or receive to / from the wrong stage, or one that should not exist.
+    #[error("stage {stage} action {index} `{action}` is misrouted: {reason}")]
+    Misrouted {
+        stage: usize,
+        index: usize,
+        action: Action,
+        reason: String,
+    },
+    /// A send that no receive consumes.
+    #[error("stage {stage} `{action}` has no matching receive")]
+    UnmatchedSend { stage: usize, action: Action },
+    /// A receive that no send feeds.
+    #[error("stage {stage} `{action}` has no matching send")]
+    UnmatchedRecv { stage: usize, action: Action },
+    /// A backward before the forward of the same (chunk, micro).
+    #[error("stage {stage} runs `{action}` before its forward")]
+    BackwardBeforeForward { stage: usize, action: Action },
+    /// A compute whose input (activation or gradient) has not been received yet.
+    #[error("stage {stage} runs `{action}` before its input was received")]
+    InputNotReceived { stage: usize, action: Action },
+    /// A send before the compute that produces the tensor.
+    #[error("stage {stage} runs `{action}` before the compute that produces it")]
+    SendBeforeCompute { stage: usize, action: Action },
+    /// No stage can progress.
+    #[error("deadlock: no stage can progress; stuck: {}", stuck_list(.stuck))]
+    Deadlock { stuck: Vec<(usize, Action)> },
+}
+
+fn stuck_list(stuck: &[(usize, Action)]) -> String {
+    let parts: Vec<String> = stuck
+        .iter()
+        .map(|(s, a)| format!("stage {s} waiting at `{a}`"))
+        .collect();
+    parts.join(", ")
+}
+
+/// Simulates `schedule` with `costs`; see the module docs for the model and the checks.
+pub fn simulate(schedule: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
+    let (f, b) = (costs.forward, costs.backward);
+    if !(f.is_finite() && b.is_finite() && f >= 0.0 && b >= 0.0) {
+        return Err(SimError::InvalidCosts {
+            forward: f,
+            backward: b,
+        });
+    }
+    validate(schedule)?;
+    execute(schedule, costs)
+}
+
+/// Per-stage execution state.
+#[derive(Default)]
+struct StageState {
+    pc: usize,
+    clock: f64,
+    in_flight: usize,
+    peak: usize,
+    compute: f64,
+    spans: Vec<Span>,
+    forwarded: HashSet<(usize, usize)>,
+    backwarded: HashSet<(usize, usize)>,
+    received: HashSet<Key>,
+}
+
+/// Executes the action lists round-robin, each stage as far as it can go, until all finish or
+/// no stage can progress.
+fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
+    let last = sched.num_chunks() - 1;
+    let mut states: Vec<StageState> = (0..sched.pp).map(|_| StageState::default()).collect();
+    let mut posted: HashMap<Key, f64> = HashMap::new();
+    loop {
+        let mut progressed = false;
+        for (stage, st) in states.iter_mut().enumerate() {
+            let list = &sched.actions[stage];
+            while let Some(&action) = list.get(st.pc) {
+                let (chunk, micro) = (action.chunk(), action.micro());
+                let g = sched.global_chunk(stage, chunk);
+                match action {
+                    Action::Forward { .. } | Action::Backward { .. } => {
+                        let forward = matches!(action, Action::Forward { .. });
+                        if !forward && !st.forwarded.contains(&(chunk, micro)) {
+                            return Err(SimError::BackwardBeforeForward { stage, action });
+                        }
+                        let input = if forward {
+                            (g > 0).then_some((Payload::Activation, g, micro))
+                        } else {
+                            (g < last).then_some((Payload::Grad, g, micro))
+                        };
+                        if input.is_some_and(|k| !st.received.contains(&k)) {
+                            return Err(SimError::InputNotReceived { stage, action });
+                        }
+                        let cost = if forward {
+                            costs.forward
+                        } else {
+                            costs.backward
+                        };
+                        let start = st.clock;
+                        st.clock += cost;
+                        st.compute += cost;
+                        st.spans.push(Span {
+                            start,
+                            end: st.clock,
+                            action,
+                        });
+                        if forward {
+                            st.forwarded.insert((chunk, micro));
+                            st.in_flight += 1;
+                            st.peak = st.peak.max(st.in_flight);
+                        } else {
+                            st.backwarded.insert((chunk, micro));
+                            st.in_flight -= 1;
+                        }
+                    }
+                    Action::SendActivation { .. } | Action::SendGrad { .. } => {
+                        let (done, key) = match action {
+                            Action::SendActivation { .. } => {
+                                (&st.forwarded, (Payload::Activation, g + 1, micro))
+                            }
+                            _ => (&st.backwarded, (Payload::Grad, g - 1, micro)),
+                        };
+                        if !done.contains(&(chunk, micro)) {
+                            return Err(SimError::SendBeforeCompute { stage, action });
+                        }
+                        posted.insert(key, st.clock);
+                    }
+                    Action::RecvActivation { .. } | Action::RecvGrad { .. } => {
+                        let payload = match action {
+                            Action::RecvActivation { .. } => Payload::Activation,
+                            _ => Payload::Grad,
+                        };
+                        let key = (payload, g, micro);
+                        let Some(sent_at) = posted.remove(&key) else {
+                            break; // blocked until the matching send happens
+                        };
+                        st.clock = st.clock.max(sent_at);
+                        st.received.insert(key);
+                    }
+                }
+                st.pc += 1;
+                progressed = true;
+            }
+        }
+        let stuck: Vec<(usize, Action)> = states
+            .iter()
+            .enumerate()
+            .filter_map(|(s, st)| sched.actions[s].get(st.pc).map(|&a| (s, a)))
+            .collect();
+        if stuck.is_empty() {
+            break;
+        }
+        if !progressed {
+            return Err(SimError::Deadlock { stuck });
+        }
+    }
+    Ok(report(states))
+}
+
+/// Summarises the finished stages.
+fn report(states: Vec<StageState>) -> SimReport {
+    let makespan = states.iter().map(|s| s.clock).fold(0.0, f64::max);
+    let compute_time: Vec<f64> = states.iter().map(|s| s.compute).collect();
+    let bubble: Vec<f64> = compute_time
+        .iter()
+        .map(|&c| {
+            if makespan > 0.0 {
+                1.0 - c / makespan
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let bubble_fraction = bubble.iter().sum::<f64>() / bubble.len().max(1) as f64;
+    let peak_in_flight = states.iter().map(|s| s.peak).collect();
+    let timelines = states.into_iter().map(|s| s.spans).collect();
+    SimReport {
+        timelines,
+        makespan,
+        compute_time,
+        bubble,
+        bubble_fraction,
+        peak_in_flight,
+    }
+}

@@ -1,0 +1,88 @@
+//! Chrome / Perfetto trace export: [`chrome_trace`] turns a plain list of [`TraceSpan`]s (stage,
+//! name, start and duration in microseconds) into the JSON "Trace Event Format" that
+//! `chrome://tracing` and <https://ui.perfetto.dev> open, one row ("thread") per pipeline stage.
+//! [`spans_from_timelines`] adapts the simulator's timelines; the real executor can feed its
+//! measured timings directly.
+
+use serde_json::{json, Value};
+
+use super::sim::Span;
+
+/// One complete event on the timeline of a pipeline stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceSpan {
+    /// Pipeline stage (shown as the thread id).
+    pub stage: usize,
+    /// Label, e.g. `F c0 m3`.
+    pub name: String,
+    /// Start time in microseconds.
+    pub start_us: f64,
+    /// Duration in microseconds.
+    pub dur_us: f64,
+}
+
+impl From<(usize, String, f64, f64)> for TraceSpan {
+    fn from((stage, name, start_us, dur_us): (usize, String, f64, f64)) -> Self {
+        TraceSpan {
+            stage,
+            name,
+            start_us,
+            dur_us,
+        }
+    }
+}
+
+/// Converts simulator timelines (stage = index in `timelines`) to trace spans, scaling the
+/// simulator's time unit to `us_per_unit` microseconds.
+pub fn spans_from_timelines(timelines: &[Vec<Span>], us_per_unit: f64) -> Vec<TraceSpan> {
+    timelines
+        .iter()
+        .enumerate()
+        .flat_map(|(stage, spans)| {
+            spans.iter().map(move |s| TraceSpan {
+                stage,
+                name: s.action.to_string(),
+                start_us: s.start * us_per_unit,
+                dur_us: (s.end - s.start) * us_per_unit,
+            })
+        })
+        .collect()
+}
+
+/// Renders `spans` as Chrome trace JSON: `{"traceEvents":[...]}` with one `"ph":"X"` event per
+/// span (`pid` 0, `tid` = stage) plus one `"ph":"M"` thread-name event per stage.
+///
+/// Spans whose name starts with `F` get category `forward`, `B` category `backward`, others
+/// `other`. Non-finite times are written as `null`.
+pub fn chrome_trace(spans: &[TraceSpan]) -> String {
+    let mut stages: Vec<usize> = spans.iter().map(|s| s.stage).collect();
+    stages.sort_unstable();
+    stages.dedup();
+    let names = stages.iter().map(|&stage| {
+        json!({
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 0,
+            "tid": stage,
+            "args": { "name": format!("stage {stage}") },
+        })
+    });
+    let events = spans.iter().map(|s| {
+        let cat = match s.name.chars().next() {
+            Some('F') => "forward",
+            Some('B') => "backward",
+            _ => "other",
+        };
+        json!({
+            "name": s.name,
+            "cat": cat,
+            "ph": "X",
+            "ts": s.start_us,
+            "dur": s.dur_us,
+            "pid": 0,
+            "tid": s.stage,
+        })
+    });
+    let all: Vec<Value> = names.chain(events).collect();
+    json!({ "traceEvents": all, "displayTimeUnit": "ms" }).to_string()
+}

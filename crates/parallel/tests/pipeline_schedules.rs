@@ -1,0 +1,465 @@
+//! Pipeline schedules as data: every schedule kind over a grid of sizes simulates without
+//! deadlock and with consistent communication; peak live activations and bubbles match the
+//! closed forms; bad sizes and broken action lists give specific errors; the Chrome trace parses.
+
+use std::collections::HashMap;
+
+use parallel::pipeline::{
+    build, chrome_trace, interleaved, one_f_one_b, simulate, spans_from_timelines, validate,
+    Action, Schedule, ScheduleError, ScheduleKind, SimCosts, SimError, SimReport, TraceSpan,
+};
+
+const KINDS: [ScheduleKind; 3] = [
+    ScheduleKind::AllForwardAllBackward,
+    ScheduleKind::OneFOneB,
+    ScheduleKind::Interleaved,
+];
+const PPS: [usize; 3] = [1, 2, 4];
+const VS: [usize; 2] = [1, 2];
+const MS: [usize; 5] = [1, 2, 3, 4, 8];
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+/// The documented validity rules of `build`.
+fn expected_valid(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> bool {
+    match kind {
+        ScheduleKind::AllForwardAllBackward | ScheduleKind::OneFOneB => v == 1,
+        ScheduleKind::Interleaved => m % pp == 0 && (v == 1 || pp >= 2),
+    }
+}
+
+/// Every valid (kind, pp, v, m) of the grid with its schedule and default-cost simulation.
+fn grid() -> Vec<(ScheduleKind, usize, usize, usize, Schedule, SimReport)> {
+    let mut out = Vec::new();
+    for kind in KINDS {
+        for pp in PPS {
+            for v in VS {
+                for m in MS {
+                    let built = build(kind, pp, v, m);
+                    assert_eq!(
+                        built.is_ok(),
+                        expected_valid(kind, pp, v, m),
+                        "{kind} pp {pp} v {v} m {m}: {built:?}"
+                    );
+                    let Ok(sched) = built else { continue };
+                    let report = simulate(&sched, SimCosts::default())
+                        .unwrap_or_else(|e| panic!("{kind} pp {pp} v {v} m {m}: {e}"));
+                    out.push((kind, pp, v, m, sched, report));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_valid_schedule_runs_each_compute_once_in_order_with_matched_messages() {
+    let all = grid();
+    assert_eq!(all.len(), 15 + 15 + 15, "grid coverage");
+    for (kind, pp, v, m, sched, report) in &all {
+        let ctx = format!("{kind} pp {pp} v {v} m {m}");
+        assert_eq!(sched.actions.len(), *pp, "{ctx}");
+        // Independently of the simulator's own checks: per stage, each (chunk, micro) has one
+        // F and one B, and F ends before B starts.
+        for (stage, spans) in report.timelines.iter().enumerate() {
+            assert_eq!(spans.len(), 2 * v * m, "{ctx} stage {stage}");
+            let mut fwd_end = HashMap::new();
+            for s in spans {
+                let key = (s.action.chunk(), s.action.micro());
+                match s.action {
+                    Action::Forward { .. } => {
+                        assert!(fwd_end.insert(key, s.end).is_none(), "{ctx}: twice {key:?}");
+                    }
+                    Action::Backward { .. } => {
+                        let end = fwd_end.get(&key).copied();
+                        assert!(
+                            end.is_some_and(|e| e <= s.start),
+                            "{ctx}: B before F {key:?}"
+                        );
+                    }
+                    _ => panic!("{ctx}: non-compute span"),
+                }
+            }
+        }
+        // Every send has exactly one receive with the same (payload, consumer chunk, micro).
+        let mut balance: HashMap<(bool, usize, usize), i64> = HashMap::new();
+        for (stage, list) in sched.actions.iter().enumerate() {
+            for a in list {
+                let g = sched.global_chunk(stage, a.chunk());
+                let (key, delta) = match *a {
+                    Action::SendActivation { to, .. } => {
+                        assert_eq!(to, (stage + 1) % pp, "{ctx}");
+                        ((true, g + 1, a.micro()), 1)
+                    }
+                    Action::RecvActivation { .. } => ((true, g, a.micro()), -1),
+                    Action::SendGrad { to, .. } => {
+                        assert_eq!(to, (stage + pp - 1) % pp, "{ctx}");
+                        ((false, g - 1, a.micro()), 1)
+                    }
+                    Action::RecvGrad { .. } => ((false, g, a.micro()), -1),
+                    _ => continue,
+                };
+                *balance.entry(key).or_default() += delta;
+            }
+        }
+        assert!(
+            balance.values().all(|&b| b == 0),
+            "{ctx}: unmatched messages"
+        );
+        // Messages: (pp * v - 1) boundaries, m micro-batches, one activation and one gradient.
+        assert_eq!(balance.len(), 2 * (pp * v - 1) * m, "{ctx}");
+    }
+}
+
+#[test]
+fn peak_in_flight_activations_match_closed_forms() {
+    for (kind, pp, v, m, _, report) in grid() {
+        let expected: Vec<usize> = (0..pp)
+            .map(|s| match kind {
+                ScheduleKind::AllForwardAllBackward => m,
+                ScheduleKind::OneFOneB => (pp - s).min(m),
+                ScheduleKind::Interleaved => {
+                    (interleaved::warmup_forwards(pp, v, m, s) + 1).min(m * v)
+                }
+            })
+            .collect();
+        assert_eq!(
+            report.peak_in_flight, expected,
+            "{kind} pp {pp} v {v} m {m}"
+        );
+    }
+    // Spot values: 1F1B warm-up is min(pp - s - 1, m); interleaved pp 4, v 2, m 8 stage 0 warms
+    // up with (4 - 0 - 1) * 2 + (2 - 1) * 4 = 10 forwards, so holds 11 activations at peak.
+    assert_eq!(one_f_one_b::warmup_forwards(4, 0, 8), 3);
+    assert_eq!(one_f_one_b::warmup_forwards(4, 1, 2), 2);
+    assert_eq!(interleaved::warmup_forwards(4, 2, 8, 0), 10);
+    assert_eq!(interleaved::warmup_forwards(4, 2, 8, 3), 4);
+    assert_eq!(
+        interleaved::warmup_forwards(4, 2, 4, 3),
+        8,
+        "m == pp: all warm-up"
+    );
+    let sched = build(ScheduleKind::Interleaved, 4, 2, 8).unwrap();
+    let report = simulate(&sched, SimCosts::default()).unwrap();
+    assert_eq!(report.peak_in_flight, vec![11, 9, 7, 5]);
+}
+
+/// With a stage's work costing `f` forward and `b` backward per micro-batch (split evenly over
+/// its `v` chunks), every schedule here finishes in exactly
+/// `makespan = m (f + b) + (pp - 1) (f + b) / v`,
+/// so each stage idles `(pp - 1)(f + b) / v` and the bubble fraction is
+/// `(pp - 1) / (v m + pp - 1)` (for v = 1: GPipe's and 1F1B's `(pp - 1) / (m + pp - 1)`).
+/// The simulator gives this exactly for all the sizes below, including b < f and the interleaved
+/// all-warm-up case m == pp.
+#[test]
+fn makespan_and_bubble_match_closed_forms() {
+    let costs = [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (3.0, 1.0)];
+    let mut checked = 0;
+    for kind in KINDS {
+        for pp in [1usize, 2, 3, 4, 8] {
+            for v in [1usize, 2, 4] {
+                for m in [1usize, 2, 3, 4, 8, 16] {
+                    let Ok(sched) = build(kind, pp, v, m) else {
+                        continue;
+                    };
+                    for (f, b) in costs {
+                        let r = simulate(&sched, SimCosts::per_chunk(f, b, v)).unwrap();
+                        let (mf, ppf, vf) = (m as f64, pp as f64, v as f64);
+                        let makespan = mf * (f + b) + (ppf - 1.0) * (f + b) / vf;
+                        let ctx = format!("{kind} pp {pp} v {v} m {m} f {f} b {b}");
+                        assert!(close(r.makespan, makespan), "{ctx}: {}", r.makespan);
+                        let bubble = (ppf - 1.0) / (vf * mf + ppf - 1.0);
+                        assert!(close(r.bubble_fraction, bubble), "{ctx}");
+                        assert!(r.bubble.iter().all(|&x| close(x, bubble)), "{ctx}");
+                        assert!(r.compute_time.iter().all(|&c| close(c, mf * (f + b))));
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 300, "{checked}");
+    // The brief's unit-cost statement for 1F1B: makespan (m + pp - 1) * 3 with f = 1, b = 2.
+    let r = simulate(
+        &build(ScheduleKind::OneFOneB, 4, 1, 8).unwrap(),
+        SimCosts::default(),
+    );
+    let r = r.unwrap();
+    assert!(close(r.makespan, 33.0) && close(r.bubble_fraction, 3.0 / 11.0));
+}
+
+#[test]
+fn invalid_sizes_give_specific_errors() {
+    use ScheduleKind::*;
+    let err = |kind, pp, v, m| build(kind, pp, v, m).unwrap_err();
+    assert_eq!(
+        err(Interleaved, 4, 2, 6),
+        ScheduleError::MicroBatchesNotMultipleOfPp { m: 6, pp: 4 }
+    );
+    assert_eq!(
+        err(Interleaved, 4, 2, 6).to_string(),
+        "interleaved 1F1B needs the number of micro-batches (6) to be a multiple of parallel.pp (4)"
+    );
+    assert_eq!(
+        err(Interleaved, 1, 2, 4),
+        ScheduleError::VirtualNeedsPipeline { v: 2, pp: 1 }
+    );
+    assert!(err(Interleaved, 1, 2, 4)
+        .to_string()
+        .contains("parallel.pp >= 2"));
+    for kind in [AllForwardAllBackward, OneFOneB] {
+        assert_eq!(
+            err(kind, 2, 2, 4),
+            ScheduleError::VirtualNotSupported { kind, v: 2 }
+        );
+    }
+    assert_eq!(
+        err(AllForwardAllBackward, 2, 2, 4).to_string(),
+        "all-forward-all-backward supports only one model chunk per pipeline rank (v = 1), got v = 2"
+    );
+    for kind in KINDS {
+        assert_eq!(err(kind, 0, 1, 4), ScheduleError::ZeroStages);
+        assert_eq!(err(kind, 2, 0, 4), ScheduleError::ZeroVirtualStages);
+        assert_eq!(err(kind, 2, 1, 0), ScheduleError::ZeroMicroBatches);
+        assert!(matches!(
+            err(kind, usize::MAX, 1, 2),
+            ScheduleError::TooLarge { .. }
+        ));
+    }
+    assert!(matches!(
+        err(OneFOneB, 4096, 1, 8192),
+        ScheduleError::TooLarge { .. }
+    ));
+    // A non-interleaved kind with v > 1 names its own restriction even when pp == 1.
+    assert_eq!(
+        err(OneFOneB, 1, 2, 4),
+        ScheduleError::VirtualNotSupported {
+            kind: OneFOneB,
+            v: 2
+        }
+    );
+    assert_eq!(err(OneFOneB, 0, 1, 4).to_string(), "pp must be at least 1");
+    assert_eq!(
+        err(OneFOneB, 2, 1, 0).to_string(),
+        "m (micro-batches per step) must be at least 1"
+    );
+}
+
+/// Position of `action` in `stage`'s list.
+fn pos(sched: &Schedule, stage: usize, action: Action) -> usize {
+    sched.actions[stage]
+        .iter()
+        .position(|a| *a == action)
+        .unwrap()
+}
+
+#[test]
+fn broken_action_lists_are_caught() {
+    let good = build(ScheduleKind::OneFOneB, 2, 1, 4).unwrap();
+    let run = |s: &Schedule| simulate(s, SimCosts::default()).unwrap_err();
+
+    // Stage 0 posts its first gradient receive before its first forward: it waits for a
+    // gradient that needs its own activation -> deadlock naming both stages.
+    let mut s = good.clone();
+    let recv = Action::RecvGrad {
+        chunk: 0,
+        micro: 0,
+        from: 1,
+    };
+    let i = pos(&s, 0, recv);
+    s.actions[0].remove(i);
+    s.actions[0].insert(0, recv);
+    let e = run(&s);
+    assert!(matches!(e, SimError::Deadlock { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("stage 0 waiting at `recv-grad c0 m0 <- 1`"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("stage 1 waiting at `recv-act c0 m0 <- 0`"),
+        "{msg}"
+    );
+
+    // Swap two activation receives on stage 1: micro 1's input is received before micro 0's
+    // forward, which then runs without its input.
+    let mut s = good.clone();
+    let a = pos(
+        &s,
+        1,
+        Action::RecvActivation {
+            chunk: 0,
+            micro: 0,
+            from: 0,
+        },
+    );
+    let b = pos(
+        &s,
+        1,
+        Action::RecvActivation {
+            chunk: 0,
+            micro: 1,
+            from: 0,
+        },
+    );
+    s.actions[1].swap(a, b);
+    let e = run(&s);
+    assert_eq!(
+        e.to_string(),
+        "stage 1 runs `F c0 m0` before its input was received"
+    );
+
+    // A receive naming the wrong micro-batch: micro 1 is received twice, micro 0 never.
+    let mut s = good.clone();
+    let a = pos(
+        &s,
+        1,
+        Action::RecvActivation {
+            chunk: 0,
+            micro: 0,
+            from: 0,
+        },
+    );
+    s.actions[1][a] = Action::RecvActivation {
+        chunk: 0,
+        micro: 1,
+        from: 0,
+    };
+    // The first unmatched end in schedule order is reported: micro 0's send.
+    let send0 = Action::SendActivation {
+        chunk: 0,
+        micro: 0,
+        to: 1,
+    };
+    let e = run(&s);
+    assert_eq!(
+        e,
+        SimError::UnmatchedSend {
+            stage: 0,
+            action: send0
+        }
+    );
+    assert_eq!(
+        e.to_string(),
+        "stage 0 `send-act c0 m0 -> 1` has no matching receive"
+    );
+
+    // An extra receive has no send.
+    let mut s = good.clone();
+    let extra = Action::RecvGrad {
+        chunk: 0,
+        micro: 3,
+        from: 1,
+    };
+    s.actions[0].push(extra);
+    assert_eq!(
+        run(&s),
+        SimError::UnmatchedRecv {
+            stage: 0,
+            action: extra
+        }
+    );
+
+    // A dropped receive leaves its send unmatched.
+    let mut s = good.clone();
+    s.actions[1].remove(a);
+    assert!(matches!(run(&s), SimError::UnmatchedSend { stage: 0, .. }));
+
+    // A receive from the wrong stage.
+    let mut s = build(ScheduleKind::OneFOneB, 4, 1, 4).unwrap();
+    let a = pos(
+        &s,
+        2,
+        Action::RecvActivation {
+            chunk: 0,
+            micro: 0,
+            from: 1,
+        },
+    );
+    s.actions[2][a] = Action::RecvActivation {
+        chunk: 0,
+        micro: 0,
+        from: 3,
+    };
+    let e = run(&s);
+    assert!(matches!(e, SimError::Misrouted { stage: 2, .. }), "{e}");
+
+    // Backward moved before its forward; a missing and a duplicated compute.
+    let mut s = build(ScheduleKind::OneFOneB, 1, 1, 2).unwrap();
+    s.actions[0].swap(0, 1);
+    assert!(matches!(
+        run(&s),
+        SimError::BackwardBeforeForward { stage: 0, .. }
+    ));
+    let mut s = build(ScheduleKind::OneFOneB, 1, 1, 2).unwrap();
+    s.actions[0].pop();
+    assert!(matches!(run(&s), SimError::MissingCompute { stage: 0, .. }));
+    let mut s = build(ScheduleKind::OneFOneB, 1, 1, 2).unwrap();
+    s.actions[0].push(Action::Forward { chunk: 0, micro: 0 });
+    let e = run(&s);
+    assert_eq!(e.to_string(), "stage 0 runs `F c0 m0` more than once");
+
+    // Out-of-range indices, wrong stage count, bad costs.
+    let mut s = good.clone();
+    s.actions[0].push(Action::Forward { chunk: 1, micro: 0 });
+    assert!(matches!(run(&s), SimError::OutOfRange { stage: 0, .. }));
+    let mut s = good.clone();
+    s.actions.pop();
+    assert_eq!(run(&s), SimError::StageCount { pp: 2, got: 1 });
+    // The static checks alone (no execution) catch structural problems but not ordering.
+    assert!(validate(&good).is_ok());
+    assert!(matches!(validate(&s), Err(SimError::StageCount { .. })));
+    let huge = Schedule {
+        pp: 1,
+        v: 1,
+        m: usize::MAX,
+        actions: vec![Vec::new()],
+    };
+    assert!(matches!(
+        validate(&huge),
+        Err(SimError::MissingCompute { .. })
+    ));
+    let bad = SimCosts {
+        forward: f64::NAN,
+        backward: 1.0,
+    };
+    assert!(matches!(
+        simulate(&good, bad),
+        Err(SimError::InvalidCosts { .. })
+    ));
+}
+
+#[test]
+fn chrome_trace_parses_with_one_span_per_compute() {
+    let sched = build(ScheduleKind::Interleaved, 4, 2, 8).unwrap();
+    let report = simulate(&sched, SimCosts::per_chunk(1.0, 2.0, 2)).unwrap();
+    let spans = spans_from_timelines(&report.timelines, 1000.0);
+    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&spans)).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let computes: usize = sched
+        .actions
+        .iter()
+        .map(|l| l.iter().filter(|a| a.is_compute()).count())
+        .sum();
+    assert_eq!(complete.len(), computes);
+    assert_eq!(complete.len(), 4 * 2 * 2 * 8);
+    let first = complete
+        .iter()
+        .find(|e| e["tid"] == 0 && e["name"] == "F c0 m0")
+        .unwrap();
+    assert_eq!(first["ts"], 0.0);
+    assert_eq!(first["dur"], 500.0);
+    assert_eq!(first["pid"], 0);
+    let ends = complete
+        .iter()
+        .map(|e| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap());
+    assert!(close(ends.fold(0.0, f64::max), report.makespan * 1000.0));
+    // Measured timings go through the same function.
+    let measured = [TraceSpan::from((1, "B c0 m0".to_string(), 10.0, 2.5))];
+    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&measured)).unwrap();
+    assert_eq!(json["traceEvents"][1]["tid"], 1);
+    assert_eq!(json["traceEvents"][1]["cat"], "backward");
+}

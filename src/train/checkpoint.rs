@@ -1,0 +1,188 @@
+//! Saving and restoring a rank's training state through `ckpt`: the optimizer's fp32 master
+//! weights and moments (the parameters are the masters cast to their dtype), step and samples
+//! consumed. Pieces carry global coordinates, so a checkpoint loads at any layout.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use ckpt::{Checkpoint, Kind, Manifest, RankWriter};
+use parallel::dp::gather_shards;
+use parallel::flat::intersect;
+use parallel::tp::Shard;
+use parallel::Group;
+use tracing::info;
+
+use super::Trainer;
+use crate::optim::{write_params, AdamWState};
+
+impl Trainer {
+    /// Directory holding this run's step directories.
+    pub fn checkpoint_root(&self) -> PathBuf {
+        self.recipe
+            .checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.recipe.run.dir.join("checkpoints"))
+    }
+
+    fn world(&self) -> Group {
+        Group::new((0..self.ctx.mesh.world_size()).collect())
+    }
+
+    /// Writes a checkpoint of the current step (all ranks take part); returns its directory.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let start = Instant::now();
+        let (root, step, comm) = (
+            self.checkpoint_root(),
+            self.step as u64,
+            self.ctx.comm.as_ref(),
+        );
+        let world = self.world();
+        if self.ctx.is_main() {
+            std::fs::create_dir_all(&root)
+                .with_context(|| format!("creating {}", root.display()))?;
+            let stale = root.join(format!("{}.tmp", ckpt::step_dir_name(step)));
+            if stale.exists() {
+                std::fs::remove_dir_all(&stale)
+                    .with_context(|| format!("removing {}", stale.display()))?;
+            }
+        }
+        comm.barrier(&world)?;
+        let mut writer = RankWriter::new(&root, step, self.ctx.rank)?;
+        // Data-parallel replicas hold identical state: without ZeRO-1 only replica 0 writes it.
+        if self.recipe.parallel.zero1 || self.ctx.coords.dp == 0 {
+            let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
+            let layout = self.grads.layout();
+            for (i, p) in self.model.params().iter().enumerate() {
+                if p.shard == Shard::Replicated && self.ctx.coords.tp != 0 {
+                    continue; // tensor-parallel replicas: rank 0 of the group writes
+                }
+                let mut base = 0;
+                for r in self.optimizer.owned() {
+                    let cut = intersect(&layout.range(i), r);
+                    if !cut.is_empty() {
+                        let local = (cut.start - layout.offsets[i], cut.end - layout.offsets[i]);
+                        let own = base + cut.start - r.start..base + cut.end - r.start;
+                        for (k, kind) in Kind::ALL.into_iter().enumerate() {
+                            writer.add(
+                                &p.name,
+                                kind,
+                                &p.global_shape,
+                                &p.slice,
+                                local,
+                                state[k][own.clone()].to_vec(),
+                            );
+                        }
+                    }
+                    base += r.len();
+                }
+            }
+        }
+        writer.write()?;
+        comm.barrier(&world)?;
+        let dir = root.join(ckpt::step_dir_name(step));
+        if self.ctx.is_main() {
+            let manifest = Manifest {
+                format: String::new(),
+                step,
+                consumed_samples: self.consumed,
+                seed: self.recipe.train.seed,
+                model: serde_json::to_value(&self.recipe.model)?,
+                recipe: serde_yaml::to_string(&self.recipe)?,
+                layout: serde_json::to_value(&self.recipe.parallel)?,
+                files: vec![],
+                pieces: vec![],
+            };
+            ckpt::finalize(
+                &root,
+                manifest,
+                world.size(),
+                &self.recipe.data.tokenizer,
+                self.recipe.checkpoint.keep,
+            )?;
+            info!(
+                "saved checkpoint {} in {:.2}s",
+                dir.display(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+        comm.barrier(&world)?;
+        Ok(dir)
+    }
+
+    /// Restores the state saved in step directory `dir`, whatever layout wrote it.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        let ck = Checkpoint::open(dir)?;
+        let m = ck.manifest();
+        let want = serde_json::to_value(&self.recipe.model)?;
+        if m.model != want {
+            let diff: Vec<String> = want
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(k, v)| m.model.get(k.as_str()) != Some(v))
+                .map(|(k, v)| {
+                    format!(
+                        "model.{k}: checkpoint {}, recipe {v}",
+                        m.model.get(k.as_str()).unwrap_or(&serde_json::Value::Null)
+                    )
+                })
+                .collect();
+            bail!(
+                "{}: checkpoint of a different model ({})",
+                dir.display(),
+                diff.join("; ")
+            );
+        }
+        let layout = self.grads.layout().clone();
+        let n: usize = self.optimizer.owned().iter().map(|r| r.len()).sum();
+        let mut state = vec![0f32; 3 * n];
+        let params = self.model.params();
+        for (k, kind) in Kind::ALL.into_iter().enumerate() {
+            let mut cache: HashMap<usize, Vec<f32>> = HashMap::new();
+            let mut base = 0;
+            for r in self.optimizer.owned() {
+                for (i, p) in params.iter().enumerate() {
+                    let cut = intersect(&layout.range(i), r);
+                    if cut.is_empty() {
+                        continue;
+                    }
+                    if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(i) {
+                        e.insert(ck.read_block(&p.name, kind, &p.global_shape, &p.slice)?);
+                    }
+                    let block = &cache[&i];
+                    let (a, b) = (cut.start - layout.offsets[i], cut.end - layout.offsets[i]);
+                    let dst = k * n + base + cut.start - r.start;
+                    state[dst..dst + (b - a)].copy_from_slice(&block[a..b]);
+                }
+                base += r.len();
+            }
+        }
+        let buffers = Tensor::from_vec(state, (3, n), &self.device)?;
+        self.optimizer.load_state(&AdamWState {
+            step: m.step,
+            buffers,
+        })?;
+        let master = self.optimizer.master()?;
+        let full = if self.recipe.parallel.zero1 {
+            gather_shards(&layout, &master, self.ctx.comm.as_ref(), &self.ctx.dp)?
+        } else {
+            master
+        };
+        write_params(params, &layout, &full.to_dtype(DType::F32)?)?;
+        self.step = m.step as usize;
+        self.consumed = m.consumed_samples;
+        if self.ctx.is_main() {
+            info!(
+                "resumed from {} (step {}, {} samples consumed)",
+                dir.display(),
+                m.step,
+                m.consumed_samples
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,142 @@
+//! Checkpoints end to end: resuming equals the uninterrupted run bit for bit (one rank and a
+//! parallel layout), and a checkpoint written at one layout continues the same loss curve at
+//! another (within the layout tolerance of tests/parallel.rs).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use pretrain::recipe::load;
+use pretrain::train::{train, RunOutput};
+
+fn run(dir: &Path, extra: &[&str]) -> RunOutput {
+    let mut o = vec![format!(
+        "train.steps=6,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,run.dir={}",
+        dir.display()
+    )];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let recipe = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    train(recipe, true).unwrap_or_else(|e| panic!("{extra:?}: {e:#}"))
+}
+
+fn losses(r: &RunOutput) -> Vec<(usize, f64)> {
+    r.records.iter().map(|r| (r.step, r.loss)).collect()
+}
+
+fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .flat_map(|(k, x)| x.iter().zip(&b[k]).map(|(p, q)| (p - q).abs() as f64))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn resume_is_bit_identical_on_one_rank_and_on_a_parallel_layout() {
+    for layout in [
+        "parallel.dp=1",
+        "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero1=true",
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let full = run(&tmp.path().join("a"), &[layout, "checkpoint.interval=3"]);
+        let step3 = tmp.path().join("a/checkpoints/step-00000003");
+        let resumed = run(
+            &tmp.path().join("b"),
+            &[layout, &format!("checkpoint.resume={}", step3.display())],
+        );
+        assert_eq!(
+            losses(&resumed),
+            losses(&full)[3..].to_vec(),
+            "{layout}: losses after resume"
+        );
+        assert_eq!(
+            max_diff(&resumed.weights, &full.weights),
+            0.0,
+            "{layout}: final weights"
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_loads_at_any_layout_and_continues_the_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let single = run(&tmp.path().join("single"), &["checkpoint.interval=3"]);
+    let wide = run(
+        &tmp.path().join("wide"),
+        &[
+            "parallel.dp=2,parallel.tp=2,parallel.zero1=true",
+            "checkpoint.interval=3",
+        ],
+    );
+    let from_single = tmp.path().join("single/checkpoints/step-00000003");
+    let from_wide = tmp.path().join("wide/checkpoints/step-00000003");
+    let cases = [
+        (&from_wide, "parallel.dp=1", "(2,2,1) -> (1,1,1)"),
+        (&from_wide, "parallel.tp=2", "(2,2,1) -> (1,2,1)"),
+        (
+            &from_single,
+            "parallel.dp=2,parallel.zero1=true",
+            "(1,1,1) -> (2,1,1) ZeRO-1",
+        ),
+        (
+            &from_single,
+            "parallel.tp=4,parallel.sequence_parallel=true",
+            "(1,1,1) -> (1,4,1) SP",
+        ),
+    ];
+    for (i, (from, layout, name)) in cases.iter().enumerate() {
+        let out = run(
+            &tmp.path().join(format!("c{i}")),
+            &[layout, &format!("checkpoint.resume={}", from.display())],
+        );
+        let base = &losses(&single)[3..];
+        for ((s, a), (t, b)) in losses(&out).iter().zip(base) {
+            assert_eq!(s, t);
+            assert!((a - b).abs() / b < 1e-6, "{name}: step {s} loss {a} vs {b}");
+        }
+        let d = max_diff(&out.weights, &single.weights);
+        assert!(d < 3e-4, "{name}: weights differ by {d:.2e}");
+    }
+    drop(wide);
+}
+
+#[test]
+fn resume_auto_picks_the_newest_complete_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("r");
+    let full = run(&dir, &["checkpoint.interval=2,checkpoint.keep=5"]);
+    // A half-written newer checkpoint (no manifest) and a stale `latest` must be ignored.
+    std::fs::create_dir_all(dir.join("checkpoints/step-00000008")).unwrap();
+    std::fs::write(dir.join("checkpoints/latest"), "step-00000008").unwrap();
+    let again = run(
+        &dir,
+        &[
+            "checkpoint.interval=2",
+            "checkpoint.resume=auto",
+            "train.steps=8",
+            "schedule.warmup_steps=1",
+        ],
+    );
+    assert_eq!(
+        again.records.first().map(|r| r.step),
+        Some(7),
+        "resumes after step 6"
+    );
+    let _ = full;
+}
+
+#[test]
+fn resume_rejects_a_different_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    run(&tmp.path().join("a"), &["checkpoint.interval=6"]);
+    let step = tmp.path().join("a/checkpoints/step-00000006");
+    let o = vec![format!(
+        "train.steps=6,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,model.intermediate_size=256,checkpoint.resume={}",
+        step.display()
+    )];
+    let recipe = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    let e = format!("{:#}", train(recipe, false).err().unwrap());
+    assert!(
+        e.contains("different model")
+            && e.contains("model.intermediate_size: checkpoint 384, recipe 256"),
+        "{e}"
+    );
+}
