@@ -1,0 +1,185 @@
+//! The checkpoint format on its own: pieces written by several "ranks" with different
+//! tensor-parallel blocks and ZeRO-style element ranges are reassembled into any block; every
+//! integrity failure is a specific error naming the file.
+
+use std::path::{Path, PathBuf};
+
+use ckpt::{finalize, find_latest, Checkpoint, CkptError, Kind, Manifest, RankWriter};
+
+/// Tensor "w" of shape [4, 6] with value 10·row + col; "n" of shape [6] with value col.
+fn value(name: &str, r: usize, c: usize) -> f32 {
+    if name == "w" {
+        (10 * r + c) as f32
+    } else {
+        c as f32
+    }
+}
+
+/// Writes step `step` as two ranks: rank r holds columns 3r..3r+3 of "w" (a tensor-parallel split
+/// along dim 1), cut into two ZeRO-style element ranges; rank 0 alone holds "n".
+fn write(root: &Path, step: u64) -> PathBuf {
+    let tok = root.join("tok.json");
+    std::fs::write(&tok, "{}").unwrap();
+    for rank in 0..2 {
+        let mut w = RankWriter::new(root, step, rank).unwrap();
+        let block = [(0, 4), (3 * rank, 3)];
+        let data: Vec<f32> = (0..12)
+            .map(|e| value("w", e / 3, 3 * rank + e % 3))
+            .collect();
+        for kind in Kind::ALL {
+            w.add("w", kind, &[4, 6], &block, (0, 5), data[..5].to_vec());
+            w.add("w", kind, &[4, 6], &block, (5, 12), data[5..].to_vec());
+            if rank == 0 {
+                w.add(
+                    "n",
+                    kind,
+                    &[6],
+                    &[(0, 6)],
+                    (0, 6),
+                    (0..6).map(|c| value("n", 0, c)).collect(),
+                );
+            }
+        }
+        w.write().unwrap();
+    }
+    let manifest = Manifest {
+        format: String::new(),
+        step,
+        consumed_samples: 32 * step,
+        seed: 1,
+        model: serde_json::json!({"hidden_size": 6}),
+        recipe: "train: {}".into(),
+        layout: serde_json::json!({"tp": 2}),
+        files: vec![],
+        pieces: vec![],
+    };
+    finalize(root, manifest, 2, &tok, 2).unwrap()
+}
+
+#[test]
+fn any_block_is_reassembled_from_the_pieces() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write(tmp.path(), 3);
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.manifest().consumed_samples, 96);
+    assert_eq!(
+        ck.tensors(),
+        vec![("n".to_string(), vec![6]), ("w".to_string(), vec![4, 6])]
+    );
+    for block in [
+        vec![(0, 4), (0, 6)],
+        vec![(1, 2), (2, 3)],
+        vec![(0, 2), (0, 6)],
+        vec![(3, 1), (5, 1)],
+    ] {
+        for kind in Kind::ALL {
+            let got = ck.read_block("w", kind, &[4, 6], &block).unwrap();
+            let ((r0, rn), (c0, cn)) = (block[0], block[1]);
+            let want: Vec<f32> = (0..rn)
+                .flat_map(|r| (0..cn).map(move |c| value("w", r0 + r, c0 + c)))
+                .collect();
+            assert_eq!(got, want, "{block:?}");
+        }
+    }
+    assert_eq!(
+        ck.read_block("n", Kind::Master, &[6], &[(2, 3)]).unwrap(),
+        vec![2.0, 3.0, 4.0]
+    );
+    assert!(ck.tokenizer_path().exists());
+}
+
+#[test]
+fn shape_and_missing_tensors_are_mismatches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(&write(tmp.path(), 1)).unwrap();
+    let e = ck
+        .read_block("w", Kind::Master, &[4, 8], &[(0, 4), (0, 8)])
+        .unwrap_err();
+    assert!(
+        matches!(e, CkptError::Mismatch { .. }) && e.to_string().contains("[4, 6]"),
+        "{e}"
+    );
+    let e = ck
+        .read_block("lm_head", Kind::Master, &[4], &[(0, 4)])
+        .unwrap_err();
+    assert!(e.to_string().contains("no master of tensor lm_head"), "{e}");
+}
+
+#[test]
+fn truncated_corrupt_and_missing_files_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write(tmp.path(), 1);
+    let shard = dir.join("rank-00001.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+
+    std::fs::write(&shard, &bytes[..bytes.len() - 7]).unwrap();
+    let e = Checkpoint::open(&dir).err().unwrap();
+    assert!(
+        matches!(e, CkptError::Corrupt { what: "size", .. })
+            && e.to_string().contains("rank-00001.safetensors"),
+        "{e}"
+    );
+
+    let mut flipped = bytes.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 0x40;
+    std::fs::write(&shard, &flipped).unwrap();
+    let e = Checkpoint::open(&dir).err().unwrap();
+    assert!(
+        matches!(e, CkptError::Corrupt { what: "sha256", .. })
+            && e.to_string().contains("rank-00001"),
+        "{e}"
+    );
+
+    std::fs::remove_file(&shard).unwrap();
+    let e = Checkpoint::open(&dir).err().unwrap();
+    assert!(
+        matches!(e, CkptError::MissingFile { .. })
+            && e.to_string().contains("rank-00001.safetensors"),
+        "{e}"
+    );
+}
+
+#[test]
+fn incomplete_directories_are_never_chosen() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), 2);
+    write(tmp.path(), 4);
+    // A crash during a save leaves a temporary directory, or a step directory without manifest.
+    std::fs::create_dir_all(tmp.path().join("step-00000006.tmp")).unwrap();
+    std::fs::create_dir_all(tmp.path().join("step-00000008")).unwrap();
+    std::fs::write(tmp.path().join("latest"), "step-00000008").unwrap();
+    assert_eq!(
+        find_latest(tmp.path()).unwrap(),
+        tmp.path().join("step-00000004")
+    );
+    let e = Checkpoint::open(&tmp.path().join("step-00000008"))
+        .err()
+        .unwrap();
+    assert!(
+        matches!(e, CkptError::Incomplete { .. }) && e.to_string().contains("step-00000008"),
+        "{e}"
+    );
+    assert!(find_latest(&tmp.path().join("nothing-here")).is_none());
+}
+
+#[test]
+fn only_the_newest_checkpoints_are_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    for s in 1..=4 {
+        write(tmp.path(), s);
+    }
+    let mut names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec!["latest", "step-00000003", "step-00000004", "tok.json"]
+    );
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("latest")).unwrap(),
+        "step-00000004"
+    );
+}
