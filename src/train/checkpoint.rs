@@ -85,6 +85,17 @@ impl Trainer {
         comm.barrier(&world)?;
         let dir = root.join(ckpt::step_dir_name(step));
         if self.ctx.is_main() {
+            // Fault-injection point for crash-consistency tests: hold the save between the shard
+            // files and the manifest so a test can kill the process right there.
+            if let Some(ms) = std::env::var("PRETRAIN_TEST_SAVE_PAUSE_MS")
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                info!(
+                    "checkpoint step {step}: shards written, pausing {ms} ms before the manifest"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
             let manifest = Manifest {
                 format: String::new(),
                 step,
