@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use tracing::info;
 
-use crate::recipe::{self, Recipe};
+use crate::recipe::{self, Dtype, Recipe};
 
 /// Megatron-style 3D-parallel Llama pretraining.
 #[derive(Debug, Parser)]
@@ -51,6 +51,48 @@ pub enum Command {
     Tokenizer(TokenizerCommand),
     /// Tokenize documents into a Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`).
     Preprocess(PreprocessArgs),
+    /// Write a checkpoint as a Hugging Face `LlamaForCausalLM` directory (with a logit parity check).
+    ExportHf {
+        /// Checkpoint step directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Output directory.
+        #[arg(long)]
+        output: PathBuf,
+        /// Weight dtype (default: the training dtype).
+        #[arg(long, value_parser = ["f32", "bf16"])]
+        dtype: Option<String>,
+        /// Largest weight file in bytes before sharding.
+        #[arg(long, default_value_t = crate::hf::DEFAULT_MAX_SHARD_BYTES)]
+        max_shard_size: u64,
+    },
+    /// Turn a Hugging Face Llama directory into a step-0 checkpoint of a recipe.
+    ImportHf {
+        /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+        /// The recipe; `model:` must match the directory's config.json.
+        #[command(flatten)]
+        recipe: RecipeArgs,
+        /// Checkpoint root to write into (default: the recipe's checkpoint directory).
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// Mean next-token loss of a checkpoint on a text file.
+    Eval {
+        /// Checkpoint step directory.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Text file.
+        #[arg(long)]
+        input: PathBuf,
+        /// Recipe overrides, e.g. a layout: `--set parallel.tp=2`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Also write the first window's logits `[seq_len, vocab]` (safetensors, tensor `logits`).
+        #[arg(long)]
+        logits_out: Option<PathBuf>,
+    },
 }
 
 /// Tokenizer subcommands.
@@ -140,6 +182,65 @@ pub fn run(cli: Cli) -> Result<()> {
                 show_progress: true,
             };
             info!("{}", data::preprocess(&opts)?);
+            Ok(())
+        }
+        (
+            None,
+            Some(Command::ExportHf {
+                checkpoint,
+                output,
+                dtype,
+                max_shard_size,
+            }),
+        ) => {
+            let dtype = dtype.map(|d| if d == "bf16" { Dtype::Bf16 } else { Dtype::F32 });
+            let s = crate::hf::export(&checkpoint, &output, dtype, max_shard_size)?;
+            info!(
+                "exported {} ({} weight file(s), {:.1} MB); parity check: max relative logit difference {:.2e}",
+                output.display(),
+                s.files.len(),
+                s.bytes as f64 / 1e6,
+                s.parity
+            );
+            Ok(())
+        }
+        (
+            None,
+            Some(Command::ImportHf {
+                model,
+                recipe,
+                output,
+            }),
+        ) => {
+            let r = recipe.load()?;
+            let root = output.unwrap_or_else(|| {
+                r.checkpoint
+                    .dir
+                    .clone()
+                    .unwrap_or_else(|| r.run.dir.join("checkpoints"))
+            });
+            let dir = crate::hf::import(&model, &r, &root)?;
+            info!(
+                "wrote {}; train from it with --set checkpoint.resume={}",
+                dir.display(),
+                dir.display()
+            );
+            Ok(())
+        }
+        (
+            None,
+            Some(Command::Eval {
+                checkpoint,
+                input,
+                overrides,
+                logits_out,
+            }),
+        ) => {
+            let r = crate::eval::eval(&checkpoint, &input, &overrides, logits_out.as_deref())?;
+            println!(
+                "loss={:.8} perplexity={:.6} windows={} tokens={}",
+                r.loss, r.perplexity, r.windows, r.tokens
+            );
             Ok(())
         }
         _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),

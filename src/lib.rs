@@ -2,6 +2,8 @@
 //! parallelism, data and checkpoints live in the workspace crates.
 
 pub mod cli;
+pub mod eval;
+pub mod hf;
 pub mod optim;
 pub mod recipe;
 pub mod schedule;

@@ -261,3 +261,18 @@ fn initialisation_is_bit_identical_for_equal_seeds() {
         }
     }
 }
+
+#[test]
+fn tensor_shapes_list_exactly_the_model_parameters() {
+    for tied in [true, false] {
+        let c = config(tied);
+        let model =
+            Llama::new(&c, model::Placement::whole(&c), 1, DType::F32, &Device::Cpu).unwrap();
+        let built: Vec<(String, Vec<usize>)> = model
+            .params()
+            .iter()
+            .map(|p| (p.name.clone(), p.global_shape.clone()))
+            .collect();
+        assert_eq!(built, c.tensor_shapes());
+    }
+}

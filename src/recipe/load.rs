@@ -35,7 +35,20 @@ pub enum RecipeError {
 /// Loads `path` (following `inherit:`), applies `overrides` (`a.b=value`, comma-separated lists
 /// allowed, YAML values), deserialises and validates it.
 pub fn load(path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
-    let mut value = read_with_inherit(path, &mut Vec::new())?;
+    finish(read_with_inherit(path, &mut Vec::new())?, path, overrides)
+}
+
+/// Like [`load`] for a complete recipe given as YAML text (e.g. the one stored in a checkpoint);
+/// `origin` names it in error messages. `inherit:` is not followed.
+pub fn load_str(text: &str, origin: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
+    let value: Value = serde_yaml::from_str(text).map_err(|e| RecipeError::Parse {
+        path: origin.into(),
+        message: e.to_string(),
+    })?;
+    finish(value, origin, overrides)
+}
+
+fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
     for arg in overrides {
         for (key, raw) in split_overrides(arg)? {
             let parsed: Value = serde_yaml::from_str(&raw).unwrap_or(Value::String(raw.clone()));

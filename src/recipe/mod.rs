@@ -10,7 +10,7 @@ use model::LlamaConfig;
 use parallel::ParallelConfig;
 use serde::{Deserialize, Serialize};
 
-pub use load::{load, RecipeError};
+pub use load::{load, load_str, RecipeError};
 pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, OptimizerConfig, Resume, RunConfig, ScheduleConfig,
     ScheduleKind, TrainConfig,

@@ -25,6 +25,7 @@
 mod error;
 mod format;
 mod read;
+pub mod stream;
 mod write;
 
 pub use error::CkptError;

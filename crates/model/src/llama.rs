@@ -186,6 +186,23 @@ impl Llama {
         })
     }
 
+    /// Replaces every parameter with values from `value(name, global_shape, slice)`, which returns
+    /// the row-major f32 values of this rank's slice (cast here to the parameter dtype).
+    pub fn load_weights<E>(
+        &self,
+        mut value: impl FnMut(&str, &[usize], &[(usize, usize)]) -> std::result::Result<Vec<f32>, E>,
+    ) -> std::result::Result<(), E>
+    where
+        E: From<candle_core::Error>,
+    {
+        for p in self.params.iter() {
+            let v = value(&p.name, &p.global_shape, &p.slice)?;
+            let t = Tensor::from_vec(v, p.var.shape(), p.var.device())?.to_dtype(p.var.dtype())?;
+            p.var.set(&t)?;
+        }
+        Ok(())
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &LlamaConfig {
         &self.config

@@ -1,0 +1,144 @@
+//! `pretrain eval`: the mean next-token loss of a checkpoint on a text file, at any layout the
+//! checkpoint loads into. The text is tokenized with the checkpoint's tokenizer (no special tokens
+//! added) and cut into consecutive non-overlapping windows of `seq_len + 1` tokens, where `seq_len`
+//! is the model's `max_position_embeddings`; a last partial window is dropped.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use ckpt::stream::{write_streaming, TensorSpec};
+use ckpt::{Checkpoint, Kind};
+use model::Llama;
+use parallel::{Comm, ReduceOp};
+
+use crate::hf::checkpoint_recipe;
+use crate::recipe::Dtype;
+use crate::train::{device_for, RankCtx};
+
+/// Windows evaluated per forward pass.
+const WINDOWS_PER_BATCH: usize = 8;
+
+/// Result of an evaluation.
+#[derive(Debug, Clone)]
+pub struct EvalResult {
+    /// Mean loss over all predicted positions.
+    pub loss: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+    /// Windows evaluated.
+    pub windows: usize,
+    /// Predicted positions (`windows × seq_len`).
+    pub tokens: usize,
+}
+
+/// Evaluates checkpoint `dir` on the text file `input`; `overrides` may change the layout
+/// (`parallel.tp=2`, ...). With `logits_out`, the logits `[seq_len, vocab]` of the first window are
+/// written there as safetensors (tensor `logits`, f32).
+pub fn eval(
+    dir: &Path,
+    input: &Path,
+    overrides: &[String],
+    logits_out: Option<&Path>,
+) -> Result<EvalResult> {
+    let ck = Checkpoint::open(dir)?;
+    let recipe = checkpoint_recipe(&ck, overrides)?;
+    if recipe.parallel.pp > 1 {
+        bail!("eval runs with parallel.pp = 1");
+    }
+    let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
+    let text =
+        std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
+    let enc = tokenizer
+        .encode(text.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("{}: tokenizing: {e}", input.display()))?;
+    let ids = enc.get_ids();
+    let s = recipe.model.max_position_embeddings;
+    let windows: Vec<&[u32]> = ids.chunks_exact(s + 1).collect();
+    if windows.is_empty() {
+        bail!(
+            "{}: {} tokens, fewer than one window of {} tokens",
+            input.display(),
+            ids.len(),
+            s + 1
+        );
+    }
+    let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
+    let per_rank = parallel::launch::run_local(
+        recipe.parallel.world_size(),
+        timeout,
+        |rank, comm: Arc<dyn Comm>| {
+            let go = || -> Result<(f64, f64)> {
+                let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())?;
+                let dtype = match recipe.train.dtype {
+                    Dtype::F32 => DType::F32,
+                    Dtype::Bf16 => DType::BF16,
+                };
+                let device = device_for(recipe.train.device)?;
+                let cfg = &recipe.model;
+                let model = Llama::new(
+                    cfg,
+                    ctx.placement(cfg.num_hidden_layers),
+                    recipe.train.seed,
+                    dtype,
+                    &device,
+                )?;
+                model.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
+                    Ok(ck.read_block(name, Kind::Master, shape, slice)?)
+                })?;
+                let mine: Vec<&[u32]> = windows
+                    .iter()
+                    .skip(ctx.coords.dp)
+                    .step_by(ctx.dp.size())
+                    .copied()
+                    .collect();
+                let (mut sum, mut count) = (0f64, 0f64);
+                for batch in mine.chunks(WINDOWS_PER_BATCH) {
+                    let tokens: Vec<u32> = batch.iter().flat_map(|w| w[..s].to_vec()).collect();
+                    let labels: Vec<u32> = batch.iter().flat_map(|w| w[1..].to_vec()).collect();
+                    let t = Tensor::from_vec(tokens, (batch.len(), s), &device)?;
+                    let l = Tensor::from_vec(labels, batch.len() * s, &device)?;
+                    let losses = model.token_losses(&t, &l)?.to_dtype(DType::F64)?;
+                    sum += losses.sum_all()?.to_scalar::<f64>()?;
+                    count += (batch.len() * s) as f64;
+                }
+                if let (Some(path), true) = (logits_out, rank == 0 && ctx.tp.size() == 1) {
+                    let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), &device)?;
+                    let logits = model
+                        .logits(&t)?
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    let spec = [TensorSpec {
+                        name: "logits".into(),
+                        dtype: "F32",
+                        shape: vec![s, cfg.vocab_size],
+                    }];
+                    write_streaming(path, &spec, &BTreeMap::new(), |_| {
+                        Ok(logits.iter().flat_map(|x| x.to_le_bytes()).collect())
+                    })?;
+                }
+                let v = Tensor::new(&[sum, count], &candle_core::Device::Cpu)?;
+                let v = if ctx.dp.size() > 1 {
+                    comm.all_reduce(&ctx.dp, &v, ReduceOp::Sum)?
+                } else {
+                    v
+                };
+                let v = v.to_vec1::<f64>()?;
+                Ok((v[0], v[1]))
+            };
+            go().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+        },
+    )?;
+    let (sum, count) = per_rank[0];
+    let loss = sum / count;
+    Ok(EvalResult {
+        loss,
+        perplexity: loss.exp(),
+        windows: windows.len(),
+        tokens: count as usize,
+    })
+}
