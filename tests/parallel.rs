@@ -69,6 +69,10 @@ fn parallel_layouts_equal_the_single_rank_run() {
         "parallel.dp=2,parallel.zero1=true",
         "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true",
         "parallel.dp=4,parallel.zero1=true",
+        "parallel.pp=2",
+        "parallel.pp=4",
+        "parallel.pp=2,parallel.virtual_stages=2",
+        "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.sequence_parallel=true,parallel.zero1=true",
     ] {
         results.insert(layout, compare(layout, &base, &run(layout)));
     }
@@ -129,6 +133,44 @@ fn a_failing_rank_stops_every_other_rank_with_an_error_naming_it() {
         assert!(
             p.contains("rank 1 failed") && p.contains("injected failure"),
             "{p}"
+        );
+    }
+}
+
+#[test]
+fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = vec![format!(
+        "train.steps=2,schedule.warmup_steps=1,train.eval_interval=0,parallel.pp=2,parallel.virtual_stages=2,parallel.dp=2,run.trace_step=2,run.dir={}",
+        tmp.path().display()
+    )];
+    let out = train(load(Path::new("recipes/tiny.yaml"), &o).unwrap(), false).unwrap();
+    let bubble = out.records[1]
+        .bubble
+        .expect("the traced step reports its bubble");
+    assert!((0.0..1.0).contains(&bubble), "{bubble}");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("trace.json")).unwrap())
+            .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    // 4 ranks; each runs 2 chunks × 2 micro-batches forward and backward, plus the optimizer.
+    for rank in 0..4 {
+        let mine: Vec<&&serde_json::Value> = spans.iter().filter(|e| e["tid"] == rank).collect();
+        let names: Vec<&str> = mine.iter().map(|e| e["name"].as_str().unwrap()).collect();
+        assert_eq!(
+            names.iter().filter(|n| n.starts_with("F ")).count(),
+            4,
+            "rank {rank}: {names:?}"
+        );
+        assert_eq!(
+            names.iter().filter(|n| n.starts_with("B ")).count(),
+            4,
+            "rank {rank}: {names:?}"
+        );
+        assert!(
+            names.contains(&"optimizer") && names.iter().any(|n| n.starts_with("send")),
+            "rank {rank}: {names:?}"
         );
     }
 }

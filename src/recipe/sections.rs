@@ -208,6 +208,10 @@ pub struct RunConfig {
     /// not reported) and looked up from the GPU model on CUDA when absent.
     #[serde(default)]
     pub peak_tflops: Option<f64>,
+    /// Write the timeline of this step (every rank's forward, backward, send, receive and
+    /// optimizer spans) as a Chrome/Perfetto trace to `<dir>/trace.json` (pipeline parallel runs).
+    #[serde(default)]
+    pub trace_step: Option<usize>,
 }
 
 fn default_dir() -> PathBuf {
@@ -223,6 +227,7 @@ impl Default for RunConfig {
             dir: default_dir(),
             log_interval: 1,
             peak_tflops: None,
+            trace_step: None,
         }
     }
 }

@@ -11,7 +11,6 @@ use candle_core::{DType, Tensor};
 use ckpt::{Checkpoint, Kind, Manifest, RankWriter};
 use parallel::dp::gather_shards;
 use parallel::flat::intersect;
-use parallel::tp::Shard;
 use parallel::Group;
 use tracing::info;
 
@@ -57,8 +56,8 @@ impl Trainer {
             let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
             let layout = self.grads.layout();
             for (i, p) in self.model.params().iter().enumerate() {
-                if p.shard == Shard::Replicated && self.ctx.coords.tp != 0 {
-                    continue; // tensor-parallel replicas: rank 0 of the group writes
+                if !self.owns_copy(p) {
+                    continue; // replicas and the tied copy are written by their owner
                 }
                 let mut base = 0;
                 for r in self.optimizer.owned() {

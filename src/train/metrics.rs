@@ -31,6 +31,9 @@ pub struct StepRecord {
     pub consumed_samples: u64,
     /// Wall time of the step, seconds.
     pub step_time_s: f64,
+    /// Measured pipeline bubble fraction, on the step whose timeline was traced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bubble: Option<f64>,
 }
 
 /// A validation result.

@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod metrics;
+pub mod pipeline;
 pub mod rank;
 pub mod step;
 
@@ -29,6 +30,20 @@ use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
 pub use rank::RankCtx;
 use step::{forward_backward, MicroBatch};
 
+use parallel::pipeline::ScheduleKind;
+
+/// Sequence-parallel norms saw only this rank's tokens: their gradients are summed over the TP group.
+fn reduce_replicated(ctx: &RankCtx, model: &Llama, grads: &GradBuffer, i: usize) -> Result<()> {
+    if ctx.sequence_parallel && model.params().get(i).shard == Shard::Replicated {
+        grads.set(
+            i,
+            &ctx.comm
+                .all_reduce(&ctx.tp, &grads.get(i)?, ReduceOp::Sum)?,
+        )?;
+    }
+    Ok(())
+}
+
 /// Everything one rank of a training run holds.
 pub struct Trainer {
     recipe: Recipe,
@@ -45,6 +60,10 @@ pub struct Trainer {
     step: usize,
     /// Global samples consumed (the data loader's whole state).
     consumed: u64,
+    /// The pipeline schedule of a step (pipeline parallelism only).
+    schedule: Option<parallel::pipeline::Schedule>,
+    /// The timed actions of the last pipelined step, for the timeline trace.
+    timing: Vec<pipeline::Timed>,
 }
 
 /// What a finished run reports.
@@ -83,12 +102,6 @@ impl Trainer {
     /// Opens the data, builds this rank's part of the model and its optimizer. `write_outputs` is
     /// false for in-memory runs (tests) that should leave no files.
     pub fn new(recipe: Recipe, ctx: RankCtx, write_outputs: bool) -> Result<Self> {
-        if recipe.parallel.pp > 1 {
-            bail!(
-                "parallel.pp = {}: pipeline parallelism is not available in this build",
-                recipe.parallel.pp
-            );
-        }
         let device = device_for(recipe.train.device)?;
         let dtype = match recipe.train.dtype {
             Dtype::F32 => DType::F32,
@@ -175,7 +188,21 @@ impl Trainer {
             metrics,
             step: 0,
             consumed: 0,
+            schedule: None,
+            timing: Vec::new(),
         };
+        if trainer.ctx.pp.size() > 1 {
+            let (pp, v) = (trainer.ctx.pp.size(), trainer.ctx.virtual_stages);
+            let kind = if v > 1 {
+                ScheduleKind::Interleaved
+            } else {
+                ScheduleKind::OneFOneB
+            };
+            let schedule =
+                parallel::pipeline::build(kind, pp, v, trainer.recipe.grad_accum_steps())?;
+            pipeline::fifo_consistent(&schedule)?;
+            trainer.schedule = Some(schedule);
+        }
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
             Resume::Auto => ckpt::find_latest(&trainer.checkpoint_root()),
@@ -197,7 +224,7 @@ impl Trainer {
     /// One optimizer step over the next global batch.
     pub fn train_step(&mut self) -> Result<StepRecord> {
         let start = Instant::now();
-        let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
+        let (t, ctx) = (&self.recipe.train, &self.ctx);
         let comm = ctx.comm.as_ref();
         self.grads.zero()?;
         let batches = micro_batch_indices(
@@ -216,39 +243,14 @@ impl Trainer {
             .sum();
         let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
 
-        if let Some(s) = &mut self.sync {
-            s.start();
-        }
-        let mut loss = 0.0;
-        for (k, b) in batches.iter().enumerate() {
-            let last = k + 1 == batches.len();
-            let (model, grads, sync) = (&self.model, &self.grads, &mut self.sync);
-            let mut ready = |i: usize| -> Result<()> {
-                if !last {
-                    return Ok(());
-                }
-                let p = model.params().get(i);
-                if ctx.sequence_parallel && p.shard == Shard::Replicated {
-                    // Sequence-parallel norms saw only this rank's tokens: sum over the TP group.
-                    grads.set(i, &comm.all_reduce(&ctx.tp, &grads.get(i)?, ReduceOp::Sum)?)?;
-                }
-                if let Some(s) = sync {
-                    s.ready(i)?;
-                }
-                Ok(())
-            };
-            loss += forward_backward(
-                model,
-                &MicroBatch::new(b, scale, &self.device)?,
-                t.recompute,
-                grads,
-                &mut ready,
-            )?;
-        }
-        if let Some(s) = &mut self.sync {
-            s.finish()
-                .context("synchronising gradients across data-parallel ranks")?;
-        }
+        let loss = if self.schedule.is_some() {
+            self.pipelined(&batches, scale, start)?
+        } else {
+            self.sequential(&batches, scale)?
+        };
+        let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
+        let comm = ctx.comm.as_ref();
+        let loss = all_reduce_f64(comm, &ctx.pp, loss)?;
         let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
         let grad_norm = self.grad_norm()?;
         if !grad_norm.is_finite() {
@@ -263,6 +265,7 @@ impl Trainer {
             1.0
         };
         let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
+        let opt_start = start.elapsed().as_secs_f64();
         self.optimizer.step(&self.grads, lr, clip)?;
         let master = self.optimizer.master()?;
         let full = if r.parallel.zero1 {
@@ -273,6 +276,12 @@ impl Trainer {
         write_params(self.model.params(), self.grads.layout(), &full)?;
         self.step += 1;
         self.consumed += t.global_batch as u64;
+        let bubble = if r.run.trace_step == Some(self.step) {
+            self.write_trace((opt_start, start.elapsed().as_secs_f64()))?
+        } else {
+            None
+        };
+        let (t, r) = (&self.recipe.train, &self.recipe);
 
         let secs = start.elapsed().as_secs_f64();
         let tokens = (t.global_batch * t.seq_len) as f64;
@@ -291,16 +300,62 @@ impl Trainer {
             mem_mib: peak_rss_mib(),
             consumed_samples: self.consumed,
             step_time_s: secs,
+            bubble,
         })
     }
 
-    /// The global gradient norm: each element counted once over the whole job (tensor-parallel
-    /// replicas of a parameter only on TP index 0; ZeRO-1 shards summed over data-parallel ranks).
+    /// Forward and backward of every micro-batch on a rank holding the whole depth of the model,
+    /// with gradients synchronised across data-parallel ranks as they become final.
+    fn sequential(&mut self, batches: &[data::Batch], scale: f64) -> Result<f64> {
+        let (t, ctx) = (&self.recipe.train, &self.ctx);
+        if let Some(s) = &mut self.sync {
+            s.start();
+        }
+        let mut loss = 0.0;
+        for (k, b) in batches.iter().enumerate() {
+            let last = k + 1 == batches.len();
+            let (model, grads, sync) = (&self.model, &self.grads, &mut self.sync);
+            let mut ready = |i: usize| -> Result<()> {
+                if !last {
+                    return Ok(());
+                }
+                reduce_replicated(ctx, model, grads, i)?;
+                if let Some(s) = sync {
+                    s.ready(i)?;
+                }
+                Ok(())
+            };
+            loss += forward_backward(
+                model,
+                &MicroBatch::new(b, scale, &self.device)?,
+                t.recompute,
+                grads,
+                &mut ready,
+            )?;
+        }
+        if let Some(s) = &mut self.sync {
+            s.finish()
+                .context("synchronising gradients across data-parallel ranks")?;
+        }
+        Ok(loss)
+    }
+
+    /// Whether this rank's copy of `p` is the one that counts (in the gradient norm, in
+    /// checkpoints): tensor-parallel replicas count on TP index 0, the tied output matrix's copy on
+    /// the last pipeline stage not at all (the first stage's embedding does).
+    pub(crate) fn owns_copy(&self, p: &model::Parameter) -> bool {
+        let tp_replica = p.shard == Shard::Replicated && self.ctx.coords.tp != 0;
+        let tied_copy = p.kind == model::ParamKind::Embedding && !self.model.placement().embedding;
+        !tp_replica && !tied_copy
+    }
+
+    /// The global gradient norm: each element counted once over the whole job (see
+    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks).
     fn grad_norm(&self) -> Result<f64> {
         let ctx = &self.ctx;
         let mut sq = 0.0;
         for (i, p) in self.model.params().iter().enumerate() {
-            if p.shard == Shard::Replicated && ctx.coords.tp != 0 {
+            if !self.owns_copy(p) {
                 continue;
             }
             for r in self.optimizer.owned() {
@@ -310,6 +365,7 @@ impl Trainer {
             }
         }
         let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
+        sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
         if self.recipe.parallel.zero1 {
             sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp, sq)?;
         }
@@ -333,10 +389,21 @@ impl Trainer {
             let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.device)?;
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
-            sum += masked_mean(&self.model.token_losses(&tokens, &labels)?.detach(), &mask)? * n;
-            count += n;
+            let losses = if self.schedule.is_some() {
+                self.pipeline_losses(&tokens, &labels)?
+            } else {
+                Some(self.model.token_losses(&tokens, &labels)?)
+            };
+            if let Some(l) = losses {
+                sum += masked_mean(&l.detach(), &mask)? * n;
+                count += n;
+            }
         }
         let comm = ctx.comm.as_ref();
+        let (sum, count) = (
+            all_reduce_f64(comm, &ctx.pp, sum)?,
+            all_reduce_f64(comm, &ctx.pp, count)?,
+        );
         Ok(all_reduce_f64(comm, &ctx.dp, sum)? / all_reduce_f64(comm, &ctx.dp, count)?.max(1.0))
     }
 
@@ -375,6 +442,21 @@ impl Trainer {
                 info!(
                     "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB",
                     rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib
+                );
+            }
+            if let (true, Some(b)) = (main, rec.bubble) {
+                let (p, v, m) = (
+                    self.ctx.pp.size() as f64,
+                    self.ctx.virtual_stages as f64,
+                    self.recipe.grad_accum_steps() as f64,
+                );
+                info!(
+                    "step={} pipeline bubble: measured {:.3} of the pipeline phase; ideal (p-1)/(v·m+p-1) = {:.3}, i.e. (p-1)/(v·m) = {:.3} of the compute time; trace: {}",
+                    rec.step,
+                    b,
+                    (p - 1.0) / (v * m + p - 1.0),
+                    (p - 1.0) / (v * m),
+                    self.recipe.run.dir.join("trace.json").display()
                 );
             }
             if let Some(m) = &mut self.metrics {

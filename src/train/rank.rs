@@ -22,6 +22,10 @@ pub struct RankCtx {
     pub dp: Group,
     /// Tensor-parallel group.
     pub tp: Group,
+    /// Pipeline group (this rank's pipeline, stage order = member order).
+    pub pp: Group,
+    /// Model chunks per pipeline stage.
+    pub virtual_stages: usize,
     /// Sequence parallelism on.
     pub sequence_parallel: bool,
 }
@@ -35,6 +39,8 @@ impl RankCtx {
             coords: mesh.coords(rank),
             dp: mesh.group(Axis::Dp, rank),
             tp: mesh.group(Axis::Tp, rank),
+            pp: mesh.group(Axis::Pp, rank),
+            virtual_stages: cfg.virtual_stages,
             mesh,
             comm,
             sequence_parallel: cfg.sequence_parallel,
@@ -52,14 +58,29 @@ impl RankCtx {
         })
     }
 
-    /// The part of the model this rank holds.
+    /// The part of the model this rank holds: the layers of its pipeline chunks (global chunk
+    /// `c · pp + stage` for local chunk `c`), the embedding on the first stage, the head on the last.
     pub fn placement(&self, num_layers: usize) -> Placement {
+        let (pp, v, stage) = (self.pp.size(), self.virtual_stages, self.coords.pp);
+        let layers = (0..v)
+            .flat_map(|c| super::pipeline::chunk_pieces(stage, c, pp, v, num_layers))
+            .filter_map(|p| match p {
+                model::Piece::Block(i) => Some(i),
+                _ => None,
+            })
+            .collect();
         Placement {
             tp: self.tensor_parallel(),
-            layers: (0..num_layers).collect(),
-            embedding: true,
-            head: true,
+            layers,
+            embedding: stage == 0,
+            head: stage + 1 == pp,
         }
+    }
+
+    /// First and last pipeline stage of this rank's pipeline (they share tied embeddings).
+    pub fn embedding_group(&self) -> Group {
+        let r = self.pp.ranks();
+        Group::new(vec![r[0], r[r.len() - 1]])
     }
 
     /// Whether this rank writes logs and run outputs.
