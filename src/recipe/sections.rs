@@ -57,7 +57,8 @@ pub struct TrainConfig {
     /// Run validation every this many steps (and after the last step); 0 disables it.
     #[serde(default)]
     pub eval_interval: usize,
-    /// Micro-batches per validation run.
+    /// Global batches per validation run (always the same held-out samples, whatever the layout:
+    /// `eval_batches × global_batch` sequences from the start of the validation split).
     #[serde(default = "default_eval_batches")]
     pub eval_batches: usize,
 }
@@ -75,7 +76,7 @@ fn default_device() -> DeviceKind {
     DeviceKind::Cpu
 }
 fn default_eval_batches() -> usize {
-    8
+    1
 }
 
 /// `optimizer:` — AdamW with decoupled weight decay.

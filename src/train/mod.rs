@@ -126,7 +126,7 @@ impl Trainer {
             );
         }
         let valid_data = if t.eval_interval > 0 {
-            let n = (t.eval_batches * t.micro_batch) as u64;
+            let n = (t.eval_batches * t.global_batch) as u64;
             Some(
                 GptData::open(
                     &recipe.data,
@@ -380,7 +380,8 @@ impl Trainer {
         };
         let (t, ctx) = (&self.recipe.train, &self.ctx);
         let (mut sum, mut count) = (0.0, 0.0);
-        for i in (ctx.coords.dp..t.eval_batches).step_by(ctx.dp.size()) {
+        let micro_batches = t.eval_batches * t.global_batch / t.micro_batch;
+        for i in (ctx.coords.dp..micro_batches).step_by(ctx.dp.size()) {
             let ix: Vec<u64> = (0..t.micro_batch)
                 .map(|j| (i * t.micro_batch + j) as u64)
                 .collect();
