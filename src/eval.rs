@@ -17,6 +17,7 @@ use parallel::{Comm, ReduceOp};
 
 use crate::hf::checkpoint_recipe;
 use crate::recipe::Dtype;
+use crate::train::pipeline::pipeline_losses;
 use crate::train::{device_for, RankCtx};
 
 /// Windows evaluated per forward pass.
@@ -46,9 +47,6 @@ pub fn eval(
 ) -> Result<EvalResult> {
     let ck = Checkpoint::open(dir)?;
     let recipe = checkpoint_recipe(&ck, overrides)?;
-    if recipe.parallel.pp > 1 {
-        bail!("eval runs with parallel.pp = 1");
-    }
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
     let text =
         std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
@@ -101,11 +99,15 @@ pub fn eval(
                     let labels: Vec<u32> = batch.iter().flat_map(|w| w[1..].to_vec()).collect();
                     let t = Tensor::from_vec(tokens, (batch.len(), s), &device)?;
                     let l = Tensor::from_vec(labels, batch.len() * s, &device)?;
-                    let losses = model.token_losses(&t, &l)?.to_dtype(DType::F64)?;
-                    sum += losses.sum_all()?.to_scalar::<f64>()?;
-                    count += (batch.len() * s) as f64;
+                    if let Some(losses) = pipeline_losses(&model, &ctx, &t, &l)? {
+                        sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                        count += (batch.len() * s) as f64;
+                    }
                 }
-                if let (Some(path), true) = (logits_out, rank == 0 && ctx.tp.size() == 1) {
+                if let (Some(path), true) = (
+                    logits_out,
+                    rank == 0 && ctx.tp.size() == 1 && ctx.pp.size() == 1,
+                ) {
                     let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), &device)?;
                     let logits = model
                         .logits(&t)?
@@ -121,12 +123,12 @@ pub fn eval(
                         Ok(logits.iter().flat_map(|x| x.to_le_bytes()).collect())
                     })?;
                 }
-                let v = Tensor::new(&[sum, count], &candle_core::Device::Cpu)?;
-                let v = if ctx.dp.size() > 1 {
-                    comm.all_reduce(&ctx.dp, &v, ReduceOp::Sum)?
-                } else {
-                    v
-                };
+                let mut v = Tensor::new(&[sum, count], &candle_core::Device::Cpu)?;
+                for group in [&ctx.pp, &ctx.dp] {
+                    if group.size() > 1 {
+                        v = comm.all_reduce(group, &v, ReduceOp::Sum)?;
+                    }
+                }
                 let v = v.to_vec1::<f64>()?;
                 Ok((v[0], v[1]))
             };

@@ -277,19 +277,27 @@ pub fn export(
     )?;
 
     // Parity gate: the exported files, loaded back, give the checkpoint's logits (with the
-    // checkpoint's weights rounded to the export dtype).
+    // checkpoint's weights rounded to the export dtype). One model is alive at a time.
     let round = |v: Vec<f32>| match dtype {
         Dtype::F32 => v,
         Dtype::Bf16 => v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect(),
     };
-    let reference = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
-    reference.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
-        Ok(round(ck.read_block(name, Kind::Master, shape, slice)?))
-    })?;
-    let hf = HfWeights::open(out)?;
-    let exported = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
-    exported.load_weights(|name, shape, _| hf.get(name, shape))?;
-    let parity = logit_parity(&reference, &exported, c)?;
+    let tokens = parity_tokens(c)?;
+    let expected = {
+        let m = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
+        m.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
+            Ok(round(ck.read_block(name, Kind::Master, shape, slice)?))
+        })?;
+        m.logits(&tokens)?
+    };
+    let got = {
+        let hf = HfWeights::open(out)?;
+        let m = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
+        m.load_weights(|name, shape, _| hf.get(name, shape))?;
+        m.logits(&tokens)?
+    };
+    let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12) as f64;
+    let parity = (expected - got)?.abs()?.max_all()?.to_scalar::<f32>()? as f64 / scale;
     if parity > 1e-5 {
         bail!("export parity gate failed: logits of the exported model differ from the checkpoint's by {parity:.3e} (relative)");
     }
@@ -300,16 +308,13 @@ pub fn export(
     })
 }
 
-/// Largest |Δlogit| / max|logit| of two models on a few fixed sequences.
-fn logit_parity(a: &Llama, b: &Llama, c: &LlamaConfig) -> Result<f64> {
+/// Two fixed sequences of up to 32 tokens for the parity gate.
+fn parity_tokens(c: &LlamaConfig) -> Result<Tensor> {
     let s = c.max_position_embeddings.min(32);
     let ids: Vec<u32> = (0..2 * s as u32)
         .map(|i| (i.wrapping_mul(2654435761) >> 7) % c.vocab_size as u32)
         .collect();
-    let tokens = Tensor::from_vec(ids, (2, s), &Device::Cpu)?;
-    let (la, lb) = (a.logits(&tokens)?, b.logits(&tokens)?);
-    let scale = la.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12) as f64;
-    Ok((la - lb)?.abs()?.max_all()?.to_scalar::<f32>()? as f64 / scale)
+    Ok(Tensor::from_vec(ids, (2, s), &Device::Cpu)?)
 }
 
 /// Imports the Hugging Face Llama directory `model_dir` as a step-0 checkpoint of `recipe` under

@@ -390,11 +390,7 @@ impl Trainer {
             let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.device)?;
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
-            let losses = if self.schedule.is_some() {
-                self.pipeline_losses(&tokens, &labels)?
-            } else {
-                Some(self.model.token_losses(&tokens, &labels)?)
-            };
+            let losses = pipeline::pipeline_losses(&self.model, ctx, &tokens, &labels)?;
             if let Some(l) = losses {
                 sum += masked_mean(&l.detach(), &mask)? * n;
                 count += n;

@@ -15,6 +15,7 @@ use model::{segment, segment::SegmentRun, Llama, Piece, Recompute};
 use parallel::pipeline::{chrome_trace, Action, Schedule, TraceSpan};
 
 use super::step::MicroBatch;
+use super::RankCtx;
 use crate::optim::GradBuffer;
 
 /// The pieces of local chunk `c` of pipeline stage `stage`: global chunk `c · pp + stage` holds
@@ -260,6 +261,46 @@ impl Executor<'_> {
     }
 }
 
+/// Forward-only pass of one micro-batch through the pipeline of `ctx`: chunk by chunk, activations
+/// handed from stage to stage. Returns the per-position losses on the last stage, `None` elsewhere.
+pub fn pipeline_losses(
+    model: &Llama,
+    ctx: &RankCtx,
+    tokens: &Tensor,
+    labels: &Tensor,
+) -> Result<Option<Tensor>> {
+    let (pp, v, stage) = (ctx.pp.size(), ctx.virtual_stages, ctx.coords.pp);
+    let ranks = ctx.pp.ranks();
+    let (b, s) = tokens.dims2()?;
+    let sp_split = if ctx.sequence_parallel {
+        ctx.tp.size()
+    } else {
+        1
+    };
+    let cfg = model.config();
+    let shape = Shape::from((b, s / sp_split, cfg.hidden_size));
+    let dtype = model.params().get(0).var.dtype();
+    for g in 0..pp * v {
+        if g % pp != stage {
+            continue;
+        }
+        let mut x = if g == 0 {
+            tokens.clone()
+        } else {
+            ctx.comm.recv(ranks[(g - 1) % pp], &shape, dtype)?
+        };
+        for p in chunk_pieces(stage, g / pp, pp, v, cfg.num_hidden_layers) {
+            x = match p {
+                Piece::Embedding => model.embed(&x)?,
+                Piece::Block(i) => model.block(i, &x)?,
+                Piece::Head => return Ok(Some(model.losses(&x, labels)?)),
+            };
+        }
+        ctx.comm.send(&x.detach(), ranks[(g + 1) % pp])?;
+    }
+    Ok(None)
+}
+
 impl super::Trainer {
     /// One step's forward and backward through the pipeline schedule; returns this rank's part of
     /// the loss (non-zero only on the last stage).
@@ -326,46 +367,6 @@ impl super::Trainer {
                 .context("synchronising gradients across data-parallel ranks")?;
         }
         Ok(loss)
-    }
-
-    /// Forward-only pass of one micro-batch through the pipeline: chunk by chunk, activations handed
-    /// from stage to stage. Returns the per-position losses on the last stage, `None` elsewhere.
-    pub(super) fn pipeline_losses(
-        &self,
-        tokens: &Tensor,
-        labels: &Tensor,
-    ) -> Result<Option<Tensor>> {
-        let ctx = &self.ctx;
-        let (pp, v, stage) = (ctx.pp.size(), ctx.virtual_stages, ctx.coords.pp);
-        let ranks = ctx.pp.ranks();
-        let (b, s) = tokens.dims2()?;
-        let sp_split = if ctx.sequence_parallel {
-            ctx.tp.size()
-        } else {
-            1
-        };
-        let shape = Shape::from((b, s / sp_split, self.recipe.model.hidden_size));
-        let dtype = self.model.params().get(0).var.dtype();
-        let layers = self.recipe.model.num_hidden_layers;
-        for g in 0..pp * v {
-            if g % pp != stage {
-                continue;
-            }
-            let mut x = if g == 0 {
-                tokens.clone()
-            } else {
-                ctx.comm.recv(ranks[(g - 1) % pp], &shape, dtype)?
-            };
-            for p in chunk_pieces(stage, g / pp, pp, v, layers) {
-                x = match p {
-                    Piece::Embedding => self.model.embed(&x)?,
-                    Piece::Block(i) => self.model.block(i, &x)?,
-                    Piece::Head => return Ok(Some(self.model.losses(&x, labels)?)),
-                };
-            }
-            ctx.comm.send(&x.detach(), ranks[(g + 1) % pp])?;
-        }
-        Ok(None)
     }
 
     /// Writes the last pipelined step's timeline (every rank, every action, plus the optimizer) as
