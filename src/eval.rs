@@ -47,6 +47,9 @@ pub fn eval(
 ) -> Result<EvalResult> {
     let ck = Checkpoint::open(dir)?;
     let recipe = checkpoint_recipe(&ck, overrides)?;
+    if logits_out.is_some() && (recipe.parallel.tp > 1 || recipe.parallel.pp > 1) {
+        bail!("--logits-out needs the whole model on one rank (parallel.tp = parallel.pp = 1)");
+    }
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
     let text =
         std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;

@@ -360,6 +360,19 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
             ));
         }
     }
+    if !hf.get("rope_scaling").is_none_or(|v| v.is_null()) {
+        diff.push(format!(
+            "rope_scaling: {} has {}, this model supports plain RoPE only",
+            cfg_path.display(),
+            hf["rope_scaling"]
+        ));
+    }
+    if let Some(act) = hf.get("hidden_act").filter(|a| a.as_str() != Some("silu")) {
+        diff.push(format!(
+            "hidden_act: {} has {act}, this model uses silu (SwiGLU)",
+            cfg_path.display()
+        ));
+    }
     if !diff.is_empty() {
         bail!(
             "the Hugging Face model does not match the recipe:\n  {}",

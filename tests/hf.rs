@@ -129,6 +129,21 @@ fn import_refuses_a_different_model_and_foreign_tensors() {
     );
 
     let same = load(Path::new("recipes/tiny.yaml"), &overrides(tmp.path(), "")).unwrap();
+    let cfg_path = out.join("config.json");
+    let original = std::fs::read(&cfg_path).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_slice(&original).unwrap();
+    cfg["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let e = format!(
+        "{:#}",
+        pretrain::hf::import(&out, &same, &tmp.path().join("z")).unwrap_err()
+    );
+    assert!(
+        e.contains("rope_scaling") && e.contains("plain RoPE"),
+        "{e}"
+    );
+    std::fs::write(&cfg_path, original).unwrap();
+
     std::fs::remove_file(out.join("model.safetensors")).unwrap();
     let e = format!(
         "{:#}",

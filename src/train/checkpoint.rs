@@ -147,6 +147,21 @@ impl Trainer {
                 diff.join("; ")
             );
         }
+        let t = &self.recipe.train;
+        let needed =
+            m.consumed_samples + (t.steps as u64).saturating_sub(m.step) * t.global_batch as u64;
+        if needed > self.train_data.num_samples() {
+            bail!(
+                "{}: the checkpoint has consumed {} samples at step {}; the remaining {} steps of {} need {needed}, \
+                 more than train.steps × train.global_batch = {} provides (raise train.steps)",
+                dir.display(),
+                m.consumed_samples,
+                m.step,
+                (t.steps as u64).saturating_sub(m.step),
+                t.global_batch,
+                self.train_data.num_samples()
+            );
+        }
         let layout = self.grads.layout().clone();
         let n: usize = self.optimizer.owned().iter().map(|r| r.len()).sum();
         let mut state = vec![0f32; 3 * n];

@@ -554,10 +554,17 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
     let results = parallel::launch::run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
         let run = || -> Result<_> {
-            let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+            let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())?;
             let mut trainer = Trainer::new(recipe.clone(), ctx, write_outputs)?;
-            let (records, val) = trainer.run()?;
-            Ok((records, val, trainer.weight_slices()?))
+            match trainer.run() {
+                Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
+                Err(e) => {
+                    // Stop the peers before this rank's trainer (and its gradient-sync thread,
+                    // which may wait on them) is dropped.
+                    comm.abort(&format!("{e:#}"));
+                    Err(e)
+                }
+            }
         };
         run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     })?;

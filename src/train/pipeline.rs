@@ -66,14 +66,15 @@ pub fn fifo_consistent(s: &Schedule) -> Result<()> {
             }
         }
     }
-    for (ch, msgs) in &sent {
-        if recv.get(ch) != Some(msgs) {
+    for ch in sent.keys().chain(recv.keys()) {
+        let (out, inn) = (sent.get(ch), recv.get(ch));
+        if out != inn {
             bail!(
                 "pipeline schedule: channel {} -> {} sends {:?} but receives {:?}",
                 ch.0,
                 ch.1,
-                msgs,
-                recv.get(ch)
+                out,
+                inn
             );
         }
     }

@@ -118,6 +118,21 @@ impl Checkpoint {
         }
         let mut by_tensor: HashMap<(String, Kind), Vec<usize>> = HashMap::new();
         for (i, p) in manifest.pieces.iter().enumerate() {
+            let inside = p.block.len() == p.global_shape.len()
+                && (1..=2).contains(&p.block.len())
+                && p.block
+                    .iter()
+                    .zip(&p.global_shape)
+                    .all(|(&(o, l), &n)| o.checked_add(l).is_some_and(|e| e <= n))
+                && p.range.0 <= p.range.1
+                && p.range.1 <= p.block.iter().map(|b| b.1).product::<usize>();
+            if !inside || !manifest.files.iter().any(|f| f.name == p.file) {
+                let path = dir.join(MANIFEST);
+                return Err(CkptError::Format {
+                    path,
+                    message: format!("piece {} has an invalid place: {p:?}", p.key),
+                });
+            }
             by_tensor
                 .entry((p.name.clone(), p.kind))
                 .or_default()
@@ -221,9 +236,15 @@ impl Checkpoint {
         };
         let ((br0, brn), (bc0, bcn)) = rc(block);
         let mut out = vec![0f32; brn * bcn];
-        let mut filled = 0usize;
+        let mut seen = vec![false; brn * bcn];
         for &i in ix {
             let p = &self.manifest.pieces[i];
+            if p.global_shape.as_slice() != global_shape {
+                return Err(self.mismatch(format!(
+                    "{name}: pieces disagree on the shape ({:?} vs {global_shape:?})",
+                    p.global_shape
+                )));
+            }
             let ((pr0, _), (pc0, pcn)) = rc(&p.block);
             let (a, b) = p.range;
             if pcn == 0 || a >= b {
@@ -245,10 +266,16 @@ impl Checkpoint {
                 }
                 let src = row * pcn + (g0 - pc0) - a;
                 let dst = (gr - br0) * bcn + (g0 - bc0);
+                if seen[dst..dst + (g1 - g0)].iter().any(|&x| x) {
+                    return Err(
+                        self.mismatch(format!("{} of {name}: overlapping pieces", kind.as_str()))
+                    );
+                }
+                seen[dst..dst + (g1 - g0)].fill(true);
                 out[dst..dst + (g1 - g0)].copy_from_slice(&data[src..src + (g1 - g0)]);
-                filled += g1 - g0;
             }
         }
+        let filled = seen.iter().filter(|&&x| x).count();
         if filled != out.len() {
             return Err(self.mismatch(format!(
                 "{} of {name}: the pieces cover {filled} of the {} elements requested",

@@ -168,12 +168,14 @@ pub fn finalize(
     File::open(root)
         .and_then(|d| d.sync_all())
         .map_err(CkptError::io(root))?;
-    prune(root, keep)?;
+    prune(root, keep, manifest.step)?;
     Ok(dir)
 }
 
-/// Removes all but the newest `keep` complete step directories, and leftover temporary ones.
-pub fn prune(root: &Path, keep: usize) -> Result<()> {
+/// Keeps the checkpoint of step `current` and the `keep - 1` newest complete ones before it,
+/// removing older ones and leftover temporary directories. Checkpoints of later steps (a run
+/// restarted from an earlier checkpoint) are never removed.
+pub fn prune(root: &Path, keep: usize, current: u64) -> Result<()> {
     let mut steps: Vec<(u64, PathBuf)> = Vec::new();
     for e in fs::read_dir(root).map_err(CkptError::io(root))? {
         let path = e.map_err(CkptError::io(root))?.path();
@@ -186,12 +188,14 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
             if n.ends_with(".tmp") {
                 fs::remove_dir_all(&path).map_err(CkptError::io(&path))?;
             } else if let (Ok(s), true) = (n.parse::<u64>(), path.join(MANIFEST).exists()) {
-                steps.push((s, path));
+                if s < current {
+                    steps.push((s, path));
+                }
             }
         }
     }
     steps.sort();
-    let drop = steps.len().saturating_sub(keep);
+    let drop = steps.len().saturating_sub(keep.saturating_sub(1));
     for (_, path) in steps.into_iter().take(drop) {
         fs::remove_dir_all(&path).map_err(CkptError::io(&path))?;
     }

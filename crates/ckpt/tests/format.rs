@@ -183,3 +183,24 @@ fn only_the_newest_checkpoints_are_kept() {
         "step-00000004"
     );
 }
+
+#[test]
+fn pruning_never_removes_the_new_checkpoint_or_later_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    for s in [5, 6, 7] {
+        write(tmp.path(), s);
+    }
+    // A run restarted from an earlier checkpoint saves step 2 with keep = 2.
+    write(tmp.path(), 2);
+    for s in [2, 6, 7] {
+        assert!(tmp.path().join(format!("step-{s:08}")).exists(), "step {s}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("latest")).unwrap(),
+        "step-00000002"
+    );
+    assert_eq!(
+        find_latest(tmp.path()).unwrap(),
+        tmp.path().join("step-00000002")
+    );
+}

@@ -245,3 +245,27 @@ fn vocab_parallel_cross_entropy_equals_the_plain_loss() {
         .unwrap();
     }
 }
+
+#[test]
+fn ids_outside_the_vocabulary_are_errors_not_zeros() {
+    run_local(2, Duration::from_secs(30), |rank, comm| {
+        let tp = tp_of(comm.clone(), 2, false);
+        let w = rand(11, &[4, 3]); // this rank's 4 of 8 rows
+        let ids = Tensor::new(&[[1u32, 8]], &Device::Cpu)?;
+        let e = vocab_parallel_embedding(&ids, &w, rank * 4, &tp)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("token id 8") && e.contains("vocabulary of 8"),
+            "{e}"
+        );
+        let logits = rand(12, &[2, 4]);
+        let targets = Tensor::new(&[0u32, 9], &Device::Cpu)?;
+        let e = vocab_parallel_cross_entropy(&logits, &targets, rank * 4, &tp.group)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("target 9"), "{e}");
+        Ok(())
+    })
+    .unwrap();
+}

@@ -24,6 +24,12 @@ pub fn vocab_parallel_cross_entropy(
 
     let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     let (mut local, mut mask) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let vocab = local_v * tp.size();
+    if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
+        candle_core::bail!(
+            "vocab-parallel cross-entropy: target {bad} is outside the vocabulary of {vocab}"
+        );
+    }
     for &id in &t {
         let inside = (id as usize) >= vocab_start && (id as usize) < vocab_start + local_v;
         local.push(if inside { id - vocab_start as u32 } else { 0 });

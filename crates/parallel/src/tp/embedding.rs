@@ -21,6 +21,12 @@ pub fn vocab_parallel_embedding(
         Vec::with_capacity(flat.len()),
         Vec::with_capacity(flat.len()),
     );
+    let vocab = local_v * tp.size();
+    if let Some(bad) = flat.iter().find(|&&id| id as usize >= vocab) {
+        candle_core::bail!(
+            "vocab-parallel embedding: token id {bad} is outside the vocabulary of {vocab}"
+        );
+    }
     for &id in &flat {
         let inside = (id as usize) >= vocab_start && (id as usize) < vocab_start + local_v;
         local.push(if inside { id - vocab_start as u32 } else { 0 });

@@ -205,15 +205,24 @@ impl GroupState {
             inner = match wait_until(&self.cv, inner, deadline) {
                 Some(guard) => guard,
                 None => {
-                    // Give up: the slot fails for every member, late arrivals included.
                     let mut guard = lock(&self.inner);
-                    if let Some(slot) = guard.slots.get_mut(&seq) {
-                        let missing = (0..n).filter(|&i| !slot.arrived[i]);
-                        let missing = missing.map(|i| group.ranks()[i]).collect();
-                        slot.state = SlotState::Failed(SlotError::Timeout(missing));
+                    let state = guard.slots.get(&seq).map(|s| &s.state);
+                    if matches!(state, Some(SlotState::Computing)) {
+                        // Everyone arrived and the result is being computed: wait for it.
+                        self.cv.wait(guard).unwrap_or_else(|e| e.into_inner())
+                    } else {
+                        // Give up while peers are still missing: the slot fails for every member,
+                        // late arrivals included. A finished slot is left as it is.
+                        if let Some(slot) = guard.slots.get_mut(&seq) {
+                            if matches!(slot.state, SlotState::Gathering(_)) {
+                                let missing = (0..n).filter(|&i| !slot.arrived[i]);
+                                let missing = missing.map(|i| group.ranks()[i]).collect();
+                                slot.state = SlotState::Failed(SlotError::Timeout(missing));
+                            }
+                        }
+                        self.cv.notify_all();
+                        guard
                     }
-                    self.cv.notify_all();
-                    guard
                 }
             };
         }
