@@ -24,6 +24,19 @@ fn config(tied: bool) -> LlamaConfig {
     }
 }
 
+/// The whole model of `config(tied)` on the CPU in f32, initialised with `seed`.
+fn build(tied: bool, seed: u64) -> Llama {
+    let c = config(tied);
+    Llama::new(
+        &c,
+        model::Placement::whole(&c),
+        seed,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
 /// A deterministic batch of `b` sequences of 16 tokens; the mask drops a few positions.
 fn batch(b: usize, offset: u32) -> Batch {
     let s = 16;
@@ -89,14 +102,7 @@ fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 #[test]
 fn every_parameter_receives_a_nonzero_gradient() {
     for tied in [true, false] {
-        let model = Llama::new(
-            &config(tied),
-            model::Placement::whole(&config(tied)),
-            3,
-            DType::F32,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let model = build(tied, 3);
         let (loss, grads) = grads_of(&model, &[batch(2, 0)], Recompute::None);
         assert!(
             (loss - (96f64).ln()).abs() < 0.1,
@@ -117,14 +123,7 @@ fn every_parameter_receives_a_nonzero_gradient() {
 
 #[test]
 fn full_recompute_gives_identical_gradients() {
-    let model = Llama::new(
-        &config(false),
-        model::Placement::whole(&config(false)),
-        5,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let model = build(false, 5);
     let batches = [batch(2, 0), batch(2, 100)];
     let (l0, g0) = grads_of(&model, &batches, Recompute::None);
     let (l1, g1) = grads_of(&model, &batches, Recompute::Full);
@@ -137,14 +136,7 @@ fn full_recompute_gives_identical_gradients() {
 
 #[test]
 fn segments_equal_one_whole_graph_backward() {
-    let model = Llama::new(
-        &config(true),
-        model::Placement::whole(&config(true)),
-        7,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let model = build(true, 7);
     let b = batch(2, 0);
     let (loss, seg) = grads_of(&model, std::slice::from_ref(&b), Recompute::None);
 
@@ -180,14 +172,7 @@ fn segments_equal_one_whole_graph_backward() {
 
 #[test]
 fn accumulating_micro_batches_equals_one_large_batch() {
-    let model = Llama::new(
-        &config(false),
-        model::Placement::whole(&config(false)),
-        9,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let model = build(false, 9);
     let big = batch(4, 0);
     let halves: Vec<Batch> = (0..2)
         .map(|h| {
@@ -214,30 +199,9 @@ fn accumulating_micro_batches_equals_one_large_batch() {
 
 #[test]
 fn initialisation_is_bit_identical_for_equal_seeds() {
-    let a = Llama::new(
-        &config(false),
-        model::Placement::whole(&config(false)),
-        11,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let b = Llama::new(
-        &config(false),
-        model::Placement::whole(&config(false)),
-        11,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let c = Llama::new(
-        &config(false),
-        model::Placement::whole(&config(false)),
-        12,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let a = build(false, 11);
+    let b = build(false, 11);
+    let c = build(false, 12);
     for ((pa, pb), pc) in a
         .params()
         .iter()

@@ -1,13 +1,16 @@
 //! Parallel training: the `parallel:` recipe section, the rank mesh, the `Comm` trait and its
-//! backends, tensor- and sequence-parallel ops and layers, data-parallel gradient sync and ZeRO-1.
+//! backends, tensor- and sequence-parallel ops and layers, data-parallel gradient sync and ZeRO-1,
+//! pipeline schedules, and multi-process launch (environment parsing, rendezvous store).
 
 pub mod comm;
 pub mod config;
 pub mod dp;
+pub mod env;
 pub mod flat;
 pub mod launch;
 pub mod mesh;
 pub mod pipeline;
+pub mod store;
 pub mod tp;
 
 pub use comm::{Comm, CommError, Group, ReduceOp};

@@ -1,0 +1,314 @@
+//! A small TCP key–value store for rendezvous: rank 0 serves it, every process of the job connects
+//! to `MASTER_ADDR:MASTER_PORT` to exchange start-up data (the NCCL unique id) and to meet at
+//! barriers. Frames are length-prefixed and bounded ([`MAX_FRAME`]); a connection must first
+//! present the job's token or it is closed; every wait is bounded by a timeout.
+//!
+//! Wire format (little-endian): a frame is `u32 length` + bytes. A client's first frame is the
+//! token. Requests: `b'S' u16 key_len key value` (set), `b'G' u16 key_len key` (get, waits until
+//! the key exists), `b'A' u16 key_len key i64` (add, returns the new value). Replies: `b'O'` +
+//! payload, or `b'E'` + a UTF-8 message.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Largest frame accepted in either direction.
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// A rendezvous failure, naming the address and the operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Network failure or timeout.
+    #[error("rendezvous store {addr}: {op}: {message}")]
+    Io {
+        addr: String,
+        op: String,
+        message: String,
+    },
+    /// The store answered with an error (wrong token, timeout waiting for a key, ...).
+    #[error("rendezvous store {addr}: {op}: {message}")]
+    Refused {
+        addr: String,
+        op: String,
+        message: String,
+    },
+}
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {n} bytes exceeds {MAX_FRAME}"),
+        ));
+    }
+    let mut buf = vec![0u8; n];
+    s.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    if bytes.len() > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("frame of {} bytes exceeds {MAX_FRAME}", bytes.len()),
+        ));
+    }
+    s.write_all(&(bytes.len() as u32).to_le_bytes())?;
+    s.write_all(bytes)
+}
+
+#[derive(Default)]
+struct Shared {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    cv: Condvar,
+}
+
+/// The store server (rank 0). Stops and joins its threads when dropped.
+pub struct StoreServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Listens on `bind` (e.g. `0.0.0.0:29500`, or port 0 for any free port) for clients presenting
+    /// `token`; a `get` waits at most `timeout` for its key.
+    pub fn start(bind: &str, token: &str, timeout: Duration) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(bind)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (shared, token, stop2) = (
+            Arc::new(Shared::default()),
+            token.as_bytes().to_vec(),
+            stop.clone(),
+        );
+        let accept = std::thread::Builder::new()
+            .name("rendezvous-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop2.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(stream) = conn else { continue };
+                    let (shared, token) = (shared.clone(), token.clone());
+                    let _ = std::thread::Builder::new()
+                        .name("rendezvous-conn".into())
+                        .spawn(move || serve(stream, &shared, &token, timeout));
+                }
+            })?;
+        Ok(Self {
+            addr,
+            stop,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)); // wakes `accept`
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One client connection: token check, then requests until the peer closes.
+fn serve(mut s: TcpStream, shared: &Shared, token: &[u8], timeout: Duration) {
+    let _ = s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)) * 4));
+    match read_frame(&mut s) {
+        Ok(t) if t == token => {}
+        _ => {
+            let _ = write_frame(&mut s, b"Ewrong job token");
+            return;
+        }
+    }
+    let _ = write_frame(&mut s, b"O");
+    while let Ok(req) = read_frame(&mut s) {
+        let reply = handle(&req, shared, timeout);
+        if write_frame(&mut s, &reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(req: &[u8], shared: &Shared, timeout: Duration) -> Vec<u8> {
+    let err = |m: &str| [b"E".as_slice(), m.as_bytes()].concat();
+    if req.len() < 3 {
+        return err("malformed request");
+    }
+    let klen = u16::from_le_bytes([req[1], req[2]]) as usize;
+    let Some(key) = req
+        .get(3..3 + klen)
+        .and_then(|k| std::str::from_utf8(k).ok())
+    else {
+        return err("malformed key");
+    };
+    let rest = &req[3 + klen..];
+    let mut map = shared.map.lock().unwrap_or_else(|e| e.into_inner());
+    match req[0] {
+        b'S' => {
+            map.insert(key.to_string(), rest.to_vec());
+            shared.cv.notify_all();
+            b"O".to_vec()
+        }
+        b'G' => {
+            let deadline = Instant::now() + timeout;
+            loop {
+                if let Some(v) = map.get(key) {
+                    return [b"O".as_slice(), v].concat();
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return err(&format!(
+                        "timed out after {:.1}s waiting for key {key:?}",
+                        timeout.as_secs_f64()
+                    ));
+                }
+                map = shared
+                    .cv
+                    .wait_timeout(map, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+        b'A' => {
+            let Ok(delta) = <[u8; 8]>::try_from(rest).map(i64::from_le_bytes) else {
+                return err("malformed add");
+            };
+            let old = map
+                .get(key)
+                .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+                .map_or(0, i64::from_le_bytes);
+            let new = old + delta;
+            map.insert(key.to_string(), new.to_le_bytes().to_vec());
+            shared.cv.notify_all();
+            [b"O".as_slice(), &new.to_le_bytes()].concat()
+        }
+        _ => err("unknown request"),
+    }
+}
+
+/// A connection to the store.
+pub struct Store {
+    stream: TcpStream,
+    addr: String,
+}
+
+impl Store {
+    /// Connects to `addr`, retrying until `timeout` (rank 0 may start later), and presents `token`.
+    pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let io = |op: &str, e: &dyn std::fmt::Display| StoreError::Io {
+            addr: addr.into(),
+            op: op.into(),
+            message: e.to_string(),
+        };
+        let deadline = Instant::now() + timeout;
+        let target = addr
+            .to_socket_addrs()
+            .map_err(|e| io("resolve", &e))?
+            .next()
+            .ok_or_else(|| io("resolve", &"no address"))?;
+        let stream = loop {
+            match TcpStream::connect_timeout(&target, Duration::from_millis(500)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(io(
+                        "connect",
+                        &format!("{e} (gave up after {:.1}s)", timeout.as_secs_f64()),
+                    ))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        // Server-side waits are bounded by the server's timeout; allow for it plus slack.
+        stream
+            .set_read_timeout(Some(timeout + Duration::from_secs(5)))
+            .map_err(|e| io("configure", &e))?;
+        stream
+            .set_write_timeout(Some(timeout))
+            .map_err(|e| io("configure", &e))?;
+        stream.set_nodelay(true).map_err(|e| io("configure", &e))?;
+        let mut store = Self {
+            stream,
+            addr: addr.to_string(),
+        };
+        store.call("hello", token.as_bytes())?;
+        Ok(store)
+    }
+
+    fn call(&mut self, op: &str, frame: &[u8]) -> Result<Vec<u8>, StoreError> {
+        let io = |e: std::io::Error| StoreError::Io {
+            addr: self.addr.clone(),
+            op: op.into(),
+            message: e.to_string(),
+        };
+        write_frame(&mut self.stream, frame).map_err(io)?;
+        let reply = read_frame(&mut self.stream).map_err(|e| StoreError::Io {
+            addr: self.addr.clone(),
+            op: op.into(),
+            message: e.to_string(),
+        })?;
+        match reply.split_first() {
+            Some((b'O', rest)) => Ok(rest.to_vec()),
+            Some((_, msg)) => Err(StoreError::Refused {
+                addr: self.addr.clone(),
+                op: op.into(),
+                message: String::from_utf8_lossy(msg).into(),
+            }),
+            None => Err(StoreError::Refused {
+                addr: self.addr.clone(),
+                op: op.into(),
+                message: "empty reply".into(),
+            }),
+        }
+    }
+
+    fn request(op: u8, key: &str, payload: &[u8]) -> Vec<u8> {
+        let k = key.as_bytes();
+        [&[op][..], &(k.len() as u16).to_le_bytes(), k, payload].concat()
+    }
+
+    /// Stores `value` under `key`.
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.call(&format!("set {key:?}"), &Self::request(b'S', key, value))
+            .map(|_| ())
+    }
+
+    /// The value of `key`, waiting until some process sets it (bounded by the server's timeout).
+    pub fn get(&mut self, key: &str) -> Result<Vec<u8>, StoreError> {
+        self.call(&format!("get {key:?}"), &Self::request(b'G', key, &[]))
+    }
+
+    /// Adds `delta` to the integer at `key` (0 when absent) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        let v = self.call(
+            &format!("add {key:?}"),
+            &Self::request(b'A', key, &delta.to_le_bytes()),
+        )?;
+        Ok(i64::from_le_bytes(
+            v.as_slice().try_into().unwrap_or([0; 8]),
+        ))
+    }
+
+    /// Returns once `world` processes have called `barrier(name, world)`.
+    pub fn barrier(&mut self, name: &str, world: usize) -> Result<(), StoreError> {
+        if self.add(&format!("{name}/count"), 1)? as usize == world {
+            self.set(&format!("{name}/open"), b"")?;
+        }
+        self.get(&format!("{name}/open")).map(|_| ())
+    }
+}

@@ -1,0 +1,123 @@
+//! The rendezvous store over loopback: threads and separate processes exchange values and meet at
+//! barriers; wrong tokens, oversized frames, missing keys and dead servers give clear errors.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use parallel::store::{Store, StoreServer, MAX_FRAME};
+
+const TOKEN: &str = "job-1234";
+
+#[test]
+fn threads_exchange_values_and_meet_at_a_barrier() {
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, Duration::from_secs(10)).unwrap();
+    let addr = server.addr().to_string();
+    let world = 4;
+    std::thread::scope(|s| {
+        for rank in 0..world {
+            let addr = addr.clone();
+            s.spawn(move || {
+                let mut st = Store::connect(&addr, TOKEN, Duration::from_secs(10)).unwrap();
+                st.set(&format!("id/{rank}"), format!("rank-{rank}").as_bytes())
+                    .unwrap();
+                st.barrier("start", world).unwrap();
+                for other in 0..world {
+                    assert_eq!(
+                        st.get(&format!("id/{other}")).unwrap(),
+                        format!("rank-{other}").into_bytes()
+                    );
+                }
+                st.barrier("end", world).unwrap();
+            });
+        }
+    });
+    let mut st = Store::connect(&addr, TOKEN, Duration::from_secs(5)).unwrap();
+    assert_eq!(st.add("end/count", 0).unwrap(), world as i64);
+}
+
+#[test]
+fn errors_are_clear_and_bounded() {
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, Duration::from_millis(300)).unwrap();
+    let addr = server.addr().to_string();
+
+    let e = Store::connect(&addr, "other-job", Duration::from_secs(5))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("wrong job token") && e.contains(&addr), "{e}");
+
+    let mut st = Store::connect(&addr, TOKEN, Duration::from_secs(5)).unwrap();
+    let start = Instant::now();
+    let e = st.get("never-set").unwrap_err().to_string();
+    assert!(e.contains("timed out") && e.contains("never-set"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+
+    let e = st
+        .set("big", &vec![0u8; MAX_FRAME + 1])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exceeds"), "{e}");
+
+    drop(server);
+    let start = Instant::now();
+    let e = Store::connect(&addr, TOKEN, Duration::from_millis(500))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("connect") && e.contains(&addr), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+/// Child side of `processes_rendezvous_on_loopback` (runs only inside a spawned child).
+#[test]
+fn store_child_process() {
+    let (Ok(addr), Ok(rank), Ok(world)) = (
+        std::env::var("STORE_TEST_ADDR"),
+        std::env::var("STORE_TEST_RANK"),
+        std::env::var("STORE_TEST_WORLD"),
+    ) else {
+        return;
+    };
+    let (rank, world): (usize, usize) = (rank.parse().unwrap(), world.parse().unwrap());
+    let mut st = Store::connect(&addr, TOKEN, Duration::from_secs(20)).unwrap();
+    st.set(
+        &format!("pid/{rank}"),
+        std::process::id().to_string().as_bytes(),
+    )
+    .unwrap();
+    st.barrier("all", world).unwrap();
+    let pids: Vec<Vec<u8>> = (0..world)
+        .map(|r| st.get(&format!("pid/{r}")).unwrap())
+        .collect();
+    assert_eq!(pids[rank], std::process::id().to_string().into_bytes());
+    st.set(&format!("done/{rank}"), &pids.concat()).unwrap();
+}
+
+#[test]
+fn processes_rendezvous_on_loopback() {
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, Duration::from_secs(20)).unwrap();
+    let world = 3;
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .args(["--exact", "store_child_process", "--test-threads=1"])
+                .env("STORE_TEST_ADDR", server.addr().to_string())
+                .env("STORE_TEST_RANK", rank.to_string())
+                .env("STORE_TEST_WORLD", world.to_string())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let mut st = Store::connect(&server.addr().to_string(), TOKEN, Duration::from_secs(5)).unwrap();
+    let seen: Vec<Vec<u8>> = (0..world)
+        .map(|r| st.get(&format!("done/{r}")).unwrap())
+        .collect();
+    assert!(
+        seen.windows(2).all(|w| w[0] == w[1]),
+        "every process saw the same pids"
+    );
+}
