@@ -23,18 +23,13 @@ pub fn vocab_parallel_cross_entropy(
     let sum_exp = reduce_from_tp(&z.exp()?.sum_keepdim(D::Minus1)?, tp)?; // [n, 1]
 
     let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    let (mut local, mut mask) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let vocab = local_v * tp.size();
-    if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
-        candle_core::bail!(
-            "vocab-parallel cross-entropy: target {bad} is outside the vocabulary of {vocab}"
-        );
-    }
-    for &id in &t {
-        let inside = (id as usize) >= vocab_start && (id as usize) < vocab_start + local_v;
-        local.push(if inside { id - vocab_start as u32 } else { 0 });
-        mask.push(if inside { 1f32 } else { 0.0 });
-    }
+    let (local, mask) = super::local_vocab_ids(
+        &t,
+        vocab_start,
+        local_v,
+        tp.size(),
+        "vocab-parallel cross-entropy: target",
+    )?;
     let dev = logits.device();
     let local = Tensor::from_vec(local, (n, 1), dev)?;
     let mask = Tensor::from_vec(mask, n, dev)?.to_dtype(z.dtype())?;

@@ -17,21 +17,13 @@ pub fn vocab_parallel_embedding(
     let (b, s) = ids.dims2()?;
     let (local_v, h) = w.dims2()?;
     let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    let (mut local, mut mask) = (
-        Vec::with_capacity(flat.len()),
-        Vec::with_capacity(flat.len()),
-    );
-    let vocab = local_v * tp.size();
-    if let Some(bad) = flat.iter().find(|&&id| id as usize >= vocab) {
-        candle_core::bail!(
-            "vocab-parallel embedding: token id {bad} is outside the vocabulary of {vocab}"
-        );
-    }
-    for &id in &flat {
-        let inside = (id as usize) >= vocab_start && (id as usize) < vocab_start + local_v;
-        local.push(if inside { id - vocab_start as u32 } else { 0 });
-        mask.push(if inside { 1f32 } else { 0.0 });
-    }
+    let (local, mask) = super::local_vocab_ids(
+        &flat,
+        vocab_start,
+        local_v,
+        tp.size(),
+        "vocab-parallel embedding: token id",
+    )?;
     let dev = w.device();
     let local = Tensor::from_vec(local, b * s, dev)?;
     let mask = Tensor::from_vec(mask, (b * s, 1), dev)?.to_dtype(w.dtype())?;

@@ -24,6 +24,34 @@ pub struct TensorParallel {
     pub sequence_parallel: bool,
 }
 
+/// For ids of the whole vocabulary (`local_v × tp` entries) and this rank's slice starting at
+/// `vocab_start`: the local row of each id (0 where another rank owns it) and a 1/0 ownership
+/// mask. An id outside the vocabulary is an error (`what` names the caller and the kind of id,
+/// e.g. "vocab-parallel embedding: token id"), never a silent zero.
+pub(crate) fn local_vocab_ids(
+    ids: &[u32],
+    vocab_start: usize,
+    local_v: usize,
+    tp_size: usize,
+    what: &str,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let vocab = local_v * tp_size;
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        candle_core::bail!("{what} {bad} is outside the vocabulary of {vocab}");
+    }
+    Ok(ids
+        .iter()
+        .map(|&id| {
+            let inside = (vocab_start..vocab_start + local_v).contains(&(id as usize));
+            if inside {
+                (id - vocab_start as u32, 1f32)
+            } else {
+                (0, 0.0)
+            }
+        })
+        .unzip())
+}
+
 /// The dimension of `[b, s, h]` activations that sequence parallelism splits.
 pub const SEQ_DIM: usize = 1;
 
