@@ -132,20 +132,10 @@ impl Executor<'_> {
         let chunks: Vec<Vec<Piece>> = (0..v)
             .map(|c| chunk_pieces(self.stage, c, pp, v, layers))
             .collect();
-        let mode = |p: Piece| {
-            if matches!(p, Piece::Block(_)) {
-                self.recompute
-            } else {
-                Recompute::None
-            }
-        };
+        let mode = |p: Piece| self.recompute.for_piece(p);
         let run_piece = |p: Piece, micro: usize| {
-            let mb = &mbs[micro];
-            move |x: &Tensor| match p {
-                Piece::Embedding => self.model.embed(x),
-                Piece::Block(i) => self.model.block(i, x),
-                Piece::Head => self.model.head_loss(x, &mb.targets),
-            }
+            let targets = &mbs[micro].targets;
+            move |x: &Tensor| self.model.piece_forward(p, x, targets)
         };
         let (mut live, mut acts, mut dys): (
             HashMap<_, Live>,

@@ -42,21 +42,8 @@ pub fn forward_backward(
     ready: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let pieces = model.pieces();
-    let run_piece = |piece: Piece| {
-        move |x: &Tensor| match piece {
-            Piece::Embedding => model.embed(x),
-            Piece::Block(i) => model.block(i, x),
-            Piece::Head => model.head_loss(x, &mb.targets),
-        }
-    };
-    // Only decoder blocks are recomputed; the embedding and head keep their (small) graphs.
-    let mode = |piece: Piece| {
-        if matches!(piece, Piece::Block(_)) {
-            recompute
-        } else {
-            Recompute::None
-        }
-    };
+    let run_piece = |piece: Piece| move |x: &Tensor| model.piece_forward(piece, x, &mb.targets);
+    let mode = |piece: Piece| recompute.for_piece(piece);
 
     let mut runs = Vec::with_capacity(pieces.len());
     let mut x = mb.tokens.clone();

@@ -369,6 +369,16 @@ impl Llama {
         (self.losses(x, &targets.labels)? * &targets.loss_mask)?.sum_all()? * targets.loss_scale
     }
 
+    /// Piece `piece`'s forward in training: token ids → hidden states (embedding), hidden →
+    /// hidden (block), hidden → this micro-batch's scaled loss (head).
+    pub fn piece_forward(&self, piece: Piece, x: &Tensor, targets: &Targets) -> Result<Tensor> {
+        match piece {
+            Piece::Embedding => self.embed(x),
+            Piece::Block(i) => self.block(i, x),
+            Piece::Head => self.head_loss(x, targets),
+        }
+    }
+
     /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
     pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
         if self.placement.tp.as_ref().is_some_and(|t| t.size() > 1) || !self.placement.embedding {

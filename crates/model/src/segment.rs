@@ -23,6 +23,18 @@ pub enum Recompute {
     Full,
 }
 
+impl Recompute {
+    /// The mode for `piece`: only decoder blocks are recomputed; the embedding and the head keep
+    /// their (small) graphs.
+    pub fn for_piece(self, piece: crate::Piece) -> Recompute {
+        if matches!(piece, crate::Piece::Block(_)) {
+            self
+        } else {
+            Recompute::None
+        }
+    }
+}
+
 /// The forward state of one segment that its backward pass needs.
 pub struct SegmentRun {
     /// The input as a leaf variable (so its gradient is produced), or `None` for inputs that take
