@@ -282,6 +282,12 @@ impl Store {
         [&[op][..], &(k.len() as u16).to_le_bytes(), k, payload].concat()
     }
 
+    /// This end's address of the connection: the local interface that reaches the store, which
+    /// peers on other hosts can reach too.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.stream.local_addr()
+    }
+
     /// Stores `value` under `key`.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.call(&format!("set {key:?}"), &Self::request(b'S', key, value))

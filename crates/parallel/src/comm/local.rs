@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Error, Result, Shape, Tensor};
 
+use super::collective::{fresh, Kind};
 use super::{Comm, CommError, Group, ReduceOp};
-use rendezvous::{fresh, GroupState, Kind};
+use rendezvous::GroupState;
 
 mod rendezvous;
 

@@ -1,7 +1,11 @@
 //! The `Comm` trait: collectives and point-to-point transfers over groups of ranks, with every
 //! wait bounded by a timeout and every failure reported with the rank and the operation.
 
+pub(crate) mod collective;
 pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod tcp;
 
 use std::fmt;
 use std::sync::Arc;

@@ -1,0 +1,106 @@
+//! What every backend computes the same way: the collective kinds ([`Kind`]) and their results
+//! from the members' contributions ([`compute`]), reductions in member order
+//! (`((x0 op x1) op x2) …`) so every backend that gathers contributions gives bit-identical results.
+
+use candle_core::{Error, Result, Tensor};
+
+use super::{Group, ReduceOp};
+
+/// A collective and the parameters every member must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    AllReduce(ReduceOp),
+    AllGather(usize),
+    ReduceScatter(usize),
+    Broadcast(usize),
+    Barrier,
+}
+
+impl Kind {
+    /// The operation's name in error messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all_reduce",
+            Kind::AllGather(_) => "all_gather",
+            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::Broadcast(_) => "broadcast",
+            Kind::Barrier => "barrier",
+        }
+    }
+}
+
+/// A new tensor with `t`'s values (never sharing `t`'s storage).
+pub(crate) fn fresh(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        t.copy()
+    } else {
+        t.contiguous()
+    }
+}
+
+/// Element-wise reduction of `inputs` in member order: `((x0 op x1) op x2) …`.
+fn reduce(inputs: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+    let Some((first, rest)) = inputs.split_first() else {
+        return Err(Error::msg("no contributions"));
+    };
+    if rest.is_empty() {
+        return fresh(first);
+    }
+    let mut acc = first.clone();
+    for x in rest {
+        acc = match op {
+            ReduceOp::Sum => acc.add(x)?,
+            ReduceOp::Max => acc.maximum(x)?,
+        };
+    }
+    Ok(acc)
+}
+
+fn check_dim(inputs: &[Tensor], dim: usize) -> Result<()> {
+    match inputs.first() {
+        Some(t) if dim >= t.rank() => {
+            let msg = format!("dim {dim} out of range for shape {:?}", t.shape());
+            Err(Error::msg(msg))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The per-member results of collective `kind` over `inputs` (one per member, in member order).
+pub(crate) fn compute(
+    kind: Kind,
+    group: &Group,
+    inputs: Vec<Tensor>,
+) -> Result<Vec<Option<Tensor>>> {
+    let n = group.size();
+    let shared = |t: Tensor| vec![Some(t); n];
+    match kind {
+        Kind::Barrier => Ok(vec![None; n]),
+        Kind::AllReduce(op) => Ok(shared(reduce(&inputs, op)?)),
+        Kind::AllGather(dim) => {
+            check_dim(&inputs, dim)?;
+            let all = if n == 1 {
+                fresh(&inputs[0])?
+            } else {
+                Tensor::cat(&inputs, dim)?
+            };
+            Ok(shared(all))
+        }
+        Kind::ReduceScatter(dim) => {
+            check_dim(&inputs, dim)?;
+            let len = inputs[0].dim(dim)?;
+            if len % n != 0 {
+                let msg = format!("dim {dim} of size {len} is not divisible by {n} members");
+                return Err(Error::msg(msg));
+            }
+            let sum = reduce(&inputs, ReduceOp::Sum)?;
+            let chunk = len / n;
+            let part = |i: usize| Ok(Some(sum.narrow(dim, i * chunk, chunk)?.contiguous()?));
+            (0..n).map(part).collect()
+        }
+        Kind::Broadcast(root) => match group.index_of(root) {
+            Some(i) => Ok(shared(fresh(&inputs[i])?)),
+            None => Err(Error::msg(format!("broadcast root {root} is not a member"))),
+        },
+    }
+}

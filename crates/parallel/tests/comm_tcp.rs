@@ -1,0 +1,196 @@
+//! Tests of the `tcp` communication backend on loopback: every collective bit-identical to the
+//! `local` backend, subgroups, send/recv order, stray connections rejected, mismatches, timeouts
+//! and failure propagation.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use parallel::comm::local::LocalWorld;
+use parallel::comm::tcp::TcpComm;
+use parallel::store::{Store, StoreServer};
+use parallel::{Comm, Group, ReduceOp};
+
+const TOKEN: &str = "job-token";
+
+/// Starts a store and runs `f(rank, comm)` on one thread per rank of a `tcp` job of `n` ranks.
+fn with_tcp<R: Send>(
+    n: usize,
+    timeout: Duration,
+    f: impl Fn(usize, Arc<TcpComm>) -> R + Sync,
+) -> Vec<R> {
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, timeout).unwrap();
+    let addr = server.addr().to_string();
+    std::thread::scope(|s| {
+        let (f, addr) = (&f, &addr);
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                s.spawn(move || {
+                    let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
+                    let comm = TcpComm::connect(r, n, &mut store, TOKEN, timeout).unwrap();
+                    f(r, comm)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn input(rank: usize, dims: &[usize], salt: f64) -> Tensor {
+    let n = dims.iter().product::<usize>() as u32;
+    Tensor::arange(0u32, n, &Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.affine(0.37 + 0.11 * rank as f64, salt + rank as f64))
+        .and_then(|t| t.sin()?.to_dtype(DType::F32)?.reshape(dims))
+        .unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The results of a fixed sequence of collectives on `comm`.
+fn program(rank: usize, comm: &dyn Comm) -> Vec<Vec<u32>> {
+    let n = comm.world_size();
+    let all = Group::new((0..n).collect());
+    let evens = Group::new((0..n).step_by(2).collect());
+    let x = input(rank, &[4, 6], 0.5);
+    let mut out = vec![
+        bits(&comm.all_reduce(&all, &x, ReduceOp::Sum).unwrap()),
+        bits(&comm.all_reduce(&all, &x, ReduceOp::Max).unwrap()),
+        bits(&comm.all_gather(&all, &x, 1).unwrap()),
+        bits(&comm.reduce_scatter(&all, &x, 0).unwrap()),
+        bits(&comm.broadcast(&all, &x, n - 1).unwrap()),
+    ];
+    if evens.index_of(rank).is_some() {
+        out.push(bits(&comm.all_reduce(&evens, &x, ReduceOp::Sum).unwrap()));
+    }
+    comm.barrier(&all).unwrap();
+    // A ring of point-to-point messages, two per neighbour, received in order.
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    comm.send(&x, next).unwrap();
+    comm.send(&(&x * 2.0).unwrap(), next).unwrap();
+    let a = comm.recv(prev, x.shape(), DType::F32).unwrap();
+    let b = comm.recv(prev, x.shape(), DType::F32).unwrap();
+    out.push(bits(&a));
+    out.push(bits(&b));
+    out
+}
+
+#[test]
+fn collectives_equal_the_local_backend_bit_for_bit() {
+    let n = 4;
+    let tcp = with_tcp(n, Duration::from_secs(20), |r, c| program(r, c.as_ref()));
+    let comms = LocalWorld::new(n, Duration::from_secs(20));
+    let local: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| s.spawn(move || program(r, c.as_ref())))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(tcp, local);
+    // Identical on every member.
+    assert_eq!(tcp[0][0], tcp[3][0]);
+    assert_eq!(tcp[1][2], tcp[2][2]);
+}
+
+#[test]
+fn stray_connections_are_rejected() {
+    let timeout = Duration::from_secs(20);
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, timeout).unwrap();
+    let addr = server.addr().to_string();
+    let out = std::thread::scope(|s| {
+        let addr = &addr;
+        let h0 = s.spawn(move || {
+            let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
+            let comm = TcpComm::connect(0, 2, &mut store, TOKEN, timeout).unwrap();
+            comm.all_reduce(&Group::new(vec![0, 1]), &input(0, &[3], 0.0), ReduceOp::Sum)
+                .unwrap()
+        });
+        // A stranger connects to rank 0's listener first with a wrong token.
+        let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
+        let rank0 = String::from_utf8(store.get("tcp/0").unwrap()).unwrap();
+        let mut stray = TcpStream::connect(&rank0).unwrap();
+        let mut hello = vec![1u8, 0];
+        hello.extend_from_slice(&0u64.to_le_bytes());
+        hello.extend_from_slice(&1u64.to_le_bytes());
+        hello.extend_from_slice(&5u64.to_le_bytes());
+        hello.extend_from_slice(b"wrong");
+        stray.write_all(&hello).unwrap();
+        let comm = TcpComm::connect(1, 2, &mut store, TOKEN, timeout).unwrap();
+        let mine = comm
+            .all_reduce(&Group::new(vec![0, 1]), &input(1, &[3], 0.0), ReduceOp::Sum)
+            .unwrap();
+        (h0.join().unwrap(), mine)
+    });
+    assert_eq!(bits(&out.0), bits(&out.1));
+}
+
+#[test]
+fn mismatched_shapes_are_invalid() {
+    let out = with_tcp(2, Duration::from_secs(20), |r, c| {
+        let x = input(r, &[2 + r], 0.0);
+        c.all_reduce(&Group::new(vec![0, 1]), &x, ReduceOp::Sum)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    for (r, o) in out.iter().enumerate() {
+        let e = o.as_ref().unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "rank {r}: all_reduce over ranks [0, 1]: rank {}",
+                1 - r
+            )),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_rank_times_out_naming_it() {
+    let start = Instant::now();
+    let out = with_tcp(3, Duration::from_secs(2), |r, c| {
+        if r == 2 {
+            std::thread::sleep(Duration::from_secs(4));
+            return Ok(());
+        }
+        c.all_reduce(
+            &Group::new(vec![0, 1, 2]),
+            &input(r, &[3], 0.0),
+            ReduceOp::Sum,
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    });
+    for o in &out[..2] {
+        let e = o.as_ref().unwrap_err();
+        assert!(
+            e.contains("timed out after 2.0s waiting for ranks [2]"),
+            "{e}"
+        );
+    }
+    assert!(start.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn abort_reaches_every_rank() {
+    let out = with_tcp(3, Duration::from_secs(20), |r, c| {
+        if r == 1 {
+            c.abort("disk full");
+            return Ok(());
+        }
+        c.barrier(&Group::new(vec![0, 1, 2]))
+            .map_err(|e| e.to_string())
+    });
+    for (r, o) in [(0, &out[0]), (2, &out[2])] {
+        let e = o.as_ref().unwrap_err();
+        let want =
+            format!("rank {r}: barrier over ranks [0, 1, 2] aborted: rank 1 failed: disk full");
+        assert!(e.contains(&want), "{e}");
+    }
+}
