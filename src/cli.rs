@@ -1,9 +1,12 @@
-//! The `pretrain` command line: training from a recipe, recipe checking, tokenizer training and
-//! corpus preprocessing.
+//! The `pretrain` command line: training from a recipe (as threads, or as processes started by
+//! `--nproc-per-node`, torchrun or Slurm), recipe checking, tokenizer training, corpus
+//! preprocessing, Hugging Face export/import, evaluation and the device self-test.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing::info;
 
@@ -16,6 +19,9 @@ pub struct Cli {
     /// Train from a recipe (the default command).
     #[command(flatten)]
     pub train: Option<RecipeArgs>,
+    /// Launcher options of the default command.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
     /// Other commands.
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -39,11 +45,45 @@ impl RecipeArgs {
     }
 }
 
+/// Arguments of `pretrain train`: the recipe and the launcher options.
+#[derive(Debug, Args, Clone)]
+pub struct TrainArgs {
+    /// The recipe.
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
+    /// Launcher options.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+}
+
+/// Launcher options for multi-process jobs started by this command (torchrun's names).
+/// Processes started by torchrun or Slurm need none: they read `RANK`/`WORLD_SIZE`/... or
+/// `SLURM_PROCID`/... from the environment.
+#[derive(Debug, Args, Clone, Default)]
+pub struct LaunchArgs {
+    /// Start this many rank processes on this node (one per GPU on CUDA) instead of running the
+    /// ranks as threads of this process.
+    #[arg(long)]
+    pub nproc_per_node: Option<usize>,
+    /// Nodes in the job (with --nproc-per-node).
+    #[arg(long, default_value_t = 1, requires = "nproc_per_node")]
+    pub nnodes: usize,
+    /// This node's index in the job (with --nproc-per-node).
+    #[arg(long, default_value_t = 0, requires = "nproc_per_node")]
+    pub node_rank: usize,
+    /// Host of rank 0's rendezvous store (default 127.0.0.1 on one node).
+    #[arg(long, requires = "nproc_per_node")]
+    pub master_addr: Option<String>,
+    /// Port of the rendezvous store (default: a free port on one node, 29500 otherwise).
+    #[arg(long, requires = "nproc_per_node")]
+    pub master_port: Option<u16>,
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train from a recipe.
-    Train(RecipeArgs),
+    Train(TrainArgs),
     /// Parse and validate a recipe and print what it would run.
     Check(RecipeArgs),
     /// Tokenizer tools.
@@ -142,7 +182,8 @@ pub struct PreprocessArgs {
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match (cli.train, cli.command) {
-        (Some(args), None) | (None, Some(Command::Train(args))) => train(&args),
+        (Some(args), None) => train(&args, &cli.launch),
+        (None, Some(Command::Train(t))) => train(&t.recipe, &t.launch),
         (None, Some(Command::Check(args))) => check(&args),
         (
             None,
@@ -247,10 +288,44 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn train(args: &RecipeArgs) -> Result<()> {
+fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
     let recipe = args.load()?;
+    if let Some(nproc_per_node) = launch.nproc_per_node {
+        let layout = crate::launch::NodeLayout {
+            nproc_per_node,
+            nnodes: launch.nnodes,
+            node_rank: launch.node_rank,
+            master_addr: launch.master_addr.clone(),
+            master_port: launch.master_port,
+        };
+        let mut child: Vec<OsString> = vec!["train".into(), "--recipe".into()];
+        child.push(args.recipe.clone().into());
+        for o in &args.overrides {
+            child.extend(["--set".into(), o.into()]);
+        }
+        let grace = Duration::from_secs_f64(recipe.parallel.timeout_s.min(10.0));
+        return crate::launch::spawn_node(&layout, &child, grace);
+    }
     let dir = recipe.run.dir.clone();
-    let out = crate::train::train(recipe, true)?;
+    let info = parallel::env::from_env(&|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    let (out, main) = match info {
+        Some(info) if info.world_size > 1 => {
+            let job = crate::launch::join(&info, &recipe)?;
+            let mine = crate::train::run_rank(
+                &recipe,
+                info.rank,
+                job.comm.clone(),
+                job.device.clone(),
+                true,
+            )
+            .with_context(|| format!("rank {}", info.rank))?;
+            (crate::train::collect(vec![mine]), info.rank == 0)
+        }
+        _ => (crate::train::train(recipe, true)?, true),
+    };
+    if !main {
+        return Ok(());
+    }
     if let Some(last) = out.records.last() {
         let val = out
             .val_loss

@@ -68,6 +68,8 @@ pub fn eval(
         );
     }
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
+    let device = device_for(recipe.train.device, 0)?;
+    let device = &device;
     let per_rank = parallel::launch::run_local(
         recipe.parallel.world_size(),
         timeout,
@@ -78,14 +80,13 @@ pub fn eval(
                     Dtype::F32 => DType::F32,
                     Dtype::Bf16 => DType::BF16,
                 };
-                let device = device_for(recipe.train.device)?;
                 let cfg = &recipe.model;
                 let model = Llama::new(
                     cfg,
                     ctx.placement(cfg.num_hidden_layers),
                     recipe.train.seed,
                     dtype,
-                    &device,
+                    device,
                 )?;
                 model.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
                     Ok(ck.read_block(name, Kind::Master, shape, slice)?)
@@ -100,8 +101,8 @@ pub fn eval(
                 for batch in mine.chunks(WINDOWS_PER_BATCH) {
                     let tokens: Vec<u32> = batch.iter().flat_map(|w| w[..s].to_vec()).collect();
                     let labels: Vec<u32> = batch.iter().flat_map(|w| w[1..].to_vec()).collect();
-                    let t = Tensor::from_vec(tokens, (batch.len(), s), &device)?;
-                    let l = Tensor::from_vec(labels, batch.len() * s, &device)?;
+                    let t = Tensor::from_vec(tokens, (batch.len(), s), device)?;
+                    let l = Tensor::from_vec(labels, batch.len() * s, device)?;
                     if let Some(losses) = pipeline_losses(&model, &ctx, &t, &l)? {
                         sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
                         count += (batch.len() * s) as f64;
@@ -111,7 +112,7 @@ pub fn eval(
                     logits_out,
                     rank == 0 && ctx.tp.size() == 1 && ctx.pp.size() == 1,
                 ) {
-                    let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), &device)?;
+                    let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), device)?;
                     let logits = model
                         .logits(&t)?
                         .to_dtype(DType::F32)?

@@ -1,9 +1,11 @@
-//! `pretrain`: recipes, the optimizer, learning-rate schedules and the training loop. The model,
-//! parallelism, data and checkpoints live in the workspace crates.
+//! `pretrain`: recipes, the optimizer, learning-rate schedules, the training loop and the
+//! multi-process launcher. The model, parallelism, data and checkpoints live in the workspace
+//! crates.
 
 pub mod cli;
 pub mod eval;
 pub mod hf;
+pub mod launch;
 pub mod optim;
 pub mod recipe;
 pub mod schedule;

@@ -16,8 +16,13 @@ fn main() -> std::process::ExitCode {
     match pretrain::cli::run(pretrain::cli::Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
+            let message = format!("{e:#}");
+            eprintln!("error: {message}");
+            if parallel::comm::is_peer_failure(&message) {
+                std::process::ExitCode::from(pretrain::launch::PEER_FAILED_EXIT)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }

@@ -76,14 +76,17 @@ pub struct RunOutput {
     pub weights: std::collections::BTreeMap<String, Vec<f32>>,
 }
 
-/// The compute device a recipe asks for.
-pub fn device_for(kind: DeviceKind) -> Result<Device> {
+/// The compute device a recipe asks for; `ordinal` picks the GPU. A CUDA device gets a stream of
+/// its own, shared by every thread that holds a clone of the handle.
+pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {
     match kind {
         DeviceKind::Cpu => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => Ok(Device::new_cuda(0)?),
+        DeviceKind::Cuda => Device::new_cuda_with_stream(ordinal)
+            .with_context(|| format!("opening CUDA device {ordinal}")),
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda => {
+            let _ = ordinal;
             bail!("train.device is cuda but this binary was built without the `cuda` feature")
         }
     }
@@ -102,7 +105,15 @@ impl Trainer {
     /// Opens the data, builds this rank's part of the model and its optimizer. `write_outputs` is
     /// false for in-memory runs (tests) that should leave no files.
     pub fn new(recipe: Recipe, ctx: RankCtx, write_outputs: bool) -> Result<Self> {
-        let device = device_for(recipe.train.device)?;
+        let device = ctx.device.clone();
+        if (recipe.train.device == DeviceKind::Cuda) != device.is_cuda() {
+            bail!(
+                "rank {}: train.device is {:?} but the rank was given {:?}",
+                ctx.rank,
+                recipe.train.device,
+                device.location()
+            );
+        }
         let dtype = match recipe.train.dtype {
             Dtype::F32 => DType::F32,
             Dtype::Bf16 => DType::BF16,
@@ -547,27 +558,56 @@ pub fn assemble(
     out
 }
 
-/// Runs a whole training job: one rank in this thread, or `dp × tp × pp` ranks as threads sharing
-/// the local communicator. Returns rank 0's records and the assembled final weights.
+/// What one rank of a finished run returns: its step records, last validation loss and its
+/// parameter slices.
+pub type RankOutput = (Vec<StepRecord>, Option<f64>, Vec<WeightSlice>);
+
+/// Runs rank `rank` of a training job to the end on `device`, communicating through `comm`.
+/// On failure the communicator is aborted first, so the peers stop promptly.
+pub fn run_rank(
+    recipe: &Recipe,
+    rank: usize,
+    comm: Arc<dyn Comm>,
+    device: Device,
+    write_outputs: bool,
+) -> Result<RankOutput> {
+    let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())
+        .map(|c| c.on(device))
+        .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
+    let mut trainer = match ctx {
+        Ok(t) => t,
+        Err(e) => {
+            comm.abort(&format!("{e:#}"));
+            return Err(e);
+        }
+    };
+    match trainer.run() {
+        Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
+        Err(e) => {
+            // Stop the peers before this rank's trainer (and its gradient-sync thread, which may
+            // wait on them) is dropped.
+            comm.abort(&format!("{e:#}"));
+            Err(e)
+        }
+    }
+}
+
+/// Runs a whole training job in this process: one rank in this thread, or `dp × tp × pp` ranks
+/// as threads sharing the local communicator (and one device handle). Returns rank 0's records
+/// and the assembled final weights.
 pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let world = recipe.parallel.world_size();
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
+    let device = device_for(recipe.train.device, 0)?;
     let results = parallel::launch::run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
-        let run = || -> Result<_> {
-            let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())?;
-            let mut trainer = Trainer::new(recipe.clone(), ctx, write_outputs)?;
-            match trainer.run() {
-                Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
-                Err(e) => {
-                    // Stop the peers before this rank's trainer (and its gradient-sync thread,
-                    // which may wait on them) is dropped.
-                    comm.abort(&format!("{e:#}"));
-                    Err(e)
-                }
-            }
-        };
-        run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+        run_rank(&recipe, rank, comm, device.clone(), write_outputs)
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     })?;
+    Ok(collect(results))
+}
+
+/// Rank 0's records and validation loss, and the weights assembled from every output's slices.
+pub fn collect(results: Vec<RankOutput>) -> RunOutput {
     let mut records = None;
     let mut val_loss = None;
     let mut all = Vec::new();
@@ -578,9 +618,9 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
         }
         all.extend(w);
     }
-    Ok(RunOutput {
+    RunOutput {
         records: records.unwrap_or_default(),
         val_loss,
         weights: assemble(all),
-    })
+    }
 }

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use candle_core::Device;
 use model::Placement;
 use parallel::mesh::{Axis, Coords, Mesh};
 use parallel::tp::{TensorParallel, TpGroup};
@@ -28,6 +29,8 @@ pub struct RankCtx {
     pub virtual_stages: usize,
     /// Sequence parallelism on.
     pub sequence_parallel: bool,
+    /// The device this rank computes on (thread-ranks sharing a GPU share one device handle).
+    pub device: Device,
 }
 
 impl RankCtx {
@@ -44,7 +47,14 @@ impl RankCtx {
             mesh,
             comm,
             sequence_parallel: cfg.sequence_parallel,
+            device: Device::Cpu,
         })
+    }
+
+    /// The same context computing on `device`.
+    pub fn on(mut self, device: Device) -> Self {
+        self.device = device;
+        self
     }
 
     /// Tensor-parallel setup for the model (`None` without tensor parallelism).

@@ -92,6 +92,12 @@ pub enum CommError {
     },
 }
 
+/// Whether an error message reports a [`CommError::PeerFailed`]: this rank stopped because
+/// another rank failed (the text its `Display` produces).
+pub fn is_peer_failure(message: &str) -> bool {
+    message.contains(" aborted: rank ") && message.contains(" failed: ")
+}
+
 /// Collectives and point-to-point transfers among the ranks of one job.
 ///
 /// Every member of a group must call the same collectives on that group in the same order (as

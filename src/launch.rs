@@ -1,0 +1,316 @@
+//! Multi-process jobs, launched the way users launch torchrun jobs.
+//!
+//! - [`spawn_node`]: `pretrain --nproc-per-node N ...` starts this node's `N` rank processes itself
+//!   (same binary, same recipe), giving each `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and the job token, then supervises them: the
+//!   first rank to fail is reported and, after a grace period for the others to stop on their own,
+//!   any survivors are killed.
+//! - [`join`]: a rank process (started by us, torchrun or Slurm — see `parallel::env`) joins its
+//!   job: rank 0 serves the rendezvous store, every rank connects to it and builds the
+//!   communicator of its device — `tcp` for CPU ranks, NCCL for CUDA ranks (one GPU per process,
+//!   `LOCAL_RANK` picks it).
+//!
+//! The job token (`PRETRAIN_JOB_TOKEN`) keeps stray connections out of the store and the `tcp`
+//! mesh. `--nproc-per-node` on one node draws a random one; otherwise every process derives the
+//! same token from the launcher's job identity (`TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`) and the
+//! rendezvous address, unless the variable is set explicitly.
+
+use std::collections::hash_map::RandomState;
+use std::ffi::OsString;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use parallel::comm::tcp::TcpComm;
+use parallel::env::{ProcessInfo, DEFAULT_PORT};
+use parallel::store::{Store, StoreServer};
+use parallel::Comm;
+
+use crate::recipe::{DeviceKind, Recipe};
+use crate::train::device_for;
+
+/// Environment variable carrying the job token.
+pub const TOKEN_VAR: &str = "PRETRAIN_JOB_TOKEN";
+
+/// Exit status of a rank that stopped because another rank failed: the launcher reports the
+/// rank that failed first on its own, not the ranks that followed it.
+pub const PEER_FAILED_EXIT: u8 = 3;
+
+/// Where this node's processes sit in the job (torchrun's launcher options).
+#[derive(Debug, Clone)]
+pub struct NodeLayout {
+    /// Rank processes to start on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes`.
+    pub node_rank: usize,
+    /// Host of rank 0 (default 127.0.0.1 on a single node).
+    pub master_addr: Option<String>,
+    /// Rendezvous port (default: a free port on a single node, 29500 otherwise).
+    pub master_port: Option<u16>,
+}
+
+/// A free TCP port on the loopback interface (for single-node jobs).
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A token no other job will present.
+fn random_token() -> String {
+    let mut h = RandomState::new().build_hasher();
+    (std::process::id(), Instant::now()).hash(&mut h);
+    let a = h.finish();
+    let mut h = RandomState::new().build_hasher();
+    a.hash(&mut h);
+    format!("{a:016x}{:016x}", h.finish())
+}
+
+/// The token every process of a job agrees on without talking (see the module header).
+pub fn job_token(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> String {
+    if let Some(t) = get(TOKEN_VAR).filter(|t| !t.is_empty()) {
+        return t;
+    }
+    let job = get("TORCHELASTIC_RUN_ID")
+        .or_else(|| get("SLURM_JOB_ID"))
+        .unwrap_or_default();
+    format!(
+        "{}:{job}:{}:{}:{}",
+        info.launcher, info.master_addr, info.master_port, info.world_size
+    )
+}
+
+/// Starts this node's rank processes running `args` (a `train` command line without launcher
+/// options) and waits for them; errors name the first rank that failed and how.
+pub fn spawn_node(layout: &NodeLayout, args: &[OsString], grace: Duration) -> Result<()> {
+    let NodeLayout {
+        nproc_per_node: n,
+        nnodes,
+        node_rank,
+        ..
+    } = *layout;
+    if n == 0 || nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be at least 1");
+    }
+    if node_rank >= nnodes {
+        bail!("--node-rank {node_rank} is not below --nnodes {nnodes}");
+    }
+    let addr = match (&layout.master_addr, nnodes) {
+        (Some(a), _) => a.clone(),
+        (None, 1) => "127.0.0.1".to_string(),
+        (None, _) => bail!("--master-addr is required with --nnodes {nnodes}"),
+    };
+    let port = match (layout.master_port, nnodes) {
+        (Some(p), _) => p,
+        (None, 1) => free_port()?,
+        (None, _) => DEFAULT_PORT,
+    };
+    let token = match std::env::var(TOKEN_VAR) {
+        Ok(t) if !t.is_empty() => t,
+        _ if nnodes == 1 => random_token(),
+        _ => format!("launch:{addr}:{port}:{}", n * nnodes),
+    };
+    let exe = std::env::current_exe().context("locating the pretrain binary")?;
+    let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);
+    for local in 0..n {
+        let rank = node_rank * n + local;
+        let spawned = Command::new(&exe)
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", (n * nnodes).to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", &addr)
+            .env("MASTER_PORT", port.to_string())
+            .env(TOKEN_VAR, &token)
+            .spawn();
+        match spawned {
+            Ok(c) => children.push((rank, c)),
+            Err(e) => {
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                bail!("cannot start rank {rank} ({}): {e}", exe.display());
+            }
+        }
+    }
+    supervise(children, grace)
+}
+
+/// Waits for every child; after the first failure, gives the others `grace` to stop, then kills
+/// them. The error names the root cause: the first failed rank that did not merely follow
+/// another's failure (exit status [`PEER_FAILED_EXIT`]).
+fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut deadline: Option<Instant> = None;
+    while !children.is_empty() {
+        let mut i = 0;
+        while i < children.len() {
+            let (rank, child) = &mut children[i];
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() {
+                        failures.push((*rank, status));
+                        deadline.get_or_insert(Instant::now() + grace);
+                    }
+                    children.remove(i);
+                }
+                Ok(None) => i += 1,
+                Err(e) => bail!("waiting for rank {rank}: {e}"),
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            for (rank, c) in &mut children {
+                tracing::warn!("killing rank {rank}, still running after another rank failed");
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            children.clear();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let secondary = |s: &ExitStatus| s.code() == Some(PEER_FAILED_EXIT as i32);
+    let root = failures
+        .iter()
+        .find(|(_, s)| !secondary(s))
+        .or(failures.first());
+    match root {
+        Some((rank, status)) => bail!("rank {rank} failed ({status}); see its error above"),
+        None => Ok(()),
+    }
+}
+
+/// A joined job: the communicator and device of this rank, and (on rank 0) the store server,
+/// which must outlive the job.
+pub struct Job {
+    /// This rank's communicator.
+    pub comm: Arc<dyn Comm>,
+    /// This rank's device.
+    pub device: Device,
+    _server: Option<StoreServer>,
+}
+
+/// Joins the job `info` describes, for `recipe` (whose layout must have `info.world_size` ranks).
+pub fn join(info: &ProcessInfo, recipe: &Recipe) -> Result<Job> {
+    let world = recipe.parallel.world_size();
+    if world != info.world_size {
+        bail!(
+            "the recipe's layout dp×tp×pp = {}×{}×{} = {world} ranks, but the {} launcher started \
+             {} processes (WORLD_SIZE)",
+            recipe.parallel.dp,
+            recipe.parallel.tp,
+            recipe.parallel.pp,
+            info.launcher,
+            info.world_size
+        );
+    }
+    let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
+    let token = job_token(&|k| std::env::var(k).ok(), info);
+    let server = if info.rank == 0 {
+        let bind = format!("0.0.0.0:{}", info.master_port);
+        let s = StoreServer::start(&bind, &token, timeout)
+            .with_context(|| format!("rank 0: serving the rendezvous store on {bind}"))?;
+        Some(s)
+    } else {
+        None
+    };
+    let addr = format!("{}:{}", info.master_addr, info.master_port);
+    let mut store = Store::connect(&addr, &token, timeout)
+        .with_context(|| format!("rank {}: joining the job", info.rank))?;
+    let (comm, device): (Arc<dyn Comm>, Device) = match recipe.train.device {
+        DeviceKind::Cpu => {
+            let comm = TcpComm::connect(info.rank, world, &mut store, &token, timeout)?;
+            (comm, Device::Cpu)
+        }
+        DeviceKind::Cuda => cuda_comm(info, world, store, timeout)?,
+    };
+    Ok(Job {
+        comm,
+        device,
+        _server: server,
+    })
+}
+
+#[cfg(feature = "nccl")]
+fn cuda_comm(
+    info: &ProcessInfo,
+    world: usize,
+    store: Store,
+    timeout: Duration,
+) -> Result<(Arc<dyn Comm>, Device)> {
+    let device = device_for(DeviceKind::Cuda, info.local_rank)?;
+    let cuda = device.as_cuda_device()?.clone();
+    let comm = parallel::comm::nccl::NcclComm::new(info.rank, world, store, cuda, timeout)
+        .with_context(|| format!("rank {}: setting up NCCL", info.rank))?;
+    Ok((Arc::new(comm), device))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn cuda_comm(
+    info: &ProcessInfo,
+    _world: usize,
+    _store: Store,
+    _timeout: Duration,
+) -> Result<(Arc<dyn Comm>, Device)> {
+    // Opening the device first gives the more basic error on a CPU-only build.
+    device_for(DeviceKind::Cuda, info.local_rank)?;
+    bail!("multi-process CUDA jobs need the `nccl` feature (scripts/build-cuda.sh builds it)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(launcher: &'static str) -> ProcessInfo {
+        ProcessInfo {
+            rank: 1,
+            world_size: 4,
+            local_rank: 1,
+            master_addr: "node0".into(),
+            master_port: 29500,
+            launcher,
+        }
+    }
+
+    #[test]
+    fn tokens_agree_across_processes_and_differ_across_jobs() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let a = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm"));
+        let b = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm"));
+        let c = job_token(&env(&[("SLURM_JOB_ID", "78")]), &info("slurm"));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let explicit = job_token(&env(&[(TOKEN_VAR, "s3cret")]), &info("torchrun"));
+        assert_eq!(explicit, "s3cret");
+        assert_ne!(random_token(), random_token());
+    }
+
+    #[test]
+    fn bad_layouts_are_errors() {
+        let layout = |n, nnodes, node_rank, addr: Option<&str>| NodeLayout {
+            nproc_per_node: n,
+            nnodes,
+            node_rank,
+            master_addr: addr.map(str::to_string),
+            master_port: None,
+        };
+        let g = Duration::from_secs(1);
+        let e = spawn_node(&layout(0, 1, 0, None), &[], g).unwrap_err();
+        assert!(e.to_string().contains("at least 1"), "{e}");
+        let e = spawn_node(&layout(2, 2, 2, Some("h")), &[], g).unwrap_err();
+        assert!(e.to_string().contains("--node-rank 2"), "{e}");
+        let e = spawn_node(&layout(2, 2, 0, None), &[], g).unwrap_err();
+        assert!(e.to_string().contains("--master-addr"), "{e}");
+    }
+}

@@ -1,0 +1,153 @@
+//! Multi-process jobs on loopback: `--nproc-per-node` starts rank processes that rendezvous through
+//! the store and train over the `tcp` backend exactly like thread-ranks (bit-identical losses);
+//! torchrun-style environments are checked against the recipe; a rank killed mid-run fails the
+//! whole job promptly with an error naming it.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pretrain::recipe;
+
+const LAYOUT: &str = "parallel.dp=2,parallel.pp=2,train.steps=3,schedule.warmup_steps=1,\
+                      train.eval_interval=0,checkpoint.interval=0,run.log_interval=1";
+
+fn losses(dir: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v.get("loss")?.as_f64())
+        .collect()
+}
+
+#[test]
+fn processes_train_exactly_like_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args([
+            "--nproc-per-node",
+            "4",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--set",
+            LAYOUT,
+        ])
+        .arg("--set")
+        .arg(format!("run.dir={}", dir.path().display()))
+        .output()
+        .unwrap();
+    let log =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "launcher failed:\n{log}");
+    let procs = losses(dir.path());
+
+    let r = recipe::load(Path::new("recipes/tiny.yaml"), &[LAYOUT.to_string()]).unwrap();
+    let threads: Vec<f64> = pretrain::train::train(r, false)
+        .unwrap()
+        .records
+        .iter()
+        .map(|s| s.loss)
+        .collect();
+    assert_eq!(procs.len(), 3);
+    assert_eq!(
+        procs, threads,
+        "process ranks must equal thread ranks bit for bit"
+    );
+}
+
+#[test]
+fn a_torchrun_environment_must_match_the_recipe() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["--recipe", "recipes/tiny.yaml", "--set", "parallel.dp=2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("2 ranks, but the torchrun launcher started 3 processes (WORLD_SIZE)"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["--recipe", "recipes/tiny.yaml"])
+        .env("RANK", "0")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("RANK is set but WORLD_SIZE is not"), "{err}");
+}
+
+/// The pid of the child of `parent` whose environment has `RANK=rank`.
+fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Field 4 (after the parenthesised command name) is the parent pid.
+        let ppid = stat
+            .rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid != Some(parent) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let want = format!("RANK={rank}");
+        if env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_killed_rank_fails_the_job_promptly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--set",
+        ])
+        .arg(format!(
+            "parallel.dp=2,train.steps=500,train.eval_interval=0,checkpoint.interval=0,\
+             run.log_interval=1,parallel.timeout_s=600,run.dir={}",
+            dir.path().display()
+        ))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
+    // Wait until training runs, then kill rank 1 without warning.
+    for line in lines.by_ref() {
+        if line.unwrap().contains("step=2/") {
+            break;
+        }
+    }
+    let victim = rank_pid(launcher.id(), 1).expect("rank 1 process");
+    let killed_at = Instant::now();
+    Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    for _ in lines {}
+    let status = launcher.wait().unwrap();
+    let elapsed = killed_at.elapsed();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("rank 1 failed (signal: 9"), "{err}");
+    // Rank 0 noticed the lost connection by itself (it did not wait for the 600 s timeout).
+    assert!(err.contains("rank 1 failed: connection lost"), "{err}");
+    assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
+}
