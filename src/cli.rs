@@ -133,6 +133,20 @@ pub enum Command {
         #[arg(long)]
         logits_out: Option<PathBuf>,
     },
+    /// Check a device end to end: every op forward and backward against an f64 CPU reference,
+    /// the optimizer kernels, bf16 training steps, the collective backend and thread-ranks
+    /// sharing the device.
+    Selftest {
+        /// Device to check.
+        #[arg(long, value_parser = ["cpu", "cuda"], default_value = "cpu")]
+        device: String,
+        /// The tiny recipe (its bundled data must be present).
+        #[arg(long, default_value = "recipes/tiny.yaml")]
+        recipe: PathBuf,
+        /// Also write the results as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 /// Tokenizer subcommands.
@@ -284,6 +298,14 @@ pub fn run(cli: Cli) -> Result<()> {
             );
             Ok(())
         }
+        (
+            None,
+            Some(Command::Selftest {
+                device,
+                recipe,
+                json,
+            }),
+        ) => selftest(&device, &recipe, json.as_deref()),
         _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),
     }
 }
@@ -340,6 +362,37 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
         dir.join("metrics.jsonl").display(),
         dir.join("loss.svg").display()
     );
+    Ok(())
+}
+
+fn selftest(device: &str, recipe: &std::path::Path, json: Option<&std::path::Path>) -> Result<()> {
+    let kind = if device == "cuda" {
+        recipe::DeviceKind::Cuda
+    } else {
+        recipe::DeviceKind::Cpu
+    };
+    let checks = crate::selftest::run(kind, recipe)?;
+    for c in &checks {
+        println!(
+            "{:4}  {:<58} error {:.2e}  (tolerance {:.0e})",
+            if c.passed() { "ok" } else { "FAIL" },
+            c.name,
+            c.error,
+            c.tolerance
+        );
+    }
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&checks)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let failed = checks.iter().filter(|c| !c.passed()).count();
+    if failed > 0 {
+        anyhow::bail!(
+            "selftest on {device}: {failed} of {} checks failed",
+            checks.len()
+        );
+    }
+    println!("selftest on {device}: all {} checks passed", checks.len());
     Ok(())
 }
 

@@ -9,6 +9,7 @@ pub mod launch;
 pub mod optim;
 pub mod recipe;
 pub mod schedule;
+pub mod selftest;
 pub mod train;
 
 /// The process allocator: mimalloc keeps freed pages for reuse, where the system allocator returns

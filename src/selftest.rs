@@ -1,0 +1,319 @@
+//! `pretrain selftest`: checks a device end to end against references computed on the CPU.
+//!
+//! 1. **Ops.** Every op of the op library, forward and backward, in f32 and bf16 on the device,
+//!    against the CPU in f64 on the same random inputs (normal draws, never zeros); the error is
+//!    `max |device − reference| / max |reference|` per output and per gradient.
+//! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
+//!    device against the CPU kernels.
+//! 3. **bf16 training.** Steps of the tiny recipe in bf16 on the device against the same steps in
+//!    f32 on the CPU (relative loss difference).
+//! 4. **Collective backend.** With NCCL (CUDA builds with the `nccl` feature): a world of one rank
+//!    runs every collective through NCCL itself and must return its input.
+//! 5. **Thread-ranks.** dp=2 × tp=2 thread-ranks sharing the device against one rank on it.
+//!
+//! Each check reports its measured error and its tolerance; any failure makes the command fail.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::optim::kernels::{add_into, sum_squares, AdamWStep};
+use crate::recipe::{self, DeviceKind, Recipe};
+use crate::train::{device_for, train};
+
+/// One check's outcome.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Check {
+    /// What was checked.
+    pub name: String,
+    /// The measured error.
+    pub error: f64,
+    /// The largest error accepted.
+    pub tolerance: f64,
+}
+
+impl Check {
+    /// Whether the error is within the tolerance.
+    pub fn passed(&self) -> bool {
+        self.error.is_finite() && self.error <= self.tolerance
+    }
+}
+
+/// `max |a − b| / max |b|` over all elements (f64).
+fn rel_error(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?;
+    let b = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?;
+    let diff = (a - &b)?.abs()?.max(0)?.to_scalar::<f64>()?;
+    let scale = b.abs()?.max(0)?.to_scalar::<f64>()?.max(1e-30);
+    Ok(diff / scale)
+}
+
+/// Tolerance of an op computed in `dtype` against the f64 reference.
+fn op_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 3e-2,
+        _ => 2e-4,
+    }
+}
+
+/// A deterministic standard-normal tensor (never all zeros).
+fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    // Box–Muller over a counter-based generator: reproducible on every machine.
+    let uniform = |i: u64| {
+        let mut z =
+            seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let v: Vec<f64> = (0..n as u64)
+        .map(|i| {
+            let (u1, u2) = (uniform(2 * i).max(1e-12), uniform(2 * i + 1));
+            (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// An op under test: inputs (f64 on the CPU) and the function.
+struct OpCase {
+    name: &'static str,
+    inputs: Vec<Tensor>,
+    /// Indices of the inputs that get gradients.
+    grads: Vec<usize>,
+    f: fn(&[Tensor]) -> candle_core::Result<Tensor>,
+}
+
+fn op_cases() -> Result<Vec<OpCase>> {
+    let (b, s, hq, hkv, d, h) = (2, 80, 4, 2, 32, 96);
+    // The angles of a real RoPE table, so cos² + sin² = 1.
+    let angles = (randn(&[s, d / 2], 7)? * 3.0)?;
+    let targets: Vec<u32> = (0..b * s).map(|i| ((i * 7919) % 1000) as u32).collect();
+    let targets = Tensor::from_vec(targets, b * s, &Device::Cpu)?;
+    Ok(vec![
+        OpCase {
+            name: "rms_norm",
+            inputs: vec![randn(&[b * s, h], 1)?, (randn(&[h], 2)? + 1.0)?],
+            grads: vec![0, 1],
+            f: |x| model::ops::rms_norm(&x[0], &x[1], 1e-5),
+        },
+        OpCase {
+            name: "rope",
+            inputs: vec![randn(&[b, s, hq, d], 3)?, angles.cos()?, angles.sin()?],
+            grads: vec![0],
+            f: |x| model::ops::rope(&x[0], &x[1], &x[2]),
+        },
+        OpCase {
+            name: "swiglu",
+            inputs: vec![(randn(&[b * s, h], 4)? * 3.0)?, randn(&[b * s, h], 5)?],
+            grads: vec![0, 1],
+            f: |x| model::ops::swiglu(&x[0], &x[1]),
+        },
+        OpCase {
+            name: "causal_attention",
+            inputs: vec![
+                randn(&[b, s, hq, d], 8)?,
+                randn(&[b, s, hkv, d], 9)?,
+                randn(&[b, s, hkv, d], 10)?,
+            ],
+            grads: vec![0, 1, 2],
+            f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / (32f64).sqrt()),
+        },
+        OpCase {
+            name: "cross_entropy",
+            inputs: vec![(randn(&[b * s, 1000], 11)? * 4.0)?, targets],
+            grads: vec![0],
+            f: |x| model::ops::cross_entropy(&x[0], &x[1]),
+        },
+    ])
+}
+
+/// Forward output and input gradients of `case` with float inputs in `dtype` on `device` (integer
+/// inputs kept as they are), the gradients taken of `Σ y ∘ r` for a fixed random `r`.
+fn run_op(case: &OpCase, dtype: DType, device: &Device) -> Result<Vec<Tensor>> {
+    let vars: Vec<Var> = case
+        .inputs
+        .iter()
+        .map(|t| {
+            let t = if t.dtype().is_float() {
+                t.to_dtype(dtype)?
+            } else {
+                t.clone()
+            };
+            Var::from_tensor(&t.to_device(device)?)
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let xs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = (case.f)(&xs)?;
+    let r = randn(y.dims(), 99)?.to_dtype(dtype)?.to_device(device)?;
+    let grads = (&y * &r)?.sum_all()?.backward()?;
+    let mut out = vec![y];
+    for &i in &case.grads {
+        match grads.get(&xs[i]) {
+            Some(g) => out.push(g.clone()),
+            None => bail!("{}: no gradient for input {i}", case.name),
+        }
+    }
+    Ok(out)
+}
+
+/// Check 1: every op, forward and backward, in f32 and bf16 against the f64 CPU reference.
+pub fn check_ops(device: &Device) -> Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    for case in op_cases()? {
+        let reference = run_op(&case, DType::F64, &Device::Cpu)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let got = run_op(&case, dtype, device)?;
+            for (k, (g, r)) in got.iter().zip(&reference).enumerate() {
+                let what = if k == 0 {
+                    "forward".to_string()
+                } else {
+                    format!("grad of input {}", case.grads[k - 1])
+                };
+                checks.push(Check {
+                    name: format!("{} {what} {dtype:?}", case.name),
+                    error: rel_error(g, r)?,
+                    tolerance: op_tolerance(dtype),
+                });
+            }
+        }
+    }
+    Ok(checks)
+}
+
+/// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
+pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
+    let n = 10_007;
+    let mut checks = Vec::new();
+    let grad = randn(&[n], 21)?.to_dtype(DType::F32)?;
+    let state = randn(&[3 * n], 22)?.to_dtype(DType::F32)?.abs()?;
+    let run = |dev: &Device| -> Result<(Tensor, Tensor, f64)> {
+        let acc = randn(&[n], 23)?.to_dtype(DType::F32)?.to_device(dev)?;
+        add_into(&acc, &grad.to_dtype(DType::BF16)?.to_device(dev)?)?;
+        let st = state.to_device(dev)?;
+        let op = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            step: 3,
+            grad_scale: 0.5,
+            decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
+        };
+        st.inplace_op2(&grad.to_device(dev)?, &op)?;
+        Ok((acc.clone(), st, sum_squares(&acc)?))
+    };
+    let (acc_d, st_d, ss_d) = run(device)?;
+    let (acc_c, st_c, ss_c) = run(&Device::Cpu)?;
+    let exact = 1e-6;
+    checks.push(Check {
+        name: "add_into (bf16 gradient into f32)".into(),
+        error: rel_error(&acc_d, &acc_c)?,
+        tolerance: exact,
+    });
+    checks.push(Check {
+        name: "adamw step".into(),
+        error: rel_error(&st_d, &st_c)?,
+        tolerance: exact,
+    });
+    checks.push(Check {
+        name: "sum_squares".into(),
+        error: (ss_d - ss_c).abs() / ss_c,
+        tolerance: 1e-12,
+    });
+    Ok(checks)
+}
+
+/// The tiny recipe cut to `steps` steps on `device_kind` in `dtype`, with `extra` overrides.
+fn tiny(recipe: &Path, steps: usize, device: &str, dtype: &str, extra: &str) -> Result<Recipe> {
+    let mut o = vec![format!(
+        "train.steps={steps},schedule.warmup_steps=1,train.eval_interval=0,checkpoint.interval=0,\
+         train.global_batch=16,train.device={device},train.dtype={dtype}"
+    )];
+    if !extra.is_empty() {
+        o.push(extra.to_string());
+    }
+    Ok(recipe::load(recipe, &o)?)
+}
+
+fn losses(r: Recipe) -> Result<Vec<f64>> {
+    Ok(train(r, false)?.records.iter().map(|s| s.loss).collect())
+}
+
+fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-30))
+        .fold(0.0, f64::max)
+}
+
+/// Checks 3 and 5: bf16 training on the device against f32 on the CPU, and dp=2 × tp=2
+/// thread-ranks sharing the device against one rank on it.
+pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
+    let dev = match kind {
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
+    };
+    let cpu_f32 = losses(tiny(recipe, 3, "cpu", "f32", "")?)?;
+    let dev_bf16 = losses(tiny(recipe, 3, dev, "bf16", "")?)?;
+    let one = losses(tiny(recipe, 3, dev, "f32", "")?)?;
+    let four = losses(tiny(recipe, 3, dev, "f32", "parallel.dp=2,parallel.tp=2")?)?;
+    Ok(vec![
+        Check {
+            name: format!("bf16 training steps on {dev} vs f32 on cpu (loss)"),
+            error: max_rel(&dev_bf16, &cpu_f32),
+            tolerance: 2e-2,
+        },
+        Check {
+            name: format!("dp2 x tp2 thread-ranks sharing {dev} vs one rank (loss)"),
+            error: max_rel(&four, &one),
+            tolerance: 1e-5,
+        },
+    ])
+}
+
+/// Check 4: the NCCL backend in a world of one rank (CUDA builds with `nccl`).
+#[cfg(feature = "nccl")]
+pub fn check_nccl(device: &Device) -> Result<Vec<Check>> {
+    use parallel::store::{Store, StoreServer};
+    let timeout = std::time::Duration::from_secs(60);
+    let server = StoreServer::start("127.0.0.1:0", "selftest", timeout)?;
+    let store = Store::connect(&server.addr().to_string(), "selftest", timeout)?;
+    let comm = parallel::comm::nccl::NcclComm::new(
+        0,
+        1,
+        store,
+        device.as_cuda_device()?.clone(),
+        timeout,
+    )?;
+    let x = randn(&[4096], 31)?
+        .to_dtype(DType::F32)?
+        .to_device(device)?;
+    let y = comm.self_check(&x)?;
+    Ok(vec![Check {
+        name: "nccl world=1 collectives return their input".into(),
+        error: rel_error(&y, &x)?,
+        tolerance: 0.0,
+    }])
+}
+
+/// Every check for `kind`; `recipe` is the tiny recipe (its data must be present).
+pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
+    let device = device_for(kind, 0)?;
+    let mut checks = check_ops(&device)?;
+    checks.extend(check_flat_kernels(&device)?);
+    #[cfg(feature = "nccl")]
+    if device.is_cuda() {
+        checks.extend(check_nccl(&device)?);
+    }
+    checks.extend(check_training(kind, recipe)?);
+    Ok(checks)
+}

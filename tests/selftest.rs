@@ -1,0 +1,50 @@
+//! `pretrain selftest` on the CPU: every check runs and passes (the same checks a GPU machine runs
+//! with `--device cuda`), and asking for CUDA from a CPU build is a clear error.
+
+use std::process::Command;
+
+#[test]
+fn cpu_selftest_passes_every_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("selftest.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["selftest", "--device", "cpu", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("all 33 checks passed"), "{stdout}");
+    let checks: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // Forward and backward of all five ops in f32 and bf16, three optimizer kernels, two runs.
+    assert_eq!(checks.len(), 33);
+    for c in &checks {
+        let (e, t) = (
+            c["error"].as_f64().unwrap(),
+            c["tolerance"].as_f64().unwrap(),
+        );
+        assert!(e <= t, "{c}");
+    }
+    let attention = checks
+        .iter()
+        .find(|c| c["name"] == "causal_attention grad of input 1 F32")
+        .unwrap();
+    assert!(attention["error"].as_f64().unwrap() < 1e-5, "{attention}");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_selftest_on_a_cpu_build_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["selftest", "--device", "cuda"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("built without the `cuda` feature"), "{err}");
+}
