@@ -1,11 +1,38 @@
-"""PyTorch eager reference for the CPU step benchmark: the same Llama (RMSNorm, rotate-half RoPE,
+"""PyTorch reference for the step benchmarks: the same Llama (RMSNorm, rotate-half RoPE,
 grouped-query attention through SDPA, SwiGLU, tied or untied embeddings), the same batch shape and
-the same synthetic token stream as benches/cpu_step.rs. Prints one JSON line.
+the same synthetic token stream as benches/cpu_step.rs. Prints one JSON line on stdout.
 
-Usage: python bench/torch_llama.py recipes/tiny.yaml [steps]
+CPU (bench/cpu_step.sh), f32 eager, forward and full step timed separately, median of STEPS steps
+after 2 warm-up steps:
+
+    python bench/torch_llama.py recipes/tiny.yaml [STEPS]
+
+GPU (bench/gpu_step.sh): STEPS full training steps (default: the recipe's train.steps), each timed
+between torch.cuda.synchronize() calls; medians over the steps after the first --warmup:
+
+    python bench/torch_llama.py recipes/bench-1b.yaml [STEPS] --device cuda --dtype bf16 \
+        [--warmup 5] [--peak-tflops 989] [--compile] [--sdpa flash|auto] [--set train.micro_batch=4]
+
+The recipe is read like `pretrain` reads it: `inherit:` chains are followed and `--set a.b=value`
+overrides applied, so the model, batch and sequence length are those of the run it is compared
+with. Throughput in TFLOP/s uses `LlamaConfig::flops_per_token` (crates/model/src/config.rs),
+ported exactly below, so both sides count the same FLOPs per token.
+
+Precision on GPU (`--dtype bf16`): torch.autocast(bfloat16) over fp32 parameters, with fused
+AdamW on the fp32 parameters and gradients. This is PyTorch's standard mixed-precision recipe and
+keeps what this project keeps in fp32 (master weights, AdamW moments, gradient accumulation), so
+both sides apply the same fp32 update with matmuls and attention in bf16. Pure bf16 parameters
+would drop the fp32 master weights (and round every update to bf16), a cheaper and numerically
+different optimizer than ours. The difference that remains: under autocast the residual stream
+and the norms stay in fp32 (the matmul inputs are cast to bf16), whereas this project keeps
+activations in bf16. The global gradient norm is computed and clipped every step
+(train.grad_clip) as in `pretrain`.
 """
+import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -13,6 +40,16 @@ import time
 import torch
 import torch.nn.functional as F
 import yaml
+
+# Set for GPU runs: RMSNorm through F.rms_norm (one kernel where PyTorch has a fused one) instead of
+# the explicit formula, which the CPU benchmark keeps so its numbers stay comparable over time.
+FUSED_NORM = False
+
+
+def rms_norm(x, w, eps):
+    if FUSED_NORM:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 class Block(torch.nn.Module):
@@ -33,10 +70,13 @@ class Block(torch.nn.Module):
         self.down = torch.nn.Linear(f, h, bias=False)
 
     def norm(self, x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+        return rms_norm(x, w, self.eps)
 
     @staticmethod
     def rope(x, cos, sin):
+        # The tables are fp32; cast them to the activations' dtype so that under autocast q and k
+        # stay bf16 (fp32 would keep SDPA off the flash kernel). A no-op for f32 on CPU.
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -79,28 +119,123 @@ class Llama(torch.nn.Module):
         x = self.embed(tokens)
         for blk in self.blocks:
             x = blk(x, self.cos[:s], self.sin[:s])
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        x = rms_norm(x, self.norm, self.eps)
         logits = self.head(x).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
-def main():
-    recipe = yaml.safe_load(open(sys.argv[1]))
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-    c, t, o = recipe["model"], recipe["train"], recipe["optimizer"]
-    b, s = t["micro_batch"], t["seq_len"]
-    micro = t["global_batch"] // (t["micro_batch"] * recipe.get("parallel", {}).get("dp", 1))
+# ---- recipes: the same reading as src/recipe/load.rs ----------------------------------------------
+
+def _merge(base, over):
+    """Deep merge as in load.rs: mappings merge key by key, anything else replaces."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        for k, v in over.items():
+            base[k] = _merge(base[k], v) if k in base else v
+        return base
+    return over
+
+
+def _read_with_inherit(path, chain):
+    real = os.path.realpath(path)
+    if real in chain:
+        raise SystemExit(f"{path}: inherit cycle through {path}")
+    chain.append(real)
+    with open(path) as f:
+        value = yaml.safe_load(f)
+    if not isinstance(value, dict):
+        raise SystemExit(f"{path}: the top level must be a mapping")
+    base = value.pop("inherit", None)
+    if base is None:
+        return value
+    if not isinstance(base, str):
+        raise SystemExit(f"{path}: inherit: must be a file path")
+    merged = _read_with_inherit(os.path.join(os.path.dirname(path) or ".", base), chain)
+    return _merge(merged, value)
+
+
+def _split_overrides(arg):
+    """`a.b=1,c.d=x,y` -> [(a.b, 1), (c.d, "x,y")], as load.rs's split_overrides."""
+    out = []
+    for piece in arg.split(","):
+        k = piece.split("=", 1)[0] if "=" in piece else None
+        if k and all(ch.isascii() and (ch.isalnum() or ch in "_.") for ch in k):
+            out.append([k, piece.split("=", 1)[1]])
+        elif out:
+            out[-1][1] += "," + piece
+        else:
+            raise SystemExit(f"--set {arg}: expected key.path=value (e.g. train.steps=100)")
+    return out
+
+
+def load_recipe(path, overrides=()):
+    recipe = _read_with_inherit(path, [])
+    for arg in overrides:
+        for key, raw in _split_overrides(arg):
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                value = raw
+            node, parts = recipe, key.split(".")
+            for i, part in enumerate(parts[:-1]):
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise SystemExit(f"--set {arg}: `{'.'.join(parts[:i + 1])}` is not a section")
+            node[parts[-1]] = value
+    return recipe
+
+
+# ---- FLOPs: LlamaConfig::num_params and ::flops_per_token of crates/model/src/config.rs ------------
+
+def num_params(c):
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+    per_layer = 2 * h + h * h * 2 + 2 * h * kv + 3 * h * f
+    head = 0 if c.get("tie_word_embeddings", False) else v * h
+    return v * h + c["num_hidden_layers"] * per_layer + h + head
+
+
+def flops_per_token(c, seq_len):
+    """6 N + 6 L s h, N = the matrices (embedding lookup excluded, output projection included)."""
+    h, v, layers = float(c["hidden_size"]), float(c["vocab_size"]), c["num_hidden_layers"]
+    matrices = (float(num_params(c))
+                - v * h * (0.0 if c.get("tie_word_embeddings", False) else 1.0)
+                - (2 * layers + 1) * h)
+    attention = 6.0 * layers * float(seq_len) * h
+    return 6.0 * matrices + attention
+
+
+# ---- shared setup ---------------------------------------------------------------------------------
+
+def synthetic_batches(vocab, micro, b, s):
+    """benches/cpu_step.rs's token stream: x <- x * 6364136223846793005 + 1442695040888963407 mod
+    2^64 from 42, token = (x >> 33) mod vocab; `micro` micro-batches of b rows of s + 1 tokens."""
     x, mask64 = 42, (1 << 64) - 1
 
     def nxt():
         nonlocal x
         x = (x * 6364136223846793005 + 1442695040888963407) & mask64
-        return (x >> 33) % c["vocab_size"]
+        return (x >> 33) % vocab
 
     batches = []
     for _ in range(micro):
         seqs = torch.tensor([[nxt() for _ in range(s + 1)] for _ in range(b)])
         batches.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+    return batches
+
+
+def shapes(recipe):
+    c, t = recipe["model"], recipe["train"]
+    b, s = t["micro_batch"], t["seq_len"]
+    micro = t["global_batch"] // (t["micro_batch"] * recipe.get("parallel", {}).get("dp", 1))
+    return c, t, b, s, micro
+
+
+# ---- CPU: the benchmark bench/cpu_step.sh has always run ------------------------------------------
+
+def cpu_bench(recipe, steps):
+    c, t, b, s, micro = shapes(recipe)
+    o = recipe["optimizer"]
+    batches = synthetic_batches(c["vocab_size"], micro, b, s)
     torch.manual_seed(0)
     model = Llama(c)
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o.get("beta1", 0.9), o.get("beta2", 0.95)),
@@ -126,6 +261,124 @@ def main():
     print(json.dumps({"impl": "torch", "version": torch.__version__, "threads": torch.get_num_threads(),
                       "tokens_per_step": micro * b * s, "fwd_ms": round(statistics.median(fwd), 2),
                       "step_ms": round(statistics.median(step), 2), "last_loss": round(loss, 4)}))
+
+
+# ---- GPU: full training steps in bf16 mixed precision ---------------------------------------------
+
+def cuda_bench(recipe, args):
+    global FUSED_NORM
+    c, t, b, s, micro = shapes(recipe)
+    o = recipe["optimizer"]
+    steps = args.steps if args.steps is not None else int(t["steps"])
+    if not 0 <= args.warmup < steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must be below the number of steps ({steps})")
+    peak = args.peak_tflops
+    if peak is None and recipe.get("run", {}).get("peak_tflops") is not None:
+        peak = float(recipe["run"]["peak_tflops"])
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False "
+                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    dev = torch.device("cuda")
+    torch.cuda.init()
+    FUSED_NORM = hasattr(F, "rms_norm")
+    bf16 = args.dtype == "bf16"
+    clip = float(t.get("grad_clip", 1.0))
+    tokens = micro * b * s
+    fpt = flops_per_token(c, s)
+
+    batches = [(tok.to(dev), lab.to(dev)) for tok, lab in synthetic_batches(c["vocab_size"], micro, b, s)]
+    torch.manual_seed(0)
+    with dev:  # build and initialise the parameters on the GPU
+        model = Llama(c)
+    params = [p for p in model.parameters()]
+    step_model = torch.compile(model) if args.compile else model
+    opt = torch.optim.AdamW(params, lr=float(o["lr"]),
+                            betas=(float(o.get("beta1", 0.9)), float(o.get("beta2", 0.95))),
+                            eps=float(o.get("eps", 1e-8)), weight_decay=float(o.get("weight_decay", 0.1)),
+                            fused=True)
+    amp = (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    if args.sdpa == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        attn = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # noqa: E731  (fails rather than falls back)
+    else:
+        attn = contextlib.nullcontext
+
+    name = torch.cuda.get_device_name(dev)
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {name}: {num_params(c):,} parameters, "
+          f"{micro} x {b} x {s} tokens per step, {args.dtype}{' + torch.compile' if args.compile else ''}, "
+          f"sdpa {args.sdpa}, {fpt / 1e9:.3f} GFLOP/token", file=sys.stderr, flush=True)
+    records = []
+    for i in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=dev)
+        with attn():
+            for tok, lab in batches:
+                with amp():
+                    loss = step_model(tok, lab) / micro
+                loss.backward()
+                total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v, norm_v = float(total), float(grad_norm)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        tflops = tokens * fpt / secs / 1e12
+        rec = {"step": i + 1, "loss": loss_v, "grad_norm": norm_v, "step_time_s": secs,
+               "tokens_per_s": tokens / secs, "tflops": tflops, "mfu": tflops / peak if peak else None}
+        records.append(rec)
+        mfu = f"{100 * rec['mfu']:.1f}%" if peak else "n/a"
+        print(f"step={i + 1}/{steps} loss={loss_v:.4f} grad_norm={norm_v:.3f} ms={secs * 1e3:.1f} "
+              f"tok/s={rec['tokens_per_s']:.0f} tflops={tflops:.1f} mfu={mfu}", file=sys.stderr, flush=True)
+        if not math.isfinite(loss_v):
+            raise SystemExit(f"step {i + 1}: loss is {loss_v}")
+
+    timed = records[args.warmup:]
+    med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
+    print(json.dumps({
+        "impl": "torch", "version": torch.__version__, "cuda": torch.version.cuda, "device": name,
+        "dtype": args.dtype, "precision": "autocast bf16, fp32 params + fused AdamW" if bf16 else "f32",
+        "compile": args.compile, "sdpa": args.sdpa, "params": num_params(c),
+        "flops_per_token": fpt, "tokens_per_step": tokens, "micro_batch": b, "grad_accum": micro,
+        "seq_len": s, "steps": steps, "warmup": args.warmup, "peak_tflops": peak,
+        "step_ms": round(med("step_time_s") * 1e3, 2), "tokens_per_s": round(med("tokens_per_s"), 1),
+        "tflops": round(med("tflops"), 2), "mfu": round(med("mfu"), 4) if peak else None,
+        "last_loss": round(records[-1]["loss"], 4),
+        "max_mem_allocated_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
+        "max_mem_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2),
+        "per_step": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in records],
+    }))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe")
+    p.add_argument("steps", nargs="?", type=int, default=None,
+                   help="CPU: timed steps after 2 warm-up steps (default 10); "
+                        "cuda: all steps, warm-up included (default: train.steps)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default=None,
+                   help="cuda default bf16 (autocast over fp32 parameters); CPU: f32 only")
+    p.add_argument("--warmup", type=int, default=5, help="cuda: leading steps left out of the medians")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="device peak for MFU (default: the recipe's run.peak_tflops)")
+    p.add_argument("--compile", action="store_true", help="cuda: torch.compile the model")
+    p.add_argument("--sdpa", choices=["flash", "auto"], default="flash",
+                   help="cuda: force the flash-attention SDPA backend (an error if it cannot run, e.g. "
+                        "with --dtype f32) or let PyTorch choose")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override as for pretrain, e.g. --set train.micro_batch=4; repeatable")
+    args = p.parse_args()
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.device == "cpu":
+        if args.dtype not in (None, "f32") or args.compile:
+            raise SystemExit("--device cpu runs the f32 eager benchmark only (no --dtype bf16, no --compile)")
+        cpu_bench(recipe, args.steps if args.steps is not None else 10)
+    else:
+        args.dtype = args.dtype or "bf16"
+        cuda_bench(recipe, args)
 
 
 if __name__ == "__main__":
