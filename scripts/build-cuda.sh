@@ -3,7 +3,8 @@
 # toolchain taken from PyPI wheels, for sm_90 GPUs (H100/H200) whose driver is 580 (CUDA 13.0).
 # The default build and CI need none of this.
 #
-#   scripts/build-cuda.sh                # -> target/cuda/release/pretrain
+#   scripts/build-cuda.sh                      # -> target/cuda/release/pretrain (features cuda,nccl)
+#   CARGO_SUBCOMMAND=check scripts/build-cuda.sh   # type-check only
 #
 # Why these pins: the GPU machines' driver JITs PTX ISA <= 9.0, which nvcc 13.0 emits (newer nvcc
 # emits newer PTX); cudarc reads the CUDA version from `nvcc --version`; candle-core links cudarc
@@ -17,7 +18,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TC=${CUDA_TC_DIR:-$HOME/.cache/pretrain-cuda13}
-FEATURES=${FEATURES:-cuda}
+FEATURES=${FEATURES:-cuda,nccl}
+CARGO_SUBCOMMAND=${CARGO_SUBCOMMAND:-build}
 
 [ -x "$TC/venv/bin/pip" ] || python3 -m venv "$TC/venv"
 "$TC/venv/bin/pip" install -q --disable-pip-version-check \
@@ -51,5 +53,5 @@ export CUDA_ROOT=$TC/link
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
-cargo build --release --features "$FEATURES" "$@"
-echo "built $CARGO_TARGET_DIR/release/pretrain"
+cargo "$CARGO_SUBCOMMAND" --release --features "$FEATURES" "$@"
+[ "$CARGO_SUBCOMMAND" != build ] || echo "built $CARGO_TARGET_DIR/release/pretrain"

@@ -132,7 +132,8 @@ impl AdamW {
         })
     }
 
-    /// Restores a saved state (shapes must match this optimizer's owned ranges).
+    /// Restores a saved state (shapes must match this optimizer's owned ranges), moving it to
+    /// this optimizer's device.
     pub fn load_state(&mut self, s: &AdamWState) -> Result<()> {
         if s.buffers.dims() != [3, self.n] {
             candle_core::bail!(
@@ -141,7 +142,13 @@ impl AdamW {
                 self.n
             );
         }
-        self.state = s.buffers.to_dtype(DType::F32)?.flatten_all()?.copy()?;
+        // On this optimizer's device, whatever device the saved state is on.
+        self.state = s
+            .buffers
+            .to_dtype(DType::F32)?
+            .to_device(self.state.device())?
+            .flatten_all()?
+            .copy()?;
         self.step = s.step;
         Ok(())
     }

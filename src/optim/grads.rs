@@ -43,13 +43,12 @@ impl GradBuffer {
             .narrow(0, self.layout.offsets[i], self.layout.numels[i])
     }
 
-    /// Replaces parameter `i`'s gradient (e.g. with its sum over ranks).
+    /// Replaces parameter `i`'s gradient (e.g. with its sum over ranks); `grad` may be on any
+    /// device and of any float dtype.
     pub fn set(&self, i: usize, grad: &Tensor) -> Result<()> {
-        self.flat.slice_set(
-            &grad.to_dtype(DType::F32)?.flatten_all()?,
-            0,
-            self.layout.offsets[i],
-        )
+        let grad = grad.to_dtype(DType::F32)?.to_device(self.flat.device())?;
+        self.flat
+            .slice_set(&grad.flatten_all()?, 0, self.layout.offsets[i])
     }
 
     /// The whole buffer `[total]`.

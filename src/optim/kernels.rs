@@ -1,9 +1,16 @@
 //! In-place kernels over flat fp32 buffers: gradient accumulation, the AdamW update and the
-//! sum of squares for the global gradient norm. CPU versions here; each is a candle in-place op
-//! so a device version slots in beside it.
+//! sum of squares for the global gradient norm. Each is a candle op with a CPU version here
+//! (rayon) and, with the `cuda` feature, a CUDA version launching the kernels of
+//! `model::ops::cuda::flat`. The CUDA AdamW performs the same f32 operations in the same order
+//! (bitwise equal results); its sum of squares is a fixed-order f64 reduction, deterministic but
+//! summed in a different order than on the CPU.
 
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Tensor};
+#[cfg(feature = "cuda")]
+use model::ops::cuda::flat;
 use rayon::prelude::*;
 
 /// Elements per parallel chunk of the element-wise kernels.
@@ -73,6 +80,18 @@ impl InplaceOp2 for AddInto {
         }
         Ok(())
     }
+
+    /// `src` may be f32, f64 or bf16 on CUDA.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dl: &Layout,
+        src: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        flat::add_into(dst, dl, src, sl)
+    }
 }
 
 /// Adds `grad` (any float dtype, same element count) into the f32 view `dst`.
@@ -95,6 +114,11 @@ impl CustomOp1 for SumSquares {
             .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
             .sum();
         Ok((CpuStorage::F64(vec![total]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        Ok((flat::sum_squares(s, l)?, Shape::from(())))
     }
 }
 
@@ -122,6 +146,50 @@ pub struct AdamWStep {
     pub decay: Vec<(usize, usize, f64)>,
 }
 
+/// The step-wide f32 scalars of an AdamW update, shared by the CPU and CUDA kernels.
+struct StepScalars {
+    b1: f32,
+    b2: f32,
+    /// `lr / (1 - beta1^step)`.
+    step_size: f32,
+    /// `1 / sqrt(1 - beta2^step)`.
+    inv_sqrt_bc2: f32,
+    eps: f32,
+    /// Gradient scale.
+    gs: f32,
+}
+
+impl AdamWStep {
+    /// The step's scalars, computed in f64 and rounded to f32.
+    fn scalars(&self) -> StepScalars {
+        let bc1 = 1.0 - self.beta1.powi(self.step as i32);
+        let bc2 = 1.0 - self.beta2.powi(self.step as i32);
+        StepScalars {
+            b1: self.beta1 as f32,
+            b2: self.beta2 as f32,
+            step_size: (self.lr / bc1) as f32,
+            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+            eps: self.eps as f32,
+            gs: self.grad_scale as f32,
+        }
+    }
+
+    /// The decoupled weight-decay factor `1 - lr · wd` of a range.
+    fn keep(&self, wd: f64) -> f32 {
+        (1.0 - self.lr * wd) as f32
+    }
+
+    /// Errors unless every decay range lies within `[0, n)`.
+    fn check_ranges(&self, n: usize) -> Result<()> {
+        for &(start, len, _) in &self.decay {
+            if start.checked_add(len).is_none_or(|end| end > n) {
+                bail!("adamw: decay range {start}..{start}+{len} exceeds the {n} elements")
+            }
+        }
+        Ok(())
+    }
+}
+
 impl InplaceOp2 for AdamWStep {
     fn name(&self) -> &'static str {
         "adamw"
@@ -137,19 +205,19 @@ impl InplaceOp2 for AdamWStep {
                 state.len()
             );
         }
+        self.check_ranges(n)?;
         let (master, rest) = state.split_at_mut(n);
         let (m, v) = rest.split_at_mut(n);
-        let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
-        let bc1 = 1.0 - self.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - self.beta2.powi(self.step as i32);
-        let step_size = (self.lr / bc1) as f32;
-        let (inv_sqrt_bc2, eps, gs) = (
-            (1.0 / bc2.sqrt()) as f32,
-            self.eps as f32,
-            self.grad_scale as f32,
-        );
+        let StepScalars {
+            b1,
+            b2,
+            step_size,
+            inv_sqrt_bc2,
+            eps,
+            gs,
+        } = self.scalars();
         for &(start, len, wd) in &self.decay {
-            let keep = (1.0 - self.lr * wd) as f32;
+            let keep = self.keep(wd);
             let r = start..start + len;
             master[r.clone()]
                 .par_chunks_mut(CHUNK)
@@ -167,5 +235,31 @@ impl InplaceOp2 for AdamWStep {
                 });
         }
         Ok(())
+    }
+
+    /// The same update on CUDA, one launch per run of ranges with equal decay.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        st: &mut CudaStorage,
+        sl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let s = self.scalars();
+        let scalars = flat::AdamWScalars {
+            beta1: s.b1,
+            beta2: s.b2,
+            step_size: s.step_size,
+            inv_sqrt_bc2: s.inv_sqrt_bc2,
+            eps: s.eps,
+            grad_scale: s.gs,
+        };
+        let ranges: Vec<(usize, usize, f32)> = self
+            .decay
+            .iter()
+            .map(|&(start, len, wd)| (start, len, self.keep(wd)))
+            .collect();
+        flat::adamw(st, sl, g, gl, &scalars, &ranges)
     }
 }

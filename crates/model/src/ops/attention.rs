@@ -5,7 +5,9 @@
 //! The forward runs one rayon task per `(batch, query head)`. Each task walks blocks of `BLOCK`
 //! query rows; a block's scores against the keys it may see (`[BLOCK, r1]`) live in a transient
 //! per-task scratch, get a row softmax and are multiplied by `V`. Only the per-row log-sum-exp
-//! `[b, hq, s]` survives the op (stashed in the op struct for the backward pass).
+//! `[b, hq, s]` survives the op (stashed in the op struct for the backward pass, as a tensor on
+//! the device of the inputs). With the `cuda` feature, CUDA inputs run the flash kernels of
+//! `cuda/attention.rs` on f32, f64 or bf16 storage; their log-sum-exp is f32 (f64 for f64).
 
 use std::sync::Mutex;
 
@@ -13,9 +15,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
+use candle_core::{op::BackpropOp, CudaStorage, Storage};
+
 use super::attention_bwd::AttentionBwd;
 use super::common::{
-    compute_dtype, max, prepare, same_device, same_dtype, slice, sum, Float, SyncPtr,
+    kernel_dtype, max, prepare, same_device, same_dtype, slice, sum, Float, SyncPtr,
 };
 
 pub(super) const OP: &str = "causal_attention";
@@ -25,7 +30,7 @@ pub(super) const BLOCK: usize = 64;
 
 /// Sizes of one attention call: `q` is `[b, s, hq, d]`, `k` and `v` are `[b, s, hkv, d]`.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Dims {
+pub(crate) struct Dims {
     pub b: usize,
     pub s: usize,
     pub hq: usize,
@@ -147,7 +152,8 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
     (out, lse)
 }
 
-/// The forward op on `(q, k, v)`; keeps the log-sum-exp `[b, hq, s]` for the backward pass.
+/// The forward op on `(q, k, v)`; keeps the log-sum-exp `[b, hq, s]` for the backward pass (in
+/// the dtype of the inputs on the CPU; f32, or f64 for f64, on CUDA).
 struct Attention {
     scale: f64,
     lse: Mutex<Option<Tensor>>,
@@ -169,9 +175,13 @@ impl Attention {
         let k = slice::<T>(OP, "k", s2, l2)?;
         let v = slice::<T>(OP, "v", s3, l3)?;
         let (out, lse) = attention_fwd(q, k, v, dm, T::from_f64(self.scale));
-        let lse = Tensor::from_vec(lse, (dm.b, dm.hq, dm.s), &Device::Cpu)?;
-        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        self.stash(Tensor::from_vec(lse, (dm.b, dm.hq, dm.s), &Device::Cpu)?);
         Ok(T::to_cpu_storage_owned(out))
+    }
+
+    /// Stashes the log-sum-exp for the backward pass.
+    fn stash(&self, lse: Tensor) {
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
     }
 }
 
@@ -197,6 +207,29 @@ impl CustomOp3 for Attention {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dm = Dims::from_layouts(l1, l2)?;
+        let (out, lse) =
+            super::cuda::attention::attention_fwd((s1, l1), (s2, l2), (s3, l3), dm, self.scale)?;
+        let lse = Storage::Cuda(lse); // [b, hq, s]
+        self.stash(Tensor::from_storage(
+            lse,
+            (dm.b, dm.hq, dm.s),
+            BackpropOp::none(),
+            false,
+        ));
+        Ok((out, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -207,9 +240,7 @@ impl CustomOp3 for Attention {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let Some(lse) = lse else {
-            bail!(
-                "{OP}: backward called without a stashed log-sum-exp (forward did not run on cpu)"
-            )
+            bail!("{OP}: backward called without a stashed log-sum-exp (the forward did not run)")
         };
         let bwd = AttentionBwd {
             scale: self.scale,
@@ -263,7 +294,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     same_device(OP, ("q", q), ("k", k))?;
     same_device(OP, ("q", q), ("v", v))?;
     let dtype = q.dtype();
-    let cdt = compute_dtype(OP, "q", dtype)?;
+    let cdt = kernel_dtype(OP, "q", q)?;
     let (q, k, v) = (prepare(q, cdt)?, prepare(k, cdt)?, prepare(v, cdt)?);
     let op = Attention {
         scale,

@@ -1,8 +1,11 @@
 //! Backward kernel of `causal_attention`: recomputes the probabilities per `(batch, query head)`
 //! from the stashed log-sum-exp (`P = exp(S · scale - lse)`) and computes `dQ`, `dK`, `dV`, with
-//! `dK`/`dV` summed over the query heads that share a kv head (GQA).
+//! `dK`/`dV` summed over the query heads that share a kv head (GQA). With the `cuda` feature,
+//! CUDA inputs run the deterministic flash backward kernels of `cuda/attention.rs`.
 
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -18,7 +21,7 @@ pub(super) struct AttentionBwd {
     pub out: Tensor,
     /// Upstream gradient of the output `[b, s, hq, d]`, contiguous.
     pub dout: Tensor,
-    /// Per-row log-sum-exp of the scaled scores `[b, hq, s]`.
+    /// Per-row log-sum-exp of the scaled scores `[b, hq, s]` (on CUDA f32, or f64 for f64).
     pub lse: Tensor,
 }
 
@@ -158,17 +161,19 @@ fn cpu<'a>(name: &str, storage: &'a Storage) -> Result<&'a CpuStorage> {
     }
 }
 
+/// The CUDA storage of a tensor held by the op.
+#[cfg(feature = "cuda")]
+fn cuda<'a>(name: &str, storage: &'a Storage) -> Result<&'a CudaStorage> {
+    match storage {
+        Storage::Cuda(s) => Ok(s),
+        _ => bail!("{OP}: backward expects `{name}` on the CUDA device of `q`"),
+    }
+}
+
 impl AttentionBwd {
-    #[allow(clippy::too_many_arguments)]
-    fn run<T: Float>(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<CpuStorage> {
+    /// The sizes of the call from the layouts of `q` and `k`, after checking that `out`, `dout`
+    /// and `lse` match them.
+    fn dims(&self, l1: &Layout, l2: &Layout) -> Result<Dims> {
         let (&[b, s, hq, d], &[_, _, hkv, _]) = (l1.dims(), l2.dims()) else {
             bail!(
                 "{OP}: backward expects rank-4 q and k, got {:?} and {:?}",
@@ -192,6 +197,20 @@ impl AttentionBwd {
                 self.lse.dims()
             )
         }
+        Ok(dm)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: Float>(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<CpuStorage> {
+        let dm = self.dims(l1, l2)?;
         let (o_st, o_l) = self.out.storage_and_layout();
         let (do_st, do_l) = self.dout.storage_and_layout();
         let (lse_st, lse_l) = self.lse.storage_and_layout();
@@ -232,5 +251,31 @@ impl CustomOp3 for AttentionBwd {
         };
         let len = l1.shape().elem_count() + 2 * l2.shape().elem_count();
         Ok((out, Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dm = self.dims(l1, l2)?;
+        let (o_st, o_l) = self.out.storage_and_layout(); // [b, s, hq, d]
+        let (do_st, do_l) = self.dout.storage_and_layout(); // [b, s, hq, d]
+        let (lse_st, lse_l) = self.lse.storage_and_layout(); // [b, hq, s]
+        let flat = super::cuda::attention::attention_bwd(
+            [(s1, l1), (s2, l2), (s3, l3)],
+            (cuda("out", &o_st)?, o_l),
+            (cuda("dout", &do_st)?, do_l),
+            (cuda("lse", &lse_st)?, lse_l),
+            dm,
+            self.scale,
+        )?;
+        let len = l1.shape().elem_count() + 2 * l2.shape().elem_count();
+        Ok((flat, Shape::from(len)))
     }
 }

@@ -157,6 +157,16 @@ pub(crate) fn compute_dtype(op: &str, name: &str, dtype: DType) -> Result<DType>
     }
 }
 
+/// The dtype an op runs in for the tensor `t`: on CUDA the kernels read f32, f64 and bf16
+/// storage directly (sums in f32 or f64) and f16 goes through f32; on the CPU as
+/// [`compute_dtype`].
+pub(crate) fn kernel_dtype(op: &str, name: &str, t: &Tensor) -> Result<DType> {
+    match (t.device().is_cuda(), t.dtype()) {
+        (true, DType::F32 | DType::F64 | DType::BF16) => Ok(t.dtype()),
+        _ => compute_dtype(op, name, t.dtype()),
+    }
+}
+
 /// `t` converted to `dtype` (a no-op when it already has it) and made contiguous.
 pub(crate) fn prepare(t: &Tensor, dtype: DType) -> Result<Tensor> {
     t.to_dtype(dtype)?.contiguous()

@@ -1,12 +1,14 @@
 //! `cross_entropy`: per-row softmax cross-entropy of `[n, v]` logits against `[n]` u32 targets,
 //! and its backward kernel. The backward recovers each row's log-sum-exp from the forward result
 //! (`lse_i = loss_i + logits[i, t_i]`), so nothing is stashed and the logits are read twice in all.
+//! On CUDA, bf16 logits are read directly and the op's loss is f32 (the accumulation dtype), so
+//! that recovered log-sum-exp keeps full precision; the wrapper converts it to bf16.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{compute_dtype, max, prepare, same_device, slice, sum_exp, Float};
+use super::common::{kernel_dtype, max, prepare, same_device, slice, sum_exp, Float};
 
 const OP: &str = "cross_entropy";
 
@@ -65,6 +67,19 @@ impl CustomOp2 for CrossEntropy {
             CpuStorage::F64(_) => self.fwd::<f64>(s1, l1, s2, l2)?,
             s => bail!("{OP}: unsupported dtype {:?}", s.dtype()),
         };
+        Ok((out, l2.shape().clone()))
+    }
+
+    /// The loss is in the accumulation dtype (f32 for bf16 logits, see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::cross_entropy_fwd(s1, l1, s2, l2)?;
         Ok((out, l2.shape().clone()))
     }
 
@@ -143,6 +158,21 @@ impl CustomOp3 for CrossEntropyBwd {
         };
         Ok((out, l1.shape().clone()))
     }
+
+    /// `loss/grad` is in the accumulation dtype of the logits (see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::cross_entropy_bwd(s1, l1, s2, l2, s3, l3)?;
+        Ok((out, l1.shape().clone()))
+    }
 }
 
 /// See [`super::cross_entropy`].
@@ -165,7 +195,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     }
     same_device(OP, ("logits", logits), ("targets", targets))?;
     let dtype = logits.dtype();
-    let cdt = compute_dtype(OP, "logits", dtype)?;
+    let cdt = kernel_dtype(OP, "logits", logits)?;
     let loss = prepare(logits, cdt)?.apply_op2(&targets.detach().contiguous()?, CrossEntropy)?;
     loss.to_dtype(dtype)
 }

@@ -31,6 +31,26 @@ impl CustomOp1 for GradInject {
         Ok((zero, Shape::from(())))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        _layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::zeros;
+        use candle_core::{CudaStorage, DType};
+        // A scalar zero in the dtype of `y`.
+        let dev = storage.device();
+        let zero = match storage.dtype() {
+            DType::F32 => CudaStorage::wrap_cuda_slice(zeros::<f32>(dev, 1)?, dev.clone()),
+            DType::F64 => CudaStorage::wrap_cuda_slice(zeros::<f64>(dev, 1)?, dev.clone()),
+            DType::BF16 => CudaStorage::wrap_cuda_slice(zeros::<half::bf16>(dev, 1)?, dev.clone()),
+            DType::F16 => CudaStorage::wrap_cuda_slice(zeros::<half::f16>(dev, 1)?, dev.clone()),
+            d => bail!("{OP}: `y` must be a float tensor, got {d:?}"),
+        };
+        Ok((zero, Shape::from(())))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         if self.grad.dims() != arg.dims() {
             bail!(

@@ -5,15 +5,20 @@
 //! Each op is a candle `CustomOp` with a CPU forward (f32 and f64; bf16 through f32), and a `bwd`
 //! built from other ops of this library. Shapes use the model's activation layout `[b, s, heads, d]`.
 //!
-//! Common behaviour: inputs may be non-contiguous (the wrappers make them contiguous first); bf16
-//! and f16 inputs are computed in f32 and the result is converted back; bad shapes, dtypes or
-//! devices are reported as `candle_core::Error`s naming the op, never as panics. The CPU kernels
-//! parallelise with rayon; there is no CUDA kernel yet (candle's "no cuda implementation" error).
+//! Common behaviour: inputs may be non-contiguous (the wrappers make them contiguous first); bad
+//! shapes, dtypes or devices are reported as `candle_core::Error`s naming the op, never as panics.
+//! On the CPU, bf16 and f16 inputs are computed in f32 and the result is converted back, and the
+//! kernels parallelise with rayon. With the `cuda` feature every op (forward and backward kernel)
+//! also has a CUDA implementation (`cuda/`, PTX built from `kernels/*.cu`) that reads f32, f64 or
+//! bf16 storage directly and sums in f32 (f64 for f64); f16 goes through f32 there too.
 //!
 //! One file per op: `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`), `swiglu.rs`,
 //! `cross_entropy.rs`, `grad_inject.rs`; shared kernel helpers live in `common.rs`.
 
 use candle_core::{Result, Tensor};
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 mod attention;
 mod attention_bwd;

@@ -6,7 +6,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 use rayon::prelude::*;
 
 use super::common::{
-    compute_dtype, dot, dot3, prepare, rows_per_task, same_device, same_dtype, slice, Float,
+    dot, dot3, kernel_dtype, prepare, rows_per_task, same_device, same_dtype, slice, Float,
 };
 
 const OP: &str = "rms_norm";
@@ -69,6 +69,18 @@ impl CustomOp2 for RmsNorm {
             CpuStorage::F64(_) => self.fwd::<f64>(s1, l1, s2, l2)?,
             s => bail!("{OP}: unsupported dtype {:?}", s.dtype()),
         };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::rms_norm_fwd(s1, l1, s2, l2, self.eps)?;
         Ok((out, l1.shape().clone()))
     }
 
@@ -170,6 +182,21 @@ impl CustomOp3 for RmsNormBwd {
         let len = l1.shape().elem_count() + l2.shape().elem_count();
         Ok((out, Shape::from(len)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::rms_norm_bwd(s1, l1, s2, l2, s3, l3, self.eps)?;
+        let len = l1.shape().elem_count() + l2.shape().elem_count();
+        Ok((out, Shape::from(len)))
+    }
 }
 
 /// See [`super::rms_norm`].
@@ -194,7 +221,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     same_dtype(OP, ("x", x), ("weight", weight))?;
     same_device(OP, ("x", x), ("weight", weight))?;
     let dtype = x.dtype();
-    let cdt = compute_dtype(OP, "x", dtype)?;
+    let cdt = kernel_dtype(OP, "x", x)?;
     let y = prepare(x, cdt)?.apply_op2(&prepare(weight, cdt)?, RmsNorm { eps })?;
     y.to_dtype(dtype)
 }

@@ -5,7 +5,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{compute_dtype, prepare, rows_per_task, same_device, slice, Float};
+use super::common::{
+    compute_dtype, kernel_dtype, prepare, rows_per_task, same_device, slice, Float,
+};
 
 const OP: &str = "rope";
 
@@ -89,6 +91,20 @@ impl CustomOp3 for Rope {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::rope(s1, l1, s2, l2, s3, l3, self.inverse)?;
+        Ok((out, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         _x: &Tensor,
@@ -107,7 +123,7 @@ impl CustomOp3 for Rope {
     }
 }
 
-/// See [`super::rope`]. `cos`/`sin` are converted to the compute dtype of `x` (they get no
+/// See [`super::rope`]. `cos`/`sin` are converted to the dtype the kernel runs in for `x` (they get no
 /// gradient), so f32 tables can be used with bf16 activations.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let &[_, s, _, d] = x.dims() else {
@@ -132,7 +148,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         compute_dtype(OP, name, t.dtype())?;
     }
     let dtype = x.dtype();
-    let cdt = compute_dtype(OP, "x", dtype)?;
+    let cdt = kernel_dtype(OP, "x", x)?;
     let (cos, sin) = (prepare(&cos.detach(), cdt)?, prepare(&sin.detach(), cdt)?);
     let y = prepare(x, cdt)?.apply_op3(&cos, &sin, Rope { inverse: false })?;
     y.to_dtype(dtype)

@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{compute_dtype, prepare, same_device, same_dtype, slice, Float};
+use super::common::{kernel_dtype, prepare, same_device, same_dtype, slice, Float};
 
 const OP: &str = "swiglu";
 
@@ -59,6 +59,18 @@ impl CustomOp2 for SwiGlu {
             CpuStorage::F64(_) => self.fwd::<f64>(s1, l1, s2, l2)?,
             s => bail!("{OP}: unsupported dtype {:?}", s.dtype()),
         };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::swiglu_fwd(s1, l1, s2, l2)?;
         Ok((out, l1.shape().clone()))
     }
 
@@ -140,6 +152,22 @@ impl CustomOp3 for SwiGluBwd {
         dims.extend_from_slice(l1.dims());
         Ok((out, Shape::from(dims)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::pointwise::swiglu_bwd(s1, l1, s2, l2, s3, l3)?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(l1.dims());
+        Ok((out, Shape::from(dims)))
+    }
 }
 
 /// See [`super::swiglu`].
@@ -154,7 +182,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     same_dtype(OP, ("gate", gate), ("up", up))?;
     same_device(OP, ("gate", gate), ("up", up))?;
     let dtype = gate.dtype();
-    let cdt = compute_dtype(OP, "gate", dtype)?;
+    let cdt = kernel_dtype(OP, "gate", gate)?;
     let y = prepare(gate, cdt)?.apply_op2(&prepare(up, cdt)?, SwiGlu)?;
     y.to_dtype(dtype)
 }

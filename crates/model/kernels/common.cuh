@@ -1,0 +1,83 @@
+// Shared device helpers of the project's kernels: the accumulation type of each storage type,
+// conversions, warp/block reductions and the macro that exports a template once per dtype.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+// Accumulation (compute) type of a storage type: f32 for f32 and bf16, f64 for f64.
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+template <typename A> __device__ __forceinline__ A load(const float* p) { return (A)*p; }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_acc(float x);
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <typename T> __device__ __forceinline__ T from_acc(double x);
+template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float sqrt_acc(float x) { return sqrtf(x); }
+__device__ __forceinline__ double sqrt_acc(double x) { return sqrt(x); }
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -INFINITY; }
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    A w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `scratch` holds at least 32 values; the call contains __syncthreads().
+template <typename A> __device__ A block_sum(A v, A* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  A t = lane < warps ? scratch[lane] : (A)0;
+  return warp_sum(t);
+}
+
+// Maximum of `v` over the block; same contract as block_sum.
+template <typename A> __device__ A block_max(A v, A* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  A t = lane < warps ? scratch[lane] : neg_inf<A>();
+  return warp_max(t);
+}
+
+// Exports a `template <typename T> __device__ void NAME##_impl(...)` body as kernels:
+// EXPORT3(NAME, PARAMS, ARGS) defines extern "C" NAME_f32 / NAME_f64 / NAME_bf16 whose parameter
+// list PARAMS may use `T` (bound to the storage type in a namespace of its own) and which call
+// NAME##_impl<T> ARGS.
+#define EXPORT_ONE(NAME, SUFFIX, TY, PARAMS, ARGS)                                   \
+  namespace NAME##_##SUFFIX##_ns {                                                  \
+  typedef TY T;                                                                     \
+  extern "C" __global__ void NAME##_##SUFFIX PARAMS { NAME##_impl<T> ARGS; }         \
+  }
+#define EXPORT3(NAME, PARAMS, ARGS)                       \
+  EXPORT_ONE(NAME, f32, float, PARAMS, ARGS)              \
+  EXPORT_ONE(NAME, f64, double, PARAMS, ARGS)             \
+  EXPORT_ONE(NAME, bf16, __nv_bfloat16, PARAMS, ARGS)

@@ -1,0 +1,69 @@
+// Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the AdamW
+// update (adamw) and the sum of squares for the global gradient norm (sum_squares_*).
+//
+// add_into and adamw are elementwise with grid-stride loops over 64-bit indices (any 1-D grid).
+// adamw uses the explicitly rounded intrinsics (__fmul_rn, ...), which nvcc never contracts into
+// FMAs, so it performs exactly the f32 operations of the CPU AdamWStep, in the same order, and
+// gives bitwise identical results. sum_squares is a deterministic two-stage reduction in f64:
+// a grid of fixed shape writes one partial per block, then a single block sums the partials.
+#include "common.cuh"
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 global_id() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ u64 grid_stride() { return (u64)gridDim.x * blockDim.x; }
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(double x) { return __double2float_rn(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// dst[i] += (f32) src[i] for i < n; dst: [n] f32, src: [n] of the storage type T.
+template <typename T> __device__ void add_into_impl(float* dst, const T* src, u64 n) {
+  for (u64 i = global_id(); i < n; i += grid_stride()) dst[i] = __fadd_rn(dst[i], to_f32(src[i]));
+}
+EXPORT3(add_into, (float* dst, const T* src, u64 n), (dst, src, n))
+
+// One AdamW step over the elements [start, start + len) of one decay range.
+// state: [3 n] f32 = master | exp_avg | exp_avg_sq; grad: [n] f32. Per element, as the CPU:
+//   g = grad * gs; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
+//   p = p keep - step_size m / (sqrt(v) inv_sqrt_bc2 + eps).
+extern "C" __global__ void adamw(float* state, const float* grad, u64 n, u64 start, u64 len,
+                                 float b1, float b2, float step_size, float inv_sqrt_bc2,
+                                 float eps, float gs, float keep) {
+  float* master = state;
+  float* exp_avg = state + n;
+  float* exp_avg_sq = state + 2 * n;
+  const float c1 = __fsub_rn(1.0f, b1), c2 = __fsub_rn(1.0f, b2);
+  for (u64 i = global_id(); i < len; i += grid_stride()) {
+    const u64 k = start + i;
+    const float g = __fmul_rn(grad[k], gs);
+    const float m = __fadd_rn(__fmul_rn(b1, exp_avg[k]), __fmul_rn(c1, g));
+    const float v = __fadd_rn(__fmul_rn(b2, exp_avg_sq[k]), __fmul_rn(__fmul_rn(c2, g), g));
+    exp_avg[k] = m;
+    exp_avg_sq[k] = v;
+    const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_sqrt_bc2), eps);
+    master[k] = __fsub_rn(__fmul_rn(master[k], keep), __fdiv_rn(__fmul_rn(step_size, m), denom));
+  }
+}
+
+// Stage 1 of Σ x²: block b writes partial[b] = Σ x[i]² (in f64) over the indices i this grid
+// assigns to it (grid-stride). x: [n] f32; partial: [gridDim.x] f64.
+extern "C" __global__ void sum_squares_partial(const float* x, u64 n, double* partial) {
+  __shared__ double scratch[32];
+  double s = 0.0;
+  for (u64 i = global_id(); i < n; i += grid_stride()) {
+    const double v = (double)x[i];
+    s += v * v;
+  }
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// Stage 2: out[0] = Σ partial[0..blocks), by one block of a fixed size.
+extern "C" __global__ void sum_squares_final(const double* partial, int blocks, double* out) {
+  __shared__ double scratch[32];
+  double s = 0.0;
+  for (int b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) out[0] = s;
+}

@@ -1,0 +1,180 @@
+//! Launchers of the optimizer's flat-buffer kernels (`kernels/flat.cu`), called from the root
+//! crate's `optim::kernels` ops: gradient accumulation into an f32 buffer, the AdamW update over
+//! `[master | exp_avg | exp_avg_sq]` and the sum of squares of an f32 buffer (in f64).
+//!
+//! `adamw` performs exactly the f32 operations of the CPU `AdamWStep` (bitwise equal results);
+//! `sum_squares` is a deterministic two-stage reduction (a grid of [`SUM_BLOCKS`] or fewer
+//! blocks, its size a function of the length only, then one block), so equal inputs give equal
+//! norms on every run.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
+use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{bail, Layout, Result};
+
+use super::{alloc, elementwise, grid, kernel_name, load, view, Module};
+
+/// Most blocks of the first stage of [`sum_squares`] (one f64 partial each).
+pub const SUM_BLOCKS: usize = 1024;
+
+/// Threads per block of both stages of [`sum_squares`].
+const SUM_THREADS: u32 = 256;
+
+/// Kernel `name` of the flat module.
+fn kernel(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load(dev, Module::Flat, name)
+}
+
+/// `[start, end)` of a contiguous layout; errors naming `op` and the argument otherwise.
+fn range(op: &str, name: &str, l: &Layout) -> Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some(r) => Ok(r),
+        None => bail!("{op}: `{name}` must be contiguous (layout {l:?})"),
+    }
+}
+
+/// `dst += src` elementwise: `dst` an f32 buffer view (any offset), `src` f32, f64 or bf16 with
+/// the same number of elements.
+pub fn add_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layout) -> Result<()> {
+    const OP: &str = "add-into";
+    let dev = dst.device().clone();
+    let (a, b) = range(OP, "buffer", dl)?;
+    let n = b - a;
+    if sl.shape().elem_count() != n {
+        bail!(
+            "{OP}: gradient has {} elements, buffer slice {n}",
+            sl.shape().elem_count()
+        )
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let n_u = n as u64;
+    let name = kernel_name(OP, "add_into", src.dtype())?;
+    let f = kernel(&dev, &name)?;
+    let dtype = dst.dtype();
+    let data = match dst.as_cuda_slice_mut::<f32>() {
+        Ok(d) => d,
+        Err(_) => bail!("{OP}: expected an f32 buffer, got {dtype:?}"),
+    };
+    let mut d = data.slice_mut(a..b); // [n]
+    crate::with_cuda_dtype!(OP, src.dtype(), T => {
+        let s = view::<T>(OP, "gradient", src, sl)?; // [n]
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&f);
+        builder.arg(&mut d).arg(&s).arg(&n_u);
+        // SAFETY: matches `add_into_<T>(float*, const T*, u64)`; both views hold n elements
+        // and the kernel touches indices `i < n`.
+        unsafe { builder.launch(elementwise(n)) }.w()?;
+        Ok(())
+    })
+}
+
+/// The step-wide scalars of one AdamW update, as the CPU `AdamWStep` computes them (f32).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWScalars {
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// `lr / (1 - beta1^step)`.
+    pub step_size: f32,
+    /// `1 / sqrt(1 - beta2^step)`.
+    pub inv_sqrt_bc2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Factor applied to every gradient first (global-norm clipping).
+    pub grad_scale: f32,
+}
+
+/// One AdamW step in place over `state` `[3 n]` f32 (`master | exp_avg | exp_avg_sq`) with
+/// gradients `grad` `[n]` f32. `ranges` are `(start, len, keep)` in `[0, n)`, `keep` the
+/// decoupled weight-decay factor `1 - lr · wd` of the range; elements outside every range are
+/// left unchanged. Adjacent ranges with equal `keep` share one launch.
+pub fn adamw(
+    state: &mut CudaStorage,
+    sl: &Layout,
+    grad: &CudaStorage,
+    gl: &Layout,
+    s: &AdamWScalars,
+    ranges: &[(usize, usize, f32)],
+) -> Result<()> {
+    const OP: &str = "adamw";
+    let dev = state.device().clone();
+    let (a, b) = range(OP, "state", sl)?;
+    let g = view::<f32>(OP, "gradient", grad, gl)?; // [n]
+    let n = g.len();
+    if b - a != 3 * n {
+        bail!("{OP}: state has {} elements, expected 3 × {n}", b - a)
+    }
+    let mut merged: Vec<(usize, usize, f32)> = Vec::with_capacity(ranges.len());
+    for &(start, len, keep) in ranges {
+        if start.checked_add(len).is_none_or(|end| end > n) {
+            bail!("{OP}: decay range {start}..{start}+{len} exceeds the {n} elements")
+        }
+        match merged.last_mut() {
+            Some(last) if last.0 + last.1 == start && last.2.to_bits() == keep.to_bits() => {
+                last.1 += len
+            }
+            _ => merged.push((start, len, keep)),
+        }
+    }
+    let f = kernel(&dev, "adamw")?;
+    let dtype = state.dtype();
+    let data = match state.as_cuda_slice_mut::<f32>() {
+        Ok(d) => d,
+        Err(_) => bail!("{OP}: expected an f32 state, got {dtype:?}"),
+    };
+    let mut st = data.slice_mut(a..b); // [3 n]
+    let stream = dev.cuda_stream();
+    let n_u = n as u64;
+    for (start, len, keep) in merged.into_iter().filter(|r| r.1 > 0) {
+        let (start_u, len_u) = (start as u64, len as u64);
+        let mut builder = stream.launch_builder(&f);
+        builder
+            .arg(&mut st)
+            .arg(&g)
+            .arg(&n_u)
+            .arg(&start_u)
+            .arg(&len_u);
+        builder
+            .arg(&s.beta1)
+            .arg(&s.beta2)
+            .arg(&s.step_size)
+            .arg(&s.inv_sqrt_bc2);
+        builder.arg(&s.eps).arg(&s.grad_scale).arg(&keep);
+        // SAFETY: matches `adamw(float*, const float*, u64, u64, u64, float × 7)`; the kernel
+        // touches indices start + i < start + len <= n of grad ([n]) and of the three [n]
+        // sections of state ([3 n]).
+        unsafe { builder.launch(elementwise(len)) }.w()?;
+    }
+    Ok(())
+}
+
+/// `Σ x²` of a contiguous f32 buffer, accumulated in f64; returns a one-element f64 storage.
+pub fn sum_squares(x: &CudaStorage, xl: &Layout) -> Result<CudaStorage> {
+    const OP: &str = "sum-squares";
+    let dev = x.device();
+    let xv = view::<f32>(OP, "buffer", x, xl)?; // [n]
+    let n = xv.len();
+    let blocks = n.div_ceil(SUM_THREADS as usize).clamp(1, SUM_BLOCKS);
+    let (n_u, blocks_i) = (n as u64, blocks as i32);
+    // [blocks]; SAFETY: stage 1 writes one partial per block.
+    let mut partial = unsafe { alloc::<f64>(dev, blocks) }?;
+    // [1]; SAFETY: stage 2 writes the single result.
+    let mut out = unsafe { alloc::<f64>(dev, 1) }?;
+    let stream = dev.cuda_stream();
+    let f = kernel(dev, "sum_squares_partial")?;
+    let mut builder = stream.launch_builder(&f);
+    builder.arg(&xv).arg(&n_u).arg(&mut partial);
+    // SAFETY: matches `sum_squares_partial(const float*, u64, double*)`; reads indices `i < n`,
+    // block `b < blocks` writes partial[b].
+    unsafe { builder.launch(grid(blocks, SUM_THREADS, 0)) }.w()?;
+    let f = kernel(dev, "sum_squares_final")?;
+    let mut builder = stream.launch_builder(&f);
+    builder.arg(&partial).arg(&blocks_i).arg(&mut out);
+    // SAFETY: matches `sum_squares_final(const double*, int, double*)`; one block reads
+    // partial[0..blocks] and writes out[0].
+    unsafe { builder.launch(grid(1, SUM_THREADS, 0)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}

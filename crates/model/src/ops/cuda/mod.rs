@@ -1,0 +1,194 @@
+//! CUDA side of the op library (feature `cuda`): the PTX modules compiled from `kernels/*.cu` by
+//! the build script, and the helpers every launcher uses — loading a kernel once per device,
+//! typed views of contiguous CUDA storage, output allocation and launch shapes.
+//!
+//! Kernel naming: a kernel templated on the storage type `T` is exported once per supported
+//! dtype as `<base>_f32`, `<base>_f64` and `<base>_bf16` (see [`kernel_name`]); sums and
+//! transcendental functions run in f32 (f64 for f64 storage) whatever `T` is.
+
+pub mod attention;
+pub mod flat;
+pub mod pointwise;
+
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
+use candle_core::{backend::BackendStorage, bail, DType, Layout, Result};
+
+/// One PTX module of the project.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Module {
+    /// `kernels/pointwise.cu`: RMSNorm, RoPE, SwiGLU, cross-entropy.
+    Pointwise,
+    /// `kernels/attention.cu`: causal flash attention forward and backward.
+    Attention,
+    /// `kernels/flat.cu`: gradient accumulation, AdamW and sum of squares over flat buffers.
+    Flat,
+}
+
+impl Module {
+    /// The module's name in the device's module cache.
+    pub fn name(self) -> &'static str {
+        match self {
+            Module::Pointwise => "pretrain-pointwise",
+            Module::Attention => "pretrain-attention",
+            Module::Flat => "pretrain-flat",
+        }
+    }
+
+    /// The module's PTX text.
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Module::Pointwise => include_str!(concat!(env!("OUT_DIR"), "/pointwise.ptx")),
+            Module::Attention => include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
+            Module::Flat => include_str!(concat!(env!("OUT_DIR"), "/flat.ptx")),
+        }
+    }
+}
+
+/// `<base>_<dtype>` for the dtypes the kernels are instantiated for (f32, f64, bf16); any other
+/// dtype is an error naming `op`.
+pub fn kernel_name(op: &str, base: &str, dtype: DType) -> Result<String> {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::BF16 => "bf16",
+        d => bail!("{op}: no CUDA kernel for dtype {d:?} (f32, f64 and bf16 are supported)"),
+    };
+    Ok(format!("{base}_{suffix}"))
+}
+
+/// Kernel `name` of `module`, loaded once per device (launch it with the device stream's
+/// `launch_builder`).
+pub fn load(dev: &CudaDevice, module: Module, name: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(name, module.name(), module.ptx())?
+        .into_cuda_function())
+}
+
+/// `n` as an `i32` kernel argument; errors (naming `op` and `what`) if it does not fit.
+pub fn to_i32(op: &str, what: &str, n: usize) -> Result<i32> {
+    match i32::try_from(n) {
+        Ok(v) => Ok(v),
+        Err(_) => bail!(
+            "{op}: {what} = {n} exceeds the CUDA kernels' limit of {}",
+            i32::MAX
+        ),
+    }
+}
+
+/// A storage type of the kernels and its accumulation type (`Acc<T>` in `common.cuh`).
+pub trait KernelFloat: CudaDType + DeviceRepr {
+    /// f32 for f32 and bf16, f64 for f64.
+    type Acc: CudaDType + DeviceRepr + ValidAsZeroBits;
+    /// `x` as a kernel argument of the accumulation type.
+    fn acc(x: f64) -> Self::Acc;
+}
+
+impl KernelFloat for f32 {
+    type Acc = f32;
+    fn acc(x: f64) -> f32 {
+        x as f32
+    }
+}
+
+impl KernelFloat for f64 {
+    type Acc = f64;
+    fn acc(x: f64) -> f64 {
+        x
+    }
+}
+
+impl KernelFloat for half::bf16 {
+    type Acc = f32;
+    fn acc(x: f64) -> f32 {
+        x as f32
+    }
+}
+
+/// The dtype of `Acc<T>` for storage dtype `dtype`: f64 for f64, f32 otherwise.
+pub fn acc_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The contiguous data of `(storage, layout)` as a typed device view; errors (naming `op` and
+/// the argument `name`) on a dtype mismatch or a non-contiguous layout.
+pub fn view<'a, T: CudaDType + DeviceRepr>(
+    op: &str,
+    name: &str,
+    storage: &'a CudaStorage,
+    layout: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{op}: `{name}` must be contiguous on CUDA (layout {layout:?})")
+    };
+    let data: &CudaSlice<T> = match storage.as_cuda_slice::<T>() {
+        Ok(d) => d,
+        Err(_) => bail!(
+            "{op}: `{name}` has dtype {:?}, expected {:?}",
+            storage.dtype(),
+            std::any::type_name::<T>()
+        ),
+    };
+    Ok(data.slice(start..end))
+}
+
+/// A fresh, uninitialised device buffer of `len` elements of `T`.
+///
+/// # Safety
+/// Every element must be written before it is read.
+pub unsafe fn alloc<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: forwarded to the caller.
+    unsafe { dev.alloc::<T>(len.max(1)) }
+}
+
+/// A device buffer of `len` zeros of `T`.
+pub fn zeros<T: DeviceRepr + candle_core::cuda::cudarc::driver::ValidAsZeroBits>(
+    dev: &CudaDevice,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    dev.alloc_zeros::<T>(len.max(1))
+}
+
+/// `blocks` blocks of `threads` threads with `shared` bytes of dynamic shared memory.
+pub fn grid(blocks: usize, threads: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// Enough 256-thread blocks for one thread per element of `n` (grid-stride kernels cap it).
+pub fn elementwise(n: usize) -> LaunchConfig {
+    grid(n.div_ceil(256).min(65_535 * 16), 256, 0)
+}
+
+/// Runs `$body` with `$T` bound to the Rust element type of `$dtype` (f32, f64 or bf16); other
+/// dtypes are an error naming `$op`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_cuda_dtype {
+    ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            d => candle_core::bail!("{}: no CUDA kernel for dtype {d:?}", $op),
+        }
+    };
+}

@@ -1,0 +1,352 @@
+//! Launchers of the pointwise kernels (`kernels/pointwise.cu`): RMSNorm, RoPE, SwiGLU and
+//! cross-entropy, forward and backward, on contiguous f32, f64 or bf16 CUDA storage. The op
+//! files call these from their `cuda_fwd`; shapes have been checked by the op wrappers, and every
+//! launcher re-checks the buffer lengths its kernel indexes with before launching.
+//!
+//! Launch shapes: row kernels use one block of [`ROW_THREADS`] (cross-entropy: [`CE_THREADS`])
+//! threads per row; elementwise kernels use [`super::elementwise`] with grid-stride loops.
+//! Sums run in f32 (f64 for f64 storage) in a fixed order, so results are reproducible.
+//!
+//! Cross-entropy targets `>= v` are detected on the device: the kernels write the first bad row
+//! and its target to a 2-element error buffer, which the launcher reads back (an 8-byte copy that
+//! waits for the kernel) and turns into an error naming the op. Copying the targets to the host
+//! would wait for the same stream and move more data, so the flag costs no more.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, PushKernelArg};
+use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{bail, DType, Layout, Result};
+
+use super::{
+    alloc, elementwise, grid, kernel_name, load, to_i32, view, zeros, KernelFloat, Module,
+};
+
+/// Threads per block of the RMSNorm row kernels.
+pub const ROW_THREADS: u32 = 256;
+
+/// Threads per block of the cross-entropy row kernels (rows are whole vocabularies).
+pub const CE_THREADS: u32 = 1024;
+
+/// At most this many blocks (each a run of rows) produce `dweight` partials in the RMSNorm
+/// backward; the partial buffer is `[blocks, h]` in the accumulation type.
+const RMS_DW_BLOCKS: usize = 1024;
+
+/// Kernel `<base>_<dtype>` of the pointwise module (`op` names the op in errors).
+fn kernel(dev: &CudaDevice, op: &str, base: &str, dtype: DType) -> Result<CudaFunction> {
+    load(dev, Module::Pointwise, &kernel_name(op, base, dtype)?)
+}
+
+/// Errors unless `len == want`, naming `op` and the argument.
+fn check_len(op: &str, name: &str, len: usize, want: usize) -> Result<()> {
+    if len != want {
+        bail!("{op}: `{name}` has {len} elements, expected {want}")
+    }
+    Ok(())
+}
+
+/// RMSNorm forward: `x` `[rows, h]` (any leading shape), `w` `[h]`; returns `y` like `x`.
+pub fn rms_norm_fwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    eps: f64,
+) -> Result<CudaStorage> {
+    const OP: &str = "rms_norm";
+    let dev = x.device();
+    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
+    if h == 0 || nx % h != 0 {
+        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
+    }
+    let rows = nx / h;
+    let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "h", h)?);
+    crate::with_cuda_dtype!(OP, x.dtype(), T => {
+        let xv = view::<T>(OP, "x", x, xl)?; // [rows, h]
+        let wv = view::<T>(OP, "weight", w, wl)?; // [h]
+        // SAFETY: block `r` writes every element of row `r`, for all `rows` rows.
+        let mut y = unsafe { alloc::<T>(dev, nx) }?; // [rows, h]
+        if rows > 0 {
+            let f = kernel(dev, OP, "rms_norm_fwd", x.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&wv).arg(&mut y).arg(&rows_i).arg(&h_i).arg(&eps);
+            // SAFETY: matches `rms_norm_fwd_<T>(const T*, const T*, T*, int, int, double)`;
+            // `x` and `y` hold rows × h elements, `w` h, and block `r < rows` touches row `r`.
+            unsafe { b.launch(grid(rows, ROW_THREADS, 0)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// RMSNorm backward on `(x [rows, h], w [h], grad [rows, h])`: returns the flat
+/// `[rows * h + h]` concatenation of `dx` and `dweight`, like the CPU `RmsNormBwd`.
+/// `dweight` is summed deterministically: runs of rows write partials, then a second kernel
+/// sums the partials in run order.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_bwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    eps: f64,
+) -> Result<CudaStorage> {
+    const OP: &str = "rms_norm";
+    let dev = x.device();
+    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
+    if h == 0 || nx % h != 0 {
+        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
+    }
+    check_len(OP, "grad", gl.shape().elem_count(), nx)?;
+    let rows = nx / h;
+    let rows_per_block = rows.div_ceil(RMS_DW_BLOCKS).max(1);
+    let blocks = rows.div_ceil(rows_per_block);
+    let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "h", h)?);
+    let (rpb_i, blocks_i) = (
+        to_i32(OP, "rows", rows_per_block)?,
+        to_i32(OP, "rows", blocks)?,
+    );
+    crate::with_cuda_dtype!(OP, x.dtype(), T => {
+        let xv = view::<T>(OP, "x", x, xl)?; // [rows, h]
+        let wv = view::<T>(OP, "weight", w, wl)?; // [h]
+        let gv = view::<T>(OP, "grad", g, gl)?; // [rows, h]
+        // SAFETY: stage 1 writes dx (the first rows × h elements), stage 2 dweight (the last h).
+        let mut out = unsafe { alloc::<T>(dev, nx + h) }?; // [rows * h + h]
+        // SAFETY: block `b < blocks` zeroes, then accumulates, its partial row `b`.
+        let mut partial = unsafe { alloc::<<T as KernelFloat>::Acc>(dev, blocks * h) }?; // [blocks, h]
+        let stream = dev.cuda_stream();
+        if rows > 0 {
+            let f = kernel(dev, OP, "rms_norm_bwd", x.dtype())?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&wv).arg(&gv).arg(&mut out).arg(&mut partial);
+            b.arg(&rows_i).arg(&h_i).arg(&rpb_i).arg(&eps);
+            // SAFETY: matches `rms_norm_bwd_<T>(const T*, const T*, const T*, T*, Acc*, int,
+            // int, int, double)`; block `b < blocks` touches rows [b rpb, min((b + 1) rpb, rows))
+            // of x, grad and out (rows × h each) and row `b` of `partial` ([blocks, h]).
+            unsafe { b.launch(grid(blocks, ROW_THREADS, 0)) }.w()?;
+        }
+        let mut dw = out.slice_mut(nx..); // [h]
+        let f = kernel(dev, OP, "rms_norm_dw", x.dtype())?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&partial).arg(&mut dw).arg(&blocks_i).arg(&h_i);
+        // SAFETY: matches `rms_norm_dw_<T>(const Acc*, T*, int, int)`; thread `j < h` reads
+        // column `j` of the `[blocks, h]` partials (all written by stage 1) and writes `dw[j]`.
+        unsafe { b.launch(elementwise(h)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    })
+}
+
+/// RoPE on `x` `[b, s, heads, d]` with `cos`, `sin` `[s, d / 2]` in the dtype of `x`; the
+/// inverse rotation (sin negated) when `inverse`. Returns `y` like `x`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    x: &CudaStorage,
+    xl: &Layout,
+    cos: &CudaStorage,
+    cl: &Layout,
+    sin: &CudaStorage,
+    sl: &Layout,
+    inverse: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "rope";
+    let dev = x.device();
+    let &[_, s, heads, d] = xl.dims() else {
+        bail!("{OP}: `x` must be [b, s, heads, d], got {:?}", xl.dims())
+    };
+    if d % 2 != 0 {
+        bail!("{OP}: the head dim of `x` {:?} must be even", xl.dims())
+    }
+    let half = d / 2;
+    check_len(OP, "cos", cl.shape().elem_count(), s * half)?;
+    check_len(OP, "sin", sl.shape().elem_count(), s * half)?;
+    let n = xl.shape().elem_count();
+    let pairs = n / 2;
+    let (s_i, heads_i, half_i) = (
+        to_i32(OP, "s", s)?,
+        to_i32(OP, "heads", heads)?,
+        to_i32(OP, "d", half)?,
+    );
+    let (pairs_u, inverse_i) = (pairs as u64, i32::from(inverse));
+    crate::with_cuda_dtype!(OP, x.dtype(), T => {
+        let xv = view::<T>(OP, "x", x, xl)?; // [b, s, heads, d]
+        let cv = view::<T>(OP, "cos", cos, cl)?; // [s, d / 2]
+        let sv = view::<T>(OP, "sin", sin, sl)?; // [s, d / 2]
+        // SAFETY: pair `p` writes both of its elements, and the pairs cover `x`.
+        let mut y = unsafe { alloc::<T>(dev, n) }?; // [b, s, heads, d]
+        if pairs > 0 {
+            let f = kernel(dev, OP, "rope", x.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&cv).arg(&sv).arg(&mut y);
+            b.arg(&pairs_u).arg(&s_i).arg(&heads_i).arg(&half_i).arg(&inverse_i);
+            // SAFETY: matches `rope_<T>(const T*, const T*, const T*, T*, u64, int, int, int,
+            // int)`; pair `p < b s heads half` touches x/y at (p / half) d + p % half (+ half)
+            // < n and cos/sin at pos half + p % half < s half.
+            unsafe { b.launch(elementwise(pairs)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// SwiGLU forward: `gate * sigmoid(gate) * up`, elementwise; returns `y` like `gate`.
+pub fn swiglu_fwd(
+    gate: &CudaStorage,
+    gl: &Layout,
+    up: &CudaStorage,
+    ul: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "swiglu";
+    let dev = gate.device();
+    let n = gl.shape().elem_count();
+    check_len(OP, "up", ul.shape().elem_count(), n)?;
+    let n_u = n as u64;
+    crate::with_cuda_dtype!(OP, gate.dtype(), T => {
+        let gv = view::<T>(OP, "gate", gate, gl)?; // [n]
+        let uv = view::<T>(OP, "up", up, ul)?; // [n]
+        // SAFETY: the grid-stride loop writes every element `i < n`.
+        let mut y = unsafe { alloc::<T>(dev, n) }?; // [n]
+        if n > 0 {
+            let f = kernel(dev, OP, "swiglu_fwd", gate.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&gv).arg(&uv).arg(&mut y).arg(&n_u);
+            // SAFETY: matches `swiglu_fwd_<T>(const T*, const T*, T*, u64)`; indices `i < n`.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// SwiGLU backward on `(gate, up, grad)` (same element counts): returns the flat `[2, n]`
+/// `[d gate, d up]`.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_bwd(
+    gate: &CudaStorage,
+    gl: &Layout,
+    up: &CudaStorage,
+    ul: &Layout,
+    grad: &CudaStorage,
+    dl: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "swiglu";
+    let dev = gate.device();
+    let n = gl.shape().elem_count();
+    check_len(OP, "up", ul.shape().elem_count(), n)?;
+    check_len(OP, "grad", dl.shape().elem_count(), n)?;
+    let n_u = n as u64;
+    crate::with_cuda_dtype!(OP, gate.dtype(), T => {
+        let gv = view::<T>(OP, "gate", gate, gl)?; // [n]
+        let uv = view::<T>(OP, "up", up, ul)?; // [n]
+        let dv = view::<T>(OP, "grad", grad, dl)?; // [n]
+        // SAFETY: element `i < n` writes out[i] and out[n + i].
+        let mut out = unsafe { alloc::<T>(dev, 2 * n) }?; // [2, n]
+        if n > 0 {
+            let f = kernel(dev, OP, "swiglu_bwd", gate.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&gv).arg(&uv).arg(&dv).arg(&mut out).arg(&n_u);
+            // SAFETY: matches `swiglu_bwd_<T>(const T*, const T*, const T*, T*, u64)`; reads
+            // indices `i < n`, writes `i` and `n + i < 2 n`.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    })
+}
+
+/// Reads the cross-entropy error buffer back (waits for the kernel) and errors on a bad target.
+fn check_targets(dev: &CudaDevice, err: &CudaSlice<u32>, v: usize) -> Result<()> {
+    let e = dev.clone_dtoh(err)?;
+    if let [row, t, ..] = e[..] {
+        if row != 0 {
+            bail!(
+                "cross_entropy: target {t} of row {} is out of range for {v} classes",
+                row - 1
+            )
+        }
+    }
+    Ok(())
+}
+
+/// The `(rows, v)` of `logits` `[n, v]`, and the rows' `i32` kernel arguments.
+fn ce_dims(op: &str, ll: &Layout, tl: &Layout) -> Result<(usize, usize, i32, i32)> {
+    let &[n, v] = ll.dims() else {
+        bail!("{op}: `logits` must be [n, v], got {:?}", ll.dims())
+    };
+    check_len(op, "targets", tl.shape().elem_count(), n)?;
+    if v == 0 && n > 0 {
+        bail!("{op}: `logits` {:?} has no classes", ll.dims())
+    }
+    Ok((n, v, to_i32(op, "n", n)?, to_i32(op, "v", v)?))
+}
+
+/// Cross-entropy forward: `logits` `[n, v]`, `targets` `[n]` u32; returns the `[n]` losses in
+/// the accumulation dtype ([`super::acc_dtype`]: f32 for bf16 logits), so the backward pass recovers
+/// each row's log-sum-exp in full precision. A target `>= v` is an error.
+pub fn cross_entropy_fwd(
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy";
+    let dev = logits.device();
+    let (n, v, n_i, v_i) = ce_dims(OP, ll, tl)?;
+    crate::with_cuda_dtype!(OP, logits.dtype(), T => {
+        let lv = view::<T>(OP, "logits", logits, ll)?; // [n, v]
+        let tv = view::<u32>(OP, "targets", targets, tl)?; // [n]
+        // SAFETY: block `r` writes loss[r] unless target r is bad, which is then an error.
+        let mut loss = unsafe { alloc::<<T as KernelFloat>::Acc>(dev, n) }?; // [n]
+        let mut err = zeros::<u32>(dev, 2)?; // [bad row + 1, its target]
+        if n > 0 {
+            let f = kernel(dev, OP, "cross_entropy_fwd", logits.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&lv).arg(&tv).arg(&mut loss).arg(&mut err).arg(&n_i).arg(&v_i);
+            // SAFETY: matches `cross_entropy_fwd_<T>(const T*, const unsigned*, Acc*,
+            // unsigned*, int, int)`; block `r < n` reads row `r` of logits ([n, v]) at columns
+            // < v (its target only once checked `< v`), targets[r], writes loss[r] or err[0..2].
+            unsafe { b.launch(grid(n, CE_THREADS, 0)) }.w()?;
+            check_targets(dev, &err, v)?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(loss, dev.clone()))
+    })
+}
+
+/// Cross-entropy backward on `(logits [n, v], targets [n], loss_grad [n, 2])`, `loss_grad` in
+/// the accumulation dtype (the forward losses and their upstream gradients); returns `dlogits`
+/// `[n, v]` in the dtype of `logits`. A target `>= v` is an error.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_bwd(
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+    loss_grad: &CudaStorage,
+    gl: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy";
+    let dev = logits.device();
+    let (n, v, n_i, v_i) = ce_dims(OP, ll, tl)?;
+    check_len(OP, "loss/grad", gl.shape().elem_count(), 2 * n)?;
+    crate::with_cuda_dtype!(OP, logits.dtype(), T => {
+        let lv = view::<T>(OP, "logits", logits, ll)?; // [n, v]
+        let tv = view::<u32>(OP, "targets", targets, tl)?; // [n]
+        let gv = view::<<T as KernelFloat>::Acc>(OP, "loss/grad", loss_grad, gl)?; // [n, 2]
+        // SAFETY: block `r` writes row `r` unless target r is bad, which is then an error.
+        let mut d = unsafe { alloc::<T>(dev, n * v) }?; // [n, v]
+        let mut err = zeros::<u32>(dev, 2)?; // [bad row + 1, its target]
+        if n > 0 {
+            let f = kernel(dev, OP, "cross_entropy_bwd", logits.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&lv).arg(&tv).arg(&gv).arg(&mut d).arg(&mut err).arg(&n_i).arg(&v_i);
+            // SAFETY: matches `cross_entropy_bwd_<T>(const T*, const unsigned*, const Acc*, T*,
+            // unsigned*, int, int)`; block `r < n` reads row `r` of logits and writes row `r` of
+            // d ([n, v], columns < v), reads targets[r] and loss_grad[2r..2r+2] ([n, 2]).
+            unsafe { b.launch(grid(n, CE_THREADS, 0)) }.w()?;
+            check_targets(dev, &err, v)?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
+    })
+}
