@@ -1,0 +1,379 @@
+//! Backend `nccl`: one process per GPU, collectives and transfers through NCCL. Defines
+//! [`NcclComm`].
+//!
+//! # Design
+//!
+//! - **Communicators.** One NCCL communicator per [`Group`] this rank uses, created lazily on the
+//!   group's first call: member 0 makes an NCCL unique id and `set`s its 128 bytes in the store
+//!   under `nccl/{k}/group/{ranks}/id` (`k` numbers the `NcclComm`s of the job, see
+//!   [`NcclComm::new`]); every member announces itself (`…/here/{rank}`, `…/count`), waits —
+//!   bounded, watching for failures — until all have, reads the id and joins with
+//!   `ncclCommInitRank` (on a helper thread, so the wait stays bounded). Members call a group's
+//!   collectives in the same order, so they create its communicator at matching calls.
+//!   Creation is serialised per rank. Point-to-point messages use one communicator per
+//!   *direction* (`nccl/{k}/p2p/{src}->{dst}`, NCCL rank 0 = sender), created by the sender's
+//!   first `send` and the receiver's first `recv` on that direction.
+//! - **Streams.** Collectives and receives run on the device's stream
+//!   ([`CudaDevice::cuda_stream`]); the calling thread waits for them (below) and returns a fresh
+//!   tensor of the input's dtype on the same device, detached from the autograd graph.
+//!   `all_gather` / `reduce_scatter` along `dim ≠ 0` move axes with candle ops around NCCL's
+//!   flat, member-major buffers. Sends copy their tensor, then run on a private side stream that
+//!   waits for the device's stream; `send` returns at once (no wait for the matching `recv`, as
+//!   the `local` backend and the pipeline schedules assume). The copy is held until the send
+//!   completes (polled on later calls and by the watchdog). The one wait a send can have: the
+//!   first send on a direction joins its communicator, which waits for the receiver's first
+//!   `recv` from this rank.
+//! - **Bounded waits.** After enqueueing, the caller polls a CUDA event recorded behind the
+//!   operation: spinning for 1 ms, then sleeping 20 µs doubling to 1 ms, up to the timeout;
+//!   every 200 ms it also checks NCCL's asynchronous error. A timeout records this rank's failure
+//!   and aborts all of its communicators (`ncclCommAbort` ends their kernels) and returns
+//!   [`CommError::Timeout`] naming the whole group but this rank (NCCL cannot tell who is
+//!   late; communicator creation names the members that never arrived). Afterwards every call
+//!   of this rank fails with [`CommError::PeerFailed`] naming it, since the aborted
+//!   communicators are gone.
+//! - **Failure.** [`Comm::abort`] publishes the failure in the store (`nccl/{k}/abort/claim`:
+//!   the first `add` wins and writes `…/rank` and `…/reason`, then bumps `…/count`), records it
+//!   and aborts this rank's communicators. A watchdog thread checks `…/count` every 200 ms
+//!   while this rank communicates (an operation within the last 5 s, or sends or NCCL calls
+//!   pending), every 2 s otherwise, and a call after an idle spell reads it first; once set, the
+//!   recorded rank and reason become this rank's failure, its communicators are aborted, and
+//!   pending and later calls return `PeerFailed` naming that rank. An unreachable store counts
+//!   as the failure of rank 0, which serves it. The watchdog also fails the job when a send or
+//!   an NCCL host call (e.g. a connection setup to a dead peer) outlives the timeout, aborting
+//!   under the stuck call to make it return. Dropping an `NcclComm` waits for its sends and then
+//!   (unless the job failed) for every rank to drop theirs, so the store outlives all traffic.
+//! - **Results.** Identical on all members by construction (NCCL delivers one reduced buffer to
+//!   everyone), but not bit-identical to the `local` backend's member-order sums: NCCL's
+//!   reduction order depends on its algorithm (ring, tree) and on the data size.
+//! - **Limits.** Dtypes u8, u32, i32, i64, f16, bf16, f32, f64 (others: [`CommError::Invalid`];
+//!   `Max` on any of them). NCCL cannot check that members pass matching shapes and dtypes, or
+//!   that a `recv` matches its `send`: a mismatch is undefined (typically a timeout). Sending to
+//!   oneself is not supported. Single-member groups never touch NCCL (results are copies).
+//!
+//! Errors reach callers as `candle_core::Error::Wrapped` holding the [`CommError`].
+
+mod layout;
+mod ops;
+mod raw;
+mod state;
+
+use std::ptr::null;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use candle_core::cuda::cudarc::nccl::{result as nc, sys};
+use candle_core::cuda::CudaDevice;
+use candle_core::{DType, Device, Error, Result, Shape, Tensor};
+
+use super::{Comm, CommError, Group, ReduceOp};
+use crate::store::Store;
+use layout::{instance_key, instance_prefix, CommKey};
+use raw::{alloc, cuda_err, device_addr, nccl_dtype, Fault, Launch, RawComm};
+use state::{Call, Shared, SLOW};
+
+/// One rank's [`Comm`] over NCCL (see the module documentation).
+pub struct NcclComm {
+    shared: Arc<Shared>,
+    watchdog: Option<JoinHandle<()>>,
+}
+
+/// A copy of `t` in fresh storage, detached from the autograd graph.
+fn fresh(t: &Tensor) -> Result<Tensor> {
+    let t = t.detach();
+    if t.is_contiguous() {
+        t.copy()
+    } else {
+        t.contiguous()
+    }
+}
+
+impl NcclComm {
+    /// This rank's communicator in a job of `world_size` ranks, on `device` (one GPU per rank),
+    /// waiting at most `timeout` for any operation.
+    ///
+    /// The launcher has connected `store` to the job's rendezvous store already; it is used for
+    /// communicator set-up and failure notices only. Every rank of the job calls `new`, and ranks
+    /// that create several `NcclComm`s (e.g. a self-test) create them in the same order: the
+    /// `k`-th instance of each rank only meets the `k`-th instances of the others. While a rank
+    /// communicates, an unreachable store counts as the failure of rank 0 (whose process serves
+    /// it), so rank 0 must drop its `NcclComm` before its store server: dropping waits until every
+    /// rank has dropped its own (unless the job failed).
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        mut store: Store,
+        device: CudaDevice,
+        timeout: Duration,
+    ) -> Result<Self> {
+        if rank >= world_size {
+            return Err(Error::msg(format!(
+                "nccl backend: no rank {rank} in a job of {world_size}"
+            )));
+        }
+        let k = store.add(&instance_key(rank), 1).map_err(Error::wrap)?;
+        let prefix = instance_prefix(k - 1);
+        let shared = Arc::new(Shared::new(
+            rank, world_size, timeout, prefix, device, store,
+        ));
+        let watched = shared.clone();
+        let watchdog = std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{rank}"))
+            .spawn(move || watched.watch())
+            .map_err(|e| Error::msg(format!("nccl backend: cannot spawn watchdog: {e}")))?;
+        Ok(Self {
+            shared,
+            watchdog: Some(watchdog),
+        })
+    }
+
+    /// The first failure this rank knows of: the failed rank and its reason.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.shared.failure()
+    }
+
+    /// Waits (bounded by the timeout) until every send of this rank has been received. Call it
+    /// before dropping the communicator: dropping aborts sends still in flight after the timeout.
+    pub fn flush_sends(&self) -> Result<()> {
+        let pending = self
+            .shared
+            .sends
+            .lock()
+            .map(|s| s.iter().map(|p| p.dst).collect());
+        let missing: Vec<usize> = pending.unwrap_or_default();
+        let call = self.call("flush_sends", vec![self.shared.rank], missing);
+        let deadline = Instant::now() + self.shared.timeout;
+        let sh = &self.shared;
+        let out = sh.poll(&call, deadline, SLOW, |_| {
+            if let Some(f) = sh.reap_sends() {
+                sh.fail(sh.rank, f.reason.clone());
+                return Err(call.peer_failed(sh.rank, f.reason));
+            }
+            Ok(sh.sends.lock().map_or(true, |s| s.is_empty()).then_some(()))
+        });
+        out.map_err(Error::wrap)
+    }
+
+    fn call(&self, op: &'static str, group: Vec<usize>, missing: Vec<usize>) -> Call {
+        let me = self.shared.rank;
+        Call {
+            me,
+            op,
+            group,
+            missing,
+        }
+    }
+
+    /// Checks a call on `group` and starts it.
+    fn begin(&self, op: &'static str, group: &Group) -> Result<Call> {
+        let me = self.shared.rank;
+        let missing = group.ranks().iter().copied().filter(|&r| r != me).collect();
+        let call = self.call(op, group.ranks().to_vec(), missing);
+        if group.index_of(me).is_none() {
+            let msg = format!("rank {me} is not a member of the group");
+            return Err(Error::wrap(call.invalid(msg)));
+        }
+        let n = self.shared.world_size;
+        if let Some(&r) = group.ranks().last().filter(|&&r| r >= n) {
+            return Err(Error::wrap(
+                call.invalid(format!("no rank {r} in a job of {n} ranks")),
+            ));
+        }
+        self.start(&call)?;
+        Ok(call)
+    }
+
+    /// Fails `call` if the job has failed or a pending send went wrong; marks activity.
+    fn start(&self, call: &Call) -> Result<()> {
+        let sh = &self.shared;
+        sh.resume(call).map_err(Error::wrap)?;
+        if let Some(f) = sh.reap_sends() {
+            sh.fail(sh.rank, f.reason.clone());
+            let e = if f.timed_out {
+                let pair = vec![sh.rank, f.dst];
+                let secs = sh.timeout.as_secs_f64();
+                let (me, op) = (sh.rank, "send");
+                CommError::Timeout {
+                    me,
+                    op,
+                    group: pair,
+                    secs,
+                    missing: vec![f.dst],
+                }
+            } else {
+                call.peer_failed(sh.rank, f.reason)
+            };
+            return Err(Error::wrap(e));
+        }
+        Ok(())
+    }
+
+    /// NCCL's type for `t`, checking that `t` lives on this rank's device.
+    fn check_tensor(&self, call: &Call, t: &Tensor) -> Result<sys::ncclDataType_t> {
+        let ours = Device::Cuda(self.shared.device.clone());
+        if !t.device().same_device(&ours) {
+            let msg = format!("tensor on {:?}, expected this rank's {ours:?}", t.device());
+            return Err(Error::wrap(call.invalid(msg)));
+        }
+        nccl_dtype(t.dtype()).ok_or_else(|| {
+            Error::wrap(call.invalid(format!("dtype {:?} is not supported by NCCL", t.dtype())))
+        })
+    }
+
+    /// Enqueues `launch` on `comm`, turning NCCL's refusal into the call's error.
+    fn enqueue(
+        &self,
+        call: &Call,
+        comm: &RawComm,
+        launch: impl FnOnce(sys::ncclComm_t) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
+    ) -> Result<()> {
+        let sh = &self.shared;
+        let ctx = sh.stream.context();
+        ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        let e = match sh.host_call(call.op, || comm.call(launch)) {
+            Ok(()) => return Ok(()),
+            Err(Fault::Nccl {
+                usage: true,
+                message,
+            }) => call.invalid(format!("NCCL: {message}")),
+            Err(Fault::Nccl { message, .. }) => {
+                sh.fail(sh.rank, format!("NCCL error in {}: {message}", call.op));
+                let (failed, reason) = sh.failure().unwrap_or((sh.rank, message));
+                call.peer_failed(failed, reason)
+            }
+            Err(Fault::Aborted) => {
+                let aborted = (sh.rank, "NCCL communicator aborted".to_string());
+                let (failed, reason) = sh.failure().unwrap_or(aborted);
+                call.peer_failed(failed, reason)
+            }
+        };
+        Err(Error::wrap(e))
+    }
+
+    /// Runs one operation on the device's stream and waits for it: `input` (made contiguous) is
+    /// NCCL's send buffer (null without), a fresh `shape`/`dtype` tensor its receive buffer.
+    fn run(
+        &self,
+        call: &Call,
+        key: CommKey,
+        input: Option<&Tensor>,
+        shape: Shape,
+        dtype: DType,
+        launch: impl FnOnce(&Launch) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
+    ) -> Result<Tensor> {
+        let sh = &self.shared;
+        let nccl_type = nccl_dtype(dtype).ok_or_else(|| {
+            Error::wrap(call.invalid(format!("dtype {dtype:?} is not supported by NCCL")))
+        })?;
+        let comm = sh.comm(call, &key).map_err(Error::wrap)?;
+        let stream = &sh.stream;
+        let input = input.map(Tensor::contiguous).transpose()?;
+        let out = alloc(&sh.device, shape, dtype)?;
+        let send = match &input {
+            Some(t) => device_addr(t, stream)? as *const _,
+            None => null(),
+        };
+        let recv = device_addr(&out, stream)? as *mut _;
+        let cu_stream = stream.cu_stream() as sys::cudaStream_t;
+        self.enqueue(call, &comm, |c| {
+            launch(&Launch {
+                comm: c,
+                send,
+                recv,
+                dtype: nccl_type,
+                stream: cu_stream,
+            })
+        })?;
+        let done = stream
+            .record_event(None)
+            .map_err(|e| cuda_err("event", e))?;
+        sh.wait_event(call, &done, &comm).map_err(Error::wrap)?;
+        drop(input); // The GPU is done with it.
+        Ok(out)
+    }
+}
+
+/// Runs `f` on `t` where NCCL can reach it: a host tensor (small scalars the trainer reduces on
+/// the CPU) is staged on this rank's GPU and the result brought back to the host.
+fn staged(
+    comm: &NcclComm,
+    t: &Tensor,
+    f: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    if t.device().is_cuda() {
+        return f(t);
+    }
+    let gpu = Device::Cuda(comm.shared.device.clone());
+    f(&t.to_device(&gpu)?)?.to_device(t.device())
+}
+
+impl Comm for NcclComm {
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn all_reduce(&self, group: &Group, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        staged(self, t, |t| self.all_reduce_in(group, t, op, true))
+    }
+
+    fn all_gather(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor> {
+        staged(self, t, |t| self.all_gather_in(group, t, dim, true))
+    }
+
+    fn reduce_scatter(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor> {
+        staged(self, t, |t| self.reduce_scatter_in(group, t, dim, true))
+    }
+
+    fn broadcast(&self, group: &Group, t: &Tensor, root: usize) -> Result<Tensor> {
+        staged(self, t, |t| self.broadcast_in(group, t, root, true))
+    }
+
+    /// Host tensors are staged on the GPU; the receiver gets a GPU tensor.
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        if t.device().is_cuda() {
+            self.send_to(t, dst)
+        } else {
+            self.send_to(
+                &t.to_device(&Device::Cuda(self.shared.device.clone()))?,
+                dst,
+            )
+        }
+    }
+
+    /// The tensor arrives on this rank's GPU.
+    fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        self.recv_from(src, shape, dtype)
+    }
+
+    fn barrier(&self, group: &Group) -> Result<()> {
+        self.barrier_in(group, true)
+    }
+
+    fn abort(&self, reason: &str) {
+        let (failed, reason) = self.shared.publish_abort(reason);
+        self.shared.fail(failed, reason);
+    }
+}
+
+impl Drop for NcclComm {
+    /// Waits (bounded) for this rank's sends to be received, stops the watchdog, and — unless the
+    /// job failed — waits (bounded) until every rank has dropped its `NcclComm`, so that rank 0
+    /// keeps serving the store while other ranks still communicate. Then aborts the
+    /// communicators (never waiting for peers).
+    fn drop(&mut self) {
+        if self.shared.failure().is_none() {
+            let _ = self.flush_sends();
+        }
+        self.shared.stop();
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        if self.shared.failure().is_none() {
+            self.shared.exit_barrier();
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! The operations of [`NcclComm`]: collectives (with or without the single-member shortcut),
+//! point-to-point transfers and the one-GPU self-check.
+
+use std::time::Instant;
+
+use candle_core::cuda::cudarc::nccl::{result as nc, sys};
+use candle_core::{DType, Device, Error, Result, Shape, Tensor};
+
+use super::layout::{gathered, scatter_input, CommKey};
+use super::raw::{cuda_err, device_addr};
+use super::state::PendingSend;
+use super::{fresh, NcclComm};
+use crate::comm::{Group, ReduceOp};
+
+/// The collectives; `copy_single`: answer single-member groups with a copy, without NCCL.
+impl NcclComm {
+    /// Runs `x` through NCCL's all-reduce (sum, then max), all-gather and reduce-scatter (along
+    /// the last dimension) and broadcast, then a barrier, on the group of this rank alone — a
+    /// one-rank NCCL communicator, which the [`Comm`](crate::comm::Comm) methods skip (they
+    /// copy for single-member groups) — and returns the result, equal to `x` when NCCL works.
+    /// For `pretrain selftest` on a single GPU: it exercises the store rendezvous, communicator
+    /// creation, every collective's launch and the bounded waits (not send/recv: two GPUs).
+    pub fn self_check(&self, x: &Tensor) -> Result<Tensor> {
+        let me = Group::new(vec![self.shared.rank]);
+        let dim = x.rank().saturating_sub(1);
+        let y = self.all_reduce_in(&me, x, ReduceOp::Sum, false)?;
+        let y = self.all_reduce_in(&me, &y, ReduceOp::Max, false)?;
+        let y = self.all_gather_in(&me, &y, dim, false)?;
+        let y = self.reduce_scatter_in(&me, &y, dim, false)?;
+        let y = self.broadcast_in(&me, &y, self.shared.rank, false)?;
+        self.barrier_in(&me, false)?;
+        Ok(y)
+    }
+
+    pub(super) fn all_reduce_in(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        op: ReduceOp,
+        copy_single: bool,
+    ) -> Result<Tensor> {
+        let call = self.begin("all_reduce", group)?;
+        if copy_single && group.size() == 1 {
+            return fresh(t);
+        }
+        self.check_tensor(&call, t)?;
+        let red = match op {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        };
+        let (n, key) = (t.elem_count(), CommKey::Group(group.clone()));
+        self.run(
+            &call,
+            key,
+            Some(t),
+            t.shape().clone(),
+            t.dtype(),
+            |l| unsafe {
+                // SAFETY: both buffers hold `n` elements of `l.dtype` on this device.
+                nc::all_reduce(l.send, l.recv, n, l.dtype, red, l.comm, l.stream)
+            },
+        )
+    }
+
+    pub(super) fn all_gather_in(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        dim: usize,
+        copy_single: bool,
+    ) -> Result<Tensor> {
+        let call = self.begin("all_gather", group)?;
+        if dim >= t.rank() {
+            let msg = format!("dim {dim} out of range for shape {:?}", t.shape());
+            return Err(Error::wrap(call.invalid(msg)));
+        }
+        if copy_single && group.size() == 1 {
+            return fresh(t);
+        }
+        self.check_tensor(&call, t)?;
+        let (n, count) = (group.size(), t.elem_count());
+        let key = CommKey::Group(group.clone());
+        let flat = self.run(
+            &call,
+            key,
+            Some(t),
+            (n * count,).into(),
+            t.dtype(),
+            |l| unsafe {
+                // SAFETY: the send buffer holds `count` elements, the receive buffer `n * count`.
+                nc::all_gather(l.send, l.recv, count, l.dtype, l.comm, l.stream)
+            },
+        )?;
+        gathered(&flat, t.dims(), n, dim)
+    }
+
+    pub(super) fn reduce_scatter_in(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        dim: usize,
+        copy_single: bool,
+    ) -> Result<Tensor> {
+        let call = self.begin("reduce_scatter", group)?;
+        let n = group.size();
+        if dim >= t.rank() || !t.dims()[dim].is_multiple_of(n) {
+            let msg = format!("cannot cut {:?} along dim {dim} into {n} chunks", t.shape());
+            return Err(Error::wrap(call.invalid(msg)));
+        }
+        if copy_single && n == 1 {
+            return fresh(t);
+        }
+        self.check_tensor(&call, t)?;
+        let arranged = scatter_input(t, n, dim)?;
+        let mut dims = t.dims().to_vec();
+        dims[dim] /= n;
+        let count = t.elem_count() / n;
+        let key = CommKey::Group(group.clone());
+        self.run(
+            &call,
+            key,
+            Some(&arranged),
+            dims.into(),
+            t.dtype(),
+            |l| unsafe {
+                // SAFETY: the send buffer holds `n * count` elements, the receive buffer `count`.
+                let sum = sys::ncclRedOp_t::ncclSum;
+                nc::reduce_scatter(l.send, l.recv, count, l.dtype, sum, l.comm, l.stream)
+            },
+        )
+    }
+
+    pub(super) fn broadcast_in(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        root: usize,
+        copy_single: bool,
+    ) -> Result<Tensor> {
+        let call = self.begin("broadcast", group)?;
+        let Some(root_index) = group.index_of(root) else {
+            let msg = format!("root {root} is not a member of the group");
+            return Err(Error::wrap(call.invalid(msg)));
+        };
+        if copy_single && group.size() == 1 {
+            return fresh(t);
+        }
+        self.check_tensor(&call, t)?;
+        let input = (root == self.shared.rank).then_some(t);
+        let (n, key) = (t.elem_count(), CommKey::Group(group.clone()));
+        self.run(
+            &call,
+            key,
+            input,
+            t.shape().clone(),
+            t.dtype(),
+            |l| unsafe {
+                // SAFETY: `n` elements each; NCCL reads the send buffer on the root only.
+                nc::broadcast(
+                    l.send,
+                    l.recv,
+                    n,
+                    l.dtype,
+                    root_index as i32,
+                    l.comm,
+                    l.stream,
+                )
+            },
+        )
+    }
+
+    pub(super) fn barrier_in(&self, group: &Group, copy_single: bool) -> Result<()> {
+        let call = self.begin("barrier", group)?;
+        if copy_single && group.size() == 1 {
+            return Ok(());
+        }
+        let one = Tensor::zeros(1, DType::F32, &Device::Cuda(self.shared.device.clone()))?;
+        let key = CommKey::Group(group.clone());
+        self.run(
+            &call,
+            key,
+            Some(&one),
+            (1,).into(),
+            DType::F32,
+            |l| unsafe {
+                // SAFETY: one f32 in each buffer.
+                let sum = sys::ncclRedOp_t::ncclSum;
+                nc::all_reduce(l.send, l.recv, 1, l.dtype, sum, l.comm, l.stream)
+            },
+        )
+        .map(|_| ())
+    }
+
+    /// [`Comm::send`](crate::comm::Comm::send).
+    pub(super) fn send_to(&self, t: &Tensor, dst: usize) -> Result<()> {
+        let sh = &self.shared;
+        let call = self.call("send", vec![sh.rank, dst], vec![dst]);
+        if dst >= sh.world_size || dst == sh.rank {
+            let msg = format!("cannot send to rank {dst} (job of {} ranks)", sh.world_size);
+            return Err(Error::wrap(call.invalid(msg)));
+        }
+        self.start(&call)?;
+        let nccl_type = self.check_tensor(&call, t)?;
+        let key = CommKey::P2p { src: sh.rank, dst };
+        let comm = sh.comm(&call, &key).map_err(Error::wrap)?;
+        let side = sh.side_stream()?;
+        // A copy, so that later in-place updates of `t` are not seen by `dst`.
+        let data = fresh(t)?;
+        let ready = sh
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_err("event", e))?;
+        side.stream()
+            .wait(&ready)
+            .map_err(|e| cuda_err("stream wait", e))?;
+        let addr = device_addr(&data, side.stream())? as *const _;
+        let (count, cu_stream) = (
+            data.elem_count(),
+            side.stream().cu_stream() as sys::cudaStream_t,
+        );
+        self.enqueue(&call, &comm, |c| unsafe {
+            // SAFETY: `data` holds `count` elements and is kept until the send completes.
+            nc::send(addr, count, nccl_type, 1, c, cu_stream)
+        })?;
+        let done = side
+            .stream()
+            .record_event(None)
+            .map_err(|e| cuda_err("event", e))?;
+        let pending = PendingSend {
+            done,
+            _data: data,
+            dst,
+            since: Instant::now(),
+        };
+        sh.sends
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(pending);
+        Ok(())
+    }
+
+    /// [`Comm::recv`](crate::comm::Comm::recv).
+    pub(super) fn recv_from(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        let sh = &self.shared;
+        let call = self.call("recv", vec![src, sh.rank], vec![src]);
+        if src >= sh.world_size || src == sh.rank {
+            let msg = format!(
+                "cannot receive from rank {src} (job of {} ranks)",
+                sh.world_size
+            );
+            return Err(Error::wrap(call.invalid(msg)));
+        }
+        self.start(&call)?;
+        let key = CommKey::P2p { src, dst: sh.rank };
+        let count = shape.elem_count();
+        self.run(&call, key, None, shape.clone(), dtype, |l| unsafe {
+            // SAFETY: the receive buffer holds `count` elements of `l.dtype`.
+            nc::recv(l.recv, count, l.dtype, 0, l.comm, l.stream)
+        })
+    }
+}

@@ -1,0 +1,514 @@
+//! The shared state of one [`NcclComm`](super::NcclComm): its communicators (created lazily
+//! through the store), the job's failure, bounded waits, pending sends and the watchdog thread.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::TryRecvError;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::cuda::cudarc::driver::{CudaEvent, CudaStream};
+use candle_core::cuda::CudaDevice;
+use candle_core::Tensor;
+
+use super::layout::{AbortKeys, CommKey, RendezvousKeys};
+use super::raw::{new_unique_id, spawn_init, RawComm, SideStream};
+use crate::comm::CommError;
+use crate::store::{Store, StoreError};
+
+/// How often waits poll the job's failure record and NCCL's asynchronous errors, and the
+/// watchdog wakes up.
+pub(super) const SLOW_CHECK: Duration = Duration::from_millis(200);
+/// The watchdog polls the store every [`SLOW_CHECK`] while an operation ran within this window.
+const ACTIVE_WINDOW: Duration = Duration::from_secs(5);
+/// ... and this often otherwise, which also keeps the store connection from idling out (the
+/// server drops a connection silent for 4 timeouts, at least 4 s).
+const IDLE_POLL: Duration = Duration::from_secs(2);
+
+/// Pacing of a wait: spin (yielding) for `spin`, then sleep from `first`, doubling up to `max`.
+#[derive(Clone, Copy)]
+pub(super) struct Pace {
+    spin: Duration,
+    first: Duration,
+    max: Duration,
+}
+
+/// Waiting for the GPU: short collectives finish within the spin.
+pub(super) const GPU: Pace = Pace {
+    spin: Duration::from_millis(1),
+    first: Duration::from_micros(20),
+    max: Duration::from_millis(1),
+};
+/// Waiting on the store or a helper thread: gentle on the store server.
+pub(super) const SLOW: Pace = Pace {
+    spin: Duration::ZERO,
+    first: Duration::from_millis(2),
+    max: Duration::from_millis(50),
+};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The caller, operation and ranks of one call, for building its errors.
+pub(super) struct Call {
+    pub me: usize,
+    pub op: &'static str,
+    pub group: Vec<usize>,
+    /// The ranks to name if the call times out.
+    pub missing: Vec<usize>,
+}
+
+impl Call {
+    pub(super) fn invalid(&self, message: String) -> CommError {
+        let (me, op, group) = (self.me, self.op, self.group.clone());
+        CommError::Invalid {
+            me,
+            op,
+            group,
+            message,
+        }
+    }
+
+    pub(super) fn peer_failed(&self, failed: usize, reason: String) -> CommError {
+        let (me, op, group) = (self.me, self.op, self.group.clone());
+        CommError::PeerFailed {
+            me,
+            op,
+            group,
+            failed,
+            reason,
+        }
+    }
+
+    fn timeout(&self, after: Duration, missing: Vec<usize>) -> CommError {
+        let (me, op, group) = (self.me, self.op, self.group.clone());
+        let secs = after.as_secs_f64();
+        CommError::Timeout {
+            me,
+            op,
+            group,
+            secs,
+            missing,
+        }
+    }
+}
+
+/// A send enqueued on the side stream and not yet known to be complete. Holds the sent copy so
+/// that its memory is not reused before NCCL has read it.
+pub(super) struct PendingSend {
+    pub done: CudaEvent,
+    /// Kept alive (never read) until `done`.
+    pub _data: Tensor,
+    pub dst: usize,
+    pub since: Instant,
+}
+
+/// A pending send that failed or outlived the timeout.
+pub(super) struct SendFault {
+    pub dst: usize,
+    pub reason: String,
+    pub timed_out: bool,
+}
+
+/// State shared by the calling threads and the watchdog. Field order is drop order:
+/// communicators are aborted before pending sends and the side stream go.
+pub(super) struct Shared {
+    pub rank: usize,
+    pub world_size: usize,
+    pub timeout: Duration,
+    /// Store key prefix of this `NcclComm` instance.
+    pub prefix: String,
+    pub device: CudaDevice,
+    pub stream: Arc<CudaStream>,
+    pub comms: Mutex<HashMap<CommKey, Arc<RawComm>>>,
+    /// Serialises communicator creation on this rank.
+    creating: Mutex<()>,
+    pub sends: Mutex<VecDeque<PendingSend>>,
+    side: Mutex<Option<Arc<SideStream>>>,
+    store: Mutex<Store>,
+    failure: Mutex<Option<(usize, String)>>,
+    failed: AtomicBool,
+    /// NCCL host calls in progress: id -> (start, op).
+    host_calls: Mutex<HashMap<u64, (Instant, &'static str)>>,
+    next_call: AtomicU64,
+    epoch: Instant,
+    last_active_ms: AtomicU64,
+    stop: Mutex<bool>,
+    stop_cv: Condvar,
+}
+
+impl Shared {
+    pub(super) fn new(
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        prefix: String,
+        device: CudaDevice,
+        store: Store,
+    ) -> Self {
+        let stream = device.cuda_stream();
+        Self {
+            rank,
+            world_size,
+            timeout,
+            prefix,
+            device,
+            stream,
+            comms: Mutex::new(HashMap::new()),
+            creating: Mutex::new(()),
+            sends: Mutex::new(VecDeque::new()),
+            side: Mutex::new(None),
+            store: Mutex::new(store),
+            failure: Mutex::new(None),
+            failed: AtomicBool::new(false),
+            host_calls: Mutex::new(HashMap::new()),
+            next_call: AtomicU64::new(0),
+            epoch: Instant::now(),
+            last_active_ms: AtomicU64::new(0),
+            stop: Mutex::new(false),
+            stop_cv: Condvar::new(),
+        }
+    }
+
+    /// The first failure this rank knows of: the failed rank and its reason.
+    pub(super) fn failure(&self) -> Option<(usize, String)> {
+        if !self.failed.load(Ordering::SeqCst) {
+            return None;
+        }
+        lock(&self.failure).clone()
+    }
+
+    /// Records a failure (the first one is kept) and aborts every communicator of this rank, so
+    /// that pending operations end and later ones fail.
+    pub(super) fn fail(&self, rank: usize, reason: String) {
+        lock(&self.failure).get_or_insert((rank, reason));
+        self.failed.store(true, Ordering::SeqCst);
+        let comms: Vec<_> = lock(&self.comms).values().cloned().collect();
+        comms.iter().for_each(|c| c.abort());
+    }
+
+    /// The job's failure as an error of `call`, if any.
+    pub(super) fn check(&self, call: &Call) -> Result<(), CommError> {
+        match self.failure() {
+            Some((failed, reason)) => Err(call.peer_failed(failed, reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks this rank as communicating now (the watchdog polls the store while it is).
+    pub(super) fn touch(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.last_active_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Time since this rank last communicated.
+    fn idle(&self) -> Duration {
+        let now_ms = self.epoch.elapsed().as_millis() as u64;
+        Duration::from_millis(now_ms.saturating_sub(self.last_active_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Starts an operation: if the watchdog has not been polling the store (this rank was idle),
+    /// reads the failure record first, so that an abort during the idle time fails this call.
+    pub(super) fn resume(&self, call: &Call) -> Result<(), CommError> {
+        if self.failure().is_none() && self.idle() >= ACTIVE_WINDOW {
+            if let Some((rank, reason)) = self.poll_store() {
+                self.fail(rank, reason);
+            }
+        }
+        self.touch();
+        self.check(call)
+    }
+
+    /// Runs an NCCL host call, registered so that the watchdog aborts it if it blocks.
+    pub(super) fn host_call<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
+        let id = self.next_call.fetch_add(1, Ordering::Relaxed);
+        lock(&self.host_calls).insert(id, (Instant::now(), op));
+        let out = f();
+        lock(&self.host_calls).remove(&id);
+        out
+    }
+
+    /// Runs a store request; an unreachable store fails the job (it is served by rank 0).
+    pub(super) fn store_op<T>(
+        &self,
+        call: &Call,
+        f: impl FnOnce(&mut Store) -> Result<T, StoreError>,
+    ) -> Result<T, CommError> {
+        let out = f(&mut lock(&self.store));
+        out.map_err(|e| {
+            let reason = format!("rendezvous store unreachable: {e}");
+            self.fail(0, reason.clone());
+            call.peer_failed(0, reason)
+        })
+    }
+
+    /// Polls `ready` until it yields a value, the job fails, or `deadline` passes (then the
+    /// failure is recorded, every communicator aborted, and `call` times out naming
+    /// `call.missing`). `ready` is told when a slow check (every [`SLOW_CHECK`]) is due.
+    pub(super) fn poll<T>(
+        &self,
+        call: &Call,
+        deadline: Instant,
+        pace: Pace,
+        mut ready: impl FnMut(bool) -> Result<Option<T>, CommError>,
+    ) -> Result<T, CommError> {
+        let start = Instant::now();
+        let (mut pause, mut next_slow) = (pace.first, start + SLOW_CHECK);
+        loop {
+            let now = Instant::now();
+            let slow = now >= next_slow;
+            if slow {
+                next_slow = now + SLOW_CHECK;
+                self.touch();
+            }
+            if let Some(v) = ready(slow)? {
+                return Ok(v);
+            }
+            self.check(call)?;
+            if now >= deadline {
+                let e = call.timeout(self.timeout, call.missing.clone());
+                self.fail(self.rank, e.to_string());
+                return Err(e);
+            }
+            if now - start < pace.spin {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause.min(deadline - now));
+                pause = (pause * 2).min(pace.max);
+            }
+        }
+    }
+
+    /// Waits until the GPU has passed `done` (recorded after an operation on `comm`).
+    pub(super) fn wait_event(
+        &self,
+        call: &Call,
+        done: &CudaEvent,
+        comm: &RawComm,
+    ) -> Result<(), CommError> {
+        let me = self.rank;
+        let deadline = Instant::now() + self.timeout;
+        self.poll(call, deadline, GPU, |slow| {
+            let failed = |reason: String| {
+                self.fail(me, reason.clone());
+                let (failed, reason) = self.failure().unwrap_or((me, reason));
+                Err(call.peer_failed(failed, reason))
+            };
+            match done.try_is_complete() {
+                // An aborted communicator's operation completes without a valid result.
+                Ok(true) if comm.is_aborted() => failed("NCCL communicator aborted".into()),
+                Ok(true) => Ok(Some(())),
+                Ok(false) if slow => match comm.async_error() {
+                    Some(e) => failed(format!("NCCL error in {}: {e}", call.op)),
+                    None => Ok(None),
+                },
+                Ok(false) => Ok(None),
+                Err(e) => failed(format!("CUDA error in {}: {e}", call.op)),
+            }
+        })
+    }
+
+    /// This rank's communicator for `key`, created on first use: member 0 publishes a fresh NCCL
+    /// id, every member announces itself, waits (bounded) for all the others, then joins.
+    pub(super) fn comm(&self, call: &Call, key: &CommKey) -> Result<Arc<RawComm>, CommError> {
+        if let Some(c) = lock(&self.comms).get(key) {
+            return Ok(c.clone());
+        }
+        let _creating = lock(&self.creating);
+        if let Some(c) = lock(&self.comms).get(key) {
+            return Ok(c.clone());
+        }
+        let deadline = Instant::now() + self.timeout;
+        let members = key.members();
+        let (size, me) = (members.len(), self.rank);
+        let index = members.iter().position(|&r| r == me).unwrap_or(0);
+        let base = key.store_base(&self.prefix);
+        let keys = RendezvousKeys::new(&base);
+        let nccl_failed = |what: &str, message: String| {
+            let reason = format!("NCCL {what} for {key:?} failed: {message}");
+            self.fail(me, reason.clone());
+            call.peer_failed(me, reason)
+        };
+        if index == 0 {
+            let id = new_unique_id().map_err(|m| nccl_failed("unique id", m))?;
+            self.store_op(call, |s| s.set(&keys.id, &id))?;
+        }
+        self.store_op(call, |s| {
+            s.add(&RendezvousKeys::here(&base, me), 1)?;
+            s.add(&keys.count, 1)
+        })?;
+        self.touch();
+        let arrived = self.poll(call, deadline, SLOW, |_| {
+            let n = self.store_op(call, |s| s.add(&keys.count, 0))?;
+            Ok((n as usize >= size).then_some(()))
+        });
+        if let Err(CommError::Timeout { .. }) = arrived {
+            // Name the members that never arrived, rather than the whole group.
+            let absent = |&r: &usize| {
+                let n = self.store_op(call, |s| s.add(&RendezvousKeys::here(&base, r), 0));
+                n.map_or(true, |n| n == 0)
+            };
+            let missing = members.iter().copied().filter(absent).collect();
+            return Err(call.timeout(self.timeout, missing));
+        }
+        arrived?;
+        let id = self.store_op(call, |s| s.get(&keys.id))?;
+        let id = <[u8; 128]>::try_from(id.as_slice())
+            .map_err(|_| call.invalid(format!("malformed NCCL id of {key:?} in the store")))?;
+        let ctx = self.stream.context().clone();
+        let rx =
+            spawn_init(ctx, id, index, size).map_err(|e| nccl_failed("init", e.to_string()))?;
+        let made = self.poll(call, deadline, SLOW, |_| match rx.try_recv() {
+            Ok(made) => Ok(Some(made)),
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Disconnected) => Ok(Some(Err("init thread died".into()))),
+        })?;
+        let comm = Arc::new(made.map_err(|m| nccl_failed("init", m))?);
+        let mut comms = lock(&self.comms);
+        if let Some((failed, reason)) = self.failure() {
+            drop(comms);
+            comm.abort();
+            return Err(call.peer_failed(failed, reason));
+        }
+        comms.insert(key.clone(), comm.clone());
+        Ok(comm)
+    }
+
+    /// Drops completed sends; reports the first one that failed or outlived the timeout (once
+    /// the job has failed, only drops completed ones).
+    pub(super) fn reap_sends(&self) -> Option<SendFault> {
+        let failed = self.failure().is_some();
+        let mut sends = lock(&self.sends);
+        let mut fault = None;
+        sends.retain(|s| match s.done.try_is_complete() {
+            Ok(true) => false,
+            Ok(false) if failed || fault.is_some() || s.since.elapsed() < self.timeout => true,
+            Ok(false) => {
+                let secs = self.timeout.as_secs_f64();
+                let reason = format!("send to rank {} not received within {secs:.1}s", s.dst);
+                fault = Some(SendFault {
+                    dst: s.dst,
+                    reason,
+                    timed_out: true,
+                });
+                true
+            }
+            Err(_) if failed => false,
+            Err(e) => {
+                let reason = format!("CUDA error in send to rank {}: {e}", s.dst);
+                fault.get_or_insert(SendFault {
+                    dst: s.dst,
+                    reason,
+                    timed_out: false,
+                });
+                false
+            }
+        });
+        fault
+    }
+
+    /// Reads the job's failure record from the store: `(rank, reason)` once some rank aborted.
+    fn poll_store(&self) -> Option<(usize, String)> {
+        let keys = AbortKeys::new(&self.prefix);
+        let mut store = lock(&self.store);
+        let read = |store: &mut Store| -> Result<Option<(usize, String)>, StoreError> {
+            if store.add(&keys.count, 0)? == 0 {
+                return Ok(None);
+            }
+            let rank = String::from_utf8_lossy(&store.get(&keys.rank)?)
+                .parse()
+                .unwrap_or(0);
+            let reason = String::from_utf8_lossy(&store.get(&keys.reason)?).into_owned();
+            Ok(Some((rank, reason)))
+        };
+        read(&mut store).unwrap_or_else(|e| Some((0, format!("rendezvous store unreachable: {e}"))))
+    }
+
+    /// Publishes this rank's failure unless another rank's was published first; returns the
+    /// job's first failure (this one if the store cannot be reached).
+    pub(super) fn publish_abort(&self, reason: &str) -> (usize, String) {
+        let keys = AbortKeys::new(&self.prefix);
+        let mine = (self.rank, reason.to_string());
+        let mut store = lock(&self.store);
+        let publish = |store: &mut Store| -> Result<(usize, String), StoreError> {
+            if store.add(&keys.claim, 1)? == 1 {
+                store.set(&keys.rank, self.rank.to_string().as_bytes())?;
+                store.set(&keys.reason, reason.as_bytes())?;
+                store.add(&keys.count, 1)?;
+                return Ok(mine.clone());
+            }
+            let rank = String::from_utf8_lossy(&store.get(&keys.rank)?).parse();
+            let reason = String::from_utf8_lossy(&store.get(&keys.reason)?).into_owned();
+            Ok(rank.map_or(mine.clone(), |rank| (rank, reason)))
+        };
+        publish(&mut store).unwrap_or(mine)
+    }
+
+    /// The watchdog: until stopped, every [`SLOW_CHECK`] drops completed sends, fails the job on
+    /// a send or NCCL host call outliving the timeout, and polls the store for another rank's
+    /// abort (every [`IDLE_POLL`] only, while this rank does not communicate).
+    pub(super) fn watch(&self) {
+        let _ = self.stream.context().bind_to_thread();
+        let mut polled = Instant::now();
+        loop {
+            {
+                let stop = lock(&self.stop);
+                let (stop, _) = self
+                    .stop_cv
+                    .wait_timeout_while(stop, SLOW_CHECK, |s| !*s)
+                    .unwrap_or_else(|e| e.into_inner());
+                if *stop {
+                    return;
+                }
+            }
+            if let Some(f) = self.reap_sends() {
+                self.fail(self.rank, f.reason);
+            }
+            if self.failure().is_some() {
+                continue;
+            }
+            let stuck = lock(&self.host_calls)
+                .values()
+                .find(|(since, _)| since.elapsed() >= self.timeout)
+                .map(|&(_, op)| op);
+            if let Some(op) = stuck {
+                let secs = self.timeout.as_secs_f64();
+                self.fail(
+                    self.rank,
+                    format!("NCCL {op} call blocked for over {secs:.1}s"),
+                );
+                continue;
+            }
+            let busy = !lock(&self.sends).is_empty() || !lock(&self.host_calls).is_empty();
+            if busy || self.idle() < ACTIVE_WINDOW || polled.elapsed() >= IDLE_POLL {
+                polled = Instant::now();
+                if let Some((rank, reason)) = self.poll_store() {
+                    self.fail(rank, reason);
+                }
+            }
+        }
+    }
+
+    /// The stream sends run on, created on first use.
+    pub(super) fn side_stream(&self) -> candle_core::Result<Arc<SideStream>> {
+        let mut side = lock(&self.side);
+        if let Some(s) = &*side {
+            return Ok(s.clone());
+        }
+        let made = Arc::new(SideStream::new(self.stream.context())?);
+        Ok(side.insert(made).clone())
+    }
+
+    /// Waits (bounded by the store's timeout) until every rank of the job has called this.
+    pub(super) fn exit_barrier(&self) {
+        let name = format!("{}/exit", self.prefix);
+        let _ = lock(&self.store).barrier(&name, self.world_size);
+    }
+
+    /// Asks the watchdog to return.
+    pub(super) fn stop(&self) {
+        *lock(&self.stop) = true;
+        self.stop_cv.notify_all();
+    }
+}
