@@ -17,7 +17,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::ffi::OsString;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,12 +62,8 @@ fn free_port() -> Result<u16> {
 
 /// A token no other job will present.
 fn random_token() -> String {
-    let mut h = RandomState::new().build_hasher();
-    (std::process::id(), Instant::now()).hash(&mut h);
-    let a = h.finish();
-    let mut h = RandomState::new().build_hasher();
-    a.hash(&mut h);
-    format!("{a:016x}{:016x}", h.finish())
+    let a = RandomState::new().hash_one((std::process::id(), Instant::now()));
+    format!("{a:016x}{:016x}", RandomState::new().hash_one(a))
 }
 
 /// The token every process of a job agrees on without talking (see the module header).
