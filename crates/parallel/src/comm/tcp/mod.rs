@@ -34,7 +34,13 @@ use candle_core::{DType, Error, Result, Shape, Tensor};
 use super::collective::{compute, Kind};
 use super::{Comm, CommError, Group, ReduceOp};
 use crate::store::Store;
-use wire::{decode, encode, read_frame, signature, write_frame, FrameKind};
+use wire::{decode, encode, read_frame, read_frame_bounded, signature, write_frame, FrameKind};
+
+/// How long an accepted connection may take to greet.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Largest greeting accepted (the token); checked before anything is allocated.
+const HELLO_MAX: u64 = 4096;
 
 /// Inbox key: `(sender, group id, sequence number)`.
 type Key = (usize, u64, u64);
@@ -386,9 +392,11 @@ fn accept_higher(
                 let greeted = s
                     .set_nonblocking(false)
                     .and_then(|_| {
-                        s.set_read_timeout(Some((deadline - now).max(Duration::from_millis(100))))
+                        // Peers greet at once; a silent stranger must not hold up the others.
+                        let wait = (deadline - now).min(HELLO_TIMEOUT);
+                        s.set_read_timeout(Some(wait.max(Duration::from_millis(100))))
                     })
-                    .and_then(|_| read_frame(&mut s));
+                    .and_then(|_| read_frame_bounded(&mut s, HELLO_MAX));
                 if let Ok(f) = greeted {
                     let peer = f.seq as usize;
                     let valid = f.kind == FrameKind::Hello

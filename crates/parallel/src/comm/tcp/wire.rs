@@ -63,6 +63,11 @@ pub fn write_frame(
 
 /// Reads one frame; errors on an unknown kind or an oversized payload.
 pub fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
+    read_frame_bounded(r, MAX_PAYLOAD)
+}
+
+/// Reads one frame whose payload may be at most `max` bytes (checked before allocating).
+pub fn read_frame_bounded(r: &mut impl Read, max: u64) -> std::io::Result<Frame> {
     let mut header = [0u8; 26];
     r.read_exact(&mut header)?;
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
@@ -75,10 +80,8 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
     };
     let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().unwrap_or([0; 8]));
     let len = word(18);
-    if len > MAX_PAYLOAD {
-        return Err(bad(format!(
-            "frame payload of {len} bytes exceeds {MAX_PAYLOAD}"
-        )));
+    if len > max {
+        return Err(bad(format!("frame payload of {len} bytes exceeds {max}")));
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload)?;
@@ -193,6 +196,9 @@ mod tests {
         header[18..26].copy_from_slice(&u64::MAX.to_le_bytes());
         let e = read_frame(&mut header.as_slice()).unwrap_err();
         assert!(e.to_string().contains("exceeds"), "{e}");
+        header[18..26].copy_from_slice(&5000u64.to_le_bytes());
+        let e = read_frame_bounded(&mut header.as_slice(), 4096).unwrap_err();
+        assert!(e.to_string().contains("5000 bytes exceeds 4096"), "{e}");
         assert!(decode(&[6, 1, 5, 0, 0, 0, 0, 0, 0, 0, 1, 2], &Device::Cpu).is_err());
         assert!(decode(&[42], &Device::Cpu).is_err());
     }
