@@ -47,13 +47,12 @@ template <typename A, int DMAX> struct Cfg {
   static_assert(TILE % BS == 0 && L <= 32, "bad geometry");
 };
 
-extern __shared__ __align__(16) unsigned char attn_smem[];
+DYNAMIC_SMEM(attn_smem);
 
 // Traps unless the block has `threads` threads and at least `bytes` of dynamic shared memory, so
 // a launch that disagrees with the kernel's geometry fails loudly instead of corrupting memory.
 __device__ __forceinline__ void check_launch(unsigned threads, unsigned bytes) {
-  unsigned have;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+  const unsigned have = dyn_smem_bytes();
   if (blockDim.x != threads || have < bytes) __trap();
 }
 

@@ -28,6 +28,21 @@ __device__ __forceinline__ double log_acc(double x) { return log(x); }
 __device__ __forceinline__ float sqrt_acc(float x) { return sqrtf(x); }
 __device__ __forceinline__ double sqrt_acc(double x) { return sqrt(x); }
 
+// The block's dynamic shared memory: DYNAMIC_SMEM(name) declares it as the 16-byte aligned byte
+// array `name`; dyn_smem_bytes() is its size as launched. Under PRETRAIN_CUDA_EMULATION (the CPU
+// test harness, kernels/emulation/shim.h) both come from the emulated launch instead.
+#ifdef PRETRAIN_CUDA_EMULATION
+#define DYNAMIC_SMEM(NAME) static unsigned char* const& NAME = emu::dyn_smem
+__device__ __forceinline__ unsigned dyn_smem_bytes() { return emu::dyn_smem_size; }
+#else
+#define DYNAMIC_SMEM(NAME) extern __shared__ __align__(16) unsigned char NAME[]
+__device__ __forceinline__ unsigned dyn_smem_bytes() {
+  unsigned bytes;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+#endif
+
 template <typename A> __device__ __forceinline__ A neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
 template <> __device__ __forceinline__ double neg_inf<double>() { return -INFINITY; }

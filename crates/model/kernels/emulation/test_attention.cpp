@@ -1,0 +1,231 @@
+// Emulation driver of kernels/attention.cu: attn_fwd, attn_bwd_delta, attn_bwd_dq and
+// attn_bwd_dkv for f32, f64 and bf16 over head dims in every bucket (64, 128, 256), several
+// lengths (one and several query/key tiles), batch sizes and GQA groups, with the launch shapes
+// and argument order of src/ops/cuda/attention.rs, compared with a naive double-precision causal
+// attention; plus the kernels' own launch checks (they must trap on a wrong block size or too
+// little shared memory) and the tile geometry table that attention.rs's unit test pins.
+#include "shim.h"
+// The kernels under test, unchanged.
+#include "../attention.cu"
+#include "harness.h"
+
+using namespace harness;
+
+namespace {
+
+// attention.rs: THREADS, `Geometry::new`, `kv_smem`, `qdo_smem` and `blocks`.
+constexpr unsigned THREADS = 128;
+
+struct Geometry {
+  size_t dmax, rows, keys, tile, ld, acc;
+  unsigned kv_smem() const { return (unsigned)(2 * tile * ld * acc); }
+  unsigned qdo_smem() const { return (unsigned)((2 * tile * ld + 2 * tile) * acc); }
+};
+
+Geometry geometry(size_t d, size_t acc) {
+  const size_t dmax = d <= 64 ? 64 : d <= 128 ? 128 : 256;  // d in 1..=256
+  const size_t lanes = std::max<size_t>(dmax * acc / 64, 8);
+  const size_t per_lane = dmax / lanes, groups = THREADS / lanes;
+  const size_t ri = 128 / (per_lane * acc), rj = std::max<size_t>(ri / 2, 1);
+  const size_t chunk = lanes * (16 / acc);
+  return Geometry{dmax, groups * ri, groups * rj, 16384 / (dmax * acc), (d + chunk - 1) / chunk * chunk, acc};
+}
+
+size_t blocks(size_t units, size_t s, size_t per_block) { return units * ((s + per_block - 1) / per_block); }
+
+// The kernel `<NAME>_d<dmax>_<dtype>` attention.rs picks for geometry bucket `dmax`.
+#define BUCKET(T, NAME, DMAX)                                      \
+  ((DMAX) == 64 ? KERNEL(T, NAME##_d64) : (DMAX) == 128 ? KERNEL(T, NAME##_d128) \
+                                                        : KERNEL(T, NAME##_d256))
+
+// The (d, acc, rows, keys, tile, ld) table of `geometry_matches_kernels` in attention.rs, against
+// Cfg<A, DMAX> of the kernel file: with that Rust test (table == Geometry), Geometry == Cfg.
+template <typename A, int DMAX> bool cfg_is(size_t d, size_t rows, size_t keys, size_t tile, size_t ld) {
+  typedef Cfg<A, DMAX> C;
+  return (size_t)(C::GROUPS * C::RI) == rows && (size_t)(C::GROUPS * C::RJ) == keys &&
+         (size_t)C::TILE == tile && (size_t)round_up((int)d, C::CHUNK) == ld;
+}
+void check_geometry_table() {
+  const bool ok = cfg_is<float, 64>(64, 64, 32, 64, 64) && cfg_is<float, 128>(128, 32, 16, 32, 128) &&
+                  cfg_is<float, 128>(80, 32, 16, 32, 96) && cfg_is<float, 256>(256, 16, 8, 16, 256) &&
+                  cfg_is<float, 256>(200, 16, 8, 16, 256) && cfg_is<double, 64>(64, 32, 16, 32, 64) &&
+                  cfg_is<double, 64>(8, 32, 16, 32, 16) && cfg_is<double, 128>(128, 16, 8, 16, 128) &&
+                  cfg_is<double, 256>(256, 8, 4, 8, 256);
+  bool mirror = true;  // this driver's Geometry against Cfg, for every bucket and accumulator
+  for (size_t d : {1, 8, 17, 40, 64, 65, 80, 128, 129, 200, 250, 256}) {
+    const Geometry gf = geometry(d, 4), gd = geometry(d, 8);
+    mirror = mirror && (gf.dmax == 64    ? cfg_is<float, 64>(d, gf.rows, gf.keys, gf.tile, gf.ld)
+                        : gf.dmax == 128 ? cfg_is<float, 128>(d, gf.rows, gf.keys, gf.tile, gf.ld)
+                                         : cfg_is<float, 256>(d, gf.rows, gf.keys, gf.tile, gf.ld));
+    mirror = mirror && (gd.dmax == 64    ? cfg_is<double, 64>(d, gd.rows, gd.keys, gd.tile, gd.ld)
+                        : gd.dmax == 128 ? cfg_is<double, 128>(d, gd.rows, gd.keys, gd.tile, gd.ld)
+                                         : cfg_is<double, 256>(d, gd.rows, gd.keys, gd.tile, gd.ld));
+  }
+  expect(ok, "attention Cfg<A, DMAX> matches the table of attention.rs geometry_matches_kernels");
+  expect(mirror, "attention Geometry (attention.rs) matches Cfg<A, DMAX> for d in 1..=256");
+}
+
+template <typename T>
+void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t seed, bool launch_checks) {
+  typedef typename Acc<T>::type A;
+  const Geometry geo = geometry(d, sizeof(A));
+  const A sc = (A)(1.3 / std::sqrt((double)d));  // `T::acc(scale)`
+  const double scale = (double)sc;
+  const size_t nq = b * s * hq * d, nkv = b * s * hkv * d, nl = b * hq * s, group = hq / hkv;
+  const std::string tag = format("%s d=%zu (bucket %zu) b=%zu s=%zu hq=%zu hkv=%zu", type_name<T>(),
+                                 d, geo.dmax, b, s, hq, hkv);
+  Rng rng(seed);
+  Buffer<T> q(nq, "q"), k(nkv, "k"), v(nkv, "v"), dout(nq, "dout");
+  fill_normal(q, rng);
+  fill_normal(k, rng);
+  fill_normal(v, rng);
+  fill_normal(dout, rng);
+
+  // Reference, in double from the stored inputs: P = softmax(scale Q K^T) (causal) per row.
+  auto at = [&](const Buffer<T>& x, size_t heads, size_t bi, size_t p, size_t h, size_t c) {
+    return tod(x[((bi * s + p) * heads + h) * d + c]);
+  };
+  auto probs = [&](size_t bi, size_t h, size_t i, std::vector<double>& p) -> double {  // lse
+    const size_t g = h / group;
+    p.assign(i + 1, 0.0);
+    double mx = -INFINITY, sum = 0;
+    for (size_t j = 0; j <= i; ++j) {
+      double a = 0;
+      for (size_t c = 0; c < d; ++c) a += at(q, hq, bi, i, h, c) * at(k, hkv, bi, j, g, c);
+      p[j] = a * scale;
+      mx = std::max(mx, p[j]);
+    }
+    for (size_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+    for (size_t j = 0; j <= i; ++j) p[j] /= sum;
+    return mx + std::log(sum);
+  };
+  // Forward: out = P V, lse; `mag_out` = max |P| |V| (out's scale).
+  std::vector<double> ro(nq), rl(nl), p;
+  double mag_out = 0;
+  for (size_t bi = 0; bi < b; ++bi)
+    for (size_t h = 0; h < hq; ++h)
+      for (size_t i = 0; i < s; ++i) {
+        rl[(bi * hq + h) * s + i] = probs(bi, h, i, p);
+        for (size_t c = 0; c < d; ++c) {
+          double o = 0, a = 0;
+          for (size_t j = 0; j <= i; ++j) {
+            o += p[j] * at(v, hkv, bi, j, h / group, c);
+            a += p[j] * std::fabs(at(v, hkv, bi, j, h / group, c));
+          }
+          ro[((bi * s + i) * hq + h) * d + c] = o;
+          mag_out = std::max(mag_out, a);
+        }
+      }
+
+  // attention.rs `fwd`: grid(blocks(b hq, s, rows), THREADS, kv_smem), kernel attn_fwd_d<dmax>.
+  const Shape fwd_shape = grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
+  Buffer<T> out(nq, "out");
+  Buffer<A> lse(nl, "lse");
+  auto fwd = [&] {
+    BUCKET(T, attn_fwd, geo.dmax)(q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b,
+                                  (int)s, (int)hq, (int)hkv, (int)d, sc);
+  };
+  if (!run(format("attn_fwd_d%zu_%s", geo.dmax, type_name<T>()), fwd_shape, fwd)) return;
+  const double t = tol<T>();
+  compare("attn_fwd " + tag + " out", read(out), ro, t, mag_out);
+  std::vector<double> got(lse.data(), lse.data() + nl);
+  compare("attn_fwd " + tag + " lse", got, rl, tol<A>());
+
+  // attention.rs `bwd`: delta with grid(blocks(1, b s hq, THREADS / 32), THREADS, 0). The
+  // backward's delta is by design sum_c dO O over the stored (for bf16: rounded) output, as in
+  // FlashAttention; the reference uses the same, from the forward kernel's `out`.
+  Buffer<A> delta(nl, "delta");
+  if (!run(format("attn_bwd_delta_%s", type_name<T>()), grid(blocks(1, b * s * hq, THREADS / 32), THREADS, 0), [&] {
+        KERNEL(T, attn_bwd_delta)(out.data(), dout.data(), delta.data(), (int)b, (int)s, (int)hq, (int)d);
+      }))
+    return;
+  std::vector<double> rdelta(nl);
+  double mag_delta = 0;
+  for (size_t bi = 0; bi < b; ++bi)
+    for (size_t pos = 0; pos < s; ++pos)
+      for (size_t h = 0; h < hq; ++h) {
+        double a = 0, m = 0;
+        for (size_t c = 0; c < d; ++c) {
+          a += at(dout, hq, bi, pos, h, c) * at(out, hq, bi, pos, h, c);
+          m += std::fabs(at(dout, hq, bi, pos, h, c) * at(out, hq, bi, pos, h, c));
+        }
+        rdelta[(bi * hq + h) * s + pos] = a;
+        mag_delta = std::max(mag_delta, m);
+      }
+  got.assign(delta.data(), delta.data() + nl);
+  compare("attn_bwd_delta " + tag + " delta", got, rdelta, tol<A>(), mag_delta);
+
+  // Backward reference: dP = dO V^T, dS = P (dP - delta) scale, dQ = dS K, dK = dS^T Q,
+  // dV = P^T dO. The scales of dQ and dK: the largest sum over the terms of
+  // P (|dP| + |delta|) scale |K| (resp. |Q|), which their rounding errors are proportional to.
+  std::vector<double> rdq(nq, 0.0), rdk(nkv, 0.0), rdv(nkv, 0.0), adq(nq, 0.0), adk(nkv, 0.0), adv(nkv, 0.0);
+  for (size_t bi = 0; bi < b; ++bi)
+    for (size_t h = 0; h < hq; ++h) {
+      const size_t g = h / group;
+      for (size_t i = 0; i < s; ++i) {
+        probs(bi, h, i, p);
+        const double dl = rdelta[(bi * hq + h) * s + i];
+        for (size_t j = 0; j <= i; ++j) {
+          double dp = 0;
+          for (size_t c = 0; c < d; ++c) dp += at(dout, hq, bi, i, h, c) * at(v, hkv, bi, j, g, c);
+          const double ds = p[j] * (dp - dl) * scale, as = p[j] * (std::fabs(dp) + std::fabs(dl)) * scale;
+          for (size_t c = 0; c < d; ++c) {
+            const size_t iq = ((bi * s + i) * hq + h) * d + c, ik = ((bi * s + j) * hkv + g) * d + c;
+            rdq[iq] += ds * at(k, hkv, bi, j, g, c);
+            adq[iq] += as * std::fabs(at(k, hkv, bi, j, g, c));
+            rdk[ik] += ds * at(q, hq, bi, i, h, c);
+            adk[ik] += as * std::fabs(at(q, hq, bi, i, h, c));
+            rdv[ik] += p[j] * at(dout, hq, bi, i, h, c);
+            adv[ik] += p[j] * std::fabs(at(dout, hq, bi, i, h, c));
+          }
+        }
+      }
+    }
+  auto max_of = [](const std::vector<double>& x) { return x.empty() ? 0.0 : *std::max_element(x.begin(), x.end()); };
+
+  // dQ: grid(blocks(b hq, s, rows), THREADS, kv_smem); dK/dV: grid(blocks(b hkv, s, keys),
+  // THREADS, qdo_smem); both write the flat [nq + 2 nkv] grads.
+  Buffer<T> grads(nq + 2 * nkv, "grads");
+  auto dq = [&] {
+    BUCKET(T, attn_bwd_dq, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
+                                     delta.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
+                                     (int)d, sc);
+  };
+  auto dkv = [&] {
+    BUCKET(T, attn_bwd_dkv, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
+                                      delta.data(), grads.data(), (int)b, (int)s, (int)hq,
+                                      (int)hkv, (int)d, sc);
+  };
+  const Shape dq_shape = grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
+  const Shape dkv_shape = grid(blocks(b * hkv, s, geo.keys), THREADS, geo.qdo_smem());
+  if (!run(format("attn_bwd_dq_d%zu_%s", geo.dmax, type_name<T>()), dq_shape, dq)) return;
+  if (!run(format("attn_bwd_dkv_d%zu_%s", geo.dmax, type_name<T>()), dkv_shape, dkv)) return;
+  compare("attn_bwd_dq " + tag + " dq", read(grads, 0, nq), rdq, t, max_of(adq));
+  compare("attn_bwd_dkv " + tag + " dk", read(grads, nq, nkv), rdk, t, max_of(adk));
+  compare("attn_bwd_dkv " + tag + " dv", read(grads, nq + nkv, nkv), rdv, t, max_of(adv));
+
+  if (launch_checks) {  // check_launch: other than THREADS threads, or too little shared memory
+    const std::string kt = format("d%zu_%s", geo.dmax, type_name<T>());
+    expect_fault("attn_fwd_" + kt + " with 64 threads", Shape{fwd_shape.blocks, 64, fwd_shape.smem}, fwd);
+    expect_fault("attn_fwd_" + kt + " with kv_smem - 1 bytes", Shape{fwd_shape.blocks, THREADS, fwd_shape.smem - 1}, fwd);
+    expect_fault("attn_bwd_dq_" + kt + " with kv_smem - 1 bytes", Shape{dq_shape.blocks, THREADS, dq_shape.smem - 1}, dq);
+    expect_fault("attn_bwd_dkv_" + kt + " with qdo_smem - 1 bytes", Shape{dkv_shape.blocks, THREADS, dkv_shape.smem - 1}, dkv);
+  }
+}
+
+template <typename T> void all(uint64_t seed) {
+  attention<T>(1, 1, 1, 1, 8, seed + 1, false);    // bucket 64, a single row
+  attention<T>(2, 70, 4, 1, 40, seed + 2, true);   // bucket 64: several tiles and row blocks, GQA 4
+  attention<T>(1, 23, 2, 2, 17, seed + 3, false);  // bucket 64, odd d (zero-padded pitch)
+  attention<T>(1, 37, 2, 1, 80, seed + 4, false);  // bucket 128, a skipped last chunk
+  attention<T>(2, 20, 4, 2, 250, seed + 5, false); // bucket 256, GQA 2 with 2 kv heads, b = 2
+}
+
+}  // namespace
+
+void attention_checks() {
+  check_geometry_table();
+  all<float>(10);
+  all<double>(20);
+  all<__nv_bfloat16>(30);
+}

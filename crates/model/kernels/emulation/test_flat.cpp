@@ -1,0 +1,171 @@
+// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), adamw over two
+// decay ranges and the two-stage sum_squares, with the launch shapes and argument order of
+// src/ops/cuda/flat.rs, compared with double-precision references (and adamw also bitwise with
+// the CPU AdamWStep's f32 arithmetic, which the kernel promises to reproduce exactly).
+#include "shim.h"
+// The kernels under test, unchanged.
+#include "../flat.cu"
+#include "harness.h"
+
+using namespace harness;
+
+namespace {
+
+// flat.rs: SUM_BLOCKS and SUM_THREADS.
+constexpr size_t SUM_BLOCKS = 1024;
+constexpr unsigned SUM_THREADS = 256;
+
+// add_into: dst[i] += (f32) src[i], on a view at an offset inside a larger f32 buffer (flat.rs
+// passes a slice of the buffer); the elements around the view must stay untouched.
+template <typename T> void check_add_into(size_t n, uint64_t seed) {
+  Rng rng(seed);
+  const size_t off = 7, total = n + 20;
+  Buffer<float> dst(total, "dst");
+  Buffer<T> src(n, "src");
+  fill_normal(dst, rng);
+  fill_normal(src, rng);
+  const std::vector<float> before(dst.data(), dst.data() + total);
+  std::vector<double> ref(n);
+  for (size_t i = 0; i < n; ++i) ref[i] = (double)before[off + i] + tod(src[i]);
+  // flat.rs `add_into`: elementwise(n); also a small grid (the grid-stride loop takes any).
+  const Shape shapes[2] = {elementwise(n), grid(2, 64, 0)};
+  for (const Shape& sh : shapes) {
+    std::memcpy(dst.data(), before.data(), total * sizeof(float));
+    if (!run(format("add_into_%s", type_name<T>()), sh,
+             [&] { KERNEL(T, add_into)(dst.data() + off, src.data(), (u64)n); }))
+      continue;
+    const std::string tag = format("add_into f32 += %s n=%zu grid=%ux%u", type_name<T>(), n,
+                                   sh.blocks, sh.threads);
+    compare(tag, read(dst, off, n), ref, tol<float>());
+    expect(same_bits(dst, before, 0, off) && same_bits(dst, before, off + n, total),
+           tag + " leaves the rest of the buffer untouched");
+  }
+}
+
+// adamw: one step over state [master | exp_avg | exp_avg_sq] with gradients grad, two decay
+// ranges [0, 250) and [250, 500) and the elements [500, n) outside every range.
+void check_adamw(size_t n, uint64_t seed) {
+  // AdamWStep::scalars and ::keep (src/optim/kernels.rs): computed in f64, rounded to f32.
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_scale = 0.7;
+  const int step = 3;
+  const double bc1 = 1.0 - std::pow(beta1, step), bc2 = 1.0 - std::pow(beta2, step);
+  const float b1 = (float)beta1, b2 = (float)beta2, step_size = (float)(lr / bc1),
+              inv_sqrt_bc2 = (float)(1.0 / std::sqrt(bc2)), epsf = (float)eps,
+              gs = (float)grad_scale;
+  struct Range {
+    size_t start, len;
+    float keep;
+  };
+  const std::vector<Range> ranges = {{0, 250, (float)(1.0 - lr * 0.1)}, {250, 250, (float)(1.0 - lr * 0.0)}};
+
+  Rng rng(seed);
+  Buffer<float> grad(n, "grad");
+  fill_normal(grad, rng);
+  std::vector<float> init(3 * n);
+  for (size_t i = 0; i < n; ++i) {
+    init[i] = (float)rng.normal();
+    init[n + i] = (float)(0.05 * rng.normal());
+    const double v = 0.05 * rng.normal();
+    init[2 * n + i] = (float)(v * v);
+  }
+
+  // The CPU AdamWStep (src/optim/kernels.rs, cpu_fwd), in f32, and a double reference.
+  std::vector<float> cpu = init;
+  std::vector<double> ref(init.begin(), init.end());
+  for (const Range& r : ranges)
+    for (size_t i = r.start; i < r.start + r.len; ++i) {
+      float* p = &cpu[i];
+      float* m = &cpu[n + i];
+      float* v = &cpu[2 * n + i];
+      // One rounded operation per statement, in Rust's evaluation order (so that no compiler
+      // contracts them into FMAs, which Rust never does).
+      const float g = grad[i] * gs;
+      const float bm = b1 * *m, c1 = 1.0f - b1, c1g = c1 * g;
+      *m = bm + c1g;
+      const float bv = b2 * *v, c2 = 1.0f - b2, c2g = c2 * g, c2gg = c2g * g;
+      *v = bv + c2gg;
+      const float sv = std::sqrt(*v), svb = sv * inv_sqrt_bc2, denom = svb + epsf;
+      const float pk = *p * r.keep, sm = step_size * *m, upd = sm / denom;
+      *p = pk - upd;
+
+      const double gd = (double)grad[i] * gs;
+      double& pd = ref[i];
+      double& md = ref[n + i];
+      double& vd = ref[2 * n + i];
+      md = (double)b1 * md + (1.0 - (double)b1) * gd;
+      vd = (double)b2 * vd + (1.0 - (double)b2) * gd * gd;
+      pd = pd * r.keep - (double)step_size * md / (std::sqrt(vd) * inv_sqrt_bc2 + epsf);
+    }
+
+  // flat.rs `adamw`: adjacent ranges with equal keep merged (these differ), one launch per range
+  // with elementwise(len); also small grids (grid-stride).
+  for (int small = 0; small < 2; ++small) {
+    Buffer<float> state(3 * n, "state");
+    std::memcpy(state.data(), init.data(), 3 * n * sizeof(float));
+    bool ok = true;
+    for (const Range& r : ranges)
+      ok = ok && run("adamw", small ? grid(2, 64, 0) : elementwise(r.len), [&] {
+             ::adamw(state.data(), grad.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
+                   inv_sqrt_bc2, epsf, gs, r.keep);
+           });
+    if (!ok) continue;
+    const std::string tag = format("adamw n=%zu, ranges [0,250) keep %.4f, [250,500) keep 1, grid %s",
+                                   n, ranges[0].keep, small ? "2x64" : "elementwise(len)");
+    const size_t end = ranges.back().start + ranges.back().len;
+    const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+    for (int part = 0; part < 3; ++part) {
+      std::vector<double> got(end), want(end);
+      for (size_t i = 0; i < end; ++i) {
+        got[i] = state[part * n + i];
+        want[i] = ref[part * n + i];
+      }
+      compare(tag + " " + names[part], got, want, tol<float>());
+    }
+    expect(same_bits(state, cpu, 0, 3 * n),
+           tag + " bitwise equal to the CPU AdamWStep (untouched outside the ranges)");
+  }
+}
+
+// sum_squares: stage 1 writes one f64 partial per block, stage 2 sums them in one block.
+void check_sum_squares(size_t n, uint64_t seed, bool rust_shape) {
+  Rng rng(seed);
+  Buffer<float> x(n, "x");
+  fill_normal(x, rng);
+  // flat.rs `sum_squares`: blocks = n.div_ceil(SUM_THREADS).clamp(1, SUM_BLOCKS), stage 1
+  // grid(blocks, SUM_THREADS, 0), stage 2 grid(1, SUM_THREADS, 0). Otherwise a small grid whose
+  // threads stride over several elements.
+  const size_t blocks =
+      rust_shape ? std::min(std::max<size_t>((n + SUM_THREADS - 1) / SUM_THREADS, 1), SUM_BLOCKS) : 3;
+  const unsigned threads = rust_shape ? SUM_THREADS : 64;
+  std::vector<long double> rpart(blocks, 0.0L);
+  long double total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const long double v = (long double)x[i] * x[i];
+    rpart[(i / threads) % blocks] += v;  // grid-stride assignment: block (i / threads) mod grid
+    total += v;
+  }
+  Buffer<double> partial(blocks, "partial"), out(1, "out");
+  if (!run("sum_squares_partial", grid(blocks, threads, 0),
+           [&] { sum_squares_partial(x.data(), (u64)n, partial.data()); }))
+    return;
+  if (!run("sum_squares_final", grid(1, threads, 0),
+           [&] { sum_squares_final(partial.data(), (int)blocks, out.data()); }))
+    return;
+  const std::string tag = format("sum_squares n=%zu, %zu partials of %u threads", n, blocks, threads);
+  std::vector<double> got(partial.data(), partial.data() + blocks), want(rpart.begin(), rpart.end());
+  compare(tag + " partials", got, want, tol<double>());
+  compare(tag + " total", {out[0]}, {(double)total}, tol<double>());
+}
+
+}  // namespace
+
+void flat_checks() {
+  check_add_into<float>(1000, 1);
+  check_add_into<double>(1000, 2);
+  check_add_into<__nv_bfloat16>(1000, 3);
+  check_adamw(600, 4);
+  check_sum_squares(0, 5, true);
+  check_sum_squares(1000, 6, true);
+  check_sum_squares(70000, 7, true);  // 274 partials: stage 2's threads stride
+  check_sum_squares(1000, 8, false);
+}

@@ -1,0 +1,275 @@
+// Emulation driver of kernels/pointwise.cu: runs every exported kernel (rms_norm_fwd,
+// rms_norm_bwd + rms_norm_dw, rope forward and inverse, swiglu_fwd, swiglu_bwd, cross_entropy_fwd,
+// cross_entropy_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
+// src/ops/cuda/pointwise.rs, and compares the results with double-precision references.
+#include "shim.h"
+// The kernels under test, unchanged.
+#include "../pointwise.cu"
+#include "harness.h"
+
+using namespace harness;
+
+namespace {
+
+// src/ops/cuda/pointwise.rs: ROW_THREADS, CE_THREADS and RMS_DW_BLOCKS.
+constexpr unsigned ROW_THREADS = 256;
+constexpr unsigned CE_THREADS = 1024;
+constexpr size_t RMS_DW_BLOCKS = 1024;
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: y = x r w with r = 1 / sqrt(mean(x^2) + eps); backward (upstream g):
+// dx_k = r g_k w_k - x_k r^3 / h * sum_j g_j w_j x_j, dw_j = sum_rows g_j x_j r.
+// `forward` = false skips the forward kernel (the large-row case only exercises the partials).
+template <typename T> void rms_norm(size_t rows, size_t h, bool forward, uint64_t seed) {
+  typedef typename Acc<T>::type A;
+  const double eps = 1e-5;
+  const std::string tag = format("%s rows=%zu h=%zu", type_name<T>(), rows, h);
+  Rng rng(seed);
+  Buffer<T> x(rows * h, "x"), w(h, "weight"), g(rows * h, "grad");
+  fill_normal(x, rng);
+  fill_normal(w, rng, 1.0, 0.3);
+  fill_normal(g, rng);
+
+  // Launch shape of `rms_norm_bwd` in pointwise.rs: runs of rows_per_block rows per block.
+  const size_t rpb = std::max<size_t>((rows + RMS_DW_BLOCKS - 1) / RMS_DW_BLOCKS, 1);
+  const size_t blocks = (rows + rpb - 1) / rpb;
+
+  std::vector<double> ry(rows * h), rdx(rows * h), rdw(h, 0.0), rpart(blocks * h, 0.0);
+  for (size_t i = 0; i < rows; ++i) {
+    double ss = 0, a = 0;
+    for (size_t j = 0; j < h; ++j) {
+      const double xv = tod(x[i * h + j]);
+      ss += xv * xv;
+      a += tod(g[i * h + j]) * tod(w[j]) * xv;
+    }
+    const double r = 1.0 / std::sqrt(ss / (double)h + eps);
+    for (size_t j = 0; j < h; ++j) {
+      const double xv = tod(x[i * h + j]), gv = tod(g[i * h + j]), wv = tod(w[j]);
+      ry[i * h + j] = xv * r * wv;
+      rdx[i * h + j] = r * gv * wv - xv * r * r * r * a / (double)h;
+      rdw[j] += gv * xv * r;
+      rpart[(i / rpb) * h + j] += gv * xv * r;
+    }
+  }
+
+  if (forward) {
+    // pointwise.rs `rms_norm_fwd`: grid(rows, ROW_THREADS, 0), launched only when rows > 0.
+    Buffer<T> y(rows * h, "y");
+    if (rows > 0 && !run(format("rms_norm_fwd_%s", type_name<T>()), grid(rows, ROW_THREADS, 0), [&] {
+          KERNEL(T, rms_norm_fwd)(x.data(), w.data(), y.data(), (int)rows, (int)h, eps);
+        }))
+      return;
+    compare("rms_norm_fwd " + tag + " y", read(y), ry, tol<T>());
+  }
+
+  // pointwise.rs `rms_norm_bwd`: stage 1 grid(blocks, ROW_THREADS, 0) (only when rows > 0)
+  // writes dx into out[0, rows h) and the [blocks, h] partials; stage 2 elementwise(h) sums them
+  // into out[rows h, rows h + h).
+  Buffer<T> out(rows * h + h, "dx|dweight");
+  Buffer<A> partial(blocks * h, "partial");
+  if (rows > 0 && !run(format("rms_norm_bwd_%s", type_name<T>()), grid(blocks, ROW_THREADS, 0), [&] {
+        KERNEL(T, rms_norm_bwd)(x.data(), w.data(), g.data(), out.data(), partial.data(),
+                                (int)rows, (int)h, (int)rpb, eps);
+      }))
+    return;
+  if (!run(format("rms_norm_dw_%s", type_name<T>()), elementwise(h), [&] {
+        KERNEL(T, rms_norm_dw)(partial.data(), out.data() + rows * h, (int)blocks, (int)h);
+      }))
+    return;
+  const double t = tol<T>();
+  if (rows > 0) {
+    compare("rms_norm_bwd " + tag + " dx", read(out, 0, rows * h), rdx, t);
+    std::vector<double> part(blocks * h);
+    for (size_t i = 0; i < blocks * h; ++i) part[i] = partial[i];
+    compare(format("rms_norm_bwd %s dweight partials (%zu blocks of %zu rows)", tag.c_str(),
+                   blocks, rpb),
+            part, rpart, tol<A>());
+  }
+  compare("rms_norm_dw " + tag + " dweight", read(out, rows * h, h), rdw, t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE (rotate-half) on x [b, s, heads, d] with cos, sin [s, d / 2]: y1 = x1 c - x2 s,
+// y2 = x2 c + x1 s; the inverse negates s.
+template <typename T> void rope(size_t b, size_t s, size_t heads, size_t d, uint64_t seed) {
+  const size_t half = d / 2, n = b * s * heads * d, pairs = n / 2;
+  Rng rng(seed);
+  Buffer<T> x(n, "x"), cs(s * half, "cos"), sn(s * half, "sin");
+  fill_normal(x, rng);
+  for (size_t p = 0; p < s; ++p)
+    for (size_t j = 0; j < half; ++j) {
+      const double ang = (double)p * std::pow(10000.0, -2.0 * (double)j / (double)d);
+      cs[p * half + j] = fromd<T>(std::cos(ang));
+      sn[p * half + j] = fromd<T>(std::sin(ang));
+    }
+  for (int inverse = 0; inverse < 2; ++inverse) {
+    std::vector<double> ref(n);
+    for (size_t t = 0; t < b * s * heads; ++t) {
+      const size_t pos = (t / heads) % s;
+      for (size_t j = 0; j < half; ++j) {
+        const double x1 = tod(x[t * d + j]), x2 = tod(x[t * d + half + j]);
+        const double c = tod(cs[pos * half + j]);
+        const double sv = (inverse ? -1.0 : 1.0) * tod(sn[pos * half + j]);
+        ref[t * d + j] = x1 * c - x2 * sv;
+        ref[t * d + half + j] = x2 * c + x1 * sv;
+      }
+    }
+    // pointwise.rs `rope`: elementwise(pairs); also a small grid, as the grid-stride loop
+    // accepts any 1-D grid.
+    const Shape shapes[2] = {elementwise(pairs), grid(3, 64, 0)};
+    for (const Shape& sh : shapes) {
+      Buffer<T> y(n, "y");
+      if (!run(format("rope_%s", type_name<T>()), sh, [&] {
+            KERNEL(T, rope)(x.data(), cs.data(), sn.data(), y.data(), (u64)pairs, (int)s,
+                            (int)heads, (int)half, inverse);
+          }))
+        continue;
+      compare(format("rope %s %s b=%zu s=%zu heads=%zu d=%zu grid=%ux%u", inverse ? "inverse" : "forward",
+                     type_name<T>(), b, s, heads, d, sh.blocks, sh.threads),
+              read(y), ref, tol<T>());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: y = g sigmoid(g) u; backward with upstream e: d gate = e u s (1 + g (1 - s)),
+// d up = e g s, s = sigmoid(g).
+template <typename T> void swiglu(size_t n, uint64_t seed) {
+  Rng rng(seed);
+  Buffer<T> gate(n, "gate"), up(n, "up"), grad(n, "grad");
+  fill_normal(gate, rng, 0.0, 3.0);
+  fill_normal(up, rng);
+  fill_normal(grad, rng);
+  std::vector<double> ry(n), rd(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const double g = tod(gate[i]), u = tod(up[i]), e = tod(grad[i]);
+    const double s = 1.0 / (1.0 + std::exp(-g));
+    ry[i] = g * s * u;
+    rd[i] = e * u * s * (1.0 + g * (1.0 - s));
+    rd[n + i] = e * g * s;
+  }
+  // pointwise.rs `swiglu_fwd` / `swiglu_bwd`: elementwise(n); also a small grid (grid-stride).
+  const Shape shapes[2] = {elementwise(n), grid(2, 96, 0)};
+  for (const Shape& sh : shapes) {
+    const std::string tag = format("%s n=%zu grid=%ux%u", type_name<T>(), n, sh.blocks, sh.threads);
+    Buffer<T> y(n, "y"), d(2 * n, "d gate|d up");
+    if (run(format("swiglu_fwd_%s", type_name<T>()), sh,
+            [&] { KERNEL(T, swiglu_fwd)(gate.data(), up.data(), y.data(), (u64)n); }))
+      compare("swiglu_fwd " + tag, read(y), ry, tol<T>());
+    if (run(format("swiglu_bwd_%s", type_name<T>()), sh, [&] {
+          KERNEL(T, swiglu_bwd)(gate.data(), up.data(), grad.data(), d.data(), (u64)n);
+        }))
+      compare("swiglu_bwd " + tag + " [d gate, d up]", read(d), rd, tol<T>());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy of logits [rows, v] against targets [rows]: loss = logsumexp(row) - row[t];
+// backward with upstream e: d = (softmax(row) - onehot(t)) e. `bad` lists rows whose target is
+// made out of range (>= v): the kernels must flag one of them in err = [row + 1, target] and
+// leave those rows' outputs unwritten, the other rows being computed as usual.
+template <typename T>
+void cross_entropy(size_t rows, size_t v, const std::vector<size_t>& bad, uint64_t seed) {
+  typedef typename Acc<T>::type A;
+  Rng rng(seed);
+  Buffer<T> logits(rows * v, "logits");
+  Buffer<unsigned> targets(rows, "targets");
+  fill_normal(logits, rng, 0.0, 2.0);
+  std::vector<bool> is_bad(rows, false);
+  for (size_t r = 0; r < rows; ++r) targets[r] = (unsigned)(rng.next() % v);
+  for (size_t k = 0; k < bad.size(); ++k) {
+    is_bad[bad[k]] = true;
+    targets[bad[k]] = (unsigned)(v + 5 * k);  // v, v + 5, ...
+  }
+  std::vector<double> up(rows);
+  for (size_t r = 0; r < rows; ++r) up[r] = (double)(A)rng.normal();  // as stored in loss_grad
+  const std::string tag = format("%s rows=%zu v=%zu", type_name<T>(), rows, v);
+
+  // References over the rows with a valid target.
+  std::vector<double> rloss, rd;
+  for (size_t r = 0; r < rows; ++r) {
+    if (is_bad[r]) continue;
+    double m = -INFINITY, s = 0;
+    for (size_t j = 0; j < v; ++j) m = std::max(m, tod(logits[r * v + j]));
+    for (size_t j = 0; j < v; ++j) s += std::exp(tod(logits[r * v + j]) - m);
+    const double lse = m + std::log(s);
+    rloss.push_back(lse - tod(logits[r * v + targets[r]]));
+    for (size_t j = 0; j < v; ++j)
+      rd.push_back((std::exp(tod(logits[r * v + j]) - lse) - (j == targets[r] ? 1.0 : 0.0)) * up[r]);
+  }
+  // The error flag: [0, 0] without bad targets, else [bad row + 1, its target].
+  auto check_flag = [&](const char* kernel, const Buffer<unsigned>& err) {
+    bool ok;
+    if (bad.empty()) {
+      ok = err[0] == 0 && err[1] == 0;
+    } else {
+      ok = err[0] >= 1 && err[0] <= rows && is_bad[err[0] - 1] && err[1] == targets[err[0] - 1];
+    }
+    expect(ok, format("%s %s error flag = [%u, %u]%s", kernel, tag.c_str(), err[0], err[1],
+                      bad.empty() ? " (no bad target)" : " names a bad row and its target"));
+  };
+
+  // pointwise.rs `cross_entropy_fwd`: grid(n, CE_THREADS, 0); err = zeros::<u32>(2).
+  Buffer<A> loss(rows, "loss");
+  Buffer<unsigned> err(2, "err");
+  err[0] = err[1] = 0;
+  if (!run(format("cross_entropy_fwd_%s", type_name<T>()), grid(rows, CE_THREADS, 0), [&] {
+        KERNEL(T, cross_entropy_fwd)(logits.data(), targets.data(), loss.data(), err.data(),
+                                     (int)rows, (int)v);
+      }))
+    return;
+  std::vector<double> got;
+  bool untouched = true;
+  for (size_t r = 0; r < rows; ++r) {
+    if (!is_bad[r]) got.push_back(loss[r]);
+    else untouched = untouched && std::isnan(loss[r]);  // still the 0xff fill
+  }
+  compare("cross_entropy_fwd " + tag + " loss", got, rloss, tol<A>());
+  check_flag("cross_entropy_fwd", err);
+  if (!bad.empty()) expect(untouched, "cross_entropy_fwd " + tag + " leaves bad rows unwritten");
+
+  // pointwise.rs `cross_entropy_bwd`: grid(n, CE_THREADS, 0); loss_grad [n, 2] in Acc<T> holds
+  // the forward losses and the upstream gradients.
+  Buffer<A> loss_grad(2 * rows, "loss_grad");
+  for (size_t r = 0; r < rows; ++r) {
+    loss_grad[2 * r] = is_bad[r] ? (A)0 : loss[r];
+    loss_grad[2 * r + 1] = (A)up[r];
+  }
+  Buffer<T> d(rows * v, "dlogits");
+  Buffer<unsigned> err2(2, "err");
+  err2[0] = err2[1] = 0;
+  if (!run(format("cross_entropy_bwd_%s", type_name<T>()), grid(rows, CE_THREADS, 0), [&] {
+        KERNEL(T, cross_entropy_bwd)(logits.data(), targets.data(), loss_grad.data(), d.data(),
+                                     err2.data(), (int)rows, (int)v);
+      }))
+    return;
+  got.clear();
+  untouched = true;
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t j = 0; j < v; ++j) {
+      if (!is_bad[r]) got.push_back(tod(d[r * v + j]));
+      else untouched = untouched && std::isnan(tod(d[r * v + j]));
+    }
+  compare("cross_entropy_bwd " + tag + " dlogits", got, rd, tol<T>());
+  check_flag("cross_entropy_bwd", err2);
+  if (!bad.empty()) expect(untouched, "cross_entropy_bwd " + tag + " leaves bad rows unwritten");
+}
+
+template <typename T> void all(uint64_t seed) {
+  rms_norm<T>(3, 300, true, seed + 1);     // h > ROW_THREADS: strided columns
+  rms_norm<T>(5, 64, true, seed + 2);      // h < ROW_THREADS: idle threads
+  rms_norm<T>(1025, 4, false, seed + 3);   // > RMS_DW_BLOCKS rows: 2 rows per block, 513 partials
+  rms_norm<T>(0, 5, true, seed + 4);       // no rows: dweight = 0 (stage 2 only)
+  rope<T>(2, 5, 3, 12, seed + 5);
+  swiglu<T>(1000, seed + 6);
+  cross_entropy<T>(3, 1500, {}, seed + 7);      // v > CE_THREADS: strided
+  cross_entropy<T>(5, 37, {1, 3}, seed + 8);    // v < CE_THREADS, two bad targets
+}
+
+}  // namespace
+
+void pointwise_checks() {
+  all<float>(100);
+  all<double>(200);
+  all<__nv_bfloat16>(300);
+}
