@@ -364,16 +364,25 @@ impl Trainer {
     /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks).
     fn grad_norm(&self) -> Result<f64> {
         let ctx = &self.ctx;
-        let mut sq = 0.0;
+        // Adjacent ranges are summed in one pass: one kernel (and, on a GPU, one read-back)
+        // per contiguous run instead of one per parameter.
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
         for (i, p) in self.model.params().iter().enumerate() {
             if !self.owns_copy(p) {
                 continue;
             }
             for r in self.optimizer.owned() {
-                sq += self
-                    .grads
-                    .sum_squares(intersect(&self.grads.layout().range(i), r))?;
+                let x = intersect(&self.grads.layout().range(i), r);
+                match runs.last_mut() {
+                    _ if x.is_empty() => {}
+                    Some(last) if last.end == x.start => last.end = x.end,
+                    _ => runs.push(x),
+                }
             }
+        }
+        let mut sq = 0.0;
+        for r in runs {
+            sq += self.grads.sum_squares(r)?;
         }
         let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
         sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
