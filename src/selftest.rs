@@ -1,7 +1,8 @@
 //! `pretrain selftest`: checks a device end to end against references computed on the CPU.
 //!
 //! 1. **Ops.** Every op of the op library, forward and backward, in f32 and bf16 on the device,
-//!    against the CPU in f64 on the same random inputs (normal draws, never zeros); the error is
+//!    against the CPU in f64 on the same random inputs (normal draws, never zeros; attention with
+//!    head dims 32 and 128, several tiles long, GQA groups 2 and 4); the error is
 //!    `max |device − reference| / max |reference|` per output and per gradient.
 //! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
 //!    device against the CPU kernels.
@@ -126,6 +127,16 @@ fn op_cases() -> Result<Vec<OpCase>> {
             ],
             grads: vec![0, 1, 2],
             f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / (32f64).sqrt()),
+        },
+        OpCase {
+            name: "causal_attention d128",
+            inputs: vec![
+                randn(&[1, 257, 4, 128], 12)?,
+                randn(&[1, 257, 1, 128], 13)?,
+                randn(&[1, 257, 1, 128], 14)?,
+            ],
+            grads: vec![0, 1, 2],
+            f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / (128f64).sqrt()),
         },
         OpCase {
             name: "cross_entropy",
