@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The kernel sources, one PTX module each.
-const MODULES: [&str; 3] = ["pointwise", "attention", "flat"];
+const MODULES: [&str; 4] = ["pointwise", "attention", "attention_tc", "flat"];
 
 fn main() {
     println!("cargo:rerun-if-changed=kernels");

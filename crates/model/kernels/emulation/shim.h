@@ -19,6 +19,9 @@
 // launchers never opt in to more); writes past the dynamic shared memory or outside an
 // emu::Buffer (guard zones, checked after every block / launch).
 //
+// __syncwarp() is a warp barrier like a shuffle (full mask only). mma.h in this directory adds the
+// nvcuda::wmma subset of the tensor-core kernels as warp-collective operations (see there).
+//
 // Memory. __shared__ variables are static: one copy, which the running block owns since blocks
 // never overlap. Dynamic shared memory (DYNAMIC_SMEM and dyn_smem_bytes() in common.cuh) is
 // exactly the launch's size, 16- but not 32-byte aligned, and filled with 0xff bytes (NaN in every
@@ -115,6 +118,12 @@ template <typename V> inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask
     emu::fault("__shfl_xor_sync with mask %#x, width %d: only full warps are emulated", mask,
                width);
   return emu::shfl_xor(v, lane_mask);
+}
+
+// A warp barrier (full mask only): all 32 lanes must arrive; a shuffle-style exchange.
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) emu::fault("__syncwarp with mask %#x: only full warps are emulated", mask);
+  emu::shfl_exchange(0, 0, 999);
 }
 
 // Threads never run concurrently (fibers), so a plain read-modify-write is atomic.

@@ -3,10 +3,13 @@
 // lengths (one and several query/key tiles), batch sizes and GQA groups, with the launch shapes
 // and argument order of src/ops/cuda/attention.rs, compared with a naive double-precision causal
 // attention; plus the kernels' own launch checks (they must trap on a wrong block size or too
-// little shared memory) and the tile geometry table that attention.rs's unit test pins.
+// little shared memory) and the tile geometry table that attention.rs's unit test pins. The
+// tensor-core kernels of attention_tc.cu (bf16, d = 64 and 128; `tc` below) run through the same
+// checks with the launch shapes of src/ops/cuda/attention_tc.rs.
 #include "shim.h"
 // The kernels under test, unchanged.
 #include "../attention.cu"
+#include "../attention_tc.cu"
 #include "harness.h"
 
 using namespace harness;
@@ -65,15 +68,44 @@ void check_geometry_table() {
   expect(mirror, "attention Geometry (attention.rs) matches Cfg<A, DMAX> for d in 1..=256");
 }
 
+// attention_tc.rs: `TcGeometry` (64 rows per block; shared memory of the three kernels), and
+// the table of its unit test `tc_geometry_matches_kernels` against TcCfg<D>.
+constexpr size_t TC_ROWS = 64;
+struct TcGeometry {
+  unsigned fwd, dq, dkv;
+};
+TcGeometry tc_geometry(size_t d) {
+  const size_t ldh = d + 8, fkt = d == 64 ? 64 : 32, bt = 32, rows = TC_ROWS;
+  return TcGeometry{(unsigned)(32 + 2 * fkt * ldh * 2 + rows * (fkt + 4) * 4 + rows * (fkt + 8) * 2),
+                    (unsigned)(32 + 2 * bt * ldh * 2 + 2 * rows * (bt + 4) * 4 + rows * (bt + 8) * 2),
+                    (unsigned)(32 + 2 * bt * ldh * 2 + 2 * bt * 4 + 2 * rows * (bt + 4) * 4 +
+                               2 * rows * (bt + 8) * 2)};
+}
+void check_tc_geometry() {
+  typedef attn_tc::TcCfg<64> C64;
+  typedef attn_tc::TcCfg<128> C128;
+  const TcGeometry g64 = tc_geometry(64), g128 = tc_geometry(128);
+  expect(C64::FWD_SMEM == 45088 && C64::DQ_SMEM == 32800 && C64::DKV_SMEM == 38176 &&
+             C128::FWD_SMEM == 31776 && C128::DQ_SMEM == 40992 && C128::DKV_SMEM == 46368 &&
+             C64::BM == (int)TC_ROWS && C128::BM == (int)TC_ROWS,
+         "attention TcCfg<D> matches the table of attention_tc.rs tc_geometry_matches_kernels");
+  expect(g64.fwd == C64::FWD_SMEM && g64.dq == C64::DQ_SMEM && g64.dkv == C64::DKV_SMEM &&
+             g128.fwd == C128::FWD_SMEM && g128.dq == C128::DQ_SMEM && g128.dkv == C128::DKV_SMEM,
+         "attention TcGeometry (attention_tc.rs) matches TcCfg<D>");
+}
+
 template <typename T>
-void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t seed, bool launch_checks) {
+void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t seed, bool launch_checks,
+               bool tc = false) {
   typedef typename Acc<T>::type A;
   const Geometry geo = geometry(d, sizeof(A));
+  const TcGeometry tg = tc_geometry(d);
   const A sc = (A)(1.3 / std::sqrt((double)d));  // `T::acc(scale)`
   const double scale = (double)sc;
   const size_t nq = b * s * hq * d, nkv = b * s * hkv * d, nl = b * hq * s, group = hq / hkv;
-  const std::string tag = format("%s d=%zu (bucket %zu) b=%zu s=%zu hq=%zu hkv=%zu", type_name<T>(),
-                                 d, geo.dmax, b, s, hq, hkv);
+  const std::string tag = format("%s%s d=%zu (bucket %zu) b=%zu s=%zu hq=%zu hkv=%zu", tc ? "tc " : "",
+                                 type_name<T>(), d, geo.dmax, b, s, hq, hkv);
+  const std::string kp = tc ? "attn_tc_" : "attn_";  // kernel name prefix
   Rng rng(seed);
   Buffer<T> q(nq, "q"), k(nkv, "k"), v(nkv, "v"), dout(nq, "dout");
   fill_normal(q, rng);
@@ -118,18 +150,27 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
       }
 
   // attention.rs `fwd`: grid(blocks(b hq, s, rows), THREADS, kv_smem), kernel attn_fwd_d<dmax>.
-  const Shape fwd_shape = grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
+  // attention_tc.rs: grid(blocks(b hq, s, 64), THREADS, fwd smem), kernel attn_tc_fwd_d<d>_bf16.
+  const Shape fwd_shape = tc ? grid(blocks(b * hq, s, TC_ROWS), THREADS, tg.fwd)
+                             : grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
   Buffer<T> out(nq, "out");
   Buffer<A> lse(nl, "lse");
   auto fwd = [&] {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      if (tc) {
+        (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
+            q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b, (int)s, (int)hq, (int)hkv, (int)d, sc);
+        return;
+      }
+    }
     BUCKET(T, attn_fwd, geo.dmax)(q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b,
                                   (int)s, (int)hq, (int)hkv, (int)d, sc);
   };
-  if (!run(format("attn_fwd_d%zu_%s", geo.dmax, type_name<T>()), fwd_shape, fwd)) return;
+  if (!run(format("%sfwd_d%zu_%s", kp.c_str(), tc ? d : geo.dmax, type_name<T>()), fwd_shape, fwd)) return;
   const double t = tol<T>();
-  compare("attn_fwd " + tag + " out", read(out), ro, t, mag_out);
+  compare(kp + "fwd " + tag + " out", read(out), ro, t, mag_out);
   std::vector<double> got(lse.data(), lse.data() + nl);
-  compare("attn_fwd " + tag + " lse", got, rl, tol<A>());
+  compare(kp + "fwd " + tag + " lse", got, rl, tol<A>());
 
   // attention.rs `bwd`: delta with grid(blocks(1, b s hq, THREADS / 32), THREADS, 0). The
   // backward's delta is by design sum_c dO O over the stored (for bf16: rounded) output, as in
@@ -187,29 +228,50 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
   // THREADS, qdo_smem); both write the flat [nq + 2 nkv] grads.
   Buffer<T> grads(nq + 2 * nkv, "grads");
   auto dq = [&] {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      if (tc) {
+        (d == 64 ? attn_tc_dq_d64_bf16 : attn_tc_dq_d128_bf16)(
+            q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(), (int)b,
+            (int)s, (int)hq, (int)hkv, (int)d, sc);
+        return;
+      }
+    }
     BUCKET(T, attn_bwd_dq, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
                                      delta.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
                                      (int)d, sc);
   };
   auto dkv = [&] {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      if (tc) {
+        (d == 64 ? attn_tc_dkv_d64_bf16 : attn_tc_dkv_d128_bf16)(
+            q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(), (int)b,
+            (int)s, (int)hq, (int)hkv, (int)d, sc);
+        return;
+      }
+    }
     BUCKET(T, attn_bwd_dkv, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
                                       delta.data(), grads.data(), (int)b, (int)s, (int)hq,
                                       (int)hkv, (int)d, sc);
   };
-  const Shape dq_shape = grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
-  const Shape dkv_shape = grid(blocks(b * hkv, s, geo.keys), THREADS, geo.qdo_smem());
-  if (!run(format("attn_bwd_dq_d%zu_%s", geo.dmax, type_name<T>()), dq_shape, dq)) return;
-  if (!run(format("attn_bwd_dkv_d%zu_%s", geo.dmax, type_name<T>()), dkv_shape, dkv)) return;
-  compare("attn_bwd_dq " + tag + " dq", read(grads, 0, nq), rdq, t, max_of(adq));
-  compare("attn_bwd_dkv " + tag + " dk", read(grads, nq, nkv), rdk, t, max_of(adk));
-  compare("attn_bwd_dkv " + tag + " dv", read(grads, nq + nkv, nkv), rdv, t, max_of(adv));
+  // attention_tc.rs: dQ grid(blocks(b hq, s, 64), THREADS, dq smem); dK/dV grid(blocks(b hkv,
+  // s, 64), THREADS, dkv smem).
+  const Shape dq_shape = tc ? grid(blocks(b * hq, s, TC_ROWS), THREADS, tg.dq)
+                            : grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
+  const Shape dkv_shape = tc ? grid(blocks(b * hkv, s, TC_ROWS), THREADS, tg.dkv)
+                             : grid(blocks(b * hkv, s, geo.keys), THREADS, geo.qdo_smem());
+  const std::string dqn = tc ? "attn_tc_dq" : "attn_bwd_dq", dkvn = tc ? "attn_tc_dkv" : "attn_bwd_dkv";
+  if (!run(format("%s_d%zu_%s", dqn.c_str(), tc ? d : geo.dmax, type_name<T>()), dq_shape, dq)) return;
+  if (!run(format("%s_d%zu_%s", dkvn.c_str(), tc ? d : geo.dmax, type_name<T>()), dkv_shape, dkv)) return;
+  compare(dqn + " " + tag + " dq", read(grads, 0, nq), rdq, t, max_of(adq));
+  compare(dkvn + " " + tag + " dk", read(grads, nq, nkv), rdk, t, max_of(adk));
+  compare(dkvn + " " + tag + " dv", read(grads, nq + nkv, nkv), rdv, t, max_of(adv));
 
   if (launch_checks) {  // check_launch: other than THREADS threads, or too little shared memory
-    const std::string kt = format("d%zu_%s", geo.dmax, type_name<T>());
-    expect_fault("attn_fwd_" + kt + " with 64 threads", Shape{fwd_shape.blocks, 64, fwd_shape.smem}, fwd);
-    expect_fault("attn_fwd_" + kt + " with kv_smem - 1 bytes", Shape{fwd_shape.blocks, THREADS, fwd_shape.smem - 1}, fwd);
-    expect_fault("attn_bwd_dq_" + kt + " with kv_smem - 1 bytes", Shape{dq_shape.blocks, THREADS, dq_shape.smem - 1}, dq);
-    expect_fault("attn_bwd_dkv_" + kt + " with qdo_smem - 1 bytes", Shape{dkv_shape.blocks, THREADS, dkv_shape.smem - 1}, dkv);
+    const std::string kt = format("d%zu_%s", tc ? d : geo.dmax, type_name<T>());
+    expect_fault(kp + "fwd_" + kt + " with 64 threads", Shape{fwd_shape.blocks, 64, fwd_shape.smem}, fwd);
+    expect_fault(kp + "fwd_" + kt + " with smem - 1 bytes", Shape{fwd_shape.blocks, THREADS, fwd_shape.smem - 1}, fwd);
+    expect_fault(dqn + "_" + kt + " with smem - 1 bytes", Shape{dq_shape.blocks, THREADS, dq_shape.smem - 1}, dq);
+    expect_fault(dkvn + "_" + kt + " with smem - 1 bytes", Shape{dkv_shape.blocks, THREADS, dkv_shape.smem - 1}, dkv);
   }
 }
 
@@ -221,6 +283,19 @@ template <typename T> void all(uint64_t seed) {
   attention<T>(2, 20, 4, 2, 250, seed + 5, false); // bucket 256, GQA 2 with 2 kv heads, b = 2
 }
 
+// The tensor-core kernels: d = 64 and 128, lengths below, at and past the tiles, GQA 1 / 2 / 4,
+// batch 2.
+void all_tc(uint64_t seed) {
+  check_tc_geometry();
+  for (size_t d : {64, 128}) {
+    attention<__nv_bfloat16>(2, 1, 2, 2, d, seed + d + 1, false, true);    // a single row, GQA 1
+    attention<__nv_bfloat16>(2, 17, 4, 2, d, seed + d + 2, false, true);   // partial tile, GQA 2
+    attention<__nv_bfloat16>(1, 64, 4, 1, d, seed + d + 3, false, true);   // one full tile, GQA 4
+    attention<__nv_bfloat16>(2, 100, 4, 1, d, seed + d + 4, true, true);   // GQA 4, partial tiles
+    attention<__nv_bfloat16>(2, 130, 2, 1, d, seed + d + 5, false, true);  // 3 row blocks, GQA 2
+  }
+}
+
 }  // namespace
 
 void attention_checks() {
@@ -228,4 +303,5 @@ void attention_checks() {
   all<float>(10);
   all<double>(20);
   all<__nv_bfloat16>(30);
+  all_tc(40);
 }

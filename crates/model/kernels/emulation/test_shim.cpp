@@ -5,6 +5,7 @@
 // The helpers under test (block_sum, block_max, DYNAMIC_SMEM), unchanged.
 #include "../common.cuh"
 #include "harness.h"
+#include "mma.h"
 
 using namespace harness;
 
@@ -65,6 +66,71 @@ void shim_checks() {
   expect_fault("shim: more than 48 KiB of dynamic shared memory", grid(1, 32, 48 * 1024 + 16), [&] {});
   expect_fault("shim: __trap()", grid(2, 64, 0), [&] {
     if (blockIdx.x == 1 && threadIdx.x == 5) __trap();
+  });
+  {  // wmma (mma.h): a 16x16x16 bf16 product with a col_major B and a row_major C store; a
+     // fragment load after lanes' plain stores needs a __syncwarp() first; wmma operations are
+     // warp-collective and check alignment.
+    using namespace nvcuda;
+    typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> FA;
+    typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> FB;
+    typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FC;
+    Buffer<float> c(256, "c");
+    Buffer<int> stale(4 * 32, "stale");
+    if (run("wmma", grid(4, 32, 4096), [&] {
+          __nv_bfloat16* a = reinterpret_cast<__nv_bfloat16*>(selftest_smem + 16);  // 32-byte aligned
+          __nv_bfloat16* b = a + 256;
+          for (int i = threadIdx.x; i < 256; i += 32) {
+            a[i] = __float2bfloat16_rn((float)(i % 7) - 3.0f);  // a[r][k], row-major
+            b[i] = __float2bfloat16_rn((float)(i % 5) - 2.0f);  // b[k][n] at b[n * 16 + k]
+          }
+          FA fa;
+          FB fb;
+          FC fc;
+          wmma::load_matrix_sync(fa, a, 16);  // no __syncwarp: may miss other lanes' stores
+          __syncwarp();
+          wmma::load_matrix_sync(fb, b, 16);
+          wmma::fill_fragment(fc, 1.0f);
+          FA fa2;
+          wmma::load_matrix_sync(fa2, a, 16);
+          wmma::mma_sync(fc, fa2, fb, fc);
+          if (blockIdx.x == 0) wmma::store_matrix_sync(c.data(), fc, 16, wmma::mem_row_major);
+          // A stale load shows as a NaN (0xff-filled memory) in the product of fa.
+          FC probe;
+          wmma::fill_fragment(probe, 0.0f);
+          wmma::mma_sync(probe, fa, fb, probe);
+          float* st = reinterpret_cast<float*>(selftest_smem + 1040);  // 32-byte aligned
+          wmma::store_matrix_sync(st, probe, 16, wmma::mem_row_major);
+          bool nan = false;
+          for (int i = 0; i < 256; ++i) nan = nan || std::isnan(st[i]);
+          stale[blockIdx.x * 32 + threadIdx.x] = nan;
+        })) {
+      double err = 0;
+      for (int r = 0; r < 16; ++r)
+        for (int n = 0; n < 16; ++n) {
+          double ref = 1.0;
+          for (int k = 0; k < 16; ++k) ref += ((r * 16 + k) % 7 - 3.0) * ((n * 16 + k) % 5 - 2.0);
+          err = std::max(err, std::fabs(c[r * 16 + n] - ref));
+        }
+      expect(err == 0, "shim: wmma bf16 load / mma / store (row_major A, col_major B) is exact");
+      int n = 0;
+      for (size_t i = 0; i < stale.size(); ++i) n += stale[i];
+      expect(n > 0, format("shim: a wmma load without __syncwarp after lanes' stores is visible (%d of 128)", n));
+    }
+  }
+  expect_fault("shim: a wmma load some lanes skip", grid(1, 32, 1024), [&] {
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> f;
+    if (threadIdx.x < 16) nvcuda::wmma::load_matrix_sync(f, reinterpret_cast<__nv_bfloat16*>(selftest_smem + 16), 16);
+  });
+  expect_fault("shim: lanes at different wmma operations", grid(1, 32, 1024), [&] {
+    using namespace nvcuda;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> f;
+    float* p = reinterpret_cast<float*>(selftest_smem + 16);
+    if (threadIdx.x < 16) wmma::load_matrix_sync(f, p, 16, wmma::mem_row_major);
+    else wmma::store_matrix_sync(p, f, 16, wmma::mem_row_major);
+  });
+  expect_fault("shim: a wmma load from a pointer not 32-byte aligned", grid(1, 32, 1024), [&] {
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> f;
+    nvcuda::wmma::load_matrix_sync(f, reinterpret_cast<__nv_bfloat16*>(selftest_smem + 32), 16);
   });
   {  // dyn_smem_bytes() is the launch's size, and the memory starts as 0xff bytes.
     Buffer<unsigned> got(2, "got");

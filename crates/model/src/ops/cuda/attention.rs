@@ -10,13 +10,18 @@
 //! geometry (`Cfg` in the `.cu` file) is mirrored by [`Geometry`] here, which sizes the grid and
 //! the dynamic shared memory (at most 32 KiB, under the 48 KiB default limit). The kernels trap if
 //! launched with fewer bytes or other than [`THREADS`] threads.
+//!
+//! For bf16 with head dim 64 or 128 the forward, dQ and dK/dV kernels are the tensor-core
+//! variants of `kernels/attention_tc.cu` instead (same parameters and outputs; geometry in
+//! [`super::attention_tc`]); [`plan`] is the one place that picks a kernel and its launch shape.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
-use super::{alloc, grid, kernel_name, load, to_i32, view, KernelFloat, Module};
+use super::attention_tc::{self, Step, TcGeometry};
+use super::{acc_dtype, alloc, grid, kernel_name, load, to_i32, view, KernelFloat, Module};
 use crate::ops::attention::{Dims, OP};
 
 /// Threads per block of every attention kernel (`Cfg::THREADS`).
@@ -109,6 +114,32 @@ fn kernel(dev: &CudaDevice, base: &str, dtype: DType) -> Result<CudaFunction> {
     load(dev, Module::Attention, &name)
 }
 
+/// The kernel of `step` for dims `dm` and storage `dtype`, with its launch shape: the tensor-core
+/// kernels for bf16 with d = 64 or 128, else `<base>_d<DMAX>_<dtype>` shaped by [`Geometry`].
+/// Both have the same parameter list per step. Errors on an unsupported head dim.
+fn plan(
+    dev: &CudaDevice,
+    step: Step,
+    dm: Dims,
+    dtype: DType,
+) -> Result<(CudaFunction, LaunchConfig)> {
+    let units = match step {
+        Step::Fwd | Step::Dq => dm.b * dm.hq,
+        Step::Dkv => dm.b * dm.hkv,
+    };
+    if let Some(tc) = TcGeometry::new(dtype, dm.d) {
+        return tc.kernel(dev, step, blocks(units, dm.s, attention_tc::ROWS)?);
+    }
+    let geo = Geometry::new(dm.d, acc_dtype(dtype).size_in_bytes())?;
+    let (base, per_block, smem) = match step {
+        Step::Fwd => ("attn_fwd", geo.rows, geo.kv_smem()),
+        Step::Dq => ("attn_bwd_dq", geo.rows, geo.kv_smem()),
+        Step::Dkv => ("attn_bwd_dkv", geo.keys, geo.qdo_smem()),
+    };
+    let f = kernel(dev, &format!("{base}_d{}", geo.dmax), dtype)?;
+    Ok((f, grid(blocks(units, dm.s, per_block)?, THREADS, smem)))
+}
+
 /// `units · ceil(s / per_block)` blocks, checked against the kernels' `int` block indices.
 fn blocks(units: usize, s: usize, per_block: usize) -> Result<usize> {
     let n = units.saturating_mul(s.div_ceil(per_block));
@@ -152,10 +183,10 @@ fn fwd<T: KernelFloat>(
     scale: f64,
     dtype: DType,
 ) -> Result<(CudaStorage, CudaStorage)> {
-    let geo = Geometry::new(dm.d, std::mem::size_of::<T::Acc>())?;
     let Ints([b, s, hq, hkv, d]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
+    let (f, cfg) = plan(dev, Step::Fwd, dm, dtype)?;
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
     let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, s, hkv, d]
     let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, s, hkv, d]
@@ -167,22 +198,17 @@ fn fwd<T: KernelFloat>(
     let mut out = unsafe { alloc::<T>(dev, nq) }?; // [b, s, hq, d]
     let mut lse = unsafe { alloc::<T::Acc>(dev, nl) }?; // [b, hq, s]
     if nq > 0 {
-        let cfg = grid(
-            blocks(dm.b * dm.hq, dm.s, geo.rows)?,
-            THREADS,
-            geo.kv_smem(),
-        );
-        let f = kernel(dev, &format!("attn_fwd_d{}", geo.dmax), dtype)?;
         let sc = T::acc(scale);
         let stream = dev.cuda_stream();
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
         a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
         // SAFETY: the arguments match `attn_fwd_d<DMAX>_<T>(const T* q, const T* k, const T* v,
-        // T* out, A* lse, int b, int s, int hq, int hkv, int d, A scale)` with A = T::Acc; the
-        // buffers hold nq, nkv, nkv, nq and nl elements, which is what the kernel indexes for
-        // these dims; the grid is b·hq·ceil(s / rows) blocks of THREADS threads with the
-        // `Geometry` shared memory, as the kernel expects (it traps otherwise).
+        // T* out, A* lse, int b, int s, int hq, int hkv, int d, A scale)` with A = T::Acc, and
+        // `attn_tc_fwd_d<D>_bf16`, the same list for T = bf16, A = f32 (`plan` picks it only for
+        // bf16); the buffers hold nq, nkv, nkv, nq and nl elements, which is what the kernel
+        // indexes for these dims; grid and shared memory come from `plan`, as the kernel expects
+        // (it traps otherwise).
         unsafe { a.launch(cfg) }.w()?;
     }
     Ok((
@@ -216,10 +242,11 @@ fn bwd<T: KernelFloat>(
     scale: f64,
     dtype: DType,
 ) -> Result<CudaStorage> {
-    let geo = Geometry::new(dm.d, std::mem::size_of::<T::Acc>())?;
     let Ints([b, s, hq, hkv, d]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
+    let (f_dq, cfg_dq) = plan(dev, Step::Dq, dm, dtype)?;
+    let (f_dkv, cfg_dkv) = plan(dev, Step::Dkv, dm, dtype)?;
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
     let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, s, hkv, d]
     let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, s, hkv, d]
@@ -263,38 +290,27 @@ fn bwd<T: KernelFloat>(
     unsafe { a.launch(cfg) }.w()?;
 
     // dQ: b·hq·ceil(s / rows) blocks.
-    let cfg = grid(
-        blocks(dm.b * dm.hq, dm.s, geo.rows)?,
-        THREADS,
-        geo.kv_smem(),
-    );
-    let f = kernel(dev, &format!("attn_bwd_dq_d{}", geo.dmax), dtype)?;
-    let mut a = stream.launch_builder(&f);
+    let mut a = stream.launch_builder(&f_dq);
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
     a.arg(&lv).arg(&delta).arg(&mut grads);
     a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
     // SAFETY: matches `attn_bwd_dq_d<DMAX>_<T>(const T* q, const T* k, const T* v,
     // const T* dout, const A* lse, const A* delta, T* grads, int b, int s, int hq, int hkv,
     // int d, A scale)`; the buffers hold nq, nkv, nkv, nq, nl, nl and nq + 2 nkv elements and
-    // the kernel writes only the dQ part [0, nq) of `grads`; grid and shared memory follow
-    // `Geometry` (the kernel traps otherwise).
-    unsafe { a.launch(cfg) }.w()?;
+    // the kernel writes only the dQ part [0, nq) of `grads`; or `attn_tc_dq_d<D>_bf16`, the same
+    // list for T = bf16, A = f32 (`plan` picks it only for bf16); grid and shared memory come
+    // from `plan` (the kernel traps otherwise).
+    unsafe { a.launch(cfg_dq) }.w()?;
 
     // dK, dV: b·hkv·ceil(s / keys) blocks.
-    let cfg = grid(
-        blocks(dm.b * dm.hkv, dm.s, geo.keys)?,
-        THREADS,
-        geo.qdo_smem(),
-    );
-    let f = kernel(dev, &format!("attn_bwd_dkv_d{}", geo.dmax), dtype)?;
-    let mut a = stream.launch_builder(&f);
+    let mut a = stream.launch_builder(&f_dkv);
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
     a.arg(&lv).arg(&delta).arg(&mut grads);
     a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
     // SAFETY: same parameter list and buffers as the dQ kernel; this one writes only the dK and
-    // dV parts [nq, nq + 2 nkv) of `grads`; grid and shared memory (Q/dO tiles, lse, delta)
-    // follow `Geometry` (the kernel traps otherwise).
-    unsafe { a.launch(cfg) }.w()?;
+    // dV parts [nq, nq + 2 nkv) of `grads`; grid and shared memory come from `plan` (the kernel
+    // traps otherwise).
+    unsafe { a.launch(cfg_dkv) }.w()?;
 
     Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
 }

@@ -7,6 +7,7 @@
 //! transcendental functions run in f32 (f64 for f64 storage) whatever `T` is.
 
 pub mod attention;
+mod attention_tc;
 pub mod flat;
 pub mod pointwise;
 
@@ -23,6 +24,8 @@ pub enum Module {
     Pointwise,
     /// `kernels/attention.cu`: causal flash attention forward and backward.
     Attention,
+    /// `kernels/attention_tc.cu`: tensor-core (wmma) attention for bf16, head dim 64 and 128.
+    AttentionTc,
     /// `kernels/flat.cu`: gradient accumulation, AdamW and sum of squares over flat buffers.
     Flat,
 }
@@ -33,6 +36,7 @@ impl Module {
         match self {
             Module::Pointwise => "pretrain-pointwise",
             Module::Attention => "pretrain-attention",
+            Module::AttentionTc => "pretrain-attention-tc",
             Module::Flat => "pretrain-flat",
         }
     }
@@ -42,6 +46,7 @@ impl Module {
         match self {
             Module::Pointwise => include_str!(concat!(env!("OUT_DIR"), "/pointwise.ptx")),
             Module::Attention => include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
+            Module::AttentionTc => include_str!(concat!(env!("OUT_DIR"), "/attention_tc.ptx")),
             Module::Flat => include_str!(concat!(env!("OUT_DIR"), "/flat.ptx")),
         }
     }
