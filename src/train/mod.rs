@@ -1,17 +1,17 @@
 //! The training loop of one rank: data → segments forward/backward (gradients synchronised across
 //! data-parallel ranks while the backward runs) → exact global gradient norm → clipped AdamW step
 //! over the rank's owned flat ranges (ZeRO-1 shards or everything), with a log line per step,
-//! periodic validation and run outputs; and [`train`], which launches the ranks.
+//! periodic validation and run outputs. `run.rs` runs whole jobs ([`train`], [`run_rank`]).
 
 pub mod checkpoint;
 pub mod metrics;
 pub mod pipeline;
 pub mod rank;
+mod run;
 pub mod step;
 
 use std::path::Path;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -28,6 +28,7 @@ use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
 use crate::schedule::lr_at;
 use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
 pub use rank::RankCtx;
+pub use run::{assemble, collect, device_for, run_rank, train, RankOutput, RunOutput, WeightSlice};
 use step::{forward_backward, MicroBatch};
 
 use parallel::pipeline::ScheduleKind;
@@ -64,32 +65,6 @@ pub struct Trainer {
     schedule: Option<parallel::pipeline::Schedule>,
     /// The timed actions of the last pipelined step, for the timeline trace.
     timing: Vec<pipeline::Timed>,
-}
-
-/// What a finished run reports.
-pub struct RunOutput {
-    /// Every step's record (identical on all ranks).
-    pub records: Vec<StepRecord>,
-    /// The last validation loss, if validation ran.
-    pub val_loss: Option<f64>,
-    /// Whole parameters by name, assembled from every rank's slices.
-    pub weights: std::collections::BTreeMap<String, Vec<f32>>,
-}
-
-/// The compute device a recipe asks for; `ordinal` picks the GPU. A CUDA device gets a stream of
-/// its own, shared by every thread that holds a clone of the handle.
-pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {
-    match kind {
-        DeviceKind::Cpu => Ok(Device::Cpu),
-        #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => Device::new_cuda_with_stream(ordinal)
-            .with_context(|| format!("opening CUDA device {ordinal}")),
-        #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda => {
-            let _ = ordinal;
-            bail!("train.device is cuda but this binary was built without the `cuda` feature")
-        }
-    }
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -525,111 +500,5 @@ impl Trainer {
                 })
             })
             .collect()
-    }
-}
-
-/// One rank's slice of one parameter.
-pub struct WeightSlice {
-    /// Parameter name.
-    pub name: String,
-    /// Shape of the whole tensor.
-    pub global_shape: Vec<usize>,
-    /// `(offset, length)` per dimension.
-    pub slice: Vec<(usize, usize)>,
-    /// Row-major values of the slice.
-    pub values: Vec<f32>,
-}
-
-/// Assembles whole tensors (row-major) from slices of any ranks; replicas overwrite each other.
-pub fn assemble(
-    slices: impl IntoIterator<Item = WeightSlice>,
-) -> std::collections::BTreeMap<String, Vec<f32>> {
-    let mut out = std::collections::BTreeMap::new();
-    for s in slices {
-        let full: &mut Vec<f32> = out
-            .entry(s.name.clone())
-            .or_insert_with(|| vec![0.0; s.global_shape.iter().product()]);
-        let cols_full = if s.global_shape.len() == 2 {
-            s.global_shape[1]
-        } else {
-            s.global_shape[0]
-        };
-        let ((r0, rows), (c0, cols)) = match s.slice.as_slice() {
-            [r, c] => (*r, *c),
-            [c] => ((0, 1), *c),
-            _ => continue,
-        };
-        for r in 0..rows {
-            let dst = (r0 + r) * cols_full + c0;
-            full[dst..dst + cols].copy_from_slice(&s.values[r * cols..(r + 1) * cols]);
-        }
-    }
-    out
-}
-
-/// What one rank of a finished run returns: its step records, last validation loss and its
-/// parameter slices.
-pub type RankOutput = (Vec<StepRecord>, Option<f64>, Vec<WeightSlice>);
-
-/// Runs rank `rank` of a training job to the end on `device`, communicating through `comm`.
-/// On failure the communicator is aborted first, so the peers stop promptly.
-pub fn run_rank(
-    recipe: &Recipe,
-    rank: usize,
-    comm: Arc<dyn Comm>,
-    device: Device,
-    write_outputs: bool,
-) -> Result<RankOutput> {
-    let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())
-        .map(|c| c.on(device))
-        .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
-    let mut trainer = match ctx {
-        Ok(t) => t,
-        Err(e) => {
-            comm.abort(&format!("{e:#}"));
-            return Err(e);
-        }
-    };
-    match trainer.run() {
-        Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
-        Err(e) => {
-            // Stop the peers before this rank's trainer (and its gradient-sync thread, which may
-            // wait on them) is dropped.
-            comm.abort(&format!("{e:#}"));
-            Err(e)
-        }
-    }
-}
-
-/// Runs a whole training job in this process: one rank in this thread, or `dp × tp × pp` ranks
-/// as threads sharing the local communicator (and one device handle). Returns rank 0's records
-/// and the assembled final weights.
-pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
-    let world = recipe.parallel.world_size();
-    let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
-    let device = device_for(recipe.train.device, 0)?;
-    let results = parallel::launch::run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
-        run_rank(&recipe, rank, comm, device.clone(), write_outputs)
-            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-    })?;
-    Ok(collect(results))
-}
-
-/// Rank 0's records and validation loss, and the weights assembled from every output's slices.
-pub fn collect(results: Vec<RankOutput>) -> RunOutput {
-    let mut records = None;
-    let mut val_loss = None;
-    let mut all = Vec::new();
-    for (r, v, w) in results {
-        if records.is_none() {
-            records = Some(r);
-            val_loss = v;
-        }
-        all.extend(w);
-    }
-    RunOutput {
-        records: records.unwrap_or_default(),
-        val_loss,
-        weights: assemble(all),
     }
 }

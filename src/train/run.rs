@@ -1,0 +1,150 @@
+//! Running whole jobs and their outputs: the device of a run ([`device_for`]), one rank to the
+//! end ([`run_rank`]), all ranks of a job as threads of this process ([`train`]), and the
+//! assembly of every rank's parameter slices into whole tensors ([`collect`], [`assemble`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+#[cfg(not(feature = "cuda"))]
+use anyhow::bail;
+#[cfg(feature = "cuda")]
+use anyhow::Context;
+use anyhow::Result;
+use candle_core::Device;
+use parallel::Comm;
+
+use super::metrics::StepRecord;
+use super::{RankCtx, Trainer};
+use crate::recipe::{DeviceKind, Recipe};
+
+/// What a finished run reports.
+pub struct RunOutput {
+    /// Every step's record (identical on all ranks).
+    pub records: Vec<StepRecord>,
+    /// The last validation loss, if validation ran.
+    pub val_loss: Option<f64>,
+    /// Whole parameters by name, assembled from every rank's slices.
+    pub weights: std::collections::BTreeMap<String, Vec<f32>>,
+}
+
+/// The compute device a recipe asks for; `ordinal` picks the GPU. A CUDA device gets a stream of
+/// its own, shared by every thread that holds a clone of the handle.
+pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => Device::new_cuda_with_stream(ordinal)
+            .with_context(|| format!("opening CUDA device {ordinal}")),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => {
+            let _ = ordinal;
+            bail!("train.device is cuda but this binary was built without the `cuda` feature")
+        }
+    }
+}
+
+/// One rank's slice of one parameter.
+pub struct WeightSlice {
+    /// Parameter name.
+    pub name: String,
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// `(offset, length)` per dimension.
+    pub slice: Vec<(usize, usize)>,
+    /// Row-major values of the slice.
+    pub values: Vec<f32>,
+}
+
+/// Assembles whole tensors (row-major) from slices of any ranks; replicas overwrite each other.
+pub fn assemble(
+    slices: impl IntoIterator<Item = WeightSlice>,
+) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let mut out = std::collections::BTreeMap::new();
+    for s in slices {
+        let full: &mut Vec<f32> = out
+            .entry(s.name.clone())
+            .or_insert_with(|| vec![0.0; s.global_shape.iter().product()]);
+        let cols_full = if s.global_shape.len() == 2 {
+            s.global_shape[1]
+        } else {
+            s.global_shape[0]
+        };
+        let ((r0, rows), (c0, cols)) = match s.slice.as_slice() {
+            [r, c] => (*r, *c),
+            [c] => ((0, 1), *c),
+            _ => continue,
+        };
+        for r in 0..rows {
+            let dst = (r0 + r) * cols_full + c0;
+            full[dst..dst + cols].copy_from_slice(&s.values[r * cols..(r + 1) * cols]);
+        }
+    }
+    out
+}
+
+/// What one rank of a finished run returns: its step records, last validation loss and its
+/// parameter slices.
+pub type RankOutput = (Vec<StepRecord>, Option<f64>, Vec<WeightSlice>);
+
+/// Runs rank `rank` of a training job to the end on `device`, communicating through `comm`.
+/// On failure the communicator is aborted first, so the peers stop promptly.
+pub fn run_rank(
+    recipe: &Recipe,
+    rank: usize,
+    comm: Arc<dyn Comm>,
+    device: Device,
+    write_outputs: bool,
+) -> Result<RankOutput> {
+    let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())
+        .map(|c| c.on(device))
+        .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
+    let mut trainer = match ctx {
+        Ok(t) => t,
+        Err(e) => {
+            comm.abort(&format!("{e:#}"));
+            return Err(e);
+        }
+    };
+    match trainer.run() {
+        Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
+        Err(e) => {
+            // Stop the peers before this rank's trainer (and its gradient-sync thread, which may
+            // wait on them) is dropped.
+            comm.abort(&format!("{e:#}"));
+            Err(e)
+        }
+    }
+}
+
+/// Runs a whole training job in this process: one rank in this thread, or `dp × tp × pp` ranks
+/// as threads sharing the local communicator (and one device handle). Returns rank 0's records
+/// and the assembled final weights.
+pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
+    let world = recipe.parallel.world_size();
+    let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
+    let device = device_for(recipe.train.device, 0)?;
+    let results = parallel::launch::run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
+        run_rank(&recipe, rank, comm, device.clone(), write_outputs)
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    })?;
+    Ok(collect(results))
+}
+
+/// Rank 0's records and validation loss, and the weights assembled from every output's slices.
+pub fn collect(results: Vec<RankOutput>) -> RunOutput {
+    let mut records = None;
+    let mut val_loss = None;
+    let mut all = Vec::new();
+    for (r, v, w) in results {
+        if records.is_none() {
+            records = Some(r);
+            val_loss = v;
+        }
+        all.extend(w);
+    }
+    RunOutput {
+        records: records.unwrap_or_default(),
+        val_loss,
+        weights: assemble(all),
+    }
+}
