@@ -143,6 +143,7 @@ pub fn spawn_node(layout: &NodeLayout, args: &[OsString], grace: Duration) -> Re
 /// another's failure (exit status [`PEER_FAILED_EXIT`]).
 fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut hung: Vec<(usize, ExitStatus)> = Vec::new();
     let mut deadline: Option<Instant> = None;
     while !children.is_empty() {
         let mut i = 0;
@@ -157,28 +158,62 @@ fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
                     children.remove(i);
                 }
                 Ok(None) => i += 1,
-                Err(e) => bail!("waiting for rank {rank}: {e}"),
+                Err(e) => {
+                    let msg = format!("waiting for rank {rank}: {e}");
+                    for (_, c) in &mut children {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    bail!(msg);
+                }
             }
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             for (rank, c) in &mut children {
                 tracing::warn!("killing rank {rank}, still running after another rank failed");
                 let _ = c.kill();
-                let _ = c.wait();
+                if let Ok(status) = c.wait() {
+                    // A rank that hung while the others stopped may be the root cause.
+                    hung.push((*rank, status));
+                }
             }
             children.clear();
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    // The root cause: the first rank that failed on its own; else a rank that hung while every
+    // failure was a follower's; else the first follower.
     let secondary = |s: &ExitStatus| s.code() == Some(PEER_FAILED_EXIT as i32);
     let root = failures
         .iter()
         .find(|(_, s)| !secondary(s))
+        .or(hung.first())
         .or(failures.first());
     match root {
         Some((rank, status)) => bail!("rank {rank} failed ({status}); see its error above"),
         None => Ok(()),
     }
+}
+
+/// The port of this job's rendezvous store: `PRETRAIN_STORE_PORT` if set; under torchrun, whose
+/// agent already serves its own store on `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE`), the
+/// next port; otherwise `MASTER_PORT`.
+pub fn store_port(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> Result<u16> {
+    if let Some(p) = get("PRETRAIN_STORE_PORT") {
+        return p
+            .trim()
+            .parse()
+            .with_context(|| format!("PRETRAIN_STORE_PORT={p:?} is not a port number"));
+    }
+    if get("TORCHELASTIC_USE_AGENT_STORE").is_some() {
+        return info.master_port.checked_add(1).with_context(|| {
+            format!(
+                "MASTER_PORT {} has no next port for the store; set PRETRAIN_STORE_PORT",
+                info.master_port
+            )
+        });
+    }
+    Ok(info.master_port)
 }
 
 /// A joined job: the communicator and device of this rank, and (on rank 0) the store server,
@@ -207,15 +242,16 @@ pub fn join(info: &ProcessInfo, recipe: &Recipe) -> Result<Job> {
     }
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
     let token = job_token(&|k| std::env::var(k).ok(), info);
+    let port = store_port(&|k| std::env::var(k).ok(), info)?;
     let server = if info.rank == 0 {
-        let bind = format!("0.0.0.0:{}", info.master_port);
+        let bind = format!("0.0.0.0:{port}");
         let s = StoreServer::start(&bind, &token, timeout)
             .with_context(|| format!("rank 0: serving the rendezvous store on {bind}"))?;
         Some(s)
     } else {
         None
     };
-    let addr = format!("{}:{}", info.master_addr, info.master_port);
+    let addr = format!("{}:{port}", info.master_addr);
     let mut store = Store::connect(&addr, &token, timeout)
         .with_context(|| format!("rank {}: joining the job", info.rank))?;
     let (comm, device): (Arc<dyn Comm>, Device) = match recipe.train.device {
@@ -290,6 +326,19 @@ mod tests {
         let explicit = job_token(&env(&[(TOKEN_VAR, "s3cret")]), &info("torchrun"));
         assert_eq!(explicit, "s3cret");
         assert_ne!(random_token(), random_token());
+    }
+
+    #[test]
+    fn the_store_avoids_torchruns_own_port() {
+        let i = info("torchrun");
+        let none = |_: &str| None;
+        assert_eq!(store_port(&none, &i).unwrap(), 29500);
+        let agent = |k: &str| (k == "TORCHELASTIC_USE_AGENT_STORE").then(|| "True".to_string());
+        assert_eq!(store_port(&agent, &i).unwrap(), 29501);
+        let set = |k: &str| (k == "PRETRAIN_STORE_PORT").then(|| "4000".to_string());
+        assert_eq!(store_port(&set, &i).unwrap(), 4000);
+        let bad = |k: &str| (k == "PRETRAIN_STORE_PORT").then(|| "x".to_string());
+        assert!(store_port(&bad, &i).is_err());
     }
 
     #[test]

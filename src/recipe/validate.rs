@@ -71,9 +71,9 @@ impl Recipe {
                 self.train.seq_len, par.tp
             ));
         }
-        if !(par.timeout_s > 0.0) {
+        if !(par.timeout_s > 0.0 && par.timeout_s <= 1e7) {
             p.push(format!(
-                "parallel.timeout_s ({}) must be positive",
+                "parallel.timeout_s ({}) must be positive and at most 1e7 seconds",
                 par.timeout_s
             ));
         }

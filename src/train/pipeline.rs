@@ -10,9 +10,10 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use model::{segment, segment::SegmentRun, Llama, Piece, Recompute};
 use parallel::pipeline::{chrome_trace, Action, Schedule, TraceSpan};
+use parallel::Group;
 
 use super::step::MicroBatch;
 use super::RankCtx;
@@ -375,21 +376,27 @@ impl super::Trainer {
             .chain([optimizer.0, optimizer.1])
             .collect();
         let world = ctx.mesh.world_size();
+        // One all-gather of every rank's times (padded to the longest stage) instead of one
+        // transfer per rank into rank 0.
+        let width = 2 * schedule.actions.iter().map(Vec::len).max().unwrap_or(0) + 2;
+        let mut row = mine;
+        row.resize(width, 0.0);
+        let everyone = Group::new((0..world).collect());
+        let all = ctx
+            .comm
+            .all_gather(
+                &everyone,
+                &Tensor::from_vec(row, (1, width), &Device::Cpu)?,
+                0,
+            )?
+            .to_vec2::<f64>()?; // [world, width]
         if !ctx.is_main() {
-            ctx.comm
-                .send(&Tensor::new(mine.as_slice(), &candle_core::Device::Cpu)?, 0)?;
             return Ok(None);
         }
         let (mut spans, mut bubbles) = (Vec::new(), Vec::new());
-        for rank in 0..world {
+        for (rank, times) in all.iter().enumerate() {
             let stage = ctx.mesh.coords(rank).pp;
             let actions = &schedule.actions[stage];
-            let times = if rank == 0 {
-                mine.clone()
-            } else {
-                let shape = Shape::from(2 * actions.len() + 2);
-                ctx.comm.recv(rank, &shape, DType::F64)?.to_vec1::<f64>()?
-            };
             let (mut busy, mut window) = (0.0, 0.0f64);
             for (k, a) in actions.iter().enumerate() {
                 let (s, e) = (times[2 * k], times[2 * k + 1]);

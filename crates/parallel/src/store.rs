@@ -217,12 +217,20 @@ impl Store {
             message: e.to_string(),
         };
         let deadline = Instant::now() + timeout;
-        let target = addr
+        // Every resolved address, IPv4 first (the server listens on IPv4; `localhost` often
+        // resolves to `::1` first).
+        let mut targets: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map_err(|e| io("resolve", &e))?
-            .next()
-            .ok_or_else(|| io("resolve", &"no address"))?;
+            .collect();
+        targets.sort_by_key(|a| !a.is_ipv4());
+        if targets.is_empty() {
+            return Err(io("resolve", &"no address"));
+        }
+        let mut attempt = 0usize;
         let stream = loop {
+            let target = targets[attempt % targets.len()];
+            attempt += 1;
             match TcpStream::connect_timeout(&target, Duration::from_millis(500)) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => {

@@ -154,9 +154,9 @@ fn mismatched_shapes_are_invalid() {
 #[test]
 fn a_missing_rank_times_out_naming_it() {
     let start = Instant::now();
-    let out = with_tcp(3, Duration::from_secs(2), |r, c| {
+    let out = with_tcp(3, Duration::from_secs(5), |r, c| {
         if r == 2 {
-            std::thread::sleep(Duration::from_secs(4));
+            std::thread::sleep(Duration::from_secs(9));
             return Ok(());
         }
         c.all_reduce(
@@ -170,11 +170,11 @@ fn a_missing_rank_times_out_naming_it() {
     for o in &out[..2] {
         let e = o.as_ref().unwrap_err();
         assert!(
-            e.contains("timed out after 2.0s waiting for ranks [2]"),
+            e.contains("timed out after 5.0s waiting for ranks [2]"),
             "{e}"
         );
     }
-    assert!(start.elapsed() < Duration::from_secs(15));
+    assert!(start.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

@@ -158,6 +158,9 @@ impl TcpComm {
                 continue;
             };
             s.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
+            // A peer that is alive but stops reading must not block this rank forever.
+            s.set_write_timeout(Some(timeout))
+                .map_err(|e| fail(e.to_string()))?;
             s.set_read_timeout(None).map_err(|e| fail(e.to_string()))?;
             let read_half = s.try_clone().map_err(|e| fail(e.to_string()))?;
             let shared = shared.clone();
@@ -211,6 +214,15 @@ impl TcpComm {
         let Some(Some(w)) = self.writers.get(peer) else {
             return Err(self.invalid(op, group, format!("no connection to rank {peer}")));
         };
+        if let Some((failed, reason)) = lock(&self.shared.inbox).failure.clone() {
+            return Err(self.err(op, group, |me, op, group| CommError::PeerFailed {
+                me,
+                op,
+                group,
+                failed,
+                reason: reason.clone(),
+            }));
+        }
         let (kind, code, gid, seq) = frame;
         write_frame(&mut *lock(w), kind, code, gid, seq, payload).map_err(|e| {
             let reason = format!("connection lost while sending: {e}");
@@ -531,23 +543,26 @@ impl Comm for TcpComm {
         self.collective(group, Kind::Barrier, None).map(|_| ())
     }
 
+    /// Records the job's failure (this rank's, unless a failure is already known) and forwards
+    /// the recorded one to every peer, so the rank that failed first is the one every rank names.
     fn abort(&self, reason: &str) {
-        {
+        let (failed, reason) = {
             let mut inbox = lock(&self.shared.inbox);
-            inbox.failure.get_or_insert((self.rank, reason.to_string()));
-        }
+            inbox
+                .failure
+                .get_or_insert((self.rank, reason.to_string()))
+                .clone()
+        };
         self.shared.cv.notify_all();
-        for peer in 0..self.world_size {
-            if let Some(Some(w)) = self.writers.get(peer) {
-                let _ = write_frame(
-                    &mut *lock(w),
-                    FrameKind::Abort,
-                    0,
-                    0,
-                    self.rank as u64,
-                    reason.as_bytes(),
-                );
-            }
+        for w in self.writers.iter().flatten() {
+            let _ = write_frame(
+                &mut *lock(w),
+                FrameKind::Abort,
+                0,
+                0,
+                failed as u64,
+                reason.as_bytes(),
+            );
         }
     }
 }
