@@ -13,16 +13,29 @@
 //!   Creation is serialised per rank. Point-to-point messages use one communicator per
 //!   *direction* (`nccl/{k}/p2p/{src}->{dst}`, NCCL rank 0 = sender), created by the sender's
 //!   first `send` and the receiver's first `recv` on that direction.
-//! - **Streams.** Collectives and receives run on the device's stream
-//!   ([`CudaDevice::cuda_stream`]); the calling thread waits for them (below) and returns a fresh
-//!   tensor of the input's dtype on the same device, detached from the autograd graph.
+//! - **Streams.** Every communicator (each group, each p2p direction) has its own CUDA stream,
+//!   as in PyTorch. Sharing the device's one stream deadlocked real training: the data-parallel
+//!   gradient sync (a background thread) and the tensor-parallel collectives (the main thread)
+//!   were enqueued on it in an order that depends on thread timing, so with dp=2, tp=2 two ranks
+//!   could queue a DP and a TP collective in opposite orders, each NCCL kernel spinning until its
+//!   peers join and blocking the kernels behind it on that stream: a cycle. Now operations on
+//!   different communicators never wait for each other on the GPU; those on one communicator
+//!   keep their issue order, which all members share. To enqueue an operation, the inputs are
+//!   made contiguous (copied) and the output allocated on the device's stream
+//!   ([`CudaDevice::cuda_stream`]), an event recorded there after that work, the communicator's
+//!   stream made to wait for it, the NCCL call enqueued on the communicator's stream and a
+//!   completion event recorded behind it. For collectives and receives the calling thread waits
+//!   for that event (below) before it returns a fresh tensor of the input's dtype on the same
+//!   device, detached from the autograd graph, so later device-stream work on the result (and
+//!   freeing the inputs, stream-ordered on the device's stream) comes after the operation.
 //!   `all_gather` / `reduce_scatter` along `dim ≠ 0` move axes with candle ops around NCCL's
-//!   flat, member-major buffers. Sends copy their tensor, then run on a private side stream that
-//!   waits for the device's stream; `send` returns at once (no wait for the matching `recv`, as
-//!   the `local` backend and the pipeline schedules assume). The copy is held until the send
-//!   completes (polled on later calls and by the watchdog). The one wait a send can have: the
-//!   first send on a direction joins its communicator, which waits for the receiver's first
-//!   `recv` from this rank.
+//!   flat, member-major buffers. Sends copy their tensor on the device's stream, then run on
+//!   their direction communicator's stream, ordered the same way; `send` returns at once (no
+//!   wait for the matching `recv`, as the `local` backend and the pipeline schedules assume).
+//!   The copy is held until the send completes (polled on later calls and by the watchdog). The
+//!   one wait a send can have: the first send on a direction joins its communicator, which waits
+//!   for the receiver's first `recv` from this rank. A communicator's stream is destroyed when
+//!   the communicator is dropped (after its abort).
 //! - **Bounded waits.** After enqueueing, the caller polls a CUDA event recorded behind the
 //!   operation: spinning for 1 ms, then sleeping 20 µs doubling to 1 ms, up to the timeout;
 //!   every 200 ms it also checks NCCL's asynchronous error. A timeout records this rank's failure
@@ -250,8 +263,23 @@ impl NcclComm {
         Err(Error::wrap(e))
     }
 
-    /// Runs one operation on the device's stream and waits for it: `input` (made contiguous) is
-    /// NCCL's send buffer (null without), a fresh `shape`/`dtype` tensor its receive buffer.
+    /// Orders `comm`'s stream after all work enqueued so far on the device's stream (the
+    /// operation's inputs and output buffer are made there): records an event on the device's
+    /// stream and makes the communicator's stream wait for it.
+    fn follow_device(&self, comm: &RawComm) -> Result<()> {
+        let ready = self
+            .shared
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_err("event", e))?;
+        comm.stream()
+            .wait(&ready)
+            .map_err(|e| cuda_err("stream wait", e))
+    }
+
+    /// Runs one operation on `key`'s communicator stream, after the device stream's work, and
+    /// waits for it: `input` (made contiguous) is NCCL's send buffer (null without), a fresh
+    /// `shape`/`dtype` tensor its receive buffer.
     fn run(
         &self,
         call: &Call,
@@ -274,7 +302,9 @@ impl NcclComm {
             None => null(),
         };
         let recv = device_addr(&out, stream)? as *mut _;
-        let cu_stream = stream.cu_stream() as sys::cudaStream_t;
+        self.follow_device(&comm)?;
+        let comm_stream = comm.stream();
+        let cu_stream = comm_stream.cu_stream() as sys::cudaStream_t;
         self.enqueue(call, &comm, |c| {
             launch(&Launch {
                 comm: c,
@@ -284,7 +314,7 @@ impl NcclComm {
                 stream: cu_stream,
             })
         })?;
-        let done = stream
+        let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
         sh.wait_event(call, &done, &comm).map_err(Error::wrap)?;

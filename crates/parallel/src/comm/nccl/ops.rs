@@ -203,27 +203,21 @@ impl NcclComm {
         let nccl_type = self.check_tensor(&call, t)?;
         let key = CommKey::P2p { src: sh.rank, dst };
         let comm = sh.comm(&call, &key).map_err(Error::wrap)?;
-        let side = sh.side_stream()?;
-        // A copy, so that later in-place updates of `t` are not seen by `dst`.
+        // A copy (on the device's stream), so that later in-place updates of `t` are not seen by
+        // `dst`; the send runs on the direction communicator's stream, after the copy.
         let data = fresh(t)?;
-        let ready = sh
-            .stream
-            .record_event(None)
-            .map_err(|e| cuda_err("event", e))?;
-        side.stream()
-            .wait(&ready)
-            .map_err(|e| cuda_err("stream wait", e))?;
-        let addr = device_addr(&data, side.stream())? as *const _;
+        let addr = device_addr(&data, &sh.stream)? as *const _;
+        self.follow_device(&comm)?;
+        let comm_stream = comm.stream();
         let (count, cu_stream) = (
             data.elem_count(),
-            side.stream().cu_stream() as sys::cudaStream_t,
+            comm_stream.cu_stream() as sys::cudaStream_t,
         );
         self.enqueue(&call, &comm, |c| unsafe {
             // SAFETY: `data` holds `count` elements and is kept until the send completes.
             nc::send(addr, count, nccl_type, 1, c, cu_stream)
         })?;
-        let done = side
-            .stream()
+        let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
         let pending = PendingSend {

@@ -1,6 +1,6 @@
 //! The raw CUDA and NCCL handles of the `nccl` backend: [`RawComm`] (one NCCL communicator, with
-//! an abort callable from any thread), [`SideStream`] (the stream sends run on), communicator
-//! creation on a helper thread, and device addresses of candle tensors.
+//! an abort callable from any thread, and the [`CommStream`] its operations run on),
+//! communicator creation on a helper thread, and device addresses of candle tensors.
 //!
 //! # Safety argument
 //!
@@ -52,8 +52,10 @@ pub(super) fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
 }
 
 fn slice_addr<T>(s: &CudaSlice<T>, offset: usize, stream: &CudaStream) -> u64 {
-    // The returned guard only records events in cudarc's multi-stream mode; callers order the
-    // streams themselves and keep the tensor alive until the GPU is done with it.
+    // With cudarc's event tracking (on: the device's context is in multi-stream mode), this makes
+    // `stream` wait for the slice's last write and the dropped guard records a read on `stream`
+    // now, i.e. before the NCCL operation is enqueued. Callers pass the device's stream, order the
+    // communicator's stream after it themselves, and keep the tensor alive until the GPU is done.
     let (ptr, _guard) = s.device_ptr(stream);
     ptr + (offset * std::mem::size_of::<T>()) as u64
 }
@@ -131,11 +133,13 @@ struct Handle(sys::ncclComm_t);
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
-/// One NCCL communicator of this rank.
+/// One NCCL communicator of this rank, with the stream its operations run on.
 pub(super) struct RawComm {
     handle: Handle,
     lock: Mutex<()>,
     aborted: AtomicBool,
+    /// Dropped (destroyed) after `Drop::drop` has aborted the communicator.
+    stream: CommStream,
 }
 
 impl RawComm {
@@ -162,6 +166,12 @@ impl RawComm {
             let message = describe(e.0, comm);
             Fault::Nccl { usage, message }
         })
+    }
+
+    /// The communicator's own stream: every operation on it is enqueued there (see the module
+    /// documentation of `nccl`, "Streams").
+    pub(super) fn stream(&self) -> &CudaStream {
+        self.stream.stream()
     }
 
     /// Whether [`RawComm::abort`] has been called.
@@ -191,7 +201,8 @@ impl RawComm {
     }
 
     /// Aborts the communicator: its pending operations end (their events complete) and every
-    /// later call fails with [`Fault::Aborted`]. Idempotent; callable from any thread.
+    /// later call fails with [`Fault::Aborted`]. Idempotent; callable from any thread. The
+    /// stream stays until the `RawComm` is dropped, as other threads may still hold it.
     pub(super) fn abort(&self) {
         if self.aborted.swap(true, Ordering::SeqCst) {
             return;
@@ -220,7 +231,7 @@ impl RawComm {
 impl Drop for RawComm {
     fn drop(&mut self) {
         // Aborting (rather than destroying) never waits for peers. All of this rank's operations
-        // have completed or failed by now.
+        // have completed or failed by now. The stream is destroyed afterwards, with the fields.
         self.abort();
     }
 }
@@ -253,6 +264,8 @@ pub(super) fn spawn_init(
 fn init(ctx: &Arc<CudaContext>, id: [u8; 128], index: usize, size: usize) -> InitResult {
     ctx.bind_to_thread()
         .map_err(|e| format!("CUDA bind: {e}"))?;
+    // Made first, so that a failure leaves no communicator behind.
+    let stream = CommStream::new(ctx).map_err(|e| e.to_string())?;
     let id = sys::ncclUniqueId {
         internal: id.map(|b| b as c_char),
     };
@@ -266,6 +279,7 @@ fn init(ctx: &Arc<CudaContext>, id: [u8; 128], index: usize, size: usize) -> Ini
         handle: Handle(unsafe { comm.assume_init() }),
         lock: Mutex::new(()),
         aborted: AtomicBool::new(false),
+        stream,
     })
 }
 
@@ -275,14 +289,19 @@ pub(super) fn new_unique_id() -> std::result::Result<[u8; 128], String> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// A non-blocking CUDA stream owned by the backend, on which sends run so that they never hold up
-/// the device's stream. Created with the raw driver call (not `CudaContext::new_stream`) so that
-/// cudarc does not switch the whole context into multi-stream event tracking.
-pub(super) struct SideStream {
+/// A non-blocking CUDA stream owned by one [`RawComm`], on which all of that communicator's
+/// operations run (so they never hold up, nor are held up by, the device's stream or another
+/// communicator's operations). Created with the raw driver call and wrapped as a borrowed stream
+/// rather than with `CudaContext::new_stream`: the device's context is already in cudarc's
+/// multi-stream mode (candle's `Device::new_cuda_with_stream` made its stream with `new_stream`),
+/// so either would do there; the raw call leaves cudarc's stream count (and so its event tracking
+/// and the one-off context synchronise of a first `new_stream`) untouched even for a device
+/// created otherwise, and ties the stream's lifetime explicitly to this struct.
+pub(super) struct CommStream {
     stream: Arc<CudaStream>,
 }
 
-impl SideStream {
+impl CommStream {
     pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         let raw = cu::stream::create(cu::stream::StreamKind::NonBlocking)
@@ -298,7 +317,7 @@ impl SideStream {
     }
 }
 
-impl Drop for SideStream {
+impl Drop for CommStream {
     fn drop(&mut self) {
         let _ = self.stream.context().bind_to_thread();
         // SAFETY: see `new`; pending work finishes before CUDA releases the stream.

@@ -12,7 +12,7 @@ use candle_core::cuda::CudaDevice;
 use candle_core::Tensor;
 
 use super::layout::{AbortKeys, CommKey, RendezvousKeys};
-use super::raw::{new_unique_id, spawn_init, RawComm, SideStream};
+use super::raw::{new_unique_id, spawn_init, RawComm};
 use crate::comm::CommError;
 use crate::store::{Store, StoreError};
 
@@ -94,8 +94,8 @@ impl Call {
     }
 }
 
-/// A send enqueued on the side stream and not yet known to be complete. Holds the sent copy so
-/// that its memory is not reused before NCCL has read it.
+/// A send enqueued on its direction communicator's stream and not yet known to be complete.
+/// Holds the sent copy so that its memory is not reused before NCCL has read it.
 pub(super) struct PendingSend {
     pub done: CudaEvent,
     /// Kept alive (never read) until `done`.
@@ -112,7 +112,7 @@ pub(super) struct SendFault {
 }
 
 /// State shared by the calling threads and the watchdog. Field order is drop order:
-/// communicators are aborted before pending sends and the side stream go.
+/// communicators are aborted (and their streams destroyed) before pending sends go.
 pub(super) struct Shared {
     pub rank: usize,
     pub world_size: usize,
@@ -125,7 +125,6 @@ pub(super) struct Shared {
     /// Serialises communicator creation on this rank.
     creating: Mutex<()>,
     pub sends: Mutex<VecDeque<PendingSend>>,
-    side: Mutex<Option<Arc<SideStream>>>,
     store: Mutex<Store>,
     failure: Mutex<Option<(usize, String)>>,
     failed: AtomicBool,
@@ -158,7 +157,6 @@ impl Shared {
             comms: Mutex::new(HashMap::new()),
             creating: Mutex::new(()),
             sends: Mutex::new(VecDeque::new()),
-            side: Mutex::new(None),
             store: Mutex::new(store),
             failure: Mutex::new(None),
             failed: AtomicBool::new(false),
@@ -488,16 +486,6 @@ impl Shared {
                 }
             }
         }
-    }
-
-    /// The stream sends run on, created on first use.
-    pub(super) fn side_stream(&self) -> candle_core::Result<Arc<SideStream>> {
-        let mut side = lock(&self.side);
-        if let Some(s) = &*side {
-            return Ok(s.clone());
-        }
-        let made = Arc::new(SideStream::new(self.stream.context())?);
-        Ok(side.insert(made).clone())
     }
 
     /// Waits (bounded by the store's timeout) until every rank of the job has called this.
