@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing::info;
 
-use crate::recipe::{self, Dtype, Recipe};
+use crate::recipe::{self, DeviceKind, Dtype, Recipe};
 
 /// Megatron-style 3D-parallel Llama pretraining.
 #[derive(Debug, Parser)]
@@ -100,8 +100,8 @@ pub enum Command {
         #[arg(long)]
         output: PathBuf,
         /// Weight dtype (default: the training dtype).
-        #[arg(long, value_parser = ["f32", "bf16"])]
-        dtype: Option<String>,
+        #[arg(long, value_enum)]
+        dtype: Option<Dtype>,
         /// Largest weight file in bytes before sharding.
         #[arg(long, default_value_t = crate::hf::DEFAULT_MAX_SHARD_BYTES)]
         max_shard_size: u64,
@@ -138,8 +138,8 @@ pub enum Command {
     /// sharing the device.
     Selftest {
         /// Device to check.
-        #[arg(long, value_parser = ["cpu", "cuda"], default_value = "cpu")]
-        device: String,
+        #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+        device: DeviceKind,
         /// The tiny recipe (its bundled data must be present).
         #[arg(long, default_value = "recipes/tiny.yaml")]
         recipe: PathBuf,
@@ -248,7 +248,6 @@ pub fn run(cli: Cli) -> Result<()> {
                 max_shard_size,
             }),
         ) => {
-            let dtype = dtype.map(|d| if d == "bf16" { Dtype::Bf16 } else { Dtype::F32 });
             let s = crate::hf::export(&checkpoint, &output, dtype, max_shard_size)?;
             info!(
                 "exported {} ({} weight file(s), {:.1} MB); parity check: max relative logit difference {:.2e}",
@@ -305,7 +304,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 recipe,
                 json,
             }),
-        ) => selftest(&device, &recipe, json.as_deref()),
+        ) => selftest(device, &recipe, json.as_deref()),
         _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),
     }
 }
@@ -329,7 +328,7 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
         return crate::launch::spawn_node(&layout, &child, grace);
     }
     let dir = recipe.run.dir.clone();
-    let info = parallel::env::from_env(&|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    let info = parallel::env::from_env(&|k| std::env::var(k).ok())?;
     let (out, main) = match info {
         Some(info) if info.world_size > 1 => {
             let job = crate::launch::join(&info, &recipe)?;
@@ -365,13 +364,12 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
     Ok(())
 }
 
-fn selftest(device: &str, recipe: &std::path::Path, json: Option<&std::path::Path>) -> Result<()> {
-    let kind = if device == "cuda" {
-        recipe::DeviceKind::Cuda
-    } else {
-        recipe::DeviceKind::Cpu
-    };
-    let checks = crate::selftest::run(kind, recipe)?;
+fn selftest(
+    device: DeviceKind,
+    recipe: &std::path::Path,
+    json: Option<&std::path::Path>,
+) -> Result<()> {
+    let checks = crate::selftest::run(device, recipe)?;
     for c in &checks {
         println!(
             "{:4}  {:<58} error {:.2e}  (tolerance {:.0e})",

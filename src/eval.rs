@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use ckpt::stream::{write_streaming, TensorSpec};
 use ckpt::{Checkpoint, Kind};
 use model::Llama;
+use parallel::comm::local::run_local;
 use parallel::{Comm, ReduceOp};
 
 use crate::hf::checkpoint_recipe;
@@ -70,7 +71,7 @@ pub fn eval(
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
     let device = device_for(recipe.train.device, 0)?;
     let device = &device;
-    let per_rank = parallel::launch::run_local(
+    let per_rank = run_local(
         recipe.parallel.world_size(),
         timeout,
         |rank, comm: Arc<dyn Comm>| {
@@ -136,9 +137,10 @@ pub fn eval(
                 let v = v.to_vec1::<f64>()?;
                 Ok((v[0], v[1]))
             };
-            go().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+            go()
         },
-    )?;
+    )
+    .map_err(crate::train::root_cause)?;
     let (sum, count) = per_rank[0];
     let loss = sum / count;
     Ok(EvalResult {

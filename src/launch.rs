@@ -39,6 +39,14 @@ pub const TOKEN_VAR: &str = "PRETRAIN_JOB_TOKEN";
 /// rank that failed first on its own, not the ranks that followed it.
 pub const PEER_FAILED_EXIT: u8 = 3;
 
+/// Whether `e` reports that this rank stopped because another rank failed, decided by the
+/// error's type ([`parallel::CommError::PeerFailed`] anywhere in its chain), never by its text.
+pub fn is_peer_failure(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(parallel::CommError::find)
+        .any(parallel::CommError::is_peer_failure)
+}
+
 /// Where this node's processes sit in the job (torchrun's launcher options).
 #[derive(Debug, Clone)]
 pub struct NodeLayout {
@@ -357,5 +365,39 @@ mod tests {
         assert!(e.to_string().contains("--node-rank 2"), "{e}");
         let e = spawn_node(&layout(2, 2, 0, None), &[], g).unwrap_err();
         assert!(e.to_string().contains("--master-addr"), "{e}");
+    }
+
+    #[test]
+    fn peer_failures_are_recognised_by_type_not_text() {
+        let peer = parallel::CommError::PeerFailed {
+            me: 0,
+            op: "all_reduce",
+            group: vec![0, 1],
+            failed: 1,
+            reason: "boom".into(),
+        };
+        let text = peer.to_string();
+        // Through candle (as model code and the gradient-sync thread return it) and anyhow
+        // context layers.
+        let wrapped = candle_core::Error::from(peer)
+            .context("backward of segment Block(3)")
+            .bt();
+        let e = anyhow::Error::from(wrapped)
+            .context("synchronising gradients")
+            .context("rank 0");
+        assert!(is_peer_failure(&e), "{e:#}");
+        // The same words from anything else are not a peer failure.
+        let imitation = anyhow::anyhow!("{text}").context("rank 0");
+        assert!(!is_peer_failure(&imitation));
+        let own = anyhow::Error::from(candle_core::Error::from(
+            parallel::CommError::Timeout {
+                me: 0,
+                op: "recv",
+                group: vec![0, 1],
+                secs: 1.0,
+                missing: vec![1],
+            },
+        ));
+        assert!(!is_peer_failure(&own), "a timeout is this rank's own failure");
     }
 }

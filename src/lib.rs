@@ -8,7 +8,7 @@ pub mod hf;
 pub mod launch;
 pub mod optim;
 pub mod recipe;
-pub mod schedule;
+pub mod lr;
 pub mod selftest;
 pub mod train;
 

@@ -16,9 +16,8 @@ fn main() -> std::process::ExitCode {
     match pretrain::cli::run(pretrain::cli::Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            let message = format!("{e:#}");
-            eprintln!("error: {message}");
-            if parallel::comm::is_peer_failure(&message) {
+            eprintln!("error: {e:#}");
+            if pretrain::launch::is_peer_failure(&e) {
                 std::process::ExitCode::from(pretrain::launch::PEER_FAILED_EXIT)
             } else {
                 std::process::ExitCode::FAILURE

@@ -151,3 +151,50 @@ fn a_killed_rank_fails_the_job_promptly() {
     assert!(err.contains("rank 1 failed: connection lost"), "{err}");
     assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
 }
+
+/// A rank stopped by a peer's failure exits with the follower status (3), so that launchers can
+/// tell the root cause from the ranks that followed it; the status comes from the error's type.
+#[test]
+fn a_rank_stopped_by_a_dead_peer_exits_with_the_follower_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let rank = |r: usize| {
+        Command::new(env!("CARGO_BIN_EXE_pretrain"))
+            .args(["--recipe", "recipes/tiny.yaml", "--set"])
+            .arg(format!(
+                "parallel.dp=2,train.steps=500,train.eval_interval=0,checkpoint.interval=0,\
+                 run.log_interval=1,parallel.timeout_s=600,run.dir={}",
+                dir.path().display()
+            ))
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("PRETRAIN_JOB_TOKEN", "follower-status-test")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = rank(0);
+    let mut second = rank(1);
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().contains("step=2/") {
+            break;
+        }
+    }
+    second.kill().unwrap();
+    second.wait().unwrap();
+    for _ in lines {}
+    let status = first.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut first.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("rank 1 failed"), "{err}");
+}

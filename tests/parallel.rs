@@ -100,7 +100,7 @@ fn a_failing_rank_stops_every_other_rank_with_an_error_naming_it() {
     let timeout = Duration::from_secs(60);
     let start = Instant::now();
     let peers: std::sync::Mutex<Vec<String>> = Default::default();
-    let err = parallel::launch::run_local(4, timeout, |rank, comm| {
+    let err = parallel::comm::local::run_local(4, timeout, |rank, comm| {
         let ctx = RankCtx::new(&recipe.parallel, rank, comm).unwrap();
         let mut trainer = Trainer::new(recipe.clone(), ctx, false).unwrap();
         if rank == 1 {

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 pub use load::{load, load_str, RecipeError};
 pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, OptimizerConfig, Resume, RunConfig, ScheduleConfig,
-    ScheduleKind, TrainConfig,
+    LrCurve, TrainConfig,
 };
 
 /// A complete training recipe. Every key of the YAML file maps to a documented field here or in

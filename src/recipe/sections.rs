@@ -7,7 +7,7 @@ use model::Recompute;
 use serde::{Deserialize, Serialize};
 
 /// Element type of parameters and activations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     /// 32-bit floats everywhere.
@@ -17,13 +17,31 @@ pub enum Dtype {
 }
 
 /// Where the ranks compute.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
     /// Host CPU (all cores shared by the ranks).
     Cpu,
     /// One CUDA GPU per rank (needs the `cuda` build).
     Cuda,
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        })
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        })
+    }
 }
 
 /// `train:` — how long and on what batches to train.
@@ -118,7 +136,7 @@ fn default_wd() -> f64 {
 /// Shape of the learning-rate curve after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ScheduleKind {
+pub enum LrCurve {
     /// Stay at the peak.
     Constant,
     /// Cosine from the peak down to `min_lr` at the last step.
@@ -132,7 +150,7 @@ pub enum ScheduleKind {
 #[serde(deny_unknown_fields)]
 pub struct ScheduleConfig {
     /// Curve after warmup.
-    pub kind: ScheduleKind,
+    pub kind: LrCurve,
     /// Steps of linear warmup from 0 to the peak.
     #[serde(default)]
     pub warmup_steps: usize,

@@ -1,7 +1,7 @@
 //! Recipe validation: every inconsistency becomes a message naming its fields, found before any
 //! allocation.
 
-use super::{Recipe, ScheduleKind};
+use super::{Recipe, LrCurve};
 
 impl Recipe {
     /// All problems of the recipe (empty when it is usable).
@@ -165,7 +165,7 @@ impl Recipe {
                 s.min_lr, o.lr
             ));
         }
-        if s.kind == ScheduleKind::Wsd && !(s.decay_fraction > 0.0 && s.decay_fraction <= 1.0) {
+        if s.kind == LrCurve::Wsd && !(s.decay_fraction > 0.0 && s.decay_fraction <= 1.0) {
             p.push(format!(
                 "schedule.decay_fraction ({}) must be in (0, 1]",
                 s.decay_fraction

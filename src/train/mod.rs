@@ -25,10 +25,12 @@ use tracing::info;
 
 use crate::optim::{layout_of, write_params, AdamW, GradBuffer};
 use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
-use crate::schedule::lr_at;
+use crate::lr::lr_at;
 use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
 pub use rank::RankCtx;
-pub use run::{assemble, collect, device_for, run_rank, train, RankOutput, RunOutput, WeightSlice};
+pub use run::{
+    assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
+};
 use step::{forward_backward, MicroBatch};
 
 use parallel::pipeline::ScheduleKind;

@@ -36,7 +36,7 @@ pub struct RankCtx {
 impl RankCtx {
     /// The context of `rank` in the layout `cfg`, communicating through `comm`.
     pub fn new(cfg: &ParallelConfig, rank: usize, comm: Arc<dyn Comm>) -> anyhow::Result<Self> {
-        let mesh = Mesh::from_config(cfg).map_err(anyhow::Error::msg)?;
+        let mesh = Mesh::from_config(cfg)?;
         Ok(Self {
             rank,
             coords: mesh.coords(rank),

@@ -11,6 +11,7 @@ use anyhow::bail;
 use anyhow::Context;
 use anyhow::Result;
 use candle_core::Device;
+use parallel::comm::local::{run_local, RankFailed};
 use parallel::Comm;
 
 use super::metrics::StepRecord;
@@ -123,11 +124,17 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let world = recipe.parallel.world_size();
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
     let device = device_for(recipe.train.device, 0)?;
-    let results = parallel::launch::run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
+    let results = run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
         run_rank(&recipe, rank, comm, device.clone(), write_outputs)
-            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
-    })?;
+    })
+    .map_err(root_cause)?;
     Ok(collect(results))
+}
+
+/// A failed thread-rank job as an error: the failed rank's own error (its causes kept) in the
+/// context "rank R failed".
+pub fn root_cause(f: RankFailed<anyhow::Error>) -> anyhow::Error {
+    f.error.context(format!("rank {} failed", f.rank))
 }
 
 /// Rank 0's records and validation loss, and the weights assembled from every output's slices.

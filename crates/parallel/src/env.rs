@@ -23,24 +23,57 @@ pub struct ProcessInfo {
     pub launcher: &'static str,
 }
 
-fn number(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<Option<usize>, String> {
+/// A launcher variable that is missing, malformed or inconsistent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    /// A variable that must be a number is not.
+    #[error("{var}={value:?} is not a non-negative integer")]
+    NotANumber { var: &'static str, value: String },
+    /// A variable required by another one is missing.
+    #[error("{set} is set but {missing} is not")]
+    Missing {
+        set: &'static str,
+        missing: &'static str,
+    },
+    /// `WORLD_SIZE` (or `SLURM_NTASKS`) is zero.
+    #[error("WORLD_SIZE must be at least 1")]
+    EmptyWorld,
+    /// The rank does not fit the world.
+    #[error("rank {rank} is not below the world size {world}")]
+    RankOutOfRange { rank: usize, world: usize },
+    /// A multi-process job without a rendezvous host.
+    #[error("MASTER_ADDR is not set ({launcher} launch of {world} processes)")]
+    NoMasterAddr {
+        launcher: &'static str,
+        world: usize,
+    },
+    /// `MASTER_PORT` is not a port number.
+    #[error("MASTER_PORT={0:?} is not a port number")]
+    BadPort(String),
+}
+
+fn number(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<usize>, EnvError> {
     match get(var) {
         None => Ok(None),
         Some(v) => v
             .trim()
             .parse()
             .map(Some)
-            .map_err(|_| format!("{var}={v:?} is not a non-negative integer")),
+            .map_err(|_| EnvError::NotANumber { var, value: v }),
     }
 }
 
 /// Reads the job layout from environment variables through `get` (e.g. `|k| std::env::var(k).ok()`).
 /// `Ok(None)` when no launcher variables are set (a single process); an error names the variable
 /// that is missing or wrong.
-pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessInfo>, String> {
+pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessInfo>, EnvError> {
+    let missing = |set, missing| EnvError::Missing { set, missing };
     let (rank, world, local, launcher) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-        let rank = number(get, "RANK")?.ok_or("WORLD_SIZE is set but RANK is not")?;
-        let world = number(get, "WORLD_SIZE")?.ok_or("RANK is set but WORLD_SIZE is not")?;
+        let rank = number(get, "RANK")?.ok_or(missing("WORLD_SIZE", "RANK"))?;
+        let world = number(get, "WORLD_SIZE")?.ok_or(missing("RANK", "WORLD_SIZE"))?;
         (
             rank,
             world,
@@ -48,9 +81,8 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessIn
             "torchrun",
         )
     } else if get("SLURM_PROCID").is_some() {
-        let rank = number(get, "SLURM_PROCID")?.ok_or("SLURM_PROCID")?;
-        let world =
-            number(get, "SLURM_NTASKS")?.ok_or("SLURM_PROCID is set but SLURM_NTASKS is not")?;
+        let rank = number(get, "SLURM_PROCID")?.ok_or(missing("SLURM_NTASKS", "SLURM_PROCID"))?;
+        let world = number(get, "SLURM_NTASKS")?.ok_or(missing("SLURM_PROCID", "SLURM_NTASKS"))?;
         (
             rank,
             world,
@@ -61,26 +93,19 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessIn
         return Ok(None);
     };
     if world == 0 {
-        return Err("WORLD_SIZE must be at least 1".into());
+        return Err(EnvError::EmptyWorld);
     }
     if rank >= world {
-        return Err(format!("rank {rank} is not below the world size {world}"));
+        return Err(EnvError::RankOutOfRange { rank, world });
     }
     let master_addr = match get("MASTER_ADDR") {
         Some(a) if !a.trim().is_empty() => a.trim().to_string(),
         _ if world == 1 => "127.0.0.1".to_string(),
-        _ => {
-            return Err(format!(
-                "MASTER_ADDR is not set ({launcher} launch of {world} processes)"
-            ))
-        }
+        _ => return Err(EnvError::NoMasterAddr { launcher, world }),
     };
     let master_port = match get("MASTER_PORT") {
         None => DEFAULT_PORT,
-        Some(p) => p
-            .trim()
-            .parse()
-            .map_err(|_| format!("MASTER_PORT={p:?} is not a port number"))?,
+        Some(p) => p.trim().parse().map_err(|_| EnvError::BadPort(p))?,
     };
     Ok(Some(ProcessInfo {
         rank,
@@ -97,7 +122,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn parse(vars: &[(&str, &str)]) -> Result<Option<ProcessInfo>, String> {
+    fn parse(vars: &[(&str, &str)]) -> Result<Option<ProcessInfo>, EnvError> {
         let m: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -158,7 +183,7 @@ mod tests {
 
     #[test]
     fn mistakes_name_the_variable() {
-        let e = |v: &[(&str, &str)]| parse(v).unwrap_err();
+        let e = |v: &[(&str, &str)]| parse(v).unwrap_err().to_string();
         assert!(e(&[("RANK", "x"), ("WORLD_SIZE", "2")]).contains("RANK=\"x\""));
         assert!(e(&[("RANK", "1")]).contains("WORLD_SIZE"));
         assert!(
@@ -174,5 +199,9 @@ mod tests {
         ])
         .contains("MASTER_PORT"));
         assert!(e(&[("SLURM_PROCID", "0")]).contains("SLURM_NTASKS"));
+        assert_eq!(
+            parse(&[("RANK", "0"), ("WORLD_SIZE", "0")]),
+            Err(EnvError::EmptyWorld)
+        );
     }
 }

@@ -7,7 +7,6 @@ pub mod config;
 pub mod dp;
 pub mod env;
 pub mod flat;
-pub mod launch;
 pub mod mesh;
 pub mod pipeline;
 pub mod store;

@@ -105,6 +105,22 @@ impl Coords {
     }
 }
 
+/// Why a mesh cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MeshError {
+    /// An axis of size zero.
+    #[error("parallel.{axis} must be at least 1 (got 0; mesh dp={dp} tp={tp} pp={pp})")]
+    ZeroAxis {
+        axis: Axis,
+        dp: usize,
+        tp: usize,
+        pp: usize,
+    },
+    /// `dp × tp × pp` does not fit in a `usize`.
+    #[error("mesh dp={dp} tp={tp} pp={pp}: world size overflows")]
+    Overflow { dp: usize, tp: usize, pp: usize },
+}
+
 /// The sizes of the parallelism axes and the rank layout derived from them (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Mesh {
@@ -114,25 +130,23 @@ pub struct Mesh {
 
 impl Mesh {
     /// A mesh of `dp × tp × pp` ranks; every size must be at least 1.
-    pub fn new(dp: usize, tp: usize, pp: usize) -> Result<Self, String> {
+    pub fn new(dp: usize, tp: usize, pp: usize) -> Result<Self, MeshError> {
         let mut sizes = [0; 3];
         for (axis, size) in [(Axis::Dp, dp), (Axis::Tp, tp), (Axis::Pp, pp)] {
             if size == 0 {
-                return Err(format!(
-                    "parallel.{axis} must be at least 1 (got 0; mesh dp={dp} tp={tp} pp={pp})"
-                ));
+                return Err(MeshError::ZeroAxis { axis, dp, tp, pp });
             }
             sizes[axis.position()] = size;
         }
         sizes
             .iter()
             .try_fold(1usize, |acc, &s| acc.checked_mul(s))
-            .ok_or_else(|| format!("mesh dp={dp} tp={tp} pp={pp}: world size overflows"))?;
+            .ok_or(MeshError::Overflow { dp, tp, pp })?;
         Ok(Self { sizes })
     }
 
     /// The mesh described by the `parallel:` section of a recipe.
-    pub fn from_config(c: &ParallelConfig) -> Result<Self, String> {
+    pub fn from_config(c: &ParallelConfig) -> Result<Self, MeshError> {
         Self::new(c.dp, c.tp, c.pp)
     }
 

@@ -6,9 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Result, Shape, Tensor};
-use parallel::comm::local::{LocalComm, LocalWorld};
-use parallel::launch::run_local;
-use parallel::{Comm, Group, ReduceOp};
+use parallel::comm::local::{run_local, LocalComm, LocalWorld};
+use parallel::{Comm, CommError, Group, ReduceOp};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -79,7 +78,7 @@ fn collectives_match_reference_and_are_identical() {
                 let xs: Vec<Tensor> = (0..n)
                     .map(|r| maybe_strided(r, &dims, dtype, strided))
                     .collect();
-                let out = run_local(n, T, |r, c| {
+                let out = run_local(n, T, |r, c| -> Result<_> {
                     let g = world(n);
                     let x = maybe_strided(r, &dims, dtype, strided);
                     let mut res = vec![
@@ -124,7 +123,7 @@ fn reduce_scatter_3d_every_dim() {
     let dims = [4, 8, 12];
     let xs: Vec<Tensor> = (0..n).map(|r| input(r, &dims, DType::F32, 1.0)).collect();
     let sum = sum_ref(&xs);
-    let out = run_local(n, T, |r, c| {
+    let out = run_local(n, T, |r, c| -> Result<_> {
         let x = input(r, &dims, DType::F32, 1.0);
         (0..3)
             .map(|d| Ok(vals(&c.reduce_scatter(&world(n), &x, d)?)))
@@ -142,7 +141,7 @@ fn reduce_scatter_3d_every_dim() {
 #[test]
 fn broadcast_and_barrier() {
     let n = 4;
-    let out = run_local(n, T, |r, c| {
+    let out = run_local(n, T, |r, c| -> Result<_> {
         let g = world(n);
         let mut res = vec![];
         for root in 0..n {
@@ -166,7 +165,7 @@ fn broadcast_and_barrier() {
 #[test]
 fn send_recv_fifo() {
     let n = 4;
-    let out = run_local(n, T, |r, c| {
+    let out = run_local(n, T, |r, c| -> Result<_> {
         for dst in 0..n {
             for k in 0..5 {
                 c.send(&input(r, &[2, 3], DType::F32, (dst * 10 + k) as f64), dst)?;
@@ -197,7 +196,7 @@ fn send_recv_fifo() {
 
 #[test]
 fn disjoint_subgroups_run_concurrently() {
-    let out = run_local(4, T, |r, c| {
+    let out = run_local(4, T, |r, c| -> Result<_> {
         let g = Group::new(vec![r % 2, r % 2 + 2]);
         let mut last = vec![];
         for i in 0..50 {
@@ -215,7 +214,7 @@ fn disjoint_subgroups_run_concurrently() {
 #[test]
 fn two_threads_of_a_rank_use_two_groups() {
     // World 4 as tp=2 × dp=2: the main thread all-reduces over tp, a helper thread over dp.
-    let out = run_local(4, T, |r, c| {
+    let out = run_local(4, T, |r, c| -> Result<_> {
         let (tp, dp) = (
             Group::new(vec![r / 2 * 2, r / 2 * 2 + 1]),
             Group::new(vec![r % 2, r % 2 + 2]),
@@ -357,22 +356,27 @@ fn check_failure_propagates(panic: bool) {
                 .map(|_| ())
         };
         let e = res.unwrap_err();
+        // The failure is typed: found through candle's error by type, not by its text.
+        let typed = CommError::find(&e).is_some_and(CommError::is_peer_failure);
         seen.lock()
             .unwrap()
-            .push((r, e.to_string(), start.elapsed()));
+            .push((r, e.to_string(), start.elapsed(), typed));
         Err(e)
     })
-    .unwrap_err()
-    .to_string();
+    .unwrap_err();
     let reason = if panic { "panicked: kaboom" } else { "boom" };
-    assert!(
-        err.starts_with("rank 2 failed\n") && err.contains(reason),
-        "{err}"
-    );
-    assert!(!err.contains("aborted"), "root cause expected, got {err}");
+    assert_eq!(err.rank, 2, "{err}: {}", err.error);
+    assert_eq!(err.to_string(), "rank 2 failed");
+    let own = err.error.to_string();
+    assert!(own.contains(reason), "{own}");
+    assert!(!own.contains("aborted"), "root cause expected, got {own}");
+    // The rank's own error is the cause, not a copy of its text.
+    let source = std::error::Error::source(&err).map(|s| s.to_string());
+    assert_eq!(source.as_deref(), Some(own.as_str()));
     let seen = seen.into_inner().unwrap();
     assert_eq!(seen.len(), 3);
-    for (r, msg, elapsed) in seen {
+    for (r, msg, elapsed, typed) in seen {
+        assert!(typed, "rank {r}: not a typed peer failure: {msg}");
         let op = if r == 3 { "recv" } else { "all_reduce" };
         assert!(msg.contains(&format!("rank {r}: {op}")), "{msg}");
         assert!(msg.contains(&format!("rank 2 failed: {reason}")), "{msg}");
@@ -438,7 +442,7 @@ fn long_loop_leaves_no_slots() {
 
 #[test]
 fn run_local_returns_results_in_rank_order() {
-    let names = run_local(3, T, |r, c| {
+    let names = run_local(3, T, |r, c| -> Result<_> {
         assert_eq!((c.rank(), c.world_size()), (r, 3));
         Ok(std::thread::current().name().map(str::to_string))
     })

@@ -2,7 +2,7 @@
 //! pipeline neighbours, including the worked example of the module docs.
 
 use parallel::config::ParallelConfig;
-use parallel::mesh::{Axis, Coords, Mesh};
+use parallel::mesh::{Axis, Coords, Mesh, MeshError};
 
 fn ranks(groups: &[parallel::Group]) -> Vec<Vec<usize>> {
     groups.iter().map(|g| g.ranks().to_vec()).collect()
@@ -25,9 +25,13 @@ const SHAPES: [(usize, usize, usize); 10] = [
 fn new_rejects_zero_sizes() {
     for (dp, tp, pp) in [(0, 1, 1), (1, 0, 1), (1, 1, 0)] {
         let err = Mesh::new(dp, tp, pp).unwrap_err();
-        assert!(err.contains("at least 1"), "{err}");
+        assert!(matches!(err, MeshError::ZeroAxis { .. }), "{err:?}");
+        assert!(err.to_string().contains("at least 1"), "{err}");
     }
-    assert!(Mesh::new(usize::MAX, 2, 1).is_err());
+    assert!(matches!(
+        Mesh::new(usize::MAX, 2, 1),
+        Err(MeshError::Overflow { .. })
+    ));
 }
 
 #[test]

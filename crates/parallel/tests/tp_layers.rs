@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor, Var};
-use parallel::launch::run_local;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use parallel::comm::local::run_local;
 use parallel::tp::{
     vocab_parallel_cross_entropy, vocab_parallel_embedding, TensorParallel, TpGroup,
 };
@@ -81,7 +81,7 @@ fn column_then_row_parallel_equals_the_plain_layers() {
     let (y, dx, dw1, dw2) = plain_block();
     for n in [2, 4] {
         for sp in [false, true] {
-            run_local(n, Duration::from_secs(30), |rank, comm| {
+            run_local(n, Duration::from_secs(30), |rank, comm| -> Result<_> {
                 let tp = tp_of(comm, n, sp);
                 let (f, s) = (F / n, S / n);
                 // With sequence parallelism each rank starts from its sequence shard.
@@ -131,7 +131,7 @@ fn column_then_row_parallel_equals_the_plain_layers() {
 #[test]
 fn gather_and_scatter_are_conjugate() {
     for n in [2, 4] {
-        run_local(n, Duration::from_secs(30), |rank, comm| {
+        run_local(n, Duration::from_secs(30), |rank, comm| -> Result<_> {
             let tp = TpGroup {
                 comm,
                 group: Group::new((0..n).collect()),
@@ -178,7 +178,7 @@ fn vocab_parallel_embedding_equals_the_plain_lookup() {
         .clone();
     for n in [2, 4] {
         for sp in [false, true] {
-            run_local(n, Duration::from_secs(30), |rank, comm| {
+            run_local(n, Duration::from_secs(30), |rank, comm| -> Result<_> {
                 let tp = tp_of(comm, n, sp);
                 let rows = v / n;
                 let ws = Var::from_tensor(&rand(7, &[v, h]).narrow(0, rank * rows, rows)?)?;
@@ -223,7 +223,7 @@ fn vocab_parallel_cross_entropy_equals_the_plain_loss() {
         .unwrap()
         .clone();
     for n in [2, 4] {
-        run_local(n, Duration::from_secs(30), |rank, comm| {
+        run_local(n, Duration::from_secs(30), |rank, comm| -> Result<_> {
             let tp = TpGroup {
                 comm,
                 group: Group::new((0..n).collect()),
@@ -248,7 +248,7 @@ fn vocab_parallel_cross_entropy_equals_the_plain_loss() {
 
 #[test]
 fn ids_outside_the_vocabulary_are_errors_not_zeros() {
-    run_local(2, Duration::from_secs(30), |rank, comm| {
+    run_local(2, Duration::from_secs(30), |rank, comm| -> Result<_> {
         let tp = tp_of(comm.clone(), 2, false);
         let w = rand(11, &[4, 3]); // this rank's 4 of 8 rows
         let ids = Tensor::new(&[[1u32, 8]], &Device::Cpu)?;

@@ -1,6 +1,7 @@
 //! Backend `local`: the ranks are threads of one process. Defines [`LocalWorld`] (the shared
-//! state of one job) and [`LocalComm`] (one rank's [`Comm`]: collectives through the
-//! `rendezvous` submodule, send/recv through per-destination mailboxes).
+//! state of one job), [`LocalComm`] (one rank's [`Comm`]: collectives through the `rendezvous`
+//! submodule, send/recv through per-destination mailboxes) and [`run_local`] (a job's ranks as
+//! threads, submodule `threads`).
 //!
 //! # Design
 //!
@@ -19,8 +20,8 @@
 //!   fails the slot with [`CommError::Timeout`] naming the members that never arrived.
 //! - **Memory.** A slot is removed once each member has collected its outcome.
 //!
-//! Errors reach callers as `candle_core::Error::Wrapped` holding the [`CommError`] (its message
-//! names the calling rank, the operation, the group and the failed or missing ranks).
+//! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]; its
+//! message names the calling rank, the operation, the group and the failed or missing ranks).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -33,6 +34,9 @@ use super::{Comm, CommError, Group, ReduceOp};
 use rendezvous::GroupState;
 
 mod rendezvous;
+mod threads;
+
+pub use threads::{run_local, RankFailed, ThreadError};
 
 /// Messages to one rank, one FIFO per sender.
 struct Mailbox {
@@ -193,7 +197,7 @@ impl LocalComm {
 
     /// Runs a collective that returns a tensor.
     fn tensor_op(&self, group: &Group, kind: Kind, t: &Tensor) -> Result<Tensor> {
-        match self.collective(group, kind, Some(t)).map_err(Error::wrap)? {
+        match self.collective(group, kind, Some(t)).map_err(Error::from)? {
             Some(t) => Ok(t),
             None => Err(Error::msg(format!("{}: internal: no result", kind.name()))),
         }
@@ -255,7 +259,7 @@ impl Comm for LocalComm {
 
     fn barrier(&self, group: &Group) -> Result<()> {
         let out = self.collective(group, Kind::Barrier, None);
-        out.map(|_| ()).map_err(Error::wrap)
+        out.map(|_| ()).map_err(Error::from)
     }
 
     fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
@@ -263,12 +267,12 @@ impl Comm for LocalComm {
         let call = self.call("send", &pair);
         let Some(mailbox) = self.world.mailboxes.get(dst) else {
             let n = self.world.world_size;
-            return Err(Error::wrap(
+            return Err(Error::from(
                 call.invalid(format!("no rank {dst} in a job of {n} ranks")),
             ));
         };
         if let Some(e) = call.peer_failed() {
-            return Err(Error::wrap(e));
+            return Err(Error::from(e));
         }
         // A copy, so that later in-place updates of `t` by the sender are not seen by `dst`.
         let t = fresh(&t.detach())?;
@@ -282,7 +286,7 @@ impl Comm for LocalComm {
         let call = self.call("recv", &pair);
         if src >= self.world.world_size {
             let n = self.world.world_size;
-            return Err(Error::wrap(
+            return Err(Error::from(
                 call.invalid(format!("no rank {src} in a job of {n} ranks")),
             ));
         }
@@ -298,14 +302,14 @@ impl Comm for LocalComm {
                 let msg = format!(
                     "expected {shape:?} {dtype:?} from rank {src}, got {got:?} {got_dtype:?}"
                 );
-                return Err(Error::wrap(call.invalid(msg)));
+                return Err(Error::from(call.invalid(msg)));
             }
             if let Some(e) = call.peer_failed() {
-                return Err(Error::wrap(e));
+                return Err(Error::from(e));
             }
             queues = match wait_until(&mailbox.cv, queues, deadline) {
                 Some(guard) => guard,
-                None => return Err(Error::wrap(call.timeout(vec![src]))),
+                None => return Err(Error::from(call.timeout(vec![src]))),
             };
         }
     }

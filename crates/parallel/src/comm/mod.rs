@@ -92,10 +92,53 @@ pub enum CommError {
     },
 }
 
-/// Whether an error message reports a [`CommError::PeerFailed`]: this rank stopped because
-/// another rank failed (the text its `Display` produces).
-pub fn is_peer_failure(message: &str) -> bool {
-    message.contains(" aborted: rank ") && message.contains(" failed: ")
+impl CommError {
+    /// Whether this rank stopped because another rank failed (not a failure of its own).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, CommError::PeerFailed { .. })
+    }
+
+    /// The `CommError` an error was made from, found through candle's wrappers (context,
+    /// backtraces, paths), `std::io::Error` and the `source()` chain.
+    pub fn find<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a CommError> {
+        if let Some(c) = e.downcast_ref::<CommError>() {
+            return Some(c);
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if let Some(inner) = io.get_ref() {
+                return Self::find(inner);
+            }
+        }
+        if let Some(c) = e.downcast_ref::<candle_core::Error>() {
+            use candle_core::Error as E;
+            let inner: Option<&(dyn std::error::Error + 'static)> = match c {
+                E::Context { inner, .. } | E::WithBacktrace { inner, .. } | E::WithPath { inner, .. } => {
+                    Some(inner.as_ref())
+                }
+                E::Io(io) => Some(io),
+                E::WrappedContext { wrapped, .. } => Some(wrapped.as_ref()),
+                _ => None,
+            };
+            if let Some(found) = inner.and_then(Self::find) {
+                return Some(found);
+            }
+        }
+        e.source().and_then(Self::find)
+    }
+}
+
+/// A communication failure as a candle error, so that it flows through model code (and the
+/// backward of tensor-parallel ops) with `?`. Communication is I/O: the error travels as
+/// `candle_core::Error::Io` holding the typed [`CommError`], which [`CommError::find`] recovers.
+impl From<CommError> for candle_core::Error {
+    fn from(e: CommError) -> Self {
+        let kind = match e {
+            CommError::PeerFailed { .. } => std::io::ErrorKind::ConnectionAborted,
+            CommError::Timeout { .. } => std::io::ErrorKind::TimedOut,
+            CommError::Invalid { .. } => std::io::ErrorKind::InvalidInput,
+        };
+        candle_core::Error::Io(std::io::Error::new(kind, e))
+    }
 }
 
 /// Collectives and point-to-point transfers among the ranks of one job.

@@ -164,7 +164,7 @@ impl NcclComm {
             }
             Ok(sh.sends.lock().map_or(true, |s| s.is_empty()).then_some(()))
         });
-        out.map_err(Error::wrap)
+        out.map_err(Error::from)
     }
 
     fn call(&self, op: &'static str, group: Vec<usize>, missing: Vec<usize>) -> Call {
@@ -184,11 +184,11 @@ impl NcclComm {
         let call = self.call(op, group.ranks().to_vec(), missing);
         if group.index_of(me).is_none() {
             let msg = format!("rank {me} is not a member of the group");
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         }
         let n = self.shared.world_size;
         if let Some(&r) = group.ranks().last().filter(|&&r| r >= n) {
-            return Err(Error::wrap(
+            return Err(Error::from(
                 call.invalid(format!("no rank {r} in a job of {n} ranks")),
             ));
         }
@@ -199,7 +199,7 @@ impl NcclComm {
     /// Fails `call` if the job has failed or a pending send went wrong; marks activity.
     fn start(&self, call: &Call) -> Result<()> {
         let sh = &self.shared;
-        sh.resume(call).map_err(Error::wrap)?;
+        sh.resume(call).map_err(Error::from)?;
         if let Some(f) = sh.reap_sends() {
             sh.fail(sh.rank, f.reason.clone());
             let e = if f.timed_out {
@@ -216,7 +216,7 @@ impl NcclComm {
             } else {
                 call.peer_failed(sh.rank, f.reason)
             };
-            return Err(Error::wrap(e));
+            return Err(Error::from(e));
         }
         Ok(())
     }
@@ -226,10 +226,10 @@ impl NcclComm {
         let ours = Device::Cuda(self.shared.device.clone());
         if !t.device().same_device(&ours) {
             let msg = format!("tensor on {:?}, expected this rank's {ours:?}", t.device());
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         }
         nccl_dtype(t.dtype()).ok_or_else(|| {
-            Error::wrap(call.invalid(format!("dtype {:?} is not supported by NCCL", t.dtype())))
+            Error::from(call.invalid(format!("dtype {:?} is not supported by NCCL", t.dtype())))
         })
     }
 
@@ -260,7 +260,7 @@ impl NcclComm {
                 call.peer_failed(failed, reason)
             }
         };
-        Err(Error::wrap(e))
+        Err(Error::from(e))
     }
 
     /// Orders `comm`'s stream after all work enqueued so far on the device's stream (the
@@ -291,9 +291,9 @@ impl NcclComm {
     ) -> Result<Tensor> {
         let sh = &self.shared;
         let nccl_type = nccl_dtype(dtype).ok_or_else(|| {
-            Error::wrap(call.invalid(format!("dtype {dtype:?} is not supported by NCCL")))
+            Error::from(call.invalid(format!("dtype {dtype:?} is not supported by NCCL")))
         })?;
-        let comm = sh.comm(call, &key).map_err(Error::wrap)?;
+        let comm = sh.comm(call, &key).map_err(Error::from)?;
         let stream = &sh.stream;
         let input = input.map(Tensor::contiguous).transpose()?;
         let out = alloc(&sh.device, shape, dtype)?;
@@ -317,7 +317,7 @@ impl NcclComm {
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
-        sh.wait_event(call, &done, &comm).map_err(Error::wrap)?;
+        sh.wait_event(call, &done, &comm).map_err(Error::from)?;
         drop(input); // The GPU is done with it.
         Ok(out)
     }

@@ -72,7 +72,7 @@ impl NcclComm {
         let call = self.begin("all_gather", group)?;
         if dim >= t.rank() {
             let msg = format!("dim {dim} out of range for shape {:?}", t.shape());
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         }
         if copy_single && group.size() == 1 {
             return fresh(t);
@@ -105,7 +105,7 @@ impl NcclComm {
         let n = group.size();
         if dim >= t.rank() || !t.dims()[dim].is_multiple_of(n) {
             let msg = format!("cannot cut {:?} along dim {dim} into {n} chunks", t.shape());
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         }
         if copy_single && n == 1 {
             return fresh(t);
@@ -140,7 +140,7 @@ impl NcclComm {
         let call = self.begin("broadcast", group)?;
         let Some(root_index) = group.index_of(root) else {
             let msg = format!("root {root} is not a member of the group");
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         };
         if copy_single && group.size() == 1 {
             return fresh(t);
@@ -197,12 +197,12 @@ impl NcclComm {
         let call = self.call("send", vec![sh.rank, dst], vec![dst]);
         if dst >= sh.world_size || dst == sh.rank {
             let msg = format!("cannot send to rank {dst} (job of {} ranks)", sh.world_size);
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         }
         self.start(&call)?;
         let nccl_type = self.check_tensor(&call, t)?;
         let key = CommKey::P2p { src: sh.rank, dst };
-        let comm = sh.comm(&call, &key).map_err(Error::wrap)?;
+        let comm = sh.comm(&call, &key).map_err(Error::from)?;
         // A copy (on the device's stream), so that later in-place updates of `t` are not seen by
         // `dst`; the send runs on the direction communicator's stream, after the copy.
         let data = fresh(t)?;
@@ -242,7 +242,7 @@ impl NcclComm {
                 "cannot receive from rank {src} (job of {} ranks)",
                 sh.world_size
             );
-            return Err(Error::wrap(call.invalid(msg)));
+            return Err(Error::from(call.invalid(msg)));
         }
         self.start(&call)?;
         let key = CommKey::P2p { src, dst: sh.rank };

@@ -190,7 +190,7 @@ impl TcpComm {
         group: &[usize],
         e: impl Fn(usize, &'static str, Vec<usize>) -> CommError,
     ) -> Error {
-        Error::wrap(e(self.rank, op, group.to_vec()))
+        Error::from(e(self.rank, op, group.to_vec()))
     }
 
     fn invalid(&self, op: &'static str, group: &[usize], message: String) -> Error {
