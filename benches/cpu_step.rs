@@ -70,8 +70,8 @@ fn main() -> anyhow::Result<()> {
         DType::F32,
         &dev,
     )?;
-    let grads = GradBuffer::new(layout_of(model.params(), 1), &dev)?;
-    let layout = layout_of(model.params(), 1);
+    let grads = GradBuffer::new(layout_of(model.params(), parallel::config::DEFAULT_BUCKET_SIZE, 1), &dev)?;
+    let layout = layout_of(model.params(), parallel::config::DEFAULT_BUCKET_SIZE, 1);
     let mut opt = AdamW::new(model.params(), &layout, vec![0..layout.total], &r.optimizer)?;
     let scale = 1.0 / (micro * b * s) as f64;
     let mbs: Vec<MicroBatch> = batches

@@ -71,7 +71,7 @@ fn counted(batches: &[Batch]) -> f64 {
 
 /// Runs forward/backward over `batches` (one global batch) and returns (loss, grads per param).
 fn grads_of(model: &Llama, batches: &[Batch], recompute: Recompute) -> (f64, Vec<Vec<f32>>) {
-    let buf = GradBuffer::new(layout_of(model.params(), 1), &Device::Cpu).unwrap();
+    let buf = GradBuffer::new(layout_of(model.params(), parallel::config::DEFAULT_BUCKET_SIZE, 1), &Device::Cpu).unwrap();
     let scale = 1.0 / counted(batches);
     let mut loss = 0.0;
     for b in batches {

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Result, Tensor};
 use model::{ParamKind, ParamSet};
-use parallel::flat::intersect;
+use parallel::dp::intersect;
 
 use super::{flatten_params, kernels::AdamWStep, FlatLayout, GradBuffer};
 use crate::recipe::OptimizerConfig;
@@ -218,7 +218,7 @@ mod tests {
         )
         .unwrap();
         let c = cfg();
-        let layout = crate::optim::layout_of(&ps, 1);
+        let layout = crate::optim::layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
         let mut opt = AdamW::new(&ps, &layout, vec![0..layout.total], &c).unwrap();
         let grads = GradBuffer::new(layout.clone(), &dev).unwrap();
 
@@ -292,7 +292,7 @@ mod tests {
             &dev,
         )
         .unwrap();
-        let layout = crate::optim::layout_of(&ps, 1);
+        let layout = crate::optim::layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
         let mut a = AdamW::new(&ps, &layout, vec![0..4], &cfg()).unwrap();
         let g = GradBuffer::new(layout.clone(), &dev).unwrap();
         g.accumulate(0, &Tensor::new(&[1f32, -2.0, 3.0, 0.5], &dev).unwrap())

@@ -8,18 +8,16 @@ pub mod kernels;
 
 pub use adamw::{AdamW, AdamWState};
 pub use grads::GradBuffer;
-pub use parallel::flat::FlatLayout;
+pub use parallel::dp::FlatLayout;
 
 use candle_core::{DType, Result, Tensor};
 use model::ParamSet;
 
-/// Default bucket size for data-parallel communication (elements).
-pub const BUCKET_ELEMS: usize = 1 << 22;
-
-/// The layout of `params` with buckets padded for `dp_size` ranks.
-pub fn layout_of(params: &ParamSet, dp_size: usize) -> FlatLayout {
+/// The layout of `params` in buckets of at least `bucket_size` elements, padded for `dp_size`
+/// data-parallel ranks.
+pub fn layout_of(params: &ParamSet, bucket_size: usize, dp_size: usize) -> FlatLayout {
     let numels: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
-    FlatLayout::new(&numels, BUCKET_ELEMS, dp_size)
+    FlatLayout::new(&numels, bucket_size, dp_size)
 }
 
 /// All parameters as one flat f32 vector `[layout.total]` (padding zero).

@@ -26,6 +26,7 @@ impl Recipe {
             ("tp", par.tp),
             ("pp", par.pp),
             ("virtual_stages", par.virtual_stages),
+            ("bucket_size", par.bucket_size),
         ] {
             if v == 0 {
                 p.push(format!("parallel.{field} must be at least 1"));

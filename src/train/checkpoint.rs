@@ -9,8 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use ckpt::{Checkpoint, Kind, Manifest, RankWriter};
-use parallel::dp::gather_shards;
-use parallel::flat::intersect;
+use parallel::dp::{gather_shards, intersect};
 use parallel::Group;
 use tracing::info;
 

@@ -17,8 +17,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use data::{micro_batch_indices, GptData, Split};
 use model::{llama::masked_mean, Llama};
-use parallel::dp::{gather_shards, GradSync};
-use parallel::flat::intersect;
+use parallel::dp::{gather_shards, intersect, owned_ranges, GradSync};
 use parallel::tp::Shard;
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
@@ -137,9 +136,9 @@ impl Trainer {
             &device,
         )?;
         let (dp, zero1) = (ctx.dp.size(), recipe.parallel.zero1);
-        let layout = layout_of(model.params(), dp);
+        let layout = layout_of(model.params(), recipe.parallel.bucket_size, dp);
         let grads = GradBuffer::new(layout.clone(), &device)?;
-        let owned = layout.owned(zero1, ctx.coords.dp, dp);
+        let owned = owned_ranges(&layout, zero1, ctx.coords.dp, dp);
         let optimizer = AdamW::new(model.params(), &layout, owned, &recipe.optimizer)?;
         let sync = if dp > 1 {
             Some(GradSync::new(

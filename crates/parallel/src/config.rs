@@ -25,10 +25,23 @@ pub struct ParallelConfig {
     /// Shard optimizer state across data-parallel ranks (ZeRO stage 1).
     #[serde(default)]
     pub zero1: bool,
+    /// Elements per data-parallel gradient bucket: consecutive parameters are grouped until a
+    /// bucket holds at least this many, and a bucket is reduced across data-parallel ranks as soon
+    /// as all its gradients are final, while the backward pass goes on. Smaller buckets start
+    /// communicating earlier; larger ones make fewer, bigger transfers.
+    #[serde(default = "default_bucket_size")]
+    pub bucket_size: usize,
     /// Seconds any communication may wait for its peers before failing with an error that names
     /// the missing ranks.
     #[serde(default = "default_timeout")]
     pub timeout_s: f64,
+}
+
+/// Default [`ParallelConfig::bucket_size`]: 4 Mi elements (16 MiB of fp32 gradients).
+pub const DEFAULT_BUCKET_SIZE: usize = 1 << 22;
+
+fn default_bucket_size() -> usize {
+    DEFAULT_BUCKET_SIZE
 }
 
 fn default_timeout() -> f64 {
@@ -48,6 +61,7 @@ impl Default for ParallelConfig {
             virtual_stages: 1,
             sequence_parallel: false,
             zero1: false,
+            bucket_size: DEFAULT_BUCKET_SIZE,
             timeout_s: default_timeout(),
         }
     }

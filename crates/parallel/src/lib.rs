@@ -6,7 +6,6 @@ pub mod comm;
 pub mod config;
 pub mod dp;
 pub mod env;
-pub mod flat;
 pub mod mesh;
 pub mod pipeline;
 pub mod store;

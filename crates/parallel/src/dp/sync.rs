@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use candle_core::{Result, Tensor};
 
 use crate::comm::{Comm, Group, ReduceOp};
-use crate::flat::FlatLayout;
+use super::FlatLayout;
 
 /// Overlapped bucket reducer of one rank.
 pub struct GradSync {
@@ -130,22 +130,4 @@ impl Drop for GradSync {
             let _ = w.join();
         }
     }
-}
-
-/// ZeRO-1: reassembles the whole flat buffer `[layout.total]` from every data-parallel rank's
-/// shards. `own` holds this rank's shards of all buckets back to back (`[layout.total / dp]`).
-pub fn gather_shards(
-    layout: &FlatLayout,
-    own: &Tensor,
-    comm: &dyn Comm,
-    dp: &Group,
-) -> Result<Tensor> {
-    let mut parts = Vec::with_capacity(layout.buckets.len());
-    let mut offset = 0;
-    for b in &layout.buckets {
-        let n = b.len / dp.size();
-        parts.push(comm.all_gather(dp, &own.narrow(0, offset, n)?, 0)?); // [len]
-        offset += n;
-    }
-    Tensor::cat(&parts, 0)
 }

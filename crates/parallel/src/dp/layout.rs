@@ -3,8 +3,8 @@
 //!
 //! Parameters are laid out back to back in model order; consecutive parameters are grouped into
 //! buckets of about `bucket_elems` elements, and each bucket is padded to a multiple of the
-//! data-parallel size so that it reduce-scatters into equal shards (ZeRO-1). Padding elements stay
-//! zero.
+//! data-parallel size so that it reduce-scatters into equal shards (ZeRO-1, see `zero.rs`).
+//! Padding elements stay zero.
 
 use std::ops::Range;
 
@@ -83,18 +83,6 @@ impl FlatLayout {
             .expect("every parameter is in a bucket")
     }
 
-    /// The flat ranges a data-parallel rank owns: everything, or with ZeRO-1 its shard of each bucket.
-    pub fn owned(&self, zero1: bool, dp_index: usize, dp_size: usize) -> Vec<Range<usize>> {
-        if zero1 {
-            self.buckets
-                .iter()
-                .map(|b| b.shard(dp_index, dp_size))
-                .filter(|r| !r.is_empty())
-                .collect()
-        } else {
-            vec![0..self.total]
-        }
-    }
 }
 
 /// The overlap of two ranges (possibly empty).
@@ -129,9 +117,6 @@ mod tests {
         assert_eq!(l.total, 20);
         assert_eq!(l.bucket_of(3), 1);
         assert_eq!(l.buckets[1].shard(1, 4), 11..14);
-        let owned = l.owned(true, 3, 4);
-        assert_eq!(owned, vec![6..8, 17..20]);
-        assert_eq!(l.owned(false, 0, 4), vec![0..20]);
         assert_eq!(intersect(&(0..5), &(3..9)), 3..5);
         assert!(intersect(&(0..2), &(3..9)).is_empty());
     }
