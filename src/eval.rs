@@ -19,6 +19,7 @@ use parallel::{Comm, ReduceOp};
 use crate::hf::checkpoint_recipe;
 use crate::recipe::Dtype;
 use crate::train::pipeline::pipeline_losses;
+use crate::train::checkpoint::tensor_block;
 use crate::train::{device_for, RankCtx};
 
 /// Windows evaluated per forward pass.
@@ -89,8 +90,8 @@ pub fn eval(
                     dtype,
                     device,
                 )?;
-                model.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
-                    Ok(ck.read_block(name, Kind::Master, shape, slice)?)
+                model.load_weights(|p| -> Result<Vec<f32>> {
+                    Ok(ck.read_block(Kind::Master, tensor_block(p))?)
                 })?;
                 let mine: Vec<&[u32]> = windows
                     .iter()

@@ -10,13 +10,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use ckpt::stream::{write_streaming, TensorSpec};
-use ckpt::{Checkpoint, Kind, Manifest, RankWriter};
+use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
 use half::bf16;
 use model::{Llama, LlamaConfig, Placement};
 use safetensors::SafeTensors;
 use serde_json::json;
 
 use crate::recipe::{load_str, Dtype, Recipe};
+use crate::train::checkpoint::tensor_block;
 
 /// Largest safetensors file `export-hf` writes before sharding (bytes), as Hugging Face's default.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
@@ -39,8 +40,8 @@ pub fn model_from_checkpoint(ck: &Checkpoint, config: &LlamaConfig) -> Result<Ll
         DType::F32,
         &Device::Cpu,
     )?;
-    m.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
-        Ok(ck.read_block(name, Kind::Master, shape, slice)?)
+    m.load_weights(|p| -> Result<Vec<f32>> {
+        Ok(ck.read_block(Kind::Master, tensor_block(p))?)
     })?;
     Ok(m)
 }
@@ -234,9 +235,8 @@ pub fn export(
         let part: Vec<TensorSpec> = idx.iter().map(|&i| specs[i].clone()).collect();
         bytes += write_streaming(&out.join(&file), &part, &meta, |j| {
             let s = &part[j];
-            let block: Vec<(usize, usize)> = s.shape.iter().map(|&d| (0, d)).collect();
             Ok(to_bytes(
-                &ck.read_block(&s.name, Kind::Master, &s.shape, &block)?,
+                &ck.read_tensor(&s.name, Kind::Master, &s.shape)?,
                 dtype,
             ))
         })?;
@@ -285,15 +285,15 @@ pub fn export(
     let tokens = parity_tokens(c)?;
     let expected = {
         let m = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
-        m.load_weights(|name, shape, slice| -> Result<Vec<f32>> {
-            Ok(round(ck.read_block(name, Kind::Master, shape, slice)?))
+        m.load_weights(|p| -> Result<Vec<f32>> {
+            Ok(round(ck.read_block(Kind::Master, tensor_block(p))?))
         })?;
         m.logits(&tokens)?
     };
     let got = {
         let hf = HfWeights::open(out)?;
         let m = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
-        m.load_weights(|name, shape, _| hf.get(name, shape))?;
+        m.load_weights(|p| hf.get(&p.name, &p.global_shape))?;
         m.logits(&tokens)?
     };
     let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12) as f64;
@@ -395,11 +395,17 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
     let mut writer = RankWriter::new(root, 0, 0)?;
     for (name, shape) in &shapes {
         let v = weights.get(name, shape)?;
-        let block: Vec<(usize, usize)> = shape.iter().map(|&d| (0, d)).collect();
+        let offset = vec![0; shape.len()];
+        let whole = TensorBlock {
+            name,
+            global_shape: shape,
+            offset: &offset,
+            shape,
+        };
         let n = v.len();
-        writer.add(name, Kind::Master, shape, &block, (0, n), v);
-        writer.add(name, Kind::ExpAvg, shape, &block, (0, n), vec![0.0; n]);
-        writer.add(name, Kind::ExpAvgSq, shape, &block, (0, n), vec![0.0; n]);
+        writer.add(Kind::Master, whole, 0..n, v);
+        writer.add(Kind::ExpAvg, whole, 0..n, vec![0.0; n]);
+        writer.add(Kind::ExpAvgSq, whole, 0..n, vec![0.0; n]);
     }
     writer.write()?;
     let tokenizer = model_dir.join("tokenizer.json");

@@ -30,8 +30,7 @@ fn masters(dir: &Path) -> Vec<(String, Vec<f32>)> {
     ck.tensors()
         .into_iter()
         .map(|(n, shape)| {
-            let block: Vec<(usize, usize)> = shape.iter().map(|&d| (0, d)).collect();
-            let v = ck.read_block(&n, Kind::Master, &shape, &block).unwrap();
+            let v = ck.read_tensor(&n, Kind::Master, &shape).unwrap();
             (n, v)
         })
         .collect()

@@ -159,6 +159,7 @@ mod tests {
     use super::*;
     use candle_core::Device;
     use model::init::Init;
+    use parallel::tp::TensorParallel;
 
     fn cfg() -> OptimizerConfig {
         OptimizerConfig {
@@ -196,23 +197,27 @@ mod tests {
         let dev = Device::Cpu;
         let mut ps = ParamSet::default();
         ps.add(
-            "w",
-            &[2, 3],
-            ParamKind::Matrix,
-            Init::Normal { std: 1.0 },
+            model::ParamSpec {
+                name: "w",
+                global_shape: &[2, 3],
+                kind: ParamKind::Matrix,
+                init: Init::Normal { std: 1.0 },
+            },
             1,
-            (0, 1),
+            &TensorParallel::single(),
             DType::F32,
             &dev,
         )
         .unwrap();
         ps.add(
-            "norm",
-            &[3],
-            ParamKind::Norm,
-            Init::Constant(1.0),
+            model::ParamSpec {
+                name: "norm",
+                global_shape: &[3],
+                kind: ParamKind::Norm,
+                init: Init::Constant(1.0),
+            },
             1,
-            (0, 1),
+            &TensorParallel::single(),
             DType::F32,
             &dev,
         )
@@ -282,12 +287,14 @@ mod tests {
         let dev = Device::Cpu;
         let mut ps = ParamSet::default();
         ps.add(
-            "w",
-            &[4],
-            ParamKind::Matrix,
-            Init::Normal { std: 1.0 },
+            model::ParamSpec {
+                name: "w",
+                global_shape: &[4],
+                kind: ParamKind::Matrix,
+                init: Init::Normal { std: 1.0 },
+            },
             2,
-            (0, 1),
+            &TensorParallel::single(),
             DType::F32,
             &dev,
         )

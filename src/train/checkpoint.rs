@@ -8,13 +8,23 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
-use ckpt::{Checkpoint, Kind, Manifest, RankWriter};
+use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
 use parallel::dp::{gather_shards, intersect};
 use parallel::Group;
 use tracing::info;
 
 use super::Trainer;
 use crate::optim::{write_params, AdamWState};
+
+/// The block of its tensor that parameter `p` holds on this rank, in checkpoint terms.
+pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
+    TensorBlock {
+        name: &p.name,
+        global_shape: &p.global_shape,
+        offset: &p.block.offset,
+        shape: &p.block.shape,
+    }
+}
 
 impl Trainer {
     /// Directory holding this run's step directories.
@@ -62,17 +72,11 @@ impl Trainer {
                 for r in self.optimizer.owned() {
                     let cut = intersect(&layout.range(i), r);
                     if !cut.is_empty() {
-                        let local = (cut.start - layout.offsets[i], cut.end - layout.offsets[i]);
+                        let local = cut.start - layout.offsets[i]..cut.end - layout.offsets[i];
                         let own = base + cut.start - r.start..base + cut.end - r.start;
                         for (k, kind) in Kind::ALL.into_iter().enumerate() {
-                            writer.add(
-                                &p.name,
-                                kind,
-                                &p.global_shape,
-                                &p.slice,
-                                local,
-                                state[k][own.clone()].to_vec(),
-                            );
+                            let values = state[k][own.clone()].to_vec();
+                            writer.add(kind, tensor_block(p), local.clone(), values);
                         }
                     }
                     base += r.len();
@@ -175,7 +179,7 @@ impl Trainer {
                         continue;
                     }
                     if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(i) {
-                        e.insert(ck.read_block(&p.name, kind, &p.global_shape, &p.slice)?);
+                        e.insert(ck.read_block(kind, tensor_block(p))?);
                     }
                     let block = &cache[&i];
                     let (a, b) = (cut.start - layout.offsets[i], cut.end - layout.offsets[i]);

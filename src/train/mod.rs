@@ -491,7 +491,7 @@ impl Trainer {
                 Ok(WeightSlice {
                     name: p.name.clone(),
                     global_shape: p.global_shape.clone(),
-                    slice: p.slice.clone(),
+                    block: p.block.clone(),
                     values: p
                         .var
                         .as_tensor()

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use candle_core::Device;
 use model::Placement;
 use parallel::mesh::{Axis, Coords, Mesh};
-use parallel::tp::{TensorParallel, TpGroup};
+use parallel::tp::TensorParallel;
 use parallel::{Comm, Group, ParallelConfig};
 
 /// Everything a rank needs to know about the job layout.
@@ -57,15 +57,9 @@ impl RankCtx {
         self
     }
 
-    /// Tensor-parallel setup for the model (`None` without tensor parallelism).
-    pub fn tensor_parallel(&self) -> Option<TensorParallel> {
-        (self.tp.size() > 1).then(|| TensorParallel {
-            group: TpGroup {
-                comm: self.comm.clone(),
-                group: self.tp.clone(),
-            },
-            sequence_parallel: self.sequence_parallel,
-        })
+    /// Tensor-parallel setup for the model (a one-rank group without tensor parallelism).
+    pub fn tensor_parallel(&self) -> TensorParallel {
+        TensorParallel::new(self.comm.clone(), self.tp.clone(), self.sequence_parallel)
     }
 
     /// The part of the model this rank holds: the layers of its pipeline chunks (global chunk

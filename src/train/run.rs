@@ -12,6 +12,7 @@ use anyhow::Context;
 use anyhow::Result;
 use candle_core::Device;
 use parallel::comm::local::{run_local, RankFailed};
+use parallel::tp::Block;
 use parallel::Comm;
 
 use super::metrics::StepRecord;
@@ -44,19 +45,19 @@ pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {
     }
 }
 
-/// One rank's slice of one parameter.
+/// One rank's block of one parameter.
 pub struct WeightSlice {
     /// Parameter name.
     pub name: String,
     /// Shape of the whole tensor.
     pub global_shape: Vec<usize>,
-    /// `(offset, length)` per dimension.
-    pub slice: Vec<(usize, usize)>,
-    /// Row-major values of the slice.
+    /// The block of the whole tensor held.
+    pub block: Block,
+    /// Row-major values of the block.
     pub values: Vec<f32>,
 }
 
-/// Assembles whole tensors (row-major) from slices of any ranks; replicas overwrite each other.
+/// Assembles whole tensors (row-major) from blocks of any ranks; replicas overwrite each other.
 pub fn assemble(
     slices: impl IntoIterator<Item = WeightSlice>,
 ) -> std::collections::BTreeMap<String, Vec<f32>> {
@@ -65,16 +66,13 @@ pub fn assemble(
         let full: &mut Vec<f32> = out
             .entry(s.name.clone())
             .or_insert_with(|| vec![0.0; s.global_shape.iter().product()]);
-        let cols_full = if s.global_shape.len() == 2 {
-            s.global_shape[1]
-        } else {
-            s.global_shape[0]
-        };
-        let ((r0, rows), (c0, cols)) = match s.slice.as_slice() {
-            [r, c] => (*r, *c),
-            [c] => ((0, 1), *c),
-            _ => continue,
-        };
+        let b = &s.block;
+        let (r0, rows, c0, cols, cols_full) =
+            match (s.global_shape.as_slice(), b.offset.as_slice(), b.shape.as_slice()) {
+                ([_, full], [r0, c0], [r, c]) => (*r0, *r, *c0, *c, *full),
+                ([full], [c0], [c]) => (0, 1, *c0, *c, *full),
+                _ => continue,
+            };
         for r in 0..rows {
             let dst = (r0 + r) * cols_full + c0;
             full[dst..dst + cols].copy_from_slice(&s.values[r * cols..(r + 1) * cols]);

@@ -35,6 +35,27 @@ impl Kind {
     }
 }
 
+/// A block of a named tensor, as ranks write and read them: the tensor's name and whole shape,
+/// and where the block starts and how far it extends along each dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorBlock<'a> {
+    /// Parameter name (Hugging Face naming).
+    pub name: &'a str,
+    /// Shape of the whole tensor.
+    pub global_shape: &'a [usize],
+    /// First index of the block along each dimension.
+    pub offset: &'a [usize],
+    /// Extent of the block along each dimension.
+    pub shape: &'a [usize],
+}
+
+impl TensorBlock<'_> {
+    /// `(offset, length)` per dimension, as stored in [`PieceMeta::block`].
+    pub(crate) fn spans(&self) -> Vec<(usize, usize)> {
+        self.offset.iter().copied().zip(self.shape.iter().copied()).collect()
+    }
+}
+
 /// One piece: elements `range` (row-major) of the block `block` of tensor `name`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PieceMeta {

@@ -29,7 +29,7 @@ pub mod stream;
 mod write;
 
 pub use error::CkptError;
-pub use format::{FileEntry, Kind, Manifest, PieceMeta, MANIFEST, TOKENIZER};
+pub use format::{FileEntry, Kind, Manifest, PieceMeta, TensorBlock, MANIFEST, TOKENIZER};
 pub use read::{find_latest, Checkpoint};
 pub use write::{finalize, prune, step_dir_name, RankWriter};
 

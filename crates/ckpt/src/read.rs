@@ -11,7 +11,7 @@ use safetensors::SafeTensors;
 use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
-use crate::format::{Kind, Manifest, PieceMeta, FORMAT, MANIFEST, TOKENIZER};
+use crate::format::{Kind, Manifest, PieceMeta, TensorBlock, FORMAT, MANIFEST, TOKENIZER};
 use crate::write::hex;
 use crate::Result;
 
@@ -209,16 +209,24 @@ impl Checkpoint {
             .collect())
     }
 
-    /// The row-major values of the block `block` (`(offset, length)` per dimension) of tensor `name`
-    /// of kind `kind`, assembled from every piece that overlaps it. `global_shape` must match the
-    /// checkpoint's; every element of the block must be present exactly once.
-    pub fn read_block(
-        &self,
-        name: &str,
-        kind: Kind,
-        global_shape: &[usize],
-        block: &[(usize, usize)],
-    ) -> Result<Vec<f32>> {
+    /// The row-major values of the whole tensor `name` of kind `kind`; `global_shape` must match
+    /// the checkpoint's.
+    pub fn read_tensor(&self, name: &str, kind: Kind, global_shape: &[usize]) -> Result<Vec<f32>> {
+        let offset = vec![0; global_shape.len()];
+        let block = TensorBlock {
+            name,
+            global_shape,
+            offset: &offset,
+            shape: global_shape,
+        };
+        self.read_block(kind, block)
+    }
+
+    /// The row-major values of `block` of kind `kind`, assembled from every piece that overlaps
+    /// it. `block.global_shape` must match the checkpoint's; every element of the block must be
+    /// present exactly once.
+    pub fn read_block(&self, kind: Kind, block: TensorBlock<'_>) -> Result<Vec<f32>> {
+        let (name, global_shape) = (block.name, block.global_shape);
         let ix = self
             .by_tensor
             .get(&(name.to_string(), kind))
@@ -234,7 +242,7 @@ impl Checkpoint {
             [c] => ((0, 1), *c),
             _ => ((0, 1), (0, 1)),
         };
-        let ((br0, brn), (bc0, bcn)) = rc(block);
+        let ((br0, brn), (bc0, bcn)) = rc(&block.spans());
         let mut out = vec![0f32; brn * bcn];
         let mut seen = vec![false; brn * bcn];
         for &i in ix {

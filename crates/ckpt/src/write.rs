@@ -3,6 +3,7 @@
 
 use std::fs::{self, File};
 use std::io::Write;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
@@ -11,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
 use crate::format::{
-    FileEntry, Kind, Manifest, PieceMeta, RankRecord, FORMAT, MANIFEST, TOKENIZER,
+    FileEntry, Kind, Manifest, PieceMeta, RankRecord, TensorBlock, FORMAT, MANIFEST, TOKENIZER,
 };
 use crate::Result;
 
@@ -55,25 +56,17 @@ impl RankWriter {
         format!("rank-{:05}.safetensors", self.rank)
     }
 
-    /// Adds elements `range` (row-major) of the block `block` of tensor `name` (whole shape
-    /// `global_shape`); `data.len()` must equal the range's length.
-    pub fn add(
-        &mut self,
-        name: &str,
-        kind: Kind,
-        global_shape: &[usize],
-        block: &[(usize, usize)],
-        range: (usize, usize),
-        data: Vec<f32>,
-    ) {
-        debug_assert_eq!(data.len(), range.1 - range.0);
-        let key = format!("{}/{}/{}", kind.as_str(), name, range.0);
+    /// Adds elements `range` (row-major) of the block `block` (of a tensor of `block.name`);
+    /// `data.len()` must equal the range's length.
+    pub fn add(&mut self, kind: Kind, block: TensorBlock<'_>, range: Range<usize>, data: Vec<f32>) {
+        debug_assert_eq!(data.len(), range.len());
+        let key = format!("{}/{}/{}", kind.as_str(), block.name, range.start);
         let meta = PieceMeta {
-            name: name.to_string(),
+            name: block.name.to_string(),
             kind,
-            global_shape: global_shape.to_vec(),
-            block: block.to_vec(),
-            range,
+            global_shape: block.global_shape.to_vec(),
+            block: block.spans(),
+            range: (range.start, range.end),
             key,
             file: self.file_name(),
         };

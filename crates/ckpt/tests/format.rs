@@ -4,7 +4,22 @@
 
 use std::path::{Path, PathBuf};
 
-use ckpt::{finalize, find_latest, Checkpoint, CkptError, Kind, Manifest, RankWriter};
+use ckpt::{finalize, find_latest, Checkpoint, CkptError, Kind, Manifest, RankWriter, TensorBlock};
+
+/// The block at `offset` of extent `shape` of tensor `name` (whole shape `global_shape`).
+fn block<'a>(
+    name: &'a str,
+    global_shape: &'a [usize],
+    offset: &'a [usize],
+    shape: &'a [usize],
+) -> TensorBlock<'a> {
+    TensorBlock {
+        name,
+        global_shape,
+        offset,
+        shape,
+    }
+}
 
 /// Tensor "w" of shape [4, 6] with value 10·row + col; "n" of shape [6] with value col.
 fn value(name: &str, r: usize, c: usize) -> f32 {
@@ -22,22 +37,17 @@ fn write(root: &Path, step: u64) -> PathBuf {
     std::fs::write(&tok, "{}").unwrap();
     for rank in 0..2 {
         let mut w = RankWriter::new(root, step, rank).unwrap();
-        let block = [(0, 4), (3 * rank, 3)];
+        let offset = [0, 3 * rank];
+        let b = block("w", &[4, 6], &offset, &[4, 3]);
         let data: Vec<f32> = (0..12)
             .map(|e| value("w", e / 3, 3 * rank + e % 3))
             .collect();
         for kind in Kind::ALL {
-            w.add("w", kind, &[4, 6], &block, (0, 5), data[..5].to_vec());
-            w.add("w", kind, &[4, 6], &block, (5, 12), data[5..].to_vec());
+            w.add(kind, b, 0..5, data[..5].to_vec());
+            w.add(kind, b, 5..12, data[5..].to_vec());
             if rank == 0 {
-                w.add(
-                    "n",
-                    kind,
-                    &[6],
-                    &[(0, 6)],
-                    (0, 6),
-                    (0..6).map(|c| value("n", 0, c)).collect(),
-                );
+                let n = block("n", &[6], &[0], &[6]);
+                w.add(kind, n, 0..6, (0..6).map(|c| value("n", 0, c)).collect());
             }
         }
         w.write().unwrap();
@@ -66,24 +76,29 @@ fn any_block_is_reassembled_from_the_pieces() {
         ck.tensors(),
         vec![("n".to_string(), vec![6]), ("w".to_string(), vec![4, 6])]
     );
-    for block in [
-        vec![(0, 4), (0, 6)],
-        vec![(1, 2), (2, 3)],
-        vec![(0, 2), (0, 6)],
-        vec![(3, 1), (5, 1)],
+    for ((r0, rn), (c0, cn)) in [
+        ((0, 4), (0, 6)),
+        ((1, 2), (2, 3)),
+        ((0, 2), (0, 6)),
+        ((3, 1), (5, 1)),
     ] {
         for kind in Kind::ALL {
-            let got = ck.read_block("w", kind, &[4, 6], &block).unwrap();
-            let ((r0, rn), (c0, cn)) = (block[0], block[1]);
+            let (offset, shape) = ([r0, c0], [rn, cn]);
+            let b = block("w", &[4, 6], &offset, &shape);
+            let got = ck.read_block(kind, b).unwrap();
             let want: Vec<f32> = (0..rn)
                 .flat_map(|r| (0..cn).map(move |c| value("w", r0 + r, c0 + c)))
                 .collect();
-            assert_eq!(got, want, "{block:?}");
+            assert_eq!(got, want, "{b:?}");
         }
     }
     assert_eq!(
-        ck.read_block("n", Kind::Master, &[6], &[(2, 3)]).unwrap(),
+        ck.read_block(Kind::Master, block("n", &[6], &[2], &[3])).unwrap(),
         vec![2.0, 3.0, 4.0]
+    );
+    assert_eq!(
+        ck.read_tensor("n", Kind::Master, &[6]).unwrap(),
+        (0..6).map(|c| c as f32).collect::<Vec<_>>()
     );
     assert!(ck.tokenizer_path().exists());
 }
@@ -92,16 +107,12 @@ fn any_block_is_reassembled_from_the_pieces() {
 fn shape_and_missing_tensors_are_mismatches() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = Checkpoint::open(&write(tmp.path(), 1)).unwrap();
-    let e = ck
-        .read_block("w", Kind::Master, &[4, 8], &[(0, 4), (0, 8)])
-        .unwrap_err();
+    let e = ck.read_tensor("w", Kind::Master, &[4, 8]).unwrap_err();
     assert!(
         matches!(e, CkptError::Mismatch { .. }) && e.to_string().contains("[4, 6]"),
         "{e}"
     );
-    let e = ck
-        .read_block("lm_head", Kind::Master, &[4], &[(0, 4)])
-        .unwrap_err();
+    let e = ck.read_tensor("lm_head", Kind::Master, &[4]).unwrap_err();
     assert!(e.to_string().contains("no master of tensor lm_head"), "{e}");
 }
 

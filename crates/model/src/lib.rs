@@ -10,5 +10,5 @@ pub mod segment;
 
 pub use config::LlamaConfig;
 pub use llama::{Llama, Piece, Placement, Targets};
-pub use params::{ParamKind, ParamSet, Parameter};
+pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
 pub use segment::Recompute;

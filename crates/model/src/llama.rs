@@ -12,12 +12,12 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Result, Tensor};
-use parallel::tp::{vocab_parallel_cross_entropy, vocab_parallel_embedding, TensorParallel};
+use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
 use crate::init::Init;
 use crate::ops;
-use crate::params::{ParamKind, ParamSet};
+use crate::params::{ParamKind, ParamSet, ParamSpec};
 
 /// Indices (into the model's [`ParamSet`]) of one decoder block's parameters.
 #[derive(Debug, Clone)]
@@ -47,8 +47,8 @@ pub enum Piece {
 /// Which part of the model a rank holds, and its tensor-parallel group.
 #[derive(Debug, Clone)]
 pub struct Placement {
-    /// Tensor-parallel group (`None`: no tensor parallelism).
-    pub tp: Option<TensorParallel>,
+    /// Tensor-parallel group (a one-rank group without tensor parallelism).
+    pub tp: TensorParallel,
     /// Global indices of the decoder blocks held, in execution order.
     pub layers: Vec<usize>,
     /// Holds the token embedding (first pipeline stage).
@@ -61,7 +61,7 @@ impl Placement {
     /// The whole model on one rank.
     pub fn whole(config: &LlamaConfig) -> Self {
         Self {
-            tp: None,
+            tp: TensorParallel::single(),
             layers: (0..config.num_hidden_layers).collect(),
             embedding: true,
             head: true,
@@ -115,13 +115,16 @@ impl Llama {
         let kv = config.num_key_value_heads * config.head_dim();
         let std = config.init_std;
         let out_std = std / (2.0 * config.num_hidden_layers as f64).sqrt();
-        let tp = placement
-            .tp
-            .as_ref()
-            .map_or((0, 1), |t| (t.index(), t.size()));
+        let tp = &placement.tp;
         let mut p = ParamSet::default();
-        let mut add = |name: &str, shape: &[usize], kind: ParamKind, init: Init| {
-            p.add(name, shape, kind, init, seed, tp, dtype, device)
+        let mut add = |name: &str, global_shape: &[usize], kind: ParamKind, init: Init| {
+            let spec = ParamSpec {
+                name,
+                global_shape,
+                kind,
+                init,
+            };
+            p.add(spec, seed, tp, dtype, device)
         };
         let (one, w, wo) = (
             Init::Constant(1.0),
@@ -186,17 +189,17 @@ impl Llama {
         })
     }
 
-    /// Replaces every parameter with values from `value(name, global_shape, slice)`, which returns
-    /// the row-major f32 values of this rank's slice (cast here to the parameter dtype).
+    /// Replaces every parameter with values from `value(parameter)`, which returns the row-major
+    /// f32 values of this rank's block of it (cast here to the parameter dtype).
     pub fn load_weights<E>(
         &self,
-        mut value: impl FnMut(&str, &[usize], &[(usize, usize)]) -> std::result::Result<Vec<f32>, E>,
+        mut value: impl FnMut(&crate::Parameter) -> std::result::Result<Vec<f32>, E>,
     ) -> std::result::Result<(), E>
     where
         E: From<candle_core::Error>,
     {
         for p in self.params.iter() {
-            let v = value(&p.name, &p.global_shape, &p.slice)?;
+            let v = value(p)?;
             let t = Tensor::from_vec(v, p.var.shape(), p.var.device())?.to_dtype(p.var.dtype())?;
             p.var.set(&t)?;
         }
@@ -257,20 +260,6 @@ impl Llama {
         self.params.get(i).var.as_tensor()
     }
 
-    fn enter(&self, x: &Tensor) -> Result<Tensor> {
-        self.placement
-            .tp
-            .as_ref()
-            .map_or_else(|| Ok(x.clone()), |tp| tp.enter(x))
-    }
-
-    fn exit(&self, y: &Tensor) -> Result<Tensor> {
-        self.placement
-            .tp
-            .as_ref()
-            .map_or_else(|| Ok(y.clone()), |tp| tp.exit(y))
-    }
-
     fn missing(&self, what: &str) -> candle_core::Error {
         candle_core::Error::Msg(format!(
             "this rank's model part has no {what} ({:?})",
@@ -280,23 +269,12 @@ impl Llama {
 
     /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence parallelism).
     pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        let w = self.w(self
+        let e = self
             .embed_tokens
             .filter(|_| self.placement.embedding)
-            .ok_or_else(|| self.missing("embedding"))?);
-        match &self.placement.tp {
-            Some(tp) => vocab_parallel_embedding(
-                tokens,
-                w,
-                self.params.get(self.embed_tokens.unwrap()).slice[0].0,
-                tp,
-            ),
-            None => {
-                let (b, s) = tokens.dims2()?;
-                w.embedding(&tokens.flatten_all()?)?
-                    .reshape((b, s, self.config.hidden_size))
-            }
-        }
+            .ok_or_else(|| self.missing("embedding"))?;
+        let vocab = self.params.get(e).block.range(0); // this rank's vocabulary ids
+        self.placement.tp.embedding(tokens, self.w(e), vocab.start)
     }
 
     /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism).
@@ -306,15 +284,15 @@ impl Llama {
             .blocks
             .get(&i)
             .ok_or_else(|| self.missing(&format!("layer {i}")))?;
-        let tp = self.placement.tp.as_ref().map_or(1, |t| t.size());
+        let (tp, tp_size) = (&self.placement.tp, self.placement.tp.size());
         let (hq, hkv, d) = (
-            c.num_attention_heads / tp,
-            c.num_key_value_heads / tp,
+            c.num_attention_heads / tp_size,
+            c.num_key_value_heads / tp_size,
             c.head_dim(),
         );
 
         let h = ops::rms_norm(x, self.w(blk.input_layernorm), c.rms_norm_eps)?; // [b, s(/tp), h]
-        let h = self.enter(&h)?; // [b, s, h]
+        let h = tp.enter(&h)?; // [b, s, h]
         let (b, s, _) = h.dims3()?;
         let (cos, sin) = (self.cos.narrow(0, 0, s)?, self.sin.narrow(0, 0, s)?);
         let q = linear(&h, self.w(blk.q_proj))?.reshape((b, s, hq, d))?; // [b, s, hq/tp, d]
@@ -323,9 +301,9 @@ impl Llama {
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
         let a = ops::causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?; // [b, s, hq/tp, d]
         let o = linear(&a.reshape((b, s, hq * d))?, self.w(blk.o_proj))?; // [b, s, h] partial
-        let x = (x + self.exit(&o)?)?;
+        let x = (x + tp.exit(&o)?)?;
 
-        let h = self.enter(&ops::rms_norm(
+        let h = tp.enter(&ops::rms_norm(
             &x,
             self.w(blk.post_attention_layernorm),
             c.rms_norm_eps,
@@ -334,7 +312,7 @@ impl Llama {
             &linear(&h, self.w(blk.gate_proj))?,
             &linear(&h, self.w(blk.up_proj))?,
         )?; // [b, s, f/tp]
-        x + self.exit(&linear(&g, self.w(blk.down_proj))?)?
+        x + tp.exit(&linear(&g, self.w(blk.down_proj))?)?
     }
 
     /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]` (f32).
@@ -343,7 +321,11 @@ impl Llama {
             .norm
             .zip(self.lm_head)
             .ok_or_else(|| self.missing("head"))?;
-        let h = self.enter(&ops::rms_norm(x, self.w(norm), self.config.rms_norm_eps)?)?; // [b, s, h]
+        let h = self.placement.tp.enter(&ops::rms_norm(
+            x,
+            self.w(norm),
+            self.config.rms_norm_eps,
+        )?)?; // [b, s, h]
         linear(&h.flatten_to(1)?, self.w(head))?.to_dtype(DType::F32)
     }
 
@@ -351,17 +333,11 @@ impl Llama {
     /// tensor-parallel rank. The full logits are never gathered across ranks.
     pub fn losses(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let logits = self.local_logits(x)?; // [b * s, v/tp]
-        match self.placement.tp.as_ref().filter(|t| t.size() > 1) {
-            Some(tp) => {
-                let start = self
-                    .params
-                    .get(self.lm_head.expect("checked by local_logits"))
-                    .slice[0]
-                    .0;
-                vocab_parallel_cross_entropy(&logits, labels, start, &tp.group)
-            }
-            None => ops::cross_entropy(&logits, labels),
-        }
+        let head = self.lm_head.ok_or_else(|| self.missing("head"))?;
+        let vocab = self.params.get(head).block.range(0); // this rank's vocabulary ids
+        self.placement
+            .tp
+            .cross_entropy(&logits, labels, vocab.start, ops::cross_entropy)
     }
 
     /// Head segment: the micro-batch's summed masked cross-entropy times `targets.loss_scale`.
@@ -381,7 +357,7 @@ impl Llama {
 
     /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
     pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
-        if self.placement.tp.as_ref().is_some_and(|t| t.size() > 1) || !self.placement.embedding {
+        if self.placement.tp.size() > 1 || !self.placement.embedding {
             candle_core::bail!("full logits need the whole model on one rank");
         }
         self.local_logits(&self.hidden(tokens)?)

@@ -1,7 +1,7 @@
 //! `Parameter` and `ParamSet`: the model's named trainable tensors with their optimiser metadata.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use parallel::tp::{tp_shard, Shard};
+use parallel::tp::{tp_shard, Block, Shard, TensorParallel};
 
 use crate::init::Init;
 
@@ -29,8 +29,21 @@ pub struct Parameter {
     pub global_shape: Vec<usize>,
     /// How it is split across tensor-parallel ranks (from the TP plan).
     pub shard: Shard,
-    /// `(offset, length)` of this rank's slice along each dimension of `global_shape`.
-    pub slice: Vec<(usize, usize)>,
+    /// The block of the whole tensor this rank holds.
+    pub block: Block,
+}
+
+/// What a parameter is, before any sharding: its name, whole shape, role and initialisation.
+#[derive(Debug, Clone, Copy)]
+pub struct ParamSpec<'a> {
+    /// Hugging Face parameter name.
+    pub name: &'a str,
+    /// Shape of the whole tensor.
+    pub global_shape: &'a [usize],
+    /// Its role.
+    pub kind: ParamKind,
+    /// Initial values.
+    pub init: Init,
 }
 
 /// The ordered list of a model's parameters; indices into it identify parameters everywhere
@@ -41,42 +54,48 @@ pub struct ParamSet {
 }
 
 impl ParamSet {
-    /// Creates this rank's slice of parameter `name` (whole shape `global_shape`, 1-D or 2-D)
-    /// from `init`, split as the TP plan says for tensor-parallel shard `tp.0` of `tp.1`, and
-    /// returns its index. The values are exactly that slice of the single-rank tensor.
-    #[allow(clippy::too_many_arguments)]
+    /// Creates this rank's block of parameter `spec.name` (whole shape `spec.global_shape`, 1-D
+    /// or 2-D) from `spec.init`, split across the tensor-parallel group `tp` as the TP plan says,
+    /// and returns its index. The values are exactly that block of the single-rank
+    /// tensor built with `seed`.
     pub fn add(
         &mut self,
-        name: &str,
-        global_shape: &[usize],
-        kind: ParamKind,
-        init: Init,
+        spec: ParamSpec<'_>,
         seed: u64,
-        tp: (usize, usize),
+        tp: &TensorParallel,
         dtype: DType,
         device: &Device,
     ) -> Result<usize> {
+        let ParamSpec {
+            name,
+            global_shape,
+            kind,
+            init,
+        } = spec;
         let shard = tp_shard(name);
-        let slice = shard
-            .slice_of(global_shape, tp.0, tp.1)
+        let block = shard
+            .block(global_shape, tp.index(), tp.size())
             .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-        let local: Vec<usize> = slice.iter().map(|s| s.1).collect();
-        let (row0, rows, col0, cols, full_cols) = match slice.as_slice() {
-            [(r0, r), (c0, c)] => (*r0, *r, *c0, *c, global_shape[1]),
-            [(c0, c)] => (0, 1, *c0, *c, global_shape[0]),
+        let (row0, col0, rows, cols, full_cols) = match (
+            global_shape,
+            block.offset.as_slice(),
+            block.shape.as_slice(),
+        ) {
+            ([_, full], [r0, c0], [r, c]) => (*r0, *c0, *r, *c, *full),
+            ([full], [c0], [c]) => (0, *c0, 1, *c, *full),
             _ => {
                 candle_core::bail!("{name}: parameters are 1-D or 2-D, got shape {global_shape:?}")
             }
         };
         let values = init.block(seed, name, row0, col0, rows, cols, full_cols);
-        let t = Tensor::from_vec(values, local.as_slice(), device)?.to_dtype(dtype)?;
+        let t = Tensor::from_vec(values, block.shape.as_slice(), device)?.to_dtype(dtype)?;
         self.params.push(Parameter {
             name: name.to_string(),
             var: Var::from_tensor(&t)?,
             kind,
             global_shape: global_shape.to_vec(),
             shard,
-            slice,
+            block,
         });
         Ok(self.params.len() - 1)
     }

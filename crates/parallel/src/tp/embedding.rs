@@ -1,6 +1,7 @@
 //! Vocab-parallel embedding: each rank holds rows `vocab_start..vocab_start + v/tp` of the
 //! embedding matrix, looks up the ids it owns (zeros elsewhere) and the partial results are summed
 //! across the tensor-parallel group (reduce-scattered along the sequence with sequence parallelism).
+//! With one rank it is the plain lookup.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -16,6 +17,9 @@ pub fn vocab_parallel_embedding(
 ) -> Result<Tensor> {
     let (b, s) = ids.dims2()?;
     let (local_v, h) = w.dims2()?;
+    if tp.size() == 1 {
+        return w.embedding(&ids.flatten_all()?)?.reshape((b, s, h));
+    }
     let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     let (local, mask) = super::local_vocab_ids(
         &flat,

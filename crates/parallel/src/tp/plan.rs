@@ -11,6 +11,8 @@
 //! | `embed_tokens.weight`, `lm_head.weight` | dim 0 (vocabulary) | vocab-parallel |
 //! | `*norm.weight` | none | replicated |
 
+use std::ops::Range;
+
 /// How a parameter is laid out across tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shard {
@@ -40,26 +42,62 @@ pub fn tp_shard(name: &str) -> Shard {
     }
 }
 
-impl Shard {
-    /// The `(offset, length)` along each dimension of shard `index` of `size` of a tensor with
-    /// `global_shape`, or an error naming the dimension that does not divide.
-    pub fn slice_of(
-        &self,
-        global_shape: &[usize],
-        index: usize,
-        size: usize,
-    ) -> Result<Vec<(usize, usize)>, String> {
-        let mut out: Vec<(usize, usize)> = global_shape.iter().map(|&n| (0, n)).collect();
-        if let Shard::Dim(d) = *self {
-            let n = global_shape[d];
-            if n % size != 0 {
-                return Err(format!(
-                    "dimension {d} ({n}) is not divisible by the tensor-parallel size {size}"
-                ));
-            }
-            out[d] = (index * n / size, n / size);
+/// A parameter dimension that does not split evenly across the tensor-parallel ranks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("dimension {dim} ({len}) is not divisible by the tensor-parallel size {tp}")]
+pub struct ShardError {
+    /// The split dimension.
+    pub dim: usize,
+    /// Its length in the whole tensor.
+    pub len: usize,
+    /// The tensor-parallel size.
+    pub tp: usize,
+}
+
+/// The block of a tensor one rank holds: where it starts along each dimension of the whole
+/// tensor, and its extent (the local shape).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// First index along each dimension.
+    pub offset: Vec<usize>,
+    /// Extent along each dimension.
+    pub shape: Vec<usize>,
+}
+
+impl Block {
+    /// The whole of a tensor of `shape`.
+    pub fn whole(shape: &[usize]) -> Self {
+        Self {
+            offset: vec![0; shape.len()],
+            shape: shape.to_vec(),
         }
-        Ok(out)
+    }
+
+    /// The indices of the whole tensor this block covers along `dim`.
+    pub fn range(&self, dim: usize) -> Range<usize> {
+        self.offset[dim]..self.offset[dim] + self.shape[dim]
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+impl Shard {
+    /// The block tensor-parallel rank `index` of `size` holds of a tensor of `global_shape`, or
+    /// an error naming the dimension that does not divide.
+    pub fn block(&self, global_shape: &[usize], index: usize, size: usize) -> Result<Block, ShardError> {
+        let mut block = Block::whole(global_shape);
+        if let Shard::Dim(d) = *self {
+            let len = global_shape[d];
+            if !len.is_multiple_of(size) {
+                return Err(ShardError { dim: d, len, tp: size });
+            }
+            block.offset[d] = index * len / size;
+            block.shape[d] = len / size;
+        }
+        Ok(block)
     }
 }
 
@@ -92,15 +130,14 @@ mod tests {
     }
 
     #[test]
-    fn slices_split_one_dimension() {
+    fn blocks_split_one_dimension() {
+        let b = Shard::Dim(1).block(&[4, 6], 2, 3).unwrap();
+        assert_eq!((b.offset.as_slice(), b.shape.as_slice()), (&[0, 4][..], &[4, 2][..]));
+        assert_eq!((b.range(0), b.range(1), b.numel()), (0..4, 4..6, 8));
+        assert_eq!(Shard::Replicated.block(&[4], 1, 2).unwrap(), Block::whole(&[4]));
         assert_eq!(
-            Shard::Dim(1).slice_of(&[4, 6], 2, 3).unwrap(),
-            vec![(0, 4), (4, 2)]
+            Shard::Dim(0).block(&[5, 2], 0, 2),
+            Err(ShardError { dim: 0, len: 5, tp: 2 })
         );
-        assert_eq!(
-            Shard::Replicated.slice_of(&[4], 1, 2).unwrap(),
-            vec![(0, 4)]
-        );
-        assert!(Shard::Dim(0).slice_of(&[5, 2], 0, 2).is_err());
     }
 }
