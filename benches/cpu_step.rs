@@ -5,15 +5,18 @@
 //! Run: `cargo bench --bench cpu_step -- [recipe] [steps]`; prints one JSON line.
 
 use std::path::Path;
-
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use data::Batch;
 use model::{Llama, Recompute};
+use parallel::comm::local::LocalWorld;
+use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
+use parallel::pipeline::{build, ScheduleKind};
 use pretrain::optim::{layout_of, write_params, AdamW, GradBuffer};
 use pretrain::recipe::load;
-use pretrain::train::step::{forward_backward, MicroBatch};
+use pretrain::train::pipeline::{Executor, MicroBatch};
+use pretrain::train::RankCtx;
 
 #[global_allocator]
 static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
@@ -70,14 +73,19 @@ fn main() -> anyhow::Result<()> {
         DType::F32,
         &dev,
     )?;
-    let grads = GradBuffer::new(layout_of(model.params(), parallel::config::DEFAULT_BUCKET_SIZE, 1), &dev)?;
-    let layout = layout_of(model.params(), parallel::config::DEFAULT_BUCKET_SIZE, 1);
+    let layout = layout_of(model.params(), DEFAULT_BUCKET_SIZE, 1);
+    let grads = GradBuffer::new(layout.clone(), &dev)?;
     let mut opt = AdamW::new(model.params(), &layout, vec![0..layout.total], &r.optimizer)?;
     let scale = 1.0 / (micro * b * s) as f64;
     let mbs: Vec<MicroBatch> = batches
         .iter()
         .map(|bt| MicroBatch::new(bt, scale, &dev))
         .collect::<Result<_, _>>()?;
+    // The training step path of one rank: a one-stage schedule through the step executor.
+    let comm = LocalWorld::new(1, Duration::from_secs(60)).remove(0);
+    let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm)?;
+    let schedule = build(ScheduleKind::OneFOneB, 1, 1, micro)?;
+    let exec = Executor::new(&model, &ctx, &schedule, Recompute::None, b, s);
 
     let (mut fwd, mut step) = (vec![], vec![]);
     let mut loss = 0.0;
@@ -91,10 +99,7 @@ fn main() -> anyhow::Result<()> {
         }
         let t1 = Instant::now();
         grads.zero()?;
-        loss = 0.0;
-        for mb in &mbs {
-            loss += forward_backward(&model, mb, Recompute::None, &grads, &mut |_| Ok(()))?;
-        }
+        loss = exec.step(&mbs, &grads, &mut (), t1)?.loss;
         opt.step(&grads, r.optimizer.lr, 1.0)?;
         write_params(model.params(), &layout, &opt.master()?)?;
         let t2 = Instant::now();

@@ -2,11 +2,17 @@
 //! changes nothing, segments equal one whole-graph backward, and accumulation over micro-batches
 //! equals one large batch.
 
+use std::time::{Duration, Instant};
+
 use candle_core::{DType, Device, Tensor};
 use data::Batch;
 use model::{Llama, LlamaConfig, Recompute};
+use parallel::comm::local::LocalWorld;
+use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
+use parallel::pipeline::{self, ScheduleKind};
 use pretrain::optim::{layout_of, GradBuffer};
-use pretrain::train::step::{forward_backward, MicroBatch};
+use pretrain::train::pipeline::{Executor, MicroBatch};
+use pretrain::train::RankCtx;
 
 fn config(tied: bool) -> LlamaConfig {
     LlamaConfig {
@@ -69,15 +75,22 @@ fn counted(batches: &[Batch]) -> f64 {
         .sum()
 }
 
-/// Runs forward/backward over `batches` (one global batch) and returns (loss, grads per param).
+/// Runs forward/backward over `batches` (one global batch) through the step executor on one rank
+/// (a one-stage schedule) and returns (loss, grads per param).
 fn grads_of(model: &Llama, batches: &[Batch], recompute: Recompute) -> (f64, Vec<Vec<f32>>) {
-    let buf = GradBuffer::new(layout_of(model.params(), parallel::config::DEFAULT_BUCKET_SIZE, 1), &Device::Cpu).unwrap();
+    let layout = layout_of(model.params(), DEFAULT_BUCKET_SIZE, 1);
+    let buf = GradBuffer::new(layout, &Device::Cpu).unwrap();
+    let comm = LocalWorld::new(1, Duration::from_secs(10)).remove(0);
+    let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm).unwrap();
+    let schedule = pipeline::build(ScheduleKind::OneFOneB, 1, 1, batches.len()).unwrap();
+    let (b, s) = (batches[0].micro_batch, batches[0].seq_len);
+    let exec = Executor::new(model, &ctx, &schedule, recompute, b, s);
     let scale = 1.0 / counted(batches);
-    let mut loss = 0.0;
-    for b in batches {
-        let mb = MicroBatch::new(b, scale, &Device::Cpu).unwrap();
-        loss += forward_backward(model, &mb, recompute, &buf, &mut |_| Ok(())).unwrap();
-    }
+    let mbs: Vec<MicroBatch> = batches
+        .iter()
+        .map(|b| MicroBatch::new(b, scale, &Device::Cpu).unwrap())
+        .collect();
+    let loss = exec.step(&mbs, &buf, &mut (), Instant::now()).unwrap().loss;
     let g = (0..model.params().len())
         .map(|i| buf.get(i).unwrap().to_vec1::<f32>().unwrap())
         .collect();

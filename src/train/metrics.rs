@@ -1,12 +1,19 @@
 //! Run outputs: one JSON line per step and per validation in `metrics.jsonl`, the loss-curve plot
-//! `loss.svg`, and process memory readings.
+//! `loss.svg`, a step's timeline as a Perfetto trace with the measured pipeline bubble
+//! ([`write_trace`]), and process memory readings.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+use parallel::pipeline::{chrome_trace, Schedule, TraceSpan};
+use parallel::Group;
 use serde::Serialize;
+
+use super::pipeline::Timed;
+use super::RankCtx;
 
 /// What one optimizer step measured.
 #[derive(Debug, Clone, Serialize)]
@@ -178,4 +185,71 @@ pub fn peak_rss_mib() -> f64 {
             })
         })
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Writes a step's timeline — every rank's timed actions (`timing`, this rank's) and its optimizer
+/// span `(start, end)`, gathered with one all-gather — as a Chrome/Perfetto trace to `path`, and
+/// returns the measured bubble: the mean over ranks of the idle share of the schedule phase. Every
+/// rank takes part; rank 0 writes the file and gets the bubble, the others `None`.
+pub fn write_trace(
+    ctx: &RankCtx,
+    schedule: &Schedule,
+    timing: &[Timed],
+    optimizer: (f64, f64),
+    path: &Path,
+) -> Result<Option<f64>> {
+    let mine: Vec<f64> = timing
+        .iter()
+        .flat_map(|t| [t.start, t.end])
+        .chain([optimizer.0, optimizer.1])
+        .collect();
+    let world = ctx.mesh.world_size();
+    // Every rank's times in one row, padded to the longest action list.
+    let width = 2 * schedule.actions.iter().map(Vec::len).max().unwrap_or(0) + 2;
+    let mut row = mine;
+    row.resize(width, 0.0);
+    let everyone = Group::new((0..world).collect());
+    let all = ctx
+        .comm
+        .all_gather(
+            &everyone,
+            &Tensor::from_vec(row, (1, width), &Device::Cpu)?,
+            0,
+        )?
+        .to_vec2::<f64>()?; // [world, width]
+    if !ctx.is_main() {
+        return Ok(None);
+    }
+    let (mut spans, mut bubbles) = (Vec::new(), Vec::new());
+    for (rank, times) in all.iter().enumerate() {
+        let actions = &schedule.actions[ctx.mesh.coords(rank).pp];
+        let (mut busy, mut window) = (0.0, 0.0f64);
+        for (k, a) in actions.iter().enumerate() {
+            let (s, e) = (times[2 * k], times[2 * k + 1]);
+            if a.is_compute() {
+                busy += e - s;
+            }
+            window = window.max(e);
+            spans.push(TraceSpan {
+                stage: rank,
+                name: a.to_string(),
+                start_us: s * 1e6,
+                dur_us: (e - s) * 1e6,
+            });
+        }
+        let (s, e) = (times[2 * actions.len()], times[2 * actions.len() + 1]);
+        spans.push(TraceSpan {
+            stage: rank,
+            name: "optimizer".into(),
+            start_us: s * 1e6,
+            dur_us: (e - s) * 1e6,
+        });
+        bubbles.push(1.0 - busy / window.max(1e-12));
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, chrome_trace(&spans))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(Some(bubbles.iter().sum::<f64>() / bubbles.len() as f64))
 }

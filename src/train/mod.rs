@@ -1,14 +1,15 @@
-//! The training loop of one rank: data → segments forward/backward (gradients synchronised across
-//! data-parallel ranks while the backward runs) → exact global gradient norm → clipped AdamW step
-//! over the rank's owned flat ranges (ZeRO-1 shards or everything), with a log line per step,
-//! periodic validation and run outputs. `run.rs` runs whole jobs ([`train`], [`run_rank`]).
+//! The training loop of one rank: data → the step executor's schedule of forward and backward
+//! passes (`pipeline.rs`; gradients finalised and synchronised across data-parallel ranks through
+//! its hooks while the backward runs) → exact global gradient norm → clipped AdamW step over the
+//! rank's owned flat ranges (ZeRO-1 shards or everything), with a log line per step, periodic
+//! validation and run outputs. `run.rs` runs whole jobs ([`train`], [`run_rank`]).
 
 pub mod checkpoint;
+pub mod hooks;
 pub mod metrics;
 pub mod pipeline;
 pub mod rank;
 mod run;
-pub mod step;
 
 use std::path::Path;
 use std::time::Instant;
@@ -17,7 +18,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use data::{micro_batch_indices, GptData, Split};
 use model::{llama::masked_mean, Llama};
-use parallel::dp::{gather_shards, intersect, owned_ranges, GradSync};
+use parallel::dp::{gather_shards, intersect, owned_ranges, GradFinalizer, GradGroups, Partial};
+use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind};
 use parallel::tp::Shard;
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
@@ -30,21 +32,7 @@ pub use rank::RankCtx;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
 };
-use step::{forward_backward, MicroBatch};
-
-use parallel::pipeline::ScheduleKind;
-
-/// Sequence-parallel norms saw only this rank's tokens: their gradients are summed over the TP group.
-fn reduce_replicated(ctx: &RankCtx, model: &Llama, grads: &GradBuffer, i: usize) -> Result<()> {
-    if ctx.sequence_parallel && model.params().get(i).shard == Shard::Replicated {
-        grads.set(
-            i,
-            &ctx.comm
-                .all_reduce(&ctx.tp, &grads.get(i)?, ReduceOp::Sum)?,
-        )?;
-    }
-    Ok(())
-}
+use pipeline::{Executor, MicroBatch, Timed};
 
 /// Everything one rank of a training run holds.
 pub struct Trainer {
@@ -54,7 +42,8 @@ pub struct Trainer {
     model: Llama,
     grads: GradBuffer,
     optimizer: AdamW,
-    sync: Option<GradSync>,
+    /// Completes gradients as they become final (partial sums, data-parallel sync).
+    finalizer: GradFinalizer,
     train_data: GptData,
     valid_data: Option<GptData>,
     metrics: Option<Metrics>,
@@ -62,10 +51,10 @@ pub struct Trainer {
     step: usize,
     /// Global samples consumed (the data loader's whole state).
     consumed: u64,
-    /// The pipeline schedule of a step (pipeline parallelism only).
-    schedule: Option<parallel::pipeline::Schedule>,
-    /// The timed actions of the last pipelined step, for the timeline trace.
-    timing: Vec<pipeline::Timed>,
+    /// The schedule of a step (one stage without pipeline parallelism).
+    schedule: Schedule,
+    /// The timed actions of the last step, for the timeline trace.
+    timing: Vec<Timed>,
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -140,17 +129,33 @@ impl Trainer {
         let grads = GradBuffer::new(layout.clone(), &device)?;
         let owned = owned_ranges(&layout, zero1, ctx.coords.dp, dp);
         let optimizer = AdamW::new(model.params(), &layout, owned, &recipe.optimizer)?;
-        let sync = if dp > 1 {
-            Some(GradSync::new(
-                layout,
-                grads.flat().clone(),
-                ctx.comm.clone(),
-                ctx.dp.clone(),
-                zero1,
-            )?)
-        } else {
-            None
+        let tied_pipeline = recipe.model.tie_word_embeddings && ctx.pp.size() > 1;
+        let partial = model
+            .params()
+            .iter()
+            .map(|p| Partial {
+                over_tp: ctx.sequence_parallel && p.shard == Shard::Replicated,
+                over_pipeline_ends: tied_pipeline && p.kind == model::ParamKind::Embedding,
+            })
+            .collect();
+        let groups = GradGroups {
+            dp: ctx.dp.clone(),
+            tp: ctx.tp.clone(),
+            pipeline_ends: ctx.embedding_group(),
         };
+        let finalizer = GradFinalizer::new(
+            ctx.comm.clone(),
+            grads.flat().clone(),
+            layout,
+            groups,
+            partial,
+            zero1,
+        )?;
+        let (v, m) = (ctx.virtual_stages, recipe.grad_accum_steps());
+        let schedule =
+            parallel::pipeline::build(ScheduleKind::for_virtual_stages(v), ctx.pp.size(), v, m)?;
+        validate(&schedule)?;
+        check_fifo(&schedule)?;
         let write = write_outputs && ctx.is_main();
         let metrics = if write {
             Some(Metrics::open(&recipe.run.dir)?)
@@ -169,27 +174,15 @@ impl Trainer {
             model,
             grads,
             optimizer,
-            sync,
+            finalizer,
             train_data,
             valid_data,
             metrics,
             step: 0,
             consumed: 0,
-            schedule: None,
+            schedule,
             timing: Vec::new(),
         };
-        if trainer.ctx.pp.size() > 1 {
-            let (pp, v) = (trainer.ctx.pp.size(), trainer.ctx.virtual_stages);
-            let kind = if v > 1 {
-                ScheduleKind::Interleaved
-            } else {
-                ScheduleKind::OneFOneB
-            };
-            let schedule =
-                parallel::pipeline::build(kind, pp, v, trainer.recipe.grad_accum_steps())?;
-            pipeline::fifo_consistent(&schedule)?;
-            trainer.schedule = Some(schedule);
-        }
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
             Resume::Auto => ckpt::find_latest(&trainer.checkpoint_root()),
@@ -229,12 +222,26 @@ impl Trainer {
             .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
             .sum();
         let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
+        let mbs = batches
+            .iter()
+            .map(|b| MicroBatch::new(b, scale, &self.device))
+            .collect::<Result<Vec<_>>>()?;
 
-        let loss = if self.schedule.is_some() {
-            self.pipelined(&batches, scale, start)?
-        } else {
-            self.sequential(&batches, scale)?
-        };
+        let exec = Executor::new(
+            &self.model,
+            ctx,
+            &self.schedule,
+            t.recompute,
+            t.micro_batch,
+            t.seq_len,
+        );
+        self.finalizer.start();
+        let run = exec.step(&mbs, &self.grads, &mut self.finalizer, start)?;
+        self.finalizer
+            .finish()
+            .context("synchronising gradients across data-parallel ranks")?;
+        let loss = run.loss;
+        self.timing = run.timing;
         let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
         let comm = ctx.comm.as_ref();
         let loss = all_reduce_f64(comm, &ctx.pp, loss)?;
@@ -264,7 +271,9 @@ impl Trainer {
         self.step += 1;
         self.consumed += t.global_batch as u64;
         let bubble = if r.run.trace_step == Some(self.step) {
-            self.write_trace((opt_start, start.elapsed().as_secs_f64()))?
+            let optimizer = (opt_start, start.elapsed().as_secs_f64());
+            let path = r.run.dir.join("trace.json");
+            metrics::write_trace(ctx, &self.schedule, &self.timing, optimizer, &path)?
         } else {
             None
         };
@@ -289,42 +298,6 @@ impl Trainer {
             step_time_s: secs,
             bubble,
         })
-    }
-
-    /// Forward and backward of every micro-batch on a rank holding the whole depth of the model,
-    /// with gradients synchronised across data-parallel ranks as they become final.
-    fn sequential(&mut self, batches: &[data::Batch], scale: f64) -> Result<f64> {
-        let (t, ctx) = (&self.recipe.train, &self.ctx);
-        if let Some(s) = &mut self.sync {
-            s.start();
-        }
-        let mut loss = 0.0;
-        for (k, b) in batches.iter().enumerate() {
-            let last = k + 1 == batches.len();
-            let (model, grads, sync) = (&self.model, &self.grads, &mut self.sync);
-            let mut ready = |i: usize| -> Result<()> {
-                if !last {
-                    return Ok(());
-                }
-                reduce_replicated(ctx, model, grads, i)?;
-                if let Some(s) = sync {
-                    s.ready(i)?;
-                }
-                Ok(())
-            };
-            loss += forward_backward(
-                model,
-                &MicroBatch::new(b, scale, &self.device)?,
-                t.recompute,
-                grads,
-                &mut ready,
-            )?;
-        }
-        if let Some(s) = &mut self.sync {
-            s.finish()
-                .context("synchronising gradients across data-parallel ranks")?;
-        }
-        Ok(loss)
     }
 
     /// Whether this rank's copy of `p` is the one that counts (in the gradient norm, in
@@ -386,7 +359,7 @@ impl Trainer {
             let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.device)?;
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
-            let losses = pipeline::pipeline_losses(&self.model, ctx, &tokens, &labels)?;
+            let losses = pipeline::forward_losses(&self.model, ctx, &tokens, &labels)?;
             if let Some(l) = losses {
                 sum += masked_mean(&l.detach(), &mask)? * n;
                 count += n;

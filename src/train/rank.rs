@@ -1,9 +1,10 @@
-//! `RankCtx`: one rank's place in the job — its mesh coordinates, communicator and process groups.
+//! `RankCtx`: one rank's place in the job — its mesh coordinates, communicator and process groups
+//! — and the layer placement that follows from it ([`chunk_pieces`]).
 
 use std::sync::Arc;
 
 use candle_core::Device;
-use model::Placement;
+use model::{Piece, Placement};
 use parallel::mesh::{Axis, Coords, Mesh};
 use parallel::tp::TensorParallel;
 use parallel::{Comm, Group, ParallelConfig};
@@ -62,14 +63,25 @@ impl RankCtx {
         TensorParallel::new(self.comm.clone(), self.tp.clone(), self.sequence_parallel)
     }
 
-    /// The part of the model this rank holds: the layers of its pipeline chunks (global chunk
-    /// `c · pp + stage` for local chunk `c`), the embedding on the first stage, the head on the last.
-    pub fn placement(&self, num_layers: usize) -> Placement {
+    /// The pieces of each of this rank's local pipeline chunks, in local chunk order (one chunk
+    /// without virtual stages; everything on a rank without pipeline parallelism).
+    pub fn chunks(&self, num_layers: usize) -> Vec<Vec<Piece>> {
         let (pp, v, stage) = (self.pp.size(), self.virtual_stages, self.coords.pp);
-        let layers = (0..v)
-            .flat_map(|c| super::pipeline::chunk_pieces(stage, c, pp, v, num_layers))
+        (0..v)
+            .map(|c| chunk_pieces(stage, c, pp, v, num_layers))
+            .collect()
+    }
+
+    /// The part of the model this rank holds: the layers of its pipeline chunks, the embedding on
+    /// the first stage, the head on the last.
+    pub fn placement(&self, num_layers: usize) -> Placement {
+        let (pp, stage) = (self.pp.size(), self.coords.pp);
+        let layers = self
+            .chunks(num_layers)
+            .into_iter()
+            .flatten()
             .filter_map(|p| match p {
-                model::Piece::Block(i) => Some(i),
+                Piece::Block(i) => Some(i),
                 _ => None,
             })
             .collect();
@@ -90,5 +102,42 @@ impl RankCtx {
     /// Whether this rank writes logs and run outputs.
     pub fn is_main(&self) -> bool {
         self.rank == 0
+    }
+}
+
+/// The pieces of local chunk `c` of pipeline stage `stage`: global chunk `c · pp + stage` holds
+/// `num_layers / (pp · v)` consecutive layers, the embedding if it is the first global chunk and
+/// the head if it is the last (Megatron's virtual-pipeline layout).
+pub fn chunk_pieces(stage: usize, c: usize, pp: usize, v: usize, num_layers: usize) -> Vec<Piece> {
+    let g = c * pp + stage;
+    let per = num_layers / (pp * v);
+    let mut pieces = Vec::new();
+    if g == 0 {
+        pieces.push(Piece::Embedding);
+    }
+    pieces.extend((g * per..(g + 1) * per).map(Piece::Block));
+    if g + 1 == pp * v {
+        pieces.push(Piece::Head);
+    }
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_hold_consecutive_layers_with_embedding_first_and_head_last() {
+        use Piece::{Block, Embedding, Head};
+        // One stage, one chunk: the whole model.
+        assert_eq!(
+            chunk_pieces(0, 0, 1, 1, 3),
+            vec![Embedding, Block(0), Block(1), Block(2), Head]
+        );
+        // pp 2 × v 2 over 8 layers: stage 0 holds global chunks 0 and 2, stage 1 chunks 1 and 3.
+        assert_eq!(chunk_pieces(0, 0, 2, 2, 8), vec![Embedding, Block(0), Block(1)]);
+        assert_eq!(chunk_pieces(0, 1, 2, 2, 8), vec![Block(4), Block(5)]);
+        assert_eq!(chunk_pieces(1, 0, 2, 2, 8), vec![Block(2), Block(3)]);
+        assert_eq!(chunk_pieces(1, 1, 2, 2, 8), vec![Block(6), Block(7), Head]);
     }
 }

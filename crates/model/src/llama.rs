@@ -34,7 +34,7 @@ struct Block {
 }
 
 /// A piece of the model run as one segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Piece {
     /// Token ids `[b, s]` → hidden states `[b, s, h]`.
     Embedding,

@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 
 use parallel::pipeline::{
-    build, chrome_trace, interleaved, one_f_one_b, simulate, spans_from_timelines, validate,
-    Action, Schedule, ScheduleError, ScheduleKind, SimCosts, SimError, SimReport, TraceSpan,
+    build, check_fifo, chrome_trace, interleaved, one_f_one_b, simulate, spans_from_timelines,
+    validate, Action, Schedule, ScheduleError, ScheduleKind, SimCosts, SimError, SimReport,
+    TraceSpan,
 };
 
 const KINDS: [ScheduleKind; 3] = [
@@ -61,6 +62,8 @@ fn every_valid_schedule_runs_each_compute_once_in_order_with_matched_messages() 
     for (kind, pp, v, m, sched, report) in &all {
         let ctx = format!("{kind} pp {pp} v {v} m {m}");
         assert_eq!(sched.actions.len(), *pp, "{ctx}");
+        // Every built schedule can run over tag-less channels.
+        assert_eq!(check_fifo(sched), Ok(()), "{ctx}");
         // Independently of the simulator's own checks: per stage, each (chunk, micro) has one
         // F and one B, and F ends before B starts.
         for (stage, spans) in report.timelines.iter().enumerate() {
@@ -462,4 +465,73 @@ fn chrome_trace_parses_with_one_span_per_compute() {
     let json: serde_json::Value = serde_json::from_str(&chrome_trace(&measured)).unwrap();
     assert_eq!(json["traceEvents"][1]["tid"], 1);
     assert_eq!(json["traceEvents"][1]["cat"], "backward");
+}
+
+/// The executor's channels carry no tags: a schedule whose receives do not follow the send order
+/// of their channel is refused, naming the channel and the two actions, even though it is
+/// otherwise valid (every message has one send and one receive).
+#[test]
+fn channels_must_receive_in_send_order() {
+    let good = build(ScheduleKind::OneFOneB, 2, 1, 4).unwrap();
+    assert_eq!(check_fifo(&good), Ok(()));
+    let send = |micro| Action::SendActivation {
+        chunk: 0,
+        micro,
+        to: 1,
+    };
+    let recv = |micro| Action::RecvActivation {
+        chunk: 0,
+        micro,
+        from: 0,
+    };
+    // Stage 0 sends micro-batches 0 and 1 in the opposite order.
+    let mut s = good.clone();
+    let (a, b) = (pos(&s, 0, send(0)), pos(&s, 0, send(1)));
+    s.actions[0].swap(a, b);
+    assert!(validate(&s).is_ok(), "structurally still valid");
+    let e = check_fifo(&s).unwrap_err();
+    assert_eq!(
+        e,
+        SimError::OutOfOrder {
+            from: 0,
+            to: 1,
+            position: 0,
+            sent: send(1),
+            received: recv(0)
+        }
+    );
+    assert!(
+        e.to_string().starts_with(
+            "channel stage 0 -> stage 1: message 0 is sent by `send-act c0 m1 -> 1` but received \
+             by `recv-act c0 m0 <- 0`"
+        ),
+        "{e}"
+    );
+    // The same for gradients: stage 0 receives micro-batch 2's gradient before micro-batch 1's.
+    let grad = |micro| Action::RecvGrad {
+        chunk: 0,
+        micro,
+        from: 1,
+    };
+    let mut s = good.clone();
+    let (a, b) = (pos(&s, 0, grad(1)), pos(&s, 0, grad(2)));
+    s.actions[0].swap(a, b);
+    assert!(matches!(
+        check_fifo(&s),
+        Err(SimError::OutOfOrder { from: 1, to: 0, .. })
+    ));
+    // An interleaved schedule's wrap-around channel (last stage -> first) is checked too.
+    let mut s = build(ScheduleKind::Interleaved, 2, 2, 4).unwrap();
+    assert_eq!(check_fifo(&s), Ok(()));
+    let wrap = |micro| Action::RecvActivation {
+        chunk: 1,
+        micro,
+        from: 1,
+    };
+    let (a, b) = (pos(&s, 0, wrap(0)), pos(&s, 0, wrap(1)));
+    s.actions[0].swap(a, b);
+    assert!(matches!(
+        check_fifo(&s),
+        Err(SimError::OutOfOrder { from: 1, to: 0, .. })
+    ));
 }

@@ -1,6 +1,7 @@
-//! Static validation of a [`Schedule`] ([`validate`]): the structural checks the simulator runs
-//! before executing, also usable on their own (e.g. by the real executor before a step). Also
-//! defines the message keys that pair sends with receives.
+//! Static checks of a [`Schedule`]: [`validate`], the structural checks the simulator runs before
+//! executing, and [`check_fifo`], the executor's extra requirement that every channel between two
+//! stages receives its messages in the order they are sent. Also defines the message keys that
+//! pair sends with receives.
 
 use std::collections::HashMap;
 
@@ -100,6 +101,55 @@ pub fn validate(sched: &Schedule) -> Result<(), SimError> {
         }
         if recvs.len() > sends.len() {
             let (stage, action) = recvs[sends.len()];
+            return Err(SimError::UnmatchedRecv { stage, action });
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every point-to-point channel (an ordered pair of stages) receives its messages in
+/// the order they are sent. The executor's channels carry no tags (as with NCCL): a message is
+/// matched to a receive by its position, so a stage that sends micro-batch 0 then 1 to a stage
+/// that receives 1 first would hand micro-batch 0's tensor to micro-batch 1's forward. (The
+/// simulator matches messages by key and does not need this.)
+pub fn check_fifo(sched: &Schedule) -> Result<(), SimError> {
+    type Channel = Vec<(Key, usize, Action)>; // (message, stage, action) in schedule order
+    let mut channels: HashMap<(usize, usize), (Channel, Channel)> = HashMap::new();
+    for (stage, list) in sched.actions.iter().enumerate() {
+        for (index, &action) in list.iter().enumerate() {
+            let (ends, is_send) = match action {
+                Action::SendActivation { to, .. } | Action::SendGrad { to, .. } => {
+                    (channels.entry((stage, to)).or_default(), true)
+                }
+                Action::RecvActivation { from, .. } | Action::RecvGrad { from, .. } => {
+                    (channels.entry((from, stage)).or_default(), false)
+                }
+                Action::Forward { .. } | Action::Backward { .. } => continue,
+            };
+            let (key, _) = route(sched, stage, index, action)?;
+            let side = if is_send { &mut ends.0 } else { &mut ends.1 };
+            side.push((key, stage, action));
+        }
+    }
+    let mut names: Vec<&(usize, usize)> = channels.keys().collect();
+    names.sort();
+    for &(from, to) in names {
+        let (sends, recvs) = &channels[&(from, to)];
+        for (position, (s, r)) in sends.iter().zip(recvs).enumerate() {
+            if s.0 != r.0 {
+                return Err(SimError::OutOfOrder {
+                    from,
+                    to,
+                    position,
+                    sent: s.2,
+                    received: r.2,
+                });
+            }
+        }
+        if let Some(&(_, stage, action)) = sends.get(recvs.len()) {
+            return Err(SimError::UnmatchedSend { stage, action });
+        }
+        if let Some(&(_, stage, action)) = recvs.get(sends.len()) {
             return Err(SimError::UnmatchedRecv { stage, action });
         }
     }

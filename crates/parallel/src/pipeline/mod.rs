@@ -8,8 +8,10 @@
 //! - [`one_f_one_b`]: Megatron's 1F1B (warm-up, steady 1F1B, cool-down);
 //! - [`interleaved`]: Megatron's interleaved 1F1B with `v` model chunks per stage.
 //!
-//! [`sim::simulate`] executes a schedule without tensors, validating it and measuring makespan,
-//! bubble and peak live activations; [`trace::chrome_trace`] renders timelines for Perfetto.
+//! [`check::validate`] checks a schedule's structure and [`check::check_fifo`] the order of every
+//! channel's messages; [`sim::simulate`] executes a schedule without tensors, validating it and
+//! measuring makespan, bubble and peak live activations; [`trace::chrome_trace`] renders
+//! timelines for Perfetto.
 //!
 //! # Closed forms (checked by `tests/pipeline_schedules.rs`)
 //!
@@ -28,7 +30,7 @@ pub mod schedule;
 pub mod sim;
 pub mod trace;
 
-pub use check::validate;
+pub use check::{check_fifo, validate};
 pub use schedule::{build, Action, Schedule, ScheduleError, ScheduleKind};
 pub use sim::{simulate, SimCosts, SimError, SimReport, Span};
 pub use trace::{chrome_trace, spans_from_timelines, TraceSpan};

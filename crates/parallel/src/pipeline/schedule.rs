@@ -152,6 +152,19 @@ pub enum ScheduleKind {
     Interleaved,
 }
 
+impl ScheduleKind {
+    /// The schedule training steps use with `v` model chunks per stage: interleaved 1F1B with
+    /// virtual stages, else 1F1B (which for a single stage is the forward then the backward of
+    /// each micro-batch in turn).
+    pub fn for_virtual_stages(v: usize) -> Self {
+        if v > 1 {
+            ScheduleKind::Interleaved
+        } else {
+            ScheduleKind::OneFOneB
+        }
+    }
+}
+
 impl fmt::Display for ScheduleKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

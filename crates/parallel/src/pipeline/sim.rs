@@ -122,6 +122,19 @@ pub enum SimError {
     /// A receive that no send feeds.
     #[error("stage {stage} `{action}` has no matching send")]
     UnmatchedRecv { stage: usize, action: Action },
+    /// A channel between two stages receives its messages in another order than it sends them
+    /// (see [`check_fifo`](super::check::check_fifo)).
+    #[error(
+        "channel stage {from} -> stage {to}: message {position} is sent by `{sent}` but received \
+         by `{received}` (channels carry no tags: receives must follow the send order)"
+    )]
+    OutOfOrder {
+        from: usize,
+        to: usize,
+        position: usize,
+        sent: Action,
+        received: Action,
+    },
     /// A backward before the forward of the same (chunk, micro).
     #[error("stage {stage} runs `{action}` before its forward")]
     BackwardBeforeForward { stage: usize, action: Action },
