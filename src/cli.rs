@@ -193,6 +193,12 @@ pub struct PreprocessArgs {
     pub workers: Option<usize>,
 }
 
+/// Whether log lines get ANSI colours: only on a terminal, and never when `NO_COLOR` is set to a
+/// non-empty value (<https://no-color.org>); files and pipes get plain text.
+pub fn log_colours(is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match (cli.train, cli.command) {
@@ -428,4 +434,18 @@ fn check(args: &RecipeArgs) -> Result<()> {
         r.grad_accum_steps()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn colours_only_on_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(log_colours(true, None));
+        assert!(log_colours(true, Some(OsStr::new(""))));
+        assert!(!log_colours(true, Some(OsStr::new("1"))));
+        assert!(!log_colours(false, None));
+    }
 }

@@ -1,5 +1,7 @@
 //! The `pretrain` binary.
 
+use std::io::IsTerminal;
+
 use clap::Parser;
 
 use tracing_subscriber::EnvFilter;
@@ -9,9 +11,14 @@ static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
 
 fn main() -> std::process::ExitCode {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let colour = pretrain::cli::log_colours(
+        std::io::stdout().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_ansi(colour)
         .init();
     match pretrain::cli::run(pretrain::cli::Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,

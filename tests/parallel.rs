@@ -149,6 +149,11 @@ fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
         .bubble
         .expect("the traced step reports its bubble");
     assert!((0.0..1.0).contains(&bubble), "{bubble}");
+    let overlap = out.records[1]
+        .sync_overlap
+        .expect("with dp = 2 the traced step reports its gradient sync");
+    assert!((0.0..=1.0).contains(&overlap), "{overlap}");
+    assert!(out.records[1].sync_s.is_some_and(|s| s > 0.0));
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("trace.json")).unwrap())
             .unwrap();
@@ -172,5 +177,18 @@ fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
             names.contains(&"optimizer") && names.iter().any(|n| n.starts_with("send")),
             "rank {rank}: {names:?}"
         );
+        // Each rank's data-parallel bucket reductions, on a row of their own.
+        let sync: Vec<&&serde_json::Value> =
+            spans.iter().filter(|e| e["tid"] == 4 + rank).collect();
+        assert!(
+            !sync.is_empty() && sync.iter().all(|e| e["name"].as_str().unwrap().starts_with("dp reduce")),
+            "rank {rank}: {sync:?}"
+        );
     }
+    let rows: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert!(rows.contains(&"rank 3") && rows.contains(&"rank 3 dp sync"), "{rows:?}");
 }

@@ -70,6 +70,10 @@ fn cli_trains_and_writes_run_outputs() {
     let log =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "log lines to a pipe must be plain text: {log:?}"
+    );
     assert_eq!(
         log.matches("grad_norm=").count(),
         4,

@@ -4,12 +4,13 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use parallel::pipeline::{chrome_trace, Schedule, TraceSpan};
-use parallel::Group;
+use parallel::{Group, ReduceOp};
 use serde::Serialize;
 
 use super::pipeline::Timed;
@@ -41,6 +42,13 @@ pub struct StepRecord {
     /// Measured pipeline bubble fraction, on the step whose timeline was traced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bubble: Option<f64>,
+    /// Seconds per rank of data-parallel gradient reduction, on the traced step (with data
+    /// parallelism).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_s: Option<f64>,
+    /// The share of that time that overlapped the rank's backward passes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_overlap: Option<f64>,
 }
 
 /// A validation result.
@@ -187,69 +195,103 @@ pub fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-/// Writes a step's timeline — every rank's timed actions (`timing`, this rank's) and its optimizer
-/// span `(start, end)`, gathered with one all-gather — as a Chrome/Perfetto trace to `path`, and
-/// returns the measured bubble: the mean over ranks of the idle share of the schedule phase. Every
-/// rank takes part; rank 0 writes the file and gets the bubble, the others `None`.
+/// What a traced step measured (rank 0; means over all ranks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TraceSummary {
+    /// Idle share of the schedule phase (the pipeline bubble).
+    pub bubble: f64,
+    /// Data-parallel gradient reduction per rank, seconds (`None` without data parallelism).
+    pub sync_s: Option<f64>,
+    /// Share of that reduction time that ran before the rank's schedule ended, i.e. overlapped
+    /// with its backward passes (`None` without data parallelism).
+    pub sync_overlap: Option<f64>,
+}
+
+/// Writes a step's timeline as a Chrome/Perfetto trace to `path`: every rank's timed actions
+/// (`timing`, this rank's), its optimizer span `(start, end)` and the data-parallel reductions of
+/// its gradient buckets (`sync`, seconds since the step began) on a row of their own, gathered
+/// from all ranks. Returns the measured bubble and sync overlap on rank 0, `None` elsewhere (every
+/// rank takes part).
 pub fn write_trace(
     ctx: &RankCtx,
     schedule: &Schedule,
     timing: &[Timed],
     optimizer: (f64, f64),
+    sync: &[Range<f64>],
     path: &Path,
-) -> Result<Option<f64>> {
+) -> Result<Option<TraceSummary>> {
+    let everyone = Group::new((0..ctx.mesh.world_size()).collect());
+    let gather = |mut row: Vec<f64>, width: usize| -> Result<Vec<Vec<f64>>> {
+        row.resize(width, f64::NAN);
+        let t = Tensor::from_vec(row, (1, width), &Device::Cpu)?;
+        Ok(ctx.comm.all_gather(&everyone, &t, 0)?.to_vec2::<f64>()?) // [world, width]
+    };
+    // Actions and the optimizer: one row per rank, padded to the longest action list.
     let mine: Vec<f64> = timing
         .iter()
         .flat_map(|t| [t.start, t.end])
         .chain([optimizer.0, optimizer.1])
         .collect();
-    let world = ctx.mesh.world_size();
-    // Every rank's times in one row, padded to the longest action list.
     let width = 2 * schedule.actions.iter().map(Vec::len).max().unwrap_or(0) + 2;
-    let mut row = mine;
-    row.resize(width, 0.0);
-    let everyone = Group::new((0..world).collect());
-    let all = ctx
-        .comm
-        .all_gather(
-            &everyone,
-            &Tensor::from_vec(row, (1, width), &Device::Cpu)?,
-            0,
-        )?
-        .to_vec2::<f64>()?; // [world, width]
+    let steps = gather(mine, width)?;
+    // Bucket reductions: as many as the rank with the most buckets.
+    let most = ctx.comm.all_reduce(
+        &everyone,
+        &Tensor::new(&[sync.len() as f64], &Device::Cpu)?,
+        ReduceOp::Max,
+    )?;
+    let most = most.to_vec1::<f64>()?[0] as usize;
+    let syncs = gather(sync.iter().flat_map(|r| [r.start, r.end]).collect(), 2 * most.max(1))?;
     if !ctx.is_main() {
         return Ok(None);
     }
+    let world = steps.len();
     let (mut spans, mut bubbles) = (Vec::new(), Vec::new());
-    for (rank, times) in all.iter().enumerate() {
+    let (mut sync_total, mut sync_hidden) = (0.0, 0.0);
+    for (rank, (times, reductions)) in steps.iter().zip(&syncs).enumerate() {
         let actions = &schedule.actions[ctx.mesh.coords(rank).pp];
         let (mut busy, mut window) = (0.0, 0.0f64);
+        let mut span = |track: usize, name: String, s: f64, e: f64| {
+            spans.push(TraceSpan {
+                track,
+                name,
+                start_us: s * 1e6,
+                dur_us: (e - s) * 1e6,
+            })
+        };
         for (k, a) in actions.iter().enumerate() {
             let (s, e) = (times[2 * k], times[2 * k + 1]);
             if a.is_compute() {
                 busy += e - s;
             }
             window = window.max(e);
-            spans.push(TraceSpan {
-                stage: rank,
-                name: a.to_string(),
-                start_us: s * 1e6,
-                dur_us: (e - s) * 1e6,
-            });
+            span(rank, a.to_string(), s, e);
         }
         let (s, e) = (times[2 * actions.len()], times[2 * actions.len() + 1]);
-        spans.push(TraceSpan {
-            stage: rank,
-            name: "optimizer".into(),
-            start_us: s * 1e6,
-            dur_us: (e - s) * 1e6,
-        });
+        span(rank, "optimizer".into(), s, e);
         bubbles.push(1.0 - busy / window.max(1e-12));
+        for (b, r) in reductions.chunks_exact(2).enumerate() {
+            let (s, e) = (r[0], r[1]);
+            if s.is_nan() {
+                break;
+            }
+            span(world + rank, format!("dp reduce {b}"), s, e);
+            sync_total += e - s;
+            sync_hidden += (e.min(window) - s).max(0.0);
+        }
     }
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    std::fs::write(path, chrome_trace(&spans))
+    let name = |track: usize| match track {
+        t if t < world => format!("rank {t}"),
+        t => format!("rank {} dp sync", t - world),
+    };
+    std::fs::write(path, chrome_trace(&spans, &name))
         .with_context(|| format!("writing {}", path.display()))?;
-    Ok(Some(bubbles.iter().sum::<f64>() / bubbles.len() as f64))
+    Ok(Some(TraceSummary {
+        bubble: bubbles.iter().sum::<f64>() / world as f64,
+        sync_s: (sync_total > 0.0).then(|| sync_total / world as f64),
+        sync_overlap: (sync_total > 0.0).then(|| sync_hidden / sync_total),
+    }))
 }

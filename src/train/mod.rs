@@ -55,6 +55,8 @@ pub struct Trainer {
     schedule: Schedule,
     /// The timed actions of the last step, for the timeline trace.
     timing: Vec<Timed>,
+    /// When the last step's data-parallel bucket reductions ran (seconds since the step began).
+    sync_timing: Vec<std::ops::Range<f64>>,
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -182,6 +184,7 @@ impl Trainer {
             consumed: 0,
             schedule,
             timing: Vec::new(),
+            sync_timing: Vec::new(),
         };
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
@@ -237,9 +240,15 @@ impl Trainer {
         );
         self.finalizer.start();
         let run = exec.step(&mbs, &self.grads, &mut self.finalizer, start)?;
-        self.finalizer
+        let reduced = self
+            .finalizer
             .finish()
             .context("synchronising gradients across data-parallel ranks")?;
+        let since_start = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
+        self.sync_timing = reduced
+            .iter()
+            .map(|b| since_start(b.start)..since_start(b.end))
+            .collect();
         let loss = run.loss;
         self.timing = run.timing;
         let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
@@ -270,10 +279,11 @@ impl Trainer {
         write_params(self.model.params(), self.grads.layout(), &full)?;
         self.step += 1;
         self.consumed += t.global_batch as u64;
-        let bubble = if r.run.trace_step == Some(self.step) {
+        let traced = if r.run.trace_step == Some(self.step) {
             let optimizer = (opt_start, start.elapsed().as_secs_f64());
             let path = r.run.dir.join("trace.json");
-            metrics::write_trace(ctx, &self.schedule, &self.timing, optimizer, &path)?
+            let (schedule, timing) = (&self.schedule, &self.timing);
+            metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?
         } else {
             None
         };
@@ -296,7 +306,9 @@ impl Trainer {
             mem_mib: peak_rss_mib(),
             consumed_samples: self.consumed,
             step_time_s: secs,
-            bubble,
+            bubble: traced.map(|s| s.bubble),
+            sync_s: traced.and_then(|s| s.sync_s),
+            sync_overlap: traced.and_then(|s| s.sync_overlap),
         })
     }
 
@@ -423,6 +435,14 @@ impl Trainer {
                     (p - 1.0) / (v * m + p - 1.0),
                     (p - 1.0) / (v * m),
                     self.recipe.run.dir.join("trace.json").display()
+                );
+            }
+            if let (true, Some(t), Some(o)) = (main, rec.sync_s, rec.sync_overlap) {
+                info!(
+                    "step={} data-parallel gradient sync: {:.1} ms of bucket reductions per rank, {:.0}% of it during the backward passes",
+                    rec.step,
+                    1e3 * t,
+                    100.0 * o
                 );
             }
             if let Some(m) = &mut self.metrics {

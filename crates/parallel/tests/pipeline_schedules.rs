@@ -439,7 +439,8 @@ fn chrome_trace_parses_with_one_span_per_compute() {
     let sched = build(ScheduleKind::Interleaved, 4, 2, 8).unwrap();
     let report = simulate(&sched, SimCosts::per_chunk(1.0, 2.0, 2)).unwrap();
     let spans = spans_from_timelines(&report.timelines, 1000.0);
-    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&spans)).unwrap();
+    let stage = |s: usize| format!("stage {s}");
+    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&spans, &stage)).unwrap();
     let events = json["traceEvents"].as_array().unwrap();
     let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
     let computes: usize = sched
@@ -462,7 +463,8 @@ fn chrome_trace_parses_with_one_span_per_compute() {
     assert!(close(ends.fold(0.0, f64::max), report.makespan * 1000.0));
     // Measured timings go through the same function.
     let measured = [TraceSpan::from((1, "B c0 m0".to_string(), 10.0, 2.5))];
-    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&measured)).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&measured, &stage)).unwrap();
+    assert_eq!(json["traceEvents"][0]["args"]["name"], "stage 1");
     assert_eq!(json["traceEvents"][1]["tid"], 1);
     assert_eq!(json["traceEvents"][1]["cat"], "backward");
 }

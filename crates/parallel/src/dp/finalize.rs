@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
-use super::{FlatLayout, GradSync};
+use super::{BucketSpan, FlatLayout, GradSync};
 use crate::comm::{Comm, Group, ReduceOp};
 
 /// Which other ranks hold partial sums of a parameter's gradient (besides data-parallel replicas).
@@ -109,15 +109,16 @@ impl GradFinalizer {
     }
 
     /// After the schedule: sums the deferred pipeline-ends copies, then waits until every
-    /// data-parallel bucket has been reduced.
-    pub fn finish(&mut self) -> Result<()> {
+    /// data-parallel bucket has been reduced; returns when each bucket was (none with one
+    /// data-parallel rank).
+    pub fn finish(&mut self) -> Result<Vec<BucketSpan>> {
         for i in std::mem::take(&mut self.deferred) {
             self.sum_over(i, &self.groups.pipeline_ends.clone())?;
             self.complete(i)?;
         }
         match &mut self.sync {
             Some(s) => s.finish(),
-            None => Ok(()),
+            None => Ok(Vec::new()),
         }
     }
 

@@ -22,5 +22,5 @@ pub mod zero;
 
 pub use finalize::{GradFinalizer, GradGroups, Partial};
 pub use layout::{intersect, Bucket, FlatLayout};
-pub use sync::GradSync;
+pub use sync::{BucketSpan, GradSync};
 pub use zero::{gather_shards, owned_ranges};

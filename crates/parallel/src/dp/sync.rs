@@ -1,28 +1,43 @@
 //! Data-parallel gradient synchronisation overlapped with the backward pass.
 //!
 //! The trainer reports each parameter as soon as its gradient is final (during the last
-//! micro-batch's backward). When every parameter of a bucket is final, the bucket is handed to a
-//! background thread that all-reduces it (or, with ZeRO-1, reduce-scatters it so each rank keeps the
-//! sum of its shard) over the data-parallel group while the backward pass continues with earlier
-//! layers. `finish` waits for the outstanding buckets. Gradients are summed, not averaged: the
-//! loss is already normalised by the global batch's token count.
+//! micro-batch's backward of its chunk). When every parameter of a bucket is final, the bucket is
+//! handed to a background thread that all-reduces it (or, with ZeRO-1, reduce-scatters it so each
+//! rank keeps the sum of its shard) over the data-parallel group while the backward pass continues
+//! with earlier layers. `finish` waits for the outstanding buckets and reports when each one was
+//! reduced. Gradients are summed, not averaged: the loss is already normalised by the global
+//! batch's token count.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use candle_core::{Result, Tensor};
 
-use crate::comm::{Comm, Group, ReduceOp};
 use super::FlatLayout;
+use crate::comm::{Comm, Group, ReduceOp};
+
+/// When one bucket's reduction ran (on the reducer's thread).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketSpan {
+    /// The bucket.
+    pub bucket: usize,
+    /// When its parameters were all final and it was handed to the reducer.
+    pub ready: Instant,
+    /// When the reduction started.
+    pub start: Instant,
+    /// When it ended.
+    pub end: Instant,
+}
 
 /// Overlapped bucket reducer of one rank.
 pub struct GradSync {
     layout: FlatLayout,
     /// Parameters still pending per bucket in the current step.
     pending: Vec<usize>,
-    to_worker: Option<Sender<usize>>,
-    from_worker: Receiver<Result<usize>>,
+    to_worker: Option<Sender<(usize, Instant)>>,
+    from_worker: Receiver<Result<BucketSpan>>,
     in_flight: usize,
     worker: Option<JoinHandle<()>>,
 }
@@ -36,8 +51,8 @@ impl GradSync {
         dp: Group,
         zero1: bool,
     ) -> Result<Self> {
-        let (to_worker, jobs) = channel::<usize>();
-        let (done, from_worker) = channel::<Result<usize>>();
+        let (to_worker, jobs) = channel::<(usize, Instant)>();
+        let (done, from_worker) = channel::<Result<BucketSpan>>();
         let buckets = layout.buckets.clone();
         let me = dp
             .index_of(comm.rank())
@@ -45,8 +60,9 @@ impl GradSync {
         let worker = std::thread::Builder::new()
             .name(format!("dp-sync-{}", comm.rank()))
             .spawn(move || {
-                for b in jobs {
+                for (b, ready) in jobs {
                     let bucket = &buckets[b];
+                    let start = Instant::now();
                     let r = (|| {
                         let data = flat.narrow(0, bucket.start, bucket.len)?.copy()?; // [len]
                         if zero1 {
@@ -59,7 +75,12 @@ impl GradSync {
                                 bucket.start,
                             )?;
                         }
-                        Ok(b)
+                        Ok(BucketSpan {
+                            bucket: b,
+                            ready,
+                            start,
+                            end: Instant::now(),
+                        })
                     })();
                     if done.send(r).is_err() {
                         break;
@@ -94,32 +115,36 @@ impl GradSync {
         self.pending[b] -= 1;
         if self.pending[b] == 0 {
             let tx = self.to_worker.as_ref().expect("worker runs until drop");
-            tx.send(b)
+            tx.send((b, Instant::now()))
                 .map_err(|_| candle_core::Error::Msg("gradient sync worker stopped".into()))?;
             self.in_flight += 1;
         }
         Ok(())
     }
 
-    /// Waits until every bucket of the step has been reduced; an error names the failure.
-    pub fn finish(&mut self) -> Result<()> {
+    /// Waits until every bucket of the step has been reduced and returns when each was (in
+    /// completion order); an error names the failure.
+    pub fn finish(&mut self) -> Result<Vec<BucketSpan>> {
         if let Some((b, n)) = self.pending.iter().enumerate().find(|(_, &n)| n > 0) {
             candle_core::bail!(
                 "gradient sync: bucket {b} still waits for {n} parameters at the end of backward"
             );
         }
-        let mut first_err = None;
+        let (mut spans, mut first_err) = (Vec::with_capacity(self.in_flight), None);
         while self.in_flight > 0 {
             let r = self
                 .from_worker
                 .recv()
                 .map_err(|_| candle_core::Error::Msg("gradient sync worker died".into()))?;
             self.in_flight -= 1;
-            if let (Err(e), None) = (r, &first_err) {
-                first_err = Some(e);
+            match r {
+                Ok(span) => spans.push(span),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
-        first_err.map_or(Ok(()), Err)
+        first_err.map_or(Ok(spans), Err)
     }
 }
 

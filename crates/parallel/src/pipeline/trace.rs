@@ -1,18 +1,19 @@
-//! Chrome / Perfetto trace export: [`chrome_trace`] turns a plain list of [`TraceSpan`]s (stage,
+//! Chrome / Perfetto trace export: [`chrome_trace`] turns a plain list of [`TraceSpan`]s (track,
 //! name, start and duration in microseconds) into the JSON "Trace Event Format" that
-//! `chrome://tracing` and <https://ui.perfetto.dev> open, one row ("thread") per pipeline stage.
-//! [`spans_from_timelines`] adapts the simulator's timelines; the real executor can feed its
+//! `chrome://tracing` and <https://ui.perfetto.dev> open, one row ("thread") per track: a
+//! pipeline stage of the simulator, or a rank (and its data-parallel sync) of a measured step.
+//! [`spans_from_timelines`] adapts the simulator's timelines; the real executor feeds its
 //! measured timings directly.
 
 use serde_json::{json, Value};
 
 use super::sim::Span;
 
-/// One complete event on the timeline of a pipeline stage.
+/// One complete event on one row of the timeline.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceSpan {
-    /// Pipeline stage (shown as the thread id).
-    pub stage: usize,
+    /// The row (shown as the thread id), e.g. a pipeline stage.
+    pub track: usize,
     /// Label, e.g. `F c0 m3`.
     pub name: String,
     /// Start time in microseconds.
@@ -22,9 +23,9 @@ pub struct TraceSpan {
 }
 
 impl From<(usize, String, f64, f64)> for TraceSpan {
-    fn from((stage, name, start_us, dur_us): (usize, String, f64, f64)) -> Self {
+    fn from((track, name, start_us, dur_us): (usize, String, f64, f64)) -> Self {
         TraceSpan {
-            stage,
+            track,
             name,
             start_us,
             dur_us,
@@ -40,7 +41,7 @@ pub fn spans_from_timelines(timelines: &[Vec<Span>], us_per_unit: f64) -> Vec<Tr
         .enumerate()
         .flat_map(|(stage, spans)| {
             spans.iter().map(move |s| TraceSpan {
-                stage,
+                track: stage,
                 name: s.action.to_string(),
                 start_us: s.start * us_per_unit,
                 dur_us: (s.end - s.start) * us_per_unit,
@@ -50,21 +51,22 @@ pub fn spans_from_timelines(timelines: &[Vec<Span>], us_per_unit: f64) -> Vec<Tr
 }
 
 /// Renders `spans` as Chrome trace JSON: `{"traceEvents":[...]}` with one `"ph":"X"` event per
-/// span (`pid` 0, `tid` = stage) plus one `"ph":"M"` thread-name event per stage.
+/// span (`pid` 0, `tid` = track) plus one `"ph":"M"` thread-name event per track, named by
+/// `track_name`.
 ///
 /// Spans whose name starts with `F` get category `forward`, `B` category `backward`, others
 /// `other`. Non-finite times are written as `null`.
-pub fn chrome_trace(spans: &[TraceSpan]) -> String {
-    let mut stages: Vec<usize> = spans.iter().map(|s| s.stage).collect();
-    stages.sort_unstable();
-    stages.dedup();
-    let names = stages.iter().map(|&stage| {
+pub fn chrome_trace(spans: &[TraceSpan], track_name: &dyn Fn(usize) -> String) -> String {
+    let mut tracks: Vec<usize> = spans.iter().map(|s| s.track).collect();
+    tracks.sort_unstable();
+    tracks.dedup();
+    let names = tracks.iter().map(|&track| {
         json!({
             "name": "thread_name",
             "ph": "M",
             "pid": 0,
-            "tid": stage,
-            "args": { "name": format!("stage {stage}") },
+            "tid": track,
+            "args": { "name": track_name(track) },
         })
     });
     let events = spans.iter().map(|s| {
@@ -80,7 +82,7 @@ pub fn chrome_trace(spans: &[TraceSpan]) -> String {
             "ts": s.start_us,
             "dur": s.dur_us,
             "pid": 0,
-            "tid": s.stage,
+            "tid": s.track,
         })
     });
     let all: Vec<Value> = names.chain(events).collect();
