@@ -75,7 +75,12 @@ fn main() -> anyhow::Result<()> {
     )?;
     let layout = layout_of(model.params(), DEFAULT_BUCKET_SIZE, 1);
     let grads = GradBuffer::new(layout.clone(), &dev)?;
-    let mut opt = AdamW::new(model.params(), &layout, vec![0..layout.total], &r.optimizer)?;
+    let mut opt = AdamW::new(
+        model.params(),
+        &layout,
+        parallel::dp::owned_ranges(&layout, false, 0, 1),
+        &r.optimizer,
+    )?;
     let scale = 1.0 / (micro * b * s) as f64;
     let mbs: Vec<MicroBatch> = batches
         .iter()

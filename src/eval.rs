@@ -18,8 +18,8 @@ use parallel::{Comm, ReduceOp};
 
 use crate::hf::checkpoint_recipe;
 use crate::recipe::Dtype;
-use crate::train::pipeline::forward_losses;
 use crate::train::checkpoint::tensor_block;
+use crate::train::pipeline::forward_losses;
 use crate::train::{device_for, RankCtx};
 
 /// Windows evaluated per forward pass.

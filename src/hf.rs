@@ -40,9 +40,7 @@ pub fn model_from_checkpoint(ck: &Checkpoint, config: &LlamaConfig) -> Result<Ll
         DType::F32,
         &Device::Cpu,
     )?;
-    m.load_weights(|p| -> Result<Vec<f32>> {
-        Ok(ck.read_block(Kind::Master, tensor_block(p))?)
-    })?;
+    m.load_weights(|p| -> Result<Vec<f32>> { Ok(ck.read_block(Kind::Master, tensor_block(p))?) })?;
     Ok(m)
 }
 

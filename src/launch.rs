@@ -389,15 +389,16 @@ mod tests {
         // The same words from anything else are not a peer failure.
         let imitation = anyhow::anyhow!("{text}").context("rank 0");
         assert!(!is_peer_failure(&imitation));
-        let own = anyhow::Error::from(candle_core::Error::from(
-            parallel::CommError::Timeout {
-                me: 0,
-                op: "recv",
-                group: vec![0, 1],
-                secs: 1.0,
-                missing: vec![1],
-            },
-        ));
-        assert!(!is_peer_failure(&own), "a timeout is this rank's own failure");
+        let own = anyhow::Error::from(candle_core::Error::from(parallel::CommError::Timeout {
+            me: 0,
+            op: "recv",
+            group: vec![0, 1],
+            secs: 1.0,
+            missing: vec![1],
+        }));
+        assert!(
+            !is_peer_failure(&own),
+            "a timeout is this rank's own failure"
+        );
     }
 }

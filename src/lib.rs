@@ -6,9 +6,9 @@ pub mod cli;
 pub mod eval;
 pub mod hf;
 pub mod launch;
+pub mod lr;
 pub mod optim;
 pub mod recipe;
-pub mod lr;
 pub mod selftest;
 pub mod train;
 

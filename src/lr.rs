@@ -1,7 +1,7 @@
 //! Learning-rate schedules (the recipe's `schedule:` section): linear warmup, then constant,
 //! cosine or warmup–stable–decay (WSD).
 
-use crate::recipe::{ScheduleConfig, LrCurve};
+use crate::recipe::{LrCurve, ScheduleConfig};
 
 /// Learning rate of 0-based `step` out of `total` steps with peak `lr`.
 pub fn lr_at(s: &ScheduleConfig, lr: f64, step: usize, total: usize) -> f64 {

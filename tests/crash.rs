@@ -56,9 +56,7 @@ fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
     let ck = Checkpoint::open(step_dir).unwrap();
     ck.tensors()
         .iter()
-        .map(|(name, shape)| {
-            ck.read_tensor(name, Kind::Master, shape).unwrap()
-        })
+        .map(|(name, shape)| ck.read_tensor(name, Kind::Master, shape).unwrap())
         .collect()
 }
 

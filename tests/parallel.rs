@@ -9,6 +9,7 @@
 //!   is near zero the rounding noise of `g` is amplified up to a fraction of `lr` (3e-3 here):
 //!   measured max 8.6e-5 (tensor parallel) and 7.6e-7 (data parallel), asserted < 3e-4 = lr / 10.
 //!   The mean absolute difference stays tiny (measured ≤ 4e-8; asserted < 2e-7).
+//!
 //! A real error (a missing all-reduce, a wrong shard, a gradient counted twice, a mis-sliced
 //! initialisation) moves losses by 1e-3 or more and a whole tensor's weights by O(lr): both bounds
 //! catch it.
@@ -112,13 +113,11 @@ fn a_failing_rank_stops_every_other_rank_with_an_error_naming_it() {
         }
         let e = trainer
             .train_step()
-            .err()
-            .expect("a peer failed: the step must fail");
+            .expect_err("a peer failed: the step must fail");
         peers.lock().unwrap().push(format!("{e:#}"));
         Err(candle_core::Error::Msg(format!("{e:#}")))
     })
-    .err()
-    .expect("the job must fail");
+    .expect_err("the job must fail");
     assert!(
         start.elapsed() < timeout / 4,
         "errors must arrive promptly, not at the timeout"
@@ -181,7 +180,10 @@ fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
         let sync: Vec<&&serde_json::Value> =
             spans.iter().filter(|e| e["tid"] == 4 + rank).collect();
         assert!(
-            !sync.is_empty() && sync.iter().all(|e| e["name"].as_str().unwrap().starts_with("dp reduce")),
+            !sync.is_empty()
+                && sync
+                    .iter()
+                    .all(|e| e["name"].as_str().unwrap().starts_with("dp reduce")),
             "rank {rank}: {sync:?}"
         );
     }
@@ -190,5 +192,8 @@ fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
         .filter(|e| e["ph"] == "M")
         .map(|e| e["args"]["name"].as_str().unwrap())
         .collect();
-    assert!(rows.contains(&"rank 3") && rows.contains(&"rank 3 dp sync"), "{rows:?}");
+    assert!(
+        rows.contains(&"rank 3") && rows.contains(&"rank 3 dp sync"),
+        "{rows:?}"
+    );
 }

@@ -134,11 +134,19 @@ fn check(events: &[Event], model: &Llama, chunks: &[Vec<Piece>], m: usize) -> Ve
                 .map(|&p| pos[&Event::AfterBackward(p, m - 1)])
                 .max()
                 .unwrap();
-            assert!(last < at, "{} final at {at} before {last}", model.params().get(i).name);
+            assert!(
+                last < at,
+                "{} final at {at} before {last}",
+                model.params().get(i).name
+            );
             // ...and no backward of such a piece comes later.
             for e in &events[at..] {
                 if let Event::BeforeBackward(p, _) = e {
-                    assert!(!users.contains(p), "{} final before {e:?}", model.params().get(i).name);
+                    assert!(
+                        !users.contains(p),
+                        "{} final before {e:?}",
+                        model.params().get(i).name
+                    );
                 }
             }
             at
@@ -157,10 +165,16 @@ fn one_stage_reports_every_piece_and_each_parameter_final_once() {
         check(&events, &model, &chunks, m);
         // The tied embedding is used by the embedding and the head: final only after the
         // embedding's last backward, the very last piece of the step.
-        let e = model.params().index_of("model.embed_tokens.weight").unwrap();
+        let e = model
+            .params()
+            .index_of("model.embed_tokens.weight")
+            .unwrap();
         assert_eq!(
             &events[events.len() - 2..],
-            [Event::AfterBackward(Piece::Embedding, m - 1), Event::Final(e)]
+            [
+                Event::AfterBackward(Piece::Embedding, m - 1),
+                Event::Final(e)
+            ]
         );
     }
 }
@@ -188,7 +202,10 @@ fn interleaved_pipeline_finalises_later_chunks_during_the_cool_down() {
             .unwrap();
         for p in &chunks[1] {
             for i in model.piece_params(*p) {
-                if !chunks[0].iter().any(|q| model.piece_params(*q).contains(&i)) {
+                if !chunks[0]
+                    .iter()
+                    .any(|q| model.piece_params(*q).contains(&i))
+                {
                     assert!(
                         finals[i] < last_backward,
                         "rank {rank}: {} final at {} after the last backward at {last_backward}",

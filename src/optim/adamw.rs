@@ -224,7 +224,13 @@ mod tests {
         .unwrap();
         let c = cfg();
         let layout = crate::optim::layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
-        let mut opt = AdamW::new(&ps, &layout, vec![0..layout.total], &c).unwrap();
+        let mut opt = AdamW::new(
+            &ps,
+            &layout,
+            parallel::dp::owned_ranges(&layout, false, 0, 1),
+            &c,
+        )
+        .unwrap();
         let grads = GradBuffer::new(layout.clone(), &dev).unwrap();
 
         let mut p: Vec<Vec<f64>> = ps
@@ -300,12 +306,24 @@ mod tests {
         )
         .unwrap();
         let layout = crate::optim::layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
-        let mut a = AdamW::new(&ps, &layout, vec![0..4], &cfg()).unwrap();
+        let mut a = AdamW::new(
+            &ps,
+            &layout,
+            parallel::dp::owned_ranges(&layout, false, 0, 1),
+            &cfg(),
+        )
+        .unwrap();
         let g = GradBuffer::new(layout.clone(), &dev).unwrap();
         g.accumulate(0, &Tensor::new(&[1f32, -2.0, 3.0, 0.5], &dev).unwrap())
             .unwrap();
         a.step(&g, 0.1, 1.0).unwrap();
-        let mut b = AdamW::new(&ps, &layout, vec![0..4], &cfg()).unwrap();
+        let mut b = AdamW::new(
+            &ps,
+            &layout,
+            parallel::dp::owned_ranges(&layout, false, 0, 1),
+            &cfg(),
+        )
+        .unwrap();
         b.load_state(&a.state().unwrap()).unwrap();
         let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
         assert_eq!(sa.step, sb.step);

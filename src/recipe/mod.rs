@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 pub use load::{load, load_str, RecipeError};
 pub use sections::{
-    CheckpointConfig, DeviceKind, Dtype, OptimizerConfig, Resume, RunConfig, ScheduleConfig,
-    LrCurve, TrainConfig,
+    CheckpointConfig, DeviceKind, Dtype, LrCurve, OptimizerConfig, Resume, RunConfig,
+    ScheduleConfig, TrainConfig,
 };
 
 /// A complete training recipe. Every key of the YAML file maps to a documented field here or in

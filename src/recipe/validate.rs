@@ -1,7 +1,7 @@
 //! Recipe validation: every inconsistency becomes a message naming its fields, found before any
 //! allocation.
 
-use super::{Recipe, LrCurve};
+use super::{LrCurve, Recipe};
 
 impl Recipe {
     /// All problems of the recipe (empty when it is usable).
@@ -66,7 +66,7 @@ impl Recipe {
         if par.sequence_parallel && par.tp == 1 {
             p.push("parallel.sequence_parallel needs parallel.tp > 1".into());
         }
-        if par.sequence_parallel && self.train.seq_len % par.tp != 0 {
+        if par.sequence_parallel && !self.train.seq_len.is_multiple_of(par.tp) {
             p.push(format!(
                 "parallel.sequence_parallel: train.seq_len ({}) must be divisible by parallel.tp ({})",
                 self.train.seq_len, par.tp
@@ -118,7 +118,7 @@ impl Recipe {
                 t.seq_len, self.model.max_position_embeddings
             ));
         }
-        if !(t.grad_clip >= 0.0) {
+        if t.grad_clip.is_nan() || t.grad_clip < 0.0 {
             p.push(format!(
                 "train.grad_clip ({}) must be 0 (off) or positive",
                 t.grad_clip
@@ -145,10 +145,10 @@ impl Recipe {
                 p.push(format!("optimizer.{field} ({b}) must be in [0, 1)"));
             }
         }
-        if !(o.eps > 0.0) {
+        if o.eps.is_nan() || o.eps <= 0.0 {
             p.push(format!("optimizer.eps ({}) must be positive", o.eps));
         }
-        if !(o.weight_decay >= 0.0) {
+        if o.weight_decay.is_nan() || o.weight_decay < 0.0 {
             p.push(format!(
                 "optimizer.weight_decay ({}) must be non-negative",
                 o.weight_decay

@@ -241,7 +241,10 @@ pub fn write_trace(
         ReduceOp::Max,
     )?;
     let most = most.to_vec1::<f64>()?[0] as usize;
-    let syncs = gather(sync.iter().flat_map(|r| [r.start, r.end]).collect(), 2 * most.max(1))?;
+    let syncs = gather(
+        sync.iter().flat_map(|r| [r.start, r.end]).collect(),
+        2 * most.max(1),
+    )?;
     if !ctx.is_main() {
         return Ok(None);
     }

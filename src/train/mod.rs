@@ -24,15 +24,15 @@ use parallel::tp::Shard;
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
+use crate::lr::lr_at;
 use crate::optim::{layout_of, write_params, AdamW, GradBuffer};
 use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
-use crate::lr::lr_at;
 use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
+use pipeline::{Executor, MicroBatch, Timed};
 pub use rank::RankCtx;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
 };
-use pipeline::{Executor, MicroBatch, Timed};
 
 /// Everything one rank of a training run holds.
 pub struct Trainer {

@@ -229,9 +229,9 @@ impl<'a> Executor<'a> {
                             let Some(g) = store.get(param.var.as_tensor()) else {
                                 bail!("parameter {} received no gradient in {p:?}", param.name);
                             };
-                            grads
-                                .accumulate(i, g)
-                                .with_context(|| format!("accumulating the gradient of {}", param.name))?;
+                            grads.accumulate(i, g).with_context(|| {
+                                format!("accumulating the gradient of {}", param.name)
+                            })?;
                         }
                         hooks.after_backward(p, micro)?;
                         for i in params {

@@ -135,7 +135,10 @@ mod tests {
             vec![Embedding, Block(0), Block(1), Block(2), Head]
         );
         // pp 2 × v 2 over 8 layers: stage 0 holds global chunks 0 and 2, stage 1 chunks 1 and 3.
-        assert_eq!(chunk_pieces(0, 0, 2, 2, 8), vec![Embedding, Block(0), Block(1)]);
+        assert_eq!(
+            chunk_pieces(0, 0, 2, 2, 8),
+            vec![Embedding, Block(0), Block(1)]
+        );
         assert_eq!(chunk_pieces(0, 1, 2, 2, 8), vec![Block(4), Block(5)]);
         assert_eq!(chunk_pieces(1, 0, 2, 2, 8), vec![Block(2), Block(3)]);
         assert_eq!(chunk_pieces(1, 1, 2, 2, 8), vec![Block(6), Block(7), Head]);

@@ -67,12 +67,15 @@ pub fn assemble(
             .entry(s.name.clone())
             .or_insert_with(|| vec![0.0; s.global_shape.iter().product()]);
         let b = &s.block;
-        let (r0, rows, c0, cols, cols_full) =
-            match (s.global_shape.as_slice(), b.offset.as_slice(), b.shape.as_slice()) {
-                ([_, full], [r0, c0], [r, c]) => (*r0, *r, *c0, *c, *full),
-                ([full], [c0], [c]) => (0, 1, *c0, *c, *full),
-                _ => continue,
-            };
+        let (r0, rows, c0, cols, cols_full) = match (
+            s.global_shape.as_slice(),
+            b.offset.as_slice(),
+            b.shape.as_slice(),
+        ) {
+            ([_, full], [r0, c0], [r, c]) => (*r0, *r, *c0, *c, *full),
+            ([full], [c0], [c]) => (0, 1, *c0, *c, *full),
+            _ => continue,
+        };
         for r in 0..rows {
             let dst = (r0 + r) * cols_full + c0;
             full[dst..dst + cols].copy_from_slice(&s.values[r * cols..(r + 1) * cols]);

@@ -52,7 +52,11 @@ pub struct TensorBlock<'a> {
 impl TensorBlock<'_> {
     /// `(offset, length)` per dimension, as stored in [`PieceMeta::block`].
     pub(crate) fn spans(&self) -> Vec<(usize, usize)> {
-        self.offset.iter().copied().zip(self.shape.iter().copied()).collect()
+        self.offset
+            .iter()
+            .copied()
+            .zip(self.shape.iter().copied())
+            .collect()
     }
 }
 

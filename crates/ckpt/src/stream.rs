@@ -60,7 +60,7 @@ pub fn write_streaming(
         offset += n;
     }
     let mut json = serde_json::to_vec(&header).expect("headers serialise");
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' '); // the format allows trailing spaces; 8-byte alignment of the data
     }
     let file = File::create(path).map_err(CkptError::io(path))?;

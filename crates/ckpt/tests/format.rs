@@ -93,7 +93,8 @@ fn any_block_is_reassembled_from_the_pieces() {
         }
     }
     assert_eq!(
-        ck.read_block(Kind::Master, block("n", &[6], &[2], &[3])).unwrap(),
+        ck.read_block(Kind::Master, block("n", &[6], &[2], &[3]))
+            .unwrap(),
         vec![2.0, 3.0, 4.0]
     );
     assert_eq!(

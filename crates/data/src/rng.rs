@@ -15,7 +15,7 @@ pub fn splitmix64(state: &mut u64) -> u64 {
 
 /// Combines several 64-bit values into one well-mixed seed (order-sensitive).
 pub fn mix_seed(parts: &[u64]) -> u64 {
-    let mut state = 0x5EED_0F_DA7A_u64;
+    let mut state = 0x5EED0FDA7A_u64;
     let mut out = 0u64;
     for &p in parts {
         state ^= p;

@@ -69,37 +69,40 @@ impl LlamaConfig {
                 return Err(format!("model.{field} must be positive"));
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
                 "model.hidden_size ({}) must be divisible by model.num_attention_heads ({})",
                 self.hidden_size, self.num_attention_heads
             ));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(format!(
                 "model.num_attention_heads ({}) must be divisible by model.num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "model.hidden_size / model.num_attention_heads = {} must be even for rotary embeddings",
                 self.head_dim()
             ));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(format!(
                 "model.rope_theta ({}) must be positive",
                 self.rope_theta
             ));
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(format!(
                 "model.rms_norm_eps ({}) must be positive",
                 self.rms_norm_eps
             ));
         }
-        if !(self.init_std > 0.0) {
+        if self.init_std.is_nan() || self.init_std <= 0.0 {
             return Err(format!(
                 "model.init_std ({}) must be positive",
                 self.init_std

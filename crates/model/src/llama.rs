@@ -321,11 +321,10 @@ impl Llama {
             .norm
             .zip(self.lm_head)
             .ok_or_else(|| self.missing("head"))?;
-        let h = self.placement.tp.enter(&ops::rms_norm(
-            x,
-            self.w(norm),
-            self.config.rms_norm_eps,
-        )?)?; // [b, s, h]
+        let h =
+            self.placement
+                .tp
+                .enter(&ops::rms_norm(x, self.w(norm), self.config.rms_norm_eps)?)?; // [b, s, h]
         linear(&h.flatten_to(1)?, self.w(head))?.to_dtype(DType::F32)
     }
 

@@ -27,7 +27,7 @@ fn close(a: f64, b: f64) -> bool {
 fn expected_valid(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> bool {
     match kind {
         ScheduleKind::AllForwardAllBackward | ScheduleKind::OneFOneB => v == 1,
-        ScheduleKind::Interleaved => m % pp == 0 && (v == 1 || pp >= 2),
+        ScheduleKind::Interleaved => m.is_multiple_of(pp) && (v == 1 || pp >= 2),
     }
 }
 

@@ -112,9 +112,9 @@ impl CommError {
         if let Some(c) = e.downcast_ref::<candle_core::Error>() {
             use candle_core::Error as E;
             let inner: Option<&(dyn std::error::Error + 'static)> = match c {
-                E::Context { inner, .. } | E::WithBacktrace { inner, .. } | E::WithPath { inner, .. } => {
-                    Some(inner.as_ref())
-                }
+                E::Context { inner, .. }
+                | E::WithBacktrace { inner, .. }
+                | E::WithPath { inner, .. } => Some(inner.as_ref()),
                 E::Io(io) => Some(io),
                 E::WrappedContext { wrapped, .. } => Some(wrapped.as_ref()),
                 _ => None,

@@ -76,7 +76,13 @@ impl GradFinalizer {
         }
         let sync = if groups.dp.size() > 1 {
             let dp = groups.dp.clone();
-            Some(GradSync::new(layout.clone(), grads.clone(), comm.clone(), dp, zero1)?)
+            Some(GradSync::new(
+                layout.clone(),
+                grads.clone(),
+                comm.clone(),
+                dp,
+                zero1,
+            )?)
         } else {
             None
         };

@@ -82,7 +82,6 @@ impl FlatLayout {
             .position(|b| b.params.contains(&i))
             .expect("every parameter is in a bucket")
     }
-
 }
 
 /// The overlap of two ranges (possibly empty).

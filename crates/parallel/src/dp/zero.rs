@@ -57,6 +57,9 @@ mod tests {
         let l = FlatLayout::new(&[5, 3, 7, 2], 8, 4);
         assert_eq!(owned_ranges(&l, true, 3, 4), vec![6..8, 17..20]);
         assert_eq!(owned_ranges(&l, true, 0, 4), vec![0..2, 8..11]);
-        assert_eq!(owned_ranges(&l, false, 0, 4), std::iter::once(0..20).collect::<Vec<_>>());
+        assert_eq!(
+            owned_ranges(&l, false, 0, 4),
+            std::iter::once(0..20).collect::<Vec<_>>()
+        );
     }
 }

@@ -44,7 +44,7 @@ pub(crate) fn actions(pp: usize, v: usize, m: usize) -> Result<Vec<Vec<Action>>,
     if v > 1 && pp < 2 {
         return Err(ScheduleError::VirtualNeedsPipeline { v, pp });
     }
-    if m % pp != 0 {
+    if !m.is_multiple_of(pp) {
         return Err(ScheduleError::MicroBatchesNotMultipleOfPp { m, pp });
     }
     Ok((0..pp)

@@ -87,12 +87,21 @@ impl Block {
 impl Shard {
     /// The block tensor-parallel rank `index` of `size` holds of a tensor of `global_shape`, or
     /// an error naming the dimension that does not divide.
-    pub fn block(&self, global_shape: &[usize], index: usize, size: usize) -> Result<Block, ShardError> {
+    pub fn block(
+        &self,
+        global_shape: &[usize],
+        index: usize,
+        size: usize,
+    ) -> Result<Block, ShardError> {
         let mut block = Block::whole(global_shape);
         if let Shard::Dim(d) = *self {
             let len = global_shape[d];
             if !len.is_multiple_of(size) {
-                return Err(ShardError { dim: d, len, tp: size });
+                return Err(ShardError {
+                    dim: d,
+                    len,
+                    tp: size,
+                });
             }
             block.offset[d] = index * len / size;
             block.shape[d] = len / size;
@@ -132,12 +141,22 @@ mod tests {
     #[test]
     fn blocks_split_one_dimension() {
         let b = Shard::Dim(1).block(&[4, 6], 2, 3).unwrap();
-        assert_eq!((b.offset.as_slice(), b.shape.as_slice()), (&[0, 4][..], &[4, 2][..]));
+        assert_eq!(
+            (b.offset.as_slice(), b.shape.as_slice()),
+            (&[0, 4][..], &[4, 2][..])
+        );
         assert_eq!((b.range(0), b.range(1), b.numel()), (0..4, 4..6, 8));
-        assert_eq!(Shard::Replicated.block(&[4], 1, 2).unwrap(), Block::whole(&[4]));
+        assert_eq!(
+            Shard::Replicated.block(&[4], 1, 2).unwrap(),
+            Block::whole(&[4])
+        );
         assert_eq!(
             Shard::Dim(0).block(&[5, 2], 0, 2),
-            Err(ShardError { dim: 0, len: 5, tp: 2 })
+            Err(ShardError {
+                dim: 0,
+                len: 5,
+                tp: 2
+            })
         );
     }
 }

@@ -57,7 +57,11 @@ impl<E: std::error::Error + 'static> std::error::Error for RankFailed<E> {
 /// other ranks' pending and later operations end promptly with `PeerFailed` errors. The job then
 /// fails with [`RankFailed`] holding the first failed rank's own error; a panic or a thread that
 /// cannot start becomes the rank's error through `E: From<ThreadError>`.
-pub fn run_local<T, E, F>(world_size: usize, timeout: Duration, f: F) -> Result<Vec<T>, RankFailed<E>>
+pub fn run_local<T, E, F>(
+    world_size: usize,
+    timeout: Duration,
+    f: F,
+) -> Result<Vec<T>, RankFailed<E>>
 where
     T: Send,
     E: From<ThreadError> + fmt::Display + Send,
@@ -88,10 +92,8 @@ where
                     // Stop the ranks already started, then report the spawn failure.
                     let e = E::from(ThreadError::Spawn(e));
                     own.abort(&format!("{e:#}"));
-                    let mut out: Vec<Result<T, E>> = handles
-                        .into_iter()
-                        .map(|h| join(h.join()))
-                        .collect();
+                    let mut out: Vec<Result<T, E>> =
+                        handles.into_iter().map(|h| join(h.join())).collect();
                     out.push(Err(e));
                     return out;
                 }
@@ -100,7 +102,10 @@ where
         handles.into_iter().map(|h| join(h.join())).collect()
     });
     // The root cause is the first recorded failure; without one, the first error in rank order.
-    let first_failed = comms.first().and_then(|c| c.failure()).map(|(rank, _)| rank);
+    let first_failed = comms
+        .first()
+        .and_then(|c| c.failure())
+        .map(|(rank, _)| rank);
     let mut values = Vec::with_capacity(world_size);
     let mut failed: Option<RankFailed<E>> = None;
     for (rank, outcome) in outcomes.into_iter().enumerate() {
@@ -116,9 +121,7 @@ where
 }
 
 /// The outcome of a joined rank thread (its panics are caught inside, so a join error is rare).
-fn join<T, E: From<ThreadError>>(
-    joined: std::thread::Result<Result<T, E>>,
-) -> Result<T, E> {
+fn join<T, E: From<ThreadError>>(joined: std::thread::Result<Result<T, E>>) -> Result<T, E> {
     joined.unwrap_or_else(|payload| Err(ThreadError::Panicked(panic_message(&*payload)).into()))
 }
 
