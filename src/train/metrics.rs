@@ -42,13 +42,13 @@ pub struct StepRecord {
     /// Measured pipeline bubble fraction, on the step whose timeline was traced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bubble: Option<f64>,
-    /// Seconds per rank of data-parallel gradient reduction, on the traced step (with data
-    /// parallelism).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sync_s: Option<f64>,
-    /// The share of that time that overlapped the rank's backward passes.
+    /// Share of the data-parallel gradient buckets reduced before the rank's schedule ended
+    /// (overlapped with its backward passes), on the traced step (with data parallelism).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_overlap: Option<f64>,
+    /// Seconds the traced step waited after the schedule for the rest of the gradient sync.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_exposed_s: Option<f64>,
 }
 
 /// A validation result.
@@ -200,11 +200,12 @@ pub fn peak_rss_mib() -> f64 {
 pub struct TraceSummary {
     /// Idle share of the schedule phase (the pipeline bubble).
     pub bubble: f64,
-    /// Data-parallel gradient reduction per rank, seconds (`None` without data parallelism).
-    pub sync_s: Option<f64>,
-    /// Share of that reduction time that ran before the rank's schedule ended, i.e. overlapped
-    /// with its backward passes (`None` without data parallelism).
+    /// Share of the data-parallel gradient buckets whose reduction ended before the rank's
+    /// schedule did, i.e. overlapped with its backward passes (`None` without data parallelism).
     pub sync_overlap: Option<f64>,
+    /// Seconds from the end of a rank's schedule to the end of its last bucket reduction: the
+    /// gradient sync the step waits for (`None` without data parallelism).
+    pub sync_exposed_s: Option<f64>,
 }
 
 /// Writes a step's timeline as a Chrome/Perfetto trace to `path`: every rank's timed actions
@@ -250,7 +251,7 @@ pub fn write_trace(
     }
     let world = steps.len();
     let (mut spans, mut bubbles) = (Vec::new(), Vec::new());
-    let (mut sync_total, mut sync_hidden) = (0.0, 0.0);
+    let (mut buckets, mut hidden, mut exposed) = (0usize, 0usize, 0.0);
     for (rank, (times, reductions)) in steps.iter().zip(&syncs).enumerate() {
         let actions = &schedule.actions[ctx.mesh.coords(rank).pp];
         let (mut busy, mut window) = (0.0, 0.0f64);
@@ -273,15 +274,18 @@ pub fn write_trace(
         let (s, e) = (times[2 * actions.len()], times[2 * actions.len() + 1]);
         span(rank, "optimizer".into(), s, e);
         bubbles.push(1.0 - busy / window.max(1e-12));
+        let mut last = window;
         for (b, r) in reductions.chunks_exact(2).enumerate() {
             let (s, e) = (r[0], r[1]);
             if s.is_nan() {
                 break;
             }
             span(world + rank, format!("dp reduce {b}"), s, e);
-            sync_total += e - s;
-            sync_hidden += (e.min(window) - s).max(0.0);
+            buckets += 1;
+            hidden += usize::from(e <= window);
+            last = last.max(e);
         }
+        exposed += last - window;
     }
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -294,7 +298,7 @@ pub fn write_trace(
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(Some(TraceSummary {
         bubble: bubbles.iter().sum::<f64>() / world as f64,
-        sync_s: (sync_total > 0.0).then(|| sync_total / world as f64),
-        sync_overlap: (sync_total > 0.0).then(|| sync_hidden / sync_total),
+        sync_overlap: (buckets > 0).then(|| hidden as f64 / buckets as f64),
+        sync_exposed_s: (buckets > 0).then(|| exposed / world as f64),
     }))
 }

@@ -307,8 +307,8 @@ impl Trainer {
             consumed_samples: self.consumed,
             step_time_s: secs,
             bubble: traced.map(|s| s.bubble),
-            sync_s: traced.and_then(|s| s.sync_s),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
+            sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
         })
     }
 
@@ -437,12 +437,12 @@ impl Trainer {
                     self.recipe.run.dir.join("trace.json").display()
                 );
             }
-            if let (true, Some(t), Some(o)) = (main, rec.sync_s, rec.sync_overlap) {
+            if let (true, Some(o), Some(t)) = (main, rec.sync_overlap, rec.sync_exposed_s) {
                 info!(
-                    "step={} data-parallel gradient sync: {:.1} ms of bucket reductions per rank, {:.0}% of it during the backward passes",
+                    "step={} data-parallel gradient sync: {:.0}% of the buckets reduced during the backward passes; the step waited {:.1} ms for the rest",
                     rec.step,
-                    1e3 * t,
-                    100.0 * o
+                    100.0 * o,
+                    1e3 * t
                 );
             }
             if let Some(m) = &mut self.metrics {
