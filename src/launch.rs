@@ -400,5 +400,17 @@ mod tests {
             !is_peer_failure(&own),
             "a timeout is this rank's own failure"
         );
+        let itself =
+            anyhow::Error::from(candle_core::Error::from(parallel::CommError::PeerFailed {
+                me: 1,
+                op: "send",
+                group: vec![0, 1],
+                failed: 1,
+                reason: "its own send failed".into(),
+            }));
+        assert!(
+            !is_peer_failure(&itself),
+            "a rank that failed itself is the root cause"
+        );
     }
 }

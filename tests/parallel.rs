@@ -67,13 +67,16 @@ fn parallel_layouts_equal_the_single_rank_run() {
         "parallel.tp=2",
         "parallel.tp=4",
         "parallel.dp=2",
-        "parallel.dp=2,parallel.zero1=true",
+        // Small buckets: several per rank, reduce-scattered as they become final.
+        "parallel.dp=2,parallel.zero1=true,parallel.bucket_size=65536",
         "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true",
         "parallel.dp=4,parallel.zero1=true",
         "parallel.pp=2",
         "parallel.pp=4",
         "parallel.pp=2,parallel.virtual_stages=2",
-        "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.sequence_parallel=true,parallel.zero1=true",
+        // The full 3D layout with small buckets: buckets of later chunks are reduced during the
+        // interleaved cool-down, the one holding the tied embedding after the schedule.
+        "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.sequence_parallel=true,parallel.zero1=true,parallel.bucket_size=65536",
     ] {
         results.insert(layout, compare(layout, &base, &run(layout)));
     }

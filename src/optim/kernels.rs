@@ -109,10 +109,14 @@ impl CustomOp1 for SumSquares {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let v = f32_slice(s, l, "sum-squares")?;
-        let total: f64 = v
+        // Per-chunk sums in parallel, added in chunk order: rayon's parallel `sum` would combine
+        // them in an order that depends on work stealing, so the norm could differ by an ulp from
+        // run to run (and with it the clipping factor).
+        let partial: Vec<f64> = v
             .par_chunks(CHUNK)
             .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
-            .sum();
+            .collect();
+        let total: f64 = partial.iter().sum();
         Ok((CpuStorage::F64(vec![total]), Shape::from(())))
     }
 

@@ -3,12 +3,12 @@
 //! The executor (`pipeline.rs`) runs every rank's step, pipelined or not, and calls the hooks
 //! around each piece (the embedding, a decoder block, the head) of each micro-batch:
 //!
-//! | hook | when | used by |
+//! | hook | when | for |
 //! |---|---|---|
-//! | [`StepHooks::before_forward`] | before a piece's forward | parameter gathering (ZeRO-3) |
-//! | [`StepHooks::before_backward`] | before a piece's backward (and its recompute) | parameter gathering (ZeRO-3) |
-//! | [`StepHooks::after_backward`] | after a piece's gradients are accumulated | per-micro-batch gradient reduction (ZeRO-2/3) |
-//! | [`StepHooks::param_final`] | after the last backward of the step that adds to a parameter | data-parallel sync ([`GradFinalizer`]) |
+//! | [`StepHooks::before_forward`] | before a piece's forward | gathering a sharded piece's parameters (ZeRO-3, not built yet) |
+//! | [`StepHooks::before_backward`] | before a piece's backward (and its recompute) | the same, for the backward (ZeRO-3, not built yet) |
+//! | [`StepHooks::after_backward`] | after a piece's gradients are accumulated | reducing gradients per micro-batch (ZeRO-2/3, not built yet) |
+//! | [`StepHooks::param_final`] | after the last backward of the step that adds to a parameter | data-parallel sync ([`GradFinalizer`], today's user) |
 //!
 //! A parameter is final after the last micro-batch's backward of the last piece on this rank that
 //! uses it; with interleaved pipelines a later chunk's parameters are final while earlier chunks

@@ -210,15 +210,15 @@ pub struct TraceSummary {
 
 /// Writes a step's timeline as a Chrome/Perfetto trace to `path`: every rank's timed actions
 /// (`timing`, this rank's), its optimizer span `(start, end)` and the data-parallel reductions of
-/// its gradient buckets (`sync`, seconds since the step began) on a row of their own, gathered
-/// from all ranks. Returns the measured bubble and sync overlap on rank 0, `None` elsewhere (every
+/// its gradient buckets (`sync`: bucket and seconds since the step began) on a row of their own,
+/// gathered from all ranks. Returns the measured bubble and sync overlap on rank 0, `None` elsewhere (every
 /// rank takes part).
 pub fn write_trace(
     ctx: &RankCtx,
     schedule: &Schedule,
     timing: &[Timed],
     optimizer: (f64, f64),
-    sync: &[Range<f64>],
+    sync: &[(usize, Range<f64>)],
     path: &Path,
 ) -> Result<Option<TraceSummary>> {
     let everyone = Group::new((0..ctx.mesh.world_size()).collect());
@@ -243,8 +243,10 @@ pub fn write_trace(
     )?;
     let most = most.to_vec1::<f64>()?[0] as usize;
     let syncs = gather(
-        sync.iter().flat_map(|r| [r.start, r.end]).collect(),
-        2 * most.max(1),
+        sync.iter()
+            .flat_map(|(b, r)| [*b as f64, r.start, r.end])
+            .collect(),
+        3 * most.max(1),
     )?;
     if !ctx.is_main() {
         return Ok(None);
@@ -275,12 +277,12 @@ pub fn write_trace(
         span(rank, "optimizer".into(), s, e);
         bubbles.push(1.0 - busy / window.max(1e-12));
         let mut last = window;
-        for (b, r) in reductions.chunks_exact(2).enumerate() {
-            let (s, e) = (r[0], r[1]);
-            if s.is_nan() {
+        for r in reductions.chunks_exact(3) {
+            let (b, s, e) = (r[0], r[1], r[2]);
+            if b.is_nan() {
                 break;
             }
-            span(world + rank, format!("dp reduce {b}"), s, e);
+            span(world + rank, format!("dp reduce bucket {b}"), s, e);
             buckets += 1;
             hidden += usize::from(e <= window);
             last = last.max(e);

@@ -55,8 +55,9 @@ pub struct Trainer {
     schedule: Schedule,
     /// The timed actions of the last step, for the timeline trace.
     timing: Vec<Timed>,
-    /// When the last step's data-parallel bucket reductions ran (seconds since the step began).
-    sync_timing: Vec<std::ops::Range<f64>>,
+    /// When the last step's data-parallel bucket reductions ran: (bucket, seconds since the step
+    /// began).
+    sync_timing: Vec<(usize, std::ops::Range<f64>)>,
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -247,7 +248,7 @@ impl Trainer {
         let since_start = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
         self.sync_timing = reduced
             .iter()
-            .map(|b| since_start(b.start)..since_start(b.end))
+            .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
             .collect();
         let loss = run.loss;
         self.timing = run.timing;
@@ -306,7 +307,7 @@ impl Trainer {
             mem_mib: peak_rss_mib(),
             consumed_samples: self.consumed,
             step_time_s: secs,
-            bubble: traced.map(|s| s.bubble),
+            bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
         })
@@ -422,6 +423,10 @@ impl Trainer {
                     rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib
                 );
             }
+            if main && self.recipe.run.trace_step == Some(rec.step) {
+                let path = self.recipe.run.dir.join("trace.json");
+                info!("step={} timeline: {}", rec.step, path.display());
+            }
             if let (true, Some(b)) = (main, rec.bubble) {
                 let (p, v, m) = (
                     self.ctx.pp.size() as f64,
@@ -429,12 +434,11 @@ impl Trainer {
                     self.recipe.grad_accum_steps() as f64,
                 );
                 info!(
-                    "step={} pipeline bubble: measured {:.3} of the pipeline phase; ideal (p-1)/(v·m+p-1) = {:.3}, i.e. (p-1)/(v·m) = {:.3} of the compute time; trace: {}",
+                    "step={} pipeline bubble: measured {:.3} of the pipeline phase; ideal (p-1)/(v·m+p-1) = {:.3}, i.e. (p-1)/(v·m) = {:.3} of the compute time",
                     rec.step,
                     b,
                     (p - 1.0) / (v * m + p - 1.0),
                     (p - 1.0) / (v * m),
-                    self.recipe.run.dir.join("trace.json").display()
                 );
             }
             if let (true, Some(o), Some(t)) = (main, rec.sync_overlap, rec.sync_exposed_s) {

@@ -221,19 +221,6 @@ impl Llama {
         &self.params
     }
 
-    /// The segments this rank runs for one micro-batch, in forward order.
-    pub fn pieces(&self) -> Vec<Piece> {
-        let mut v = Vec::new();
-        if self.placement.embedding {
-            v.push(Piece::Embedding);
-        }
-        v.extend(self.placement.layers.iter().map(|&i| Piece::Block(i)));
-        if self.placement.head {
-            v.push(Piece::Head);
-        }
-        v
-    }
-
     /// Indices of the parameters a piece uses.
     pub fn piece_params(&self, piece: Piece) -> Vec<usize> {
         match piece {

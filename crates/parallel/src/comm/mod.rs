@@ -93,9 +93,10 @@ pub enum CommError {
 }
 
 impl CommError {
-    /// Whether this rank stopped because another rank failed (not a failure of its own).
+    /// Whether this rank stopped because another rank failed (not a failure of its own: a rank
+    /// that aborted itself also sees `PeerFailed` naming itself on its later calls).
     pub fn is_peer_failure(&self) -> bool {
-        matches!(self, CommError::PeerFailed { .. })
+        matches!(self, CommError::PeerFailed { me, failed, .. } if me != failed)
     }
 
     /// The `CommError` an error was made from, found through candle's wrappers (context,

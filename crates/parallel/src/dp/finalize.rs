@@ -49,6 +49,8 @@ pub struct GradFinalizer {
     layout: FlatLayout,
     groups: GradGroups,
     partial: Vec<Partial>,
+    /// Which parameters were reported final this step.
+    reported: Vec<bool>,
     /// Parameters whose pipeline-ends sum waits for the end of the schedule.
     deferred: Vec<usize>,
     /// The data-parallel bucket reducer (`None` with one data-parallel rank).
@@ -91,6 +93,7 @@ impl GradFinalizer {
             grads,
             layout,
             groups,
+            reported: vec![false; partial.len()],
             partial,
             deferred: Vec::new(),
             sync,
@@ -99,6 +102,7 @@ impl GradFinalizer {
 
     /// Begins a step: every parameter is pending again.
     pub fn start(&mut self) {
+        self.reported.fill(false);
         self.deferred.clear();
         if let Some(s) = &mut self.sync {
             s.start();
@@ -107,6 +111,11 @@ impl GradFinalizer {
 
     /// Parameter `i`'s gradient is final on this rank (no backward of this step adds to it).
     pub fn param_final(&mut self, i: usize) -> Result<()> {
+        match self.reported.get_mut(i) {
+            None => candle_core::bail!("gradient finaliser: no parameter {i}"),
+            Some(true) => candle_core::bail!("gradient finaliser: parameter {i} reported twice"),
+            Some(seen) => *seen = true,
+        }
         if self.partial[i].over_pipeline_ends {
             self.deferred.push(i);
             return Ok(());
@@ -118,6 +127,9 @@ impl GradFinalizer {
     /// data-parallel bucket has been reduced; returns when each bucket was (none with one
     /// data-parallel rank).
     pub fn finish(&mut self) -> Result<Vec<BucketSpan>> {
+        if let Some(i) = self.reported.iter().position(|&r| !r) {
+            candle_core::bail!("gradient finaliser: parameter {i} was never reported final");
+        }
         for i in std::mem::take(&mut self.deferred) {
             self.sum_over(i, &self.groups.pipeline_ends.clone())?;
             self.complete(i)?;
@@ -148,5 +160,44 @@ impl GradFinalizer {
         let g = self.grads.narrow(0, r.start, r.len())?; // [numel]
         let sum = self.comm.all_reduce(group, &g, ReduceOp::Sum)?;
         self.grads.slice_set(&sum, 0, r.start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::local::LocalWorld;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn every_parameter_is_reported_exactly_once() {
+        let comm: Arc<dyn Comm> = LocalWorld::new(1, std::time::Duration::from_secs(5)).remove(0);
+        let layout = FlatLayout::new(&[2, 3], 1 << 20, 1);
+        let grads = Tensor::zeros(layout.total, DType::F32, &Device::Cpu).unwrap();
+        let one = Group::new(vec![0]);
+        let groups = GradGroups {
+            dp: one.clone(),
+            tp: one.clone(),
+            pipeline_ends: one,
+        };
+        let partial = vec![Partial::default(); 2];
+        let mut f = GradFinalizer::new(comm, grads, layout, groups, partial, false).unwrap();
+        f.start();
+        f.param_final(1).unwrap();
+        let e = f.finish().unwrap_err().to_string();
+        assert!(e.contains("parameter 0 was never reported final"), "{e}");
+        f.start();
+        f.param_final(0).unwrap();
+        let e = f.param_final(0).unwrap_err().to_string();
+        assert!(e.contains("parameter 0 reported twice"), "{e}");
+        assert!(f.param_final(2).is_err(), "no parameter 2");
+        f.start();
+        f.param_final(0).unwrap();
+        f.param_final(1).unwrap();
+        assert_eq!(
+            f.finish().unwrap(),
+            vec![],
+            "no data-parallel sync with one rank"
+        );
     }
 }

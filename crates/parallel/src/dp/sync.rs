@@ -23,8 +23,6 @@ use crate::comm::{Comm, Group, ReduceOp};
 pub struct BucketSpan {
     /// The bucket.
     pub bucket: usize,
-    /// When its parameters were all final and it was handed to the reducer.
-    pub ready: Instant,
     /// When the reduction started.
     pub start: Instant,
     /// When it ended.
@@ -36,7 +34,7 @@ pub struct GradSync {
     layout: FlatLayout,
     /// Parameters still pending per bucket in the current step.
     pending: Vec<usize>,
-    to_worker: Option<Sender<(usize, Instant)>>,
+    to_worker: Option<Sender<usize>>,
     from_worker: Receiver<Result<BucketSpan>>,
     in_flight: usize,
     worker: Option<JoinHandle<()>>,
@@ -51,7 +49,7 @@ impl GradSync {
         dp: Group,
         zero1: bool,
     ) -> Result<Self> {
-        let (to_worker, jobs) = channel::<(usize, Instant)>();
+        let (to_worker, jobs) = channel::<usize>();
         let (done, from_worker) = channel::<Result<BucketSpan>>();
         let buckets = layout.buckets.clone();
         let me = dp
@@ -60,7 +58,7 @@ impl GradSync {
         let worker = std::thread::Builder::new()
             .name(format!("dp-sync-{}", comm.rank()))
             .spawn(move || {
-                for (b, ready) in jobs {
+                for b in jobs {
                     let bucket = &buckets[b];
                     let start = Instant::now();
                     let r = (|| {
@@ -77,7 +75,6 @@ impl GradSync {
                         }
                         Ok(BucketSpan {
                             bucket: b,
-                            ready,
                             start,
                             end: Instant::now(),
                         })
@@ -115,7 +112,7 @@ impl GradSync {
         self.pending[b] -= 1;
         if self.pending[b] == 0 {
             let tx = self.to_worker.as_ref().expect("worker runs until drop");
-            tx.send((b, Instant::now()))
+            tx.send(b)
                 .map_err(|_| candle_core::Error::Msg("gradient sync worker stopped".into()))?;
             self.in_flight += 1;
         }

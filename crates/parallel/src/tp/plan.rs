@@ -77,11 +77,6 @@ impl Block {
     pub fn range(&self, dim: usize) -> Range<usize> {
         self.offset[dim]..self.offset[dim] + self.shape[dim]
     }
-
-    /// Number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
 }
 
 impl Shard {
@@ -145,7 +140,7 @@ mod tests {
             (b.offset.as_slice(), b.shape.as_slice()),
             (&[0, 4][..], &[4, 2][..])
         );
-        assert_eq!((b.range(0), b.range(1), b.numel()), (0..4, 4..6, 8));
+        assert_eq!((b.range(0), b.range(1)), (0..4, 4..6));
         assert_eq!(
             Shard::Replicated.block(&[4], 1, 2).unwrap(),
             Block::whole(&[4])

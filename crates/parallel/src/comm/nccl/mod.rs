@@ -63,7 +63,7 @@
 //!   that a `recv` matches its `send`: a mismatch is undefined (typically a timeout). Sending to
 //!   oneself is not supported. Single-member groups never touch NCCL (results are copies).
 //!
-//! Errors reach callers as `candle_core::Error::Wrapped` holding the [`CommError`].
+//! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]).
 
 mod layout;
 mod ops;
