@@ -3,7 +3,7 @@
 //! A segment's input is a leaf `Var` and its output is handed on detached, so each piece's graph is
 //! separate and is freed right after that piece's backward. The backward pass of a segment is driven
 //! by the upstream gradient through [`grad_inject`](crate::ops::grad_inject). The same mechanism
-//! serves activation recompute (keep only the input, re-run the forward inside backward) and, later,
+//! serves activation recompute (keep only the input, re-run the forward inside backward) and
 //! pipeline stages (the upstream gradient arrives from the next stage).
 
 use candle_core::backprop::GradStore;
