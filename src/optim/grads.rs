@@ -43,14 +43,6 @@ impl GradBuffer {
             .narrow(0, self.layout.offsets[i], self.layout.numels[i])
     }
 
-    /// Replaces parameter `i`'s gradient (e.g. with its sum over ranks); `grad` may be on any
-    /// device and of any float dtype.
-    pub fn set(&self, i: usize, grad: &Tensor) -> Result<()> {
-        let grad = grad.to_dtype(DType::F32)?.to_device(self.flat.device())?;
-        self.flat
-            .slice_set(&grad.flatten_all()?, 0, self.layout.offsets[i])
-    }
-
     /// The whole buffer `[total]`.
     pub fn flat(&self) -> &Tensor {
         &self.flat

@@ -211,8 +211,8 @@ pub struct TraceSummary {
 /// Writes a step's timeline as a Chrome/Perfetto trace to `path`: every rank's timed actions
 /// (`timing`, this rank's), its optimizer span `(start, end)` and the data-parallel reductions of
 /// its gradient buckets (`sync`: bucket and seconds since the step began) on a row of their own,
-/// gathered from all ranks. Returns the measured bubble and sync overlap on rank 0, `None` elsewhere (every
-/// rank takes part).
+/// gathered from all ranks. Returns the measured bubble and gradient-sync overlap on rank 0, `None`
+/// elsewhere (every rank takes part).
 pub fn write_trace(
     ctx: &RankCtx,
     schedule: &Schedule,

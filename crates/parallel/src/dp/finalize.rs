@@ -131,7 +131,7 @@ impl GradFinalizer {
             candle_core::bail!("gradient finaliser: parameter {i} was never reported final");
         }
         for i in std::mem::take(&mut self.deferred) {
-            self.sum_over(i, &self.groups.pipeline_ends.clone())?;
+            self.sum_over(i, &self.groups.pipeline_ends)?;
             self.complete(i)?;
         }
         match &mut self.sync {
@@ -143,7 +143,7 @@ impl GradFinalizer {
     /// Adds the tensor-parallel partial sums of `i` (if any) and hands it to the bucket reducer.
     fn complete(&mut self, i: usize) -> Result<()> {
         if self.partial[i].over_tp {
-            self.sum_over(i, &self.groups.tp.clone())?;
+            self.sum_over(i, &self.groups.tp)?;
         }
         match &mut self.sync {
             Some(s) => s.ready(i),
