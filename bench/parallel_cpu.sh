@@ -11,7 +11,7 @@ BIN=target/release/pretrain
 OUT=$(mktemp -d)
 printf '%-48s %10s %10s %8s\n' layout "ms/step" "tok/s" "vs 1"
 base=""
-for layout in "parallel.dp=1" "parallel.dp=2" "parallel.dp=2,parallel.zero1=true" "parallel.dp=4" \
+for layout in "parallel.dp=1" "parallel.dp=2" "parallel.dp=2,parallel.zero=1" "parallel.dp=4" \
               "parallel.tp=2" "parallel.tp=4" "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true"; do
   dir="$OUT/$(echo "$layout" | tr ',=.' '___')"
   "$BIN" --recipe recipes/tiny.yaml --set "train.steps=$STEPS,train.eval_interval=0,run.log_interval=1000,run.dir=$dir,$layout" >/dev/null 2>&1

@@ -416,14 +416,15 @@ fn check(args: &RecipeArgs) -> Result<()> {
     );
     let p = &r.parallel;
     println!(
-        "layout: dp={} tp={} pp={} (virtual {}) = {} ranks, sequence_parallel={}, zero1={}",
+        "layout: dp={} tp={} pp={} (virtual {}) = {} ranks, sequence_parallel={}, zero={} (shard groups of {})",
         p.dp,
         p.tp,
         p.pp,
         p.virtual_stages,
         p.world_size(),
         p.sequence_parallel,
-        p.zero1
+        p.zero,
+        p.shard_size()
     );
     println!(
         "batch: {} sequences × {} tokens = {} tokens/step; micro-batch {}, {} accumulation steps per rank",

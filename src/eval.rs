@@ -105,7 +105,7 @@ pub fn eval(
                     let labels: Vec<u32> = batch.iter().flat_map(|w| w[1..].to_vec()).collect();
                     let t = Tensor::from_vec(tokens, (batch.len(), s), device)?;
                     let l = Tensor::from_vec(labels, batch.len() * s, device)?;
-                    if let Some(losses) = forward_losses(&model, &ctx, &t, &l)? {
+                    if let Some(losses) = forward_losses(&model, &ctx, &t, &l, &mut ())? {
                         sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
                         count += (batch.len() * s) as f64;
                     }

@@ -16,7 +16,7 @@ use model::{Llama, LlamaConfig, Placement};
 use safetensors::SafeTensors;
 use serde_json::json;
 
-use crate::recipe::{load_str, Dtype, Recipe};
+use crate::recipe::{load_stored, Dtype, Recipe};
 use crate::train::checkpoint::tensor_block;
 
 /// Largest safetensors file `export-hf` writes before sharding (bytes), as Hugging Face's default.
@@ -24,7 +24,7 @@ pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// The recipe stored in a checkpoint.
 pub fn checkpoint_recipe(ck: &Checkpoint, overrides: &[String]) -> Result<Recipe> {
-    Ok(load_str(
+    Ok(load_stored(
         &ck.manifest().recipe,
         &ck.dir().join(ckpt::MANIFEST),
         overrides,

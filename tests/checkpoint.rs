@@ -33,7 +33,7 @@ fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f
 fn resume_is_bit_identical_on_one_rank_and_on_a_parallel_layout() {
     for layout in [
         "parallel.dp=1",
-        "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero1=true",
+        "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero=1",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let full = run(&tmp.path().join("a"), &[layout, "checkpoint.interval=3"]);
@@ -62,7 +62,7 @@ fn a_checkpoint_loads_at_any_layout_and_continues_the_curve() {
     let wide = run(
         &tmp.path().join("wide"),
         &[
-            "parallel.dp=2,parallel.tp=2,parallel.zero1=true",
+            "parallel.dp=2,parallel.tp=2,parallel.zero=1",
             "checkpoint.interval=3",
         ],
     );
@@ -73,7 +73,7 @@ fn a_checkpoint_loads_at_any_layout_and_continues_the_curve() {
         (&from_wide, "parallel.tp=2", "(2,2,1) -> (1,2,1)"),
         (
             &from_single,
-            "parallel.dp=2,parallel.zero1=true",
+            "parallel.dp=2,parallel.zero=1",
             "(1,1,1) -> (2,1,1) ZeRO-1",
         ),
         (

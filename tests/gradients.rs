@@ -168,7 +168,7 @@ fn segments_equal_one_whole_graph_backward() {
         .iter()
         .map(|p| {
             store
-                .get(p.var.as_tensor())
+                .get(&p.tensor().unwrap())
                 .unwrap()
                 .flatten_all()
                 .unwrap()
@@ -221,17 +221,33 @@ fn initialisation_is_bit_identical_for_equal_seeds() {
         .zip(b.params().iter())
         .zip(c.params().iter())
     {
-        let va = pa.var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let va = pa
+            .tensor()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         assert_eq!(
             va,
-            pb.var.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            pb.tensor()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
             "{}",
             pa.name
         );
         if !pa.name.contains("norm") {
             assert_ne!(
                 va,
-                pc.var.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                pc.tensor()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
                 "{}",
                 pa.name
             );

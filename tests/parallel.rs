@@ -18,46 +18,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use pretrain::recipe::load;
-use pretrain::train::{train, RunOutput};
+use pretrain::train::train;
 
-fn run(layout: &str) -> RunOutput {
-    let o = vec![
-        "train.steps=3,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4".to_string(),
-        layout.to_string(),
-    ];
-    let recipe = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
-    train(recipe, false).unwrap_or_else(|e| panic!("{layout}: {e:#}"))
-}
-
-fn compare(name: &str, base: &RunOutput, other: &RunOutput) -> (f64, f64, f64) {
-    let mut loss_diff = 0f64;
-    for (a, b) in base.records.iter().zip(&other.records) {
-        loss_diff = loss_diff.max((a.loss - b.loss).abs() / a.loss.abs());
-    }
-    assert_eq!(base.records.len(), other.records.len());
-    let (mut w_diff, mut sum, mut count) = (0f64, 0f64, 0usize);
-    assert_eq!(
-        base.weights.keys().collect::<Vec<_>>(),
-        other.weights.keys().collect::<Vec<_>>(),
-        "{name}"
-    );
-    for (k, a) in &base.weights {
-        let b = &other.weights[k];
-        let mut d = 0f64;
-        for (x, y) in a.iter().zip(b) {
-            d = d.max((x - y).abs() as f64);
-            sum += (x - y).abs() as f64;
-        }
-        count += a.len();
-        if std::env::var_os("PARALLEL_DEBUG").is_some() {
-            eprintln!("  {k}: {d:.2e}");
-        }
-        w_diff = w_diff.max(d);
-    }
-    let mean = sum / count as f64;
-    eprintln!("{name}: max loss rel diff {loss_diff:.2e}, weight abs diff max {w_diff:.2e} mean {mean:.2e}");
-    (loss_diff, w_diff, mean)
-}
+mod common;
+use common::{assert_equivalent, compare, run};
 
 #[test]
 fn parallel_layouts_equal_the_single_rank_run() {
@@ -68,25 +32,22 @@ fn parallel_layouts_equal_the_single_rank_run() {
         "parallel.tp=4",
         "parallel.dp=2",
         // Small buckets: several per rank, reduce-scattered as they become final.
-        "parallel.dp=2,parallel.zero1=true,parallel.bucket_size=65536",
+        "parallel.dp=2,parallel.zero=1,parallel.bucket_size=65536",
         "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true",
-        "parallel.dp=4,parallel.zero1=true",
+        "parallel.dp=4,parallel.zero=1",
+        // Hybrid sharding: ZeRO-1 within pairs of data-parallel ranks, replicated across pairs.
+        "parallel.dp=4,parallel.zero=1,parallel.zero_shard_size=2",
         "parallel.pp=2",
         "parallel.pp=4",
         "parallel.pp=2,parallel.virtual_stages=2",
         // The full 3D layout with small buckets: buckets of later chunks are reduced during the
         // interleaved cool-down, the one holding the tied embedding after the schedule.
-        "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.sequence_parallel=true,parallel.zero1=true,parallel.bucket_size=65536",
+        "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.sequence_parallel=true,parallel.zero=1,parallel.bucket_size=65536",
     ] {
         results.insert(layout, compare(layout, &base, &run(layout)));
     }
-    for (layout, (l, w, mean)) in results {
-        assert!(l < 1e-6, "{layout}: loss differs by {l:.2e} relative");
-        assert!(w < 3e-4, "{layout}: weights differ by up to {w:.2e}");
-        assert!(
-            mean < 2e-7,
-            "{layout}: weights differ by {mean:.2e} on average"
-        );
+    for (layout, result) in results {
+        assert_equivalent(layout, result);
     }
 }
 

@@ -151,7 +151,23 @@ fn parallel_options_need_their_axis() {
         &["parallel.sequence_parallel=true"],
         "parallel.sequence_parallel needs parallel.tp > 1",
     );
-    assert_err(&["parallel.zero1=true"], "parallel.zero1");
+    assert_err(&["parallel.zero=1"], "parallel.zero: 1 shards state");
+    assert_err(
+        &["parallel.zero1=true,parallel.dp=2"],
+        "parallel.zero1 was replaced by parallel.zero (0-3); write parallel.zero: 1",
+    );
+    assert_err(
+        &["parallel.zero=4,parallel.dp=2"],
+        "parallel.zero (4) must be 0, 1, 2 or 3",
+    );
+    assert_err(
+        &["parallel.zero=2,parallel.dp=4,parallel.zero_shard_size=3"],
+        "parallel.zero_shard_size (3) must divide parallel.dp (4)",
+    );
+    assert_err(
+        &["parallel.dp=4,parallel.zero_shard_size=2"],
+        "parallel.zero_shard_size needs parallel.zero >= 1",
+    );
     assert_err(&["parallel.dp=0"], "parallel.dp must be at least 1");
 }
 
@@ -245,4 +261,17 @@ fn yaml_syntax_errors_name_file_and_line() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("missing.yaml"), "{e}");
+}
+
+#[test]
+fn stored_recipes_of_earlier_versions_still_load() {
+    let old = std::fs::read_to_string(TINY)
+        .unwrap()
+        .replace("parallel:\n", "parallel:\n  zero1: true\n");
+    let origin = Path::new("checkpoint/manifest.json");
+    let dp2 = ["parallel.dp=2".to_string()];
+    let r = pretrain::recipe::load_stored(&old, origin, &dp2).unwrap();
+    assert_eq!(r.parallel.zero, 1);
+    let e = pretrain::recipe::load_str(&old, origin, &dp2).unwrap_err();
+    assert!(e.to_string().contains("write parallel.zero: 1"), "{e}");
 }

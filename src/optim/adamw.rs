@@ -106,17 +106,7 @@ impl AdamW {
             grad_scale,
             decay: self.decay.clone(),
         };
-        let g = grads.flat();
-        let own = match self.owned.as_slice() {
-            [r] if r.len() == g.elem_count() => g.clone(),
-            rs => Tensor::cat(
-                &rs.iter()
-                    .map(|r| g.narrow(0, r.start, r.len()))
-                    .collect::<Result<Vec<_>>>()?,
-                0,
-            )?,
-        };
-        self.state.inplace_op2(&own, &op)
+        self.state.inplace_op2(&grads.owned(&self.owned)?, &op)
     }
 
     /// The owned master weights, back to back `[n]`.
@@ -236,7 +226,8 @@ mod tests {
         let mut p: Vec<Vec<f64>> = ps
             .iter()
             .map(|q| {
-                q.var
+                q.tensor()
+                    .unwrap()
                     .flatten_all()
                     .unwrap()
                     .to_vec1::<f32>()
@@ -271,7 +262,8 @@ mod tests {
                 reference(&mut p[i], &mut m[i], &mut v[i], &gs, &c, wd, t);
                 let got = ps
                     .get(i)
-                    .var
+                    .tensor()
+                    .unwrap()
                     .flatten_all()
                     .unwrap()
                     .to_vec1::<f32>()

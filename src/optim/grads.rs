@@ -1,49 +1,111 @@
-//! `GradBuffer`: one persistent flat fp32 buffer that accumulates every parameter's gradient
-//! across the micro-batches of a step.
+//! `GradBuffer`: where a rank's fp32 gradients accumulate across the micro-batches of a step.
+//!
+//! - **Whole** (ZeRO stages 0 and 1): one persistent flat buffer `[layout.total]`; a piece's
+//!   gradients are added into their parameters' slots.
+//! - **Sharded** (stages 2 and 3): the persistent buffer holds only this rank's shards
+//!   (`[n_owned]`, owned order). A piece's gradients are added into full-size staging buffers of
+//!   the buckets they belong to, which the data-parallel side takes after that piece's backward
+//!   ([`GradBuffer::take_staged`]), reduce-scatters and adds into the shards; the staging is then
+//!   freed.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::{kernels, FlatLayout};
 
-/// Flat fp32 gradients of all parameters, in `FlatLayout` order.
+/// A rank's fp32 gradients (see the module docs).
 pub struct GradBuffer {
+    /// `[layout.total]` (whole) or `[n_owned]` (sharded).
     flat: Tensor,
     layout: FlatLayout,
+    /// Sharded: the owned flat ranges and where each starts in `flat`.
+    owned: Option<(Vec<Range<usize>>, Vec<usize>)>,
+    /// Sharded: full-size gradients of the buckets a piece's backward touched, by bucket.
+    staged: Mutex<BTreeMap<usize, Tensor>>,
 }
 
 impl GradBuffer {
-    /// A zeroed buffer for `layout`.
+    /// A zeroed whole buffer for `layout`.
     pub fn new(layout: FlatLayout, device: &Device) -> Result<Self> {
         Ok(Self {
             flat: Tensor::zeros(layout.total, DType::F32, device)?,
             layout,
+            owned: None,
+            staged: Mutex::new(BTreeMap::new()),
         })
+    }
+
+    /// A zeroed sharded buffer: only the flat ranges `owned` of `layout` are kept.
+    pub fn sharded(layout: FlatLayout, owned: Vec<Range<usize>>, device: &Device) -> Result<Self> {
+        let mut at = Vec::with_capacity(owned.len());
+        let mut n = 0;
+        for r in &owned {
+            at.push(n);
+            n += r.len();
+        }
+        Ok(Self {
+            flat: Tensor::zeros(n, DType::F32, device)?,
+            layout,
+            owned: Some((owned, at)),
+            staged: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// Whether only this rank's shards are kept.
+    pub fn is_sharded(&self) -> bool {
+        self.owned.is_some()
     }
 
     /// Clears all gradients (start of a step).
     pub fn zero(&self) -> Result<()> {
+        self.staging().clear();
         self.flat.zero_set()
     }
 
-    /// Adds `grad` into parameter `i`'s slot.
+    /// Adds `grad` into parameter `i`'s gradient (sharded: into its bucket's staging buffer).
     pub fn accumulate(&self, i: usize, grad: &Tensor) -> Result<()> {
-        kernels::add_into(
-            &self
-                .flat
-                .narrow(0, self.layout.offsets[i], self.layout.numels[i])?,
-            grad,
-        )
+        let r = self.layout.range(i);
+        if self.owned.is_none() {
+            return kernels::add_into(&self.flat.narrow(0, r.start, r.len())?, grad);
+        }
+        let b = self.layout.bucket_of(i);
+        let bucket = &self.layout.buckets[b];
+        let mut staged = self.staging();
+        let full = match staged.get(&b) {
+            Some(t) => t.clone(),
+            None => {
+                let t = Tensor::zeros(bucket.len, DType::F32, self.flat.device())?;
+                staged.insert(b, t.clone());
+                t
+            }
+        };
+        kernels::add_into(&full.narrow(0, r.start - bucket.start, r.len())?, grad)
     }
 
-    /// Parameter `i`'s gradient, flat `[numel]`.
+    /// Sharded: takes the staged full-size gradients of the buckets touched since the last call,
+    /// in bucket order.
+    pub fn take_staged(&self) -> Vec<(usize, Tensor)> {
+        std::mem::take(&mut *self.staging()).into_iter().collect()
+    }
+
+    fn staging(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Tensor>> {
+        // A poisoned lock only means another thread panicked mid-update; the map stays usable.
+        self.staged.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whole: parameter `i`'s gradient, flat `[numel]`.
     pub fn get(&self, i: usize) -> Result<Tensor> {
+        if self.owned.is_some() {
+            candle_core::bail!("gradient buffer: a sharded buffer holds no whole gradients");
+        }
         self.flat
             .narrow(0, self.layout.offsets[i], self.layout.numels[i])
     }
 
-    /// The whole buffer `[total]`.
+    /// The persistent buffer: `[layout.total]` (whole) or `[n_owned]` (sharded, owned order).
     pub fn flat(&self) -> &Tensor {
         &self.flat
     }
@@ -53,12 +115,44 @@ impl GradBuffer {
         &self.layout
     }
 
-    /// `Σ g²` over a flat range (f64 accumulation).
+    /// The gradients of the flat ranges `owned`, back to back (what an optimizer owning those
+    /// ranges updates with). A sharded buffer gives its own shards, which must be these ranges.
+    pub fn owned(&self, owned: &[Range<usize>]) -> Result<Tensor> {
+        match &self.owned {
+            Some((mine, _)) if mine.as_slice() == owned => Ok(self.flat.clone()),
+            Some(_) => candle_core::bail!("gradient buffer: asked for ranges it does not hold"),
+            None => match owned {
+                [r] if r.len() == self.flat.elem_count() => Ok(self.flat.clone()),
+                rs => Tensor::cat(
+                    &rs.iter()
+                        .map(|r| self.flat.narrow(0, r.start, r.len()))
+                        .collect::<Result<Vec<_>>>()?,
+                    0,
+                ),
+            },
+        }
+    }
+
+    /// `Σ g²` over a flat range (f64 accumulation); sharded, the range must lie in an owned one.
     pub fn sum_squares(&self, r: Range<usize>) -> Result<f64> {
         if r.is_empty() {
             return Ok(0.0);
         }
-        kernels::sum_squares(&self.flat.narrow(0, r.start, r.len())?)
+        let start = match &self.owned {
+            None => r.start,
+            Some((owned, at)) => {
+                let k = owned
+                    .iter()
+                    .position(|o| o.start <= r.start && r.end <= o.end)
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "gradient buffer: range {r:?} is not one this rank holds"
+                        ))
+                    })?;
+                at[k] + r.start - owned[k].start
+            }
+        };
+        kernels::sum_squares(&self.flat.narrow(0, start, r.len())?)
     }
 }
 
@@ -87,5 +181,32 @@ mod tests {
         );
         g.zero().unwrap();
         assert_eq!(g.sum_squares(0..5).unwrap(), 0.0);
+    }
+
+    #[test]
+    fn sharded_buffers_stage_whole_buckets_and_keep_only_their_shards() {
+        // Two buckets ([0], [1, 2]) padded for 2 shards; this rank owns shard 1 of each.
+        let layout = FlatLayout::with_buckets(&[3, 2, 1], &[0..1, 1..3], 2);
+        assert_eq!(layout.total, 4 + 4);
+        let owned = vec![2..4, 6..8];
+        let g = GradBuffer::sharded(layout, owned.clone(), &Device::Cpu).unwrap();
+        assert_eq!(g.flat().elem_count(), 4);
+        let ones = |n| Tensor::ones(n, DType::F32, &Device::Cpu).unwrap();
+        g.accumulate(1, &ones(2)).unwrap();
+        g.accumulate(2, &ones(1)).unwrap();
+        g.accumulate(2, &ones(1)).unwrap();
+        let staged = g.take_staged();
+        assert_eq!(staged.len(), 1);
+        assert_eq!(staged[0].0, 1);
+        assert_eq!(
+            staged[0].1.to_vec1::<f32>().unwrap(),
+            vec![1.0, 1.0, 2.0, 0.0]
+        );
+        assert!(g.take_staged().is_empty(), "taken once");
+        assert!(g.get(0).is_err());
+        assert_eq!(g.owned(&owned).unwrap().elem_count(), 4);
+        g.flat().slice_set(&ones(4), 0, 0).unwrap();
+        assert_eq!(g.sum_squares(6..8).unwrap(), 2.0);
+        assert!(g.sum_squares(1..3).is_err(), "not held here");
     }
 }

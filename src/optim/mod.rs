@@ -16,7 +16,7 @@ use model::ParamSet;
 /// The layout of `params` in buckets of at least `bucket_size` elements, padded for `dp_size`
 /// data-parallel ranks.
 pub fn layout_of(params: &ParamSet, bucket_size: usize, dp_size: usize) -> FlatLayout {
-    let numels: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
+    let numels: Vec<usize> = params.iter().map(|p| p.numel()).collect();
     FlatLayout::new(&numels, bucket_size, dp_size)
 }
 
@@ -27,17 +27,13 @@ pub fn flatten_params(params: &ParamSet, layout: &FlatLayout) -> Result<Tensor> 
     for (i, p) in params.iter().enumerate() {
         let r = layout.range(i);
         if r.start > end {
-            parts.push(Tensor::zeros(r.start - end, DType::F32, p.var.device())?);
+            parts.push(Tensor::zeros(r.start - end, DType::F32, &p.device)?);
         }
-        parts.push(p.var.as_tensor().to_dtype(DType::F32)?.flatten_all()?);
+        parts.push(p.tensor()?.to_dtype(DType::F32)?.flatten_all()?);
         end = r.end;
     }
     if let (true, Some(p)) = (layout.total > end, params.iter().next()) {
-        parts.push(Tensor::zeros(
-            layout.total - end,
-            DType::F32,
-            p.var.device(),
-        )?);
+        parts.push(Tensor::zeros(layout.total - end, DType::F32, &p.device)?);
     }
     Tensor::cat(&parts, 0)
 }
@@ -46,12 +42,7 @@ pub fn flatten_params(params: &ParamSet, layout: &FlatLayout) -> Result<Tensor> 
 pub fn write_params(params: &ParamSet, layout: &FlatLayout, flat: &Tensor) -> Result<()> {
     for (i, p) in params.iter().enumerate() {
         let r = layout.range(i);
-        p.var.set(
-            &flat
-                .narrow(0, r.start, r.len())?
-                .reshape(p.var.shape())?
-                .to_dtype(p.var.dtype())?,
-        )?;
+        p.set(&flat.narrow(0, r.start, r.len())?)?;
     }
     Ok(())
 }

@@ -48,6 +48,25 @@ pub fn load_str(text: &str, origin: &Path, overrides: &[String]) -> Result<Recip
     finish(value, origin, overrides)
 }
 
+/// Parses a recipe that an earlier version of this program stored (in a checkpoint's manifest):
+/// keys it has since renamed are read as what they meant — `parallel.zero1: true|false` as
+/// `parallel.zero: 1|0` — where a user's recipe using them is refused with the new name.
+pub fn load_stored(text: &str, origin: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
+    let mut value: Value = serde_yaml::from_str(text).map_err(|e| RecipeError::Parse {
+        path: origin.into(),
+        message: e.to_string(),
+    })?;
+    if let Some(parallel) = value.get_mut("parallel").and_then(Value::as_mapping_mut) {
+        if let Some(old) = parallel.remove("zero1") {
+            if !parallel.contains_key("zero") {
+                let stage = u8::from(old.as_bool() == Some(true));
+                parallel.insert("zero".into(), stage.into());
+            }
+        }
+    }
+    finish(value, origin, overrides)
+}
+
 fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
     for arg in overrides {
         for (key, raw) in split_overrides(arg)? {

@@ -10,7 +10,7 @@ use model::LlamaConfig;
 use parallel::ParallelConfig;
 use serde::{Deserialize, Serialize};
 
-pub use load::{load, load_str, RecipeError};
+pub use load::{load, load_stored, load_str, RecipeError};
 pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, LrCurve, OptimizerConfig, Resume, RunConfig,
     ScheduleConfig, TrainConfig,

@@ -78,8 +78,30 @@ impl Recipe {
                 par.timeout_s
             ));
         }
-        if par.zero1 && par.dp == 1 {
-            p.push("parallel.zero1 shards optimizer state across data-parallel ranks and needs parallel.dp > 1".into());
+        if let Some(z) = par.zero1 {
+            p.push(format!(
+                "parallel.zero1 was replaced by parallel.zero (0-3); write parallel.zero: {}",
+                u8::from(z)
+            ));
+        }
+        if par.zero > 3 {
+            p.push(format!("parallel.zero ({}) must be 0, 1, 2 or 3", par.zero));
+        }
+        if par.zero > 0 && par.dp == 1 {
+            p.push(format!(
+                "parallel.zero: {} shards state across data-parallel ranks and needs parallel.dp > 1",
+                par.zero
+            ));
+        }
+        if let Some(n) = par.zero_shard_size {
+            if par.zero == 0 {
+                p.push("parallel.zero_shard_size needs parallel.zero >= 1".into());
+            } else if n == 0 || !par.dp.is_multiple_of(n) {
+                p.push(format!(
+                    "parallel.zero_shard_size ({n}) must divide parallel.dp ({})",
+                    par.dp
+                ));
+            }
         }
     }
 

@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
-use parallel::dp::{gather_shards, intersect};
+use parallel::dp::intersect;
 use parallel::Group;
 use tracing::info;
 
 use super::Trainer;
-use crate::optim::{write_params, AdamWState};
+use crate::optim::AdamWState;
 
 /// The block of its tensor that parameter `p` holds on this rank, in checkpoint terms.
 pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
@@ -61,7 +61,9 @@ impl Trainer {
         comm.barrier(&world)?;
         let mut writer = RankWriter::new(&root, step, self.ctx.rank)?;
         // Data-parallel replicas hold identical state: without ZeRO-1 only replica 0 writes it.
-        if self.recipe.parallel.zero1 || self.ctx.coords.dp == 0 {
+        // With sharding the first shard group writes (replica groups hold the same shards).
+        let first_shard_group = self.ctx.dp_replicate.ranks().first() == Some(&self.ctx.rank);
+        if (self.recipe.parallel.zero >= 1 && first_shard_group) || self.ctx.coords.dp == 0 {
             let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
             let layout = self.grads.layout();
             for (i, p) in self.model.params().iter().enumerate() {
@@ -194,13 +196,7 @@ impl Trainer {
             step: m.step,
             buffers,
         })?;
-        let master = self.optimizer.master()?;
-        let full = if self.recipe.parallel.zero1 {
-            gather_shards(&layout, &master, self.ctx.comm.as_ref(), &self.ctx.dp)?
-        } else {
-            master
-        };
-        write_params(params, &layout, &full.to_dtype(DType::F32)?)?;
+        super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
         self.step = m.step as usize;
         self.consumed = m.consumed_samples;
         if self.ctx.is_main() {

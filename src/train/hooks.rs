@@ -3,25 +3,36 @@
 //! The executor (`pipeline.rs`) runs every rank's step, pipelined or not, and calls the hooks
 //! around each piece (the embedding, a decoder block, the head) of each micro-batch:
 //!
-//! | hook | when | for |
+//! | hook | when | used by |
 //! |---|---|---|
-//! | [`StepHooks::before_forward`] | before a piece's forward | gathering a sharded piece's parameters (ZeRO-3, not built yet) |
-//! | [`StepHooks::before_backward`] | before a piece's backward (and its recompute) | the same, for the backward (ZeRO-3, not built yet) |
-//! | [`StepHooks::after_backward`] | after a piece's gradients are accumulated | reducing gradients per micro-batch (ZeRO-2/3, not built yet) |
-//! | [`StepHooks::param_final`] | after the last backward of the step that adds to a parameter | data-parallel sync ([`GradFinalizer`], today's user) |
+//! | [`StepHooks::before_forward`] | before a piece's forward | ZeRO-3: install its parameters |
+//! | [`StepHooks::after_forward`] | after it | ZeRO-3: release them (or keep them for the backward) |
+//! | [`StepHooks::before_backward`] | before its backward (and its recompute) | ZeRO-3: install |
+//! | [`StepHooks::after_backward`] | after its gradients are accumulated | ZeRO-2/3: reduce-scatter them; ZeRO-3: release |
+//! | [`StepHooks::param_final`] | after the last backward of the step that adds to a parameter | data-parallel sync |
 //!
 //! A parameter is final after the last micro-batch's backward of the last piece on this rank that
 //! uses it; with interleaved pipelines a later chunk's parameters are final while earlier chunks
-//! still run their cool-down, so their buckets are reduced during it.
+//! still run their cool-down, so their buckets are reduced during it. [`StepSync`] is the
+//! training step's implementation, over [`DataParallel`] and the ZeRO-3 [`Gatherer`].
 
 use anyhow::Result;
-use model::Piece;
-use parallel::dp::GradFinalizer;
+use model::{Llama, Piece};
+use parallel::dp::DataParallel;
+
+use super::zero::{Gatherer, Pass};
+use crate::optim::GradBuffer;
 
 /// Callbacks of the step executor; every method defaults to doing nothing.
 pub trait StepHooks {
     /// Before the forward of `piece` for micro-batch `micro`.
     fn before_forward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+        let _ = (piece, micro);
+        Ok(())
+    }
+
+    /// After the forward of `piece` for micro-batch `micro`.
+    fn after_forward(&mut self, piece: Piece, micro: usize) -> Result<()> {
         let _ = (piece, micro);
         Ok(())
     }
@@ -50,10 +61,54 @@ pub trait StepHooks {
 /// No hooks (a single rank outside a training job, e.g. gradient tests).
 impl StepHooks for () {}
 
-/// Data-parallel gradient sync (with the tensor- and pipeline-parallel partial sums before it)
-/// as each parameter becomes final.
-impl StepHooks for GradFinalizer {
+/// A training step's hooks: data-parallel gradient completion and, with ZeRO-3, parameter
+/// gathering.
+pub struct StepSync<'a> {
+    /// This rank's part of the model.
+    pub model: &'a Llama,
+    /// Its gradients.
+    pub grads: &'a GradBuffer,
+    /// Its data parallelism.
+    pub dp: &'a mut DataParallel,
+    /// ZeRO-3's gatherer.
+    pub gather: Option<&'a mut Gatherer>,
+}
+
+impl StepHooks for StepSync<'_> {
+    fn before_forward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+        match &mut self.gather {
+            Some(g) => g.before(self.model, self.dp, (piece, micro, Pass::Forward)),
+            None => Ok(()),
+        }
+    }
+
+    fn after_forward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+        match &mut self.gather {
+            Some(g) => g.after(self.model, (piece, micro, Pass::Forward)),
+            None => Ok(()),
+        }
+    }
+
+    fn before_backward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+        match &mut self.gather {
+            Some(g) => g.before(self.model, self.dp, (piece, micro, Pass::Backward)),
+            None => Ok(()),
+        }
+    }
+
+    fn after_backward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+        if self.grads.is_sharded() {
+            for (b, full) in self.grads.take_staged() {
+                self.dp.reduce_scatter(b, full)?;
+            }
+        }
+        match &mut self.gather {
+            Some(g) => g.after(self.model, (piece, micro, Pass::Backward)),
+            None => Ok(()),
+        }
+    }
+
     fn param_final(&mut self, param: usize) -> Result<()> {
-        Ok(GradFinalizer::param_final(self, param)?)
+        Ok(self.dp.param_final(param)?)
     }
 }

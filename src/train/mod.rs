@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod rank;
 mod run;
+pub mod zero;
 
 use std::path::Path;
 use std::time::Instant;
@@ -18,21 +19,23 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use data::{micro_batch_indices, GptData, Split};
 use model::{llama::masked_mean, Llama};
-use parallel::dp::{gather_shards, intersect, owned_ranges, GradFinalizer, GradGroups, Partial};
+use parallel::dp::{intersect, DataParallel};
 use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind};
 use parallel::tp::Shard;
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
 use crate::lr::lr_at;
-use crate::optim::{layout_of, write_params, AdamW, GradBuffer};
+use crate::optim::{AdamW, GradBuffer};
 use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
+use hooks::StepSync;
 use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
 use pipeline::{Executor, MicroBatch, Timed};
 pub use rank::RankCtx;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
 };
+use zero::{piece_uses, Gatherer, Pass};
 
 /// Everything one rank of a training run holds.
 pub struct Trainer {
@@ -42,8 +45,13 @@ pub struct Trainer {
     model: Llama,
     grads: GradBuffer,
     optimizer: AdamW,
-    /// Completes gradients as they become final (partial sums, data-parallel sync).
-    finalizer: GradFinalizer,
+    /// Completes gradients as they become final (partial sums, data-parallel sync) and holds the
+    /// ZeRO-3 parameter shards.
+    dp: DataParallel,
+    /// ZeRO-3: installs the parameters of the pieces being computed.
+    gather: Option<Gatherer>,
+    /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
+    uses: Vec<(model::Piece, usize, Pass)>,
     train_data: GptData,
     valid_data: Option<GptData>,
     metrics: Option<Metrics>,
@@ -127,38 +135,22 @@ impl Trainer {
             dtype,
             &device,
         )?;
-        let (dp, zero1) = (ctx.dp.size(), recipe.parallel.zero1);
-        let layout = layout_of(model.params(), recipe.parallel.bucket_size, dp);
-        let grads = GradBuffer::new(layout.clone(), &device)?;
-        let owned = owned_ranges(&layout, zero1, ctx.coords.dp, dp);
-        let optimizer = AdamW::new(model.params(), &layout, owned, &recipe.optimizer)?;
-        let tied_pipeline = recipe.model.tie_word_embeddings && ctx.pp.size() > 1;
-        let partial = model
-            .params()
-            .iter()
-            .map(|p| Partial {
-                over_tp: ctx.sequence_parallel && p.shard == Shard::Replicated,
-                over_pipeline_ends: tied_pipeline && p.kind == model::ParamKind::Embedding,
-            })
-            .collect();
-        let groups = GradGroups {
-            dp: ctx.dp.clone(),
-            tp: ctx.tp.clone(),
-            pipeline_ends: ctx.embedding_group(),
-        };
-        let finalizer = GradFinalizer::new(
-            ctx.comm.clone(),
-            grads.flat().clone(),
-            layout,
-            groups,
-            partial,
-            zero1,
-        )?;
+        let zero::RankState {
+            grads,
+            optimizer,
+            dp,
+            gather,
+        } = zero::rank_state(&recipe, &ctx, &model)?;
         let (v, m) = (ctx.virtual_stages, recipe.grad_accum_steps());
         let schedule =
             parallel::pipeline::build(ScheduleKind::for_virtual_stages(v), ctx.pp.size(), v, m)?;
         validate(&schedule)?;
         check_fifo(&schedule)?;
+        let uses = piece_uses(
+            &schedule,
+            ctx.coords.pp,
+            &ctx.chunks(model.config().num_hidden_layers),
+        );
         let write = write_outputs && ctx.is_main();
         let metrics = if write {
             Some(Metrics::open(&recipe.run.dir)?)
@@ -177,7 +169,9 @@ impl Trainer {
             model,
             grads,
             optimizer,
-            finalizer,
+            dp,
+            gather,
+            uses,
             train_data,
             valid_data,
             metrics,
@@ -239,10 +233,22 @@ impl Trainer {
             t.micro_batch,
             t.seq_len,
         );
-        self.finalizer.start();
-        let run = exec.step(&mbs, &self.grads, &mut self.finalizer, start)?;
+        self.dp.start();
+        if let Some(g) = &mut self.gather {
+            g.start(self.uses.clone(), false);
+        }
+        let mut hooks = StepSync {
+            model: &self.model,
+            grads: &self.grads,
+            dp: &mut self.dp,
+            gather: self.gather.as_mut(),
+        };
+        let run = exec.step(&mbs, &self.grads, &mut hooks, start)?;
+        if let Some(g) = &mut self.gather {
+            g.finish(&self.model)?;
+        }
         let reduced = self
-            .finalizer
+            .dp
             .finish()
             .context("synchronising gradients across data-parallel ranks")?;
         let since_start = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
@@ -271,13 +277,7 @@ impl Trainer {
         let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
         let opt_start = start.elapsed().as_secs_f64();
         self.optimizer.step(&self.grads, lr, clip)?;
-        let master = self.optimizer.master()?;
-        let full = if r.parallel.zero1 {
-            gather_shards(self.grads.layout(), &master, comm, &ctx.dp)?
-        } else {
-            master
-        };
-        write_params(self.model.params(), self.grads.layout(), &full)?;
+        zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
         self.step += 1;
         self.consumed += t.global_batch as u64;
         let traced = if r.run.trace_step == Some(self.step) {
@@ -348,21 +348,28 @@ impl Trainer {
         }
         let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
         sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
-        if self.recipe.parallel.zero1 {
-            sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp, sq)?;
+        if self.recipe.parallel.zero >= 1 {
+            // Shards of one shard group; replica groups hold the same shards.
+            sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp_shard, sq)?;
         }
         Ok(sq.sqrt())
     }
 
     /// Mean loss over the validation micro-batches (the same samples every time), split across
     /// data-parallel ranks.
-    pub fn evaluate(&self) -> Result<f64> {
+    pub fn evaluate(&mut self) -> Result<f64> {
         let Some(valid) = &self.valid_data else {
             bail!("validation is disabled (train.eval_interval = 0)")
         };
         let (t, ctx) = (&self.recipe.train, &self.ctx);
         let (mut sum, mut count) = (0.0, 0.0);
         let micro_batches = t.eval_batches * t.global_batch / t.micro_batch;
+        let forwards: Vec<(model::Piece, usize, Pass)> = ctx
+            .chunks(self.model.config().num_hidden_layers)
+            .into_iter()
+            .flatten()
+            .map(|p| (p, 0, Pass::Forward))
+            .collect();
         for i in (ctx.coords.dp..micro_batches).step_by(ctx.dp.size()) {
             let ix: Vec<u64> = (0..t.micro_batch)
                 .map(|j| (i * t.micro_batch + j) as u64)
@@ -372,7 +379,19 @@ impl Trainer {
             let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.device)?;
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
-            let losses = pipeline::forward_losses(&self.model, ctx, &tokens, &labels)?;
+            if let Some(g) = &mut self.gather {
+                g.start(forwards.clone(), true);
+            }
+            let mut hooks = StepSync {
+                model: &self.model,
+                grads: &self.grads,
+                dp: &mut self.dp,
+                gather: self.gather.as_mut(),
+            };
+            let losses = pipeline::forward_losses(&self.model, ctx, &tokens, &labels, &mut hooks)?;
+            if let Some(g) = &mut self.gather {
+                g.finish(&self.model)?;
+            }
             if let Some(l) = losses {
                 sum += masked_mean(&l.detach(), &mask)? * n;
                 count += n;
@@ -404,7 +423,11 @@ impl Trainer {
                 p.tp,
                 p.pp,
                 if p.sequence_parallel { " +sp" } else { "" },
-                if p.zero1 { " +zero1" } else { "" },
+                match (p.zero, p.zero_shard_size) {
+                    (0, _) => String::new(),
+                    (z, Some(n)) => format!(" +zero{z} (shards of {n})"),
+                    (z, None) => format!(" +zero{z}"),
+                },
                 self.recipe.grad_accum_steps(),
                 self.recipe.train.micro_batch,
                 self.recipe.train.seq_len
@@ -481,20 +504,19 @@ impl Trainer {
 
     /// This rank's parameter slices: `(name, global shape, slice, values)`.
     pub fn weight_slices(&self) -> Result<Vec<WeightSlice>> {
+        let whole = zero::whole_params(&self.dp, &self.model)?; // [layout.total] f32
+        let layout = self.dp.layout();
         self.model
             .params()
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
+                let r = layout.range(i);
                 Ok(WeightSlice {
                     name: p.name.clone(),
                     global_shape: p.global_shape.clone(),
                     block: p.block.clone(),
-                    values: p
-                        .var
-                        .as_tensor()
-                        .to_dtype(DType::F32)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?,
+                    values: whole.narrow(0, r.start, r.len())?.to_vec1::<f32>()?,
                 })
             })
             .collect()

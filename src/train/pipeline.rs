@@ -115,7 +115,7 @@ impl<'a> Executor<'a> {
             stage_ranks: ctx.pp.ranks(),
             chunks: ctx.chunks(cfg.num_hidden_layers),
             act_shape: Shape::from((micro_batch, seq_len / sp_split, cfg.hidden_size)),
-            dtype: model.params().get(0).var.dtype(),
+            dtype: model.params().get(0).dtype,
             recompute,
         }
     }
@@ -182,6 +182,7 @@ impl<'a> Executor<'a> {
                             p != Piece::Embedding,
                             mode(p),
                         )?;
+                        hooks.after_forward(p, micro)?;
                         runs.push(run);
                         x = y;
                     }
@@ -226,7 +227,7 @@ impl<'a> Executor<'a> {
                         let params = model.piece_params(p);
                         for &i in &params {
                             let param = model.params().get(i);
-                            let Some(g) = store.get(param.var.as_tensor()) else {
+                            let Some(g) = store.get(&param.tensor()?) else {
                                 bail!("parameter {} received no gradient in {p:?}", param.name);
                             };
                             grads.accumulate(i, g).with_context(|| {
@@ -272,13 +273,15 @@ impl<'a> Executor<'a> {
 }
 
 /// Forward-only pass of one batch through the pipeline of `ctx`, chunk by chunk, activations
-/// handed from stage to stage (no segments, no gradients). Returns the per-position losses
-/// `[b * s]` on the last stage, `None` elsewhere.
+/// handed from stage to stage (no segments, no gradients), with `hooks` around each piece's
+/// forward (micro-batch 0). Returns the per-position losses `[b * s]` on the last stage, `None`
+/// elsewhere.
 pub fn forward_losses(
     model: &Llama,
     ctx: &RankCtx,
     tokens: &Tensor,
     labels: &Tensor,
+    hooks: &mut dyn StepHooks,
 ) -> Result<Option<Tensor>> {
     let (pp, stage) = (ctx.pp.size(), ctx.coords.pp);
     let ranks = ctx.pp.ranks();
@@ -290,7 +293,7 @@ pub fn forward_losses(
     };
     let cfg = model.config();
     let shape = Shape::from((b, s / sp_split, cfg.hidden_size));
-    let dtype = model.params().get(0).var.dtype();
+    let dtype = model.params().get(0).dtype;
     for (c, pieces) in ctx.chunks(cfg.num_hidden_layers).into_iter().enumerate() {
         let g = c * pp + stage; // global chunk
         let mut x = if g == 0 {
@@ -299,11 +302,17 @@ pub fn forward_losses(
             ctx.comm.recv(ranks[(g - 1) % pp], &shape, dtype)?
         };
         for p in pieces {
-            x = match p {
+            hooks.before_forward(p, 0)?;
+            let y = match p {
                 Piece::Embedding => model.embed(&x)?,
                 Piece::Block(i) => model.block(i, &x)?,
-                Piece::Head => return Ok(Some(model.losses(&x, labels)?)),
+                Piece::Head => model.losses(&x, labels)?,
             };
+            hooks.after_forward(p, 0)?;
+            if p == Piece::Head {
+                return Ok(Some(y));
+            }
+            x = y;
         }
         ctx.comm.send(&x.detach(), ranks[(g + 1) % pp])?;
     }

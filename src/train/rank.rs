@@ -22,6 +22,13 @@ pub struct RankCtx {
     pub comm: Arc<dyn Comm>,
     /// Data-parallel group.
     pub dp: Group,
+    /// ZeRO shard group: the data-parallel ranks that split sharded state among themselves (all
+    /// of `dp`, or a group of `parallel.zero_shard_size` with hybrid sharding; this rank alone at
+    /// stage 0).
+    pub dp_shard: Group,
+    /// The ranks of the other shard groups holding the same shard (only this rank without hybrid
+    /// sharding).
+    pub dp_replicate: Group,
     /// Tensor-parallel group.
     pub tp: Group,
     /// Pipeline group (this rank's pipeline, stage order = member order).
@@ -38,10 +45,18 @@ impl RankCtx {
     /// The context of `rank` in the layout `cfg`, communicating through `comm`.
     pub fn new(cfg: &ParallelConfig, rank: usize, comm: Arc<dyn Comm>) -> anyhow::Result<Self> {
         let mesh = Mesh::from_config(cfg)?;
+        let coords = mesh.coords(rank);
+        let dp = mesh.group(Axis::Dp, rank);
+        // Data-parallel index d = r · n + s: shard s of shard group r (shards vary fastest).
+        let n = cfg.shard_size();
+        let (r, s) = (coords.dp / n, coords.dp % n);
+        let members = dp.ranks();
         Ok(Self {
             rank,
-            coords: mesh.coords(rank),
-            dp: mesh.group(Axis::Dp, rank),
+            coords,
+            dp_shard: Group::new(members[r * n..(r + 1) * n].to_vec()),
+            dp_replicate: Group::new(members.iter().skip(s).step_by(n).copied().collect()),
+            dp,
             tp: mesh.group(Axis::Tp, rank),
             pp: mesh.group(Axis::Pp, rank),
             virtual_stages: cfg.virtual_stages,

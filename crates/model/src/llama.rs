@@ -82,7 +82,7 @@ pub struct Targets {
 }
 
 /// A Llama model (or this rank's part of it) whose parameters live in a [`ParamSet`].
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Llama {
     config: LlamaConfig,
     placement: Placement,
@@ -200,8 +200,7 @@ impl Llama {
     {
         for p in self.params.iter() {
             let v = value(p)?;
-            let t = Tensor::from_vec(v, p.var.shape(), p.var.device())?.to_dtype(p.var.dtype())?;
-            p.var.set(&t)?;
+            p.set(&Tensor::from_vec(v, p.block.shape.as_slice(), &p.device)?)?;
         }
         Ok(())
     }
@@ -243,8 +242,8 @@ impl Llama {
         }
     }
 
-    fn w(&self, i: usize) -> &Tensor {
-        self.params.get(i).var.as_tensor()
+    fn w(&self, i: usize) -> Result<Tensor> {
+        self.params.get(i).tensor()
     }
 
     fn missing(&self, what: &str) -> candle_core::Error {
@@ -261,7 +260,9 @@ impl Llama {
             .filter(|_| self.placement.embedding)
             .ok_or_else(|| self.missing("embedding"))?;
         let vocab = self.params.get(e).block.range(0); // this rank's vocabulary ids
-        self.placement.tp.embedding(tokens, self.w(e), vocab.start)
+        self.placement
+            .tp
+            .embedding(tokens, &self.w(e)?, vocab.start)
     }
 
     /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism).
@@ -278,28 +279,28 @@ impl Llama {
             c.head_dim(),
         );
 
-        let h = ops::rms_norm(x, self.w(blk.input_layernorm), c.rms_norm_eps)?; // [b, s(/tp), h]
+        let h = ops::rms_norm(x, &self.w(blk.input_layernorm)?, c.rms_norm_eps)?; // [b, s(/tp), h]
         let h = tp.enter(&h)?; // [b, s, h]
         let (b, s, _) = h.dims3()?;
         let (cos, sin) = (self.cos.narrow(0, 0, s)?, self.sin.narrow(0, 0, s)?);
-        let q = linear(&h, self.w(blk.q_proj))?.reshape((b, s, hq, d))?; // [b, s, hq/tp, d]
-        let k = linear(&h, self.w(blk.k_proj))?.reshape((b, s, hkv, d))?; // [b, s, hkv/tp, d]
-        let v = linear(&h, self.w(blk.v_proj))?.reshape((b, s, hkv, d))?;
+        let q = linear(&h, &self.w(blk.q_proj)?)?.reshape((b, s, hq, d))?; // [b, s, hq/tp, d]
+        let k = linear(&h, &self.w(blk.k_proj)?)?.reshape((b, s, hkv, d))?; // [b, s, hkv/tp, d]
+        let v = linear(&h, &self.w(blk.v_proj)?)?.reshape((b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
         let a = ops::causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?; // [b, s, hq/tp, d]
-        let o = linear(&a.reshape((b, s, hq * d))?, self.w(blk.o_proj))?; // [b, s, h] partial
+        let o = linear(&a.reshape((b, s, hq * d))?, &self.w(blk.o_proj)?)?; // [b, s, h] partial
         let x = (x + tp.exit(&o)?)?;
 
         let h = tp.enter(&ops::rms_norm(
             &x,
-            self.w(blk.post_attention_layernorm),
+            &self.w(blk.post_attention_layernorm)?,
             c.rms_norm_eps,
         )?)?;
         let g = ops::swiglu(
-            &linear(&h, self.w(blk.gate_proj))?,
-            &linear(&h, self.w(blk.up_proj))?,
+            &linear(&h, &self.w(blk.gate_proj)?)?,
+            &linear(&h, &self.w(blk.up_proj)?)?,
         )?; // [b, s, f/tp]
-        x + tp.exit(&linear(&g, self.w(blk.down_proj))?)?
+        x + tp.exit(&linear(&g, &self.w(blk.down_proj)?)?)?
     }
 
     /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]` (f32).
@@ -308,11 +309,12 @@ impl Llama {
             .norm
             .zip(self.lm_head)
             .ok_or_else(|| self.missing("head"))?;
-        let h =
-            self.placement
-                .tp
-                .enter(&ops::rms_norm(x, self.w(norm), self.config.rms_norm_eps)?)?; // [b, s, h]
-        linear(&h.flatten_to(1)?, self.w(head))?.to_dtype(DType::F32)
+        let h = self.placement.tp.enter(&ops::rms_norm(
+            x,
+            &self.w(norm)?,
+            self.config.rms_norm_eps,
+        )?)?; // [b, s, h]
+        linear(&h.flatten_to(1)?, &self.w(head)?)?.to_dtype(DType::F32)
     }
 
     /// Per-position next-token losses `[b * s]` from the last hidden states; identical on every

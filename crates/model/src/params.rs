@@ -1,4 +1,11 @@
 //! `Parameter` and `ParamSet`: the model's named trainable tensors with their optimiser metadata.
+//!
+//! A parameter's tensor sits in a slot that can be emptied and refilled: with ZeRO-3 a rank keeps
+//! only a shard of each parameter, and the full tensor is installed just for the pieces that use
+//! it ([`Parameter::install`], [`Parameter::release`]). Reading a released parameter is an error
+//! naming it, never a silent zero.
+
+use std::sync::{RwLock, RwLockReadGuard};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use parallel::tp::{tp_shard, Block, Shard, TensorParallel};
@@ -17,12 +24,16 @@ pub enum ParamKind {
 }
 
 /// One trainable tensor, named as in Hugging Face (`model.layers.0.self_attn.q_proj.weight`).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Parameter {
     /// Hugging Face parameter name.
     pub name: String,
-    /// The tensor autograd differentiates against.
-    pub var: Var,
+    /// The tensor autograd differentiates against (`None` while released).
+    var: RwLock<Option<Var>>,
+    /// Element type of the tensor.
+    pub dtype: DType,
+    /// Its device.
+    pub device: Device,
     /// Its role.
     pub kind: ParamKind,
     /// Shape of the whole (unsharded) tensor.
@@ -46,9 +57,67 @@ pub struct ParamSpec<'a> {
     pub init: Init,
 }
 
+impl Parameter {
+    fn slot(&self) -> RwLockReadGuard<'_, Option<Var>> {
+        // A poisoned lock only means a panic elsewhere mid-update; the slot itself is intact.
+        self.var.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The variable autograd differentiates against.
+    pub fn var(&self) -> Result<Var> {
+        self.slot().clone().ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "parameter {} is not on this rank right now (released after its use; ZeRO-3 \
+                 gathers it before the pieces that need it)",
+                self.name
+            ))
+        })
+    }
+
+    /// The parameter's tensor (this rank's block, shape `block.shape`).
+    pub fn tensor(&self) -> Result<Tensor> {
+        Ok(self.var()?.as_tensor().clone())
+    }
+
+    /// Elements of this rank's block.
+    pub fn numel(&self) -> usize {
+        self.block.shape.iter().product()
+    }
+
+    /// Whether the tensor is installed.
+    pub fn is_installed(&self) -> bool {
+        self.slot().is_some()
+    }
+
+    /// Installs `t` (this rank's block, any layout; cast to the parameter's dtype) as a new
+    /// variable.
+    pub fn install(&self, t: &Tensor) -> Result<()> {
+        let t = t
+            .reshape(self.block.shape.as_slice())?
+            .to_dtype(self.dtype)?;
+        let var = Var::from_tensor(&t)?;
+        *self.var.write().unwrap_or_else(|e| e.into_inner()) = Some(var);
+        Ok(())
+    }
+
+    /// Drops the tensor (its memory is freed once no autograd graph holds it).
+    pub fn release(&self) {
+        *self.var.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Overwrites the installed tensor's values in place with `t` (same number of elements;
+    /// cast to the parameter's dtype).
+    pub fn set(&self, t: &Tensor) -> Result<()> {
+        let t = t
+            .reshape(self.block.shape.as_slice())?
+            .to_dtype(self.dtype)?;
+        self.var()?.set(&t)
+    }
+}
+
 /// The ordered list of a model's parameters; indices into it identify parameters everywhere
 /// (gradient buffers, optimiser state, checkpoints).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct ParamSet {
     params: Vec<Parameter>,
 }
@@ -91,7 +160,9 @@ impl ParamSet {
         let t = Tensor::from_vec(values, block.shape.as_slice(), device)?.to_dtype(dtype)?;
         self.params.push(Parameter {
             name: name.to_string(),
-            var: Var::from_tensor(&t)?,
+            var: RwLock::new(Some(Var::from_tensor(&t)?)),
+            dtype,
+            device: device.clone(),
             kind,
             global_shape: global_shape.to_vec(),
             shard,
@@ -122,7 +193,7 @@ impl ParamSet {
 
     /// Total number of elements.
     pub fn numel(&self) -> usize {
-        self.params.iter().map(|p| p.var.elem_count()).sum()
+        self.params.iter().map(Parameter::numel).sum()
     }
 
     /// Index of the parameter called `name`.

@@ -22,9 +22,21 @@ pub struct ParallelConfig {
     /// Split norms and residual activations along the sequence across tensor-parallel ranks.
     #[serde(default)]
     pub sequence_parallel: bool,
-    /// Shard optimizer state across data-parallel ranks (ZeRO stage 1).
+    /// ZeRO stage (Rajbhandari et al. 2020): what data-parallel ranks shard instead of
+    /// replicating. 0: nothing; 1: optimizer state (fp32 master weights and moments); 2: also
+    /// gradients (reduce-scattered after each micro-batch's backward of a unit); 3: also
+    /// parameters (a unit is all-gathered before its forward and backward).
     #[serde(default)]
-    pub zero1: bool,
+    pub zero: u8,
+    /// Hybrid sharding (HSDP): ZeRO shards within groups of this many data-parallel ranks and
+    /// replicates across the groups (gradients reduce-scattered inside a group, then all-reduced
+    /// across groups). Default: all data-parallel ranks form one group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero_shard_size: Option<usize>,
+    /// The key before `zero`: still read so that recipes using it get an error naming the new
+    /// key; never written.
+    #[serde(default, skip_serializing)]
+    pub zero1: Option<bool>,
     /// Elements per data-parallel gradient bucket: consecutive parameters are grouped until a
     /// bucket holds at least this many, and a bucket is reduced across data-parallel ranks as soon
     /// as all its gradients are final, while the backward pass goes on. Smaller buckets start
@@ -60,7 +72,9 @@ impl Default for ParallelConfig {
             pp: 1,
             virtual_stages: 1,
             sequence_parallel: false,
-            zero1: false,
+            zero: 0,
+            zero_shard_size: None,
+            zero1: None,
             bucket_size: DEFAULT_BUCKET_SIZE,
             timeout_s: default_timeout(),
         }
@@ -71,5 +85,14 @@ impl ParallelConfig {
     /// Number of ranks the layout needs.
     pub fn world_size(&self) -> usize {
         self.dp * self.tp * self.pp
+    }
+
+    /// Data-parallel ranks per ZeRO shard group: `zero_shard_size`, or all of them; 1 at stage 0.
+    pub fn shard_size(&self) -> usize {
+        if self.zero == 0 {
+            1
+        } else {
+            self.zero_shard_size.unwrap_or(self.dp)
+        }
     }
 }

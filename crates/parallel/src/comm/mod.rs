@@ -6,6 +6,7 @@ pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod tcp;
+pub mod thread;
 
 use std::fmt;
 use std::sync::Arc;

@@ -2,9 +2,10 @@
 //! buffer, cut into buckets for data-parallel communication.
 //!
 //! Parameters are laid out back to back in model order; consecutive parameters are grouped into
-//! buckets of about `bucket_elems` elements, and each bucket is padded to a multiple of the
-//! data-parallel size so that it reduce-scatters into equal shards (ZeRO-1, see `zero.rs`).
-//! Padding elements stay zero.
+//! buckets — of about `bucket_elems` elements ([`FlatLayout::new`]), or given ranges such as
+//! the parameters of one model piece ([`FlatLayout::with_buckets`], ZeRO-2/3) — and each bucket is
+//! padded to a multiple of the shard count so that it reduce-scatters into equal shards (see
+//! `zero.rs`). Padding elements stay zero.
 
 use std::ops::Range;
 
@@ -70,6 +71,35 @@ impl FlatLayout {
         }
     }
 
+    /// Lays out parameters of `numels` elements with one bucket per range of parameter indices in
+    /// `buckets` (consecutive, covering every parameter; e.g. the parameters of one model piece),
+    /// each padded to a multiple of `pad`.
+    pub fn with_buckets(numels: &[usize], buckets: &[Range<usize>], pad: usize) -> Self {
+        let mut offsets = Vec::with_capacity(numels.len());
+        let mut out = Vec::with_capacity(buckets.len());
+        let mut total = 0;
+        for params in buckets {
+            let start = total;
+            for &n in &numels[params.clone()] {
+                offsets.push(total);
+                total += n;
+            }
+            let len = (total - start).div_ceil(pad) * pad;
+            out.push(Bucket {
+                params: params.clone(),
+                start,
+                len,
+            });
+            total = start + len;
+        }
+        Self {
+            offsets,
+            numels: numels.to_vec(),
+            buckets: out,
+            total,
+        }
+    }
+
     /// Flat range of parameter `i`.
     pub fn range(&self, i: usize) -> Range<usize> {
         self.offsets[i]..self.offsets[i] + self.numels[i]
@@ -118,6 +148,15 @@ mod tests {
         assert_eq!(l.buckets[1].shard(1, 4), 11..14);
         assert_eq!(intersect(&(0..5), &(3..9)), 3..5);
         assert!(intersect(&(0..2), &(3..9)).is_empty());
+    }
+
+    #[test]
+    fn given_buckets_are_padded_one_by_one() {
+        let l = FlatLayout::with_buckets(&[5, 3, 7, 2], &[0..1, 1..3, 3..4], 4);
+        assert_eq!(l.offsets, vec![0, 8, 11, 20]);
+        let spans: Vec<(usize, usize)> = l.buckets.iter().map(|b| (b.start, b.len)).collect();
+        assert_eq!(spans, vec![(0, 8), (8, 12), (20, 4)]);
+        assert_eq!((l.total, l.bucket_of(2)), (24, 1));
     }
 
     #[test]

@@ -6,21 +6,22 @@
 //! - [`sync`]: [`GradSync`], the overlapped bucket reducer — a bucket whose gradients are final is
 //!   all-reduced (or reduce-scattered, ZeRO-1) on a background thread while the backward pass
 //!   continues;
-//! - [`finalize`]: [`GradFinalizer`], what the step executor calls as each parameter's gradient
-//!   becomes final — the partial sums of copies on other ranks of the replica (sequence-parallel
-//!   norms, the tied embedding of a pipeline), then the bucket reducer;
-//! - [`zero`]: ZeRO-1 ownership (which flat ranges a rank's optimizer updates) and the gathering of
+//! - [`rank`]: [`DataParallel`], what the step executor's hooks drive: gradient finalisation at
+//!   every ZeRO stage (the partial sums of copies on other ranks of the replica, then the bucket
+//!   reducer or, at stages 2 and 3, per-piece reduce-scatters into this rank's shards) and the
+//!   gathering of sharded parameters at stage 3;
+//! - [`zero`]: ZeRO ownership (which flat ranges a rank's optimizer updates) and the gathering of
 //!   the updated shards.
 //!
 //! Gradients are summed, not averaged: each micro-batch's loss is already divided by the global
 //! batch's token count, which makes the gradient independent of how the batch is split.
 
-pub mod finalize;
 pub mod layout;
+pub mod rank;
 pub mod sync;
 pub mod zero;
 
-pub use finalize::{GradFinalizer, GradGroups, Partial};
 pub use layout::{intersect, Bucket, FlatLayout};
-pub use sync::{BucketSpan, GradSync};
+pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
+pub use sync::{BucketSpan, GradSync, Reduction};
 pub use zero::{gather_shards, owned_ranges};

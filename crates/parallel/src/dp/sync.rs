@@ -1,24 +1,42 @@
 //! Data-parallel gradient synchronisation overlapped with the backward pass.
 //!
 //! The trainer reports each parameter as soon as its gradient is final (during the last
-//! micro-batch's backward of its chunk). When every parameter of a bucket is final, the bucket is
-//! handed to a background thread that all-reduces it (or, with ZeRO-1, reduce-scatters it so each
-//! rank keeps the sum of its shard) over the data-parallel group while the backward pass continues
-//! with earlier layers. `finish` waits for the outstanding buckets and reports when each one was
-//! reduced. Gradients are summed, not averaged: the loss is already normalised by the global
-//! batch's token count.
+//! micro-batch's backward of its chunk). When every parameter of a bucket is final, the bucket's
+//! reduction goes to the rank's communication thread — an all-reduce over the data-parallel
+//! group, or with ZeRO-1 a reduce-scatter over the shard group (each rank keeps the sum of its
+//! shard), followed with hybrid sharding by an all-reduce of the shard over the replica group —
+//! while the backward pass continues with earlier layers. `finish` waits for the outstanding
+//! buckets and reports when each one was reduced. Gradients are summed, not averaged: the loss is
+//! already normalised by the global batch's token count.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use candle_core::{Result, Tensor};
 
 use super::FlatLayout;
+use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, ReduceOp};
 
-/// When one bucket's reduction ran (on the reducer's thread).
+/// How a complete bucket is reduced across data-parallel ranks.
+#[derive(Debug, Clone)]
+pub enum Reduction {
+    /// All-reduce over the data-parallel group: every rank gets the whole sum.
+    AllReduce {
+        /// The data-parallel group.
+        dp: Group,
+    },
+    /// Reduce-scatter over the shard group, so each rank keeps the sum of its shard of the
+    /// bucket; then, with hybrid sharding, an all-reduce of that shard over the replica group.
+    Shard {
+        /// The ranks sharing the state (ZeRO shard group).
+        shard: Group,
+        /// The ranks holding the same shard in other shard groups.
+        replicate: Group,
+    },
+}
+
+/// When one bucket's reduction ran (on the communication thread).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketSpan {
     /// The bucket.
@@ -32,67 +50,45 @@ pub struct BucketSpan {
 /// Overlapped bucket reducer of one rank.
 pub struct GradSync {
     layout: FlatLayout,
+    flat: Tensor,
+    comm: Arc<dyn Comm>,
+    reduction: Reduction,
+    /// This rank's shard index (with [`Reduction::Shard`]).
+    shard_index: usize,
     /// Parameters still pending per bucket in the current step.
     pending: Vec<usize>,
-    to_worker: Option<Sender<usize>>,
-    from_worker: Receiver<Result<BucketSpan>>,
-    in_flight: usize,
-    worker: Option<JoinHandle<()>>,
+    in_flight: Vec<Ticket<BucketSpan>>,
+    thread: CommThread,
 }
 
 impl GradSync {
-    /// Starts the reducer thread for gradients held in `flat` (`layout.total` f32 elements).
+    /// A reducer for gradients held in `flat` (`layout.total` f32 elements), with its own
+    /// communication thread.
     pub fn new(
         layout: FlatLayout,
         flat: Tensor,
         comm: Arc<dyn Comm>,
-        dp: Group,
-        zero1: bool,
+        reduction: Reduction,
     ) -> Result<Self> {
-        let (to_worker, jobs) = channel::<usize>();
-        let (done, from_worker) = channel::<Result<BucketSpan>>();
-        let buckets = layout.buckets.clone();
-        let me = dp
-            .index_of(comm.rank())
-            .expect("a rank belongs to its data-parallel group");
-        let worker = std::thread::Builder::new()
-            .name(format!("dp-sync-{}", comm.rank()))
-            .spawn(move || {
-                for b in jobs {
-                    let bucket = &buckets[b];
-                    let start = Instant::now();
-                    let r = (|| {
-                        let data = flat.narrow(0, bucket.start, bucket.len)?.copy()?; // [len]
-                        if zero1 {
-                            let shard = comm.reduce_scatter(&dp, &data, 0)?; // [len / dp]
-                            flat.slice_set(&shard, 0, bucket.shard(me, dp.size()).start)?;
-                        } else {
-                            flat.slice_set(
-                                &comm.all_reduce(&dp, &data, ReduceOp::Sum)?,
-                                0,
-                                bucket.start,
-                            )?;
-                        }
-                        Ok(BucketSpan {
-                            bucket: b,
-                            start,
-                            end: Instant::now(),
-                        })
-                    })();
-                    if done.send(r).is_err() {
-                        break;
-                    }
-                }
-            })
-            .map_err(candle_core::Error::wrap)?;
-        let pending = vec![0; layout.buckets.len()];
+        let shard_index = match &reduction {
+            Reduction::AllReduce { .. } => 0,
+            Reduction::Shard { shard, .. } => shard.index_of(comm.rank()).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "gradient sync: rank {} is not in its shard group {shard:?}",
+                    comm.rank()
+                ))
+            })?,
+        };
+        let thread = CommThread::new(format!("dp-sync-{}", comm.rank()))?;
         Ok(Self {
+            pending: vec![0; layout.buckets.len()],
             layout,
-            pending,
-            to_worker: Some(to_worker),
-            from_worker,
-            in_flight: 0,
-            worker: Some(worker),
+            flat,
+            comm,
+            reduction,
+            shard_index,
+            in_flight: Vec::new(),
+            thread,
         })
     }
 
@@ -111,30 +107,47 @@ impl GradSync {
         }
         self.pending[b] -= 1;
         if self.pending[b] == 0 {
-            let tx = self.to_worker.as_ref().expect("worker runs until drop");
-            tx.send(b)
-                .map_err(|_| candle_core::Error::Msg("gradient sync worker stopped".into()))?;
-            self.in_flight += 1;
+            let bucket = self.layout.buckets[b].clone();
+            let (flat, comm) = (self.flat.clone(), self.comm.clone());
+            let (reduction, me) = (self.reduction.clone(), self.shard_index);
+            let ticket = self.thread.submit(move || {
+                let start = Instant::now();
+                let data = flat.narrow(0, bucket.start, bucket.len)?.copy()?; // [len]
+                match &reduction {
+                    Reduction::AllReduce { dp } => {
+                        let sum = comm.all_reduce(dp, &data, ReduceOp::Sum)?; // [len]
+                        flat.slice_set(&sum, 0, bucket.start)?;
+                    }
+                    Reduction::Shard { shard, replicate } => {
+                        let mut part = comm.reduce_scatter(shard, &data, 0)?; // [len / n]
+                        if replicate.size() > 1 {
+                            part = comm.all_reduce(replicate, &part, ReduceOp::Sum)?;
+                        }
+                        flat.slice_set(&part, 0, bucket.shard(me, shard.size()).start)?;
+                    }
+                }
+                Ok(BucketSpan {
+                    bucket: b,
+                    start,
+                    end: Instant::now(),
+                })
+            })?;
+            self.in_flight.push(ticket);
         }
         Ok(())
     }
 
     /// Waits until every bucket of the step has been reduced and returns when each was (in
-    /// completion order); an error names the failure.
+    /// submission order); an error names the failure.
     pub fn finish(&mut self) -> Result<Vec<BucketSpan>> {
         if let Some((b, n)) = self.pending.iter().enumerate().find(|(_, &n)| n > 0) {
             candle_core::bail!(
                 "gradient sync: bucket {b} still waits for {n} parameters at the end of backward"
             );
         }
-        let (mut spans, mut first_err) = (Vec::with_capacity(self.in_flight), None);
-        while self.in_flight > 0 {
-            let r = self
-                .from_worker
-                .recv()
-                .map_err(|_| candle_core::Error::Msg("gradient sync worker died".into()))?;
-            self.in_flight -= 1;
-            match r {
+        let (mut spans, mut first_err) = (Vec::with_capacity(self.in_flight.len()), None);
+        for ticket in self.in_flight.drain(..) {
+            match ticket.wait() {
                 Ok(span) => spans.push(span),
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -142,14 +155,5 @@ impl GradSync {
             }
         }
         first_err.map_or(Ok(spans), Err)
-    }
-}
-
-impl Drop for GradSync {
-    fn drop(&mut self) {
-        self.to_worker.take();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
     }
 }

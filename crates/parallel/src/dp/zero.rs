@@ -10,19 +10,20 @@ use candle_core::{Result, Tensor};
 use super::FlatLayout;
 use crate::comm::{Comm, Group};
 
-/// The flat ranges data-parallel rank `dp_index` of `dp_size` owns: with ZeRO-1 its shard of each
-/// (non-empty) bucket, otherwise the whole buffer.
+/// The flat ranges whose optimizer state rank `shard_index` of a shard group of `shard_size`
+/// owns: with sharding (ZeRO stage 1 and above) its shard of each (non-empty) bucket, otherwise
+/// the whole buffer.
 pub fn owned_ranges(
     layout: &FlatLayout,
-    zero1: bool,
-    dp_index: usize,
-    dp_size: usize,
+    sharded: bool,
+    shard_index: usize,
+    shard_size: usize,
 ) -> Vec<Range<usize>> {
-    if zero1 {
+    if sharded {
         layout
             .buckets
             .iter()
-            .map(|b| b.shard(dp_index, dp_size))
+            .map(|b| b.shard(shard_index, shard_size))
             .filter(|r| !r.is_empty())
             .collect()
     } else {
@@ -30,19 +31,20 @@ pub fn owned_ranges(
     }
 }
 
-/// Reassembles the whole flat buffer `[layout.total]` from every data-parallel rank's
-/// shards. `own` holds this rank's shards of all buckets back to back (`[layout.total / dp]`).
+/// Reassembles the whole flat buffer `[layout.total]` from the shards of every rank of the shard
+/// group `shard`. `own` holds this rank's shards of all buckets back to back
+/// (`[layout.total / shard.size()]`).
 pub fn gather_shards(
     layout: &FlatLayout,
     own: &Tensor,
     comm: &dyn Comm,
-    dp: &Group,
+    shard: &Group,
 ) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(layout.buckets.len());
     let mut offset = 0;
     for b in &layout.buckets {
-        let n = b.len / dp.size();
-        parts.push(comm.all_gather(dp, &own.narrow(0, offset, n)?, 0)?); // [len]
+        let n = b.len / shard.size();
+        parts.push(comm.all_gather(shard, &own.narrow(0, offset, n)?, 0)?); // [len]
         offset += n;
     }
     Tensor::cat(&parts, 0)
@@ -53,7 +55,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn zero1_owns_one_shard_per_bucket() {
+    fn a_sharded_rank_owns_one_shard_per_bucket() {
         let l = FlatLayout::new(&[5, 3, 7, 2], 8, 4);
         assert_eq!(owned_ranges(&l, true, 3, 4), vec![6..8, 17..20]);
         assert_eq!(owned_ranges(&l, true, 0, 4), vec![0..2, 8..11]);

@@ -1,0 +1,112 @@
+//! `CommThread`: a rank's communication thread. Work submitted to it runs one job at a time, in
+//! submission order, while the submitting (compute) thread goes on; a [`Ticket`] waits for a job's
+//! result.
+//!
+//! Collectives on one group must be issued in the same order by every member. A rank that issues
+//! some collectives from its compute thread and others from this thread keeps that order by
+//! giving each group to one thread only: data-parallel groups to this thread (gradient buckets,
+//! ZeRO gathers and reduce-scatters), tensor- and pipeline-parallel groups to the compute thread.
+//! Every member submits the same jobs in the same order (they run the same schedule), so the
+//! jobs' collectives match across ranks.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::thread::JoinHandle;
+
+use candle_core::{Error, Result};
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A rank's communication thread (see the module docs).
+pub struct CommThread {
+    jobs: Option<Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+/// The pending result of a job submitted to a [`CommThread`].
+#[must_use = "a ticket's result must be waited for"]
+pub struct Ticket<T> {
+    result: Receiver<Result<T>>,
+}
+
+impl<T> Ticket<T> {
+    /// Waits for the job and returns its result.
+    pub fn wait(self) -> Result<T> {
+        self.result
+            .recv()
+            .map_err(|_| Error::Msg("communication thread stopped before the job ran".into()))?
+    }
+}
+
+impl CommThread {
+    /// Starts the thread, named `name`.
+    pub fn new(name: String) -> Result<Self> {
+        let (jobs, queue) = channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                for job in queue {
+                    job();
+                }
+            })
+            .map_err(Error::wrap)?;
+        Ok(Self {
+            jobs: Some(jobs),
+            worker: Some(worker),
+        })
+    }
+
+    /// Runs `job` on the thread after every job submitted before it.
+    pub fn submit<T: Send + 'static>(
+        &self,
+        job: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<Ticket<T>> {
+        let (done, result) = channel();
+        let run: Job = Box::new(move || {
+            // The submitter may have stopped waiting (its step failed): nothing to report to.
+            let _ = done.send(job());
+        });
+        self.jobs
+            .as_ref()
+            .and_then(|q| q.send(run).ok())
+            .ok_or_else(|| Error::Msg("communication thread stopped".into()))?;
+        Ok(Ticket { result })
+    }
+}
+
+impl Drop for CommThread {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn jobs_run_in_submission_order_and_report_their_results() {
+        let t = CommThread::new("comm-test".into()).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let tickets: Vec<Ticket<usize>> = (0..20)
+            .map(|k| {
+                let seen = seen.clone();
+                t.submit(move || {
+                    seen.lock().unwrap().push(k);
+                    Ok(k * k)
+                })
+                .unwrap()
+            })
+            .collect();
+        let failing = t
+            .submit(|| -> Result<()> { candle_core::bail!("boom") })
+            .unwrap();
+        let results: Vec<usize> = tickets.into_iter().map(|x| x.wait().unwrap()).collect();
+        assert_eq!(results, (0..20).map(|k| k * k).collect::<Vec<_>>());
+        assert_eq!(*seen.lock().unwrap(), (0..20).collect::<Vec<_>>());
+        assert!(failing.wait().unwrap_err().to_string().contains("boom"));
+    }
+}
