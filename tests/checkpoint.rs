@@ -1,6 +1,6 @@
-//! Checkpoints end to end: resuming equals the uninterrupted run bit for bit (one rank and a
-//! parallel layout), and a checkpoint written at one layout continues the same loss curve at
-//! another (within the layout tolerance of tests/parallel.rs).
+//! Checkpoints end to end: resuming equals the uninterrupted run bit for bit (one rank, a parallel
+//! layout, ZeRO stages 2 and 3), and a checkpoint written at one layout (or ZeRO stage) continues
+//! the same loss curve at another (within the layout tolerance of tests/parallel.rs).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -34,6 +34,9 @@ fn resume_is_bit_identical_on_one_rank_and_on_a_parallel_layout() {
     for layout in [
         "parallel.dp=1",
         "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero=1",
+        "parallel.dp=2,parallel.zero=2",
+        // Stage 3 with a pipeline (the tied embedding's copies) and hybrid sharding.
+        "parallel.dp=4,parallel.pp=2,parallel.zero=3,parallel.zero_shard_size=2",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let full = run(&tmp.path().join("a"), &[layout, "checkpoint.interval=3"]);
@@ -66,8 +69,13 @@ fn a_checkpoint_loads_at_any_layout_and_continues_the_curve() {
             "checkpoint.interval=3",
         ],
     );
+    let sharded = run(
+        &tmp.path().join("sharded"),
+        &["parallel.dp=4,parallel.zero=3", "checkpoint.interval=3"],
+    );
     let from_single = tmp.path().join("single/checkpoints/step-00000003");
     let from_wide = tmp.path().join("wide/checkpoints/step-00000003");
+    let from_sharded = tmp.path().join("sharded/checkpoints/step-00000003");
     let cases = [
         (&from_wide, "parallel.dp=1", "(2,2,1) -> (1,1,1)"),
         (&from_wide, "parallel.tp=2", "(2,2,1) -> (1,2,1)"),
@@ -80,6 +88,16 @@ fn a_checkpoint_loads_at_any_layout_and_continues_the_curve() {
             &from_single,
             "parallel.tp=4,parallel.sequence_parallel=true",
             "(1,1,1) -> (1,4,1) SP",
+        ),
+        (
+            &from_sharded,
+            "parallel.tp=2",
+            "(4,1,1) ZeRO-3 -> (1,2,1) stage 0",
+        ),
+        (
+            &from_single,
+            "parallel.dp=2,parallel.tp=2,parallel.zero=3",
+            "(1,1,1) -> (2,2,1) ZeRO-3",
         ),
     ];
     for (i, (from, layout, name)) in cases.iter().enumerate() {
@@ -95,7 +113,7 @@ fn a_checkpoint_loads_at_any_layout_and_continues_the_curve() {
         let d = max_diff(&out.weights, &single.weights);
         assert!(d < 3e-4, "{name}: weights differ by {d:.2e}");
     }
-    drop(wide);
+    drop((wide, sharded));
 }
 
 #[test]

@@ -23,37 +23,45 @@ fn losses(dir: &Path) -> Vec<f64> {
 
 #[test]
 fn processes_train_exactly_like_threads() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
-        .args([
-            "--nproc-per-node",
-            "4",
-            "--recipe",
-            "recipes/tiny.yaml",
-            "--set",
-            LAYOUT,
-        ])
-        .arg("--set")
-        .arg(format!("run.dir={}", dir.path().display()))
-        .output()
-        .unwrap();
-    let log =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "launcher failed:\n{log}");
-    let procs = losses(dir.path());
+    // Plain data parallelism with a pipeline, and ZeRO-3 (gathers and reduce-scatters on each
+    // rank's communication thread beside the pipeline's traffic).
+    for layout in [LAYOUT.to_string(), format!("{LAYOUT},parallel.zero=3")] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+            .args([
+                "--nproc-per-node",
+                "4",
+                "--recipe",
+                "recipes/tiny.yaml",
+                "--set",
+            ])
+            .arg(&layout)
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.path().display()))
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{layout}: launcher failed:\n{log}");
+        let procs = losses(dir.path());
 
-    let r = recipe::load(Path::new("recipes/tiny.yaml"), &[LAYOUT.to_string()]).unwrap();
-    let threads: Vec<f64> = pretrain::train::train(r, false)
-        .unwrap()
-        .records
-        .iter()
-        .map(|s| s.loss)
-        .collect();
-    assert_eq!(procs.len(), 3);
-    assert_eq!(
-        procs, threads,
-        "process ranks must equal thread ranks bit for bit"
-    );
+        let r = recipe::load(
+            Path::new("recipes/tiny.yaml"),
+            std::slice::from_ref(&layout),
+        )
+        .unwrap();
+        let threads: Vec<f64> = pretrain::train::train(r, false)
+            .unwrap()
+            .records
+            .iter()
+            .map(|s| s.loss)
+            .collect();
+        assert_eq!(procs.len(), 3);
+        assert_eq!(
+            procs, threads,
+            "{layout}: process ranks must equal thread ranks bit for bit"
+        );
+    }
 }
 
 #[test]

@@ -24,3 +24,125 @@ fn zero_2_and_3_train_like_one_rank_at_every_layout() {
         }
     }
 }
+
+/// What one rank of a one-step run reports about its memory.
+struct RankMemory {
+    /// Parameters on the rank (elements of its tensor-parallel blocks).
+    params: usize,
+    /// Elements of its flat buffers, padding included.
+    total: usize,
+    /// Its buckets.
+    buckets: usize,
+    /// Elements of the largest piece's buckets.
+    largest_piece: usize,
+    state: pretrain::train::metrics::StateBytes,
+    param_unit_peak: usize,
+}
+
+fn memory(layout: &str) -> Vec<RankMemory> {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use pretrain::train::{RankCtx, Trainer};
+
+    let o = vec![
+        "train.steps=1,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4".to_string(),
+        layout.to_string(),
+    ];
+    let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    let world = recipe.parallel.world_size();
+    parallel::comm::local::run_local(world, Duration::from_secs(60), |rank, comm| {
+        let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+        let chunks = ctx.chunks(recipe.model.num_hidden_layers);
+        let mut trainer = Trainer::new(recipe.clone(), ctx, false)?;
+        let rec = trainer.train_step()?;
+        let (model, layout) = (trainer.model(), trainer.layout());
+        let largest_piece = chunks
+            .iter()
+            .flatten()
+            .map(|&p| {
+                let mut b: Vec<usize> = model
+                    .piece_params(p)
+                    .iter()
+                    .map(|&i| layout.bucket_of(i))
+                    .collect();
+                b.dedup();
+                b.iter().map(|&b| layout.buckets[b].len).sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0);
+        Ok::<_, anyhow::Error>(RankMemory {
+            params: model.params().numel(),
+            total: layout.total,
+            buckets: layout.buckets.len(),
+            largest_piece,
+            state: rec.state,
+            param_unit_peak: rec.param_unit_peak_bytes,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{layout}: {e}: {:#}", e.error))
+}
+
+/// Bytes per rank fall as the ZeRO paper's formulas say, for our precisions: with Ψ the rank's
+/// parameters, T its flat elements (Ψ plus bucket padding), N the shard group size and p the
+/// bytes of the training dtype (4 for f32, 2 for bf16), parameters + fp32 gradients + fp32 master
+/// and two moments take
+///   stage 0: pΨ + 4T + 12T,   stage 1: pΨ + 4T + 12T/N,
+///   stage 2: pΨ + (4 + 12)T/N,   stage 3: (p + 4 + 12)T/N.
+/// At stage 3 the full parameters live at once are at most two pieces' worth.
+#[test]
+fn bytes_per_rank_follow_the_zero_formulas() {
+    for (dtype, p) in [("f32", 4), ("bf16", 2)] {
+        let mut totals = Vec::new();
+        for stage in 0..=3 {
+            let layout = format!(
+                "parallel.dp=4,parallel.zero={stage},train.dtype={dtype},train.recompute=full"
+            );
+            let ranks = memory(&layout);
+            let n = if stage == 0 { 1 } else { 4 };
+            for (r, m) in ranks.iter().enumerate() {
+                let (psi, t) = (m.params, m.total);
+                assert!(
+                    t >= psi && t - psi < m.buckets * 4 && t % 4 == 0,
+                    "{layout} rank {r}: {t} elements for {psi} parameters in {} buckets",
+                    m.buckets
+                );
+                let want = match stage {
+                    0 => (p * psi, 4 * t, 12 * t),
+                    1 => (p * psi, 4 * t, 12 * t / n),
+                    2 => (p * psi, 4 * t / n, 12 * t / n),
+                    _ => (p * t / n, 4 * t / n, 12 * t / n),
+                };
+                let got = (
+                    m.state.param_bytes,
+                    m.state.grad_bytes,
+                    m.state.optimizer_bytes,
+                );
+                assert_eq!(
+                    got, want,
+                    "{layout} rank {r}: (params, grads, optimizer) bytes"
+                );
+                if stage == 3 {
+                    assert!(
+                        m.param_unit_peak > 0 && m.param_unit_peak <= 2 * p * m.largest_piece,
+                        "{layout} rank {r}: {} bytes of full parameters live, largest piece {} elements",
+                        m.param_unit_peak,
+                        m.largest_piece
+                    );
+                } else {
+                    assert_eq!(m.param_unit_peak, 0);
+                }
+            }
+            totals.push(ranks[0].state.total());
+            eprintln!(
+                "{layout}: rank 0 state {} bytes, units {}",
+                ranks[0].state.total(),
+                ranks[0].param_unit_peak
+            );
+        }
+        assert!(
+            totals.windows(2).all(|w| w[1] < w[0]),
+            "{dtype}: every stage needs less than the one before: {totals:?}"
+        );
+    }
+}

@@ -109,6 +109,11 @@ impl AdamW {
         self.state.inplace_op2(&grads.owned(&self.owned)?, &op)
     }
 
+    /// Bytes of state: fp32 master weights and two moments per owned element.
+    pub fn state_bytes(&self) -> usize {
+        3 * self.n * std::mem::size_of::<f32>()
+    }
+
     /// The owned master weights, back to back `[n]`.
     pub fn master(&self) -> Result<Tensor> {
         self.state.narrow(0, 0, self.n)

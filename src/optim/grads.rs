@@ -23,8 +23,9 @@ pub struct GradBuffer {
     layout: FlatLayout,
     /// Sharded: the owned flat ranges and where each starts in `flat`.
     owned: Option<(Vec<Range<usize>>, Vec<usize>)>,
-    /// Sharded: full-size gradients of the buckets a piece's backward touched, by bucket.
-    staged: Mutex<BTreeMap<usize, Tensor>>,
+    /// Sharded: full-size gradients of the buckets a piece's backward touched, by bucket, and
+    /// the most bytes staged at once since [`GradBuffer::take_staged_peak`].
+    staged: Mutex<(BTreeMap<usize, Tensor>, usize)>,
 }
 
 impl GradBuffer {
@@ -34,7 +35,7 @@ impl GradBuffer {
             flat: Tensor::zeros(layout.total, DType::F32, device)?,
             layout,
             owned: None,
-            staged: Mutex::new(BTreeMap::new()),
+            staged: Mutex::new((BTreeMap::new(), 0)),
         })
     }
 
@@ -50,7 +51,7 @@ impl GradBuffer {
             flat: Tensor::zeros(n, DType::F32, device)?,
             layout,
             owned: Some((owned, at)),
-            staged: Mutex::new(BTreeMap::new()),
+            staged: Mutex::new((BTreeMap::new(), 0)),
         })
     }
 
@@ -61,8 +62,18 @@ impl GradBuffer {
 
     /// Clears all gradients (start of a step).
     pub fn zero(&self) -> Result<()> {
-        self.staging().clear();
+        self.staging().0.clear();
         self.flat.zero_set()
+    }
+
+    /// Bytes of the persistent buffer.
+    pub fn bytes(&self) -> usize {
+        self.flat.elem_count() * std::mem::size_of::<f32>()
+    }
+
+    /// Sharded: the most bytes of full-size gradients staged at once since the last call.
+    pub fn take_staged_peak(&self) -> usize {
+        std::mem::take(&mut self.staging().1)
     }
 
     /// Adds `grad` into parameter `i`'s gradient (sharded: into its bucket's staging buffer).
@@ -73,12 +84,15 @@ impl GradBuffer {
         }
         let b = self.layout.bucket_of(i);
         let bucket = &self.layout.buckets[b];
-        let mut staged = self.staging();
+        let mut staging = self.staging();
+        let (staged, peak) = &mut *staging;
         let full = match staged.get(&b) {
             Some(t) => t.clone(),
             None => {
                 let t = Tensor::zeros(bucket.len, DType::F32, self.flat.device())?;
                 staged.insert(b, t.clone());
+                let bytes: usize = staged.values().map(|t| t.elem_count() * 4).sum();
+                *peak = (*peak).max(bytes);
                 t
             }
         };
@@ -88,10 +102,10 @@ impl GradBuffer {
     /// Sharded: takes the staged full-size gradients of the buckets touched since the last call,
     /// in bucket order.
     pub fn take_staged(&self) -> Vec<(usize, Tensor)> {
-        std::mem::take(&mut *self.staging()).into_iter().collect()
+        std::mem::take(&mut self.staging().0).into_iter().collect()
     }
 
-    fn staging(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Tensor>> {
+    fn staging(&self) -> std::sync::MutexGuard<'_, (BTreeMap<usize, Tensor>, usize)> {
         // A poisoned lock only means another thread panicked mid-update; the map stays usable.
         self.staged.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -35,6 +35,22 @@ pub struct StepRecord {
     pub mfu: Option<f64>,
     /// Peak resident memory of the process, MiB.
     pub mem_mib: f64,
+    /// This rank's persistent training state, from buffer sizes.
+    #[serde(flatten)]
+    pub state: StateBytes,
+    /// Peak bytes of gathered full parameters live at once during the step (ZeRO-3: the pieces
+    /// being computed and the next piece's, gathered ahead).
+    pub param_unit_peak_bytes: usize,
+    /// Peak bytes of staged full-size gradients during the step (ZeRO-2/3: the buckets of the
+    /// piece whose backward just ran, until they are reduce-scattered).
+    pub grad_unit_peak_bytes: usize,
+    /// ZeRO-3: seconds the parameter all-gathers took on the communication thread.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gather_s: Option<f64>,
+    /// ZeRO-3: the share of that time hidden behind compute (1 − time the compute thread
+    /// waited for a gather / gather time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gather_hidden: Option<f64>,
     /// Global samples consumed after this step.
     pub consumed_samples: u64,
     /// Wall time of the step, seconds.
@@ -49,6 +65,24 @@ pub struct StepRecord {
     /// Seconds the traced step waited after the schedule for the rest of the gradient sync.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_exposed_s: Option<f64>,
+}
+
+/// Bytes of a rank's persistent training state (exact, from buffer sizes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StateBytes {
+    /// Parameters in the training dtype: whole, or this rank's ZeRO-3 shards.
+    pub param_bytes: usize,
+    /// fp32 gradients: the whole flat buffer, or this rank's ZeRO-2/3 shards.
+    pub grad_bytes: usize,
+    /// fp32 master weights and AdamW moments of the flat ranges this rank owns.
+    pub optimizer_bytes: usize,
+}
+
+impl StateBytes {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.param_bytes + self.grad_bytes + self.optimizer_bytes
+    }
 }
 
 /// A validation result.

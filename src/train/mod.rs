@@ -1,8 +1,9 @@
-//! The training loop of one rank: data → the step executor's schedule of forward and backward
-//! passes (`pipeline.rs`; gradients finalised and synchronised across data-parallel ranks through
-//! its hooks while the backward runs) → exact global gradient norm → clipped AdamW step over the
-//! rank's owned flat ranges (ZeRO-1 shards or everything), with a log line per step, periodic
-//! validation and run outputs. `run.rs` runs whole jobs ([`train`], [`run_rank`]).
+//! The training loop of one rank: its setup ([`Trainer::new`]), the loop with a log line per
+//! step, periodic validation and run outputs ([`Trainer::run`]). One step (`step.rs`): data → the
+//! step executor's schedule of forward and backward passes (`pipeline.rs`; gradients finalised and
+//! synchronised across data-parallel ranks, and ZeRO applied, through its hooks: `hooks.rs`,
+//! `zero.rs`) → exact global gradient norm → clipped AdamW step over the rank's owned flat ranges.
+//! `run.rs` runs whole jobs ([`train`], [`run_rank`]).
 
 pub mod checkpoint;
 pub mod hooks;
@@ -10,27 +11,25 @@ pub mod metrics;
 pub mod pipeline;
 pub mod rank;
 mod run;
+mod step;
 pub mod zero;
 
 use std::path::Path;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use data::{micro_batch_indices, GptData, Split};
+use data::{GptData, Split};
 use model::{llama::masked_mean, Llama};
-use parallel::dp::{intersect, DataParallel};
+use parallel::dp::DataParallel;
 use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind};
-use parallel::tp::Shard;
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
-use crate::lr::lr_at;
 use crate::optim::{AdamW, GradBuffer};
 use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
 use hooks::StepSync;
-use metrics::{peak_rss_mib, EvalRecord, Metrics, StepRecord};
-use pipeline::{Executor, MicroBatch, Timed};
+use metrics::{EvalRecord, Metrics, StepRecord};
+use pipeline::Timed;
 pub use rank::RankCtx;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
@@ -66,6 +65,10 @@ pub struct Trainer {
     /// When the last step's data-parallel bucket reductions ran: (bucket, seconds since the step
     /// began).
     sync_timing: Vec<(usize, std::ops::Range<f64>)>,
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -199,160 +202,9 @@ impl Trainer {
         &self.model
     }
 
-    /// One optimizer step over the next global batch.
-    pub fn train_step(&mut self) -> Result<StepRecord> {
-        let start = Instant::now();
-        let (t, ctx) = (&self.recipe.train, &self.ctx);
-        let comm = ctx.comm.as_ref();
-        self.grads.zero()?;
-        let batches = micro_batch_indices(
-            self.consumed,
-            t.global_batch,
-            t.micro_batch,
-            ctx.coords.dp,
-            ctx.dp.size(),
-        )
-        .iter()
-        .map(|ix| self.train_data.batch(ix))
-        .collect::<Result<Vec<_>, _>>()?;
-        let local: f64 = batches
-            .iter()
-            .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
-            .sum();
-        let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
-        let mbs = batches
-            .iter()
-            .map(|b| MicroBatch::new(b, scale, &self.device))
-            .collect::<Result<Vec<_>>>()?;
-
-        let exec = Executor::new(
-            &self.model,
-            ctx,
-            &self.schedule,
-            t.recompute,
-            t.micro_batch,
-            t.seq_len,
-        );
-        self.dp.start();
-        if let Some(g) = &mut self.gather {
-            g.start(self.uses.clone(), false);
-        }
-        let mut hooks = StepSync {
-            model: &self.model,
-            grads: &self.grads,
-            dp: &mut self.dp,
-            gather: self.gather.as_mut(),
-        };
-        let run = exec.step(&mbs, &self.grads, &mut hooks, start)?;
-        if let Some(g) = &mut self.gather {
-            g.finish(&self.model)?;
-        }
-        let reduced = self
-            .dp
-            .finish()
-            .context("synchronising gradients across data-parallel ranks")?;
-        let since_start = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
-        self.sync_timing = reduced
-            .iter()
-            .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
-            .collect();
-        let loss = run.loss;
-        self.timing = run.timing;
-        let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
-        let comm = ctx.comm.as_ref();
-        let loss = all_reduce_f64(comm, &ctx.pp, loss)?;
-        let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
-        let grad_norm = self.grad_norm()?;
-        if !grad_norm.is_finite() {
-            bail!(
-                "step {}: gradient norm is {grad_norm} (loss {loss}); stopping before the update",
-                self.step + 1
-            );
-        }
-        let clip = if t.grad_clip > 0.0 && grad_norm > t.grad_clip {
-            t.grad_clip / (grad_norm + 1e-6)
-        } else {
-            1.0
-        };
-        let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
-        let opt_start = start.elapsed().as_secs_f64();
-        self.optimizer.step(&self.grads, lr, clip)?;
-        zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
-        self.step += 1;
-        self.consumed += t.global_batch as u64;
-        let traced = if r.run.trace_step == Some(self.step) {
-            let optimizer = (opt_start, start.elapsed().as_secs_f64());
-            let path = r.run.dir.join("trace.json");
-            let (schedule, timing) = (&self.schedule, &self.timing);
-            metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?
-        } else {
-            None
-        };
-        let (t, r) = (&self.recipe.train, &self.recipe);
-
-        let secs = start.elapsed().as_secs_f64();
-        let tokens = (t.global_batch * t.seq_len) as f64;
-        let tflops = tokens * r.model.flops_per_token(t.seq_len) / secs / 1e12;
-        Ok(StepRecord {
-            step: self.step,
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_s: tokens / secs,
-            tflops,
-            mfu: r
-                .run
-                .peak_tflops
-                .map(|p| tflops / (p * r.parallel.world_size() as f64)),
-            mem_mib: peak_rss_mib(),
-            consumed_samples: self.consumed,
-            step_time_s: secs,
-            bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),
-            sync_overlap: traced.and_then(|s| s.sync_overlap),
-            sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
-        })
-    }
-
-    /// Whether this rank's copy of `p` is the one that counts (in the gradient norm, in
-    /// checkpoints): tensor-parallel replicas count on TP index 0, the tied output matrix's copy on
-    /// the last pipeline stage not at all (the first stage's embedding does).
-    pub(crate) fn owns_copy(&self, p: &model::Parameter) -> bool {
-        let tp_replica = p.shard == Shard::Replicated && self.ctx.coords.tp != 0;
-        let tied_copy = p.kind == model::ParamKind::Embedding && !self.model.placement().embedding;
-        !tp_replica && !tied_copy
-    }
-
-    /// The global gradient norm: each element counted once over the whole job (see
-    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks).
-    fn grad_norm(&self) -> Result<f64> {
-        let ctx = &self.ctx;
-        // Adjacent ranges are summed in one pass: one kernel (and, on a GPU, one read-back)
-        // per contiguous run instead of one per parameter.
-        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-        for (i, p) in self.model.params().iter().enumerate() {
-            if !self.owns_copy(p) {
-                continue;
-            }
-            for r in self.optimizer.owned() {
-                let x = intersect(&self.grads.layout().range(i), r);
-                match runs.last_mut() {
-                    _ if x.is_empty() => {}
-                    Some(last) if last.end == x.start => last.end = x.end,
-                    _ => runs.push(x),
-                }
-            }
-        }
-        let mut sq = 0.0;
-        for r in runs {
-            sq += self.grads.sum_squares(r)?;
-        }
-        let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
-        sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
-        if self.recipe.parallel.zero >= 1 {
-            // Shards of one shard group; replica groups hold the same shards.
-            sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp_shard, sq)?;
-        }
-        Ok(sq.sqrt())
+    /// Where this rank's parameters, gradients and optimizer state live in flat buffers.
+    pub fn layout(&self) -> &parallel::dp::FlatLayout {
+        self.dp.layout()
     }
 
     /// Mean loss over the validation micro-batches (the same samples every time), split across
@@ -432,6 +284,13 @@ impl Trainer {
                 self.recipe.train.micro_batch,
                 self.recipe.train.seq_len
             );
+            let b = self.state_bytes();
+            info!(
+                "rank 0 state: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB",
+                mib(b.param_bytes),
+                mib(b.grad_bytes),
+                mib(b.optimizer_bytes)
+            );
         }
         let mut records = Vec::with_capacity(steps);
         let mut last_eval = None;
@@ -441,9 +300,14 @@ impl Trainer {
                 let mfu = rec
                     .mfu
                     .map_or("n/a".to_string(), |m| format!("{:.1}%", 100.0 * m));
+                let gathers = rec.gather_s.map_or(String::new(), |s| {
+                    let hidden = rec.gather_hidden.unwrap_or(0.0);
+                    format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
+                });
                 info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB",
-                    rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib
+                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB units={:.1}MiB{gathers}",
+                    rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib,
+                    mib(rec.state.total()), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
                 );
             }
             if main && self.recipe.run.trace_step == Some(rec.step) {

@@ -1,0 +1,204 @@
+//! One optimizer step of a rank: the next global batch's micro-batches through the step
+//! executor (with data-parallel sync and ZeRO through its hooks), the exact global gradient norm,
+//! the clipped AdamW update over the owned flat ranges, and the parameters made from it; plus what
+//! the step reports (its record, the rank's state bytes).
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use data::micro_batch_indices;
+use parallel::dp::intersect;
+use parallel::tp::Shard;
+
+use super::hooks::StepSync;
+use super::metrics::{self, peak_rss_mib, StateBytes, StepRecord};
+use super::pipeline::{Executor, MicroBatch};
+use super::{all_reduce_f64, zero, Trainer};
+use crate::lr::lr_at;
+
+impl Trainer {
+    /// One optimizer step over the next global batch.
+    pub fn train_step(&mut self) -> Result<StepRecord> {
+        let start = Instant::now();
+        let (t, ctx) = (&self.recipe.train, &self.ctx);
+        let comm = ctx.comm.as_ref();
+        self.grads.zero()?;
+        let batches = micro_batch_indices(
+            self.consumed,
+            t.global_batch,
+            t.micro_batch,
+            ctx.coords.dp,
+            ctx.dp.size(),
+        )
+        .iter()
+        .map(|ix| self.train_data.batch(ix))
+        .collect::<Result<Vec<_>, _>>()?;
+        let local: f64 = batches
+            .iter()
+            .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
+            .sum();
+        let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
+        let mbs = batches
+            .iter()
+            .map(|b| MicroBatch::new(b, scale, &self.device))
+            .collect::<Result<Vec<_>>>()?;
+
+        let exec = Executor::new(
+            &self.model,
+            ctx,
+            &self.schedule,
+            t.recompute,
+            t.micro_batch,
+            t.seq_len,
+        );
+        self.dp.start();
+        if let Some(g) = &mut self.gather {
+            g.start(self.uses.clone(), false);
+        }
+        let mut hooks = StepSync {
+            model: &self.model,
+            grads: &self.grads,
+            dp: &mut self.dp,
+            gather: self.gather.as_mut(),
+        };
+        let run = exec.step(&mbs, &self.grads, &mut hooks, start)?;
+        let mut gathered = zero::GatherStats::default();
+        if let Some(g) = &mut self.gather {
+            g.finish(&self.model)?;
+            gathered = g.stats();
+        }
+        let reduced = self
+            .dp
+            .finish()
+            .context("synchronising gradients across data-parallel ranks")?;
+        let since_start = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
+        self.sync_timing = reduced
+            .iter()
+            .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
+            .collect();
+        let loss = run.loss;
+        self.timing = run.timing;
+        let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
+        let comm = ctx.comm.as_ref();
+        let loss = all_reduce_f64(comm, &ctx.pp, loss)?;
+        let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
+        let grad_norm = self.grad_norm()?;
+        if !grad_norm.is_finite() {
+            bail!(
+                "step {}: gradient norm is {grad_norm} (loss {loss}); stopping before the update",
+                self.step + 1
+            );
+        }
+        let clip = if t.grad_clip > 0.0 && grad_norm > t.grad_clip {
+            t.grad_clip / (grad_norm + 1e-6)
+        } else {
+            1.0
+        };
+        let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
+        let opt_start = start.elapsed().as_secs_f64();
+        self.optimizer.step(&self.grads, lr, clip)?;
+        zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+        self.step += 1;
+        self.consumed += t.global_batch as u64;
+        let traced = if r.run.trace_step == Some(self.step) {
+            let optimizer = (opt_start, start.elapsed().as_secs_f64());
+            let path = r.run.dir.join("trace.json");
+            let (schedule, timing) = (&self.schedule, &self.timing);
+            metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?
+        } else {
+            None
+        };
+        let (t, r) = (&self.recipe.train, &self.recipe);
+
+        let secs = start.elapsed().as_secs_f64();
+        let tokens = (t.global_batch * t.seq_len) as f64;
+        let tflops = tokens * r.model.flops_per_token(t.seq_len) / secs / 1e12;
+        Ok(StepRecord {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: tokens / secs,
+            tflops,
+            mfu: r
+                .run
+                .peak_tflops
+                .map(|p| tflops / (p * r.parallel.world_size() as f64)),
+            mem_mib: peak_rss_mib(),
+            state: self.state_bytes(),
+            param_unit_peak_bytes: gathered.peak_bytes,
+            grad_unit_peak_bytes: self.grads.take_staged_peak(),
+            gather_s: self.gather.as_ref().map(|_| gathered.gather_s),
+            gather_hidden: self
+                .gather
+                .as_ref()
+                .filter(|_| gathered.gather_s > 0.0)
+                .map(|_| 1.0 - (gathered.wait_s / gathered.gather_s).min(1.0)),
+            consumed_samples: self.consumed,
+            step_time_s: secs,
+            bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),
+            sync_overlap: traced.and_then(|s| s.sync_overlap),
+            sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
+        })
+    }
+
+    /// Bytes of this rank's persistent training state.
+    pub fn state_bytes(&self) -> StateBytes {
+        let param_bytes = match self.dp.param_shards() {
+            Some(s) => s.elem_count() * s.dtype().size_in_bytes(),
+            None => self
+                .model
+                .params()
+                .iter()
+                .map(|p| p.numel() * p.dtype.size_in_bytes())
+                .sum(),
+        };
+        StateBytes {
+            param_bytes,
+            grad_bytes: self.grads.bytes(),
+            optimizer_bytes: self.optimizer.state_bytes(),
+        }
+    }
+
+    /// Whether this rank's copy of `p` is the one that counts (in the gradient norm, in
+    /// checkpoints): tensor-parallel replicas count on TP index 0, the tied output matrix's copy on
+    /// the last pipeline stage not at all (the first stage's embedding does).
+    pub(crate) fn owns_copy(&self, p: &model::Parameter) -> bool {
+        let tp_replica = p.shard == Shard::Replicated && self.ctx.coords.tp != 0;
+        let tied_copy = p.kind == model::ParamKind::Embedding && !self.model.placement().embedding;
+        !tp_replica && !tied_copy
+    }
+
+    /// The global gradient norm: each element counted once over the whole job (see
+    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks).
+    fn grad_norm(&self) -> Result<f64> {
+        let ctx = &self.ctx;
+        // Adjacent ranges are summed in one pass: one kernel (and, on a GPU, one read-back)
+        // per contiguous run instead of one per parameter.
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for (i, p) in self.model.params().iter().enumerate() {
+            if !self.owns_copy(p) {
+                continue;
+            }
+            for r in self.optimizer.owned() {
+                let x = intersect(&self.grads.layout().range(i), r);
+                match runs.last_mut() {
+                    _ if x.is_empty() => {}
+                    Some(last) if last.end == x.start => last.end = x.end,
+                    _ => runs.push(x),
+                }
+            }
+        }
+        let mut sq = 0.0;
+        for r in runs {
+            sq += self.grads.sum_squares(r)?;
+        }
+        let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
+        sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
+        if self.recipe.parallel.zero >= 1 {
+            // Shards of one shard group; replica groups hold the same shards.
+            sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp_shard, sq)?;
+        }
+        Ok(sq.sqrt())
+    }
+}
