@@ -181,6 +181,11 @@ def load_recipe(path, overrides=()):
                 if not isinstance(node, dict):
                     raise SystemExit(f"--set {arg}: `{'.'.join(parts[:i + 1])}` is not a section")
             node[parts[-1]] = value
+    m = recipe.get("model", {})
+    if m.get("rope_scaling") or m.get("head_dim", m["hidden_size"] // m["num_attention_heads"]) \
+            != m["hidden_size"] // m["num_attention_heads"]:
+        raise SystemExit("this reference implements plain RoPE and head_dim = hidden_size / "
+                         "num_attention_heads; the recipe sets model.rope_scaling or model.head_dim")
     return recipe
 
 

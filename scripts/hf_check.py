@@ -1,27 +1,39 @@
-"""Checks an exported model with Hugging Face transformers.
+"""Checks models against Hugging Face transformers.
 
-Loads the directory written by `pretrain export-hf` with `LlamaForCausalLM.from_pretrained`, then
-1. compares its logits on the first evaluation window with the logits `pretrain eval --logits-out`
-   wrote (relative error = max |Δ| / max |logit|), and
-2. computes the mean next-token loss over the same windows `pretrain eval` uses (the text tokenized
+Two uses:
+
+    python scripts/hf_check.py MODEL_DIR TEXT_FILE [LOGITS.safetensors]
+
+loads MODEL_DIR (an export of `pretrain export-hf`, or any Llama directory) with
+`LlamaForCausalLM.from_pretrained`, then
+1. computes the mean next-token loss over the windows `pretrain eval` uses (the text tokenized
    without special tokens, consecutive windows of max_position_embeddings + 1 tokens, the last
-   partial window dropped).
+   partial window dropped), and
+2. with LOGITS (written by `pretrain eval --logits-out`), compares the first window's logits
+   (relative error = max |Δ| / max |logit|).
+It prints `hf_loss=<value>` and, with logits, `logit_rel_err=<value>`, and the transformers version.
 
-Usage: python scripts/hf_check.py EXPORT_DIR TEXT_FILE [LOGITS.safetensors]
-Prints `hf_loss=<value>` and, with logits, `logit_rel_err=<value>`.
+    python scripts/hf_check.py make OUT_DIR --tokenizer TOKENIZER.json --config JSON [--seed N]
+
+writes a randomly initialised transformers Llama to OUT_DIR: JSON holds LlamaConfig keyword
+arguments (e.g. `rope_parameters` with `rope_type: llama3`), the config is saved in the running
+transformers' own format (transformers 5 writes `rope_parameters`), and the tokenizer is saved next
+to it so that `pretrain import-hf` and this script read the same vocabulary.
 """
+import argparse
+import json
 import sys
 
 import torch
+import transformers
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
-def main():
-    export_dir, text_file = sys.argv[1], sys.argv[2]
-    model = LlamaForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32)
+def check(model_dir, text_file, logits_file):
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    tok = AutoTokenizer.from_pretrained(export_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(open(text_file).read(), add_special_tokens=False)["input_ids"]
     s = model.config.max_position_embeddings
     n = len(ids) // (s + 1)
@@ -34,12 +46,37 @@ def main():
                 logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
             total += loss.double().item()
             count += batch[:, 1:].numel()
+        print(f"transformers={transformers.__version__}")
         print(f"hf_loss={total / count:.8f} windows={n} tokens={count}")
-        if len(sys.argv) > 3:
-            ours = load_file(sys.argv[3])["logits"]
+        if logits_file:
+            ours = load_file(logits_file)["logits"]
             theirs = model(windows[:1, :-1]).logits[0].float()
             err = (ours - theirs).abs().max().item() / theirs.abs().max().item()
             print(f"logit_rel_err={err:.3e}")
+
+
+def make(out_dir, tokenizer_file, config_json, seed):
+    torch.manual_seed(seed)
+    config = LlamaConfig(**json.loads(config_json))
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, bos_token="<|endoftext|>",
+                                  eos_token="<|endoftext|>")
+    tok.save_pretrained(out_dir)
+    print(f"wrote {out_dir} with transformers {transformers.__version__}")
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "make":
+        p = argparse.ArgumentParser(prog="hf_check.py make")
+        p.add_argument("out_dir")
+        p.add_argument("--tokenizer", required=True)
+        p.add_argument("--config", required=True)
+        p.add_argument("--seed", type=int, default=0)
+        a = p.parse_args(sys.argv[2:])
+        make(a.out_dir, a.tokenizer, a.config, a.seed)
+    else:
+        check(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
 
 
 if __name__ == "__main__":

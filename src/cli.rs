@@ -105,6 +105,10 @@ pub enum Command {
         /// Largest weight file in bytes before sharding.
         #[arg(long, default_value_t = crate::hf::DEFAULT_MAX_SHARD_BYTES)]
         max_shard_size: u64,
+        /// Replace an earlier export in a non-empty output directory (its weight, config and
+        /// tokenizer files are removed first).
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Turn a Hugging Face Llama directory into a step-0 checkpoint of a recipe.
     ImportHf {
@@ -252,9 +256,15 @@ pub fn run(cli: Cli) -> Result<()> {
                 output,
                 dtype,
                 max_shard_size,
+                overwrite,
             }),
         ) => {
-            let s = crate::hf::export(&checkpoint, &output, dtype, max_shard_size)?;
+            let opts = crate::hf::ExportOptions {
+                dtype,
+                max_shard_bytes: max_shard_size,
+                overwrite,
+            };
+            let s = crate::hf::export(&checkpoint, &output, &opts)?;
             info!(
                 "exported {} ({} weight file(s), {:.1} MB); parity check: max relative logit difference {:.2e}",
                 output.display(),
@@ -405,14 +415,19 @@ fn check(args: &RecipeArgs) -> Result<()> {
     let m = &r.model;
     println!("{}: valid", args.recipe.display());
     println!(
-        "model: {:.3}B parameters ({} layers, hidden {}, {} heads / {} kv heads, ffn {}, vocab {})",
+        "model: {:.3}B parameters ({} layers, hidden {}, {} heads / {} kv heads of {}, ffn {}, vocab {}, RoPE θ = {}{})",
         m.num_params() as f64 / 1e9,
         m.num_hidden_layers,
         m.hidden_size,
         m.num_attention_heads,
         m.num_key_value_heads,
+        m.head_dim(),
         m.intermediate_size,
-        m.vocab_size
+        m.vocab_size,
+        m.rope_theta,
+        m.rope_scaling
+            .map(|s| format!(" with {} scaling", s.name()))
+            .unwrap_or_default()
     );
     let p = &r.parallel;
     println!(

@@ -27,6 +27,10 @@ fn config(tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         max_position_embeddings: 32,
         init_std: 0.02,
+        head_dim: None,
+        rope_scaling: None,
+        bos_token_id: None,
+        eos_token_id: None,
     }
 }
 

@@ -51,6 +51,25 @@ fn parallel_layouts_equal_the_single_rank_run() {
     }
 }
 
+/// A head dimension other than hidden / heads (query projection 8 × 32 = 256 wide on a 128-wide
+/// model) with Llama 3 RoPE scaling trains alike on one rank and on tp 2 with SP, and learns.
+#[test]
+fn explicit_head_dim_and_rope_scaling_shard_like_any_model() {
+    let model = "model.head_dim=32,model.rope_theta=500000.0,model.rope_scaling.rope_type=llama3,model.rope_scaling.factor=8.0,model.rope_scaling.low_freq_factor=1.0,model.rope_scaling.high_freq_factor=4.0,model.rope_scaling.original_max_position_embeddings=32";
+    let base = run(model);
+    assert_eq!(
+        base.weights["model.layers.0.self_attn.o_proj.weight"].len(),
+        128 * 8 * 32
+    );
+    assert!(
+        base.records[2].loss < base.records[0].loss,
+        "{:?}",
+        base.records.iter().map(|r| r.loss).collect::<Vec<_>>()
+    );
+    let layout = format!("{model},parallel.tp=2,parallel.sequence_parallel=true");
+    assert_equivalent(&layout, compare(&layout, &base, &run(&layout)));
+}
+
 #[test]
 fn a_failing_rank_stops_every_other_rank_with_an_error_naming_it() {
     use std::time::{Duration, Instant};

@@ -97,6 +97,38 @@ fn head_dim_must_be_even() {
 }
 
 #[test]
+fn head_dim_and_rope_scaling_are_checked_by_field() {
+    assert_err(&["model.head_dim=0"], "model.head_dim must be positive");
+    assert_err(&["model.head_dim=15"], "head dimension (15) must be even");
+    // An explicit head dimension lifts the divisibility of hidden_size.
+    assert!(load(
+        Path::new(TINY),
+        &["model.hidden_size=130,model.head_dim=16".into()]
+    )
+    .is_ok());
+    assert_err(
+        &["model.rope_scaling.rope_type=yarn,model.rope_scaling.factor=4"],
+        "model.rope_scaling.rope_type: unknown variant `yarn`, expected `linear` or `llama3`",
+    );
+    assert_err(
+        &["model.rope_scaling.rope_type=llama3,model.rope_scaling.factor=8"],
+        "model.rope_scaling: missing field `low_freq_factor`",
+    );
+    assert_err(
+        &["model.rope_scaling.rope_type=linear,model.rope_scaling.factor=0"],
+        "model.rope_scaling.factor (0) must be positive",
+    );
+    assert_err(
+        &["model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 4, high_freq_factor: 1, original_max_position_embeddings: 8192}"],
+        "model.rope_scaling.high_freq_factor (1) must exceed low_freq_factor (4)",
+    );
+    assert_err(
+        &["model.eos_token_id=[0,4096]"],
+        "model.eos_token_id (4096) must be below model.vocab_size (4096)",
+    );
+}
+
+#[test]
 fn global_batch_must_split_into_micro_batches_and_replicas() {
     assert_err(
         &["train.global_batch=20"],

@@ -31,6 +31,10 @@ fn config() -> LlamaConfig {
         tie_word_embeddings: true,
         max_position_embeddings: 8,
         init_std: 0.02,
+        head_dim: None,
+        rope_scaling: None,
+        bos_token_id: None,
+        eos_token_id: None,
     }
 }
 

@@ -132,20 +132,36 @@ impl Trainer {
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let ck = Checkpoint::open(dir)?;
         let m = ck.manifest();
-        let want = serde_json::to_value(&self.recipe.model)?;
-        if m.model != want {
-            let diff: Vec<String> = want
-                .as_object()
-                .into_iter()
-                .flatten()
-                .filter(|(k, v)| m.model.get(k.as_str()) != Some(v))
-                .map(|(k, v)| {
-                    format!(
-                        "model.{k}: checkpoint {}, recipe {v}",
-                        m.model.get(k.as_str()).unwrap_or(&serde_json::Value::Null)
-                    )
-                })
-                .collect();
+        // Token ids are the exported config's metadata, not the model's math: a recipe that
+        // leaves them unset inherits the checkpoint's (e.g. those of an imported model).
+        let stored: model::LlamaConfig = serde_json::from_value(m.model.clone())
+            .with_context(|| format!("{}: model of the manifest", dir.display()))?;
+        let c = &mut self.recipe.model;
+        c.bos_token_id = c.bos_token_id.or(stored.bos_token_id);
+        c.eos_token_id = c.eos_token_id.clone().or(stored.eos_token_id.clone());
+        let (want, have) = (
+            serde_json::to_value(&self.recipe.model)?,
+            serde_json::to_value(&stored)?,
+        );
+        let keys: std::collections::BTreeSet<&String> = [&want, &have]
+            .into_iter()
+            .filter_map(|v| v.as_object())
+            .flat_map(|o| o.keys())
+            .filter(|k| !k.ends_with("token_id"))
+            .collect();
+        let null = serde_json::Value::Null;
+        let diff: Vec<String> = keys
+            .into_iter()
+            .filter(|k| want.get(k.as_str()) != have.get(k.as_str()))
+            .map(|k| {
+                format!(
+                    "model.{k}: checkpoint {}, recipe {}",
+                    have.get(k.as_str()).unwrap_or(&null),
+                    want.get(k.as_str()).unwrap_or(&null)
+                )
+            })
+            .collect();
+        if !diff.is_empty() {
             bail!(
                 "{}: checkpoint of a different model ({})",
                 dir.display(),

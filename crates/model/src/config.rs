@@ -16,13 +16,20 @@ pub struct LlamaConfig {
     pub intermediate_size: usize,
     /// Number of decoder blocks.
     pub num_hidden_layers: usize,
-    /// Query heads; `hidden_size / num_attention_heads` is the head dimension.
+    /// Query heads.
     pub num_attention_heads: usize,
     /// Key/value heads (grouped-query attention); must divide `num_attention_heads`.
     pub num_key_value_heads: usize,
+    /// Dimension of one attention head when it differs from `hidden_size / num_attention_heads`
+    /// (the query projection then has `num_attention_heads × head_dim` rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
     /// Base of the rotary embedding frequencies.
     #[serde(default = "default_rope_theta")]
     pub rope_theta: f64,
+    /// Rescaling of the rotary frequencies (Hugging Face's `rope_scaling`); absent: plain RoPE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     /// Epsilon inside RMSNorm's square root.
     #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f64,
@@ -35,6 +42,103 @@ pub struct LlamaConfig {
     /// attention and MLP (`o_proj`, `down_proj`) use `init_std / sqrt(2 * num_hidden_layers)`.
     #[serde(default = "default_init_std")]
     pub init_std: f64,
+    /// Beginning-of-sequence token id written to exported configs (default: the tokenizer's
+    /// end-of-document token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence token id(s) written to exported configs (default: the tokenizer's
+    /// end-of-document token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eos_token_id: Option<TokenIds>,
+}
+
+/// One token id or several (Llama 3 lists three end-of-sequence ids).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    /// A single id.
+    One(u32),
+    /// Several ids.
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    /// The ids as a list.
+    pub fn ids(&self) -> Vec<u32> {
+        match self {
+            TokenIds::One(i) => vec![*i],
+            TokenIds::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// Rescaling of the rotary embedding's inverse frequencies, as Hugging Face's `rope_type`s of the
+/// same names. Attention is not rescaled by either (their attention factor is 1).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// Position interpolation: every frequency divided by `factor`.
+    Linear {
+        /// Context extension factor.
+        factor: f64,
+    },
+    /// Llama 3.1's rescaling: wavelengths longer than `original / low_freq_factor` are divided by
+    /// `factor`, shorter than `original / high_freq_factor` kept, and those between interpolated.
+    Llama3 {
+        /// Divisor of the low frequencies.
+        factor: f64,
+        /// Wavelength bound (as a fraction of the original context) above which frequencies scale.
+        low_freq_factor: f64,
+        /// Wavelength bound below which frequencies are kept.
+        high_freq_factor: f64,
+        /// Context length the model was first trained at.
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// Hugging Face's name for this type (`rope_type`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let positive = |field: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("model.rope_scaling.{field} ({v}) must be positive"))
+            }
+        };
+        match *self {
+            RopeScaling::Linear { factor } => positive("factor", factor),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(format!(
+                        "model.rope_scaling.high_freq_factor ({high_freq_factor}) must exceed low_freq_factor ({low_freq_factor})"
+                    ));
+                }
+                if original_max_position_embeddings == 0 {
+                    return Err(
+                        "model.rope_scaling.original_max_position_embeddings must be positive"
+                            .to_string(),
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 fn default_rope_theta() -> f64 {
@@ -48,9 +152,44 @@ fn default_init_std() -> f64 {
 }
 
 impl LlamaConfig {
-    /// Dimension of one attention head.
+    /// Dimension of one attention head: `head_dim` if set, else `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Output width of the query projection (input width of `o_proj`): heads × head dimension.
+    pub fn q_dim(&self) -> usize {
+        self.num_attention_heads * self.head_dim()
+    }
+
+    /// Inverse rotary frequencies `[head_dim / 2]` in f64: `θ^(−2i/d)`, rescaled by `rope_scaling`.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim() as f64;
+        let plain = (0..self.head_dim() / 2).map(|i| self.rope_theta.powf(-(2.0 * i as f64) / d));
+        match self.rope_scaling {
+            None => plain.collect(),
+            Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            }) => plain
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    let (long, short) = (original as f64 / low, original as f64 / high);
+                    if wavelen > long {
+                        f / factor
+                    } else if wavelen < short {
+                        f
+                    } else {
+                        let smooth = (original as f64 / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect(),
+        }
     }
 
     /// Checks the config's internal consistency; each message names the offending field.
@@ -69,9 +208,12 @@ impl LlamaConfig {
                 return Err(format!("model.{field} must be positive"));
             }
         }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+        if self.head_dim == Some(0) {
+            return Err("model.head_dim must be positive".to_string());
+        }
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
-                "model.hidden_size ({}) must be divisible by model.num_attention_heads ({})",
+                "model.hidden_size ({}) must be divisible by model.num_attention_heads ({}), or set model.head_dim",
                 self.hidden_size, self.num_attention_heads
             ));
         }
@@ -86,9 +228,30 @@ impl LlamaConfig {
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
-                "model.hidden_size / model.num_attention_heads = {} must be even for rotary embeddings",
+                "the head dimension ({}) must be even for rotary embeddings",
                 self.head_dim()
             ));
+        }
+        if let Some(r) = &self.rope_scaling {
+            r.validate()?;
+        }
+        for (field, id) in [("bos_token_id", self.bos_token_id.map(|i| vec![i]))]
+            .into_iter()
+            .chain([(
+                "eos_token_id",
+                self.eos_token_id.as_ref().map(TokenIds::ids),
+            )])
+        {
+            if let Some(bad) = id
+                .into_iter()
+                .flatten()
+                .find(|&i| i as usize >= self.vocab_size)
+            {
+                return Err(format!(
+                    "model.{field} ({bad}) must be below model.vocab_size ({})",
+                    self.vocab_size
+                ));
+            }
         }
         if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(format!(
@@ -114,16 +277,16 @@ impl LlamaConfig {
     /// Every parameter of the whole model in Hugging Face naming, with its shape, in model order.
     pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let kv = self.num_key_value_heads * self.head_dim();
+        let (kv, q) = (self.num_key_value_heads * self.head_dim(), self.q_dim());
         let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
         for i in 0..self.num_hidden_layers {
             let n = |s: &str| format!("model.layers.{i}.{s}.weight");
             out.extend([
                 (n("input_layernorm"), vec![h]),
-                (n("self_attn.q_proj"), vec![h, h]),
+                (n("self_attn.q_proj"), vec![q, h]),
                 (n("self_attn.k_proj"), vec![kv, h]),
                 (n("self_attn.v_proj"), vec![kv, h]),
-                (n("self_attn.o_proj"), vec![h, h]),
+                (n("self_attn.o_proj"), vec![h, q]),
                 (n("post_attention_layernorm"), vec![h]),
                 (n("mlp.gate_proj"), vec![f, h]),
                 (n("mlp.up_proj"), vec![f, h]),
@@ -140,21 +303,147 @@ impl LlamaConfig {
     /// Number of parameters (embedding counted once when tied).
     pub fn num_params(&self) -> usize {
         let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let kv = self.num_key_value_heads * self.head_dim();
-        let per_layer = 2 * h + h * h * 2 + 2 * h * kv + 3 * h * f;
+        let (kv, q) = (self.num_key_value_heads * self.head_dim(), self.q_dim());
+        let per_layer = 2 * h + 2 * h * q + 2 * h * kv + 3 * h * f;
         let head = if self.tie_word_embeddings { 0 } else { v * h };
         v * h + self.num_hidden_layers * per_layer + h + head
     }
 
-    /// Training FLOPs per token: `6 N + 6 L s h` where `N` counts the matrices (embedding lookup
-    /// excluded, output projection included), and `6 L s h` is the causal attention's
-    /// `QKᵀ` and `PV` (forward `2·2·s·h/2` per layer with the causal half, ×3 for backward).
+    /// Training FLOPs per token: `6 N + 6 L s q` where `N` counts the matrices (embedding lookup
+    /// excluded, output projection included), `q` is heads × head dimension, and `6 L s q` is the
+    /// causal attention's `QKᵀ` and `PV` (forward `2·2·s·q/2` per layer with the causal half, ×3
+    /// for backward).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         let (h, v) = (self.hidden_size as f64, self.vocab_size as f64);
         let matrices = self.num_params() as f64
             - v * h * if self.tie_word_embeddings { 0.0 } else { 1.0 }
             - (2 * self.num_hidden_layers + 1) as f64 * h;
-        let attention = 6.0 * self.num_hidden_layers as f64 * seq_len as f64 * h;
+        let attention = 6.0 * self.num_hidden_layers as f64 * seq_len as f64 * self.q_dim() as f64;
         6.0 * matrices + attention
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(rope_theta: f64, hidden: usize, heads: usize, scaling: RopeScaling) -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 64,
+            hidden_size: hidden,
+            intermediate_size: 32,
+            num_hidden_layers: 1,
+            num_attention_heads: heads,
+            num_key_value_heads: heads,
+            head_dim: None,
+            rope_theta,
+            rope_scaling: Some(scaling),
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            max_position_embeddings: 64,
+            init_std: 0.02,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
+    }
+
+    /// Llama 3.1 8B's RoPE (θ = 500000, head dim 128, factor 8, 1, 4, 8192): inverse frequencies
+    /// as transformers 5.23's `_compute_llama3_parameters` computes them (in f32), at indices in
+    /// the kept, interpolated and divided ranges.
+    #[test]
+    fn llama3_frequencies_equal_transformers() {
+        let c = config(
+            500000.0,
+            4096,
+            32,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            },
+        );
+        let published = [
+            (0, 1.0),
+            (20, 0.016560440883040428),
+            (28, 0.0032114461064338684),
+            (29, 0.0021665706299245358),
+            (30, 0.0013718936825171113),
+            (32, 0.0005248460220173001),
+            (34, 0.0001785077911335975),
+            (35, 9.556212171446532e-05),
+            (40, 3.428102354519069e-05),
+            (63, 3.068925877869333e-07),
+        ];
+        let ours = c.rope_inv_freq();
+        assert_eq!(ours.len(), 64);
+        for (i, want) in published {
+            let rel = (ours[i] - want).abs() / want;
+            assert!(rel < 1e-6, "index {i}: {} vs {want}", ours[i]);
+        }
+        let linear = config(10000.0, 4096, 32, RopeScaling::Linear { factor: 4.0 });
+        let published = [
+            (0, 0.25),
+            (31, 0.002886954927816987),
+            (63, 2.8869548259535804e-05),
+        ];
+        let ours = linear.rope_inv_freq();
+        for (i, want) in published {
+            assert!((ours[i] - want).abs() / want < 1e-6, "linear {i}");
+        }
+    }
+
+    /// The model's rotary tables hold `cos(p·f)`, `sin(p·f)` of Llama 3's scaled frequencies,
+    /// written here from the published definition (Meta's `apply_scaling`).
+    #[test]
+    fn rotary_tables_use_the_scaled_frequencies() {
+        let (factor, low, high, old) = (4.0, 1.0, 2.0, 16usize);
+        let c = config(
+            500000.0,
+            64,
+            2,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: old,
+            },
+        );
+        let d = 32;
+        let m = crate::Llama::new(
+            &c,
+            crate::Placement::whole(&c),
+            0,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let (cos, sin) = m.rope_tables();
+        let (cos, sin) = (cos.to_vec2::<f32>().unwrap(), sin.to_vec2::<f32>().unwrap());
+        let (mut kept, mut divided, mut smoothed) = (0, 0, 0);
+        for i in 0..d / 2 {
+            let freq = 1.0 / 500000f64.powf(2.0 * i as f64 / d as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let scaled = if wavelen < old as f64 / high {
+                kept += 1;
+                freq
+            } else if wavelen > old as f64 / low {
+                divided += 1;
+                freq / factor
+            } else {
+                smoothed += 1;
+                let s = (old as f64 / wavelen - low) / (high - low);
+                (1.0 - s) * freq / factor + s * freq
+            };
+            for p in [0usize, 1, 17, 63] {
+                let a = p as f64 * scaled;
+                assert!((cos[p][i] as f64 - a.cos()).abs() < 1e-6, "cos p={p} i={i}");
+                assert!((sin[p][i] as f64 - a.sin()).abs() < 1e-6, "sin p={p} i={i}");
+            }
+        }
+        assert!(
+            kept > 0 && divided > 0 && smoothed > 0,
+            "{kept} {divided} {smoothed}"
+        );
     }
 }

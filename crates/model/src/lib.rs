@@ -8,7 +8,7 @@ pub mod ops;
 pub mod params;
 pub mod segment;
 
-pub use config::LlamaConfig;
+pub use config::{LlamaConfig, RopeScaling, TokenIds};
 pub use llama::{Llama, Piece, Placement, Targets};
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
 pub use segment::Recompute;

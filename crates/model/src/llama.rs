@@ -112,7 +112,10 @@ impl Llama {
             config.intermediate_size,
             config.vocab_size,
         );
-        let kv = config.num_key_value_heads * config.head_dim();
+        let (kv, q) = (
+            config.num_key_value_heads * config.head_dim(),
+            config.q_dim(),
+        );
         let std = config.init_std;
         let out_std = std / (2.0 * config.num_hidden_layers as f64).sqrt();
         let tp = &placement.tp;
@@ -149,10 +152,10 @@ impl Llama {
             let n = |s: &str| format!("model.layers.{i}.{s}.weight");
             let block = Block {
                 input_layernorm: add(&n("input_layernorm"), &[h], ParamKind::Norm, one)?,
-                q_proj: add(&n("self_attn.q_proj"), &[h, h], ParamKind::Matrix, w)?,
+                q_proj: add(&n("self_attn.q_proj"), &[q, h], ParamKind::Matrix, w)?,
                 k_proj: add(&n("self_attn.k_proj"), &[kv, h], ParamKind::Matrix, w)?,
                 v_proj: add(&n("self_attn.v_proj"), &[kv, h], ParamKind::Matrix, w)?,
-                o_proj: add(&n("self_attn.o_proj"), &[h, h], ParamKind::Matrix, wo)?,
+                o_proj: add(&n("self_attn.o_proj"), &[h, q], ParamKind::Matrix, wo)?,
                 post_attention_layernorm: add(
                     &n("post_attention_layernorm"),
                     &[h],
@@ -203,6 +206,11 @@ impl Llama {
             p.set(&Tensor::from_vec(v, p.block.shape.as_slice(), &p.device)?)?;
         }
         Ok(())
+    }
+
+    /// The rotary tables `cos, sin`: `[max_position_embeddings, head_dim / 2]`.
+    pub fn rope_tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
     }
 
     /// The model's configuration.
@@ -380,12 +388,12 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     y.reshape(out)
 }
 
-/// Rotary tables `cos, sin`: `[max_pos, head_dim / 2]`, angle `p · θ^(−2i/d)` computed in f64.
+/// Rotary tables `cos, sin`: `[max_pos, head_dim / 2]`, angle `p · f_i` with the (possibly
+/// rescaled) inverse frequencies of [`LlamaConfig::rope_inv_freq`], computed in f64 on the host
+/// for every device.
 fn rope_tables(c: &LlamaConfig, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
     let (half, n) = (c.head_dim() / 2, c.max_position_embeddings);
-    let inv: Vec<f64> = (0..half)
-        .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / c.head_dim() as f64))
-        .collect();
+    let inv = c.rope_inv_freq();
     let angles: Vec<f64> = (0..n)
         .flat_map(|p| inv.iter().map(move |f| p as f64 * f))
         .collect();

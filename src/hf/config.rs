@@ -1,0 +1,523 @@
+//! `config.json` of a Hugging Face Llama, read as transformers 4 and 5 read it and written so that
+//! both load the same model.
+//!
+//! RoPE comes in two forms: transformers 4 writes a top-level `rope_theta` and a `rope_scaling`
+//! dictionary (or null); transformers 5 writes one `rope_parameters` dictionary holding
+//! `rope_type`, `rope_theta` and the scaling parameters. Either form is read; when a file carries
+//! both and they describe different RoPE, the import stops instead of choosing one. Everything this
+//! model does not implement (another `model_type`, biases, sliding windows, qk-norm, partial
+//! rotary, inference-only RoPE types) is refused by name rather than imported as a plain Llama.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use model::{LlamaConfig, RopeScaling, TokenIds};
+use serde_json::{json, Map, Value};
+
+use crate::recipe::Dtype;
+
+/// Base of the rotary frequencies when a config names none (transformers' default).
+const DEFAULT_THETA: f64 = 10000.0;
+
+/// The model a `config.json` describes.
+#[derive(Debug, Clone)]
+pub struct HfModel {
+    /// The architecture in this project's terms (`init_std` from `initializer_range`; `head_dim`
+    /// only when it differs from `hidden_size / num_attention_heads`).
+    pub config: LlamaConfig,
+    /// Storage dtype named by `dtype` (transformers 5) or `torch_dtype` (transformers 4).
+    pub dtype: Option<String>,
+}
+
+/// A key's value, absent and `null` alike being `None`.
+fn key<'a>(v: &'a Value, k: &str) -> Option<&'a Value> {
+    v.get(k).filter(|x| !x.is_null())
+}
+
+/// Reads and checks the `config.json` at `path`.
+pub fn read(path: &Path) -> Result<HfModel> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: Value =
+        serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", path.display()))?;
+    parse(&v).with_context(|| path.display().to_string())
+}
+
+fn parse(v: &Value) -> Result<HfModel> {
+    if !v.is_object() {
+        bail!("not a JSON object");
+    }
+    check_architecture(v)?;
+    let uint = |k: &str, default: usize| -> Result<usize> {
+        match key(v, k) {
+            None => Ok(default),
+            Some(x) => x
+                .as_u64()
+                .map(|n| n as usize)
+                .with_context(|| format!("{k}: expected a non-negative integer, found {x}")),
+        }
+    };
+    let float = |k: &str, default: f64| -> Result<f64> {
+        match key(v, k) {
+            None => Ok(default),
+            Some(x) => x
+                .as_f64()
+                .with_context(|| format!("{k}: expected a number, found {x}")),
+        }
+    };
+    let flag = |k: &str| -> Result<bool> {
+        match key(v, k) {
+            None => Ok(false),
+            Some(x) => x
+                .as_bool()
+                .with_context(|| format!("{k}: expected true or false, found {x}")),
+        }
+    };
+    for k in ["attention_bias", "mlp_bias", "use_sliding_window"] {
+        if flag(k)? {
+            bail!("{k}: true is not supported by this Llama (no biases, full attention only)");
+        }
+    }
+    for k in ["qk_norm", "use_qk_norm", "qk_layernorm", "use_qk_layernorm"] {
+        if key(v, k).is_some_and(|x| x != &json!(false)) {
+            bail!("{k}: query/key normalisation is not supported by this Llama");
+        }
+    }
+    if let Some(w) = key(v, "sliding_window") {
+        bail!("sliding_window: {w} is not supported (this Llama attends to the whole context)");
+    }
+    if let Some(a) = key(v, "hidden_act").filter(|a| a.as_str() != Some("silu")) {
+        bail!("hidden_act: {a} is not supported; this Llama uses silu (SwiGLU)");
+    }
+    if float("attention_dropout", 0.0)? != 0.0 {
+        bail!(
+            "attention_dropout: {} is not supported; this Llama trains without dropout",
+            v["attention_dropout"]
+        );
+    }
+    if let Some(p) = key(v, "partial_rotary_factor").filter(|p| p.as_f64() != Some(1.0)) {
+        bail!(
+            "partial_rotary_factor: {p} is not supported; rotary embeddings cover the whole head"
+        );
+    }
+
+    let (hidden, heads) = (uint("hidden_size", 4096)?, uint("num_attention_heads", 32)?);
+    let head_dim = uint("head_dim", 0)?;
+    let mut config = LlamaConfig {
+        vocab_size: uint("vocab_size", 32000)?,
+        hidden_size: hidden,
+        intermediate_size: uint("intermediate_size", 11008)?,
+        num_hidden_layers: uint("num_hidden_layers", 32)?,
+        num_attention_heads: heads,
+        num_key_value_heads: uint("num_key_value_heads", heads)?,
+        head_dim: (head_dim != 0 && heads != 0 && head_dim * heads != hidden).then_some(head_dim),
+        rope_theta: DEFAULT_THETA,
+        rope_scaling: None,
+        rms_norm_eps: float("rms_norm_eps", 1e-6)?,
+        tie_word_embeddings: flag("tie_word_embeddings")?,
+        max_position_embeddings: uint("max_position_embeddings", 2048)?,
+        init_std: float("initializer_range", 0.02)?,
+        bos_token_id: match key(v, "bos_token_id") {
+            None => None,
+            Some(x) => Some(token_id(x).context("bos_token_id")?),
+        },
+        eos_token_id: match key(v, "eos_token_id") {
+            None => None,
+            Some(Value::Array(a)) => Some(TokenIds::Many(
+                a.iter()
+                    .map(token_id)
+                    .collect::<Result<_>>()
+                    .context("eos_token_id")?,
+            )),
+            Some(x) => Some(TokenIds::One(token_id(x).context("eos_token_id")?)),
+        },
+    };
+    (config.rope_theta, config.rope_scaling) = rope(v, config.max_position_embeddings)?;
+    config
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}", e.replace("model.", "")))?;
+    let dtype = match (key(v, "dtype"), key(v, "torch_dtype")) {
+        (Some(a), Some(b)) if a != b => bail!("dtype ({a}) and torch_dtype ({b}) disagree"),
+        (Some(a), _) | (None, Some(a)) => Some(
+            a.as_str()
+                .with_context(|| format!("dtype: expected a name such as \"bfloat16\", found {a}"))?
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    Ok(HfModel { config, dtype })
+}
+
+fn token_id(x: &Value) -> Result<u32> {
+    x.as_u64()
+        .and_then(|n| u32::try_from(n).ok())
+        .with_context(|| format!("expected a token id, found {x}"))
+}
+
+/// `model_type` must be `llama` and `architectures`, when given, `LlamaForCausalLM` only.
+fn check_architecture(v: &Value) -> Result<()> {
+    let archs: Vec<&str> = match key(v, "architectures") {
+        None => vec![],
+        Some(a) => a
+            .as_array()
+            .with_context(|| format!("architectures: expected a list, found {a}"))?
+            .iter()
+            .map(|x| x.as_str().unwrap_or("?"))
+            .collect(),
+    };
+    match key(v, "model_type") {
+        Some(t) if t.as_str() != Some("llama") => bail!(
+            "model_type: {t} is not supported; only Llama (model_type \"llama\", LlamaForCausalLM) imports"
+        ),
+        None if archs.is_empty() => {
+            bail!("names neither model_type nor architectures; only Llama (\"llama\") imports")
+        }
+        _ => {}
+    }
+    if let Some(a) = archs.iter().find(|a| **a != "LlamaForCausalLM") {
+        bail!("architectures: {a} is not supported; only LlamaForCausalLM imports");
+    }
+    Ok(())
+}
+
+/// RoPE base and scaling from the transformers-4 keys, the transformers-5 `rope_parameters`, or
+/// both (which must agree).
+fn rope(v: &Value, max_pos: usize) -> Result<(f64, Option<RopeScaling>)> {
+    let top_theta = match key(v, "rope_theta") {
+        None => None,
+        Some(x) => Some(
+            x.as_f64()
+                .with_context(|| format!("rope_theta: expected a number, found {x}"))?,
+        ),
+    };
+    let v4 = (top_theta.is_some() || key(v, "rope_scaling").is_some()).then(|| -> Result<_> {
+        let theta = top_theta.unwrap_or(DEFAULT_THETA);
+        match key(v, "rope_scaling") {
+            None => Ok((theta, None)),
+            Some(d) => rope_dict(d, theta, max_pos).context("rope_scaling"),
+        }
+    });
+    let v5 = key(v, "rope_parameters").map(|d| {
+        rope_dict(d, top_theta.unwrap_or(DEFAULT_THETA), max_pos).context("rope_parameters")
+    });
+    match (v4.transpose()?, v5.transpose()?) {
+        (Some(a), Some(b)) if a != b => bail!(
+            "rope_parameters ({}) and rope_theta/rope_scaling ({}) describe different RoPE; \
+             remove the stale one",
+            describe(b),
+            describe(a)
+        ),
+        (Some(r), _) | (None, Some(r)) => Ok(r),
+        (None, None) => Ok((DEFAULT_THETA, None)),
+    }
+}
+
+fn describe((theta, scaling): (f64, Option<RopeScaling>)) -> String {
+    match scaling {
+        None => format!("θ = {theta}, no scaling"),
+        Some(s) => format!("θ = {theta}, {s:?}"),
+    }
+}
+
+/// One RoPE dictionary (`rope_scaling` or `rope_parameters`); `theta` is used when it names none.
+fn rope_dict(d: &Value, theta: f64, max_pos: usize) -> Result<(f64, Option<RopeScaling>)> {
+    let m = d
+        .as_object()
+        .with_context(|| format!("expected a dictionary, found {d}"))?;
+    if m.values().any(Value::is_object) {
+        bail!("per-layer-type RoPE parameters are not supported");
+    }
+    let num = |k: &str| -> Result<Option<f64>> {
+        match key(d, k) {
+            None => Ok(None),
+            Some(x) => {
+                Ok(Some(x.as_f64().with_context(|| {
+                    format!("{k}: expected a number, found {x}")
+                })?))
+            }
+        }
+    };
+    let need = |k: &str| -> Result<f64> { num(k)?.with_context(|| format!("{k} is missing")) };
+    let kind = key(d, "rope_type")
+        .or_else(|| key(d, "type"))
+        .map(|t| t.as_str().unwrap_or("?").to_string())
+        .unwrap_or_else(|| "default".to_string());
+    let allowed: &[&str] = match kind.as_str() {
+        "default" => &[],
+        "linear" => &["factor"],
+        "llama3" => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        other => bail!(
+            "rope_type \"{other}\" is not supported (supported: default, linear, llama3; \
+             dynamic, yarn and longrope are inference-time extensions)"
+        ),
+    };
+    for k in m.keys() {
+        let common = ["rope_type", "type", "rope_theta", "attention_factor"];
+        if !common.contains(&k.as_str()) && !allowed.contains(&k.as_str()) {
+            bail!("{k} is not a parameter of rope_type \"{kind}\"");
+        }
+    }
+    if let Some(a) = num("attention_factor")?.filter(|a| *a != 1.0) {
+        bail!("attention_factor {a} is not supported (attention is not rescaled)");
+    }
+    let theta = num("rope_theta")?.unwrap_or(theta);
+    let scaling = match kind.as_str() {
+        "linear" => Some(RopeScaling::Linear {
+            factor: need("factor")?,
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: match num("original_max_position_embeddings")? {
+                None => max_pos,
+                Some(n) if n >= 1.0 && n.fract() == 0.0 => n as usize,
+                Some(n) => bail!("original_max_position_embeddings: {n} is not a positive integer"),
+            },
+        }),
+        _ => None,
+    };
+    Ok((theta, scaling))
+}
+
+/// The scaling parameters of `s` with their `rope_type` (a dictionary of both RoPE forms).
+fn scaling_dict(s: Option<&RopeScaling>) -> Map<String, Value> {
+    match serde_json::to_value(s) {
+        Ok(Value::Object(m)) => m,
+        _ => Map::from_iter([("rope_type".to_string(), json!("default"))]),
+    }
+}
+
+/// `config.json` for `c` stored in `dtype`, readable by transformers 4 (`rope_theta`,
+/// `rope_scaling`, `torch_dtype`) and 5 (`rope_parameters`, `dtype`) alike.
+pub fn write(c: &LlamaConfig, dtype: Dtype, bos: u32, eos: &TokenIds) -> Value {
+    let mut parameters = scaling_dict(c.rope_scaling.as_ref());
+    parameters.insert("rope_theta".to_string(), json!(c.rope_theta));
+    let rope_scaling = c
+        .rope_scaling
+        .as_ref()
+        .map_or(Value::Null, |s| Value::Object(scaling_dict(Some(s))));
+    let dtype = match dtype {
+        Dtype::F32 => "float32",
+        Dtype::Bf16 => "bfloat16",
+    };
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim(),
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": parameters,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "vocab_size": c.vocab_size,
+        "initializer_range": c.init_std,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "use_cache": true,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-5
+        })
+    }
+
+    fn with(pairs: &[(&str, Value)]) -> Value {
+        let mut v = base();
+        for (k, x) in pairs {
+            v[*k] = x.clone();
+        }
+        v
+    }
+
+    fn err(v: Value) -> String {
+        format!("{:#}", parse(&v).unwrap_err())
+    }
+
+    const LLAMA3: RopeScaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64,
+    };
+
+    fn llama3_dict(theta: Option<f64>) -> Value {
+        let mut d = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        if let Some(t) = theta {
+            d["rope_theta"] = json!(t);
+        }
+        d
+    }
+
+    #[test]
+    fn both_rope_forms_read_the_same() {
+        let v4 = with(&[
+            ("rope_theta", json!(500000.0)),
+            ("rope_scaling", llama3_dict(None)),
+        ]);
+        let v5 = with(&[("rope_parameters", llama3_dict(Some(500000.0)))]);
+        let both = with(&[
+            ("rope_theta", json!(500000.0)),
+            ("rope_scaling", llama3_dict(None)),
+            ("rope_parameters", llama3_dict(Some(500000.0))),
+        ]);
+        for v in [v4, v5, both] {
+            let c = parse(&v).unwrap().config;
+            assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, Some(LLAMA3)));
+        }
+        let plain = with(&[(
+            "rope_parameters",
+            json!({"rope_type": "default", "rope_theta": 5e5}),
+        )]);
+        let c = parse(&plain).unwrap().config;
+        assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, None));
+        let old = with(&[("rope_scaling", json!({"type": "linear", "factor": 2.0}))]);
+        let c = parse(&old).unwrap().config;
+        assert_eq!(
+            (c.rope_theta, c.rope_scaling),
+            (DEFAULT_THETA, Some(RopeScaling::Linear { factor: 2.0 }))
+        );
+        assert_eq!(parse(&base()).unwrap().config.rope_theta, DEFAULT_THETA);
+    }
+
+    #[test]
+    fn written_config_reads_back() {
+        let mut c = parse(&with(&[("head_dim", json!(32))])).unwrap().config;
+        c.rope_scaling = Some(LLAMA3);
+        c.rope_theta = 500000.0;
+        let v = write(&c, Dtype::Bf16, 1, &TokenIds::Many(vec![2, 3]));
+        let back = parse(&v).unwrap();
+        assert_eq!(back.dtype.as_deref(), Some("bfloat16"));
+        assert_eq!(back.config.head_dim, Some(32));
+        assert_eq!(back.config.bos_token_id, Some(1));
+        assert_eq!(back.config.eos_token_id, Some(TokenIds::Many(vec![2, 3])));
+        c.bos_token_id = Some(1);
+        c.eos_token_id = Some(TokenIds::Many(vec![2, 3]));
+        assert_eq!(back.config, c);
+    }
+
+    #[test]
+    fn disagreeing_or_unsupported_configs_are_refused_by_name() {
+        let cases = [
+            (
+                with(&[
+                    ("rope_theta", json!(10000.0)),
+                    ("rope_parameters", llama3_dict(Some(500000.0))),
+                ]),
+                "describe different RoPE",
+            ),
+            (
+                // transformers 4 reads plain RoPE here, transformers 5 llama3.
+                with(&[
+                    ("rope_theta", json!(500000.0)),
+                    ("rope_parameters", llama3_dict(Some(500000.0))),
+                ]),
+                "(θ = 500000, no scaling) describe different RoPE",
+            ),
+            (
+                with(&[
+                    ("rope_scaling", Value::Null),
+                    ("rope_theta", json!(10000.0)),
+                    (
+                        "rope_parameters",
+                        json!({"rope_type": "default", "rope_theta": 5e5}),
+                    ),
+                ]),
+                "θ = 500000",
+            ),
+            (
+                with(&[("model_type", json!("mistral"))]),
+                "model_type: \"mistral\"",
+            ),
+            (
+                with(&[("architectures", json!(["Qwen2ForCausalLM"]))]),
+                "Qwen2ForCausalLM",
+            ),
+            (with(&[("sliding_window", json!(16))]), "sliding_window"),
+            (with(&[("attention_bias", json!(true))]), "attention_bias"),
+            (with(&[("mlp_bias", json!(true))]), "mlp_bias"),
+            (with(&[("use_qk_norm", json!(true))]), "use_qk_norm"),
+            (with(&[("hidden_act", json!("gelu"))]), "hidden_act"),
+            (
+                with(&[("partial_rotary_factor", json!(0.5))]),
+                "partial_rotary_factor",
+            ),
+            (
+                with(&[("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}))]),
+                "rope_scaling: rope_type \"yarn\"",
+            ),
+            (
+                with(&[(
+                    "rope_parameters",
+                    json!({"rope_type": "dynamic", "factor": 2.0}),
+                )]),
+                "rope_parameters: rope_type \"dynamic\"",
+            ),
+            (
+                with(&[(
+                    "rope_scaling",
+                    json!({"rope_type": "llama3", "factor": 8.0}),
+                )]),
+                "low_freq_factor is missing",
+            ),
+            (
+                with(&[(
+                    "rope_scaling",
+                    json!({"rope_type": "linear", "factor": 2.0, "beta": 1}),
+                )]),
+                "beta is not a parameter",
+            ),
+            (
+                with(&[(
+                    "rope_parameters",
+                    json!({"full_attention": {"rope_type": "default"}}),
+                )]),
+                "per-layer-type",
+            ),
+            (
+                with(&[
+                    ("dtype", json!("float16")),
+                    ("torch_dtype", json!("bfloat16")),
+                ]),
+                "disagree",
+            ),
+            (with(&[("eos_token_id", json!(999))]), "eos_token_id (999)"),
+            (
+                with(&[("hidden_size", json!(-1))]),
+                "hidden_size: expected a non-negative",
+            ),
+            (json!({"hidden_size": 64}), "names neither"),
+        ];
+        for (v, want) in cases {
+            let e = err(v);
+            assert!(e.contains(want), "wanted {want:?} in: {e}");
+        }
+    }
+}
