@@ -61,13 +61,10 @@ fn memory(layout: &str) -> Vec<RankMemory> {
             .iter()
             .flatten()
             .map(|&p| {
-                let mut b: Vec<usize> = model
-                    .piece_params(p)
+                pretrain::train::zero::piece_buckets(model, layout, p)
                     .iter()
-                    .map(|&i| layout.bucket_of(i))
-                    .collect();
-                b.dedup();
-                b.iter().map(|&b| layout.buckets[b].len).sum::<usize>()
+                    .map(|&b| layout.buckets[b].len)
+                    .sum::<usize>()
             })
             .max()
             .unwrap_or(0);

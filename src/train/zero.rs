@@ -64,6 +64,18 @@ pub enum Pass {
     Backward,
 }
 
+/// The buckets holding piece `p`'s parameters, ascending.
+pub fn piece_buckets(model: &Llama, layout: &FlatLayout, p: Piece) -> Vec<usize> {
+    let mut b: Vec<usize> = model
+        .piece_params(p)
+        .into_iter()
+        .map(|i| layout.bucket_of(i))
+        .collect();
+    b.sort_unstable();
+    b.dedup();
+    b
+}
+
 /// Every piece use of one stage's action list, in order: a forward runs a chunk's pieces first
 /// to last, a backward last to first.
 pub fn piece_uses(
@@ -133,16 +145,7 @@ impl Gatherer {
         let needs = chunks
             .iter()
             .flatten()
-            .map(|&p| {
-                let mut b: Vec<usize> = model
-                    .piece_params(p)
-                    .into_iter()
-                    .map(|i| layout.bucket_of(i))
-                    .collect();
-                b.sort_unstable();
-                b.dedup();
-                (p, b)
-            })
+            .map(|&p| (p, piece_buckets(model, &layout, p)))
             .collect();
         let elem = model.params().get(0).dtype.size_in_bytes();
         Self {
