@@ -86,6 +86,9 @@ pub enum Command {
     Train(TrainArgs),
     /// Parse and validate a recipe and print what it would run.
     Check(RecipeArgs),
+    /// Predict memory per rank and step time of the recipe's layout; with `--gpus N`, rank every
+    /// valid layout for N GPUs.
+    Plan(crate::plan::report::PlanArgs),
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
@@ -209,6 +212,7 @@ pub fn run(cli: Cli) -> Result<()> {
         (Some(args), None) => train(&args, &cli.launch),
         (None, Some(Command::Train(t))) => train(&t.recipe, &t.launch),
         (None, Some(Command::Check(args))) => check(&args),
+        (None, Some(Command::Plan(args))) => crate::plan::report::run(&args),
         (
             None,
             Some(Command::Tokenizer(TokenizerCommand::Train {
@@ -449,6 +453,12 @@ fn check(args: &RecipeArgs) -> Result<()> {
         r.train.micro_batch,
         r.grad_accum_steps()
     );
+    let stages = crate::plan::memory::stages(&r).map_err(anyhow::Error::msg)?;
+    if let Some(most) = stages.iter().max_by_key(|s| s.bytes.total) {
+        for l in crate::plan::report::memory_lines(&most.bytes) {
+            println!("{l}");
+        }
+    }
     Ok(())
 }
 

@@ -8,6 +8,7 @@ pub mod hf;
 pub mod launch;
 pub mod lr;
 pub mod optim;
+pub mod plan;
 pub mod recipe;
 pub mod selftest;
 pub mod train;

@@ -26,6 +26,16 @@ pub enum DeviceKind {
     Cuda,
 }
 
+impl Dtype {
+    /// The tensor dtype of parameters and activations.
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            Dtype::F32 => candle_core::DType::F32,
+            Dtype::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
 impl std::fmt::Display for Dtype {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

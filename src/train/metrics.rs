@@ -38,6 +38,10 @@ pub struct StepRecord {
     /// This rank's persistent training state, from buffer sizes.
     #[serde(flatten)]
     pub state: StateBytes,
+    /// Peak bytes of activations this rank kept for backward passes during the step (distinct
+    /// storages of the segments' autograd graphs, or their inputs under recompute, plus a
+    /// recomputing backward's rebuilt graph; see `train/pipeline.rs`).
+    pub act_peak_bytes: usize,
     /// Peak bytes of gathered full parameters live at once during the step (ZeRO-3: the pieces
     /// being computed and the next piece's, gathered ahead).
     pub param_unit_peak_bytes: usize,

@@ -17,7 +17,7 @@ pub mod zero;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use data::{GptData, Split};
 use model::{llama::masked_mean, Llama};
 use parallel::dp::DataParallel;
@@ -26,7 +26,7 @@ use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
 use crate::optim::{AdamW, GradBuffer};
-use crate::recipe::{DeviceKind, Dtype, Recipe, Resume};
+use crate::recipe::{DeviceKind, Recipe, Resume};
 use hooks::StepSync;
 use metrics::{EvalRecord, Metrics, StepRecord};
 use pipeline::Timed;
@@ -93,10 +93,7 @@ impl Trainer {
                 device.location()
             );
         }
-        let dtype = match recipe.train.dtype {
-            Dtype::F32 => DType::F32,
-            Dtype::Bf16 => DType::BF16,
-        };
+        let dtype = recipe.train.dtype.dtype();
         let t = &recipe.train;
         let total_samples = (t.steps * t.global_batch) as u64;
         let train_data = GptData::open(
@@ -305,9 +302,9 @@ impl Trainer {
                     format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
                 });
                 info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB units={:.1}MiB{gathers}",
+                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}",
                     rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib,
-                    mib(rec.state.total()), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
+                    mib(rec.state.total()), mib(rec.act_peak_bytes), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
                 );
             }
             if main && self.recipe.run.trace_step == Some(rec.step) {

@@ -63,6 +63,46 @@ pub struct StepRun {
     pub loss: f64,
     /// Every action with its start and end.
     pub timing: Vec<Timed>,
+    /// Peak bytes of activations kept for backward passes (see [`Activations`]).
+    pub act_peak_bytes: usize,
+}
+
+/// The activation memory of a rank's step: the distinct storages kept by its segments between
+/// their forward and backward passes (graphs, or only inputs under recompute), plus the graph a
+/// recomputing backward rebuilds while it runs. Parameters are not counted; a storage shared by
+/// two segments (one's output is the next one's input) counts once.
+#[derive(Default)]
+struct Activations {
+    /// Bytes and holders of each live storage.
+    live: HashMap<usize, (usize, usize)>,
+    bytes: usize,
+    peak: usize,
+}
+
+impl Activations {
+    fn add(&mut self, held: &segment::Held) {
+        for &(key, bytes) in held {
+            let e = self.live.entry(key).or_insert((0, 0));
+            if bytes > e.0 {
+                self.bytes += bytes - e.0;
+                e.0 = bytes;
+            }
+            e.1 += 1;
+        }
+        self.peak = self.peak.max(self.bytes);
+    }
+
+    fn remove(&mut self, held: &segment::Held) {
+        for (key, _) in held {
+            if let Some(e) = self.live.get_mut(key) {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    self.bytes -= e.0;
+                    self.live.remove(key);
+                }
+            }
+        }
+    }
 }
 
 /// One rank's executor of a step's schedule.
@@ -85,7 +125,7 @@ pub struct Executor<'a> {
 
 /// What a (chunk, micro-batch) keeps between its forward and its backward.
 struct Live {
-    runs: Vec<SegmentRun>,
+    runs: Vec<(SegmentRun, segment::Held)>,
     output: Option<Tensor>,
     input_grad: Option<Tensor>,
 }
@@ -156,6 +196,7 @@ impl<'a> Executor<'a> {
         ) = Default::default();
         let actions = &self.schedule.actions[self.stage];
         let (mut loss, mut timing) = (0.0, Vec::with_capacity(actions.len()));
+        let mut acts_held = Activations::default();
         for &action in actions {
             let t0 = clock.elapsed().as_secs_f64();
             match action {
@@ -183,7 +224,9 @@ impl<'a> Executor<'a> {
                             mode(p),
                         )?;
                         hooks.after_forward(p, micro)?;
-                        runs.push(run);
+                        let held = run.held();
+                        acts_held.add(&held);
+                        runs.push((run, held));
                         x = y;
                     }
                     let output = if pieces.last() == Some(&Piece::Head) {
@@ -216,14 +259,21 @@ impl<'a> Executor<'a> {
                                 .with_context(|| format!("no gradient for {action}"))?,
                         ),
                     };
-                    for (&p, run) in pieces.iter().zip(l.runs).rev() {
+                    for (&p, (run, held)) in pieces.iter().zip(l.runs).rev() {
                         hooks.before_backward(p, micro)?;
-                        let (store, dx) = segment::backward(
+                        let segment::Backward {
+                            grads: store,
+                            dx,
+                            recomputed,
+                        } = segment::backward(
                             &run_piece(p, micro),
                             run,
                             p != Piece::Embedding,
                             dy.as_ref(),
                         )?;
+                        acts_held.add(&recomputed);
+                        acts_held.remove(&recomputed);
+                        acts_held.remove(&held);
                         let params = model.piece_params(p);
                         for &i in &params {
                             let param = model.params().get(i);
@@ -262,7 +312,11 @@ impl<'a> Executor<'a> {
                 end: clock.elapsed().as_secs_f64(),
             });
         }
-        Ok(StepRun { loss, timing })
+        Ok(StepRun {
+            loss,
+            timing,
+            act_peak_bytes: acts_held.peak,
+        })
     }
 
     fn recv(&self, from: usize) -> Result<Tensor> {

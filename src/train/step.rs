@@ -76,7 +76,7 @@ impl Trainer {
             .iter()
             .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
             .collect();
-        let loss = run.loss;
+        let (loss, act_peak) = (run.loss, run.act_peak_bytes);
         self.timing = run.timing;
         let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
         let comm = ctx.comm.as_ref();
@@ -126,6 +126,7 @@ impl Trainer {
                 .map(|p| tflops / (p * r.parallel.world_size() as f64)),
             mem_mib: peak_rss_mib(),
             state: self.state_bytes(),
+            act_peak_bytes: act_peak,
             param_unit_peak_bytes: gathered.peak_bytes,
             grad_unit_peak_bytes: self.grads.take_staged_peak(),
             gather_s: self.gather.as_ref().map(|_| gathered.gather_s),

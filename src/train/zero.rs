@@ -23,23 +23,25 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
-use model::{Llama, ParamKind, Piece, Recompute};
+use model::{Inventory, Llama, ParamKind, Piece, Recompute};
 use parallel::comm::thread::Ticket;
 use parallel::dp::{gather_shards, owned_ranges, DataParallel, DpGroups, FlatLayout, Partial};
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
+use parallel::ParallelConfig;
 
+use super::metrics::StateBytes;
 use super::RankCtx;
-use crate::optim::{flatten_params, layout_of, write_params, AdamW, GradBuffer};
+use crate::optim::{flatten_params, write_params, AdamW, GradBuffer};
 use crate::recipe::Recipe;
 
 /// The buckets of ZeRO stages 2 and 3: runs of consecutive parameters first used by the same
-/// piece (pieces in `chunks` order).
-pub fn unit_buckets(model: &Llama, chunks: &[Vec<Piece>]) -> Vec<Range<usize>> {
-    let n = model.params().len();
+/// piece (pieces in `chunks` order) of the part `inventory` describes.
+pub fn unit_buckets(inventory: &Inventory, chunks: &[Vec<Piece>]) -> Vec<Range<usize>> {
+    let n = inventory.params.len();
     let mut owner = vec![usize::MAX; n];
     for (k, &p) in chunks.iter().flatten().enumerate() {
-        for i in model.piece_params(p) {
+        for i in inventory.piece_params(p) {
             if owner[i] == usize::MAX {
                 owner[i] = k;
             }
@@ -53,6 +55,61 @@ pub fn unit_buckets(model: &Llama, chunks: &[Vec<Piece>]) -> Vec<Range<usize>> {
         }
     }
     out
+}
+
+/// Where a rank's gradients and optimizer state live: the flat layout of its parameters
+/// (`numels`, this part's local sizes in construction order) and the flat ranges it owns.
+#[derive(Debug, Clone)]
+pub struct StateLayout {
+    /// Buckets by size (stages 0, 1) or by piece (2, 3), padded for the shard group.
+    pub layout: FlatLayout,
+    /// The flat ranges whose optimizer state (and, at stages 2 and 3, gradients) this rank keeps.
+    pub owned: Vec<Range<usize>>,
+}
+
+impl StateLayout {
+    /// The layout of a rank at data-parallel shard index `shard_index` holding the part
+    /// `inventory` (local sizes `numels`, pipeline chunks `chunks`) under `par`.
+    pub fn new(
+        par: &ParallelConfig,
+        inventory: &Inventory,
+        numels: &[usize],
+        chunks: &[Vec<Piece>],
+        shard_index: usize,
+    ) -> Self {
+        let (zero, shard) = (par.zero, par.shard_size());
+        // Stage 0 pads buckets for the data-parallel size (as always); sharded stages for the
+        // shard group.
+        let pad = if zero == 0 { par.dp } else { shard };
+        let layout = if zero >= 2 {
+            FlatLayout::with_buckets(numels, &unit_buckets(inventory, chunks), pad)
+        } else {
+            FlatLayout::new(numels, par.bucket_size, pad)
+        };
+        let owned = owned_ranges(&layout, zero >= 1, shard_index, shard);
+        Self { layout, owned }
+    }
+
+    /// Elements this rank owns.
+    pub fn owned_elems(&self) -> usize {
+        self.owned.iter().map(|r| r.len()).sum()
+    }
+
+    /// The bytes of parameters (in `dtype`), fp32 gradients and fp32 AdamW state (master weights
+    /// and two moments) this layout gives a rank at ZeRO stage `zero`.
+    pub fn bytes(&self, zero: u8, numels: &[usize], dtype: DType) -> StateBytes {
+        let p = dtype.size_in_bytes();
+        let owned = self.owned_elems();
+        StateBytes {
+            param_bytes: p * if zero >= 3 {
+                owned
+            } else {
+                numels.iter().sum()
+            },
+            grad_bytes: 4 * if zero >= 2 { owned } else { self.layout.total },
+            optimizer_bytes: 3 * 4 * owned,
+        }
+    }
 }
 
 /// Whether a piece's use is its forward or its backward.
@@ -316,19 +373,11 @@ pub struct RankState {
 pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankState> {
     let par = &recipe.parallel;
     let zero = par.zero;
-    let shard = par.shard_size();
-    // Stage 0 pads buckets for the data-parallel size (as always); sharded stages for the
-    // shard group.
-    let pad = if zero == 0 { ctx.dp.size() } else { shard };
     let chunks = ctx.chunks(model.config().num_hidden_layers);
-    let layout = if zero >= 2 {
-        let numels: Vec<usize> = model.params().iter().map(|p| p.numel()).collect();
-        FlatLayout::with_buckets(&numels, &unit_buckets(model, &chunks), pad)
-    } else {
-        layout_of(model.params(), par.bucket_size, pad)
-    };
+    let numels: Vec<usize> = model.params().iter().map(|p| p.numel()).collect();
     let shard_index = ctx.dp_shard.index_of(ctx.rank).unwrap_or(0);
-    let owned = owned_ranges(&layout, zero >= 1, shard_index, shard);
+    let StateLayout { layout, owned } =
+        StateLayout::new(par, model.inventory(), &numels, &chunks, shard_index);
     let device = &ctx.device;
     let grads = if zero >= 2 {
         GradBuffer::sharded(layout.clone(), owned.clone(), device)?

@@ -276,28 +276,12 @@ impl LlamaConfig {
 
     /// Every parameter of the whole model in Hugging Face naming, with its shape, in model order.
     pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let (kv, q) = (self.num_key_value_heads * self.head_dim(), self.q_dim());
-        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-        for i in 0..self.num_hidden_layers {
-            let n = |s: &str| format!("model.layers.{i}.{s}.weight");
-            out.extend([
-                (n("input_layernorm"), vec![h]),
-                (n("self_attn.q_proj"), vec![q, h]),
-                (n("self_attn.k_proj"), vec![kv, h]),
-                (n("self_attn.v_proj"), vec![kv, h]),
-                (n("self_attn.o_proj"), vec![h, q]),
-                (n("post_attention_layernorm"), vec![h]),
-                (n("mlp.gate_proj"), vec![f, h]),
-                (n("mlp.up_proj"), vec![f, h]),
-                (n("mlp.down_proj"), vec![h, f]),
-            ]);
-        }
-        out.push(("model.norm.weight".to_string(), vec![h]));
-        if !self.tie_word_embeddings {
-            out.push(("lm_head.weight".to_string(), vec![v, h]));
-        }
-        out
+        let layers: Vec<usize> = (0..self.num_hidden_layers).collect();
+        crate::Inventory::new(self, &layers, true, true)
+            .params
+            .into_iter()
+            .map(|p| (p.name, p.global_shape))
+            .collect()
     }
 
     /// Number of parameters (embedding counted once when tied).

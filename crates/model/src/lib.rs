@@ -3,12 +3,14 @@
 
 pub mod config;
 pub mod init;
+pub mod inventory;
 pub mod llama;
 pub mod ops;
 pub mod params;
 pub mod segment;
 
 pub use config::{LlamaConfig, RopeScaling, TokenIds};
+pub use inventory::{Inventory, ParamDecl};
 pub use llama::{Llama, Piece, Placement, Targets};
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
 pub use segment::Recompute;

@@ -9,29 +9,13 @@
 //! vocab-parallel embedding and loss. The model is cut into segments (embedding, each block, head
 //! with loss) that [`crate::segment`] runs with separate autograd graphs.
 
-use std::collections::BTreeMap;
-
 use candle_core::{DType, Device, Result, Tensor};
 use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
-use crate::init::Init;
+use crate::inventory::Inventory;
 use crate::ops;
-use crate::params::{ParamKind, ParamSet, ParamSpec};
-
-/// Indices (into the model's [`ParamSet`]) of one decoder block's parameters.
-#[derive(Debug, Clone)]
-struct Block {
-    input_layernorm: usize,
-    q_proj: usize,
-    k_proj: usize,
-    v_proj: usize,
-    o_proj: usize,
-    post_attention_layernorm: usize,
-    gate_proj: usize,
-    up_proj: usize,
-    down_proj: usize,
-}
+use crate::params::{ParamSet, ParamSpec};
 
 /// A piece of the model run as one segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -87,11 +71,8 @@ pub struct Llama {
     config: LlamaConfig,
     placement: Placement,
     params: ParamSet,
-    /// Token embedding (first stage), or the tied output matrix's copy on a last stage.
-    embed_tokens: Option<usize>,
-    blocks: BTreeMap<usize, Block>,
-    norm: Option<usize>,
-    lm_head: Option<usize>,
+    /// Which parameter is which (indices into `params`).
+    inventory: Inventory,
     /// `[max_pos, head_dim / 2]` rotary tables in the parameter dtype.
     cos: Tensor,
     sin: Tensor,
@@ -107,86 +88,28 @@ impl Llama {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let (h, f, v) = (
-            config.hidden_size,
-            config.intermediate_size,
-            config.vocab_size,
+        let inventory = Inventory::new(
+            config,
+            &placement.layers,
+            placement.embedding,
+            placement.head,
         );
-        let (kv, q) = (
-            config.num_key_value_heads * config.head_dim(),
-            config.q_dim(),
-        );
-        let std = config.init_std;
-        let out_std = std / (2.0 * config.num_hidden_layers as f64).sqrt();
-        let tp = &placement.tp;
-        let mut p = ParamSet::default();
-        let mut add = |name: &str, global_shape: &[usize], kind: ParamKind, init: Init| {
+        let mut params = ParamSet::default();
+        for d in &inventory.params {
             let spec = ParamSpec {
-                name,
-                global_shape,
-                kind,
-                init,
+                name: &d.name,
+                global_shape: &d.global_shape,
+                kind: d.kind,
+                init: d.init,
             };
-            p.add(spec, seed, tp, dtype, device)
-        };
-        let (one, w, wo) = (
-            Init::Constant(1.0),
-            Init::Normal { std },
-            Init::Normal { std: out_std },
-        );
-        // The tied output matrix is the embedding: a last stage without the embedding keeps its own
-        // copy (same name, same initial values) whose gradient is summed with the first stage's.
-        let embed_tokens = if placement.embedding || (placement.head && config.tie_word_embeddings)
-        {
-            Some(add(
-                "model.embed_tokens.weight",
-                &[v, h],
-                ParamKind::Embedding,
-                w,
-            )?)
-        } else {
-            None
-        };
-        let mut blocks = BTreeMap::new();
-        for &i in &placement.layers {
-            let n = |s: &str| format!("model.layers.{i}.{s}.weight");
-            let block = Block {
-                input_layernorm: add(&n("input_layernorm"), &[h], ParamKind::Norm, one)?,
-                q_proj: add(&n("self_attn.q_proj"), &[q, h], ParamKind::Matrix, w)?,
-                k_proj: add(&n("self_attn.k_proj"), &[kv, h], ParamKind::Matrix, w)?,
-                v_proj: add(&n("self_attn.v_proj"), &[kv, h], ParamKind::Matrix, w)?,
-                o_proj: add(&n("self_attn.o_proj"), &[h, q], ParamKind::Matrix, wo)?,
-                post_attention_layernorm: add(
-                    &n("post_attention_layernorm"),
-                    &[h],
-                    ParamKind::Norm,
-                    one,
-                )?,
-                gate_proj: add(&n("mlp.gate_proj"), &[f, h], ParamKind::Matrix, w)?,
-                up_proj: add(&n("mlp.up_proj"), &[f, h], ParamKind::Matrix, w)?,
-                down_proj: add(&n("mlp.down_proj"), &[h, f], ParamKind::Matrix, wo)?,
-            };
-            blocks.insert(i, block);
+            params.add(spec, seed, &placement.tp, dtype, device)?;
         }
-        let (norm, lm_head) = if placement.head {
-            let norm = add("model.norm.weight", &[h], ParamKind::Norm, one)?;
-            let head = match (config.tie_word_embeddings, embed_tokens) {
-                (true, Some(e)) => e,
-                _ => add("lm_head.weight", &[v, h], ParamKind::Matrix, w)?,
-            };
-            (Some(norm), Some(head))
-        } else {
-            (None, None)
-        };
         let (cos, sin) = rope_tables(config, dtype, device)?;
         Ok(Self {
             config: config.clone(),
             placement,
-            params: p,
-            embed_tokens,
-            blocks,
-            norm,
-            lm_head,
+            params,
+            inventory,
             cos,
             sin,
         })
@@ -230,24 +153,12 @@ impl Llama {
 
     /// Indices of the parameters a piece uses.
     pub fn piece_params(&self, piece: Piece) -> Vec<usize> {
-        match piece {
-            Piece::Embedding => self.embed_tokens.into_iter().collect(),
-            Piece::Block(i) => {
-                let b = &self.blocks[&i];
-                vec![
-                    b.input_layernorm,
-                    b.q_proj,
-                    b.k_proj,
-                    b.v_proj,
-                    b.o_proj,
-                    b.post_attention_layernorm,
-                    b.gate_proj,
-                    b.up_proj,
-                    b.down_proj,
-                ]
-            }
-            Piece::Head => self.norm.into_iter().chain(self.lm_head).collect(),
-        }
+        self.inventory.piece_params(piece)
+    }
+
+    /// The parameter list this part was built from.
+    pub fn inventory(&self) -> &Inventory {
+        &self.inventory
     }
 
     fn w(&self, i: usize) -> Result<Tensor> {
@@ -264,6 +175,7 @@ impl Llama {
     /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence parallelism).
     pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
         let e = self
+            .inventory
             .embed_tokens
             .filter(|_| self.placement.embedding)
             .ok_or_else(|| self.missing("embedding"))?;
@@ -277,6 +189,7 @@ impl Llama {
     pub fn block(&self, i: usize, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let blk = self
+            .inventory
             .blocks
             .get(&i)
             .ok_or_else(|| self.missing(&format!("layer {i}")))?;
@@ -314,8 +227,9 @@ impl Llama {
     /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]` (f32).
     fn local_logits(&self, x: &Tensor) -> Result<Tensor> {
         let (norm, head) = self
+            .inventory
             .norm
-            .zip(self.lm_head)
+            .zip(self.inventory.lm_head)
             .ok_or_else(|| self.missing("head"))?;
         let h = self.placement.tp.enter(&ops::rms_norm(
             x,
@@ -329,7 +243,7 @@ impl Llama {
     /// tensor-parallel rank. The full logits are never gathered across ranks.
     pub fn losses(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let logits = self.local_logits(x)?; // [b * s, v/tp]
-        let head = self.lm_head.ok_or_else(|| self.missing("head"))?;
+        let head = self.inventory.lm_head.ok_or_else(|| self.missing("head"))?;
         let vocab = self.params.get(head).block.range(0); // this rank's vocabulary ids
         self.placement
             .tp

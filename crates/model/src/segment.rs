@@ -5,8 +5,14 @@
 //! by the upstream gradient through [`grad_inject`](crate::ops::grad_inject). The same mechanism
 //! serves activation recompute (keep only the input, re-run the forward inside backward) and
 //! pipeline stages (the upstream gradient arrives from the next stage).
+//!
+//! [`SegmentRun::held`] and [`graph_storages`] measure what a segment keeps for its backward: the
+//! distinct storages of its autograd graph (parameters excluded) and its input — the activation
+//! memory that the planner predicts.
 
 use candle_core::backprop::GradStore;
+use std::collections::{HashMap, HashSet};
+
 use candle_core::{Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -44,6 +50,66 @@ pub struct SegmentRun {
     raw_input: Tensor,
     /// The output with its graph, kept unless recomputing.
     output: Option<Tensor>,
+}
+
+/// Storages a segment keeps alive: `(storage key, bytes)`, one entry per distinct storage. Equal
+/// keys are the same allocation, so several segments' lists can be merged without double
+/// counting (a block's output is the next block's input).
+pub type Held = Vec<(usize, usize)>;
+
+/// The key and the bytes a tensor's view covers of its storage (its offset plus its elements; a
+/// storage's size is the largest of its views' on the graph).
+fn storage_of(t: &Tensor) -> (usize, usize) {
+    let (storage, layout) = t.storage_and_layout();
+    let key = std::ptr::from_ref(&*storage) as usize;
+    let elems = layout.start_offset() + t.elem_count();
+    (key, elems * t.dtype().size_in_bytes())
+}
+
+/// The distinct storages the autograd graph of `root` keeps for its backward pass, plus those of
+/// `extra`: every tensor on the graph except variables (parameters, leaf inputs) and views of
+/// them.
+pub fn graph_storages(root: &Tensor, extra: &[&Tensor]) -> Held {
+    let nodes = root.sorted_nodes();
+    let vars: HashSet<usize> = nodes
+        .iter()
+        .filter(|n| n.is_variable())
+        .map(|n| storage_of(n).0)
+        .collect();
+    let mut held: HashMap<usize, usize> = HashMap::new();
+    let graph = nodes.iter().copied().filter(|n| !n.is_variable());
+    for t in graph.chain(extra.iter().copied()) {
+        let (key, bytes) = storage_of(t);
+        if extra.iter().any(|e| e.id() == t.id()) || !vars.contains(&key) {
+            let e = held.entry(key).or_default();
+            *e = (*e).max(bytes);
+        }
+    }
+    held.into_iter().collect()
+}
+
+impl SegmentRun {
+    /// The storages this run keeps until its backward: its input (and the leaf copy of it) and,
+    /// unless recomputing, its forward's graph.
+    pub fn held(&self) -> Held {
+        let mut extra = vec![&self.raw_input];
+        extra.extend(self.input.as_ref().map(|v| v.as_tensor()));
+        match &self.output {
+            Some(y) => graph_storages(y, &extra),
+            None => graph_storages(&self.raw_input, &extra),
+        }
+    }
+}
+
+/// What a segment's backward pass produced.
+pub struct Backward {
+    /// The gradients of the segment's parameters (and of its input).
+    pub grads: GradStore,
+    /// The input's gradient, if the input takes one.
+    pub dx: Option<Tensor>,
+    /// Under recompute: the storages of the forward graph rebuilt for this backward (held until
+    /// it ends, on top of everything else live).
+    pub recomputed: Held,
 }
 
 /// Runs `f` on `x` as a segment. `x_needs_grad` is false for integer inputs (token ids).
@@ -94,12 +160,13 @@ pub fn backward(
     run: SegmentRun,
     x_needs_grad: bool,
     dy: Option<&Tensor>,
-) -> Result<(GradStore, Option<Tensor>)> {
+) -> Result<Backward> {
     let SegmentRun {
         input,
         raw_input,
         output,
     } = run;
+    let mut recomputed = Held::new();
     let (input, output) = match output {
         Some(y) => (input, y),
         None => {
@@ -109,6 +176,8 @@ pub fn backward(
                 None
             };
             let y = f(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?;
+            let extra: Vec<&Tensor> = input.iter().map(|v| v.as_tensor()).collect();
+            recomputed = graph_storages(&y, &extra);
             (input, y)
         }
     };
@@ -121,5 +190,9 @@ pub fn backward(
         Some(v) => grads.remove(v.as_tensor()),
         None => None,
     };
-    Ok((grads, dx))
+    Ok(Backward {
+        grads,
+        dx,
+        recomputed,
+    })
 }

@@ -13,10 +13,10 @@
 //! graph and copied into the op's output; its backward applies the conjugate collective to the
 //! incoming gradient. With one tensor-parallel rank every op is the identity.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
 
 use crate::comm::{Comm, Group, ReduceOp};
 
@@ -51,13 +51,6 @@ impl std::fmt::Debug for TpGroup {
 
 type GradFn = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
-/// Forward: returns a copy of its second argument (a value computed outside the graph).
-/// Backward: gives the first argument `grad_fn(upstream)`; the second gets none.
-struct Route {
-    name: &'static str,
-    grad_fn: GradFn,
-}
-
 fn copy_storage<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
 where
     S: BackendStorage,
@@ -69,45 +62,65 @@ where
     Ok((dst, l.shape().clone()))
 }
 
-impl CustomOp2 for Route {
+/// Forward: returns a copy of a value computed outside the graph (or of its argument when there
+/// is none). The value is taken out of the op when the forward copies it, so the graph holds
+/// only the copy. Backward: gives the argument `grad_fn(upstream)`.
+struct Route {
+    name: &'static str,
+    value: Mutex<Option<Tensor>>,
+    grad_fn: GradFn,
+}
+
+impl Route {
+    fn take_value(&self) -> Option<Tensor> {
+        self.value.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl CustomOp1 for Route {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        value: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        copy_storage(value, vl)
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let Some(v) = self.take_value() else {
+            return copy_storage(s, l);
+        };
+        let (storage, vl) = v.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(vs) => copy_storage(vs, vl),
+            _ => candle_core::bail!("{}: the value is not on the CPU", self.name),
+        }
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        value: &candle_core::CudaStorage,
-        vl: &Layout,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        copy_storage(value, vl)
+        let Some(v) = self.take_value() else {
+            return copy_storage(s, l);
+        };
+        let (storage, vl) = v.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(vs) => copy_storage(vs, vl),
+            _ => candle_core::bail!("{}: the value is not on the GPU", self.name),
+        }
     }
 
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some((self.grad_fn)(grad)?), None))
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some((self.grad_fn)(grad)?))
     }
 }
 
-fn route(x: &Tensor, value: Tensor, name: &'static str, grad_fn: GradFn) -> Result<Tensor> {
-    x.apply_op2(&value, Route { name, grad_fn })
+/// `x` with the forward value `value` (`None`: `x`'s own values) and the backward `grad_fn`.
+fn route(x: &Tensor, value: Option<Tensor>, name: &'static str, grad_fn: GradFn) -> Result<Tensor> {
+    x.apply_op1(Route {
+        name,
+        value: Mutex::new(value),
+        grad_fn,
+    })
 }
 
 /// This rank's chunk `index` of `size` equal chunks of `t` along `dim`.
@@ -129,7 +142,7 @@ pub fn copy_to_tp(x: &Tensor, tp: &TpGroup) -> Result<Tensor> {
     let tp2 = tp.clone();
     route(
         x,
-        x.detach(),
+        None,
         "copy-to-tp",
         Box::new(move |g| tp2.comm.all_reduce(&tp2.group, g, ReduceOp::Sum)),
     )
@@ -141,7 +154,7 @@ pub fn reduce_from_tp(x: &Tensor, tp: &TpGroup) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let y = tp.comm.all_reduce(&tp.group, &x.detach(), ReduceOp::Sum)?;
-    route(x, y, "reduce-from-tp", Box::new(|g| Ok(g.clone())))
+    route(x, Some(y), "reduce-from-tp", Box::new(|g| Ok(g.clone())))
 }
 
 /// All-gather along `dim` forward; the gradient keeps this rank's chunk.
@@ -153,7 +166,7 @@ pub fn gather_from_tp(x: &Tensor, tp: &TpGroup, dim: usize) -> Result<Tensor> {
     let (index, size) = (tp.index(), tp.size());
     route(
         x,
-        y,
+        Some(y),
         "gather-from-tp",
         Box::new(move |g| chunk(g, dim, index, size)),
     )
@@ -168,7 +181,7 @@ pub fn scatter_to_tp(x: &Tensor, tp: &TpGroup, dim: usize) -> Result<Tensor> {
     let tp2 = tp.clone();
     route(
         x,
-        y,
+        Some(y),
         "scatter-to-tp",
         Box::new(move |g| tp2.comm.all_gather(&tp2.group, g, dim)),
     )
@@ -183,7 +196,7 @@ pub fn gather_seq(x: &Tensor, tp: &TpGroup, dim: usize) -> Result<Tensor> {
     let tp2 = tp.clone();
     route(
         x,
-        y,
+        Some(y),
         "gather-seq",
         Box::new(move |g| tp2.comm.reduce_scatter(&tp2.group, g, dim)),
     )
@@ -199,7 +212,7 @@ pub fn reduce_scatter_seq(x: &Tensor, tp: &TpGroup, dim: usize) -> Result<Tensor
     let tp2 = tp.clone();
     route(
         x,
-        y,
+        Some(y),
         "reduce-scatter-seq",
         Box::new(move |g| tp2.comm.all_gather(&tp2.group, g, dim)),
     )

@@ -1,0 +1,188 @@
+//! The parameters a part of the model holds, without tensors: names, whole shapes, kinds,
+//! initialisers and which piece uses which, in construction order.
+//!
+//! [`Llama::new`](crate::Llama::new) allocates exactly this list, and the planner sizes a rank's
+//! gradient buffer, optimizer state and ZeRO shards from it without allocating anything, so a
+//! prediction and the trainer's measurement come from the same list.
+
+use std::collections::BTreeMap;
+
+use parallel::tp::{tp_shard, ShardError};
+
+use crate::config::LlamaConfig;
+use crate::init::Init;
+use crate::llama::Piece;
+use crate::params::ParamKind;
+
+/// One parameter: its Hugging Face name, whole (unsharded) shape, kind and initialiser.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamDecl {
+    /// Hugging Face name.
+    pub name: String,
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// Optimizer kind (weight decay, clipping accounting).
+    pub kind: ParamKind,
+    /// Seeded initialiser.
+    pub init: Init,
+}
+
+impl ParamDecl {
+    /// Elements of one tensor-parallel rank's block of it (tensor-parallel plan of
+    /// `parallel::tp::tp_shard`).
+    pub fn local_numel(&self, tp: usize) -> Result<usize, ShardError> {
+        let block = tp_shard(&self.name).block(&self.global_shape, 0, tp)?;
+        Ok(block.shape.iter().product())
+    }
+}
+
+/// Indices of one decoder block's parameters, in construction order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockParams {
+    /// `input_layernorm`.
+    pub input_layernorm: usize,
+    /// `self_attn.q_proj`.
+    pub q_proj: usize,
+    /// `self_attn.k_proj`.
+    pub k_proj: usize,
+    /// `self_attn.v_proj`.
+    pub v_proj: usize,
+    /// `self_attn.o_proj`.
+    pub o_proj: usize,
+    /// `post_attention_layernorm`.
+    pub post_attention_layernorm: usize,
+    /// `mlp.gate_proj`.
+    pub gate_proj: usize,
+    /// `mlp.up_proj`.
+    pub up_proj: usize,
+    /// `mlp.down_proj`.
+    pub down_proj: usize,
+}
+
+impl BlockParams {
+    /// All nine, in construction order.
+    pub fn all(&self) -> [usize; 9] {
+        [
+            self.input_layernorm,
+            self.q_proj,
+            self.k_proj,
+            self.v_proj,
+            self.o_proj,
+            self.post_attention_layernorm,
+            self.gate_proj,
+            self.up_proj,
+            self.down_proj,
+        ]
+    }
+}
+
+/// The parameters of a model part (see [`crate::Placement`]) and the pieces using them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inventory {
+    /// Every parameter, in construction order (the flat-buffer order).
+    pub params: Vec<ParamDecl>,
+    /// The token embedding: on the first stage, and on a last stage with a tied head (its own
+    /// copy of the output matrix).
+    pub embed_tokens: Option<usize>,
+    /// Each held layer's parameters.
+    pub blocks: BTreeMap<usize, BlockParams>,
+    /// The final norm (with the head).
+    pub norm: Option<usize>,
+    /// The output matrix (the embedding's index when tied and present).
+    pub lm_head: Option<usize>,
+}
+
+impl Inventory {
+    /// The parameters of the part holding `layers`, the embedding if `embedding` and the head if
+    /// `head`.
+    pub fn new(config: &LlamaConfig, layers: &[usize], embedding: bool, head: bool) -> Self {
+        let (h, f, v) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.vocab_size,
+        );
+        let (kv, q) = (
+            config.num_key_value_heads * config.head_dim(),
+            config.q_dim(),
+        );
+        let std = config.init_std;
+        let out_std = std / (2.0 * config.num_hidden_layers as f64).sqrt();
+        let (one, w, wo) = (
+            Init::Constant(1.0),
+            Init::Normal { std },
+            Init::Normal { std: out_std },
+        );
+        let mut params = Vec::new();
+        let mut add = |name: String, shape: &[usize], kind: ParamKind, init: Init| {
+            params.push(ParamDecl {
+                name,
+                global_shape: shape.to_vec(),
+                kind,
+                init,
+            });
+            params.len() - 1
+        };
+        // The tied output matrix is the embedding: a last stage without the embedding keeps its own
+        // copy (same name, same initial values) whose gradient is summed with the first stage's.
+        let embed_tokens = (embedding || (head && config.tie_word_embeddings)).then(|| {
+            add(
+                "model.embed_tokens.weight".into(),
+                &[v, h],
+                ParamKind::Embedding,
+                w,
+            )
+        });
+        let mut blocks = BTreeMap::new();
+        for &i in layers {
+            let n = |s: &str| format!("model.layers.{i}.{s}.weight");
+            let (norm, matrix) = (ParamKind::Norm, ParamKind::Matrix);
+            let block = BlockParams {
+                input_layernorm: add(n("input_layernorm"), &[h], norm, one),
+                q_proj: add(n("self_attn.q_proj"), &[q, h], matrix, w),
+                k_proj: add(n("self_attn.k_proj"), &[kv, h], matrix, w),
+                v_proj: add(n("self_attn.v_proj"), &[kv, h], matrix, w),
+                o_proj: add(n("self_attn.o_proj"), &[h, q], matrix, wo),
+                post_attention_layernorm: add(n("post_attention_layernorm"), &[h], norm, one),
+                gate_proj: add(n("mlp.gate_proj"), &[f, h], matrix, w),
+                up_proj: add(n("mlp.up_proj"), &[f, h], matrix, w),
+                down_proj: add(n("mlp.down_proj"), &[h, f], matrix, wo),
+            };
+            blocks.insert(i, block);
+        }
+        let (norm, lm_head) = if head {
+            let norm = add("model.norm.weight".into(), &[h], ParamKind::Norm, one);
+            let lm_head = match (config.tie_word_embeddings, embed_tokens) {
+                (true, Some(e)) => e,
+                _ => add("lm_head.weight".into(), &[v, h], ParamKind::Matrix, w),
+            };
+            (Some(norm), Some(lm_head))
+        } else {
+            (None, None)
+        };
+        Self {
+            params,
+            embed_tokens,
+            blocks,
+            norm,
+            lm_head,
+        }
+    }
+
+    /// Indices of the parameters piece `piece` uses (empty for a piece this part lacks).
+    pub fn piece_params(&self, piece: Piece) -> Vec<usize> {
+        match piece {
+            Piece::Embedding => self.embed_tokens.into_iter().collect(),
+            Piece::Block(i) => self
+                .blocks
+                .get(&i)
+                .map(|b| b.all().to_vec())
+                .unwrap_or_default(),
+            Piece::Head => self.norm.into_iter().chain(self.lm_head).collect(),
+        }
+    }
+
+    /// Elements of each parameter on one tensor-parallel rank of `tp`, in construction order.
+    pub fn local_numels(&self, tp: usize) -> Result<Vec<usize>, ShardError> {
+        self.params.iter().map(|p| p.local_numel(tp)).collect()
+    }
+}

@@ -1,0 +1,82 @@
+//! GPU presets for the planner: peak dense bf16 throughput, memory, HBM and interconnect
+//! bandwidths from the vendors' data sheets, and the fraction of peak a large GEMM and the
+//! attention kernels reach in a training step. Every value can be overridden from the command
+//! line.
+
+use serde::Serialize;
+
+/// A GPU model the planner knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GpuPreset {
+    /// NVIDIA A100 SXM 80 GB (DGX A100: NVLink 3, 8 × 200 Gb/s HDR InfiniBand per node).
+    #[value(name = "a100-80g")]
+    A100_80g,
+    /// NVIDIA H100 SXM 80 GB (DGX H100: NVLink 4, 8 × 400 Gb/s NDR InfiniBand per node).
+    H100,
+    /// NVIDIA H200 SXM 141 GB (H100's compute with more and faster memory).
+    H200,
+}
+
+/// What the planner assumes of the GPUs and their links.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Hardware {
+    /// Preset name.
+    pub name: &'static str,
+    /// Peak dense bf16 TFLOP/s per GPU.
+    pub peak_tflops: f64,
+    /// Usable device memory per GPU, GiB.
+    pub memory_gib: f64,
+    /// HBM bandwidth, GB/s.
+    pub hbm_gbps: f64,
+    /// Per-GPU bandwidth of collectives inside a node (NVLink, one direction), GB/s.
+    pub intra_node_gbps: f64,
+    /// Per-GPU bandwidth of collectives across nodes (its InfiniBand share), GB/s.
+    pub inter_node_gbps: f64,
+    /// GPUs per node.
+    pub gpus_per_node: usize,
+    /// Fraction of peak a large bf16 GEMM reaches inside a training step.
+    pub gemm_efficiency: f64,
+    /// Fraction of peak the fused causal attention reaches (forward and backward).
+    pub attention_efficiency: f64,
+}
+
+impl GpuPreset {
+    /// The preset's values.
+    pub fn hardware(self) -> Hardware {
+        match self {
+            GpuPreset::A100_80g => Hardware {
+                name: "a100-80g",
+                peak_tflops: 312.0,
+                memory_gib: 80.0,
+                hbm_gbps: 2039.0,
+                intra_node_gbps: 300.0,
+                inter_node_gbps: 25.0,
+                gpus_per_node: 8,
+                gemm_efficiency: 0.62,
+                attention_efficiency: 0.20,
+            },
+            GpuPreset::H100 => Hardware {
+                name: "h100",
+                peak_tflops: 989.0,
+                memory_gib: 80.0,
+                hbm_gbps: 3350.0,
+                intra_node_gbps: 450.0,
+                inter_node_gbps: 50.0,
+                gpus_per_node: 8,
+                gemm_efficiency: 0.55,
+                attention_efficiency: 0.20,
+            },
+            GpuPreset::H200 => Hardware {
+                name: "h200",
+                peak_tflops: 989.0,
+                memory_gib: 141.0,
+                hbm_gbps: 4800.0,
+                intra_node_gbps: 450.0,
+                inter_node_gbps: 50.0,
+                gpus_per_node: 8,
+                gemm_efficiency: 0.57,
+                attention_efficiency: 0.20,
+            },
+        }
+    }
+}

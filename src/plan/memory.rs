@@ -1,0 +1,352 @@
+//! Predicted bytes per rank: the persistent state from the same flat layout the trainer builds
+//! (exact), and the activations from what each piece's autograd graph keeps, walked through the
+//! stage's own pipeline schedule (the executor's accounting, `train/pipeline.rs`, measures the
+//! same quantity).
+//!
+//! Per micro-batch of `n = b·s` tokens on a rank of tensor-parallel size `t` (`n_s = n / t` with
+//! sequence parallelism, else `n`), `p` bytes per element, a decoder block's graph keeps
+//! (`[t > 1]` is 1 with tensor parallelism):
+//!
+//! | tensors | elements |
+//! |---|---|
+//! | input leaf copy, 2 norms, 2 residual sums | `5 · n_s · h` |
+//! | TP entries (gather / copy) and exits (reduce-scatter / all-reduce copies) | `[t > 1] · (2 n h + 2 n_s h)` |
+//! | q, k, v; rotated q, k; attention output | `n · (3 q + 3 kv) / t` |
+//! | o and down projections (partial sums) | `2 · n · h` |
+//! | gate, up, SwiGLU | `3 · n · f / t` |
+//!
+//! times `p`, plus the attention's log-sum-exp (`4 · n · heads / t` bytes). The head keeps its
+//! input copy and norm (`2 n_s h`), the TP entry (`[t > 1] n h`), the logits (`n V / t` in the
+//! training dtype, again in f32 unless training in f32) and the loss: the fused cross-entropy's
+//! `[n]` losses, or the vocab-parallel one's shifted logits and exponentials (`2 · 4 n V / t`) and
+//! seven `[n]` f32 vectors. The embedding keeps the token ids (`4 n`) and its output
+//! (`n_s h p`; with TP also the lookup and the masked partial, `2 n h p`).
+//!
+//! On the CPU, bf16 ops compute in f32: each fused op (the norms, the rotations, attention,
+//! SwiGLU) also keeps f32 copies of its inputs and its output (on CUDA they read bf16 directly).
+//!
+//! Under `recompute: full` a block keeps only its input, and its backward rebuilds the graph
+//! above while it runs.
+
+use model::{Inventory, LlamaConfig, Piece, Recompute};
+use parallel::pipeline::{build, Action, ScheduleKind};
+use serde::Serialize;
+
+use crate::recipe::{DeviceKind, Recipe};
+use crate::train::metrics::StateBytes;
+use crate::train::rank::chunk_pieces;
+use crate::train::zero::StateLayout;
+
+/// Predicted bytes of the most loaded rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct MemoryBytes {
+    /// Parameters in the training dtype (whole, or ZeRO-3 shards).
+    pub parameters: u64,
+    /// fp32 gradients (whole, or ZeRO-2/3 shards).
+    pub gradients: u64,
+    /// fp32 master weights and AdamW moments of the owned ranges.
+    pub optimizer: u64,
+    /// Peak activations kept for backward passes (all in-flight micro-batches of the stage,
+    /// logits and loss included) plus a recomputing backward's rebuilt graph.
+    pub activations: u64,
+    /// ZeRO-3: full parameters gathered at once.
+    pub gathered_parameters: u64,
+    /// ZeRO-2/3: a piece's full-size fp32 gradients staged before their reduce-scatter.
+    pub staged_gradients: u64,
+    /// Temporaries of the largest backward (gradients of the logits or of a block's widest
+    /// tensors) and one communication bucket.
+    pub temporaries: u64,
+    /// All of the above.
+    pub total: u64,
+}
+
+/// The memory of one pipeline stage (its ranks are alike).
+#[derive(Debug, Clone, Serialize)]
+pub struct StageMemory {
+    /// Pipeline stage.
+    pub stage: usize,
+    /// Its bytes.
+    pub bytes: MemoryBytes,
+    /// Micro-batches whose activations it holds at its peak.
+    pub in_flight: usize,
+    /// Elements of its flat gradient layout (padding included).
+    #[serde(skip)]
+    pub flat_elems: u64,
+    /// Elements whose optimizer state a rank owns.
+    #[serde(skip)]
+    pub owned_elems: u64,
+    /// Elements of its parameters.
+    #[serde(skip)]
+    pub param_elems: u64,
+}
+
+/// What one piece keeps per micro-batch, bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct PieceActs {
+    /// Its graph (recompute none), excluding its input.
+    graph: u64,
+    /// Its input, when nobody else keeps it.
+    input: u64,
+    /// Gradient temporaries of its backward.
+    temp: u64,
+}
+
+/// Shapes of one micro-batch on one rank.
+struct Shapes {
+    /// Fused ops keep f32 copies of their bf16 inputs and outputs (the CPU path).
+    upcast: bool,
+    n: u64,
+    ns: u64,
+    t: u64,
+    p: u64,
+    h: u64,
+}
+
+fn block_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
+    let tp = u64::from(t > 1);
+    let (q, kv, f) = (
+        c.q_dim() as u64,
+        (c.num_key_value_heads * c.head_dim()) as u64,
+        c.intermediate_size as u64,
+    );
+    let elems = 5 * ns * h
+        + tp * (2 * n * h + 2 * ns * h)
+        + n * (3 * q + 3 * kv) / t
+        + 2 * n * h
+        + 3 * n * f / t;
+    // f32 copies: two norms (input, weight, output), two rotations (input, output), attention
+    // (q, k, v, output), SwiGLU (gate, up, output).
+    let upcast = if s.upcast {
+        4 * (2 * (2 * ns * h + h) + 2 * n * (q + kv) / t + n * (2 * q + 2 * kv) / t + 3 * n * f / t)
+    } else {
+        0
+    };
+    elems * p + 4 * n * c.num_attention_heads as u64 / t + upcast
+}
+
+fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
+    let v = c.vocab_size as u64;
+    let logits = n * v / t * p + if p == 4 { 0 } else { 4 * n * v / t };
+    let loss = if t > 1 {
+        2 * 4 * n * v / t + 7 * 4 * n
+    } else {
+        4 * n
+    };
+    let upcast = if s.upcast { 4 * (2 * ns * h + h) } else { 0 };
+    (2 * ns * h + u64::from(t > 1) * n * h) * p + logits + loss + 4 * n + upcast
+}
+
+fn embedding_graph(s: &Shapes) -> u64 {
+    4 * s.n + s.ns * s.h * s.p + u64::from(s.t > 1) * 2 * s.n * s.h * s.p
+}
+
+/// Predicted memory of every pipeline stage of `r`'s layout (the first shard index of each
+/// stage: shards are equal in size).
+pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
+    let (par, train, c) = (&r.parallel, &r.train, &r.model);
+    let (pp, v, t) = (par.pp, par.virtual_stages, par.tp);
+    let m = r.grad_accum_steps();
+    let p = r.train.dtype.dtype().size_in_bytes() as u64;
+    let n = (train.micro_batch * train.seq_len) as u64;
+    let shapes = Shapes {
+        upcast: p != 4 && train.device == DeviceKind::Cpu,
+        n,
+        ns: if par.sequence_parallel {
+            n / t as u64
+        } else {
+            n
+        },
+        t: t as u64,
+        p,
+        h: c.hidden_size as u64,
+    };
+    // Schedules repeat their steady state: the peak is reached within the first 2·pp
+    // micro-batches (a multiple of pp, as interleaving needs).
+    let m_sim = if m >= 2 * pp { 2 * pp } else { m };
+    let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
+        .map_err(|e| format!("pipeline schedule: {e}"))?;
+    let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
+        let input = if first_in_chunk { s_input(&shapes) } else { 0 };
+        match piece {
+            Piece::Embedding => PieceActs {
+                graph: embedding_graph(&shapes),
+                input: 0,
+                temp: shapes.n * shapes.h * p,
+            },
+            Piece::Block(_) => PieceActs {
+                graph: block_graph(c, &shapes),
+                input,
+                temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
+            },
+            Piece::Head => PieceActs {
+                graph: head_graph(c, &shapes),
+                input,
+                temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
+            },
+        }
+    };
+    let mut out = Vec::with_capacity(pp);
+    for stage in 0..pp {
+        let chunks: Vec<Vec<Piece>> = (0..v)
+            .map(|k| chunk_pieces(stage, k, pp, v, c.num_hidden_layers))
+            .collect();
+        let layers: Vec<usize> = chunks
+            .iter()
+            .flatten()
+            .filter_map(|p| match p {
+                Piece::Block(i) => Some(*i),
+                _ => None,
+            })
+            .collect();
+        let inventory = Inventory::new(c, &layers, stage == 0, stage + 1 == pp);
+        let numels = inventory
+            .local_numels(t)
+            .map_err(|e| format!("parallel.tp: {e}"))?;
+        let state = StateLayout::new(par, &inventory, &numels, &chunks, 0);
+        let StateBytes {
+            param_bytes,
+            grad_bytes,
+            optimizer_bytes,
+        } = state.bytes(par.zero, &numels, r.train.dtype.dtype());
+        let piece_acts: Vec<Vec<PieceActs>> = chunks
+            .iter()
+            .map(|pieces| {
+                pieces
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &pc)| acts(pc, i == 0 || kept_input(train.recompute, pieces[i - 1])))
+                    .collect()
+            })
+            .collect();
+        let (activations, in_flight) = peak_activations(
+            &schedule.actions[stage],
+            &chunks,
+            &piece_acts,
+            train.recompute,
+        );
+        let piece_bytes = |pc: Piece| -> u64 {
+            inventory
+                .piece_params(pc)
+                .iter()
+                .map(|&i| numels[i] as u64)
+                .sum()
+        };
+        let all_pieces: Vec<Piece> = chunks.iter().flatten().copied().collect();
+        let largest = all_pieces
+            .iter()
+            .map(|&pc| piece_bytes(pc))
+            .max()
+            .unwrap_or(0);
+        let gathered_parameters = if par.zero < 3 {
+            0
+        } else if train.recompute == Recompute::Full {
+            // The pieces never recomputed stay gathered; blocks: the current and the next.
+            let kept: u64 = all_pieces
+                .iter()
+                .filter(|pc| !matches!(pc, Piece::Block(_)))
+                .map(|&pc| piece_bytes(pc))
+                .sum();
+            p * (kept + 2 * largest)
+        } else {
+            p * numels.iter().map(|&x| x as u64).sum::<u64>()
+        };
+        let staged_gradients = if par.zero >= 2 { 4 * largest } else { 0 };
+        let temp = piece_acts
+            .iter()
+            .flatten()
+            .map(|a| a.temp)
+            .max()
+            .unwrap_or(0);
+        let bucket = if par.zero >= 2 {
+            0
+        } else {
+            4 * par.bucket_size as u64
+        };
+        let mut bytes = MemoryBytes {
+            parameters: param_bytes as u64,
+            gradients: grad_bytes as u64,
+            optimizer: optimizer_bytes as u64,
+            activations,
+            gathered_parameters,
+            staged_gradients,
+            temporaries: temp + bucket.min(4 * numels.iter().sum::<usize>() as u64),
+            total: 0,
+        };
+        bytes.total = bytes.parameters
+            + bytes.gradients
+            + bytes.optimizer
+            + bytes.activations
+            + bytes.gathered_parameters
+            + bytes.staged_gradients
+            + bytes.temporaries;
+        out.push(StageMemory {
+            stage,
+            bytes,
+            in_flight,
+            flat_elems: state.layout.total as u64,
+            owned_elems: state.owned_elems() as u64,
+            param_elems: numels.iter().sum::<usize>() as u64,
+        });
+    }
+    Ok(out)
+}
+
+/// Bytes of a piece's input when it keeps its own copy (received from another stage, or
+/// following a recomputed block whose graph is gone).
+fn s_input(s: &Shapes) -> u64 {
+    s.ns * s.h * s.p
+}
+
+/// Whether the piece before another keeps the other's input in its own graph (so the input is
+/// not counted twice).
+fn kept_input(recompute: Recompute, before: Piece) -> bool {
+    recompute.for_piece(before) != Recompute::None
+}
+
+/// Walks one stage's actions: a forward adds what each piece keeps, a backward first rebuilds a
+/// recomputed piece's graph on top of everything live, then frees each piece. Returns the peak
+/// bytes and the micro-batches in flight at the peak.
+fn peak_activations(
+    actions: &[Action],
+    chunks: &[Vec<Piece>],
+    acts: &[Vec<PieceActs>],
+    recompute: Recompute,
+) -> (u64, usize) {
+    let kept = |c: usize, i: usize| -> u64 {
+        let a = acts[c][i];
+        match recompute.for_piece(chunks[c][i]) {
+            Recompute::None => a.graph + a.input,
+            Recompute::Full => a.input,
+        }
+    };
+    let (mut live, mut peak, mut in_flight, mut at_peak) = (0u64, 0u64, 0usize, 0usize);
+    for a in actions {
+        match *a {
+            Action::Forward { chunk, .. } => {
+                let bytes: u64 = (0..chunks[chunk].len()).map(|i| kept(chunk, i)).sum();
+                live += bytes;
+                in_flight += 1;
+                if live > peak {
+                    (peak, at_peak) = (live, in_flight);
+                }
+            }
+            Action::Backward { chunk, .. } => {
+                for i in (0..chunks[chunk].len()).rev() {
+                    if recompute.for_piece(chunks[chunk][i]) == Recompute::Full {
+                        // The rebuilt graph (with its own leaf copy of the input).
+                        let rebuilt = acts[chunk][i].graph;
+                        if live + rebuilt > peak {
+                            (peak, at_peak) = (live + rebuilt, in_flight);
+                        }
+                    }
+                    live -= kept(chunk, i);
+                }
+                in_flight -= 1;
+            }
+            _ => {}
+        }
+    }
+    (peak, at_peak)
+}

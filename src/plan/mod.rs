@@ -1,0 +1,159 @@
+//! `pretrain plan`: memory and step time of a layout before anything is allocated, and the
+//! ranking of every valid layout for a number of GPUs.
+//!
+//! A plan is a pure function of the recipe and the [`Hardware`]: the state bytes come from the
+//! flat layout the trainer builds ([`crate::train::zero::StateLayout`]), the activations from
+//! what each piece's graph keeps walked through the stage's pipeline schedule ([`memory`]), the
+//! time from a roofline of every piece plus the collectives ([`time`]). `docs/PLANNER.md` has
+//! the formulas, their sources and the checks against our runs and published results.
+
+pub mod hardware;
+pub mod memory;
+pub mod report;
+pub mod search;
+pub mod time;
+
+use serde::Serialize;
+
+pub use hardware::{GpuPreset, Hardware};
+pub use memory::{MemoryBytes, StageMemory};
+pub use search::{candidates, Candidate};
+pub use time::StepTime;
+
+use crate::recipe::Recipe;
+
+/// A layout: the recipe keys the planner varies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    /// Data-parallel size.
+    pub dp: usize,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Model chunks per stage.
+    pub virtual_stages: usize,
+    /// Sequence parallelism.
+    pub sequence_parallel: bool,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Activation recompute.
+    pub recompute: model::Recompute,
+}
+
+impl Layout {
+    /// The layout of a recipe.
+    pub fn of(r: &Recipe) -> Self {
+        let p = &r.parallel;
+        Self {
+            dp: p.dp,
+            tp: p.tp,
+            pp: p.pp,
+            virtual_stages: p.virtual_stages,
+            sequence_parallel: p.sequence_parallel,
+            zero: p.zero,
+            micro_batch: r.train.micro_batch,
+            recompute: r.train.recompute,
+        }
+    }
+
+    /// `r` with this layout (ZeRO shard groups reset to the whole data-parallel group unless
+    /// they still divide it).
+    pub fn apply(&self, r: &Recipe) -> Recipe {
+        let mut r = r.clone();
+        let p = &mut r.parallel;
+        (p.dp, p.tp, p.pp, p.virtual_stages) = (self.dp, self.tp, self.pp, self.virtual_stages);
+        (p.sequence_parallel, p.zero) = (self.sequence_parallel, self.zero);
+        if self.zero == 0
+            || p.zero_shard_size
+                .is_some_and(|n| !self.dp.is_multiple_of(n))
+        {
+            p.zero_shard_size = None;
+        }
+        r.train.micro_batch = self.micro_batch;
+        r.train.recompute = self.recompute;
+        r
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "dp{} tp{}", self.dp, self.tp)?;
+        if self.sequence_parallel {
+            f.write_str("+sp")?;
+        }
+        write!(f, " pp{}", self.pp)?;
+        if self.virtual_stages > 1 {
+            write!(f, "x{}", self.virtual_stages)?;
+        }
+        let rc = match self.recompute {
+            model::Recompute::None => "",
+            model::Recompute::Full => " rc",
+        };
+        write!(f, " z{} mb{}{rc}", self.zero, self.micro_batch)
+    }
+}
+
+/// The prediction for one layout.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    /// The layout.
+    pub layout: Layout,
+    /// Bytes of the most loaded rank.
+    pub memory_bytes: MemoryBytes,
+    /// Each pipeline stage's bytes.
+    pub stages: Vec<StageMemory>,
+    /// Whether the most loaded rank fits the GPU's memory.
+    pub fits: bool,
+    /// Step time, by part.
+    pub step_time: StepTime,
+    /// Predicted seconds per step.
+    pub step_time_s: f64,
+    /// Training tokens per second over all GPUs.
+    pub tokens_per_s: f64,
+    /// Model TFLOP/s per GPU (`LlamaConfig::flops_per_token`, recomputation not counted).
+    pub tflops_per_gpu: f64,
+    /// Model FLOPs utilisation.
+    pub mfu: f64,
+    /// Pipeline bubble as a fraction of the pipeline phase.
+    pub bubble: f64,
+}
+
+/// Plans `r`'s own layout on `hw` (the recipe must be valid).
+pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
+    let stages = memory::stages(r)?;
+    let most = stages
+        .iter()
+        .max_by_key(|s| s.bytes.total)
+        .ok_or("a layout has at least one pipeline stage")?;
+    let state: Vec<time::StageState> = stages
+        .iter()
+        .map(|s| time::StageState {
+            total: s.flat_elems as f64,
+            owned: s.owned_elems as f64,
+            params: s.param_elems as f64,
+        })
+        .collect();
+    let (step_time, bubble) = time::step_time(r, hw, &state);
+    let world = r.parallel.world_size() as f64;
+    let tokens = (r.train.global_batch * r.train.seq_len) as f64;
+    let tflops =
+        tokens * r.model.flops_per_token(r.train.seq_len) / step_time.step_s / world / 1e12;
+    Ok(Plan {
+        layout: Layout::of(r),
+        memory_bytes: most.bytes,
+        fits: most.bytes.total as f64 <= hw.memory_gib * GIB,
+        stages,
+        step_time,
+        step_time_s: step_time.step_s,
+        tokens_per_s: tokens / step_time.step_s,
+        tflops_per_gpu: tflops,
+        mfu: tflops / hw.peak_tflops,
+        bubble,
+    })
+}
+
+/// Bytes per GiB.
+pub const GIB: f64 = (1u64 << 30) as f64;

@@ -1,0 +1,225 @@
+//! The `pretrain plan` command: its arguments, the printed breakdown and ranking table, and the
+//! JSON object.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use serde::Serialize;
+
+use super::{candidates, plan, GpuPreset, Hardware, MemoryBytes, Plan, GIB};
+use crate::cli::RecipeArgs;
+
+/// Arguments of `pretrain plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The recipe.
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
+    /// Rank every valid layout for this many GPUs.
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// GPU preset.
+    #[arg(long, value_enum, default_value_t = GpuPreset::H100)]
+    pub gpu: GpuPreset,
+    /// GPUs per node (tensor parallelism stays inside a node).
+    #[arg(long)]
+    pub gpus_per_node: Option<usize>,
+    /// Usable memory per GPU, GiB.
+    #[arg(long)]
+    pub gpu_memory_gib: Option<f64>,
+    /// Peak dense bf16 TFLOP/s per GPU.
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// Per-GPU collective bandwidth inside a node, gigabytes per second.
+    #[arg(long)]
+    pub intra_node_gbps: Option<f64>,
+    /// Per-GPU collective bandwidth across nodes, gigabytes per second.
+    #[arg(long)]
+    pub inter_node_gbps: Option<f64>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON object to this file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+impl PlanArgs {
+    /// The preset with the flags' overrides.
+    pub fn hardware(&self) -> Result<Hardware> {
+        let mut hw = self.gpu.hardware();
+        let set = |field: &str, v: Option<f64>, slot: &mut f64| -> Result<()> {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    bail!("--{field} must be a positive number, got {v}");
+                }
+                *slot = v;
+            }
+            Ok(())
+        };
+        set("gpu-memory-gib", self.gpu_memory_gib, &mut hw.memory_gib)?;
+        set("peak-tflops", self.peak_tflops, &mut hw.peak_tflops)?;
+        set(
+            "intra-node-gbps",
+            self.intra_node_gbps,
+            &mut hw.intra_node_gbps,
+        )?;
+        set(
+            "inter-node-gbps",
+            self.inter_node_gbps,
+            &mut hw.inter_node_gbps,
+        )?;
+        if let Some(g) = self.gpus_per_node {
+            if g == 0 {
+                bail!("--gpus-per-node must be at least 1");
+            }
+            hw.gpus_per_node = g;
+        }
+        Ok(hw)
+    }
+}
+
+/// The JSON object of `pretrain plan --json`.
+#[derive(Serialize)]
+struct PlanJson<'a> {
+    hardware: &'a Hardware,
+    #[serde(flatten)]
+    plan: &'a Plan,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    candidates: Option<Vec<&'a Plan>>,
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / GIB
+}
+
+/// The lines of a plan's breakdown.
+pub fn memory_lines(m: &MemoryBytes) -> Vec<String> {
+    let mut out = vec![format!(
+        "memory per rank (most loaded): {:.2} GiB = parameters {:.2} + gradients {:.2} + optimizer {:.2} + activations {:.2}",
+        gib(m.total),
+        gib(m.parameters),
+        gib(m.gradients),
+        gib(m.optimizer),
+        gib(m.activations)
+    )];
+    let extra = m.gathered_parameters + m.staged_gradients;
+    out.push(format!(
+        "  + ZeRO gathered/staged {:.2} + temporaries and buckets {:.2}",
+        gib(extra),
+        gib(m.temporaries)
+    ));
+    out
+}
+
+fn print_plan(p: &Plan, hw: &Hardware) {
+    println!("layout: {}", p.layout);
+    for l in memory_lines(&p.memory_bytes) {
+        println!("{l}");
+    }
+    for s in &p.stages {
+        println!(
+            "  stage {}: {:.2} GiB (activations {:.2} GiB, {} micro-batches in flight)",
+            s.stage,
+            gib(s.bytes.total),
+            gib(s.bytes.activations),
+            s.in_flight
+        );
+    }
+    println!(
+        "fits {} ({:.0} GiB): {}",
+        hw.name,
+        hw.memory_gib,
+        if p.fits { "yes" } else { "NO" }
+    );
+    let t = &p.step_time;
+    println!(
+        "step {:.3} s = compute {:.3} + TP {:.3} + PP {:.3} + bubble {:.3} ({:.1}%) + DP exposed {:.3} (of {:.3}) + optimizer {:.3}",
+        t.step_s,
+        t.compute_s,
+        t.tp_comm_s,
+        t.pp_comm_s,
+        t.bubble_s,
+        100.0 * p.bubble,
+        t.dp_exposed_s,
+        t.dp_comm_s,
+        t.optimizer_s
+    );
+    println!(
+        "throughput: {:.0} tokens/s, {:.0} TFLOP/s per GPU, MFU {:.1}%",
+        p.tokens_per_s,
+        p.tflops_per_gpu,
+        100.0 * p.mfu
+    );
+}
+
+/// Runs `pretrain plan`.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let r = args.recipe.load()?;
+    let hw = args.hardware()?;
+    let own = plan(&r, &hw).map_err(anyhow::Error::msg)?;
+    let ranked = match args.gpus {
+        Some(0) => bail!("--gpus must be at least 1"),
+        Some(n) => Some(candidates(&r, &hw, n)),
+        None => None,
+    };
+    let json = PlanJson {
+        hardware: &hw,
+        plan: &own,
+        candidates: ranked.as_ref().map(|c| c.iter().map(|c| &c.plan).collect()),
+    };
+    let text = serde_json::to_string(&json)?;
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, &text)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    }
+    if args.json {
+        println!("{text}");
+        return Ok(());
+    }
+    println!(
+        "{} on {} ({} GPUs/node):",
+        args.recipe.recipe.display(),
+        hw.name,
+        hw.gpus_per_node
+    );
+    print_plan(&own, &hw);
+    if let (Some(n), Some(c)) = (args.gpus, &ranked) {
+        let fitting = c.iter().filter(|c| c.plan.fits).count();
+        println!();
+        println!(
+            "{} valid layouts for {n} GPUs, {fitting} fit {:.0} GiB; the best ten by throughput (* = the recipe's):",
+            c.len(),
+            hw.memory_gib
+        );
+        println!(
+            "  {:<3} {:<32} {:>9} {:>9} {:>12} {:>8} {:>6} {:>7}",
+            "#", "layout", "GiB/rank", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble"
+        );
+        let row = |i: String, c: &super::Candidate| {
+            let p = &c.plan;
+            println!(
+                "{}{:<3} {:<32} {:>9.2} {:>9.3} {:>12.0} {:>8.0} {:>5.1}% {:>6.1}%",
+                if c.own { "*" } else { " " },
+                i,
+                p.layout.to_string(),
+                gib(p.memory_bytes.total),
+                p.step_time_s,
+                p.tokens_per_s,
+                p.tflops_per_gpu,
+                100.0 * p.mfu,
+                100.0 * p.bubble
+            );
+        };
+        for (i, cand) in c.iter().filter(|c| c.plan.fits).take(10).enumerate() {
+            row((i + 1).to_string(), cand);
+        }
+        if let Some((i, cand)) = c.iter().enumerate().find(|(_, c)| c.own) {
+            if !(cand.plan.fits && i < 10) {
+                row("-".into(), cand);
+            }
+        }
+    }
+    Ok(())
+}

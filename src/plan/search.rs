@@ -1,0 +1,82 @@
+//! Every valid layout of a recipe on a number of GPUs: tensor parallelism inside a node, any
+//! pipeline depth and interleaving the layer count allows, data parallelism over the rest, with
+//! or without sequence parallelism, every ZeRO stage, every micro-batch size dividing the
+//! per-rank batch, with and without recompute. The recipe's own validation decides what is
+//! valid; each candidate is planned and those that fit are ranked by throughput.
+
+use model::Recompute;
+
+use super::{plan, Hardware, Layout, Plan};
+use crate::recipe::Recipe;
+
+/// A planned layout.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// Its prediction.
+    pub plan: Plan,
+    /// Whether it is the recipe's own layout.
+    pub own: bool,
+}
+
+fn divisors(n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
+}
+
+/// Every valid layout of `r` on `gpus` GPUs with its plan, fitting ones first, each group by
+/// predicted throughput (best first).
+pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
+    let own = Layout::of(r);
+    let layers = r.model.num_hidden_layers;
+    let mut out = Vec::new();
+    for tp in divisors(gpus).filter(|&t| t <= hw.gpus_per_node) {
+        for pp in divisors(gpus / tp).filter(|&p| layers.is_multiple_of(p)) {
+            let dp = gpus / (tp * pp);
+            let per_rank = r.train.global_batch / dp;
+            if per_rank == 0 || !r.train.global_batch.is_multiple_of(dp) {
+                continue;
+            }
+            let vs: Vec<usize> = if pp == 1 {
+                vec![1]
+            } else {
+                divisors(layers / pp).collect()
+            };
+            for &virtual_stages in &vs {
+                for sequence_parallel in [false, true].into_iter().filter(|&s| !s || tp > 1) {
+                    for zero in (0..=3u8).filter(|&z| z == 0 || dp > 1) {
+                        for micro_batch in divisors(per_rank) {
+                            for recompute in [Recompute::None, Recompute::Full] {
+                                let layout = Layout {
+                                    dp,
+                                    tp,
+                                    pp,
+                                    virtual_stages,
+                                    sequence_parallel,
+                                    zero,
+                                    micro_batch,
+                                    recompute,
+                                };
+                                let rr = layout.apply(r);
+                                if !rr.problems().is_empty() {
+                                    continue;
+                                }
+                                if let Ok(plan) = plan(&rr, hw) {
+                                    out.push(Candidate {
+                                        plan,
+                                        own: layout == own,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| {
+        b.plan
+            .fits
+            .cmp(&a.plan.fits)
+            .then(b.plan.tokens_per_s.total_cmp(&a.plan.tokens_per_s))
+    });
+    out
+}

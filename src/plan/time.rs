@@ -1,0 +1,309 @@
+//! Predicted step time: per piece and micro-batch, GEMMs on the roofline (a fraction of peak, or
+//! HBM speed when their shape makes them memory-bound),
+//! the fused attention at its own fraction, memory-bound ops at HBM speed and the tensor-parallel
+//! collectives (blocking, on the critical path); stages combined by the pipeline schedule's
+//! closed form; data-parallel and ZeRO collectives overlapped with the backward passes as the
+//! trainer overlaps them; then the optimizer. Formulas and sources: `docs/PLANNER.md`.
+
+use model::{LlamaConfig, Piece, Recompute};
+use serde::Serialize;
+
+use super::hardware::Hardware;
+use crate::recipe::Recipe;
+use crate::train::rank::chunk_pieces;
+
+/// Predicted seconds of one optimizer step, by part.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepTime {
+    /// Compute of the most loaded stage's micro-batches (GEMMs, attention, memory-bound ops,
+    /// recomputation).
+    pub compute_s: f64,
+    /// Tensor-parallel collectives on the critical path.
+    pub tp_comm_s: f64,
+    /// Pipeline sends and receives of the most loaded stage.
+    pub pp_comm_s: f64,
+    /// Pipeline bubble (idle time of the schedule's warm-up and cool-down).
+    pub bubble_s: f64,
+    /// Data-parallel / ZeRO collectives of a step, in all.
+    pub dp_comm_s: f64,
+    /// Their part not hidden behind the backward passes.
+    pub dp_exposed_s: f64,
+    /// AdamW update and gradient norm.
+    pub optimizer_s: f64,
+    /// The step.
+    pub step_s: f64,
+}
+
+/// Seconds of the forward and backward of one piece for one micro-batch on one GPU.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cost {
+    fwd: f64,
+    bwd: f64,
+    /// Of which tensor-parallel communication (forward + backward).
+    tp: f64,
+}
+
+struct Model<'a> {
+    hw: &'a Hardware,
+    c: &'a LlamaConfig,
+    /// Tokens of a micro-batch, and on this rank between TP regions.
+    n: f64,
+    ns: f64,
+    b: f64,
+    s: f64,
+    t: f64,
+    p: f64,
+    /// Bandwidth of the tensor-parallel group, bytes/s.
+    tp_bw: f64,
+}
+
+/// Latency of one collective, seconds.
+const LATENCY_S: f64 = 10e-6;
+/// Fraction of HBM bandwidth memory-bound kernels reach.
+const HBM_EFFICIENCY: f64 = 0.8;
+/// Share of an overlapped collective's time that still lengthens the step: its kernels take
+/// SMs and HBM bandwidth from the compute they run beside.
+const OVERLAP_COST: f64 = 0.3;
+
+/// The part of a collective of `total` seconds that lengthens a step when `window` seconds of
+/// compute can hide it.
+fn exposed(total: f64, window: f64) -> f64 {
+    let hidden = total.min(window.max(0.0));
+    total - hidden + OVERLAP_COST * hidden
+}
+
+impl Model<'_> {
+    /// A GEMM `[m, k] × [k, n]` on the roofline: at the GEMM fraction of peak, or at HBM speed
+    /// when it moves more bytes than that compute takes.
+    fn gemm(&self, m: f64, n: f64, k: f64) -> f64 {
+        let compute = 2.0 * m * n * k / (self.hw.peak_tflops * 1e12 * self.hw.gemm_efficiency);
+        compute.max(self.memory(self.p * (m * k + k * n + m * n)))
+    }
+
+    fn memory(&self, bytes: f64) -> f64 {
+        bytes / (self.hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+    }
+
+    /// A ring collective moving `factor × bytes` per GPU in the TP group.
+    fn tp_collective(&self, factor: f64, bytes: f64) -> f64 {
+        if self.t <= 1.0 {
+            return 0.0;
+        }
+        LATENCY_S * self.t.log2().ceil().max(1.0) + factor * bytes / self.tp_bw
+    }
+
+    /// Two entries and two exits of a block (all-reduces, or all-gathers and reduce-scatters
+    /// with sequence parallelism) move `2 (t - 1) / t` of `[n, h]` each way per pair.
+    fn tp_pair(&self) -> f64 {
+        let bytes = self.n * self.c.hidden_size as f64 * self.p;
+        2.0 * self.tp_collective(2.0 * (self.t - 1.0) / self.t, bytes)
+    }
+
+    fn block(&self, recompute: Recompute) -> Cost {
+        let c = self.c;
+        let (n, t, p) = (self.n, self.t, self.p);
+        let h = c.hidden_size as f64;
+        let q = c.q_dim() as f64;
+        let kv = (c.num_key_value_heads * c.head_dim()) as f64;
+        let f = c.intermediate_size as f64;
+        let gemms = self.gemm(n, (q + 2.0 * kv) / t, h)
+            + self.gemm(n, h, q / t)
+            + self.gemm(n, 2.0 * f / t, h)
+            + self.gemm(n, h, f / t);
+        // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads.
+        let attn_flops = 2.0 * self.b * self.s * self.s * q / t;
+        let attn = attn_flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
+        let tp_copies = if t > 1.0 { 8.0 * n * h } else { 0.0 };
+        let mem_bytes =
+            p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + 3.0 * n * f / t + tp_copies);
+        let mem = self.memory(mem_bytes);
+        let tp = self.tp_pair();
+        let fwd = gemms + attn + mem + tp;
+        let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp;
+        let mut tp_all = 2.0 * tp;
+        if recompute == Recompute::Full {
+            bwd += fwd;
+            tp_all += tp;
+        }
+        Cost {
+            fwd,
+            bwd,
+            tp: tp_all,
+        }
+    }
+
+    fn head(&self) -> Cost {
+        let c = self.c;
+        let (n, t, p) = (self.n, self.t, self.p);
+        let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
+        let gemm = self.gemm(n, v / t, h);
+        let logits = n * v / t;
+        let fwd_mem = self.memory(logits * (p + 3.0 * 4.0) + 2.0 * self.ns * h * p);
+        let bwd_mem = self.memory(logits * (3.0 * 4.0 + p) + 2.0 * self.ns * h * p);
+        let tp = self.tp_collective((self.t - 1.0) / self.t, n * h * p);
+        Cost {
+            fwd: gemm + fwd_mem + tp,
+            bwd: 2.0 * gemm + bwd_mem + tp,
+            tp: 2.0 * tp,
+        }
+    }
+
+    fn embedding(&self) -> Cost {
+        let h = self.c.hidden_size as f64;
+        let mem = self.memory(2.0 * self.n * h * self.p);
+        let tp = self.tp_collective(2.0 * (self.t - 1.0) / self.t, self.n * h * self.p);
+        Cost {
+            fwd: mem + tp,
+            bwd: 2.0 * mem,
+            tp,
+        }
+    }
+}
+
+/// Per-stage parameter elements (local, padded) and owned elements, from the memory model.
+pub struct StageState {
+    /// Elements of the stage's flat gradient buffer.
+    pub total: f64,
+    /// Elements whose optimizer state a rank owns.
+    pub owned: f64,
+    /// Elements of the stage's parameters.
+    pub params: f64,
+}
+
+/// Bandwidth in bytes/s of a group of `size` ranks spaced `stride` apart.
+fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
+    let gbps = if size * stride <= hw.gpus_per_node {
+        hw.intra_node_gbps
+    } else {
+        hw.inter_node_gbps
+    };
+    gbps * 1e9
+}
+
+/// The predicted time of one step of `r` on `hw`, with each stage's state sizes.
+pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, f64) {
+    let (par, tr, c) = (&r.parallel, &r.train, &r.model);
+    let (pp, v, tp, dp) = (par.pp, par.virtual_stages, par.tp, par.dp);
+    let m = r.grad_accum_steps() as f64;
+    let n = (tr.micro_batch * tr.seq_len) as f64;
+    let p = r.train.dtype.dtype().size_in_bytes() as f64;
+    let model = Model {
+        hw,
+        c,
+        n,
+        ns: if par.sequence_parallel {
+            n / tp as f64
+        } else {
+            n
+        },
+        b: tr.micro_batch as f64,
+        s: tr.seq_len as f64,
+        t: tp as f64,
+        p,
+        tp_bw: group_bandwidth(hw, tp, 1),
+    };
+    let (block, head, embedding) = (model.block(tr.recompute), model.head(), model.embedding());
+    // Pipeline neighbours are tp · dp ranks apart.
+    let pp_bw = group_bandwidth(hw, 2, tp * dp);
+    let p2p = model.ns * c.hidden_size as f64 * p / pp_bw + LATENCY_S;
+    let mut per_stage = Vec::with_capacity(pp);
+    for stage in 0..pp {
+        let mut cost = Cost::default();
+        let mut sends = 0.0;
+        for k in 0..v {
+            for piece in chunk_pieces(stage, k, pp, v, c.num_hidden_layers) {
+                let x = match piece {
+                    Piece::Embedding => embedding,
+                    Piece::Block(_) => block,
+                    Piece::Head => head,
+                };
+                cost.fwd += x.fwd;
+                cost.bwd += x.bwd;
+                cost.tp += x.tp;
+            }
+            let g = k * pp + stage;
+            // A chunk receives its input and sends its output (and the gradients back).
+            sends += if g == 0 || g + 1 == pp * v { 1.0 } else { 2.0 };
+        }
+        let pp_s = if pp > 1 { sends * 2.0 * p2p } else { 0.0 };
+        per_stage.push((cost, pp_s));
+    }
+    let stage_time = |(c, s): &(Cost, f64)| c.fwd + c.bwd + s;
+    let (slowest, worst) = per_stage
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (i, stage_time(x)))
+        .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    let mean = per_stage.iter().map(stage_time).sum::<f64>() / pp as f64;
+    let bubble_s = (pp as f64 - 1.0) / v as f64 * mean;
+    let pipeline_s = m * worst + bubble_s;
+
+    // Data parallelism on the slowest stage.
+    let st = &state[slowest];
+    let shard = par.shard_size();
+    let replicas = dp / shard;
+    let dp_bw = group_bandwidth(hw, dp, tp);
+    let shard_bw = group_bandwidth(hw, shard, tp);
+    let ring = |k: usize, bytes: f64, bw: f64| {
+        if k <= 1 {
+            0.0
+        } else {
+            (k as f64 - 1.0) / k as f64 * bytes / bw + LATENCY_S * k as f64
+        }
+    };
+    let grads = 4.0 * st.total;
+    let (dp_comm_s, dp_exposed_s) = match par.zero {
+        0 => {
+            let all_reduce = 2.0 * ring(dp, grads, dp_bw);
+            (all_reduce, exposed(all_reduce, per_stage[slowest].0.bwd))
+        }
+        1 => {
+            let reduce =
+                ring(shard, grads, shard_bw) + 2.0 * ring(replicas, grads / shard as f64, dp_bw);
+            let gather = ring(shard, grads, shard_bw);
+            (
+                reduce + gather,
+                exposed(reduce, per_stage[slowest].0.bwd) + gather,
+            )
+        }
+        _ => {
+            // Every micro-batch's gradients are reduce-scattered; stage 3 also gathers the
+            // parameters before each use (twice per micro-batch under recompute).
+            let per_micro = ring(shard, grads, shard_bw);
+            let replica = 2.0 * ring(replicas, grads / shard as f64, dp_bw);
+            let uses = if par.zero >= 3 {
+                m * if tr.recompute == Recompute::Full {
+                    2.0
+                } else {
+                    1.0
+                }
+            } else {
+                0.0
+            };
+            let gathers = uses * ring(shard, p * st.params, shard_bw);
+            let publish = if par.zero == 2 {
+                ring(shard, grads, shard_bw)
+            } else {
+                0.0
+            };
+            let overlapped = m * per_micro + replica + gathers;
+            // All but the last piece's reduce-scatter can hide behind compute.
+            let window = pipeline_s - per_stage[slowest].0.bwd / m.max(1.0);
+            (overlapped + publish, exposed(overlapped, window) + publish)
+        }
+    };
+    let optimizer_s = model.memory(st.owned * (4.0 + 24.0 + p + 4.0));
+    let (cost, pp_s) = per_stage[slowest];
+    let step_s = pipeline_s + dp_exposed_s + optimizer_s;
+    let time = StepTime {
+        compute_s: m * (cost.fwd + cost.bwd - cost.tp),
+        tp_comm_s: m * cost.tp,
+        pp_comm_s: m * pp_s,
+        bubble_s,
+        dp_comm_s,
+        dp_exposed_s,
+        optimizer_s,
+        step_s,
+    };
+    (time, bubble_s / pipeline_s)
+}

@@ -1,0 +1,187 @@
+//! The planner against our own runs: for the tiny recipe at many layouts, the predicted bytes of
+//! parameters, gradients and optimizer state equal every rank's measured ones exactly, and the
+//! predicted peak activations are within 10% of the peak the step executor measured (distinct
+//! storages kept for backward passes, see `train/pipeline.rs`).
+
+use std::path::Path;
+use std::time::Duration;
+
+use pretrain::plan::memory;
+use pretrain::train::metrics::StateBytes;
+use pretrain::train::{RankCtx, Trainer};
+
+struct Measured {
+    stage: usize,
+    state: StateBytes,
+    act_peak: usize,
+}
+
+fn measure(recipe: &pretrain::recipe::Recipe) -> Vec<Measured> {
+    let world = recipe.parallel.world_size();
+    parallel::comm::local::run_local(world, Duration::from_secs(120), |rank, comm| {
+        let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+        let stage = ctx.coords.pp;
+        let mut trainer = Trainer::new(recipe.clone(), ctx, false)?;
+        let rec = trainer.train_step()?;
+        Ok::<_, anyhow::Error>(Measured {
+            stage,
+            state: rec.state,
+            act_peak: rec.act_peak_bytes,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:#}", e.error))
+}
+
+#[test]
+fn predicted_state_is_exact_and_activations_within_ten_percent() {
+    let layouts = [
+        "parallel.dp=1",
+        "train.recompute=full",
+        "train.dtype=bf16",
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.tp=2,parallel.sequence_parallel=true",
+        "parallel.pp=2",
+        "parallel.pp=2,parallel.virtual_stages=2",
+        "parallel.pp=2,train.recompute=full,train.dtype=bf16",
+        "parallel.dp=2,parallel.zero=1",
+        "parallel.dp=2,parallel.zero=2",
+        "parallel.dp=2,parallel.zero=3,train.recompute=full",
+        "parallel.tp=2,parallel.sequence_parallel=true,parallel.pp=2,train.recompute=full",
+    ];
+    for layout in layouts {
+        let o = vec![
+            "train.steps=1,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4".to_string(),
+            layout.to_string(),
+        ];
+        let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+        let predicted = memory::stages(&recipe).unwrap();
+        for (rank, m) in measure(&recipe).iter().enumerate() {
+            let want = &predicted[m.stage].bytes;
+            let got = (
+                m.state.param_bytes as u64,
+                m.state.grad_bytes as u64,
+                m.state.optimizer_bytes as u64,
+            );
+            assert_eq!(
+                got,
+                (want.parameters, want.gradients, want.optimizer),
+                "{layout} rank {rank} (stage {}): measured (parameters, gradients, optimizer) bytes vs predicted",
+                m.stage
+            );
+            let err = want.activations as f64 / m.act_peak as f64 - 1.0;
+            eprintln!(
+                "{layout} rank {rank} stage {}: activations predicted {} measured {} ({:+.2}%)",
+                m.stage,
+                want.activations,
+                m.act_peak,
+                100.0 * err
+            );
+            assert!(
+                err.abs() <= 0.10,
+                "{layout} rank {rank}: predicted activations {} vs measured {} ({:+.1}%)",
+                want.activations,
+                m.act_peak,
+                100.0 * err
+            );
+        }
+    }
+}
+
+/// Megatron-LM's published throughput (Narayanan et al. 2021, Table 1; A100-80GB, sequence 2048,
+/// vocabulary 51,200, full recompute): (hidden, layers, heads, tp, pp, v, GPUs, global batch,
+/// micro batch, TFLOP/s per GPU). A Llama with `intermediate_size = 8h/3` (rounded to a multiple
+/// of 8) has the GPT model's parameters and FLOPs.
+/// One row of the table.
+struct Row {
+    h: usize,
+    layers: usize,
+    heads: usize,
+    tp: usize,
+    pp: usize,
+    v: usize,
+    gpus: usize,
+    gbs: usize,
+    mbs: usize,
+    tflops: f64,
+}
+
+const fn row(
+    h: usize,
+    layers: usize,
+    heads: usize,
+    (tp, pp, v): (usize, usize, usize),
+    gpus: usize,
+    (gbs, mbs): (usize, usize),
+    tflops: f64,
+) -> Row {
+    Row {
+        h,
+        layers,
+        heads,
+        tp,
+        pp,
+        v,
+        gpus,
+        gbs,
+        mbs,
+        tflops,
+    }
+}
+
+const MEGATRON_2021: [Row; 6] = [
+    row(2304, 24, 24, (1, 1, 1), 32, (512, 16), 137.0),
+    row(3072, 30, 32, (2, 1, 1), 64, (512, 16), 138.0),
+    row(4096, 36, 32, (4, 1, 1), 128, (512, 16), 142.0),
+    row(6144, 40, 48, (8, 1, 1), 256, (1024, 8), 135.0),
+    row(8192, 48, 64, (8, 2, 1), 512, (1536, 4), 138.0),
+    row(12288, 80, 96, (8, 8, 2), 1536, (2304, 2), 148.0),
+];
+
+#[test]
+fn predicts_megatron_2021_throughput_within_fifteen_percent() {
+    use pretrain::plan::{plan, GpuPreset};
+    let hw = GpuPreset::A100_80g.hardware();
+    for Row {
+        h,
+        layers: l,
+        heads,
+        tp,
+        pp,
+        v,
+        gpus,
+        gbs,
+        mbs,
+        tflops: published,
+    } in MEGATRON_2021
+    {
+        let dp = gpus / (tp * pp);
+        let ffn = (8 * h / 3).div_ceil(8) * 8;
+        let o = vec![format!(
+            "model.hidden_size={h},model.intermediate_size={ffn},model.num_hidden_layers={l},\
+             model.num_attention_heads={heads},model.num_key_value_heads={heads},model.vocab_size=51200,\
+             model.max_position_embeddings=2048,model.tie_word_embeddings=true,\
+             parallel.dp={dp},parallel.tp={tp},parallel.pp={pp},parallel.virtual_stages={v},\
+             train.seq_len=2048,train.global_batch={gbs},train.micro_batch={mbs},train.dtype=bf16,\
+             train.device=cuda,train.recompute=full"
+        )];
+        let r = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+        let p = plan(&r, &hw).unwrap();
+        let (b, s, l, h, vocab) = (gbs as f64, 2048.0, l as f64, h as f64, 51200.0);
+        // Megatron's count: forward, recompute forward and backward of every layer and the head.
+        let flops = 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + vocab / (16.0 * l * h));
+        let predicted = flops / p.step_time_s / gpus as f64 / 1e12;
+        let err = predicted / published - 1.0;
+        eprintln!(
+            "h {h} L {l} tp {tp} pp {pp} v {v} GPUs {gpus}: predicted {predicted:.1} TFLOP/s, published {published} ({:+.1}%); step {:.3} s = {:?}",
+            100.0 * err,
+            p.step_time_s,
+            p.step_time
+        );
+        assert!(
+            err.abs() <= 0.15,
+            "h {h}: predicted {predicted:.1} TFLOP/s per GPU vs published {published} ({:+.1}%)",
+            100.0 * err
+        );
+    }
+}
