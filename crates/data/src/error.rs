@@ -10,12 +10,12 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// An operating-system I/O error on a named file.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file being read or written.
         path: PathBuf,
-        /// The underlying error.
-        source: std::io::Error,
+        /// The underlying error (in the message, not repeated as a cause).
+        error: std::io::Error,
     },
     /// The `.idx` file does not start with Megatron's magic bytes `MMIDIDX\0\0`.
     #[error("{}: bad magic: expected {expected:?}, found {found:?} (not a Megatron indexed dataset index)", path.display())]
@@ -163,10 +163,10 @@ pub enum DataError {
 
 impl DataError {
     /// Wraps an I/O error with the file it concerns.
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         DataError::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 

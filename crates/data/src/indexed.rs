@@ -149,11 +149,16 @@ fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
 /// Streams documents into `P.bin` and writes `P.idx` on [`finish`](Self::finish).
 ///
 /// Only `uint16` and `int32` token dtypes can be written (the ones Megatron's preprocessing
-/// produces); each added document becomes one sequence.
+/// produces); each added document becomes one sequence. Both files are written under temporary
+/// names (`P.bin.tmp`, `P.idx.tmp`) and renamed into place by `finish`: a writer that fails or is
+/// dropped removes its temporary file and leaves an existing dataset of the same prefix intact.
 pub struct IndexedDatasetWriter {
     bin: BufWriter<File>,
+    /// The temporary `.bin` being written.
+    bin_tmp: PathBuf,
     bin_path: PathBuf,
     idx_path: PathBuf,
+    finished: bool,
     dtype: DType,
     lengths: Vec<i32>,
     bytes: u64,
@@ -161,8 +166,8 @@ pub struct IndexedDatasetWriter {
 }
 
 impl IndexedDatasetWriter {
-    /// Creates (truncating) `prefix.bin`; `prefix.idx` is written by [`finish`](Self::finish).
-    /// Parent directories are created if missing.
+    /// Starts writing `prefix.bin` (under a temporary name); `prefix.idx` is written by
+    /// [`finish`](Self::finish). Parent directories are created if missing.
     pub fn create(prefix: &Path, dtype: DType) -> Result<Self> {
         if !matches!(dtype, DType::U16 | DType::I32) {
             return Err(DataError::config(
@@ -177,11 +182,14 @@ impl IndexedDatasetWriter {
         if let Some(parent) = bin_path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
         }
-        let file = File::create(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
+        let bin_tmp = with_suffix(prefix, ".bin.tmp");
+        let file = File::create(&bin_tmp).map_err(|e| DataError::io(&bin_tmp, e))?;
         Ok(IndexedDatasetWriter {
             bin: BufWriter::with_capacity(1 << 20, file),
+            bin_tmp,
             bin_path,
             idx_path: idx_path(prefix),
+            finished: false,
             dtype,
             lengths: Vec::new(),
             bytes: 0,
@@ -216,7 +224,7 @@ impl IndexedDatasetWriter {
         }
         self.bin
             .write_all(&self.buf)
-            .map_err(|e| DataError::io(&self.bin_path, e))?;
+            .map_err(|e| DataError::io(&self.bin_tmp, e))?;
         self.bytes += self.buf.len() as u64;
         self.lengths.push(len);
         Ok(())
@@ -234,11 +242,25 @@ impl IndexedDatasetWriter {
     pub fn finish(mut self) -> Result<u64> {
         self.bin
             .flush()
-            .map_err(|e| DataError::io(&self.bin_path, e))?;
+            .and_then(|_| self.bin.get_ref().sync_all())
+            .map_err(|e| DataError::io(&self.bin_tmp, e))?;
         let doc_indices: Vec<i64> = (0..=self.lengths.len() as i64).collect();
         let bytes = encode_index(self.dtype, &self.lengths, &doc_indices);
-        std::fs::write(&self.idx_path, bytes).map_err(|e| DataError::io(&self.idx_path, e))?;
+        let idx_tmp = with_suffix(&self.idx_path, ".tmp");
+        std::fs::write(&idx_tmp, bytes).map_err(|e| DataError::io(&idx_tmp, e))?;
+        std::fs::rename(&self.bin_tmp, &self.bin_path)
+            .map_err(|e| DataError::io(&self.bin_path, e))?;
+        std::fs::rename(&idx_tmp, &self.idx_path).map_err(|e| DataError::io(&self.idx_path, e))?;
+        self.finished = true;
         Ok(self.bytes)
+    }
+}
+
+impl Drop for IndexedDatasetWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.bin_tmp);
+        }
     }
 }
 

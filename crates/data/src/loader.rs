@@ -143,6 +143,19 @@ impl GptData {
                     ),
                 ));
             }
+            if let Some((seq, id)) = dataset.find_token_outside(first..last, vocab_size)? {
+                return Err(DataError::config(
+                    format!("data.datasets[{i}].prefix"),
+                    format!(
+                        "{}: document {} (sequence {seq}) holds token id {id}, outside the \
+                         tokenizer's vocabulary of {vocab_size} ({} split); was it made with \
+                         another tokenizer?",
+                        prefix.display(),
+                        dataset.document_of(seq),
+                        split.name()
+                    ),
+                ));
+            }
             let lengths = &dataset.sequence_lengths()[first..last];
             let index = SampleIndex::build(first, lengths, seq_len, split_seed, needed).map_err(
                 |e| match e {

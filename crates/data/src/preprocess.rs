@@ -172,8 +172,7 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
     }
     flush(&mut pending, &mut pending_bytes)?;
     if documents == 0 {
-        drop(writer);
-        let _ = std::fs::remove_file(bin_path(&opts.output_prefix));
+        drop(writer); // removes its temporary file; an existing dataset stays
         return Err(DataError::EmptyDataset {
             path: opts.output_prefix.clone(),
             what: "the inputs contain no documents".into(),

@@ -285,6 +285,66 @@ impl IndexedDataset {
         self.lengths.iter().map(|&l| l as u64).sum()
     }
 
+    /// The first sequence of `seqs` holding a token id `>= vocab_size`, with that id (the
+    /// sequences are scanned in parallel; the lowest such sequence is reported). A range found
+    /// clean is remembered for the life of the process (by file, size and modification time), so
+    /// the ranks of a job running as threads, and the splits opened again, scan it once.
+    pub fn find_token_outside(
+        &self,
+        seqs: std::ops::Range<usize>,
+        vocab_size: usize,
+    ) -> Result<Option<(usize, u32)>> {
+        use rayon::prelude::*;
+        use std::collections::HashSet;
+        use std::sync::{Mutex, OnceLock};
+        type Key = (
+            PathBuf,
+            u64,
+            Option<std::time::SystemTime>,
+            usize,
+            usize,
+            usize,
+        );
+        static CLEAN: OnceLock<Mutex<HashSet<Key>>> = OnceLock::new();
+        let meta = std::fs::metadata(&self.bin_path).ok();
+        let key: Key = (
+            self.bin_path.clone(),
+            meta.as_ref().map_or(0, |m| m.len()),
+            meta.and_then(|m| m.modified().ok()),
+            seqs.start,
+            seqs.end,
+            vocab_size,
+        );
+        let clean = CLEAN.get_or_init(Default::default);
+        if clean.lock().is_ok_and(|c| c.contains(&key)) {
+            return Ok(None);
+        }
+        let found = seqs
+            .into_par_iter()
+            .map(|s| -> Result<Option<(usize, u32)>> {
+                let ids = self.get(s, 0, self.lengths[s] as usize)?;
+                Ok(ids
+                    .into_iter()
+                    .find(|&t| t as usize >= vocab_size)
+                    .map(|t| (s, t)))
+            })
+            .find_first(|r| !matches!(r, Ok(None)));
+        let found = found.unwrap_or(Ok(None))?;
+        if found.is_none() {
+            if let Ok(mut c) = clean.lock() {
+                c.insert(key);
+            }
+        }
+        Ok(found)
+    }
+
+    /// The document holding sequence `seq`.
+    pub fn document_of(&self, seq: usize) -> usize {
+        self.doc_indices
+            .partition_point(|&d| d as usize <= seq)
+            .saturating_sub(1)
+    }
+
     /// Tokens `[offset, offset + len)` of sequence `seq` as `u32` ids; reads only those bytes.
     pub fn get(&self, seq: usize, offset: usize, len: usize) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(len);

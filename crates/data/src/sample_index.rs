@@ -185,6 +185,33 @@ impl SampleIndex {
 mod tests {
     use super::*;
 
+    /// Every epoch cuts its windows from a new document order: the set of (sequence, offset)
+    /// sample starts differs from the previous epoch's, over three epochs and more.
+    #[test]
+    fn each_epoch_reshuffles_the_documents() {
+        let lengths: Vec<u32> = (0..40).map(|d| 5 + (d * 7) % 23).collect();
+        let idx = SampleIndex::build(0, &lengths, 8, 3, 1).unwrap();
+        let per = idx.samples_per_epoch();
+        let idx = SampleIndex::build(0, &lengths, 8, 3, 4 * per).unwrap();
+        assert_eq!(idx.num_epochs(), 4);
+        let starts = |e: u64| -> std::collections::BTreeSet<(usize, usize)> {
+            (e * per..(e + 1) * per)
+                .map(|i| {
+                    let s = idx.spans(i).unwrap()[0];
+                    (s.sequence, s.offset)
+                })
+                .collect()
+        };
+        for e in 1..4 {
+            assert_ne!(
+                starts(e),
+                starts(e - 1),
+                "epoch {e} repeats epoch {}",
+                e - 1
+            );
+        }
+    }
+
     #[test]
     fn windows_cover_the_stream_with_one_token_overlap() {
         // One document of 10 tokens, seq_len 3: windows start at 0, 3, 6.

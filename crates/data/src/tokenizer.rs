@@ -21,6 +21,9 @@ pub const EOD_TOKEN: &str = "<|endoftext|>";
 
 /// Byte alphabet size plus the special token: the smallest meaningful vocabulary.
 const MIN_VOCAB: usize = 256 + 1;
+/// Largest vocabulary trained (16 times the largest in common use, about 256 Ki): the trainer's
+/// memory grows with it.
+pub const MAX_VOCAB: usize = 1 << 22;
 
 /// Options of [`train_tokenizer`] (`pretrain tokenizer train`).
 #[derive(Debug, Clone)]
@@ -88,6 +91,12 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
                 "{} is too small: need at least {MIN_VOCAB} (256 bytes + {EOD_TOKEN})",
                 opts.vocab_size
             ),
+        ));
+    }
+    if opts.vocab_size > MAX_VOCAB {
+        return Err(DataError::config(
+            "vocab_size",
+            format!("{} is too large: at most {MAX_VOCAB}", opts.vocab_size),
         ));
     }
     let mut files = Vec::with_capacity(opts.inputs.len());

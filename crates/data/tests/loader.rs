@@ -270,3 +270,26 @@ fn loader_types_can_be_shared_across_threads() {
     assert_send_sync::<GptData>();
     assert_send_sync::<data::IndexedDataset>();
 }
+
+/// Token ids outside the tokenizer's vocabulary are found when the dataset is opened, naming the
+/// file and the document, not hours later when a sample happens to hold one.
+#[test]
+fn token_ids_outside_the_vocabulary_are_refused_at_open() {
+    let f = Fixture::new();
+    let prefix = f.dir.path().join("bad");
+    let mut w = IndexedDatasetWriter::create(&prefix, DType::U16).unwrap();
+    for d in 0..50u32 {
+        let id = if d == 37 { 60_000 } else { 1 + d };
+        w.add_document(&[id; 20]).unwrap();
+    }
+    w.finish().unwrap();
+    let cfg = f.cfg(&[("bad", 1.0)], "100,0");
+    let e = GptData::open(&cfg, f.dir.path(), Split::Train, SEQ, 0, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("bad") && e.contains("document 37") && e.contains("token id 60000"),
+        "{e}"
+    );
+}

@@ -165,3 +165,33 @@ fn bad_inputs_are_reported() {
     .unwrap_err();
     assert!(e.to_string().contains("tok.json"), "{e}");
 }
+
+/// A failed run leaves an existing dataset of the same prefix intact and no partial files.
+#[test]
+fn a_failed_preprocess_keeps_the_existing_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let good = dir.path().join("good.jsonl");
+    std::fs::write(&good, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let prefix = dir.path().join("ds");
+    preprocess(&opts(vec![good.display().to_string()], &tok, &prefix)).unwrap();
+    let before = (
+        std::fs::read(bin_path(&prefix)).unwrap(),
+        std::fs::read(idx_path(&prefix)).unwrap(),
+    );
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"fine\"}\nnot json\n").unwrap();
+    preprocess(&opts(vec![bad.display().to_string()], &tok, &prefix)).unwrap_err();
+    let after = (
+        std::fs::read(bin_path(&prefix)).unwrap(),
+        std::fs::read(idx_path(&prefix)).unwrap(),
+    );
+    assert!(before == after, "the earlier dataset was changed");
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    IndexedDataset::open(&prefix).unwrap();
+}
