@@ -6,10 +6,11 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum CkptError {
     /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        /// The operating system's error (in the message, not repeated as a cause).
+        error: std::io::Error,
     },
     /// The step directory has no manifest: it was never completed (e.g. the run died while saving).
     #[error("{dir}: incomplete checkpoint (no {file})")]
@@ -36,6 +37,6 @@ pub enum CkptError {
 impl CkptError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> CkptError {
         let path = path.into();
-        move |source| CkptError::Io { path, source }
+        move |error| CkptError::Io { path, error }
     }
 }

@@ -116,6 +116,10 @@ pub struct Manifest {
     pub recipe: String,
     /// Layout that wrote the checkpoint (`parallel:` recipe section) as JSON.
     pub layout: serde_json::Value,
+    /// The training loop's own state beyond the optimizer (updates applied, skipped steps,
+    /// recent losses), in the trainer's format; absent in older checkpoints.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub trainer: serde_json::Value,
     /// Shard files with sizes and checksums.
     pub files: Vec<FileEntry>,
     /// Every piece of every tensor.

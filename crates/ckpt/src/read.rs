@@ -42,32 +42,64 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
             message: format!("format `{}`, expected `{FORMAT}`", m.format),
         });
     }
+    if let Some(named) = step_of(dir).filter(|&s| s != m.step) {
+        return Err(CkptError::Format {
+            path,
+            message: format!(
+                "the manifest says step {}, the directory's name step {named}",
+                m.step
+            ),
+        });
+    }
     Ok(m)
 }
 
-/// The newest complete checkpoint under `root`: the one `latest` names if it is complete, else the
-/// highest step directory with a valid manifest. `None` when there is none (or no `root`).
-pub fn find_latest(root: &Path) -> Option<PathBuf> {
-    if let Ok(name) = fs::read_to_string(root.join("latest")) {
+/// The step a directory's name (`step-N`) gives, if it has that form.
+fn step_of(dir: &Path) -> Option<u64> {
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse::<u64>()
+        .ok()
+}
+
+/// The newest checkpoint under `root`: the one `latest` names (the last one saved), or without a
+/// `latest` file the highest step directory. `Ok(None)` when there is none (or no `root`). A
+/// newest checkpoint whose manifest cannot be read is an error naming it, never passed over for
+/// an older one: resuming from the older one would later save over it. (A save that died leaves
+/// only `step-N.tmp`, which is never a candidate.)
+pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
+    let unusable = |dir: &Path, e: CkptError| CkptError::Mismatch {
+        dir: dir.to_path_buf(),
+        message: format!(
+            "the newest checkpoint cannot be read ({e}); move it aside to resume from an older \
+             one, or set checkpoint.resume to a step directory"
+        ),
+    };
+    let latest = root.join("latest");
+    if latest.exists() {
+        let name = fs::read_to_string(&latest).map_err(CkptError::io(&latest))?;
         let dir = root.join(name.trim());
-        if read_manifest(&dir).is_ok() {
-            return Some(dir);
-        }
+        return match read_manifest(&dir) {
+            Ok(_) => Ok(Some(dir)),
+            Err(e) => Err(unusable(&dir, e)),
+        };
     }
-    let mut best: Option<(u64, PathBuf)> = None;
-    for e in fs::read_dir(root).ok()?.flatten() {
-        let path = e.path();
-        let step = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix("step-")?.parse::<u64>().ok());
-        if let (Some(s), Ok(_)) = (step, read_manifest(&path)) {
-            if best.as_ref().is_none_or(|(b, _)| s > *b) {
-                best = Some((s, path));
-            }
-        }
+    let Ok(entries) = fs::read_dir(root) else {
+        return Ok(None);
+    };
+    let newest = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter_map(|p| Some((step_of(&p)?, p)))
+        .max_by_key(|(s, _)| *s);
+    match newest {
+        None => Ok(None),
+        Some((_, dir)) => match read_manifest(&dir) {
+            Ok(_) => Ok(Some(dir)),
+            Err(e) => Err(unusable(&dir, e)),
+        },
     }
-    best.map(|(_, p)| p)
 }
 
 impl Checkpoint {
@@ -76,6 +108,8 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest = read_manifest(dir)?;
         let mut files = HashMap::new();
+        // Bytes of every stored tensor: (file, key) → length.
+        let mut stored: HashMap<(String, String), usize> = HashMap::new();
         for f in &manifest.files {
             let path = dir.join(&f.name);
             let mut file =
@@ -110,14 +144,31 @@ impl Checkpoint {
             }
             // SAFETY: the file is only read, and checkpoints are not modified once complete.
             let map = unsafe { Mmap::map(&file) }.map_err(CkptError::io(&path))?;
-            SafeTensors::deserialize(&map).map_err(|e| CkptError::Format {
+            let st = SafeTensors::deserialize(&map).map_err(|e| CkptError::Format {
                 path: path.clone(),
                 message: e.to_string(),
             })?;
+            for (key, view) in st.tensors() {
+                stored.insert((f.name.clone(), key), view.data().len());
+            }
             files.insert(f.name.clone(), map);
         }
         let mut by_tensor: HashMap<(String, Kind), Vec<usize>> = HashMap::new();
+        let mut covered: HashMap<(String, Kind), usize> = HashMap::new();
+        let bad = |message: String| CkptError::Format {
+            path: dir.join(MANIFEST),
+            message,
+        };
         for (i, p) in manifest.pieces.iter().enumerate() {
+            // Every piece is data that exists: reading never allocates more than the files hold.
+            let len = p.range.1.saturating_sub(p.range.0);
+            if stored.get(&(p.file.clone(), p.key.clone())) != len.checked_mul(4).as_ref() {
+                return Err(bad(format!(
+                    "piece {} claims {len} elements, which {} does not hold",
+                    p.key, p.file
+                )));
+            }
+            *covered.entry((p.name.clone(), p.kind)).or_default() += len;
             let inside = p.block.len() == p.global_shape.len()
                 && (1..=2).contains(&p.block.len())
                 && p.block
@@ -137,6 +188,17 @@ impl Checkpoint {
                 .entry((p.name.clone(), p.kind))
                 .or_default()
                 .push(i);
+        }
+        for ((name, kind), &have) in &covered {
+            let shape = &manifest.pieces[by_tensor[&(name.clone(), *kind)][0]].global_shape;
+            let whole = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            if whole != Some(have) {
+                return Err(bad(format!(
+                    "the pieces of {} of {name} hold {have} elements, its shape {shape:?} has {}",
+                    kind.as_str(),
+                    whole.map_or("more than fit in memory".to_string(), |w| w.to_string())
+                )));
+            }
         }
         Ok(Self {
             dir: dir.to_path_buf(),

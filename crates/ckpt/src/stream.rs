@@ -85,7 +85,7 @@ pub fn write_streaming(
     }
     let file = out.into_inner().map_err(|e| CkptError::Io {
         path: path.to_path_buf(),
-        source: e.into_error(),
+        error: e.into_error(),
     })?;
     file.sync_all().map_err(CkptError::io(path))?;
     Ok(8 + json.len() as u64 + offset as u64)

@@ -109,10 +109,46 @@ impl RankWriter {
             },
             pieces: self.pieces.into_iter().map(|(m, _)| m).collect(),
         };
+        // The record is renamed into place: its presence means the rank's share is complete.
         let side = self.dir.join(format!("rank-{:05}.json", self.rank));
+        let tmp = self.dir.join(format!("rank-{:05}.json.tmp", self.rank));
         let json = serde_json::to_vec(&record).expect("records serialise");
-        write_synced(&side, &json)
+        write_synced(&tmp, &json)?;
+        fs::rename(&tmp, &side).map_err(CkptError::io(&side))
     }
+}
+
+/// Checks that `pieces` hold every element of every tensor exactly once for each kind, and the
+/// same tensors for every kind: a checkpoint with a hole (a rank that skipped a piece) or a
+/// duplicate is refused when it is written, not when a resume needs it.
+fn check_complete(pieces: &[PieceMeta], dir: &Path) -> Result<()> {
+    use std::collections::BTreeMap;
+    let mut count: BTreeMap<(&str, Kind), (usize, usize)> = BTreeMap::new();
+    for p in pieces {
+        let whole: usize = p.global_shape.iter().product();
+        let e = count.entry((p.name.as_str(), p.kind)).or_insert((0, whole));
+        e.0 += p.range.1.saturating_sub(p.range.0);
+    }
+    let problem = |message: String| CkptError::Mismatch {
+        dir: dir.to_path_buf(),
+        message: format!("incomplete checkpoint: {message}"),
+    };
+    for ((name, kind), (have, whole)) in &count {
+        if have != whole {
+            return Err(problem(format!(
+                "{} of {name} has {have} of its {whole} elements",
+                kind.as_str()
+            )));
+        }
+    }
+    for kind in Kind::ALL {
+        for ((name, _), _) in count.iter().filter(|((_, k), _)| *k == Kind::Master) {
+            if !count.contains_key(&(name, kind)) {
+                return Err(problem(format!("no {} of {name}", kind.as_str())));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Lower-case hex of `bytes`.
@@ -145,6 +181,7 @@ pub fn finalize(
         manifest.files.push(record.file);
         manifest.pieces.extend(record.pieces);
     }
+    check_complete(&manifest.pieces, &tmp)?;
     let tok = tmp.join(TOKENIZER);
     fs::copy(tokenizer, &tok).map_err(CkptError::io(tokenizer))?;
     let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialise");

@@ -60,6 +60,7 @@ fn write(root: &Path, step: u64) -> PathBuf {
         model: serde_json::json!({"hidden_size": 6}),
         recipe: "train: {}".into(),
         layout: serde_json::json!({"tp": 2}),
+        trainer: serde_json::Value::Null,
         files: vec![],
         pieces: vec![],
     };
@@ -157,14 +158,27 @@ fn incomplete_directories_are_never_chosen() {
     let tmp = tempfile::tempdir().unwrap();
     write(tmp.path(), 2);
     write(tmp.path(), 4);
-    // A crash during a save leaves a temporary directory, or a step directory without manifest.
+    // A crash during a save leaves a temporary directory: never a candidate.
     std::fs::create_dir_all(tmp.path().join("step-00000006.tmp")).unwrap();
-    std::fs::create_dir_all(tmp.path().join("step-00000008")).unwrap();
-    std::fs::write(tmp.path().join("latest"), "step-00000008").unwrap();
     assert_eq!(
         find_latest(tmp.path()).unwrap(),
-        tmp.path().join("step-00000004")
+        Some(tmp.path().join("step-00000004"))
     );
+    // A newest step directory without a readable manifest is reported, not passed over.
+    std::fs::create_dir_all(tmp.path().join("step-00000008")).unwrap();
+    std::fs::write(tmp.path().join("latest"), "step-00000008").unwrap();
+    let e = find_latest(tmp.path()).unwrap_err();
+    assert!(
+        matches!(e, CkptError::Mismatch { .. })
+            && e.to_string().contains("step-00000008")
+            && e.to_string().contains("incomplete checkpoint"),
+        "{e}"
+    );
+    std::fs::remove_file(tmp.path().join("latest")).unwrap();
+    assert!(find_latest(tmp.path())
+        .unwrap_err()
+        .to_string()
+        .contains("step-00000008"));
     let e = Checkpoint::open(&tmp.path().join("step-00000008"))
         .err()
         .unwrap();
@@ -172,7 +186,19 @@ fn incomplete_directories_are_never_chosen() {
         matches!(e, CkptError::Incomplete { .. }) && e.to_string().contains("step-00000008"),
         "{e}"
     );
-    assert!(find_latest(&tmp.path().join("nothing-here")).is_none());
+    // A manifest whose step differs from its directory's name.
+    std::fs::remove_dir_all(tmp.path().join("step-00000008")).unwrap();
+    std::fs::rename(
+        tmp.path().join("step-00000004"),
+        tmp.path().join("step-00000009"),
+    )
+    .unwrap();
+    let e = find_latest(tmp.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("manifest says step 4") && e.contains("step 9"),
+        "{e}"
+    );
+    assert_eq!(find_latest(&tmp.path().join("nothing-here")).unwrap(), None);
 }
 
 #[test]
@@ -213,6 +239,49 @@ fn pruning_never_removes_the_new_checkpoint_or_later_steps() {
     );
     assert_eq!(
         find_latest(tmp.path()).unwrap(),
-        tmp.path().join("step-00000002")
+        Some(tmp.path().join("step-00000002"))
     );
+}
+
+/// A rank that leaves out a piece makes the save fail, naming the tensor and kind, and no
+/// checkpoint appears.
+#[test]
+fn an_incomplete_checkpoint_is_refused_when_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let tok = root.join("tok.json");
+    std::fs::write(&tok, "{}").unwrap();
+    for rank in 0..2 {
+        let mut w = RankWriter::new(root, 3, rank).unwrap();
+        let offset = [0, 3 * rank];
+        let b = block("w", &[4, 6], &offset, &[4, 3]);
+        for kind in Kind::ALL {
+            // Rank 1 skips the second moment of its block.
+            if rank == 1 && kind == Kind::ExpAvgSq {
+                continue;
+            }
+            w.add(kind, b, 0..12, vec![0.5; 12]);
+        }
+        w.write().unwrap();
+    }
+    let manifest = Manifest {
+        format: String::new(),
+        step: 3,
+        consumed_samples: 0,
+        seed: 1,
+        model: serde_json::json!({}),
+        recipe: String::new(),
+        layout: serde_json::json!({}),
+        trainer: serde_json::Value::Null,
+        files: vec![],
+        pieces: vec![],
+    };
+    let e = finalize(root, manifest, 2, &tok, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("exp_avg_sq of w has 12 of its 24 elements"),
+        "{e}"
+    );
+    assert!(!root.join("step-00000003").exists());
 }
