@@ -47,8 +47,8 @@ pub enum EnvError {
         launcher: &'static str,
         world: usize,
     },
-    /// `MASTER_PORT` is not a port number.
-    #[error("MASTER_PORT={0:?} is not a port number")]
+    /// `MASTER_PORT` is not a port number (1-65535).
+    #[error("MASTER_PORT={0:?} is not a port number (1-65535)")]
     BadPort(String),
 }
 
@@ -74,11 +74,17 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessIn
     let (rank, world, local, launcher) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
         let rank = number(get, "RANK")?.ok_or(missing("WORLD_SIZE", "RANK"))?;
         let world = number(get, "WORLD_SIZE")?.ok_or(missing("RANK", "WORLD_SIZE"))?;
+        // `pretrain --nproc-per-node` sets torchrun's variables and marks its children.
+        let launcher = if get("PRETRAIN_LAUNCHED").is_some() {
+            "pretrain --nproc-per-node"
+        } else {
+            "torchrun"
+        };
         (
             rank,
             world,
             number(get, "LOCAL_RANK")?.unwrap_or(rank),
-            "torchrun",
+            launcher,
         )
     } else if get("SLURM_PROCID").is_some() {
         let rank = number(get, "SLURM_PROCID")?.ok_or(missing("SLURM_NTASKS", "SLURM_PROCID"))?;
@@ -105,7 +111,10 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessIn
     };
     let master_port = match get("MASTER_PORT") {
         None => DEFAULT_PORT,
-        Some(p) => p.trim().parse().map_err(|_| EnvError::BadPort(p))?,
+        Some(p) => match p.trim().parse() {
+            Ok(0) | Err(_) => return Err(EnvError::BadPort(p)),
+            Ok(port) => port,
+        },
     };
     Ok(Some(ProcessInfo {
         rank,
@@ -198,6 +207,14 @@ mod tests {
             ("MASTER_PORT", "99999")
         ])
         .contains("MASTER_PORT"));
+        // Port 0 would make every rank dial a port nobody listens on until the timeout.
+        assert!(e(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "0")
+        ])
+        .contains("MASTER_PORT=\"0\" is not a port number (1-65535)"));
         assert!(e(&[("SLURM_PROCID", "0")]).contains("SLURM_NTASKS"));
         assert_eq!(
             parse(&[("RANK", "0"), ("WORLD_SIZE", "0")]),

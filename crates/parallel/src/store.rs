@@ -38,14 +38,24 @@ pub enum StoreError {
     },
 }
 
+/// Connections the server serves at once; more are closed unanswered (a job needs one per rank).
+pub const MAX_CONNECTIONS: usize = 1024;
+/// How long a new connection may take to present the token.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
+
 fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    read_frame_bounded(s, MAX_FRAME)
+}
+
+/// Reads a frame of at most `max` bytes, refusing a longer one before allocating it.
+fn read_frame_bounded(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
+    if n > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("frame of {n} bytes exceeds {MAX_FRAME}"),
+            format!("frame of {n} bytes exceeds {max}"),
         ));
     }
     let mut buf = vec![0u8; n];
@@ -89,6 +99,7 @@ impl StoreServer {
             token.as_bytes().to_vec(),
             stop.clone(),
         );
+        let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let accept = std::thread::Builder::new()
             .name("rendezvous-store".into())
             .spawn(move || {
@@ -97,10 +108,21 @@ impl StoreServer {
                         break;
                     }
                     let Ok(stream) = conn else { continue };
-                    let (shared, token) = (shared.clone(), token.clone());
-                    let _ = std::thread::Builder::new()
+                    // Strangers cannot exhaust the server: past the cap, connections are closed.
+                    if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        continue;
+                    }
+                    active.fetch_add(1, Ordering::SeqCst);
+                    let (shared, token, mine) = (shared.clone(), token.clone(), active.clone());
+                    let spawned = std::thread::Builder::new()
                         .name("rendezvous-conn".into())
-                        .spawn(move || serve(stream, &shared, &token, timeout));
+                        .spawn(move || {
+                            serve(stream, &shared, &token, timeout);
+                            mine.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if spawned.is_err() {
+                        active.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })?;
         Ok(Self {
@@ -128,14 +150,17 @@ impl Drop for StoreServer {
 
 /// One client connection: token check, then requests until the peer closes.
 fn serve(mut s: TcpStream, shared: &Shared, token: &[u8], timeout: Duration) {
-    let _ = s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)) * 4));
-    match read_frame(&mut s) {
+    // The token first, briefly and bounded by its own length: nothing larger is allocated for
+    // a connection that has not proven it belongs to the job.
+    let _ = s.set_read_timeout(Some(GREETING_TIMEOUT));
+    match read_frame_bounded(&mut s, token.len()) {
         Ok(t) if t == token => {}
         _ => {
             let _ = write_frame(&mut s, b"Ewrong job token");
             return;
         }
     }
+    let _ = s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)) * 4));
     let _ = write_frame(&mut s, b"O");
     while let Ok(req) = read_frame(&mut s) {
         let reply = handle(&req, shared, timeout);

@@ -131,6 +131,39 @@ fn stray_connections_are_rejected() {
     assert_eq!(bits(&out.0), bits(&out.1));
 }
 
+/// Connections that never greet cannot stall start-up: with greetings read concurrently, rank 1
+/// joins long before one silent connection's greeting timeout (10 s) would have passed, even
+/// behind several of them; the job's timeout here is 5 s.
+#[test]
+fn silent_connections_do_not_stall_start_up() {
+    let timeout = Duration::from_secs(5);
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, timeout).unwrap();
+    let addr = server.addr().to_string();
+    let out = std::thread::scope(|s| {
+        let addr = &addr;
+        let h0 = s.spawn(move || {
+            let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
+            let comm = TcpComm::connect(0, 2, &mut store, TOKEN, timeout).unwrap();
+            comm.all_reduce(&Group::new(vec![0, 1]), &input(0, &[3], 0.0), ReduceOp::Sum)
+                .unwrap()
+        });
+        let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
+        let rank0 = String::from_utf8(store.get("tcp/0").unwrap()).unwrap();
+        let silent: Vec<TcpStream> = (0..5)
+            .map(|_| TcpStream::connect(&rank0).unwrap())
+            .collect();
+        // Silent connections to the store are no obstacle either.
+        let quiet: Vec<TcpStream> = (0..5).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let comm = TcpComm::connect(1, 2, &mut store, TOKEN, timeout).unwrap();
+        let mine = comm
+            .all_reduce(&Group::new(vec![0, 1]), &input(1, &[3], 0.0), ReduceOp::Sum)
+            .unwrap();
+        drop((silent, quiet));
+        (h0.join().unwrap(), mine)
+    });
+    assert_eq!(bits(&out.0), bits(&out.1));
+}
+
 #[test]
 fn mismatched_shapes_are_invalid() {
     let out = with_tcp(2, Duration::from_secs(20), |r, c| {

@@ -537,3 +537,53 @@ fn channels_must_receive_in_send_order() {
         Err(SimError::OutOfOrder { from: 1, to: 0, .. })
     ));
 }
+
+/// The compute order of each stage, written as `F c0 m1` / `B c1 m0`.
+fn compute_order(sched: &Schedule) -> Vec<Vec<String>> {
+    sched
+        .actions
+        .iter()
+        .map(|stage| {
+            stage
+                .iter()
+                .filter(|a| a.is_compute())
+                .map(|a| a.to_string())
+                .collect()
+        })
+        .collect()
+}
+
+fn order(s: &str) -> Vec<String> {
+    s.split(", ").map(str::to_string).collect()
+}
+
+/// The exact compute order of small schedules, pinned against Megatron-LM's: 1F1B warms up with
+/// `pp − stage − 1` forwards, then alternates one forward and one backward; interleaved 1F1B
+/// warms up with `(pp − stage − 1)·2 + (v − 1)·pp` forwards over the virtual micro-batches
+/// (chunk `(k / pp) mod v`, micro-batch `(k / (pp·v))·pp + k mod pp`; backwards visit the chunks
+/// in reverse). Any reordering, even one that keeps the simulated timing, fails here.
+#[test]
+fn compute_orders_match_megatron() {
+    let one_f_one_b = build(ScheduleKind::OneFOneB, 2, 1, 4).unwrap();
+    assert_eq!(
+        compute_order(&one_f_one_b),
+        vec![
+            order("F c0 m0, F c0 m1, B c0 m0, F c0 m2, B c0 m1, F c0 m3, B c0 m2, B c0 m3"),
+            order("F c0 m0, B c0 m0, F c0 m1, B c0 m1, F c0 m2, B c0 m2, F c0 m3, B c0 m3"),
+        ]
+    );
+    let interleaved = build(ScheduleKind::Interleaved, 2, 2, 4).unwrap();
+    assert_eq!(
+        compute_order(&interleaved),
+        vec![
+            order(
+                "F c0 m0, F c0 m1, F c1 m0, F c1 m1, F c0 m2, B c1 m0, F c0 m3, B c1 m1, \
+                 F c1 m2, B c0 m0, F c1 m3, B c0 m1, B c1 m2, B c1 m3, B c0 m2, B c0 m3"
+            ),
+            order(
+                "F c0 m0, F c0 m1, F c1 m0, B c1 m0, F c1 m1, B c1 m1, F c0 m2, B c0 m0, \
+                 F c0 m3, B c0 m1, F c1 m2, B c1 m2, F c1 m3, B c1 m3, B c0 m2, B c0 m3"
+            ),
+        ]
+    );
+}

@@ -19,7 +19,7 @@ pub enum ThreadError {
     Panicked(String),
     /// The rank's thread could not be started.
     #[error("cannot spawn its thread: {0}")]
-    Spawn(#[source] std::io::Error),
+    Spawn(std::io::Error),
 }
 
 impl From<ThreadError> for candle_core::Error {
