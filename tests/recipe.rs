@@ -180,11 +180,6 @@ fn interleaving_needs_micro_batches_in_multiples_of_pp() {
 #[test]
 fn parallel_options_need_their_axis() {
     assert_err(
-        &["parallel.sequence_parallel=true"],
-        "parallel.sequence_parallel needs parallel.tp > 1",
-    );
-    assert_err(&["parallel.zero=1"], "parallel.zero: 1 shards state");
-    assert_err(
         &["parallel.zero1=true,parallel.dp=2"],
         "parallel.zero1 was replaced by parallel.zero (0-3); write parallel.zero: 1",
     );
@@ -214,10 +209,6 @@ fn sequence_must_fit_the_position_table() {
 #[test]
 fn schedule_must_fit_the_run() {
     assert_err(
-        &["schedule.warmup_steps=500"],
-        "schedule.warmup_steps (500) exceeds train.steps (200)",
-    );
-    assert_err(
         &["schedule.min_lr=1.0"],
         "schedule.min_lr (1) must be in [0, optimizer.lr",
     );
@@ -230,6 +221,15 @@ fn schedule_must_fit_the_run() {
 #[test]
 fn optimizer_hyperparameters_are_checked() {
     assert_err(&["optimizer.lr=0"], "optimizer.lr (0) must be positive");
+    // Finite in f64 but not as the f32 the update computes in; and infinity by name.
+    assert_err(
+        &["optimizer.lr=1e39"],
+        "must be positive and finite as an f32",
+    );
+    assert_err(
+        &["optimizer.lr=.inf"],
+        "optimizer.lr (inf) must be positive and finite",
+    );
     assert_err(
         &["optimizer.beta2=1.0"],
         "optimizer.beta2 (1) must be in [0, 1)",
@@ -306,4 +306,132 @@ fn stored_recipes_of_earlier_versions_still_load() {
     assert_eq!(r.parallel.zero, 1);
     let e = pretrain::recipe::load_str(&old, origin, &dp2).unwrap_err();
     assert!(e.to_string().contains("write parallel.zero: 1"), "{e}");
+}
+
+/// Options that do nothing at one rank are switched off with a warning, as in Megatron-LM.
+#[test]
+fn options_that_do_nothing_at_this_scale_are_switched_off() {
+    let o = |s: &str| vec![s.to_string()];
+    let r = load(Path::new(TINY), &o("parallel.sequence_parallel=true")).unwrap();
+    assert!(!r.parallel.sequence_parallel);
+    let r = load(
+        Path::new(TINY),
+        &o("parallel.zero=2,parallel.zero_shard_size=1"),
+    )
+    .unwrap();
+    assert_eq!((r.parallel.zero, r.parallel.zero_shard_size), (0, None));
+    let r = load(Path::new(TINY), &o("schedule.warmup_steps=500")).unwrap();
+    assert_eq!(r.schedule.warmup_steps, 500, "reported, kept");
+}
+
+/// The kv-heads half of the tensor-parallel rule on its own (the attention heads divide).
+#[test]
+fn tensor_parallel_must_divide_the_kv_heads() {
+    assert_err(
+        &["model.num_key_value_heads=2,parallel.tp=4"],
+        "parallel.tp (4) must divide model.num_attention_heads (8) and model.num_key_value_heads (2)",
+    );
+}
+
+/// Products that wrap around in release builds are reported by field, never a panic.
+#[test]
+fn overflowing_products_are_named_not_panics() {
+    let big = usize::MAX / 2 + 1;
+    assert_err(
+        &[&format!("train.micro_batch={big},parallel.dp=2")],
+        "train.micro_batch × parallel.dp",
+    );
+    assert_err(
+        &[&format!("parallel.pp=2,parallel.virtual_stages={big}")],
+        "parallel.pp × parallel.virtual_stages",
+    );
+    assert_err(
+        &["train.steps=100000000000"],
+        "train.steps × train.global_batch (100000000000 × 32 = 3200000000000)",
+    );
+    assert_err(
+        &["train.steps=2305843009213693952"],
+        "exceeds the 4294967296 samples",
+    );
+    assert_err(
+        &["train.global_batch=18446744073709551612,train.micro_batch=4"],
+        "train.global_batch × train.seq_len",
+    );
+}
+
+/// Sizes whose memory cannot exist are refused before anything is allocated.
+#[test]
+fn impossible_model_sizes_are_refused() {
+    assert_err(&["model.vocab_size=1000000000000"], "the model would have");
+    assert_err(&["model.num_hidden_layers=100000000000"], "more than 1e13");
+    // 4e11 parameters: 7.3 TiB of state on one rank; over tp 4 × pp 4 it is 0.46 TiB.
+    let big = "model.hidden_size=16384,model.intermediate_size=65536,model.num_hidden_layers=100,model.max_position_embeddings=128";
+    assert_err(&[big], "TiB per rank");
+    load(
+        Path::new(TINY),
+        &[big.to_string(), "parallel.tp=4,parallel.pp=4".to_string()],
+    )
+    .unwrap();
+}
+
+#[test]
+fn the_nonfinite_policy_is_checked() {
+    assert_err(&["train.on_nonfinite=retry"], "train.on_nonfinite");
+    assert_err(
+        &["train.spike_factor=0.5"],
+        "train.spike_factor (0.5) must be a finite factor above 1",
+    );
+    let r = load(
+        Path::new(TINY),
+        &["train.on_nonfinite=skip,train.spike_factor=3".to_string()],
+    )
+    .unwrap();
+    assert_eq!(r.train.on_nonfinite, pretrain::recipe::OnNonFinite::Skip);
+    assert_eq!(r.train.spike_factor, Some(3.0));
+    assert_err(
+        &["checkpoint.accept_changes=[model]"],
+        "checkpoint.accept_changes",
+    );
+}
+
+/// `checkpoint.resume` takes `none`, `auto` or a path; anything else is named.
+#[test]
+fn resume_values_are_named() {
+    let r = load(Path::new(TINY), &["checkpoint.resume=auto".to_string()]).unwrap();
+    assert_eq!(r.checkpoint.resume, pretrain::recipe::Resume::Auto);
+    let r = load(Path::new(TINY), &["checkpoint.resume=some/dir".to_string()]).unwrap();
+    assert_eq!(
+        r.checkpoint.resume,
+        pretrain::recipe::Resume::Path("some/dir".into())
+    );
+    let e = err(&["checkpoint.resume=[1]"]);
+    assert!(
+        e.contains("checkpoint.resume") && !e.contains("untagged"),
+        "{e}"
+    );
+}
+
+/// Recipe files are read with a size bound, and deep nesting is refused before parsing.
+#[test]
+fn recipe_files_are_bounded() {
+    let e = load(Path::new("/dev/zero"), &[]).unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.yaml");
+    std::fs::write(&big, format!("# {}\n", "x".repeat(2 << 20))).unwrap();
+    let e = load(&big, &[]).unwrap_err().to_string();
+    assert!(e.contains("larger than 1048576 bytes"), "{e}");
+    let deep = dir.path().join("deep.yaml");
+    std::fs::write(&deep, format!("model: {}", "[".repeat(100_000))).unwrap();
+    let start = std::time::Instant::now();
+    let e = load(&deep, &[]).unwrap_err().to_string();
+    assert!(e.contains("nesting deeper than 64"), "{e}");
+    assert!(start.elapsed().as_secs() < 5, "refused before parsing");
+    let child = dir.path().join("child.yaml");
+    std::fs::write(&child, "inherit: /dev/zero\n").unwrap();
+    let e = load(&child, &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("/dev/zero") && e.contains("not a regular file"),
+        "{e}"
+    );
 }

@@ -10,10 +10,11 @@ use super::Recipe;
 #[derive(Debug, thiserror::Error)]
 pub enum RecipeError {
     /// The file could not be read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        /// The operating system's error (in the message, not repeated as a cause).
+        error: std::io::Error,
     },
     /// The YAML is malformed (with line and column) or a key has the wrong type.
     #[error("{path}: {message}")]
@@ -32,6 +33,73 @@ pub enum RecipeError {
     },
 }
 
+/// Largest recipe file read (recipes are a few kilobytes).
+pub const MAX_RECIPE_BYTES: u64 = 1 << 20;
+/// Deepest nesting of YAML flow collections (`[`, `{`) accepted.
+pub const MAX_NESTING: usize = 64;
+
+/// Parses YAML text, refusing nesting deeper than [`MAX_NESTING`] before the parser sees it
+/// (its time grows with the square of the depth).
+fn parse(text: &str, path: &Path) -> Result<Value, RecipeError> {
+    check_depth(text).map_err(|message| RecipeError::Parse {
+        path: path.into(),
+        message,
+    })?;
+    serde_yaml::from_str(text).map_err(|e| RecipeError::Parse {
+        path: path.into(),
+        message: e.to_string(),
+    })
+}
+
+/// Refuses YAML flow collections nested deeper than [`MAX_NESTING`].
+fn check_depth(text: &str) -> Result<(), String> {
+    let mut depth = 0usize;
+    for (i, line) in text.lines().enumerate() {
+        for c in line.chars() {
+            match c {
+                '[' | '{' => depth += 1,
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            if depth > MAX_NESTING {
+                return Err(format!(
+                    "line {}: nesting deeper than {MAX_NESTING} levels",
+                    i + 1
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a recipe file: a regular file of at most [`MAX_RECIPE_BYTES`].
+fn read_text(path: &Path) -> Result<String, RecipeError> {
+    use std::io::Read;
+    let io = |error| RecipeError::Io {
+        path: path.into(),
+        error,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    let too_big = |what: String| RecipeError::Parse {
+        path: path.into(),
+        message: what,
+    };
+    if !meta.is_file() {
+        return Err(too_big("not a regular file".into()));
+    }
+    let mut text = String::new();
+    file.take(MAX_RECIPE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > MAX_RECIPE_BYTES {
+        return Err(too_big(format!(
+            "larger than {MAX_RECIPE_BYTES} bytes; a recipe is a few kilobytes"
+        )));
+    }
+    Ok(text)
+}
+
 /// Loads `path` (following `inherit:`), applies `overrides` (`a.b=value`, comma-separated lists
 /// allowed, YAML values), deserialises and validates it.
 pub fn load(path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
@@ -41,21 +109,14 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
 /// Like [`load`] for a complete recipe given as YAML text (e.g. the one stored in a checkpoint);
 /// `origin` names it in error messages. `inherit:` is not followed.
 pub fn load_str(text: &str, origin: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
-    let value: Value = serde_yaml::from_str(text).map_err(|e| RecipeError::Parse {
-        path: origin.into(),
-        message: e.to_string(),
-    })?;
-    finish(value, origin, overrides)
+    finish(parse(text, origin)?, origin, overrides)
 }
 
 /// Parses a recipe that an earlier version of this program stored (in a checkpoint's manifest):
 /// keys it has since renamed are read as what they meant — `parallel.zero1: true|false` as
 /// `parallel.zero: 1|0` — where a user's recipe using them is refused with the new name.
 pub fn load_stored(text: &str, origin: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
-    let mut value: Value = serde_yaml::from_str(text).map_err(|e| RecipeError::Parse {
-        path: origin.into(),
-        message: e.to_string(),
-    })?;
+    let mut value = parse(text, origin)?;
     if let Some(parallel) = value.get_mut("parallel").and_then(Value::as_mapping_mut) {
         if let Some(old) = parallel.remove("zero1") {
             if !parallel.contains_key("zero") {
@@ -70,6 +131,10 @@ pub fn load_stored(text: &str, origin: &Path, overrides: &[String]) -> Result<Re
 fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
     for arg in overrides {
         for (key, raw) in split_overrides(arg)? {
+            check_depth(&raw).map_err(|message| RecipeError::Override {
+                arg: arg.clone(),
+                message,
+            })?;
             let parsed: Value = serde_yaml::from_str(&raw).unwrap_or(Value::String(raw.clone()));
             set_path(&mut value, &key, parsed).map_err(|message| RecipeError::Override {
                 arg: arg.clone(),
@@ -77,11 +142,20 @@ fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe,
             })?;
         }
     }
-    let recipe: Recipe =
+    let mut recipe: Recipe =
         serde_path_to_error::deserialize(value).map_err(|e| RecipeError::Parse {
             path: path.to_path_buf(),
             message: format!("{}: {}", e.path(), e.inner()),
         })?;
+    // Said once per job: by the process of rank 0 (or the only process).
+    let first = ["RANK", "SLURM_PROCID"]
+        .iter()
+        .all(|v| std::env::var(v).map_or(true, |r| r.trim() == "0"));
+    for w in recipe.scale_down() {
+        if first {
+            tracing::warn!("{}: {w}", path.display());
+        }
+    }
     let problems = recipe.problems();
     if problems.is_empty() {
         Ok(recipe)
@@ -95,22 +169,16 @@ fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe,
 
 /// Parses one YAML file and merges it over the file named by its `inherit:` key (relative to it).
 fn read_with_inherit(path: &Path, chain: &mut Vec<PathBuf>) -> Result<Value, RecipeError> {
-    let canonical = path.canonicalize().map_err(|source| RecipeError::Io {
+    let canonical = path.canonicalize().map_err(|error| RecipeError::Io {
         path: path.into(),
-        source,
+        error,
     })?;
     if chain.contains(&canonical) {
         return Err(RecipeError::InheritCycle { path: path.into() });
     }
     chain.push(canonical);
-    let text = std::fs::read_to_string(path).map_err(|source| RecipeError::Io {
-        path: path.into(),
-        source,
-    })?;
-    let mut value: Value = serde_yaml::from_str(&text).map_err(|e| RecipeError::Parse {
-        path: path.into(),
-        message: e.to_string(),
-    })?;
+    let text = read_text(path)?;
+    let mut value = parse(&text, path)?;
     let Value::Mapping(map) = &mut value else {
         return Err(RecipeError::Parse {
             path: path.into(),

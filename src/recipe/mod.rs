@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 pub use load::{load, load_stored, load_str, RecipeError};
 pub use sections::{
-    CheckpointConfig, DeviceKind, Dtype, LrCurve, OptimizerConfig, Resume, RunConfig,
-    ScheduleConfig, TrainConfig,
+    CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, OptimizerConfig, Resume,
+    ResumeChange, RunConfig, ScheduleConfig, TrainConfig, SPIKE_WINDOW,
 };
 
 /// A complete training recipe. Every key of the YAML file maps to a documented field here or in
@@ -46,5 +46,14 @@ impl Recipe {
     /// Gradient-accumulation steps per optimizer step: `global_batch / (micro_batch × dp)`.
     pub fn grad_accum_steps(&self) -> usize {
         self.train.global_batch / (self.train.micro_batch * self.parallel.dp)
+    }
+
+    /// The directory holding the run's step directories: `checkpoint.dir`, by default
+    /// `run.dir/checkpoints`.
+    pub fn checkpoint_root(&self) -> std::path::PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.run.dir.join("checkpoints"))
     }
 }

@@ -89,6 +89,31 @@ pub struct TrainConfig {
     /// `eval_batches × global_batch` sequences from the start of the validation split).
     #[serde(default = "default_eval_batches")]
     pub eval_batches: usize,
+    /// What a step with a non-finite loss or gradient norm (or a loss spike) does: `halt` stops
+    /// the run before the update, `skip` discards the update and goes on.
+    #[serde(default)]
+    pub on_nonfinite: OnNonFinite,
+    /// With `on_nonfinite: skip`, the run halts after this many skipped steps in a row.
+    #[serde(default = "default_max_skips")]
+    pub max_skips: usize,
+    /// A step whose loss exceeds this factor × the mean loss of the last
+    /// [`SPIKE_WINDOW`] steps is a loss spike, handled as `on_nonfinite` says; unset disables it.
+    #[serde(default)]
+    pub spike_factor: Option<f64>,
+}
+
+/// Steps in the running mean that loss spikes are measured against.
+pub const SPIKE_WINDOW: usize = 20;
+
+/// What to do with a step whose loss or gradients are not finite, or whose loss spiked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// Stop the run with an error naming the step and the ranks (the last checkpoint stays).
+    #[default]
+    Halt,
+    /// Discard the step's update (data and step count still advance) and log it.
+    Skip,
 }
 
 fn default_seed() -> u64 {
@@ -105,6 +130,9 @@ fn default_device() -> DeviceKind {
 }
 fn default_eval_batches() -> usize {
     1
+}
+fn default_max_skips() -> usize {
+    5
 }
 
 /// `optimizer:` — AdamW with decoupled weight decay.
@@ -176,9 +204,9 @@ fn default_decay_fraction() -> f64 {
     0.2
 }
 
-/// Which checkpoint a run starts from.
+/// Which checkpoint a run starts from: `none`, `auto`, or any other string as a step directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", from = "String")]
 pub enum Resume {
     /// Start from the seeded initialisation.
     #[default]
@@ -188,6 +216,16 @@ pub enum Resume {
     /// This step directory.
     #[serde(untagged)]
     Path(PathBuf),
+}
+
+impl From<String> for Resume {
+    fn from(s: String) -> Self {
+        match s.as_str() {
+            "none" => Resume::None,
+            "auto" => Resume::Auto,
+            _ => Resume::Path(s.into()),
+        }
+    }
 }
 
 /// `checkpoint:` — saving and resuming.
@@ -206,6 +244,24 @@ pub struct CheckpointConfig {
     /// Directory of the step directories; default `<run.dir>/checkpoints`.
     #[serde(default)]
     pub dir: Option<PathBuf>,
+    /// Copy the state to host memory at the step boundary and write the checkpoint on a
+    /// background thread while training goes on (at most one save in flight).
+    #[serde(default, rename = "async")]
+    pub async_save: bool,
+    /// What a resume may change from the checkpoint's recipe: `seed` (the data order from there
+    /// on) and `data` (datasets, blend weights, split). Anything else is refused.
+    #[serde(default)]
+    pub accept_changes: Vec<ResumeChange>,
+}
+
+/// A recipe change a resume accepts when asked to ([`CheckpointConfig::accept_changes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResumeChange {
+    /// `train.seed`.
+    Seed,
+    /// The `data:` section.
+    Data,
 }
 
 fn default_keep() -> usize {
@@ -219,6 +275,8 @@ impl Default for CheckpointConfig {
             keep: default_keep(),
             resume: Resume::None,
             dir: None,
+            accept_changes: Vec::new(),
+            async_save: false,
         }
     }
 }

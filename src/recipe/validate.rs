@@ -1,7 +1,23 @@
 //! Recipe validation: every inconsistency becomes a message naming its fields, found before any
-//! allocation.
+//! allocation; sizes whose memory cannot exist and products that overflow are refused by field.
+//! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
+//! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
 use super::{LrCurve, Recipe};
+
+/// Largest persistent training state (parameters, gradients, optimizer) one rank may hold: far
+/// above any device or host of today, so only sizes that cannot exist are refused.
+pub const MAX_STATE_BYTES_PER_RANK: f64 = (1u64 << 42) as f64; // 4 TiB
+/// Largest number of training samples (`train.steps × train.global_batch`) a run may draw.
+pub const MAX_SAMPLES: u64 = 1 << 32;
+/// Largest number of tokens in one global batch (`train.global_batch × train.seq_len`).
+pub const MAX_TOKENS_PER_STEP: u64 = 1 << 40;
+
+/// `a × b`, or a message naming both fields when the product overflows.
+fn product(a: (&str, usize), b: (&str, usize)) -> Result<usize, String> {
+    a.1.checked_mul(b.1)
+        .ok_or_else(|| format!("{} × {} ({} × {}) overflows", a.0, b.0, a.1, b.1))
+}
 
 impl Recipe {
     /// All problems of the recipe (empty when it is usable).
@@ -16,7 +32,77 @@ impl Recipe {
         self.check_parallel(&mut p);
         self.check_train(&mut p);
         self.check_optimizer(&mut p);
+        self.check_policies(&mut p);
+        if p.is_empty() {
+            self.check_state_size(&mut p);
+        }
         p
+    }
+
+    /// Switches off options that do nothing at this recipe's scale and says so: sequence
+    /// parallelism at tp = 1 and ZeRO sharding at dp = 1. (A warmup longer than the run is only
+    /// reported: the learning rate then never reaches its peak.) Returns the warnings.
+    pub fn scale_down(&mut self) -> Vec<String> {
+        let mut w = Vec::new();
+        let par = &mut self.parallel;
+        if par.sequence_parallel && par.tp == 1 {
+            w.push(
+                "parallel.sequence_parallel does nothing at parallel.tp = 1; switched off".into(),
+            );
+            par.sequence_parallel = false;
+        }
+        if par.zero > 0 && par.dp == 1 {
+            w.push(format!(
+                "parallel.zero: {} shards state across data-parallel ranks and does nothing at \
+                 parallel.dp = 1; switched off",
+                par.zero
+            ));
+            par.zero = 0;
+            par.zero_shard_size = None;
+        }
+        if self.schedule.warmup_steps > self.train.steps {
+            w.push(format!(
+                "schedule.warmup_steps ({}) exceeds train.steps ({}): the learning rate never \
+                 reaches optimizer.lr",
+                self.schedule.warmup_steps, self.train.steps
+            ));
+        }
+        w
+    }
+
+    /// The non-finite and loss-spike policy.
+    fn check_policies(&self, p: &mut Vec<String>) {
+        if let Some(k) = self.train.spike_factor {
+            if !(k > 1.0 && k.is_finite()) {
+                p.push(format!(
+                    "train.spike_factor ({k}) must be a finite factor above 1"
+                ));
+            }
+        }
+    }
+
+    /// Refuses a persistent state (parameters, fp32 gradients, fp32 master weights and moments)
+    /// per rank that no machine holds, estimated in floating point so that no size overflows.
+    fn check_state_size(&self, p: &mut Vec<String>) {
+        let par = &self.parallel;
+        let per_rank = self.model.num_params_f64() / (par.tp * par.pp) as f64;
+        let shards = if par.zero >= 1 { par.shard_size() } else { 1 } as f64;
+        let dtype = self.train.dtype.dtype().size_in_bytes() as f64;
+        let grads = if par.zero >= 2 { 4.0 / shards } else { 4.0 };
+        let params = if par.zero >= 3 { dtype / shards } else { dtype };
+        let bytes = per_rank * (params + grads + 12.0 / shards);
+        if bytes > MAX_STATE_BYTES_PER_RANK {
+            p.push(format!(
+                "the training state would take {:.1} TiB per rank ({:.3e} parameters over \
+                 parallel.tp × parallel.pp = {} × {}), more than {:.0} TiB: check the model's sizes \
+                 or the layout",
+                bytes / (1u64 << 40) as f64,
+                self.model.num_params_f64(),
+                par.tp,
+                par.pp,
+                MAX_STATE_BYTES_PER_RANK / (1u64 << 40) as f64
+            ));
+        }
     }
 
     fn check_parallel(&self, p: &mut Vec<String>) {
@@ -53,7 +139,16 @@ impl Recipe {
                 par.tp, m.vocab_size
             ));
         }
-        let chunks = par.pp * par.virtual_stages;
+        let chunks = match product(
+            ("parallel.pp", par.pp),
+            ("parallel.virtual_stages", par.virtual_stages),
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                p.push(e);
+                return;
+            }
+        };
         if m.num_hidden_layers % chunks != 0 {
             p.push(format!(
                 "parallel.pp × parallel.virtual_stages ({} × {}) must divide model.num_hidden_layers ({})",
@@ -62,9 +157,6 @@ impl Recipe {
         }
         if par.virtual_stages > 1 && par.pp == 1 {
             p.push("parallel.virtual_stages > 1 needs parallel.pp > 1".into());
-        }
-        if par.sequence_parallel && par.tp == 1 {
-            p.push("parallel.sequence_parallel needs parallel.tp > 1".into());
         }
         if par.sequence_parallel && !self.train.seq_len.is_multiple_of(par.tp) {
             p.push(format!(
@@ -86,12 +178,6 @@ impl Recipe {
         }
         if par.zero > 3 {
             p.push(format!("parallel.zero ({}) must be 0, 1, 2 or 3", par.zero));
-        }
-        if par.zero > 0 && par.dp == 1 {
-            p.push(format!(
-                "parallel.zero: {} shards state across data-parallel ranks and needs parallel.dp > 1",
-                par.zero
-            ));
         }
         if let Some(n) = par.zero_shard_size {
             if par.zero == 0 {
@@ -117,16 +203,38 @@ impl Recipe {
                 p.push(format!("train.{field} must be positive"));
             }
         }
-        if t.micro_batch > 0 && par.dp > 0 && t.global_batch % (t.micro_batch * par.dp) != 0 {
+        if p.iter().any(|e| e.starts_with("train.")) {
+            return;
+        }
+        let per_step = match product(
+            ("train.micro_batch", t.micro_batch),
+            ("parallel.dp", par.dp),
+        ) {
+            Ok(0) => return, // parallel.dp = 0, reported with the layout
+            Ok(n) => n,
+            Err(e) => return p.push(e),
+        };
+        let samples = (t.steps as u128) * (t.global_batch as u128);
+        if samples > MAX_SAMPLES as u128 {
+            p.push(format!(
+                "train.steps × train.global_batch ({} × {} = {samples}) exceeds the {MAX_SAMPLES} samples a run may draw",
+                t.steps, t.global_batch
+            ));
+        }
+        let tokens = (t.global_batch as u128) * (t.seq_len as u128);
+        if tokens > MAX_TOKENS_PER_STEP as u128 {
+            p.push(format!(
+                "train.global_batch × train.seq_len ({} × {} = {tokens}) exceeds {MAX_TOKENS_PER_STEP} tokens per step",
+                t.global_batch, t.seq_len
+            ));
+        }
+        if t.global_batch % per_step != 0 {
             p.push(format!(
                 "train.global_batch ({}) must be divisible by train.micro_batch × parallel.dp ({} × {} = {})",
-                t.global_batch,
-                t.micro_batch,
-                par.dp,
-                t.micro_batch * par.dp
+                t.global_batch, t.micro_batch, par.dp, per_step
             ));
-        } else if par.virtual_stages > 1 && t.micro_batch > 0 && par.dp > 0 {
-            let m = t.global_batch / (t.micro_batch * par.dp);
+        } else if par.virtual_stages > 1 && par.pp > 0 {
+            let m = t.global_batch / per_step;
             if m % par.pp != 0 {
                 p.push(format!(
                     "interleaved pipeline: micro-batches per step ({m} = train.global_batch / (train.micro_batch × parallel.dp)) must be a multiple of parallel.pp ({})",
@@ -159,8 +267,12 @@ impl Recipe {
 
     fn check_optimizer(&self, p: &mut Vec<String>) {
         let (o, s) = (&self.optimizer, &self.schedule);
-        if !(o.lr > 0.0 && o.lr.is_finite()) {
-            p.push(format!("optimizer.lr ({}) must be positive", o.lr));
+        if !(o.lr > 0.0 && o.lr <= f32::MAX as f64) {
+            p.push(format!(
+                "optimizer.lr ({}) must be positive and finite as an f32 (at most {:e})",
+                o.lr,
+                f32::MAX
+            ));
         }
         for (field, b) in [("beta1", o.beta1), ("beta2", o.beta2)] {
             if !(0.0..1.0).contains(&b) {
@@ -174,12 +286,6 @@ impl Recipe {
             p.push(format!(
                 "optimizer.weight_decay ({}) must be non-negative",
                 o.weight_decay
-            ));
-        }
-        if s.warmup_steps > self.train.steps {
-            p.push(format!(
-                "schedule.warmup_steps ({}) exceeds train.steps ({})",
-                s.warmup_steps, self.train.steps
             ));
         }
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {

@@ -2,6 +2,12 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Largest parameter count a model may have (far beyond any trained model; only sizes that
+/// cannot exist are refused).
+pub const MAX_PARAMS: f64 = 1e13;
+/// Largest `max_position_embeddings` (the rotary tables are sized by it): 4 Mi positions.
+pub const MAX_POSITIONS: usize = 1 << 22;
+
 /// Shape and numerics of a Llama decoder. Field names follow Hugging Face's `config.json`, so an
 /// exported `config.json` is this struct plus a few fixed keys.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -208,6 +214,21 @@ impl LlamaConfig {
                 return Err(format!("model.{field} must be positive"));
             }
         }
+        if self.max_position_embeddings > MAX_POSITIONS {
+            return Err(format!(
+                "model.max_position_embeddings ({}) exceeds {MAX_POSITIONS}",
+                self.max_position_embeddings
+            ));
+        }
+        let params = self.num_params_f64();
+        if params > MAX_PARAMS {
+            return Err(format!(
+                "the model would have {params:.3e} parameters, more than {MAX_PARAMS:.0e}: check \
+                 model.vocab_size ({}), model.hidden_size ({}), model.intermediate_size ({}) and \
+                 model.num_hidden_layers ({})",
+                self.vocab_size, self.hidden_size, self.intermediate_size, self.num_hidden_layers
+            ));
+        }
         if self.head_dim == Some(0) {
             return Err("model.head_dim must be positive".to_string());
         }
@@ -282,6 +303,26 @@ impl LlamaConfig {
             .into_iter()
             .map(|p| (p.name, p.global_shape))
             .collect()
+    }
+
+    /// [`LlamaConfig::num_params`] in floating point, which cannot overflow (for bounds checks
+    /// on untrusted sizes).
+    pub fn num_params_f64(&self) -> f64 {
+        let (h, f, v) = (
+            self.hidden_size as f64,
+            self.intermediate_size as f64,
+            self.vocab_size as f64,
+        );
+        let d = self
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1)) as f64;
+        let (kv, q) = (
+            self.num_key_value_heads as f64 * d,
+            self.num_attention_heads as f64 * d,
+        );
+        let per_layer = 2.0 * h + 2.0 * h * q + 2.0 * h * kv + 3.0 * h * f;
+        let head = if self.tie_word_embeddings { 0.0 } else { v * h };
+        v * h + self.num_hidden_layers as f64 * per_layer + h + head
     }
 
     /// Number of parameters (embedding counted once when tied).
