@@ -84,8 +84,16 @@ pub struct LaunchArgs {
 pub enum Command {
     /// Train from a recipe.
     Train(TrainArgs),
-    /// Parse and validate a recipe and print what it would run.
-    Check(RecipeArgs),
+    /// Parse and validate a recipe, open its tokenizer and data, and print what it would run.
+    Check {
+        /// The recipe.
+        #[command(flatten)]
+        recipe: RecipeArgs,
+        /// Do not open the tokenizer and datasets (for a recipe whose data lives elsewhere,
+        /// e.g. on a cluster).
+        #[arg(long)]
+        no_data: bool,
+    },
     /// Predict memory per rank and step time of the recipe's layout; with `--gpus N`, rank every
     /// valid layout for N GPUs.
     Plan(crate::plan::report::PlanArgs),
@@ -211,7 +219,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match (cli.train, cli.command) {
         (Some(args), None) => train(&args, &cli.launch),
         (None, Some(Command::Train(t))) => train(&t.recipe, &t.launch),
-        (None, Some(Command::Check(args))) => check(&args),
+        (None, Some(Command::Check { recipe, no_data })) => check(&recipe, !no_data),
         (None, Some(Command::Plan(args))) => crate::plan::report::run(&args),
         (
             None,
@@ -287,12 +295,9 @@ pub fn run(cli: Cli) -> Result<()> {
             }),
         ) => {
             let r = recipe.load()?;
-            let root = output.unwrap_or_else(|| {
-                r.checkpoint
-                    .dir
-                    .clone()
-                    .unwrap_or_else(|| r.run.dir.join("checkpoints"))
-            });
+            let root = output.unwrap_or_else(|| r.checkpoint_root());
+            // It writes a step directory, `latest`, and prunes: not while a run uses the root.
+            let _lock = crate::train::lock::RunLock::acquire(&root, "checkpoint directory")?;
             let dir = crate::hf::import(&model, &r, &root)?;
             info!(
                 "wrote {}; train from it with --set checkpoint.resume={}",
@@ -345,8 +350,10 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
             child.extend(["--set".into(), o.into()]);
         }
         let grace = Duration::from_secs_f64(recipe.parallel.timeout_s.min(10.0));
-        return crate::launch::spawn_node(&layout, &child, grace);
+        let world = recipe.parallel.world_size();
+        return crate::launch::spawn_node(&layout, &child, world, grace);
     }
+    crate::train::signals::install()?;
     let dir = recipe.run.dir.clone();
     let info = parallel::env::from_env(&|k| std::env::var(k).ok())?;
     let (out, main) = match info {
@@ -414,9 +421,42 @@ fn selftest(
     Ok(())
 }
 
-fn check(args: &RecipeArgs) -> Result<()> {
+/// Opens what a run opens first: the tokenizer and the training split of every dataset (token
+/// ids checked against the vocabulary).
+fn check_data(r: &Recipe) -> Result<()> {
+    let (t, m) = (&r.train, &r.model);
+    let data = data::GptData::open(
+        &r.data,
+        std::path::Path::new("."),
+        data::Split::Train,
+        t.seq_len,
+        t.seed,
+        (t.steps * t.global_batch) as u64,
+    )
+    .context("opening the training data (pretrain check --no-data skips it)")?;
+    if data.vocab_size() > m.vocab_size {
+        anyhow::bail!(
+            "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({})",
+            m.vocab_size,
+            data.vocab_size()
+        );
+    }
+    println!(
+        "data: {} dataset(s), {} training samples drawn; tokenizer {} ({} ids)",
+        r.data.datasets.len(),
+        data.num_samples(),
+        r.data.tokenizer.display(),
+        data.vocab_size()
+    );
+    Ok(())
+}
+
+fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
     let r = args.load()?;
     let m = &r.model;
+    if open_data {
+        check_data(&r)?;
+    }
     println!("{}: valid", args.recipe.display());
     println!(
         "model: {:.3}B parameters ({} layers, hidden {}, {} heads / {} kv heads of {}, ffn {}, vocab {}, RoPE θ = {}{})",

@@ -144,6 +144,13 @@ pub fn eval(
     .map_err(crate::train::root_cause)?;
     let (sum, count) = per_rank[0];
     let loss = sum / count;
+    if !loss.is_finite() {
+        bail!(
+            "{}: the loss on {} is {loss}: the checkpoint's weights or the input overflow",
+            dir.display(),
+            input.display()
+        );
+    }
     Ok(EvalResult {
         loss,
         perplexity: loss.exp(),

@@ -10,14 +10,18 @@
 //!   communicator of its device — `tcp` for CPU ranks, NCCL for CUDA ranks (one GPU per process,
 //!   `LOCAL_RANK` picks it).
 //!
-//! The job token (`PRETRAIN_JOB_TOKEN`) keeps stray connections out of the store and the `tcp`
-//! mesh. `--nproc-per-node` on one node draws a random one; otherwise every process derives the
-//! same token from the launcher's job identity (`TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`) and the
-//! rendezvous address, unless the variable is set explicitly.
+//! The job token keeps stray connections out of the store and the `tcp` mesh. It is
+//! `PRETRAIN_JOB_TOKEN`, or the contents of the owner-only file `PRETRAIN_JOB_TOKEN_FILE` names;
+//! `--nproc-per-node` on one node draws a random one. Without any, every process derives the same
+//! token from the launcher's job identity (`TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`) and the
+//! rendezvous address — public values, so rank 0 warns that any local user could join. The store
+//! listens on the interface of `MASTER_ADDR` (loopback for a single-node job), not on all.
 
 use std::collections::hash_map::RandomState;
 use std::ffi::OsString;
 use std::hash::BuildHasher;
+use std::net::ToSocketAddrs;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -74,23 +78,88 @@ fn random_token() -> String {
     format!("{a:016x}{:016x}", RandomState::new().hash_one(a))
 }
 
-/// The token every process of a job agrees on without talking (see the module header).
-pub fn job_token(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> String {
+/// Environment variable naming a file that holds the job token (readable by its owner only).
+pub const TOKEN_FILE_VAR: &str = "PRETRAIN_JOB_TOKEN_FILE";
+
+/// Where a job's token came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobToken {
+    /// A secret: `PRETRAIN_JOB_TOKEN`, a token file, or drawn by our own launcher.
+    Secret(String),
+    /// Derived from the launcher's public job identity: any local user can compute it.
+    Derived(String),
+}
+
+impl JobToken {
+    /// The token's text.
+    pub fn text(&self) -> &str {
+        match self {
+            JobToken::Secret(t) | JobToken::Derived(t) => t,
+        }
+    }
+}
+
+/// The token every process of a job agrees on without talking (see the module header):
+/// `PRETRAIN_JOB_TOKEN`, else the contents of the file `PRETRAIN_JOB_TOKEN_FILE` names (which
+/// must not be readable by group or others), else one derived from public values.
+pub fn job_token(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> Result<JobToken> {
     if let Some(t) = get(TOKEN_VAR).filter(|t| !t.is_empty()) {
-        return t;
+        return Ok(JobToken::Secret(t));
+    }
+    if let Some(path) = get(TOKEN_FILE_VAR).filter(|p| !p.is_empty()) {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(&path).with_context(|| format!("{TOKEN_FILE_VAR}={path}"))?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            bail!(
+                "{TOKEN_FILE_VAR}={path}: the token file is readable by other users \
+                 (mode {:o}); chmod 600 it",
+                meta.permissions().mode() & 0o777
+            );
+        }
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("{TOKEN_FILE_VAR}={path}"))?;
+        let t = text.trim();
+        if t.is_empty() {
+            bail!("{TOKEN_FILE_VAR}={path}: the token file is empty");
+        }
+        return Ok(JobToken::Secret(t.to_string()));
     }
     let job = get("TORCHELASTIC_RUN_ID")
         .or_else(|| get("SLURM_JOB_ID"))
         .unwrap_or_default();
-    format!(
+    Ok(JobToken::Derived(format!(
         "{}:{job}:{}:{}:{}",
         info.launcher, info.master_addr, info.master_port, info.world_size
-    )
+    )))
+}
+
+/// The address rank 0's store listens on: the interface `master_addr` names when it is one of
+/// this host's (loopback for a single-node job on 127.0.0.1), every interface only when it is
+/// not (e.g. a name that resolves differently inside a container).
+fn store_bind(master_addr: &str, port: u16) -> String {
+    let ip = (master_addr, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.find(|a| a.is_ipv4()));
+    match ip {
+        Some(a) if std::net::TcpListener::bind(a).is_ok() => a.to_string(),
+        _ => format!("0.0.0.0:{port}"),
+    }
 }
 
 /// Starts this node's rank processes running `args` (a `train` command line without launcher
-/// options) and waits for them; errors name the first rank that failed and how.
-pub fn spawn_node(layout: &NodeLayout, args: &[OsString], grace: Duration) -> Result<()> {
+/// options) for a job of `world` ranks (the recipe's layout, checked before anything starts) and
+/// waits for them; errors name the first rank that failed and how.
+///
+/// The ranks run in a process group of their own: SIGTERM and SIGINT reach them only through
+/// this launcher, which forwards them (each rank then finishes its step, saves and exits), and a
+/// rank whose launcher dies receives SIGTERM from the kernel, so none is left behind.
+pub fn spawn_node(
+    layout: &NodeLayout,
+    args: &[OsString],
+    world: usize,
+    grace: Duration,
+) -> Result<()> {
     let NodeLayout {
         nproc_per_node: n,
         nnodes,
@@ -103,35 +172,65 @@ pub fn spawn_node(layout: &NodeLayout, args: &[OsString], grace: Duration) -> Re
     if node_rank >= nnodes {
         bail!("--node-rank {node_rank} is not below --nnodes {nnodes}");
     }
+    if n.checked_mul(nnodes) != Some(world) {
+        bail!(
+            "--nproc-per-node {n} × --nnodes {nnodes} processes, but the recipe's layout \
+             parallel.dp × parallel.tp × parallel.pp has {world} ranks"
+        );
+    }
     let addr = match (&layout.master_addr, nnodes) {
         (Some(a), _) => a.clone(),
         (None, 1) => "127.0.0.1".to_string(),
         (None, _) => bail!("--master-addr is required with --nnodes {nnodes}"),
     };
     let port = match (layout.master_port, nnodes) {
+        (None | Some(0), 1) => free_port()?,
+        (Some(0), _) => {
+            bail!("--master-port 0 cannot be used with several nodes: they must agree on one port")
+        }
         (Some(p), _) => p,
-        (None, 1) => free_port()?,
         (None, _) => DEFAULT_PORT,
     };
+    // One node draws a secret token; several nodes must agree on one without talking, so
+    // without PRETRAIN_JOB_TOKEN their ranks derive it from public values (and rank 0 warns).
     let token = match std::env::var(TOKEN_VAR) {
-        Ok(t) if !t.is_empty() => t,
-        _ if nnodes == 1 => random_token(),
-        _ => format!("launch:{addr}:{port}:{}", n * nnodes),
+        Ok(t) if !t.is_empty() => Some(t),
+        _ if nnodes == 1 => Some(random_token()),
+        _ => None,
     };
     let exe = std::env::current_exe().context("locating the pretrain binary")?;
+    crate::train::signals::install()?;
+    let launcher_pid = std::process::id() as libc::pid_t;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);
     for local in 0..n {
         let rank = node_rank * n + local;
-        let spawned = Command::new(&exe)
-            .args(args)
+        let mut cmd = Command::new(&exe);
+        cmd.process_group(0);
+        // SAFETY: only async-signal-safe calls (prctl, getppid) run between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != launcher_pid {
+                    // The launcher died before the death signal was armed.
+                    return Err(std::io::Error::other("the launcher has exited"));
+                }
+                Ok(())
+            });
+        }
+        cmd.args(args)
+            .env("PRETRAIN_LAUNCHED", "1")
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", (n * nnodes).to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", &addr)
-            .env("MASTER_PORT", port.to_string())
-            .env(TOKEN_VAR, &token)
-            .spawn();
+            .env("MASTER_PORT", port.to_string());
+        if let Some(t) = &token {
+            cmd.env(TOKEN_VAR, t);
+        }
+        let spawned = cmd.spawn();
         match spawned {
             Ok(c) => children.push((rank, c)),
             Err(e) => {
@@ -153,7 +252,19 @@ fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut hung: Vec<(usize, ExitStatus)> = Vec::new();
     let mut deadline: Option<Instant> = None;
+    let mut forwarded: Option<i32> = None;
     while !children.is_empty() {
+        if let (None, Some(sig)) = (forwarded, crate::train::signals::pending()) {
+            tracing::warn!(
+                "{}: asking the ranks to finish their step, save and stop",
+                crate::train::signals::name(sig)
+            );
+            for (_, c) in &children {
+                // SAFETY: kill(2) on a child this process started and has not reaped.
+                unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+            }
+            forwarded = Some(sig);
+        }
         let mut i = 0;
         while i < children.len() {
             let (rank, child) = &mut children[i];
@@ -161,7 +272,11 @@ fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
                 Ok(Some(status)) => {
                     if !status.success() {
                         failures.push((*rank, status));
-                        deadline.get_or_insert(Instant::now() + grace);
+                        // A rank that stopped as asked is no failure to hurry the others for:
+                        // they are saving too.
+                        if forwarded.map(|s| 128 + s) != status.code() {
+                            deadline.get_or_insert(Instant::now() + grace);
+                        }
                     }
                     children.remove(i);
                 }
@@ -189,6 +304,17 @@ fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Stopped as asked: every rank that did not finish exited with 128 + the signal.
+    if let Some(signal) = forwarded {
+        if failures.iter().all(|(_, s)| s.code() == Some(128 + signal)) {
+            return Err(crate::train::signals::Interrupted {
+                signal,
+                step: None,
+                checkpoint: None,
+            }
+            .into());
+        }
+    }
     // The root cause: the first rank that failed on its own; else a rank that hung while every
     // failure was a follower's; else the first follower.
     let secondary = |s: &ExitStatus| s.code() == Some(PEER_FAILED_EXIT as i32);
@@ -198,7 +324,13 @@ fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
         .or(hung.first())
         .or(failures.first());
     match root {
-        Some((rank, status)) => bail!("rank {rank} failed ({status}); see its error above"),
+        Some((rank, status)) if status.code().is_some() => {
+            bail!("rank {rank} failed ({status}); see its error above")
+        }
+        Some((rank, status)) => bail!(
+            "rank {rank} was killed ({status}) without reporting an error (out of memory? see \
+             the kernel log)"
+        ),
         None => Ok(()),
     }
 }
@@ -208,10 +340,10 @@ fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
 /// next port; otherwise `MASTER_PORT`.
 pub fn store_port(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> Result<u16> {
     if let Some(p) = get("PRETRAIN_STORE_PORT") {
-        return p
-            .trim()
-            .parse()
-            .with_context(|| format!("PRETRAIN_STORE_PORT={p:?} is not a port number"));
+        return match p.trim().parse::<u16>() {
+            Ok(port) if port > 0 => Ok(port),
+            _ => bail!("PRETRAIN_STORE_PORT={p:?} is not a port number (1-65535)"),
+        };
     }
     if get("TORCHELASTIC_USE_AGENT_STORE").is_some() {
         return info.master_port.checked_add(1).with_context(|| {
@@ -249,10 +381,24 @@ pub fn join(info: &ProcessInfo, recipe: &Recipe) -> Result<Job> {
         );
     }
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
-    let token = job_token(&|k| std::env::var(k).ok(), info);
+    let token = match job_token(&|k| std::env::var(k).ok(), info)? {
+        JobToken::Secret(t) => t,
+        JobToken::Derived(t) => {
+            if info.rank == 0 {
+                tracing::warn!(
+                    "no {TOKEN_VAR} or {TOKEN_FILE_VAR}: the job token is derived from public \
+                     values (launcher, job id, address, port), so any user who can reach \
+                     {}:{} can join this job and send it data; set a secret token",
+                    info.master_addr,
+                    info.master_port
+                );
+            }
+            t
+        }
+    };
     let port = store_port(&|k| std::env::var(k).ok(), info)?;
     let server = if info.rank == 0 {
-        let bind = format!("0.0.0.0:{port}");
+        let bind = store_bind(&info.master_addr, port);
         let s = StoreServer::start(&bind, &token, timeout)
             .with_context(|| format!("rank 0: serving the rendezvous store on {bind}"))?;
         Some(s)
@@ -326,14 +472,47 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        let a = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm"));
-        let b = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm"));
-        let c = job_token(&env(&[("SLURM_JOB_ID", "78")]), &info("slurm"));
+        let a = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm")).unwrap();
+        let b = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm")).unwrap();
+        let c = job_token(&env(&[("SLURM_JOB_ID", "78")]), &info("slurm")).unwrap();
         assert_eq!(a, b);
         assert_ne!(a, c);
-        let explicit = job_token(&env(&[(TOKEN_VAR, "s3cret")]), &info("torchrun"));
-        assert_eq!(explicit, "s3cret");
+        assert!(
+            matches!(a, JobToken::Derived(_)),
+            "public values are no secret"
+        );
+        let explicit = job_token(&env(&[(TOKEN_VAR, "s3cret")]), &info("torchrun")).unwrap();
+        assert_eq!(explicit, JobToken::Secret("s3cret".into()));
         assert_ne!(random_token(), random_token());
+    }
+
+    #[test]
+    fn a_token_file_must_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("token");
+        std::fs::write(&path, "t0ken\n").unwrap();
+        let p = path.display().to_string();
+        let get = |k: &str| (k == TOKEN_FILE_VAR).then(|| p.clone());
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = job_token(&get, &info("torchrun")).unwrap_err().to_string();
+        assert!(
+            e.contains("readable by other users") && e.contains("644"),
+            "{e}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(
+            job_token(&get, &info("torchrun")).unwrap(),
+            JobToken::Secret("t0ken".into())
+        );
+    }
+
+    #[test]
+    fn the_store_listens_on_the_master_interface() {
+        assert_eq!(store_bind("127.0.0.1", 0), "127.0.0.1:0");
+        assert_eq!(store_bind("localhost", 0), "127.0.0.1:0");
+        // An address that is not this host's: every interface.
+        assert_eq!(store_bind("192.0.2.1", 0), "0.0.0.0:0");
     }
 
     #[test]
@@ -345,8 +524,11 @@ mod tests {
         assert_eq!(store_port(&agent, &i).unwrap(), 29501);
         let set = |k: &str| (k == "PRETRAIN_STORE_PORT").then(|| "4000".to_string());
         assert_eq!(store_port(&set, &i).unwrap(), 4000);
-        let bad = |k: &str| (k == "PRETRAIN_STORE_PORT").then(|| "x".to_string());
-        assert!(store_port(&bad, &i).is_err());
+        for v in ["x", "0", "70000"] {
+            let bad = |k: &str| (k == "PRETRAIN_STORE_PORT").then(|| v.to_string());
+            let e = store_port(&bad, &i).unwrap_err().to_string();
+            assert!(e.contains("is not a port number (1-65535)"), "{e}");
+        }
     }
 
     #[test]
@@ -359,12 +541,24 @@ mod tests {
             master_port: None,
         };
         let g = Duration::from_secs(1);
-        let e = spawn_node(&layout(0, 1, 0, None), &[], g).unwrap_err();
+        let e = spawn_node(&layout(0, 1, 0, None), &[], 1, g).unwrap_err();
         assert!(e.to_string().contains("at least 1"), "{e}");
-        let e = spawn_node(&layout(2, 2, 2, Some("h")), &[], g).unwrap_err();
+        let e = spawn_node(&layout(2, 2, 2, Some("h")), &[], 4, g).unwrap_err();
         assert!(e.to_string().contains("--node-rank 2"), "{e}");
-        let e = spawn_node(&layout(2, 2, 0, None), &[], g).unwrap_err();
+        let e = spawn_node(&layout(2, 2, 0, None), &[], 4, g).unwrap_err();
         assert!(e.to_string().contains("--master-addr"), "{e}");
+        // Checked before anything is spawned: no fork storm for a wrong count.
+        let e = spawn_node(&layout(100_000, 1, 0, None), &[], 2, g).unwrap_err();
+        assert!(
+            e.to_string().contains("has 2 ranks") && e.to_string().contains("100000"),
+            "{e}"
+        );
+        let e = spawn_node(&layout(usize::MAX, 2, 0, Some("h")), &[], 2, g).unwrap_err();
+        assert!(e.to_string().contains("has 2 ranks"), "{e}");
+        let mut zero_port = layout(2, 2, 0, Some("h"));
+        zero_port.master_port = Some(0);
+        let e = spawn_node(&zero_port, &[], 4, g).unwrap_err();
+        assert!(e.to_string().contains("--master-port 0"), "{e}");
     }
 
     #[test]

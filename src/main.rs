@@ -10,6 +10,10 @@ use tracing_subscriber::EnvFilter;
 static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
 
 fn main() -> std::process::ExitCode {
+    // Ordinary errors are reported by their messages; RUST_BACKTRACE still gives panics theirs.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let colour = pretrain::cli::log_colours(
         std::io::stdout().is_terminal(),
@@ -23,6 +27,10 @@ fn main() -> std::process::ExitCode {
     match pretrain::cli::run(pretrain::cli::Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
+            if let Some(stop) = pretrain::train::signals::interrupted(&e) {
+                eprintln!("{stop}");
+                return std::process::ExitCode::from(stop.exit_code());
+            }
             eprintln!("error: {e:#}");
             if pretrain::launch::is_peer_failure(&e) {
                 std::process::ExitCode::from(pretrain::launch::PEER_FAILED_EXIT)

@@ -121,9 +121,28 @@ fn resume_auto_picks_the_newest_complete_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("r");
     let full = run(&dir, &["checkpoint.interval=2,checkpoint.keep=5"]);
-    // A half-written newer checkpoint (no manifest) and a stale `latest` must be ignored.
+    // A newest checkpoint that cannot be read is reported, never passed over for an older one
+    // (whose later saves would overwrite it); a save that died leaves only `step-N.tmp`, which
+    // is no candidate.
     std::fs::create_dir_all(dir.join("checkpoints/step-00000008")).unwrap();
     std::fs::write(dir.join("checkpoints/latest"), "step-00000008").unwrap();
+    let o: Vec<String> = [
+        "train.steps=8,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4",
+        "checkpoint.interval=2,checkpoint.resume=auto",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("run.dir={}", dir.display())])
+    .collect();
+    let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    let e = format!("{:#}", pretrain::train::train(recipe, false).err().unwrap());
+    assert!(
+        e.contains("step-00000008") && e.contains("newest checkpoint cannot be read"),
+        "{e}"
+    );
+    std::fs::remove_dir(dir.join("checkpoints/step-00000008")).unwrap();
+    std::fs::write(dir.join("checkpoints/latest"), "step-00000006").unwrap();
+    std::fs::create_dir_all(dir.join("checkpoints/step-00000008.tmp")).unwrap();
     let again = run(
         &dir,
         &[

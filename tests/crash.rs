@@ -1,6 +1,8 @@
 //! Crash consistency: the trainer is killed with SIGKILL several times, during training and in the
-//! middle of writing a checkpoint; each restart with `checkpoint.resume=auto` continues from the
-//! newest complete checkpoint, and the run ends bit-identical to one that was never interrupted.
+//! middle of writing a checkpoint (synchronously, or on the background writer of
+//! `checkpoint.async` while training goes on); each restart with `checkpoint.resume=auto`
+//! continues from the newest complete checkpoint, and the run ends bit-identical to one that was
+//! never interrupted.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -13,12 +15,13 @@ const STEPS: usize = 8;
 
 /// Runs the trainer in `dir`; if `kill_at` is given, sends SIGKILL as soon as a log line contains
 /// it. Returns whether the process was killed.
-fn run(dir: &Path, kill_at: Option<&str>, pause_in_save: bool) -> bool {
+fn run(dir: &Path, kill_at: Option<&str>, pause_in_save: bool, asynchronous: bool) -> bool {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
     cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
         .arg(format!(
             "train.steps={STEPS},schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,\
-             run.log_interval=1,checkpoint.interval=2,checkpoint.keep=10,checkpoint.resume=auto,run.dir={}",
+             run.log_interval=1,checkpoint.interval=2,checkpoint.keep=10,checkpoint.resume=auto,run.dir={},\
+             checkpoint.async={asynchronous}",
             dir.display()
         ))
         .env("RUST_LOG", "info")
@@ -62,9 +65,20 @@ fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
 
 #[test]
 fn sigkill_during_training_and_saving_then_resume_auto_matches_the_uninterrupted_run() {
+    crash_and_resume(false);
+}
+
+#[test]
+fn sigkill_during_an_asynchronous_save_then_resume_auto_matches_the_uninterrupted_run() {
+    crash_and_resume(true);
+}
+
+fn crash_and_resume(asynchronous: bool) {
+    let run = |dir: &Path, kill_at, pause| run(dir, kill_at, pause, asynchronous);
     let tmp = tempfile::tempdir().unwrap();
     let (clean, crashed) = (tmp.path().join("clean"), tmp.path().join("crashed"));
-    assert!(!run(&clean, None, false));
+    // The reference is always saved synchronously.
+    assert!(!self::run(&clean, None, false, false));
 
     // 1. Killed while training step 3 (checkpoint 2 complete).
     assert!(run(&crashed, Some("step=3/"), false));

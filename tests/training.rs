@@ -115,11 +115,37 @@ fn cli_reports_recipe_errors_without_panicking() {
     );
 
     let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
-        .args(["check", "--recipe", "recipes/7b.yaml"])
+        .args(["check", "--no-data", "--recipe", "recipes/7b.yaml"])
         .output()
         .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("6.738B parameters"));
+
+    // `check` opens the data a run would open: a missing dataset is reported there, not after
+    // the run has started.
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["check", "--recipe", "recipes/tiny.yaml", "--set"])
+        .arg("data.datasets=[{prefix: data/shakespeare/missing}]")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("data/shakespeare/missing.idx"),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("No such file or directory").count(),
+        1,
+        "the OS error is said once: {err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("valid"));
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["check", "--recipe", "recipes/tiny.yaml"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .contains("tokenizer data/shakespeare/tokenizer.json (4096 ids)"));
 }
 
 /// Mixed precision: bf16 parameters and activations with fp32 master weights, moments and

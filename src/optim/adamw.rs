@@ -119,6 +119,17 @@ impl AdamW {
         self.state.narrow(0, 0, self.n)
     }
 
+    /// `Σ x²` over the whole state — master weights and both moments (f64 accumulation):
+    /// non-finite exactly when some value is.
+    pub fn state_sum_squares(&self) -> Result<f64> {
+        super::kernels::sum_squares(&self.state)
+    }
+
+    /// Updates applied so far (the step count of the bias corrections).
+    pub fn updates(&self) -> u64 {
+        self.step
+    }
+
     /// A copy of the state for checkpointing.
     pub fn state(&self) -> Result<AdamWState> {
         Ok(AdamWState {

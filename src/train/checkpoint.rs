@@ -13,8 +13,10 @@ use parallel::dp::intersect;
 use parallel::Group;
 use tracing::info;
 
+use super::saver::SaveJob;
 use super::Trainer;
 use crate::optim::AdamWState;
+use crate::recipe::ResumeChange;
 
 /// The block of its tensor that parameter `p` holds on this rank, in checkpoint terms.
 pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
@@ -29,11 +31,7 @@ pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
 impl Trainer {
     /// Directory holding this run's step directories.
     pub fn checkpoint_root(&self) -> PathBuf {
-        self.recipe
-            .checkpoint
-            .dir
-            .clone()
-            .unwrap_or_else(|| self.recipe.run.dir.join("checkpoints"))
+        self.recipe.checkpoint_root()
     }
 
     fn world(&self) -> Group {
@@ -41,13 +39,12 @@ impl Trainer {
     }
 
     /// Writes a checkpoint of the current step (all ranks take part); returns its directory.
-    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+    /// With `checkpoint.async`, the state is copied to host memory here and written by a
+    /// background thread (`saver.rs`); the directory appears when that finishes.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        self.wait_for_save()?;
         let start = Instant::now();
-        let (root, step, comm) = (
-            self.checkpoint_root(),
-            self.step as u64,
-            self.ctx.comm.as_ref(),
-        );
+        let (root, step) = (self.checkpoint_root(), self.step as u64);
         let world = self.world();
         if self.ctx.is_main() {
             std::fs::create_dir_all(&root)
@@ -58,8 +55,56 @@ impl Trainer {
                     .with_context(|| format!("removing {}", stale.display()))?;
             }
         }
-        comm.barrier(&world)?;
-        let mut writer = RankWriter::new(&root, step, self.ctx.rank)?;
+        // Every rank's previous save is complete (rank 0's pruning included) before any starts.
+        self.ctx.comm.barrier(&world)?;
+        let mut job = SaveJob {
+            writer: Some(self.snapshot(&root, step)?),
+            root,
+            step,
+            world_size: world.size(),
+            manifest: self
+                .ctx
+                .is_main()
+                .then(|| self.manifest(step))
+                .transpose()?,
+            tokenizer: self.recipe.data.tokenizer.clone(),
+            keep: self.recipe.checkpoint.keep,
+            timeout: std::time::Duration::from_secs_f64(self.recipe.parallel.timeout_s),
+            start,
+        };
+        let dir = job.dir();
+        if self.recipe.checkpoint.async_save {
+            if self.ctx.is_main() {
+                info!(
+                    "checkpoint step {step}: state copied in {:.2}s, writing in the background",
+                    start.elapsed().as_secs_f64()
+                );
+            }
+            self.saving = Some(job.spawn()?);
+            return Ok(dir);
+        }
+        job.write_share()?;
+        self.ctx.comm.barrier(&world)?;
+        job.finalize()?;
+        self.ctx.comm.barrier(&world)?;
+        Ok(dir)
+    }
+
+    /// Waits for the checkpoint being written in the background, if any; its failure is this
+    /// run's.
+    pub fn wait_for_save(&mut self) -> Result<()> {
+        match self.saving.take() {
+            None => Ok(()),
+            Some(h) => h
+                .join()
+                .map_err(|_| anyhow::anyhow!("the checkpoint writer panicked"))?
+                .context("writing a checkpoint in the background"),
+        }
+    }
+
+    /// This rank's share of the checkpoint of `step`: host copies of the owned optimizer state.
+    fn snapshot(&self, root: &Path, step: u64) -> Result<RankWriter> {
+        let mut writer = RankWriter::new(root, step, self.ctx.rank)?;
         // Data-parallel replicas hold identical state: without ZeRO-1 only replica 0 writes it.
         // With sharding the first shard group writes (replica groups hold the same shards).
         let first_shard_group = self.ctx.dp_replicate.ranks().first() == Some(&self.ctx.rank);
@@ -85,47 +130,65 @@ impl Trainer {
                 }
             }
         }
-        writer.write()?;
-        comm.barrier(&world)?;
-        let dir = root.join(ckpt::step_dir_name(step));
-        if self.ctx.is_main() {
-            // Fault-injection point for crash-consistency tests: hold the save between the shard
-            // files and the manifest so a test can kill the process right there.
-            if let Some(ms) = std::env::var("PRETRAIN_TEST_SAVE_PAUSE_MS")
-                .ok()
-                .and_then(|v| v.parse::<u64>().ok())
-            {
-                info!(
-                    "checkpoint step {step}: shards written, pausing {ms} ms before the manifest"
-                );
-                std::thread::sleep(std::time::Duration::from_millis(ms));
-            }
-            let manifest = Manifest {
-                format: String::new(),
-                step,
-                consumed_samples: self.consumed,
-                seed: self.recipe.train.seed,
-                model: serde_json::to_value(&self.recipe.model)?,
-                recipe: serde_yaml::to_string(&self.recipe)?,
-                layout: serde_json::to_value(&self.recipe.parallel)?,
-                files: vec![],
-                pieces: vec![],
-            };
-            ckpt::finalize(
-                &root,
-                manifest,
-                world.size(),
-                &self.recipe.data.tokenizer,
-                self.recipe.checkpoint.keep,
-            )?;
-            info!(
-                "saved checkpoint {} in {:.2}s",
+        Ok(writer)
+    }
+
+    /// Rank 0's manifest of the checkpoint of `step` (files and pieces are filled when it is
+    /// finalised).
+    fn manifest(&self, step: u64) -> Result<Manifest> {
+        Ok(Manifest {
+            format: String::new(),
+            step,
+            consumed_samples: self.consumed,
+            seed: self.recipe.train.seed,
+            model: serde_json::to_value(&self.recipe.model)?,
+            recipe: serde_yaml::to_string(&self.recipe)?,
+            layout: serde_json::to_value(&self.recipe.parallel)?,
+            trainer: serde_json::to_value(&self.progress)?,
+            files: vec![],
+            pieces: vec![],
+        })
+    }
+
+    /// Refuses a resume whose recipe changed the seed or the data from the checkpoint's (unless
+    /// `checkpoint.accept_changes` lists them), or that has nothing left to train.
+    fn check_resume_changes(&self, dir: &Path, m: &Manifest) -> Result<()> {
+        let (t, accept) = (&self.recipe.train, &self.recipe.checkpoint.accept_changes);
+        if m.seed != t.seed && !accept.contains(&ResumeChange::Seed) {
+            bail!(
+                "{}: the checkpoint was trained with train.seed {}, the recipe has {}: the data \
+                 order would change from here on. Use the same seed, or accept the change with \
+                 checkpoint.accept_changes: [seed]",
                 dir.display(),
-                start.elapsed().as_secs_f64()
+                m.seed,
+                t.seed
             );
         }
-        comm.barrier(&world)?;
-        Ok(dir)
+        let stored: serde_yaml::Value = serde_yaml::from_str(&m.recipe)
+            .with_context(|| format!("{}: recipe of the manifest", dir.display()))?;
+        if let Some(data) = stored.get("data") {
+            let ours = serde_yaml::to_value(&self.recipe.data)?;
+            if *data != ours && !accept.contains(&ResumeChange::Data) {
+                bail!(
+                    "{}: the checkpoint was trained on other data (its data: section is {}; the \
+                     recipe's is {}). Restore it, or accept the change with \
+                     checkpoint.accept_changes: [data]",
+                    dir.display(),
+                    serde_json::to_string(data)?,
+                    serde_json::to_string(&ours)?
+                );
+            }
+        }
+        if m.step > t.steps as u64 {
+            bail!(
+                "{}: the checkpoint is at step {}, beyond train.steps = {}: nothing to train \
+                 (raise train.steps)",
+                dir.display(),
+                m.step,
+                t.steps
+            );
+        }
+        Ok(())
     }
 
     /// Restores the state saved in step directory `dir`, whatever layout wrote it.
@@ -168,6 +231,7 @@ impl Trainer {
                 diff.join("; ")
             );
         }
+        self.check_resume_changes(dir, m)?;
         let t = &self.recipe.train;
         let needed =
             m.consumed_samples + (t.steps as u64).saturating_sub(m.step) * t.global_batch as u64;
@@ -207,11 +271,32 @@ impl Trainer {
                 base += r.len();
             }
         }
+        if let Some(bad) = state.iter().position(|v| !v.is_finite()) {
+            let (k, at) = (bad / n.max(1), bad % n.max(1));
+            bail!(
+                "{}: the checkpoint holds a non-finite {} value ({}) at element {at} of this rank's \
+                 state; it cannot be resumed (use an earlier checkpoint)",
+                dir.display(),
+                Kind::ALL[k].as_str(),
+                state[bad]
+            );
+        }
+        // Checkpoints written before the loop state was saved: every step was an update.
+        let progress: super::guard::LoopState = if m.trainer.is_null() {
+            super::guard::LoopState {
+                updates: m.step,
+                ..Default::default()
+            }
+        } else {
+            serde_json::from_value(m.trainer.clone())
+                .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
+        };
         let buffers = Tensor::from_vec(state, (3, n), &self.device)?;
         self.optimizer.load_state(&AdamWState {
-            step: m.step,
+            step: progress.updates,
             buffers,
         })?;
+        self.progress = progress;
         super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
         self.step = m.step as usize;
         self.consumed = m.consumed_samples;

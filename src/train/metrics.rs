@@ -69,6 +69,9 @@ pub struct StepRecord {
     /// Seconds the traced step waited after the schedule for the rest of the gradient sync.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_exposed_s: Option<f64>,
+    /// Why the step's update was discarded (`train.on_nonfinite: skip`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
 }
 
 /// Bytes of a rank's persistent training state (exact, from buffer sizes).
@@ -107,11 +110,48 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Opens `dir/metrics.jsonl` (appending, so a resumed run continues the file).
-    pub fn open(dir: &Path) -> Result<Self> {
+    /// Opens `dir/metrics.jsonl` for a run that starts after step `start` (0 for a fresh run):
+    /// the records of steps up to `start` are kept (and plotted), later ones (steps a resumed
+    /// run will redo, or an earlier run's) are removed, so the file holds each step once.
+    pub fn open(dir: &Path, start: usize) -> Result<Self> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating run directory {}", dir.display()))?;
         let path = dir.join("metrics.jsonl");
+        let (mut train, mut valid) = (vec![], vec![]);
+        if path.exists() {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let mut kept = String::new();
+            let mut dropped = 0usize;
+            for line in text.lines() {
+                let v: Option<serde_json::Value> = serde_json::from_str(line).ok();
+                let step = v.as_ref().and_then(|v| v["step"].as_u64());
+                match step {
+                    Some(s) if s as usize <= start => {
+                        let v = v.as_ref().expect("parsed");
+                        if let Some(l) = v["loss"].as_f64() {
+                            train.push((s as usize, l));
+                        }
+                        if let Some(l) = v["val_loss"].as_f64() {
+                            valid.push((s as usize, l));
+                        }
+                        kept.push_str(line);
+                        kept.push('\n');
+                    }
+                    _ => dropped += 1,
+                }
+            }
+            if dropped > 0 {
+                tracing::warn!(
+                    "{}: removed {dropped} record(s) after step {start}, which this run (re)does",
+                    path.display()
+                );
+                let tmp = dir.join("metrics.jsonl.tmp");
+                std::fs::write(&tmp, kept)
+                    .and_then(|_| std::fs::rename(&tmp, &path))
+                    .with_context(|| format!("rewriting {}", path.display()))?;
+            }
+        }
         let f = File::options()
             .create(true)
             .append(true)
@@ -120,8 +160,8 @@ impl Metrics {
         Ok(Self {
             out: BufWriter::new(f),
             dir: dir.to_path_buf(),
-            train: vec![],
-            valid: vec![],
+            train,
+            valid,
         })
     }
 

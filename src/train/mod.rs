@@ -6,11 +6,15 @@
 //! `run.rs` runs whole jobs ([`train`], [`run_rank`]).
 
 pub mod checkpoint;
+pub mod guard;
 pub mod hooks;
+pub mod lock;
 pub mod metrics;
 pub mod pipeline;
 pub mod rank;
 mod run;
+mod saver;
+pub mod signals;
 mod step;
 pub mod zero;
 
@@ -65,6 +69,12 @@ pub struct Trainer {
     /// When the last step's data-parallel bucket reductions ran: (bucket, seconds since the step
     /// began).
     sync_timing: Vec<(usize, std::ops::Range<f64>)>,
+    /// The step guard's memory (skips, recent losses), saved in checkpoints.
+    progress: guard::LoopState,
+    /// A stop signal every rank saw by the end of the last step.
+    stop: Option<i32>,
+    /// The checkpoint being written in the background (`checkpoint.async`).
+    saving: Option<std::thread::JoinHandle<Result<()>>>,
 }
 
 fn mib(bytes: usize) -> f64 {
@@ -152,11 +162,6 @@ impl Trainer {
             &ctx.chunks(model.config().num_hidden_layers),
         );
         let write = write_outputs && ctx.is_main();
-        let metrics = if write {
-            Some(Metrics::open(&recipe.run.dir)?)
-        } else {
-            None
-        };
         if write {
             let path = recipe.run.dir.join("recipe.yaml");
             std::fs::write(&path, serde_yaml::to_string(&recipe)?)
@@ -174,22 +179,30 @@ impl Trainer {
             uses,
             train_data,
             valid_data,
-            metrics,
+            metrics: None,
             step: 0,
             consumed: 0,
             schedule,
             timing: Vec::new(),
             sync_timing: Vec::new(),
+            progress: guard::LoopState::default(),
+            stop: None,
+            saving: None,
         };
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
-            Resume::Auto => ckpt::find_latest(&trainer.checkpoint_root()),
+            Resume::Auto => {
+                ckpt::find_latest(&trainer.checkpoint_root()).context("checkpoint.resume=auto")?
+            }
             Resume::Path(p) => Some(p.clone()),
         };
         if let Some(dir) = from {
             trainer
                 .load_checkpoint(&dir)
                 .with_context(|| format!("resuming from {}", dir.display()))?;
+        }
+        if write {
+            trainer.metrics = Some(Metrics::open(&trainer.recipe.run.dir, trainer.step)?);
         }
         Ok(trainer)
     }
@@ -289,7 +302,7 @@ impl Trainer {
                 mib(b.optimizer_bytes)
             );
         }
-        let mut records = Vec::with_capacity(steps);
+        let mut records = Vec::new();
         let mut last_eval = None;
         while self.step < steps {
             let rec = self.train_step()?;
@@ -301,8 +314,13 @@ impl Trainer {
                     let hidden = rec.gather_hidden.unwrap_or(0.0);
                     format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
                 });
+                let skip = if rec.skipped.is_some() {
+                    " (update skipped)"
+                } else {
+                    ""
+                };
                 info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}",
+                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{skip}",
                     rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib,
                     mib(rec.state.total()), mib(rec.act_peak_bytes), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
                 );
@@ -351,12 +369,34 @@ impl Trainer {
                 last_eval = Some(val_loss);
             }
             let every = self.recipe.checkpoint.interval;
-            if every > 0 && (rec.step % every == 0 || rec.step == steps) {
-                self.save_checkpoint()
-                    .with_context(|| format!("saving the checkpoint of step {}", rec.step))?;
-            }
+            let saved = if (every > 0 && (rec.step % every == 0 || rec.step == steps))
+                || self.stop.is_some()
+            {
+                Some(
+                    self.save_checkpoint()
+                        .with_context(|| format!("saving the checkpoint of step {}", rec.step))?,
+                )
+            } else {
+                None
+            };
             records.push(rec);
+            if let Some(signal) = self.stop {
+                self.wait_for_save()?;
+                if let Some(m) = &self.metrics {
+                    m.plot()?;
+                }
+                let stop = signals::Interrupted {
+                    signal,
+                    step: Some(self.step),
+                    checkpoint: saved,
+                };
+                if main {
+                    tracing::warn!("{stop}");
+                }
+                return Err(stop.into());
+            }
         }
+        self.wait_for_save()?;
         if let Some(m) = &self.metrics {
             m.plot()?;
         }

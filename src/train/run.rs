@@ -5,11 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(not(feature = "cuda"))]
-use anyhow::bail;
 #[cfg(feature = "cuda")]
 use anyhow::Context;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::Device;
 use parallel::comm::local::{run_local, RankFailed};
 use parallel::tp::Block;
@@ -18,6 +16,9 @@ use parallel::Comm;
 use super::metrics::StepRecord;
 use super::{RankCtx, Trainer};
 use crate::recipe::{DeviceKind, Recipe};
+
+/// Most ranks a job runs as threads of one process.
+pub const MAX_THREAD_RANKS: usize = 1024;
 
 /// What a finished run reports.
 pub struct RunOutput {
@@ -97,6 +98,18 @@ pub fn run_rank(
     device: Device,
     write_outputs: bool,
 ) -> Result<RankOutput> {
+    // One live run per directory: rank 0 holds the locks until this rank's run ends.
+    let locks = if rank == 0 && (write_outputs || recipe.checkpoint.interval > 0) {
+        match super::lock::lock_run(&recipe.run.dir, &recipe.checkpoint_root()) {
+            Ok(l) => l,
+            Err(e) => {
+                comm.abort(&format!("{e:#}"));
+                return Err(e);
+            }
+        }
+    } else {
+        Vec::new()
+    };
     let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())
         .map(|c| c.on(device))
         .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
@@ -107,8 +120,12 @@ pub fn run_rank(
             return Err(e);
         }
     };
-    match trainer.run() {
+    let result = trainer.run();
+    drop(locks);
+    match result {
         Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
+        // Every rank stopped at the same step after saving: nothing to abort.
+        Err(e) if super::signals::interrupted(&e).is_some() => Err(e),
         Err(e) => {
             // Stop the peers before this rank's trainer (and its gradient-sync thread, which may
             // wait on them) is dropped.
@@ -123,6 +140,12 @@ pub fn run_rank(
 /// and the assembled final weights.
 pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let world = recipe.parallel.world_size();
+    if world > MAX_THREAD_RANKS {
+        bail!(
+            "the layout has {world} ranks; at most {MAX_THREAD_RANKS} run as threads of one \
+             process (start processes with --nproc-per-node, torchrun or Slurm)"
+        );
+    }
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
     let device = device_for(recipe.train.device, 0)?;
     let results = run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {

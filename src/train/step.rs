@@ -5,11 +5,12 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use data::micro_batch_indices;
 use parallel::dp::intersect;
 use parallel::tp::Shard;
 
+use super::guard::{LocalNumbers, Verdict};
 use super::hooks::StepSync;
 use super::metrics::{self, peak_rss_mib, StateBytes, StepRecord};
 use super::pipeline::{Executor, MicroBatch};
@@ -76,19 +77,20 @@ impl Trainer {
             .iter()
             .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
             .collect();
-        let (loss, act_peak) = (run.loss, run.act_peak_bytes);
+        self.inject_test_fault(self.step + 1)?;
+        let (local_loss, act_peak) = (run.loss, run.act_peak_bytes);
         self.timing = run.timing;
-        let (t, r, ctx) = (&self.recipe.train, &self.recipe, &self.ctx);
+        let ctx = &self.ctx;
         let comm = ctx.comm.as_ref();
-        let loss = all_reduce_f64(comm, &ctx.pp, loss)?;
+        let loss = all_reduce_f64(comm, &ctx.pp, local_loss)?;
         let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
-        let grad_norm = self.grad_norm()?;
-        if !grad_norm.is_finite() {
-            bail!(
-                "step {}: gradient norm is {grad_norm} (loss {loss}); stopping before the update",
-                self.step + 1
-            );
-        }
+        let (grad_norm, grad_sq) = self.grad_norm()?;
+        let local = LocalNumbers {
+            loss: local_loss,
+            grad_sq,
+        };
+        let verdict = self.judge(self.step + 1, loss, grad_norm, local)?;
+        let (t, r) = (&self.recipe.train, &self.recipe);
         let clip = if t.grad_clip > 0.0 && grad_norm > t.grad_clip {
             t.grad_clip / (grad_norm + 1e-6)
         } else {
@@ -96,10 +98,16 @@ impl Trainer {
         };
         let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
         let opt_start = start.elapsed().as_secs_f64();
-        self.optimizer.step(&self.grads, lr, clip)?;
-        zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+        let updated = verdict == Verdict::Update;
+        if updated {
+            self.optimizer.step(&self.grads, lr, clip)?;
+            zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+            self.progress.updates += 1;
+        }
         self.step += 1;
         self.consumed += t.global_batch as u64;
+        self.stop = self.after_update(self.step, updated)?;
+        let (r, ctx) = (&self.recipe, &self.ctx);
         let traced = if r.run.trace_step == Some(self.step) {
             let optimizer = (opt_start, start.elapsed().as_secs_f64());
             let path = r.run.dir.join("trace.json");
@@ -140,6 +148,10 @@ impl Trainer {
             bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
+            skipped: match verdict {
+                Verdict::Update => None,
+                Verdict::Skip(why) => Some(why),
+            },
         })
     }
 
@@ -170,9 +182,10 @@ impl Trainer {
         !tp_replica && !tied_copy
     }
 
-    /// The global gradient norm: each element counted once over the whole job (see
-    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks).
-    fn grad_norm(&self) -> Result<f64> {
+    /// The global gradient norm, each element counted once over the whole job (see
+    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks), and this rank's
+    /// own sum of squares.
+    fn grad_norm(&self) -> Result<(f64, f64)> {
         let ctx = &self.ctx;
         // Adjacent ranges are summed in one pass: one kernel (and, on a GPU, one read-back)
         // per contiguous run instead of one per parameter.
@@ -190,16 +203,16 @@ impl Trainer {
                 }
             }
         }
-        let mut sq = 0.0;
+        let mut local = 0.0;
         for r in runs {
-            sq += self.grads.sum_squares(r)?;
+            local += self.grads.sum_squares(r)?;
         }
-        let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, sq)?;
+        let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, local)?;
         sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
         if self.recipe.parallel.zero >= 1 {
             // Shards of one shard group; replica groups hold the same shards.
             sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp_shard, sq)?;
         }
-        Ok(sq.sqrt())
+        Ok((sq.sqrt(), local))
     }
 }

@@ -19,12 +19,30 @@ pub fn run(layout: &str) -> RunOutput {
     train(recipe, false).unwrap_or_else(|e| panic!("{layout}: {e:#}"))
 }
 
-/// `(max relative loss difference, max absolute weight difference, mean absolute weight
-/// difference)` of `other` against `base`.
-pub fn compare(name: &str, base: &RunOutput, other: &RunOutput) -> (f64, f64, f64) {
-    let mut loss_diff = 0f64;
+/// How far a layout's run is from the single-rank run.
+#[derive(Debug, Clone, Copy)]
+pub struct Distance {
+    /// Largest relative difference of a step's loss.
+    pub loss: f64,
+    /// Relative difference of the first step's reported gradient norm (same weights on both
+    /// sides: only the order of the sums differs).
+    pub grad_norm_first: f64,
+    /// Largest relative difference of a step's reported gradient norm.
+    pub grad_norm: f64,
+    /// Largest absolute difference of a final weight.
+    pub weight_max: f64,
+    /// Mean absolute difference of the final weights.
+    pub weight_mean: f64,
+}
+
+/// The [`Distance`] of `other` from `base`.
+pub fn compare(name: &str, base: &RunOutput, other: &RunOutput) -> Distance {
+    let (mut loss_diff, mut norm_diff) = (0f64, 0f64);
+    let rel = |a: f64, b: f64| (a - b).abs() / a.abs();
+    let norm_first = rel(base.records[0].grad_norm, other.records[0].grad_norm);
     for (a, b) in base.records.iter().zip(&other.records) {
         loss_diff = loss_diff.max((a.loss - b.loss).abs() / a.loss.abs());
+        norm_diff = norm_diff.max(rel(a.grad_norm, b.grad_norm));
     }
     assert_eq!(base.records.len(), other.records.len());
     let (mut w_diff, mut sum, mut count) = (0f64, 0f64, 0usize);
@@ -47,13 +65,26 @@ pub fn compare(name: &str, base: &RunOutput, other: &RunOutput) -> (f64, f64, f6
         w_diff = w_diff.max(d);
     }
     let mean = sum / count as f64;
-    eprintln!("{name}: max loss rel diff {loss_diff:.2e}, weight abs diff max {w_diff:.2e} mean {mean:.2e}");
-    (loss_diff, w_diff, mean)
+    eprintln!("{name}: max loss rel diff {loss_diff:.2e}, grad norm rel diff {norm_first:.2e} at step 1, {norm_diff:.2e} at most, weight abs diff max {w_diff:.2e} mean {mean:.2e}");
+    Distance {
+        loss: loss_diff,
+        grad_norm_first: norm_first,
+        grad_norm: norm_diff,
+        weight_max: w_diff,
+        weight_mean: mean,
+    }
 }
 
 /// Asserts the tolerances of `tests/parallel.rs` on a comparison's result.
-pub fn assert_equivalent(layout: &str, (l, w, mean): (f64, f64, f64)) {
+pub fn assert_equivalent(layout: &str, d: Distance) {
+    let (l, w, mean) = (d.loss, d.weight_max, d.weight_mean);
     assert!(l < 1e-6, "{layout}: loss differs by {l:.2e} relative");
+    assert!(
+        d.grad_norm_first < 1e-6 && d.grad_norm < 1e-4,
+        "{layout}: the reported gradient norm differs by {:.2e} relative at step 1, {:.2e} at most",
+        d.grad_norm_first,
+        d.grad_norm
+    );
     assert!(w < 3e-4, "{layout}: weights differ by up to {w:.2e}");
     assert!(
         mean < 2e-7,

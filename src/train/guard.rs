@@ -1,0 +1,212 @@
+//! The step guard: what a step may do with its update, decided the same way on every rank.
+//!
+//! - Before the update: a non-finite loss or gradient norm, or a loss spike (`train.spike_factor`
+//!   × the mean of the last [`SPIKE_WINDOW`] losses), halts the run or skips the update
+//!   (`train.on_nonfinite`), with at most `train.max_skips` skips in a row. The loss and norm are
+//!   already reduced over the job, so every rank sees the same values and decides alike; the
+//!   message names the ranks and pipeline stages whose own loss or gradients were non-finite.
+//! - After the update: the optimizer's state (fp32 masters, of which the parameters are copies,
+//!   and the moments) must be finite, or the run halts before anything is saved. The same world-wide reduction carries the stop signals
+//!   (`signals.rs`), so all ranks agree on stopping at the same step.
+//!
+//! [`LoopState`] is what the guard remembers across steps; checkpoints carry it, so a resumed
+//! run decides as the uninterrupted one would.
+
+use std::collections::VecDeque;
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use parallel::{Group, ReduceOp};
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use super::{signals, Trainer};
+use crate::recipe::{OnNonFinite, SPIKE_WINDOW};
+
+/// The training loop's state beyond the optimizer's, saved in checkpoints.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoopState {
+    /// Updates applied (steps minus skipped steps).
+    pub updates: u64,
+    /// Steps skipped in a row up to now.
+    pub skipped_in_a_row: usize,
+    /// Losses of the last accepted steps, oldest first (at most [`SPIKE_WINDOW`]).
+    pub recent_losses: VecDeque<f64>,
+}
+
+/// What a step does with its update.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Apply it.
+    Update,
+    /// Discard it, for this reason.
+    Skip(String),
+}
+
+/// A step's own view of its numbers, before they were reduced over the job.
+pub struct LocalNumbers {
+    /// This rank's share of the loss (last pipeline stage; 0 elsewhere).
+    pub loss: f64,
+    /// This rank's sum of squared gradients.
+    pub grad_sq: f64,
+}
+
+/// Fault-injection point for tests: `PRETRAIN_TEST_NAN_GRADS=STEP:RANK` makes rank `RANK`'s
+/// gradients NaN at step `STEP` (1-based), as an overflow in its backward would.
+fn nan_grads_at() -> Option<(usize, usize)> {
+    let v = std::env::var("PRETRAIN_TEST_NAN_GRADS").ok()?;
+    let (step, rank) = v.split_once(':')?;
+    Some((step.trim().parse().ok()?, rank.trim().parse().ok()?))
+}
+
+impl Trainer {
+    /// Applies the test fault of `PRETRAIN_TEST_NAN_GRADS` when it names this step and rank.
+    pub(crate) fn inject_test_fault(&self, step: usize) -> Result<()> {
+        if nan_grads_at() == Some((step, self.ctx.rank)) {
+            let flat = self.grads.flat();
+            let nan = Tensor::full(f32::NAN, flat.elem_count(), flat.device())?;
+            flat.slice_set(&nan, 0, 0)?;
+        }
+        Ok(())
+    }
+
+    fn world_group(&self) -> Group {
+        Group::new((0..self.ctx.mesh.world_size()).collect())
+    }
+
+    /// Sums `flags` (one row of 0/1 per question, one column per rank) over the job: for each
+    /// question, the ranks that answered yes.
+    fn ranks_where(&self, flags: &[bool]) -> Result<Vec<Vec<usize>>> {
+        let world = self.ctx.mesh.world_size();
+        let mut v = vec![0f64; flags.len() * world];
+        for (k, &f) in flags.iter().enumerate() {
+            v[k * world + self.ctx.rank] = f as u8 as f64;
+        }
+        let t = Tensor::from_vec(v, flags.len() * world, &Device::Cpu)?;
+        let summed = if world > 1 {
+            self.ctx
+                .comm
+                .all_reduce(&self.world_group(), &t, ReduceOp::Sum)?
+        } else {
+            t
+        };
+        let v = summed.to_vec1::<f64>()?;
+        Ok((0..flags.len())
+            .map(|k| (0..world).filter(|&r| v[k * world + r] > 0.0).collect())
+            .collect())
+    }
+
+    /// `ranks` with their pipeline stages, for messages.
+    fn describe(&self, ranks: &[usize]) -> String {
+        let mut stages: Vec<usize> = ranks.iter().map(|&r| self.ctx.mesh.coords(r).pp).collect();
+        stages.dedup();
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        format!(
+            "rank(s) {} (pipeline stage(s) {})",
+            list(ranks),
+            list(&stages)
+        )
+    }
+
+    /// Decides what step `step` (1-based) does with its update, given the job-wide `loss` and
+    /// `grad_norm` and this rank's own numbers; an error halts the run.
+    pub(crate) fn judge(
+        &mut self,
+        step: usize,
+        loss: f64,
+        grad_norm: f64,
+        local: LocalNumbers,
+    ) -> Result<Verdict> {
+        let t = &self.recipe.train;
+        let problem = if !loss.is_finite() || !grad_norm.is_finite() {
+            let bad = self.ranks_where(&[!local.loss.is_finite(), !local.grad_sq.is_finite()])?;
+            let mut parts = Vec::new();
+            if !bad[0].is_empty() {
+                parts.push(format!("non-finite loss on {}", self.describe(&bad[0])));
+            }
+            if !bad[1].is_empty() {
+                parts.push(format!(
+                    "non-finite gradients on {}",
+                    self.describe(&bad[1])
+                ));
+            }
+            if parts.is_empty() {
+                parts.push("overflow in the job-wide reduction".into());
+            }
+            Some(format!(
+                "step {step}: loss {loss}, gradient norm {grad_norm}: {}",
+                parts.join("; ")
+            ))
+        } else {
+            let recent = &self.progress.recent_losses;
+            match t.spike_factor {
+                Some(k) if recent.len() >= SPIKE_WINDOW => {
+                    let mean = recent.iter().sum::<f64>() / recent.len() as f64;
+                    (loss > k * mean).then(|| {
+                        format!(
+                            "step {step}: loss spike: {loss:.4} is above train.spike_factor × the \
+                             mean of the last {SPIKE_WINDOW} steps ({k} × {mean:.4})"
+                        )
+                    })
+                }
+                _ => None,
+            }
+        };
+        let Some(problem) = problem else {
+            let p = &mut self.progress;
+            p.skipped_in_a_row = 0;
+            p.recent_losses.push_back(loss);
+            while p.recent_losses.len() > SPIKE_WINDOW {
+                p.recent_losses.pop_front();
+            }
+            return Ok(Verdict::Update);
+        };
+        match t.on_nonfinite {
+            OnNonFinite::Halt => bail!(
+                "{problem}; halting before the update (train.on_nonfinite: halt; the last \
+                 checkpoint is untouched)"
+            ),
+            OnNonFinite::Skip if self.progress.skipped_in_a_row >= t.max_skips => bail!(
+                "{problem}; halting: {} steps in a row were skipped already (train.max_skips)",
+                self.progress.skipped_in_a_row
+            ),
+            OnNonFinite::Skip => {
+                self.progress.skipped_in_a_row += 1;
+                if self.ctx.is_main() {
+                    warn!("{problem}; update skipped (train.on_nonfinite: skip)");
+                }
+                Ok(Verdict::Skip(problem))
+            }
+        }
+    }
+
+    /// After step `step`'s update: halts if it made any rank's parameters non-finite, and returns
+    /// the stop signal any rank received (the same on every rank).
+    pub(crate) fn after_update(&self, step: usize, updated: bool) -> Result<Option<i32>> {
+        let bad = updated && !self.optimizer.state_sum_squares()?.is_finite();
+        let sig = signals::pending();
+        let flags = [
+            bad,
+            sig == Some(signals::STOP_SIGNALS[0]),
+            sig == Some(signals::STOP_SIGNALS[1]),
+        ];
+        let answers = self.ranks_where(&flags)?;
+        if !answers[0].is_empty() {
+            bail!(
+                "step {step}: the update made parameters or optimizer moments non-finite on {}; \
+                 halting before anything is saved (is optimizer.lr too large?)",
+                self.describe(&answers[0])
+            );
+        }
+        Ok(signals::STOP_SIGNALS
+            .iter()
+            .zip(&answers[1..])
+            .find(|(_, r)| !r.is_empty())
+            .map(|(&s, _)| s))
+    }
+}

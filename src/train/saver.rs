@@ -1,0 +1,127 @@
+//! Writing a checkpoint once its state is on the host: every rank's shard file, then (rank 0)
+//! the manifest, the rename into place, `latest` and pruning — on the training thread, or with
+//! `checkpoint.async: true` on a background thread while training goes on.
+//!
+//! An asynchronous save cannot use the communicator (the training thread owns its order of
+//! collectives), so rank 0's writer waits for the other ranks' shares on the file system: a
+//! rank's record file is renamed into place after its shard file is synced, so its presence
+//! means that rank is done. The same atomic rules hold as for a synchronous save: a save that
+//! dies leaves `step-N.tmp` and the previous checkpoint loadable. At most one save is in flight:
+//! the next one (and the end of the run) waits for it, and every rank meets at a barrier before
+//! starting one, so rank 0's pruning never races another rank's next save.
+
+use std::path::PathBuf;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ckpt::{Manifest, RankWriter};
+use tracing::info;
+
+/// What one rank still has to do for a checkpoint whose state it has copied to the host.
+pub struct SaveJob {
+    /// This rank's share, state included (taken when written).
+    pub writer: Option<RankWriter>,
+    /// The checkpoint root.
+    pub root: PathBuf,
+    /// The step saved.
+    pub step: u64,
+    /// Ranks in the job.
+    pub world_size: usize,
+    /// Rank 0's part: the manifest (files and pieces filled at finalisation).
+    pub manifest: Option<Manifest>,
+    /// The tokenizer copied into the checkpoint.
+    pub tokenizer: PathBuf,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// How long rank 0 waits for the other ranks' shares (asynchronous saves).
+    pub timeout: Duration,
+    /// When the save began.
+    pub start: Instant,
+}
+
+impl SaveJob {
+    /// The step directory this job completes.
+    pub fn dir(&self) -> PathBuf {
+        self.root.join(ckpt::step_dir_name(self.step))
+    }
+
+    /// Writes this rank's share.
+    pub fn write_share(&mut self) -> Result<()> {
+        if let Some(w) = self.writer.take() {
+            w.write()?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0, after every rank has written its share: manifest, rename, `latest`, pruning.
+    pub fn finalize(self) -> Result<()> {
+        let Some(manifest) = self.manifest else {
+            return Ok(());
+        };
+        let step = self.step;
+        // Fault-injection point for crash-consistency tests: hold the save between the shard
+        // files and the manifest so a test can kill the process right there.
+        if let Some(ms) = std::env::var("PRETRAIN_TEST_SAVE_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            info!("checkpoint step {step}: shards written, pausing {ms} ms before the manifest");
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        let dir = ckpt::finalize(
+            &self.root,
+            manifest,
+            self.world_size,
+            &self.tokenizer,
+            self.keep,
+        )?;
+        info!(
+            "saved checkpoint {} in {:.2}s",
+            dir.display(),
+            self.start.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    /// Rank 0 of an asynchronous save: waits until every rank's record is in the temporary
+    /// directory.
+    fn wait_for_shares(&self) -> Result<()> {
+        let tmp = self
+            .root
+            .join(format!("{}.tmp", ckpt::step_dir_name(self.step)));
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let missing: Vec<usize> = (0..self.world_size)
+                .filter(|r| !tmp.join(format!("rank-{r:05}.json")).exists())
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "checkpoint of step {}: ranks {missing:?} did not write their shares within \
+                     {:.0}s",
+                    self.step,
+                    self.timeout.as_secs_f64()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Runs the rest of the save on a background thread.
+    pub fn spawn(mut self) -> Result<JoinHandle<Result<()>>> {
+        let step = self.step;
+        std::thread::Builder::new()
+            .name(format!("checkpoint-{step}"))
+            .spawn(move || {
+                self.write_share()?;
+                if self.manifest.is_some() {
+                    self.wait_for_shares()?;
+                }
+                self.finalize()
+            })
+            .with_context(|| format!("starting the writer of checkpoint {step}"))
+    }
+}

