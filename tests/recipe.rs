@@ -346,6 +346,10 @@ fn overflowing_products_are_named_not_panics() {
         "parallel.pp × parallel.virtual_stages",
     );
     assert_err(
+        &["parallel.pp=0,parallel.virtual_stages=2"],
+        "parallel.pp must be at least 1",
+    );
+    assert_err(
         &["train.steps=100000000000"],
         "train.steps × train.global_batch (100000000000 × 32 = 3200000000000)",
     );

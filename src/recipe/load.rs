@@ -283,7 +283,11 @@ mod tests {
         );
         let v = split_overrides("data.split=98,2").unwrap();
         assert_eq!(v, vec![("data.split".into(), "98,2".into())]);
-        assert!(split_overrides("nonsense").is_err());
+        let e = split_overrides("nonsense").unwrap_err().to_string();
+        assert!(
+            e.contains("--set nonsense: expected key.path=value (e.g. train.steps=100)"),
+            "{e}"
+        );
     }
 
     #[test]

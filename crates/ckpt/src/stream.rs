@@ -129,6 +129,10 @@ mod tests {
         let (_, m) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
         assert_eq!(m.metadata().as_ref().unwrap()["format"], "pt");
         let bad = write_streaming(&path, &specs, &meta, |_| Ok(vec![0; 3]));
-        assert!(bad.is_err());
+        let e = bad.unwrap_err().to_string();
+        assert!(
+            e.contains("tensor b has 3 bytes, its shape needs 24"),
+            "{e}"
+        );
     }
 }

@@ -117,7 +117,8 @@ mod tests {
             next[d] += 1;
         }
         assert_eq!(&next[..], b.counts());
-        assert!(b.get(5000).is_err());
+        let e = b.get(5000).unwrap_err().to_string();
+        assert!(e.contains("sample 5000 out of range (have 5000)"), "{e}");
     }
 
     #[test]
@@ -134,8 +135,20 @@ mod tests {
 
     #[test]
     fn bad_weights_are_rejected() {
-        assert!(BlendIndex::new(&[1.0, 0.0], 10).is_err());
-        assert!(BlendIndex::new(&[f64::NAN], 10).is_err());
-        assert!(BlendIndex::new(&[], 10).is_err());
+        let e = BlendIndex::new(&[1.0, 0.0], 10).unwrap_err().to_string();
+        assert!(
+            e.contains("datasets[1].weight: must be a positive finite number, found 0"),
+            "{e}"
+        );
+        let e = BlendIndex::new(&[f64::NAN], 10).unwrap_err().to_string();
+        assert!(
+            e.contains("datasets[0].weight: must be a positive finite number, found NaN"),
+            "{e}"
+        );
+        let e = BlendIndex::new(&[], 10).unwrap_err().to_string();
+        assert!(
+            e.contains("datasets: need between 1 and 65535 datasets"),
+            "{e}"
+        );
     }
 }

@@ -10,9 +10,12 @@
 //! provides samples `[e * P, (e + 1) * P)` where `P` is the windows per epoch.
 //!
 //! Both permutations are seeded from `(seed, epoch)` only, so sample `i` is the same no
-//! matter how many samples are requested in total: requesting more only appends epochs.
+//! matter how many samples are requested in total: requesting more only appends epochs. An
+//! epoch's permutations are built when a sample of it is first read, and only the last
+//! [`EPOCHS_KEPT`] are kept, so memory does not grow with the length of the run (a short dataset
+//! read for many epochs included).
 
-use rayon::prelude::*;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{DataError, Result};
 use crate::rng::{mix_seed, shuffle, Rng};
@@ -46,8 +49,13 @@ pub struct SampleIndex {
     samples_per_epoch: u64,
     lengths: Vec<u32>,
     first_sequence: usize,
-    epochs: Vec<Epoch>,
+    seed: u64,
+    /// The epochs built most recently, newest last.
+    recent: Mutex<Vec<(u64, Arc<Epoch>)>>,
 }
+
+/// Epochs whose permutations are kept built (a data-parallel batch can straddle two).
+pub const EPOCHS_KEPT: usize = 2;
 
 impl SampleIndex {
     /// Builds the index over sequences `first_sequence ..` with the given `lengths`, providing
@@ -71,13 +79,14 @@ impl SampleIndex {
         }
         let total: u64 = lengths.iter().map(|&l| l as u64).sum();
         let samples_per_epoch = total.saturating_sub(1) / seq_len as u64;
-        let mut index = SampleIndex {
+        let index = SampleIndex {
             seq_len,
             num_samples,
             samples_per_epoch,
             lengths: lengths.to_vec(),
             first_sequence,
-            epochs: Vec::new(),
+            seed,
+            recent: Mutex::new(Vec::new()),
         };
         if num_samples == 0 {
             return Ok(index);
@@ -97,11 +106,6 @@ impl SampleIndex {
                 "more than 2^32 samples per epoch",
             ));
         }
-        let num_epochs = num_samples.div_ceil(samples_per_epoch);
-        index.epochs = (0..num_epochs)
-            .into_par_iter()
-            .map(|e| index.build_epoch(seed, e))
-            .collect();
         Ok(index)
     }
 
@@ -140,9 +144,26 @@ impl SampleIndex {
         self.samples_per_epoch
     }
 
-    /// Number of epochs materialised.
+    /// Number of epochs the requested samples reach into.
     pub fn num_epochs(&self) -> usize {
-        self.epochs.len()
+        match self.samples_per_epoch {
+            0 => 0,
+            p => self.num_samples.div_ceil(p) as usize,
+        }
+    }
+
+    /// Epoch `e`'s permutations, built now unless recently built.
+    fn epoch(&self, e: u64) -> Arc<Epoch> {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, ep)) = recent.iter().find(|(k, _)| *k == e) {
+            return ep.clone();
+        }
+        let ep = Arc::new(self.build_epoch(self.seed, e));
+        recent.push((e, ep.clone()));
+        if recent.len() > EPOCHS_KEPT {
+            recent.remove(0);
+        }
+        ep
     }
 
     /// The spans making up sample `i` (`seq_len + 1` tokens in total), in order.
@@ -154,7 +175,7 @@ impl SampleIndex {
                 len: self.num_samples,
             });
         }
-        let e = &self.epochs[(i / self.samples_per_epoch) as usize];
+        let e = self.epoch(i / self.samples_per_epoch);
         let window = e.windows[(i % self.samples_per_epoch) as usize] as u64;
         let pos = window * self.seq_len as u64;
         // Last document starting at or before `pos` (skips empty documents there).
@@ -212,6 +233,19 @@ mod tests {
         }
     }
 
+    /// A run far longer than its dataset costs no memory up front: 10^9 samples of a 400-token
+    /// split (over 10^7 epochs) index at once, and any sample is read by building its epoch.
+    #[test]
+    fn many_epochs_are_built_as_they_are_read() {
+        let idx = SampleIndex::build(0, &[40; 10], 8, 1, 1_000_000_000).unwrap();
+        assert_eq!(idx.num_epochs(), 1_000_000_000usize.div_ceil(49));
+        let last = idx.spans(999_999_999).unwrap();
+        assert_eq!(last.iter().map(|s| s.len).sum::<usize>(), 9);
+        let again = SampleIndex::build(0, &[40; 10], 8, 1, 1_000_000_000).unwrap();
+        assert_eq!(again.spans(999_999_999).unwrap(), last, "deterministic");
+        assert!(idx.recent.lock().unwrap().len() <= EPOCHS_KEPT);
+    }
+
     #[test]
     fn windows_cover_the_stream_with_one_token_overlap() {
         // One document of 10 tokens, seq_len 3: windows start at 0, 3, 6.
@@ -220,7 +254,8 @@ mod tests {
         let mut starts: Vec<usize> = (0..3).map(|i| idx.spans(i).unwrap()[0].offset).collect();
         starts.sort_unstable();
         assert_eq!(starts, vec![0, 3, 6]);
-        assert!(idx.spans(3).is_err());
+        let e = idx.spans(3).unwrap_err().to_string();
+        assert!(e.contains("sample 3 out of range (have 3)"), "{e}");
     }
 
     #[test]
@@ -249,7 +284,13 @@ mod tests {
 
     #[test]
     fn too_small_is_an_error_unless_nothing_is_needed() {
-        assert!(SampleIndex::build(0, &[4], 4, 0, 1).is_err());
+        let e = (SampleIndex::build(0, &[4], 4, 0, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("seq_len: 1 documents with 4 tokens are too few for one sample of 5 tokens"),
+            "{e}"
+        );
         assert!(SampleIndex::build(0, &[4], 4, 0, 0).is_ok());
         assert!(SampleIndex::build(0, &[5], 4, 0, 1).is_ok());
     }

@@ -123,7 +123,8 @@ fn batch_layout_and_labels() {
         ),
         "{e}"
     );
-    assert!(data.batch(&[0, 64]).is_err());
+    let e = data.batch(&[0, 64]).unwrap_err().to_string();
+    assert!(e.contains("sample 64 out of range (have 64)"), "{e}");
 }
 
 #[test]

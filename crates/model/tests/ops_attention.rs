@@ -3,6 +3,9 @@
 //! for GQA and plain heads and sequence lengths that straddle the kernel's row blocks, `s = 1`,
 //! non-contiguous inputs, half dtypes and errors; plus an ignored timing run.
 
+mod common;
+use common::expect_err;
+
 mod ops_util;
 
 use std::time::Instant;
@@ -158,33 +161,36 @@ fn bad_inputs_are_errors() {
     let kv = z(&[1, 4, 3, 8], DType::F32);
     assert!(causal_attention(&q, &kv, &kv, 1.0).is_ok());
     let kv2 = z(&[1, 4, 2, 8], DType::F32);
-    assert!(
-        causal_attention(&q, &kv2, &kv2, 1.0).is_err(),
-        "hq % hkv != 0"
+    expect_err(
+        causal_attention(&q, &kv2, &kv2, 1.0),
+        "query heads 3 must be a multiple of kv heads 2",
     );
     let kd = z(&[1, 4, 3, 4], DType::F32);
-    assert!(
-        causal_attention(&q, &kd, &kd, 1.0).is_err(),
-        "head dim mismatch"
+    expect_err(
+        causal_attention(&q, &kd, &kd, 1.0),
+        "`k` [1, 4, 3, 4] does not match `q` [1, 4, 3, 8] in b, s or d",
     );
     let ks = z(&[1, 5, 3, 8], DType::F32);
-    assert!(
-        causal_attention(&q, &ks, &ks, 1.0).is_err(),
-        "length mismatch"
+    expect_err(
+        causal_attention(&q, &ks, &ks, 1.0),
+        "`k` [1, 5, 3, 8] does not match `q` [1, 4, 3, 8] in b, s or d",
     );
-    assert!(
-        causal_attention(&q, &kv, &kv2, 1.0).is_err(),
-        "k/v mismatch"
+    expect_err(
+        causal_attention(&q, &kv, &kv2, 1.0),
+        "`v` [1, 4, 2, 8] must have the shape of `k` [1, 4, 3, 8]",
     );
-    assert!(
-        causal_attention(&q, &kv.to_dtype(DType::F64).unwrap(), &kv, 1.0).is_err(),
-        "dtype"
+    expect_err(
+        causal_attention(&q, &kv.to_dtype(DType::F64).unwrap(), &kv, 1.0),
+        "dtype mismatch, `q` is F32 but `k` is F64",
     );
-    assert!(
-        causal_attention(&q.squeeze(0).unwrap(), &kv, &kv, 1.0).is_err(),
-        "rank"
+    expect_err(
+        causal_attention(&q.squeeze(0).unwrap(), &kv, &kv, 1.0),
+        "`q` must be [b, s, hq, d], got [4, 3, 8]",
     );
-    assert!(causal_attention(&q, &kv, &kv, f64::NAN).is_err(), "scale");
+    expect_err(
+        causal_attention(&q, &kv, &kv, f64::NAN),
+        "`scale` must be finite, got NaN",
+    );
 }
 
 /// Timing of forward + backward for b = 4, s = 128, hq = 4, hkv = 2, d = 32 in f32 (and the

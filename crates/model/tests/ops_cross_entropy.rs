@@ -1,6 +1,9 @@
 //! Tests of `model::ops::cross_entropy`: finite-difference gradients (f64), agreement with a
 //! composition of candle primitives (f32, f64), non-contiguous logits and errors.
 
+mod common;
+use common::expect_err;
+
 mod ops_util;
 
 use candle_core::{DType, Device, Result, Tensor, D};
@@ -94,11 +97,19 @@ fn bad_inputs_are_errors() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("out of range"), "{err}");
-    assert!(cross_entropy(&logits, &Tensor::new(&[1u32, 2, 3], &dev).unwrap()).is_err());
-    assert!(cross_entropy(&logits, &Tensor::new(&[1i64, 2], &dev).unwrap()).is_err());
-    assert!(cross_entropy(
-        &logits.flatten_all().unwrap(),
-        &Tensor::new(&[1u32], &dev).unwrap()
-    )
-    .is_err());
+    expect_err(
+        cross_entropy(&logits, &Tensor::new(&[1u32, 2, 3], &dev).unwrap()),
+        "`targets` must be [n] = [2] for `logits` [2, 4], got [3]",
+    );
+    expect_err(
+        cross_entropy(&logits, &Tensor::new(&[1i64, 2], &dev).unwrap()),
+        "`targets` must be u32, got I64",
+    );
+    expect_err(
+        cross_entropy(
+            &logits.flatten_all().unwrap(),
+            &Tensor::new(&[1u32], &dev).unwrap(),
+        ),
+        "`logits` must be [n, v], got [8]",
+    );
 }

@@ -1,6 +1,9 @@
 //! Tests of `model::ops::grad_inject`: the injected gradient reaches the inputs exactly as the
 //! gradient of `sum(y * g)` would, the result is a zero scalar, and shape mismatches are errors.
 
+mod common;
+use common::expect_err;
+
 mod ops_util;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -90,8 +93,14 @@ fn non_contiguous_gradient() {
 fn shape_mismatch_is_an_error() {
     let dev = Device::Cpu;
     let y = Tensor::zeros((2, 3), DType::F32, &dev).unwrap();
-    assert!(grad_inject(&y, &Tensor::zeros((3, 2), DType::F32, &dev).unwrap()).is_err());
-    assert!(grad_inject(&y, &Tensor::zeros(6, DType::F32, &dev).unwrap()).is_err());
+    expect_err(
+        grad_inject(&y, &Tensor::zeros((3, 2), DType::F32, &dev).unwrap()),
+        "gradient shape [3, 2] does not match `y` shape [2, 3]",
+    );
+    expect_err(
+        grad_inject(&y, &Tensor::zeros(6, DType::F32, &dev).unwrap()),
+        "gradient shape [6] does not match `y` shape [2, 3]",
+    );
     let u = y.to_dtype(DType::U32).unwrap();
-    assert!(grad_inject(&u, &u).is_err());
+    expect_err(grad_inject(&u, &u), "`y` must be a float tensor, got U32");
 }

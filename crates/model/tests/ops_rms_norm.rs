@@ -1,6 +1,9 @@
 //! Tests of `model::ops::rms_norm`: finite-difference gradients (f64), agreement with a
 //! composition of candle primitives (f32, f64), non-contiguous input, half dtypes and errors.
 
+mod common;
+use common::expect_err;
+
 mod ops_util;
 
 use candle_core::{DType, Device, Result, Tensor, D};
@@ -88,18 +91,28 @@ fn half_dtypes() {
 fn bad_inputs_are_errors() {
     let dev = Device::Cpu;
     let x = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
-    assert!(rms_norm(&x, &Tensor::ones(3, DType::F32, &dev).unwrap(), EPS).is_err());
-    assert!(rms_norm(&x, &Tensor::ones(4, DType::F64, &dev).unwrap(), EPS).is_err());
-    assert!(rms_norm(
-        &x.to_dtype(DType::U32).unwrap(),
-        &Tensor::ones(4, DType::U32, &dev).unwrap(),
-        EPS
-    )
-    .is_err());
-    assert!(rms_norm(
-        &Tensor::new(1f32, &dev).unwrap(),
-        &Tensor::ones(1, DType::F32, &dev).unwrap(),
-        EPS
-    )
-    .is_err());
+    expect_err(
+        rms_norm(&x, &Tensor::ones(3, DType::F32, &dev).unwrap(), EPS),
+        "`weight` must have shape [4] (the last dim of `x` [2, 4]), got [3]",
+    );
+    expect_err(
+        rms_norm(&x, &Tensor::ones(4, DType::F64, &dev).unwrap(), EPS),
+        "dtype mismatch, `x` is F32 but `weight` is F64",
+    );
+    expect_err(
+        rms_norm(
+            &x.to_dtype(DType::U32).unwrap(),
+            &Tensor::ones(4, DType::U32, &dev).unwrap(),
+            EPS,
+        ),
+        "`x` must be a float tensor (f32, f64, bf16, f16), got U32",
+    );
+    expect_err(
+        rms_norm(
+            &Tensor::new(1f32, &dev).unwrap(),
+            &Tensor::ones(1, DType::F32, &dev).unwrap(),
+            EPS,
+        ),
+        "`x` must have at least one dimension, got a scalar",
+    );
 }

@@ -1,6 +1,9 @@
 //! Tests of `model::ops::rope`: finite-difference gradients (f64), agreement with a composition
 //! of candle primitives (f32, f64), non-contiguous input and errors.
 
+mod common;
+use common::expect_err;
+
 mod ops_util;
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -86,14 +89,25 @@ fn bad_inputs_are_errors() {
     let table = Tensor::zeros((4, 4), DType::F32, &dev).unwrap();
     let short = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
     assert!(rope(&x, &table, &table).is_ok());
-    assert!(rope(&x, &short, &table).is_err());
-    assert!(rope(&x, &table, &short).is_err());
-    assert!(rope(&x.reshape((4, 2, 8)).unwrap(), &table, &table).is_err());
+    expect_err(
+        rope(&x, &short, &table),
+        "`cos` must be [s, d / 2] = [4, 4] for `x` [1, 4, 2, 8], got [3, 4]",
+    );
+    expect_err(
+        rope(&x, &table, &short),
+        "`sin` must be [s, d / 2] = [4, 4] for `x` [1, 4, 2, 8], got [3, 4]",
+    );
+    expect_err(
+        rope(&x.reshape((4, 2, 8)).unwrap(), &table, &table),
+        "`x` must be [b, s, heads, d], got [4, 2, 8]",
+    );
     let odd = Tensor::zeros((1, 4, 2, 7), DType::F32, &dev).unwrap();
-    assert!(rope(
-        &odd,
-        &Tensor::zeros((4, 3), DType::F32, &dev).unwrap(),
-        &table
-    )
-    .is_err());
+    expect_err(
+        rope(
+            &odd,
+            &Tensor::zeros((4, 3), DType::F32, &dev).unwrap(),
+            &table,
+        ),
+        "the head dim of `x` [1, 4, 2, 7] must be even, got 7",
+    );
 }

@@ -1,6 +1,9 @@
 //! Tests of `model::ops::swiglu`: finite-difference gradients (f64), agreement with a
 //! composition of candle primitives (f32, f64), non-contiguous input and errors.
 
+mod common;
+use common::expect_err;
+
 mod ops_util;
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -64,8 +67,17 @@ fn non_contiguous_input() {
 fn bad_inputs_are_errors() {
     let dev = Device::Cpu;
     let a = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
-    assert!(swiglu(&a, &Tensor::zeros((4, 2), DType::F32, &dev).unwrap()).is_err());
-    assert!(swiglu(&a, &a.to_dtype(DType::F64).unwrap()).is_err());
+    expect_err(
+        swiglu(&a, &Tensor::zeros((4, 2), DType::F32, &dev).unwrap()),
+        "shape mismatch, `gate` is [2, 4] but `up` is [4, 2]",
+    );
+    expect_err(
+        swiglu(&a, &a.to_dtype(DType::F64).unwrap()),
+        "dtype mismatch, `gate` is F32 but `up` is F64",
+    );
     let u = a.to_dtype(DType::U32).unwrap();
-    assert!(swiglu(&u, &u).is_err());
+    expect_err(
+        swiglu(&u, &u),
+        "`gate` must be a float tensor (f32, f64, bf16, f16), got U32",
+    );
 }

@@ -99,12 +99,15 @@ fn collectives_equal_the_local_backend_bit_for_bit() {
     assert_eq!(tcp[1][2], tcp[2][2]);
 }
 
-#[test]
-fn stray_connections_are_rejected() {
-    let timeout = Duration::from_secs(20);
+/// A two-rank job whose rank 1 joins only after `strangers(rank 0's listener, the store)` has
+/// connected whatever it likes (kept open until the job is up); both ranks' all-reduce results.
+fn two_ranks_after(
+    timeout: Duration,
+    strangers: impl FnOnce(&str, &str) -> Vec<TcpStream>,
+) -> (Tensor, Tensor) {
     let server = StoreServer::start("127.0.0.1:0", TOKEN, timeout).unwrap();
     let addr = server.addr().to_string();
-    let out = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let addr = &addr;
         let h0 = s.spawn(move || {
             let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
@@ -112,21 +115,30 @@ fn stray_connections_are_rejected() {
             comm.all_reduce(&Group::new(vec![0, 1]), &input(0, &[3], 0.0), ReduceOp::Sum)
                 .unwrap()
         });
-        // A stranger connects to rank 0's listener first with a wrong token.
         let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
         let rank0 = String::from_utf8(store.get("tcp/0").unwrap()).unwrap();
-        let mut stray = TcpStream::connect(&rank0).unwrap();
+        let held = strangers(&rank0, addr);
+        let comm = TcpComm::connect(1, 2, &mut store, TOKEN, timeout).unwrap();
+        let mine = comm
+            .all_reduce(&Group::new(vec![0, 1]), &input(1, &[3], 0.0), ReduceOp::Sum)
+            .unwrap();
+        drop(held);
+        (h0.join().unwrap(), mine)
+    })
+}
+
+#[test]
+fn stray_connections_are_rejected() {
+    // A stranger connects to rank 0's listener first with a wrong token.
+    let out = two_ranks_after(Duration::from_secs(20), |rank0, _| {
+        let mut stray = TcpStream::connect(rank0).unwrap();
         let mut hello = vec![1u8, 0];
         hello.extend_from_slice(&0u64.to_le_bytes());
         hello.extend_from_slice(&1u64.to_le_bytes());
         hello.extend_from_slice(&5u64.to_le_bytes());
         hello.extend_from_slice(b"wrong");
         stray.write_all(&hello).unwrap();
-        let comm = TcpComm::connect(1, 2, &mut store, TOKEN, timeout).unwrap();
-        let mine = comm
-            .all_reduce(&Group::new(vec![0, 1]), &input(1, &[3], 0.0), ReduceOp::Sum)
-            .unwrap();
-        (h0.join().unwrap(), mine)
+        vec![stray]
     });
     assert_eq!(bits(&out.0), bits(&out.1));
 }
@@ -136,30 +148,12 @@ fn stray_connections_are_rejected() {
 /// behind several of them; the job's timeout here is 5 s.
 #[test]
 fn silent_connections_do_not_stall_start_up() {
-    let timeout = Duration::from_secs(5);
-    let server = StoreServer::start("127.0.0.1:0", TOKEN, timeout).unwrap();
-    let addr = server.addr().to_string();
-    let out = std::thread::scope(|s| {
-        let addr = &addr;
-        let h0 = s.spawn(move || {
-            let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
-            let comm = TcpComm::connect(0, 2, &mut store, TOKEN, timeout).unwrap();
-            comm.all_reduce(&Group::new(vec![0, 1]), &input(0, &[3], 0.0), ReduceOp::Sum)
-                .unwrap()
-        });
-        let mut store = Store::connect(addr, TOKEN, timeout).unwrap();
-        let rank0 = String::from_utf8(store.get("tcp/0").unwrap()).unwrap();
-        let silent: Vec<TcpStream> = (0..5)
-            .map(|_| TcpStream::connect(&rank0).unwrap())
-            .collect();
+    let out = two_ranks_after(Duration::from_secs(5), |rank0, store| {
         // Silent connections to the store are no obstacle either.
-        let quiet: Vec<TcpStream> = (0..5).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        let comm = TcpComm::connect(1, 2, &mut store, TOKEN, timeout).unwrap();
-        let mine = comm
-            .all_reduce(&Group::new(vec![0, 1]), &input(1, &[3], 0.0), ReduceOp::Sum)
-            .unwrap();
-        drop((silent, quiet));
-        (h0.join().unwrap(), mine)
+        (0..5)
+            .map(|_| TcpStream::connect(rank0).unwrap())
+            .chain((0..5).map(|_| TcpStream::connect(store).unwrap()))
+            .collect()
     });
     assert_eq!(bits(&out.0), bits(&out.1));
 }

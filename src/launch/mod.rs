@@ -15,16 +15,15 @@
 //! `--nproc-per-node` on one node draws a random one. Without any, every process derives the same
 //! token from the launcher's job identity (`TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`) and the
 //! rendezvous address — public values, so rank 0 warns that any local user could join. The store
-//! listens on the interface of `MASTER_ADDR` (loopback for a single-node job), not on all.
+//! listens on the interface of `MASTER_ADDR` (loopback for a single-node job), not on all
+//! (`token.rs`). Supervision — waiting, forwarding SIGTERM/SIGINT, naming the root cause — is in
+//! `supervise.rs`.
 
-use std::collections::hash_map::RandomState;
 use std::ffi::OsString;
-use std::hash::BuildHasher;
-use std::net::ToSocketAddrs;
 use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, ExitStatus};
+use std::process::{Child, Command};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
@@ -35,6 +34,13 @@ use parallel::Comm;
 
 use crate::recipe::{DeviceKind, Recipe};
 use crate::train::device_for;
+
+mod supervise;
+mod token;
+
+use supervise::supervise;
+pub use token::{job_token, JobToken, TOKEN_FILE_VAR};
+use token::{random_token, store_bind};
 
 /// Environment variable carrying the job token.
 pub const TOKEN_VAR: &str = "PRETRAIN_JOB_TOKEN";
@@ -70,81 +76,6 @@ pub struct NodeLayout {
 fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(l.local_addr()?.port())
-}
-
-/// A token no other job will present.
-fn random_token() -> String {
-    let a = RandomState::new().hash_one((std::process::id(), Instant::now()));
-    format!("{a:016x}{:016x}", RandomState::new().hash_one(a))
-}
-
-/// Environment variable naming a file that holds the job token (readable by its owner only).
-pub const TOKEN_FILE_VAR: &str = "PRETRAIN_JOB_TOKEN_FILE";
-
-/// Where a job's token came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JobToken {
-    /// A secret: `PRETRAIN_JOB_TOKEN`, a token file, or drawn by our own launcher.
-    Secret(String),
-    /// Derived from the launcher's public job identity: any local user can compute it.
-    Derived(String),
-}
-
-impl JobToken {
-    /// The token's text.
-    pub fn text(&self) -> &str {
-        match self {
-            JobToken::Secret(t) | JobToken::Derived(t) => t,
-        }
-    }
-}
-
-/// The token every process of a job agrees on without talking (see the module header):
-/// `PRETRAIN_JOB_TOKEN`, else the contents of the file `PRETRAIN_JOB_TOKEN_FILE` names (which
-/// must not be readable by group or others), else one derived from public values.
-pub fn job_token(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> Result<JobToken> {
-    if let Some(t) = get(TOKEN_VAR).filter(|t| !t.is_empty()) {
-        return Ok(JobToken::Secret(t));
-    }
-    if let Some(path) = get(TOKEN_FILE_VAR).filter(|p| !p.is_empty()) {
-        use std::os::unix::fs::PermissionsExt;
-        let meta = std::fs::metadata(&path).with_context(|| format!("{TOKEN_FILE_VAR}={path}"))?;
-        if meta.permissions().mode() & 0o077 != 0 {
-            bail!(
-                "{TOKEN_FILE_VAR}={path}: the token file is readable by other users \
-                 (mode {:o}); chmod 600 it",
-                meta.permissions().mode() & 0o777
-            );
-        }
-        let text =
-            std::fs::read_to_string(&path).with_context(|| format!("{TOKEN_FILE_VAR}={path}"))?;
-        let t = text.trim();
-        if t.is_empty() {
-            bail!("{TOKEN_FILE_VAR}={path}: the token file is empty");
-        }
-        return Ok(JobToken::Secret(t.to_string()));
-    }
-    let job = get("TORCHELASTIC_RUN_ID")
-        .or_else(|| get("SLURM_JOB_ID"))
-        .unwrap_or_default();
-    Ok(JobToken::Derived(format!(
-        "{}:{job}:{}:{}:{}",
-        info.launcher, info.master_addr, info.master_port, info.world_size
-    )))
-}
-
-/// The address rank 0's store listens on: the interface `master_addr` names when it is one of
-/// this host's (loopback for a single-node job on 127.0.0.1), every interface only when it is
-/// not (e.g. a name that resolves differently inside a container).
-fn store_bind(master_addr: &str, port: u16) -> String {
-    let ip = (master_addr, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.find(|a| a.is_ipv4()));
-    match ip {
-        Some(a) if std::net::TcpListener::bind(a).is_ok() => a.to_string(),
-        _ => format!("0.0.0.0:{port}"),
-    }
 }
 
 /// Starts this node's rank processes running `args` (a `train` command line without launcher
@@ -243,96 +174,6 @@ pub fn spawn_node(
         }
     }
     supervise(children, grace)
-}
-
-/// Waits for every child; after the first failure, gives the others `grace` to stop, then kills
-/// them. The error names the root cause: the first failed rank that did not merely follow
-/// another's failure (exit status [`PEER_FAILED_EXIT`]).
-fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
-    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
-    let mut hung: Vec<(usize, ExitStatus)> = Vec::new();
-    let mut deadline: Option<Instant> = None;
-    let mut forwarded: Option<i32> = None;
-    while !children.is_empty() {
-        if let (None, Some(sig)) = (forwarded, crate::train::signals::pending()) {
-            tracing::warn!(
-                "{}: asking the ranks to finish their step, save and stop",
-                crate::train::signals::name(sig)
-            );
-            for (_, c) in &children {
-                // SAFETY: kill(2) on a child this process started and has not reaped.
-                unsafe { libc::kill(c.id() as libc::pid_t, sig) };
-            }
-            forwarded = Some(sig);
-        }
-        let mut i = 0;
-        while i < children.len() {
-            let (rank, child) = &mut children[i];
-            match child.try_wait() {
-                Ok(Some(status)) => {
-                    if !status.success() {
-                        failures.push((*rank, status));
-                        // A rank that stopped as asked is no failure to hurry the others for:
-                        // they are saving too.
-                        if forwarded.map(|s| 128 + s) != status.code() {
-                            deadline.get_or_insert(Instant::now() + grace);
-                        }
-                    }
-                    children.remove(i);
-                }
-                Ok(None) => i += 1,
-                Err(e) => {
-                    let msg = format!("waiting for rank {rank}: {e}");
-                    for (_, c) in &mut children {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                    }
-                    bail!(msg);
-                }
-            }
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            for (rank, c) in &mut children {
-                tracing::warn!("killing rank {rank}, still running after another rank failed");
-                let _ = c.kill();
-                if let Ok(status) = c.wait() {
-                    // A rank that hung while the others stopped may be the root cause.
-                    hung.push((*rank, status));
-                }
-            }
-            children.clear();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // Stopped as asked: every rank that did not finish exited with 128 + the signal.
-    if let Some(signal) = forwarded {
-        if failures.iter().all(|(_, s)| s.code() == Some(128 + signal)) {
-            return Err(crate::train::signals::Interrupted {
-                signal,
-                step: None,
-                checkpoint: None,
-            }
-            .into());
-        }
-    }
-    // The root cause: the first rank that failed on its own; else a rank that hung while every
-    // failure was a follower's; else the first follower.
-    let secondary = |s: &ExitStatus| s.code() == Some(PEER_FAILED_EXIT as i32);
-    let root = failures
-        .iter()
-        .find(|(_, s)| !secondary(s))
-        .or(hung.first())
-        .or(failures.first());
-    match root {
-        Some((rank, status)) if status.code().is_some() => {
-            bail!("rank {rank} failed ({status}); see its error above")
-        }
-        Some((rank, status)) => bail!(
-            "rank {rank} was killed ({status}) without reporting an error (out of memory? see \
-             the kernel log)"
-        ),
-        None => Ok(()),
-    }
 }
 
 /// The port of this job's rendezvous store: `PRETRAIN_STORE_PORT` if set; under torchrun, whose
@@ -452,7 +293,8 @@ fn cuda_comm(
 mod tests {
     use super::*;
 
-    fn info(launcher: &'static str) -> ProcessInfo {
+    /// A rank's view of a 4-rank job on `node0:29500` started by `launcher`.
+    pub(super) fn info(launcher: &'static str) -> ProcessInfo {
         ProcessInfo {
             rank: 1,
             world_size: 4,
@@ -461,58 +303,6 @@ mod tests {
             master_port: 29500,
             launcher,
         }
-    }
-
-    #[test]
-    fn tokens_agree_across_processes_and_differ_across_jobs() {
-        let env = |vars: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                vars.iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
-        let a = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm")).unwrap();
-        let b = job_token(&env(&[("SLURM_JOB_ID", "77")]), &info("slurm")).unwrap();
-        let c = job_token(&env(&[("SLURM_JOB_ID", "78")]), &info("slurm")).unwrap();
-        assert_eq!(a, b);
-        assert_ne!(a, c);
-        assert!(
-            matches!(a, JobToken::Derived(_)),
-            "public values are no secret"
-        );
-        let explicit = job_token(&env(&[(TOKEN_VAR, "s3cret")]), &info("torchrun")).unwrap();
-        assert_eq!(explicit, JobToken::Secret("s3cret".into()));
-        assert_ne!(random_token(), random_token());
-    }
-
-    #[test]
-    fn a_token_file_must_be_private() {
-        use std::os::unix::fs::PermissionsExt;
-        let tmp = tempfile::tempdir().unwrap();
-        let path = tmp.path().join("token");
-        std::fs::write(&path, "t0ken\n").unwrap();
-        let p = path.display().to_string();
-        let get = |k: &str| (k == TOKEN_FILE_VAR).then(|| p.clone());
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = job_token(&get, &info("torchrun")).unwrap_err().to_string();
-        assert!(
-            e.contains("readable by other users") && e.contains("644"),
-            "{e}"
-        );
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        assert_eq!(
-            job_token(&get, &info("torchrun")).unwrap(),
-            JobToken::Secret("t0ken".into())
-        );
-    }
-
-    #[test]
-    fn the_store_listens_on_the_master_interface() {
-        assert_eq!(store_bind("127.0.0.1", 0), "127.0.0.1:0");
-        assert_eq!(store_bind("localhost", 0), "127.0.0.1:0");
-        // An address that is not this host's: every interface.
-        assert_eq!(store_bind("192.0.2.1", 0), "0.0.0.0:0");
     }
 
     #[test]

@@ -1,0 +1,99 @@
+//! Supervising a node's rank processes: waiting for them, forwarding stop signals, and naming the
+//! rank that failed first.
+
+use std::process::{Child, ExitStatus};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use super::PEER_FAILED_EXIT;
+
+/// Waits for every child; after the first failure, gives the others `grace` to stop, then kills
+/// them. The error names the root cause: the first failed rank that did not merely follow
+/// another's failure (exit status [`PEER_FAILED_EXIT`]).
+pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut hung: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut deadline: Option<Instant> = None;
+    let mut forwarded: Option<i32> = None;
+    while !children.is_empty() {
+        if let (None, Some(sig)) = (forwarded, crate::train::signals::pending()) {
+            tracing::warn!(
+                "{}: asking the ranks to finish their step, save and stop",
+                crate::train::signals::name(sig)
+            );
+            for (_, c) in &children {
+                // SAFETY: kill(2) on a child this process started and has not reaped.
+                unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+            }
+            forwarded = Some(sig);
+        }
+        let mut i = 0;
+        while i < children.len() {
+            let (rank, child) = &mut children[i];
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() {
+                        failures.push((*rank, status));
+                        // A rank that stopped as asked is no failure to hurry the others for:
+                        // they are saving too.
+                        if forwarded.map(|s| 128 + s) != status.code() {
+                            deadline.get_or_insert(Instant::now() + grace);
+                        }
+                    }
+                    children.remove(i);
+                }
+                Ok(None) => i += 1,
+                Err(e) => {
+                    let msg = format!("waiting for rank {rank}: {e}");
+                    for (_, c) in &mut children {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    bail!(msg);
+                }
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            for (rank, c) in &mut children {
+                tracing::warn!("killing rank {rank}, still running after another rank failed");
+                let _ = c.kill();
+                if let Ok(status) = c.wait() {
+                    // A rank that hung while the others stopped may be the root cause.
+                    hung.push((*rank, status));
+                }
+            }
+            children.clear();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Stopped as asked: every rank that did not finish exited with 128 + the signal.
+    if let Some(signal) = forwarded {
+        if failures.iter().all(|(_, s)| s.code() == Some(128 + signal)) {
+            return Err(crate::train::signals::Interrupted {
+                signal,
+                step: None,
+                checkpoint: None,
+            }
+            .into());
+        }
+    }
+    // The root cause: the first rank that failed on its own; else a rank that hung while every
+    // failure was a follower's; else the first follower.
+    let secondary = |s: &ExitStatus| s.code() == Some(PEER_FAILED_EXIT as i32);
+    let root = failures
+        .iter()
+        .find(|(_, s)| !secondary(s))
+        .or(hung.first())
+        .or(failures.first());
+    match root {
+        Some((rank, status)) if status.code().is_some() => {
+            bail!("rank {rank} failed ({status}); see its error above")
+        }
+        Some((rank, status)) => bail!(
+            "rank {rank} was killed ({status}) without reporting an error (out of memory? see \
+             the kernel log)"
+        ),
+        None => Ok(()),
+    }
+}
