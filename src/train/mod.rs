@@ -369,6 +369,10 @@ impl Trainer {
                 last_eval = Some(val_loss);
             }
             let every = self.recipe.checkpoint.interval;
+            // A stop signal during the last step changes nothing: the run is complete.
+            if self.step == steps {
+                self.stop = None;
+            }
             let saved = if (every > 0 && (rec.step % every == 0 || rec.step == steps))
                 || self.stop.is_some()
             {
