@@ -32,15 +32,6 @@ pub enum JobToken {
     Derived(String),
 }
 
-impl JobToken {
-    /// The token's text.
-    pub fn text(&self) -> &str {
-        match self {
-            JobToken::Secret(t) | JobToken::Derived(t) => t,
-        }
-    }
-}
-
 /// The token every process of a job agrees on without talking (see the module header):
 /// `PRETRAIN_JOB_TOKEN`, else the contents of the file `PRETRAIN_JOB_TOKEN_FILE` names (which
 /// must not be readable by group or others), else one derived from public values.

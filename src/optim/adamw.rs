@@ -125,11 +125,6 @@ impl AdamW {
         super::kernels::sum_squares(&self.state)
     }
 
-    /// Updates applied so far (the step count of the bias corrections).
-    pub fn updates(&self) -> u64 {
-        self.step
-    }
-
     /// A copy of the state for checkpointing.
     pub fn state(&self) -> Result<AdamWState> {
         Ok(AdamWState {
