@@ -475,9 +475,10 @@ fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
     );
     let p = &r.parallel;
     println!(
-        "layout: dp={} tp={} pp={} (virtual {}) = {} ranks, sequence_parallel={}, zero={} (shard groups of {})",
+        "layout: dp={} tp={} cp={} pp={} (virtual {}) = {} ranks, sequence_parallel={}, zero={} (shard groups of {})",
         p.dp,
         p.tp,
+        p.cp,
         p.pp,
         p.virtual_stages,
         p.world_size(),

@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use ckpt::stream::{write_streaming, TensorSpec};
 use ckpt::{Checkpoint, Kind};
+use data::Batch;
 use model::Llama;
 use parallel::comm::local::run_local;
 use parallel::{Comm, ReduceOp};
@@ -49,8 +50,12 @@ pub fn eval(
 ) -> Result<EvalResult> {
     let ck = Checkpoint::open(dir)?;
     let recipe = checkpoint_recipe(&ck, overrides)?;
-    if logits_out.is_some() && (recipe.parallel.tp > 1 || recipe.parallel.pp > 1) {
-        bail!("--logits-out needs the whole model on one rank (parallel.tp = parallel.pp = 1)");
+    let p = &recipe.parallel;
+    if logits_out.is_some() && (p.tp > 1 || p.cp > 1 || p.pp > 1) {
+        bail!(
+            "--logits-out needs the whole model on one rank \
+             (parallel.tp = parallel.cp = parallel.pp = 1)"
+        );
     }
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
     let text =
@@ -95,24 +100,29 @@ pub fn eval(
                 })?;
                 let mine: Vec<&[u32]> = windows
                     .iter()
-                    .skip(ctx.coords.dp)
-                    .step_by(ctx.dp.size())
+                    .skip(ctx.data_index)
+                    .step_by(ctx.data_size)
                     .copied()
                     .collect();
                 let (mut sum, mut count) = (0f64, 0f64);
                 for batch in mine.chunks(WINDOWS_PER_BATCH) {
-                    let tokens: Vec<u32> = batch.iter().flat_map(|w| w[..s].to_vec()).collect();
-                    let labels: Vec<u32> = batch.iter().flat_map(|w| w[1..].to_vec()).collect();
-                    let t = Tensor::from_vec(tokens, (batch.len(), s), device)?;
-                    let l = Tensor::from_vec(labels, batch.len() * s, device)?;
+                    let b = ctx.local_batch(Batch {
+                        tokens: batch.iter().flat_map(|w| w[..s].to_vec()).collect(),
+                        labels: batch.iter().flat_map(|w| w[1..].to_vec()).collect(),
+                        loss_mask: vec![1.0; batch.len() * s],
+                        micro_batch: batch.len(),
+                        seq_len: s,
+                    })?;
+                    let t = Tensor::from_vec(b.tokens, (b.micro_batch, b.seq_len), device)?;
+                    let l = Tensor::from_vec(b.labels, b.micro_batch * b.seq_len, device)?;
                     if let Some(losses) = forward_losses(&model, &ctx, &t, &l, &mut ())? {
                         sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                        count += (batch.len() * s) as f64;
+                        count += (b.micro_batch * b.seq_len) as f64;
                     }
                 }
                 if let (Some(path), true) = (
                     logits_out,
-                    rank == 0 && ctx.tp.size() == 1 && ctx.pp.size() == 1,
+                    rank == 0 && ctx.tp.size() == 1 && ctx.cp.size() == 1 && ctx.pp.size() == 1,
                 ) {
                     let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), device)?;
                     let logits = model

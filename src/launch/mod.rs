@@ -106,7 +106,7 @@ pub fn spawn_node(
     if n.checked_mul(nnodes) != Some(world) {
         bail!(
             "--nproc-per-node {n} × --nnodes {nnodes} processes, but the recipe's layout \
-             parallel.dp × parallel.tp × parallel.pp has {world} ranks"
+             parallel.dp × parallel.tp × parallel.cp × parallel.pp has {world} ranks"
         );
     }
     let addr = match (&layout.master_addr, nnodes) {
@@ -212,10 +212,11 @@ pub fn join(info: &ProcessInfo, recipe: &Recipe) -> Result<Job> {
     let world = recipe.parallel.world_size();
     if world != info.world_size {
         bail!(
-            "the recipe's layout dp×tp×pp = {}×{}×{} = {world} ranks, but the {} launcher started \
-             {} processes (WORLD_SIZE)",
+            "the recipe's layout dp×tp×cp×pp = {}×{}×{}×{} = {world} ranks, but the {} launcher \
+             started {} processes (WORLD_SIZE)",
             recipe.parallel.dp,
             recipe.parallel.tp,
+            recipe.parallel.cp,
             recipe.parallel.pp,
             info.launcher,
             info.world_size

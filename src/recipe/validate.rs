@@ -3,13 +3,15 @@
 //! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
-use super::{LrCurve, Recipe};
+use super::{DeviceKind, LrCurve, Recipe};
 
 /// Largest persistent training state (parameters, gradients, optimizer) one rank may hold: far
 /// above any device or host of today, so only sizes that cannot exist are refused.
 pub const MAX_STATE_BYTES_PER_RANK: f64 = (1u64 << 42) as f64; // 4 TiB
 /// Largest number of training samples (`train.steps × train.global_batch`) a run may draw.
 pub const MAX_SAMPLES: u64 = 1 << 32;
+/// Most ranks a layout may have (2^20, far above any cluster of today).
+pub const MAX_RANKS: usize = 1 << 20;
 /// Largest number of tokens in one global batch (`train.global_batch × train.seq_len`).
 pub const MAX_TOKENS_PER_STEP: u64 = 1 << 40;
 
@@ -51,10 +53,10 @@ impl Recipe {
             );
             par.sequence_parallel = false;
         }
-        if par.zero > 0 && par.dp == 1 {
+        if par.zero > 0 && par.grad_ranks() == 1 {
             w.push(format!(
-                "parallel.zero: {} shards state across data-parallel ranks and does nothing at \
-                 parallel.dp = 1; switched off",
+                "parallel.zero: {} shards state across data- (and context-) parallel ranks and \
+                 does nothing at parallel.dp = parallel.cp = 1; switched off",
                 par.zero
             ));
             par.zero = 0;
@@ -110,6 +112,7 @@ impl Recipe {
         for (field, v) in [
             ("dp", par.dp),
             ("tp", par.tp),
+            ("cp", par.cp),
             ("pp", par.pp),
             ("virtual_stages", par.virtual_stages),
             ("bucket_size", par.bucket_size),
@@ -121,6 +124,17 @@ impl Recipe {
         if p.iter().any(|e| e.starts_with("parallel.")) {
             return;
         }
+        let world = [par.tp, par.cp, par.pp]
+            .iter()
+            .try_fold(par.dp, |acc, &n| acc.checked_mul(n));
+        if world.is_none_or(|w| w > MAX_RANKS) {
+            p.push(format!(
+                "parallel.dp × tp × cp × pp ({} × {} × {} × {}) exceeds {MAX_RANKS} ranks",
+                par.dp, par.tp, par.cp, par.pp
+            ));
+            return;
+        }
+        self.check_context_parallel(p);
         if m.num_attention_heads % par.tp != 0 || m.num_key_value_heads % par.tp != 0 {
             p.push(format!(
                 "parallel.tp ({}) must divide model.num_attention_heads ({}) and model.num_key_value_heads ({})",
@@ -158,10 +172,11 @@ impl Recipe {
         if par.virtual_stages > 1 && par.pp == 1 {
             p.push("parallel.virtual_stages > 1 needs parallel.pp > 1".into());
         }
-        if par.sequence_parallel && !self.train.seq_len.is_multiple_of(par.tp) {
+        if par.sequence_parallel && !(self.train.seq_len / par.cp).is_multiple_of(par.tp) {
             p.push(format!(
-                "parallel.sequence_parallel: train.seq_len ({}) must be divisible by parallel.tp ({})",
-                self.train.seq_len, par.tp
+                "parallel.sequence_parallel: each rank's share of a sequence (train.seq_len / \
+                 parallel.cp = {} / {}) must be divisible by parallel.tp ({})",
+                self.train.seq_len, par.cp, par.tp
             ));
         }
         if !(par.timeout_s > 0.0 && par.timeout_s <= 1e7) {
@@ -182,12 +197,38 @@ impl Recipe {
         if let Some(n) = par.zero_shard_size {
             if par.zero == 0 {
                 p.push("parallel.zero_shard_size needs parallel.zero >= 1".into());
-            } else if n == 0 || !par.dp.is_multiple_of(n) {
+            } else if n == 0 || !par.grad_ranks().is_multiple_of(n) {
                 p.push(format!(
-                    "parallel.zero_shard_size ({n}) must divide parallel.dp ({})",
-                    par.dp
+                    "parallel.zero_shard_size ({n}) must divide parallel.dp × parallel.cp ({} × {})",
+                    par.dp, par.cp
                 ));
             }
+        }
+    }
+
+    /// Context parallelism: the sequence splits into `2·cp` equal chunks, and the unmasked
+    /// attention blocks of the ring have CPU kernels only.
+    fn check_context_parallel(&self, p: &mut Vec<String>) {
+        let (par, t) = (&self.parallel, &self.train);
+        if par.cp == 1 {
+            return;
+        }
+        if !t.seq_len.is_multiple_of(2 * par.cp) {
+            p.push(format!(
+                "parallel.cp ({}) splits each sequence into 2·cp = {} chunks: train.seq_len ({}) \
+                 must be divisible by {}",
+                par.cp,
+                2 * par.cp,
+                t.seq_len,
+                2 * par.cp
+            ));
+        }
+        if t.device == DeviceKind::Cuda {
+            p.push(format!(
+                "parallel.cp ({}) > 1 is not available on train.device: cuda yet (the ring's \
+                 unmasked attention blocks have CPU kernels only); use parallel.cp = 1 there",
+                par.cp
+            ));
         }
     }
 

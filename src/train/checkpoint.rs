@@ -105,10 +105,12 @@ impl Trainer {
     /// This rank's share of the checkpoint of `step`: host copies of the owned optimizer state.
     fn snapshot(&self, root: &Path, step: u64) -> Result<RankWriter> {
         let mut writer = RankWriter::new(root, step, self.ctx.rank)?;
-        // Data-parallel replicas hold identical state: without ZeRO-1 only replica 0 writes it.
-        // With sharding the first shard group writes (replica groups hold the same shards).
+        // Data- and context-parallel replicas hold identical state: without ZeRO only the first
+        // rank of the gradient group writes it. With sharding the first shard group writes
+        // (replica groups hold the same shards).
         let first_shard_group = self.ctx.dp_replicate.ranks().first() == Some(&self.ctx.rank);
-        if (self.recipe.parallel.zero >= 1 && first_shard_group) || self.ctx.coords.dp == 0 {
+        let first_replica = self.ctx.dp.ranks().first() == Some(&self.ctx.rank);
+        if (self.recipe.parallel.zero >= 1 && first_shard_group) || first_replica {
             let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
             let layout = self.grads.layout();
             for (i, p) in self.model.params().iter().enumerate() {

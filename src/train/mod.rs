@@ -232,11 +232,11 @@ impl Trainer {
             .flatten()
             .map(|p| (p, 0, Pass::Forward))
             .collect();
-        for i in (ctx.coords.dp..micro_batches).step_by(ctx.dp.size()) {
+        for i in (ctx.data_index..micro_batches).step_by(ctx.data_size) {
             let ix: Vec<u64> = (0..t.micro_batch)
                 .map(|j| (i * t.micro_batch + j) as u64)
                 .collect();
-            let b = valid.batch(&ix)?;
+            let b = ctx.local_batch(valid.batch(&ix)?)?;
             let tokens = Tensor::from_slice(&b.tokens, (b.micro_batch, b.seq_len), &self.device)?;
             let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.device)?;
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;

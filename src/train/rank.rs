@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use candle_core::Device;
+use data::Batch;
 use model::{Piece, Placement};
+use parallel::cp::{local_chunks, ContextParallel};
 use parallel::mesh::{Axis, Coords, Mesh};
 use parallel::tp::TensorParallel;
 use parallel::{Comm, Group, ParallelConfig};
@@ -20,9 +22,19 @@ pub struct RankCtx {
     pub coords: Coords,
     /// The job's communicator.
     pub comm: Arc<dyn Comm>,
-    /// Data-parallel group.
+    /// The gradient group: the ranks holding the same weights, which reduce their gradients
+    /// (and split ZeRO state) among themselves — the data-parallel ranks and, with context
+    /// parallelism, the context-parallel ranks of each (`dp × cp` ranks). Samples are split by
+    /// [`RankCtx::data_index`] instead.
     pub dp: Group,
-    /// ZeRO shard group: the data-parallel ranks that split sharded state among themselves (all
+    /// Context-parallel group: the ranks sharing this rank's samples, each holding a share of
+    /// every sequence.
+    pub cp: Group,
+    /// Which data-parallel replica this rank is (`coords.dp`): the samples it reads.
+    pub data_index: usize,
+    /// Number of data-parallel replicas (`parallel.dp`): the ways each global batch is split.
+    pub data_size: usize,
+    /// ZeRO shard group: the gradient-group ranks that split sharded state among themselves (all
     /// of `dp`, or a group of `parallel.zero_shard_size` with hybrid sharding; this rank alone at
     /// stage 0).
     pub dp_shard: Group,
@@ -46,14 +58,18 @@ impl RankCtx {
     pub fn new(cfg: &ParallelConfig, rank: usize, comm: Arc<dyn Comm>) -> anyhow::Result<Self> {
         let mesh = Mesh::from_config(cfg)?;
         let coords = mesh.coords(rank);
-        let dp = mesh.group(Axis::Dp, rank);
-        // Data-parallel index d = r · n + s: shard s of shard group r (shards vary fastest).
+        let dp = mesh.group_across(&[Axis::Dp, Axis::Cp], rank);
+        // Gradient-group index d = r · n + s: shard s of shard group r (shards vary fastest).
         let n = cfg.shard_size();
-        let (r, s) = (coords.dp / n, coords.dp % n);
+        let d = dp.index_of(rank).expect("a rank is in its gradient group");
+        let (r, s) = (d / n, d % n);
         let members = dp.ranks();
         Ok(Self {
             rank,
             coords,
+            cp: mesh.group(Axis::Cp, rank),
+            data_index: coords.dp,
+            data_size: mesh.size(Axis::Dp),
             dp_shard: Group::new(members[r * n..(r + 1) * n].to_vec()),
             dp_replicate: Group::new(members.iter().skip(s).step_by(n).copied().collect()),
             dp,
@@ -76,6 +92,31 @@ impl RankCtx {
     /// Tensor-parallel setup for the model (a one-rank group without tensor parallelism).
     pub fn tensor_parallel(&self) -> TensorParallel {
         TensorParallel::new(self.comm.clone(), self.tp.clone(), self.sequence_parallel)
+    }
+
+    /// Context-parallel setup for the model (a one-rank group without context parallelism).
+    pub fn context_parallel(&self) -> ContextParallel {
+        if self.cp.size() == 1 {
+            ContextParallel::single()
+        } else {
+            ContextParallel::new(self.comm.clone(), self.cp.clone())
+        }
+    }
+
+    /// This rank's share of a batch of whole sequences: the rows of its context-parallel chunks
+    /// (the batch itself without context parallelism).
+    pub fn local_batch(&self, b: Batch) -> anyhow::Result<Batch> {
+        if self.cp.size() == 1 {
+            return Ok(b);
+        }
+        let chunks = local_chunks(b.seq_len, self.cp.size(), self.coords.cp)?;
+        Ok(Batch {
+            tokens: local_rows(&b.tokens, b.seq_len, &chunks),
+            labels: local_rows(&b.labels, b.seq_len, &chunks),
+            loss_mask: local_rows(&b.loss_mask, b.seq_len, &chunks),
+            micro_batch: b.micro_batch,
+            seq_len: b.seq_len / self.cp.size(),
+        })
     }
 
     /// The pieces of each of this rank's local pipeline chunks, in local chunk order (one chunk
@@ -102,6 +143,7 @@ impl RankCtx {
             .collect();
         Placement {
             tp: self.tensor_parallel(),
+            cp: self.context_parallel(),
             layers,
             embedding: stage == 0,
             head: stage + 1 == pp,
@@ -118,6 +160,17 @@ impl RankCtx {
     pub fn is_main(&self) -> bool {
         self.rank == 0
     }
+}
+
+/// The columns `chunks` of every row of `seq_len` of `v` (row-major `[rows, seq_len]`).
+fn local_rows<T: Copy>(v: &[T], seq_len: usize, chunks: &[std::ops::Range<usize>]) -> Vec<T> {
+    v.chunks_exact(seq_len)
+        .flat_map(|row| {
+            chunks
+                .iter()
+                .flat_map(move |c| row[c.clone()].iter().copied())
+        })
+        .collect()
 }
 
 /// The pieces of local chunk `c` of pipeline stage `stage`: global chunk `c · pp + stage` holds

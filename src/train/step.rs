@@ -28,12 +28,12 @@ impl Trainer {
             self.consumed,
             t.global_batch,
             t.micro_batch,
-            ctx.coords.dp,
-            ctx.dp.size(),
+            ctx.data_index,
+            ctx.data_size,
         )
         .iter()
-        .map(|ix| self.train_data.batch(ix))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|ix| ctx.local_batch(self.train_data.batch(ix)?))
+        .collect::<Result<Vec<_>>>()?;
         let local: f64 = batches
             .iter()
             .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
@@ -50,7 +50,7 @@ impl Trainer {
             &self.schedule,
             t.recompute,
             t.micro_batch,
-            t.seq_len,
+            t.seq_len / ctx.cp.size(),
         );
         self.dp.start();
         if let Some(g) = &mut self.gather {

@@ -10,6 +10,7 @@
 //! with loss) that [`crate::segment`] runs with separate autograd graphs.
 
 use candle_core::{DType, Device, Result, Tensor};
+use parallel::cp::{ContextParallel, Kernels};
 use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
@@ -28,11 +29,14 @@ pub enum Piece {
     Head,
 }
 
-/// Which part of the model a rank holds, and its tensor-parallel group.
+/// Which part of the model a rank holds, and its tensor- and context-parallel groups.
 #[derive(Debug, Clone)]
 pub struct Placement {
     /// Tensor-parallel group (a one-rank group without tensor parallelism).
     pub tp: TensorParallel,
+    /// Context-parallel group (a one-rank group without context parallelism): the rank holds
+    /// its share of every sequence, and attention runs as a ring over the group.
+    pub cp: ContextParallel,
     /// Global indices of the decoder blocks held, in execution order.
     pub layers: Vec<usize>,
     /// Holds the token embedding (first pipeline stage).
@@ -46,6 +50,7 @@ impl Placement {
     pub fn whole(config: &LlamaConfig) -> Self {
         Self {
             tp: TensorParallel::single(),
+            cp: ContextParallel::single(),
             layers: (0..config.num_hidden_layers).collect(),
             embedding: true,
             head: true,
@@ -185,7 +190,8 @@ impl Llama {
             .embedding(tokens, &self.w(e)?, vocab.start)
     }
 
-    /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism).
+    /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism;
+    /// with context parallelism `s` is this rank's share of the sequence).
     pub fn block(&self, i: usize, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let blk = self
@@ -202,13 +208,14 @@ impl Llama {
 
         let h = ops::rms_norm(x, &self.w(blk.input_layernorm)?, c.rms_norm_eps)?; // [b, s(/tp), h]
         let h = tp.enter(&h)?; // [b, s, h]
-        let (b, s, _) = h.dims3()?;
-        let (cos, sin) = (self.cos.narrow(0, 0, s)?, self.sin.narrow(0, 0, s)?);
+        let (b, s, _) = h.dims3()?; // s: this rank's rows of the sequence
+        let cp = &self.placement.cp;
+        let (cos, sin) = cp.rope_rows(&self.cos, &self.sin, s * cp.size())?; // global positions
         let q = linear(&h, &self.w(blk.q_proj)?)?.reshape((b, s, hq, d))?; // [b, s, hq/tp, d]
         let k = linear(&h, &self.w(blk.k_proj)?)?.reshape((b, s, hkv, d))?; // [b, s, hkv/tp, d]
         let v = linear(&h, &self.w(blk.v_proj)?)?.reshape((b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
-        let a = ops::causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt())?; // [b, s, hq/tp, d]
+        let a = cp.attention(&q, &k, &v, 1.0 / (d as f64).sqrt(), KERNELS)?; // [b, s, hq/tp, d]
         let o = linear(&a.reshape((b, s, hq * d))?, &self.w(blk.o_proj)?)?; // [b, s, h] partial
         let x = (x + tp.exit(&o)?)?;
 
@@ -267,7 +274,8 @@ impl Llama {
 
     /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
     pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
-        if self.placement.tp.size() > 1 || !self.placement.embedding {
+        let p = &self.placement;
+        if p.tp.size() > 1 || p.cp.size() > 1 || !p.embedding {
             candle_core::bail!("full logits need the whole model on one rank");
         }
         self.local_logits(&self.hidden(tokens)?)
@@ -288,6 +296,13 @@ impl Llama {
         self.losses(&self.hidden(tokens)?, labels)
     }
 }
+
+/// The attention kernels of context parallelism's ring.
+const KERNELS: Kernels = Kernels {
+    causal: ops::causal_attention,
+    block: ops::attention_block,
+    block_bwd: ops::attention_block_bwd,
+};
 
 /// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `[.., in]` → `[.., out]`.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {

@@ -2,8 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Degrees of data, tensor and pipeline parallelism and their options.
-/// The world size is `dp × tp × pp`.
+/// Degrees of data, tensor, context and pipeline parallelism and their options.
+/// The world size is `dp × tp × cp × pp`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
@@ -13,6 +13,10 @@ pub struct ParallelConfig {
     /// Tensor-parallel ranks: each holds a slice of every layer's matrices.
     #[serde(default = "one")]
     pub tp: usize,
+    /// Context-parallel ranks: each holds `1 / cp` of every sequence (two chunks of `2·cp`, for
+    /// equal causal work) and attention runs as a ring that passes K/V blocks among them.
+    #[serde(default = "one")]
+    pub cp: usize,
     /// Pipeline stages: each holds a contiguous range of layers.
     #[serde(default = "one")]
     pub pp: usize,
@@ -28,7 +32,8 @@ pub struct ParallelConfig {
     /// parameters (a unit is all-gathered before its forward and backward).
     #[serde(default)]
     pub zero: u8,
-    /// Hybrid sharding (HSDP): ZeRO shards within groups of this many data-parallel ranks and
+    /// Hybrid sharding (HSDP): ZeRO shards within groups of this many data-parallel (× context-
+    /// parallel) ranks and
     /// replicates across the groups (gradients reduce-scattered inside a group, then all-reduced
     /// across groups). Default: all data-parallel ranks form one group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -69,6 +74,7 @@ impl Default for ParallelConfig {
         Self {
             dp: 1,
             tp: 1,
+            cp: 1,
             pp: 1,
             virtual_stages: 1,
             sequence_parallel: false,
@@ -84,15 +90,22 @@ impl Default for ParallelConfig {
 impl ParallelConfig {
     /// Number of ranks the layout needs.
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.dp * self.tp * self.cp * self.pp
     }
 
-    /// Data-parallel ranks per ZeRO shard group: `zero_shard_size`, or all of them; 1 at stage 0.
+    /// Ranks that hold the same weights and reduce their gradients together: `dp × cp` (the
+    /// context-parallel ranks of a replica compute gradients from different tokens).
+    pub fn grad_ranks(&self) -> usize {
+        self.dp * self.cp
+    }
+
+    /// Ranks per ZeRO shard group (among the [`ParallelConfig::grad_ranks`]):
+    /// `zero_shard_size`, or all of them; 1 at stage 0.
     pub fn shard_size(&self) -> usize {
         if self.zero == 0 {
             1
         } else {
-            self.zero_shard_size.unwrap_or(self.dp)
+            self.zero_shard_size.unwrap_or(self.grad_ranks())
         }
     }
 }

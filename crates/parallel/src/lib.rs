@@ -1,9 +1,10 @@
 //! Parallel training: the `parallel:` recipe section, the rank mesh, the `Comm` trait and its
-//! backends, tensor- and sequence-parallel ops and layers, data-parallel gradient sync and ZeRO-1,
+//! backends, tensor- and sequence-parallel ops and layers, context-parallel ring attention, data-parallel gradient sync and ZeRO-1,
 //! pipeline schedules, and multi-process launch (environment parsing, rendezvous store).
 
 pub mod comm;
 pub mod config;
+pub mod cp;
 pub mod dp;
 pub mod env;
 pub mod mesh;

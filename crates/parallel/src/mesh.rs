@@ -1,18 +1,19 @@
-//! `Mesh`: the single source of truth for how global ranks map onto the data-, tensor- and
-//! pipeline-parallel axes, and the communication groups of each axis.
+//! `Mesh`: the single source of truth for how global ranks map onto the tensor-, context-, data-
+//! and pipeline-parallel axes, and the communication groups of each axis.
 //!
-//! Ranks are laid out in Megatron's "tp-dp-pp" order: the tensor-parallel coordinate varies
-//! fastest, then data-parallel, then pipeline:
+//! Ranks are laid out in Megatron's "tp-cp-dp-pp" order: the tensor-parallel coordinate varies
+//! fastest, then context-parallel, then data-parallel, then pipeline:
 //!
 //! ```text
-//! rank = tp + TP * (dp + DP * pp)
+//! rank = tp + TP * (cp + CP * (dp + DP * pp))
 //! ```
 //!
-//! so the ranks of a tensor-parallel group are adjacent (on one node, sharing the fastest links).
-//! The code is generic over an ordered list of axes (fastest first), so further axes (context or
-//! expert parallelism) only need a new [`Axis`] variant and a place in that list.
+//! so the ranks of a tensor-parallel group are adjacent (on one node, sharing the fastest links),
+//! and a context-parallel ring (which moves K/V blocks every layer) is next closest. The code is
+//! generic over an ordered list of axes (fastest first), so further axes (expert parallelism) only
+//! need a new [`Axis`] variant and a place in that list.
 //!
-//! # Worked example: 16 ranks, dp = 2, tp = 2, pp = 4
+//! # Worked example: 16 ranks, dp = 2, tp = 2, pp = 4 (cp = 1)
 //!
 //! | rank | dp | tp | pp |   | rank | dp | tp | pp |
 //! |-----:|---:|---:|---:|---|-----:|---:|---:|---:|
@@ -33,6 +34,27 @@
 //!
 //! Pipeline neighbours follow the pp groups: rank 5's next stage is rank 9, its previous stage is
 //! rank 1; ranks 0–3 are first-stage ranks and ranks 12–15 last-stage ranks.
+//!
+//! # Worked example: 16 ranks, tp = 2, cp = 2, dp = 2, pp = 2
+//!
+//! `rank = tp + 2·cp + 4·dp + 8·pp`:
+//!
+//! | rank | tp | cp | dp | pp |   | rank | tp | cp | dp | pp |
+//! |-----:|---:|---:|---:|---:|---|-----:|---:|---:|---:|---:|
+//! |    0 |  0 |  0 |  0 |  0 |   |    8 |  0 |  0 |  0 |  1 |
+//! |    1 |  1 |  0 |  0 |  0 |   |    9 |  1 |  0 |  0 |  1 |
+//! |    2 |  0 |  1 |  0 |  0 |   |   10 |  0 |  1 |  0 |  1 |
+//! |    3 |  1 |  1 |  0 |  0 |   |   11 |  1 |  1 |  0 |  1 |
+//! |    4 |  0 |  0 |  1 |  0 |   |   12 |  0 |  0 |  1 |  1 |
+//! |    5 |  1 |  0 |  1 |  0 |   |   13 |  1 |  0 |  1 |  1 |
+//! |    6 |  0 |  1 |  1 |  0 |   |   14 |  0 |  1 |  1 |  1 |
+//! |    7 |  1 |  1 |  1 |  0 |   |   15 |  1 |  1 |  1 |  1 |
+//!
+//! - tp groups: `[0,1] [2,3] … [14,15]`; cp groups (rings): `[0,2] [1,3] [4,6] [5,7] …`
+//! - dp groups: `[0,4] [1,5] [2,6] [3,7] …`; pp groups: `[0,8] [1,9] … [7,15]`
+//! - gradient groups (dp × cp, [`Mesh::group_across`]): `[0,2,4,6] [1,3,5,7] [8,10,12,14]
+//!   [9,11,13,15]`. Weights are replicated over cp ranks, so their gradients are reduced, and
+//!   ZeRO shards, over these groups; the two cp ranks of a dp group read the same samples.
 
 use std::fmt;
 
@@ -44,6 +66,8 @@ use crate::config::ParallelConfig;
 pub enum Axis {
     /// Tensor parallelism (fastest-varying coordinate).
     Tp,
+    /// Context parallelism (the sequence split across ranks).
+    Cp,
     /// Data parallelism.
     Dp,
     /// Pipeline parallelism (slowest-varying coordinate).
@@ -52,14 +76,15 @@ pub enum Axis {
 
 impl Axis {
     /// The axes in rank order, fastest-varying first.
-    pub const ORDER: [Axis; 3] = [Axis::Tp, Axis::Dp, Axis::Pp];
+    pub const ORDER: [Axis; 4] = [Axis::Tp, Axis::Cp, Axis::Dp, Axis::Pp];
 
     /// Position of the axis in [`Axis::ORDER`].
     fn position(self) -> usize {
         match self {
             Axis::Tp => 0,
-            Axis::Dp => 1,
-            Axis::Pp => 2,
+            Axis::Cp => 1,
+            Axis::Dp => 2,
+            Axis::Pp => 3,
         }
     }
 }
@@ -68,6 +93,7 @@ impl fmt::Display for Axis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Axis::Tp => "tp",
+            Axis::Cp => "cp",
             Axis::Dp => "dp",
             Axis::Pp => "pp",
         })
@@ -81,6 +107,8 @@ pub struct Coords {
     pub dp: usize,
     /// Tensor-parallel index.
     pub tp: usize,
+    /// Context-parallel index (which chunks of each sequence the rank holds).
+    pub cp: usize,
     /// Pipeline stage index.
     pub pp: usize,
 }
@@ -90,6 +118,7 @@ impl Coords {
     pub fn get(&self, axis: Axis) -> usize {
         match axis {
             Axis::Tp => self.tp,
+            Axis::Cp => self.cp,
             Axis::Dp => self.dp,
             Axis::Pp => self.pp,
         }
@@ -99,6 +128,7 @@ impl Coords {
     pub fn set(&mut self, axis: Axis, value: usize) {
         match axis {
             Axis::Tp => self.tp = value,
+            Axis::Cp => self.cp = value,
             Axis::Dp => self.dp = value,
             Axis::Pp => self.pp = value,
         }
@@ -109,48 +139,62 @@ impl Coords {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MeshError {
     /// An axis of size zero.
-    #[error("parallel.{axis} must be at least 1 (got 0; mesh dp={dp} tp={tp} pp={pp})")]
-    ZeroAxis {
-        axis: Axis,
-        dp: usize,
-        tp: usize,
-        pp: usize,
-    },
-    /// `dp × tp × pp` does not fit in a `usize`.
-    #[error("mesh dp={dp} tp={tp} pp={pp}: world size overflows")]
-    Overflow { dp: usize, tp: usize, pp: usize },
+    #[error("parallel.{axis} must be at least 1 (got 0; mesh {layout})")]
+    ZeroAxis { axis: Axis, layout: String },
+    /// `dp × tp × cp × pp` does not fit in a `usize`.
+    #[error("mesh {layout}: world size overflows")]
+    Overflow { layout: String },
 }
 
 /// The sizes of the parallelism axes and the rank layout derived from them (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Mesh {
     /// Axis sizes indexed like [`Axis::ORDER`].
-    sizes: [usize; 3],
+    sizes: [usize; 4],
 }
 
 impl Mesh {
-    /// A mesh of `dp × tp × pp` ranks; every size must be at least 1.
+    /// A mesh of `dp × tp × pp` ranks (no context parallelism); every size must be at least 1.
     pub fn new(dp: usize, tp: usize, pp: usize) -> Result<Self, MeshError> {
-        let mut sizes = [0; 3];
-        for (axis, size) in [(Axis::Dp, dp), (Axis::Tp, tp), (Axis::Pp, pp)] {
-            if size == 0 {
-                return Err(MeshError::ZeroAxis { axis, dp, tp, pp });
-            }
-            sizes[axis.position()] = size;
+        Self::with_sizes(&[(Axis::Dp, dp), (Axis::Tp, tp), (Axis::Pp, pp)])
+    }
+
+    /// A mesh with these axis sizes (axes not named have size 1); every size must be at least 1.
+    pub fn with_sizes(sizes: &[(Axis, usize)]) -> Result<Self, MeshError> {
+        let mut all = [1; 4];
+        for &(axis, size) in sizes {
+            all[axis.position()] = size;
         }
-        sizes
-            .iter()
+        let layout = || {
+            Axis::ORDER
+                .iter()
+                .map(|a| format!("{a}={}", all[a.position()]))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        if let Some(&axis) = Axis::ORDER.iter().find(|a| all[a.position()] == 0) {
+            return Err(MeshError::ZeroAxis {
+                axis,
+                layout: layout(),
+            });
+        }
+        all.iter()
             .try_fold(1usize, |acc, &s| acc.checked_mul(s))
-            .ok_or(MeshError::Overflow { dp, tp, pp })?;
-        Ok(Self { sizes })
+            .ok_or_else(|| MeshError::Overflow { layout: layout() })?;
+        Ok(Self { sizes: all })
     }
 
     /// The mesh described by the `parallel:` section of a recipe.
     pub fn from_config(c: &ParallelConfig) -> Result<Self, MeshError> {
-        Self::new(c.dp, c.tp, c.pp)
+        Self::with_sizes(&[
+            (Axis::Tp, c.tp),
+            (Axis::Cp, c.cp),
+            (Axis::Dp, c.dp),
+            (Axis::Pp, c.pp),
+        ])
     }
 
-    /// Total number of ranks (`dp × tp × pp`).
+    /// Total number of ranks (`dp × tp × cp × pp`).
     pub fn world_size(&self) -> usize {
         self.sizes.iter().product()
     }
@@ -178,6 +222,7 @@ impl Mesh {
         let mut c = Coords {
             dp: 0,
             tp: 0,
+            cp: 0,
             pp: 0,
         };
         for axis in Axis::ORDER {
@@ -214,6 +259,19 @@ impl Mesh {
                 self.rank_of(c)
             })
             .collect();
+        Group::new(ranks)
+    }
+
+    /// The group of the ranks that share `rank`'s coordinates on every axis but `axes` (e.g. dp
+    /// and cp: the ranks that reduce gradients together), sorted.
+    pub fn group_across(&self, axes: &[Axis], rank: usize) -> Group {
+        let mut ranks = vec![rank];
+        for &axis in axes {
+            ranks = ranks
+                .iter()
+                .flat_map(|&r| self.group(axis, r).ranks().to_vec())
+                .collect();
+        }
         Group::new(ranks)
     }
 

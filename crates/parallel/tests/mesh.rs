@@ -113,8 +113,8 @@ fn worked_example_16_ranks() {
     let m = Mesh::new(2, 2, 4).unwrap();
     assert_eq!(m.world_size(), 16);
     for (rank, dp, tp, pp) in table {
-        assert_eq!(m.coords(rank), Coords { dp, tp, pp });
-        assert_eq!(m.rank_of(Coords { dp, tp, pp }), rank);
+        assert_eq!(m.coords(rank), Coords { dp, tp, cp: 0, pp });
+        assert_eq!(m.rank_of(Coords { dp, tp, cp: 0, pp }), rank);
     }
     let tp: Vec<Vec<usize>> = (0..8).map(|i| vec![2 * i, 2 * i + 1]).collect();
     assert_eq!(ranks(&m.groups(Axis::Tp)), tp);
@@ -160,4 +160,35 @@ fn pipeline_neighbours() {
     }
     let single = Mesh::new(4, 2, 1).unwrap();
     assert!((0..8).all(|r| single.is_first_stage(r) && single.is_last_stage(r)));
+}
+
+#[test]
+fn worked_example_with_context_parallelism() {
+    // The second table of the module docs: tp=2, cp=2, dp=2, pp=2; rank = tp + 2cp + 4dp + 8pp.
+    let m =
+        Mesh::with_sizes(&[(Axis::Tp, 2), (Axis::Cp, 2), (Axis::Dp, 2), (Axis::Pp, 2)]).unwrap();
+    assert_eq!(m.world_size(), 16);
+    for rank in 0..16 {
+        let (tp, cp, dp, pp) = (rank % 2, rank / 2 % 2, rank / 4 % 2, rank / 8);
+        assert_eq!(m.coords(rank), Coords { dp, tp, cp, pp });
+        assert_eq!(m.rank_of(Coords { dp, tp, cp, pp }), rank);
+    }
+    assert_eq!(
+        ranks(&m.groups(Axis::Cp))[..4],
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+    );
+    assert_eq!(
+        ranks(&m.groups(Axis::Dp))[..4],
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    );
+    assert_eq!(ranks(&m.groups(Axis::Pp))[..2], [[0, 8], [1, 9]]);
+    let grad = |r| m.group_across(&[Axis::Dp, Axis::Cp], r).ranks().to_vec();
+    assert_eq!(grad(0), [0, 2, 4, 6]);
+    assert_eq!(grad(6), [0, 2, 4, 6]);
+    assert_eq!(grad(9), [9, 11, 13, 15]);
+    let e = Mesh::with_sizes(&[(Axis::Cp, 0)]).unwrap_err().to_string();
+    assert!(
+        e.contains("parallel.cp must be at least 1") && e.contains("cp=0"),
+        "{e}"
+    );
 }

@@ -28,31 +28,80 @@ pub(super) const OP: &str = "causal_attention";
 /// Query rows per block: bounds the per-task scratch to `BLOCK * s` elements.
 pub(super) const BLOCK: usize = 64;
 
-/// Sizes of one attention call: `q` is `[b, s, hq, d]`, `k` and `v` are `[b, s, hkv, d]`.
+/// Sizes of one attention call: `q` is `[b, s, hq, d]`, `k` and `v` are `[b, sk, hkv, d]`.
+/// Causal calls have `sk == s` and query row `i` sees keys `0..=i`; full (unmasked) calls let every
+/// query see all `sk` keys (a block of context-parallel ring attention whose keys all precede the
+/// queries).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
     pub b: usize,
+    /// Query rows.
     pub s: usize,
+    /// Key (and value) rows.
+    pub sk: usize,
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
+    /// Causal mask (`sk == s`) or none.
+    pub causal: bool,
 }
 
 impl Dims {
-    fn from_layouts(q: &Layout, k: &Layout) -> Result<Self> {
-        let (&[b, s, hq, d], &[_, _, hkv, _]) = (q.dims(), k.dims()) else {
+    fn from_layouts(q: &Layout, k: &Layout, causal: bool) -> Result<Self> {
+        let (&[b, s, hq, d], &[_, sk, hkv, _]) = (q.dims(), k.dims()) else {
             bail!(
                 "{OP}: expected rank-4 q and k, got {:?} and {:?}",
                 q.dims(),
                 k.dims()
             )
         };
-        Ok(Self { b, s, hq, hkv, d })
+        if causal && sk != s {
+            bail!("{OP}: a causal call needs as many keys ({sk}) as queries ({s})")
+        }
+        Ok(Self {
+            b,
+            s,
+            sk,
+            hq,
+            hkv,
+            d,
+            causal,
+        })
     }
 
     /// Query heads per kv head.
     pub fn group(&self) -> usize {
         self.hq / self.hkv
+    }
+
+    /// Keys seen by the query rows `r0..r1`: up to `r1` when causal, else all of them.
+    pub fn keys_seen(&self, r1: usize) -> usize {
+        if self.causal {
+            r1
+        } else {
+            self.sk
+        }
+    }
+
+    /// Keys seen by query row `i` (within [`Dims::keys_seen`] of its block).
+    pub fn row_keys(&self, i: usize) -> usize {
+        if self.causal {
+            i + 1
+        } else {
+            self.sk
+        }
+    }
+
+    /// Errors unless the call is the square causal one (the only one the CUDA kernels run).
+    #[cfg(feature = "cuda")]
+    pub fn require_causal(&self) -> Result<()> {
+        if !self.causal {
+            bail!(
+                "{OP}: unmasked attention blocks (context parallelism) have no CUDA kernel; \
+                 run parallel.cp = 1 on CUDA"
+            )
+        }
+        Ok(())
     }
 }
 
@@ -98,12 +147,20 @@ pub(super) unsafe fn matmul<T: Float>(
 
 /// Forward kernel: returns the output `[b, s, hq, d]` and the log-sum-exp `[b, hq, s]`.
 fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
-    let Dims { b, s, hq, hkv, d } = dm;
+    let Dims {
+        b,
+        s,
+        sk,
+        hq,
+        hkv,
+        d,
+        ..
+    } = dm;
     let (qs, ks) = (hq * d, hkv * d); // row strides of q/out and k/v
     let group = dm.group();
     let mut out = vec![T::zero(); b * s * qs]; // [b, s, hq, d]
     let mut lse = vec![T::zero(); b * hq * s]; // [b, hq, s]
-    if out.is_empty() {
+    if out.is_empty() || sk == 0 {
         return (out, lse);
     }
     let out_ptr = SyncPtr(out.as_mut_ptr());
@@ -114,13 +171,13 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
         // `bi` of `out`.
         unsafe {
             let q_h = q.as_ptr().add(bi * s * qs + h * d); // [s, d], row stride qs
-            let k_h = k.as_ptr().add(bi * s * ks + g * d); // [s, d], row stride ks
-            let v_h = v.as_ptr().add(bi * s * ks + g * d); // [s, d], row stride ks
+            let k_h = k.as_ptr().add(bi * sk * ks + g * d); // [sk, d], row stride ks
+            let v_h = v.as_ptr().add(bi * sk * ks + g * d); // [sk, d], row stride ks
             let o_h = out_ptr.get().add(bi * s * qs + h * d); // [s, d], row stride qs
-            let mut scores = vec![T::zero(); BLOCK.min(s) * s]; // [m, n] scratch
+            let mut scores = vec![T::zero(); BLOCK.min(s) * sk]; // [m, n] scratch
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
-                let (m, n) = (r1 - r0, r1); // query rows r0..r1 see keys 0..r1
+                let (m, n) = (r1 - r0, dm.keys_seen(r1)); // query rows r0..r1 see keys 0..n
 
                 // S = Q[r0..r1] · K[0..n]^T · scale   [m, n]
                 let sp = scores.as_mut_ptr();
@@ -134,7 +191,7 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
                 );
                 for (i, row) in scores[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
-                    let (seen, masked) = row.split_at_mut(qi + 1);
+                    let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
                     let row_max = max(seen);
                     seen.iter_mut().for_each(|x| *x = (*x - row_max).fast_exp());
                     let row_sum = sum(seen);
@@ -156,6 +213,7 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
 /// the dtype of the inputs on the CPU; f32, or f64 for f64, on CUDA).
 struct Attention {
     scale: f64,
+    causal: bool,
     lse: Mutex<Option<Tensor>>,
 }
 
@@ -170,7 +228,7 @@ impl Attention {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<CpuStorage> {
-        let dm = Dims::from_layouts(l1, l2)?;
+        let dm = Dims::from_layouts(l1, l2, self.causal)?;
         let q = slice::<T>(OP, "q", s1, l1)?;
         let k = slice::<T>(OP, "k", s2, l2)?;
         let v = slice::<T>(OP, "v", s3, l3)?;
@@ -217,7 +275,8 @@ impl CustomOp3 for Attention {
         s3: &CudaStorage,
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let dm = Dims::from_layouts(l1, l2)?;
+        let dm = Dims::from_layouts(l1, l2, self.causal)?;
+        dm.require_causal()?;
         let (out, lse) =
             super::cuda::attention::attention_fwd((s1, l1), (s2, l2), (s3, l3), dm, self.scale)?;
         let lse = Storage::Cuda(lse); // [b, hq, s]
@@ -244,6 +303,7 @@ impl CustomOp3 for Attention {
         };
         let bwd = AttentionBwd {
             scale: self.scale,
+            causal: self.causal,
             out: out.contiguous()?,
             dout: grad.contiguous()?,
             lse,
@@ -258,15 +318,22 @@ impl CustomOp3 for Attention {
     }
 }
 
-/// See [`super::causal_attention`].
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+/// Checks the shapes, dtypes and devices of an attention call (`k` may have other rows than `q`
+/// unless `causal`) and returns `q`, `k`, `v` contiguous in the kernels' compute dtype.
+fn checked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let &[b, s, hq, d] = q.dims() else {
         bail!("{OP}: `q` must be [b, s, hq, d], got {:?}", q.dims())
     };
     let &[kb, ks, hkv, kd] = k.dims() else {
         bail!("{OP}: `k` must be [b, s, hkv, d], got {:?}", k.dims())
     };
-    if (kb, ks, kd) != (b, s, d) {
+    if (kb, kd) != (b, d) || (causal && ks != s) || ks == 0 {
         bail!(
             "{OP}: `k` {:?} does not match `q` {:?} in b, s or d",
             k.dims(),
@@ -293,12 +360,69 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     same_dtype(OP, ("q", q), ("v", v))?;
     same_device(OP, ("q", q), ("k", k))?;
     same_device(OP, ("q", q), ("v", v))?;
-    let dtype = q.dtype();
     let cdt = kernel_dtype(OP, "q", q)?;
-    let (q, k, v) = (prepare(q, cdt)?, prepare(k, cdt)?, prepare(v, cdt)?);
+    Ok((prepare(q, cdt)?, prepare(k, cdt)?, prepare(v, cdt)?))
+}
+
+/// See [`super::causal_attention`].
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let dtype = q.dtype();
+    let (q, k, v) = checked(q, k, v, scale, true)?;
     let op = Attention {
         scale,
+        causal: true,
         lse: Mutex::new(None),
     };
     q.apply_op3(&k, &v, op)?.to_dtype(dtype)
+}
+
+/// See [`super::attention_block`].
+pub fn attention_block(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (q, k, v) = checked(q, k, v, scale, causal)?;
+    let op = Attention {
+        scale,
+        causal,
+        lse: Mutex::new(None),
+    };
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    let lse = op.lse.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let Some(lse) = lse else {
+        bail!("{OP}: the forward kernel left no log-sum-exp")
+    };
+    Ok((out.to_dtype(lse.dtype())?, lse))
+}
+
+/// See [`super::attention_block_bwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let acc = lse.dtype();
+    let (qc, kc, vc) = checked(q, k, v, scale, causal)?;
+    let cdt = qc.dtype();
+    let bwd = AttentionBwd {
+        scale,
+        causal,
+        out: prepare(out, cdt)?,
+        dout: prepare(dout, cdt)?,
+        lse: lse.contiguous()?,
+    };
+    let flat = qc.apply_op3_no_bwd(&kc, &vc, &bwd)?; // [nq + 2 nkv]
+    let (nq, nkv) = (q.elem_count(), k.elem_count());
+    let part =
+        |at: usize, n: usize, t: &Tensor| flat.narrow(0, at, n)?.reshape(t.shape())?.to_dtype(acc);
+    Ok((part(0, nq, q)?, part(nq, nkv, k)?, part(nq + nkv, nkv, v)?))
 }

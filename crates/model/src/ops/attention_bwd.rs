@@ -14,9 +14,13 @@ use super::common::{dot, slice, Float, SyncPtr};
 
 /// Forward-only op on `(q, k, v)` computing their gradients; the forward output, its upstream
 /// gradient and the log-sum-exp ride along in the struct. Returns the flat `[nq + 2 nkv]`
-/// concatenation of `dq [b, s, hq, d]`, `dk [b, s, hkv, d]` and `dv [b, s, hkv, d]`.
+/// concatenation of `dq [b, s, hq, d]`, `dk [b, sk, hkv, d]` and `dv [b, sk, hkv, d]`. For a
+/// block of ring attention, `out` and `lse` are those of the whole (merged) attention, so that
+/// `P = exp(S · scale - lse)` are the block's share of the final probabilities.
 pub(super) struct AttentionBwd {
     pub scale: f64,
+    /// Causal mask, or none (see [`Dims`]).
+    pub causal: bool,
     /// Forward output `[b, s, hq, d]`, contiguous.
     pub out: Tensor,
     /// Upstream gradient of the output `[b, s, hq, d]`, contiguous.
@@ -37,16 +41,25 @@ struct Inputs<'a, T> {
 
 /// Backward kernel; see [`AttentionBwd`] for the output layout.
 fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
-    let Dims { b, s, hq, hkv, d } = dm;
+    let Dims {
+        b,
+        s,
+        sk,
+        hq,
+        hkv,
+        d,
+        ..
+    } = dm;
     let (qs, ks) = (hq * d, hkv * d); // row strides of q/out and k/v
     let group = dm.group();
-    let (nq, nkv) = (b * s * qs, b * s * ks);
+    let (nq, nkv) = (b * s * qs, b * sk * ks);
     let mut out = vec![T::zero(); nq + 2 * nkv];
-    if nq == 0 {
+    if nq == 0 || nkv == 0 {
         return out;
     }
-    // With GQA every query head accumulates its own dK/dV `[b, hq, s, d]`, reduced afterwards.
-    let mut parts = vec![T::zero(); if group > 1 { 2 * nq } else { 0 }];
+    // With GQA every query head accumulates its own dK/dV `[b, hq, sk, d]`, reduced afterwards.
+    let np = b * hq * sk * d;
+    let mut parts = vec![T::zero(); if group > 1 { 2 * np } else { 0 }];
     let (dq, dkv) = out.split_at_mut(nq);
     let (dk, dv) = dkv.split_at_mut(nkv);
     let (dq_p, dk_p, dv_p) = (
@@ -58,7 +71,7 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
     (0..b * hq).into_par_iter().for_each(|bh| {
         let (bi, h) = (bh / hq, bh % hq);
         let g = h / group;
-        let (q_off, kv_off) = (bi * s * qs + h * d, bi * s * ks + g * d);
+        let (q_off, kv_off) = (bi * s * qs + h * d, bi * sk * ks + g * d);
         let lse = &x.lse[bh * s..(bh + 1) * s]; // [s]
 
         // D_i = Σ_c dO[i, c] · O[i, c]   [s]
@@ -68,33 +81,33 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
                 dot(&x.o[at..at + d], &x.dout[at..at + d])
             })
             .collect();
-        let mut p = vec![T::zero(); BLOCK.min(s) * s]; // [m, n] probabilities
-        let mut ds = vec![T::zero(); BLOCK.min(s) * s]; // [m, n] dP, then dS
+        let mut p = vec![T::zero(); BLOCK.min(s) * sk]; // [m, n] probabilities
+        let mut ds = vec![T::zero(); BLOCK.min(s) * sk]; // [m, n] dP, then dS
 
         // SAFETY: offsets stay inside the `[b, s, h*, d]` buffers; this task alone writes head `h`
         // of batch `bi` of dq, its own slot of `parts`, or (no GQA) head `g == h` of dk/dv.
         unsafe {
             let q_h = x.q.as_ptr().add(q_off); // [s, d], row stride qs
             let do_h = x.dout.as_ptr().add(q_off); // [s, d], row stride qs
-            let k_h = x.k.as_ptr().add(kv_off); // [s, d], row stride ks
-            let v_h = x.v.as_ptr().add(kv_off); // [s, d], row stride ks
+            let k_h = x.k.as_ptr().add(kv_off); // [sk, d], row stride ks
+            let v_h = x.v.as_ptr().add(kv_off); // [sk, d], row stride ks
             let dq_h = dq_p.get().add(q_off); // [s, d], row stride qs
             let (dk_h, dv_h, kv_rs) = if group > 1 {
-                let at = bh * s * d; // [b, hq, s, d]
-                (parts_p.get().add(at), parts_p.get().add(nq + at), d)
+                let at = bh * sk * d; // [b, hq, sk, d]
+                (parts_p.get().add(at), parts_p.get().add(np + at), d)
             } else {
                 (dk_p.get().add(kv_off), dv_p.get().add(kv_off), ks)
             };
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
-                let (m, n) = (r1 - r0, r1); // query rows r0..r1 see keys 0..r1
+                let (m, n) = (r1 - r0, dm.keys_seen(r1)); // query rows r0..r1 see keys 0..n
                 let (pp, dsp) = (p.as_mut_ptr(), ds.as_mut_ptr());
                 let (q_blk, do_blk) = ((q_h.add(r0 * qs), qs, 1), (do_h.add(r0 * qs), qs, 1));
                 // P = exp(Q[r0..r1] · K[0..n]^T · scale - lse), causal-masked   [m, n]
                 matmul((m, n, d), (pp, n), false, q_blk, (k_h, 1, ks), scale);
                 for (i, row) in p[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
-                    let (seen, masked) = row.split_at_mut(qi + 1);
+                    let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
                     seen.iter_mut().for_each(|x| *x = (*x - lse[qi]).fast_exp());
                     masked.fill(T::zero());
                 }
@@ -128,20 +141,20 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
         }
     });
     if group > 1 {
-        let (pk, pv) = parts.split_at(nq);
+        let (pk, pv) = parts.split_at(np);
         // dK[bi, j, g] = Σ_t dK_part[bi, g * group + t, j]   (same for dV), one task per (bi, j)
         dk.par_chunks_mut(ks)
             .zip(dv.par_chunks_mut(ks))
             .enumerate()
             .for_each(|(row, (dk, dv))| {
-                let (bi, j) = (row / s, row % s);
+                let (bi, j) = (row / sk, row % sk);
                 for (g, (dk, dv)) in dk
                     .chunks_exact_mut(d)
                     .zip(dv.chunks_exact_mut(d))
                     .enumerate()
                 {
                     for t in 0..group {
-                        let at = ((bi * hq + g * group + t) * s + j) * d;
+                        let at = ((bi * hq + g * group + t) * sk + j) * d;
                         for c in 0..d {
                             dk[c] += pk[at + c];
                             dv[c] += pv[at + c];
@@ -181,7 +194,19 @@ impl AttentionBwd {
                 l2.dims()
             )
         };
-        let dm = Dims { b, s, hq, hkv, d };
+        let (sk, causal) = (l2.dims()[1], self.causal);
+        if causal && sk != s {
+            bail!("{OP}: backward of a causal call needs as many keys ({sk}) as queries ({s})")
+        }
+        let dm = Dims {
+            b,
+            s,
+            sk,
+            hq,
+            hkv,
+            d,
+            causal,
+        };
         for (name, t) in [("out", &self.out), ("dout", &self.dout)] {
             if t.dims() != l1.dims() {
                 bail!(
@@ -264,6 +289,7 @@ impl CustomOp3 for AttentionBwd {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = self.dims(l1, l2)?;
+        dm.require_causal()?;
         let (o_st, o_l) = self.out.storage_and_layout(); // [b, s, hq, d]
         let (do_st, do_l) = self.dout.storage_and_layout(); // [b, s, hq, d]
         let (lse_st, lse_l) = self.lse.storage_and_layout(); // [b, hq, s]

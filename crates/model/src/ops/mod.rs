@@ -55,6 +55,40 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     attention::causal_attention(q, k, v, scale)
 }
 
+/// One block of attention without autograd, for ring attention (context parallelism): `q`
+/// `[b, s, hq, d]` against `k`, `v` `[b, sk, hkv, d]`, causally (`sk == s`, query `i` sees keys
+/// `0..=i`) or unmasked (every query sees every key). Returns the output `[b, s, hq, d]` and the
+/// per-row log-sum-exp of the scaled scores `[b, hq, s]`, both in the accumulation dtype (f32;
+/// f64 for f64), from which blocks are merged. Unmasked blocks run on the CPU only.
+pub fn attention_block(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor)> {
+    attention::attention_block(q, k, v, scale, causal)
+}
+
+/// Gradients `(dq, dk, dv)` of one block of [`attention_block`] given the *merged* attention's
+/// output `out` `[b, s, hq, d]`, its upstream gradient `dout` and its log-sum-exp `lse`
+/// `[b, hq, s]`: the block's probabilities are then its share of the merged softmax, and the
+/// blocks' `dq` sum to the full `dq` (each block's `dk`, `dv` are those of its own keys). The
+/// gradients are in the accumulation dtype (that of `lse`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    attention::attention_block_bwd(q, k, v, out, dout, lse, scale, causal)
+}
+
 /// SwiGLU: `silu(gate) * up`, elementwise, same shapes and dtypes. Backward gives `d gate` and `d up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     swiglu::swiglu(gate, up)

@@ -51,7 +51,8 @@ impl std::fmt::Debug for TpGroup {
 
 type GradFn = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
-fn copy_storage<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
+/// A fresh copy of the elements of `s` that `l` addresses, contiguous.
+pub(crate) fn copy_storage<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
 where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,

@@ -158,7 +158,9 @@ fn check_len(name: &str, len: usize, want: usize) -> Result<()> {
 /// Element counts `(nq, nkv, nl)` of `q` `[b, s, hq, d]`, `k` `[b, s, hkv, d]` and the lse
 /// `[b, hq, s]`.
 fn sizes(dm: Dims) -> (usize, usize, usize) {
-    let Dims { b, s, hq, hkv, d } = dm;
+    let Dims {
+        b, s, hq, hkv, d, ..
+    } = dm;
     (b * s * hq * d, b * s * hkv * d, b * hq * s)
 }
 

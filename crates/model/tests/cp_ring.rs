@@ -1,0 +1,141 @@
+//! Context-parallel ring attention (`parallel::cp`) on thread ranks against the single-rank causal
+//! attention op: output and the gradients of q, k and v for cp = 2 and 4, plain heads, GQA and
+//! an odd number of heads, in f64 (tolerance 1e-10: the ring only regroups the same sums, merging
+//! blocks by their log-sum-exp, so the two differ by rounding) and f32 (1e-5); plus the load
+//! balance of the split and its errors.
+
+mod ops_util;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Result, Tensor, Var};
+use model::ops;
+use ops_util::{assert_close, Rng};
+use parallel::comm::local::LocalWorld;
+use parallel::cp::{local_chunks, ContextParallel, Kernels};
+use parallel::{Comm, Group};
+
+const KERNELS: Kernels = Kernels {
+    causal: ops::causal_attention,
+    block: ops::attention_block,
+    block_bwd: ops::attention_block_bwd,
+};
+
+/// Output and `(dq, dk, dv)` of attention on `q, k, v` for the upstream gradient `dy`.
+fn grads(
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    x: [&Tensor; 3],
+    dy: &Tensor,
+) -> Result<(Tensor, [Tensor; 3])> {
+    let vars = x.map(|t| Var::from_tensor(t).unwrap());
+    let y = f(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+    )?;
+    let g = (&y * dy)?.sum_all()?.backward()?;
+    let d = vars.map(|v| g.get(v.as_tensor()).expect("a gradient").clone());
+    Ok((y, d))
+}
+
+/// Runs the ring at `cp` ranks on shapes `(b, s, hq, hkv, d)` and compares every rank's share
+/// with the single-rank op's.
+fn check_ring(
+    cp: usize,
+    (b, s, hq, hkv, d): (usize, usize, usize, usize, usize),
+    dtype: DType,
+    tol: f64,
+) {
+    let mut rng = Rng::new((cp * 1000 + s * 10 + hq) as u64);
+    let q = rng.tensor((b, s, hq, d), 1.0, dtype);
+    let k = rng.tensor((b, s, hkv, d), 1.0, dtype);
+    let v = rng.tensor((b, s, hkv, d), 1.0, dtype);
+    let dy = rng.tensor((b, s, hq, d), 1.0, dtype);
+    let scale = 1.0 / (d as f64).sqrt();
+    let (y, dx) = grads(
+        |q, k, v| ops::causal_attention(q, k, v, scale),
+        [&q, &k, &v],
+        &dy,
+    )
+    .unwrap();
+
+    let world = LocalWorld::new(cp, Duration::from_secs(60));
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .map(|comm| {
+                let (q, k, v, dy, y, dx) = (&q, &k, &v, &dy, &y, &dx);
+                scope.spawn(move || {
+                    let comm: Arc<dyn Comm> = comm;
+                    let rank = comm.rank();
+                    let ctx = ContextParallel::new(comm, Group::new((0..cp).collect()));
+                    let mine = |t: &Tensor| ctx.split_rows(t, 1).unwrap();
+                    let (ly, ldx) = grads(
+                        |q, k, v| ctx.attention(q, k, v, scale, KERNELS),
+                        [&mine(q), &mine(k), &mine(v)],
+                        &mine(dy),
+                    )
+                    .unwrap();
+                    let what =
+                        |n: &str| format!("cp {cp} rank {rank} {n} ({b},{s},{hq},{hkv},{d})");
+                    assert_close(&what("out"), &ly, &mine(y), tol, tol);
+                    for (name, (l, g)) in ["dq", "dk", "dv"].iter().zip(ldx.iter().zip(dx.iter())) {
+                        assert_close(&what(name), l, &mine(g), tol, tol);
+                    }
+                    ctx.stats().take()
+                })
+            })
+            .collect();
+        for h in handles {
+            let (_, total, bytes) = h.join().expect("a rank panicked");
+            assert!(total > 0.0 && bytes > 0, "the ring ran and sent its blocks");
+        }
+    });
+}
+
+#[test]
+fn ring_attention_equals_single_rank_attention_in_f64() {
+    for cp in [2, 4] {
+        // Plain heads, GQA (2 query heads per kv head), odd head counts (3 per kv head).
+        for (hq, hkv) in [(2, 2), (4, 2), (3, 1)] {
+            check_ring(cp, (2, 2 * cp * 3, hq, hkv, 8), DType::F64, 1e-10);
+        }
+    }
+    // Chunks longer than the kernels' 64-row blocks.
+    check_ring(2, (1, 4 * 40, 2, 1, 4), DType::F64, 1e-10);
+}
+
+#[test]
+fn ring_attention_equals_single_rank_attention_in_f32() {
+    check_ring(4, (2, 32, 4, 2, 16), DType::F32, 1e-5);
+}
+
+#[test]
+fn the_split_gives_every_rank_equal_causal_work_and_refuses_uneven_lengths() {
+    for cp in [2, 3, 4, 8] {
+        let s = 2 * cp * 5;
+        let mut seen = vec![0; s];
+        let work: Vec<usize> = (0..cp)
+            .map(|r| {
+                let chunks = local_chunks(s, cp, r).unwrap();
+                chunks
+                    .iter()
+                    .flat_map(|c| c.clone())
+                    .for_each(|p| seen[p] += 1);
+                // Keys a causal query at position p sees: p + 1.
+                chunks.iter().flat_map(|c| c.clone()).map(|p| p + 1).sum()
+            })
+            .collect();
+        assert!(
+            seen.iter().all(|&n| n == 1),
+            "cp {cp}: every position on one rank"
+        );
+        assert!(
+            work.iter().all(|&w| w == work[0]),
+            "cp {cp}: equal work {work:?}"
+        );
+    }
+    let e = local_chunks(30, 4, 0).unwrap_err().to_string();
+    assert!(e.contains("divide by 2·cp = 8") && e.contains("30"), "{e}");
+}

@@ -1,0 +1,352 @@
+//! Ring attention over a context-parallel group (Liu et al. 2023; the load-balanced causal variant
+//! of Megatron-LM/Transformer Engine), as one differentiable op.
+//!
+//! Rank `r` of `P` holds queries, keys and values of chunks `r` and `2P − 1 − r` (local rows
+//! `[0, c)` and `[c, 2c)`). Its K/V block travels around the ring: at step `i` a rank holds the
+//! block of rank `src = r − i (mod P)` and
+//!
+//! | step | queries | keys | mask |
+//! |---|---|---|---|
+//! | `i = 0` (own block) | all `2c` | all `2c` | causal (chunk `r` precedes chunk `2P−1−r`) |
+//! | `src < r` | all `2c` | first half (chunk `src`) | none: both query chunks come later; the second key chunk `2P−1−src` comes after both |
+//! | `src > r` | second half (chunk `2P−1−r`) | all `2c` | none: chunk `r` precedes both key chunks, chunk `2P−1−r` follows both |
+//!
+//! so every step after the first costs the same (`2c × c` scores) on every rank. The block is sent
+//! on to the next rank before the step computes, so the transfer overlaps the computation; the
+//! partial outputs are merged by their log-sum-exp in the accumulation dtype (f32, f64 for f64).
+//!
+//! Backward: K/V rotate again, each step computing the block's gradients with the *merged*
+//! output and log-sum-exp (so its probabilities are its share of the final softmax); `dQ`
+//! accumulates locally, the `dK`/`dV` accumulator of a block travels with it and, after `P`
+//! moves, arrives back at its owner. With GQA only the `hkv` K/V heads travel.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+use super::RingStats;
+use crate::comm::{Comm, Group};
+use crate::tp::ops::copy_storage;
+
+/// Causal attention with autograd: `(q, k, v, scale) → out`.
+pub type CausalFn = fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>;
+/// One block without autograd: `(q, k, v, scale, causal) → (out, lse)`, the output in the
+/// accumulation dtype (that of `lse`).
+pub type BlockFn = fn(&Tensor, &Tensor, &Tensor, f64, bool) -> Result<(Tensor, Tensor)>;
+/// A block's gradients: `(q, k, v, out, dout, lse, scale, causal) → (dq, dk, dv)` in the
+/// accumulation dtype, from the merged attention's `out` and `lse`.
+pub type BlockBwdFn = fn(
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    f64,
+    bool,
+) -> Result<(Tensor, Tensor, Tensor)>;
+
+/// The attention kernels the ring runs (the model's op library provides them).
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    /// Plain causal attention (one rank).
+    pub causal: CausalFn,
+    /// One block's forward.
+    pub block: BlockFn,
+    /// One block's backward.
+    pub block_bwd: BlockBwdFn,
+}
+
+/// One rank's view of the ring.
+#[derive(Clone)]
+pub(super) struct Ring {
+    pub comm: Arc<dyn Comm>,
+    pub group: Group,
+    pub index: usize,
+    pub kernels: Kernels,
+    pub scale: f64,
+    pub stats: Arc<RingStats>,
+}
+
+impl Ring {
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Global rank of the next member (blocks go there) and of the previous one (they come from
+    /// there).
+    fn neighbours(&self) -> (usize, usize) {
+        let (p, r) = (self.size(), self.index);
+        let ranks = self.group.ranks();
+        (ranks[(r + 1) % p], ranks[(r + p - 1) % p])
+    }
+
+    fn send_next(&self, t: &Tensor) -> Result<()> {
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        self.stats
+            .sent_bytes
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        self.comm.send(t, self.neighbours().0)
+    }
+
+    fn recv_prev(&self, like: &Tensor) -> Result<Tensor> {
+        let t0 = Instant::now();
+        let t = self
+            .comm
+            .recv(self.neighbours().1, like.shape(), like.dtype());
+        add_ns(&self.stats.wait_ns, t0);
+        t
+    }
+
+    /// Source cp index of the block held at step `i`.
+    fn src(&self, i: usize) -> usize {
+        let p = self.size();
+        (self.index + p - i % p) % p
+    }
+}
+
+fn add_ns(counter: &std::sync::atomic::AtomicU64, since: Instant) {
+    let ns = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+    counter.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Merges two partial attentions over disjoint keys: outputs `[b, s, h, d]` and log-sum-exps
+/// `[b, h, s]` (all in the accumulation dtype) → the attention over both key sets.
+fn merge(a: (&Tensor, &Tensor), b: (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
+    let (oa, la) = a;
+    let (ob, lb) = b;
+    let m = la.maximum(lb)?; // [b, h, s]
+    let (ea, eb) = (la.broadcast_sub(&m)?.exp()?, lb.broadcast_sub(&m)?.exp()?);
+    let sum = (&ea + &eb)?;
+    let lse = (m + sum.log()?)?;
+    // Weights per row, as [b, s, h, 1] to scale the outputs.
+    let w = |e: &Tensor| -> Result<Tensor> { (e / &sum)?.transpose(1, 2)?.unsqueeze(3) };
+    let out = (oa.broadcast_mul(&w(&ea)?)? + ob.broadcast_mul(&w(&eb)?)?)?;
+    Ok((out, lse))
+}
+
+/// `rows` of `t` along `dim` replaced by `f(those rows)`.
+fn update_rows(
+    t: &Tensor,
+    dim: usize,
+    rows: std::ops::Range<usize>,
+    f: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let n = t.dim(dim)?;
+    let mut parts = Vec::with_capacity(3);
+    if rows.start > 0 {
+        parts.push(t.narrow(dim, 0, rows.start)?);
+    }
+    parts.push(f(&t.narrow(dim, rows.start, rows.len())?)?);
+    if rows.end < n {
+        parts.push(t.narrow(dim, rows.end, n - rows.end)?);
+    }
+    Tensor::cat(&parts, dim)
+}
+
+/// The ring forward: the merged output `[b, 2c, hq, d]` and log-sum-exp `[b, hq, 2c]` in the
+/// accumulation dtype.
+fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (p, r, scale) = (ring.size(), ring.index, ring.scale);
+    let block = ring.kernels.block;
+    let c = q.dim(1)? / 2;
+    let mut cur = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
+    let (mut out, mut lse) = (None::<Tensor>, None::<Tensor>);
+    for i in 0..p {
+        if i + 1 < p {
+            ring.send_next(&cur)?;
+        }
+        let (kb, vb) = (cur.get(0)?, cur.get(1)?); // [b, 2c, hkv, d]
+        let src = ring.src(i);
+        match (out.take(), lse.take()) {
+            (Some(o), Some(l)) if src < r => {
+                let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
+                let (ob, lb) = block(q, &kb, &vb, scale, false)?;
+                let (o, l) = merge((&o, &l), (&ob, &lb))?;
+                (out, lse) = (Some(o), Some(l));
+            }
+            (Some(o), Some(l)) => {
+                let (ob, lb) = block(&q.narrow(1, c, c)?, &kb, &vb, scale, false)?;
+                let (oa, la) = (o.narrow(1, c, c)?, l.narrow(2, c, c)?);
+                let (om, lm) = merge((&oa, &la), (&ob, &lb))?;
+                out = Some(update_rows(&o, 1, c..2 * c, |_| Ok(om))?);
+                lse = Some(update_rows(&l, 2, c..2 * c, |_| Ok(lm))?);
+            }
+            _ => {
+                let (o, l) = block(q, &kb, &vb, scale, true)?;
+                (out, lse) = (Some(o), Some(l));
+            }
+        }
+        if i + 1 < p {
+            cur = ring.recv_prev(&cur)?;
+        }
+    }
+    match (out, lse) {
+        (Some(o), Some(l)) => Ok((o, l)),
+        _ => candle_core::bail!("ring attention over an empty group"),
+    }
+}
+
+/// The ring backward: `(dq, dk, dv)` in the dtypes of `q`, `k`, `v`.
+fn backward(
+    ring: &Ring,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (p, r, scale) = (ring.size(), ring.index, ring.scale);
+    let bwd = ring.kernels.block_bwd;
+    let (acc, c) = (lse.dtype(), q.dim(1)? / 2);
+    let mut cur = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
+    let mut dq = q.zeros_like()?.to_dtype(acc)?; // [b, 2c, hq, d]
+    let mut dkv = cur.zeros_like()?.to_dtype(acc)?; // [2, b, 2c, hkv, d], travels with `cur`
+    let second = |t: &Tensor, dim: usize| t.narrow(dim, c, c);
+    for i in 0..p {
+        if i + 1 < p {
+            ring.send_next(&cur)?;
+        }
+        let (kb, vb) = (cur.get(0)?, cur.get(1)?);
+        let src = ring.src(i);
+        if i == 0 {
+            let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, true)?;
+            dq = (dq + dqb)?;
+            dkv = (dkv + Tensor::stack(&[dkb, dvb], 0)?)?;
+        } else if src < r {
+            let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
+            let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, false)?;
+            dq = (dq + dqb)?;
+            let add = Tensor::stack(&[dkb, dvb], 0)?; // [2, b, c, hkv, d]
+            dkv = update_rows(&dkv, 2, 0..c, |d| d + add)?;
+        } else {
+            let (qh, oh, dh, lh) = (
+                second(q, 1)?,
+                second(out, 1)?,
+                second(dout, 1)?,
+                second(lse, 2)?,
+            );
+            let (dqb, dkb, dvb) = bwd(&qh, &kb, &vb, &oh, &dh, &lh, scale, false)?;
+            dq = update_rows(&dq, 1, c..2 * c, |d| d + dqb)?;
+            dkv = (dkv + Tensor::stack(&[dkb, dvb], 0)?)?;
+        }
+        // The accumulator moves on with its block; after `p` moves it is back with its owner.
+        ring.send_next(&dkv)?;
+        if i + 1 < p {
+            cur = ring.recv_prev(&cur)?;
+        }
+        dkv = ring.recv_prev(&dkv)?;
+    }
+    Ok((
+        dq.to_dtype(q.dtype())?,
+        dkv.get(0)?.to_dtype(k.dtype())?,
+        dkv.get(1)?.to_dtype(v.dtype())?,
+    ))
+}
+
+type GradFn = Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor, Tensor)> + Send + Sync>;
+
+/// Forward: a copy of the ring's output (computed outside the graph); backward: the ring's
+/// backward on the upstream gradient.
+struct RingOp {
+    value: Mutex<Option<Tensor>>,
+    grad_fn: GradFn,
+}
+
+impl RingOp {
+    fn copy_value<S>(&self, pick: impl FnOnce(&Storage) -> Option<&S>) -> Result<(S, Shape)>
+    where
+        S: candle_core::backend::BackendStorage,
+        S::Device: candle_core::backend::BackendDevice<Storage = S>,
+    {
+        let value = self.value.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(v) = value else {
+            candle_core::bail!("ring-attention: the forward ran twice")
+        };
+        let (storage, layout) = v.storage_and_layout();
+        match pick(&storage) {
+            Some(s) => copy_storage(s, layout),
+            None => candle_core::bail!("ring-attention: the output is on another device"),
+        }
+    }
+}
+
+impl CustomOp3 for RingOp {
+    fn name(&self) -> &'static str {
+        "ring-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.copy_value(|s| match s {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.copy_value(|s| match s {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        })
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = (self.grad_fn)(grad)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Ring attention of local `q` `[b, 2c, hq, d]` with local `k`, `v` `[b, 2c, hkv, d]` (see the
+/// module docs); returns `[b, 2c, hq, d]` in the dtype of `q`, differentiable in `q`, `k`, `v`.
+pub(super) fn attention(ring: Ring, q0: &Tensor, k0: &Tensor, v0: &Tensor) -> Result<Tensor> {
+    let s = q0.dim(1)?;
+    if s % 2 != 0 || k0.dim(1)? != s {
+        candle_core::bail!(
+            "ring attention: local q {:?} and k {:?} must hold two equal chunks",
+            q0.dims(),
+            k0.dims()
+        )
+    }
+    let t0 = Instant::now();
+    let (q, k, v) = (q0.detach(), k0.detach(), v0.detach());
+    let (out, lse) = forward(&ring, &q, &k, &v)?;
+    let out = out.to_dtype(q.dtype())?;
+    add_ns(&ring.stats.total_ns, t0);
+    let saved = out.clone();
+    let grad_fn: GradFn = Box::new(move |dout| {
+        let t0 = Instant::now();
+        let grads = backward(&ring, (&q, &k, &v), &saved, &lse, dout);
+        add_ns(&ring.stats.total_ns, t0);
+        grads
+    });
+    let op = RingOp {
+        value: Mutex::new(Some(out)),
+        grad_fn,
+    };
+    // The op's inputs are the (graph-carrying) originals, so that the gradients flow to them.
+    q0.apply_op3(k0, v0, op)
+}
