@@ -211,9 +211,16 @@ fn eval_gives_the_same_loss_at_every_layout() {
         "parallel.tp=2",
         "parallel.dp=2",
         "parallel.dp=2,parallel.tp=4,parallel.sequence_parallel=true",
+        // Every window split over context-parallel ranks (the ring), with data parallelism.
+        "parallel.cp=2",
+        "parallel.cp=4,parallel.dp=2",
     ] {
         let r = pretrain::eval::eval(&step, text, &[layout.to_string()], None).unwrap();
-        assert_eq!(r.windows, base.windows);
+        assert_eq!(
+            (r.windows, r.tokens),
+            (base.windows, base.tokens),
+            "{layout}"
+        );
         assert!(
             (r.loss - base.loss).abs() / base.loss < 1e-6,
             "{layout}: {} vs {}",

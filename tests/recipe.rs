@@ -189,7 +189,7 @@ fn parallel_options_need_their_axis() {
     );
     assert_err(
         &["parallel.zero=2,parallel.dp=4,parallel.zero_shard_size=3"],
-        "parallel.zero_shard_size (3) must divide parallel.dp (4)",
+        "parallel.zero_shard_size (3) must divide parallel.dp × parallel.cp (4 × 1)",
     );
     assert_err(
         &["parallel.dp=4,parallel.zero_shard_size=2"],

@@ -149,7 +149,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let (pp, v, t) = (par.pp, par.virtual_stages, par.tp);
     let m = r.grad_accum_steps();
     let p = r.train.dtype.dtype().size_in_bytes() as u64;
-    let n = (train.micro_batch * train.seq_len) as u64;
+    let n = (train.micro_batch * train.seq_len / par.cp) as u64; // this rank's share
     let shapes = Shapes {
         upcast: p != 4 && train.device == DeviceKind::Cpu,
         n,

@@ -29,6 +29,8 @@ pub struct Layout {
     pub dp: usize,
     /// Tensor-parallel size.
     pub tp: usize,
+    /// Context-parallel size (kept at the recipe's by the search).
+    pub cp: usize,
     /// Pipeline stages.
     pub pp: usize,
     /// Model chunks per stage.
@@ -50,6 +52,7 @@ impl Layout {
         Self {
             dp: p.dp,
             tp: p.tp,
+            cp: p.cp,
             pp: p.pp,
             virtual_stages: p.virtual_stages,
             sequence_parallel: p.sequence_parallel,
@@ -64,11 +67,12 @@ impl Layout {
     pub fn apply(&self, r: &Recipe) -> Recipe {
         let mut r = r.clone();
         let p = &mut r.parallel;
-        (p.dp, p.tp, p.pp, p.virtual_stages) = (self.dp, self.tp, self.pp, self.virtual_stages);
+        (p.dp, p.tp, p.cp) = (self.dp, self.tp, self.cp);
+        (p.pp, p.virtual_stages) = (self.pp, self.virtual_stages);
         (p.sequence_parallel, p.zero) = (self.sequence_parallel, self.zero);
         if self.zero == 0
             || p.zero_shard_size
-                .is_some_and(|n| !self.dp.is_multiple_of(n))
+                .is_some_and(|n| !(self.dp * self.cp).is_multiple_of(n))
         {
             p.zero_shard_size = None;
         }
@@ -83,6 +87,9 @@ impl std::fmt::Display for Layout {
         write!(f, "dp{} tp{}", self.dp, self.tp)?;
         if self.sequence_parallel {
             f.write_str("+sp")?;
+        }
+        if self.cp > 1 {
+            write!(f, " cp{}", self.cp)?;
         }
         write!(f, " pp{}", self.pp)?;
         if self.virtual_stages > 1 {

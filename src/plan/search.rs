@@ -23,14 +23,18 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
 }
 
 /// Every valid layout of `r` on `gpus` GPUs with its plan, fitting ones first, each group by
-/// predicted throughput (best first).
+/// predicted throughput (best first). The recipe's context parallelism is kept: it is chosen for
+/// the sequence length, and the others split the rest.
 pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
     let own = Layout::of(r);
-    let layers = r.model.num_hidden_layers;
+    let (layers, cp) = (r.model.num_hidden_layers, r.parallel.cp);
     let mut out = Vec::new();
-    for tp in divisors(gpus).filter(|&t| t <= hw.gpus_per_node) {
-        for pp in divisors(gpus / tp).filter(|&p| layers.is_multiple_of(p)) {
-            let dp = gpus / (tp * pp);
+    if !gpus.is_multiple_of(cp) {
+        return out;
+    }
+    for tp in divisors(gpus / cp).filter(|&t| t <= hw.gpus_per_node) {
+        for pp in divisors(gpus / (tp * cp)).filter(|&p| layers.is_multiple_of(p)) {
+            let dp = gpus / (tp * cp * pp);
             let per_rank = r.train.global_batch / dp;
             if per_rank == 0 || !r.train.global_batch.is_multiple_of(dp) {
                 continue;
@@ -42,12 +46,13 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
             };
             for &virtual_stages in &vs {
                 for sequence_parallel in [false, true].into_iter().filter(|&s| !s || tp > 1) {
-                    for zero in (0..=3u8).filter(|&z| z == 0 || dp > 1) {
+                    for zero in (0..=3u8).filter(|&z| z == 0 || dp * cp > 1) {
                         for micro_batch in divisors(per_rank) {
                             for recompute in [Recompute::None, Recompute::Full] {
                                 let layout = Layout {
                                     dp,
                                     tp,
+                                    cp,
                                     pp,
                                     virtual_stages,
                                     sequence_parallel,

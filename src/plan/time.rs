@@ -46,7 +46,8 @@ struct Cost {
 struct Model<'a> {
     hw: &'a Hardware,
     c: &'a LlamaConfig,
-    /// Tokens of a micro-batch, and on this rank between TP regions.
+    /// Tokens of a micro-batch on this rank (its context-parallel share), and on this rank
+    /// between TP regions.
     n: f64,
     ns: f64,
     b: f64,
@@ -55,6 +56,10 @@ struct Model<'a> {
     p: f64,
     /// Bandwidth of the tensor-parallel group, bytes/s.
     tp_bw: f64,
+    /// Context-parallel ranks.
+    cp: f64,
+    /// Bandwidth between context-parallel neighbours, bytes/s.
+    cp_bw: f64,
 }
 
 /// Latency of one collective, seconds.
@@ -110,16 +115,32 @@ impl Model<'_> {
             + self.gemm(n, h, q / t)
             + self.gemm(n, 2.0 * f / t, h)
             + self.gemm(n, h, f / t);
-        // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads.
-        let attn_flops = 2.0 * self.b * self.s * self.s * q / t;
+        // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads, split evenly over the
+        // context-parallel ranks by the load-balanced chunks.
+        let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp;
         let attn = attn_flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
+        // The ring: cp − 1 K/V blocks per forward (and, in backward, the blocks again with
+        // their f32 dK/dV accumulators), each sent while the previous block computes: only
+        // what the attention cannot cover, and the latencies, are exposed.
+        let (ring_fwd, ring_bwd) = if self.cp > 1.0 {
+            let steps = self.cp - 1.0;
+            let kv_bytes = 2.0 * n * kv / t * p;
+            let fwd = steps * kv_bytes / self.cp_bw;
+            let bwd = steps * kv_bytes * (p + 4.0) / p / self.cp_bw;
+            (
+                (fwd - attn).max(0.0) + steps * LATENCY_S,
+                (bwd - 2.5 * attn).max(0.0) + 2.0 * steps * LATENCY_S,
+            )
+        } else {
+            (0.0, 0.0)
+        };
         let tp_copies = if t > 1.0 { 8.0 * n * h } else { 0.0 };
         let mem_bytes =
             p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + 3.0 * n * f / t + tp_copies);
         let mem = self.memory(mem_bytes);
         let tp = self.tp_pair();
-        let fwd = gemms + attn + mem + tp;
-        let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp;
+        let fwd = gemms + attn + mem + tp + ring_fwd;
+        let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp + ring_bwd;
         let mut tp_all = 2.0 * tp;
         if recompute == Recompute::Full {
             bwd += fwd;
@@ -183,9 +204,10 @@ fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
 /// The predicted time of one step of `r` on `hw`, with each stage's state sizes.
 pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, f64) {
     let (par, tr, c) = (&r.parallel, &r.train, &r.model);
-    let (pp, v, tp, dp) = (par.pp, par.virtual_stages, par.tp, par.dp);
+    let (pp, v, tp, cp) = (par.pp, par.virtual_stages, par.tp, par.cp);
+    let dp = par.grad_ranks(); // gradients are reduced over dp × cp
     let m = r.grad_accum_steps() as f64;
-    let n = (tr.micro_batch * tr.seq_len) as f64;
+    let n = (tr.micro_batch * tr.seq_len / cp) as f64;
     let p = r.train.dtype.dtype().size_in_bytes() as f64;
     let model = Model {
         hw,
@@ -201,9 +223,11 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         t: tp as f64,
         p,
         tp_bw: group_bandwidth(hw, tp, 1),
+        cp: cp as f64,
+        cp_bw: group_bandwidth(hw, cp, tp),
     };
     let (block, head, embedding) = (model.block(tr.recompute), model.head(), model.embedding());
-    // Pipeline neighbours are tp · dp ranks apart.
+    // Pipeline neighbours are tp · cp · dp ranks apart.
     let pp_bw = group_bandwidth(hw, 2, tp * dp);
     let p2p = model.ns * c.hidden_size as f64 * p / pp_bw + LATENCY_S;
     let mut per_stage = Vec::with_capacity(pp);

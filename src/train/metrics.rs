@@ -55,6 +55,14 @@ pub struct StepRecord {
     /// waited for a gather / gather time).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gather_hidden: Option<f64>,
+    /// Context parallelism: seconds this rank spent in ring attention (compute and
+    /// communication, forward, backward and recompute).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ring_s: Option<f64>,
+    /// Of which the seconds the rank spent handing K/V blocks to the backend and waiting for its
+    /// neighbour's: the transfer time not hidden behind the blocks' compute.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ring_exposed_s: Option<f64>,
     /// Global samples consumed after this step.
     pub consumed_samples: u64,
     /// Wall time of the step, seconds.

@@ -278,11 +278,12 @@ impl Trainer {
         if main {
             let p = &self.recipe.parallel;
             info!(
-                "model: {} parameters, {} layers; layout dp={} tp={} pp={}{}{}; {} micro-batches of {} × {} tokens per rank and step",
+                "model: {} parameters, {} layers; layout dp={} tp={} cp={} pp={}{}{}; {} micro-batches of {} × {} tokens per rank and step",
                 self.model.config().num_params(),
                 self.model.config().num_hidden_layers,
                 p.dp,
                 p.tp,
+                p.cp,
                 p.pp,
                 if p.sequence_parallel { " +sp" } else { "" },
                 match (p.zero, p.zero_shard_size) {
@@ -292,7 +293,7 @@ impl Trainer {
                 },
                 self.recipe.grad_accum_steps(),
                 self.recipe.train.micro_batch,
-                self.recipe.train.seq_len
+                self.recipe.train.seq_len / p.cp
             );
             let b = self.state_bytes();
             info!(
@@ -314,13 +315,17 @@ impl Trainer {
                     let hidden = rec.gather_hidden.unwrap_or(0.0);
                     format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
                 });
+                let ring = rec.ring_s.map_or(String::new(), |s| {
+                    let exposed = rec.ring_exposed_s.unwrap_or(0.0);
+                    format!(" ring={:.0}ms ({:.0}ms exposed)", 1e3 * s, 1e3 * exposed)
+                });
                 let skip = if rec.skipped.is_some() {
                     " (update skipped)"
                 } else {
                     ""
                 };
                 info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{skip}",
+                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{skip}",
                     rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib,
                     mib(rec.state.total()), mib(rec.act_peak_bytes), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
                 );

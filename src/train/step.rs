@@ -24,6 +24,7 @@ impl Trainer {
         let (t, ctx) = (&self.recipe.train, &self.ctx);
         let comm = ctx.comm.as_ref();
         self.grads.zero()?;
+        self.model.placement().cp.stats().take(); // count this step's ring only
         let batches = micro_batch_indices(
             self.consumed,
             t.global_batch,
@@ -118,6 +119,7 @@ impl Trainer {
         };
         let (t, r) = (&self.recipe.train, &self.recipe);
 
+        let ring = (ctx.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
         let secs = start.elapsed().as_secs_f64();
         let tokens = (t.global_batch * t.seq_len) as f64;
         let tflops = tokens * r.model.flops_per_token(t.seq_len) / secs / 1e12;
@@ -143,6 +145,8 @@ impl Trainer {
                 .as_ref()
                 .filter(|_| gathered.gather_s > 0.0)
                 .map(|_| 1.0 - (gathered.wait_s / gathered.gather_s).min(1.0)),
+            ring_s: ring.map(|r| r.total_s),
+            ring_exposed_s: ring.map(|r| r.wait_s + r.send_s),
             consumed_samples: self.consumed,
             step_time_s: secs,
             bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),

@@ -88,8 +88,11 @@ fn check_ring(
             })
             .collect();
         for h in handles {
-            let (_, total, bytes) = h.join().expect("a rank panicked");
-            assert!(total > 0.0 && bytes > 0, "the ring ran and sent its blocks");
+            let t = h.join().expect("a rank panicked");
+            assert!(t.total_s > 0.0 && t.total_s >= t.wait_s + t.send_s, "{t:?}");
+            // Forward: cp − 1 K/V blocks; backward: cp − 1 K/V blocks and cp dK/dV accumulators.
+            let kv = 2 * b * (s / cp) * hkv * d * dtype.size_in_bytes();
+            assert_eq!(t.sent_bytes as usize, (3 * cp - 2) * kv, "{t:?}");
         }
     });
 }

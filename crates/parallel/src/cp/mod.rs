@@ -34,6 +34,9 @@ pub use ring::Kernels;
 pub struct RingStats {
     /// Time spent blocked in `recv` waiting for a neighbour's K/V (or dK/dV) block.
     pub wait_ns: AtomicU64,
+    /// Time spent in `send` (handing a block to the backend: a copy on thread ranks, an enqueue
+    /// on NCCL).
+    pub send_ns: AtomicU64,
     /// Time spent in the ring attention ops in all (compute and communication).
     pub total_ns: AtomicU64,
     /// Bytes sent to the next rank.
@@ -41,13 +44,29 @@ pub struct RingStats {
 }
 
 impl RingStats {
-    /// `(wait seconds, total seconds, bytes sent)` since the last call, resetting the counters.
-    pub fn take(&self) -> (f64, f64, u64) {
-        let w = self.wait_ns.swap(0, Ordering::Relaxed);
-        let t = self.total_ns.swap(0, Ordering::Relaxed);
-        let b = self.sent_bytes.swap(0, Ordering::Relaxed);
-        (w as f64 * 1e-9, t as f64 * 1e-9, b)
+    /// The counters since the last call, resetting them.
+    pub fn take(&self) -> RingTotals {
+        let secs = |c: &AtomicU64| c.swap(0, Ordering::Relaxed) as f64 * 1e-9;
+        RingTotals {
+            wait_s: secs(&self.wait_ns),
+            send_s: secs(&self.send_ns),
+            total_s: secs(&self.total_ns),
+            sent_bytes: self.sent_bytes.swap(0, Ordering::Relaxed),
+        }
     }
+}
+
+/// What [`RingStats::take`] returns.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RingTotals {
+    /// Seconds blocked waiting for a neighbour's block.
+    pub wait_s: f64,
+    /// Seconds spent handing blocks to the backend.
+    pub send_s: f64,
+    /// Seconds in the ring attention ops (compute and communication).
+    pub total_s: f64,
+    /// Bytes sent to the next rank.
+    pub sent_bytes: u64,
 }
 
 /// One rank's context-parallel group.

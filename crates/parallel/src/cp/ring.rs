@@ -87,7 +87,10 @@ impl Ring {
         self.stats
             .sent_bytes
             .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
-        self.comm.send(t, self.neighbours().0)
+        let t0 = Instant::now();
+        let sent = self.comm.send(t, self.neighbours().0);
+        add_ns(&self.stats.send_ns, t0);
+        sent
     }
 
     fn recv_prev(&self, like: &Tensor) -> Result<Tensor> {
