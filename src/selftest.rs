@@ -138,6 +138,43 @@ fn op_cases() -> Result<Vec<OpCase>> {
             grads: vec![0, 1, 2],
             f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / (128f64).sqrt()),
         },
+        // An unmasked block of context-parallel ring attention (queries after all of its keys):
+        // forward, and the block backward from the forward's own output and log-sum-exp.
+        OpCase {
+            name: "attention_block unmasked",
+            inputs: vec![
+                randn(&[b, s, hq, d], 15)?,
+                randn(&[b, s / 2, hkv, d], 16)?,
+                randn(&[b, s / 2, hkv, d], 17)?,
+            ],
+            grads: vec![],
+            f: |x| {
+                let (o, _) = model::ops::attention_block(&x[0], &x[1], &x[2], 0.2, false)?;
+                o.to_dtype(x[0].dtype())
+            },
+        },
+        OpCase {
+            name: "attention_block_bwd unmasked (dq, dk, dv)",
+            inputs: vec![
+                randn(&[b, s, hq, d], 18)?,
+                randn(&[b, s / 2, hkv, d], 19)?,
+                randn(&[b, s / 2, hkv, d], 20)?,
+                randn(&[b, s, hq, d], 21)?,
+            ],
+            grads: vec![],
+            f: |x| {
+                let (o, lse) = model::ops::attention_block(&x[0], &x[1], &x[2], 0.2, false)?;
+                let o = o.to_dtype(x[0].dtype())?;
+                let (dq, dk, dv) = model::ops::attention_block_bwd(
+                    &x[0], &x[1], &x[2], &o, &x[3], &lse, 0.2, false,
+                )?;
+                candle_core::Tensor::cat(
+                    &[dq.flatten_all()?, dk.flatten_all()?, dv.flatten_all()?],
+                    0,
+                )?
+                .to_dtype(x[0].dtype())
+            },
+        },
         OpCase {
             name: "cross_entropy",
             inputs: vec![(randn(&[b * s, 1000], 11)? * 4.0)?, targets],
@@ -277,6 +314,7 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     let dev_bf16 = losses(tiny(recipe, 3, dev, "bf16", "")?)?;
     let one = losses(tiny(recipe, 3, dev, "f32", "")?)?;
     let four = losses(tiny(recipe, 3, dev, "f32", "parallel.dp=2,parallel.tp=2")?)?;
+    let ring = losses(tiny(recipe, 3, dev, "f32", "parallel.cp=2")?)?;
     Ok(vec![
         Check {
             name: format!("bf16 training steps on {dev} vs f32 on cpu (loss)"),
@@ -286,6 +324,11 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         Check {
             name: format!("dp2 x tp2 thread-ranks sharing {dev} vs one rank (loss)"),
             error: max_rel(&four, &one),
+            tolerance: 1e-5,
+        },
+        Check {
+            name: format!("cp2 thread-ranks (ring attention) sharing {dev} vs one rank (loss)"),
+            error: max_rel(&ring, &one),
             tolerance: 1e-5,
         },
     ])

@@ -47,11 +47,17 @@ fn a_sequence_that_does_not_split_into_two_chunks_per_rank_is_refused_by_field()
     );
     let e = load(
         Path::new("recipes/tiny.yaml"),
-        &["parallel.cp=2,train.device=cuda".to_string()],
+        &[
+            "parallel.cp=2,parallel.tp=4,parallel.sequence_parallel=true,train.seq_len=12"
+                .to_string(),
+        ],
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("not available on train.device: cuda"), "{e}");
+    assert!(
+        e.contains("each rank's share of a sequence (train.seq_len / parallel.cp = 12 / 2) must be divisible by parallel.tp (4)"),
+        "{e}"
+    );
 }
 
 /// Resume at cp 2 × dp 2 with ZeRO-1 equals the uninterrupted run bit for bit, and its checkpoint

@@ -24,7 +24,13 @@ fn assert_err(overrides: &[&str], needle: &str) {
 
 #[test]
 fn shipped_recipes_are_valid() {
-    for r in ["recipes/tiny.yaml", "recipes/1b.yaml", "recipes/7b.yaml"] {
+    for r in [
+        "recipes/tiny.yaml",
+        "recipes/tiny-long.yaml",
+        "recipes/1b.yaml",
+        "recipes/1b-32k.yaml",
+        "recipes/7b.yaml",
+    ] {
         load(Path::new(r), &[]).unwrap_or_else(|e| panic!("{r}: {e}"));
     }
     let seven = load(Path::new("recipes/7b.yaml"), &[]).unwrap();

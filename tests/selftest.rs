@@ -18,12 +18,12 @@ fn cpu_selftest_passes_every_check() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("all 41 checks passed"), "{stdout}");
+    assert!(stdout.contains("all 46 checks passed"), "{stdout}");
     let checks: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    // Forward and backward of the five ops (attention at two head dims) in f32 and bf16, three
-    // optimizer kernels, two training runs.
-    assert_eq!(checks.len(), 41);
+    // Forward and backward of the five ops (attention at two head dims) and of an unmasked ring
+    // attention block in f32 and bf16, three optimizer kernels, three training runs.
+    assert_eq!(checks.len(), 46);
     for c in &checks {
         let (e, t) = (
             c["error"].as_f64().unwrap(),
@@ -36,6 +36,10 @@ fn cpu_selftest_passes_every_check() {
         .find(|c| c["name"] == "causal_attention grad of input 1 F32")
         .unwrap();
     assert!(attention["error"].as_f64().unwrap() < 1e-5, "{attention}");
+    assert!(checks.iter().any(|c| c["name"]
+        .as_str()
+        .unwrap()
+        .starts_with("cp2 thread-ranks (ring attention)")));
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -3,7 +3,7 @@
 //! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
-use super::{DeviceKind, LrCurve, Recipe};
+use super::{LrCurve, Recipe};
 
 /// Largest persistent training state (parameters, gradients, optimizer) one rank may hold: far
 /// above any device or host of today, so only sizes that cannot exist are refused.
@@ -206,8 +206,7 @@ impl Recipe {
         }
     }
 
-    /// Context parallelism: the sequence splits into `2·cp` equal chunks, and the unmasked
-    /// attention blocks of the ring have CPU kernels only.
+    /// Context parallelism: the sequence splits into `2·cp` equal chunks.
     fn check_context_parallel(&self, p: &mut Vec<String>) {
         let (par, t) = (&self.parallel, &self.train);
         if par.cp == 1 {
@@ -221,13 +220,6 @@ impl Recipe {
                 2 * par.cp,
                 t.seq_len,
                 2 * par.cp
-            ));
-        }
-        if t.device == DeviceKind::Cuda {
-            p.push(format!(
-                "parallel.cp ({}) > 1 is not available on train.device: cuda yet (the ring's \
-                 unmasked attention blocks have CPU kernels only); use parallel.cp = 1 there",
-                par.cp
             ));
         }
     }

@@ -1,10 +1,13 @@
-// Causal grouped-query flash attention: forward and deterministic backward, never materialising
-// the s × s score matrix. Launched by src/ops/cuda/attention.rs.
+// Grouped-query flash attention, causal or unmasked: forward and deterministic backward, never
+// materialising the score matrix. Launched by src/ops/cuda/attention.rs.
 //
-// Layouts (contiguous, row-major): q, out, dout [b, s, hq, d]; k, v [b, s, hkv, d] in the storage
+// Masks: `causal` (sk == s; query row i sees keys 0 ..= i), or none (every query row sees all sk
+// keys: a block of context-parallel ring attention whose keys all precede its queries).
+//
+// Layouts (contiguous, row-major): q, out, dout [b, s, hq, d]; k, v [b, sk, hkv, d] in the storage
 // type T (float, double, __nv_bfloat16); lse and delta [b, hq, s] in the accumulation type A
 // (float, or double for double). Query head h reads kv head h / (hq / hkv). The backward writes
-// one flat buffer `grads`: dq [b, s, hq, d], then dk and dv [b, s, hkv, d].
+// one flat buffer `grads`: dq [b, s, hq, d], then dk and dv [b, sk, hkv, d].
 //
 // Work split ("row groups"): a block has 128 threads in groups of L consecutive lanes; a group
 // owns a few rows (query rows, or key rows for dK/dV) and each lane owns DJ of the d columns of
@@ -133,7 +136,7 @@ template <typename T, int DMAX>
 __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, T* __restrict__ out,
                                          acc_t<T>* __restrict__ lse, int b, int s, int hq, int hkv,
-                                         int d, acc_t<T> scale) {
+                                         int d, int sk, int causal, acc_t<T> scale) {
   typedef acc_t<T> A;
   typedef Cfg<A, DMAX> C;
   constexpr int BM = C::GROUPS * C::RI, RI = C::RI, DJ = C::DJ, VW = C::VW, BS = C::BS;
@@ -148,8 +151,8 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
   const int tx = threadIdx.x % C::L, ty = threadIdx.x / C::L;
   const size_t qrs = (size_t)hq * d, krs = (size_t)hkv * d;  // row strides
   const T* qh = q + (size_t)bi * s * qrs + (size_t)h * d;     // [s, d], pitch qrs
-  const T* kh = k + (size_t)bi * s * krs + (size_t)g * d;     // [s, d], pitch krs
-  const T* vh = v + (size_t)bi * s * krs + (size_t)g * d;     // [s, d], pitch krs
+  const T* kh = k + (size_t)bi * sk * krs + (size_t)g * d;    // [sk, d], pitch krs
+  const T* vh = v + (size_t)bi * sk * krs + (size_t)g * d;    // [sk, d], pitch krs
   const int q0 = qt * BM, r0 = q0 + ty * RI;                  // rows r0 .. r0 + RI
 
   A qr[RI][DJ], o[RI][DJ], m[RI], l[RI];
@@ -162,11 +165,11 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
     l[i] = (A)0;
   }
 
-  const int kend = min(q0 + BM, s);  // keys 0 .. kend
+  const int kend = causal ? min(q0 + BM, s) : sk;  // keys 0 .. kend
   for (int k0 = 0; k0 < kend; k0 += C::TILE) {
     __syncthreads();
-    load_tile(ks, kh, krs, k0, C::TILE, s, d, ld, (A)1);
-    load_tile(vs, vh, krs, k0, C::TILE, s, d, ld, (A)1);
+    load_tile(ks, kh, krs, k0, C::TILE, sk, d, ld, (A)1);
+    load_tile(vs, vh, krs, k0, C::TILE, sk, d, ld, (A)1);
     __syncthreads();
     const int nend = min(C::TILE, kend - k0);
     for (int n0 = 0; n0 < nend; n0 += BS) {
@@ -193,7 +196,7 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
 #pragma unroll
         for (int i = 0; i < RI; ++i) {
           const A sv = group_sum<C::L>(part[i]);
-          sc[i][jn] = key <= r0 + i ? sv : neg_inf<A>();
+          sc[i][jn] = key < kend && (!causal || key <= r0 + i) ? sv : neg_inf<A>();
         }
       }
       // Online softmax: key 0 is in the first step of every row, so m is finite from then on.
@@ -271,14 +274,14 @@ __device__ __forceinline__ void attn_bwd_delta_impl(const T* __restrict__ out,
 // ---------------------------------------------------------------------------------------------
 // Backward, step 2: dQ. Block: (b, query head) x BM query rows. Each group holds its RI query rows
 // (pre-scaled), their dO rows and dQ accumulators in registers; K and V tiles stream through
-// shared memory up to the causal limit, one key at a time.
+// shared memory up to the causal limit (all sk keys unmasked), one key at a time.
 template <typename T, int DMAX>
 __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ dout,
                                             const acc_t<T>* __restrict__ lse,
                                             const acc_t<T>* __restrict__ delta,
                                             T* __restrict__ grads, int b, int s, int hq, int hkv,
-                                            int d, acc_t<T> scale) {
+                                            int d, int sk, int causal, acc_t<T> scale) {
   typedef acc_t<T> A;
   typedef Cfg<A, DMAX> C;
   constexpr int BM = C::GROUPS * C::RI, RI = C::RI, DJ = C::DJ, VW = C::VW;
@@ -293,8 +296,8 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
   const int tx = threadIdx.x % C::L, ty = threadIdx.x / C::L;
   const size_t qrs = (size_t)hq * d, krs = (size_t)hkv * d;
   const size_t qoff = (size_t)bi * s * qrs + (size_t)h * d;  // head h of batch bi, [s, d]
-  const T* kh = k + (size_t)bi * s * krs + (size_t)g * d;
-  const T* vh = v + (size_t)bi * s * krs + (size_t)g * d;
+  const T* kh = k + (size_t)bi * sk * krs + (size_t)g * d;
+  const T* vh = v + (size_t)bi * sk * krs + (size_t)g * d;
   const int q0 = qt * BM, r0 = q0 + ty * RI;
 
   A qr[RI][DJ], dor[RI][DJ], acc[RI][DJ], lse_r[RI], del_r[RI];
@@ -310,11 +313,11 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
     del_r[i] = ok ? delta[(size_t)bh * s + row] : (A)0;
   }
 
-  const int kend = min(q0 + BM, s);
+  const int kend = causal ? min(q0 + BM, s) : sk;
   for (int k0 = 0; k0 < kend; k0 += C::TILE) {
     __syncthreads();
-    load_tile(ks, kh, krs, k0, C::TILE, s, d, ld, (A)1);
-    load_tile(vs, vh, krs, k0, C::TILE, s, d, ld, (A)1);
+    load_tile(ks, kh, krs, k0, C::TILE, sk, d, ld, (A)1);
+    load_tile(vs, vh, krs, k0, C::TILE, sk, d, ld, (A)1);
     __syncthreads();
     const int nend = min(C::TILE, kend - k0);
     for (int n = 0; n < nend; ++n) {
@@ -342,7 +345,7 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
 #pragma unroll
       for (int i = 0; i < RI; ++i) {
         const A sv = group_sum<C::L>(sp[i]), dpv = group_sum<C::L>(dp[i]);
-        const A p = key <= r0 + i ? exp_acc(sv - lse_r[i]) : (A)0;
+        const A p = !causal || key <= r0 + i ? exp_acc(sv - lse_r[i]) : (A)0;
         const A ds = p * (dpv - del_r[i]);
 #pragma unroll
         for (int qq = 0; qq < C::NQ; ++qq) {
@@ -367,14 +370,15 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
 // Backward, step 3: dK and dV. Block: (b, kv head) x BK key rows, the first key tiles (most
 // queries) first. Each group holds its RJ key rows, value rows and dK/dV accumulators in
 // registers; for every query head of the kv head's group, tiles of queries at or after the block's
-// first key (pre-scaled Q, dO, lse, delta) stream through shared memory, one query at a time.
+// first key (all queries unmasked; pre-scaled Q, dO, lse, delta) stream through shared memory,
+// one query at a time.
 template <typename T, int DMAX>
 __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, const T* __restrict__ dout,
                                              const acc_t<T>* __restrict__ lse,
                                              const acc_t<T>* __restrict__ delta,
                                              T* __restrict__ grads, int b, int s, int hq, int hkv,
-                                             int d, acc_t<T> scale) {
+                                             int d, int sk, int causal, acc_t<T> scale) {
   typedef acc_t<T> A;
   typedef Cfg<A, DMAX> C;
   constexpr int BK = C::GROUPS * C::RJ, RJ = C::RJ, DJ = C::DJ, VW = C::VW, TILE = C::TILE;
@@ -390,13 +394,13 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
   const int bi = kvh / hkv, g = kvh % hkv;
   const int tx = threadIdx.x % C::L, ty = threadIdx.x / C::L;
   const size_t qrs = (size_t)hq * d, krs = (size_t)hkv * d;
-  const size_t koff = (size_t)bi * s * krs + (size_t)g * d;  // kv head g of batch bi, [s, d]
+  const size_t koff = (size_t)bi * sk * krs + (size_t)g * d;  // kv head g of batch bi, [sk, d]
   const int k0 = kt * BK, n0 = k0 + ty * RJ;                  // keys n0 .. n0 + RJ
 
   A kr[RJ][DJ], vr[RJ][DJ], dk[RJ][DJ], dv[RJ][DJ];
 #pragma unroll
   for (int j = 0; j < RJ; ++j) {
-    const bool ok = n0 + j < s;
+    const bool ok = n0 + j < sk;
     load_row<C>(kr[j], ok ? k + koff + (size_t)(n0 + j) * krs : nullptr, d, tx, (A)1);
     load_row<C>(vr[j], ok ? v + koff + (size_t)(n0 + j) * krs : nullptr, d, tx, (A)1);
 #pragma unroll
@@ -408,7 +412,7 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
     const size_t bh = (size_t)bi * hq + h;
     const T* qh = q + (size_t)bi * s * qrs + (size_t)h * d;
     const T* doh = dout + (size_t)bi * s * qrs + (size_t)h * d;
-    for (int m0 = k0; m0 < s; m0 += TILE) {
+    for (int m0 = causal ? k0 : 0; m0 < s; m0 += TILE) {
       __syncthreads();
       load_tile(qs, qh, qrs, m0, TILE, s, d, ld, scale);
       load_tile(dos, doh, qrs, m0, TILE, s, d, ld, (A)1);
@@ -444,7 +448,7 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
 #pragma unroll
         for (int j = 0; j < RJ; ++j) {
           const A sv = group_sum<C::L>(sp[j]), dpv = group_sum<C::L>(dp[j]);
-          const A p = n0 + j <= qpos ? exp_acc(sv - lse_m) : (A)0;
+          const A p = !causal || n0 + j <= qpos ? exp_acc(sv - lse_m) : (A)0;
           const A ds = p * (dpv - del_m);
 #pragma unroll
           for (int qq = 0; qq < C::NQ; ++qq) {
@@ -462,11 +466,11 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
     }
   }
 
-  const size_t nq = (size_t)b * s * qrs, nkv = (size_t)b * s * krs;
+  const size_t nq = (size_t)b * s * qrs, nkv = (size_t)b * sk * krs;
 #pragma unroll
   for (int j = 0; j < RJ; ++j) {
     const int key = n0 + j;
-    if (key < s) {
+    if (key < sk) {
       store_row<C>(grads + nq + koff + (size_t)key * krs, dk[j], d, tx, (A)1);
       store_row<C>(grads + nq + nkv + koff + (size_t)key * krs, dv[j], d, tx, (A)1);
     }
@@ -487,20 +491,20 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
 
 ATTN_EXPORT_ALL(attn_fwd,
                 (const T* q, const T* k, const T* v, T* out, acc_t<T>* lse, int b, int s, int hq,
-                 int hkv, int d, acc_t<T> scale),
-                (q, k, v, out, lse, b, s, hq, hkv, d, scale))
+                 int hkv, int d, int sk, int causal, acc_t<T> scale),
+                (q, k, v, out, lse, b, s, hq, hkv, d, sk, causal, scale))
 
 EXPORT3(attn_bwd_delta, (const T* out, const T* dout, acc_t<T>* delta, int b, int s, int hq, int d),
         (out, dout, delta, b, s, hq, d))
 
 ATTN_EXPORT_ALL(attn_bwd_dq,
                 (const T* q, const T* k, const T* v, const T* dout, const acc_t<T>* lse,
-                 const acc_t<T>* delta, T* grads, int b, int s, int hq, int hkv, int d,
-                 acc_t<T> scale),
-                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, scale))
+                 const acc_t<T>* delta, T* grads, int b, int s, int hq, int hkv, int d, int sk,
+                 int causal, acc_t<T> scale),
+                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal, scale))
 
 ATTN_EXPORT_ALL(attn_bwd_dkv,
                 (const T* q, const T* k, const T* v, const T* dout, const acc_t<T>* lse,
-                 const acc_t<T>* delta, T* grads, int b, int s, int hq, int hkv, int d,
-                 acc_t<T> scale),
-                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, scale))
+                 const acc_t<T>* delta, T* grads, int b, int s, int hq, int hkv, int d, int sk,
+                 int causal, acc_t<T> scale),
+                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal, scale))

@@ -505,30 +505,34 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
 
 // ---------------------------------------------------------------------------------------------
 // Exports: attn_tc_{fwd,dq,dkv}_d<D>_bf16, with the parameter lists of attention.cu's bf16
-// attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps).
+// attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps). They compute the
+// causal mask only: a launch with causal = 0 or sk != s traps (the launchers pick the scalar
+// kernels for unmasked blocks).
 // bf16 wmma needs sm_80 or newer: compiled for an older architecture, the kernels only trap (the
 // launchers pick them for bf16, which the project trains with on sm_80+ GPUs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define TC_BODY(CALL) __trap();
 #else
-#define TC_BODY(CALL) CALL;
+#define TC_BODY(CALL) \
+  if (!causal || sk != s) __trap(); \
+  CALL;
 #endif
 #define ATTN_TC_EXPORT(D)                                                                          \
   extern "C" __global__ void attn_tc_fwd_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* out,  \
-      float* lse, int b, int s, int hq, int hkv, int d, float scale) {                             \
+      float* lse, int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {         \
     TC_BODY(attn_tc::fwd<D>(q, k, v, out, lse, b, s, hq, hkv, d, scale))                           \
   }                                                                                                \
   extern "C" __global__ void attn_tc_dq_d##D##_bf16(                                               \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
-      int b, int s, int hq, int hkv, int d, float scale) {                                         \
+      int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {                     \
     TC_BODY(attn_tc::dq<D>(q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, scale))             \
   }                                                                                                \
   extern "C" __global__ void attn_tc_dkv_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
-      int b, int s, int hq, int hkv, int d, float scale) {                                         \
+      int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {                     \
     TC_BODY(attn_tc::dkv<D>(q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, scale))            \
   }
 

@@ -1,8 +1,8 @@
 // Emulation driver of kernels/attention.cu: attn_fwd, attn_bwd_delta, attn_bwd_dq and
 // attn_bwd_dkv for f32, f64 and bf16 over head dims in every bucket (64, 128, 256), several
-// lengths (one and several query/key tiles), batch sizes and GQA groups, with the launch shapes
-// and argument order of src/ops/cuda/attention.rs, compared with a naive double-precision causal
-// attention; plus the kernels' own launch checks (they must trap on a wrong block size or too
+// lengths (one and several query/key tiles), batch sizes and GQA groups, causal and unmasked with
+// other key counts (the blocks of context-parallel ring attention), with the launch shapes and
+// argument order of src/ops/cuda/attention.rs, compared with a naive double-precision attention; plus the kernels' own launch checks (they must trap on a wrong block size or too
 // little shared memory) and the tile geometry table that attention.rs's unit test pins. The
 // tensor-core kernels of attention_tc.cu (bf16, d = 64 and 128; `tc` below) run through the same
 // checks with the launch shapes of src/ops/cuda/attention_tc.rs.
@@ -94,17 +94,22 @@ void check_tc_geometry() {
          "attention TcGeometry (attention_tc.rs) matches TcCfg<D>");
 }
 
+// `sk` = 0: causal (sk = s); otherwise unmasked over sk keys.
 template <typename T>
 void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t seed, bool launch_checks,
-               bool tc = false) {
+               bool tc = false, size_t sk = 0) {
   typedef typename Acc<T>::type A;
+  const bool causal = sk == 0;
+  if (causal) sk = s;
+  const int ski = (int)sk, ci = causal ? 1 : 0;
   const Geometry geo = geometry(d, sizeof(A));
   const TcGeometry tg = tc_geometry(d);
   const A sc = (A)(1.3 / std::sqrt((double)d));  // `T::acc(scale)`
   const double scale = (double)sc;
-  const size_t nq = b * s * hq * d, nkv = b * s * hkv * d, nl = b * hq * s, group = hq / hkv;
-  const std::string tag = format("%s%s d=%zu (bucket %zu) b=%zu s=%zu hq=%zu hkv=%zu", tc ? "tc " : "",
-                                 type_name<T>(), d, geo.dmax, b, s, hq, hkv);
+  const size_t nq = b * s * hq * d, nkv = b * sk * hkv * d, nl = b * hq * s, group = hq / hkv;
+  const std::string tag = format("%s%s d=%zu (bucket %zu) b=%zu s=%zu sk=%zu %s hq=%zu hkv=%zu",
+                                 tc ? "tc " : "", type_name<T>(), d, geo.dmax, b, s, sk,
+                                 causal ? "causal" : "unmasked", hq, hkv);
   const std::string kp = tc ? "attn_tc_" : "attn_";  // kernel name prefix
   Rng rng(seed);
   Buffer<T> q(nq, "q"), k(nkv, "k"), v(nkv, "v"), dout(nq, "dout");
@@ -113,22 +118,27 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
   fill_normal(v, rng);
   fill_normal(dout, rng);
 
-  // Reference, in double from the stored inputs: P = softmax(scale Q K^T) (causal) per row.
+  // Reference, in double from the stored inputs: P = softmax(scale Q K^T) (masked) per row.
+  // `at` reads a [b, s, heads, d] buffer (q, out, dout), `atk` a [b, sk, hkv, d] one (k, v).
   auto at = [&](const Buffer<T>& x, size_t heads, size_t bi, size_t p, size_t h, size_t c) {
     return tod(x[((bi * s + p) * heads + h) * d + c]);
   };
+  auto atk = [&](const Buffer<T>& x, size_t bi, size_t p, size_t g, size_t c) {
+    return tod(x[((bi * sk + p) * hkv + g) * d + c]);
+  };
+  auto seen = [&](size_t i) { return causal ? i + 1 : sk; };  // keys row i sees
   auto probs = [&](size_t bi, size_t h, size_t i, std::vector<double>& p) -> double {  // lse
-    const size_t g = h / group;
-    p.assign(i + 1, 0.0);
+    const size_t g = h / group, n = seen(i);
+    p.assign(n, 0.0);
     double mx = -INFINITY, sum = 0;
-    for (size_t j = 0; j <= i; ++j) {
+    for (size_t j = 0; j < n; ++j) {
       double a = 0;
-      for (size_t c = 0; c < d; ++c) a += at(q, hq, bi, i, h, c) * at(k, hkv, bi, j, g, c);
+      for (size_t c = 0; c < d; ++c) a += at(q, hq, bi, i, h, c) * atk(k, bi, j, g, c);
       p[j] = a * scale;
       mx = std::max(mx, p[j]);
     }
-    for (size_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
-    for (size_t j = 0; j <= i; ++j) p[j] /= sum;
+    for (size_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+    for (size_t j = 0; j < n; ++j) p[j] /= sum;
     return mx + std::log(sum);
   };
   // Forward: out = P V, lse; `mag_out` = max |P| |V| (out's scale).
@@ -140,16 +150,17 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
         rl[(bi * hq + h) * s + i] = probs(bi, h, i, p);
         for (size_t c = 0; c < d; ++c) {
           double o = 0, a = 0;
-          for (size_t j = 0; j <= i; ++j) {
-            o += p[j] * at(v, hkv, bi, j, h / group, c);
-            a += p[j] * std::fabs(at(v, hkv, bi, j, h / group, c));
+          for (size_t j = 0; j < seen(i); ++j) {
+            o += p[j] * atk(v, bi, j, h / group, c);
+            a += p[j] * std::fabs(atk(v, bi, j, h / group, c));
           }
           ro[((bi * s + i) * hq + h) * d + c] = o;
           mag_out = std::max(mag_out, a);
         }
       }
 
-  // attention.rs `fwd`: grid(blocks(b hq, s, rows), THREADS, kv_smem), kernel attn_fwd_d<dmax>.
+  // attention.rs `fwd`: grid(blocks(b hq, s, rows), THREADS, kv_smem), kernel attn_fwd_d<dmax>
+  // (always for unmasked calls: the tensor-core kernels are causal only).
   // attention_tc.rs: grid(blocks(b hq, s, 64), THREADS, fwd smem), kernel attn_tc_fwd_d<d>_bf16.
   const Shape fwd_shape = tc ? grid(blocks(b * hq, s, TC_ROWS), THREADS, tg.fwd)
                              : grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
@@ -159,12 +170,13 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (tc) {
         (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
-            q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b, (int)s, (int)hq, (int)hkv, (int)d, sc);
+            q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b, (int)s, (int)hq, (int)hkv, (int)d,
+            ski, ci, sc);
         return;
       }
     }
     BUCKET(T, attn_fwd, geo.dmax)(q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b,
-                                  (int)s, (int)hq, (int)hkv, (int)d, sc);
+                                  (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
   };
   if (!run(format("%sfwd_d%zu_%s", kp.c_str(), tc ? d : geo.dmax, type_name<T>()), fwd_shape, fwd)) return;
   const double t = tol<T>();
@@ -206,14 +218,14 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
       for (size_t i = 0; i < s; ++i) {
         probs(bi, h, i, p);
         const double dl = rdelta[(bi * hq + h) * s + i];
-        for (size_t j = 0; j <= i; ++j) {
+        for (size_t j = 0; j < seen(i); ++j) {
           double dp = 0;
-          for (size_t c = 0; c < d; ++c) dp += at(dout, hq, bi, i, h, c) * at(v, hkv, bi, j, g, c);
+          for (size_t c = 0; c < d; ++c) dp += at(dout, hq, bi, i, h, c) * atk(v, bi, j, g, c);
           const double ds = p[j] * (dp - dl) * scale, as = p[j] * (std::fabs(dp) + std::fabs(dl)) * scale;
           for (size_t c = 0; c < d; ++c) {
-            const size_t iq = ((bi * s + i) * hq + h) * d + c, ik = ((bi * s + j) * hkv + g) * d + c;
-            rdq[iq] += ds * at(k, hkv, bi, j, g, c);
-            adq[iq] += as * std::fabs(at(k, hkv, bi, j, g, c));
+            const size_t iq = ((bi * s + i) * hq + h) * d + c, ik = ((bi * sk + j) * hkv + g) * d + c;
+            rdq[iq] += ds * atk(k, bi, j, g, c);
+            adq[iq] += as * std::fabs(atk(k, bi, j, g, c));
             rdk[ik] += ds * at(q, hq, bi, i, h, c);
             adk[ik] += as * std::fabs(at(q, hq, bi, i, h, c));
             rdv[ik] += p[j] * at(dout, hq, bi, i, h, c);
@@ -225,40 +237,40 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
   auto max_of = [](const std::vector<double>& x) { return x.empty() ? 0.0 : *std::max_element(x.begin(), x.end()); };
 
   // dQ: grid(blocks(b hq, s, rows), THREADS, kv_smem); dK/dV: grid(blocks(b hkv, s, keys),
-  // THREADS, qdo_smem); both write the flat [nq + 2 nkv] grads.
+  // THREADS, qdo_smem), blocks over the sk keys; both write the flat [nq + 2 nkv] grads.
   Buffer<T> grads(nq + 2 * nkv, "grads");
   auto dq = [&] {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (tc) {
         (d == 64 ? attn_tc_dq_d64_bf16 : attn_tc_dq_d128_bf16)(
             q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(), (int)b,
-            (int)s, (int)hq, (int)hkv, (int)d, sc);
+            (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
         return;
       }
     }
     BUCKET(T, attn_bwd_dq, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
                                      delta.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
-                                     (int)d, sc);
+                                     (int)d, ski, ci, sc);
   };
   auto dkv = [&] {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (tc) {
         (d == 64 ? attn_tc_dkv_d64_bf16 : attn_tc_dkv_d128_bf16)(
             q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(), (int)b,
-            (int)s, (int)hq, (int)hkv, (int)d, sc);
+            (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
         return;
       }
     }
     BUCKET(T, attn_bwd_dkv, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
                                       delta.data(), grads.data(), (int)b, (int)s, (int)hq,
-                                      (int)hkv, (int)d, sc);
+                                      (int)hkv, (int)d, ski, ci, sc);
   };
   // attention_tc.rs: dQ grid(blocks(b hq, s, 64), THREADS, dq smem); dK/dV grid(blocks(b hkv,
   // s, 64), THREADS, dkv smem).
   const Shape dq_shape = tc ? grid(blocks(b * hq, s, TC_ROWS), THREADS, tg.dq)
                             : grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
-  const Shape dkv_shape = tc ? grid(blocks(b * hkv, s, TC_ROWS), THREADS, tg.dkv)
-                             : grid(blocks(b * hkv, s, geo.keys), THREADS, geo.qdo_smem());
+  const Shape dkv_shape = tc ? grid(blocks(b * hkv, sk, TC_ROWS), THREADS, tg.dkv)
+                             : grid(blocks(b * hkv, sk, geo.keys), THREADS, geo.qdo_smem());
   const std::string dqn = tc ? "attn_tc_dq" : "attn_bwd_dq", dkvn = tc ? "attn_tc_dkv" : "attn_bwd_dkv";
   if (!run(format("%s_d%zu_%s", dqn.c_str(), tc ? d : geo.dmax, type_name<T>()), dq_shape, dq)) return;
   if (!run(format("%s_d%zu_%s", dkvn.c_str(), tc ? d : geo.dmax, type_name<T>()), dkv_shape, dkv)) return;
@@ -281,6 +293,13 @@ template <typename T> void all(uint64_t seed) {
   attention<T>(1, 23, 2, 2, 17, seed + 3, false);  // bucket 64, odd d (zero-padded pitch)
   attention<T>(1, 37, 2, 1, 80, seed + 4, false);  // bucket 128, a skipped last chunk
   attention<T>(2, 20, 4, 2, 250, seed + 5, false); // bucket 256, GQA 2 with 2 kv heads, b = 2
+  // Unmasked blocks (ring attention): fewer keys than queries across tiles, more keys than
+  // queries, a single key, every bucket.
+  attention<T>(2, 70, 4, 1, 40, seed + 6, true, false, 35);
+  attention<T>(1, 23, 2, 2, 17, seed + 7, false, false, 46);
+  attention<T>(1, 5, 2, 1, 8, seed + 8, false, false, 1);
+  attention<T>(1, 37, 2, 1, 80, seed + 9, false, false, 74);
+  attention<T>(2, 20, 4, 2, 250, seed + 10, false, false, 10);
 }
 
 // The tensor-core kernels: d = 64 and 128, lengths below, at and past the tiles, GQA 1 / 2 / 4,
@@ -293,6 +312,15 @@ void all_tc(uint64_t seed) {
     attention<__nv_bfloat16>(1, 64, 4, 1, d, seed + d + 3, false, true);   // one full tile, GQA 4
     attention<__nv_bfloat16>(2, 100, 4, 1, d, seed + d + 4, true, true);   // GQA 4, partial tiles
     attention<__nv_bfloat16>(2, 130, 2, 1, d, seed + d + 5, false, true);  // 3 row blocks, GQA 2
+    // Causal only: an unmasked launch (which the launchers never make) traps.
+    const size_t n = 2 * 8 * 2 * d;
+    Buffer<__nv_bfloat16> x(n, "x"), o(n, "o");
+    Buffer<float> l(2 * 2 * 8, "l");
+    expect_fault(format("attn_tc_fwd_d%zu_bf16 unmasked", d),
+                 grid(blocks(2 * 2, 8, TC_ROWS), THREADS, tc_geometry(d).fwd), [&] {
+                   (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
+                       x.data(), x.data(), x.data(), o.data(), l.data(), 2, 8, 2, 2, (int)d, 8, 0, 1.0f);
+                 });
   }
 }
 

@@ -91,18 +91,6 @@ impl Dims {
             self.sk
         }
     }
-
-    /// Errors unless the call is the square causal one (the only one the CUDA kernels run).
-    #[cfg(feature = "cuda")]
-    pub fn require_causal(&self) -> Result<()> {
-        if !self.causal {
-            bail!(
-                "{OP}: unmasked attention blocks (context parallelism) have no CUDA kernel; \
-                 run parallel.cp = 1 on CUDA"
-            )
-        }
-        Ok(())
-    }
 }
 
 /// `dst[m×n] = (acc ? dst : 0) + beta · lhs[m×k] · rhs[k×n]`, single-threaded (called inside rayon
@@ -276,7 +264,6 @@ impl CustomOp3 for Attention {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = Dims::from_layouts(l1, l2, self.causal)?;
-        dm.require_causal()?;
         let (out, lse) =
             super::cuda::attention::attention_fwd((s1, l1), (s2, l2), (s3, l3), dm, self.scale)?;
         let lse = Storage::Cuda(lse); // [b, hq, s]

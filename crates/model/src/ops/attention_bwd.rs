@@ -289,7 +289,6 @@ impl CustomOp3 for AttentionBwd {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = self.dims(l1, l2)?;
-        dm.require_causal()?;
         let (o_st, o_l) = self.out.storage_and_layout(); // [b, s, hq, d]
         let (do_st, do_l) = self.dout.storage_and_layout(); // [b, s, hq, d]
         let (lse_st, lse_l) = self.lse.storage_and_layout(); // [b, hq, s]

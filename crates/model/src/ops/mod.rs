@@ -59,7 +59,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 /// `[b, s, hq, d]` against `k`, `v` `[b, sk, hkv, d]`, causally (`sk == s`, query `i` sees keys
 /// `0..=i`) or unmasked (every query sees every key). Returns the output `[b, s, hq, d]` and the
 /// per-row log-sum-exp of the scaled scores `[b, hq, s]`, both in the accumulation dtype (f32;
-/// f64 for f64), from which blocks are merged. Unmasked blocks run on the CPU only.
+/// f64 for f64), from which blocks are merged (CPU and CUDA kernels).
 pub fn attention_block(
     q: &Tensor,
     k: &Tensor,

@@ -1,5 +1,6 @@
-//! Launchers of the causal attention kernels (`kernels/attention.cu`) on contiguous f32, f64 or
-//! bf16 CUDA storage; called from the `cuda_fwd` of `Attention` and `AttentionBwd`.
+//! Launchers of the attention kernels (`kernels/attention.cu`: causal, or unmasked blocks of
+//! context-parallel ring attention with `sk` keys) on contiguous f32, f64 or bf16 CUDA storage;
+//! called from the `cuda_fwd` of `Attention` and `AttentionBwd`.
 //!
 //! Forward: one kernel writes the output `[b, s, hq, d]` and the per-row log-sum-exp `[b, hq, s]`
 //! in the accumulation type (f32, f64 for f64). Backward: `attn_bwd_delta` (`Σ dO · O` per row),
@@ -13,7 +14,8 @@
 //!
 //! For bf16 with head dim 64 or 128 the forward, dQ and dK/dV kernels are the tensor-core
 //! variants of `kernels/attention_tc.cu` instead (same parameters and outputs; geometry in
-//! [`super::attention_tc`]); [`plan`] is the one place that picks a kernel and its launch shape.
+//! [`super::attention_tc`]) when the call is causal — they have no unmasked mode; [`plan`] is the
+//! one place that picks a kernel and its launch shape.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -80,8 +82,8 @@ impl Geometry {
     }
 }
 
-/// The kernels' integer arguments `b, s, hq, hkv, d`, in that order.
-struct Ints([i32; 5]);
+/// The kernels' integer arguments `b, s, hq, hkv, d, sk, causal`, in that order.
+struct Ints([i32; 7]);
 
 impl Ints {
     fn new(dm: Dims) -> Result<Self> {
@@ -92,13 +94,15 @@ impl Ints {
                 dm.hkv
             )
         }
-        let mut out = [0i32; 5];
+        let mut out = [0i32; 7];
         for (o, (what, x)) in out.iter_mut().zip([
             ("b", dm.b),
             ("s", dm.s),
             ("hq", dm.hq),
             ("hkv", dm.hkv),
             ("d", dm.d),
+            ("sk", dm.sk),
+            ("causal", usize::from(dm.causal)),
         ]) {
             *o = to_i32(OP, what, x)?;
         }
@@ -115,7 +119,8 @@ fn kernel(dev: &CudaDevice, base: &str, dtype: DType) -> Result<CudaFunction> {
 }
 
 /// The kernel of `step` for dims `dm` and storage `dtype`, with its launch shape: the tensor-core
-/// kernels for bf16 with d = 64 or 128, else `<base>_d<DMAX>_<dtype>` shaped by [`Geometry`].
+/// kernels for causal bf16 calls with d = 64 or 128, else `<base>_d<DMAX>_<dtype>` shaped by
+/// [`Geometry`]. The dK/dV kernel's blocks cover the `sk` keys, the others the `s` queries.
 /// Both have the same parameter list per step. Errors on an unsupported head dim.
 fn plan(
     dev: &CudaDevice,
@@ -123,12 +128,12 @@ fn plan(
     dm: Dims,
     dtype: DType,
 ) -> Result<(CudaFunction, LaunchConfig)> {
-    let units = match step {
-        Step::Fwd | Step::Dq => dm.b * dm.hq,
-        Step::Dkv => dm.b * dm.hkv,
+    let (units, rows) = match step {
+        Step::Fwd | Step::Dq => (dm.b * dm.hq, dm.s),
+        Step::Dkv => (dm.b * dm.hkv, dm.sk),
     };
-    if let Some(tc) = TcGeometry::new(dtype, dm.d) {
-        return tc.kernel(dev, step, blocks(units, dm.s, attention_tc::ROWS)?);
+    if let Some(tc) = TcGeometry::new(dtype, dm.d).filter(|_| dm.causal) {
+        return tc.kernel(dev, step, blocks(units, rows, attention_tc::ROWS)?);
     }
     let geo = Geometry::new(dm.d, acc_dtype(dtype).size_in_bytes())?;
     let (base, per_block, smem) = match step {
@@ -137,7 +142,7 @@ fn plan(
         Step::Dkv => ("attn_bwd_dkv", geo.keys, geo.qdo_smem()),
     };
     let f = kernel(dev, &format!("{base}_d{}", geo.dmax), dtype)?;
-    Ok((f, grid(blocks(units, dm.s, per_block)?, THREADS, smem)))
+    Ok((f, grid(blocks(units, rows, per_block)?, THREADS, smem)))
 }
 
 /// `units · ceil(s / per_block)` blocks, checked against the kernels' `int` block indices.
@@ -155,13 +160,19 @@ fn check_len(name: &str, len: usize, want: usize) -> Result<()> {
     Ok(())
 }
 
-/// Element counts `(nq, nkv, nl)` of `q` `[b, s, hq, d]`, `k` `[b, s, hkv, d]` and the lse
+/// Element counts `(nq, nkv, nl)` of `q` `[b, s, hq, d]`, `k` `[b, sk, hkv, d]` and the lse
 /// `[b, hq, s]`.
 fn sizes(dm: Dims) -> (usize, usize, usize) {
     let Dims {
-        b, s, hq, hkv, d, ..
+        b,
+        s,
+        sk,
+        hq,
+        hkv,
+        d,
+        ..
     } = dm;
-    (b * s * hq * d, b * s * hkv * d, b * hq * s)
+    (b * s * hq * d, b * sk * hkv * d, b * hq * s)
 }
 
 /// Forward: returns the output `[b, s, hq, d]` (dtype of `q`) and the log-sum-exp `[b, hq, s]`
@@ -185,13 +196,13 @@ fn fwd<T: KernelFloat>(
     scale: f64,
     dtype: DType,
 ) -> Result<(CudaStorage, CudaStorage)> {
-    let Ints([b, s, hq, hkv, d]) = Ints::new(dm)?;
+    let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
     let (f, cfg) = plan(dev, Step::Fwd, dm, dtype)?;
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
-    let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, s, hkv, d]
-    let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, s, hkv, d]
+    let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, sk, hkv, d]
+    let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, sk, hkv, d]
     check_len("q", qv.len(), nq)?;
     check_len("k", kv.len(), nkv)?;
     check_len("v", vv.len(), nkv)?;
@@ -204,9 +215,11 @@ fn fwd<T: KernelFloat>(
         let stream = dev.cuda_stream();
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
-        a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
+        a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
+        a.arg(&sk).arg(&causal).arg(&sc);
         // SAFETY: the arguments match `attn_fwd_d<DMAX>_<T>(const T* q, const T* k, const T* v,
-        // T* out, A* lse, int b, int s, int hq, int hkv, int d, A scale)` with A = T::Acc, and
+        // T* out, A* lse, int b, int s, int hq, int hkv, int d, int sk, int causal, A scale)`
+        // with A = T::Acc, and
         // `attn_tc_fwd_d<D>_bf16`, the same list for T = bf16, A = f32 (`plan` picks it only for
         // bf16); the buffers hold nq, nkv, nkv, nq and nl elements, which is what the kernel
         // indexes for these dims; grid and shared memory come from `plan`, as the kernel expects
@@ -244,14 +257,14 @@ fn bwd<T: KernelFloat>(
     scale: f64,
     dtype: DType,
 ) -> Result<CudaStorage> {
-    let Ints([b, s, hq, hkv, d]) = Ints::new(dm)?;
+    let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
     let (f_dq, cfg_dq) = plan(dev, Step::Dq, dm, dtype)?;
     let (f_dkv, cfg_dkv) = plan(dev, Step::Dkv, dm, dtype)?;
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
-    let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, s, hkv, d]
-    let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, s, hkv, d]
+    let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, sk, hkv, d]
+    let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, sk, hkv, d]
     let ov = view::<T>(OP, "out", out.0, out.1)?; // [b, s, hq, d]
     let dov = view::<T>(OP, "dout", dout.0, dout.1)?; // [b, s, hq, d]
     let lv = view::<T::Acc>(OP, "lse", lse.0, lse.1)?; // [b, hq, s]
@@ -270,7 +283,7 @@ fn bwd<T: KernelFloat>(
     let mut delta = unsafe { alloc::<T::Acc>(dev, nl) }?; // [b, hq, s]
 
     // SAFETY: the dQ kernel writes every row p < s of every (batch, query head) of dQ, and the
-    // dK/dV kernel every row p < s of every (batch, kv head) of dK and dV, all d columns: every
+    // dK/dV kernel every row p < sk of every (batch, kv head) of dK and dV, all d columns: every
     // element of the flat buffer.
     let mut grads = unsafe { alloc::<T>(dev, nq + 2 * nkv) }?; // [nq + 2 nkv]
     if nq == 0 {
@@ -295,20 +308,22 @@ fn bwd<T: KernelFloat>(
     let mut a = stream.launch_builder(&f_dq);
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
     a.arg(&lv).arg(&delta).arg(&mut grads);
-    a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
+    a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
+    a.arg(&sk).arg(&causal).arg(&sc);
     // SAFETY: matches `attn_bwd_dq_d<DMAX>_<T>(const T* q, const T* k, const T* v,
     // const T* dout, const A* lse, const A* delta, T* grads, int b, int s, int hq, int hkv,
-    // int d, A scale)`; the buffers hold nq, nkv, nkv, nq, nl, nl and nq + 2 nkv elements and
+    // int d, int sk, int causal, A scale)`; the buffers hold nq, nkv, nkv, nq, nl, nl and nq + 2 nkv elements and
     // the kernel writes only the dQ part [0, nq) of `grads`; or `attn_tc_dq_d<D>_bf16`, the same
     // list for T = bf16, A = f32 (`plan` picks it only for bf16); grid and shared memory come
     // from `plan` (the kernel traps otherwise).
     unsafe { a.launch(cfg_dq) }.w()?;
 
-    // dK, dV: b·hkv·ceil(s / keys) blocks.
+    // dK, dV: b·hkv·ceil(sk / keys) blocks.
     let mut a = stream.launch_builder(&f_dkv);
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
     a.arg(&lv).arg(&delta).arg(&mut grads);
-    a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
+    a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
+    a.arg(&sk).arg(&causal).arg(&sc);
     // SAFETY: same parameter list and buffers as the dQ kernel; this one writes only the dK and
     // dV parts [nq, nq + 2 nkv) of `grads`; grid and shared memory come from `plan` (the kernel
     // traps otherwise).
