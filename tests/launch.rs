@@ -23,9 +23,14 @@ fn losses(dir: &Path) -> Vec<f64> {
 
 #[test]
 fn processes_train_exactly_like_threads() {
-    // Plain data parallelism with a pipeline, and ZeRO-3 (gathers and reduce-scatters on each
-    // rank's communication thread beside the pipeline's traffic).
-    for layout in [LAYOUT.to_string(), format!("{LAYOUT},parallel.zero=3")] {
+    // Plain data parallelism with a pipeline, ZeRO-3 (gathers and reduce-scatters on each rank's
+    // communication thread beside the pipeline's traffic), and the context-parallel ring (K/V
+    // blocks sent point to point around each pair) with data parallelism.
+    for layout in [
+        LAYOUT.to_string(),
+        format!("{LAYOUT},parallel.zero=3"),
+        LAYOUT.replace("parallel.pp=2", "parallel.cp=2"),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
             .args([
