@@ -155,40 +155,32 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, T
     let block = ring.kernels.block;
     let c = q.dim(1)? / 2;
     let mut cur = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
-    let (mut out, mut lse) = (None::<Tensor>, None::<Tensor>);
-    for i in 0..p {
+    if p > 1 {
+        ring.send_next(&cur)?;
+    }
+    // The own block: causal over the local rows.
+    let (mut out, mut lse) = block(q, k, v, scale, true)?; // [b, 2c, hq, d], [b, hq, 2c]
+    for i in 1..p {
+        cur = ring.recv_prev(&cur)?;
         if i + 1 < p {
             ring.send_next(&cur)?;
         }
         let (kb, vb) = (cur.get(0)?, cur.get(1)?); // [b, 2c, hkv, d]
-        let src = ring.src(i);
-        match (out.take(), lse.take()) {
-            (Some(o), Some(l)) if src < r => {
-                let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
-                let (ob, lb) = block(q, &kb, &vb, scale, false)?;
-                let (o, l) = merge((&o, &l), (&ob, &lb))?;
-                (out, lse) = (Some(o), Some(l));
-            }
-            (Some(o), Some(l)) => {
-                let (ob, lb) = block(&q.narrow(1, c, c)?, &kb, &vb, scale, false)?;
-                let (oa, la) = (o.narrow(1, c, c)?, l.narrow(2, c, c)?);
-                let (om, lm) = merge((&oa, &la), (&ob, &lb))?;
-                out = Some(update_rows(&o, 1, c..2 * c, |_| Ok(om))?);
-                lse = Some(update_rows(&l, 2, c..2 * c, |_| Ok(lm))?);
-            }
-            _ => {
-                let (o, l) = block(q, &kb, &vb, scale, true)?;
-                (out, lse) = (Some(o), Some(l));
-            }
-        }
-        if i + 1 < p {
-            cur = ring.recv_prev(&cur)?;
+        if ring.src(i) < r {
+            // All local queries see the block's first chunk.
+            let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
+            let (ob, lb) = block(q, &kb, &vb, scale, false)?;
+            (out, lse) = merge((&out, &lse), (&ob, &lb))?;
+        } else {
+            // The second local chunk sees the whole block.
+            let (ob, lb) = block(&q.narrow(1, c, c)?, &kb, &vb, scale, false)?;
+            let (oa, la) = (out.narrow(1, c, c)?, lse.narrow(2, c, c)?);
+            let (om, lm) = merge((&oa, &la), (&ob, &lb))?;
+            out = update_rows(&out, 1, c..2 * c, |_| Ok(om))?;
+            lse = update_rows(&lse, 2, c..2 * c, |_| Ok(lm))?;
         }
     }
-    match (out, lse) {
-        (Some(o), Some(l)) => Ok((o, l)),
-        _ => candle_core::bail!("ring attention over an empty group"),
-    }
+    Ok((out, lse))
 }
 
 /// The ring backward: `(dq, dk, dv)` in the dtypes of `q`, `k`, `v`.
