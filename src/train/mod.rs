@@ -319,14 +319,19 @@ impl Trainer {
                     let exposed = rec.ring_exposed_s.unwrap_or(0.0);
                     format!(" ring={:.0}ms ({:.0}ms exposed)", 1e3 * s, 1e3 * exposed)
                 });
+                // On a GPU: the device memory allocated at the step's end and its peak.
+                let mem = match (rec.device_mem_mib, rec.device_peak_mib) {
+                    (Some(now), Some(peak)) => format!("{now:.0}MiB (peak {peak:.0}MiB)"),
+                    _ => format!("{:.0}MiB", rec.mem_mib),
+                };
                 let skip = if rec.skipped.is_some() {
                     " (update skipped)"
                 } else {
                     ""
                 };
                 info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={:.0}MiB state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{skip}",
-                    rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu, rec.mem_mib,
+                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{skip}",
+                    rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
                     mib(rec.state.total()), mib(rec.act_peak_bytes), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
                 );
             }
@@ -414,7 +419,8 @@ impl Trainer {
 
     /// This rank's parameter slices: `(name, global shape, slice, values)`.
     pub fn weight_slices(&self) -> Result<Vec<WeightSlice>> {
-        let whole = zero::whole_params(&self.dp, &self.model)?; // [layout.total] f32
+        // One copy to the host: a narrowed device tensor would copy its whole buffer each time.
+        let whole = zero::whole_params(&self.dp, &self.model)?.to_device(&Device::Cpu)?; // [layout.total] f32
         let layout = self.dp.layout();
         self.model
             .params()
