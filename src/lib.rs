@@ -3,6 +3,7 @@
 //! crates.
 
 pub mod cli;
+pub mod device;
 pub mod eval;
 pub mod hf;
 pub mod launch;

@@ -1,6 +1,9 @@
-//! Build script: with the `cuda` feature, compiles every `kernels/*.cu` file to PTX in `OUT_DIR`
-//! (embedded by `src/ops/cuda/mod.rs`) with the `nvcc` on `PATH` (or `$NVCC`), for
-//! `compute_$CUDA_COMPUTE_CAP` (default 90). The default build runs no compiler.
+//! Build script: with the `cuda` feature, compiles every `kernels/*.cu` file to a fat binary in
+//! `OUT_DIR` (embedded by `src/ops/cuda/mod.rs`) with the `nvcc` on `PATH` (or `$NVCC`): machine
+//! code (SASS) for `sm_$CUDA_COMPUTE_CAP` (default 90), so nothing is JIT-compiled on that GPU, plus
+//! `compute_$CUDA_COMPUTE_CAP` PTX for newer ones. It also records the architecture and nvcc's CUDA
+//! version (`PRETRAIN_CUDA_ARCH`, `PRETRAIN_CUDA_VERSION`, e.g. 90 and 13000) for the start-up
+//! check against the driver and the GPU. The default build runs no compiler.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,16 +22,22 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
+    println!("cargo:rustc-env=PRETRAIN_CUDA_ARCH={cap}");
+    println!(
+        "cargo:rustc-env=PRETRAIN_CUDA_VERSION={}",
+        cuda_version(&nvcc)
+    );
     for m in MODULES {
         let src = format!("kernels/{m}.cu");
         println!("cargo:rerun-if-changed={src}");
-        let ptx = out.join(format!("{m}.ptx"));
+        let fatbin = out.join(format!("{m}.fatbin"));
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "-lineinfo"])
-            .arg(format!("-arch=compute_{cap}"))
+            .args(["--fatbin", "-O3", "-std=c++17", "-lineinfo"])
+            .arg(format!("-gencode=arch=compute_{cap},code=sm_{cap}"))
+            .arg(format!("-gencode=arch=compute_{cap},code=compute_{cap}"))
             .arg(&src)
             .arg("-o")
-            .arg(&ptx)
+            .arg(&fatbin)
             .status();
         match status {
             Ok(s) if s.success() => {}
@@ -38,5 +47,25 @@ fn main() {
                  toolchain on PATH (scripts/build-cuda.sh sets it up)"
             ),
         }
+    }
+}
+
+/// nvcc's CUDA version as the driver API writes it (13.0 -> 13000), from `nvcc --version`.
+fn cuda_version(nvcc: &str) -> u32 {
+    let out = Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `{nvcc} --version`: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "Cuda compilation tools, release 13.0, V13.0.88"
+    let release = text
+        .split("release ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("no `release X.Y` in `{nvcc} --version`: {text}"));
+    let mut parts = release.trim().split('.').map(|p| p.parse::<u32>());
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => major * 1000 + minor * 10,
+        _ => panic!("cannot read the CUDA release `{release}` of `{nvcc} --version`"),
     }
 }

@@ -35,6 +35,12 @@ pub struct StepRecord {
     pub mfu: Option<f64>,
     /// Peak resident memory of the process, MiB.
     pub mem_mib: f64,
+    /// On a GPU: device memory this process had allocated at the end of the step, MiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_mem_mib: Option<f64>,
+    /// On a GPU: the most device memory this process had allocated at once during the step, MiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_peak_mib: Option<f64>,
     /// This rank's persistent training state, from buffer sizes.
     #[serde(flatten)]
     pub state: StateBytes,

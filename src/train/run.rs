@@ -1,12 +1,9 @@
-//! Running whole jobs and their outputs: the device of a run ([`device_for`]), one rank to the
-//! end ([`run_rank`]), all ranks of a job as threads of this process ([`train`]), and the
+//! Running whole jobs and their outputs: one rank to the end ([`run_rank`]), all ranks of a job as threads of this process ([`train`]), and the
 //! assembly of every rank's parameter slices into whole tensors ([`collect`], [`assemble`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "cuda")]
-use anyhow::Context;
 use anyhow::{bail, Result};
 use candle_core::Device;
 use parallel::comm::local::{run_local, RankFailed};
@@ -15,7 +12,8 @@ use parallel::Comm;
 
 use super::metrics::StepRecord;
 use super::{RankCtx, Trainer};
-use crate::recipe::{DeviceKind, Recipe};
+pub use crate::device::device_for;
+use crate::recipe::Recipe;
 
 /// Most ranks a job runs as threads of one process.
 pub const MAX_THREAD_RANKS: usize = 1024;
@@ -28,22 +26,6 @@ pub struct RunOutput {
     pub val_loss: Option<f64>,
     /// Whole parameters by name, assembled from every rank's slices.
     pub weights: std::collections::BTreeMap<String, Vec<f32>>,
-}
-
-/// The compute device a recipe asks for; `ordinal` picks the GPU. A CUDA device gets a stream of
-/// its own, shared by every thread that holds a clone of the handle.
-pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {
-    match kind {
-        DeviceKind::Cpu => Ok(Device::Cpu),
-        #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => Device::new_cuda_with_stream(ordinal)
-            .with_context(|| format!("opening CUDA device {ordinal}")),
-        #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda => {
-            let _ = ordinal;
-            bail!("train.device is cuda but this binary was built without the `cuda` feature")
-        }
-    }
 }
 
 /// One rank's block of one parameter.

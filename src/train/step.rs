@@ -17,10 +17,14 @@ use super::pipeline::{Executor, MicroBatch};
 use super::{all_reduce_f64, zero, Trainer};
 use crate::lr::lr_at;
 
+/// Bytes per MiB.
+const MIB: f64 = (1u64 << 20) as f64;
+
 impl Trainer {
     /// One optimizer step over the next global batch.
     pub fn train_step(&mut self) -> Result<StepRecord> {
         let start = Instant::now();
+        crate::device::reset_peak(&self.device);
         let (t, ctx) = (&self.recipe.train, &self.ctx);
         let comm = ctx.comm.as_ref();
         self.grads.zero()?;
@@ -120,7 +124,10 @@ impl Trainer {
         let (t, r) = (&self.recipe.train, &self.recipe);
 
         let ring = (ctx.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
+        // The update's kernels may still be queued: the step ends when the device is done.
+        crate::device::synchronize(&self.device)?;
         let secs = start.elapsed().as_secs_f64();
+        let device_mem = crate::device::memory(&self.device);
         let tokens = (t.global_batch * t.seq_len) as f64;
         let tflops = tokens * r.model.flops_per_token(t.seq_len) / secs / 1e12;
         Ok(StepRecord {
@@ -135,6 +142,8 @@ impl Trainer {
                 .peak_tflops
                 .map(|p| tflops / (p * r.parallel.world_size() as f64)),
             mem_mib: peak_rss_mib(),
+            device_mem_mib: device_mem.map(|m| m.current as f64 / MIB),
+            device_peak_mib: device_mem.map(|m| m.peak as f64 / MIB),
             state: self.state_bytes(),
             act_peak_bytes: act_peak,
             param_unit_peak_bytes: gathered.peak_bytes,

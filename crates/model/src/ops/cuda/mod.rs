@@ -1,6 +1,8 @@
-//! CUDA side of the op library (feature `cuda`): the PTX modules compiled from `kernels/*.cu` by
-//! the build script, and the helpers every launcher uses — loading a kernel once per device,
-//! typed views of contiguous CUDA storage, output allocation and launch shapes.
+//! CUDA side of the op library (feature `cuda`): the modules compiled from `kernels/*.cu` by the
+//! build script (fat binaries: SASS for the build's architecture and PTX for newer ones), and the
+//! helpers every launcher uses — loading every module once per CUDA context ([`load_all`], called
+//! when a device opens, so no module is loaded inside a step), typed views of contiguous CUDA
+//! storage, output allocation and launch shapes.
 //!
 //! Kernel naming: a kernel templated on the storage type `T` is exported once per supported
 //! dtype as `<base>_f32`, `<base>_f64` and `<base>_bf16` (see [`kernel_name`]); sums and
@@ -11,14 +13,18 @@ mod attention_tc;
 pub mod flat;
 pub mod pointwise;
 
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+
 use candle_core::cuda::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+    CudaFunction, CudaModule, CudaSlice, CudaView, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
+use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{backend::BackendStorage, bail, DType, Layout, Result};
 
 /// One PTX module of the project.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Module {
     /// `kernels/pointwise.cu`: RMSNorm, RoPE, SwiGLU, cross-entropy.
     Pointwise,
@@ -30,8 +36,34 @@ pub enum Module {
     Flat,
 }
 
+/// The GPU architecture the kernels were compiled for (`CUDA_COMPUTE_CAP` of the build, e.g. 90:
+/// SASS for sm_90 and PTX for compute_90).
+pub const BUILT_ARCH: u32 = parse_u32(env!("PRETRAIN_CUDA_ARCH"));
+
+/// The CUDA version of the nvcc that compiled the kernels, as the driver API writes versions
+/// (13.0 is 13000): the driver must support at least this version to load their PTX.
+pub const BUILT_CUDA_VERSION: u32 = parse_u32(env!("PRETRAIN_CUDA_VERSION"));
+
+const fn parse_u32(s: &str) -> u32 {
+    let b = s.as_bytes();
+    let (mut i, mut v) = (0, 0u32);
+    while i < b.len() {
+        v = v * 10 + (b[i] - b'0') as u32;
+        i += 1;
+    }
+    v
+}
+
 impl Module {
-    /// The module's name in the device's module cache.
+    /// Every module.
+    pub const ALL: [Module; 4] = [
+        Module::Pointwise,
+        Module::Attention,
+        Module::AttentionTc,
+        Module::Flat,
+    ];
+
+    /// The module's name (in error messages).
     pub fn name(self) -> &'static str {
         match self {
             Module::Pointwise => "pretrain-pointwise",
@@ -41,15 +73,61 @@ impl Module {
         }
     }
 
-    /// The module's PTX text.
-    pub fn ptx(self) -> &'static str {
+    /// The module's fat binary.
+    pub fn image(self) -> &'static [u8] {
         match self {
-            Module::Pointwise => include_str!(concat!(env!("OUT_DIR"), "/pointwise.ptx")),
-            Module::Attention => include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
-            Module::AttentionTc => include_str!(concat!(env!("OUT_DIR"), "/attention_tc.ptx")),
-            Module::Flat => include_str!(concat!(env!("OUT_DIR"), "/flat.ptx")),
+            Module::Pointwise => include_bytes!(concat!(env!("OUT_DIR"), "/pointwise.fatbin")),
+            Module::Attention => include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")),
+            Module::AttentionTc => {
+                include_bytes!(concat!(env!("OUT_DIR"), "/attention_tc.fatbin"))
+            }
+            Module::Flat => include_bytes!(concat!(env!("OUT_DIR"), "/flat.fatbin")),
         }
     }
+}
+
+/// Loaded modules and functions, per CUDA context (keyed by its handle).
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<(usize, Module), Arc<CudaModule>>,
+    functions: HashMap<(usize, Module, String), CudaFunction>,
+}
+
+fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
+    static LOADED: LazyLock<Mutex<Loaded>> = LazyLock::new(Mutex::default);
+    LOADED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `module` in the context of `dev`, loaded on first use (the caller holds the cache's lock).
+fn module_in(cache: &mut Loaded, dev: &CudaDevice, module: Module) -> Result<Arc<CudaModule>> {
+    let ctx = dev.cuda_stream().context().clone();
+    let key = (ctx.cu_ctx() as usize, module);
+    if let Some(m) = cache.modules.get(&key) {
+        return Ok(m.clone());
+    }
+    // A copy: the driver reads the image through an aligned pointer.
+    let image = Ptx::from_binary(module.image().to_vec());
+    let m = ctx.load_module(image).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "loading the CUDA module {} (built for sm_{BUILT_ARCH} with CUDA {}.{}): {e}",
+            module.name(),
+            BUILT_CUDA_VERSION / 1000,
+            BUILT_CUDA_VERSION % 1000 / 10
+        ))
+    })?;
+    cache.modules.insert(key, m.clone());
+    Ok(m)
+}
+
+/// Loads every module of the project into the context of `dev` (once per context). Called when a
+/// device opens, so that no module is loaded — and nothing can wait on a driver lock — while
+/// kernels of a step, or collectives, are in flight.
+pub fn load_all(dev: &CudaDevice) -> Result<()> {
+    let mut cache = loaded();
+    for m in Module::ALL {
+        module_in(&mut cache, dev, m)?;
+    }
+    Ok(())
 }
 
 /// `<base>_<dtype>` for the dtypes the kernels are instantiated for (f32, f64, bf16); any other
@@ -64,12 +142,21 @@ pub fn kernel_name(op: &str, base: &str, dtype: DType) -> Result<String> {
     Ok(format!("{base}_{suffix}"))
 }
 
-/// Kernel `name` of `module`, loaded once per device (launch it with the device stream's
-/// `launch_builder`).
+/// Kernel `name` of `module` in the context of `dev`, looked up once per context (launch it with
+/// the device stream's `launch_builder`).
 pub fn load(dev: &CudaDevice, module: Module, name: &str) -> Result<CudaFunction> {
-    Ok(dev
-        .get_or_load_custom_func(name, module.name(), module.ptx())?
-        .into_cuda_function())
+    let mut cache = loaded();
+    let ctx = dev.cuda_stream().context().cu_ctx() as usize;
+    let key = (ctx, module, name.to_string());
+    if let Some(f) = cache.functions.get(&key) {
+        return Ok(f.clone());
+    }
+    let m = module_in(&mut cache, dev, module)?;
+    let f = m.load_function(name).map_err(|e| {
+        candle_core::Error::Msg(format!("CUDA kernel {name} of {}: {e}", module.name()))
+    })?;
+    cache.functions.insert(key, f.clone());
+    Ok(f)
 }
 
 /// `n` as an `i32` kernel argument; errors (naming `op` and `what`) if it does not fit.

@@ -1,0 +1,193 @@
+//! The compute device of a run: opening it ([`device_for`]), waiting for its queued work
+//! ([`synchronize`]) and its memory in use ([`memory`]).
+//!
+//! Opening a CUDA device does, in this order, everything that must not happen inside a step:
+//! the driver's CUDA version and the GPU's compute capability are checked against what the
+//! kernels were built for (an error names both), the device gets a stream of its own (shared by
+//! every thread-rank and the communication thread of this process), cudarc's per-allocation event
+//! tracking is turned off, the memory pool is told to keep freed memory, and every kernel module of
+//! the project is loaded.
+//!
+//! Why event tracking can be off: cudarc records two CUDA events per allocation and a wait and a
+//! record per kernel argument once a context has a second stream, to order buffers used on several
+//! streams. Every tensor op of this process runs on the one device stream, which orders them by
+//! itself; the only other streams are the NCCL communicators', and the NCCL backend orders those
+//! explicitly (its stream waits on an event recorded on the device stream after the inputs are
+//! made, and inputs and outputs are kept alive until the operation's completion event has fired).
+//! Tracking would add host work to every op (tens of microseconds each) for no ordering.
+
+use anyhow::Result;
+use candle_core::Device;
+
+use crate::recipe::DeviceKind;
+
+/// The compute device a recipe asks for; `ordinal` picks the GPU. See the module docs for what
+/// opening a CUDA device checks and prepares.
+pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => cuda::open(ordinal),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => {
+            let _ = ordinal;
+            anyhow::bail!(
+                "train.device is cuda but this binary was built without the `cuda` feature"
+            )
+        }
+    }
+}
+
+/// Waits until the work queued on `device` is done (nothing to wait for on the CPU): step times
+/// are read after it, so they measure the GPU's work rather than its enqueueing.
+pub fn synchronize(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        d.cuda_stream().synchronize()?;
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// Bytes allocated on a device, now and at the peak since the last [`reset_peak`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceMemory {
+    /// Bytes in use now.
+    pub current: u64,
+    /// Most bytes in use at once.
+    pub peak: u64,
+}
+
+/// The memory in use on `device` through its memory pool (every tensor of the process), or `None`
+/// on the CPU.
+pub fn memory(device: &Device) -> Option<DeviceMemory> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return cuda::memory(d).ok();
+    }
+    let _ = device;
+    None
+}
+
+/// Starts a new peak for [`memory`] at the bytes in use now.
+pub fn reset_peak(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let _ = cuda::reset_peak(d);
+    }
+    let _ = device;
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use anyhow::{bail, Context, Result};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaContext};
+    use candle_core::cuda::CudaDevice;
+    use candle_core::Device;
+    use model::ops::cuda::{BUILT_ARCH, BUILT_CUDA_VERSION};
+
+    use super::DeviceMemory;
+
+    fn version(v: u32) -> String {
+        format!("{}.{}", v / 1000, v % 1000 / 10)
+    }
+
+    /// The checks and preparations of the module docs, in their order.
+    pub(super) fn open(ordinal: usize) -> Result<Device> {
+        // SAFETY: plain driver queries with valid out-pointers.
+        let driver = unsafe {
+            result::init().context("initialising the CUDA driver")?;
+            let mut v = 0i32;
+            sys::cuDriverGetVersion(&mut v)
+                .result()
+                .context("reading the CUDA driver's version")?;
+            v as u32
+        };
+        if driver < BUILT_CUDA_VERSION {
+            bail!(
+                "the CUDA driver supports CUDA {} but this binary's kernels were built with CUDA {} \
+                 and need a driver for CUDA {} or newer (update the driver, or build with an older \
+                 nvcc: scripts/build-cuda.sh)",
+                version(driver),
+                version(BUILT_CUDA_VERSION),
+                version(BUILT_CUDA_VERSION)
+            );
+        }
+        let ctx =
+            CudaContext::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
+        let (major, minor) = ctx.compute_capability()?;
+        let cap = (major * 10 + minor) as u32;
+        if cap < BUILT_ARCH {
+            let name = ctx.name().unwrap_or_else(|_| "?".into());
+            bail!(
+                "CUDA device {ordinal} ({name}) has compute capability {major}.{minor}; this \
+                 binary's kernels were built for {}.{} and newer (rebuild with \
+                 CUDA_COMPUTE_CAP={cap} scripts/build-cuda.sh)",
+                BUILT_ARCH / 10,
+                BUILT_ARCH % 10
+            );
+        }
+        drop(ctx);
+        let device = Device::new_cuda_with_stream(ordinal)
+            .with_context(|| format!("opening CUDA device {ordinal}"))?;
+        let Device::Cuda(d) = &device else {
+            unreachable!("new_cuda_with_stream gives a CUDA device")
+        };
+        // SAFETY: no tensor exists on this device yet; see the module docs for why the one
+        // device stream and the NCCL backend's own events make the tracking redundant.
+        unsafe { d.disable_event_tracking() };
+        keep_freed_memory(d).context("configuring the CUDA memory pool")?;
+        model::ops::cuda::load_all(d).context("loading the project's CUDA kernels")?;
+        Ok(device)
+    }
+
+    fn pool(d: &CudaDevice) -> Result<sys::CUmemoryPool> {
+        let dev = d.cuda_stream().context().cu_device();
+        // SAFETY: `dev` is the device handle of an open context.
+        Ok(unsafe { result::device::get_mem_pool(dev)? })
+    }
+
+    /// Freed memory stays in the pool instead of being returned to the driver at every
+    /// synchronisation (the default threshold is 0), so allocations after a host read are cheap.
+    fn keep_freed_memory(d: &CudaDevice) -> Result<()> {
+        let mut threshold = u64::MAX;
+        // SAFETY: a valid pool and a u64 for a u64 attribute.
+        unsafe {
+            result::mem_pool::set_attribute(
+                pool(d)?,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut _,
+            )?
+        };
+        Ok(())
+    }
+
+    fn attribute(d: &CudaDevice, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: a valid pool and a u64 for a u64 attribute.
+        unsafe { result::mem_pool::get_attribute(pool(d)?, attr, &mut v as *mut u64 as *mut _)? };
+        Ok(v)
+    }
+
+    pub(super) fn memory(d: &CudaDevice) -> Result<DeviceMemory> {
+        use sys::CUmemPool_attribute::*;
+        Ok(DeviceMemory {
+            current: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            peak: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        })
+    }
+
+    pub(super) fn reset_peak(d: &CudaDevice) -> Result<()> {
+        // Setting the high-water mark (to 0) resets it to the bytes in use now.
+        let mut zero = 0u64;
+        // SAFETY: a valid pool and a u64 for a u64 attribute.
+        unsafe {
+            result::mem_pool::set_attribute(
+                pool(d)?,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut _,
+            )?
+        };
+        Ok(())
+    }
+}
