@@ -27,9 +27,15 @@
 //                  (P V in passes of up to FKT columns through the S tile; O in registers).
 //   attn_tc_dq     block = (b, query head, 64 query rows); key tiles of BT = 32:
 //                  S = Q Kᵀ, dP = dO Vᵀ, dS = P ∘ (dP - delta), dQ += dS K (fragments).
-//   attn_tc_dkv    block = (b, kv head, 64 keys), first key tiles first; for each query head of
-//                  the group, query tiles of BT = 32 at or after the block's first key:
-//                  Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q (fragments).
+//   attn_tc_dkv    block = (b, query head, 64 keys), first key tiles first; query tiles of
+//                  BT = 32 at or after the block's first key: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ,
+//                  dV += Pᵀ dO, dK += dSᵀ Q (fragments). Without GQA (hq = hkv) the block writes
+//                  dK, dV; with GQA it writes its query head's f32 share to `part` and
+//                  attn_tc_dkv_reduce sums the group's shares in head order. (One block per kv
+//                  head looping over the group's heads, as before, ran 2x the ideal time on
+//                  H100: a few blocks per SM with an 8x longer causal triangle per block.)
+//   attn_tc_dkv_reduce  dK = scale · Σ_h part_dK[h], dV = Σ_h part_dV[h] over each group, in
+//                  head order (deterministic), one thread per output element (grid-stride).
 // No atomics: every output element has exactly one writer. Shared memory <= 46,368 bytes.
 #include <mma.h>
 
@@ -74,10 +80,23 @@ template <int D> __device__ __forceinline__ unsigned char* smem_checked(unsigned
 }
 
 // tile[r][c] (pitch D + 8) = src[p0 + r][c] for r < rows, c < D; zero where p0 + r >= s. Rows of
-// src are `stride` elements apart; consecutive threads copy consecutive columns.
+// src are `stride` elements apart; consecutive threads copy consecutive columns, 8 at a time in
+// one 16-byte load where src and stride allow it (always for tensors allocated whole), else one
+// at a time. The tile's rows ((D + 8) * 2 bytes) and the tiles' offsets are multiples of 16 bytes.
 template <int D>
 __device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, size_t stride, int p0,
                                           int rows, int s) {
+  constexpr int V = 8, NV = D / V;  // bf16 per 16-byte vector, vectors per row
+  if (reinterpret_cast<uintptr_t>(src) % 16 == 0 && stride % V == 0) {
+    float4 zero4;  // 16 bytes of zeros (bf16 zeros), carried as a float4
+    zero4.x = zero4.y = zero4.z = zero4.w = 0.0f;
+    for (int i = threadIdx.x; i < rows * NV; i += blockDim.x) {
+      const int r = i / NV, c = i % NV * V, p = p0 + r;
+      float4* dst = reinterpret_cast<float4*>(tile + r * (D + 8) + c);
+      *dst = p < s ? *reinterpret_cast<const float4*>(src + (size_t)p * stride + c) : zero4;
+    }
+    return;
+  }
   const bf16 zero = __float2bfloat16_rn(0.0f);
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
     const int r = i / D, c = i % D, p = p0 + r;
@@ -112,6 +131,24 @@ __device__ __forceinline__ void write_acc(float* st, const FragC* acc, bf16* dst
   for (int i = lane; i < 16 * D; i += 32) {
     const int r = i / D, c = i % D;
     if (p0 + r < s) dst[(size_t)(p0 + r) * stride + c] = __float2bfloat16_rn(st[r * LDF + c] * mul);
+  }
+  __syncwarp();
+}
+
+// As write_acc, in f32 without scaling: a warp's 16 x D accumulators to rows p0 .. p0 + 16 (those
+// below s) of the f32 dst (pitch `stride`).
+template <int D>
+__device__ __forceinline__ void write_acc_f32(float* st, const FragC* acc, float* dst,
+                                              size_t stride, int p0, int s) {
+  constexpr int LDF = TcCfg<D>::LDF;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int c = 0; c < D / 16; ++c)
+    wmma::store_matrix_sync(st + c * 16, acc[c], LDF, wmma::mem_row_major);
+  __syncwarp();
+  for (int i = lane; i < 16 * D; i += 32) {
+    const int r = i / D, c = i % D;
+    if (p0 + r < s) dst[(size_t)(p0 + r) * stride + c] = st[r * LDF + c];
   }
   __syncwarp();
 }
@@ -366,8 +403,8 @@ template <int D>
 __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                     const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                     const float* __restrict__ lse, const float* __restrict__ delta,
-                                    bf16* __restrict__ grads, int b, int s, int hq, int hkv, int d,
-                                    float scale) {
+                                    bf16* __restrict__ grads, float* __restrict__ part, int b, int s,
+                                    int hq, int hkv, int d, float scale) {
   typedef TcCfg<D> C;
   constexpr int BM = C::BM, QT = C::BT, LDH = C::LDH, LDS = QT + 4, LDP = QT + 8;
   constexpr int NC = D / 16, NQ = QT / 16;
@@ -381,9 +418,10 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
   bf16* pts = reinterpret_cast<bf16*>(dpts + BM * LDS);  // [BM, LDP]: Pᵀ
   bf16* dsts = pts + BM * LDP;                           // [BM, LDP]: dSᵀ
 
-  const int bkv = b * hkv, group = hq / hkv;
-  const int kvh = (int)(blockIdx.x % bkv), kt = (int)(blockIdx.x / bkv);
-  const int bi = kvh / hkv, g = kvh % hkv;
+  const int bhq = b * hq, group = hq / hkv;
+  const int bh0 = (int)(blockIdx.x % bhq), kt = (int)(blockIdx.x / bhq);
+  const int bi = bh0 / hq, h0 = bh0 % hq, g = h0 / group;
+  if (group > 1 && part == nullptr) __trap();  // GQA writes shares that attn_tc_dkv_reduce sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
   const size_t qrs = (size_t)hq * D, krs = (size_t)hkv * D;
   const size_t koff = (size_t)bi * s * krs + (size_t)g * D;
@@ -412,8 +450,8 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
     wmma::fill_fragment(dv[c], 0.0f);
   }
 
-  for (int hh = 0; hh < group; ++hh) {
-    const int h = g * group + hh;
+  {
+    const int h = h0;
     const size_t bh = (size_t)bi * hq + h;
     const bf16* qh = q + (size_t)bi * s * qrs + (size_t)h * D;
     const bf16* doh = dout + (size_t)bi * s * qrs + (size_t)h * D;
@@ -497,15 +535,40 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
   __syncthreads();  // every warp is done with the tiles: reuse the memory as f32 staging
   const size_t nq = (size_t)b * s * qrs, nkv = (size_t)b * s * krs;
   float* st = reinterpret_cast<float*>(base) + 16 * warp * C::LDF;
-  write_acc<D>(st, dk, grads + nq + koff, krs, w0, s, scale);
-  write_acc<D>(st, dv, grads + nq + nkv + koff, krs, w0, s, 1.0f);
+  if (group == 1) {
+    write_acc<D>(st, dk, grads + nq + koff, krs, w0, s, scale);
+    write_acc<D>(st, dv, grads + nq + nkv + koff, krs, w0, s, 1.0f);
+  } else {  // this query head's shares: part = [dK | dV], each [b, s, hq, D] f32, unscaled
+    const size_t qoff = (size_t)bi * s * qrs + (size_t)h0 * D;
+    write_acc_f32<D>(st, dk, part + qoff, qrs, w0, s);
+    write_acc_f32<D>(st, dv, part + nq + qoff, qrs, w0, s);
+  }
+}
+
+// dK, dV [b, s, hkv, D] of `grads` (after its nq dQ elements) from the shares in `part`: each
+// element the sum over its group's query heads in head order (dK times scale), rounded once.
+__device__ __forceinline__ void dkv_reduce(const float* __restrict__ part, bf16* __restrict__ grads,
+                                           int b, int s, int hq, int hkv, int d, float scale) {
+  const int group = hq / hkv;
+  const size_t nq = (size_t)b * s * hq * d, nkv = (size_t)b * s * hkv * d;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < 2 * nkv;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t which = i / nkv, e = i % nkv;  // 0: dK, 1: dV
+    const size_t c = e % d, g = e / d % hkv, p = e / ((size_t)d * hkv);  // p = bi * s + position
+    const float* src = part + which * nq + (p * hq + g * group) * d + c;
+    float sum = 0.0f;
+    for (int hh = 0; hh < group; ++hh) sum += src[(size_t)hh * d];
+    grads[nq + i] = __float2bfloat16_rn(which == 0 ? sum * scale : sum);
+  }
 }
 
 }  // namespace attn_tc
 
 // ---------------------------------------------------------------------------------------------
 // Exports: attn_tc_{fwd,dq,dkv}_d<D>_bf16, with the parameter lists of attention.cu's bf16
-// attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps). They compute the
+// attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps), except that the
+// dK/dV kernel also takes `part`, 2 nq floats for the GQA shares (null without GQA), and runs
+// b·hq blocks per key tile. They compute the
 // causal mask only: a launch with causal = 0 or sk != s traps (the launchers pick the scalar
 // kernels for unmasked blocks).
 // bf16 wmma needs sm_80 or newer: compiled for an older architecture, the kernels only trap (the
@@ -532,9 +595,15 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
   extern "C" __global__ void attn_tc_dkv_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
-      int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {                     \
-    TC_BODY(attn_tc::dkv<D>(q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, scale))            \
+      float* part, int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {        \
+    TC_BODY(attn_tc::dkv<D>(q, k, v, dout, lse, delta, grads, part, b, s, hq, hkv, d, scale))      \
   }
 
 ATTN_TC_EXPORT(64)
 ATTN_TC_EXPORT(128)
+
+// The GQA dK/dV shares of attn_tc_dkv_d<D>_bf16 summed into `grads` (any grid; grid-stride).
+extern "C" __global__ void attn_tc_dkv_reduce_bf16(const float* part, __nv_bfloat16* grads, int b,
+                                                   int s, int hq, int hkv, int d, float scale) {
+  attn_tc::dkv_reduce(part, grads, b, s, hq, hkv, d, scale);
+}

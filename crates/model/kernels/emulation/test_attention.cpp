@@ -252,12 +252,15 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
                                      delta.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
                                      (int)d, ski, ci, sc);
   };
+  // The GQA shares of the tensor-core dK/dV kernel (attention.rs allocates them only for GQA).
+  Buffer<float> part(group > 1 ? 2 * nq : 1, "part");
+  float* part_ptr = group > 1 ? part.data() : nullptr;
   auto dkv = [&] {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       if (tc) {
         (d == 64 ? attn_tc_dkv_d64_bf16 : attn_tc_dkv_d128_bf16)(
-            q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(), (int)b,
-            (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
+            q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(),
+            part_ptr, (int)b, (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
         return;
       }
     }
@@ -265,15 +268,24 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
                                       delta.data(), grads.data(), (int)b, (int)s, (int)hq,
                                       (int)hkv, (int)d, ski, ci, sc);
   };
-  // attention_tc.rs: dQ grid(blocks(b hq, s, 64), THREADS, dq smem); dK/dV grid(blocks(b hkv,
-  // s, 64), THREADS, dkv smem).
+  // attention_tc.rs: dQ grid(blocks(b hq, s, 64), THREADS, dq smem); dK/dV grid(blocks(b hq,
+  // s, 64), THREADS, dkv smem), then with GQA the reduction over 4 blocks (grid-stride).
   const Shape dq_shape = tc ? grid(blocks(b * hq, s, TC_ROWS), THREADS, tg.dq)
                             : grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
-  const Shape dkv_shape = tc ? grid(blocks(b * hkv, sk, TC_ROWS), THREADS, tg.dkv)
+  const Shape dkv_shape = tc ? grid(blocks(b * hq, sk, TC_ROWS), THREADS, tg.dkv)
                              : grid(blocks(b * hkv, sk, geo.keys), THREADS, geo.qdo_smem());
   const std::string dqn = tc ? "attn_tc_dq" : "attn_bwd_dq", dkvn = tc ? "attn_tc_dkv" : "attn_bwd_dkv";
   if (!run(format("%s_d%zu_%s", dqn.c_str(), tc ? d : geo.dmax, type_name<T>()), dq_shape, dq)) return;
   if (!run(format("%s_d%zu_%s", dkvn.c_str(), tc ? d : geo.dmax, type_name<T>()), dkv_shape, dkv)) return;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    if (tc && group > 1) {
+      auto reduce = [&] {
+        attn_tc_dkv_reduce_bf16(part.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
+                                (int)d, sc);
+      };
+      if (!run("attn_tc_dkv_reduce_bf16", Shape{4, THREADS, 0}, reduce)) return;
+    }
+  }
   compare(dqn + " " + tag + " dq", read(grads, 0, nq), rdq, t, max_of(adq));
   compare(dkvn + " " + tag + " dk", read(grads, nq, nkv), rdk, t, max_of(adk));
   compare(dkvn + " " + tag + " dv", read(grads, nq + nkv, nkv), rdv, t, max_of(adv));
@@ -302,7 +314,7 @@ template <typename T> void all(uint64_t seed) {
   attention<T>(2, 20, 4, 2, 250, seed + 10, false, false, 10);
 }
 
-// The tensor-core kernels: d = 64 and 128, lengths below, at and past the tiles, GQA 1 / 2 / 4,
+// The tensor-core kernels: d = 64 and 128, lengths below, at and past the tiles, GQA 1 / 2 / 4 / 8,
 // batch 2.
 void all_tc(uint64_t seed) {
   check_tc_geometry();
@@ -312,6 +324,7 @@ void all_tc(uint64_t seed) {
     attention<__nv_bfloat16>(1, 64, 4, 1, d, seed + d + 3, false, true);   // one full tile, GQA 4
     attention<__nv_bfloat16>(2, 100, 4, 1, d, seed + d + 4, true, true);   // GQA 4, partial tiles
     attention<__nv_bfloat16>(2, 130, 2, 1, d, seed + d + 5, false, true);  // 3 row blocks, GQA 2
+    attention<__nv_bfloat16>(1, 70, 8, 1, d, seed + d + 6, false, true);   // GQA 8 (the 1B recipes)
     // Causal only: an unmasked launch (which the launchers never make) traps.
     const size_t n = 2 * 8 * 2 * d;
     Buffer<__nv_bfloat16> x(n, "x"), o(n, "o");

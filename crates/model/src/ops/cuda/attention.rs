@@ -18,7 +18,9 @@
 //! one place that picks a kernel and its launch shape.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
@@ -118,23 +120,30 @@ fn kernel(dev: &CudaDevice, base: &str, dtype: DType) -> Result<CudaFunction> {
     load(dev, Module::Attention, &name)
 }
 
-/// The kernel of `step` for dims `dm` and storage `dtype`, with its launch shape: the tensor-core
-/// kernels for causal bf16 calls with d = 64 or 128, else `<base>_d<DMAX>_<dtype>` shaped by
-/// [`Geometry`]. The dK/dV kernel's blocks cover the `sk` keys, the others the `s` queries.
-/// Both have the same parameter list per step. Errors on an unsupported head dim.
+/// The kernel of `step` for dims `dm` and storage `dtype`, with its launch shape and whether it is
+/// a tensor-core kernel: those for causal bf16 calls with d = 64 or 128, else
+/// `<base>_d<DMAX>_<dtype>` shaped by [`Geometry`]. The dK/dV kernel's blocks cover the `sk`
+/// keys (per query head for the tensor-core one, per kv head otherwise), the others the `s`
+/// queries. Both have the same parameter list per step, except the tensor-core dK/dV kernel's
+/// GQA shares (see [`bwd`]). Errors on an unsupported head dim.
 fn plan(
     dev: &CudaDevice,
     step: Step,
     dm: Dims,
     dtype: DType,
-) -> Result<(CudaFunction, LaunchConfig)> {
+) -> Result<(CudaFunction, LaunchConfig, bool)> {
+    if let Some(tc) = TcGeometry::new(dtype, dm.d).filter(|_| dm.causal) {
+        let (units, rows) = match step {
+            Step::Fwd | Step::Dq => (dm.b * dm.hq, dm.s),
+            Step::Dkv => (dm.b * dm.hq, dm.sk),
+        };
+        let (f, cfg) = tc.kernel(dev, step, blocks(units, rows, attention_tc::ROWS)?)?;
+        return Ok((f, cfg, true));
+    }
     let (units, rows) = match step {
         Step::Fwd | Step::Dq => (dm.b * dm.hq, dm.s),
         Step::Dkv => (dm.b * dm.hkv, dm.sk),
     };
-    if let Some(tc) = TcGeometry::new(dtype, dm.d).filter(|_| dm.causal) {
-        return tc.kernel(dev, step, blocks(units, rows, attention_tc::ROWS)?);
-    }
     let geo = Geometry::new(dm.d, acc_dtype(dtype).size_in_bytes())?;
     let (base, per_block, smem) = match step {
         Step::Fwd => ("attn_fwd", geo.rows, geo.kv_smem()),
@@ -142,7 +151,11 @@ fn plan(
         Step::Dkv => ("attn_bwd_dkv", geo.keys, geo.qdo_smem()),
     };
     let f = kernel(dev, &format!("{base}_d{}", geo.dmax), dtype)?;
-    Ok((f, grid(blocks(units, rows, per_block)?, THREADS, smem)))
+    Ok((
+        f,
+        grid(blocks(units, rows, per_block)?, THREADS, smem),
+        false,
+    ))
 }
 
 /// `units · ceil(s / per_block)` blocks, checked against the kernels' `int` block indices.
@@ -199,7 +212,7 @@ fn fwd<T: KernelFloat>(
     let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
-    let (f, cfg) = plan(dev, Step::Fwd, dm, dtype)?;
+    let (f, cfg, _) = plan(dev, Step::Fwd, dm, dtype)?;
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
     let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, sk, hkv, d]
     let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, sk, hkv, d]
@@ -260,8 +273,8 @@ fn bwd<T: KernelFloat>(
     let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
-    let (f_dq, cfg_dq) = plan(dev, Step::Dq, dm, dtype)?;
-    let (f_dkv, cfg_dkv) = plan(dev, Step::Dkv, dm, dtype)?;
+    let (f_dq, cfg_dq, _) = plan(dev, Step::Dq, dm, dtype)?;
+    let (f_dkv, cfg_dkv, tc_dkv) = plan(dev, Step::Dkv, dm, dtype)?;
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
     let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, sk, hkv, d]
     let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, sk, hkv, d]
@@ -318,6 +331,19 @@ fn bwd<T: KernelFloat>(
     // from `plan` (the kernel traps otherwise).
     unsafe { a.launch(cfg_dq) }.w()?;
 
+    if tc_dkv {
+        return tc_dkv_launch(
+            dev,
+            &f_dkv,
+            cfg_dkv,
+            [&qv, &kv, &vv, &dov],
+            &lv,
+            &delta,
+            grads,
+            dm,
+            sc,
+        );
+    }
     // dK, dV: b·hkv·ceil(sk / keys) blocks.
     let mut a = stream.launch_builder(&f_dkv);
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
@@ -329,6 +355,58 @@ fn bwd<T: KernelFloat>(
     // traps otherwise).
     unsafe { a.launch(cfg_dkv) }.w()?;
 
+    Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
+}
+
+/// The tensor-core dK/dV kernel (b·hq·ceil(s / 64) blocks, one query head each) and, with GQA,
+/// the reduction of its per-query-head f32 shares `part` (`[2, b, s, hq, d]`) over each group in
+/// head order into the dK and dV parts of `grads`.
+#[allow(clippy::too_many_arguments)]
+fn tc_dkv_launch<T: KernelFloat>(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    [qv, kv, vv, dov]: [&CudaView<'_, T>; 4],
+    lv: &CudaView<'_, T::Acc>,
+    delta: &CudaSlice<T::Acc>,
+    mut grads: CudaSlice<T>,
+    dm: Dims,
+    sc: T::Acc,
+) -> Result<CudaStorage> {
+    let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
+    let (nq, _, _) = sizes(dm);
+    let stream = dev.cuda_stream();
+    let gqa = dm.hq != dm.hkv;
+    // SAFETY: with GQA the dK/dV kernel writes every row p < s of every (batch, query head) of
+    // both shares before the reduction (queued after it on the same stream) reads them; without
+    // GQA the kernel writes `grads` itself and never touches `part`.
+    let mut part = unsafe { alloc::<f32>(dev, if gqa { 2 * nq } else { 1 }) }?;
+    let mut a = stream.launch_builder(f);
+    a.arg(qv).arg(kv).arg(vv).arg(dov);
+    a.arg(lv).arg(delta).arg(&mut grads);
+    if gqa {
+        a.arg(&mut part);
+    } else {
+        a.arg(&0u64); // a null pointer: the kernel writes dK, dV itself
+    }
+    a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
+    a.arg(&sk).arg(&causal).arg(&sc);
+    // SAFETY: matches `attn_tc_dkv_d<D>_bf16(const bf16* q, const bf16* k, const bf16* v,
+    // const bf16* dout, const float* lse, const float* delta, bf16* grads, float* part, int b,
+    // int s, int hq, int hkv, int d, int sk, int causal, float scale)` (`plan` picks it only for
+    // bf16, so T::Acc = f32); buffers as for the dQ kernel, `part` holds 2 nq floats with GQA (the
+    // kernel traps on a null `part` with GQA); grid and shared memory come from `plan`.
+    unsafe { a.launch(cfg) }.w()?;
+    if gqa {
+        let f = load(dev, Module::AttentionTc, "attn_tc_dkv_reduce_bf16")?;
+        let mut a = stream.launch_builder(&f);
+        a.arg(&part).arg(&mut grads);
+        a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
+        // SAFETY: matches `attn_tc_dkv_reduce_bf16(const float* part, bf16* grads, int b, int s,
+        // int hq, int hkv, int d, float scale)`: it reads 2 nq floats of `part` and writes the
+        // 2 nkv elements of `grads` after its first nq; grid-stride, so any grid covers them.
+        unsafe { a.launch(super::elementwise(2 * dm.b * dm.s * dm.hkv * dm.d)) }.w()?;
+    }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
 }
 

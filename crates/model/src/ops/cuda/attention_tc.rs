@@ -28,7 +28,7 @@ pub(super) enum Step {
     Fwd,
     /// `attn_tc_dq_d<D>_bf16`: blocks over `b·hq` and query tiles.
     Dq,
-    /// `attn_tc_dkv_d<D>_bf16`: blocks over `b·hkv` and key tiles.
+    /// `attn_tc_dkv_d<D>_bf16`: blocks over `b·hq` and key tiles (GQA shares reduced after it).
     Dkv,
 }
 
