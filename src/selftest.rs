@@ -2,8 +2,10 @@
 //!
 //! 1. **Ops.** Every op of the op library, forward and backward, in f32 and bf16 on the device,
 //!    against the CPU in f64 on the same random inputs (normal draws, never zeros; attention with
-//!    head dims 32 and 128, several tiles long, GQA groups 2 and 4); the error is
-//!    `max |device − reference| / max |reference|` per output and per gradient.
+//!    head dims 32, 64 and 128, several tiles long, GQA groups 2, 4 and 8); the error is
+//!    `max |device − reference| / max |reference|` per output and per gradient. Head dim 64 with
+//!    8 query heads per KV head over 1024 positions and the 32000-id vocabulary are the 1B
+//!    recipes' shapes.
 //! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
 //!    device against the CPU kernels.
 //! 3. **bf16 training.** Steps of the tiny recipe in bf16 on the device against the same steps in
@@ -99,6 +101,8 @@ fn op_cases() -> Result<Vec<OpCase>> {
     let angles = (randn(&[s, d / 2], 7)? * 3.0)?;
     let targets: Vec<u32> = (0..b * s).map(|i| ((i * 7919) % 1000) as u32).collect();
     let targets = Tensor::from_vec(targets, b * s, &Device::Cpu)?;
+    let targets_v32k: Vec<u32> = (0..256).map(|i| ((i * 104_729) % 32_000) as u32).collect();
+    let targets_v32k = Tensor::from_vec(targets_v32k, 256, &Device::Cpu)?;
     Ok(vec![
         OpCase {
             name: "rms_norm",
@@ -137,6 +141,18 @@ fn op_cases() -> Result<Vec<OpCase>> {
             ],
             grads: vec![0, 1, 2],
             f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / (128f64).sqrt()),
+        },
+        // The 1B recipes' attention: head dim 64 (tensor-core kernels in bf16), 8 query heads per
+        // KV head, 16 tiles of 64 rows.
+        OpCase {
+            name: "causal_attention d64 gqa8",
+            inputs: vec![
+                randn(&[1, 1024, 8, 64], 22)?,
+                randn(&[1, 1024, 1, 64], 23)?,
+                randn(&[1, 1024, 1, 64], 24)?,
+            ],
+            grads: vec![0, 1, 2],
+            f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / 8.0),
         },
         // An unmasked block of context-parallel ring attention (queries after all of its keys):
         // forward, and the block backward from the forward's own output and log-sum-exp.
@@ -178,6 +194,13 @@ fn op_cases() -> Result<Vec<OpCase>> {
         OpCase {
             name: "cross_entropy",
             inputs: vec![(randn(&[b * s, 1000], 11)? * 4.0)?, targets],
+            grads: vec![0],
+            f: |x| model::ops::cross_entropy(&x[0], &x[1]),
+        },
+        // The recipes' vocabulary (32000) over 256 rows.
+        OpCase {
+            name: "cross_entropy v32000",
+            inputs: vec![(randn(&[256, 32_000], 25)? * 4.0)?, targets_v32k],
             grads: vec![0],
             f: |x| model::ops::cross_entropy(&x[0], &x[1]),
         },
