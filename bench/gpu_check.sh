@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Every check of a CUDA build on one GPU, in one go, for a machine that is lent for minutes: run
+# it on the GPU machine from a copy of the repository with the binary of scripts/build-cuda.sh.
+#
+#   bench/gpu_check.sh [PRETRAIN_BINARY] [PART ...]
+#
+# PARTs (default: all, in this order):
+#   selftest  pretrain selftest --device cuda
+#   tiny      the tiny recipe (200 steps) on CUDA in f32 and bf16 against the same binary on CPU
+#             (f32): loss curves and validation losses compared step by step
+#   tiny-gpu  only the CUDA runs of `tiny` (to compare with an earlier CPU curve)
+#   ranks     the tiny recipe at tp 2 × dp 2 thread-ranks sharing the GPU against one rank on it
+#   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
+#   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
+#             (bench/kernel_split.py); needs cupti_trace.so beside the binary or CUPTI_TRACE_SO
+#
+# Environment: PYTHON (default /opt/torch/.venv/bin/python, a venv with torch and the nvidia-*
+# cu13 wheels), OUT (results; default runs/gpu_check), RUNS (run directories and logs; default
+# $OUT/runs), PART_TIMEOUT (seconds per part, 300).
+# Each part runs under a timeout so a hang is reported and the next part still runs; the exit
+# status is non-zero when any part failed. Results: $OUT/check.log and JSON files beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=./pretrain
+if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
+PARTS=("$@")
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks bench profile)
+BIN=$(realpath "$BIN")
+PYTHON=${PYTHON:-/opt/torch/.venv/bin/python}
+OUT=${OUT:-runs/gpu_check}
+PART_TIMEOUT=${PART_TIMEOUT:-300}
+mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
+RUNS=${RUNS:-$OUT/runs}
+mkdir -p "$RUNS"
+RUNS=$(realpath "$RUNS")
+export NO_COLOR=1
+
+SP=$("$PYTHON" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])') || {
+  echo "gpu_check.sh: no Python with site-packages at $PYTHON" >&2
+  exit 1
+}
+export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+exec > >(tee -a "$OUT/check.log") 2>&1
+echo "== gpu_check $(date -u +%FT%TZ) binary $BIN"
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
+"$PYTHON" -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' || true
+"$PYTHON" -m pip list 2>/dev/null | grep -Ei '^nvidia-(nccl|cublas|cuda-runtime|cuda-cupti)' || true
+
+FAILED=()
+part() { # part NAME COMMAND...: runs COMMAND under the timeout, reports its status and time
+  local name=$1
+  shift
+  echo
+  echo "== $name: $*"
+  local t0=$SECONDS
+  if declare -F "$1" >/dev/null; then # a function of this script: run it in a child bash
+    timeout -k 10 "$PART_TIMEOUT" bash -c '"$@"' _ "$@"
+  else
+    timeout -k 10 "$PART_TIMEOUT" "$@"
+  fi
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  [ $rc = 0 ] || FAILED+=("$name (exit $rc)")
+  return $rc
+}
+
+tiny_run() { # tiny_run NAME DEVICE DTYPE [--set ...]
+  local name=$1 dev=$2 dtype=$3
+  shift 3
+  rm -rf "$RUNS/$name"
+  "$BIN" --recipe recipes/tiny.yaml --set "run.dir=$RUNS/$name,train.device=$dev,train.dtype=$dtype" "$@"
+}
+
+compare() { # compare A B TOLERANCE: loss curves of two runs, step by step
+  "$PYTHON" - "$RUNS/$1/metrics.jsonl" "$RUNS/$2/metrics.jsonl" "$3" <<'PY'
+import json, sys
+def read(p):
+    recs = [json.loads(l) for l in open(p) if l.strip()]
+    return ({r["step"]: r["loss"] for r in recs if "tokens_per_s" in r},
+            {r["step"]: r["val_loss"] for r in recs if "val_loss" in r})
+(a, av), (b, bv), tol = read(sys.argv[1]), read(sys.argv[2]), float(sys.argv[3])
+steps = sorted(set(a) & set(b))
+if not steps or len(steps) != len(a) or len(steps) != len(b):
+    sys.exit(f"step sets differ: {len(a)} vs {len(b)} records")
+rel = [abs(a[s] - b[s]) / abs(b[s]) for s in steps]
+worst = max(range(len(steps)), key=lambda i: rel[i])
+first10 = max(rel[:10])
+print(f"{sys.argv[1].split('/')[-2]} vs {sys.argv[2].split('/')[-2]}: {len(steps)} steps, "
+      f"max rel loss diff {rel[worst]:.2e} at step {steps[worst]} (first 10 steps {first10:.2e}); "
+      f"final loss {a[steps[-1]]:.4f} vs {b[steps[-1]]:.4f}; val "
+      + ", ".join(f"{s}: {av[s]:.4f} vs {bv.get(s, float('nan')):.4f}" for s in sorted(av)))
+sys.exit(0 if rel[worst] <= tol else f"max rel loss diff {rel[worst]:.2e} above {tol:g}")
+PY
+}
+
+export BIN RUNS PYTHON
+export -f tiny_run compare
+
+for p in "${PARTS[@]}"; do
+  case $p in
+    selftest)
+      part selftest "$BIN" selftest --device cuda --json "$OUT/selftest.json"
+      ;;
+    tiny)
+      # The CPU reference runs beside the GPU runs (it uses the CPU, they mostly the GPU).
+      (tiny_run tiny-cpu cpu f32 >"$RUNS/tiny-cpu.log" 2>&1; echo $? >"$RUNS/tiny-cpu.rc") &
+      cpu=$!
+      part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
+      part tiny-cuda-bf16 tiny_run tiny-cuda-bf16 cuda bf16
+      wait $cpu
+      echo "tiny on cpu: exit $(cat "$RUNS/tiny-cpu.rc")"; tail -3 "$RUNS/tiny-cpu.log"
+      # f32: the same arithmetic up to summation order, so the curves agree closely for the
+      # first steps and drift apart slowly over 200 steps; bf16 rounds every activation.
+      part tiny-f32-curve compare tiny-cuda-f32 tiny-cpu 1e-2
+      part tiny-bf16-curve compare tiny-cuda-bf16 tiny-cpu 3e-2
+      ;;
+    tiny-gpu)
+      part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
+      part tiny-cuda-bf16 tiny_run tiny-cuda-bf16 cuda bf16
+      ;;
+    ranks)
+      [ -f "$RUNS/tiny-cuda-f32/metrics.jsonl" ] || part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
+      part ranks-tp2-dp2 tiny_run tiny-cuda-tp2dp2 cuda f32 --set parallel.tp=2,parallel.dp=2
+      part ranks-curve compare tiny-cuda-tp2dp2 tiny-cuda-f32 1e-3
+      ;;
+    bench)
+      part bench env OUT="$OUT" OUT_DIR="$RUNS/gpu_step" PYTHON="$PYTHON" bench/gpu_step.sh "$BIN"
+      pkill -f bench/torch_llama.py 2>/dev/null || true # a timed-out side must not hold the GPU
+      ;;
+    profile)
+      SO=${CUPTI_TRACE_SO:-$(dirname "$BIN")/cupti_trace.so}
+      if [ ! -f "$SO" ]; then
+        echo "building $SO"
+        cc -O2 -shared -fPIC -I"$SP/nvidia/cu13/include" -o "$SO" bench/cupti_trace.c \
+          -L"$SP/nvidia/cu13/lib" -l:libcupti.so.13 || { FAILED+=("profile (no cupti_trace.so)"); continue; }
+      fi
+      rm -rf "$RUNS/profile"
+      part profile-run env CUPTI_TRACE_OUT="$RUNS/profile.csv" LD_PRELOAD="$SO" "$BIN" \
+        --recipe recipes/bench-1b.yaml --set "run.dir=$RUNS/profile,train.steps=6"
+      part profile-split "$PYTHON" bench/kernel_split.py "$RUNS/profile.csv" --steps 3 \
+        --json "$OUT/kernel_split.json"
+      ;;
+    *)
+      echo "gpu_check.sh: unknown part '$p'" >&2
+      FAILED+=("$p (unknown)")
+      ;;
+  esac
+done
+
+tar -C "$RUNS" -cJf "$OUT/runs.tar.xz" --exclude='*.csv' --exclude='checkpoints' . 2>/dev/null || true
+echo
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "gpu_check: FAILED: ${FAILED[*]}"
+  exit 1
+fi
+echo "gpu_check: all parts passed"
