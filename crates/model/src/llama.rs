@@ -15,7 +15,7 @@ use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
 use crate::inventory::Inventory;
-use crate::ops;
+use crate::ops::{self, linear};
 use crate::params::{ParamSet, ParamSpec};
 
 /// A piece of the model run as one segment.
@@ -303,19 +303,6 @@ const KERNELS: Kernels = Kernels {
     block: ops::attention_block,
     block_bwd: ops::attention_block_bwd,
 };
-
-/// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `[.., in]` → `[.., out]`.
-pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let n_in = *dims.last().unwrap_or(&0);
-    let rows = x.elem_count() / n_in.max(1);
-    let y = x.reshape((rows, n_in))?.matmul(&w.t()?)?; // [rows, out]
-    let mut out = dims;
-    if let Some(last) = out.last_mut() {
-        *last = w.dim(0)?;
-    }
-    y.reshape(out)
-}
 
 /// Rotary tables `cos, sin`: `[max_pos, head_dim / 2]`, angle `p · f_i` with the (possibly
 /// rescaled) inverse frequencies of [`LlamaConfig::rope_inv_freq`], computed in f64 on the host

@@ -12,8 +12,8 @@
 //! also has a CUDA implementation (`cuda/`, PTX built from `kernels/*.cu`) that reads f32, f64 or
 //! bf16 storage directly and sums in f32 (f64 for f64); f16 goes through f32 there too.
 //!
-//! One file per op: `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`), `swiglu.rs`,
-//! `cross_entropy.rs`, `grad_inject.rs`; shared kernel helpers live in `common.rs`.
+//! One file per op: `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`),
+//! `swiglu.rs`, `cross_entropy.rs`, `grad_inject.rs`; shared kernel helpers live in `common.rs`.
 
 use candle_core::{Result, Tensor};
 
@@ -25,9 +25,17 @@ mod attention_bwd;
 mod common;
 mod cross_entropy;
 mod grad_inject;
+mod linear;
 mod rms_norm;
 mod rope;
 mod swiglu;
+
+/// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `x` `[.., in]` → `[.., out]`, one
+/// node in the autograd graph (candle's GEMM forward and backward, bit-identical to composing
+/// reshape, transpose and matmul, with two gradient edges instead of five).
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    linear::linear(x, w)
+}
 
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) * weight`.
 /// `x`: `[.., h]`, `weight`: `[h]` (same dtype); returns the shape of `x`. Sums accumulate in the
