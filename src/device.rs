@@ -1,5 +1,6 @@
 //! The compute device of a run: opening it ([`device_for`]), waiting for its queued work
-//! ([`synchronize`]) and its memory in use ([`memory`]).
+//! ([`synchronize`]), its memory in use ([`memory`]) and the largest tensor its kernels can index
+//! ([`check_elements`]).
 //!
 //! Opening a CUDA device does, in this order, everything that must not happen inside a step:
 //! the driver's CUDA version and the GPU's compute capability are checked against what the
@@ -49,6 +50,32 @@ pub fn synchronize(device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Most elements a tensor may have on a CUDA device: candle's CUDA kernels (copies, fills, casts,
+/// element-wise ops) index elements with 32-bit unsigned integers, so a larger tensor would be
+/// processed only in part, silently. (The project's own kernels index with 64 bits.)
+pub const CUDA_MAX_ELEMENTS: usize = u32::MAX as usize;
+
+/// Errors, naming `what` and a remedy, if a tensor of `n` elements cannot live on `device` (see
+/// [`CUDA_MAX_ELEMENTS`]); any size is fine on the CPU.
+pub fn check_elements(what: &str, n: usize, device: &Device) -> candle_core::Result<()> {
+    if device.is_cuda() {
+        check_elements_within(what, n, CUDA_MAX_ELEMENTS)?;
+    }
+    Ok(())
+}
+
+/// [`check_elements`] against `limit`.
+pub fn check_elements_within(what: &str, n: usize, limit: usize) -> candle_core::Result<()> {
+    if n > limit {
+        candle_core::bail!(
+            "{what} would have {n} elements on this rank, more than the {limit} that CUDA kernels \
+             indexing with 32 bits can address; spread the parameters over more ranks (ZeRO: \
+             parallel.zero >= 1 with data parallelism, or more tensor or pipeline parallelism)"
+        );
+    }
+    Ok(())
+}
+
 /// Bytes allocated on a device, now and at the peak since the last [`reset_peak`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeviceMemory {
@@ -76,6 +103,24 @@ pub fn reset_peak(device: &Device) {
         let _ = cuda::reset_peak(d);
     }
     let _ = device;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_past_the_index_limit_are_refused_by_name() {
+        assert!(check_elements_within("x", 10, 10).is_ok());
+        let e = check_elements_within("the AdamW state", 11, 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the AdamW state would have 11 elements"), "{e}");
+        assert!(e.contains("more than the 10"), "{e}");
+        assert!(e.contains("parallel.zero"), "{e}");
+        // Any size on the CPU.
+        assert!(check_elements("x", usize::MAX, &Device::Cpu).is_ok());
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
@@ -41,6 +41,17 @@ impl AdamW {
         owned: Vec<Range<usize>>,
         cfg: &OptimizerConfig,
     ) -> Result<Self> {
+        let device = params
+            .iter()
+            .next()
+            .map_or(Device::Cpu, |p| p.device.clone());
+        let owned_len: usize = owned.iter().map(|r| r.len()).sum();
+        crate::device::check_elements("the flat parameters", layout.total, &device)?;
+        crate::device::check_elements(
+            "the AdamW state (master weights and two moments)",
+            owned_len.saturating_mul(3),
+            &device,
+        )?;
         let flat = flatten_params(params, layout)?;
         let masters: Vec<Tensor> = owned
             .iter()

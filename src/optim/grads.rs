@@ -31,6 +31,7 @@ pub struct GradBuffer {
 impl GradBuffer {
     /// A zeroed whole buffer for `layout`.
     pub fn new(layout: FlatLayout, device: &Device) -> Result<Self> {
+        crate::device::check_elements("the gradient buffer", layout.total, device)?;
         Ok(Self {
             flat: Tensor::zeros(layout.total, DType::F32, device)?,
             layout,
@@ -47,6 +48,7 @@ impl GradBuffer {
             at.push(n);
             n += r.len();
         }
+        crate::device::check_elements("the gradient buffer", n, device)?;
         Ok(Self {
             flat: Tensor::zeros(n, DType::F32, device)?,
             layout,
