@@ -27,7 +27,8 @@ fn composed(t: &[Tensor]) -> Result<Tensor> {
     y.reshape(out)
 }
 
-/// The same GEMM calls with the same layouts: output and both gradients equal bit for bit.
+/// The same GEMMs (`dw` as `gᵀ · x` instead of `(xᵀ · g)ᵀ`, the same dot products): output and
+/// both gradients equal bit for bit on the CPU.
 #[test]
 fn equals_the_primitive_composition_bit_for_bit() {
     let mut rng = Rng::new(3);

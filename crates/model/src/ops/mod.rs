@@ -31,8 +31,8 @@ mod rope;
 mod swiglu;
 
 /// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `x` `[.., in]` → `[.., out]`, one
-/// node in the autograd graph (candle's GEMM forward and backward, bit-identical to composing
-/// reshape, transpose and matmul, with two gradient edges instead of five).
+/// node in the autograd graph (candle's GEMMs, bit-identical on the CPU to composing reshape,
+/// transpose and matmul, with two gradient edges instead of five and a contiguous `dw`).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     linear::linear(x, w)
 }
