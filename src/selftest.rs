@@ -13,6 +13,11 @@
 //! 4. **Collective backend.** With NCCL (CUDA builds with the `nccl` feature): a world of one rank
 //!    runs every collective through NCCL itself and must return its input.
 //! 5. **Thread-ranks.** dp=2 × tp=2 thread-ranks sharing the device against one rank on it.
+//! 6. **A 1B decoder block.** One decoder block of the 1B recipes (hidden 2048, 32 query and 4 KV
+//!    heads of 64, intermediate 5632), forward and backward, in f32 and bf16 on the device against
+//!    the same block in f64 on the CPU with the same (device-rounded) weights and input: the
+//!    output, the input gradient and every weight gradient. Over 1024 positions on a GPU; over 128
+//!    on the CPU, where f64 time forces it (the only scaled dimension).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -58,7 +63,11 @@ fn rel_error(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(diff / scale)
 }
 
-/// Tolerance of an op computed in `dtype` against the f64 reference.
+/// Tolerance of an op (or the decoder block) computed in `dtype` against the f64 reference,
+/// relative to the output's largest magnitude. bf16 keeps 8 significant bits, so each rounding
+/// of a value is off by up to 2^-9 ≈ 2e-3 of it; the bound allows about fifteen such roundings
+/// adding up along the longest chain (the block's input gradient passes through a dozen bf16
+/// tensors), 3e-2. f32 (2^-24 per rounding) gets 2e-4, room for sums over thousands of terms.
 fn op_tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::BF16 => 3e-2,
@@ -357,6 +366,91 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     ])
 }
 
+/// The 1B recipes' decoder block (`recipes/1b.yaml`) as a one-layer model without embedding or head.
+fn block_config(seq: usize) -> model::LlamaConfig {
+    model::LlamaConfig {
+        vocab_size: 256,
+        hidden_size: 2048,
+        intermediate_size: 5632,
+        num_hidden_layers: 1,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        max_position_embeddings: seq,
+        init_std: 0.02,
+        head_dim: None,
+        rope_scaling: None,
+        bos_token_id: None,
+        eos_token_id: None,
+    }
+}
+
+/// Output, input gradient and weight gradients (by parameter name) of block 0 of `m` on `x`, the
+/// gradients taken of `Σ y ∘ r`.
+fn block_run(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Tensor)>> {
+    let x = Var::from_tensor(x)?;
+    let y = m.block(0, x.as_tensor())?;
+    let grads = (&y * r)?.sum_all()?.backward()?;
+    let mut out = vec![("output".to_string(), y)];
+    let dx = grads.get(x.as_tensor());
+    out.push((
+        "input".into(),
+        dx.cloned().ok_or_else(|| anyhow::anyhow!("no dx"))?,
+    ));
+    for p in m.params().iter() {
+        let v = p.tensor()?;
+        let g = grads.get(&v).cloned();
+        out.push((
+            p.name.clone(),
+            g.ok_or_else(|| anyhow::anyhow!("no gradient of {}", p.name))?,
+        ));
+    }
+    Ok(out)
+}
+
+/// Check 6: the 1B decoder block on `device` in f32 and bf16 against f64 on the CPU, over `seq`
+/// positions (see the module docs).
+pub fn check_block(device: &Device, seq: usize) -> Result<Vec<Check>> {
+    let c = block_config(seq);
+    let placement = || model::Placement {
+        layers: vec![0],
+        embedding: false,
+        head: false,
+        ..model::Placement::whole(&c)
+    };
+    let mut checks = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let m = model::Llama::new(&c, placement(), 7, dtype, device)?;
+        let reference = model::Llama::new(&c, placement(), 7, DType::F64, &Device::Cpu)?;
+        for (p, q) in m.params().iter().zip(reference.params().iter()) {
+            q.set(&p.tensor()?.to_device(&Device::Cpu)?.to_dtype(DType::F64)?)?;
+        }
+        let x = randn(&[1, seq, c.hidden_size], 41)?.to_dtype(dtype)?;
+        let r = randn(&[1, seq, c.hidden_size], 42)?.to_dtype(dtype)?;
+        let got = block_run(&m, &x.to_device(device)?, &r.to_device(device)?)?;
+        let want = block_run(
+            &reference,
+            &x.to_dtype(DType::F64)?,
+            &r.to_dtype(DType::F64)?,
+        )?;
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            let what = match name.as_str() {
+                "output" => "forward".to_string(),
+                "input" => "grad of the input".to_string(),
+                n => format!("grad of {}", n.rsplit('.').nth(1).unwrap_or(n)),
+            };
+            checks.push(Check {
+                name: format!("1B block s={seq} {what} {dtype:?}"),
+                error: rel_error(g, w)?,
+                tolerance: op_tolerance(dtype),
+            });
+        }
+    }
+    Ok(checks)
+}
+
 /// Check 4: the NCCL backend in a world of one rank (CUDA builds with `nccl`).
 #[cfg(feature = "nccl")]
 pub fn check_nccl(device: &Device) -> Result<Vec<Check>> {
@@ -392,5 +486,7 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         checks.extend(check_nccl(&device)?);
     }
     checks.extend(check_training(kind, recipe)?);
+    let seq = if device.is_cuda() { 1024 } else { 128 };
+    checks.extend(check_block(&device, seq)?);
     Ok(checks)
 }

@@ -18,13 +18,14 @@ fn cpu_selftest_passes_every_check() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("all 58 checks passed"), "{stdout}");
+    assert!(stdout.contains("all 80 checks passed"), "{stdout}");
     let checks: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Forward and backward of the five ops (attention at three head dims, cross-entropy at two
     // vocabularies) and of an unmasked ring attention block in f32 and bf16, three optimizer
-    // kernels, three training runs.
-    assert_eq!(checks.len(), 58);
+    // kernels, three training runs, and the 1B decoder block's output, input gradient and nine
+    // weight gradients in f32 and bf16.
+    assert_eq!(checks.len(), 80);
     for c in &checks {
         let (e, t) = (
             c["error"].as_f64().unwrap(),
@@ -41,10 +42,13 @@ fn cpu_selftest_passes_every_check() {
         .as_str()
         .unwrap()
         .starts_with("cp2 thread-ranks (ring attention)")));
-    // The 1B recipes' shapes: head dim 64 with 8 query heads per KV head, vocabulary 32000.
+    // The 1B recipes' shapes: head dim 64 with 8 query heads per KV head, vocabulary 32000, and
+    // their decoder block (128 positions on the CPU).
     for name in [
         "causal_attention d64 gqa8 grad of input 1 BF16",
         "cross_entropy v32000 grad of input 0 BF16",
+        "1B block s=128 grad of down_proj F32",
+        "1B block s=128 grad of the input BF16",
     ] {
         assert!(checks.iter().any(|c| c["name"] == name), "no check {name}");
     }
