@@ -195,7 +195,9 @@ impl<'a> Executor<'a> {
             HashMap<_, Tensor>,
         ) = Default::default();
         let actions = &self.schedule.actions[self.stage];
-        let (mut loss, mut timing) = (0.0, Vec::with_capacity(actions.len()));
+        // The micro-batches' losses are summed where they are computed (f64, in schedule order)
+        // and read once at the end: no host wait per micro-batch on a GPU.
+        let (mut loss, mut timing): (Option<Tensor>, _) = (None, Vec::with_capacity(actions.len()));
         let mut acts_held = Activations::default();
         for &action in actions {
             let t0 = clock.elapsed().as_secs_f64();
@@ -230,7 +232,11 @@ impl<'a> Executor<'a> {
                         x = y;
                     }
                     let output = if pieces.last() == Some(&Piece::Head) {
-                        loss += x.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                        let x = x.to_dtype(DType::F64)?;
+                        loss = Some(match loss {
+                            Some(sum) => (sum + x)?,
+                            None => x,
+                        });
                         None
                     } else {
                         Some(x)
@@ -313,7 +319,7 @@ impl<'a> Executor<'a> {
             });
         }
         Ok(StepRun {
-            loss,
+            loss: loss.map_or(Ok(0.0), |l| l.to_scalar::<f64>())?,
             timing,
             act_peak_bytes: acts_held.peak,
         })
