@@ -121,6 +121,8 @@ pub struct Executor<'a> {
     /// Their dtype (the parameters').
     dtype: DType,
     recompute: Recompute,
+    /// Wait for the device after every action (see [`Executor::timed_on_device`]).
+    device_timed: Option<&'a Device>,
 }
 
 /// What a (chunk, micro-batch) keeps between its forward and its backward.
@@ -157,7 +159,18 @@ impl<'a> Executor<'a> {
             act_shape: Shape::from((micro_batch, seq_len / sp_split, cfg.hidden_size)),
             dtype: model.params().get(0).dtype,
             recompute,
+            device_timed: None,
         }
+    }
+
+    /// Makes every action's end time the moment the device finished it, by waiting for the
+    /// device after each action (no wait on the CPU). On a GPU, actions otherwise return once
+    /// their kernels are queued, and a timeline of enqueue times says little about the bubble or
+    /// the overlap; the waits cost this step the overlap of host and device work, so only the
+    /// traced step uses them.
+    pub fn timed_on_device(mut self, device: &'a Device) -> Self {
+        self.device_timed = Some(device);
+        self
     }
 
     /// Runs this rank's actions for `mbs` (one per micro-batch), adding gradients into `grads`
@@ -311,6 +324,9 @@ impl<'a> Executor<'a> {
                     let g = g.with_context(|| format!("no input gradient for {action}"))?;
                     self.comm.send(&g, self.stage_ranks[to])?;
                 }
+            }
+            if let Some(device) = self.device_timed {
+                crate::device::synchronize(device)?;
             }
             timing.push(Timed {
                 action,

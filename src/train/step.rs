@@ -49,7 +49,7 @@ impl Trainer {
             .map(|b| MicroBatch::new(b, scale, &self.device))
             .collect::<Result<Vec<_>>>()?;
 
-        let exec = Executor::new(
+        let mut exec = Executor::new(
             &self.model,
             ctx,
             &self.schedule,
@@ -57,6 +57,9 @@ impl Trainer {
             t.micro_batch,
             t.seq_len / ctx.cp.size(),
         );
+        if self.recipe.run.trace_step == Some(self.step + 1) {
+            exec = exec.timed_on_device(&self.device);
+        }
         self.dp.start();
         if let Some(g) = &mut self.gather {
             g.start(self.uses.clone(), false);
