@@ -23,7 +23,7 @@ use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{backend::BackendStorage, bail, DType, Layout, Result};
 
-/// One PTX module of the project.
+/// One kernel module of the project.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Module {
     /// `kernels/pointwise.cu`: RMSNorm, RoPE, SwiGLU, cross-entropy.
@@ -86,11 +86,17 @@ impl Module {
     }
 }
 
-/// Loaded modules and functions, per CUDA context (keyed by its handle).
+/// Loaded modules and their functions by name, per CUDA context (keyed by its handle). A module
+/// holds its context, so a cached context stays alive and its handle is never reused.
 #[derive(Default)]
 struct Loaded {
-    modules: HashMap<(usize, Module), Arc<CudaModule>>,
-    functions: HashMap<(usize, Module, String), CudaFunction>,
+    modules: HashMap<(usize, Module), LoadedModule>,
+}
+
+/// A loaded module and the functions looked up in it so far.
+struct LoadedModule {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
 }
 
 fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
@@ -98,12 +104,17 @@ fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
     LOADED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `module` in the context of `dev`, loaded on first use (the caller holds the cache's lock).
-fn module_in(cache: &mut Loaded, dev: &CudaDevice, module: Module) -> Result<Arc<CudaModule>> {
+/// `module` in the context of `dev` with its functions looked up so far, loaded on first use (the
+/// caller holds the cache's lock).
+fn module_in<'c>(
+    cache: &'c mut Loaded,
+    dev: &CudaDevice,
+    module: Module,
+) -> Result<&'c mut LoadedModule> {
     let ctx = dev.cuda_stream().context().clone();
     let key = (ctx.cu_ctx() as usize, module);
-    if let Some(m) = cache.modules.get(&key) {
-        return Ok(m.clone());
+    if cache.modules.contains_key(&key) {
+        return Ok(cache.modules.get_mut(&key).expect("present"));
     }
     // A copy: the driver reads the image through an aligned pointer.
     let image = Ptx::from_binary(module.image().to_vec());
@@ -115,8 +126,10 @@ fn module_in(cache: &mut Loaded, dev: &CudaDevice, module: Module) -> Result<Arc
             BUILT_CUDA_VERSION % 1000 / 10
         ))
     })?;
-    cache.modules.insert(key, m.clone());
-    Ok(m)
+    Ok(cache.modules.entry(key).or_insert(LoadedModule {
+        module: m,
+        functions: HashMap::new(),
+    }))
 }
 
 /// Loads every module of the project into the context of `dev` (once per context). Called when a
@@ -146,16 +159,14 @@ pub fn kernel_name(op: &str, base: &str, dtype: DType) -> Result<String> {
 /// the device stream's `launch_builder`).
 pub fn load(dev: &CudaDevice, module: Module, name: &str) -> Result<CudaFunction> {
     let mut cache = loaded();
-    let ctx = dev.cuda_stream().context().cu_ctx() as usize;
-    let key = (ctx, module, name.to_string());
-    if let Some(f) = cache.functions.get(&key) {
+    let loaded = module_in(&mut cache, dev, module)?;
+    if let Some(f) = loaded.functions.get(name) {
         return Ok(f.clone());
     }
-    let m = module_in(&mut cache, dev, module)?;
-    let f = m.load_function(name).map_err(|e| {
+    let f = loaded.module.load_function(name).map_err(|e| {
         candle_core::Error::Msg(format!("CUDA kernel {name} of {}: {e}", module.name()))
     })?;
-    cache.functions.insert(key, f.clone());
+    loaded.functions.insert(name.to_string(), f.clone());
     Ok(f)
 }
 
