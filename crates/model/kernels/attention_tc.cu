@@ -117,10 +117,14 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragBr
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragBc;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
 
+// An output element: bf16 (rounded once) or f32.
+__device__ __forceinline__ void store_out(bf16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void store_out(float* p, float x) { *p = x; }
+
 // Writes a warp's 16 x D accumulators `acc` through its f32 staging rows `st` (pitch LDF) to
-// rows p0 .. p0 + 16 (those below s) of dst (pitch `stride`), times `mul`, as bf16.
-template <int D>
-__device__ __forceinline__ void write_acc(float* st, const FragC* acc, bf16* dst, size_t stride,
+// rows p0 .. p0 + 16 (those below s) of dst (pitch `stride`, bf16 or f32), times `mul`.
+template <int D, typename Out>
+__device__ __forceinline__ void write_acc(float* st, const FragC* acc, Out* dst, size_t stride,
                                           int p0, int s, float mul) {
   constexpr int LDF = TcCfg<D>::LDF;
   const int lane = threadIdx.x & 31;
@@ -130,25 +134,7 @@ __device__ __forceinline__ void write_acc(float* st, const FragC* acc, bf16* dst
   __syncwarp();
   for (int i = lane; i < 16 * D; i += 32) {
     const int r = i / D, c = i % D;
-    if (p0 + r < s) dst[(size_t)(p0 + r) * stride + c] = __float2bfloat16_rn(st[r * LDF + c] * mul);
-  }
-  __syncwarp();
-}
-
-// As write_acc, in f32 without scaling: a warp's 16 x D accumulators to rows p0 .. p0 + 16 (those
-// below s) of the f32 dst (pitch `stride`).
-template <int D>
-__device__ __forceinline__ void write_acc_f32(float* st, const FragC* acc, float* dst,
-                                              size_t stride, int p0, int s) {
-  constexpr int LDF = TcCfg<D>::LDF;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int c = 0; c < D / 16; ++c)
-    wmma::store_matrix_sync(st + c * 16, acc[c], LDF, wmma::mem_row_major);
-  __syncwarp();
-  for (int i = lane; i < 16 * D; i += 32) {
-    const int r = i / D, c = i % D;
-    if (p0 + r < s) dst[(size_t)(p0 + r) * stride + c] = st[r * LDF + c];
+    if (p0 + r < s) store_out(dst + (size_t)(p0 + r) * stride + c, st[r * LDF + c] * mul);
   }
   __syncwarp();
 }
@@ -540,8 +526,8 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
     write_acc<D>(st, dv, grads + nq + nkv + koff, krs, w0, s, 1.0f);
   } else {  // this query head's shares: part = [dK | dV], each [b, s, hq, D] f32, unscaled
     const size_t qoff = (size_t)bi * s * qrs + (size_t)h0 * D;
-    write_acc_f32<D>(st, dk, part + qoff, qrs, w0, s);
-    write_acc_f32<D>(st, dv, part + nq + qoff, qrs, w0, s);
+    write_acc<D>(st, dk, part + qoff, qrs, w0, s, 1.0f);
+    write_acc<D>(st, dv, part + nq + qoff, qrs, w0, s, 1.0f);
   }
 }
 
