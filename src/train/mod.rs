@@ -11,6 +11,7 @@ pub mod hooks;
 pub mod lock;
 pub mod metrics;
 pub mod pipeline;
+pub mod prefetch;
 pub mod rank;
 mod run;
 mod saver;
@@ -19,6 +20,7 @@ mod step;
 pub mod zero;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -55,7 +57,9 @@ pub struct Trainer {
     gather: Option<Gatherer>,
     /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
     uses: Vec<(model::Piece, usize, Pass)>,
-    train_data: GptData,
+    train_data: Arc<GptData>,
+    /// The next step's micro-batches, read on a background thread during this step.
+    prefetch: prefetch::Prefetch<Vec<data::Batch>>,
     valid_data: Option<GptData>,
     metrics: Option<Metrics>,
     /// Optimizer steps done.
@@ -122,6 +126,20 @@ impl Trainer {
                 train_data.vocab_size()
             );
         }
+        let train_data = Arc::new(train_data);
+        let prefetch = {
+            let (data, gb, mb) = (train_data.clone(), t.global_batch, t.micro_batch);
+            let (index, size) = (ctx.data_index, ctx.data_size);
+            prefetch::Prefetch::new(
+                &format!("data-rank{}", ctx.rank),
+                Arc::new(move |consumed| {
+                    data::micro_batch_indices(consumed, gb, mb, index, size)
+                        .iter()
+                        .map(|ix| Ok(data.batch(ix)?))
+                        .collect()
+                }),
+            )?
+        };
         let valid_data = if t.eval_interval > 0 {
             let n = (t.eval_batches * t.global_batch) as u64;
             Some(
@@ -178,6 +196,7 @@ impl Trainer {
             gather,
             uses,
             train_data,
+            prefetch,
             valid_data,
             metrics: None,
             step: 0,

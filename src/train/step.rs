@@ -6,7 +6,6 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use data::micro_batch_indices;
 use parallel::dp::intersect;
 use parallel::tp::Shard;
 
@@ -29,16 +28,14 @@ impl Trainer {
         let comm = ctx.comm.as_ref();
         self.grads.zero()?;
         self.model.placement().cp.stats().take(); // count this step's ring only
-        let batches = micro_batch_indices(
-            self.consumed,
-            t.global_batch,
-            t.micro_batch,
-            ctx.data_index,
-            ctx.data_size,
-        )
-        .iter()
-        .map(|ix| ctx.local_batch(self.train_data.batch(ix)?))
-        .collect::<Result<Vec<_>>>()?;
+                                                  // This step's micro-batches (read during the last step) and a request for the next's.
+        let next = (self.step + 1 < t.steps).then(|| self.consumed + t.global_batch as u64);
+        let batches = self
+            .prefetch
+            .get(self.consumed, next)?
+            .into_iter()
+            .map(|b| ctx.local_batch(b))
+            .collect::<Result<Vec<_>>>()?;
         let local: f64 = batches
             .iter()
             .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
