@@ -69,8 +69,10 @@ pub fn check_elements_within(what: &str, n: usize, limit: usize) -> candle_core:
     if n > limit {
         candle_core::bail!(
             "{what} would have {n} elements on this rank, more than the {limit} that CUDA kernels \
-             indexing with 32 bits can address; spread the parameters over more ranks (ZeRO: \
-             parallel.zero >= 1 with data parallelism, or more tensor or pipeline parallelism)"
+             indexing with 32 bits can address; spread it over more ranks (parameters and \
+             optimizer state: ZeRO, parallel.zero >= 1 with data parallelism, or more tensor or \
+             pipeline parallelism; activations: a smaller train.micro_batch, or more tensor or \
+             context parallelism)"
         );
     }
     Ok(())
@@ -118,6 +120,7 @@ mod tests {
         assert!(e.contains("the AdamW state would have 11 elements"), "{e}");
         assert!(e.contains("more than the 10"), "{e}");
         assert!(e.contains("parallel.zero"), "{e}");
+        assert!(e.contains("train.micro_batch"), "{e}");
         // Any size on the CPU.
         assert!(check_elements("x", usize::MAX, &Device::Cpu).is_ok());
     }

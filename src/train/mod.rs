@@ -156,6 +156,21 @@ impl Trainer {
         } else {
             None
         };
+        // The largest activations of a micro-batch must fit candle's 32-bit CUDA indexing too.
+        let rows = t.micro_batch * t.seq_len / ctx.cp.size();
+        let tp = ctx.tp.size();
+        for (what, n) in [
+            (
+                "the logits of a micro-batch",
+                rows * recipe.model.vocab_size / tp,
+            ),
+            (
+                "the MLP activations of a micro-batch",
+                rows * recipe.model.intermediate_size / tp,
+            ),
+        ] {
+            crate::device::check_elements(what, n, &device)?;
+        }
         let model = Llama::new(
             &recipe.model,
             ctx.placement(recipe.model.num_hidden_layers),
