@@ -245,7 +245,8 @@ impl<'a> Executor<'a> {
                         x = y;
                     }
                     let output = if pieces.last() == Some(&Piece::Head) {
-                        let x = x.to_dtype(DType::F64)?;
+                        // Detached: the sum must not keep this micro-batch's graph alive.
+                        let x = x.detach().to_dtype(DType::F64)?;
                         loss = Some(match loss {
                             Some(sum) => (sum + x)?,
                             None => x,
