@@ -15,7 +15,7 @@ use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
 use crate::inventory::Inventory;
-use crate::ops::{self, linear};
+use crate::ops::{self, linear, linear_to};
 use crate::params::{ParamSet, ParamSpec};
 
 /// A piece of the model run as one segment.
@@ -211,12 +211,12 @@ impl Llama {
         let (b, s, _) = h.dims3()?; // s: this rank's rows of the sequence
         let cp = &self.placement.cp;
         let (cos, sin) = cp.rope_rows(&self.cos, &self.sin, s * cp.size())?; // global positions
-        let q = linear(&h, &self.w(blk.q_proj)?)?.reshape((b, s, hq, d))?; // [b, s, hq/tp, d]
-        let k = linear(&h, &self.w(blk.k_proj)?)?.reshape((b, s, hkv, d))?; // [b, s, hkv/tp, d]
-        let v = linear(&h, &self.w(blk.v_proj)?)?.reshape((b, s, hkv, d))?;
+        let q = linear_to(&h, &self.w(blk.q_proj)?, (b, s, hq, d))?; // [b, s, hq/tp, d]
+        let k = linear_to(&h, &self.w(blk.k_proj)?, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
+        let v = linear_to(&h, &self.w(blk.v_proj)?, (b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
         let a = cp.attention(&q, &k, &v, 1.0 / (d as f64).sqrt(), KERNELS)?; // [b, s, hq/tp, d]
-        let o = linear(&a.reshape((b, s, hq * d))?, &self.w(blk.o_proj)?)?; // [b, s, h] partial
+        let o = linear_to(&a, &self.w(blk.o_proj)?, (b, s, c.hidden_size))?; // [b, s, h] partial
         let x = (x + tp.exit(&o)?)?;
 
         let h = tp.enter(&ops::rms_norm(

@@ -1,6 +1,6 @@
-//! Tests of `model::ops::linear`: bit-identical to the composition of candle primitives it
-//! replaces (output, `dx`, `dw`; f32 and f64; 2-D and 3-D `x`, non-contiguous `x`),
-//! finite-difference gradients (f64), and errors.
+//! Tests of `model::ops::linear` and `linear_to`: bit-identical to the composition of candle
+//! primitives they replace (output, `dx`, `dw`; f32 and f64; 2-D, 3-D and 4-D `x`, non-contiguous
+//! `x`), finite-difference gradients (f64), and errors.
 
 mod common;
 use common::expect_err;
@@ -8,7 +8,7 @@ use common::expect_err;
 mod ops_util;
 
 use candle_core::{DType, Device, Result, Tensor};
-use model::ops::linear;
+use model::ops::{linear, linear_to};
 use ops_util::{check_fd_grads, run_with_grads, values, Rng};
 
 fn op(t: &[Tensor]) -> Result<Tensor> {
@@ -54,6 +54,31 @@ fn equals_the_primitive_composition_bit_for_bit() {
     }
 }
 
+/// `linear_to` on attention's `[b, s, heads, d]` layout, in and out, equals reshape → linear →
+/// reshape bit for bit (output and both gradients).
+#[test]
+fn linear_to_equals_reshapes_around_linear() {
+    let mut rng = Rng::new(6);
+    for dtype in [DType::F32, DType::F64] {
+        let t = vec![
+            rng.tensor((2, 5, 3, 4), 1.0, dtype), // [b, s, heads, d], in = 12
+            rng.tensor((6, 12), 0.5, dtype),      // out = 2 heads of 3
+        ];
+        let r = rng.tensor((2, 5, 2, 3), 1.0, dtype);
+        let fused = |t: &[Tensor]| linear_to(&t[0], &t[1], (2, 5, 2, 3));
+        let composed = |t: &[Tensor]| {
+            composed(&[t[0].reshape((2, 5, 12))?, t[1].clone()])?.reshape((2, 5, 2, 3))
+        };
+        let (y, g) = run_with_grads(&fused, &t, &[0, 1], &r);
+        let (y_ref, g_ref) = run_with_grads(&composed, &t, &[0, 1], &r);
+        assert_eq!(y.dims(), &[2, 5, 2, 3]);
+        assert_eq!(values(&y), values(&y_ref), "{dtype:?} output");
+        assert_eq!(g[0].dims(), &[2, 5, 3, 4]);
+        assert_eq!(values(&g[0]), values(&g_ref[0]), "{dtype:?} dx");
+        assert_eq!(values(&g[1]), values(&g_ref[1]), "{dtype:?} dw");
+    }
+}
+
 /// Analytic dx and dw vs central finite differences, f64.
 #[test]
 fn gradients_match_finite_differences() {
@@ -91,5 +116,14 @@ fn mismatched_shapes_are_errors() {
     expect_err(
         linear(&x, &Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap()),
         "expected x [.., in] and w [out, in]",
+    );
+    let w = Tensor::zeros((4, 5), DType::F32, &Device::Cpu).unwrap();
+    expect_err(
+        linear_to(&x, &w, (3, 5)),
+        "output shape [3, 5] does not hold the 3 x 4 products",
+    );
+    expect_err(
+        linear_to(&Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap(), &w, 4),
+        "is not a whole number of rows of the 5 features",
     );
 }

@@ -10,52 +10,49 @@
 //! same dot products (bit-identical on the CPU, tested; on a GPU cuBLAS may pick another kernel).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 const OP: &str = "linear";
 
-/// The product's geometry: rows, `in`, `out`, the output shape, the layouts of `x` as `[rows,
-/// in]` and of `wᵀ` as `[in, out]`.
+/// The product's geometry: rows, `in`, `out`, the layouts of `x` as `[rows, in]` and of `wᵀ` as
+/// `[in, out]`.
 struct Geometry {
     rows: usize,
     n_in: usize,
     n_out: usize,
-    shape: Shape,
     x2: Layout,
     wt: Layout,
 }
 
 fn geometry(lx: &Layout, lw: &Layout) -> Result<Geometry> {
-    let xd = lx.dims();
-    let (n_in, n_out, w_in) = match (xd.last(), lw.dims()) {
-        (Some(&n_in), &[n_out, w_in]) => (n_in, n_out, w_in),
-        _ => bail!(
-            "{OP}: expected x [.., in] and w [out, in], got {xd:?} and {:?}",
-            lw.dims()
-        ),
+    let (n_out, n_in) = match lw.dims() {
+        &[o, i] => (o, i),
+        d => bail!("{OP}: w must be [out, in], got {d:?}"),
     };
-    if w_in != n_in {
-        bail!("{OP}: x has {n_in} features but w is [{n_out}, {w_in}]");
+    let n = lx.shape().elem_count();
+    if n_in == 0 || !n.is_multiple_of(n_in) {
+        bail!(
+            "{OP}: x {:?} is not a whole number of rows of the {n_in} features of w [{n_out}, {n_in}]",
+            lx.dims()
+        );
     }
     if !lx.is_contiguous() {
         bail!("{OP}: x must be contiguous (the wrapper makes it so)");
     }
-    let rows = lx.shape().elem_count() / n_in.max(1);
-    let mut out = xd.to_vec();
-    if let Some(last) = out.last_mut() {
-        *last = n_out;
-    }
+    let rows = n / n_in;
     Ok(Geometry {
         rows,
         n_in,
         n_out,
-        shape: Shape::from(out),
         x2: Layout::contiguous_with_offset((rows, n_in), lx.start_offset()),
         wt: lw.transpose(0, 1)?,
     })
 }
 
-struct Linear;
+/// `x · wᵀ` with the output in `shape` (`rows × out` elements).
+struct Linear {
+    shape: Shape,
+}
 
 impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
@@ -71,7 +68,7 @@ impl CustomOp2 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let g = geometry(lx, lw)?;
         let y = sx.matmul(sw, (1, g.rows, g.n_out, g.n_in), &g.x2, &g.wt)?; // [rows, out]
-        Ok((y, g.shape))
+        Ok((y, self.shape.clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -84,7 +81,7 @@ impl CustomOp2 for Linear {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = geometry(lx, lw)?;
         let y = sx.matmul(sw, (1, g.rows, g.n_out, g.n_in), &g.x2, &g.wt)?; // [rows, out]
-        Ok((y, g.shape))
+        Ok((y, self.shape.clone()))
     }
 
     fn bwd(
@@ -94,16 +91,42 @@ impl CustomOp2 for Linear {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (n_in, n_out) = (x.dim(D::Minus1)?, w.dim(0)?);
+        let (n_out, n_in) = w.dims2()?;
         let rows = x.elem_count() / n_in.max(1);
         let g = grad.reshape((rows, n_out))?; // [rows, out]
         let x2 = x.detach().reshape((rows, n_in))?; // [rows, in]
-        let dx = g.matmul(&w.detach())?.reshape(x.shape())?; // [.., in]
+        let dx = g.matmul(&w.detach())?.reshape(x.shape())?; // x's shape
         let dw = g.t()?.matmul(&x2)?; // [out, in]
         Ok((Some(dx), Some(dw)))
     }
 }
 
 pub(super) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(w, Linear)
+    let mut shape = x.dims().to_vec();
+    match (shape.last_mut(), w.dims()) {
+        (Some(last), &[n_out, n_in]) if *last == n_in => *last = n_out,
+        (Some(last), &[n_out, n_in]) => {
+            bail!("{OP}: x has {last} features but w is [{n_out}, {n_in}]")
+        }
+        _ => bail!(
+            "{OP}: expected x [.., in] and w [out, in], got {:?} and {:?}",
+            x.dims(),
+            w.dims()
+        ),
+    }
+    linear_to(x, w, shape)
+}
+
+pub(super) fn linear_to(x: &Tensor, w: &Tensor, shape: impl Into<Shape>) -> Result<Tensor> {
+    let shape = shape.into();
+    let (n_out, n_in) = w.dims2()?;
+    let rows = x.elem_count() / n_in.max(1);
+    if shape.elem_count() != rows * n_out {
+        bail!(
+            "{OP}: output shape {shape:?} does not hold the {rows} x {n_out} products of x {:?} \
+             and w [{n_out}, {n_in}]",
+            x.dims()
+        );
+    }
+    x.contiguous()?.apply_op2(w, Linear { shape })
 }

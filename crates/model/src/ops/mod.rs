@@ -37,6 +37,14 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     linear::linear(x, w)
 }
 
+/// [`linear`] on `x` read as rows of `w`'s `in` features (any shape holding whole rows,
+/// contiguous in row order, e.g. attention's `[b, s, heads, d]` for `in = heads · d`), with the
+/// output given `shape` (`rows × out` elements, e.g. `[b, s, heads, d]`): the reshapes around a
+/// projection without their graph edges.
+pub fn linear_to(x: &Tensor, w: &Tensor, shape: impl Into<candle_core::Shape>) -> Result<Tensor> {
+    linear::linear_to(x, w, shape)
+}
+
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) * weight`.
 /// `x`: `[.., h]`, `weight`: `[h]` (same dtype); returns the shape of `x`. Sums accumulate in the
 /// compute dtype (f32, or f64 for f64). Backward gives `dx` and `dweight` (summed over all rows).
