@@ -7,7 +7,8 @@
 // delta [b, hq, s] (f32); the backward writes the flat grads dq [b, s, hq, D] | dk | dv.
 //
 // Blocks of 128 threads (4 warps). Tiles of BM = 64 rows, 16 per warp: the forward and dQ blocks
-// own 64 query rows of one (b, query head); the dK/dV block owns 64 key rows of one (b, kv head).
+// own 64 query rows of one (b, query head); the dK/dV block owns 64 key rows of one (b, kv head)
+// against the queries of one of its query heads.
 // The warp's own 16 rows of Q (and dO), or K and V, stay in matrix_a fragments for the whole
 // block; the other operand streams through shared memory in bf16 tiles (pitch D + 8). Matrix
 // products run on wmma fragments; the scores, softmax, masking and dS are done by ordinary
@@ -554,9 +555,8 @@ __device__ __forceinline__ void dkv_reduce(const float* __restrict__ part, bf16*
 // Exports: attn_tc_{fwd,dq,dkv}_d<D>_bf16, with the parameter lists of attention.cu's bf16
 // attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps), except that the
 // dK/dV kernel also takes `part`, 2 nq floats for the GQA shares (null without GQA), and runs
-// b·hq blocks per key tile. They compute the
-// causal mask only: a launch with causal = 0 or sk != s traps (the launchers pick the scalar
-// kernels for unmasked blocks).
+// b·hq blocks per key tile. They compute the causal mask only: a launch with causal = 0 or
+// sk != s traps (the launchers pick the scalar kernels for unmasked blocks).
 // bf16 wmma needs sm_80 or newer: compiled for an older architecture, the kernels only trap (the
 // launchers pick them for bf16, which the project trains with on sm_80+ GPUs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
