@@ -198,15 +198,13 @@ mod cuda {
     /// Freed memory stays in the pool instead of being returned to the driver at every
     /// synchronisation (the default threshold is 0), so allocations after a host read are cheap.
     fn keep_freed_memory(d: &CudaDevice) -> Result<()> {
-        let mut threshold = u64::MAX;
+        use sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        set_attribute(d, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX)
+    }
+
+    fn set_attribute(d: &CudaDevice, attr: sys::CUmemPool_attribute, mut v: u64) -> Result<()> {
         // SAFETY: a valid pool and a u64 for a u64 attribute.
-        unsafe {
-            result::mem_pool::set_attribute(
-                pool(d)?,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut threshold as *mut u64 as *mut _,
-            )?
-        };
+        unsafe { result::mem_pool::set_attribute(pool(d)?, attr, &mut v as *mut u64 as *mut _)? };
         Ok(())
     }
 
@@ -227,15 +225,10 @@ mod cuda {
 
     pub(super) fn reset_peak(d: &CudaDevice) -> Result<()> {
         // Setting the high-water mark (to 0) resets it to the bytes in use now.
-        let mut zero = 0u64;
-        // SAFETY: a valid pool and a u64 for a u64 attribute.
-        unsafe {
-            result::mem_pool::set_attribute(
-                pool(d)?,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut zero as *mut u64 as *mut _,
-            )?
-        };
-        Ok(())
+        set_attribute(
+            d,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            0,
+        )
     }
 }
