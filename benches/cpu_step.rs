@@ -84,7 +84,7 @@ fn main() -> anyhow::Result<()> {
     let scale = 1.0 / (micro * b * s) as f64;
     let mbs: Vec<MicroBatch> = batches
         .iter()
-        .map(|bt| MicroBatch::new(bt, scale, &dev))
+        .map(|bt| MicroBatch::new(bt, scale, 1.0 / micro as f64, &dev))
         .collect::<Result<_, _>>()?;
     // The training step path of one rank: a one-stage schedule through the step executor.
     let comm = LocalWorld::new(1, Duration::from_secs(60)).remove(0);

@@ -4,8 +4,9 @@ Two uses:
 
     python scripts/hf_check.py MODEL_DIR TEXT_FILE [LOGITS.safetensors]
 
-loads MODEL_DIR (an export of `pretrain export-hf`, or any Llama directory) with
-`LlamaForCausalLM.from_pretrained`, then
+loads MODEL_DIR (an export of `pretrain export-hf`, or any Llama or Mixtral directory) with
+`AutoModelForCausalLM.from_pretrained` (the class its config.json names: LlamaForCausalLM or
+MixtralForCausalLM), then
 1. computes the mean next-token loss over the windows `pretrain eval` uses (the text tokenized
    without special tokens, consecutive windows of max_position_embeddings + 1 tokens, the last
    partial window dropped), and
@@ -14,9 +15,10 @@ loads MODEL_DIR (an export of `pretrain export-hf`, or any Llama directory) with
 It prints `hf_loss=<value>` and, with logits, `logit_rel_err=<value>`, and the transformers version.
 
     python scripts/hf_check.py make OUT_DIR --tokenizer TOKENIZER.json --config JSON [--seed N]
+        [--arch llama|mixtral]
 
-writes a randomly initialised transformers Llama to OUT_DIR: JSON holds LlamaConfig keyword
-arguments (e.g. `rope_parameters` with `rope_type: llama3`), the config is saved in the running
+writes a randomly initialised transformers Llama (or Mixtral) to OUT_DIR: JSON holds LlamaConfig
+(MixtralConfig) keyword arguments (e.g. `rope_parameters` with `rope_type: llama3`), the config is saved in the running
 transformers' own format (transformers 5 writes `rope_parameters`), and the tokenizer is saved next
 to it so that `pretrain import-hf` and this script read the same vocabulary.
 """
@@ -27,11 +29,13 @@ import sys
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast)
 
 
 def check(model_dir, text_file, logits_file):
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    print(f"architecture={type(model).__name__}")
     model.eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(open(text_file).read(), add_special_tokens=False)["input_ids"]
@@ -55,10 +59,13 @@ def check(model_dir, text_file, logits_file):
             print(f"logit_rel_err={err:.3e}")
 
 
-def make(out_dir, tokenizer_file, config_json, seed):
+def make(out_dir, tokenizer_file, config_json, seed, arch):
     torch.manual_seed(seed)
-    config = LlamaConfig(**json.loads(config_json))
-    model = LlamaForCausalLM(config)
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+    }[arch]
+    model = model_class(config_class(**json.loads(config_json)))
     model.save_pretrained(out_dir)
     tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, bos_token="<|endoftext|>",
                                   eos_token="<|endoftext|>")
@@ -73,8 +80,9 @@ def main():
         p.add_argument("--tokenizer", required=True)
         p.add_argument("--config", required=True)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--arch", choices=["llama", "mixtral"], default="llama")
         a = p.parse_args(sys.argv[2:])
-        make(a.out_dir, a.tokenizer, a.config, a.seed)
+        make(a.out_dir, a.tokenizer, a.config, a.seed, a.arch)
     else:
         check(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
 

@@ -473,6 +473,22 @@ fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
             .map(|s| format!(" with {} scaling", s.name()))
             .unwrap_or_default()
     );
+    if let Some(moe) = m.moe() {
+        let layers = (0..m.num_hidden_layers)
+            .filter(|&l| m.is_moe_layer(l))
+            .count();
+        println!(
+            "experts: {} MoE layers of {} experts (ffn {}), {} per token; {} parameters in all, \
+             {} active per token ({:.1}%)",
+            layers,
+            moe.num_experts,
+            moe.expert_size,
+            moe.top_k,
+            m.num_params(),
+            m.num_active_params(),
+            100.0 * m.num_active_params() as f64 / m.num_params() as f64
+        );
+    }
     let p = &r.parallel;
     println!(
         "layout: dp={} tp={} cp={} pp={} (virtual {}) = {} ranks, sequence_parallel={}, zero={} (shard groups of {})",

@@ -31,6 +31,13 @@ fn config(tied: bool) -> LlamaConfig {
         rope_scaling: None,
         bos_token_id: None,
         eos_token_id: None,
+        num_local_experts: None,
+        num_experts_per_tok: None,
+        router_aux_loss_coef: None,
+        router_z_loss_coef: None,
+        norm_topk_prob: None,
+        moe_intermediate_size: None,
+        mlp_only_layers: Vec::new(),
     }
 }
 
@@ -92,7 +99,7 @@ fn grads_of(model: &Llama, batches: &[Batch], recompute: Recompute) -> (f64, Vec
     let scale = 1.0 / counted(batches);
     let mbs: Vec<MicroBatch> = batches
         .iter()
-        .map(|b| MicroBatch::new(b, scale, &Device::Cpu).unwrap())
+        .map(|b| MicroBatch::new(b, scale, 1.0 / batches.len() as f64, &Device::Cpu).unwrap())
         .collect();
     let loss = exec.step(&mbs, &buf, &mut (), Instant::now()).unwrap().loss;
     let g = (0..model.params().len())

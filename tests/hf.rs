@@ -145,6 +145,65 @@ fn export_then_import_reproduces_the_weights_and_training_continues() {
     );
 }
 
+/// A mixture-of-experts model trained on two pipeline stages exports as a Mixtral (expert
+/// tensors under Mixtral's names), imports back to the same weights, exports again to the same
+/// bytes, and a recipe that disagrees on the experts is refused by name.
+#[test]
+fn moe_exports_as_mixtral_and_round_trips_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let moe = ",parallel.pp=2";
+    train(
+        load(Path::new("recipes/tiny-moe.yaml"), &overrides(&run, moe)).unwrap(),
+        true,
+    )
+    .unwrap();
+    let step = run.join("checkpoints/step-00000003");
+    let out = tmp.path().join("hf");
+    let s = pretrain::hf::export(&step, &out, &ExportOptions::default()).unwrap();
+    assert!(s.parity < 1e-6, "{}", s.parity);
+    let cfg = read_json(&out.join("config.json"));
+    assert_eq!(cfg["architectures"][0], "MixtralForCausalLM");
+    assert_eq!(
+        (
+            cfg["num_local_experts"].as_u64(),
+            cfg["num_experts_per_tok"].as_u64()
+        ),
+        (Some(16), Some(4))
+    );
+    let recipe = load(
+        Path::new("recipes/tiny-moe.yaml"),
+        &overrides(&tmp.path().join("run2"), ""),
+    )
+    .unwrap();
+    let imported = pretrain::hf::import(&out, &recipe, &tmp.path().join("import")).unwrap();
+    let weights = masters(&imported);
+    assert_eq!(weights, masters(&step));
+    assert!(weights
+        .iter()
+        .any(|(n, _)| n == "model.layers.3.block_sparse_moe.experts.15.w2.weight"));
+    let again = tmp.path().join("hf-again");
+    pretrain::hf::export(&imported, &again, &ExportOptions::default()).unwrap();
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        std::fs::read(again.join("model.safetensors")).unwrap(),
+        "import → export must give the same file"
+    );
+    let other = load(
+        Path::new("recipes/tiny-moe.yaml"),
+        &[format!(
+            "model.num_experts_per_tok=2,run.dir={}",
+            tmp.path().join("run3").display()
+        )],
+    )
+    .unwrap();
+    let e = format!(
+        "{:#}",
+        pretrain::hf::import(&out, &other, &tmp.path().join("import2")).unwrap_err()
+    );
+    assert!(e.contains("num_experts_per_tok"), "{e}");
+}
+
 #[test]
 fn import_refuses_a_different_model_and_foreign_tensors() {
     let tmp = tempfile::tempdir().unwrap();

@@ -49,12 +49,23 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
         "parallel.dp=2,parallel.zero=3,train.recompute=full",
         "parallel.tp=2,parallel.sequence_parallel=true,parallel.pp=2,train.recompute=full",
     ];
-    for layout in layouts {
+    let moe = [
+        "parallel.dp=1",
+        "train.dtype=bf16",
+        "parallel.pp=2,parallel.dp=2,parallel.zero=1",
+        "model.mlp_only_layers=[0],train.recompute=full",
+    ];
+    let runs = layouts
+        .iter()
+        .map(|l| ("recipes/tiny.yaml", *l))
+        .chain(moe.iter().map(|l| ("recipes/tiny-moe.yaml", *l)));
+    for (path, layout) in runs {
         let o = vec![
             "train.steps=1,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4".to_string(),
             layout.to_string(),
         ];
-        let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+        let recipe = pretrain::recipe::load(Path::new(path), &o).unwrap();
+        let layout = format!("{path} {layout}");
         let predicted = memory::stages(&recipe).unwrap();
         for (rank, m) in measure(&recipe).iter().enumerate() {
             let want = &predicted[m.stage].bytes;

@@ -35,6 +35,13 @@ fn config() -> LlamaConfig {
         rope_scaling: None,
         bos_token_id: None,
         eos_token_id: None,
+        num_local_experts: None,
+        num_experts_per_tok: None,
+        router_aux_loss_coef: None,
+        router_z_loss_coef: None,
+        norm_topk_prob: None,
+        moe_intermediate_size: None,
+        mlp_only_layers: Vec::new(),
     }
 }
 
@@ -100,7 +107,7 @@ fn record(
         &Device::Cpu,
     )?;
     let mbs = (0..m)
-        .map(|k| MicroBatch::new(&batch(100 * k as u32), 1e-2, &Device::Cpu))
+        .map(|k| MicroBatch::new(&batch(100 * k as u32), 1e-2, 1.0 / m as f64, &Device::Cpu))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut rec = Recorder::default();
     exec.step(&mbs, &grads, &mut rec, Instant::now())?;

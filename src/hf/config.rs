@@ -46,7 +46,7 @@ fn parse(v: &Value) -> Result<HfModel> {
     if !v.is_object() {
         bail!("not a JSON object");
     }
-    check_architecture(v)?;
+    let mixtral = check_architecture(v)?;
     let uint = |k: &str, default: usize| -> Result<usize> {
         match key(v, k) {
             None => Ok(default),
@@ -130,7 +130,26 @@ fn parse(v: &Value) -> Result<HfModel> {
             )),
             Some(x) => Some(TokenIds::One(token_id(x).context("eos_token_id")?)),
         },
+        num_local_experts: None,
+        num_experts_per_tok: None,
+        router_aux_loss_coef: None,
+        router_z_loss_coef: None,
+        norm_topk_prob: None,
+        moe_intermediate_size: None,
+        mlp_only_layers: Vec::new(),
     };
+    if mixtral {
+        // Mixtral: every layer a sparse MoE block, softmax top-k routing renormalised.
+        if float("router_jitter_noise", 0.0)? != 0.0 {
+            bail!(
+                "router_jitter_noise: {} is not supported (routing without noise only)",
+                v["router_jitter_noise"]
+            );
+        }
+        config.num_local_experts = Some(uint("num_local_experts", 8)?);
+        config.num_experts_per_tok = Some(uint("num_experts_per_tok", 2)?);
+        config.router_aux_loss_coef = Some(float("router_aux_loss_coef", 0.001)?);
+    }
     (config.rope_theta, config.rope_scaling) = rope(v, config.max_position_embeddings)?;
     config
         .validate()
@@ -153,8 +172,9 @@ fn token_id(x: &Value) -> Result<u32> {
         .with_context(|| format!("expected a token id, found {x}"))
 }
 
-/// `model_type` must be `llama` and `architectures`, when given, `LlamaForCausalLM` only.
-fn check_architecture(v: &Value) -> Result<()> {
+/// `model_type` must be `llama` or `mixtral` and `architectures`, when given, the matching
+/// `LlamaForCausalLM` or `MixtralForCausalLM` only. Returns whether it is Mixtral.
+fn check_architecture(v: &Value) -> Result<bool> {
     let archs: Vec<&str> = match key(v, "architectures") {
         None => vec![],
         Some(a) => a
@@ -164,19 +184,32 @@ fn check_architecture(v: &Value) -> Result<()> {
             .map(|x| x.as_str().unwrap_or("?"))
             .collect(),
     };
-    match key(v, "model_type") {
-        Some(t) if t.as_str() != Some("llama") => bail!(
-            "model_type: {t} is not supported; only Llama (model_type \"llama\", LlamaForCausalLM) imports"
+    let kind = match key(v, "model_type") {
+        Some(t) => match t.as_str() {
+            Some(k @ ("llama" | "mixtral")) => k,
+            _ => bail!(
+                "model_type: {t} is not supported; only Llama (\"llama\", LlamaForCausalLM) and \
+                 Mixtral (\"mixtral\", MixtralForCausalLM) import"
+            ),
+        },
+        None if archs.is_empty() => bail!(
+            "names neither model_type nor architectures; only Llama (\"llama\") and Mixtral \
+             (\"mixtral\") import"
         ),
-        None if archs.is_empty() => {
-            bail!("names neither model_type nor architectures; only Llama (\"llama\") imports")
-        }
-        _ => {}
+        None if archs.iter().all(|a| *a == "MixtralForCausalLM") => "mixtral",
+        None => "llama",
+    };
+    let want = if kind == "mixtral" {
+        "MixtralForCausalLM"
+    } else {
+        "LlamaForCausalLM"
+    };
+    if let Some(a) = archs.iter().find(|a| **a != want) {
+        bail!(
+            "architectures: {a} is not supported with model_type \"{kind}\"; only {want} imports"
+        );
     }
-    if let Some(a) = archs.iter().find(|a| **a != "LlamaForCausalLM") {
-        bail!("architectures: {a} is not supported; only LlamaForCausalLM imports");
-    }
-    Ok(())
+    Ok(kind == "mixtral")
 }
 
 /// RoPE base and scaling from the transformers-4 keys, the transformers-5 `rope_parameters`, or
@@ -293,8 +326,12 @@ fn scaling_dict(s: Option<&RopeScaling>) -> Map<String, Value> {
 }
 
 /// `config.json` for `c` stored in `dtype`, readable by transformers 4 (`rope_theta`,
-/// `rope_scaling`, `torch_dtype`) and 5 (`rope_parameters`, `dtype`) alike.
-pub fn write(c: &LlamaConfig, dtype: Dtype, bos: u32, eos: &TokenIds) -> Value {
+/// `rope_scaling`, `torch_dtype`) and 5 (`rope_parameters`, `dtype`) alike: a Llama, or a
+/// Mixtral for a mixture-of-experts model. A MoE model Mixtral cannot express (dense layers
+/// among the MoE ones, top-k weights not renormalised) is refused by name; no other
+/// transformers architecture computes it either (Qwen2-MoE adds a shared expert and attention
+/// biases, Qwen3-MoE normalises queries and keys).
+pub fn write(c: &LlamaConfig, dtype: Dtype, bos: u32, eos: &TokenIds) -> Result<Value> {
     let mut parameters = scaling_dict(c.rope_scaling.as_ref());
     parameters.insert("rope_theta".to_string(), json!(c.rope_theta));
     let rope_scaling = c
@@ -305,7 +342,7 @@ pub fn write(c: &LlamaConfig, dtype: Dtype, bos: u32, eos: &TokenIds) -> Value {
         Dtype::F32 => "float32",
         Dtype::Bf16 => "bfloat16",
     };
-    json!({
+    let mut v = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": c.hidden_size,
@@ -332,7 +369,42 @@ pub fn write(c: &LlamaConfig, dtype: Dtype, bos: u32, eos: &TokenIds) -> Value {
         "use_cache": true,
         "torch_dtype": dtype,
         "dtype": dtype,
-    })
+    });
+    if let Some(m) = c.moe() {
+        if !m.dense_layers.is_empty() {
+            bail!(
+                "model.mlp_only_layers ({:?}): Mixtral has a MoE block in every layer, and no \
+                 transformers architecture matches this model; export needs every layer MoE",
+                m.dense_layers
+            );
+        }
+        if !m.norm_topk_prob {
+            bail!(
+                "model.norm_topk_prob is false: Mixtral always renormalises the top-k routing \
+                 weights, and no transformers architecture matches this model"
+            );
+        }
+        let mixtral = json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": m.expert_size,
+            "num_local_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k,
+            "router_aux_loss_coef": m.aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": false,
+            "sliding_window": null,
+        });
+        for (k, x) in mixtral.as_object().into_iter().flatten() {
+            v[k] = x.clone();
+        }
+        if let Some(o) = v.as_object_mut() {
+            for k in ["attention_bias", "mlp_bias", "pretraining_tp"] {
+                o.remove(k);
+            }
+        }
+    }
+    Ok(v)
 }
 
 #[cfg(test)]
@@ -412,7 +484,7 @@ mod tests {
         let mut c = parse(&with(&[("head_dim", json!(32))])).unwrap().config;
         c.rope_scaling = Some(LLAMA3);
         c.rope_theta = 500000.0;
-        let v = write(&c, Dtype::Bf16, 1, &TokenIds::Many(vec![2, 3]));
+        let v = write(&c, Dtype::Bf16, 1, &TokenIds::Many(vec![2, 3])).unwrap();
         let back = parse(&v).unwrap();
         assert_eq!(back.dtype.as_deref(), Some("bfloat16"));
         assert_eq!(back.config.head_dim, Some(32));
@@ -421,6 +493,45 @@ mod tests {
         c.bos_token_id = Some(1);
         c.eos_token_id = Some(TokenIds::Many(vec![2, 3]));
         assert_eq!(back.config, c);
+    }
+
+    /// A mixture-of-experts model is written as a Mixtral and reads back as the same model;
+    /// what Mixtral cannot express is refused by name.
+    #[test]
+    fn moe_models_export_as_mixtral() {
+        let mut c = parse(&base()).unwrap().config;
+        c.num_local_experts = Some(8);
+        c.num_experts_per_tok = Some(2);
+        c.router_aux_loss_coef = Some(0.02);
+        let v = write(&c, Dtype::F32, 0, &TokenIds::One(0)).unwrap();
+        assert_eq!(v["architectures"], json!(["MixtralForCausalLM"]));
+        assert_eq!(v["model_type"], json!("mixtral"));
+        assert_eq!(v["num_local_experts"], json!(8));
+        assert!(v.get("mlp_bias").is_none());
+        let back = parse(&v).unwrap().config;
+        assert_eq!(back.moe(), c.moe());
+        assert_eq!(back.num_local_experts, Some(8));
+
+        // The expert width is Mixtral's intermediate_size.
+        c.moe_intermediate_size = Some(48);
+        let v = write(&c, Dtype::F32, 0, &TokenIds::One(0)).unwrap();
+        assert_eq!(v["intermediate_size"], json!(48));
+        assert_eq!(parse(&v).unwrap().config.moe().unwrap().expert_size, 48);
+
+        let mut dense_first = c.clone();
+        dense_first.mlp_only_layers = vec![0];
+        let e = write(&dense_first, Dtype::F32, 0, &TokenIds::One(0)).unwrap_err();
+        assert!(format!("{e}").contains("mlp_only_layers"), "{e}");
+        let mut unnormalised = c.clone();
+        unnormalised.norm_topk_prob = Some(false);
+        let e = write(&unnormalised, Dtype::F32, 0, &TokenIds::One(0)).unwrap_err();
+        assert!(format!("{e}").contains("norm_topk_prob"), "{e}");
+
+        let mut noisy = write(&c, Dtype::F32, 0, &TokenIds::One(0)).unwrap();
+        noisy["router_jitter_noise"] = json!(0.1);
+        assert!(err(noisy).contains("router_jitter_noise"));
+        let mixed = with(&[("architectures", json!(["MixtralForCausalLM"]))]);
+        assert!(err(mixed).contains("with model_type \"llama\""));
     }
 
     #[test]

@@ -246,7 +246,7 @@ fn write_export(
     let eos = c.eos_token_id.clone().unwrap_or(TokenIds::One(eod));
     std::fs::write(
         out.join("config.json"),
-        serde_json::to_vec_pretty(&config::write(c, dtype, bos, &eos))?,
+        serde_json::to_vec_pretty(&config::write(c, dtype, bos, &eos)?)?,
     )?;
     let generation =
         json!({ "_from_model_config": true, "bos_token_id": bos, "eos_token_id": eos });
@@ -361,6 +361,14 @@ fn differences(theirs: &LlamaConfig, ours: &LlamaConfig, cfg: &Path) -> Vec<Stri
             ("tie_word_embeddings", json!(c.tie_word_embeddings)),
             ("bos_token_id", json!(c.bos_token_id)),
             ("eos_token_id", json!(c.eos_token_id)),
+            ("num_local_experts", json!(c.num_local_experts)),
+            ("num_experts_per_tok", json!(c.moe().map(|m| m.top_k))),
+            ("norm_topk_prob", json!(c.moe().map(|m| m.norm_topk_prob))),
+            (
+                "moe_intermediate_size",
+                json!(c.moe().map(|m| m.expert_size)),
+            ),
+            ("mlp_only_layers", json!(c.mlp_only_layers)),
         ]
     };
     pairs(theirs)

@@ -102,14 +102,35 @@ struct Shapes {
     h: u64,
 }
 
-fn block_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+/// Bytes a MoE layer's feed-forward part keeps beyond a dense MLP's gate, up and SwiGLU outputs:
+/// the rows in expert order, each expert's gate, up, SwiGLU and down outputs, the rows restored
+/// to token order and weighted (all `[n·k, ·]` in the parameter dtype), the side-loss copy of the
+/// block output, and the router's f32 logits, exponentials and probabilities with their row sums
+/// and the routing weights (plus f32 copies of the input and the router for 16-bit models).
+fn moe_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let Some(m) = c.moe() else { return 0 };
+    let (n, p, h) = (s.n, s.p, s.h);
+    let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
+    let rows = n * k * (3 * fe + 5 * h) + n * h;
+    let router = 4 * (4 * n * e + 3 * n * k + 4 * n);
+    let copies = if p == 4 {
+        0
+    } else {
+        4 * (n * h + e * h) + p * n * k
+    };
+    let upcast = if s.upcast { 4 * 3 * n * k * fe } else { 0 };
+    rows * p + router + copies + upcast
+}
+
+fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
     let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
     let tp = u64::from(t > 1);
-    let (q, kv, f) = (
+    let (q, kv) = (
         c.q_dim() as u64,
         (c.num_key_value_heads * c.head_dim()) as u64,
-        c.intermediate_size as u64,
     );
+    // A MoE layer's feed-forward part is counted by `moe_graph`.
+    let f = if moe { 0 } else { c.intermediate_size as u64 };
     let elems = 5 * ns * h
         + tp * (2 * n * h + 2 * ns * h)
         + n * (3 * q + 3 * kv) / t
@@ -122,7 +143,8 @@ fn block_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     } else {
         0
     };
-    elems * p + 4 * n * c.num_attention_heads as u64 / t + upcast
+    let moe = if moe { moe_graph(c, s) } else { 0 };
+    elems * p + 4 * n * c.num_attention_heads as u64 / t + upcast + moe
 }
 
 fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
@@ -175,8 +197,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 input: 0,
                 temp: shapes.n * shapes.h * p,
             },
-            Piece::Block(_) => PieceActs {
-                graph: block_graph(c, &shapes),
+            Piece::Block(i) => PieceActs {
+                graph: block_graph(c, &shapes, c.is_moe_layer(i)),
                 input,
                 temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
             },

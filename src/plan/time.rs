@@ -104,17 +104,33 @@ impl Model<'_> {
         2.0 * self.tp_collective(2.0 * (self.t - 1.0) / self.t, bytes)
     }
 
-    fn block(&self, recompute: Recompute) -> Cost {
+    /// A decoder block; `moe`: with a mixture-of-experts feed-forward part (the router, and
+    /// each token's `k` experts as GEMMs over `n · k` rows: the grouped rows of an expert run as
+    /// one GEMM, so the sum over experts is one GEMM's worth of rows).
+    fn block(&self, recompute: Recompute, moe: bool) -> Cost {
         let c = self.c;
         let (n, t, p) = (self.n, self.t, self.p);
         let h = c.hidden_size as f64;
         let q = c.q_dim() as f64;
         let kv = (c.num_key_value_heads * c.head_dim()) as f64;
-        let f = c.intermediate_size as f64;
-        let gemms = self.gemm(n, (q + 2.0 * kv) / t, h)
-            + self.gemm(n, h, q / t)
-            + self.gemm(n, 2.0 * f / t, h)
-            + self.gemm(n, h, f / t);
+        let (mlp_gemms, mlp_bytes) = match c.moe().filter(|_| moe) {
+            Some(m) => {
+                let (e, rows, fe) = (
+                    m.num_experts as f64,
+                    n * m.top_k as f64,
+                    m.expert_size as f64,
+                );
+                let gemms =
+                    self.gemm(n, e, h) + self.gemm(rows, 2.0 * fe, h) + self.gemm(rows, h, fe);
+                (gemms, rows * (3.0 * fe + 5.0 * h))
+            }
+            None => {
+                let f = c.intermediate_size as f64;
+                let gemms = self.gemm(n, 2.0 * f / t, h) + self.gemm(n, h, f / t);
+                (gemms, 3.0 * n * f / t)
+            }
+        };
+        let gemms = self.gemm(n, (q + 2.0 * kv) / t, h) + self.gemm(n, h, q / t) + mlp_gemms;
         // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads, split evenly over the
         // context-parallel ranks by the load-balanced chunks.
         let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp;
@@ -135,8 +151,7 @@ impl Model<'_> {
             (0.0, 0.0)
         };
         let tp_copies = if t > 1.0 { 8.0 * n * h } else { 0.0 };
-        let mem_bytes =
-            p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + 3.0 * n * f / t + tp_copies);
+        let mem_bytes = p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + mlp_bytes + tp_copies);
         let mem = self.memory(mem_bytes);
         let tp = self.tp_pair();
         let fwd = gemms + attn + mem + tp + ring_fwd;
@@ -226,7 +241,11 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         cp: cp as f64,
         cp_bw: group_bandwidth(hw, cp, tp),
     };
-    let (block, head, embedding) = (model.block(tr.recompute), model.head(), model.embedding());
+    let (dense, moe) = (
+        model.block(tr.recompute, false),
+        model.block(tr.recompute, true),
+    );
+    let (head, embedding) = (model.head(), model.embedding());
     // Pipeline neighbours are tp · cp · dp ranks apart.
     let pp_bw = group_bandwidth(hw, 2, tp * dp);
     let p2p = model.ns * c.hidden_size as f64 * p / pp_bw + LATENCY_S;
@@ -238,7 +257,8 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
             for piece in chunk_pieces(stage, k, pp, v, c.num_hidden_layers) {
                 let x = match piece {
                     Piece::Embedding => embedding,
-                    Piece::Block(_) => block,
+                    Piece::Block(i) if c.is_moe_layer(i) => moe,
+                    Piece::Block(_) => dense,
                     Piece::Head => head,
                 };
                 cost.fwd += x.fwd;

@@ -32,6 +32,7 @@ impl Recipe {
             p.push(e.to_string());
         }
         self.check_parallel(&mut p);
+        self.check_moe(&mut p);
         self.check_train(&mut p);
         self.check_optimizer(&mut p);
         self.check_policies(&mut p);
@@ -201,6 +202,24 @@ impl Recipe {
                 p.push(format!(
                     "parallel.zero_shard_size ({n}) must divide parallel.dp × parallel.cp ({} × {})",
                     par.dp, par.cp
+                ));
+            }
+        }
+    }
+
+    /// Mixture-of-experts layers run with data and pipeline parallelism and ZeRO; tensor and
+    /// context parallelism do not split them yet.
+    fn check_moe(&self, p: &mut Vec<String>) {
+        let par = &self.parallel;
+        if self.model.num_local_experts.is_none() {
+            return;
+        }
+        for (axis, n) in [("tp", par.tp), ("cp", par.cp)] {
+            if n > 1 {
+                p.push(format!(
+                    "parallel.{axis} = {n} with mixture-of-experts layers \
+                     (model.num_local_experts): MoE layers run with parallel.dp, parallel.pp and \
+                     ZeRO; set parallel.{axis} to 1"
                 ));
             }
         }

@@ -69,6 +69,9 @@ pub struct StepRecord {
     /// neighbour's: the transfer time not hidden behind the blocks' compute.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ring_exposed_s: Option<f64>,
+    /// Mixture of experts: the router losses and how evenly each MoE layer spread its tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<super::routing::StepRouting>,
     /// Global samples consumed after this step.
     pub consumed_samples: u64,
     /// Wall time of the step, seconds.

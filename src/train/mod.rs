@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod prefetch;
 pub mod rank;
+pub mod routing;
 mod run;
 mod saver;
 pub mod signals;
@@ -358,13 +359,19 @@ impl Trainer {
                     (Some(now), Some(peak)) => format!("{now:.0}MiB (peak {peak:.0}MiB)"),
                     _ => format!("{:.0}MiB", rec.mem_mib),
                 };
+                let moe = rec.moe.as_ref().map_or(String::new(), |m| {
+                    format!(
+                        " moe_lb={:.3} moe_z={:.3} max/mean={:.2}",
+                        m.load_balancing, m.z_loss, m.max_over_mean
+                    )
+                });
                 let skip = if rec.skipped.is_some() {
                     " (update skipped)"
                 } else {
                     ""
                 };
                 info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{skip}",
+                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{moe}{skip}",
                     rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
                     mib(rec.state.total()), mib(rec.act_peak_bytes), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
                 );

@@ -32,8 +32,9 @@ pub struct MicroBatch {
 }
 
 impl MicroBatch {
-    /// Moves a data batch to `device`; `loss_scale` is 1 / counted tokens of the global batch.
-    pub fn new(b: &Batch, loss_scale: f64, device: &Device) -> Result<Self> {
+    /// Moves a data batch to `device`; `loss_scale` is 1 / counted tokens of the global batch,
+    /// `aux_scale` 1 / micro-batches of the global batch (see [`Targets`]).
+    pub fn new(b: &Batch, loss_scale: f64, aux_scale: f64, device: &Device) -> Result<Self> {
         let n = b.micro_batch * b.seq_len;
         Ok(Self {
             tokens: Tensor::from_slice(&b.tokens, (b.micro_batch, b.seq_len), device)?,
@@ -41,6 +42,7 @@ impl MicroBatch {
                 labels: Tensor::from_slice(&b.labels, n, device)?,
                 loss_mask: Tensor::from_slice(&b.loss_mask, n, device)?,
                 loss_scale,
+                aux_scale,
             },
         })
     }
@@ -298,6 +300,9 @@ impl<'a> Executor<'a> {
                         for &i in &params {
                             let param = model.params().get(i);
                             let Some(g) = store.get(&param.tensor()?) else {
+                                if model.inventory().is_expert(i) {
+                                    continue; // no token of this micro-batch chose the expert
+                                }
                                 bail!("parameter {} received no gradient in {p:?}", param.name);
                             };
                             grads.accumulate(i, g).with_context(|| {

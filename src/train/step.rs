@@ -41,9 +41,10 @@ impl Trainer {
             .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
             .sum();
         let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
+        let aux_scale = 1.0 / (batches.len() * ctx.dp.size()) as f64;
         let mbs = batches
             .iter()
-            .map(|b| MicroBatch::new(b, scale, &self.device))
+            .map(|b| MicroBatch::new(b, scale, aux_scale, &self.device))
             .collect::<Result<Vec<_>>>()?;
 
         let mut exec = Executor::new(
@@ -89,6 +90,8 @@ impl Trainer {
         let comm = ctx.comm.as_ref();
         let loss = all_reduce_f64(comm, &ctx.pp, local_loss)?;
         let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
+        // After the data-parallel gradient traffic of the step has finished on every group.
+        let routing = super::routing::gather(&self.model, ctx)?;
         let (grad_norm, grad_sq) = self.grad_norm()?;
         let local = LocalNumbers {
             loss: local_loss,
@@ -156,6 +159,7 @@ impl Trainer {
                 .map(|_| 1.0 - (gathered.wait_s / gathered.gather_s).min(1.0)),
             ring_s: ring.map(|r| r.total_s),
             ring_exposed_s: ring.map(|r| r.wait_s + r.send_s),
+            moe: routing,
             consumed_samples: self.consumed,
             step_time_s: secs,
             bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),

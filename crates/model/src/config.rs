@@ -56,6 +56,55 @@ pub struct LlamaConfig {
     /// end-of-document token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos_token_id: Option<TokenIds>,
+    /// Experts of each mixture-of-experts layer (Mixtral's name). Absent: every layer has a dense
+    /// SwiGLU MLP. Set: the layers not in `mlp_only_layers` route each token to
+    /// `num_experts_per_tok` of this many SwiGLU experts (see [`crate::moe`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_local_experts: Option<usize>,
+    /// Experts per token (top-k); default 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts_per_tok: Option<usize>,
+    /// Weight of the load-balancing loss; default 0.02 (Mixtral 8x7B's published value). The
+    /// loss is Hugging Face Mixtral's `E · Σᵢ fᵢ·Pᵢ`, with `fᵢ` the share of tokens that select
+    /// expert `i` (the shares sum to `k`; `k` when perfectly balanced) and `Pᵢ` expert `i`'s mean
+    /// router probability, computed per MoE layer over its micro-batch and averaged over the MoE
+    /// layers (Hugging Face computes it once over all layers' tokens together: equal when the
+    /// layers route alike). Switch Transformer's and Megatron's form divides by `k`.
+    pub router_aux_loss_coef: Option<f64>,
+    /// Weight of the router z-loss (ST-MoE): the mean over tokens of `logsumexp(router logits)²`,
+    /// averaged over the MoE layers; default 0 (off; ST-MoE used 0.001).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_z_loss_coef: Option<f64>,
+    /// Renormalise the top-k routing weights to sum to 1 (Mixtral always does); default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_topk_prob: Option<bool>,
+    /// Width of each expert's SwiGLU; default `intermediate_size` (which dense layers keep).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_intermediate_size: Option<usize>,
+    /// Layers that keep a dense MLP in a mixture-of-experts model (e.g. `[0]` for a first dense
+    /// layer, as DeepSeek's first-k-dense).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mlp_only_layers: Vec<usize>,
+}
+
+/// The mixture-of-experts settings of a model, defaults resolved (see the `LlamaConfig` fields of
+/// the same names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`E`).
+    pub num_experts: usize,
+    /// Experts per token (`k`).
+    pub top_k: usize,
+    /// Load-balancing loss weight.
+    pub aux_loss_coef: f64,
+    /// Router z-loss weight.
+    pub z_loss_coef: f64,
+    /// Renormalise the top-k weights.
+    pub norm_topk_prob: bool,
+    /// Width of an expert's SwiGLU.
+    pub expert_size: usize,
+    /// Layers with a dense MLP.
+    pub dense_layers: Vec<usize>,
 }
 
 /// One token id or several (Llama 3 lists three end-of-sequence ids).
@@ -292,6 +341,99 @@ impl LlamaConfig {
                 self.init_std
             ));
         }
+        self.validate_moe()
+    }
+
+    /// The mixture-of-experts settings, or `None` for a dense model.
+    pub fn moe(&self) -> Option<MoeConfig> {
+        let num_experts = self.num_local_experts?;
+        Some(MoeConfig {
+            num_experts,
+            top_k: self.num_experts_per_tok.unwrap_or(2),
+            aux_loss_coef: self.router_aux_loss_coef.unwrap_or(0.02),
+            z_loss_coef: self.router_z_loss_coef.unwrap_or(0.0),
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
+            expert_size: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
+            dense_layers: self.mlp_only_layers.clone(),
+        })
+    }
+
+    /// Number of layers with a mixture-of-experts MLP (in time linear in `mlp_only_layers`, not
+    /// in the layer count, which may be untrusted).
+    pub fn num_moe_layers(&self) -> usize {
+        if self.num_local_experts.is_none() {
+            return 0;
+        }
+        let mut dense: Vec<usize> = self
+            .mlp_only_layers
+            .iter()
+            .copied()
+            .filter(|&l| l < self.num_hidden_layers)
+            .collect();
+        dense.sort_unstable();
+        dense.dedup();
+        self.num_hidden_layers - dense.len()
+    }
+
+    /// Whether layer `i` has a mixture-of-experts MLP.
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.num_local_experts.is_some() && !self.mlp_only_layers.contains(&i)
+    }
+
+    fn validate_moe(&self) -> Result<(), String> {
+        let Some(m) = self.moe() else {
+            let set = [
+                ("num_experts_per_tok", self.num_experts_per_tok.is_some()),
+                ("router_aux_loss_coef", self.router_aux_loss_coef.is_some()),
+                ("router_z_loss_coef", self.router_z_loss_coef.is_some()),
+                ("norm_topk_prob", self.norm_topk_prob.is_some()),
+                (
+                    "moe_intermediate_size",
+                    self.moe_intermediate_size.is_some(),
+                ),
+                ("mlp_only_layers", !self.mlp_only_layers.is_empty()),
+            ];
+            return match set.iter().find(|(_, set)| *set) {
+                Some((field, _)) => Err(format!(
+                    "model.{field} is a mixture-of-experts setting: set model.num_local_experts \
+                     too, or remove it"
+                )),
+                None => Ok(()),
+            };
+        };
+        if m.num_experts < 2 {
+            return Err(format!(
+                "model.num_local_experts ({}) must be at least 2 (remove it for a dense model)",
+                m.num_experts
+            ));
+        }
+        if m.top_k == 0 || m.top_k > m.num_experts {
+            return Err(format!(
+                "model.num_experts_per_tok ({}) must be between 1 and model.num_local_experts ({})",
+                m.top_k, m.num_experts
+            ));
+        }
+        if m.expert_size == 0 {
+            return Err("model.moe_intermediate_size must be positive".to_string());
+        }
+        for (field, v) in [
+            ("router_aux_loss_coef", m.aux_loss_coef),
+            ("router_z_loss_coef", m.z_loss_coef),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("model.{field} ({v}) must be a number >= 0"));
+            }
+        }
+        if let Some(&bad) = m
+            .dense_layers
+            .iter()
+            .find(|&&l| l >= self.num_hidden_layers)
+        {
+            return Err(format!(
+                "model.mlp_only_layers names layer {bad}, but the model has {} layers (0..{})",
+                self.num_hidden_layers, self.num_hidden_layers
+            ));
+        }
         Ok(())
     }
 
@@ -305,9 +447,10 @@ impl LlamaConfig {
             .collect()
     }
 
-    /// [`LlamaConfig::num_params`] in floating point, which cannot overflow (for bounds checks
-    /// on untrusted sizes).
-    pub fn num_params_f64(&self) -> f64 {
+    /// Parameters in floating point, which cannot overflow (for bounds checks on untrusted
+    /// sizes): all of them, or with `active` only those one token uses (`k` of each MoE layer's
+    /// experts; the router counts as active).
+    fn count_params(&self, active: bool) -> f64 {
         let (h, f, v) = (
             self.hidden_size as f64,
             self.intermediate_size as f64,
@@ -320,27 +463,47 @@ impl LlamaConfig {
             self.num_key_value_heads as f64 * d,
             self.num_attention_heads as f64 * d,
         );
-        let per_layer = 2.0 * h + 2.0 * h * q + 2.0 * h * kv + 3.0 * h * f;
+        let attention = 2.0 * h + 2.0 * h * q + 2.0 * h * kv;
+        let dense_mlp = 3.0 * h * f;
+        let mlp = match self.moe() {
+            Some(m) => {
+                let experts = if active { m.top_k } else { m.num_experts };
+                let moe =
+                    m.num_experts as f64 * h + experts as f64 * 3.0 * h * m.expert_size as f64;
+                let n_moe = self.num_moe_layers() as f64;
+                n_moe * moe + (self.num_hidden_layers as f64 - n_moe) * dense_mlp
+            }
+            None => self.num_hidden_layers as f64 * dense_mlp,
+        };
         let head = if self.tie_word_embeddings { 0.0 } else { v * h };
-        v * h + self.num_hidden_layers as f64 * per_layer + h + head
+        v * h + self.num_hidden_layers as f64 * attention + mlp + h + head
     }
 
-    /// Number of parameters (embedding counted once when tied).
+    /// [`LlamaConfig::num_params`] in floating point, which cannot overflow (for bounds checks
+    /// on untrusted sizes).
+    pub fn num_params_f64(&self) -> f64 {
+        self.count_params(false)
+    }
+
+    /// Number of parameters (embedding counted once when tied; every expert counted). Exact for
+    /// a validated config (at most 10¹³ < 2⁵³).
     pub fn num_params(&self) -> usize {
-        let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let (kv, q) = (self.num_key_value_heads * self.head_dim(), self.q_dim());
-        let per_layer = 2 * h + 2 * h * q + 2 * h * kv + 3 * h * f;
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        v * h + self.num_hidden_layers * per_layer + h + head
+        self.count_params(false) as usize
     }
 
-    /// Training FLOPs per token: `6 N + 6 L s q` where `N` counts the matrices (embedding lookup
-    /// excluded, output projection included), `q` is heads × head dimension, and `6 L s q` is the
-    /// causal attention's `QKᵀ` and `PV` (forward `2·2·s·q/2` per layer with the causal half, ×3
-    /// for backward).
+    /// Parameters one token uses: [`LlamaConfig::num_params`] with `num_experts_per_tok` of each
+    /// MoE layer's experts instead of all of them (equal for a dense model).
+    pub fn num_active_params(&self) -> usize {
+        self.count_params(true) as usize
+    }
+
+    /// Training FLOPs per token: `6 N + 6 L s q` where `N` counts the matrices a token uses
+    /// (embedding lookup excluded, output projection included, `k` experts and the router of a
+    /// MoE layer), `q` is heads × head dimension, and `6 L s q` is the causal attention's `QKᵀ`
+    /// and `PV` (forward `2·2·s·q/2` per layer with the causal half, ×3 for backward).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         let (h, v) = (self.hidden_size as f64, self.vocab_size as f64);
-        let matrices = self.num_params() as f64
+        let matrices = self.num_active_params() as f64
             - v * h * if self.tie_word_embeddings { 0.0 } else { 1.0 }
             - (2 * self.num_hidden_layers + 1) as f64 * h;
         let attention = 6.0 * self.num_hidden_layers as f64 * seq_len as f64 * self.q_dim() as f64;
@@ -369,6 +532,13 @@ mod tests {
             init_std: 0.02,
             bos_token_id: None,
             eos_token_id: None,
+            num_local_experts: None,
+            num_experts_per_tok: None,
+            router_aux_loss_coef: None,
+            router_z_loss_coef: None,
+            norm_topk_prob: None,
+            moe_intermediate_size: None,
+            mlp_only_layers: Vec::new(),
         }
     }
 

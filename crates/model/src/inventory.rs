@@ -37,7 +37,7 @@ impl ParamDecl {
 }
 
 /// Indices of one decoder block's parameters, in construction order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockParams {
     /// `input_layernorm`.
     pub input_layernorm: usize,
@@ -51,28 +51,71 @@ pub struct BlockParams {
     pub o_proj: usize,
     /// `post_attention_layernorm`.
     pub post_attention_layernorm: usize,
-    /// `mlp.gate_proj`.
-    pub gate_proj: usize,
-    /// `mlp.up_proj`.
-    pub up_proj: usize,
-    /// `mlp.down_proj`.
-    pub down_proj: usize,
+    /// The feed-forward part.
+    pub mlp: MlpParams,
+}
+
+/// A block's feed-forward parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MlpParams {
+    /// A SwiGLU MLP: `mlp.{gate,up,down}_proj`.
+    Dense {
+        /// `mlp.gate_proj`.
+        gate_proj: usize,
+        /// `mlp.up_proj`.
+        up_proj: usize,
+        /// `mlp.down_proj`.
+        down_proj: usize,
+    },
+    /// A mixture of SwiGLU experts (Mixtral's names, `block_sparse_moe.*`).
+    Moe(MoeParams),
+}
+
+/// A mixture-of-experts layer's parameters held by a rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeParams {
+    /// The router `block_sparse_moe.gate` `[E, h]` (every rank holds it whole).
+    pub router: usize,
+    /// Global index of the first expert held; the experts held are consecutive.
+    pub first_expert: usize,
+    /// The experts held, in expert order.
+    pub experts: Vec<ExpertParams>,
+}
+
+/// One SwiGLU expert, `block_sparse_moe.experts.E.*`: `w2(silu(w1 x) · w3 x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertParams {
+    /// `w1`, the gate projection `[f, h]`.
+    pub w1: usize,
+    /// `w3`, the up projection `[f, h]`.
+    pub w3: usize,
+    /// `w2`, the down projection `[h, f]`.
+    pub w2: usize,
 }
 
 impl BlockParams {
-    /// All nine, in construction order.
-    pub fn all(&self) -> [usize; 9] {
-        [
+    /// All of them, in construction order.
+    pub fn all(&self) -> Vec<usize> {
+        let mut all = vec![
             self.input_layernorm,
             self.q_proj,
             self.k_proj,
             self.v_proj,
             self.o_proj,
             self.post_attention_layernorm,
-            self.gate_proj,
-            self.up_proj,
-            self.down_proj,
-        ]
+        ];
+        match &self.mlp {
+            MlpParams::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => all.extend([*gate_proj, *up_proj, *down_proj]),
+            MlpParams::Moe(m) => {
+                all.push(m.router);
+                all.extend(m.experts.iter().flat_map(|e| [e.w1, e.w3, e.w2]));
+            }
+        }
+        all
     }
 }
 
@@ -132,6 +175,7 @@ impl Inventory {
                 w,
             )
         });
+        let moe = config.moe();
         let mut blocks = BTreeMap::new();
         for &i in layers {
             let n = |s: &str| format!("model.layers.{i}.{s}.weight");
@@ -143,9 +187,30 @@ impl Inventory {
                 v_proj: add(n("self_attn.v_proj"), &[kv, h], matrix, w),
                 o_proj: add(n("self_attn.o_proj"), &[h, q], matrix, wo),
                 post_attention_layernorm: add(n("post_attention_layernorm"), &[h], norm, one),
-                gate_proj: add(n("mlp.gate_proj"), &[f, h], matrix, w),
-                up_proj: add(n("mlp.up_proj"), &[f, h], matrix, w),
-                down_proj: add(n("mlp.down_proj"), &[h, f], matrix, wo),
+                mlp: match &moe {
+                    Some(m) if config.is_moe_layer(i) => {
+                        let n = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
+                        let (e, fe) = (m.num_experts, m.expert_size);
+                        let router = add(n("gate"), &[e, h], matrix, w);
+                        let experts = (0..e)
+                            .map(|j| ExpertParams {
+                                w1: add(n(&format!("experts.{j}.w1")), &[fe, h], matrix, w),
+                                w3: add(n(&format!("experts.{j}.w3")), &[fe, h], matrix, w),
+                                w2: add(n(&format!("experts.{j}.w2")), &[h, fe], matrix, wo),
+                            })
+                            .collect();
+                        MlpParams::Moe(MoeParams {
+                            router,
+                            first_expert: 0,
+                            experts,
+                        })
+                    }
+                    _ => MlpParams::Dense {
+                        gate_proj: add(n("mlp.gate_proj"), &[f, h], matrix, w),
+                        up_proj: add(n("mlp.up_proj"), &[f, h], matrix, w),
+                        down_proj: add(n("mlp.down_proj"), &[h, f], matrix, wo),
+                    },
+                },
             };
             blocks.insert(i, block);
         }
@@ -175,10 +240,19 @@ impl Inventory {
             Piece::Block(i) => self
                 .blocks
                 .get(&i)
-                .map(|b| b.all().to_vec())
+                .map(BlockParams::all)
                 .unwrap_or_default(),
             Piece::Head => self.norm.into_iter().chain(self.lm_head).collect(),
         }
+    }
+
+    /// Whether parameter `i` is a routed expert's, which a micro-batch may leave without a
+    /// gradient (no token chose the expert).
+    pub fn is_expert(&self, i: usize) -> bool {
+        self.blocks.values().any(|b| match &b.mlp {
+            MlpParams::Moe(m) => m.experts.iter().any(|e| [e.w1, e.w3, e.w2].contains(&i)),
+            MlpParams::Dense { .. } => false,
+        })
     }
 
     /// Elements of each parameter on one tensor-parallel rank of `tp`, in construction order.

@@ -5,11 +5,12 @@ pub mod config;
 pub mod init;
 pub mod inventory;
 pub mod llama;
+pub mod moe;
 pub mod ops;
 pub mod params;
 pub mod segment;
 
-pub use config::{LlamaConfig, RopeScaling, TokenIds};
+pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
 pub use inventory::{Inventory, ParamDecl};
 pub use llama::{Llama, Piece, Placement, Targets};
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};

@@ -9,12 +9,15 @@
 //! vocab-parallel embedding and loss. The model is cut into segments (embedding, each block, head
 //! with loss) that [`crate::segment`] runs with separate autograd graphs.
 
+use std::sync::Mutex;
+
 use candle_core::{DType, Device, Result, Tensor};
 use parallel::cp::{ContextParallel, Kernels};
 use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
-use crate::inventory::Inventory;
+use crate::inventory::{Inventory, MlpParams};
+use crate::moe::{self, Expert, LayerStats};
 use crate::ops::{self, linear, linear_to};
 use crate::params::{ParamSet, ParamSpec};
 
@@ -68,6 +71,10 @@ pub struct Targets {
     /// Factor applied to this micro-batch's summed loss so that the sum over all micro-batches is
     /// the mean over the global batch's counted tokens: `1 / counted tokens in the global batch`.
     pub loss_scale: f64,
+    /// Factor applied to this micro-batch's router losses (computed per micro-batch) so that
+    /// their sum over the step is their mean over the global batch's micro-batches:
+    /// `1 / (micro-batches per rank × data-parallel ranks)`.
+    pub aux_scale: f64,
 }
 
 /// A Llama model (or this rank's part of it) whose parameters live in a [`ParamSet`].
@@ -81,6 +88,8 @@ pub struct Llama {
     /// `[max_pos, head_dim / 2]` rotary tables in the parameter dtype.
     cos: Tensor,
     sin: Tensor,
+    /// What the MoE layers measured in training forwards since [`Llama::take_moe_stats`].
+    moe_stats: Mutex<Vec<LayerStats>>,
 }
 
 impl Llama {
@@ -117,7 +126,14 @@ impl Llama {
             inventory,
             cos,
             sin,
+            moe_stats: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The MoE layers' measurements of the training forwards run since the last call, one
+    /// entry per layer and forward (a recomputed forward measures again, identically).
+    pub fn take_moe_stats(&self) -> Vec<LayerStats> {
+        std::mem::take(&mut *self.moe_stats.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Replaces every parameter with values from `value(parameter)`, which returns the row-major
@@ -193,6 +209,12 @@ impl Llama {
     /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism;
     /// with context parallelism `s` is this rank's share of the sequence).
     pub fn block(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+        self.block_with(i, x, None)
+    }
+
+    /// [`Llama::block`]; in training (`aux_scale` given) a MoE layer adds its router losses
+    /// times `aux_scale` to the objective (riding on the output) and records its measurements.
+    fn block_with(&self, i: usize, x: &Tensor, aux_scale: Option<f64>) -> Result<Tensor> {
         let c = &self.config;
         let blk = self
             .inventory
@@ -224,11 +246,45 @@ impl Llama {
             &self.w(blk.post_attention_layernorm)?,
             c.rms_norm_eps,
         )?)?;
-        let g = ops::swiglu(
-            &linear(&h, &self.w(blk.gate_proj)?)?,
-            &linear(&h, &self.w(blk.up_proj)?)?,
-        )?; // [b, s, f/tp]
-        x + tp.exit(&linear(&g, &self.w(blk.down_proj)?)?)?
+        match &blk.mlp {
+            MlpParams::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => {
+                let g = ops::swiglu(
+                    &linear(&h, &self.w(*gate_proj)?)?,
+                    &linear(&h, &self.w(*up_proj)?)?,
+                )?; // [b, s, f/tp]
+                x + tp.exit(&linear(&g, &self.w(*down_proj)?)?)?
+            }
+            MlpParams::Moe(m) => {
+                let cfg = c.moe().ok_or_else(|| self.missing("MoE configuration"))?;
+                let experts = m
+                    .experts
+                    .iter()
+                    .map(|e| {
+                        Ok(Expert {
+                            w1: self.w(e.w1)?,
+                            w3: self.w(e.w3)?,
+                            w2: self.w(e.w2)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let out = moe::forward(&h.flatten_to(1)?, &self.w(m.router)?, &experts, &cfg, i)?;
+                let y = (x + out.y.reshape(h.shape())?)?; // [b, s, h]
+                let Some(scale) = aux_scale else {
+                    return Ok(y);
+                };
+                let moe_layers = c.num_moe_layers();
+                let aux = (out.aux_loss * (scale / moe_layers as f64))?;
+                self.moe_stats
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(out.stats);
+                ops::with_side_loss(&y, &aux)
+            }
+        }
     }
 
     /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]` (f32).
@@ -267,7 +323,7 @@ impl Llama {
     pub fn piece_forward(&self, piece: Piece, x: &Tensor, targets: &Targets) -> Result<Tensor> {
         match piece {
             Piece::Embedding => self.embed(x),
-            Piece::Block(i) => self.block(i, x),
+            Piece::Block(i) => self.block_with(i, x, Some(targets.aux_scale)),
             Piece::Head => self.head_loss(x, targets),
         }
     }

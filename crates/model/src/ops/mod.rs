@@ -13,7 +13,7 @@
 //! bf16 storage directly and sums in f32 (f64 for f64); f16 goes through f32 there too.
 //!
 //! One file per op: `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`),
-//! `swiglu.rs`, `cross_entropy.rs`, `grad_inject.rs`; shared kernel helpers live in `common.rs`.
+//! `swiglu.rs`, `cross_entropy.rs`, `grad_inject.rs`, `side_loss.rs`; shared kernel helpers live in `common.rs`.
 
 use candle_core::{Result, Tensor};
 
@@ -28,6 +28,7 @@ mod grad_inject;
 mod linear;
 mod rms_norm;
 mod rope;
+mod side_loss;
 mod swiglu;
 
 /// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `x` `[.., in]` → `[.., out]`, one
@@ -123,4 +124,11 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// times the scalar's own upstream gradient (1 for a direct `.backward()`), in `y`'s dtype.
 pub fn grad_inject(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
     grad_inject::grad_inject(y, grad)
+}
+
+/// `y` unchanged, with the float scalar `loss` added to the objective: the backward pass hands
+/// `y`'s upstream gradient through and gives `loss` a gradient of 1 (how a layer's own loss, such
+/// as a router's balancing loss, rides on its output through segments and pipeline stages).
+pub fn with_side_loss(y: &Tensor, loss: &Tensor) -> Result<Tensor> {
+    side_loss::with_side_loss(y, loss)
 }

@@ -1,0 +1,253 @@
+//! The mixture-of-experts feed-forward layer (Mixtral's sparse MoE block), dropless.
+//!
+//! ```text
+//! x [n, h] ──router (f32)──> logits [n, E] ──softmax──> probs ──top-k──> experts [n, k], weights [n, k]
+//!   │                                                                     (renormalised to sum 1)
+//!   └─ permute: rows of x in (expert, token) order  x_perm [n·k, h]
+//!        expert e: SwiGLU over its contiguous rows   y_perm [n·k, h]
+//!      un-permute to (token, slot) order, weight, sum over the k slots  ──> y [n, h]
+//! ```
+//!
+//! Every routed (token, slot) pair is computed: there is no capacity and nothing is dropped. The
+//! choice of experts is made on the host from the probabilities (it is discrete and takes no
+//! gradient); gradients reach the router through the selected probabilities (the routing weights)
+//! and the balancing losses. Each expert is one GEMM chain over its contiguous rows. The whole
+//! layer is composed of differentiable ops (gather, index select, narrow, cat, the fused
+//! `linear`/`swiglu`), checked against finite differences and against a dense reference that runs
+//! every expert on every token with a top-k mask (`tests/moe.rs`).
+//!
+//! Losses of the layer (see `LlamaConfig::router_aux_loss_coef`): the load-balancing loss
+//! `E · Σᵢ fᵢ·Pᵢ` (`fᵢ`: share of tokens choosing expert `i`, summing to `k`; `Pᵢ`: mean router
+//! probability) and the z-loss `mean(logsumexp(logits)²)`; the model adds their weighted sum,
+//! divided by the number of MoE layers, to the objective with [`crate::ops::with_side_loss`].
+
+use std::cmp::Ordering;
+
+use candle_core::{DType, Result, Tensor, D};
+
+use crate::config::MoeConfig;
+use crate::ops::{linear, swiglu};
+
+/// The weights of one SwiGLU expert (Mixtral's names): `w2(silu(w1 x) · w3 x)`.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// Gate projection `[f, h]`.
+    pub w1: Tensor,
+    /// Up projection `[f, h]`.
+    pub w3: Tensor,
+    /// Down projection `[h, f]`.
+    pub w2: Tensor,
+}
+
+/// What one MoE layer measured on one micro-batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerStats {
+    /// Global index of the layer.
+    pub layer: usize,
+    /// The load-balancing loss (unweighted; `k` when perfectly balanced).
+    pub load_balancing: f64,
+    /// The router z-loss (unweighted).
+    pub z_loss: f64,
+    /// Tokens routed to each expert (all `E`; they sum to `n · k`).
+    pub tokens_per_expert: Vec<u64>,
+}
+
+/// The layer's output.
+pub struct MoeOutput {
+    /// `[n, h]`, the dtype of the input.
+    pub y: Tensor,
+    /// `coef_lb · load_balancing + coef_z · z_loss` (f32 scalar, f64 for f64; with its graph).
+    pub aux_loss: Tensor,
+    /// The measurements.
+    pub stats: LayerStats,
+}
+
+/// The experts chosen for each token: `experts[t · k + j]` is token `t`'s `j`-th choice (in
+/// descending probability; ties go to the lower expert index), `counts[e]` the tokens routed to
+/// expert `e`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Routing {
+    /// `[n · k]` expert ids.
+    pub experts: Vec<u32>,
+    /// `[E]` tokens per expert.
+    pub counts: Vec<usize>,
+}
+
+/// Top-`k` of each row of `probs` (`[n, e]`, row-major).
+pub fn route(probs: &[f32], e: usize, k: usize) -> Routing {
+    let n = probs.len() / e;
+    let mut experts = Vec::with_capacity(n * k);
+    let mut counts = vec![0usize; e];
+    let mut best: Vec<u32> = Vec::with_capacity(k + 1);
+    for row in probs.chunks_exact(e) {
+        best.clear();
+        for (j, &p) in row.iter().enumerate() {
+            // Insert j after every kept expert with a probability >= p (stable: lower index
+            // first on ties; NaN sorts last).
+            let at = best
+                .iter()
+                .position(|&b| {
+                    row[b as usize]
+                        .partial_cmp(&p)
+                        .is_none_or(|o| o == Ordering::Less)
+                })
+                .unwrap_or(best.len());
+            if at < k {
+                best.insert(at, j as u32);
+                best.truncate(k);
+            }
+        }
+        for &b in &best {
+            counts[b as usize] += 1;
+        }
+        experts.extend_from_slice(&best);
+    }
+    Routing { experts, counts }
+}
+
+/// The order of the `(token, slot)` pairs grouped by expert (stable within an expert):
+/// `order[i]` is the pair at permuted row `i`.
+pub fn expert_order(r: &Routing) -> Vec<u32> {
+    let mut next: Vec<usize> = r
+        .counts
+        .iter()
+        .scan(0, |at, &c| {
+            let start = *at;
+            *at += c;
+            Some(start)
+        })
+        .collect();
+    let mut order = vec![0u32; r.experts.len()];
+    for (pair, &e) in r.experts.iter().enumerate() {
+        order[next[e as usize]] = pair as u32;
+        next[e as usize] += 1;
+    }
+    order
+}
+
+/// Softmax over the last dimension of f32 `logits` `[n, E]` with its log-sum-exp `[n]`, both
+/// differentiable (the subtracted row maximum is a constant for autograd).
+fn softmax_lse(logits: &Tensor) -> Result<(Tensor, Tensor)> {
+    let max = logits.max_keepdim(D::Minus1)?.detach(); // [n, 1]
+    let e = logits.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?; // [n, 1]
+    let probs = e.broadcast_div(&sum)?;
+    let lse = (sum.log()? + max)?.squeeze(D::Minus1)?;
+    Ok((probs, lse))
+}
+
+/// The MoE layer on `x` `[n, h]` with router `[E, h]` and all `E` experts of layer `layer`.
+pub fn forward(
+    x: &Tensor,
+    router: &Tensor,
+    experts: &[Expert],
+    cfg: &MoeConfig,
+    layer: usize,
+) -> Result<MoeOutput> {
+    let (n, h) = x.dims2()?;
+    let (e, k) = (cfg.num_experts, cfg.top_k);
+    if experts.len() != e {
+        candle_core::bail!(
+            "MoE layer {layer}: {} experts given, {e} configured",
+            experts.len()
+        );
+    }
+    let dev = x.device();
+    // Router math in f32 (f64 for f64 models, as the gradient checks run).
+    let rdt = if x.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let logits = linear(&x.to_dtype(rdt)?, &router.to_dtype(rdt)?)?; // [n, E]
+    let (probs, lse) = softmax_lse(&logits)?;
+    let host = probs
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let routing = route(&host, e, k);
+
+    // Routing weights [n, k]: the chosen probabilities, renormalised if configured.
+    let chosen = Tensor::from_slice(&routing.experts, (n, k), dev)?;
+    let mut weights = probs.gather(&chosen, 1)?;
+    if cfg.norm_topk_prob {
+        weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+    }
+
+    // Rows grouped by expert, each expert over its contiguous rows.
+    let order = expert_order(&routing);
+    let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
+    let x_perm = x.index_select(&Tensor::from_vec(tokens, n * k, dev)?, 0)?; // [n·k, h]
+    let mut outs = Vec::with_capacity(e);
+    let mut start = 0;
+    for (ex, &count) in experts.iter().zip(&routing.counts) {
+        if count == 0 {
+            continue;
+        }
+        let xe = x_perm.narrow(0, start, count)?; // [count, h]
+        let g = swiglu(&linear(&xe, &ex.w1)?, &linear(&xe, &ex.w3)?)?; // [count, f]
+        outs.push(linear(&g, &ex.w2)?); // [count, h]
+        start += count;
+    }
+    let y_perm = Tensor::cat(&outs, 0)?; // [n·k, h]
+
+    // Back to (token, slot) order, weighted, summed over the slots.
+    let mut inverse = vec![0u32; n * k];
+    for (row, &pair) in order.iter().enumerate() {
+        inverse[pair as usize] = row as u32;
+    }
+    let y = y_perm
+        .index_select(&Tensor::from_vec(inverse, n * k, dev)?, 0)?
+        .reshape((n, k, h))?;
+    let y = y
+        .broadcast_mul(&weights.to_dtype(x.dtype())?.unsqueeze(2)?)?
+        .sum(1)?; // [n, h]
+
+    // Balancing losses.
+    let share: Vec<f64> = routing
+        .counts
+        .iter()
+        .map(|&c| c as f64 / n as f64)
+        .collect();
+    let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
+    let load_balancing = ((probs.mean(0)? * share)?.sum_all()? * e as f64)?;
+    let z_loss = lse.sqr()?.mean_all()?;
+    let aux_loss = ((&load_balancing * cfg.aux_loss_coef)? + (&z_loss * cfg.z_loss_coef)?)?;
+    let stats = LayerStats {
+        layer,
+        load_balancing: load_balancing.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        z_loss: z_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        tokens_per_expert: routing.counts.iter().map(|&c| c as u64).collect(),
+    };
+    Ok(MoeOutput { y, aux_loss, stats })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_is_stable_and_counts() {
+        // Three tokens over four experts, k = 2; the second row has a tie (0.3, 0.3).
+        let probs = [
+            0.1,
+            0.6,
+            0.2,
+            0.1, //
+            0.3,
+            0.1,
+            0.3,
+            0.3, //
+            f32::NAN,
+            0.5,
+            0.4,
+            0.1,
+        ];
+        let r = route(&probs, 4, 2);
+        assert_eq!(r.experts, vec![1, 2, 0, 2, 1, 2]);
+        assert_eq!(r.counts, vec![1, 2, 3, 0]);
+        let order = expert_order(&r);
+        // Expert 0: pair 2; expert 1: pairs 0, 4; expert 2: pairs 1, 3, 5.
+        assert_eq!(order, vec![2, 0, 4, 1, 3, 5]);
+    }
+}

@@ -1,0 +1,101 @@
+//! How a step's mixture-of-experts layers routed: their router losses and the balance of tokens
+//! over experts, summed over every forward pass of the step on every rank (each pipeline stage
+//! measures its own layers, each data-parallel rank its own micro-batches).
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use model::Llama;
+use parallel::ReduceOp;
+use serde::Serialize;
+
+use super::RankCtx;
+
+/// One MoE layer over a step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerRouting {
+    /// Global layer index.
+    pub layer: usize,
+    /// Mean load-balancing loss over the step's micro-batches (unweighted; `k` is balanced).
+    pub load_balancing: f64,
+    /// Mean router z-loss over the step's micro-batches (unweighted).
+    pub z_loss: f64,
+    /// Tokens of the busiest expert over the mean tokens per expert (1 is balanced).
+    pub max_over_mean: f64,
+    /// Tokens of the idlest expert over the mean (0: an expert got no token in the step).
+    pub min_over_mean: f64,
+}
+
+/// Every MoE layer over a step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepRouting {
+    /// Mean of the layers' load-balancing losses.
+    pub load_balancing: f64,
+    /// Mean of the layers' z-losses.
+    pub z_loss: f64,
+    /// The largest `max_over_mean` of the layers.
+    pub max_over_mean: f64,
+    /// Each MoE layer.
+    pub layers: Vec<LayerRouting>,
+}
+
+/// Collects what the model's MoE layers recorded in this step's forwards, summed over the
+/// pipeline and data-parallel ranks (a collective: every rank calls it every step of a MoE
+/// model). `None` for a dense model. Means are per recorded forward, so a recomputed forward
+/// (recorded twice, identically) does not change them.
+pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
+    let c = model.config();
+    let Some(moe) = c.moe() else {
+        return Ok(None);
+    };
+    let layers: Vec<usize> = (0..c.num_hidden_layers)
+        .filter(|&l| c.is_moe_layer(l))
+        .collect();
+    let e = moe.num_experts;
+    let width = 3 + e; // forwards, Σ load balancing, Σ z-loss, tokens per expert
+    let mut sums = vec![0f64; layers.len() * width];
+    for s in model.take_moe_stats() {
+        let Some(at) = layers.iter().position(|&l| l == s.layer) else {
+            continue;
+        };
+        let row = &mut sums[at * width..(at + 1) * width];
+        row[0] += 1.0;
+        row[1] += s.load_balancing;
+        row[2] += s.z_loss;
+        for (dst, &n) in row[3..].iter_mut().zip(&s.tokens_per_expert) {
+            *dst += n as f64;
+        }
+    }
+    for group in [&ctx.pp, &ctx.dp] {
+        if group.size() > 1 {
+            let t = Tensor::from_vec(sums, layers.len() * width, &Device::Cpu)?;
+            sums = ctx.comm.all_reduce(group, &t, ReduceOp::Sum)?.to_vec1()?;
+        }
+    }
+    let rows: Vec<LayerRouting> = layers
+        .iter()
+        .zip(sums.chunks_exact(width))
+        .map(|(&layer, row)| {
+            let forwards = row[0].max(1.0);
+            let tokens = &row[3..];
+            let mean = tokens.iter().sum::<f64>() / e as f64;
+            let (max, min) = tokens
+                .iter()
+                .fold((0f64, f64::INFINITY), |(a, b), &t| (a.max(t), b.min(t)));
+            let ratio = |x: f64| if mean > 0.0 { x / mean } else { 0.0 };
+            LayerRouting {
+                layer,
+                load_balancing: row[1] / forwards,
+                z_loss: row[2] / forwards,
+                max_over_mean: ratio(max),
+                min_over_mean: ratio(min),
+            }
+        })
+        .collect();
+    let n = rows.len().max(1) as f64;
+    Ok(Some(StepRouting {
+        load_balancing: rows.iter().map(|r| r.load_balancing).sum::<f64>() / n,
+        z_loss: rows.iter().map(|r| r.z_loss).sum::<f64>() / n,
+        max_over_mean: rows.iter().map(|r| r.max_over_mean).fold(0.0, f64::max),
+        layers: rows,
+    }))
+}
