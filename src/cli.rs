@@ -474,9 +474,7 @@ fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
             .unwrap_or_default()
     );
     if let Some(moe) = m.moe() {
-        let layers = (0..m.num_hidden_layers)
-            .filter(|&l| m.is_moe_layer(l))
-            .count();
+        let layers = m.num_moe_layers();
         println!(
             "experts: {} MoE layers of {} experts (ffn {}), {} per token; {} parameters in all, \
              {} active per token ({:.1}%)",
