@@ -159,6 +159,13 @@ fn dense_reference(v: &[Tensor], cfg: &MoeConfig) -> (Tensor, Tensor) {
     (y, aux)
 }
 
+/// Largest absolute difference of two f64 tensors of one shape.
+fn diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .and_then(|d| d.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>())
+        .unwrap()
+}
+
 #[test]
 fn equals_the_dense_masked_reference() {
     for norm in [true, false] {
@@ -167,18 +174,6 @@ fn equals_the_dense_masked_reference() {
         let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let out = moe::forward(&t[0], &t[1], &experts(&t), &cfg, 3).unwrap();
         let (y_ref, aux_ref) = dense_reference(&t, &cfg);
-        let diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap()
-        };
         assert!(diff(&out.y, &y_ref) < 1e-12, "output");
         assert!(diff(&out.aux_loss, &aux_ref) < 1e-12, "router losses");
         assert_eq!(out.stats.layer, 3);
@@ -218,16 +213,7 @@ fn lower_precision_follows_f64() {
             got.stats.tokens_per_expert, want.stats.tokens_per_expert,
             "{dtype:?}"
         );
-        let d = (got.y.to_dtype(DType::F64).unwrap() - &want.y)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let d = diff(&got.y.to_dtype(DType::F64).unwrap(), &want.y);
         assert!(d < tol, "{dtype:?}: output differs by {d:.2e}");
     }
 }
