@@ -6,6 +6,7 @@ pub mod init;
 pub mod inventory;
 pub mod llama;
 pub mod moe;
+mod moe_config;
 pub mod ops;
 pub mod params;
 pub mod segment;

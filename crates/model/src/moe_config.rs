@@ -1,0 +1,129 @@
+//! The mixture-of-experts part of [`LlamaConfig`]: its settings with defaults resolved
+//! ([`MoeConfig`]), which layers are MoE, and their validation.
+
+use crate::config::LlamaConfig;
+
+/// The mixture-of-experts settings of a model, defaults resolved (see the `LlamaConfig` fields of
+/// the same names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`E`).
+    pub num_experts: usize,
+    /// Experts per token (`k`).
+    pub top_k: usize,
+    /// Load-balancing loss weight.
+    pub aux_loss_coef: f64,
+    /// Router z-loss weight.
+    pub z_loss_coef: f64,
+    /// Renormalise the top-k weights.
+    pub norm_topk_prob: bool,
+    /// Width of an expert's SwiGLU.
+    pub expert_size: usize,
+    /// Layers with a dense MLP.
+    pub dense_layers: Vec<usize>,
+}
+
+impl LlamaConfig {
+    /// The mixture-of-experts settings, or `None` for a dense model.
+    pub fn moe(&self) -> Option<MoeConfig> {
+        let num_experts = self.num_local_experts?;
+        Some(MoeConfig {
+            num_experts,
+            top_k: self.num_experts_per_tok.unwrap_or(2),
+            aux_loss_coef: self.router_aux_loss_coef.unwrap_or(0.02),
+            z_loss_coef: self.router_z_loss_coef.unwrap_or(0.0),
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
+            expert_size: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
+            dense_layers: self.mlp_only_layers.clone(),
+        })
+    }
+
+    /// Number of layers with a mixture-of-experts MLP (in time linear in `mlp_only_layers`, not
+    /// in the layer count, which may be untrusted).
+    pub fn num_moe_layers(&self) -> usize {
+        if self.num_local_experts.is_none() {
+            return 0;
+        }
+        let mut dense: Vec<usize> = self
+            .mlp_only_layers
+            .iter()
+            .copied()
+            .filter(|&l| l < self.num_hidden_layers)
+            .collect();
+        dense.sort_unstable();
+        dense.dedup();
+        self.num_hidden_layers - dense.len()
+    }
+
+    /// Whether layer `i` has a mixture-of-experts MLP.
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.num_local_experts.is_some() && !self.mlp_only_layers.contains(&i)
+    }
+
+    pub(crate) fn validate_moe(&self) -> Result<(), String> {
+        let Some(m) = self.moe() else {
+            let set = [
+                ("num_experts_per_tok", self.num_experts_per_tok.is_some()),
+                ("router_aux_loss_coef", self.router_aux_loss_coef.is_some()),
+                ("router_z_loss_coef", self.router_z_loss_coef.is_some()),
+                ("norm_topk_prob", self.norm_topk_prob.is_some()),
+                (
+                    "moe_intermediate_size",
+                    self.moe_intermediate_size.is_some(),
+                ),
+                ("mlp_only_layers", !self.mlp_only_layers.is_empty()),
+            ];
+            return match set.iter().find(|(_, set)| *set) {
+                Some((field, _)) => Err(format!(
+                    "model.{field} is a mixture-of-experts setting: set model.num_local_experts \
+                     too, or remove it"
+                )),
+                None => Ok(()),
+            };
+        };
+        if m.num_experts < 2 {
+            return Err(format!(
+                "model.num_local_experts ({}) must be at least 2 (remove it for a dense model)",
+                m.num_experts
+            ));
+        }
+        if m.top_k == 0 || m.top_k > m.num_experts {
+            return Err(format!(
+                "model.num_experts_per_tok ({}) must be between 1 and model.num_local_experts ({})",
+                m.top_k, m.num_experts
+            ));
+        }
+        if m.expert_size == 0 {
+            return Err("model.moe_intermediate_size must be positive".to_string());
+        }
+        for (field, v) in [
+            ("router_aux_loss_coef", m.aux_loss_coef),
+            ("router_z_loss_coef", m.z_loss_coef),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("model.{field} ({v}) must be a number >= 0"));
+            }
+        }
+        if let Some(&bad) = m
+            .dense_layers
+            .iter()
+            .find(|&&l| l >= self.num_hidden_layers)
+        {
+            return Err(format!(
+                "model.mlp_only_layers names layer {bad}, but the model has {} layers (0..{})",
+                self.num_hidden_layers, self.num_hidden_layers
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every parameter of the whole model in Hugging Face naming, with its shape, in model order.
+    pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let layers: Vec<usize> = (0..self.num_hidden_layers).collect();
+        crate::Inventory::new(self, &layers, true, true)
+            .params
+            .into_iter()
+            .map(|p| (p.name, p.global_shape))
+            .collect()
+    }
+}
