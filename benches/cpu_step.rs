@@ -78,7 +78,7 @@ fn main() -> anyhow::Result<()> {
     let mut opt = AdamW::new(
         model.params(),
         &layout,
-        parallel::dp::owned_ranges(&layout, false, 0, 1),
+        parallel::dp::owned_ranges(&layout, false, parallel::dp::ShardPos::uniform(0, 1)),
         &r.optimizer,
     )?;
     let scale = 1.0 / (micro * b * s) as f64;

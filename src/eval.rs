@@ -51,10 +51,10 @@ pub fn eval(
     let ck = Checkpoint::open(dir)?;
     let recipe = checkpoint_recipe(&ck, overrides)?;
     let p = &recipe.parallel;
-    if logits_out.is_some() && (p.tp > 1 || p.cp > 1 || p.pp > 1) {
+    if logits_out.is_some() && (p.tp > 1 || p.cp > 1 || p.pp > 1 || p.ep > 1) {
         bail!(
             "--logits-out needs the whole model on one rank \
-             (parallel.tp = parallel.cp = parallel.pp = 1)"
+             (parallel.tp = parallel.cp = parallel.pp = parallel.ep = 1)"
         );
     }
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
@@ -105,7 +105,22 @@ pub fn eval(
                     .copied()
                     .collect();
                 let (mut sum, mut count) = (0f64, 0f64);
-                for batch in mine.chunks(WINDOWS_PER_BATCH) {
+                // Expert-parallel ranks exchange tokens in every forward: all run as many
+                // batches as the rank with the most windows; a rank out of windows repeats its
+                // first batch and does not count it.
+                let mut batches: Vec<(&[&[u32]], bool)> =
+                    mine.chunks(WINDOWS_PER_BATCH).map(|b| (b, true)).collect();
+                if ctx.ep.size() > 1 {
+                    let rounds = windows
+                        .len()
+                        .div_ceil(ctx.data_size)
+                        .div_ceil(WINDOWS_PER_BATCH);
+                    let spare = &windows[..1];
+                    while batches.len() < rounds {
+                        batches.push((batches.first().map_or(spare, |b| b.0), false));
+                    }
+                }
+                for (batch, counted) in batches {
                     let b = ctx.local_batch(Batch {
                         tokens: batch.iter().flat_map(|w| w[..s].to_vec()).collect(),
                         labels: batch.iter().flat_map(|w| w[1..].to_vec()).collect(),
@@ -115,14 +130,18 @@ pub fn eval(
                     })?;
                     let t = Tensor::from_vec(b.tokens, (b.micro_batch, b.seq_len), device)?;
                     let l = Tensor::from_vec(b.labels, b.micro_batch * b.seq_len, device)?;
-                    if let Some(losses) = forward_losses(&model, &ctx, &t, &l, &mut ())? {
+                    let losses = forward_losses(&model, &ctx, &t, &l, &mut ())?;
+                    if let Some(losses) = losses.filter(|_| counted) {
                         sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
                         count += (b.micro_batch * b.seq_len) as f64;
                     }
                 }
                 if let (Some(path), true) = (
                     logits_out,
-                    rank == 0 && ctx.tp.size() == 1 && ctx.cp.size() == 1 && ctx.pp.size() == 1,
+                    rank == 0
+                        && [&ctx.tp, &ctx.cp, &ctx.pp, &ctx.ep]
+                            .iter()
+                            .all(|g| g.size() == 1),
                 ) {
                     let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), device)?;
                     let logits = model

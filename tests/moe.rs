@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use model::moe::{self, Expert};
 use model::MoeConfig;
+use parallel::ep::ExpertParallel;
 
 const N: usize = 12; // tokens
 const H: usize = 8; // hidden
@@ -73,7 +74,7 @@ fn experts(v: &[Tensor]) -> Vec<Expert> {
 
 /// `Σ y·c + aux` of the layer under test.
 fn objective(v: &[Tensor], cfg: &MoeConfig) -> Tensor {
-    let out = moe::forward(&v[0], &v[1], &experts(v), cfg, 0).unwrap();
+    let out = moe::forward(&v[0], &v[1], &experts(v), &ExpertParallel::single(), cfg, 0).unwrap();
     let c = Tensor::from_vec(values(N * H, 99, 1.0), (N, H), &Device::Cpu).unwrap();
     ((out.y * c).unwrap().sum_all().unwrap() + out.aux_loss).unwrap()
 }
@@ -172,7 +173,15 @@ fn equals_the_dense_masked_reference() {
         let cfg = config(norm);
         let vars = inputs();
         let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let out = moe::forward(&t[0], &t[1], &experts(&t), &cfg, 3).unwrap();
+        let out = moe::forward(
+            &t[0],
+            &t[1],
+            &experts(&t),
+            &ExpertParallel::single(),
+            &cfg,
+            3,
+        )
+        .unwrap();
         let (y_ref, aux_ref) = dense_reference(&t, &cfg);
         assert!(diff(&out.y, &y_ref) < 1e-12, "output");
         assert!(diff(&out.aux_loss, &aux_ref) < 1e-12, "router losses");
@@ -204,10 +213,26 @@ fn equals_the_dense_masked_reference() {
 fn lower_precision_follows_f64() {
     let cfg = config(true);
     let t: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
-    let want = moe::forward(&t[0], &t[1], &experts(&t), &cfg, 0).unwrap();
+    let want = moe::forward(
+        &t[0],
+        &t[1],
+        &experts(&t),
+        &ExpertParallel::single(),
+        &cfg,
+        0,
+    )
+    .unwrap();
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 5e-2)] {
         let low: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dtype).unwrap()).collect();
-        let got = moe::forward(&low[0], &low[1], &experts(&low), &cfg, 0).unwrap();
+        let got = moe::forward(
+            &low[0],
+            &low[1],
+            &experts(&low),
+            &ExpertParallel::single(),
+            &cfg,
+            0,
+        )
+        .unwrap();
         assert_eq!(got.y.dtype(), dtype);
         assert_eq!(
             got.stats.tokens_per_expert, want.stats.tokens_per_expert,
@@ -268,6 +293,42 @@ fn moe_layouts_equal_the_single_rank_run() {
         common::assert_equivalent(&set, d);
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Expert parallelism (experts split over ep data-parallel ranks, tokens exchanged by
+/// all-to-all) trains on the single-rank run, alone and with more data parallelism, pipelining
+/// and ZeRO-1 (same tolerances: only the order of sums differs).
+#[test]
+fn expert_parallel_layouts_equal_the_single_rank_run() {
+    let base = common::run(MOE);
+    for layout in [
+        "parallel.dp=2,parallel.ep=2",
+        "parallel.dp=4,parallel.ep=4",
+        "parallel.dp=4,parallel.ep=2",
+        "parallel.dp=2,parallel.ep=2,parallel.pp=2",
+        "parallel.dp=2,parallel.ep=2,parallel.zero=1",
+        "parallel.dp=4,parallel.ep=2,parallel.zero=1,train.recompute=full",
+    ] {
+        let set = format!("{MOE},{layout}");
+        let other = common::run(&set);
+        let d = common::compare(&set, &base, &other);
+        common::assert_equivalent(&set, d);
+        // Rank 0 holds 1 / ep of the experts and all the rest.
+        if !layout.contains("pp=") {
+            let ep: usize = layout.split("ep=").nth(1).unwrap()[..1].parse().unwrap();
+            let (mut dense, mut experts) = (0, 0);
+            for (name, w) in &base.weights {
+                *if name.contains(".experts.") {
+                    &mut experts
+                } else {
+                    &mut dense
+                } += w.len();
+            }
+            let bytes = |r: &pretrain::train::RunOutput| r.records[0].state.param_bytes;
+            let elem = bytes(&base) / (dense + experts);
+            assert_eq!(bytes(&other), elem * (dense + experts / ep), "{layout}");
+        }
+    }
 }
 
 /// Experts that no token of a micro-batch chose get no gradient there, and training goes on

@@ -239,7 +239,7 @@ mod tests {
         let mut opt = AdamW::new(
             &ps,
             &layout,
-            parallel::dp::owned_ranges(&layout, false, 0, 1),
+            parallel::dp::owned_ranges(&layout, false, parallel::dp::ShardPos::uniform(0, 1)),
             &c,
         )
         .unwrap();
@@ -323,7 +323,7 @@ mod tests {
         let mut a = AdamW::new(
             &ps,
             &layout,
-            parallel::dp::owned_ranges(&layout, false, 0, 1),
+            parallel::dp::owned_ranges(&layout, false, parallel::dp::ShardPos::uniform(0, 1)),
             &cfg(),
         )
         .unwrap();
@@ -334,7 +334,7 @@ mod tests {
         let mut b = AdamW::new(
             &ps,
             &layout,
-            parallel::dp::owned_ranges(&layout, false, 0, 1),
+            parallel::dp::owned_ranges(&layout, false, parallel::dp::ShardPos::uniform(0, 1)),
             &cfg(),
         )
         .unwrap();

@@ -222,11 +222,14 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 _ => None,
             })
             .collect();
-        let inventory = Inventory::new(c, &layers, stage == 0, stage + 1 == pp);
+        // Expert-parallel rank 0's share of the experts (every share has the same size).
+        let experts = c.moe().map_or(0, |m| m.num_experts / par.ep.max(1));
+        let inventory =
+            Inventory::with_experts(c, &layers, stage == 0, stage + 1 == pp, 0..experts);
         let numels = inventory
             .local_numels(t)
             .map_err(|e| format!("parallel.tp: {e}"))?;
-        let state = StateLayout::new(par, &inventory, &numels, &chunks, 0);
+        let state = StateLayout::new(par, &inventory, &numels, &chunks, 0, 0);
         let StateBytes {
             param_bytes,
             grad_bytes,

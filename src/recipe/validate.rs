@@ -115,6 +115,7 @@ impl Recipe {
             ("tp", par.tp),
             ("cp", par.cp),
             ("pp", par.pp),
+            ("ep", par.ep),
             ("virtual_stages", par.virtual_stages),
             ("bucket_size", par.bucket_size),
         ] {
@@ -207,21 +208,58 @@ impl Recipe {
         }
     }
 
-    /// Mixture-of-experts layers run with data and pipeline parallelism and ZeRO; tensor and
-    /// context parallelism do not split them yet.
+    /// Mixture-of-experts layers run with data, expert and pipeline parallelism and ZeRO; tensor
+    /// and context parallelism do not split them yet. Expert parallelism is folded inside data
+    /// parallelism and splits the experts evenly.
     fn check_moe(&self, p: &mut Vec<String>) {
         let par = &self.parallel;
-        if self.model.num_local_experts.is_none() {
+        let Some(experts) = self.model.num_local_experts else {
+            if par.ep > 1 {
+                p.push(format!(
+                    "parallel.ep = {} needs mixture-of-experts layers (model.num_local_experts)",
+                    par.ep
+                ));
+            }
             return;
-        }
+        };
         for (axis, n) in [("tp", par.tp), ("cp", par.cp)] {
             if n > 1 {
                 p.push(format!(
                     "parallel.{axis} = {n} with mixture-of-experts layers \
-                     (model.num_local_experts): MoE layers run with parallel.dp, parallel.pp and \
-                     ZeRO; set parallel.{axis} to 1"
+                     (model.num_local_experts): MoE layers run with parallel.dp, parallel.ep, \
+                     parallel.pp and ZeRO; set parallel.{axis} to 1"
                 ));
             }
+        }
+        if par.ep <= 1 {
+            return;
+        }
+        if !par.dp.is_multiple_of(par.ep) {
+            p.push(format!(
+                "parallel.ep ({}) must divide parallel.dp ({}): expert-parallel ranks are \
+                 data-parallel ranks that split the experts among them",
+                par.ep, par.dp
+            ));
+        }
+        if !experts.is_multiple_of(par.ep) {
+            p.push(format!(
+                "parallel.ep ({}) must divide model.num_local_experts ({experts})",
+                par.ep
+            ));
+        }
+        if par.zero >= 2 {
+            p.push(format!(
+                "parallel.zero = {} with parallel.ep = {}: expert parallelism runs with ZeRO \
+                 stages 0 and 1",
+                par.zero, par.ep
+            ));
+        }
+        if par.zero_shard_size.is_some() {
+            p.push(format!(
+                "parallel.zero_shard_size with parallel.ep = {}: expert parallelism runs \
+                 without hybrid sharding",
+                par.ep
+            ));
         }
     }
 

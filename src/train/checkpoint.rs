@@ -108,14 +108,29 @@ impl Trainer {
         // Data- and context-parallel replicas hold identical state: without ZeRO only the first
         // rank of the gradient group writes it. With sharding the first shard group writes
         // (replica groups hold the same shards).
-        let first_shard_group = self.ctx.dp_replicate.ranks().first() == Some(&self.ctx.rank);
-        let first_replica = self.ctx.dp.ranks().first() == Some(&self.ctx.rank);
-        if (self.recipe.parallel.zero >= 1 && first_shard_group) || first_replica {
+        // Routed experts (which differ between expert-parallel ranks) are written by the first
+        // rank of their expert gradient group.
+        let first = |g: &parallel::Group| g.ranks().first() == Some(&self.ctx.rank);
+        let first_shard_group = first(&self.ctx.dp_replicate);
+        let sharded = self.recipe.parallel.zero >= 1 && first_shard_group;
+        let (first_replica, first_expert_replica) =
+            (first(&self.ctx.dp), first(&self.ctx.expert_dp));
+        if sharded || first_replica || first_expert_replica {
             let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
             let layout = self.grads.layout();
+            let expert = self.model.inventory().expert_flags();
             for (i, p) in self.model.params().iter().enumerate() {
                 if !self.owns_copy(p) {
                     continue; // replicas and the tied copy are written by their owner
+                }
+                let writes = sharded
+                    || if expert[i] {
+                        first_expert_replica
+                    } else {
+                        first_replica
+                    };
+                if !writes {
+                    continue;
                 }
                 let mut base = 0;
                 for r in self.optimizer.owned() {

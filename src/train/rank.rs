@@ -7,6 +7,7 @@ use candle_core::Device;
 use data::Batch;
 use model::{Piece, Placement};
 use parallel::cp::{local_chunks, ContextParallel};
+use parallel::ep::ExpertParallel;
 use parallel::mesh::{Axis, Coords, Mesh};
 use parallel::tp::TensorParallel;
 use parallel::{Comm, Group, ParallelConfig};
@@ -41,6 +42,13 @@ pub struct RankCtx {
     /// The ranks of the other shard groups holding the same shard (only this rank without hybrid
     /// sharding).
     pub dp_replicate: Group,
+    /// Expert-parallel group: the data-parallel ranks among which each MoE layer's experts are
+    /// split and tokens travel by all-to-all (this rank alone without expert parallelism).
+    pub ep: Group,
+    /// Expert gradient group: the gradient-group ranks holding this rank's experts, which reduce
+    /// (and, with ZeRO, shard) the experts' gradients (the gradient group without expert
+    /// parallelism).
+    pub expert_dp: Group,
     /// Tensor-parallel group.
     pub tp: Group,
     /// Pipeline group (this rank's pipeline, stage order = member order).
@@ -73,6 +81,8 @@ impl RankCtx {
             dp_shard: Group::new(members[r * n..(r + 1) * n].to_vec()),
             dp_replicate: Group::new(members.iter().skip(s).step_by(n).copied().collect()),
             dp,
+            ep: mesh.ep_group(rank),
+            expert_dp: mesh.expert_grad_group(rank),
             tp: mesh.group(Axis::Tp, rank),
             pp: mesh.group(Axis::Pp, rank),
             virtual_stages: cfg.virtual_stages,
@@ -100,6 +110,15 @@ impl RankCtx {
             ContextParallel::single()
         } else {
             ContextParallel::new(self.comm.clone(), self.cp.clone())
+        }
+    }
+
+    /// Expert-parallel setup for the model (a one-rank group without expert parallelism).
+    pub fn expert_parallel(&self) -> ExpertParallel {
+        if self.ep.size() == 1 {
+            ExpertParallel::single()
+        } else {
+            ExpertParallel::new(self.comm.clone(), self.ep.clone())
         }
     }
 
@@ -144,6 +163,7 @@ impl RankCtx {
         Placement {
             tp: self.tensor_parallel(),
             cp: self.context_parallel(),
+            ep: self.expert_parallel(),
             layers,
             embedding: stage == 0,
             head: stage + 1 == pp,

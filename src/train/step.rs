@@ -200,17 +200,22 @@ impl Trainer {
     }
 
     /// The global gradient norm, each element counted once over the whole job (see
-    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks), and this rank's
-    /// own sum of squares.
+    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks; without ZeRO the
+    /// routed experts, which differ between expert-parallel ranks, summed over the ep group),
+    /// and this rank's own sum of squares.
     fn grad_norm(&self) -> Result<(f64, f64)> {
         let ctx = &self.ctx;
+        let split_experts = ctx.ep.size() > 1;
+        let expert = self.model.inventory().expert_flags();
         // Adjacent ranges are summed in one pass: one kernel (and, on a GPU, one read-back)
-        // per contiguous run instead of one per parameter.
-        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        // per contiguous run instead of one per parameter. Runs of experts and of the other
+        // parameters are kept apart ([others, experts]) under expert parallelism.
+        let mut runs: [Vec<std::ops::Range<usize>>; 2] = [Vec::new(), Vec::new()];
         for (i, p) in self.model.params().iter().enumerate() {
             if !self.owns_copy(p) {
                 continue;
             }
+            let runs = &mut runs[usize::from(split_experts && expert[i])];
             for r in self.optimizer.owned() {
                 let x = intersect(&self.grads.layout().range(i), r);
                 match runs.last_mut() {
@@ -220,16 +225,28 @@ impl Trainer {
                 }
             }
         }
-        let mut local = 0.0;
-        for r in runs {
-            local += self.grads.sum_squares(r)?;
+        let mut local = [0.0; 2];
+        for (sum, runs) in local.iter_mut().zip(runs) {
+            for r in runs {
+                *sum += self.grads.sum_squares(r)?;
+            }
         }
-        let mut sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.tp, local)?;
-        sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.pp, sq)?;
+        let comm = ctx.comm.as_ref();
+        let mut sq = local[0];
+        if split_experts && self.recipe.parallel.zero == 0 {
+            sq += all_reduce_f64(comm, &ctx.ep, local[1])?;
+        } else {
+            sq += local[1];
+        }
+        sq = all_reduce_f64(comm, &ctx.tp, sq)?;
+        sq = all_reduce_f64(comm, &ctx.pp, sq)?;
         if self.recipe.parallel.zero >= 1 {
-            // Shards of one shard group; replica groups hold the same shards.
-            sq = all_reduce_f64(ctx.comm.as_ref(), &ctx.dp_shard, sq)?;
+            // Shards of one shard group; replica groups hold the same shards. Expert shards are
+            // cut over the expert gradient group, whose members, with the other expert-parallel
+            // indices, make up the gradient group: each element is still counted once.
+            sq = all_reduce_f64(comm, &ctx.dp_shard, sq)?;
         }
+        let local = local[0] + local[1];
         Ok((sq.sqrt(), local))
     }
 }

@@ -25,7 +25,9 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use model::{Inventory, Llama, ParamKind, Piece, Recompute};
 use parallel::comm::thread::Ticket;
-use parallel::dp::{gather_shards, owned_ranges, DataParallel, DpGroups, FlatLayout, Partial};
+use parallel::dp::{
+    gather_shards, owned_ranges, DataParallel, DpGroups, FlatLayout, Partial, ShardPos,
+};
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
 use parallel::ParallelConfig;
@@ -68,25 +70,39 @@ pub struct StateLayout {
 }
 
 impl StateLayout {
-    /// The layout of a rank at data-parallel shard index `shard_index` holding the part
-    /// `inventory` (local sizes `numels`, pipeline chunks `chunks`) under `par`.
+    /// The layout of a rank at data-parallel shard index `shard_index` (and `expert_index` in
+    /// its expert gradient group) holding the part `inventory` (local sizes `numels`, pipeline
+    /// chunks `chunks`) under `par`. With expert parallelism the routed experts' parameters
+    /// get buckets of their own, sharded over the expert gradient group.
     pub fn new(
         par: &ParallelConfig,
         inventory: &Inventory,
         numels: &[usize],
         chunks: &[Vec<Piece>],
         shard_index: usize,
+        expert_index: usize,
     ) -> Self {
         let (zero, shard) = (par.zero, par.shard_size());
         // Stage 0 pads buckets for the data-parallel size (as always); sharded stages for the
         // shard group.
-        let pad = if zero == 0 { par.dp } else { shard };
+        let (pad, expert_pad) = if zero == 0 {
+            (par.dp, par.dp / par.ep)
+        } else {
+            (shard, par.expert_grad_ranks())
+        };
         let layout = if zero >= 2 {
             FlatLayout::with_buckets(numels, &unit_buckets(inventory, chunks), pad)
+        } else if par.ep > 1 {
+            let expert = inventory.expert_flags();
+            FlatLayout::grouped(numels, &expert, par.bucket_size, [pad, expert_pad])
         } else {
             FlatLayout::new(numels, par.bucket_size, pad)
         };
-        let owned = owned_ranges(&layout, zero >= 1, shard_index, shard);
+        let pos = ShardPos {
+            dense: (shard_index, shard),
+            expert: (expert_index, par.expert_grad_ranks()),
+        };
+        let owned = owned_ranges(&layout, zero >= 1, pos);
         Self { layout, owned }
     }
 
@@ -376,8 +392,15 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let chunks = ctx.chunks(model.config().num_hidden_layers);
     let numels: Vec<usize> = model.params().iter().map(|p| p.numel()).collect();
     let shard_index = ctx.dp_shard.index_of(ctx.rank).unwrap_or(0);
-    let StateLayout { layout, owned } =
-        StateLayout::new(par, model.inventory(), &numels, &chunks, shard_index);
+    let expert_index = ctx.expert_dp.index_of(ctx.rank).unwrap_or(0);
+    let StateLayout { layout, owned } = StateLayout::new(
+        par,
+        model.inventory(),
+        &numels,
+        &chunks,
+        shard_index,
+        expert_index,
+    );
     let device = &ctx.device;
     let grads = if zero >= 2 {
         GradBuffer::sharded(layout.clone(), owned.clone(), device)?
@@ -397,6 +420,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let groups = DpGroups {
         dp: ctx.dp.clone(),
         shard: ctx.dp_shard.clone(),
+        expert: ctx.expert_dp.clone(),
         replicate: ctx.dp_replicate.clone(),
         tp: ctx.tp.clone(),
         pipeline_ends: ctx.embedding_group(),
@@ -451,7 +475,8 @@ pub fn publish(
     match dp.zero() {
         0 => write_params(model.params(), dp.layout(), &master)?,
         1 | 2 => {
-            let full = gather_shards(dp.layout(), &master, ctx.comm.as_ref(), &ctx.dp_shard)?;
+            let (comm, expert) = (ctx.comm.as_ref(), &ctx.expert_dp);
+            let full = gather_shards(dp.layout(), &master, comm, &ctx.dp_shard, expert)?;
             write_params(model.params(), dp.layout(), &full)?;
         }
         _ => dp.set_param_shards(&master)?,

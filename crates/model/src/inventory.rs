@@ -6,6 +6,7 @@
 //! prediction and the trainer's measurement come from the same list.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use parallel::tp::{tp_shard, ShardError};
 
@@ -137,8 +138,21 @@ pub struct Inventory {
 
 impl Inventory {
     /// The parameters of the part holding `layers`, the embedding if `embedding` and the head if
-    /// `head`.
+    /// `head`, with every expert of its MoE layers.
     pub fn new(config: &LlamaConfig, layers: &[usize], embedding: bool, head: bool) -> Self {
+        let all = config.moe().map_or(0, |m| m.num_experts);
+        Self::with_experts(config, layers, embedding, head, 0..all)
+    }
+
+    /// [`Inventory::new`] holding only the experts `experts` of each MoE layer (this rank's
+    /// share under expert parallelism).
+    pub fn with_experts(
+        config: &LlamaConfig,
+        layers: &[usize],
+        embedding: bool,
+        head: bool,
+        experts: Range<usize>,
+    ) -> Self {
         let (h, f, v) = (
             config.hidden_size,
             config.intermediate_size,
@@ -192,7 +206,8 @@ impl Inventory {
                         let n = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
                         let (e, fe) = (m.num_experts, m.expert_size);
                         let router = add(n("gate"), &[e, h], matrix, w);
-                        let experts = (0..e)
+                        let held = experts
+                            .clone()
                             .map(|j| ExpertParams {
                                 w1: add(n(&format!("experts.{j}.w1")), &[fe, h], matrix, w),
                                 w3: add(n(&format!("experts.{j}.w3")), &[fe, h], matrix, w),
@@ -201,8 +216,8 @@ impl Inventory {
                             .collect();
                         MlpParams::Moe(MoeParams {
                             router,
-                            first_expert: 0,
-                            experts,
+                            first_expert: experts.start,
+                            experts: held,
                         })
                     }
                     _ => MlpParams::Dense {
@@ -253,6 +268,21 @@ impl Inventory {
             MlpParams::Moe(m) => m.experts.iter().any(|e| [e.w1, e.w3, e.w2].contains(&i)),
             MlpParams::Dense { .. } => false,
         })
+    }
+
+    /// For every parameter, whether it is a routed expert's ([`Inventory::is_expert`]).
+    pub fn expert_flags(&self) -> Vec<bool> {
+        let mut flags = vec![false; self.params.len()];
+        for b in self.blocks.values() {
+            if let MlpParams::Moe(m) = &b.mlp {
+                for e in &m.experts {
+                    for i in [e.w1, e.w3, e.w2] {
+                        flags[i] = true;
+                    }
+                }
+            }
+        }
+        flags
     }
 
     /// Elements of each parameter on one tensor-parallel rank of `tp`, in construction order.

@@ -13,6 +13,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result, Tensor};
 use parallel::cp::{ContextParallel, Kernels};
+use parallel::ep::ExpertParallel;
 use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
@@ -40,6 +41,9 @@ pub struct Placement {
     /// Context-parallel group (a one-rank group without context parallelism): the rank holds
     /// its share of every sequence, and attention runs as a ring over the group.
     pub cp: ContextParallel,
+    /// Expert-parallel group (a one-rank group without expert parallelism): the rank holds its
+    /// share of every MoE layer's experts and exchanges tokens with the group.
+    pub ep: ExpertParallel,
     /// Global indices of the decoder blocks held, in execution order.
     pub layers: Vec<usize>,
     /// Holds the token embedding (first pipeline stage).
@@ -54,6 +58,7 @@ impl Placement {
         Self {
             tp: TensorParallel::single(),
             cp: ContextParallel::single(),
+            ep: ExpertParallel::single(),
             layers: (0..config.num_hidden_layers).collect(),
             embedding: true,
             head: true,
@@ -102,11 +107,13 @@ impl Llama {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let inventory = Inventory::new(
+        let experts = config.moe().map_or(0, |m| m.num_experts);
+        let inventory = Inventory::with_experts(
             config,
             &placement.layers,
             placement.embedding,
             placement.head,
+            placement.ep.local_experts(experts),
         );
         let mut params = ParamSet::default();
         for d in &inventory.params {
@@ -271,7 +278,9 @@ impl Llama {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let out = moe::forward(&h.flatten_to(1)?, &self.w(m.router)?, &experts, &cfg, i)?;
+                let ep = &self.placement.ep;
+                let router = self.w(m.router)?;
+                let out = moe::forward(&h.flatten_to(1)?, &router, &experts, ep, &cfg, i)?;
                 let y = (x + out.y.reshape(h.shape())?)?; // [b, s, h]
                 let Some(scale) = aux_scale else {
                     return Ok(y);
@@ -331,7 +340,7 @@ impl Llama {
     /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
     pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
         let p = &self.placement;
-        if p.tp.size() > 1 || p.cp.size() > 1 || !p.embedding {
+        if p.tp.size() > 1 || p.cp.size() > 1 || p.ep.size() > 1 || !p.embedding {
             candle_core::bail!("full logits need the whole model on one rank");
         }
         self.local_logits(&self.hidden(tokens)?)

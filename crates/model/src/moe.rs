@@ -25,6 +25,8 @@ use std::cmp::Ordering;
 
 use candle_core::{DType, Result, Tensor, D};
 
+use parallel::ep::ExpertParallel;
+
 use crate::config::MoeConfig;
 use crate::ops::{linear, swiglu};
 
@@ -136,20 +138,23 @@ fn softmax_lse(logits: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((probs, lse))
 }
 
-/// The MoE layer on `x` `[n, h]` with router `[E, h]` and all `E` experts of layer `layer`.
+/// The MoE layer on `x` `[n, h]` with router `[E, h]` and this rank's experts of layer `layer`
+/// (all `E`, or its share of the expert-parallel group `ep`, which the rows travel to).
 pub fn forward(
     x: &Tensor,
     router: &Tensor,
     experts: &[Expert],
+    ep: &ExpertParallel,
     cfg: &MoeConfig,
     layer: usize,
 ) -> Result<MoeOutput> {
     let (n, h) = x.dims2()?;
     let (e, k) = (cfg.num_experts, cfg.top_k);
-    if experts.len() != e {
+    if experts.len() * ep.size() != e {
         candle_core::bail!(
-            "MoE layer {layer}: {} experts given, {e} configured",
-            experts.len()
+            "MoE layer {layer}: {} experts on each of {} expert-parallel ranks, {e} configured",
+            experts.len(),
+            ep.size()
         );
     }
     let dev = x.device();
@@ -174,22 +179,31 @@ pub fn forward(
         weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
     }
 
-    // Rows grouped by expert, each expert over its contiguous rows.
+    // Rows grouped by expert, sent to the ranks holding their experts (no-op without expert
+    // parallelism), each local expert over its contiguous rows, and back.
     let order = expert_order(&routing);
     let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
     let x_perm = x.index_select(&Tensor::from_vec(tokens, n * k, dev)?, 0)?; // [n·k, h]
-    let mut outs = Vec::with_capacity(e);
+    let (x_local, dispatch) = ep.dispatch(&x_perm, &routing.counts)?; // [m, h]
+    let mut outs = Vec::with_capacity(experts.len());
     let mut start = 0;
-    for (ex, &count) in experts.iter().zip(&routing.counts) {
+    for (ex, &count) in experts.iter().zip(&dispatch.counts) {
         if count == 0 {
             continue;
         }
-        let xe = x_perm.narrow(0, start, count)?; // [count, h]
+        let xe = x_local.narrow(0, start, count)?; // [count, h]
         let g = swiglu(&linear(&xe, &ex.w1)?, &linear(&xe, &ex.w3)?)?; // [count, f]
         outs.push(linear(&g, &ex.w2)?); // [count, h]
         start += count;
     }
-    let y_perm = Tensor::cat(&outs, 0)?; // [n·k, h]
+    // No local rows: the (empty) input stands in, so the backward still reaches the dispatch
+    // and every member of the group takes part in its reverse all-to-all.
+    let y_local = if outs.is_empty() {
+        x_local
+    } else {
+        Tensor::cat(&outs, 0)?
+    }; // [m, h]
+    let y_perm = ep.combine(&y_local, &dispatch)?; // [n·k, h]
 
     // Back to (token, slot) order, weighted, summed over the slots.
     let mut inverse = vec![0u32; n * k];

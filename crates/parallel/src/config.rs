@@ -20,6 +20,12 @@ pub struct ParallelConfig {
     /// Pipeline stages: each holds a contiguous range of layers.
     #[serde(default = "one")]
     pub pp: usize,
+    /// Expert-parallel ranks: each holds `1 / ep` of every mixture-of-experts layer's experts,
+    /// and tokens travel to their experts' ranks by all-to-all. Folded inside data parallelism
+    /// (it must divide `dp`): the `ep` consecutive data-parallel ranks of an expert-parallel group
+    /// read different samples and share their experts (see `mesh.rs`).
+    #[serde(default = "one")]
+    pub ep: usize,
     /// Model chunks per pipeline rank (interleaved 1F1B when greater than 1).
     #[serde(default = "one")]
     pub virtual_stages: usize,
@@ -76,6 +82,7 @@ impl Default for ParallelConfig {
             tp: 1,
             cp: 1,
             pp: 1,
+            ep: 1,
             virtual_stages: 1,
             sequence_parallel: false,
             zero: 0,
@@ -97,6 +104,12 @@ impl ParallelConfig {
     /// context-parallel ranks of a replica compute gradients from different tokens).
     pub fn grad_ranks(&self) -> usize {
         self.dp * self.cp
+    }
+
+    /// Ranks that hold the same experts and reduce their gradients together: the gradient ranks
+    /// with the same expert-parallel index (`dp / ep × cp`).
+    pub fn expert_grad_ranks(&self) -> usize {
+        self.grad_ranks() / self.ep.max(1)
     }
 
     /// Ranks per ZeRO shard group (among the [`ParallelConfig::grad_ranks`]):

@@ -1,5 +1,5 @@
 //! Parallel training: the `parallel:` recipe section, the rank mesh, the `Comm` trait and its
-//! backends, tensor- and sequence-parallel ops and layers, context-parallel ring attention, data-parallel gradient sync and ZeRO-1,
+//! backends, tensor- and sequence-parallel ops and layers, context-parallel ring attention, expert-parallel token dispatch, data-parallel gradient sync and ZeRO-1,
 //! pipeline schedules, and multi-process launch (environment parsing, rendezvous store).
 
 pub mod comm;
@@ -7,6 +7,7 @@ pub mod config;
 pub mod cp;
 pub mod dp;
 pub mod env;
+pub mod ep;
 pub mod mesh;
 pub mod pipeline;
 pub mod store;

@@ -10,8 +10,9 @@
 //!
 //! so the ranks of a tensor-parallel group are adjacent (on one node, sharing the fastest links),
 //! and a context-parallel ring (which moves K/V blocks every layer) is next closest. The code is
-//! generic over an ordered list of axes (fastest first), so further axes (expert parallelism) only
-//! need a new [`Axis`] variant and a place in that list.
+//! generic over an ordered list of axes (fastest first), so a further axis only needs a new
+//! [`Axis`] variant and a place in that list; expert parallelism is not an axis of its own but a
+//! subdivision of the data-parallel one (below).
 //!
 //! # Worked example: 16 ranks, dp = 2, tp = 2, pp = 4 (cp = 1)
 //!
@@ -55,6 +56,35 @@
 //! - gradient groups (dp × cp, [`Mesh::group_across`]): `[0,2,4,6] [1,3,5,7] [8,10,12,14]
 //!   [9,11,13,15]`. Weights are replicated over cp ranks, so their gradients are reduced, and
 //!   ZeRO shards, over these groups; the two cp ranks of a dp group read the same samples.
+//!
+//! # Expert parallelism: folded inside data parallelism
+//!
+//! Mixture-of-experts layers split their experts over `ep` ranks that read *different* samples,
+//! so expert parallelism reuses data-parallel ranks rather than adding ranks (Megatron's
+//! "tp-cp-ep-dp-pp" order): the data-parallel coordinate `d` is read as
+//! `d = ep_index + ep · expert_replica`, the expert-parallel index varying fastest. Dense
+//! parameters are replicated over all `dp` ranks as before; a rank holds the experts of its
+//! `ep_index` only, and their gradients are reduced over the ranks with the same `ep_index`
+//! (the expert gradient group, × cp). Tokens travel between the members of an expert-parallel
+//! group (same tp, cp, pp and expert replica) by all-to-all.
+//!
+//! Worked example: 8 ranks, tp = 2, dp = 4, ep = 2 (`rank = tp + 2·dp`):
+//!
+//! | rank | tp | dp | ep_index | expert replica |
+//! |-----:|---:|---:|---------:|---------------:|
+//! |    0 |  0 |  0 |        0 |              0 |
+//! |    1 |  1 |  0 |        0 |              0 |
+//! |    2 |  0 |  1 |        1 |              0 |
+//! |    3 |  1 |  1 |        1 |              0 |
+//! |    4 |  0 |  2 |        0 |              1 |
+//! |    5 |  1 |  2 |        0 |              1 |
+//! |    6 |  0 |  3 |        1 |              1 |
+//! |    7 |  1 |  3 |        1 |              1 |
+//!
+//! - dp (dense gradient) groups: `[0,2,4,6] [1,3,5,7]`
+//! - ep groups (all-to-all, [`Mesh::ep_group`]): `[0,2] [4,6] [1,3] [5,7]`
+//! - expert gradient groups ([`Mesh::expert_grad_group`]): `[0,4] [2,6] [1,5] [3,7]`: ranks 0
+//!   and 4 hold experts `0 .. E/2` and sum their gradients; ranks 2 and 6 hold `E/2 .. E`.
 
 use std::fmt;
 
@@ -144,6 +174,9 @@ pub enum MeshError {
     /// `dp × tp × cp × pp` does not fit in a `usize`.
     #[error("mesh {layout}: world size overflows")]
     Overflow { layout: String },
+    /// Expert parallelism that does not divide data parallelism.
+    #[error("parallel.ep ({ep}) must be at least 1 and divide parallel.dp ({dp}): expert-parallel ranks are data-parallel ranks")]
+    ExpertAxis { ep: usize, dp: usize },
 }
 
 /// The sizes of the parallelism axes and the rank layout derived from them (see the module docs).
@@ -151,6 +184,8 @@ pub enum MeshError {
 pub struct Mesh {
     /// Axis sizes indexed like [`Axis::ORDER`].
     sizes: [usize; 4],
+    /// Expert-parallel size, a divisor of the data-parallel size (see the module docs).
+    ep: usize,
 }
 
 impl Mesh {
@@ -181,7 +216,18 @@ impl Mesh {
         all.iter()
             .try_fold(1usize, |acc, &s| acc.checked_mul(s))
             .ok_or_else(|| MeshError::Overflow { layout: layout() })?;
-        Ok(Self { sizes: all })
+        Ok(Self { sizes: all, ep: 1 })
+    }
+
+    /// This mesh with expert parallelism `ep` folded inside its data-parallel axis (`ep` must
+    /// divide the data-parallel size).
+    pub fn with_ep(mut self, ep: usize) -> Result<Self, MeshError> {
+        let dp = self.size(Axis::Dp);
+        if ep == 0 || !dp.is_multiple_of(ep) {
+            return Err(MeshError::ExpertAxis { ep, dp });
+        }
+        self.ep = ep;
+        Ok(self)
     }
 
     /// The mesh described by the `parallel:` section of a recipe.
@@ -191,7 +237,47 @@ impl Mesh {
             (Axis::Cp, c.cp),
             (Axis::Dp, c.dp),
             (Axis::Pp, c.pp),
-        ])
+        ])?
+        .with_ep(c.ep)
+    }
+
+    /// The expert-parallel size (1 without expert parallelism).
+    pub fn ep(&self) -> usize {
+        self.ep
+    }
+
+    /// `rank`'s index in its expert-parallel group: which `1 / ep` of the experts it holds.
+    pub fn ep_index(&self, rank: usize) -> usize {
+        self.coords(rank).dp % self.ep
+    }
+
+    /// The expert-parallel group of `rank`: the `ep` data-parallel ranks (same tp, cp, pp
+    /// coordinates) whose data-parallel coordinates differ only in the expert-parallel index;
+    /// tokens travel among them by all-to-all.
+    pub fn ep_group(&self, rank: usize) -> Group {
+        let mut c = self.coords(rank);
+        let base = c.dp - c.dp % self.ep;
+        let ranks = (base..base + self.ep)
+            .map(|d| {
+                c.dp = d;
+                self.rank_of(c)
+            })
+            .collect();
+        Group::new(ranks)
+    }
+
+    /// The expert gradient group of `rank`: the ranks of its gradient group (dp × cp) with its
+    /// expert-parallel index, which hold the same experts and reduce their gradients together.
+    pub fn expert_grad_group(&self, rank: usize) -> Group {
+        let me = self.ep_index(rank);
+        let ranks = self
+            .group_across(&[Axis::Dp, Axis::Cp], rank)
+            .ranks()
+            .iter()
+            .copied()
+            .filter(|&r| self.ep_index(r) == me)
+            .collect();
+        Group::new(ranks)
     }
 
     /// Total number of ranks (`dp × tp × cp × pp`).

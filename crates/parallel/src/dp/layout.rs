@@ -6,6 +6,10 @@
 //! the parameters of one model piece ([`FlatLayout::with_buckets`], ZeRO-2/3) — and each bucket is
 //! padded to a multiple of the shard count so that it reduce-scatters into equal shards (see
 //! `zero.rs`). Padding elements stay zero.
+//!
+//! Under expert parallelism a bucket holds either only routed experts' parameters or none
+//! ([`FlatLayout::grouped`]): expert buckets are reduced (and sharded) over the expert gradient
+//! group, the others over the whole gradient group.
 
 use std::ops::Range;
 
@@ -18,6 +22,8 @@ pub struct Bucket {
     pub start: usize,
     /// Elements including padding (a multiple of the data-parallel size).
     pub len: usize,
+    /// Holds routed experts' parameters (reduced over the expert gradient group).
+    pub expert: bool,
 }
 
 impl Bucket {
@@ -45,18 +51,38 @@ impl FlatLayout {
     /// Lays out parameters of `numels` elements into buckets of at least `bucket_elems` elements
     /// (the last may be smaller), each padded to a multiple of `dp_size`.
     pub fn new(numels: &[usize], bucket_elems: usize, dp_size: usize) -> Self {
+        Self::grouped(
+            numels,
+            &vec![false; numels.len()],
+            bucket_elems,
+            [dp_size; 2],
+        )
+    }
+
+    /// [`FlatLayout::new`] where parameter `i` is a routed expert's if `expert[i]`: a bucket
+    /// also ends where that changes, and is padded to a multiple of `pad[0]` (others) or
+    /// `pad[1]` (experts).
+    pub fn grouped(
+        numels: &[usize],
+        expert: &[bool],
+        bucket_elems: usize,
+        pad: [usize; 2],
+    ) -> Self {
         let mut offsets = Vec::with_capacity(numels.len());
         let mut buckets = Vec::new();
         let (mut total, mut first, mut filled) = (0, 0, 0);
         for (i, &n) in numels.iter().enumerate() {
             offsets.push(total + filled);
             filled += n;
-            if filled >= bucket_elems || i + 1 == numels.len() {
-                let len = filled.div_ceil(dp_size) * dp_size;
+            let last = i + 1 == numels.len();
+            if filled >= bucket_elems || last || expert[i + 1] != expert[i] {
+                let pad = pad[usize::from(expert[i])];
+                let len = filled.div_ceil(pad) * pad;
                 buckets.push(Bucket {
                     params: first..i + 1,
                     start: total,
                     len,
+                    expert: expert[i],
                 });
                 total += len;
                 first = i + 1;
@@ -89,6 +115,7 @@ impl FlatLayout {
                 params: params.clone(),
                 start,
                 len,
+                expert: false,
             });
             total = start + len;
         }
@@ -132,7 +159,8 @@ mod tests {
             Bucket {
                 params: 0..2,
                 start: 0,
-                len: 8
+                len: 8,
+                expert: false,
             }
         );
         assert_eq!(
@@ -140,7 +168,8 @@ mod tests {
             Bucket {
                 params: 2..4,
                 start: 8,
-                len: 12
+                len: 12,
+                expert: false,
             }
         );
         assert_eq!(l.total, 20);
@@ -157,6 +186,26 @@ mod tests {
         let spans: Vec<(usize, usize)> = l.buckets.iter().map(|b| (b.start, b.len)).collect();
         assert_eq!(spans, vec![(0, 8), (8, 12), (20, 4)]);
         assert_eq!((l.total, l.bucket_of(2)), (24, 1));
+    }
+
+    #[test]
+    fn expert_buckets_stand_apart_with_their_own_padding() {
+        // Parameters 1 and 2 are experts, sharded over 2 ranks; the others over 4.
+        let l = FlatLayout::grouped(&[5, 3, 7, 2], &[false, true, true, false], 100, [4, 2]);
+        let spans: Vec<_> = l
+            .buckets
+            .iter()
+            .map(|b| (b.params.clone(), b.start, b.len, b.expert))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (0..1, 0, 8, false),
+                (1..3, 8, 10, true),
+                (3..4, 18, 4, false)
+            ]
+        );
+        assert_eq!(l.offsets, vec![0, 8, 11, 18]);
     }
 
     #[test]

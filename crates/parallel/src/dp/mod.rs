@@ -24,4 +24,4 @@ pub mod zero;
 pub use layout::{intersect, Bucket, FlatLayout};
 pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
 pub use sync::{BucketSpan, GradSync, Reduction};
-pub use zero::{gather_shards, owned_ranges};
+pub use zero::{gather_shards, owned_ranges, ShardPos};

@@ -54,6 +54,10 @@ pub struct DpGroups {
     pub dp: Group,
     /// The ZeRO shard group (the whole data-parallel group unless sharding is hybrid).
     pub shard: Group,
+    /// The expert gradient group: the data-parallel ranks holding this rank's experts, over
+    /// which expert buckets are reduced and sharded (the data-parallel group without expert
+    /// parallelism; hybrid sharding and stages 2, 3 take no expert buckets).
+    pub expert: Group,
     /// The ranks holding the same shard in the other shard groups (hybrid sharding).
     pub replicate: Group,
     /// The tensor-parallel group.
@@ -113,6 +117,14 @@ impl DataParallel {
                 layout.numels.len()
             );
         }
+        let expert_buckets = layout.buckets.iter().any(|b| b.expert);
+        if expert_buckets && (zero >= 2 || (zero == 1 && groups.replicate.size() > 1)) {
+            candle_core::bail!(
+                "data parallelism: expert buckets (expert parallelism) are reduced at ZeRO stages \
+                 0 and 1 without hybrid sharding only (stage {zero}, {} replica groups)",
+                groups.replicate.size()
+            );
+        }
         let mut owned_at = Vec::with_capacity(owned.len());
         let mut at = 0;
         for r in &owned {
@@ -124,11 +136,13 @@ impl DataParallel {
                 let reduction = if zero == 0 {
                     Reduction::AllReduce {
                         dp: groups.dp.clone(),
+                        expert: groups.expert.clone(),
                     }
                 } else {
                     Reduction::Shard {
                         shard: groups.shard.clone(),
                         replicate: groups.replicate.clone(),
+                        expert: groups.expert.clone(),
                     }
                 };
                 let s = GradSync::new(layout.clone(), grads.clone(), comm.clone(), reduction)?;

@@ -18,13 +18,16 @@ use super::FlatLayout;
 use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, ReduceOp};
 
-/// How a complete bucket is reduced across data-parallel ranks.
+/// How a complete bucket is reduced across data-parallel ranks. Expert buckets (see
+/// [`FlatLayout::grouped`]) use `expert` in place of `dp` or `shard`.
 #[derive(Debug, Clone)]
 pub enum Reduction {
     /// All-reduce over the data-parallel group: every rank gets the whole sum.
     AllReduce {
         /// The data-parallel group.
         dp: Group,
+        /// The expert gradient group.
+        expert: Group,
     },
     /// Reduce-scatter over the shard group, so each rank keeps the sum of its shard of the
     /// bucket; then, with hybrid sharding, an all-reduce of that shard over the replica group.
@@ -33,6 +36,8 @@ pub enum Reduction {
         shard: Group,
         /// The ranks holding the same shard in other shard groups.
         replicate: Group,
+        /// The ranks sharing the experts' state (expert buckets are not replicated).
+        expert: Group,
     },
 }
 
@@ -53,8 +58,8 @@ pub struct GradSync {
     flat: Tensor,
     comm: Arc<dyn Comm>,
     reduction: Reduction,
-    /// This rank's shard index (with [`Reduction::Shard`]).
-    shard_index: usize,
+    /// This rank's shard index (with [`Reduction::Shard`]) in the shard and expert shard groups.
+    shard_index: [usize; 2],
     /// Parameters still pending per bucket in the current step.
     pending: Vec<usize>,
     in_flight: Vec<Ticket<BucketSpan>>,
@@ -70,14 +75,17 @@ impl GradSync {
         comm: Arc<dyn Comm>,
         reduction: Reduction,
     ) -> Result<Self> {
-        let shard_index = match &reduction {
-            Reduction::AllReduce { .. } => 0,
-            Reduction::Shard { shard, .. } => shard.index_of(comm.rank()).ok_or_else(|| {
+        let index = |g: &Group| {
+            g.index_of(comm.rank()).ok_or_else(|| {
                 candle_core::Error::Msg(format!(
-                    "gradient sync: rank {} is not in its shard group {shard:?}",
+                    "gradient sync: rank {} is not in its shard group {g:?}",
                     comm.rank()
                 ))
-            })?,
+            })
+        };
+        let shard_index = match &reduction {
+            Reduction::AllReduce { .. } => [0, 0],
+            Reduction::Shard { shard, expert, .. } => [index(shard)?, index(expert)?],
         };
         let thread = CommThread::new(format!("dp-sync-{}", comm.rank()))?;
         Ok(Self {
@@ -114,16 +122,26 @@ impl GradSync {
                 let start = Instant::now();
                 let data = flat.narrow(0, bucket.start, bucket.len)?.copy()?; // [len]
                 match &reduction {
-                    Reduction::AllReduce { dp } => {
-                        let sum = comm.all_reduce(dp, &data, ReduceOp::Sum)?; // [len]
+                    Reduction::AllReduce { dp, expert } => {
+                        let group = if bucket.expert { expert } else { dp };
+                        let sum = comm.all_reduce(group, &data, ReduceOp::Sum)?; // [len]
                         flat.slice_set(&sum, 0, bucket.start)?;
                     }
-                    Reduction::Shard { shard, replicate } => {
-                        let mut part = comm.reduce_scatter(shard, &data, 0)?; // [len / n]
-                        if replicate.size() > 1 {
+                    Reduction::Shard {
+                        shard,
+                        replicate,
+                        expert,
+                    } => {
+                        let (group, me) = if bucket.expert {
+                            (expert, me[1])
+                        } else {
+                            (shard, me[0])
+                        };
+                        let mut part = comm.reduce_scatter(group, &data, 0)?; // [len / n]
+                        if replicate.size() > 1 && !bucket.expert {
                             part = comm.all_reduce(replicate, &part, ReduceOp::Sum)?;
                         }
-                        flat.slice_set(&part, 0, bucket.shard(me, shard.size()).start)?;
+                        flat.slice_set(&part, 0, bucket.shard(me, group.size()).start)?;
                     }
                 }
                 Ok(BucketSpan {

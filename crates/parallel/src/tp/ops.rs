@@ -49,7 +49,7 @@ impl std::fmt::Debug for TpGroup {
     }
 }
 
-type GradFn = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+pub(crate) type GradFn = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
 /// A fresh copy of the elements of `s` that `l` addresses, contiguous.
 pub(crate) fn copy_storage<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
@@ -116,7 +116,12 @@ impl CustomOp1 for Route {
 }
 
 /// `x` with the forward value `value` (`None`: `x`'s own values) and the backward `grad_fn`.
-fn route(x: &Tensor, value: Option<Tensor>, name: &'static str, grad_fn: GradFn) -> Result<Tensor> {
+pub(crate) fn route(
+    x: &Tensor,
+    value: Option<Tensor>,
+    name: &'static str,
+    grad_fn: GradFn,
+) -> Result<Tensor> {
     x.apply_op1(Route {
         name,
         value: Mutex::new(value),

@@ -1,0 +1,205 @@
+//! Expert parallelism: the experts of every mixture-of-experts layer split across the ranks of an
+//! expert-parallel group, each token's rows carried to the ranks holding its experts and the
+//! results carried back, both by all-to-all with variable splits.
+//!
+//! ```text
+//!  rank j: x_perm [n·k, h], rows grouped by global expert (experts of rank 0, of rank 1, …)
+//!    ── all-gather the per-expert row counts over the group (every rank learns every split)
+//!    ── all-to-all: rank j's rows for the experts of rank r go to rank r
+//!  rank r: received rows in (source rank, local expert) order
+//!    ── regrouped to (local expert, source rank) order: each local expert's rows contiguous
+//!    ── the experts run over their rows                        y_local [m, h]
+//!    ── back to (source rank, local expert) order, reverse all-to-all
+//!  rank j: y_perm [n·k, h], in x_perm's row order
+//! ```
+//!
+//! Both all-to-alls are differentiable: the gradient of one is the reverse all-to-all of the
+//! incoming gradient. Every member of the group calls them in the same order (the members run
+//! the same pipeline schedule over the same layers), forward and backward, even when it sends
+//! or receives no rows, so none waits on a peer that skipped a call.
+//!
+//! Rank layout and gradient groups: see `mesh.rs` (expert parallelism is folded inside data
+//! parallelism; expert gradients are reduced over the expert gradient group).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{Device, Result, Tensor};
+
+use crate::comm::{Comm, Group};
+use crate::tp::ops::route;
+
+/// The expert-parallel group of one rank (a one-rank group without expert parallelism, where
+/// dispatch and combine are the identity).
+#[derive(Clone)]
+pub struct ExpertParallel {
+    comm: Option<Arc<dyn Comm>>,
+    group: Group,
+    index: usize,
+}
+
+impl std::fmt::Debug for ExpertParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ExpertParallel(index {} of {:?})",
+            self.index, self.group
+        )
+    }
+}
+
+/// How the rows of one dispatch were split, for the matching [`ExpertParallel::combine`].
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    /// Rows sent to each member (this rank's rows for that member's experts).
+    send: Vec<usize>,
+    /// Rows received from each member.
+    recv: Vec<usize>,
+    /// Received row of each row in (local expert, source) order; `None` with one rank.
+    grouped: Option<Vec<u32>>,
+    /// Rows per local expert, in the order the experts are held.
+    pub counts: Vec<usize>,
+}
+
+impl ExpertParallel {
+    /// No expert parallelism: this rank holds every expert.
+    pub fn single() -> Self {
+        Self {
+            comm: None,
+            group: Group::new(vec![0]),
+            index: 0,
+        }
+    }
+
+    /// The expert-parallel group `group` of the rank `comm` belongs to.
+    pub fn new(comm: Arc<dyn Comm>, group: Group) -> Self {
+        let index = group
+            .index_of(comm.rank())
+            .expect("a rank belongs to its own expert-parallel group");
+        Self {
+            comm: Some(comm),
+            group,
+            index,
+        }
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's index in the group.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The global experts this rank holds out of `num_experts` (a multiple of the group size):
+    /// the `index`-th run of `num_experts / size` consecutive experts.
+    pub fn local_experts(&self, num_experts: usize) -> Range<usize> {
+        let per = num_experts / self.size();
+        self.index * per..(self.index + 1) * per
+    }
+
+    /// Sends the rows of `x` (`[n·k, h]`, grouped by global expert, `counts[e]` rows for expert
+    /// `e` of all `E`) to the ranks holding their experts; returns the rows this rank's experts
+    /// must process (`[m, h]`, grouped by local expert, with the [`Dispatch`] saying how many
+    /// each) — differentiable.
+    pub fn dispatch(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
+        let (n, e) = (self.size(), counts.len());
+        let Some(comm) = self.comm.as_ref().filter(|_| n > 1) else {
+            let d = Dispatch {
+                send: vec![x.dim(0)?],
+                recv: vec![x.dim(0)?],
+                grouped: None,
+                counts: counts.to_vec(),
+            };
+            return Ok((x.clone(), d));
+        };
+        if !e.is_multiple_of(n) {
+            candle_core::bail!("expert parallelism: {e} experts do not split over {n} ranks");
+        }
+        let per = e / n;
+        // Every member's per-expert counts: [n, E].
+        let mine: Vec<u32> = counts
+            .iter()
+            .map(|&c| u32::try_from(c).map_err(candle_core::Error::wrap))
+            .collect::<Result<_>>()?;
+        let all = comm
+            .all_gather(
+                &self.group,
+                &Tensor::from_vec(mine, (1, e), &Device::Cpu)?,
+                0,
+            )?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<u32>()?;
+        let local = self.local_experts(e);
+        let send: Vec<usize> = counts.chunks(per).map(|c| c.iter().sum()).collect();
+        let recv: Vec<usize> = all
+            .iter()
+            .map(|row| row[local.clone()].iter().map(|&c| c as usize).sum())
+            .collect();
+        // Received blocks come in (source, local expert) order; regroup to (local expert, source).
+        let mut starts = vec![vec![0usize; per]; n]; // first received row of block (source, expert)
+        let mut at = 0;
+        for (j, row) in all.iter().enumerate() {
+            for (l, &c) in row[local.clone()].iter().enumerate() {
+                starts[j][l] = at;
+                at += c as usize;
+            }
+        }
+        let mut grouped = Vec::with_capacity(at);
+        let mut local_counts = vec![0usize; per];
+        for (l, total) in local_counts.iter_mut().enumerate() {
+            for (j, row) in all.iter().enumerate() {
+                let c = row[local.start + l] as usize;
+                grouped.extend((starts[j][l]..starts[j][l] + c).map(|r| r as u32));
+                *total += c;
+            }
+        }
+        let received = self.exchange(comm, x, &send, &recv)?; // [m, h], (source, expert) order
+        let index = Tensor::from_vec(grouped.clone(), grouped.len(), x.device())?;
+        let x_local = received.index_select(&index, 0)?; // [m, h], (expert, source) order
+        let d = Dispatch {
+            send,
+            recv,
+            grouped: Some(grouped),
+            counts: local_counts,
+        };
+        Ok((x_local, d))
+    }
+
+    /// Returns the experts' outputs `y` (`[m, h]`, rows as [`ExpertParallel::dispatch`] gave
+    /// them) to the ranks their tokens came from: `[n·k, h]` in the dispatched `x`'s row order
+    /// — differentiable.
+    pub fn combine(&self, y: &Tensor, d: &Dispatch) -> Result<Tensor> {
+        let (Some(comm), Some(grouped)) = (self.comm.as_ref(), d.grouped.as_ref()) else {
+            return Ok(y.clone());
+        };
+        let mut received = vec![0u32; grouped.len()];
+        for (row, &r) in grouped.iter().enumerate() {
+            received[r as usize] = row as u32;
+        }
+        let index = Tensor::from_vec(received, grouped.len(), y.device())?;
+        let y = y.index_select(&index, 0)?; // [m, h], (source, expert) order
+        self.exchange(comm, &y, &d.recv, &d.send)
+    }
+
+    /// The differentiable all-to-all: forward `send`/`recv`, backward the reverse.
+    fn exchange(
+        &self,
+        comm: &Arc<dyn Comm>,
+        x: &Tensor,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<Tensor> {
+        let value = comm.all_to_all(&self.group, &x.detach(), send, recv)?;
+        let (comm2, group) = (comm.clone(), self.group.clone());
+        let (back_send, back_recv) = (recv.to_vec(), send.to_vec());
+        route(
+            x,
+            Some(value),
+            "expert-all-to-all",
+            Box::new(move |g| comm2.all_to_all(&group, g, &back_send, &back_recv)),
+        )
+    }
+}
