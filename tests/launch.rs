@@ -24,12 +24,18 @@ fn losses(dir: &Path) -> Vec<f64> {
 #[test]
 fn processes_train_exactly_like_threads() {
     // Plain data parallelism with a pipeline, ZeRO-3 (gathers and reduce-scatters on each rank's
-    // communication thread beside the pipeline's traffic), and the context-parallel ring (K/V
-    // blocks sent point to point around each pair) with data parallelism.
+    // communication thread beside the pipeline's traffic), the context-parallel ring (K/V
+    // blocks sent point to point around each pair) with data parallelism, and experts split
+    // over data-parallel ranks.
     for layout in [
         LAYOUT.to_string(),
         format!("{LAYOUT},parallel.zero=3"),
         LAYOUT.replace("parallel.pp=2", "parallel.cp=2"),
+        // Expert parallelism: tokens exchanged by all-to-all (point to point) in every MoE
+        // layer's forward and backward, beside the pipeline's and the gradient sync's traffic.
+        format!(
+            "{LAYOUT},model.num_local_experts=4,model.intermediate_size=192,parallel.ep=2,parallel.zero=1"
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))

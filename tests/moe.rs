@@ -352,7 +352,8 @@ fn idle_experts_are_allowed() {
 }
 
 /// MoE settings are checked by name: without experts, with an impossible top-k, a dense layer
-/// that does not exist, or a layout that does not split MoE layers yet.
+/// that does not exist, a layout that does not split MoE layers yet, or expert parallelism that
+/// does not divide the data-parallel ranks or the experts.
 #[test]
 fn bad_moe_settings_are_refused_by_name() {
     let cases = [
@@ -384,6 +385,27 @@ fn bad_moe_settings_are_refused_by_name() {
             "model.num_local_experts=4,parallel.cp=2",
             "parallel.cp = 2 with mixture-of-experts",
         ),
+        (
+            "model.num_local_experts=4,parallel.dp=3,parallel.ep=2",
+            "parallel.ep (2) must divide parallel.dp (3)",
+        ),
+        (
+            "model.num_local_experts=6,parallel.dp=4,parallel.ep=4",
+            "parallel.ep (4) must divide model.num_local_experts (6)",
+        ),
+        (
+            "parallel.dp=2,parallel.ep=2",
+            "parallel.ep = 2 needs mixture-of-experts layers",
+        ),
+        (
+            "model.num_local_experts=4,parallel.dp=2,parallel.ep=2,parallel.zero=3",
+            "expert parallelism runs with ZeRO stages 0 and 1",
+        ),
+        (
+            "model.num_local_experts=4,parallel.dp=4,parallel.ep=2,parallel.zero=1,parallel.zero_shard_size=2",
+            "expert parallelism runs without hybrid sharding",
+        ),
+        ("model.num_local_experts=4,parallel.ep=0", "parallel.ep must be at least 1"),
     ];
     for (set, want) in cases {
         let e = pretrain::recipe::load(
@@ -397,4 +419,72 @@ fn bad_moe_settings_are_refused_by_name() {
     }
     let ok = pretrain::recipe::load(std::path::Path::new("recipes/tiny-moe.yaml"), &[]).unwrap();
     assert_eq!(ok.model.moe().unwrap().top_k, 4);
+}
+
+/// Trains the MoE tiny model for 6 steps into `dir` at `extra` (recipe overrides).
+fn run_in(dir: &std::path::Path, extra: &[&str]) -> pretrain::train::RunOutput {
+    let mut o = vec![
+        format!(
+            "train.steps=6,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,run.dir={}",
+            dir.display()
+        ),
+        MOE.to_string(),
+    ];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let recipe = pretrain::recipe::load(std::path::Path::new("recipes/tiny.yaml"), &o).unwrap();
+    pretrain::train::train(recipe, true).unwrap_or_else(|e| panic!("{extra:?}: {e:#}"))
+}
+
+/// Checkpoints are layout-free with experts split over ranks: an ep = 4 run resumes bit for
+/// bit at ep = 4, and its checkpoint continues the single-rank curve at ep = 1; a single-rank
+/// checkpoint continues at ep = 2 with ZeRO-1.
+#[test]
+fn expert_parallel_checkpoints_load_at_any_expert_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let losses = |r: &pretrain::train::RunOutput| -> Vec<(usize, f64)> {
+        r.records.iter().map(|r| (r.step, r.loss)).collect()
+    };
+    let ep4 = "parallel.dp=4,parallel.ep=4,parallel.zero=1";
+    let single = run_in(&tmp.path().join("single"), &["checkpoint.interval=3"]);
+    let wide = run_in(&tmp.path().join("wide"), &[ep4, "checkpoint.interval=3"]);
+    let step3 = |run: &str| tmp.path().join(run).join("checkpoints/step-00000003");
+    let resume = |from: &str| format!("checkpoint.resume={}", step3(from).display());
+
+    let again = run_in(&tmp.path().join("again"), &[ep4, &resume("wide")]);
+    assert_eq!(losses(&again), losses(&wide)[3..].to_vec(), "ep 4 resume");
+    assert_eq!(max_diff_weights(&again, &wide), 0.0, "ep 4 resume weights");
+
+    for (from, layout) in [
+        ("wide", "parallel.dp=1"),
+        ("single", "parallel.dp=2,parallel.ep=2,parallel.zero=1"),
+    ] {
+        let out = run_in(
+            &tmp.path().join(format!("from-{from}")),
+            &[layout, &resume(from)],
+        );
+        for ((s, a), (t, b)) in losses(&out).iter().zip(&losses(&single)[3..]) {
+            assert_eq!(s, t);
+            assert!(
+                (a - b).abs() / b < 1e-6,
+                "{from} -> {layout}: step {s} loss {a} vs {b}"
+            );
+        }
+        let d = max_diff_weights(&out, &single);
+        assert!(d < 3e-4, "{from} -> {layout}: weights differ by {d:.2e}");
+    }
+}
+
+fn max_diff_weights(a: &pretrain::train::RunOutput, b: &pretrain::train::RunOutput) -> f64 {
+    assert_eq!(
+        a.weights.keys().collect::<Vec<_>>(),
+        b.weights.keys().collect::<Vec<_>>()
+    );
+    a.weights
+        .iter()
+        .flat_map(|(k, x)| {
+            x.iter()
+                .zip(&b.weights[k])
+                .map(|(p, q)| (p - q).abs() as f64)
+        })
+        .fold(0.0, f64::max)
 }

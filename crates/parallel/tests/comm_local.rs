@@ -452,3 +452,34 @@ fn run_local_returns_results_in_rank_order() {
         ["rank-0", "rank-1", "rank-2"].map(|s| Some(s.to_string()))
     );
 }
+
+/// All-to-all with uneven splits (some empty) delivers every chunk to its member, in member
+/// order, on a subgroup; counts that do not match the rows are refused.
+#[test]
+fn all_to_all_delivers_uneven_chunks() {
+    let group = Group::new(vec![0, 2, 3]);
+    let count = |from: usize, to: usize| (2 * from + to + 1) % 3; // member indices
+    let rows_of = |m: usize| -> usize { (0..3).map(|j| count(m, j)).sum() };
+    let out = with_world(4, T, |rank, comm| {
+        let m = group.index_of(rank)?;
+        let send: Vec<usize> = (0..3).map(|j| count(m, j)).collect();
+        let recv: Vec<usize> = (0..3).map(|j| count(j, m)).collect();
+        let x = input(m, &[rows_of(m), 2], DType::F32, 0.0);
+        let bad = comm.all_to_all(&group, &x, &[1, 1, 1, 1], &recv);
+        assert!(bad
+            .unwrap_err()
+            .to_string()
+            .contains("4 send and 3 receive counts"));
+        Some(vals(&comm.all_to_all(&group, &x, &send, &recv).unwrap()))
+    });
+    for (m, &rank) in group.ranks().iter().enumerate() {
+        let mut want = Vec::new();
+        for j in 0..3 {
+            let x = vals(&input(j, &[rows_of(j), 2], DType::F32, 0.0));
+            let start: usize = (0..m).map(|t| count(j, t)).sum();
+            want.extend_from_slice(&x[2 * start..2 * (start + count(j, m))]);
+        }
+        assert_eq!(out[rank].as_ref().unwrap(), &want, "member {m}");
+    }
+    assert!(out[1].is_none());
+}

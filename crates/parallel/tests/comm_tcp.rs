@@ -77,6 +77,12 @@ fn program(rank: usize, comm: &dyn Comm) -> Vec<Vec<u32>> {
     let b = comm.recv(prev, x.shape(), DType::F32).unwrap();
     out.push(bits(&a));
     out.push(bits(&b));
+    // All-to-all with uneven splits, some empty: rank r sends (r + 2j) % 3 rows to rank j.
+    let count = |from: usize, to: usize| (from + 2 * to) % 3;
+    let send: Vec<usize> = (0..n).map(|j| count(rank, j)).collect();
+    let recv: Vec<usize> = (0..n).map(|j| count(j, rank)).collect();
+    let rows = input(rank, &[send.iter().sum(), 3], 0.25);
+    out.push(bits(&comm.all_to_all(&all, &rows, &send, &recv).unwrap()));
     out
 }
 

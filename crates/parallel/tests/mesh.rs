@@ -3,6 +3,7 @@
 
 use parallel::config::ParallelConfig;
 use parallel::mesh::{Axis, Coords, Mesh, MeshError};
+use parallel::Group;
 
 fn ranks(groups: &[parallel::Group]) -> Vec<Vec<usize>> {
     groups.iter().map(|g| g.ranks().to_vec()).collect()
@@ -189,6 +190,42 @@ fn worked_example_with_context_parallelism() {
     let e = Mesh::with_sizes(&[(Axis::Cp, 0)]).unwrap_err().to_string();
     assert!(
         e.contains("parallel.cp must be at least 1") && e.contains("cp=0"),
+        "{e}"
+    );
+}
+
+/// Expert parallelism folded inside data parallelism: the groups of the worked example in
+/// `mesh.rs` (tp 2, dp 4, ep 2), and ep must divide dp.
+#[test]
+fn expert_groups_follow_the_worked_example() {
+    let m = Mesh::new(4, 2, 1).unwrap().with_ep(2).unwrap();
+    let groups = |f: &dyn Fn(usize) -> Group| -> Vec<Vec<usize>> {
+        let mut all: Vec<Vec<usize>> = (0..8).map(|r| f(r).ranks().to_vec()).collect();
+        all.sort();
+        all.dedup();
+        all
+    };
+    assert_eq!(
+        groups(&|r| m.ep_group(r)),
+        vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+    );
+    assert_eq!(
+        groups(&|r| m.expert_grad_group(r)),
+        vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+    );
+    let idx: Vec<usize> = (0..8).map(|r| m.ep_index(r)).collect();
+    assert_eq!(idx, vec![0, 0, 1, 1, 0, 0, 1, 1]);
+    // Without expert parallelism: one-rank ep groups, the expert group is the dp group.
+    let plain = Mesh::new(4, 2, 1).unwrap();
+    assert_eq!(plain.ep_group(3).ranks(), &[3]);
+    assert_eq!(plain.expert_grad_group(3), plain.group(Axis::Dp, 3));
+    let e = Mesh::new(4, 1, 1)
+        .unwrap()
+        .with_ep(3)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("parallel.ep (3) must be at least 1 and divide parallel.dp (4)"),
         "{e}"
     );
 }
