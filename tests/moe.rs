@@ -74,7 +74,16 @@ fn experts(v: &[Tensor]) -> Vec<Expert> {
 
 /// `Σ y·c + aux` of the layer under test.
 fn objective(v: &[Tensor], cfg: &MoeConfig) -> Tensor {
-    let out = moe::forward(&v[0], &v[1], &experts(v), &ExpertParallel::single(), cfg, 0).unwrap();
+    let out = moe::forward(
+        &v[0],
+        &v[1],
+        &experts(v),
+        &ExpertParallel::single(),
+        None,
+        cfg,
+        0,
+    )
+    .unwrap();
     let c = Tensor::from_vec(values(N * H, 99, 1.0), (N, H), &Device::Cpu).unwrap();
     ((out.y * c).unwrap().sum_all().unwrap() + out.aux_loss).unwrap()
 }
@@ -178,6 +187,7 @@ fn equals_the_dense_masked_reference() {
             &t[1],
             &experts(&t),
             &ExpertParallel::single(),
+            None,
             &cfg,
             3,
         )
@@ -218,6 +228,7 @@ fn lower_precision_follows_f64() {
         &t[1],
         &experts(&t),
         &ExpertParallel::single(),
+        None,
         &cfg,
         0,
     )
@@ -229,6 +240,7 @@ fn lower_precision_follows_f64() {
             &low[1],
             &experts(&low),
             &ExpertParallel::single(),
+            None,
             &cfg,
             0,
         )
@@ -254,15 +266,6 @@ const MOE: &str = "model.num_local_experts=4,model.num_experts_per_tok=2,model.i
 #[test]
 fn moe_layouts_equal_the_single_rank_run() {
     let base = common::run(MOE);
-    let routing = |r: &pretrain::train::RunOutput| -> Vec<(f64, f64)> {
-        r.records
-            .iter()
-            .map(|s| {
-                let m = s.moe.as_ref().expect("a MoE step reports its routing");
-                (m.load_balancing, m.max_over_mean)
-            })
-            .collect()
-    };
     let first = base.records[0].moe.as_ref().unwrap();
     assert_eq!(first.layers.len(), 4);
     assert!(
@@ -285,19 +288,17 @@ fn moe_layouts_equal_the_single_rank_run() {
         let set = format!("{MOE},{layout}");
         let other = common::run(&set);
         let d = common::compare(&set, &base, &other);
-        for ((a, b), (c, e)) in routing(&base).into_iter().zip(routing(&other)) {
-            if (a - c).abs() > 1e-6 * a || (b - e).abs() > 1e-6 * b {
-                failures.push(format!("{layout}: routing {a} {b} vs {c} {e}"));
-            }
-        }
+        failures.extend(routing_differences(layout, &base, &other));
         common::assert_equivalent(&set, d);
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// Expert parallelism (experts split over ep data-parallel ranks, tokens exchanged by
-/// all-to-all) trains on the single-rank run, alone and with more data parallelism, pipelining
-/// and ZeRO-1 (same tolerances: only the order of sums differs).
+/// all-to-all) trains on the single-rank run, alone and with more data parallelism, pipelining,
+/// ZeRO-1 and recompute; so do MoE layers under tensor parallelism (experts replicated over the
+/// group), with sequence parallelism (each rank routes its share of the tokens) and with expert
+/// parallelism (same tolerances: only the order of sums differs).
 #[test]
 fn expert_parallel_layouts_equal_the_single_rank_run() {
     let base = common::run(MOE);
@@ -308,13 +309,18 @@ fn expert_parallel_layouts_equal_the_single_rank_run() {
         "parallel.dp=2,parallel.ep=2,parallel.pp=2",
         "parallel.dp=2,parallel.ep=2,parallel.zero=1",
         "parallel.dp=4,parallel.ep=2,parallel.zero=1,train.recompute=full",
+        "parallel.tp=2",
+        "parallel.tp=2,parallel.sequence_parallel=true",
+        "parallel.dp=2,parallel.ep=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero=1",
     ] {
         let set = format!("{MOE},{layout}");
         let other = common::run(&set);
         let d = common::compare(&set, &base, &other);
         common::assert_equivalent(&set, d);
+        let routing = routing_differences(layout, &base, &other);
+        assert!(routing.is_empty(), "{routing:#?}");
         // Rank 0 holds 1 / ep of the experts and all the rest.
-        if !layout.contains("pp=") {
+        if layout.contains("ep=") && !layout.contains("pp=") && !layout.contains("tp=") {
             let ep: usize = layout.split("ep=").nth(1).unwrap()[..1].parse().unwrap();
             let (mut dense, mut experts) = (0, 0);
             for (name, w) in &base.weights {
@@ -329,6 +335,30 @@ fn expert_parallel_layouts_equal_the_single_rank_run() {
             assert_eq!(bytes(&other), elem * (dense + experts / ep), "{layout}");
         }
     }
+}
+
+/// Where a layout's reported routing (each step's load-balancing loss and busiest expert)
+/// differs from the base run's by more than 1e-6 relative.
+fn routing_differences(
+    layout: &str,
+    base: &pretrain::train::RunOutput,
+    other: &pretrain::train::RunOutput,
+) -> Vec<String> {
+    let routing = |r: &pretrain::train::RunOutput| -> Vec<(f64, f64)> {
+        r.records
+            .iter()
+            .map(|s| {
+                let m = s.moe.as_ref().expect("a MoE step reports its routing");
+                (m.load_balancing, m.max_over_mean)
+            })
+            .collect()
+    };
+    routing(base)
+        .into_iter()
+        .zip(routing(other))
+        .filter(|((a, b), (c, e))| (a - c).abs() > 1e-6 * a || (b - e).abs() > 1e-6 * b)
+        .map(|((a, b), (c, e))| format!("{layout}: routing {a} {b} vs {c} {e}"))
+        .collect()
 }
 
 /// Experts that no token of a micro-batch chose get no gradient there, and training goes on
@@ -376,10 +406,6 @@ fn bad_moe_settings_are_refused_by_name() {
         (
             "model.num_local_experts=4,model.router_aux_loss_coef=-1",
             "router_aux_loss_coef (-1) must be",
-        ),
-        (
-            "model.num_local_experts=4,parallel.tp=2",
-            "parallel.tp = 2 with mixture-of-experts",
         ),
         (
             "model.num_local_experts=4,parallel.cp=2",

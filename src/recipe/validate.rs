@@ -208,9 +208,9 @@ impl Recipe {
         }
     }
 
-    /// Mixture-of-experts layers run with data, expert and pipeline parallelism and ZeRO; tensor
-    /// and context parallelism do not split them yet. Expert parallelism is folded inside data
-    /// parallelism and splits the experts evenly.
+    /// Mixture-of-experts layers run with data, expert, tensor (experts replicated over the
+    /// group) and pipeline parallelism and ZeRO; context parallelism does not split them yet.
+    /// Expert parallelism is folded inside data parallelism and splits the experts evenly.
     fn check_moe(&self, p: &mut Vec<String>) {
         let par = &self.parallel;
         let Some(experts) = self.model.num_local_experts else {
@@ -222,14 +222,13 @@ impl Recipe {
             }
             return;
         };
-        for (axis, n) in [("tp", par.tp), ("cp", par.cp)] {
-            if n > 1 {
-                p.push(format!(
-                    "parallel.{axis} = {n} with mixture-of-experts layers \
-                     (model.num_local_experts): MoE layers run with parallel.dp, parallel.ep, \
-                     parallel.pp and ZeRO; set parallel.{axis} to 1"
-                ));
-            }
+        if par.cp > 1 {
+            p.push(format!(
+                "parallel.cp = {} with mixture-of-experts layers (model.num_local_experts): MoE \
+                 layers run with parallel.dp, parallel.ep, parallel.tp, parallel.pp and ZeRO; set \
+                 parallel.cp to 1",
+                par.cp
+            ));
         }
         if par.ep <= 1 {
             return;

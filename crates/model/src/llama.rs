@@ -248,17 +248,14 @@ impl Llama {
         let o = linear_to(&a, &self.w(blk.o_proj)?, (b, s, c.hidden_size))?; // [b, s, h] partial
         let x = (x + tp.exit(&o)?)?;
 
-        let h = tp.enter(&ops::rms_norm(
-            &x,
-            &self.w(blk.post_attention_layernorm)?,
-            c.rms_norm_eps,
-        )?)?;
+        let normed = ops::rms_norm(&x, &self.w(blk.post_attention_layernorm)?, c.rms_norm_eps)?; // [b, s(/tp), h]
         match &blk.mlp {
             MlpParams::Dense {
                 gate_proj,
                 up_proj,
                 down_proj,
             } => {
+                let h = tp.enter(&normed)?; // [b, s, h]
                 let g = ops::swiglu(
                     &linear(&h, &self.w(*gate_proj)?)?,
                     &linear(&h, &self.w(*up_proj)?)?,
@@ -278,10 +275,15 @@ impl Llama {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
+                // The experts are not split over the tensor-parallel group: each rank routes the
+                // tokens it holds (with sequence parallelism its share, whose balancing
+                // statistics are summed over the group; without, all of them, like its peers).
                 let ep = &self.placement.ep;
+                let split = (tp.sequence_parallel && tp_size > 1).then_some(&tp.group);
                 let router = self.w(m.router)?;
-                let out = moe::forward(&h.flatten_to(1)?, &router, &experts, ep, &cfg, i)?;
-                let y = (x + out.y.reshape(h.shape())?)?; // [b, s, h]
+                let h = normed.flatten_to(1)?; // [b·s(/tp), h]
+                let out = moe::forward(&h, &router, &experts, ep, split, &cfg, i)?;
+                let y = (x + out.y.reshape(normed.shape())?)?; // [b, s(/tp), h]
                 let Some(scale) = aux_scale else {
                     return Ok(y);
                 };

@@ -23,9 +23,11 @@
 
 use std::cmp::Ordering;
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 
 use parallel::ep::ExpertParallel;
+use parallel::tp::TpGroup;
+use parallel::ReduceOp;
 
 use crate::config::MoeConfig;
 use crate::ops::{linear, swiglu};
@@ -139,12 +141,15 @@ fn softmax_lse(logits: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// The MoE layer on `x` `[n, h]` with router `[E, h]` and this rank's experts of layer `layer`
-/// (all `E`, or its share of the expert-parallel group `ep`, which the rows travel to).
+/// (all `E`, or its share of the expert-parallel group `ep`, which the rows travel to). With
+/// `split`, the micro-batch's tokens are split over that group (sequence parallelism) and the
+/// balancing losses are this rank's share of the micro-batch's ([`split_losses`]).
 pub fn forward(
     x: &Tensor,
     router: &Tensor,
     experts: &[Expert],
     ep: &ExpertParallel,
+    split: Option<&TpGroup>,
     cfg: &MoeConfig,
     layer: usize,
 ) -> Result<MoeOutput> {
@@ -218,22 +223,79 @@ pub fn forward(
         .sum(1)?; // [n, h]
 
     // Balancing losses.
-    let share: Vec<f64> = routing
-        .counts
-        .iter()
-        .map(|&c| c as f64 / n as f64)
-        .collect();
-    let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
-    let load_balancing = ((probs.mean(0)? * share)?.sum_all()? * e as f64)?;
-    let z_loss = lse.sqr()?.mean_all()?;
+    let (load_balancing, z_loss, stats) = match split {
+        None => {
+            let share: Vec<f64> = routing
+                .counts
+                .iter()
+                .map(|&c| c as f64 / n as f64)
+                .collect();
+            let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
+            let load_balancing = ((probs.mean(0)? * share)?.sum_all()? * e as f64)?;
+            let z_loss = lse.sqr()?.mean_all()?;
+            let stats = LayerStats {
+                layer,
+                load_balancing: load_balancing.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+                z_loss: z_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+                tokens_per_expert: routing.counts.iter().map(|&c| c as u64).collect(),
+            };
+            (load_balancing, z_loss, stats)
+        }
+        Some(group) => split_losses(group, &probs, &lse, &routing.counts, layer)?,
+    };
     let aux_loss = ((&load_balancing * cfg.aux_loss_coef)? + (&z_loss * cfg.z_loss_coef)?)?;
+    Ok(MoeOutput { y, aux_loss, stats })
+}
+
+/// The balancing losses when the micro-batch's tokens are split over `group` (sequence
+/// parallelism): the token counts, probability sums and squared log-sum-exps of all members are
+/// summed (one host all-reduce), and this rank's losses are its share — the terms of its own
+/// tokens with the micro-batch's expert shares `fᵢ` — so that the members' losses (and
+/// gradients, which are summed over the group for replicated parameters) add up to the
+/// micro-batch's. The statistics are the micro-batch's, alike on every member.
+fn split_losses(
+    group: &TpGroup,
+    probs: &Tensor,
+    lse: &Tensor,
+    counts: &[usize],
+    layer: usize,
+) -> Result<(Tensor, Tensor, LayerStats)> {
+    let e = counts.len();
+    let (dev, rdt) = (probs.device(), probs.dtype());
+    let p_sum = probs.sum(0)?; // [E], this rank's tokens
+    let lse2 = lse.sqr()?.sum_all()?;
+    let mut host: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+    host.extend(p_sum.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+    host.push(lse2.to_dtype(DType::F64)?.to_scalar::<f64>()?);
+    host.push(lse.dim(0)? as f64);
+    let len = host.len();
+    let all = group
+        .comm
+        .all_reduce(
+            &group.group,
+            &Tensor::from_vec(host, len, &Device::Cpu)?,
+            ReduceOp::Sum,
+        )?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f64>()?;
+    let tokens = all[2 * e + 1].max(1.0);
+    let share: Vec<f64> = all[..e].iter().map(|&c| c / tokens).collect();
     let stats = LayerStats {
         layer,
-        load_balancing: load_balancing.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        z_loss: z_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        tokens_per_expert: routing.counts.iter().map(|&c| c as u64).collect(),
+        load_balancing: e as f64
+            * share
+                .iter()
+                .zip(&all[e..2 * e])
+                .map(|(f, p)| f * p)
+                .sum::<f64>()
+            / tokens,
+        z_loss: all[2 * e] / tokens,
+        tokens_per_expert: all[..e].iter().map(|&c| c as u64).collect(),
     };
-    Ok(MoeOutput { y, aux_loss, stats })
+    let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
+    let load_balancing = ((p_sum * share)?.sum_all()? * (e as f64 / tokens))?;
+    let z_loss = (lse2 / tokens)?;
+    Ok((load_balancing, z_loss, stats))
 }
 
 #[cfg(test)]
