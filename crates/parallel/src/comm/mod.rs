@@ -172,9 +172,8 @@ pub trait Comm: Send + Sync {
     /// member `j` (in member order); the result is the rows each member `j` sent to this rank
     /// (`recv[j]` of them) concatenated in member order. `send` and `recv` have one entry per
     /// member and every member's `send[i]` must equal member `i`'s `recv` entry for it (the
-    /// callers exchange counts first). Runs as point-to-point transfers: every chunk is sent
-    /// (sends do not wait for their receive), then every chunk received, so no order of members
-    /// can deadlock; empty chunks are not transferred.
+    /// callers exchange counts first). By default point-to-point transfers
+    /// ([`all_to_all_p2p`]); NCCL groups its sends and receives into one launch.
     fn all_to_all(
         &self,
         group: &Group,
@@ -182,74 +181,96 @@ pub trait Comm: Send + Sync {
         send: &[usize],
         recv: &[usize],
     ) -> Result<Tensor> {
-        let me = self.rank();
-        let invalid = |message: String| {
-            candle_core::Error::from(CommError::Invalid {
-                me,
-                op: "all_to_all",
-                group: group.ranks().to_vec(),
-                message,
-            })
-        };
-        let Some(mine) = group.index_of(me) else {
-            return Err(invalid("this rank is not a member".into()));
-        };
-        let n = group.size();
-        if send.len() != n || recv.len() != n {
-            return Err(invalid(format!(
-                "{} send and {} receive counts for {n} members",
-                send.len(),
-                recv.len()
-            )));
-        }
-        let rows = t.dim(0)?;
-        if send.iter().sum::<usize>() != rows {
-            return Err(invalid(format!(
-                "send counts {send:?} do not add up to the {rows} rows of {:?}",
-                t.shape()
-            )));
-        }
-        if send[mine] != recv[mine] {
-            return Err(invalid(format!(
-                "sends {} rows to itself but expects {}",
-                send[mine], recv[mine]
-            )));
-        }
-        let mut at = 0;
-        let mut own = None;
-        for (j, &count) in send.iter().enumerate() {
-            let chunk = t.narrow(0, at, count)?;
-            at += count;
-            if j == mine {
-                own = Some(chunk);
-            } else if count > 0 {
-                self.send(&chunk.contiguous()?, group.ranks()[j])?;
-            }
-        }
-        let mut dims = t.dims().to_vec();
-        let mut parts = Vec::with_capacity(n);
-        for (j, &count) in recv.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            if j == mine {
-                parts.extend(own.take());
-            } else {
-                dims[0] = count;
-                parts.push(self.recv(group.ranks()[j], &Shape::from(dims.clone()), t.dtype())?);
-            }
-        }
-        if parts.is_empty() {
-            return t.narrow(0, 0, 0)?.contiguous();
-        }
-        let device = t.device();
-        let parts = parts
-            .iter()
-            .map(|p| p.to_device(device))
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&parts, 0)
+        all_to_all_p2p(self, group, t, send, recv)
     }
     /// Declares this rank failed with `reason`: every pending and future operation of every rank
     /// returns [`CommError::PeerFailed`] naming this rank.
     fn abort(&self, reason: &str);
+}
+
+/// Checks an all-to-all call (see [`Comm::all_to_all`]) by rank `me` on `rows` rows; returns
+/// this rank's member index.
+pub(crate) fn check_all_to_all(
+    me: usize,
+    group: &Group,
+    rows: usize,
+    send: &[usize],
+    recv: &[usize],
+) -> std::result::Result<usize, CommError> {
+    let invalid = |message: String| CommError::Invalid {
+        me,
+        op: "all_to_all",
+        group: group.ranks().to_vec(),
+        message,
+    };
+    let Some(mine) = group.index_of(me) else {
+        return Err(invalid("this rank is not a member".into()));
+    };
+    let n = group.size();
+    if send.len() != n || recv.len() != n {
+        return Err(invalid(format!(
+            "{} send and {} receive counts for {n} members",
+            send.len(),
+            recv.len()
+        )));
+    }
+    if send.iter().sum::<usize>() != rows {
+        return Err(invalid(format!(
+            "send counts {send:?} do not add up to the {rows} rows sent"
+        )));
+    }
+    if send[mine] != recv[mine] {
+        return Err(invalid(format!(
+            "sends {} rows to itself but expects {}",
+            send[mine], recv[mine]
+        )));
+    }
+    Ok(mine)
+}
+
+/// [`Comm::all_to_all`] as point-to-point transfers: every chunk is sent (sends do not wait for
+/// their receive), then every chunk received, so no order of members can deadlock; empty chunks
+/// are not transferred and this rank's own chunk is not copied through the backend.
+pub fn all_to_all_p2p<C: Comm + ?Sized>(
+    comm: &C,
+    group: &Group,
+    t: &Tensor,
+    send: &[usize],
+    recv: &[usize],
+) -> Result<Tensor> {
+    let mine = check_all_to_all(comm.rank(), group, t.dim(0)?, send, recv)?;
+    let mut at = 0;
+    let mut own = None;
+    for (j, &count) in send.iter().enumerate() {
+        let chunk = t.narrow(0, at, count)?;
+        at += count;
+        if j == mine {
+            own = Some(chunk);
+        } else if count > 0 {
+            comm.send(&chunk.contiguous()?, group.ranks()[j])?;
+        }
+    }
+    let mut dims = t.dims().to_vec();
+    let mut parts = Vec::with_capacity(group.size());
+    for (j, &count) in recv.iter().enumerate() {
+        if count == 0 {
+            continue;
+        }
+        if j == mine {
+            parts.extend(own.take());
+        } else {
+            dims[0] = count;
+            let shape = Shape::from(dims.clone());
+            parts.push(comm.recv(group.ranks()[j], &shape, t.dtype())?);
+        }
+    }
+    if parts.is_empty() {
+        return t.narrow(0, 0, 0)?.contiguous();
+    }
+    let device = t.device();
+    let parts = parts
+        .iter()
+        .map(|p| p.to_device(device))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
 }

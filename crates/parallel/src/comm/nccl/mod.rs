@@ -362,6 +362,16 @@ impl Comm for NcclComm {
         staged(self, t, |t| self.broadcast_in(group, t, root, true))
     }
 
+    fn all_to_all(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<Tensor> {
+        staged(self, t, |t| self.all_to_all_in(group, t, send, recv))
+    }
+
     /// Host tensors are staged on the GPU; the receiver gets a GPU tensor.
     fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
         if t.device().is_cuda() {

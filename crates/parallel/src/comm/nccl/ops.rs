@@ -10,7 +10,7 @@ use super::layout::{gathered, scatter_input, CommKey};
 use super::raw::{cuda_err, device_addr};
 use super::state::PendingSend;
 use super::{fresh, NcclComm};
-use crate::comm::{Group, ReduceOp};
+use crate::comm::{all_to_all_p2p, check_all_to_all, Group, ReduceOp};
 
 /// The collectives; `copy_single`: answer single-member groups with a copy, without NCCL.
 impl NcclComm {
@@ -189,6 +189,62 @@ impl NcclComm {
             },
         )
         .map(|_| ())
+    }
+
+    /// [`Comm::all_to_all`](crate::comm::Comm::all_to_all): one NCCL group of a send and a
+    /// receive per member with rows to exchange, on the group's communicator. Calls with no rows
+    /// to send or none to receive (nothing for NCCL to address) go point to point.
+    pub(super) fn all_to_all_in(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<Tensor> {
+        let call = self.begin("all_to_all", group)?;
+        let rows = t.dim(0)?;
+        check_all_to_all(self.shared.rank, group, rows, send, recv).map_err(Error::from)?;
+        let received: usize = recv.iter().sum();
+        if group.size() == 1 || rows == 0 || received == 0 {
+            return all_to_all_p2p(self, group, t, send, recv);
+        }
+        self.check_tensor(&call, t)?;
+        let row_elems: usize = t.dims()[1..].iter().product();
+        let bytes = row_elems * t.dtype().size_in_bytes();
+        let starts = |counts: &[usize]| -> Vec<usize> {
+            counts
+                .iter()
+                .scan(0, |at, &c| {
+                    let s = *at;
+                    *at += c;
+                    Some(s)
+                })
+                .collect()
+        };
+        let (send_at, recv_at) = (starts(send), starts(recv));
+        let mut dims = t.dims().to_vec();
+        dims[0] = received;
+        let key = CommKey::Group(group.clone());
+        self.run(&call, key, Some(t), dims.into(), t.dtype(), |l| {
+            nc::group_start()?;
+            let mut r = Ok(nc::NcclStatus::Success);
+            for (j, (&s, &rc)) in send.iter().zip(recv).enumerate() {
+                let peer = j as i32;
+                if s > 0 && r.is_ok() {
+                    // SAFETY: rows `send_at[j] ..+ s` lie inside the send buffer.
+                    let at = unsafe { l.send.byte_add(send_at[j] * bytes) };
+                    r = unsafe { nc::send(at, s * row_elems, l.dtype, peer, l.comm, l.stream) };
+                }
+                if rc > 0 && r.is_ok() {
+                    // SAFETY: rows `recv_at[j] ..+ rc` lie inside the receive buffer.
+                    let at = unsafe { l.recv.byte_add(recv_at[j] * bytes) };
+                    r = unsafe { nc::recv(at, rc * row_elems, l.dtype, peer, l.comm, l.stream) };
+                }
+            }
+            // The group is always closed, also after a failed enqueue.
+            let end = nc::group_end();
+            r.and(end)
+        })
     }
 
     /// [`Comm::send`](crate::comm::Comm::send).
