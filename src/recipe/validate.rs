@@ -246,13 +246,6 @@ impl Recipe {
                 par.ep
             ));
         }
-        if par.zero >= 2 {
-            p.push(format!(
-                "parallel.zero = {} with parallel.ep = {}: expert parallelism runs with ZeRO \
-                 stages 0 and 1",
-                par.zero, par.ep
-            ));
-        }
         if par.zero_shard_size.is_some() {
             p.push(format!(
                 "parallel.zero_shard_size with parallel.ep = {}: expert parallelism runs \

@@ -38,8 +38,13 @@ use crate::optim::{flatten_params, write_params, AdamW, GradBuffer};
 use crate::recipe::Recipe;
 
 /// The buckets of ZeRO stages 2 and 3: runs of consecutive parameters first used by the same
-/// piece (pieces in `chunks` order) of the part `inventory` describes.
-pub fn unit_buckets(inventory: &Inventory, chunks: &[Vec<Piece>]) -> Vec<Range<usize>> {
+/// piece (pieces in `chunks` order) of the part `inventory` describes; with `split_experts`,
+/// a piece's routed experts form a bucket of their own (they are sharded over another group).
+pub fn unit_buckets(
+    inventory: &Inventory,
+    chunks: &[Vec<Piece>],
+    split_experts: bool,
+) -> Vec<Range<usize>> {
     let n = inventory.params.len();
     let mut owner = vec![usize::MAX; n];
     for (k, &p) in chunks.iter().flatten().enumerate() {
@@ -49,10 +54,12 @@ pub fn unit_buckets(inventory: &Inventory, chunks: &[Vec<Piece>]) -> Vec<Range<u
             }
         }
     }
+    let expert = inventory.expert_flags();
+    let same_kind = |a: usize, b: usize| !split_experts || expert[a] == expert[b];
     let mut out: Vec<Range<usize>> = Vec::new();
     for i in 0..n {
         match out.last_mut() {
-            Some(r) if owner[r.start] == owner[i] => r.end = i + 1,
+            Some(r) if owner[r.start] == owner[i] && same_kind(r.start, i) => r.end = i + 1,
             _ => out.push(i..i + 1),
         }
     }
@@ -90,13 +97,18 @@ impl StateLayout {
         } else {
             (shard, par.expert_grad_ranks())
         };
-        let layout = if zero >= 2 {
-            FlatLayout::with_buckets(numels, &unit_buckets(inventory, chunks), pad)
-        } else if par.ep > 1 {
-            let expert = inventory.expert_flags();
-            FlatLayout::grouped(numels, &expert, par.bucket_size, [pad, expert_pad])
+        let split = par.ep > 1;
+        let expert = if split {
+            inventory.expert_flags()
         } else {
-            FlatLayout::new(numels, par.bucket_size, pad)
+            vec![false; numels.len()]
+        };
+        let pads = [pad, expert_pad];
+        let layout = if zero >= 2 {
+            let buckets = unit_buckets(inventory, chunks, split);
+            FlatLayout::with_grouped_buckets(numels, &buckets, &expert, pads)
+        } else {
+            FlatLayout::grouped(numels, &expert, par.bucket_size, pads)
         };
         let pos = ShardPos {
             dense: (shard_index, shard),

@@ -101,6 +101,18 @@ impl FlatLayout {
     /// `buckets` (consecutive, covering every parameter; e.g. the parameters of one model piece),
     /// each padded to a multiple of `pad`.
     pub fn with_buckets(numels: &[usize], buckets: &[Range<usize>], pad: usize) -> Self {
+        Self::with_grouped_buckets(numels, buckets, &vec![false; numels.len()], [pad; 2])
+    }
+
+    /// [`FlatLayout::with_buckets`] where parameter `i` is a routed expert's if `expert[i]`
+    /// (each given bucket holds only experts' parameters or none): padded to a multiple of
+    /// `pad[0]` (others) or `pad[1]` (experts).
+    pub fn with_grouped_buckets(
+        numels: &[usize],
+        buckets: &[Range<usize>],
+        expert: &[bool],
+        pad: [usize; 2],
+    ) -> Self {
         let mut offsets = Vec::with_capacity(numels.len());
         let mut out = Vec::with_capacity(buckets.len());
         let mut total = 0;
@@ -110,12 +122,14 @@ impl FlatLayout {
                 offsets.push(total);
                 total += n;
             }
+            let is_expert = expert[params.start];
+            let pad = pad[usize::from(is_expert)];
             let len = (total - start).div_ceil(pad) * pad;
             out.push(Bucket {
                 params: params.clone(),
                 start,
                 len,
-                expert: false,
+                expert: is_expert,
             });
             total = start + len;
         }

@@ -56,7 +56,7 @@ pub struct DpGroups {
     pub shard: Group,
     /// The expert gradient group: the data-parallel ranks holding this rank's experts, over
     /// which expert buckets are reduced and sharded (the data-parallel group without expert
-    /// parallelism; hybrid sharding and stages 2, 3 take no expert buckets).
+    /// parallelism; hybrid sharding takes no expert buckets).
     pub expert: Group,
     /// The ranks holding the same shard in the other shard groups (hybrid sharding).
     pub replicate: Group,
@@ -118,10 +118,10 @@ impl DataParallel {
             );
         }
         let expert_buckets = layout.buckets.iter().any(|b| b.expert);
-        if expert_buckets && (zero >= 2 || (zero == 1 && groups.replicate.size() > 1)) {
+        if expert_buckets && zero >= 1 && groups.replicate.size() > 1 {
             candle_core::bail!(
-                "data parallelism: expert buckets (expert parallelism) are reduced at ZeRO stages \
-                 0 and 1 without hybrid sharding only (stage {zero}, {} replica groups)",
+                "data parallelism: expert buckets (expert parallelism) are sharded without hybrid \
+                 sharding only ({} replica groups)",
                 groups.replicate.size()
             );
         }
@@ -204,7 +204,7 @@ impl DataParallel {
         let (thread, shard) = (self.thread()?, self.shard_of(b)?);
         let (comm, group, grads) = (
             self.comm.clone(),
-            self.groups.shard.clone(),
+            self.shard_group(b).clone(),
             self.grads.clone(),
         );
         let ticket = thread.submit(move || {
@@ -318,7 +318,7 @@ impl DataParallel {
         };
         let shard = self.shard_of(b)?;
         let mine = shards.narrow(0, shard.start, shard.len())?;
-        let (comm, group) = (self.comm.clone(), self.groups.shard.clone());
+        let (comm, group) = (self.comm.clone(), self.shard_group(b).clone());
         self.thread()?.submit(move || {
             let start = Instant::now();
             let full = comm.all_gather(&group, &mine, 0)?; // [len]
@@ -337,15 +337,22 @@ impl DataParallel {
     /// Where this rank's shard of bucket `b` sits in the owned order.
     fn shard_of(&self, b: usize) -> Result<Range<usize>> {
         let bucket = &self.layout.buckets[b];
-        let mine = bucket.shard(self.shard_index(), self.groups.shard.size());
+        let group = self.shard_group(b);
+        let mine = bucket.shard(group.index_of(self.comm.rank()).unwrap_or(0), group.size());
         let k = self.owned.iter().position(|r| *r == mine).ok_or_else(|| {
             candle_core::Error::Msg(format!("data parallelism: bucket {b} has no shard here"))
         })?;
         Ok(self.owned_at[k]..self.owned_at[k] + mine.len())
     }
 
-    fn shard_index(&self) -> usize {
-        self.groups.shard.index_of(self.comm.rank()).unwrap_or(0)
+    /// The group bucket `b` is sharded over: the shard group, or for an expert bucket the
+    /// expert gradient group.
+    fn shard_group(&self, b: usize) -> &Group {
+        if self.layout.buckets[b].expert {
+            &self.groups.expert
+        } else {
+            &self.groups.shard
+        }
     }
 
     /// Hybrid sharding: sums bucket `b`'s shard over the replica group (after its reduce-scatters).

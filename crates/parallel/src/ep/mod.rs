@@ -4,7 +4,8 @@
 //!
 //! ```text
 //!  rank j: x_perm [n·k, h], rows grouped by global expert (experts of rank 0, of rank 1, …)
-//!    ── all-gather the per-expert row counts over the group (every rank learns every split)
+//!    ── all-to-all of the per-expert row counts (rank r learns how many rows each member has
+//!       for each of its experts)
 //!    ── all-to-all: rank j's rows for the experts of rank r go to rank r
 //!  rank r: received rows in (source rank, local expert) order
 //!    ── regrouped to (local expert, source rank) order: each local expert's rows contiguous
@@ -13,8 +14,11 @@
 //!  rank j: y_perm [n·k, h], in x_perm's row order
 //! ```
 //!
-//! Both all-to-alls are differentiable: the gradient of one is the reverse all-to-all of the
-//! incoming gradient. Every member of the group calls them in the same order (the members run
+//! The row all-to-alls are differentiable: the gradient of one is the reverse all-to-all of the
+//! incoming gradient. All exchanges are all-to-alls, which run point to point on the `local` and
+//! `tcp` backends and on a communicator of their own with NCCL, never as a collective of the
+//! group's ranks: the same ranks can form a data-parallel group whose gradient reductions run
+//! at the same time on the communication thread. Every member of the group calls them in the same order (the members run
 //! the same pipeline schedule over the same layers), forward and backward, even when it sends
 //! or receives no rows, so none waits on a peer that skipped a call.
 //!
@@ -119,30 +123,31 @@ impl ExpertParallel {
             candle_core::bail!("expert parallelism: {e} experts do not split over {n} ranks");
         }
         let per = e / n;
-        // Every member's per-expert counts: [n, E].
+        // Each member's counts for this rank's experts: [n, per]. Exchanged by all-to-all (each
+        // member gets the counts of its own experts), like the rows: collectives over the same
+        // ranks may be running on the data-parallel communication thread.
         let mine: Vec<u32> = counts
             .iter()
             .map(|&c| u32::try_from(c).map_err(candle_core::Error::wrap))
             .collect::<Result<_>>()?;
-        let all = comm
-            .all_gather(
-                &self.group,
-                &Tensor::from_vec(mine, (1, e), &Device::Cpu)?,
-                0,
-            )?
+        let split = vec![per; n];
+        let theirs = Tensor::from_vec(mine, (e, 1), &Device::Cpu)?;
+        let got = comm
+            .all_to_all(&self.group, &theirs, &split, &split)?
             .to_device(&Device::Cpu)?
-            .to_vec2::<u32>()?;
-        let local = self.local_experts(e);
+            .flatten_all()?
+            .to_vec1::<u32>()?;
+        let from: Vec<&[u32]> = got.chunks(per).collect(); // from[j][l]
         let send: Vec<usize> = counts.chunks(per).map(|c| c.iter().sum()).collect();
-        let recv: Vec<usize> = all
+        let recv: Vec<usize> = from
             .iter()
-            .map(|row| row[local.clone()].iter().map(|&c| c as usize).sum())
+            .map(|row| row.iter().map(|&c| c as usize).sum())
             .collect();
         // Received blocks come in (source, local expert) order; regroup to (local expert, source).
         let mut starts = vec![vec![0usize; per]; n]; // first received row of block (source, expert)
         let mut at = 0;
-        for (j, row) in all.iter().enumerate() {
-            for (l, &c) in row[local.clone()].iter().enumerate() {
+        for (j, row) in from.iter().enumerate() {
+            for (l, &c) in row.iter().enumerate() {
                 starts[j][l] = at;
                 at += c as usize;
             }
@@ -150,8 +155,8 @@ impl ExpertParallel {
         let mut grouped = Vec::with_capacity(at);
         let mut local_counts = vec![0usize; per];
         for (l, total) in local_counts.iter_mut().enumerate() {
-            for (j, row) in all.iter().enumerate() {
-                let c = row[local.start + l] as usize;
+            for (j, row) in from.iter().enumerate() {
+                let c = row[l] as usize;
                 grouped.extend((starts[j][l]..starts[j][l] + c).map(|r| r as u32));
                 *total += c;
             }

@@ -13,6 +13,11 @@ use crate::comm::Group;
 pub(super) enum CommKey {
     /// Collectives over the group; NCCL rank `i` is member `i` of the group.
     Group(Group),
+    /// All-to-all exchanges over the group (expert parallelism's tokens), on a communicator of
+    /// their own: the same ranks may form a data-parallel group whose reductions run at the same
+    /// time on another thread, and one communicator's operations must be issued in the same
+    /// order on every member.
+    AllToAll(Group),
     /// Messages from `src` to `dst` only (NCCL rank 0 is `src`, 1 is `dst`). Each direction has its
     /// own communicator so that a send never queues behind a receive of the other direction.
     P2p { src: usize, dst: usize },
@@ -22,19 +27,21 @@ impl CommKey {
     /// Global ranks of the members, in NCCL rank order.
     pub(super) fn members(&self) -> Vec<usize> {
         match self {
-            CommKey::Group(g) => g.ranks().to_vec(),
+            CommKey::Group(g) | CommKey::AllToAll(g) => g.ranks().to_vec(),
             CommKey::P2p { src, dst } => vec![*src, *dst],
         }
     }
 
     /// Store key prefix of this communicator's rendezvous, under the instance prefix `prefix`:
-    /// `{prefix}/group/0,2,4` or `{prefix}/p2p/3->5`.
+    /// `{prefix}/group/0,2,4`, `{prefix}/all-to-all/0,2` or `{prefix}/p2p/3->5`.
     pub(super) fn store_base(&self, prefix: &str) -> String {
+        let list = |g: &Group| {
+            let ranks: Vec<String> = g.ranks().iter().map(|r| r.to_string()).collect();
+            ranks.join(",")
+        };
         match self {
-            CommKey::Group(g) => {
-                let ranks: Vec<String> = g.ranks().iter().map(|r| r.to_string()).collect();
-                format!("{prefix}/group/{}", ranks.join(","))
-            }
+            CommKey::Group(g) => format!("{prefix}/group/{}", list(g)),
+            CommKey::AllToAll(g) => format!("{prefix}/all-to-all/{}", list(g)),
             CommKey::P2p { src, dst } => format!("{prefix}/p2p/{src}->{dst}"),
         }
     }
@@ -44,6 +51,7 @@ impl fmt::Debug for CommKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             CommKey::Group(g) => write!(f, "group {g:?}"),
+            CommKey::AllToAll(g) => write!(f, "all-to-all group {g:?}"),
             CommKey::P2p { src, dst } => write!(f, "messages {src}->{dst}"),
         }
     }
@@ -159,6 +167,9 @@ mod tests {
         let g = CommKey::Group(Group::new(vec![4, 0, 2]));
         assert_eq!(g.store_base("nccl/3"), "nccl/3/group/0,2,4");
         assert_eq!(g.members(), vec![0, 2, 4]);
+        let a = CommKey::AllToAll(Group::new(vec![2, 0]));
+        assert_eq!(a.store_base("nccl/3"), "nccl/3/all-to-all/0,2");
+        assert_ne!(a, CommKey::Group(Group::new(vec![0, 2])));
         let p = CommKey::P2p { src: 5, dst: 3 };
         assert_eq!(p.store_base("nccl/0"), "nccl/0/p2p/5->3");
         assert_eq!(p.members(), vec![5, 3]);

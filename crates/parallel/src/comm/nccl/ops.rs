@@ -224,7 +224,7 @@ impl NcclComm {
         let (send_at, recv_at) = (starts(send), starts(recv));
         let mut dims = t.dims().to_vec();
         dims[0] = received;
-        let key = CommKey::Group(group.clone());
+        let key = CommKey::AllToAll(group.clone());
         self.run(&call, key, Some(t), dims.into(), t.dtype(), |l| {
             nc::group_start()?;
             let mut r = Ok(nc::NcclStatus::Success);
