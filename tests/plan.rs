@@ -54,6 +54,11 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
         "train.dtype=bf16",
         "parallel.pp=2,parallel.dp=2,parallel.zero=1",
         "model.mlp_only_layers=[0],train.recompute=full",
+        "parallel.tp=2",
+        "parallel.tp=2,parallel.sequence_parallel=true",
+        "parallel.dp=2,parallel.ep=2",
+        "parallel.dp=4,parallel.ep=4,parallel.zero=1",
+        "parallel.dp=2,parallel.ep=2,parallel.zero=3,train.recompute=full",
     ];
     let runs = layouts
         .iter()

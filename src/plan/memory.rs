@@ -100,18 +100,25 @@ struct Shapes {
     t: u64,
     p: u64,
     h: u64,
+    /// Expert-parallel ranks.
+    ep: u64,
 }
 
 /// Bytes a MoE layer's feed-forward part keeps beyond a dense MLP's gate, up and SwiGLU outputs:
 /// the rows in expert order, each expert's gate, up, SwiGLU and down outputs, the rows restored
 /// to token order and weighted (all `[n·k, ·]` in the parameter dtype), the side-loss copy of the
 /// block output, and the router's f32 logits, exponentials and probabilities with their row sums
-/// and the routing weights (plus f32 copies of the input and the router for 16-bit models).
+/// and the routing weights (plus f32 copies of the input and the router for 16-bit models). The
+/// layer routes the tokens the rank holds between tensor-parallel regions (`ns`); with expert
+/// parallelism the rows it computes come from the all-to-all (as many on average) and four more
+/// `[n·k, h]` tensors are kept — the rows received and regrouped, and the outputs regrouped and
+/// returned — plus a fifth while an exchange's op copies the received rows into its output.
 fn moe_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     let Some(m) = c.moe() else { return 0 };
-    let (n, p, h) = (s.n, s.p, s.h);
+    let (n, p, h) = (s.ns, s.p, s.h);
     let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
-    let rows = n * k * (3 * fe + 5 * h) + n * h;
+    let exchanged = if s.ep > 1 { 5 * n * k * h } else { 0 };
+    let rows = n * k * (3 * fe + 5 * h) + n * h + exchanged;
     let router = 4 * (4 * n * e + 3 * n * k + 4 * n);
     let copies = if p == 4 {
         0
@@ -131,8 +138,11 @@ fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
     );
     // A MoE layer's feed-forward part is counted by `moe_graph`.
     let f = if moe { 0 } else { c.intermediate_size as u64 };
+    // The outputs of the two region entries and exits (one of each for a MoE block, whose
+    // feed-forward part stays outside tensor parallelism).
+    let regions = if moe { 1 } else { 2 };
     let elems = 5 * ns * h
-        + tp * (2 * n * h + 2 * ns * h)
+        + tp * regions * (n * h + ns * h)
         + n * (3 * q + 3 * kv) / t
         + 2 * n * h
         + 3 * n * f / t;
@@ -183,6 +193,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         t: t as u64,
         p,
         h: c.hidden_size as u64,
+        ep: par.ep as u64,
     };
     // Schedules repeat their steady state: the peak is reached within the first 2·pp
     // micro-batches (a multiple of pp, as interleaving needs).

@@ -33,6 +33,8 @@ pub struct Layout {
     pub cp: usize,
     /// Pipeline stages.
     pub pp: usize,
+    /// Expert-parallel size (inside `dp`; 1 for a dense model).
+    pub ep: usize,
     /// Model chunks per stage.
     pub virtual_stages: usize,
     /// Sequence parallelism.
@@ -54,6 +56,7 @@ impl Layout {
             tp: p.tp,
             cp: p.cp,
             pp: p.pp,
+            ep: p.ep,
             virtual_stages: p.virtual_stages,
             sequence_parallel: p.sequence_parallel,
             zero: p.zero,
@@ -68,7 +71,7 @@ impl Layout {
         let mut r = r.clone();
         let p = &mut r.parallel;
         (p.dp, p.tp, p.cp) = (self.dp, self.tp, self.cp);
-        (p.pp, p.virtual_stages) = (self.pp, self.virtual_stages);
+        (p.pp, p.virtual_stages, p.ep) = (self.pp, self.virtual_stages, self.ep);
         (p.sequence_parallel, p.zero) = (self.sequence_parallel, self.zero);
         if self.zero == 0
             || p.zero_shard_size
@@ -94,6 +97,9 @@ impl std::fmt::Display for Layout {
         write!(f, " pp{}", self.pp)?;
         if self.virtual_stages > 1 {
             write!(f, "x{}", self.virtual_stages)?;
+        }
+        if self.ep > 1 {
+            write!(f, " ep{}", self.ep)?;
         }
         let rc = match self.recompute {
             model::Recompute::None => "",

@@ -1,6 +1,7 @@
 //! Every valid layout of a recipe on a number of GPUs: tensor parallelism inside a node, any
-//! pipeline depth and interleaving the layer count allows, data parallelism over the rest, with
-//! or without sequence parallelism, every ZeRO stage, every micro-batch size dividing the
+//! pipeline depth and interleaving the layer count allows, data parallelism over the rest
+//! (split by expert parallelism for a mixture-of-experts model), with or without sequence
+//! parallelism, every ZeRO stage, every micro-batch size dividing the
 //! per-rank batch, with and without recompute. The recipe's own validation decides what is
 //! valid; each candidate is planned and those that fit are ranked by throughput.
 
@@ -28,6 +29,7 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
 pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
     let own = Layout::of(r);
     let (layers, cp) = (r.model.num_hidden_layers, r.parallel.cp);
+    let experts = r.model.num_local_experts.unwrap_or(1);
     let mut out = Vec::new();
     if !gpus.is_multiple_of(cp) {
         return out;
@@ -44,7 +46,10 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
             } else {
                 divisors(layers / pp).collect()
             };
-            for &virtual_stages in &vs {
+            let eps: Vec<usize> = divisors(dp)
+                .filter(|&e| experts.is_multiple_of(e))
+                .collect();
+            for (&virtual_stages, &ep) in vs.iter().flat_map(|v| eps.iter().map(move |e| (v, e))) {
                 for sequence_parallel in [false, true].into_iter().filter(|&s| !s || tp > 1) {
                     for zero in (0..=3u8).filter(|&z| z == 0 || dp * cp > 1) {
                         for micro_batch in divisors(per_rank) {
@@ -54,6 +59,7 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                                     tp,
                                     cp,
                                     pp,
+                                    ep,
                                     virtual_stages,
                                     sequence_parallel,
                                     zero,

@@ -60,6 +60,9 @@ struct Model<'a> {
     cp: f64,
     /// Bandwidth between context-parallel neighbours, bytes/s.
     cp_bw: f64,
+    /// Expert-parallel ranks, and their all-to-all bandwidth, bytes/s.
+    ep: f64,
+    ep_bw: f64,
 }
 
 /// Latency of one collective, seconds.
@@ -113,13 +116,23 @@ impl Model<'_> {
         let h = c.hidden_size as f64;
         let q = c.q_dim() as f64;
         let kv = (c.num_key_value_heads * c.head_dim()) as f64;
+        // The experts are not split over tensor-parallel ranks: each routes the tokens it holds
+        // (`ns`: its share with sequence parallelism, all of them without). With expert
+        // parallelism a rank computes as many rows on average, its experts' rows from the
+        // whole group, after an all-to-all that sends (ep − 1) / ep of them away and back.
+        let mut a2a = 0.0;
         let (mlp_gemms, mlp_bytes) = match c.moe().filter(|_| moe) {
             Some(m) => {
+                let n = self.ns;
                 let (e, rows, fe) = (
                     m.num_experts as f64,
                     n * m.top_k as f64,
                     m.expert_size as f64,
                 );
+                if self.ep > 1.0 {
+                    let bytes = rows * h * p * (self.ep - 1.0) / self.ep;
+                    a2a = 2.0 * (LATENCY_S + bytes / self.ep_bw);
+                }
                 let gemms =
                     self.gemm(n, e, h) + self.gemm(rows, 2.0 * fe, h) + self.gemm(rows, h, fe);
                 (gemms, rows * (3.0 * fe + 5.0 * h))
@@ -154,8 +167,8 @@ impl Model<'_> {
         let mem_bytes = p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + mlp_bytes + tp_copies);
         let mem = self.memory(mem_bytes);
         let tp = self.tp_pair();
-        let fwd = gemms + attn + mem + tp + ring_fwd;
-        let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp + ring_bwd;
+        let fwd = gemms + attn + mem + tp + ring_fwd + a2a;
+        let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp + ring_bwd + a2a;
         let mut tp_all = 2.0 * tp;
         if recompute == Recompute::Full {
             bwd += fwd;
@@ -240,6 +253,9 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         tp_bw: group_bandwidth(hw, tp, 1),
         cp: cp as f64,
         cp_bw: group_bandwidth(hw, cp, tp),
+        // Expert-parallel ranks are adjacent data-parallel ranks, tp · cp apart.
+        ep: par.ep as f64,
+        ep_bw: group_bandwidth(hw, par.ep, tp * cp),
     };
     let (dense, moe) = (
         model.block(tr.recompute, false),
