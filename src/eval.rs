@@ -57,6 +57,15 @@ pub fn eval(
              (parallel.tp = parallel.cp = parallel.pp = parallel.ep = 1)"
         );
     }
+    // Auxiliary-loss-free balancing: the model routes with the biases it trained with.
+    let expert_bias = match &ck.manifest().trainer {
+        serde_json::Value::Null => Default::default(),
+        t => {
+            serde_json::from_value::<crate::train::guard::LoopState>(t.clone())
+                .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
+                .expert_bias
+        }
+    };
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
     let text =
         std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
@@ -98,6 +107,7 @@ pub fn eval(
                 model.load_weights(|p| -> Result<Vec<f32>> {
                     Ok(ck.read_block(Kind::Master, tensor_block(p))?)
                 })?;
+                model.set_expert_bias(&expert_bias);
                 let mine: Vec<&[u32]> = windows
                     .iter()
                     .skip(ctx.data_index)

@@ -391,6 +391,7 @@ fn block_config(seq: usize) -> model::LlamaConfig {
         norm_topk_prob: None,
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
+        router_bias_update_rate: None,
     }
 }
 

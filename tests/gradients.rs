@@ -38,6 +38,7 @@ fn config(tied: bool) -> LlamaConfig {
         norm_topk_prob: None,
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
+        router_bias_update_rate: None,
     }
 }
 

@@ -6,7 +6,7 @@
 //! And a MoE model trained on data- and pipeline-parallel layouts against one rank.
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use model::moe::{self, Expert};
+use model::moe::{self, Expert, Router};
 use model::MoeConfig;
 use parallel::ep::ExpertParallel;
 
@@ -25,6 +25,7 @@ fn config(norm_topk_prob: bool) -> MoeConfig {
         norm_topk_prob,
         expert_size: F,
         dense_layers: vec![],
+        bias_update_rate: 0.0,
     }
 }
 
@@ -76,7 +77,7 @@ fn experts(v: &[Tensor]) -> Vec<Expert> {
 fn objective(v: &[Tensor], cfg: &MoeConfig) -> Tensor {
     let out = moe::forward(
         &v[0],
-        &v[1],
+        &Router::plain(&v[1]),
         &experts(v),
         &ExpertParallel::single(),
         None,
@@ -184,7 +185,7 @@ fn equals_the_dense_masked_reference() {
         let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let out = moe::forward(
             &t[0],
-            &t[1],
+            &Router::plain(&t[1]),
             &experts(&t),
             &ExpertParallel::single(),
             None,
@@ -225,7 +226,7 @@ fn lower_precision_follows_f64() {
     let t: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
     let want = moe::forward(
         &t[0],
-        &t[1],
+        &Router::plain(&t[1]),
         &experts(&t),
         &ExpertParallel::single(),
         None,
@@ -237,7 +238,7 @@ fn lower_precision_follows_f64() {
         let low: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dtype).unwrap()).collect();
         let got = moe::forward(
             &low[0],
-            &low[1],
+            &Router::plain(&low[1]),
             &experts(&low),
             &ExpertParallel::single(),
             None,
@@ -535,4 +536,69 @@ fn max_diff_weights(a: &pretrain::train::RunOutput, b: &pretrain::train::RunOutp
                 .map(|(p, q)| (p - q).abs() as f64)
         })
         .fold(0.0, f64::max)
+}
+
+/// Auxiliary-loss-free balancing: without the balancing loss the router collapses onto a few
+/// experts; the selection bias pulls the load back towards the mean, moves by exactly the rate
+/// per step, is the same on a parallel layout (same curve and routing), resumes bit for bit
+/// from a checkpoint and refuses a Mixtral export.
+#[test]
+fn expert_bias_balances_without_an_auxiliary_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A small learning rate, so that the router drifts from balance slowly rather than
+    // collapsing within the few steps of the test.
+    let off = "model.router_aux_loss_coef=0,train.steps=12,optimizer.lr=1e-4,schedule.min_lr=1e-5";
+    let on = format!("{off},model.router_bias_update_rate=0.005");
+    let spread = |r: &pretrain::train::RunOutput| -> f64 {
+        let last = r.records.last().unwrap().moe.as_ref().unwrap();
+        last.layers.iter().map(|l| l.max_over_mean).sum::<f64>() / last.layers.len() as f64
+    };
+    let plain = run_in(&tmp.path().join("plain"), &[off]);
+    let biased = run_in(&tmp.path().join("biased"), &[&on, "checkpoint.interval=6"]);
+    eprintln!(
+        "busiest expert / mean: {} without the bias, {} with",
+        spread(&plain),
+        spread(&biased)
+    );
+    assert!(
+        spread(&biased) < spread(&plain) - 0.1,
+        "{} vs {}",
+        spread(&biased),
+        spread(&plain)
+    );
+    let bias: Vec<f64> = biased
+        .records
+        .iter()
+        .map(|r| r.moe.as_ref().unwrap().bias_max_abs.unwrap())
+        .collect();
+    assert!(
+        (bias[0] - 0.005).abs() < 1e-6 && bias.iter().all(|&b| b <= 0.06 + 1e-6),
+        "{bias:?}"
+    );
+
+    let layout = "parallel.dp=2,parallel.ep=2,parallel.pp=2,parallel.zero=1";
+    let wide = run_in(&tmp.path().join("wide"), &[&on, layout]);
+    let d = common::compare("expert bias at dp 2 ep 2 pp 2", &biased, &wide);
+    common::assert_equivalent("expert bias at dp 2 ep 2 pp 2", d);
+    let routing = routing_differences(layout, &biased, &wide);
+    assert!(routing.is_empty(), "{routing:#?}");
+
+    let step6 = tmp.path().join("biased/checkpoints/step-00000006");
+    let resumed = run_in(
+        &tmp.path().join("resumed"),
+        &[&on, &format!("checkpoint.resume={}", step6.display())],
+    );
+    let losses =
+        |r: &pretrain::train::RunOutput| -> Vec<f64> { r.records.iter().map(|s| s.loss).collect() };
+    assert_eq!(losses(&resumed), losses(&biased)[6..].to_vec());
+    assert_eq!(max_diff_weights(&resumed, &biased), 0.0);
+
+    let opts = pretrain::hf::ExportOptions::default();
+    let e = pretrain::hf::export(&step6, &tmp.path().join("hf"), &opts)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("model.router_bias_update_rate"),
+        "{e:#}"
+    );
 }

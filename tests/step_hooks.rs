@@ -42,6 +42,7 @@ fn config() -> LlamaConfig {
         norm_topk_prob: None,
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
+        router_bias_update_rate: None,
     }
 }
 

@@ -137,6 +137,7 @@ fn parse(v: &Value) -> Result<HfModel> {
         norm_topk_prob: None,
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
+        router_bias_update_rate: None,
     };
     if mixtral {
         // Mixtral: every layer a sparse MoE block, softmax top-k routing renormalised.
@@ -376,6 +377,14 @@ pub fn write(c: &LlamaConfig, dtype: Dtype, bos: u32, eos: &TokenIds) -> Result<
                 "model.mlp_only_layers ({:?}): Mixtral has a MoE block in every layer, and no \
                  transformers architecture matches this model; export needs every layer MoE",
                 m.dense_layers
+            );
+        }
+        if m.bias_update_rate > 0.0 {
+            bail!(
+                "model.router_bias_update_rate ({}): the model chooses experts with trained \
+                 per-expert biases, which Mixtral cannot hold, and no transformers architecture \
+                 matches this model",
+                m.bias_update_rate
             );
         }
         if !m.norm_topk_prob {

@@ -314,6 +314,7 @@ impl Trainer {
             buffers,
         })?;
         self.progress = progress;
+        self.model.set_expert_bias(&self.progress.expert_bias);
         super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
         self.step = m.step as usize;
         self.consumed = m.consumed_samples;

@@ -18,6 +18,7 @@ use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use parallel::{Group, ReduceOp};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use tracing::warn;
 
 use super::{signals, Trainer};
@@ -32,6 +33,10 @@ pub struct LoopState {
     pub skipped_in_a_row: usize,
     /// Losses of the last accepted steps, oldest first (at most [`SPIKE_WINDOW`]).
     pub recent_losses: VecDeque<f64>,
+    /// Auxiliary-loss-free balancing: each MoE layer's expert selection biases (by global
+    /// layer index; identical on every rank).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub expert_bias: BTreeMap<usize, Vec<f32>>,
 }
 
 /// What a step does with its update.

@@ -360,8 +360,11 @@ impl Trainer {
                     _ => format!("{:.0}MiB", rec.mem_mib),
                 };
                 let moe = rec.moe.as_ref().map_or(String::new(), |m| {
+                    let bias = m
+                        .bias_max_abs
+                        .map_or(String::new(), |b| format!(" |bias|<={b:.4}"));
                     format!(
-                        " moe_lb={:.3} moe_z={:.3} max/mean={:.2}",
+                        " moe_lb={:.3} moe_z={:.3} max/mean={:.2}{bias}",
                         m.load_balancing, m.z_loss, m.max_over_mean
                     )
                 });

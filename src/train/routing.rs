@@ -2,6 +2,8 @@
 //! over experts, summed over every forward pass of the step on every rank (each pipeline stage
 //! measures its own layers, each data-parallel rank its own micro-batches).
 
+use std::collections::BTreeMap;
+
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use model::Llama;
@@ -23,6 +25,10 @@ pub struct LayerRouting {
     pub max_over_mean: f64,
     /// Tokens of the idlest expert over the mean (0: an expert got no token in the step).
     pub min_over_mean: f64,
+    /// Tokens routed to each expert over the step on all ranks (times the forwards recorded
+    /// per micro-batch: 2 under recompute); not written to the metrics.
+    #[serde(skip)]
+    pub tokens_per_expert: Vec<f64>,
 }
 
 /// Every MoE layer over a step.
@@ -36,6 +42,10 @@ pub struct StepRouting {
     pub max_over_mean: f64,
     /// Each MoE layer.
     pub layers: Vec<LayerRouting>,
+    /// With auxiliary-loss-free balancing: the largest expert selection bias (in magnitude)
+    /// after this step's update.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias_max_abs: Option<f64>,
 }
 
 /// Collects what the model's MoE layers recorded in this step's forwards, summed over the
@@ -88,6 +98,7 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
                 z_loss: row[2] / forwards,
                 max_over_mean: ratio(max),
                 min_over_mean: ratio(min),
+                tokens_per_expert: tokens.to_vec(),
             }
         })
         .collect();
@@ -97,5 +108,62 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
         z_loss: rows.iter().map(|r| r.z_loss).sum::<f64>() / n,
         max_over_mean: rows.iter().map(|r| r.max_over_mean).fold(0.0, f64::max),
         layers: rows,
+        bias_max_abs: None,
     }))
+}
+
+/// Auxiliary-loss-free balancing: moves each MoE layer's expert selection biases in `bias` by
+/// `rate` towards balance, `bᵢ += rate · sign(mean − loadᵢ)` with the step's loads over the
+/// whole job (an expert at the mean keeps its bias); returns the largest bias in magnitude.
+/// Every rank computes the same update from the same counts.
+pub fn update_bias(bias: &mut BTreeMap<usize, Vec<f32>>, step: &StepRouting, rate: f64) -> f64 {
+    for layer in &step.layers {
+        let loads = &layer.tokens_per_expert;
+        let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+        let b = bias
+            .entry(layer.layer)
+            .or_insert_with(|| vec![0.0; loads.len()]);
+        for (b, &load) in b.iter_mut().zip(loads) {
+            if load < mean {
+                *b += rate as f32;
+            } else if load > mean {
+                *b -= rate as f32;
+            }
+        }
+    }
+    bias.values()
+        .flatten()
+        .fold(0f64, |m, &b| m.max(f64::from(b.abs())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bias_moves_towards_the_mean_and_keeps_experts_at_it() {
+        let layer = |layer: usize, loads: &[f64]| LayerRouting {
+            layer,
+            load_balancing: 0.0,
+            z_loss: 0.0,
+            max_over_mean: 0.0,
+            min_over_mean: 0.0,
+            tokens_per_expert: loads.to_vec(),
+        };
+        let step = StepRouting {
+            load_balancing: 0.0,
+            z_loss: 0.0,
+            max_over_mean: 0.0,
+            layers: vec![
+                layer(1, &[6.0, 2.0, 4.0, 4.0]),
+                layer(3, &[0.0, 8.0, 4.0, 4.0]),
+            ],
+            bias_max_abs: None,
+        };
+        let mut bias = BTreeMap::from([(3, vec![0.5f32, 0.0, 0.0, -0.25])]);
+        let max = update_bias(&mut bias, &step, 0.25);
+        assert_eq!(bias[&1], vec![-0.25, 0.25, 0.0, 0.0]); // mean 4: over, under, at, at
+        assert_eq!(bias[&3], vec![0.75, -0.25, 0.0, -0.25]);
+        assert_eq!(max, 0.75);
+    }
 }

@@ -91,7 +91,7 @@ impl Trainer {
         let loss = all_reduce_f64(comm, &ctx.pp, local_loss)?;
         let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
         // After the data-parallel gradient traffic of the step has finished on every group.
-        let routing = super::routing::gather(&self.model, ctx)?;
+        let mut routing = super::routing::gather(&self.model, ctx)?;
         let (grad_norm, grad_sq) = self.grad_norm()?;
         let local = LocalNumbers {
             loss: local_loss,
@@ -111,6 +111,16 @@ impl Trainer {
             self.optimizer.step(&self.grads, lr, clip)?;
             zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
             self.progress.updates += 1;
+            let rate = self
+                .model
+                .config()
+                .moe()
+                .map_or(0.0, |m| m.bias_update_rate);
+            if let Some(r) = routing.as_mut().filter(|_| rate > 0.0) {
+                let bias = &mut self.progress.expert_bias;
+                r.bias_max_abs = Some(super::routing::update_bias(bias, r, rate));
+                self.model.set_expert_bias(bias);
+            }
         }
         self.step += 1;
         self.consumed += t.global_batch as u64;

@@ -87,6 +87,14 @@ pub struct LlamaConfig {
     /// layer, as DeepSeek's first-k-dense).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mlp_only_layers: Vec<usize>,
+    /// Auxiliary-loss-free load balancing (DeepSeek-V3; Megatron's
+    /// `moe_router_bias_update_rate`): each MoE layer keeps a per-expert bias that is added to
+    /// the router probabilities when the top-k experts are chosen (not to the routing weights),
+    /// and after every step moves by this rate towards balance:
+    /// `bᵢ += rate · sign(mean load − loadᵢ)`, loads counted over the whole job's step. Default
+    /// 0 (off); DeepSeek-V3 used 0.001. Combine with a small or zero `router_aux_loss_coef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_bias_update_rate: Option<f64>,
 }
 
 /// One token id or several (Llama 3 lists three end-of-sequence ids).
@@ -418,6 +426,7 @@ mod tests {
             norm_topk_prob: None,
             moe_intermediate_size: None,
             mlp_only_layers: Vec::new(),
+            router_bias_update_rate: None,
         }
     }
 

@@ -9,6 +9,7 @@
 //! vocab-parallel embedding and loss. The model is cut into segments (embedding, each block, head
 //! with loss) that [`crate::segment`] runs with separate autograd graphs.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -18,7 +19,7 @@ use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
 use crate::inventory::{Inventory, MlpParams};
-use crate::moe::{self, Expert, LayerStats};
+use crate::moe::{self, Expert, LayerStats, Router};
 use crate::ops::{self, linear, linear_to};
 use crate::params::{ParamSet, ParamSpec};
 
@@ -95,6 +96,9 @@ pub struct Llama {
     sin: Tensor,
     /// What the MoE layers measured in training forwards since [`Llama::take_moe_stats`].
     moe_stats: Mutex<Vec<LayerStats>>,
+    /// Per MoE layer, the experts' selection biases (auxiliary-loss-free balancing; empty
+    /// without it, and all zero until [`Llama::set_expert_bias`]).
+    expert_bias: Mutex<BTreeMap<usize, Vec<f32>>>,
 }
 
 impl Llama {
@@ -134,6 +138,7 @@ impl Llama {
             cos,
             sin,
             moe_stats: Mutex::new(Vec::new()),
+            expert_bias: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -141,6 +146,12 @@ impl Llama {
     /// entry per layer and forward (a recomputed forward measures again, identically).
     pub fn take_moe_stats(&self) -> Vec<LayerStats> {
         std::mem::take(&mut *self.moe_stats.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Sets the MoE layers' expert selection biases (by global layer index; a layer not given
+    /// routes without a bias). Used only when `router_bias_update_rate` is set.
+    pub fn set_expert_bias(&self, bias: &BTreeMap<usize, Vec<f32>>) {
+        *self.expert_bias.lock().unwrap_or_else(|e| e.into_inner()) = bias.clone();
     }
 
     /// Replaces every parameter with values from `value(parameter)`, which returns the row-major
@@ -280,7 +291,17 @@ impl Llama {
                 // statistics are summed over the group; without, all of them, like its peers).
                 let ep = &self.placement.ep;
                 let split = (tp.sequence_parallel && tp_size > 1).then_some(&tp.group);
-                let router = self.w(m.router)?;
+                let weight = self.w(m.router)?;
+                let bias = (cfg.bias_update_rate > 0.0)
+                    .then(|| {
+                        let biases = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+                        biases.get(&i).cloned()
+                    })
+                    .flatten();
+                let router = Router {
+                    weight: &weight,
+                    bias: bias.as_deref(),
+                };
                 let h = normed.flatten_to(1)?; // [b·s(/tp), h]
                 let out = moe::forward(&h, &router, &experts, ep, split, &cfg, i)?;
                 let y = (x + out.y.reshape(normed.shape())?)?; // [b, s(/tp), h]

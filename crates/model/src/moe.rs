@@ -77,13 +77,41 @@ pub struct Routing {
     pub counts: Vec<usize>,
 }
 
-/// Top-`k` of each row of `probs` (`[n, e]`, row-major).
-pub fn route(probs: &[f32], e: usize, k: usize) -> Routing {
+/// A MoE layer's router: its weight `[E, h]` and, with auxiliary-loss-free balancing, the
+/// per-expert bias added to the probabilities when experts are chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct Router<'a> {
+    /// The router weight `[E, h]`.
+    pub weight: &'a Tensor,
+    /// `[E]` selection bias (not part of the routing weights).
+    pub bias: Option<&'a [f32]>,
+}
+
+impl<'a> Router<'a> {
+    /// A router without a selection bias.
+    pub fn plain(weight: &'a Tensor) -> Self {
+        Self { weight, bias: None }
+    }
+}
+
+/// Top-`k` of each row of `probs` (`[n, e]`, row-major), ranked by `probs + bias` when a bias
+/// `[e]` is given.
+pub fn route(probs: &[f32], bias: Option<&[f32]>, e: usize, k: usize) -> Routing {
     let n = probs.len() / e;
     let mut experts = Vec::with_capacity(n * k);
     let mut counts = vec![0usize; e];
     let mut best: Vec<u32> = Vec::with_capacity(k + 1);
+    let mut biased = vec![0f32; if bias.is_some() { e } else { 0 }];
     for row in probs.chunks_exact(e) {
+        let row = match bias {
+            Some(b) => {
+                for ((s, &p), &b) in biased.iter_mut().zip(row).zip(b) {
+                    *s = p + b;
+                }
+                &biased[..]
+            }
+            None => row,
+        };
         best.clear();
         for (j, &p) in row.iter().enumerate() {
             // Insert j after every kept expert with a probability >= p (stable: lower index
@@ -140,13 +168,13 @@ fn softmax_lse(logits: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((probs, lse))
 }
 
-/// The MoE layer on `x` `[n, h]` with router `[E, h]` and this rank's experts of layer `layer`
+/// The MoE layer on `x` `[n, h]` with `router` and this rank's experts of layer `layer`
 /// (all `E`, or its share of the expert-parallel group `ep`, which the rows travel to). With
 /// `split`, the micro-batch's tokens are split over that group (sequence parallelism) and the
 /// balancing losses are this rank's share of the micro-batch's ([`split_losses`]).
 pub fn forward(
     x: &Tensor,
-    router: &Tensor,
+    router: &Router,
     experts: &[Expert],
     ep: &ExpertParallel,
     split: Option<&TpGroup>,
@@ -169,13 +197,19 @@ pub fn forward(
     } else {
         DType::F32
     };
-    let logits = linear(&x.to_dtype(rdt)?, &router.to_dtype(rdt)?)?; // [n, E]
+    let logits = linear(&x.to_dtype(rdt)?, &router.weight.to_dtype(rdt)?)?; // [n, E]
     let (probs, lse) = softmax_lse(&logits)?;
     let host = probs
         .to_dtype(DType::F32)?
         .flatten_all()?
         .to_vec1::<f32>()?;
-    let routing = route(&host, e, k);
+    if let Some(b) = router.bias.filter(|b| b.len() != e) {
+        candle_core::bail!(
+            "MoE layer {layer}: {} selection biases for {e} experts",
+            b.len()
+        );
+    }
+    let routing = route(&host, router.bias, e, k);
 
     // Routing weights [n, k]: the chosen probabilities, renormalised if configured.
     let chosen = Tensor::from_slice(&routing.experts, (n, k), dev)?;
@@ -319,11 +353,14 @@ mod tests {
             0.4,
             0.1,
         ];
-        let r = route(&probs, 4, 2);
+        let r = route(&probs, None, 4, 2);
         assert_eq!(r.experts, vec![1, 2, 0, 2, 1, 2]);
         assert_eq!(r.counts, vec![1, 2, 3, 0]);
         let order = expert_order(&r);
         // Expert 0: pair 2; expert 1: pairs 0, 4; expert 2: pairs 1, 3, 5.
         assert_eq!(order, vec![2, 0, 4, 1, 3, 5]);
+        // A bias moves the choice, not the probabilities: expert 3 now wins the first row.
+        let r = route(&probs, Some(&[0.0, 0.0, 0.0, 0.55]), 4, 2);
+        assert_eq!(&r.experts[..2], &[3, 1]);
     }
 }

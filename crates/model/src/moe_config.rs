@@ -21,6 +21,8 @@ pub struct MoeConfig {
     pub expert_size: usize,
     /// Layers with a dense MLP.
     pub dense_layers: Vec<usize>,
+    /// Step size of the per-expert selection bias (0: no bias).
+    pub bias_update_rate: f64,
 }
 
 impl LlamaConfig {
@@ -35,6 +37,7 @@ impl LlamaConfig {
             norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
             expert_size: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
             dense_layers: self.mlp_only_layers.clone(),
+            bias_update_rate: self.router_bias_update_rate.unwrap_or(0.0),
         })
     }
 
@@ -72,6 +75,10 @@ impl LlamaConfig {
                     self.moe_intermediate_size.is_some(),
                 ),
                 ("mlp_only_layers", !self.mlp_only_layers.is_empty()),
+                (
+                    "router_bias_update_rate",
+                    self.router_bias_update_rate.is_some(),
+                ),
             ];
             return match set.iter().find(|(_, set)| *set) {
                 Some((field, _)) => Err(format!(
@@ -99,6 +106,7 @@ impl LlamaConfig {
         for (field, v) in [
             ("router_aux_loss_coef", m.aux_loss_coef),
             ("router_z_loss_coef", m.z_loss_coef),
+            ("router_bias_update_rate", m.bias_update_rate),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(format!("model.{field} ({v}) must be a number >= 0"));
