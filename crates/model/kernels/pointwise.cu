@@ -160,28 +160,24 @@ EXPORT3(swiglu_bwd, (const T* gate, const T* up, const T* grad, T* out, u64 n),
         (gate, up, grad, out, n))
 
 // ---------------------------------------------------------------------------------------------
-// Cross-entropy: loss = logsumexp(row) - row[target]. A target >= v is reported through
-// err[2] (zeroed by the caller): the first block to see one stores row + 1 in err[0] (by
-// atomicCAS from 0) and the target in err[1]; its outputs are left unwritten. The host reads err
-// back after the launch and turns a non-zero err[0] into an error.
-
-__device__ __forceinline__ void report_bad_target(unsigned* err, int row, unsigned t) {
-  if (atomicCAS(err, 0u, (unsigned)row + 1u) == 0u) err[1] = t;
-}
+// Cross-entropy: loss = logsumexp(row) - row[target]. A target >= v makes that row's outputs
+// NaN (its loss, or its whole gradient row): the host never reads anything back after a launch
+// (a read per micro-batch would stall the queue), the targets were checked against the
+// vocabulary when the data was opened, and a NaN loss stops or skips the step in the trainer's
+// guard instead of training on a wrong label.
 
 // logits: [rows, v]; targets: [rows]; loss: [rows] in Acc<T>. One block per row: the maximum,
 // then Σ exp(x - max), each over the block.
 template <typename T>
 __device__ void cross_entropy_fwd_impl(const T* logits, const unsigned* targets,
-                                       typename Acc<T>::type* loss, unsigned* err, int rows,
-                                       int v) {
+                                       typename Acc<T>::type* loss, int rows, int v) {
   typedef typename Acc<T>::type A;
   __shared__ A scratch[32];
   const int row = blockIdx.x;
   if (row >= rows) return;
   const unsigned t = targets[row];
   if (t >= (unsigned)v) {  // the same for the whole block: it leaves together
-    if (threadIdx.x == 0) report_bad_target(err, row, t);
+    if (threadIdx.x == 0) loss[row] = (A)NAN;
     return;
   }
   const T* lr = logits + (size_t)row * v;
@@ -197,27 +193,26 @@ __device__ void cross_entropy_fwd_impl(const T* logits, const unsigned* targets,
   if (threadIdx.x == 0) loss[row] = m + log_acc(s) - to_acc(lr[t]);
 }
 EXPORT3(cross_entropy_fwd,
-        (const T* logits, const unsigned* targets, Acc<T>::type* loss, unsigned* err, int rows,
-         int v),
-        (logits, targets, loss, err, rows, v))
+        (const T* logits, const unsigned* targets, Acc<T>::type* loss, int rows, int v),
+        (logits, targets, loss, rows, v))
 
 // logits, d: [rows, v]; targets: [rows]; loss_grad: [rows, 2] in Acc<T> (the forward loss and
 // its upstream gradient). d[i] = (exp(x - lse) - onehot(t)) * grad with lse = loss + x[t].
-// One block per row; bad targets are reported as in the forward kernel.
+// One block per row; a bad target's row is NaN, as in the forward kernel.
 template <typename T>
 __device__ void cross_entropy_bwd_impl(const T* logits, const unsigned* targets,
-                                       const typename Acc<T>::type* loss_grad, T* d,
-                                       unsigned* err, int rows, int v) {
+                                       const typename Acc<T>::type* loss_grad, T* d, int rows,
+                                       int v) {
   typedef typename Acc<T>::type A;
   const int row = blockIdx.x;
   if (row >= rows) return;
   const unsigned t = targets[row];
+  T* dr = d + (size_t)row * v;
   if (t >= (unsigned)v) {
-    if (threadIdx.x == 0) report_bad_target(err, row, t);
+    for (int j = threadIdx.x; j < v; j += blockDim.x) dr[j] = from_acc<T>((A)NAN);
     return;
   }
   const T* lr = logits + (size_t)row * v;
-  T* dr = d + (size_t)row * v;
   const A g = loss_grad[2 * (size_t)row + 1];
   const A lse = loss_grad[2 * (size_t)row] + to_acc(lr[t]);
   for (int j = threadIdx.x; j < v; j += blockDim.x) {
@@ -227,6 +222,6 @@ __device__ void cross_entropy_bwd_impl(const T* logits, const unsigned* targets,
   }
 }
 EXPORT3(cross_entropy_bwd,
-        (const T* logits, const unsigned* targets, const Acc<T>::type* loss_grad, T* d,
-         unsigned* err, int rows, int v),
-        (logits, targets, loss_grad, d, err, rows, v))
+        (const T* logits, const unsigned* targets, const Acc<T>::type* loss_grad, T* d, int rows,
+         int v),
+        (logits, targets, loss_grad, d, rows, v))

@@ -3,6 +3,11 @@
 //! (`lse_i = loss_i + logits[i, t_i]`), so nothing is stashed and the logits are read twice in all.
 //! On CUDA, bf16 logits are read directly and the op's loss is f32 (the accumulation dtype), so
 //! that recovered log-sum-exp keeps full precision; the wrapper converts it to bf16.
+//!
+//! A target outside `0..v` is an error on the CPU (the targets are in host memory). On CUDA it
+//! makes that row's loss and gradient NaN instead: checking would read a flag back after every
+//! launch and stall the GPU's queue, the data loader has checked every id against the
+//! vocabulary when it opened the data, and a NaN loss stops or skips the step in the trainer.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};

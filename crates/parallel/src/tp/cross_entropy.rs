@@ -2,7 +2,7 @@
 //! is computed from three small all-reduces (row max, row sum of exponentials, target logit) and
 //! the full `[n, v]` logits are never gathered.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor, D};
 
 use super::ops::{reduce_from_tp, TpGroup};
 use crate::comm::ReduceOp;
@@ -22,17 +22,15 @@ pub fn vocab_parallel_cross_entropy(
     let z = logits.broadcast_sub(&row_max)?; // [n, v/tp]
     let sum_exp = reduce_from_tp(&z.exp()?.sum_keepdim(D::Minus1)?, tp)?; // [n, 1]
 
-    let t = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     let (local, mask) = super::local_vocab_ids(
-        &t,
+        targets,
         vocab_start,
         local_v,
         tp.size(),
         "vocab-parallel cross-entropy: target",
-    )?;
-    let dev = logits.device();
-    let local = Tensor::from_vec(local, (n, 1), dev)?;
-    let mask = Tensor::from_vec(mask, n, dev)?.to_dtype(z.dtype())?;
+    )?; // [n], [n]
+    let local = local.reshape((n, 1))?;
+    let mask = mask.to_dtype(z.dtype())?;
     let target_logit = reduce_from_tp(&(z.gather(&local, 1)?.squeeze(1)? * mask)?, tp)?; // [n]
     sum_exp.squeeze(1)?.log()? - target_logit
 }

@@ -3,7 +3,7 @@
 //! across the tensor-parallel group (reduce-scattered along the sequence with sequence parallelism).
 //! With one rank it is the plain lookup.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::TensorParallel;
 
@@ -20,17 +20,14 @@ pub fn vocab_parallel_embedding(
     if tp.size() == 1 {
         return w.embedding(&ids.flatten_all()?)?.reshape((b, s, h));
     }
-    let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     let (local, mask) = super::local_vocab_ids(
-        &flat,
+        ids,
         vocab_start,
         local_v,
         tp.size(),
         "vocab-parallel embedding: token id",
-    )?;
-    let dev = w.device();
-    let local = Tensor::from_vec(local, b * s, dev)?;
-    let mask = Tensor::from_vec(mask, (b * s, 1), dev)?.to_dtype(w.dtype())?;
+    )?; // [b·s], [b·s]
+    let mask = mask.reshape((b * s, 1))?.to_dtype(w.dtype())?;
     let e = w
         .embedding(&local)?
         .broadcast_mul(&mask)?

@@ -14,7 +14,7 @@ pub mod plan;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use crate::comm::local::LocalWorld;
 use crate::comm::Group;
@@ -34,32 +34,40 @@ pub struct TensorParallel {
     pub sequence_parallel: bool,
 }
 
-/// For ids of the whole vocabulary (`local_v × tp` entries) and this rank's slice starting at
-/// `vocab_start`: the local row of each id (0 where another rank owns it) and a 1/0 ownership
-/// mask. An id outside the vocabulary is an error (`what` names the caller and the kind of id,
-/// e.g. "vocab-parallel embedding: token id"), never a silent zero.
+/// For ids `[n]` of the whole vocabulary (`local_v × tp` entries) and this rank's slice starting
+/// at `vocab_start`: the local row of each id `[n]` u32 (0 where another rank owns it) and a 1/0
+/// ownership mask `[n]` f32, computed on the ids' device without reading them back (a host
+/// read per micro-batch would stall a GPU's queue). An id outside the vocabulary is never a
+/// silent zero: on the CPU it is an error (`what` names the caller and the kind of id, e.g.
+/// "vocab-parallel embedding: token id"); on a GPU its mask is NaN, so the loss becomes
+/// non-finite and the step guard stops or skips the step (the data loader has already checked
+/// every id against the tokenizer's vocabulary when it opened the data).
 pub(crate) fn local_vocab_ids(
-    ids: &[u32],
+    ids: &Tensor,
     vocab_start: usize,
     local_v: usize,
     tp_size: usize,
     what: &str,
-) -> Result<(Vec<u32>, Vec<f32>)> {
+) -> Result<(Tensor, Tensor)> {
     let vocab = local_v * tp_size;
-    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-        candle_core::bail!("{what} {bad} is outside the vocabulary of {vocab}");
+    let ids = ids.flatten_all()?;
+    if ids.device().is_cpu() {
+        let host = ids.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+        if let Some(bad) = host.iter().find(|&&id| id as usize >= vocab) {
+            candle_core::bail!("{what} {bad} is outside the vocabulary of {vocab}");
+        }
     }
-    Ok(ids
-        .iter()
-        .map(|&id| {
-            let inside = (vocab_start..vocab_start + local_v).contains(&(id as usize));
-            if inside {
-                (id - vocab_start as u32, 1f32)
-            } else {
-                (0, 0.0)
-            }
-        })
-        .unzip())
+    let x = ids.to_dtype(DType::I64)?; // [n]
+    let (start, end) = (vocab_start as i64, (vocab_start + local_v) as i64);
+    let owned = x.ge(start)?.mul(&x.lt(end)?)?.to_dtype(DType::F32)?; // [n] 1/0
+    let outside = x.ge(vocab as i64)?; // [n]
+    let nan = Tensor::full(f32::NAN, owned.shape(), owned.device())?;
+    let mask = outside.where_cond(&nan, &owned)?;
+    let local = x
+        .broadcast_sub(&Tensor::new(start, x.device())?)?
+        .clamp(0i64, local_v.saturating_sub(1) as i64)?
+        .to_dtype(DType::U32)?;
+    Ok((local, mask))
 }
 
 /// The dimension of `[b, s, h]` activations that sequence parallelism splits.
@@ -133,5 +141,30 @@ impl TensorParallel {
         } else {
             ops::reduce_from_tp(y, &self.group)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn local_ids_and_ownership_of_a_vocabulary_slice() {
+        // Vocabulary of 16 over 4 ranks; this rank owns ids 8..12.
+        let ids = Tensor::new(&[0u32, 5, 8, 9, 11, 12, 15], &Device::Cpu).unwrap();
+        let (local, mask) = local_vocab_ids(&ids, 8, 4, 4, "test id").unwrap();
+        assert_eq!(local.to_vec1::<u32>().unwrap(), vec![0, 0, 0, 1, 3, 3, 3]);
+        assert_eq!(
+            mask.to_vec1::<f32>().unwrap(),
+            vec![0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+        );
+        let bad = Tensor::new(&[3u32, 16], &Device::Cpu).unwrap();
+        let e = local_vocab_ids(&bad, 8, 4, 4, "test id").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("test id 16 is outside the vocabulary of 16"),
+            "{e}"
+        );
     }
 }

@@ -13,13 +13,11 @@
 //! would wait for the same stream and move more data, so the flag costs no more.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
-use super::{
-    alloc, elementwise, grid, kernel_name, load, to_i32, view, zeros, KernelFloat, Module,
-};
+use super::{alloc, elementwise, grid, kernel_name, load, to_i32, view, KernelFloat, Module};
 
 /// Threads per block of the RMSNorm row kernels.
 pub const ROW_THREADS: u32 = 256;
@@ -254,20 +252,6 @@ pub fn swiglu_bwd(
     })
 }
 
-/// Reads the cross-entropy error buffer back (waits for the kernel) and errors on a bad target.
-fn check_targets(dev: &CudaDevice, err: &CudaSlice<u32>, v: usize) -> Result<()> {
-    let e = dev.clone_dtoh(err)?;
-    if let [row, t, ..] = e[..] {
-        if row != 0 {
-            bail!(
-                "cross_entropy: target {t} of row {} is out of range for {v} classes",
-                row - 1
-            )
-        }
-    }
-    Ok(())
-}
-
 /// The `(rows, v)` of `logits` `[n, v]`, and the rows' `i32` kernel arguments.
 fn ce_dims(op: &str, ll: &Layout, tl: &Layout) -> Result<(usize, usize, i32, i32)> {
     let &[n, v] = ll.dims() else {
@@ -282,7 +266,8 @@ fn ce_dims(op: &str, ll: &Layout, tl: &Layout) -> Result<(usize, usize, i32, i32
 
 /// Cross-entropy forward: `logits` `[n, v]`, `targets` `[n]` u32; returns the `[n]` losses in
 /// the accumulation dtype ([`super::acc_dtype`]: f32 for bf16 logits), so the backward pass recovers
-/// each row's log-sum-exp in full precision. A target `>= v` is an error.
+/// each row's log-sum-exp in full precision. A target `>= v` gives a NaN loss (nothing is read
+/// back to check it: see `kernels/pointwise.cu`).
 pub fn cross_entropy_fwd(
     logits: &CudaStorage,
     ll: &Layout,
@@ -291,23 +276,21 @@ pub fn cross_entropy_fwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "cross_entropy";
     let dev = logits.device();
-    let (n, v, n_i, v_i) = ce_dims(OP, ll, tl)?;
+    let (n, _, n_i, v_i) = ce_dims(OP, ll, tl)?;
     crate::with_cuda_dtype!(OP, logits.dtype(), T => {
         let lv = view::<T>(OP, "logits", logits, ll)?; // [n, v]
         let tv = view::<u32>(OP, "targets", targets, tl)?; // [n]
-        // SAFETY: block `r` writes loss[r] unless target r is bad, which is then an error.
+        // SAFETY: block `r` writes loss[r] (NaN for a target >= v).
         let mut loss = unsafe { alloc::<<T as KernelFloat>::Acc>(dev, n) }?; // [n]
-        let mut err = zeros::<u32>(dev, 2)?; // [bad row + 1, its target]
         if n > 0 {
             let f = kernel(dev, OP, "cross_entropy_fwd", logits.dtype())?;
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
-            b.arg(&lv).arg(&tv).arg(&mut loss).arg(&mut err).arg(&n_i).arg(&v_i);
-            // SAFETY: matches `cross_entropy_fwd_<T>(const T*, const unsigned*, Acc*,
-            // unsigned*, int, int)`; block `r < n` reads row `r` of logits ([n, v]) at columns
-            // < v (its target only once checked `< v`), targets[r], writes loss[r] or err[0..2].
+            b.arg(&lv).arg(&tv).arg(&mut loss).arg(&n_i).arg(&v_i);
+            // SAFETY: matches `cross_entropy_fwd_<T>(const T*, const unsigned*, Acc*, int,
+            // int)`; block `r < n` reads row `r` of logits ([n, v]) at columns < v (its target
+            // only once checked `< v`) and targets[r], and writes loss[r].
             unsafe { b.launch(grid(n, CE_THREADS, 0)) }.w()?;
-            check_targets(dev, &err, v)?;
         }
         Ok(CudaStorage::wrap_cuda_slice(loss, dev.clone()))
     })
@@ -315,7 +298,7 @@ pub fn cross_entropy_fwd(
 
 /// Cross-entropy backward on `(logits [n, v], targets [n], loss_grad [n, 2])`, `loss_grad` in
 /// the accumulation dtype (the forward losses and their upstream gradients); returns `dlogits`
-/// `[n, v]` in the dtype of `logits`. A target `>= v` is an error.
+/// `[n, v]` in the dtype of `logits`. A target `>= v` gives a NaN row.
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_bwd(
     logits: &CudaStorage,
@@ -333,19 +316,17 @@ pub fn cross_entropy_bwd(
         let lv = view::<T>(OP, "logits", logits, ll)?; // [n, v]
         let tv = view::<u32>(OP, "targets", targets, tl)?; // [n]
         let gv = view::<<T as KernelFloat>::Acc>(OP, "loss/grad", loss_grad, gl)?; // [n, 2]
-        // SAFETY: block `r` writes row `r` unless target r is bad, which is then an error.
+        // SAFETY: block `r` writes row `r` (NaN for a target >= v).
         let mut d = unsafe { alloc::<T>(dev, n * v) }?; // [n, v]
-        let mut err = zeros::<u32>(dev, 2)?; // [bad row + 1, its target]
         if n > 0 {
             let f = kernel(dev, OP, "cross_entropy_bwd", logits.dtype())?;
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);
-            b.arg(&lv).arg(&tv).arg(&gv).arg(&mut d).arg(&mut err).arg(&n_i).arg(&v_i);
+            b.arg(&lv).arg(&tv).arg(&gv).arg(&mut d).arg(&n_i).arg(&v_i);
             // SAFETY: matches `cross_entropy_bwd_<T>(const T*, const unsigned*, const Acc*, T*,
-            // unsigned*, int, int)`; block `r < n` reads row `r` of logits and writes row `r` of
-            // d ([n, v], columns < v), reads targets[r] and loss_grad[2r..2r+2] ([n, 2]).
+            // int, int)`; block `r < n` reads row `r` of logits and writes row `r` of d ([n, v],
+            // columns < v), reads targets[r] and loss_grad[2r..2r+2] ([n, 2]).
             unsafe { b.launch(grid(n, CE_THREADS, 0)) }.w()?;
-            check_targets(dev, &err, v)?;
         }
         Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
     })
