@@ -91,6 +91,7 @@ pub fn eval(
         timeout,
         |rank, comm: Arc<dyn Comm>| {
             let go = || -> Result<(f64, f64)> {
+                comm.prepare(&crate::train::rank::job_channels(&recipe.parallel, &comm)?)?;
                 let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())?;
                 let dtype = match recipe.train.dtype {
                     Dtype::F32 => DType::F32,

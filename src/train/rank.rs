@@ -1,6 +1,7 @@
 //! `RankCtx`: one rank's place in the job — its mesh coordinates, communicator and process groups
 //! — and the layer placement that follows from it ([`chunk_pieces`]).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use candle_core::Device;
@@ -10,7 +11,7 @@ use parallel::cp::{local_chunks, ContextParallel};
 use parallel::ep::ExpertParallel;
 use parallel::mesh::{Axis, Coords, Mesh};
 use parallel::tp::TensorParallel;
-use parallel::{Comm, Group, ParallelConfig};
+use parallel::{Channel, Comm, Group, ParallelConfig};
 
 /// Everything a rank needs to know about the job layout.
 #[derive(Clone)]
@@ -180,6 +181,62 @@ impl RankCtx {
     pub fn is_main(&self) -> bool {
         self.rank == 0
     }
+}
+
+/// Every communication channel of a job with layout `cfg`, in one global order that every rank
+/// computes alike (see [`Comm::prepare`]): rank by rank, its world, tensor-, context-,
+/// gradient-, shard-, replica-, expert-gradient-, pipeline- and pipeline-ends groups, its
+/// expert-parallel all-to-all group, and its point-to-point directions (to the next and the
+/// previous pipeline stage, and to the next rank of the context-parallel ring), each listed
+/// where it first appears.
+pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Result<Vec<Channel>> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    let world = cfg.world_size();
+    let all = Group::new((0..world).collect());
+    for r in 0..world {
+        let c = RankCtx::new(cfg, r, comm.clone())?;
+        let mut add = |ch: Channel| {
+            if seen.insert(ch.clone()) {
+                out.push(ch);
+            }
+        };
+        for g in [
+            &all,
+            &c.tp,
+            &c.cp,
+            &c.dp,
+            &c.dp_shard,
+            &c.dp_replicate,
+            &c.expert_dp,
+            &c.pp,
+        ] {
+            add(Channel::Group(g.clone()));
+        }
+        add(Channel::Group(c.embedding_group()));
+        add(Channel::AllToAll(c.ep.clone()));
+        let (pp, stage) = (c.pp.ranks(), c.coords.pp);
+        if pp.len() > 1 {
+            let n = pp.len();
+            add(Channel::P2p {
+                src: r,
+                dst: pp[(stage + 1) % n],
+            });
+            add(Channel::P2p {
+                src: r,
+                dst: pp[(stage + n - 1) % n],
+            });
+        }
+        let ring = c.cp.ranks();
+        if ring.len() > 1 {
+            let at = c.cp.index_of(r).unwrap_or(0);
+            add(Channel::P2p {
+                src: r,
+                dst: ring[(at + 1) % ring.len()],
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// The columns `chunks` of every row of `seq_len` of `v` (row-major `[rows, seq_len]`).

@@ -13,5 +13,5 @@ pub mod pipeline;
 pub mod store;
 pub mod tp;
 
-pub use comm::{Comm, CommError, Group, ReduceOp};
+pub use comm::{Channel, Comm, CommError, Group, ReduceOp};
 pub use config::ParallelConfig;

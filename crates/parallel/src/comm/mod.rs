@@ -52,6 +52,33 @@ impl fmt::Debug for Group {
     }
 }
 
+/// A communication channel of a job, as a backend may need to set it up before its first use
+/// (an NCCL communicator).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Channel {
+    /// Collectives over the group.
+    Group(Group),
+    /// All-to-all exchanges over the group ([`Comm::all_to_all`]).
+    AllToAll(Group),
+    /// Point-to-point messages from `src` to `dst`.
+    P2p {
+        /// Sender.
+        src: usize,
+        /// Receiver.
+        dst: usize,
+    },
+}
+
+impl Channel {
+    /// Whether global rank `rank` takes part.
+    pub fn includes(&self, rank: usize) -> bool {
+        match self {
+            Channel::Group(g) | Channel::AllToAll(g) => g.index_of(rank).is_some(),
+            Channel::P2p { src, dst } => *src == rank || *dst == rank,
+        }
+    }
+}
+
 /// Reduction of an all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
@@ -182,6 +209,15 @@ pub trait Comm: Send + Sync {
         recv: &[usize],
     ) -> Result<Tensor> {
         all_to_all_p2p(self, group, t, send, recv)
+    }
+    /// Sets up, in the given order, what the backend needs for the channels this rank takes part
+    /// in (NCCL: one communicator each, whose creation waits for all its members). Every rank
+    /// passes the same list — the job's channels in one global order — so no two ranks wait for
+    /// each other's creations in opposite orders, and no creation happens inside a step. The
+    /// `local` and `tcp` backends need nothing.
+    fn prepare(&self, channels: &[Channel]) -> Result<()> {
+        let _ = channels;
+        Ok(())
     }
     /// Declares this rank failed with `reason`: every pending and future operation of every rank
     /// returns [`CommError::PeerFailed`] naming this rank.

@@ -79,7 +79,7 @@ use candle_core::cuda::cudarc::nccl::{result as nc, sys};
 use candle_core::cuda::CudaDevice;
 use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 
-use super::{Comm, CommError, Group, ReduceOp};
+use super::{Channel, Comm, CommError, Group, ReduceOp};
 use crate::store::Store;
 use layout::{instance_key, instance_prefix, CommKey};
 use raw::{alloc, cuda_err, device_addr, nccl_dtype, Fault, Launch, RawComm};
@@ -391,6 +391,29 @@ impl Comm for NcclComm {
 
     fn barrier(&self, group: &Group) -> Result<()> {
         self.barrier_in(group, true)
+    }
+
+    /// Creates the communicator of every channel with this rank and another member, in order
+    /// (single-member groups never use one).
+    fn prepare(&self, channels: &[Channel]) -> Result<()> {
+        let me = self.shared.rank;
+        for channel in channels.iter().filter(|c| c.includes(me)) {
+            let key = match channel {
+                Channel::Group(g) if g.size() > 1 => CommKey::Group(g.clone()),
+                Channel::AllToAll(g) if g.size() > 1 => CommKey::AllToAll(g.clone()),
+                Channel::P2p { src, dst } if src != dst => CommKey::P2p {
+                    src: *src,
+                    dst: *dst,
+                },
+                _ => continue,
+            };
+            let members = key.members();
+            let others = members.iter().copied().filter(|&r| r != me).collect();
+            let call = self.call("prepare", members, others);
+            self.start(&call)?;
+            self.shared.comm(&call, &key).map_err(Error::from)?;
+        }
+        Ok(())
     }
 
     fn abort(&self, reason: &str) {
