@@ -192,8 +192,8 @@ impl NcclComm {
     }
 
     /// [`Comm::all_to_all`](crate::comm::Comm::all_to_all): one NCCL group of a send and a
-    /// receive per member with rows to exchange, on the group's communicator. Calls with no rows
-    /// to send or none to receive (nothing for NCCL to address) go point to point.
+    /// receive per member with rows to exchange, on the group's all-to-all communicator (also
+    /// when this rank sends or receives no rows: its buffers are then one placeholder row).
     pub(super) fn all_to_all_in(
         &self,
         group: &Group,
@@ -205,10 +205,17 @@ impl NcclComm {
         let rows = t.dim(0)?;
         check_all_to_all(self.shared.rank, group, rows, send, recv).map_err(Error::from)?;
         let received: usize = recv.iter().sum();
-        if group.size() == 1 || rows == 0 || received == 0 {
+        if group.size() == 1 {
             return all_to_all_p2p(self, group, t, send, recv);
         }
         self.check_tensor(&call, t)?;
+        let mut dims = t.dims().to_vec();
+        let input = if rows == 0 {
+            dims[0] = 1;
+            Tensor::zeros(dims.as_slice(), t.dtype(), t.device())?
+        } else {
+            t.clone()
+        };
         let row_elems: usize = t.dims()[1..].iter().product();
         let bytes = row_elems * t.dtype().size_in_bytes();
         let starts = |counts: &[usize]| -> Vec<usize> {
@@ -222,10 +229,9 @@ impl NcclComm {
                 .collect()
         };
         let (send_at, recv_at) = (starts(send), starts(recv));
-        let mut dims = t.dims().to_vec();
-        dims[0] = received;
+        dims[0] = received.max(1);
         let key = CommKey::AllToAll(group.clone());
-        self.run(&call, key, Some(t), dims.into(), t.dtype(), |l| {
+        let out = self.run(&call, key, Some(&input), dims.into(), t.dtype(), |l| {
             nc::group_start()?;
             let mut r = Ok(nc::NcclStatus::Success);
             for (j, (&s, &rc)) in send.iter().zip(recv).enumerate() {
@@ -244,7 +250,8 @@ impl NcclComm {
             // The group is always closed, also after a failed enqueue.
             let end = nc::group_end();
             r.and(end)
-        })
+        })?;
+        out.narrow(0, 0, received)
     }
 
     /// [`Comm::send`](crate::comm::Comm::send).
