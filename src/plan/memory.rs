@@ -160,7 +160,10 @@ fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
 fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
     let v = c.vocab_size as u64;
-    let logits = n * v / t * p + if p == 4 { 0 } else { 4 * n * v / t };
+    // 16-bit logits get an f32 copy for the loss on the CPU and for the vocab-parallel loss; the
+    // single-rank loss on a GPU reads them as they are.
+    let widened = p != 4 && (s.upcast || t > 1);
+    let logits = n * v / t * p + if widened { 4 * n * v / t } else { 0 };
     let loss = if t > 1 {
         2 * 4 * n * v / t + 7 * 4 * n
     } else {

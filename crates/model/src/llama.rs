@@ -319,7 +319,8 @@ impl Llama {
         }
     }
 
-    /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]` (f32).
+    /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]`
+    /// in the model dtype.
     fn local_logits(&self, x: &Tensor) -> Result<Tensor> {
         let (norm, head) = self
             .inventory
@@ -331,18 +332,27 @@ impl Llama {
             &self.w(norm)?,
             self.config.rms_norm_eps,
         )?)?; // [b, s, h]
-        linear(&h.flatten_to(1)?, &self.w(head)?)?.to_dtype(DType::F32)
+        linear(&h.flatten_to(1)?, &self.w(head)?)
     }
 
     /// Per-position next-token losses `[b * s]` from the last hidden states; identical on every
     /// tensor-parallel rank. The full logits are never gathered across ranks.
     pub fn losses(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let logits = self.local_logits(x)?; // [b * s, v/tp]
+        // The vocab-parallel loss is built from candle ops over f32 logits; the single-rank one
+        // reads the model-dtype logits and sums in f32 (no f32 copy of the logits on a GPU).
+        let logits = if self.placement.tp.size() > 1 {
+            logits.to_dtype(DType::F32)?
+        } else {
+            logits
+        };
         let head = self.inventory.lm_head.ok_or_else(|| self.missing("head"))?;
         let vocab = self.params.get(head).block.range(0); // this rank's vocabulary ids
         self.placement
             .tp
-            .cross_entropy(&logits, labels, vocab.start, ops::cross_entropy)
+            .cross_entropy(&logits, labels, vocab.start, |l, t| {
+                ops::cross_entropy_acc(l, t)?.to_dtype(DType::F32)
+            })
     }
 
     /// Head segment: the micro-batch's summed masked cross-entropy times `targets.loss_scale`.
@@ -366,7 +376,8 @@ impl Llama {
         if p.tp.size() > 1 || p.cp.size() > 1 || p.ep.size() > 1 || !p.embedding {
             candle_core::bail!("full logits need the whole model on one rank");
         }
-        self.local_logits(&self.hidden(tokens)?)
+        self.local_logits(&self.hidden(tokens)?)?
+            .to_dtype(DType::F32)
     }
 
     /// Embedding and every block held, without segments: `[b, s]` → `[b, s(/tp), h]`.

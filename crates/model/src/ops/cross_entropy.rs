@@ -182,6 +182,11 @@ impl CustomOp3 for CrossEntropyBwd {
 
 /// See [`super::cross_entropy`].
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    cross_entropy_acc(logits, targets)?.to_dtype(logits.dtype())
+}
+
+/// See [`super::cross_entropy_acc`].
+pub fn cross_entropy_acc(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let &[n, v] = logits.dims() else {
         bail!("{OP}: `logits` must be [n, v], got {:?}", logits.dims())
     };
@@ -199,8 +204,6 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         bail!("{OP}: `logits` {:?} has no classes", logits.dims())
     }
     same_device(OP, ("logits", logits), ("targets", targets))?;
-    let dtype = logits.dtype();
     let cdt = kernel_dtype(OP, "logits", logits)?;
-    let loss = prepare(logits, cdt)?.apply_op2(&targets.detach().contiguous()?, CrossEntropy)?;
-    loss.to_dtype(dtype)
+    prepare(logits, cdt)?.apply_op2(&targets.detach().contiguous()?, CrossEntropy)
 }

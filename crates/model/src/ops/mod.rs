@@ -118,6 +118,13 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy::cross_entropy(logits, targets)
 }
 
+/// [`cross_entropy`] with the losses in the accumulation dtype: f32 for f32 and bf16 logits, f64
+/// for f64. On CUDA bf16 logits are read as they are (no f32 copy of `[n, v]`) and their
+/// gradient is bf16; on the CPU they are widened to f32 first.
+pub fn cross_entropy_acc(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    cross_entropy::cross_entropy_acc(logits, targets)
+}
+
 /// A scalar whose backward pass hands `grad` to `y`: calling `.backward()` on the result
 /// back-propagates the upstream gradient `grad` (same shape as `y`) through `y`'s graph.
 /// The value is a zero scalar (shape `()`, dtype of `y`); the gradient handed to `y` is `grad`
