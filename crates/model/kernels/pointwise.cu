@@ -86,16 +86,30 @@ EXPORT3(rms_norm_bwd,
          int rows_per_block, double eps),
         (x, w, g, dx, partial, rows, h, rows_per_block, eps))
 
-// Backward, stage 2: dw[j] = Σ_b partial[b, j], summed in block order b = 0, 1, ...
-// partial: [blocks, h]; dw: [h]. One thread per column.
+// Backward, stage 2: dw[j] = Σ_b partial[b, j]. partial: [blocks, h]; dw: [h]. Each block of
+// DW_THREADS threads owns DW_COLS consecutive columns: thread t handles column t % DW_COLS and
+// sums the partial rows b ≡ t / DW_COLS (mod DW_SLICES) in order; the DW_SLICES slice sums are
+// then added in slice order. A fixed order (bitwise reproducible), and ceil(h / 32) blocks
+// instead of one thread per column serially summing every partial (8 blocks at h = 2048).
+#define DW_COLS 32
+#define DW_SLICES 8
+#define DW_THREADS (DW_COLS * DW_SLICES)
 template <typename T>
 __device__ void rms_norm_dw_impl(const typename Acc<T>::type* partial, T* dw, int blocks, int h) {
   typedef typename Acc<T>::type A;
-  const u64 j = global_id();
-  if (j >= (u64)h) return;
+  __shared__ A sums[DW_SLICES][DW_COLS];
+  const int col = threadIdx.x % DW_COLS, slice = threadIdx.x / DW_COLS;
+  const long long j = (long long)blockIdx.x * DW_COLS + col;
   A s = 0;
-  for (int b = 0; b < blocks; ++b) s += partial[(size_t)b * h + j];
-  dw[j] = from_acc<T>(s);
+  if (j < h)
+    for (int b = slice; b < blocks; b += DW_SLICES) s += partial[(size_t)b * h + j];
+  sums[slice][col] = s;
+  __syncthreads();
+  if (slice == 0 && j < h) {
+    A t = 0;
+    for (int k = 0; k < DW_SLICES; ++k) t += sums[k][col];
+    dw[j] = from_acc<T>(t);
+  }
 }
 EXPORT3(rms_norm_dw, (const Acc<T>::type* partial, T* dw, int blocks, int h),
         (partial, dw, blocks, h))

@@ -338,9 +338,9 @@ impl Llama {
     /// Per-position next-token losses `[b * s]` from the last hidden states; identical on every
     /// tensor-parallel rank. The full logits are never gathered across ranks.
     pub fn losses(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        let logits = self.local_logits(x)?; // [b * s, v/tp]
         // The vocab-parallel loss is built from candle ops over f32 logits; the single-rank one
         // reads the model-dtype logits and sums in f32 (no f32 copy of the logits on a GPU).
+        let logits = self.local_logits(x)?; // [b * s, v/tp]
         let logits = if self.placement.tp.size() > 1 {
             logits.to_dtype(DType::F32)?
         } else {

@@ -72,7 +72,8 @@ template <typename T> void rms_norm(size_t rows, size_t h, bool forward, uint64_
                                 (int)rows, (int)h, (int)rpb, eps);
       }))
     return;
-  if (!run(format("rms_norm_dw_%s", type_name<T>()), elementwise(h), [&] {
+  // pointwise.rs `rms_norm_bwd` stage 2: grid(⌈h / DW_COLS⌉, DW_THREADS, 0).
+  if (!run(format("rms_norm_dw_%s", type_name<T>()), grid((h + DW_COLS - 1) / DW_COLS, DW_THREADS, 0), [&] {
         KERNEL(T, rms_norm_dw)(partial.data(), out.data() + rows * h, (int)blocks, (int)h);
       }))
     return;
@@ -244,6 +245,7 @@ template <typename T> void all(uint64_t seed) {
   rms_norm<T>(5, 64, true, seed + 2);      // h < ROW_THREADS: idle threads
   rms_norm<T>(1025, 4, false, seed + 3);   // > RMS_DW_BLOCKS rows: 2 rows per block, 513 partials
   rms_norm<T>(0, 5, true, seed + 4);       // no rows: dweight = 0 (stage 2 only)
+  rms_norm<T>(2100, 70, false, seed + 9); // 700 partials over 8 slices, h not a multiple of 32
   rope<T>(2, 5, 3, 12, seed + 5);
   swiglu<T>(1000, seed + 6);
   cross_entropy<T>(3, 1500, {}, seed + 7);      // v > CE_THREADS: strided

@@ -29,6 +29,11 @@ pub const CE_THREADS: u32 = 1024;
 /// backward; the partial buffer is `[blocks, h]` in the accumulation type.
 const RMS_DW_BLOCKS: usize = 1024;
 
+/// Columns per block and threads per block of `rms_norm_dw` (`DW_COLS`, `DW_THREADS` in
+/// `kernels/pointwise.cu`).
+const DW_COLS: usize = 32;
+const DW_THREADS: u32 = 256;
+
 /// Kernel `<base>_<dtype>` of the pointwise module (`op` names the op in errors).
 fn kernel(dev: &CudaDevice, op: &str, base: &str, dtype: DType) -> Result<CudaFunction> {
     load(dev, Module::Pointwise, &kernel_name(op, base, dtype)?)
@@ -128,9 +133,11 @@ pub fn rms_norm_bwd(
         let f = kernel(dev, OP, "rms_norm_dw", x.dtype())?;
         let mut b = stream.launch_builder(&f);
         b.arg(&partial).arg(&mut dw).arg(&blocks_i).arg(&h_i);
-        // SAFETY: matches `rms_norm_dw_<T>(const Acc*, T*, int, int)`; thread `j < h` reads
-        // column `j` of the `[blocks, h]` partials (all written by stage 1) and writes `dw[j]`.
-        unsafe { b.launch(elementwise(h)) }.w()?;
+        // SAFETY: matches `rms_norm_dw_<T>(const Acc*, T*, int, int)`; block `c` of
+        // ⌈h / 32⌉ (DW_THREADS = 256 threads, as the kernel requires) reads columns
+        // 32c..32c+32 (< h) of the `[blocks, h]` partials (all written by stage 1) and writes
+        // those of `dw`.
+        unsafe { b.launch(grid(h.div_ceil(DW_COLS), DW_THREADS, 0)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     })
 }
