@@ -11,7 +11,8 @@
 //! Every routed (token, slot) pair is computed: there is no capacity and nothing is dropped. The
 //! choice of experts is made on the host from the probabilities (it is discrete and takes no
 //! gradient); gradients reach the router through the selected probabilities (the routing weights)
-//! and the balancing losses. Each expert is one GEMM chain over its contiguous rows. The whole
+//! and the balancing losses. Each expert is one GEMM chain over its contiguous rows, cut from the
+//! grouped rows by a balanced tree of `narrow`s ([`split_rows`]). The whole
 //! layer is composed of differentiable ops (gather, index select, narrow, cat, the fused
 //! `linear`/`swiglu`), checked against finite differences and against a dense reference that runs
 //! every expert on every token with a top-k mask (`tests/moe.rs`).
@@ -157,6 +158,36 @@ pub fn expert_order(r: &Routing) -> Vec<u32> {
     order
 }
 
+/// Appends to `out` the rows of `x` of each expert (`counts[e]` consecutive rows each; `None`
+/// for an expert without rows), cut by halving the expert range recursively. The gradient of a
+/// `narrow` is a zero-padded tensor of its input's size, so cutting every expert straight from
+/// `x` would cost `E` full-size gradients in the backward; a balanced tree of cuts costs about
+/// two per level, `2·log₂ E` in all.
+fn split_rows(x: &Tensor, counts: &[usize], out: &mut Vec<Option<Tensor>>) -> Result<()> {
+    match counts {
+        [] => Ok(()),
+        [count] => {
+            out.push((*count > 0).then(|| x.clone()));
+            Ok(())
+        }
+        _ => {
+            let mid = counts.len() / 2;
+            let (left, right) = counts.split_at(mid);
+            let rows: usize = left.iter().sum();
+            for (part, start, len) in [(left, 0, rows), (right, rows, x.dim(0)? - rows)] {
+                if len == 0 {
+                    out.extend(part.iter().map(|_| None));
+                } else if len == x.dim(0)? {
+                    split_rows(x, part, out)?;
+                } else {
+                    split_rows(&x.narrow(0, start, len)?, part, out)?;
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
 /// Softmax over the last dimension of f32 `logits` `[n, E]` with its log-sum-exp `[n]`, both
 /// differentiable (the subtracted row maximum is a constant for autograd).
 fn softmax_lse(logits: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -225,15 +256,12 @@ pub fn forward(
     let x_perm = x.index_select(&Tensor::from_vec(tokens, n * k, dev)?, 0)?; // [n·k, h]
     let (x_local, dispatch) = ep.dispatch(&x_perm, &routing.counts)?; // [m, h]
     let mut outs = Vec::with_capacity(experts.len());
-    let mut start = 0;
-    for (ex, &count) in experts.iter().zip(&dispatch.counts) {
-        if count == 0 {
-            continue;
-        }
-        let xe = x_local.narrow(0, start, count)?; // [count, h]
+    let mut inputs = Vec::with_capacity(experts.len());
+    split_rows(&x_local, &dispatch.counts, &mut inputs)?;
+    for (ex, xe) in experts.iter().zip(inputs) {
+        let Some(xe) = xe else { continue }; // [count, h]
         let g = swiglu(&linear(&xe, &ex.w1)?, &linear(&xe, &ex.w3)?)?; // [count, f]
         outs.push(linear(&g, &ex.w2)?); // [count, h]
-        start += count;
     }
     // No local rows: the (empty) input stands in, so the backward still reaches the dispatch
     // and every member of the group takes part in its reverse all-to-all.
@@ -335,6 +363,36 @@ fn split_losses(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_are_split_by_expert_with_none_for_idle_experts() {
+        let x = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((6, 2))
+            .unwrap();
+        let mut parts = Vec::new();
+        split_rows(&x, &[3, 0, 2, 1, 0], &mut parts).unwrap();
+        let rows: Vec<Option<Vec<f32>>> = parts
+            .iter()
+            .map(|p| {
+                p.as_ref()
+                    .map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                Some(vec![0., 1., 2., 3., 4., 5.]),
+                None,
+                Some(vec![6., 7., 8., 9.]),
+                Some(vec![10., 11.]),
+                None
+            ]
+        );
+        let mut none = Vec::new();
+        split_rows(&x.narrow(0, 0, 0).unwrap(), &[0, 0, 0], &mut none).unwrap();
+        assert!(none.iter().all(Option::is_none) && none.len() == 3);
+    }
 
     #[test]
     fn top_k_is_stable_and_counts() {
