@@ -4,7 +4,7 @@
 //!    against the CPU in f64 on the same random inputs (normal draws, never zeros; attention with
 //!    head dims 32, 64 and 128, several tiles long, GQA groups 2, 4 and 8); the error is
 //!    `max |device − reference| / max |reference|` per output and per gradient. Head dim 64 with
-//!    8 query heads per KV head over 1024 positions and the 32000-id vocabulary are the 1B
+//!    8 query heads per KV head over 2048 positions and the 32000-id vocabulary are the 1B
 //!    recipes' shapes.
 //! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
 //!    device against the CPU kernels.
@@ -16,8 +16,8 @@
 //! 6. **A 1B decoder block.** One decoder block of the 1B recipes (hidden 2048, 32 query and 4 KV
 //!    heads of 64, intermediate 5632), forward and backward, in f32 and bf16 on the device against
 //!    the same block in f64 on the CPU with the same (device-rounded) weights and input: the
-//!    output, the input gradient and every weight gradient. Over 1024 positions on a GPU; over 128
-//!    on the CPU, where f64 time forces it (the only scaled dimension).
+//!    output, the input gradient and every weight gradient. Over the recipes' 2048 positions on a
+//!    GPU; over 128 on the CPU, where f64 time forces it (the only scaled dimension).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -152,13 +152,13 @@ fn op_cases() -> Result<Vec<OpCase>> {
             f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / (128f64).sqrt()),
         },
         // The 1B recipes' attention: head dim 64 (tensor-core kernels in bf16), 8 query heads per
-        // KV head, 16 tiles of 64 rows.
+        // KV head, their sequence of 2048 (32 tiles of 64 rows).
         OpCase {
-            name: "causal_attention d64 gqa8",
+            name: "causal_attention d64 gqa8 s2048",
             inputs: vec![
-                randn(&[1, 1024, 8, 64], 22)?,
-                randn(&[1, 1024, 1, 64], 23)?,
-                randn(&[1, 1024, 1, 64], 24)?,
+                randn(&[1, 2048, 8, 64], 22)?,
+                randn(&[1, 2048, 1, 64], 23)?,
+                randn(&[1, 2048, 1, 64], 24)?,
             ],
             grads: vec![0, 1, 2],
             f: |x| model::ops::causal_attention(&x[0], &x[1], &x[2], 1.0 / 8.0),
@@ -494,7 +494,7 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         checks.extend(check_nccl(&device)?);
     }
     checks.extend(check_training(kind, recipe)?);
-    let seq = if device.is_cuda() { 1024 } else { 128 };
+    let seq = if device.is_cuda() { 2048 } else { 128 };
     checks.extend(check_block(&device, seq)?);
     Ok(checks)
 }

@@ -45,7 +45,7 @@ fn cpu_selftest_passes_every_check() {
     // The 1B recipes' shapes: head dim 64 with 8 query heads per KV head, vocabulary 32000, and
     // their decoder block (128 positions on the CPU).
     for name in [
-        "causal_attention d64 gqa8 grad of input 1 BF16",
+        "causal_attention d64 gqa8 s2048 grad of input 1 BF16",
         "cross_entropy v32000 grad of input 0 BF16",
         "1B block s=128 grad of down_proj F32",
         "1B block s=128 grad of the input BF16",
