@@ -1,11 +1,11 @@
 //! `pretrain selftest`: checks a device end to end against references computed on the CPU.
 //!
-//! 1. **Ops.** Every op of the op library, forward and backward, in f32 and bf16 on the device,
-//!    against the CPU in f64 on the same random inputs (normal draws, never zeros; attention with
-//!    head dims 32, 64 and 128, several tiles long, GQA groups 2, 4 and 8); the error is
-//!    `max |device − reference| / max |reference|` per output and per gradient. Head dim 64 with
-//!    8 query heads per KV head over 2048 positions and the 32000-id vocabulary are the 1B
-//!    recipes' shapes.
+//! 1. **Ops.** Every op of the op library (the embedding's row sums included), forward and
+//!    backward, in f32 and bf16 on the device, against the CPU in f64 on the same random inputs
+//!    (normal draws, never zeros; attention with head dims 32, 64 and 128, several tiles long,
+//!    GQA groups 2, 4 and 8); the error is `max |device − reference| / max |reference|` per
+//!    output and per gradient. Head dim 64 with 8 query heads per KV head over 2048 positions
+//!    and the 32000-id vocabulary are the 1B recipes' shapes.
 //! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
 //!    device against the CPU kernels.
 //! 3. **bf16 training.** Steps of the tiny recipe in bf16 on the device against the same steps in
@@ -112,7 +112,16 @@ fn op_cases() -> Result<Vec<OpCase>> {
     let targets = Tensor::from_vec(targets, b * s, &Device::Cpu)?;
     let targets_v32k: Vec<u32> = (0..256).map(|i| ((i * 104_729) % 32_000) as u32).collect();
     let targets_v32k = Tensor::from_vec(targets_v32k, 256, &Device::Cpu)?;
+    // Token ids over a 3000-row table: 1024 positions, ids repeating (the backward sums them).
+    let tokens: Vec<u32> = (0..1024).map(|i| ((i * i * 31 + 7) % 997) as u32).collect();
+    let tokens = Tensor::from_vec(tokens, 1024, &Device::Cpu)?;
     Ok(vec![
+        OpCase {
+            name: "embedding",
+            inputs: vec![randn(&[3000, 256], 26)?, tokens],
+            grads: vec![0],
+            f: |x| model::ops::embedding(&x[0], &x[1]),
+        },
         OpCase {
             name: "rms_norm",
             inputs: vec![randn(&[b * s, h], 1)?, (randn(&[h], 2)? + 1.0)?],

@@ -239,3 +239,45 @@ EXPORT3(cross_entropy_bwd,
         (const T* logits, const unsigned* targets, const Acc<T>::type* loss_grad, T* d, int rows,
          int v),
         (logits, targets, loss_grad, d, rows, v))
+
+// ---------------------------------------------------------------------------------------------
+// Embedding backward: dw[id] = Σ_{i : ids[i] = id} grad[i], each row summed over its positions
+// in position order (deterministic; the CPU's index_add order). Stage 1 (embedding_mark) sets
+// used[id] = 1 for every id present, one thread per position (ids >= v are skipped; stores of
+// the same value need no atomics). Stage 2 (embedding_bwd) runs one block per vocabulary row:
+// an unused row is written as zeros; a used row scans the ids in order, each thread summing its
+// columns of the matching gradient rows in Acc<T>. Unlike a scatter-add over positions, no two
+// threads ever write the same element and the order never depends on scheduling.
+
+// ids: [n]; used: [v], zeroed by the caller. Any 1-D grid.
+extern "C" __global__ void embedding_mark(const unsigned* ids, unsigned* used, u64 n,
+                                          unsigned v) {
+  for (u64 i = global_id(); i < n; i += grid_stride()) {
+    const unsigned t = ids[i];
+    if (t < v) used[t] = 1u;
+  }
+}
+
+// grad: [n, h]; ids: [n]; used: [v]; dw: [v, h]. One block per row id < v (grid v).
+template <typename T>
+__device__ void embedding_bwd_impl(const T* grad, const unsigned* ids, const unsigned* used,
+                                   T* dw, u64 n, int h, int v) {
+  typedef typename Acc<T>::type A;
+  const int id = blockIdx.x;
+  if (id >= v) return;
+  T* out = dw + (size_t)id * h;
+  if (!used[id]) {
+    for (int j = threadIdx.x; j < h; j += blockDim.x) out[j] = from_acc<T>((A)0);
+    return;
+  }
+  for (int j0 = 0; j0 < h; j0 += blockDim.x) {  // one pass over the ids per blockDim columns
+    const int j = j0 + threadIdx.x;
+    A s = 0;
+    for (u64 i = 0; i < n; ++i)
+      if (ids[i] == (unsigned)id && j < h) s += to_acc(grad[i * h + j]);
+    if (j < h) out[j] = from_acc<T>(s);
+  }
+}
+EXPORT3(embedding_bwd,
+        (const T* grad, const unsigned* ids, const unsigned* used, T* dw, u64 n, int h, int v),
+        (grad, ids, used, dw, n, h, v))

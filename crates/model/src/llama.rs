@@ -221,7 +221,7 @@ impl Llama {
         let vocab = self.params.get(e).block.range(0); // this rank's vocabulary ids
         self.placement
             .tp
-            .embedding(tokens, &self.w(e)?, vocab.start)
+            .embedding(tokens, &self.w(e)?, vocab.start, ops::embedding)
     }
 
     /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism;

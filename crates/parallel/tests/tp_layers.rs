@@ -182,7 +182,8 @@ fn vocab_parallel_embedding_equals_the_plain_lookup() {
                 let tp = tp_of(comm, n, sp);
                 let rows = v / n;
                 let ws = Var::from_tensor(&rand(7, &[v, h]).narrow(0, rank * rows, rows)?)?;
-                let out = vocab_parallel_embedding(&ids, &ws, rank * rows, &tp)?;
+                let out =
+                    vocab_parallel_embedding(&ids, &ws, rank * rows, &tp, |w, i| w.embedding(i))?;
                 let (e_ref, r_ref) = if sp {
                     let s = 4 / n;
                     (e.narrow(1, rank * s, s)?, r.narrow(1, rank * s, s)?)
@@ -252,7 +253,7 @@ fn ids_outside_the_vocabulary_are_errors_not_zeros() {
         let tp = tp_of(comm.clone(), 2, false);
         let w = rand(11, &[4, 3]); // this rank's 4 of 8 rows
         let ids = Tensor::new(&[[1u32, 8]], &Device::Cpu)?;
-        let e = vocab_parallel_embedding(&ids, &w, rank * 4, &tp)
+        let e = vocab_parallel_embedding(&ids, &w, rank * 4, &tp, |w, i| w.embedding(i))
             .unwrap_err()
             .to_string();
         assert!(

@@ -1,6 +1,6 @@
 // Emulation driver of kernels/pointwise.cu: runs every exported kernel (rms_norm_fwd,
 // rms_norm_bwd + rms_norm_dw, rope forward and inverse, swiglu_fwd, swiglu_bwd, cross_entropy_fwd,
-// cross_entropy_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
+// cross_entropy_bwd, embedding_mark + embedding_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
 // src/ops/cuda/pointwise.rs, and compares the results with double-precision references.
 #include "shim.h"
 // The kernels under test, unchanged.
@@ -240,6 +240,38 @@ void cross_entropy(size_t rows, size_t v, const std::vector<size_t>& bad, uint64
   if (!bad.empty()) expect(poisoned, "cross_entropy_bwd " + tag + " makes bad rows NaN");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Embedding backward: dw[id] = Σ_{i : ids[i] = id} grad[i] over a [v, h] table; ids repeat, one
+// is out of range (skipped), most rows are unused (zeros, written over a NaN fill).
+template <typename T> void embedding(size_t n, size_t v, size_t h, uint64_t seed) {
+  Rng rng(seed);
+  Buffer<T> grad(n * h, "grad");
+  fill_normal(grad, rng);
+  Buffer<unsigned> ids(n, "ids");
+  for (size_t i = 0; i < n; ++i) ids[i] = (unsigned)(rng.next() % (v / 3 + 1));  // repeats
+  ids[n / 2] = (unsigned)(v + 3);                                                  // skipped
+  std::vector<double> rdw(v * h, 0.0);
+  for (size_t i = 0; i < n; ++i)
+    if (ids[i] < v)
+      for (size_t j = 0; j < h; ++j) rdw[ids[i] * h + j] += tod(grad[i * h + j]);
+  const std::string tag = format("%s n=%zu v=%zu h=%zu", type_name<T>(), n, v, h);
+  // pointwise.rs `embedding_bwd`: used = zeros(v); embedding_mark on elementwise(n); then
+  // embedding_bwd on grid(v, min(1024, h rounded up to 32), 0).
+  Buffer<unsigned> used(v, "used");
+  for (size_t i = 0; i < v; ++i) used[i] = 0;
+  if (!run("embedding_mark", elementwise(n),
+           [&] { embedding_mark(ids.data(), used.data(), (u64)n, (unsigned)v); }))
+    return;
+  Buffer<T> dw(v * h, "dw");
+  const unsigned threads = (unsigned)std::min<size_t>(1024, (h + 31) / 32 * 32);
+  if (!run(format("embedding_bwd_%s", type_name<T>()), grid(v, threads, 0), [&] {
+        KERNEL(T, embedding_bwd)(grad.data(), ids.data(), used.data(), dw.data(), (u64)n, (int)h,
+                                 (int)v);
+      }))
+    return;
+  compare("embedding_bwd " + tag + " dw", read(dw), rdw, tol<T>());
+}
+
 template <typename T> void all(uint64_t seed) {
   rms_norm<T>(3, 300, true, seed + 1);     // h > ROW_THREADS: strided columns
   rms_norm<T>(5, 64, true, seed + 2);      // h < ROW_THREADS: idle threads
@@ -250,6 +282,8 @@ template <typename T> void all(uint64_t seed) {
   swiglu<T>(1000, seed + 6);
   cross_entropy<T>(3, 1500, {}, seed + 7);      // v > CE_THREADS: strided
   cross_entropy<T>(5, 37, {1, 3}, seed + 8);    // v < CE_THREADS, two bad targets
+  embedding<T>(50, 37, 300, seed + 10);         // one column pass per id
+  embedding<T>(20, 9, 1500, seed + 11);         // h > 1024: two passes
 }
 
 }  // namespace

@@ -24,6 +24,7 @@ mod attention;
 mod attention_bwd;
 mod common;
 mod cross_entropy;
+mod embedding;
 mod grad_inject;
 mod linear;
 mod rms_norm;
@@ -109,6 +110,12 @@ pub fn attention_block_bwd(
 /// SwiGLU: `silu(gate) * up`, elementwise, same shapes and dtypes. Backward gives `d gate` and `d up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     swiglu::swiglu(gate, up)
+}
+
+/// Rows of `w` `[v, h]` for `ids` (u32, any shape of `n` elements): `[n, h]`. Backward: the
+/// gradient rows summed per id in position order (deterministic; our own kernel on CUDA).
+pub fn embedding(w: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    embedding::embedding(w, ids)
 }
 
 /// Per-row cross-entropy: `logits` `[n, v]` (float), `targets` `[n]` (u32); returns `[n]` losses

@@ -8,17 +8,20 @@ use candle_core::{Result, Tensor};
 use super::TensorParallel;
 
 /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence parallelism)
-/// from this rank's rows `w` `[v/tp, h]` starting at vocabulary id `vocab_start`.
+/// from this rank's rows `w` `[v/tp, h]` starting at vocabulary id `vocab_start`, with
+/// `lookup(table, ids)` the differentiable row gather (`[n, h]` for `n` u32 ids).
 pub fn vocab_parallel_embedding(
     ids: &Tensor,
     w: &Tensor,
     vocab_start: usize,
     tp: &TensorParallel,
+    lookup: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (b, s) = ids.dims2()?;
     let (local_v, h) = w.dims2()?;
     if tp.size() == 1 {
-        return w.embedding(&ids.flatten_all()?)?.reshape((b, s, h));
+        return lookup(w, &ids.flatten_all()?.to_dtype(candle_core::DType::U32)?)?
+            .reshape((b, s, h));
     }
     let (local, mask) = super::local_vocab_ids(
         ids,
@@ -28,8 +31,7 @@ pub fn vocab_parallel_embedding(
         "vocab-parallel embedding: token id",
     )?; // [b·s], [b·s]
     let mask = mask.reshape((b * s, 1))?.to_dtype(w.dtype())?;
-    let e = w
-        .embedding(&local)?
+    let e = lookup(w, &local)?
         .broadcast_mul(&mask)?
         .reshape((b, s, h))?; // [b, s, h] partial
     tp.exit(&e)

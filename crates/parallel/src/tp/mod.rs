@@ -111,9 +111,15 @@ impl TensorParallel {
 
     /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence
     /// parallelism) from this rank's embedding rows `w` `[v / tp, h]`, which start at vocabulary
-    /// id `vocab_start` (see [`vocab_parallel_embedding`]).
-    pub fn embedding(&self, ids: &Tensor, w: &Tensor, vocab_start: usize) -> Result<Tensor> {
-        vocab_parallel_embedding(ids, w, vocab_start, self)
+    /// id `vocab_start`, gathered by `lookup` (see [`vocab_parallel_embedding`]).
+    pub fn embedding(
+        &self,
+        ids: &Tensor,
+        w: &Tensor,
+        vocab_start: usize,
+        lookup: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        vocab_parallel_embedding(ids, w, vocab_start, self, lookup)
     }
 
     /// Per-row losses `[n]` from this rank's logits `[n, v / tp]` (f32), which cover vocabulary

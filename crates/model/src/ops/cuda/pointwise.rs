@@ -17,7 +17,9 @@ use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
-use super::{alloc, elementwise, grid, kernel_name, load, to_i32, view, KernelFloat, Module};
+use super::{
+    alloc, elementwise, grid, kernel_name, load, to_i32, view, zeros, KernelFloat, Module,
+};
 
 /// Threads per block of the RMSNorm row kernels.
 pub const ROW_THREADS: u32 = 256;
@@ -336,5 +338,55 @@ pub fn cross_entropy_bwd(
             unsafe { b.launch(grid(n, CE_THREADS, 0)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
+    })
+}
+
+/// Embedding backward for a `[v, h]` table: `grad` `[n, h]` and `ids` `[n]` u32 give `dw`
+/// `[v, h]`, each row the sum of its positions' gradient rows in position order (two kernels:
+/// `embedding_mark`, `embedding_bwd`; see `kernels/pointwise.cu`). Ids `>= v` contribute nothing.
+pub fn embedding_bwd(
+    grad: &CudaStorage,
+    gl: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    v: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "embedding";
+    let dev = grad.device();
+    let n = il.shape().elem_count();
+    let h = *gl.dims().last().unwrap_or(&0);
+    check_len(OP, "grad", gl.shape().elem_count(), n * h)?;
+    let (h_i, v_i, v_u) = (
+        to_i32(OP, "h", h)?,
+        to_i32(OP, "vocabulary", v)?,
+        u32::try_from(v).unwrap_or(u32::MAX),
+    );
+    let n_u = n as u64;
+    let iv = view::<u32>(OP, "ids", ids, il)?; // [n]
+    let mut used = zeros::<u32>(dev, v)?; // [v]
+    let stream = dev.cuda_stream();
+    if n > 0 && v > 0 {
+        let f = load(dev, Module::Pointwise, "embedding_mark")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&iv).arg(&mut used).arg(&n_u).arg(&v_u);
+        // SAFETY: matches `embedding_mark(const unsigned*, unsigned*, u64, unsigned)`; reads
+        // ids[i < n], writes used[id] only for id < v.
+        unsafe { b.launch(elementwise(n)) }.w()?;
+    }
+    crate::with_cuda_dtype!(OP, grad.dtype(), T => {
+        let gv = view::<T>(OP, "grad", grad, gl)?; // [n, h]
+        // SAFETY: block `id < v` writes row `id` of dw (all h columns).
+        let mut dw = unsafe { alloc::<T>(dev, v * h) }?; // [v, h]
+        if v > 0 && h > 0 {
+            let f = kernel(dev, OP, "embedding_bwd", grad.dtype())?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&gv).arg(&iv).arg(&used).arg(&mut dw).arg(&n_u).arg(&h_i).arg(&v_i);
+            let threads = h.next_multiple_of(32).min(1024) as u32;
+            // SAFETY: matches `embedding_bwd_<T>(const T*, const unsigned*, const unsigned*, T*,
+            // u64, int, int)`; block `id < v` reads ids[0..n], used[id] and, for matching
+            // positions i, grad[i, 0..h], and writes dw[id, 0..h].
+            unsafe { b.launch(grid(v, threads, 0)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(dw, dev.clone()))
     })
 }
