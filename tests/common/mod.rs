@@ -91,3 +91,30 @@ pub fn assert_equivalent(layout: &str, d: Distance) {
         "{layout}: weights differ by {mean:.2e} on average"
     );
 }
+
+/// The tiny recipe as a mixture of experts: 4 experts of width 192, top-2, both router losses on.
+pub const MOE: &str = "model.num_local_experts=4,model.num_experts_per_tok=2,model.intermediate_size=192,model.router_z_loss_coef=0.001";
+
+/// Where a layout's reported routing (each step's load-balancing loss and busiest expert)
+/// differs from the base run's by more than 1e-6 relative.
+pub fn routing_differences(
+    layout: &str,
+    base: &pretrain::train::RunOutput,
+    other: &pretrain::train::RunOutput,
+) -> Vec<String> {
+    let routing = |r: &pretrain::train::RunOutput| -> Vec<(f64, f64)> {
+        r.records
+            .iter()
+            .map(|s| {
+                let m = s.moe.as_ref().expect("a MoE step reports its routing");
+                (m.load_balancing, m.max_over_mean)
+            })
+            .collect()
+    };
+    routing(base)
+        .into_iter()
+        .zip(routing(other))
+        .filter(|((a, b), (c, e))| (a - c).abs() > 1e-6 * a || (b - e).abs() > 1e-6 * b)
+        .map(|((a, b), (c, e))| format!("{layout}: routing {a} {b} vs {c} {e}"))
+        .collect()
+}
