@@ -401,6 +401,7 @@ fn block_config(seq: usize) -> model::LlamaConfig {
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
         router_bias_update_rate: None,
+        moe_expert_capacity_factor: None,
     }
 }
 

@@ -208,3 +208,34 @@ fn expert_bias_balances_without_an_auxiliary_loss() {
         "{e:#}"
     );
 }
+
+/// An expert capacity in training: pairs are dropped (reported per step) and the layouts that
+/// route the same tokens per micro-batch — data, expert and pipeline parallelism, tensor
+/// parallelism without sequence parallelism — still train on the single rank's curve.
+#[test]
+fn expert_capacity_drops_alike_on_every_layout() {
+    let capacity = format!("{MOE},model.moe_expert_capacity_factor=1.0");
+    let base = common::run(&capacity);
+    let dropped: Vec<f64> = base
+        .records
+        .iter()
+        .map(|r| r.moe.as_ref().unwrap().dropped.unwrap())
+        .collect();
+    assert!(dropped.iter().all(|&d| d > 0.0 && d < 0.5), "{dropped:?}");
+    for layout in [
+        "parallel.dp=2,parallel.ep=2,parallel.pp=2,parallel.zero=1",
+        "parallel.tp=2",
+    ] {
+        let set = format!("{capacity},{layout}");
+        let other = common::run(&set);
+        common::assert_equivalent(&set, common::compare(&set, &base, &other));
+        let routing = routing_differences(layout, &base, &other);
+        assert!(routing.is_empty(), "{routing:#?}");
+        let d: Vec<f64> = other
+            .records
+            .iter()
+            .map(|r| r.moe.as_ref().unwrap().dropped.unwrap())
+            .collect();
+        assert_eq!(d, dropped, "{layout}");
+    }
+}

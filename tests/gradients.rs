@@ -39,6 +39,7 @@ fn config(tied: bool) -> LlamaConfig {
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
         router_bias_update_rate: None,
+        moe_expert_capacity_factor: None,
     }
 }
 

@@ -26,6 +26,7 @@ fn config(norm_topk_prob: bool) -> MoeConfig {
         expert_size: F,
         dense_layers: vec![],
         bias_update_rate: 0.0,
+        capacity_factor: None,
     }
 }
 
@@ -91,8 +92,12 @@ fn objective(v: &[Tensor], cfg: &MoeConfig) -> Tensor {
 
 #[test]
 fn gradients_match_finite_differences() {
-    for norm in [true, false] {
-        let cfg = config(norm);
+    // Renormalised or not, and with a capacity of 3 pairs per expert (of 6 on average).
+    for (norm, capacity) in [(true, None), (false, None), (true, Some(0.5))] {
+        let cfg = MoeConfig {
+            capacity_factor: capacity,
+            ..config(norm)
+        };
         let vars = inputs();
         let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let grads = objective(&tensors, &cfg).backward().unwrap();
@@ -122,12 +127,13 @@ fn gradients_match_finite_differences() {
                 worst = worst.max(err);
                 assert!(
                     err < 1e-6,
-                    "norm_topk_prob={norm} input {i} element {j}: finite difference {numeric}, autograd {}",
+                    "norm_topk_prob={norm} capacity {capacity:?} input {i} element {j}: finite \
+                     difference {numeric}, autograd {}",
                     analytic[j]
                 );
             }
         }
-        eprintln!("norm_topk_prob={norm}: worst relative gradient error {worst:.2e}");
+        eprintln!("norm_topk_prob={norm} capacity {capacity:?}: worst gradient error {worst:.2e}");
     }
 }
 
@@ -217,6 +223,46 @@ fn equals_the_dense_masked_reference() {
             );
         }
     }
+}
+
+/// An expert capacity drops each expert's least probable pairs beyond it (they contribute
+/// nothing, as in a dense reference without them); a capacity above every expert's load changes
+/// nothing at all.
+#[test]
+fn capacity_drops_the_least_probable_pairs() {
+    let t: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
+    let run = |capacity: Option<f64>| {
+        let cfg = MoeConfig {
+            capacity_factor: capacity,
+            ..config(true)
+        };
+        let router = Router::plain(&t[1]);
+        let single = ExpertParallel::single();
+        moe::forward(&t[0], &router, &experts(&t), &single, None, &cfg, 0).unwrap()
+    };
+    let (free, roomy, tight) = (run(None), run(Some(4.0)), run(Some(0.5)));
+    assert_eq!(diff(&roomy.y, &free.y), 0.0);
+    assert_eq!((free.stats.dropped, roomy.stats.dropped), (0, 0));
+    // Capacity ceil(0.5 · 24 / 4) = 3 per expert.
+    let loads = &free.stats.tokens_per_expert;
+    let want: u64 = loads.iter().map(|&c| c.saturating_sub(3)).sum();
+    assert!(want > 0, "{loads:?}: the case drops nothing");
+    assert_eq!(tight.stats.dropped, want);
+    assert_eq!(
+        tight.stats.tokens_per_expert, *loads,
+        "loads are counted before the capacity"
+    );
+    // Tokens whose pairs were all kept have the dropless output; some token changed.
+    let changed = (&tight.y - &free.y)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum(1)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    assert!(changed.iter().any(|&c| c > 0.0));
+    assert!(changed.iter().filter(|&&c| c == 0.0).count() > 0);
 }
 
 /// The layer in f32 and bf16 follows the f64 layer (same routing on these inputs).
@@ -361,6 +407,18 @@ fn bad_moe_settings_are_refused_by_name() {
             "expert parallelism runs without hybrid sharding",
         ),
         ("model.num_local_experts=4,parallel.ep=0", "parallel.ep must be at least 1"),
+        (
+            "model.num_local_experts=4,model.moe_expert_capacity_factor=0",
+            "model.moe_expert_capacity_factor (0) must be a number > 0",
+        ),
+        (
+            "model.num_local_experts=4,model.moe_expert_capacity_factor=1.5,parallel.tp=2,parallel.sequence_parallel=true",
+            "model.moe_expert_capacity_factor with parallel.sequence_parallel",
+        ),
+        (
+            "model.moe_expert_capacity_factor=1.5",
+            "model.moe_expert_capacity_factor is a mixture-of-experts setting",
+        ),
     ];
     for (set, want) in cases {
         let e = pretrain::recipe::load(

@@ -43,6 +43,7 @@ fn config() -> LlamaConfig {
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
         router_bias_update_rate: None,
+        moe_expert_capacity_factor: None,
     }
 }
 

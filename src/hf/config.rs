@@ -138,6 +138,7 @@ fn parse(v: &Value) -> Result<HfModel> {
         moe_intermediate_size: None,
         mlp_only_layers: Vec::new(),
         router_bias_update_rate: None,
+        moe_expert_capacity_factor: None,
     };
     if mixtral {
         // Mixtral: every layer a sparse MoE block, softmax top-k routing renormalised.

@@ -230,6 +230,14 @@ impl Recipe {
                 par.cp
             ));
         }
+        if self.model.moe_expert_capacity_factor.is_some() && par.sequence_parallel && par.tp > 1 {
+            p.push(
+                "model.moe_expert_capacity_factor with parallel.sequence_parallel: each \
+                 tensor-parallel rank routes its share of the sequence, and a capacity over a \
+                 share would drop other tokens than over the micro-batch; turn one of them off"
+                    .into(),
+            );
+        }
         if par.ep <= 1 {
             return;
         }

@@ -363,6 +363,10 @@ impl Trainer {
                     let bias = m
                         .bias_max_abs
                         .map_or(String::new(), |b| format!(" |bias|<={b:.4}"));
+                    let bias = match m.dropped {
+                        Some(d) => format!("{bias} dropped={:.2}%", 100.0 * d),
+                        None => bias,
+                    };
                     format!(
                         " moe_lb={:.3} moe_z={:.3} max/mean={:.2}{bias}",
                         m.load_balancing, m.z_loss, m.max_over_mean

@@ -25,6 +25,9 @@ pub struct LayerRouting {
     pub max_over_mean: f64,
     /// Tokens of the idlest expert over the mean (0: an expert got no token in the step).
     pub min_over_mean: f64,
+    /// With an expert capacity: the share of routed `(token, slot)` pairs it dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropped: Option<f64>,
     /// Tokens routed to each expert over the step on all ranks (times the forwards recorded
     /// per micro-batch: 2 under recompute); not written to the metrics.
     #[serde(skip)]
@@ -40,6 +43,9 @@ pub struct StepRouting {
     pub z_loss: f64,
     /// The largest `max_over_mean` of the layers.
     pub max_over_mean: f64,
+    /// With an expert capacity: the mean over layers of the share of pairs dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropped: Option<f64>,
     /// Each MoE layer.
     pub layers: Vec<LayerRouting>,
     /// With auxiliary-loss-free balancing: the largest expert selection bias (in magnitude)
@@ -61,7 +67,7 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
         .filter(|&l| c.is_moe_layer(l))
         .collect();
     let e = moe.num_experts;
-    let width = 3 + e; // forwards, Σ load balancing, Σ z-loss, tokens per expert
+    let width = 4 + e; // forwards, Σ load balancing, Σ z-loss, dropped, tokens per expert
     let mut sums = vec![0f64; layers.len() * width];
     for s in model.take_moe_stats() {
         let Some(at) = layers.iter().position(|&l| l == s.layer) else {
@@ -71,7 +77,8 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
         row[0] += 1.0;
         row[1] += s.load_balancing;
         row[2] += s.z_loss;
-        for (dst, &n) in row[3..].iter_mut().zip(&s.tokens_per_expert) {
+        row[3] += s.dropped as f64;
+        for (dst, &n) in row[4..].iter_mut().zip(&s.tokens_per_expert) {
             *dst += n as f64;
         }
     }
@@ -86,7 +93,8 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
         .zip(sums.chunks_exact(width))
         .map(|(&layer, row)| {
             let forwards = row[0].max(1.0);
-            let tokens = &row[3..];
+            let tokens = &row[4..];
+            let routed = tokens.iter().sum::<f64>();
             let mean = tokens.iter().sum::<f64>() / e as f64;
             let (max, min) = tokens
                 .iter()
@@ -98,6 +106,9 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
                 z_loss: row[2] / forwards,
                 max_over_mean: ratio(max),
                 min_over_mean: ratio(min),
+                dropped: moe
+                    .capacity_factor
+                    .map(|_| if routed > 0.0 { row[3] / routed } else { 0.0 }),
                 tokens_per_expert: tokens.to_vec(),
             }
         })
@@ -107,6 +118,9 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
         load_balancing: rows.iter().map(|r| r.load_balancing).sum::<f64>() / n,
         z_loss: rows.iter().map(|r| r.z_loss).sum::<f64>() / n,
         max_over_mean: rows.iter().map(|r| r.max_over_mean).fold(0.0, f64::max),
+        dropped: moe
+            .capacity_factor
+            .map(|_| rows.iter().filter_map(|r| r.dropped).sum::<f64>() / n),
         layers: rows,
         bias_max_abs: None,
     }))
@@ -148,12 +162,14 @@ mod tests {
             z_loss: 0.0,
             max_over_mean: 0.0,
             min_over_mean: 0.0,
+            dropped: None,
             tokens_per_expert: loads.to_vec(),
         };
         let step = StepRouting {
             load_balancing: 0.0,
             z_loss: 0.0,
             max_over_mean: 0.0,
+            dropped: None,
             layers: vec![
                 layer(1, &[6.0, 2.0, 4.0, 4.0]),
                 layer(3, &[0.0, 8.0, 4.0, 4.0]),

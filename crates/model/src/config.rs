@@ -95,6 +95,12 @@ pub struct LlamaConfig {
     /// 0 (off); DeepSeek-V3 used 0.001. Combine with a small or zero `router_aux_loss_coef`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_bias_update_rate: Option<f64>,
+    /// Expert capacity in training (Megatron's `moe_expert_capacity_factor`): each expert takes
+    /// at most `ceil(factor · n · k / E)` of the `n` tokens a rank routes per micro-batch, keeping
+    /// those with the highest routing probability; a dropped (token, slot) pair contributes
+    /// nothing. Absent: dropless (Mixtral). Evaluation and exports are always dropless.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_expert_capacity_factor: Option<f64>,
 }
 
 /// One token id or several (Llama 3 lists three end-of-sequence ids).
@@ -427,6 +433,7 @@ mod tests {
             moe_intermediate_size: None,
             mlp_only_layers: Vec::new(),
             router_bias_update_rate: None,
+            moe_expert_capacity_factor: None,
         }
     }
 

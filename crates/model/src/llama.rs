@@ -274,7 +274,10 @@ impl Llama {
                 x + tp.exit(&linear(&g, &self.w(*down_proj)?)?)?
             }
             MlpParams::Moe(m) => {
-                let cfg = c.moe().ok_or_else(|| self.missing("MoE configuration"))?;
+                let mut cfg = c.moe().ok_or_else(|| self.missing("MoE configuration"))?;
+                if aux_scale.is_none() {
+                    cfg.capacity_factor = None; // evaluation is dropless
+                }
                 let experts = m
                     .experts
                     .iter()

@@ -8,7 +8,10 @@
 //!      un-permute to (token, slot) order, weight, sum over the k slots  ──> y [n, h]
 //! ```
 //!
-//! Every routed (token, slot) pair is computed: there is no capacity and nothing is dropped. The
+//! Every routed (token, slot) pair is computed (dropless, Mixtral's way) unless an expert capacity
+//! is set (`moe_expert_capacity_factor`, training only): then each expert keeps at most
+//! `ceil(factor · n · k / E)` pairs, those with the highest probability, and a dropped pair
+//! contributes nothing (its row reads an appended zero row when un-permuted). The
 //! choice of experts is made on the host from the probabilities (it is discrete and takes no
 //! gradient); gradients reach the router through the selected probabilities (the routing weights)
 //! and the balancing losses. Each expert is one GEMM chain over its contiguous rows, cut from the
@@ -53,8 +56,10 @@ pub struct LayerStats {
     pub load_balancing: f64,
     /// The router z-loss (unweighted).
     pub z_loss: f64,
-    /// Tokens routed to each expert (all `E`; they sum to `n · k`).
+    /// Tokens routed to each expert (all `E`; they sum to `n · k`), before any capacity.
     pub tokens_per_expert: Vec<u64>,
+    /// `(token, slot)` pairs the expert capacity dropped.
+    pub dropped: u64,
 }
 
 /// The layer's output.
@@ -141,8 +146,12 @@ pub fn route(probs: &[f32], bias: Option<&[f32]>, e: usize, k: usize) -> Routing
 /// The order of the `(token, slot)` pairs grouped by expert (stable within an expert):
 /// `order[i]` is the pair at permuted row `i`.
 pub fn expert_order(r: &Routing) -> Vec<u32> {
-    let mut next: Vec<usize> = r
-        .counts
+    expert_order_of(&r.experts, &r.counts, None)
+}
+
+/// [`expert_order`] of the pairs `kept` (all without), `counts` being the kept pairs per expert.
+fn expert_order_of(experts: &[u32], counts: &[usize], kept: Option<&[bool]>) -> Vec<u32> {
+    let mut next: Vec<usize> = counts
         .iter()
         .scan(0, |at, &c| {
             let start = *at;
@@ -150,12 +159,41 @@ pub fn expert_order(r: &Routing) -> Vec<u32> {
             Some(start)
         })
         .collect();
-    let mut order = vec![0u32; r.experts.len()];
-    for (pair, &e) in r.experts.iter().enumerate() {
+    let mut order = vec![0u32; counts.iter().sum()];
+    for (pair, &e) in experts.iter().enumerate() {
+        if kept.is_some_and(|k| !k[pair]) {
+            continue;
+        }
         order[next[e as usize]] = pair as u32;
         next[e as usize] += 1;
     }
     order
+}
+
+/// Expert capacity: which `(token, slot)` pairs of `r` each expert keeps when it takes at most
+/// `capacity` of them — those with the highest probability (`probs` `[n, e]`, row-major; ties
+/// to the lower pair) — and the kept pairs per expert.
+pub fn apply_capacity(
+    r: &Routing,
+    probs: &[f32],
+    e: usize,
+    k: usize,
+    capacity: usize,
+) -> (Vec<bool>, Vec<usize>) {
+    let mut kept = vec![true; r.experts.len()];
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); e];
+    for (pair, &x) in r.experts.iter().enumerate() {
+        by_expert[x as usize].push(pair);
+    }
+    let prob = |pair: usize| probs[pair / k * e + r.experts[pair] as usize];
+    for pairs in by_expert.iter_mut().filter(|p| p.len() > capacity) {
+        pairs.sort_by(|&a, &b| prob(b).total_cmp(&prob(a)).then(a.cmp(&b)));
+        for &dropped in &pairs[capacity..] {
+            kept[dropped] = false;
+        }
+    }
+    let counts = by_expert.iter().map(|p| p.len().min(capacity)).collect();
+    (kept, counts)
 }
 
 /// Appends to `out` the rows of `x` of each expert (`counts[e]` consecutive rows each; `None`
@@ -249,12 +287,23 @@ pub fn forward(
         weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
     }
 
+    // With a capacity, each expert keeps its most probable pairs; the others are dropped.
+    let (kept, counts) = match cfg.capacity_factor {
+        Some(factor) => {
+            let capacity = (factor * (n * k) as f64 / e as f64).ceil() as usize;
+            let (kept, counts) = apply_capacity(&routing, &host, e, k, capacity);
+            (Some(kept), counts)
+        }
+        None => (None, routing.counts.clone()),
+    };
+
     // Rows grouped by expert, sent to the ranks holding their experts (no-op without expert
     // parallelism), each local expert over its contiguous rows, and back.
-    let order = expert_order(&routing);
+    let order = expert_order_of(&routing.experts, &counts, kept.as_deref());
+    let rows = order.len(); // n·k, less what the capacity dropped
     let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
-    let x_perm = x.index_select(&Tensor::from_vec(tokens, n * k, dev)?, 0)?; // [n·k, h]
-    let (x_local, dispatch) = ep.dispatch(&x_perm, &routing.counts)?; // [m, h]
+    let x_perm = x.index_select(&Tensor::from_vec(tokens, rows, dev)?, 0)?; // [rows, h]
+    let (x_local, dispatch) = ep.dispatch(&x_perm, &counts)?; // [m, h]
     let mut outs = Vec::with_capacity(experts.len());
     let mut inputs = Vec::with_capacity(experts.len());
     split_rows(&x_local, &dispatch.counts, &mut inputs)?;
@@ -270,12 +319,17 @@ pub fn forward(
     } else {
         Tensor::cat(&outs, 0)?
     }; // [m, h]
-    let y_perm = ep.combine(&y_local, &dispatch)?; // [n·k, h]
+    let mut y_perm = ep.combine(&y_local, &dispatch)?; // [rows, h]
 
-    // Back to (token, slot) order, weighted, summed over the slots.
-    let mut inverse = vec![0u32; n * k];
+    // Back to (token, slot) order (a dropped pair reads an appended zero row), weighted, summed
+    // over the slots.
+    let mut inverse = vec![rows as u32; n * k];
     for (row, &pair) in order.iter().enumerate() {
         inverse[pair as usize] = row as u32;
+    }
+    if rows < n * k {
+        let zero = Tensor::zeros((1, h), y_perm.dtype(), dev)?;
+        y_perm = Tensor::cat(&[&y_perm, &zero], 0)?; // [rows + 1, h]
     }
     let y = y_perm
         .index_select(&Tensor::from_vec(inverse, n * k, dev)?, 0)?
@@ -285,7 +339,7 @@ pub fn forward(
         .sum(1)?; // [n, h]
 
     // Balancing losses.
-    let (load_balancing, z_loss, stats) = match split {
+    let (load_balancing, z_loss, mut stats) = match split {
         None => {
             let share: Vec<f64> = routing
                 .counts
@@ -300,11 +354,13 @@ pub fn forward(
                 load_balancing: load_balancing.to_dtype(DType::F64)?.to_scalar::<f64>()?,
                 z_loss: z_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
                 tokens_per_expert: routing.counts.iter().map(|&c| c as u64).collect(),
+                dropped: 0,
             };
             (load_balancing, z_loss, stats)
         }
         Some(group) => split_losses(group, &probs, &lse, &routing.counts, layer)?,
     };
+    stats.dropped = (n * k - rows) as u64;
     let aux_loss = ((&load_balancing * cfg.aux_loss_coef)? + (&z_loss * cfg.z_loss_coef)?)?;
     Ok(MoeOutput { y, aux_loss, stats })
 }
@@ -353,6 +409,7 @@ fn split_losses(
             / tokens,
         z_loss: all[2 * e] / tokens,
         tokens_per_expert: all[..e].iter().map(|&c| c as u64).collect(),
+        dropped: 0,
     };
     let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
     let load_balancing = ((p_sum * share)?.sum_all()? * (e as f64 / tokens))?;
@@ -363,6 +420,20 @@ fn split_losses(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_keeps_each_experts_most_probable_pairs() {
+        // Four tokens, top-1 over two experts: expert 0 is chosen three times.
+        let probs = [0.9, 0.1, 0.6, 0.4, 0.6, 0.4, 0.2, 0.8];
+        let r = route(&probs, None, 2, 1);
+        assert_eq!(r.experts, vec![0, 0, 0, 1]);
+        let (kept, counts) = apply_capacity(&r, &probs, 2, 1, 2);
+        // Expert 0 keeps 0.9 and the first of the tied 0.6s.
+        assert_eq!(kept, vec![true, true, false, true]);
+        assert_eq!(counts, vec![2, 1]);
+        let order = expert_order_of(&r.experts, &counts, Some(&kept));
+        assert_eq!(order, vec![0, 1, 3]);
+    }
 
     #[test]
     fn rows_are_split_by_expert_with_none_for_idle_experts() {

@@ -23,6 +23,8 @@ pub struct MoeConfig {
     pub dense_layers: Vec<usize>,
     /// Step size of the per-expert selection bias (0: no bias).
     pub bias_update_rate: f64,
+    /// Expert capacity factor (`None`: dropless).
+    pub capacity_factor: Option<f64>,
 }
 
 impl LlamaConfig {
@@ -38,6 +40,7 @@ impl LlamaConfig {
             expert_size: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
             dense_layers: self.mlp_only_layers.clone(),
             bias_update_rate: self.router_bias_update_rate.unwrap_or(0.0),
+            capacity_factor: self.moe_expert_capacity_factor,
         })
     }
 
@@ -79,6 +82,10 @@ impl LlamaConfig {
                     "router_bias_update_rate",
                     self.router_bias_update_rate.is_some(),
                 ),
+                (
+                    "moe_expert_capacity_factor",
+                    self.moe_expert_capacity_factor.is_some(),
+                ),
             ];
             return match set.iter().find(|(_, set)| *set) {
                 Some((field, _)) => Err(format!(
@@ -111,6 +118,12 @@ impl LlamaConfig {
             if !v.is_finite() || v < 0.0 {
                 return Err(format!("model.{field} ({v}) must be a number >= 0"));
             }
+        }
+        if let Some(f) = m.capacity_factor.filter(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(format!(
+                "model.moe_expert_capacity_factor ({f}) must be a number > 0 (remove it for \
+                 dropless routing)"
+            ));
         }
         if let Some(&bad) = m
             .dense_layers
