@@ -74,18 +74,16 @@ fn experts(v: &[Tensor]) -> Vec<Expert> {
         .collect()
 }
 
+/// The layer on inputs `v` (`x`, router, then each expert's three weights) on one rank.
+fn layer(v: &[Tensor], cfg: &MoeConfig, index: usize) -> moe::MoeOutput {
+    let router = Router::plain(&v[1]);
+    let single = ExpertParallel::single();
+    moe::forward(&v[0], &router, &experts(v), &single, None, cfg, index).unwrap()
+}
+
 /// `Σ y·c + aux` of the layer under test.
 fn objective(v: &[Tensor], cfg: &MoeConfig) -> Tensor {
-    let out = moe::forward(
-        &v[0],
-        &Router::plain(&v[1]),
-        &experts(v),
-        &ExpertParallel::single(),
-        None,
-        cfg,
-        0,
-    )
-    .unwrap();
+    let out = layer(v, cfg, 0);
     let c = Tensor::from_vec(values(N * H, 99, 1.0), (N, H), &Device::Cpu).unwrap();
     ((out.y * c).unwrap().sum_all().unwrap() + out.aux_loss).unwrap()
 }
@@ -189,16 +187,7 @@ fn equals_the_dense_masked_reference() {
         let cfg = config(norm);
         let vars = inputs();
         let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let out = moe::forward(
-            &t[0],
-            &Router::plain(&t[1]),
-            &experts(&t),
-            &ExpertParallel::single(),
-            None,
-            &cfg,
-            3,
-        )
-        .unwrap();
+        let out = layer(&t, &cfg, 3);
         let (y_ref, aux_ref) = dense_reference(&t, &cfg);
         assert!(diff(&out.y, &y_ref) < 1e-12, "output");
         assert!(diff(&out.aux_loss, &aux_ref) < 1e-12, "router losses");
@@ -236,9 +225,7 @@ fn capacity_drops_the_least_probable_pairs() {
             capacity_factor: capacity,
             ..config(true)
         };
-        let router = Router::plain(&t[1]);
-        let single = ExpertParallel::single();
-        moe::forward(&t[0], &router, &experts(&t), &single, None, &cfg, 0).unwrap()
+        layer(&t, &cfg, 0)
     };
     let (free, roomy, tight) = (run(None), run(Some(4.0)), run(Some(0.5)));
     assert_eq!(diff(&roomy.y, &free.y), 0.0);
@@ -270,28 +257,10 @@ fn capacity_drops_the_least_probable_pairs() {
 fn lower_precision_follows_f64() {
     let cfg = config(true);
     let t: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
-    let want = moe::forward(
-        &t[0],
-        &Router::plain(&t[1]),
-        &experts(&t),
-        &ExpertParallel::single(),
-        None,
-        &cfg,
-        0,
-    )
-    .unwrap();
+    let want = layer(&t, &cfg, 0);
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 5e-2)] {
         let low: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dtype).unwrap()).collect();
-        let got = moe::forward(
-            &low[0],
-            &Router::plain(&low[1]),
-            &experts(&low),
-            &ExpertParallel::single(),
-            None,
-            &cfg,
-            0,
-        )
-        .unwrap();
+        let got = layer(&low, &cfg, 0);
         assert_eq!(got.y.dtype(), dtype);
         assert_eq!(
             got.stats.tokens_per_expert, want.stats.tokens_per_expert,
