@@ -86,6 +86,7 @@ fn the_channel_list_covers_what_a_step_uses() {
         ("recipes/tiny.yaml", "parallel.dp=2,parallel.cp=2,parallel.zero=3"),
         ("recipes/tiny.yaml", "parallel.dp=4,parallel.pp=2,parallel.zero=2,parallel.zero_shard_size=2"),
         ("recipes/tiny-moe.yaml", "parallel.dp=4,parallel.ep=2,parallel.pp=2,parallel.zero=1"),
+        ("recipes/tiny-moe.yaml", "parallel.dp=4,parallel.ep=2"),
         // The tied embedding's first and last stage, not a pipeline group of their own.
         ("recipes/tiny.yaml", "parallel.pp=4,model.tie_word_embeddings=true"),
     ];

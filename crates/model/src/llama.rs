@@ -259,7 +259,8 @@ impl Llama {
         let o = linear_to(&a, &self.w(blk.o_proj)?, (b, s, c.hidden_size))?; // [b, s, h] partial
         let x = (x + tp.exit(&o)?)?;
 
-        let normed = ops::rms_norm(&x, &self.w(blk.post_attention_layernorm)?, c.rms_norm_eps)?; // [b, s(/tp), h]
+        let norm = self.w(blk.post_attention_layernorm)?;
+        let normed = ops::rms_norm(&x, &norm, c.rms_norm_eps)?; // [b, s(/tp), h]
         match &blk.mlp {
             MlpParams::Dense {
                 gate_proj,

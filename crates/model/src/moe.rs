@@ -8,17 +8,18 @@
 //!      un-permute to (token, slot) order, weight, sum over the k slots  ──> y [n, h]
 //! ```
 //!
-//! Every routed (token, slot) pair is computed (dropless, Mixtral's way) unless an expert capacity
-//! is set (`moe_expert_capacity_factor`, training only): then each expert keeps at most
+//! Every routed (token, slot) pair is computed (dropless, Mixtral's way) unless an expert
+//! capacity is set (`moe_expert_capacity_factor`, training only): then each expert keeps at most
 //! `ceil(factor · n · k / E)` pairs, those with the highest probability, and a dropped pair
-//! contributes nothing (its row reads an appended zero row when un-permuted). The
-//! choice of experts is made on the host from the probabilities (it is discrete and takes no
-//! gradient); gradients reach the router through the selected probabilities (the routing weights)
-//! and the balancing losses. Each expert is one GEMM chain over its contiguous rows, cut from the
-//! grouped rows by a balanced tree of `narrow`s ([`split_rows`]). The whole
-//! layer is composed of differentiable ops (gather, index select, narrow, cat, the fused
-//! `linear`/`swiglu`), checked against finite differences and against a dense reference that runs
-//! every expert on every token with a top-k mask (`tests/moe.rs`).
+//! contributes nothing (its row reads an appended zero row when un-permuted). The choice of
+//! experts is made on the host from the probabilities (it is discrete and takes no gradient);
+//! gradients reach the router through the selected probabilities (the routing weights) and the
+//! balancing losses. Each expert is one GEMM chain over its contiguous rows, cut from the grouped
+//! rows by a balanced tree of `narrow`s ([`split_rows`]). The whole layer is composed of
+//! differentiable ops (gather, index select, narrow, cat, the fused `linear`/`swiglu`), checked
+//! against finite differences and against a dense reference that runs every expert on every
+//! token with a top-k mask (`tests/moe.rs`). With expert parallelism the grouped rows travel to
+//! the experts' ranks and back ([`ExpertParallel`]).
 //!
 //! Losses of the layer (see `LlamaConfig::router_aux_loss_coef`): the load-balancing loss
 //! `E · Σᵢ fᵢ·Pᵢ` (`fᵢ`: share of tokens choosing expert `i`, summing to `k`; `Pᵢ`: mean router

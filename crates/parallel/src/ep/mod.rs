@@ -18,9 +18,10 @@
 //! incoming gradient. All exchanges are all-to-alls, which run point to point on the `local` and
 //! `tcp` backends and on a communicator of their own with NCCL, never as a collective of the
 //! group's ranks: the same ranks can form a data-parallel group whose gradient reductions run
-//! at the same time on the communication thread. Every member of the group calls them in the same order (the members run
-//! the same pipeline schedule over the same layers), forward and backward, even when it sends
-//! or receives no rows, so none waits on a peer that skipped a call.
+//! at the same time on the communication thread. Every member of the group calls them in the
+//! same order (the members run the same pipeline schedule over the same layers), forward and
+//! backward, even when it sends or receives no rows, so none waits on a peer that skipped a
+//! call.
 //!
 //! Rank layout and gradient groups: see `mesh.rs` (expert parallelism is folded inside data
 //! parallelism; expert gradients are reduced over the expert gradient group).
