@@ -10,9 +10,10 @@ use common::{routing_differences, MOE};
 /// Expert parallelism (experts split over ep data-parallel ranks, tokens exchanged by
 /// all-to-all) trains on the single-rank run, alone and with more data parallelism, pipelining,
 /// every ZeRO stage and recompute (the token exchanges of a recomputed forward run while the
-/// same ranks reduce gradients on their communication thread); so do MoE layers under tensor parallelism (experts replicated over the
-/// group), with sequence parallelism (each rank routes its share of the tokens) and with expert
-/// parallelism (same tolerances: only the order of sums differs).
+/// same ranks reduce gradients on their communication thread); so do MoE layers under tensor
+/// parallelism (experts replicated over the group), with sequence parallelism (each rank routes
+/// its share of the tokens) and with expert parallelism (same tolerances: only the order of sums
+/// differs).
 #[test]
 fn expert_parallel_layouts_equal_the_single_rank_run() {
     let base = common::run(MOE);

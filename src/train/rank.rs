@@ -186,9 +186,9 @@ impl RankCtx {
 /// Every communication channel of a job with layout `cfg`, in one global order that every rank
 /// computes alike (see [`Comm::prepare`]): rank by rank, its world, tensor-, context-,
 /// gradient-, shard-, replica-, expert-gradient-, expert-parallel (the gradient norm's sum at
-/// stage 0), pipeline- and pipeline-ends groups, its expert-parallel all-to-all group, and its point-to-point directions (to the next and the
-/// previous pipeline stage, and to the next rank of the context-parallel ring), each listed
-/// where it first appears.
+/// stage 0), pipeline- and pipeline-ends groups, its expert-parallel all-to-all group, and its
+/// point-to-point directions (to the next and the previous pipeline stage, and to the next rank
+/// of the context-parallel ring), each listed where it first appears.
 pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Result<Vec<Channel>> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();

@@ -1,6 +1,7 @@
 //! Parallel training: the `parallel:` recipe section, the rank mesh, the `Comm` trait and its
-//! backends, tensor- and sequence-parallel ops and layers, context-parallel ring attention, expert-parallel token dispatch, data-parallel gradient sync and ZeRO-1,
-//! pipeline schedules, and multi-process launch (environment parsing, rendezvous store).
+//! backends, tensor- and sequence-parallel ops and layers, context-parallel ring attention,
+//! expert-parallel token dispatch, data-parallel gradient sync and ZeRO, pipeline schedules, and
+//! multi-process launch (environment parsing, rendezvous store).
 
 pub mod comm;
 pub mod config;

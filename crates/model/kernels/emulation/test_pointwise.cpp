@@ -1,7 +1,8 @@
 // Emulation driver of kernels/pointwise.cu: runs every exported kernel (rms_norm_fwd,
 // rms_norm_bwd + rms_norm_dw, rope forward and inverse, swiglu_fwd, swiglu_bwd, cross_entropy_fwd,
-// cross_entropy_bwd, embedding_mark + embedding_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
-// src/ops/cuda/pointwise.rs, and compares the results with double-precision references.
+// cross_entropy_bwd, embedding_mark + embedding_bwd) for f32, f64 and bf16 with the launch
+// shapes and argument order of src/ops/cuda/pointwise.rs, and compares the results with
+// double-precision references.
 #include "shim.h"
 // The kernels under test, unchanged.
 #include "../pointwise.cu"
@@ -73,7 +74,8 @@ template <typename T> void rms_norm(size_t rows, size_t h, bool forward, uint64_
       }))
     return;
   // pointwise.rs `rms_norm_bwd` stage 2: grid(⌈h / DW_COLS⌉, DW_THREADS, 0).
-  if (!run(format("rms_norm_dw_%s", type_name<T>()), grid((h + DW_COLS - 1) / DW_COLS, DW_THREADS, 0), [&] {
+  const Shape dw_shape = grid((h + DW_COLS - 1) / DW_COLS, DW_THREADS, 0);
+  if (!run(format("rms_norm_dw_%s", type_name<T>()), dw_shape, [&] {
         KERNEL(T, rms_norm_dw)(partial.data(), out.data() + rows * h, (int)blocks, (int)h);
       }))
     return;
