@@ -486,6 +486,17 @@ fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
             m.num_active_params(),
             100.0 * m.num_active_params() as f64 / m.num_params() as f64
         );
+        let p = &r.parallel;
+        if p.ep > 1 {
+            println!(
+                "expert parallelism: ep={} inside dp={}, {} experts per rank and layer, expert \
+                 gradients reduced over {} ranks",
+                p.ep,
+                p.dp,
+                moe.num_experts / p.ep,
+                p.expert_grad_ranks()
+            );
+        }
     }
     let p = &r.parallel;
     println!(

@@ -146,6 +146,22 @@ fn cli_reports_recipe_errors_without_panicking() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout)
         .contains("tokenizer data/shakespeare/tokenizer.json (4096 ids)"));
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args([
+            "check",
+            "--no-data",
+            "--recipe",
+            "recipes/tiny-moe.yaml",
+            "--set",
+        ])
+        .arg("parallel.dp=4,parallel.ep=2")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(
+        "expert parallelism: ep=2 inside dp=4, 8 experts per rank and layer, expert gradients \
+         reduced over 2 ranks"
+    ));
 }
 
 /// Mixed precision: bf16 parameters and activations with fp32 master weights, moments and
