@@ -393,15 +393,7 @@ fn block_config(seq: usize) -> model::LlamaConfig {
         rope_scaling: None,
         bos_token_id: None,
         eos_token_id: None,
-        num_local_experts: None,
-        num_experts_per_tok: None,
-        router_aux_loss_coef: None,
-        router_z_loss_coef: None,
-        norm_topk_prob: None,
-        moe_intermediate_size: None,
-        mlp_only_layers: Vec::new(),
-        router_bias_update_rate: None,
-        moe_expert_capacity_factor: None,
+        ..Default::default()
     }
 }
 

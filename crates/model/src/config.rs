@@ -12,7 +12,11 @@ pub const MAX_POSITIONS: usize = 1 << 22;
 
 /// Shape and numerics of a Llama decoder. Field names follow Hugging Face's `config.json`, so an
 /// exported `config.json` is this struct plus a few fixed keys.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// `Default` is all zeros and absent options — not a usable model, but the tail of a struct
+/// literal that sets the shape and leaves the optional settings (mixture of experts, RoPE
+/// scaling, token ids) unset: `LlamaConfig { hidden_size: 64, .., ..Default::default() }`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LlamaConfig {
     /// Rows of the embedding and output matrices. Must be at least the tokenizer's vocabulary size;
@@ -425,15 +429,7 @@ mod tests {
             init_std: 0.02,
             bos_token_id: None,
             eos_token_id: None,
-            num_local_experts: None,
-            num_experts_per_tok: None,
-            router_aux_loss_coef: None,
-            router_z_loss_coef: None,
-            norm_topk_prob: None,
-            moe_intermediate_size: None,
-            mlp_only_layers: Vec::new(),
-            router_bias_update_rate: None,
-            moe_expert_capacity_factor: None,
+            ..Default::default()
         }
     }
 
