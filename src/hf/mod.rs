@@ -19,6 +19,7 @@ use crate::recipe::{load_stored, Dtype, Recipe};
 use crate::train::checkpoint::tensor_block;
 
 pub mod config;
+mod rope;
 pub mod weights;
 
 pub use weights::HfWeights;
