@@ -59,6 +59,7 @@ fn preprocess_mb_per_s(input: &Path, out: &Path, workers: usize) -> anyhow::Resu
 }
 
 fn main() -> anyhow::Result<()> {
+    pretrain::process_defaults();
     let seconds: f64 = std::env::args()
         .skip(1)
         .find(|a| !a.starts_with('-'))

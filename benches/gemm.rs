@@ -37,6 +37,7 @@ fn median_s(
 }
 
 fn main() -> anyhow::Result<()> {
+    pretrain::process_defaults();
     let repeats: usize = std::env::args()
         .skip(1)
         .find(|a| !a.starts_with('-'))

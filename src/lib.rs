@@ -19,3 +19,40 @@ pub mod train;
 /// page faults, zeroing and TLB shootdowns). The binary and the benchmarks install it with
 /// `#[global_allocator] static GLOBAL: pretrain::Allocator = pretrain::Allocator {};`.
 pub type Allocator = mimalloc::MiMalloc;
+
+/// The spin limit given to candle's CPU worker pool (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, in
+/// `spin_loop` hints) unless the user set one. candle's default, 25,000, keeps each idle worker
+/// spinning for about a millisecond after every parallel element-wise op; a training step runs
+/// thousands of them, and on a machine with as many cores as compute threads the spinning worker
+/// takes its core from the GEMM and kernel threads (measured: the tiny recipe's CPU step 377 ms
+/// with candle's default, 281–302 ms with 100, docs/perf.md).
+pub const CANDLE_SPIN_LIMIT: u32 = 100;
+
+/// Process-wide settings read from the environment by the libraries underneath, set before any of
+/// them starts (the first thing `main` does; the benchmarks call it too). A setting the user made
+/// is kept.
+/// - `RUST_LIB_BACKTRACE=0`: ordinary errors are reported by their messages (`RUST_BACKTRACE`
+///   still gives panics theirs);
+/// - `CANDLE_BARRIER_POOL_SPIN_LIMIT` = [`CANDLE_SPIN_LIMIT`];
+/// - with the `cuda` feature, `CUDA_MODULE_LOADING=EAGER`: every kernel of a module is loaded with
+///   its module (when a device opens), not at its first launch. With lazy loading (the driver's
+///   default since CUDA 12.2) a first launch can wait on a context-wide lock while NCCL kernels
+///   spin waiting for peers. It must be set before the driver initialises.
+///
+/// Call it while the process has one thread (setting the environment races with threads reading
+/// it).
+pub fn process_defaults() {
+    let spin = CANDLE_SPIN_LIMIT.to_string();
+    let mut defaults = vec![
+        ("RUST_LIB_BACKTRACE", "0"),
+        ("CANDLE_BARRIER_POOL_SPIN_LIMIT", spin.as_str()),
+    ];
+    if cfg!(feature = "cuda") {
+        defaults.push(("CUDA_MODULE_LOADING", "EAGER"));
+    }
+    for (key, value) in defaults {
+        if std::env::var_os(key).is_none() {
+            std::env::set_var(key, value);
+        }
+    }
+}

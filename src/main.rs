@@ -10,17 +10,7 @@ use tracing_subscriber::EnvFilter;
 static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
 
 fn main() -> std::process::ExitCode {
-    // Ordinary errors are reported by their messages; RUST_BACKTRACE still gives panics theirs.
-    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
-        std::env::set_var("RUST_LIB_BACKTRACE", "0");
-    }
-    // Every kernel of a module is loaded with its module (which happens when a device opens), not
-    // at its first launch: with lazy loading (the driver's default since CUDA 12.2) the first
-    // launch can wait on a context-wide lock while NCCL kernels spin waiting for peers. Set before
-    // the driver initialises; a user's own setting wins.
-    if cfg!(feature = "cuda") && std::env::var_os("CUDA_MODULE_LOADING").is_none() {
-        std::env::set_var("CUDA_MODULE_LOADING", "EAGER");
-    }
+    pretrain::process_defaults();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let colour = pretrain::cli::log_colours(
         std::io::stdout().is_terminal(),
