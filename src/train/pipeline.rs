@@ -15,7 +15,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use data::Batch;
-use model::{segment, segment::SegmentRun, Llama, Piece, Recompute, Targets};
+use model::segment::{self, Pass, SegmentRun};
+use model::{BlockBackward, Llama, Piece, Recompute, Targets};
 use parallel::pipeline::{Action, Schedule};
 use parallel::Comm;
 
@@ -123,8 +124,24 @@ pub struct Executor<'a> {
     /// Their dtype (the parameters').
     dtype: DType,
     recompute: Recompute,
+    /// Hand-written or autograd backward passes for the dense blocks.
+    block_backward: BlockBackward,
     /// Wait for the device after every action (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
+}
+
+/// How piece `p` runs: a dense block with its hand-written backward when `hand_written` allows
+/// and the model has one for it, else through the autograd graph of `graph`.
+fn pass_of<'g>(
+    model: &'g Llama,
+    p: Piece,
+    hand_written: bool,
+    graph: &'g dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> Pass<'g> {
+    match p {
+        Piece::Block(i) if hand_written && model.hand_written(p) => Pass::Block(model, i),
+        _ => Pass::Graph(graph),
+    }
 }
 
 /// What a (chunk, micro-batch) keeps between its forward and its backward.
@@ -161,8 +178,15 @@ impl<'a> Executor<'a> {
             act_shape: Shape::from((micro_batch, seq_len / sp_split, cfg.hidden_size)),
             dtype: model.params().get(0).dtype,
             recompute,
+            block_backward: BlockBackward::default(),
             device_timed: None,
         }
+    }
+
+    /// Runs the decoder blocks' backward passes as `kind` says (hand-written by default).
+    pub fn with_block_backward(mut self, kind: BlockBackward) -> Self {
+        self.block_backward = kind;
+        self
     }
 
     /// Makes every action's end time the moment the device finished it, by waiting for the
@@ -197,6 +221,7 @@ impl<'a> Executor<'a> {
             let targets = &mbs[micro].targets;
             move |x: &Tensor| model.piece_forward(p, x, targets)
         };
+        let hand_written = self.block_backward == BlockBackward::HandWritten;
         // Backward passes still to come that add to each parameter; it is final at zero.
         let mut pending = vec![0usize; model.params().len()];
         for &p in self.chunks.iter().flatten() {
@@ -234,8 +259,9 @@ impl<'a> Executor<'a> {
                     let mut runs = Vec::with_capacity(pieces.len());
                     for &p in pieces {
                         hooks.before_forward(p, micro)?;
+                        let graph = run_piece(p, micro);
                         let (y, run) = segment::forward(
-                            &run_piece(p, micro),
+                            &pass_of(model, p, hand_written, &graph),
                             &x,
                             p != Piece::Embedding,
                             mode(p),
@@ -283,12 +309,13 @@ impl<'a> Executor<'a> {
                     };
                     for (&p, (run, held)) in pieces.iter().zip(l.runs).rev() {
                         hooks.before_backward(p, micro)?;
+                        let graph = run_piece(p, micro);
                         let segment::Backward {
                             grads: store,
                             dx,
                             recomputed,
                         } = segment::backward(
-                            &run_piece(p, micro),
+                            &pass_of(model, p, hand_written, &graph),
                             run,
                             p != Piece::Embedding,
                             dy.as_ref(),
@@ -299,7 +326,7 @@ impl<'a> Executor<'a> {
                         let params = model.piece_params(p);
                         for &i in &params {
                             let param = model.params().get(i);
-                            let Some(g) = store.get(&param.tensor()?) else {
+                            let Some(g) = store.get(i, &param.tensor()?) else {
                                 if model.inventory().is_expert(i) {
                                     continue; // no token of this micro-batch chose the expert
                                 }

@@ -23,6 +23,9 @@ use crate::moe::{self, Expert, LayerStats, Router};
 use crate::ops::{self, linear, linear_to};
 use crate::params::{ParamSet, ParamSpec};
 
+mod backward;
+pub use backward::BlockTape;
+
 /// A piece of the model run as one segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Piece {

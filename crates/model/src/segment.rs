@@ -6,6 +6,10 @@
 //! serves activation recompute (keep only the input, re-run the forward inside backward) and
 //! pipeline stages (the upstream gradient arrives from the next stage).
 //!
+//! A segment runs as a [`Pass`]: through candle's autograd graph of a forward closure, or as a
+//! dense decoder block with its hand-written backward ([`crate::llama::BlockTape`]), which keeps a
+//! tape of the tensors its backward reads instead of a graph. Recompute works alike for both.
+//!
 //! [`SegmentRun::held`] and [`graph_storages`] measure what a segment keeps for its backward: the
 //! distinct storages of its autograd graph (parameters excluded) and its input — the activation
 //! memory that the planner predicts.
@@ -16,7 +20,9 @@ use std::collections::{HashMap, HashSet};
 use candle_core::{Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+use crate::llama::BlockTape;
 use crate::ops::grad_inject;
+use crate::Llama;
 
 /// What a segment keeps between its forward and its backward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -41,6 +47,39 @@ impl Recompute {
     }
 }
 
+/// How decoder blocks run their backward pass (`train.block_backward`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockBackward {
+    /// The block's own backward pass where it has one (dense blocks without context
+    /// parallelism), autograd elsewhere.
+    #[default]
+    HandWritten,
+    /// candle's autograd for every block: the reference the hand-written pass is tested against.
+    Autograd,
+}
+
+/// How a segment computes its forward and backward passes.
+pub enum Pass<'a> {
+    /// `f`'s forward builds an autograd graph; the backward runs through it.
+    Graph(&'a dyn Fn(&Tensor) -> Result<Tensor>),
+    /// Dense decoder block `layer` of `model`, forward without a graph, hand-written backward.
+    Block(&'a Llama, usize),
+}
+
+impl Pass<'_> {
+    /// The output and, for a block, its tape.
+    fn run(&self, x: &Tensor) -> Result<(Tensor, Option<BlockTape>)> {
+        match self {
+            Pass::Graph(f) => Ok((f(x)?, None)),
+            Pass::Block(model, layer) => {
+                let (y, tape) = model.block_forward_saved(*layer, x)?;
+                Ok((y, Some(tape)))
+            }
+        }
+    }
+}
+
 /// The forward state of one segment that its backward pass needs.
 pub struct SegmentRun {
     /// The input as a leaf variable (so its gradient is produced), or `None` for inputs that take
@@ -48,8 +87,10 @@ pub struct SegmentRun {
     input: Option<Var>,
     /// The raw input, for inputs without gradient that a recompute needs again.
     raw_input: Tensor,
-    /// The output with its graph, kept unless recomputing.
+    /// The output with its graph, kept unless recomputing ([`Pass::Graph`]).
     output: Option<Tensor>,
+    /// The block's tape, kept unless recomputing ([`Pass::Block`]).
+    tape: Option<BlockTape>,
 }
 
 /// Storages a segment keeps alive: `(storage key, bytes)`, one entry per distinct storage. Equal
@@ -64,6 +105,17 @@ fn storage_of(t: &Tensor) -> (usize, usize) {
     let key = std::ptr::from_ref(&*storage) as usize;
     let elems = layout.start_offset() + t.elem_count();
     (key, elems * t.dtype().size_in_bytes())
+}
+
+/// The distinct storages of `tensors`.
+pub fn storages(tensors: &[&Tensor]) -> Held {
+    let mut held: HashMap<usize, usize> = HashMap::new();
+    for t in tensors {
+        let (key, bytes) = storage_of(t);
+        let e = held.entry(key).or_default();
+        *e = (*e).max(bytes);
+    }
+    held.into_iter().collect()
 }
 
 /// The distinct storages the autograd graph of `root` keeps for its backward pass, plus those of
@@ -92,6 +144,9 @@ impl SegmentRun {
     /// The storages this run keeps until its backward: its input (and the leaf copy of it) and,
     /// unless recomputing, its forward's graph.
     pub fn held(&self) -> Held {
+        if let Some(tape) = &self.tape {
+            return tape.held();
+        }
         let mut extra = vec![&self.raw_input];
         extra.extend(self.input.as_ref().map(|v| v.as_tensor()));
         match &self.output {
@@ -101,10 +156,28 @@ impl SegmentRun {
     }
 }
 
+/// The parameter gradients of a segment's backward pass.
+pub enum Grads {
+    /// Autograd's store, by tensor.
+    Graph(GradStore),
+    /// A hand-written pass's, by parameter index.
+    Params(HashMap<usize, Tensor>),
+}
+
+impl Grads {
+    /// The gradient of parameter `index`, whose tensor is `param`.
+    pub fn get(&self, index: usize, param: &Tensor) -> Option<&Tensor> {
+        match self {
+            Grads::Graph(store) => store.get(param),
+            Grads::Params(map) => map.get(&index),
+        }
+    }
+}
+
 /// What a segment's backward pass produced.
 pub struct Backward {
-    /// The gradients of the segment's parameters (and of its input).
-    pub grads: GradStore,
+    /// The gradients of the segment's parameters.
+    pub grads: Grads,
     /// The input's gradient, if the input takes one.
     pub dx: Option<Tensor>,
     /// Under recompute: the storages of the forward graph rebuilt for this backward (held until
@@ -112,16 +185,16 @@ pub struct Backward {
     pub recomputed: Held,
 }
 
-/// Runs `f` on `x` as a segment. `x_needs_grad` is false for integer inputs (token ids).
+/// Runs `pass` on `x` as a segment. `x_needs_grad` is false for integer inputs (token ids).
 /// Returns the detached output and the state for [`backward`].
 pub fn forward(
-    f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    pass: &Pass,
     x: &Tensor,
     x_needs_grad: bool,
     recompute: Recompute,
 ) -> Result<(Tensor, SegmentRun)> {
-    match recompute {
-        Recompute::None => {
+    match (recompute, pass) {
+        (Recompute::None, Pass::Graph(f)) => {
             let input = if x_needs_grad {
                 Some(Var::from_tensor(x)?)
             } else {
@@ -134,29 +207,44 @@ pub fn forward(
                     input,
                     raw_input: x.clone(),
                     output: Some(y),
+                    tape: None,
                 },
             ))
         }
-        Recompute::Full => {
-            // The graph built here is dropped with `y` at the end of this scope.
-            let y = f(x)?;
+        (Recompute::None, Pass::Block(..)) => {
+            let (y, tape) = pass.run(x)?;
+            Ok((
+                y,
+                SegmentRun {
+                    input: None,
+                    raw_input: x.clone(),
+                    output: None,
+                    tape,
+                },
+            ))
+        }
+        (Recompute::Full, _) => {
+            // The graph or tape built here is dropped at the end of this scope.
+            let (y, _) = pass.run(x)?;
             Ok((
                 y.detach(),
                 SegmentRun {
                     input: None,
                     raw_input: x.clone(),
                     output: None,
+                    tape: None,
                 },
             ))
         }
     }
 }
 
-/// Back-propagates through a segment. `dy` is the gradient of the loss with respect to the
-/// segment's output, or `None` when the output is the (scalar) loss itself. Returns the
-/// gradients of the segment's parameters and its input's gradient (if the input takes one).
+/// Back-propagates through a segment run by `pass`. `dy` is the gradient of the loss with
+/// respect to the segment's output, or `None` when the output is the (scalar) loss itself.
+/// Returns the gradients of the segment's parameters and its input's gradient (if the input
+/// takes one).
 pub fn backward(
-    f: &dyn Fn(&Tensor) -> Result<Tensor>,
+    pass: &Pass,
     run: SegmentRun,
     x_needs_grad: bool,
     dy: Option<&Tensor>,
@@ -165,7 +253,27 @@ pub fn backward(
         input,
         raw_input,
         output,
+        tape,
     } = run;
+    if let Pass::Block(model, layer) = pass {
+        let Some(dy) = dy else {
+            candle_core::bail!("block {layer}: a block's backward pass needs its output's gradient")
+        };
+        let (tape, recomputed) = match tape {
+            Some(tape) => (tape, Held::new()),
+            None => {
+                let (_, tape) = model.block_forward_saved(*layer, &raw_input)?;
+                let held = tape.held();
+                (tape, held)
+            }
+        };
+        let (dx, grads) = model.block_backward(tape, dy)?;
+        return Ok(Backward {
+            grads: Grads::Params(grads.into_iter().collect()),
+            dx: Some(dx),
+            recomputed,
+        });
+    }
     let mut recomputed = Held::new();
     let (input, output) = match output {
         Some(y) => (input, y),
@@ -175,7 +283,7 @@ pub fn backward(
             } else {
                 None
             };
-            let y = f(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?;
+            let y = pass.run(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?.0;
             let extra: Vec<&Tensor> = input.iter().map(|v| v.as_tensor()).collect();
             recomputed = graph_storages(&y, &extra);
             (input, y)
@@ -191,7 +299,7 @@ pub fn backward(
         None => None,
     };
     Ok(Backward {
-        grads,
+        grads: Grads::Graph(grads),
         dx,
         recomputed,
     })

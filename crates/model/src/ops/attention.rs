@@ -363,8 +363,9 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     q.apply_op3(&k, &v, op)?.to_dtype(dtype)
 }
 
-/// See [`super::attention_block`].
-pub fn attention_block(
+/// The forward kernel without a graph: the output in the kernel dtype (`[b, s, hq, d]`) and the
+/// log-sum-exp `[b, hq, s]`.
+fn forward_kernel(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -382,6 +383,45 @@ pub fn attention_block(
     let Some(lse) = lse else {
         bail!("{OP}: the forward kernel left no log-sum-exp")
     };
+    Ok((out, lse))
+}
+
+/// The backward kernel without a graph: `(dq, dk, dv)` in the kernel dtype.
+#[allow(clippy::too_many_arguments)]
+fn backward_kernel(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (qc, kc, vc) = checked(q, k, v, scale, causal)?;
+    let cdt = qc.dtype();
+    let bwd = AttentionBwd {
+        scale,
+        causal,
+        out: prepare(out, cdt)?,
+        dout: prepare(dout, cdt)?,
+        lse: lse.contiguous()?,
+    };
+    let flat = qc.apply_op3_no_bwd(&kc, &vc, &bwd)?; // [nq + 2 nkv]
+    let (nq, nkv) = (q.elem_count(), k.elem_count());
+    let part = |at: usize, n: usize, t: &Tensor| flat.narrow(0, at, n)?.reshape(t.shape());
+    Ok((part(0, nq, q)?, part(nq, nkv, k)?, part(nq + nkv, nkv, v)?))
+}
+
+/// See [`super::attention_block`].
+pub fn attention_block(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (out, lse) = forward_kernel(q, k, v, scale, causal)?;
     Ok((out.to_dtype(lse.dtype())?, lse))
 }
 
@@ -398,18 +438,31 @@ pub fn attention_block_bwd(
     causal: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let acc = lse.dtype();
-    let (qc, kc, vc) = checked(q, k, v, scale, causal)?;
-    let cdt = qc.dtype();
-    let bwd = AttentionBwd {
-        scale,
-        causal,
-        out: prepare(out, cdt)?,
-        dout: prepare(dout, cdt)?,
-        lse: lse.contiguous()?,
-    };
-    let flat = qc.apply_op3_no_bwd(&kc, &vc, &bwd)?; // [nq + 2 nkv]
-    let (nq, nkv) = (q.elem_count(), k.elem_count());
-    let part =
-        |at: usize, n: usize, t: &Tensor| flat.narrow(0, at, n)?.reshape(t.shape())?.to_dtype(acc);
-    Ok((part(0, nq, q)?, part(nq, nkv, k)?, part(nq + nkv, nkv, v)?))
+    let (dq, dk, dv) = backward_kernel(q, k, v, out, dout, lse, scale, causal)?;
+    Ok((dq.to_dtype(acc)?, dk.to_dtype(acc)?, dv.to_dtype(acc)?))
+}
+
+/// See [`super::causal_attention_saved`].
+pub fn causal_attention_saved(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    forward_kernel(q, k, v, scale, true)
+}
+
+/// See [`super::causal_attention_bwd`].
+pub fn causal_attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    saved: (&Tensor, &Tensor),
+    dout: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (out, lse) = saved;
+    let (dq, dk, dv) = backward_kernel(q, k, v, out, dout, lse, scale, true)?;
+    let dtype = q.dtype();
+    Ok((dq.to_dtype(dtype)?, dk.to_dtype(dtype)?, dv.to_dtype(dtype)?))
 }

@@ -91,14 +91,20 @@ impl CustomOp2 for Linear {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (n_out, n_in) = w.dims2()?;
-        let rows = x.elem_count() / n_in.max(1);
-        let g = grad.reshape((rows, n_out))?; // [rows, out]
-        let x2 = x.detach().reshape((rows, n_in))?; // [rows, in]
-        let dx = g.matmul(&w.detach())?.reshape(x.shape())?; // x's shape
-        let dw = g.t()?.matmul(&x2)?; // [out, in]
+        let (dx, dw) = linear_bwd(x, w, grad)?;
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// See [`super::linear_bwd`].
+pub(super) fn linear_bwd(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (n_out, n_in) = w.dims2()?;
+    let rows = x.elem_count() / n_in.max(1);
+    let g = grad.reshape((rows, n_out))?; // [rows, out]
+    let x2 = x.detach().reshape((rows, n_in))?; // [rows, in]
+    let dx = g.matmul(&w.detach())?.reshape(x.shape())?; // x's shape
+    let dw = g.t()?.matmul(&x2)?; // [out, in]
+    Ok((dx, dw))
 }
 
 pub(super) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {

@@ -47,11 +47,24 @@ pub fn linear_to(x: &Tensor, w: &Tensor, shape: impl Into<candle_core::Shape>) -
     linear::linear_to(x, w, shape)
 }
 
+/// Gradients `(dx, dw)` of [`linear`]: `dx = g · w` in `x`'s shape and `dw = gᵀ · x` `[out, in]`
+/// for the upstream gradient `grad` (`rows × out` elements), without a graph: the op's own
+/// backward, for hand-written backward passes.
+pub fn linear_bwd(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    linear::linear_bwd(x, w, grad)
+}
+
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) * weight`.
 /// `x`: `[.., h]`, `weight`: `[h]` (same dtype); returns the shape of `x`. Sums accumulate in the
 /// compute dtype (f32, or f64 for f64). Backward gives `dx` and `dweight` (summed over all rows).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     rms_norm::rms_norm(x, weight, eps)
+}
+
+/// Gradients `(dx, dweight)` of [`rms_norm`] for the upstream gradient `dy`, without a graph (the
+/// op's backward kernel, the same computation as autograd's, in the dtypes of `x` and `weight`).
+pub fn rms_norm_bwd(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    rms_norm::rms_norm_bwd(x, weight, eps, dy)
 }
 
 /// Rotary position embedding in Hugging Face's rotate-half convention:
@@ -63,6 +76,12 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     rope::rope(x, cos, sin)
 }
 
+/// The gradient of [`rope`]'s input for the upstream gradient `dy` (the inverse rotation), without
+/// a graph.
+pub fn rope_bwd(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    rope::rope_bwd(dy, cos, sin)
+}
+
 /// Causal scaled-dot-product attention with grouped-query heads.
 /// `q`: `[b, s, hq, d]`, `k`, `v`: `[b, s, hkv, d]` with `hq % hkv == 0`; returns `[b, s, hq, d]`.
 /// Query head `i` attends with kv head `i / (hq / hkv)`. Only the per-row log-sum-exp (`[b, hq, s]`)
@@ -71,6 +90,33 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `64 × s` per task); the backward sums `dK`/`dV` over the query heads sharing a kv head.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     attention::causal_attention(q, k, v, scale)
+}
+
+/// [`causal_attention`] without a graph, for a hand-written backward: returns what
+/// [`causal_attention_bwd`] needs, the output in the kernel dtype (f32 for 16-bit inputs on the
+/// CPU; the input dtype on CUDA) and the log-sum-exp `[b, hq, s]`. The caller converts the output
+/// to the model dtype.
+pub fn causal_attention_saved(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    attention::causal_attention_saved(q, k, v, scale)
+}
+
+/// Gradients `(dq, dk, dv)` of [`causal_attention`] (dtypes of `q`, `k`, `v`) from the inputs,
+/// what [`causal_attention_saved`] returned and the output's upstream gradient `dout`: the same
+/// backward kernel as autograd's.
+pub fn causal_attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    saved: (&Tensor, &Tensor),
+    dout: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    attention::causal_attention_bwd(q, k, v, saved, dout, scale)
 }
 
 /// One block of attention without autograd, for ring attention (context parallelism): `q`
@@ -110,6 +156,11 @@ pub fn attention_block_bwd(
 /// SwiGLU: `silu(gate) * up`, elementwise, same shapes and dtypes. Backward gives `d gate` and `d up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     swiglu::swiglu(gate, up)
+}
+
+/// Gradients `(d gate, d up)` of [`swiglu`] for the upstream gradient `dy`, without a graph.
+pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    swiglu::swiglu_bwd(gate, up, dy)
 }
 
 /// Rows of `w` `[v, h]` for `ids` (u32, any shape of `n` elements): `[n, h]`. Backward: the

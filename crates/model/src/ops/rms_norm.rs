@@ -225,3 +225,14 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let y = prepare(x, cdt)?.apply_op2(&prepare(weight, cdt)?, RmsNorm { eps })?;
     y.to_dtype(dtype)
 }
+
+/// See [`super::rms_norm_bwd`].
+pub fn rms_norm_bwd(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (dtype, cdt) = (x.dtype(), kernel_dtype(OP, "x", x)?);
+    let (xc, wc) = (prepare(x, cdt)?, prepare(weight, cdt)?);
+    let (dx, dw) = RmsNorm { eps }.bwd(&xc, &wc, &xc, &dy.to_dtype(cdt)?)?;
+    match (dx, dw) {
+        (Some(dx), Some(dw)) => Ok((dx.to_dtype(dtype)?, dw.to_dtype(weight.dtype())?)),
+        _ => bail!("{OP}: the backward kernel gave no gradient"),
+    }
+}

@@ -153,3 +153,14 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let y = prepare(x, cdt)?.apply_op3(&cos, &sin, Rope { inverse: false })?;
     y.to_dtype(dtype)
 }
+
+/// See [`super::rope_bwd`].
+pub fn rope_bwd(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dtype = dy.dtype();
+    let cdt = kernel_dtype(OP, "dy", dy)?;
+    let (cos, sin) = (prepare(&cos.detach(), cdt)?, prepare(&sin.detach(), cdt)?);
+    let inverse = Rope { inverse: true };
+    prepare(dy, cdt)?
+        .apply_op3_no_bwd(&cos, &sin, &inverse)?
+        .to_dtype(dtype)
+}

@@ -186,3 +186,13 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let y = prepare(gate, cdt)?.apply_op2(&prepare(up, cdt)?, SwiGlu)?;
     y.to_dtype(dtype)
 }
+
+/// See [`super::swiglu_bwd`].
+pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (dtype, cdt) = (gate.dtype(), kernel_dtype(OP, "gate", gate)?);
+    let (gc, uc) = (prepare(gate, cdt)?, prepare(up, cdt)?);
+    match SwiGlu.bwd(&gc, &uc, &gc, &dy.to_dtype(cdt)?)? {
+        (Some(dg), Some(du)) => Ok((dg.to_dtype(dtype)?, du.to_dtype(dtype)?)),
+        _ => bail!("{OP}: the backward kernel gave no gradient"),
+    }
+}

@@ -109,6 +109,43 @@ impl TensorParallel {
         }
     }
 
+    /// [`TensorParallel::enter`] without a graph, for hand-written backward passes: the
+    /// all-gathered sequence with sequence parallelism, else `x` itself.
+    pub fn enter_value(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel && self.size() > 1 {
+            let g = &self.group;
+            g.comm.all_gather(&g.group, x, SEQ_DIM)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
+    /// The gradient of [`TensorParallel::enter`]'s input from its output's `dy` `[b, s, h]`: the
+    /// reduce-scatter of the ranks' partial gradients with sequence parallelism, their all-reduce
+    /// without, `dy` itself on one rank.
+    pub fn enter_grad(&self, dy: &Tensor) -> Result<Tensor> {
+        let g = &self.group;
+        match (self.size(), self.sequence_parallel) {
+            (1, _) => Ok(dy.clone()),
+            (_, true) => g.comm.reduce_scatter(&g.group, dy, SEQ_DIM),
+            (_, false) => g.comm.all_reduce(&g.group, dy, crate::comm::ReduceOp::Sum),
+        }
+    }
+
+    /// [`TensorParallel::exit`] without a graph: the sum of the ranks' partial results
+    /// (reduce-scattered along the sequence with sequence parallelism).
+    pub fn exit_value(&self, y: &Tensor) -> Result<Tensor> {
+        // The same collectives as `enter_grad`: a row-parallel exit sums what a column-parallel
+        // entry's backward sums.
+        self.enter_grad(y)
+    }
+
+    /// The gradient of [`TensorParallel::exit`]'s input from its output's `dy`: all-gathered
+    /// along the sequence with sequence parallelism, else `dy` itself.
+    pub fn exit_grad(&self, dy: &Tensor) -> Result<Tensor> {
+        self.enter_value(dy)
+    }
+
     /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence
     /// parallelism) from this rank's embedding rows `w` `[v / tp, h]`, which start at vocabulary
     /// id `vocab_start`, gathered by `lookup` (see [`vocab_parallel_embedding`]).

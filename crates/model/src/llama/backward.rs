@@ -1,0 +1,252 @@
+//! The dense decoder block with a hand-written backward pass.
+//!
+//! candle's autograd materialises a zero gradient for every edge of a graph and adds each
+//! contribution into it: about thirty full-size fills and additions per block and micro-batch,
+//! 19% of a 1B step on a GPU (docs/perf.md). Here the forward runs without a graph and keeps
+//! exactly the tensors its backward reads (a [`BlockTape`]); the backward calls the fused ops'
+//! backward kernels and the projections' GEMMs in reverse order. Its only additions are the ones
+//! the mathematics has: the two residual streams and the input gradients of the projections that
+//! share an input (q, k, v; gate, up).
+//!
+//! It computes what autograd computes, op for op (the same kernels, dtype conversions and
+//! collectives, the shared-input sums in autograd's order), so the two paths agree bit for bit on
+//! the CPU (asserted by `tests/block_backward.rs` for every parallel layout). Tensor parallelism
+//! enters through the region entries' and exits' values and gradients
+//! (`TensorParallel::{enter,exit}_{value,grad}`). Blocks with a mixture of experts and blocks under
+//! context parallelism (whose ring attention is an autograd op of its own) keep the autograd path:
+//! [`Llama::hand_written`] says which.
+
+use candle_core::{Result, Tensor};
+
+use super::Llama;
+use crate::inventory::{BlockParams, MlpParams};
+use crate::ops::{self, linear, linear_bwd, linear_to};
+use crate::segment::{storages, Held};
+use crate::Piece;
+
+/// What a dense block's forward keeps for its backward pass (model dtype unless said otherwise;
+/// `s` is the whole sequence, `s/tp` its share with sequence parallelism).
+pub struct BlockTape {
+    /// Global layer index.
+    layer: usize,
+    /// The block's input `[b, s(/tp), h]`.
+    x: Tensor,
+    /// The input's norm as the projections read it `[b, s, h]`.
+    h: Tensor,
+    /// Rotated queries `[b, s, hq/tp, d]`.
+    q: Tensor,
+    /// Rotated keys `[b, s, hkv/tp, d]`.
+    k: Tensor,
+    /// Values `[b, s, hkv/tp, d]`.
+    v: Tensor,
+    /// Attention's output in the kernel dtype `[b, s, hq/tp, d]`.
+    attn: Tensor,
+    /// Attention's log-sum-exp `[b, hq/tp, s]` (f32; f64 for f64).
+    lse: Tensor,
+    /// The residual stream after attention `[b, s(/tp), h]`.
+    x1: Tensor,
+    /// Its norm as the MLP reads it `[b, s, h]`.
+    h2: Tensor,
+    /// Gate projection `[b, s, f/tp]`.
+    gate: Tensor,
+    /// Up projection `[b, s, f/tp]`.
+    up: Tensor,
+    /// SwiGLU of the two `[b, s, f/tp]`.
+    act: Tensor,
+}
+
+impl BlockTape {
+    /// The storages the tape keeps alive, its input included.
+    pub fn held(&self) -> Held {
+        storages(&[
+            &self.x, &self.h, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.x1, &self.h2,
+            &self.gate, &self.up, &self.act,
+        ])
+    }
+}
+
+/// The weights of a dense block, detached (the forward builds no graph).
+struct Weights {
+    norm1: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    norm2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+impl Llama {
+    /// Whether `piece` runs with the hand-written backward of this module: a dense decoder block
+    /// on a rank without context parallelism.
+    pub fn hand_written(&self, piece: Piece) -> bool {
+        let Piece::Block(i) = piece else { return false };
+        let dense = self
+            .inventory
+            .blocks
+            .get(&i)
+            .is_some_and(|b| matches!(b.mlp, MlpParams::Dense { .. }));
+        dense && self.placement.cp.size() == 1
+    }
+
+    fn dense_block(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
+        let blk = self
+            .inventory
+            .blocks
+            .get(&layer)
+            .filter(|_| self.hand_written(Piece::Block(layer)))
+            .ok_or_else(|| self.missing(&format!("dense layer {layer} without context parallelism")))?;
+        let MlpParams::Dense {
+            gate_proj,
+            up_proj,
+            down_proj,
+        } = blk.mlp
+        else {
+            return Err(self.missing(&format!("dense layer {layer}")));
+        };
+        let w = |i: usize| Ok::<_, candle_core::Error>(self.w(i)?.detach());
+        let weights = Weights {
+            norm1: w(blk.input_layernorm)?,
+            q: w(blk.q_proj)?,
+            k: w(blk.k_proj)?,
+            v: w(blk.v_proj)?,
+            o: w(blk.o_proj)?,
+            norm2: w(blk.post_attention_layernorm)?,
+            gate: w(gate_proj)?,
+            up: w(up_proj)?,
+            down: w(down_proj)?,
+        };
+        Ok((blk, weights))
+    }
+
+    /// The rotary tables for `s` positions and the attention scale.
+    fn rope_and_scale(&self, s: usize) -> Result<(Tensor, Tensor, f64)> {
+        let cp = &self.placement.cp;
+        let (cos, sin) = cp.rope_rows(&self.cos, &self.sin, s * cp.size())?;
+        Ok((cos, sin, 1.0 / (self.config.head_dim() as f64).sqrt()))
+    }
+
+    /// Dense block `layer`'s forward without a graph: its output `[b, s(/tp), h]` (the value of
+    /// [`Llama::block`]) and the tape its [`Llama::block_backward`] needs.
+    pub fn block_forward_saved(&self, layer: usize, x: &Tensor) -> Result<(Tensor, BlockTape)> {
+        let (_, w) = self.dense_block(layer)?;
+        let c = &self.config;
+        let tp = &self.placement.tp;
+        let (hq, hkv, d) = (
+            c.num_attention_heads / tp.size(),
+            c.num_key_value_heads / tp.size(),
+            c.head_dim(),
+        );
+        let x = x.detach();
+        let h = tp.enter_value(&ops::rms_norm(&x, &w.norm1, c.rms_norm_eps)?)?; // [b, s, h]
+        let (b, s, _) = h.dims3()?;
+        let (cos, sin, scale) = self.rope_and_scale(s)?;
+        let q = linear_to(&h, &w.q, (b, s, hq, d))?; // [b, s, hq/tp, d]
+        let k = linear_to(&h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
+        let v = linear_to(&h, &w.v, (b, s, hkv, d))?;
+        let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
+        let (attn, lse) = ops::causal_attention_saved(&q, &k, &v, scale)?;
+        let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
+        let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
+        let x1 = (&x + tp.exit_value(&o)?)?;
+
+        let h2 = tp.enter_value(&ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?)?; // [b, s, h]
+        let gate = linear(&h2, &w.gate)?; // [b, s, f/tp]
+        let up = linear(&h2, &w.up)?;
+        let act = ops::swiglu(&gate, &up)?;
+        let y = (&x1 + tp.exit_value(&linear(&act, &w.down)?)?)?;
+        let tape = BlockTape {
+            layer,
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn,
+            lse,
+            x1,
+            h2,
+            gate,
+            up,
+            act,
+        };
+        Ok((y, tape))
+    }
+
+    /// The backward pass of a dense block from its tape and the output's gradient `dy`
+    /// `[b, s(/tp), h]`: the input's gradient and every parameter's, by parameter index.
+    pub fn block_backward(
+        &self,
+        tape: BlockTape,
+        dy: &Tensor,
+    ) -> Result<(Tensor, Vec<(usize, Tensor)>)> {
+        let BlockTape {
+            layer,
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn,
+            lse,
+            x1,
+            h2,
+            gate,
+            up,
+            act,
+        } = tape;
+        let (blk, w) = self.dense_block(layer)?;
+        let MlpParams::Dense {
+            gate_proj,
+            up_proj,
+            down_proj,
+        } = blk.mlp
+        else {
+            return Err(self.missing(&format!("dense layer {layer}")));
+        };
+        let (c, tp) = (&self.config, &self.placement.tp);
+        let dy = dy.to_dtype(x.dtype())?;
+
+        // MLP: y = x1 + exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)).
+        let dd = tp.exit_grad(&dy)?; // [b, s, h]
+        let (dact, d_down) = linear_bwd(&act, &w.down, &dd)?; // [b, s, f/tp]
+        let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
+        let (dh2_up, d_up) = linear_bwd(&h2, &w.up, &dup)?; // [b, s, h] partial
+        let (dh2_gate, d_gate) = linear_bwd(&h2, &w.gate, &dgate)?;
+        let dh2 = (dh2_up + dh2_gate)?;
+        let (dx1, d_norm2) =
+            ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?;
+        let dx1 = (&dy + dx1)?; // [b, s(/tp), h]
+
+        // Attention: x1 = x + exit(attn(rope(h qᵀ), rope(h kᵀ), h vᵀ) oᵀ), h = enter(norm(x)).
+        let (cos, sin, scale) = self.rope_and_scale(h.dim(1)?)?;
+        let dout = tp.exit_grad(&dx1)?; // [b, s, h]
+        let a = attn.to_dtype(x.dtype())?;
+        let (da, d_o) = linear_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
+        let (dq, dk, dv) = ops::causal_attention_bwd(&q, &k, &v, (&attn, &lse), &da, scale)?;
+        let (dq, dk) = (
+            ops::rope_bwd(&dq, &cos, &sin)?,
+            ops::rope_bwd(&dk, &cos, &sin)?,
+        );
+        let (dh_v, d_v) = linear_bwd(&h, &w.v, &dv)?; // [b, s, h] partial
+        let (dh_k, d_k) = linear_bwd(&h, &w.k, &dk)?;
+        let (dh_q, d_q) = linear_bwd(&h, &w.q, &dq)?;
+        let dh = ((dh_v + dh_k)? + dh_q)?;
+        let (dx, d_norm1) = ops::rms_norm_bwd(&x, &w.norm1, c.rms_norm_eps, &tp.enter_grad(&dh)?)?;
+        let dx = (dx1 + dx)?;
+        let grads = vec![
+            (blk.input_layernorm, d_norm1),
+            (blk.q_proj, d_q),
+            (blk.k_proj, d_k),
+            (blk.v_proj, d_v),
+            (blk.o_proj, d_o),
+            (blk.post_attention_layernorm, d_norm2),
+            (gate_proj, d_gate),
+            (up_proj, d_up),
+            (down_proj, d_down),
+        ];
+        Ok((dx, grads))
+    }
+}
