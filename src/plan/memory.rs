@@ -28,7 +28,7 @@
 //! Under `recompute: full` a block keeps only its input, and its backward rebuilds the graph
 //! above while it runs.
 
-use model::{Inventory, LlamaConfig, Piece, Recompute};
+use model::{BlockBackward, Inventory, LlamaConfig, Piece, Recompute};
 use parallel::pipeline::{build, Action, ScheduleKind};
 use serde::Serialize;
 
@@ -157,6 +157,22 @@ fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
     elems * p + 4 * n * c.num_attention_heads as u64 / t + upcast + moe
 }
 
+/// What a dense block's hand-written backward keeps ([`model::llama::BlockTape`]): the two norms
+/// as the projections read them (`[n, h]` each), the rotated q and k, v, the attention output
+/// (in the kernel dtype: f32 for 16-bit models on the CPU) and its log-sum-exp, the residual
+/// stream after attention, and the MLP's gate, up and SwiGLU outputs.
+fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
+    let (q, kv) = (
+        c.q_dim() as u64,
+        (c.num_key_value_heads * c.head_dim()) as u64,
+    );
+    let f = c.intermediate_size as u64;
+    let elems = ns * h + 2 * n * h + n * (q + 2 * kv) / t + 3 * n * f / t;
+    let attn = n * q / t * if s.upcast { 4 } else { p };
+    elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
+}
+
 fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
     let v = c.vocab_size as u64;
@@ -203,6 +219,9 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
     let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
         .map_err(|e| format!("pipeline schedule: {e}"))?;
+    // Dense blocks keep a tape instead of a graph (`train.block_backward`), except under
+    // context parallelism.
+    let hand_written = train.block_backward == BlockBackward::HandWritten && par.cp == 1;
     let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
         let input = if first_in_chunk { s_input(&shapes) } else { 0 };
         match piece {
@@ -212,7 +231,11 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 temp: shapes.n * shapes.h * p,
             },
             Piece::Block(i) => PieceActs {
-                graph: block_graph(c, &shapes, c.is_moe_layer(i)),
+                graph: if hand_written && !c.is_moe_layer(i) {
+                    tape_graph(c, &shapes)
+                } else {
+                    block_graph(c, &shapes, c.is_moe_layer(i))
+                },
                 input,
                 temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
             },
@@ -255,7 +278,17 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 pieces
                     .iter()
                     .enumerate()
-                    .map(|(i, &pc)| acts(pc, i == 0 || kept_input(train.recompute, pieces[i - 1])))
+                    .map(|(i, &pc)| {
+                        let before = (i > 0).then(|| pieces[i - 1]);
+                        // A graph keeps its output (the next piece's input); a tape does not.
+                        let taped = |pc: Piece| match pc {
+                            Piece::Block(l) => hand_written && !c.is_moe_layer(l),
+                            _ => false,
+                        };
+                        let counted =
+                            before.is_none_or(|b| kept_input(train.recompute, b) || taped(b));
+                        acts(pc, counted)
+                    })
                     .collect()
             })
             .collect();

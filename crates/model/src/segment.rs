@@ -283,7 +283,9 @@ pub fn backward(
             } else {
                 None
             };
-            let y = pass.run(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?.0;
+            let y = pass
+                .run(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?
+                .0;
             let extra: Vec<&Tensor> = input.iter().map(|v| v.as_tensor()).collect();
             recomputed = graph_storages(&y, &extra);
             (input, y)

@@ -97,7 +97,9 @@ impl Llama {
             .blocks
             .get(&layer)
             .filter(|_| self.hand_written(Piece::Block(layer)))
-            .ok_or_else(|| self.missing(&format!("dense layer {layer} without context parallelism")))?;
+            .ok_or_else(|| {
+                self.missing(&format!("dense layer {layer} without context parallelism"))
+            })?;
         let MlpParams::Dense {
             gate_proj,
             up_proj,

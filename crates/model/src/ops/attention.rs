@@ -464,5 +464,9 @@ pub fn causal_attention_bwd(
     let (out, lse) = saved;
     let (dq, dk, dv) = backward_kernel(q, k, v, out, dout, lse, scale, true)?;
     let dtype = q.dtype();
-    Ok((dq.to_dtype(dtype)?, dk.to_dtype(dtype)?, dv.to_dtype(dtype)?))
+    Ok((
+        dq.to_dtype(dtype)?,
+        dk.to_dtype(dtype)?,
+        dv.to_dtype(dtype)?,
+    ))
 }

@@ -63,7 +63,12 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// Gradients `(dx, dweight)` of [`rms_norm`] for the upstream gradient `dy`, without a graph (the
 /// op's backward kernel, the same computation as autograd's, in the dtypes of `x` and `weight`).
-pub fn rms_norm_bwd(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn rms_norm_bwd(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     rms_norm::rms_norm_bwd(x, weight, eps, dy)
 }
 

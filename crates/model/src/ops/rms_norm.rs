@@ -227,7 +227,12 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// See [`super::rms_norm_bwd`].
-pub fn rms_norm_bwd(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn rms_norm_bwd(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let (dtype, cdt) = (x.dtype(), kernel_dtype(OP, "x", x)?);
     let (xc, wc) = (prepare(x, cdt)?, prepare(weight, cdt)?);
     let (dx, dw) = RmsNorm { eps }.bwd(&xc, &wc, &xc, &dy.to_dtype(cdt)?)?;
