@@ -2,14 +2,15 @@
 //! (forward, backward, AdamW), on a fixed synthetic batch. `bench/cpu_step.sh` runs it beside the
 //! PyTorch reference `bench/torch_llama.py` on the same model and batch and reports the ratio.
 //!
-//! Run: `cargo bench --bench cpu_step -- [recipe] [steps]`; prints one JSON line.
+//! Run: `cargo bench --bench cpu_step -- [recipe] [steps] [hand_written|autograd]` (the decoder
+//! blocks' backward pass, `train.block_backward`); prints one JSON line.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use data::Batch;
-use model::{Llama, Recompute};
+use model::{BlockBackward, Llama, Recompute};
 use parallel::comm::local::LocalWorld;
 use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
 use parallel::pipeline::{build, ScheduleKind};
@@ -37,6 +38,11 @@ fn main() -> anyhow::Result<()> {
         .map(String::as_str)
         .unwrap_or("recipes/tiny.yaml");
     let steps: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(10);
+    let backward = match args.get(2).map(String::as_str) {
+        None | Some("hand_written") => BlockBackward::HandWritten,
+        Some("autograd") => BlockBackward::Autograd,
+        Some(other) => anyhow::bail!("block backward `{other}`: expected hand_written or autograd"),
+    };
     let r = load(Path::new(recipe_path), &[])?;
     let (b, s, v) = (
         r.train.micro_batch,
@@ -91,7 +97,8 @@ fn main() -> anyhow::Result<()> {
     let comm = LocalWorld::new(1, Duration::from_secs(60)).remove(0);
     let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm)?;
     let schedule = build(ScheduleKind::OneFOneB, 1, 1, micro)?;
-    let exec = Executor::new(&model, &ctx, &schedule, Recompute::None, b, s);
+    let exec =
+        Executor::new(&model, &ctx, &schedule, Recompute::None, b, s).with_block_backward(backward);
 
     let (mut fwd, mut step) = (vec![], vec![]);
     let mut loss = 0.0;
@@ -115,7 +122,8 @@ fn main() -> anyhow::Result<()> {
         }
     }
     println!(
-        "{{\"impl\": \"candle\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
+        "{{\"impl\": \"candle\", \"block_backward\": \"{}\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
+        args.get(2).map_or("hand_written", String::as_str),
         rayon::current_num_threads(),
         micro * b * s,
         median(fwd),

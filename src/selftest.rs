@@ -16,7 +16,8 @@
 //! 6. **A 1B decoder block.** One decoder block of the 1B recipes (hidden 2048, 32 query and 4 KV
 //!    heads of 64, intermediate 5632), forward and backward, in f32 and bf16 on the device against
 //!    the same block in f64 on the CPU with the same (device-rounded) weights and input: the
-//!    output, the input gradient and every weight gradient. Over the recipes' 2048 positions on a
+//!    output, the input gradient and every weight gradient, through autograd and through the
+//!    block's hand-written backward pass (the training default). Over the recipes' 2048 positions on a
 //!    GPU; over 128 on the CPU, where f64 time forces it (the only scaled dimension).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
@@ -420,6 +421,22 @@ fn block_run(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Te
     Ok(out)
 }
 
+/// [`block_run`] through the block's hand-written backward pass (`Llama::block_backward`).
+fn block_run_hand(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Tensor)>> {
+    let (y, tape) = m.block_forward_saved(0, x)?;
+    let (dx, grads) = m.block_backward(tape, r)?;
+    let mut grads: std::collections::HashMap<usize, Tensor> = grads.into_iter().collect();
+    let mut out = vec![("output".to_string(), y), ("input".to_string(), dx)];
+    for (i, p) in m.params().iter().enumerate() {
+        let g = grads.remove(&i);
+        out.push((
+            p.name.clone(),
+            g.ok_or_else(|| anyhow::anyhow!("no hand-written gradient of {}", p.name))?,
+        ));
+    }
+    Ok(out)
+}
+
 /// Check 6: the 1B decoder block on `device` in f32 and bf16 against f64 on the CPU, over `seq`
 /// positions (see the module docs).
 pub fn check_block(device: &Device, seq: usize) -> Result<Vec<Check>> {
@@ -439,23 +456,28 @@ pub fn check_block(device: &Device, seq: usize) -> Result<Vec<Check>> {
         }
         let x = randn(&[1, seq, c.hidden_size], 41)?.to_dtype(dtype)?;
         let r = randn(&[1, seq, c.hidden_size], 42)?.to_dtype(dtype)?;
-        let got = block_run(&m, &x.to_device(device)?, &r.to_device(device)?)?;
+        let (xd, rd) = (x.to_device(device)?, r.to_device(device)?);
         let want = block_run(
             &reference,
             &x.to_dtype(DType::F64)?,
             &r.to_dtype(DType::F64)?,
         )?;
-        for ((name, g), (_, w)) in got.iter().zip(&want) {
-            let what = match name.as_str() {
-                "output" => "forward".to_string(),
-                "input" => "grad of the input".to_string(),
-                n => format!("grad of {}", n.rsplit('.').nth(1).unwrap_or(n)),
-            };
-            checks.push(Check {
-                name: format!("1B block s={seq} {what} {dtype:?}"),
-                error: rel_error(g, w)?,
-                tolerance: op_tolerance(dtype),
-            });
+        for (pass, got) in [
+            ("", block_run(&m, &xd, &rd)?),
+            (" hand-written", block_run_hand(&m, &xd, &rd)?),
+        ] {
+            for ((name, g), (_, w)) in got.iter().zip(&want) {
+                let what = match name.as_str() {
+                    "output" => "forward".to_string(),
+                    "input" => "grad of the input".to_string(),
+                    n => format!("grad of {}", n.rsplit('.').nth(1).unwrap_or(n)),
+                };
+                checks.push(Check {
+                    name: format!("1B block s={seq}{pass} {what} {dtype:?}"),
+                    error: rel_error(g, w)?,
+                    tolerance: op_tolerance(dtype),
+                });
+            }
         }
     }
     Ok(checks)
