@@ -10,7 +10,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, T
 use rayon::prelude::*;
 
 use super::attention::{matmul, Dims, BLOCK, OP};
-use super::common::{dot, slice, Float, SyncPtr};
+use super::common::{dot, simd, slice, Float, SyncPtr};
 
 /// Forward-only op on `(q, k, v)` computing their gradients; the forward output, its upstream
 /// gradient and the log-sum-exp ride along in the struct. Returns the flat `[nq + 2 nkv]`
@@ -108,7 +108,8 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
                 for (i, row) in p[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
                     let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
-                    seen.iter_mut().for_each(|x| *x = (*x - lse[qi]).fast_exp());
+                    let shift = lse[qi];
+                    simd(#[inline(always)] || seen.iter_mut().for_each(|x| *x = (*x - shift).fast_exp()));
                     masked.fill(T::zero());
                 }
                 // dV[0..n] += P^T · dO[r0..r1]   [n, d]

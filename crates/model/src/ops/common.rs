@@ -59,6 +59,16 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     }
 }
 
+/// Runs `f` compiled for the widest SIMD level the CPU has (AVX-512 or AVX2 + FMA on x86-64,
+/// detected at run time by `pulp`; the build's baseline elsewhere), so that the element-wise and
+/// reduction loops inlined into it vectorise at that width instead of the baseline's 4 lanes.
+/// Results do not depend on the level: every operation stays an IEEE operation in the same
+/// order (sums keep their [`LANES`] accumulators, and Rust never contracts `a * b + c`).
+#[inline(always)]
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
+}
+
 /// Lanes of the independent accumulators of [`sum`], [`max`] and [`dot`]: lets the compiler keep
 /// them in SIMD registers (float reductions are not reassociated otherwise).
 const LANES: usize = 8;
@@ -81,13 +91,13 @@ fn reduce<T: Float>(len: usize, f: impl Fn(usize) -> T) -> T {
 }
 
 /// `Σ xs`.
-#[inline]
+#[inline(always)]
 pub(crate) fn sum<T: Float>(xs: &[T]) -> T {
     reduce(xs.len(), |i| xs[i])
 }
 
 /// `Σ a ∘ b` over the common length.
-#[inline]
+#[inline(always)]
 pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -95,7 +105,7 @@ pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
 }
 
 /// `Σ a ∘ b ∘ c` over the common length.
-#[inline]
+#[inline(always)]
 pub(crate) fn dot3<T: Float>(a: &[T], b: &[T], c: &[T]) -> T {
     let n = a.len().min(b.len()).min(c.len());
     let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
@@ -103,13 +113,13 @@ pub(crate) fn dot3<T: Float>(a: &[T], b: &[T], c: &[T]) -> T {
 }
 
 /// `Σ exp(x - shift)` over `xs`.
-#[inline]
+#[inline(always)]
 pub(crate) fn sum_exp<T: Float>(xs: &[T], shift: T) -> T {
     reduce(xs.len(), |i| (xs[i] - shift).fast_exp())
 }
 
 /// The largest element (NaNs are skipped); `-inf` for an empty slice.
-#[inline]
+#[inline(always)]
 pub(crate) fn max<T: Float>(xs: &[T]) -> T {
     let mut acc = [T::neg_infinity(); LANES];
     let mut chunks = xs.chunks_exact(LANES);

@@ -13,7 +13,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{kernel_dtype, max, prepare, same_device, slice, sum_exp, Float};
+use super::common::{kernel_dtype, max, prepare, same_device, simd, slice, sum_exp, Float};
 
 const OP: &str = "cross_entropy";
 
@@ -47,9 +47,11 @@ impl CrossEntropy {
         loss.par_iter_mut()
             .zip(logits.par_chunks(v).zip(targets.par_iter()))
             .for_each(|(loss, (row, &t))| {
-                let row_max = max(row);
-                let row_sum = sum_exp(row, row_max);
-                *loss = row_max + row_sum.ln() - row[t as usize];
+                simd(#[inline(always)] || {
+                    let row_max = max(row);
+                    let row_sum = sum_exp(row, row_max);
+                    *loss = row_max + row_sum.ln() - row[t as usize];
+                })
             });
         Ok(T::to_cpu_storage_owned(loss))
     }
@@ -133,9 +135,11 @@ impl CrossEntropyBwd {
                 let t = t as usize;
                 let (loss, g) = (lg[0], lg[1]);
                 let lse = loss + row[t];
-                for (d, &x) in d.iter_mut().zip(row) {
-                    *d = (x - lse).fast_exp() * g;
-                }
+                simd(#[inline(always)] || {
+                    for (d, &x) in d.iter_mut().zip(row.iter()) {
+                        *d = (x - lse).fast_exp() * g;
+                    }
+                });
                 d[t] -= g;
             });
         Ok(T::to_cpu_storage_owned(d))

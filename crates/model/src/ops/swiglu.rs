@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{kernel_dtype, prepare, same_device, same_dtype, slice, Float};
+use super::common::{kernel_dtype, prepare, same_device, same_dtype, simd, slice, Float};
 
 const OP: &str = "swiglu";
 
@@ -34,9 +34,11 @@ impl SwiGlu {
         out.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .for_each(|(o, (g, u))| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g * sigmoid(g) * u;
-                }
+                simd(#[inline(always)] || {
+                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                        *o = g * sigmoid(g) * u;
+                    }
+                })
             });
         Ok(T::to_cpu_storage_owned(out))
     }
@@ -118,12 +120,14 @@ impl SwiGluBwd {
                     .zip(grad.par_chunks(CHUNK)),
             )
             .for_each(|((dg, du), ((g, u), gr))| {
-                for i in 0..dg.len() {
-                    let (g, u, gr) = (g[i], u[i], gr[i]);
-                    let s = sigmoid(g);
-                    dg[i] = gr * u * s * (T::one() + g * (T::one() - s));
-                    du[i] = gr * g * s;
-                }
+                simd(#[inline(always)] || {
+                    for i in 0..dg.len() {
+                        let (g, u, gr) = (g[i], u[i], gr[i]);
+                        let s = sigmoid(g);
+                        dg[i] = gr * u * s * (T::one() + g * (T::one() - s));
+                        du[i] = gr * g * s;
+                    }
+                })
             });
         Ok(T::to_cpu_storage_owned(out))
     }
