@@ -7,7 +7,8 @@
 //!    output and per gradient. Head dim 64 with 8 query heads per KV head over 2048 positions
 //!    and the 32000-id vocabulary are the 1B recipes' shapes.
 //! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
-//!    device against the CPU kernels.
+//!    device against the CPU kernels, and a weight gradient's product accumulated into the f32
+//!    buffer (f32 and bf16 factors; cuBLAS on a GPU) against f64.
 //! 3. **bf16 training.** Steps of the tiny recipe in bf16 on the device against the same steps in
 //!    f32 on the CPU (relative loss difference).
 //! 4. **Collective backend.** With NCCL (CUDA builds with the `nccl` feature): a world of one rank
@@ -27,7 +28,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::optim::kernels::{add_into, sum_squares, AdamWStep};
+use crate::optim::kernels::{add_into, add_product_into, sum_squares, AdamWStep};
 use crate::recipe::{self, DeviceKind, Recipe};
 use crate::train::{device_for, train};
 
@@ -319,6 +320,25 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
         error: (ss_d - ss_c).abs() / ss_c,
         tolerance: 1e-12,
     });
+    // A weight gradient's product accumulated into the buffer, against f64 on the CPU from the
+    // same (rounded) values. Sums of 1000 products in f32: 1e-5. bf16 factors on the CPU take
+    // the unfused path, whose product is rounded to bf16 before it is added (op tolerance).
+    let (rows, out, inp) = (1000, 96, 80);
+    for dtype in [DType::F32, DType::BF16] {
+        let acc = randn(&[out * inp], 24)?.to_dtype(DType::F32)?;
+        let g = randn(&[rows, out], 25)?.to_dtype(dtype)?;
+        let x = randn(&[rows, inp], 26)?.to_dtype(dtype)?;
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64);
+        let want = (f64s(&acc)? + f64s(&g)?.t()?.matmul(&f64s(&x)?)?.flatten_all()?)?;
+        let got = acc.to_device(device)?; // the same storage as `acc` on the CPU
+        add_product_into(&got, &g.to_device(device)?, &x.to_device(device)?)?;
+        let fused = device.is_cuda() || dtype == DType::F32;
+        checks.push(Check {
+            name: format!("add_product_into ({dtype:?} factors into f32)"),
+            error: rel_error(&got.to_dtype(DType::F64)?, &want)?,
+            tolerance: if fused { 1e-5 } else { op_tolerance(dtype) },
+        });
+    }
     Ok(checks)
 }
 
@@ -425,14 +445,12 @@ fn block_run(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Te
 fn block_run_hand(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Tensor)>> {
     let (y, tape) = m.block_forward_saved(0, x)?;
     let (dx, grads) = m.block_backward(tape, r)?;
-    let mut grads: std::collections::HashMap<usize, Tensor> = grads.into_iter().collect();
+    let mut grads: std::collections::HashMap<usize, _> = grads.into_iter().collect();
     let mut out = vec![("output".to_string(), y), ("input".to_string(), dx)];
     for (i, p) in m.params().iter().enumerate() {
         let g = grads.remove(&i);
-        out.push((
-            p.name.clone(),
-            g.ok_or_else(|| anyhow::anyhow!("no hand-written gradient of {}", p.name))?,
-        ));
+        let g = g.ok_or_else(|| anyhow::anyhow!("no hand-written gradient of {}", p.name))?;
+        out.push((p.name.clone(), g.into_tensor()?));
     }
     Ok(out)
 }

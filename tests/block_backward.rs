@@ -34,6 +34,7 @@ fn hand_written_block_backward_equals_autograd_at_every_layout() {
         "train.recompute=full",
         "parallel.tp=2,parallel.sequence_parallel=true,train.recompute=full",
         "train.dtype=bf16",
+        "train.micro_batch=16",
     ] {
         assert_identical(layout);
     }

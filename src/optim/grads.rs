@@ -80,9 +80,22 @@ impl GradBuffer {
 
     /// Adds `grad` into parameter `i`'s gradient (sharded: into its bucket's staging buffer).
     pub fn accumulate(&self, i: usize, grad: &Tensor) -> Result<()> {
+        kernels::add_into(&self.slot(i)?, grad)
+    }
+
+    /// Adds the weight gradient `gᵀ · x` (`g` `[rows, out]`, `x` `[rows, in]`) into parameter
+    /// `i`'s gradient `[out, in]` with one GEMM into the buffer (see
+    /// [`kernels::add_product_into`]).
+    pub fn accumulate_product(&self, i: usize, g: &Tensor, x: &Tensor) -> Result<()> {
+        kernels::add_product_into(&self.slot(i)?, g, x)
+    }
+
+    /// The f32 view parameter `i`'s gradient accumulates into: its slot of the whole buffer, or
+    /// of its bucket's staging buffer (made on first use) when sharded.
+    fn slot(&self, i: usize) -> Result<Tensor> {
         let r = self.layout.range(i);
         if self.owned.is_none() {
-            return kernels::add_into(&self.flat.narrow(0, r.start, r.len())?, grad);
+            return self.flat.narrow(0, r.start, r.len());
         }
         let b = self.layout.bucket_of(i);
         let bucket = &self.layout.buckets[b];
@@ -98,7 +111,7 @@ impl GradBuffer {
                 t
             }
         };
-        kernels::add_into(&full.narrow(0, r.start - bucket.start, r.len())?, grad)
+        full.narrow(0, r.start - bucket.start, r.len())
     }
 
     /// Sharded: takes the staged full-size gradients of the buckets touched since the last call,
@@ -233,5 +246,61 @@ mod tests {
             e.contains("gradient buffer: range 1..3 is not one this rank holds"),
             "{e}"
         );
+    }
+
+    /// Random-ish values in [-1, 1) from a seed (no RNG dependency).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                ((i.wrapping_add(seed).wrapping_mul(2654435761) >> 8) % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn accumulates_weight_gradients_as_one_product() {
+        // A [3, 5] weight after a [2] one; rows 0 (no tokens), 7 and 300 (several GEMM panels).
+        let layout = FlatLayout::new(&[2, 15], 1 << 20, 1);
+        let dev = Device::Cpu;
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            let g = GradBuffer::new(layout.clone(), &dev).unwrap();
+            let mut want = Tensor::zeros((3, 5), DType::F64, &dev).unwrap();
+            for (k, rows) in [0usize, 7, 300].into_iter().enumerate() {
+                let t = |n, cols, seed| {
+                    Tensor::from_vec(values(n * cols, seed), (n, cols), &dev)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                };
+                let (gr, x) = (t(rows, 3, 11 * k as u32), t(rows, 5, 7 + k as u32));
+                g.accumulate_product(1, &gr, &x).unwrap();
+                let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+                want = (want + f64s(&gr).t().unwrap().matmul(&f64s(&x)).unwrap()).unwrap();
+            }
+            let want = want.flatten_all().unwrap();
+            let got = g.get(1).unwrap().to_dtype(DType::F64).unwrap();
+            let max = |t: Tensor| t.abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+            let err = max((got - &want).unwrap()) / max(want);
+            // f32 and f64: f32 rounding of sums of 300 terms. bf16 on the CPU: the product is
+            // computed in bf16 and rounded (2⁻⁸ relative) before it is added.
+            let tolerance = if dtype == DType::BF16 { 1e-2 } else { 1e-6 };
+            assert!(err < tolerance, "{dtype:?}: off by {err:.2e} relative");
+            assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 2]);
+        }
+        // The product must fill the slot exactly.
+        let g = GradBuffer::new(layout, &dev).unwrap();
+        let ones = |r, c| Tensor::ones((r, c), DType::F32, &dev).unwrap();
+        let e = g
+            .accumulate_product(1, &ones(4, 3), &ones(4, 4))
+            .unwrap_err();
+        assert!(e.to_string().contains("do not make the 15 elements"), "{e}");
+        // Sharded: the product lands in the bucket's staging buffer.
+        let layout = FlatLayout::with_buckets(&[15, 2], &[0..2], 2);
+        let owned = vec![0..layout.total / 2];
+        let g = GradBuffer::sharded(layout, owned, &dev).unwrap();
+        g.accumulate_product(0, &ones(2, 3), &ones(2, 5)).unwrap();
+        let staged = g.take_staged();
+        let v = staged[0].1.to_vec1::<f32>().unwrap();
+        assert_eq!(&v[..15], &[2.0; 15]);
     }
 }

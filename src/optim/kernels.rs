@@ -1,5 +1,6 @@
-//! In-place kernels over flat fp32 buffers: gradient accumulation, the AdamW update and the
-//! sum of squares for the global gradient norm. Each is a candle op with a CPU version here
+//! In-place kernels over flat fp32 buffers: gradient accumulation (of a gradient, or of a
+//! projection's weight gradient as one GEMM into the buffer), the AdamW update and the sum of
+//! squares for the global gradient norm. Each is a candle op with a CPU version here
 //! (rayon) and, with the `cuda` feature, a CUDA version launching the kernels of
 //! `model::ops::cuda::flat`. The CUDA AdamW performs the same f32 operations in the same order
 //! (bitwise equal results); its sum of squares is a fixed-order f64 reduction, deterministic but
@@ -8,7 +9,9 @@
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, DType, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor,
+};
 #[cfg(feature = "cuda")]
 use model::ops::cuda::flat;
 use rayon::prelude::*;
@@ -97,6 +100,116 @@ impl InplaceOp2 for AddInto {
 /// Adds `grad` (any float dtype, same element count) into the f32 view `dst`.
 pub fn add_into(dst: &Tensor, grad: &Tensor) -> Result<()> {
     dst.inplace_op2(&grad.contiguous()?, &AddInto)
+}
+
+/// `dst += gᵀ · x` for an f32 view `dst` holding a weight gradient `[out, in]` (row-major), the
+/// upstream gradient `g` `[rows, out]` and the input `x` `[rows, in]` (both contiguous, same
+/// dtype): Megatron's gradient-accumulation fusion, one GEMM reading and writing the buffer with
+/// no `[out, in]` temporary. CPU: f32 factors through the `gemm` crate; CUDA: f32 or bf16 factors
+/// through cuBLAS (`cublasGemmEx`, f32 accumulation and output, beta = 1).
+struct AddProduct {
+    rows: usize,
+    out: usize,
+    inp: usize,
+}
+
+impl InplaceOp3 for AddProduct {
+    fn name(&self) -> &'static str {
+        "add-product"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        x: &CpuStorage,
+        xl: &Layout,
+    ) -> Result<()> {
+        let dst = f32_slice_mut(dst, dl, "add-product")?;
+        let g = f32_slice(g, gl, "add-product")?; // [rows, out]
+        let x = f32_slice(x, xl, "add-product")?; // [rows, in]
+        let (rows, out, inp) = (self.rows, self.out, self.inp);
+        if dst.len() != out * inp || g.len() != rows * out || x.len() != rows * inp {
+            bail!(
+                "add-product: buffer of {} for [{out}, {inp}] from g of {} and x of {} ({rows} rows)",
+                dst.len(),
+                g.len(),
+                x.len()
+            )
+        }
+        if rows == 0 || dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the strides address dst [out, in] row-major, gᵀ as (o, r) = g[r·out + o] and
+        // x as (r, i) = x[r·in + i], all within the slices (lengths checked above); `dst` is
+        // borrowed mutably and overlaps neither input.
+        unsafe {
+            gemm::gemm(
+                out,
+                inp,
+                rows,
+                dst.as_mut_ptr(),
+                1,
+                inp as isize,
+                true,
+                g.as_ptr(),
+                out as isize,
+                1,
+                x.as_ptr(),
+                1,
+                inp as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            )
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+    ) -> Result<()> {
+        flat::add_product(dst, dl, (g, gl), (x, xl), (self.rows, self.out, self.inp))
+    }
+}
+
+/// Adds the weight gradient `gᵀ · x` into the f32 view `dst` (`[out, in]` elements): `g`
+/// `[rows, out]` and `x` `[rows, in]` of one float dtype. One GEMM into the buffer for f32 on
+/// the CPU and f32 or bf16 on CUDA; other dtypes compute the product and add it.
+pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
+    let ((rows, out), (xrows, inp)) = (g.dims2()?, x.dims2()?);
+    if xrows != rows || dst.elem_count() != out * inp || g.dtype() != x.dtype() {
+        bail!(
+            "add-product: g {:?} {:?} and x {:?} {:?} do not make the {} elements of the buffer slice",
+            g.dims(),
+            g.dtype(),
+            x.dims(),
+            x.dtype(),
+            dst.elem_count()
+        )
+    }
+    let fused = match g.dtype() {
+        DType::F32 => true,
+        DType::BF16 => g.device().is_cuda(),
+        _ => false,
+    };
+    if !fused {
+        return add_into(dst, &g.t()?.matmul(x)?);
+    }
+    let op = AddProduct { rows, out, inp };
+    dst.inplace_op3(&g.contiguous()?, &x.contiguous()?, &op)
 }
 
 /// Sum of squares of an f32 buffer, accumulated in f64 (a scalar f64 tensor).

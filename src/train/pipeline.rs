@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use data::Batch;
-use model::segment::{self, Pass, SegmentRun};
+use model::segment::{self, ParamGrad, Pass, SegmentRun};
 use model::{BlockBackward, Llama, Piece, Recompute, Targets};
 use parallel::pipeline::{Action, Schedule};
 use parallel::Comm;
@@ -311,7 +311,7 @@ impl<'a> Executor<'a> {
                         hooks.before_backward(p, micro)?;
                         let graph = run_piece(p, micro);
                         let segment::Backward {
-                            grads: store,
+                            grads: mut store,
                             dx,
                             recomputed,
                         } = segment::backward(
@@ -326,13 +326,17 @@ impl<'a> Executor<'a> {
                         let params = model.piece_params(p);
                         for &i in &params {
                             let param = model.params().get(i);
-                            let Some(g) = store.get(i, &param.tensor()?) else {
+                            let Some(g) = store.take(i, &param.tensor()?) else {
                                 if model.inventory().is_expert(i) {
                                     continue; // no token of this micro-batch chose the expert
                                 }
                                 bail!("parameter {} received no gradient in {p:?}", param.name);
                             };
-                            grads.accumulate(i, g).with_context(|| {
+                            match g {
+                                ParamGrad::Tensor(g) => grads.accumulate(i, &g),
+                                ParamGrad::Product { g, x } => grads.accumulate_product(i, &g, &x),
+                            }
+                            .with_context(|| {
                                 format!("accumulating the gradient of {}", param.name)
                             })?;
                         }

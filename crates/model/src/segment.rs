@@ -156,20 +156,45 @@ impl SegmentRun {
     }
 }
 
+/// One parameter's gradient from a backward pass.
+pub enum ParamGrad {
+    /// The gradient itself, in the parameter's shape.
+    Tensor(Tensor),
+    /// A projection's weight gradient `gᵀ · x` (`[out, in]`) left as its factors, the upstream
+    /// gradient `g` `[rows, out]` and the input `x` `[rows, in]`, so that the gradient buffer can
+    /// accumulate the product with one GEMM (no `[out, in]` temporary and no separate addition).
+    Product {
+        /// `[rows, out]`.
+        g: Tensor,
+        /// `[rows, in]`.
+        x: Tensor,
+    },
+}
+
+impl ParamGrad {
+    /// The gradient as one tensor (the product computed for [`ParamGrad::Product`]).
+    pub fn into_tensor(self) -> Result<Tensor> {
+        match self {
+            ParamGrad::Tensor(t) => Ok(t),
+            ParamGrad::Product { g, x } => g.t()?.matmul(&x),
+        }
+    }
+}
+
 /// The parameter gradients of a segment's backward pass.
 pub enum Grads {
     /// Autograd's store, by tensor.
     Graph(GradStore),
     /// A hand-written pass's, by parameter index.
-    Params(HashMap<usize, Tensor>),
+    Params(HashMap<usize, ParamGrad>),
 }
 
 impl Grads {
-    /// The gradient of parameter `index`, whose tensor is `param`.
-    pub fn get(&self, index: usize, param: &Tensor) -> Option<&Tensor> {
+    /// Takes the gradient of parameter `index`, whose tensor is `param`.
+    pub fn take(&mut self, index: usize, param: &Tensor) -> Option<ParamGrad> {
         match self {
-            Grads::Graph(store) => store.get(param),
-            Grads::Params(map) => map.get(&index),
+            Grads::Graph(store) => store.remove(param).map(ParamGrad::Tensor),
+            Grads::Params(map) => map.remove(&index),
         }
     }
 }

@@ -20,8 +20,8 @@ use candle_core::{Result, Tensor};
 
 use super::Llama;
 use crate::inventory::{BlockParams, MlpParams};
-use crate::ops::{self, linear, linear_bwd, linear_to};
-use crate::segment::{storages, Held};
+use crate::ops::{self, linear, linear_to};
+use crate::segment::{storages, Held, ParamGrad};
 use crate::Piece;
 
 /// What a dense block's forward keeps for its backward pass (model dtype unless said otherwise;
@@ -76,6 +76,14 @@ struct Weights {
     gate: Tensor,
     up: Tensor,
     down: Tensor,
+}
+
+/// A projection's backward: the input gradient `g · w` (in `x`'s shape) and the weight gradient
+/// `gᵀ · x` as its factors, for the gradient buffer to accumulate with one GEMM.
+fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, ParamGrad)> {
+    let dx = ops::linear_dx(w, g, x.shape())?;
+    let (g, x) = ops::linear_factors(x, w, g)?;
+    Ok((dx, ParamGrad::Product { g, x }))
 }
 
 impl Llama {
@@ -178,12 +186,13 @@ impl Llama {
     }
 
     /// The backward pass of a dense block from its tape and the output's gradient `dy`
-    /// `[b, s(/tp), h]`: the input's gradient and every parameter's, by parameter index.
+    /// `[b, s(/tp), h]`: the input's gradient and every parameter's, by parameter index (the
+    /// projections' as the factors of `gᵀ · x`).
     pub fn block_backward(
         &self,
         tape: BlockTape,
         dy: &Tensor,
-    ) -> Result<(Tensor, Vec<(usize, Tensor)>)> {
+    ) -> Result<(Tensor, Vec<(usize, ParamGrad)>)> {
         let BlockTape {
             layer,
             x,
@@ -213,10 +222,10 @@ impl Llama {
 
         // MLP: y = x1 + exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)).
         let dd = tp.exit_grad(&dy)?; // [b, s, h]
-        let (dact, d_down) = linear_bwd(&act, &w.down, &dd)?; // [b, s, f/tp]
+        let (dact, d_down) = projection_bwd(&act, &w.down, &dd)?; // [b, s, f/tp]
         let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
-        let (dh2_up, d_up) = linear_bwd(&h2, &w.up, &dup)?; // [b, s, h] partial
-        let (dh2_gate, d_gate) = linear_bwd(&h2, &w.gate, &dgate)?;
+        let (dh2_up, d_up) = projection_bwd(&h2, &w.up, &dup)?; // [b, s, h] partial
+        let (dh2_gate, d_gate) = projection_bwd(&h2, &w.gate, &dgate)?;
         let dh2 = (dh2_up + dh2_gate)?;
         let (dx1, d_norm2) =
             ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?;
@@ -226,25 +235,25 @@ impl Llama {
         let (cos, sin, scale) = self.rope_and_scale(h.dim(1)?)?;
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
-        let (da, d_o) = linear_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
+        let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
         let (dq, dk, dv) = ops::causal_attention_bwd(&q, &k, &v, (&attn, &lse), &da, scale)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,
         );
-        let (dh_v, d_v) = linear_bwd(&h, &w.v, &dv)?; // [b, s, h] partial
-        let (dh_k, d_k) = linear_bwd(&h, &w.k, &dk)?;
-        let (dh_q, d_q) = linear_bwd(&h, &w.q, &dq)?;
+        let (dh_v, d_v) = projection_bwd(&h, &w.v, &dv)?; // [b, s, h] partial
+        let (dh_k, d_k) = projection_bwd(&h, &w.k, &dk)?;
+        let (dh_q, d_q) = projection_bwd(&h, &w.q, &dq)?;
         let dh = ((dh_v + dh_k)? + dh_q)?;
         let (dx, d_norm1) = ops::rms_norm_bwd(&x, &w.norm1, c.rms_norm_eps, &tp.enter_grad(&dh)?)?;
         let dx = (dx1 + dx)?;
         let grads = vec![
-            (blk.input_layernorm, d_norm1),
+            (blk.input_layernorm, ParamGrad::Tensor(d_norm1)),
             (blk.q_proj, d_q),
             (blk.k_proj, d_k),
             (blk.v_proj, d_v),
             (blk.o_proj, d_o),
-            (blk.post_attention_layernorm, d_norm2),
+            (blk.post_attention_layernorm, ParamGrad::Tensor(d_norm2)),
             (gate_proj, d_gate),
             (up_proj, d_up),
             (down_proj, d_down),

@@ -180,14 +180,17 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
                 for (i, row) in scores[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
                     let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
-                    let (row_max, row_sum) = simd(#[inline(always)] || {
-                        let row_max = max(seen);
-                        seen.iter_mut().for_each(|x| *x = (*x - row_max).fast_exp());
-                        let row_sum = sum(seen);
-                        let inv = T::one() / row_sum;
-                        seen.iter_mut().for_each(|x| *x *= inv);
-                        (row_max, row_sum)
-                    });
+                    let (row_max, row_sum) = simd(
+                        #[inline(always)]
+                        || {
+                            let row_max = max(seen);
+                            seen.iter_mut().for_each(|x| *x = (*x - row_max).fast_exp());
+                            let row_sum = sum(seen);
+                            let inv = T::one() / row_sum;
+                            seen.iter_mut().for_each(|x| *x *= inv);
+                            (row_max, row_sum)
+                        },
+                    );
                     masked.fill(T::zero());
                     lse[qi] = row_max + row_sum.ln();
                 }

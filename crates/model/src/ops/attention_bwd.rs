@@ -109,7 +109,10 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
                     let qi = r0 + i;
                     let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
                     let shift = lse[qi];
-                    simd(#[inline(always)] || seen.iter_mut().for_each(|x| *x = (*x - shift).fast_exp()));
+                    simd(
+                        #[inline(always)]
+                        || seen.iter_mut().for_each(|x| *x = (*x - shift).fast_exp()),
+                    );
                     masked.fill(T::zero());
                 }
                 // dV[0..n] += P^T · dO[r0..r1]   [n, d]

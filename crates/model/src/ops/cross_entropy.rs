@@ -47,11 +47,14 @@ impl CrossEntropy {
         loss.par_iter_mut()
             .zip(logits.par_chunks(v).zip(targets.par_iter()))
             .for_each(|(loss, (row, &t))| {
-                simd(#[inline(always)] || {
-                    let row_max = max(row);
-                    let row_sum = sum_exp(row, row_max);
-                    *loss = row_max + row_sum.ln() - row[t as usize];
-                })
+                simd(
+                    #[inline(always)]
+                    || {
+                        let row_max = max(row);
+                        let row_sum = sum_exp(row, row_max);
+                        *loss = row_max + row_sum.ln() - row[t as usize];
+                    },
+                )
             });
         Ok(T::to_cpu_storage_owned(loss))
     }
@@ -135,11 +138,14 @@ impl CrossEntropyBwd {
                 let t = t as usize;
                 let (loss, g) = (lg[0], lg[1]);
                 let lse = loss + row[t];
-                simd(#[inline(always)] || {
-                    for (d, &x) in d.iter_mut().zip(row.iter()) {
-                        *d = (x - lse).fast_exp() * g;
-                    }
-                });
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (d, &x) in d.iter_mut().zip(row.iter()) {
+                            *d = (x - lse).fast_exp() * g;
+                        }
+                    },
+                );
                 d[t] -= g;
             });
         Ok(T::to_cpu_storage_owned(d))

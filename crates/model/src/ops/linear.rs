@@ -98,13 +98,26 @@ impl CustomOp2 for Linear {
 
 /// See [`super::linear_bwd`].
 pub(super) fn linear_bwd(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (g, x2) = linear_factors(x, w, grad)?;
+    let dx = linear_dx(w, grad, x.shape())?; // x's shape
+    let dw = g.t()?.matmul(&x2)?; // [out, in]
+    Ok((dx, dw))
+}
+
+/// See [`super::linear_dx`].
+pub(super) fn linear_dx(w: &Tensor, grad: &Tensor, shape: &Shape) -> Result<Tensor> {
+    let n_out = w.dim(0)?;
+    let g = grad.reshape((grad.elem_count() / n_out.max(1), n_out))?; // [rows, out]
+    g.matmul(&w.detach())?.reshape(shape)
+}
+
+/// See [`super::linear_factors`].
+pub(super) fn linear_factors(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
     let (n_out, n_in) = w.dims2()?;
     let rows = x.elem_count() / n_in.max(1);
     let g = grad.reshape((rows, n_out))?; // [rows, out]
     let x2 = x.detach().reshape((rows, n_in))?; // [rows, in]
-    let dx = g.matmul(&w.detach())?.reshape(x.shape())?; // x's shape
-    let dw = g.t()?.matmul(&x2)?; // [out, in]
-    Ok((dx, dw))
+    Ok((g, x2))
 }
 
 pub(super) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {

@@ -54,6 +54,18 @@ pub fn linear_bwd(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tens
     linear::linear_bwd(x, w, grad)
 }
 
+/// The input gradient of [`linear`] alone, `g · w` in `shape` (`x`'s), without a graph.
+pub fn linear_dx(w: &Tensor, grad: &Tensor, shape: &candle_core::Shape) -> Result<Tensor> {
+    linear::linear_dx(w, grad, shape)
+}
+
+/// The factors of [`linear`]'s weight gradient `dw = gᵀ · x`: the upstream gradient as rows
+/// `[rows, out]` and the input as rows `[rows, in]` (views, no copies), for accumulating the
+/// product straight into a gradient buffer.
+pub fn linear_factors(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    linear::linear_factors(x, w, grad)
+}
+
 /// RMSNorm over the last dimension: `y = x / sqrt(mean(x²) + eps) * weight`.
 /// `x`: `[.., h]`, `weight`: `[h]` (same dtype); returns the shape of `x`. Sums accumulate in the
 /// compute dtype (f32, or f64 for f64). Backward gives `dx` and `dweight` (summed over all rows).

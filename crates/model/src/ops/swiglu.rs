@@ -34,11 +34,14 @@ impl SwiGlu {
         out.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .for_each(|(o, (g, u))| {
-                simd(#[inline(always)] || {
-                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                        *o = g * sigmoid(g) * u;
-                    }
-                })
+                simd(
+                    #[inline(always)]
+                    || {
+                        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                            *o = g * sigmoid(g) * u;
+                        }
+                    },
+                )
             });
         Ok(T::to_cpu_storage_owned(out))
     }
@@ -120,14 +123,17 @@ impl SwiGluBwd {
                     .zip(grad.par_chunks(CHUNK)),
             )
             .for_each(|((dg, du), ((g, u), gr))| {
-                simd(#[inline(always)] || {
-                    for i in 0..dg.len() {
-                        let (g, u, gr) = (g[i], u[i], gr[i]);
-                        let s = sigmoid(g);
-                        dg[i] = gr * u * s * (T::one() + g * (T::one() - s));
-                        du[i] = gr * g * s;
-                    }
-                })
+                simd(
+                    #[inline(always)]
+                    || {
+                        for i in 0..dg.len() {
+                            let (g, u, gr) = (g[i], u[i], gr[i]);
+                            let s = sigmoid(g);
+                            dg[i] = gr * u * s * (T::one() + g * (T::one() - s));
+                            du[i] = gr * g * s;
+                        }
+                    },
+                )
             });
         Ok(T::to_cpu_storage_owned(out))
     }

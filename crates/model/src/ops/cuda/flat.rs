@@ -1,5 +1,6 @@
 //! Launchers of the optimizer's flat-buffer kernels (`kernels/flat.cu`), called from the root
-//! crate's `optim::kernels` ops: gradient accumulation into an f32 buffer, the AdamW update over
+//! crate's `optim::kernels` ops: gradient accumulation into an f32 buffer (and a weight
+//! gradient's product accumulated by cuBLAS), the AdamW update over
 //! `[master | exp_avg | exp_avg_sq]` and the sum of squares of an f32 buffer (in f64).
 //!
 //! `adamw` performs exactly the f32 operations of the CPU `AdamWStep` (bitwise equal results);
@@ -68,6 +69,111 @@ pub fn add_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layo
         unsafe { builder.launch(elementwise(n)) }.w()?;
         Ok(())
     })
+}
+
+/// `dst[out, in] += gᵀ · x` (row-major) for an f32 buffer view `dst`, `g` `[rows, out]` and `x`
+/// `[rows, in]`, both f32 or both bf16: one `cublasGemmEx` with f32 accumulation and output and
+/// beta = 1 on the device's stream (whose handle candle made for it).
+pub fn add_product(
+    dst: &mut CudaStorage,
+    dl: &Layout,
+    (g, gl): (&CudaStorage, &Layout),
+    (x, xl): (&CudaStorage, &Layout),
+    (rows, out, inp): (usize, usize, usize),
+) -> Result<()> {
+    const OP: &str = "add-product";
+    use candle_core::cuda::cudarc::cublas::sys::cudaDataType_t;
+    let dev = dst.device().clone();
+    let (a, b) = range(OP, "buffer", dl)?;
+    if b - a != out * inp {
+        bail!("{OP}: buffer slice of {} for [{out}, {inp}]", b - a)
+    }
+    if rows == 0 || out * inp == 0 {
+        return Ok(());
+    }
+    if g.dtype() != x.dtype() {
+        bail!("{OP}: g is {:?} but x is {:?}", g.dtype(), x.dtype())
+    }
+    let dims = [rows, out, inp].map(i32::try_from);
+    let [Ok(rows), Ok(out), Ok(inp)] = dims else {
+        bail!("{OP}: [{rows}, {out}] x [{rows}, {inp}] exceeds cuBLAS's 32-bit dimensions")
+    };
+    let dtype = dst.dtype();
+    let data = match dst.as_cuda_slice_mut::<f32>() {
+        Ok(d) => d,
+        Err(_) => bail!("{OP}: expected an f32 buffer, got {dtype:?}"),
+    };
+    let mut d = data.slice_mut(a..b); // [out, in]
+    match g.dtype() {
+        candle_core::DType::F32 => gemm_ex::<f32>(
+            &dev,
+            &mut d,
+            (g, gl),
+            (x, xl),
+            cudaDataType_t::CUDA_R_32F,
+            (rows, out, inp),
+        ),
+        candle_core::DType::BF16 => gemm_ex::<half::bf16>(
+            &dev,
+            &mut d,
+            (g, gl),
+            (x, xl),
+            cudaDataType_t::CUDA_R_16BF,
+            (rows, out, inp),
+        ),
+        other => bail!("{OP}: no fused product for {other:?} factors"),
+    }
+}
+
+/// [`add_product`] for factors of element type `T` (cuBLAS type `ty`).
+fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    d: &mut candle_core::cuda::cudarc::driver::CudaViewMut<'_, f32>,
+    (g, gl): (&CudaStorage, &Layout),
+    (x, xl): (&CudaStorage, &Layout),
+    ty: candle_core::cuda::cudarc::cublas::sys::cudaDataType_t,
+    (rows, out, inp): (i32, i32, i32),
+) -> Result<()> {
+    use candle_core::cuda::cudarc::cublas::{result, sys};
+    use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
+    const OP: &str = "add-product";
+    let gv = view::<T>(OP, "g", g, gl)?; // [rows, out]
+    let xv = view::<T>(OP, "x", x, xl)?; // [rows, in]
+    let stream = dev.cuda_stream();
+    let blas = dev.cublas_handle();
+    let (gp, _g_read) = gv.device_ptr(&stream);
+    let (xp, _x_read) = xv.device_ptr(&stream);
+    let (dp, _d_write) = d.device_ptr_mut(&stream);
+    let (alpha, beta) = (1f32, 1f32);
+    // Column-major, cuBLAS's view of the row-major buffers: D'[in, out] (ld in) += X'[in, rows]
+    // (ld in) · G'[out, rows]ᵀ (ld out), i.e. D[o, i] += Σ_r g[r, o] · x[r, i].
+    // SAFETY: the pointers are live device buffers of the stream the handle runs on, of
+    // rows·in, rows·out and out·in elements as the leading dimensions address; alpha and beta
+    // are host scalars (the handle's default pointer mode) read before the call returns.
+    unsafe {
+        result::gemm_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            inp,
+            out,
+            rows,
+            (&alpha as *const f32).cast(),
+            xp as *const std::ffi::c_void,
+            ty,
+            inp,
+            gp as *const std::ffi::c_void,
+            ty,
+            out,
+            (&beta as *const f32).cast(),
+            dp as *mut std::ffi::c_void,
+            sys::cudaDataType_t::CUDA_R_32F,
+            inp,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("{OP}: cublasGemmEx: {e:?}")))
 }
 
 /// The step-wide scalars of one AdamW update, as the CPU `AdamWStep` computes them (f32).
