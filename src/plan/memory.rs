@@ -230,12 +230,19 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 input: 0,
                 temp: shapes.n * shapes.h * p,
             },
+            Piece::Block(i) if hand_written && !c.is_moe_layer(i) => PieceActs {
+                graph: tape_graph(c, &shapes),
+                input,
+                // The projections' upstream gradients, kept as weight-gradient factors until
+                // the block's gradients are accumulated, and one MLP-wide temporary.
+                temp: p
+                    * (2 * n * shapes.h
+                        + 3 * n * c.intermediate_size as u64 / shapes.t
+                        + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
+                            / shapes.t),
+            },
             Piece::Block(i) => PieceActs {
-                graph: if hand_written && !c.is_moe_layer(i) {
-                    tape_graph(c, &shapes)
-                } else {
-                    block_graph(c, &shapes, c.is_moe_layer(i))
-                },
+                graph: block_graph(c, &shapes, c.is_moe_layer(i)),
                 input,
                 temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
             },
