@@ -1,28 +1,32 @@
-//! The decoder blocks' hand-written backward pass against candle's autograd, through the real
-//! training step at every layout the parallel tests cover, recompute and bf16: the same losses,
-//! gradient norms and final weights.
+//! The hand-written backward passes (dense decoder blocks, and the head without tensor
+//! parallelism) against candle's autograd, through the real training step at every layout the
+//! parallel tests cover, recompute, bf16 and larger micro-batches: the same losses, gradient norms
+//! and final weights.
 //!
-//! Tolerance: none. The hand-written pass runs autograd's kernels, dtype conversions and
-//! collectives in autograd's order (the sums of the projections' input gradients included), and
-//! adding a contribution to autograd's zero-filled gradient is exact, so the two paths agree bit
-//! for bit on the CPU. (A different summation order would show as ~1e-7 relative differences;
-//! a wrong gradient as 1e-3 or more.)
+//! Tolerance: the hand-written passes run autograd's kernels, dtype conversions and collectives
+//! in autograd's order (the sums of the projections' input gradients included), so they compute
+//! the same values; the one difference is where a projection's weight gradient meets the
+//! gradient buffer. Autograd computes `gᵀx` and adds it; the fused accumulation runs one GEMM
+//! into the buffer, and when the GEMM splits its inner dimension (the micro-batch's rows) into
+//! several blocks, their partial sums are added into the buffer one by one. Measured: bit for bit
+//! up to 512 rows per micro-batch (and at 2048 rows in a single micro-batch); with 1024 rows and
+//! four micro-batches, losses 1.5e-8 relative, gradient norms 6.5e-8, weights 1.3e-6 (Adam's
+//! amplification of near-zero gradients, see `tests/parallel.rs`). Asserted: the parallel
+//! tests' tolerances (losses < 1e-6, step-1 gradient norm < 1e-6, weights < 3e-4, mean < 2e-7).
+//! A 1e-4 error in one input gradient or in the fused product moves the loss or the step-1 norm
+//! by 4e-6 to 8e-5 and fails.
 
 mod common;
-use common::{compare, run};
+use common::{assert_equivalent, compare, run};
 
-fn assert_identical(layout: &str) {
+fn assert_same(layout: &str) {
     let autograd = run(&format!("{layout},train.block_backward=autograd"));
     let hand = run(layout);
-    let d = compare(layout, &autograd, &hand);
-    assert!(
-        d.loss == 0.0 && d.grad_norm == 0.0 && d.weight_max == 0.0,
-        "{layout}: the hand-written backward differs from autograd: {d:?}"
-    );
+    assert_equivalent(layout, compare(layout, &autograd, &hand));
 }
 
 #[test]
-fn hand_written_block_backward_equals_autograd_at_every_layout() {
+fn hand_written_backward_equals_autograd_at_every_layout() {
     for layout in [
         "parallel.dp=1",
         "parallel.tp=2",
@@ -35,7 +39,9 @@ fn hand_written_block_backward_equals_autograd_at_every_layout() {
         "parallel.tp=2,parallel.sequence_parallel=true,train.recompute=full",
         "train.dtype=bf16",
         "train.micro_batch=16",
+        "train.global_batch=32,train.micro_batch=8",
+        "parallel.dp=2,parallel.pp=2,train.global_batch=32,train.micro_batch=8",
     ] {
-        assert_identical(layout);
+        assert_same(layout);
     }
 }

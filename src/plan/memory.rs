@@ -173,6 +173,15 @@ fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
 }
 
+/// What the head's hand-written backward keeps ([`model::llama::HeadTape`], no tensor
+/// parallelism): the final norm's rows, the logits (model dtype), the per-row losses (f32; f64
+/// for f64) and the micro-batch's labels (u32) and loss mask (f32).
+fn head_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let (n, p, h) = (s.n, s.p, s.h);
+    let acc = if p == 8 { 8 } else { 4 };
+    n * h * p + n * c.vocab_size as u64 * p + n * (acc + 4 + 4)
+}
+
 fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
     let v = c.vocab_size as u64;
@@ -222,6 +231,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     // Dense blocks keep a tape instead of a graph (`train.block_backward`), except under
     // context parallelism.
     let hand_written = train.block_backward == BlockBackward::HandWritten && par.cp == 1;
+    // The head keeps a tape without tensor parallelism.
+    let head_taped = train.block_backward == BlockBackward::HandWritten && t == 1;
     let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
         let input = if first_in_chunk { s_input(&shapes) } else { 0 };
         match piece {
@@ -247,7 +258,11 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
             },
             Piece::Head => PieceActs {
-                graph: head_graph(c, &shapes),
+                graph: if head_taped {
+                    head_tape(c, &shapes)
+                } else {
+                    head_graph(c, &shapes)
+                },
                 input,
                 temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
             },
@@ -290,7 +305,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                         // A graph keeps its output (the next piece's input); a tape does not.
                         let taped = |pc: Piece| match pc {
                             Piece::Block(l) => hand_written && !c.is_moe_layer(l),
-                            _ => false,
+                            Piece::Head => head_taped,
+                            Piece::Embedding => false,
                         };
                         let counted =
                             before.is_none_or(|b| kept_input(train.recompute, b) || taped(b));

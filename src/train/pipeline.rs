@@ -130,16 +130,19 @@ pub struct Executor<'a> {
     device_timed: Option<&'a Device>,
 }
 
-/// How piece `p` runs: a dense block with its hand-written backward when `hand_written` allows
-/// and the model has one for it, else through the autograd graph of `graph`.
+/// How piece `p` runs: with its hand-written backward (a dense block, the head with `targets`)
+/// when `hand_written` allows and the model has one for it, else through the autograd graph of
+/// `graph`.
 fn pass_of<'g>(
     model: &'g Llama,
     p: Piece,
     hand_written: bool,
     graph: &'g dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    targets: &'g Targets,
 ) -> Pass<'g> {
     match p {
         Piece::Block(i) if hand_written && model.hand_written(p) => Pass::Block(model, i),
+        Piece::Head if hand_written && model.hand_written(p) => Pass::Head(model, targets),
         _ => Pass::Graph(graph),
     }
 }
@@ -261,7 +264,7 @@ impl<'a> Executor<'a> {
                         hooks.before_forward(p, micro)?;
                         let graph = run_piece(p, micro);
                         let (y, run) = segment::forward(
-                            &pass_of(model, p, hand_written, &graph),
+                            &pass_of(model, p, hand_written, &graph, &mbs[micro].targets),
                             &x,
                             p != Piece::Embedding,
                             mode(p),
@@ -315,7 +318,7 @@ impl<'a> Executor<'a> {
                             dx,
                             recomputed,
                         } = segment::backward(
-                            &pass_of(model, p, hand_written, &graph),
+                            &pass_of(model, p, hand_written, &graph, &mbs[micro].targets),
                             run,
                             p != Piece::Embedding,
                             dy.as_ref(),

@@ -24,7 +24,9 @@ use crate::ops::{self, linear, linear_to};
 use crate::params::{ParamSet, ParamSpec};
 
 mod backward;
+mod head;
 pub use backward::BlockTape;
+pub use head::HeadTape;
 
 /// A piece of the model run as one segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,8 +7,9 @@
 //! pipeline stages (the upstream gradient arrives from the next stage).
 //!
 //! A segment runs as a [`Pass`]: through candle's autograd graph of a forward closure, or as a
-//! dense decoder block with its hand-written backward ([`crate::llama::BlockTape`]), which keeps a
-//! tape of the tensors its backward reads instead of a graph. Recompute works alike for both.
+//! piece with a hand-written backward (a dense decoder block, [`crate::llama::BlockTape`]; the
+//! head, [`crate::llama::HeadTape`]), which keeps a tape of the tensors its backward reads instead
+//! of a graph. Recompute works alike for both.
 //!
 //! [`SegmentRun::held`] and [`graph_storages`] measure what a segment keeps for its backward: the
 //! distinct storages of its autograd graph (parameters excluded) and its input — the activation
@@ -20,7 +21,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::{Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use crate::llama::BlockTape;
+use crate::llama::{BlockTape, HeadTape};
 use crate::ops::grad_inject;
 use crate::Llama;
 
@@ -65,17 +66,56 @@ pub enum Pass<'a> {
     Graph(&'a dyn Fn(&Tensor) -> Result<Tensor>),
     /// Dense decoder block `layer` of `model`, forward without a graph, hand-written backward.
     Block(&'a Llama, usize),
+    /// The head of `model` with the micro-batch's targets, hand-written backward.
+    Head(&'a Llama, &'a crate::Targets),
+}
+
+/// What a hand-written pass keeps for its backward.
+pub enum Tape {
+    /// A dense block's.
+    Block(BlockTape),
+    /// The head's.
+    Head(HeadTape),
+}
+
+impl Tape {
+    /// The storages the tape keeps alive.
+    pub fn held(&self) -> Held {
+        match self {
+            Tape::Block(t) => t.held(),
+            Tape::Head(t) => t.held(),
+        }
+    }
 }
 
 impl Pass<'_> {
-    /// The output and, for a block, its tape.
-    fn run(&self, x: &Tensor) -> Result<(Tensor, Option<BlockTape>)> {
+    /// The output and, for a hand-written pass, its tape.
+    fn run(&self, x: &Tensor) -> Result<(Tensor, Option<Tape>)> {
         match self {
             Pass::Graph(f) => Ok((f(x)?, None)),
             Pass::Block(model, layer) => {
                 let (y, tape) = model.block_forward_saved(*layer, x)?;
-                Ok((y, Some(tape)))
+                Ok((y, Some(Tape::Block(tape))))
             }
+            Pass::Head(model, targets) => {
+                let (loss, tape) = model.head_forward_saved(x, targets)?;
+                Ok((loss, Some(Tape::Head(tape))))
+            }
+        }
+    }
+
+    /// A hand-written pass's backward from its tape: the input's gradient and the parameters'.
+    fn backward(
+        &self,
+        tape: Tape,
+        dy: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<(usize, ParamGrad)>)> {
+        match (self, tape, dy) {
+            (Pass::Block(model, _), Tape::Block(tape), Some(dy)) => model.block_backward(tape, dy),
+            (Pass::Head(model, _), Tape::Head(tape), None) => model.head_backward(tape),
+            _ => candle_core::bail!(
+                "a hand-written backward pass got another pass's tape or upstream gradient"
+            ),
         }
     }
 }
@@ -89,8 +129,8 @@ pub struct SegmentRun {
     raw_input: Tensor,
     /// The output with its graph, kept unless recomputing ([`Pass::Graph`]).
     output: Option<Tensor>,
-    /// The block's tape, kept unless recomputing ([`Pass::Block`]).
-    tape: Option<BlockTape>,
+    /// A hand-written pass's tape, kept unless recomputing.
+    tape: Option<Tape>,
 }
 
 /// Storages a segment keeps alive: `(storage key, bytes)`, one entry per distinct storage. Equal
@@ -236,7 +276,7 @@ pub fn forward(
                 },
             ))
         }
-        (Recompute::None, Pass::Block(..)) => {
+        (Recompute::None, Pass::Block(..) | Pass::Head(..)) => {
             let (y, tape) = pass.run(x)?;
             Ok((
                 y,
@@ -280,19 +320,17 @@ pub fn backward(
         output,
         tape,
     } = run;
-    if let Pass::Block(model, layer) = pass {
-        let Some(dy) = dy else {
-            candle_core::bail!("block {layer}: a block's backward pass needs its output's gradient")
-        };
+    if !matches!(pass, Pass::Graph(_)) {
         let (tape, recomputed) = match tape {
             Some(tape) => (tape, Held::new()),
             None => {
-                let (_, tape) = model.block_forward_saved(*layer, &raw_input)?;
+                let tape = pass.run(&raw_input)?.1;
+                let tape = tape.ok_or_else(|| candle_core::Error::Msg("no tape".into()))?;
                 let held = tape.held();
                 (tape, held)
             }
         };
-        let (dx, grads) = model.block_backward(tape, dy)?;
+        let (dx, grads) = pass.backward(tape, dy)?;
         return Ok(Backward {
             grads: Grads::Params(grads.into_iter().collect()),
             dx: Some(dx),

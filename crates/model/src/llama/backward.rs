@@ -14,7 +14,7 @@
 //! enters through the region entries' and exits' values and gradients
 //! (`TensorParallel::{enter,exit}_{value,grad}`). Blocks with a mixture of experts and blocks under
 //! context parallelism (whose ring attention is an autograd op of its own) keep the autograd path:
-//! [`Llama::hand_written`] says which.
+//! [`Llama::hand_written`] says which. The head's hand-written pass is in `head.rs`.
 
 use candle_core::{Result, Tensor};
 
@@ -80,17 +80,22 @@ struct Weights {
 
 /// A projection's backward: the input gradient `g · w` (in `x`'s shape) and the weight gradient
 /// `gᵀ · x` as its factors, for the gradient buffer to accumulate with one GEMM.
-fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, ParamGrad)> {
+pub(super) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, ParamGrad)> {
     let dx = ops::linear_dx(w, g, x.shape())?;
     let (g, x) = ops::linear_factors(x, w, g)?;
     Ok((dx, ParamGrad::Product { g, x }))
 }
 
 impl Llama {
-    /// Whether `piece` runs with the hand-written backward of this module: a dense decoder block
-    /// on a rank without context parallelism.
+    /// Whether `piece` runs with a hand-written backward: a dense decoder block on a rank
+    /// without context parallelism (this module), or the head without tensor parallelism
+    /// (`head.rs`).
     pub fn hand_written(&self, piece: Piece) -> bool {
-        let Piece::Block(i) = piece else { return false };
+        let i = match piece {
+            Piece::Block(i) => i,
+            Piece::Head => return self.head_hand_written(),
+            Piece::Embedding => return false,
+        };
         let dense = self
             .inventory
             .blocks

@@ -217,3 +217,18 @@ pub fn cross_entropy_acc(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let cdt = kernel_dtype(OP, "logits", logits)?;
     prepare(logits, cdt)?.apply_op2(&targets.detach().contiguous()?, CrossEntropy)
 }
+
+/// See [`super::cross_entropy_acc_bwd`].
+pub fn cross_entropy_acc_bwd(
+    logits: &Tensor,
+    targets: &Tensor,
+    losses: &Tensor,
+    dlosses: &Tensor,
+) -> Result<Tensor> {
+    let cdt = kernel_dtype(OP, "logits", logits)?;
+    let targets = targets.detach().contiguous()?;
+    match CrossEntropy.bwd(&prepare(logits, cdt)?, &targets, losses, dlosses)? {
+        (Some(d), _) => d.to_dtype(logits.dtype()),
+        _ => bail!("{OP}: the backward kernel gave no gradient"),
+    }
+}

@@ -200,6 +200,18 @@ pub fn cross_entropy_acc(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy::cross_entropy_acc(logits, targets)
 }
 
+/// The logits' gradient of [`cross_entropy_acc`] without a graph: `logits` and `targets` as
+/// given to it, `losses` what it returned and `dlosses` their upstream gradient (`[n]`, any float
+/// dtype); the result has the logits' dtype.
+pub fn cross_entropy_acc_bwd(
+    logits: &Tensor,
+    targets: &Tensor,
+    losses: &Tensor,
+    dlosses: &Tensor,
+) -> Result<Tensor> {
+    cross_entropy::cross_entropy_acc_bwd(logits, targets, losses, dlosses)
+}
+
 /// A scalar whose backward pass hands `grad` to `y`: calling `.backward()` on the result
 /// back-propagates the upstream gradient `grad` (same shape as `y`) through `y`'s graph.
 /// The value is a zero scalar (shape `()`, dtype of `y`); the gradient handed to `y` is `grad`
