@@ -295,8 +295,12 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("do not make the 15 elements"), "{e}");
         // Sharded: the product lands in the bucket's staging buffer.
-        let layout = FlatLayout::with_buckets(&[15, 2], &[0..2], 2);
-        let owned = vec![0..layout.total / 2];
+        let layout = FlatLayout::with_buckets(&[15, 2], &[0..1, 1..2], 2);
+        let owned: Vec<_> = layout
+            .buckets
+            .iter()
+            .map(|b| b.start..b.start + b.len / 2)
+            .collect();
         let g = GradBuffer::sharded(layout, owned, &dev).unwrap();
         g.accumulate_product(0, &ones(2, 3), &ones(2, 5)).unwrap();
         let staged = g.take_staged();
