@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One training step of the same model on CPU, candle (this project) against PyTorch eager, with
-# the same thread count, in one run: ours with the hand-written block backward (the default) and
+# the same thread count, in one run: ours with the hand-written backward passes (the default) and
 # with autograd, PyTorch between them. Usage: bench/cpu_step.sh [recipe] [steps] [threads]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +23,5 @@ for r in (c, t, a):
     print(json.dumps(r))
 print(f"forward: candle {c['fwd_ms']:.1f} ms, torch {t['fwd_ms']:.1f} ms -> torch/candle = {t['fwd_ms']/c['fwd_ms']:.2f}x")
 print(f"step:    candle {c['step_ms']:.1f} ms, torch {t['step_ms']:.1f} ms -> torch/candle = {t['step_ms']/c['step_ms']:.2f}x (>1 means candle is faster)")
-print(f"step with autograd blocks: candle {a['step_ms']:.1f} ms -> torch/candle = {t['step_ms']/a['step_ms']:.2f}x; hand-written saves {100 * (1 - c['step_ms'] / a['step_ms']):.1f}%")
+print(f"step with autograd backward: candle {a['step_ms']:.1f} ms -> torch/candle = {t['step_ms']/a['step_ms']:.2f}x; hand-written saves {100 * (1 - c['step_ms'] / a['step_ms']):.1f}%")
 PY

@@ -2,15 +2,15 @@
 //! (forward, backward, AdamW), on a fixed synthetic batch. `bench/cpu_step.sh` runs it beside the
 //! PyTorch reference `bench/torch_llama.py` on the same model and batch and reports the ratio.
 //!
-//! Run: `cargo bench --bench cpu_step -- [recipe] [steps] [hand_written|autograd]` (the decoder
-//! blocks' backward pass, `train.block_backward`); prints one JSON line.
+//! Run: `cargo bench --bench cpu_step -- [recipe] [steps] [hand_written|autograd]` (the pieces'
+//! backward passes, `train.backward`); prints one JSON line.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use data::Batch;
-use model::{BlockBackward, Llama, Recompute};
+use model::{BackwardMode, Llama, Recompute};
 use parallel::comm::local::LocalWorld;
 use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
 use parallel::pipeline::{build, ScheduleKind};
@@ -39,8 +39,8 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or("recipes/tiny.yaml");
     let steps: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(10);
     let backward = match args.get(2).map(String::as_str) {
-        None | Some("hand_written") => BlockBackward::HandWritten,
-        Some("autograd") => BlockBackward::Autograd,
+        None | Some("hand_written") => BackwardMode::HandWritten,
+        Some("autograd") => BackwardMode::Autograd,
         Some(other) => anyhow::bail!("block backward `{other}`: expected hand_written or autograd"),
     };
     let r = load(Path::new(recipe_path), &[])?;
@@ -98,7 +98,7 @@ fn main() -> anyhow::Result<()> {
     let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm)?;
     let schedule = build(ScheduleKind::OneFOneB, 1, 1, micro)?;
     let exec =
-        Executor::new(&model, &ctx, &schedule, Recompute::None, b, s).with_block_backward(backward);
+        Executor::new(&model, &ctx, &schedule, Recompute::None, b, s).with_backward(backward);
 
     let (mut fwd, mut step) = (vec![], vec![]);
     let mut loss = 0.0;
@@ -122,7 +122,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     println!(
-        "{{\"impl\": \"candle\", \"block_backward\": \"{}\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
+        "{{\"impl\": \"candle\", \"backward\": \"{}\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
         args.get(2).map_or("hand_written", String::as_str),
         rayon::current_num_threads(),
         micro * b * s,

@@ -28,7 +28,7 @@
 //! Under `recompute: full` a block keeps only its input, and its backward rebuilds the graph
 //! above while it runs.
 
-use model::{BlockBackward, Inventory, LlamaConfig, Piece, Recompute};
+use model::{BackwardMode, Inventory, LlamaConfig, Piece, Recompute};
 use parallel::pipeline::{build, Action, ScheduleKind};
 use serde::Serialize;
 
@@ -228,11 +228,11 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
     let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
         .map_err(|e| format!("pipeline schedule: {e}"))?;
-    // Dense blocks keep a tape instead of a graph (`train.block_backward`), except under
+    // Dense blocks keep a tape instead of a graph (`train.backward`), except under
     // context parallelism.
-    let hand_written = train.block_backward == BlockBackward::HandWritten && par.cp == 1;
+    let hand_written = train.backward == BackwardMode::HandWritten && par.cp == 1;
     // The head keeps a tape without tensor parallelism.
-    let head_taped = train.block_backward == BlockBackward::HandWritten && t == 1;
+    let head_taped = train.backward == BackwardMode::HandWritten && t == 1;
     let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
         let input = if first_in_chunk { s_input(&shapes) } else { 0 };
         match piece {

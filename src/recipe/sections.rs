@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use model::{BlockBackward, Recompute};
+use model::{BackwardMode, Recompute};
 use serde::{Deserialize, Serialize};
 
 /// Element type of parameters and activations.
@@ -76,11 +76,12 @@ pub struct TrainConfig {
     /// Activation recompute: `none` keeps every layer's activations, `full` keeps only layer inputs.
     #[serde(default)]
     pub recompute: Recompute,
-    /// Decoder blocks' backward pass: `hand_written` (the default: dense blocks without context
-    /// parallelism run their own backward, see `crates/model/src/llama/backward.rs`) or
-    /// `autograd` (candle's autograd for every block, the reference).
+    /// Backward passes: `hand_written` (the default: dense decoder blocks without context
+    /// parallelism and the head without tensor parallelism run their own backward, see
+    /// `crates/model/src/llama/{backward,head}.rs`) or
+    /// `autograd` (candle's autograd for every piece, the reference).
     #[serde(default)]
-    pub block_backward: BlockBackward,
+    pub backward: BackwardMode,
     /// Parameter and activation dtype.
     #[serde(default = "default_dtype")]
     pub dtype: Dtype,

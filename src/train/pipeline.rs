@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use data::Batch;
 use model::segment::{self, ParamGrad, Pass, SegmentRun};
-use model::{BlockBackward, Llama, Piece, Recompute, Targets};
+use model::{BackwardMode, Llama, Piece, Recompute, Targets};
 use parallel::pipeline::{Action, Schedule};
 use parallel::Comm;
 
@@ -125,7 +125,7 @@ pub struct Executor<'a> {
     dtype: DType,
     recompute: Recompute,
     /// Hand-written or autograd backward passes for the dense blocks.
-    block_backward: BlockBackward,
+    backward: BackwardMode,
     /// Wait for the device after every action (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
 }
@@ -181,14 +181,15 @@ impl<'a> Executor<'a> {
             act_shape: Shape::from((micro_batch, seq_len / sp_split, cfg.hidden_size)),
             dtype: model.params().get(0).dtype,
             recompute,
-            block_backward: BlockBackward::default(),
+            backward: BackwardMode::default(),
             device_timed: None,
         }
     }
 
-    /// Runs the decoder blocks' backward passes as `kind` says (hand-written by default).
-    pub fn with_block_backward(mut self, kind: BlockBackward) -> Self {
-        self.block_backward = kind;
+    /// Runs the pieces' backward passes as `kind` says (hand-written where a piece has one, by
+    /// default).
+    pub fn with_backward(mut self, kind: BackwardMode) -> Self {
+        self.backward = kind;
         self
     }
 
@@ -224,7 +225,7 @@ impl<'a> Executor<'a> {
             let targets = &mbs[micro].targets;
             move |x: &Tensor| model.piece_forward(p, x, targets)
         };
-        let hand_written = self.block_backward == BlockBackward::HandWritten;
+        let hand_written = self.backward == BackwardMode::HandWritten;
         // Backward passes still to come that add to each parameter; it is final at zero.
         let mut pending = vec![0usize; model.params().len()];
         for &p in self.chunks.iter().flatten() {

@@ -55,7 +55,7 @@ impl Trainer {
             t.micro_batch,
             t.seq_len / ctx.cp.size(),
         )
-        .with_block_backward(t.block_backward);
+        .with_backward(t.backward);
         if self.recipe.run.trace_step == Some(self.step + 1) {
             exec = exec.timed_on_device(&self.device);
         }

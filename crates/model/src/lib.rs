@@ -15,4 +15,4 @@ pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
 pub use inventory::{Inventory, ParamDecl};
 pub use llama::{Llama, Piece, Placement, Targets};
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
-pub use segment::{BlockBackward, Recompute};
+pub use segment::{BackwardMode, Recompute};

@@ -48,15 +48,16 @@ impl Recompute {
     }
 }
 
-/// How decoder blocks run their backward pass (`train.block_backward`).
+/// How the pieces run their backward passes (`train.backward`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BlockBackward {
-    /// The block's own backward pass where it has one (dense blocks without context
-    /// parallelism), autograd elsewhere.
+pub enum BackwardMode {
+    /// A piece's own backward pass where it has one (dense decoder blocks without context
+    /// parallelism, the head without tensor parallelism), autograd elsewhere.
     #[default]
     HandWritten,
-    /// candle's autograd for every block: the reference the hand-written pass is tested against.
+    /// candle's autograd for every piece: the reference the hand-written passes are tested
+    /// against.
     Autograd,
 }
 

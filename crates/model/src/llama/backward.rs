@@ -10,7 +10,7 @@
 //!
 //! It computes what autograd computes, op for op (the same kernels, dtype conversions and
 //! collectives, the shared-input sums in autograd's order), so the two paths agree bit for bit on
-//! the CPU (asserted by `tests/block_backward.rs` for every parallel layout). Tensor parallelism
+//! the CPU (asserted by `tests/hand_written_backward.rs` for every parallel layout). Tensor parallelism
 //! enters through the region entries' and exits' values and gradients
 //! (`TensorParallel::{enter,exit}_{value,grad}`). Blocks with a mixture of experts and blocks under
 //! context parallelism (whose ring attention is an autograd op of its own) keep the autograd path:

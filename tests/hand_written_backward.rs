@@ -20,7 +20,7 @@ mod common;
 use common::{assert_equivalent, compare, run};
 
 fn assert_same(layout: &str) {
-    let autograd = run(&format!("{layout},train.block_backward=autograd"));
+    let autograd = run(&format!("{layout},train.backward=autograd"));
     let hand = run(layout);
     assert_equivalent(layout, compare(layout, &autograd, &hand));
 }
