@@ -124,7 +124,7 @@ pub struct Executor<'a> {
     /// Their dtype (the parameters').
     dtype: DType,
     recompute: Recompute,
-    /// Hand-written or autograd backward passes for the dense blocks.
+    /// Hand-written backward passes where a piece has one, or autograd for every piece.
     backward: BackwardMode,
     /// Wait for the device after every action (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
