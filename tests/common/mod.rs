@@ -8,6 +8,8 @@ use std::path::Path;
 use pretrain::recipe::load;
 use pretrain::train::{train, RunOutput};
 
+pub mod hf;
+
 /// Trains the tiny recipe for 3 steps (global batch 16, micro-batch 4) at `layout` (recipe
 /// overrides), as threads, without writing outputs.
 pub fn run(layout: &str) -> RunOutput {
