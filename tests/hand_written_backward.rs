@@ -1,5 +1,5 @@
-//! The hand-written backward passes (dense decoder blocks, and the head without tensor
-//! parallelism) against candle's autograd, through the real training step at every layout the
+//! The hand-written backward passes (dense decoder blocks, and the head with the fused or the
+//! vocab-parallel loss) against candle's autograd, through the real training step at every layout the
 //! parallel tests cover, recompute, bf16 and larger micro-batches: the same losses, gradient norms
 //! and final weights.
 //!

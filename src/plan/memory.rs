@@ -173,13 +173,21 @@ fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
 }
 
-/// What the head's hand-written backward keeps ([`model::llama::HeadTape`], no tensor
-/// parallelism): the final norm's rows, the logits (model dtype), the per-row losses (f32; f64
-/// for f64) and the micro-batch's labels (u32) and loss mask (f32).
+/// What the head's hand-written backward keeps ([`model::llama::HeadTape`]): the final norm's
+/// rows as the projection reads them and the micro-batch's labels (u32) and loss mask (f32), and
+/// for the loss on one rank the logits (model dtype) and the per-row losses (f32; f64 for f64),
+/// under tensor parallelism the vocab-parallel loss's f32 exponentials `[n, v/tp]`, row sums,
+/// local target columns (u32) and ownership mask (f32).
 fn head_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let (n, p, h) = (s.n, s.p, s.h);
-    let acc = if p == 8 { 8 } else { 4 };
-    n * h * p + n * c.vocab_size as u64 * p + n * (acc + 4 + 4)
+    let (n, t, p, h) = (s.n, s.t, s.p, s.h);
+    let v = c.vocab_size as u64;
+    let shared = n * h * p + n * (4 + 4);
+    if t == 1 {
+        let acc = if p == 8 { 8 } else { 4 };
+        shared + n * v * p + n * acc
+    } else {
+        shared + 4 * n * v / t + n * (4 + 4 + 4)
+    }
 }
 
 fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
@@ -231,8 +239,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     // Dense blocks keep a tape instead of a graph (`train.backward`), except under
     // context parallelism.
     let hand_written = train.backward == BackwardMode::HandWritten && par.cp == 1;
-    // The head keeps a tape without tensor parallelism.
-    let head_taped = train.backward == BackwardMode::HandWritten && t == 1;
+    // So does the head.
+    let head_taped = train.backward == BackwardMode::HandWritten;
     let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
         let input = if first_in_chunk { s_input(&shapes) } else { 0 };
         match piece {

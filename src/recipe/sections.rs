@@ -77,9 +77,9 @@ pub struct TrainConfig {
     #[serde(default)]
     pub recompute: Recompute,
     /// Backward passes: `hand_written` (the default: dense decoder blocks without context
-    /// parallelism and the head without tensor parallelism run their own backward, see
-    /// `crates/model/src/llama/{backward,head}.rs`) or
-    /// `autograd` (candle's autograd for every piece, the reference).
+    /// parallelism and the head run their own backward, see
+    /// `crates/model/src/llama/{backward,head}.rs`) or `autograd` (candle's autograd for every
+    /// piece, the reference).
     #[serde(default)]
     pub backward: BackwardMode,
     /// Parameter and activation dtype.

@@ -53,7 +53,7 @@ impl Recompute {
 #[serde(rename_all = "snake_case")]
 pub enum BackwardMode {
     /// A piece's own backward pass where it has one (dense decoder blocks without context
-    /// parallelism, the head without tensor parallelism), autograd elsewhere.
+    /// parallelism, the head), autograd elsewhere.
     #[default]
     HandWritten,
     /// candle's autograd for every piece: the reference the hand-written passes are tested

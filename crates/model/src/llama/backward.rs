@@ -88,8 +88,7 @@ pub(super) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tens
 
 impl Llama {
     /// Whether `piece` runs with a hand-written backward: a dense decoder block on a rank
-    /// without context parallelism (this module), or the head without tensor parallelism
-    /// (`head.rs`).
+    /// without context parallelism (this module), or the head (`head.rs`).
     pub fn hand_written(&self, piece: Piece) -> bool {
         let i = match piece {
             Piece::Block(i) => i,

@@ -19,7 +19,10 @@ use candle_core::{DType, Result, Tensor};
 use crate::comm::local::LocalWorld;
 use crate::comm::Group;
 
-pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use cross_entropy::{
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_bwd,
+    vocab_parallel_cross_entropy_saved, VocabParallelSaved,
+};
 pub use embedding::vocab_parallel_embedding;
 pub use ops::TpGroup;
 pub use plan::{tp_shard, Block, Shard, ShardError};
