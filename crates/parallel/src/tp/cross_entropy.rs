@@ -22,6 +22,21 @@ pub fn vocab_parallel_cross_entropy(
     let z = logits.broadcast_sub(&row_max)?; // [n, v/tp]
     let sum_exp = reduce_from_tp(&z.exp()?.sum_keepdim(D::Minus1)?, tp)?; // [n, 1]
 
+    let (local, mask) = target_columns(targets, vocab_start, (n, local_v), z.dtype(), tp)?;
+    let target_logit = reduce_from_tp(&(z.gather(&local, 1)?.squeeze(1)? * mask)?, tp)?; // [n]
+    sum_exp.squeeze(1)?.log()? - target_logit
+}
+
+/// Each target's column in this rank's slice of `n` rows × `local_v` ids from `vocab_start`
+/// (`[n, 1]` u32, 0 where another rank holds it) and whether this rank holds it (`[n]`, in the
+/// logits' dtype `dtype`).
+fn target_columns(
+    targets: &Tensor,
+    vocab_start: usize,
+    (n, local_v): (usize, usize),
+    dtype: candle_core::DType,
+    tp: &TpGroup,
+) -> Result<(Tensor, Tensor)> {
     let (local, mask) = super::local_vocab_ids(
         targets,
         vocab_start,
@@ -29,10 +44,7 @@ pub fn vocab_parallel_cross_entropy(
         tp.size(),
         "vocab-parallel cross-entropy: target",
     )?; // [n], [n]
-    let local = local.reshape((n, 1))?;
-    let mask = mask.to_dtype(z.dtype())?;
-    let target_logit = reduce_from_tp(&(z.gather(&local, 1)?.squeeze(1)? * mask)?, tp)?; // [n]
-    sum_exp.squeeze(1)?.log()? - target_logit
+    Ok((local.reshape((n, 1))?, mask.to_dtype(dtype)?))
 }
 
 /// What [`vocab_parallel_cross_entropy_bwd`] needs from the forward pass.
@@ -73,15 +85,7 @@ pub fn vocab_parallel_cross_entropy_saved(
         .comm
         .all_reduce(&tp.group, &exp.sum_keepdim(D::Minus1)?, ReduceOp::Sum)?
         .squeeze(1)?; // [n]
-    let (local, mask) = super::local_vocab_ids(
-        targets,
-        vocab_start,
-        local_v,
-        tp.size(),
-        "vocab-parallel cross-entropy: target",
-    )?; // [n], [n]
-    let local = local.reshape((n, 1))?;
-    let mask = mask.to_dtype(z.dtype())?;
+    let (local, mask) = target_columns(targets, vocab_start, (n, local_v), z.dtype(), tp)?;
     let target_logit = (z.gather(&local, 1)?.squeeze(1)? * &mask)?;
     let target_logit = tp
         .comm
