@@ -126,11 +126,8 @@ impl Llama {
         }; // [n, v/tp]
         drop(loss);
         let (dh, d_head) = projection_bwd(&h, &head, &dlogits)?; // [n, h] partial
-        let (b, s) = (x.dim(0)?, h.dim(0)? / x.dim(0)?.max(1));
-        let dh = self
-            .placement
-            .tp
-            .enter_grad(&dh.reshape((b, s, h.dim(1)?))?)?;
+        let dh = dh.reshape((x.dim(0)?, (), h.dim(1)?))?; // [b, s, h] partial
+        let dh = self.placement.tp.enter_grad(&dh)?; // [b, s(/tp), h]
         let (dx, d_norm) = ops::rms_norm_bwd(&x, &norm, self.config.rms_norm_eps, &dh)?;
         Ok((
             dx,

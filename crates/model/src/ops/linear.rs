@@ -96,7 +96,8 @@ impl CustomOp2 for Linear {
     }
 }
 
-/// See [`super::linear_bwd`].
+/// Gradients `(dx, dw)` of `x · wᵀ` for the upstream gradient `grad`: `dx = g · w` in `x`'s
+/// shape and `dw = gᵀ · x` `[out, in]` (the op's backward).
 pub(super) fn linear_bwd(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
     let (g, x2) = linear_factors(x, w, grad)?;
     let dx = linear_dx(w, grad, x.shape())?; // x's shape

@@ -47,13 +47,6 @@ pub fn linear_to(x: &Tensor, w: &Tensor, shape: impl Into<candle_core::Shape>) -
     linear::linear_to(x, w, shape)
 }
 
-/// Gradients `(dx, dw)` of [`linear`]: `dx = g · w` in `x`'s shape and `dw = gᵀ · x` `[out, in]`
-/// for the upstream gradient `grad` (`rows × out` elements), without a graph: the op's own
-/// backward, for hand-written backward passes.
-pub fn linear_bwd(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
-    linear::linear_bwd(x, w, grad)
-}
-
 /// The input gradient of [`linear`] alone, `g · w` in `shape` (`x`'s), without a graph.
 pub fn linear_dx(w: &Tensor, grad: &Tensor, shape: &candle_core::Shape) -> Result<Tensor> {
     linear::linear_dx(w, grad, shape)
