@@ -59,8 +59,9 @@ pub struct Trainer {
     /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
     uses: Vec<(model::Piece, usize, Pass)>,
     train_data: Arc<GptData>,
-    /// The next step's micro-batches, read on a background thread during this step.
-    prefetch: prefetch::Prefetch<Vec<data::Batch>>,
+    /// The next step's micro-batches, read, cut to this rank's share and copied to the device
+    /// on a background thread during this step.
+    prefetch: prefetch::Prefetch<Vec<pipeline::Staged>>,
     valid_data: Option<GptData>,
     metrics: Option<Metrics>,
     /// Optimizer steps done.
@@ -131,12 +132,16 @@ impl Trainer {
         let prefetch = {
             let (data, gb, mb) = (train_data.clone(), t.global_batch, t.micro_batch);
             let (index, size) = (ctx.data_index, ctx.data_size);
+            let (cp, cp_index, device) = (ctx.cp.size(), ctx.coords.cp, device.clone());
             prefetch::Prefetch::new(
                 &format!("data-rank{}", ctx.rank),
                 Arc::new(move |consumed| {
                     data::micro_batch_indices(consumed, gb, mb, index, size)
                         .iter()
-                        .map(|ix| Ok(data.batch(ix)?))
+                        .map(|ix| {
+                            let b = rank::local_batch(data.batch(ix)?, cp, cp_index)?;
+                            pipeline::Staged::new(&b, &device)
+                        })
                         .collect()
                 }),
             )?

@@ -126,17 +126,7 @@ impl RankCtx {
     /// This rank's share of a batch of whole sequences: the rows of its context-parallel chunks
     /// (the batch itself without context parallelism).
     pub fn local_batch(&self, b: Batch) -> anyhow::Result<Batch> {
-        if self.cp.size() == 1 {
-            return Ok(b);
-        }
-        let chunks = local_chunks(b.seq_len, self.cp.size(), self.coords.cp)?;
-        Ok(Batch {
-            tokens: local_rows(&b.tokens, b.seq_len, &chunks),
-            labels: local_rows(&b.labels, b.seq_len, &chunks),
-            loss_mask: local_rows(&b.loss_mask, b.seq_len, &chunks),
-            micro_batch: b.micro_batch,
-            seq_len: b.seq_len / self.cp.size(),
-        })
+        local_batch(b, self.cp.size(), self.coords.cp)
     }
 
     /// The pieces of each of this rank's local pipeline chunks, in local chunk order (one chunk
@@ -241,6 +231,22 @@ pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Resul
 }
 
 /// The columns `chunks` of every row of `seq_len` of `v` (row-major `[rows, seq_len]`).
+/// Context-parallel rank `index` of `cp`'s share of a batch of whole sequences (see
+/// [`RankCtx::local_batch`]).
+pub fn local_batch(b: Batch, cp: usize, index: usize) -> anyhow::Result<Batch> {
+    if cp == 1 {
+        return Ok(b);
+    }
+    let chunks = local_chunks(b.seq_len, cp, index)?;
+    Ok(Batch {
+        tokens: local_rows(&b.tokens, b.seq_len, &chunks),
+        labels: local_rows(&b.labels, b.seq_len, &chunks),
+        loss_mask: local_rows(&b.loss_mask, b.seq_len, &chunks),
+        micro_batch: b.micro_batch,
+        seq_len: b.seq_len / cp,
+    })
+}
+
 fn local_rows<T: Copy>(v: &[T], seq_len: usize, chunks: &[std::ops::Range<usize>]) -> Vec<T> {
     v.chunks_exact(seq_len)
         .flat_map(|row| {

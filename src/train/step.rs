@@ -30,22 +30,14 @@ impl Trainer {
         self.model.placement().cp.stats().take(); // count this step's ring only
                                                   // This step's micro-batches (read during the last step) and a request for the next's.
         let next = (self.step + 1 < t.steps).then(|| self.consumed + t.global_batch as u64);
-        let batches = self
-            .prefetch
-            .get(self.consumed, next)?
-            .into_iter()
-            .map(|b| ctx.local_batch(b))
-            .collect::<Result<Vec<_>>>()?;
-        let local: f64 = batches
-            .iter()
-            .map(|b| b.loss_mask.iter().map(|&m| m as f64).sum::<f64>())
-            .sum();
+        let staged = self.prefetch.get(self.consumed, next)?;
+        let local: f64 = staged.iter().map(|b| b.counted).sum();
         let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
-        let aux_scale = 1.0 / (batches.len() * ctx.dp.size()) as f64;
-        let mbs = batches
-            .iter()
-            .map(|b| MicroBatch::new(b, scale, aux_scale, &self.device))
-            .collect::<Result<Vec<_>>>()?;
+        let aux_scale = 1.0 / (staged.len() * ctx.dp.size()) as f64;
+        let mbs: Vec<MicroBatch> = staged
+            .into_iter()
+            .map(|b| b.into_micro_batch(scale, aux_scale))
+            .collect();
 
         let mut exec = Executor::new(
             &self.model,
