@@ -1,7 +1,7 @@
 //! The hand-written backward passes (dense decoder blocks, and the head with the fused or the
 //! vocab-parallel loss) against candle's autograd, through the real training step at every layout the
-//! parallel tests cover, recompute, bf16 and larger micro-batches: the same losses, gradient norms
-//! and final weights.
+//! parallel tests cover (context parallelism's ring included), recompute, bf16 and larger
+//! micro-batches: the same losses, gradient norms and final weights.
 //!
 //! Tolerance: the hand-written passes run autograd's kernels, dtype conversions and collectives
 //! in autograd's order (the sums of the projections' input gradients included), so they compute
@@ -41,6 +41,9 @@ fn hand_written_backward_equals_autograd_at_every_layout() {
         "train.micro_batch=16",
         "train.global_batch=32,train.micro_batch=8",
         "parallel.dp=2,parallel.pp=2,train.global_batch=32,train.micro_batch=8",
+        "parallel.cp=2",
+        "parallel.cp=4,train.dtype=bf16",
+        "parallel.cp=2,parallel.tp=2,parallel.sequence_parallel=true,train.recompute=full",
     ] {
         assert_same(layout);
     }

@@ -48,6 +48,8 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
         "parallel.dp=2,parallel.zero=2",
         "parallel.dp=2,parallel.zero=3,train.recompute=full",
         "parallel.tp=2,parallel.sequence_parallel=true,parallel.pp=2,train.recompute=full",
+        "parallel.cp=2",
+        "parallel.cp=2,parallel.tp=2,parallel.sequence_parallel=true,train.dtype=bf16",
     ];
     let moe = [
         "parallel.dp=1",

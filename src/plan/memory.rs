@@ -102,6 +102,8 @@ struct Shapes {
     h: u64,
     /// Expert-parallel ranks.
     ep: u64,
+    /// Attention is context parallelism's ring (whose output is kept in the parameter dtype).
+    ring: bool,
 }
 
 /// Bytes a MoE layer's feed-forward part keeps beyond a dense MLP's gate, up and SwiGLU outputs:
@@ -159,7 +161,8 @@ fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
 
 /// What a dense block's hand-written backward keeps ([`model::llama::BlockTape`]): the two norms
 /// as the projections read them (`[n, h]` each), the rotated q and k, v, the attention output
-/// (in the kernel dtype: f32 for 16-bit models on the CPU) and its log-sum-exp, the residual
+/// (in the kernel dtype, f32 for 16-bit models on the CPU, except from context parallelism's ring,
+/// which keeps the parameter dtype) and its log-sum-exp, the residual
 /// stream after attention, and the MLP's gate, up and SwiGLU outputs.
 fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
@@ -169,7 +172,7 @@ fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
     );
     let f = c.intermediate_size as u64;
     let elems = ns * h + 2 * n * h + n * (q + 2 * kv) / t + 3 * n * f / t;
-    let attn = n * q / t * if s.upcast { 4 } else { p };
+    let attn = n * q / t * if s.upcast && !s.ring { 4 } else { p };
     elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
 }
 
@@ -230,15 +233,15 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         p,
         h: c.hidden_size as u64,
         ep: par.ep as u64,
+        ring: par.cp > 1,
     };
     // Schedules repeat their steady state: the peak is reached within the first 2·pp
     // micro-batches (a multiple of pp, as interleaving needs).
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
     let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
         .map_err(|e| format!("pipeline schedule: {e}"))?;
-    // Dense blocks keep a tape instead of a graph (`train.backward`), except under
-    // context parallelism.
-    let hand_written = train.backward == BackwardMode::HandWritten && par.cp == 1;
+    // Dense blocks keep a tape instead of a graph (`train.backward`).
+    let hand_written = train.backward == BackwardMode::HandWritten;
     // So does the head.
     let head_taped = train.backward == BackwardMode::HandWritten;
     let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {

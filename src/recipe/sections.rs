@@ -76,8 +76,8 @@ pub struct TrainConfig {
     /// Activation recompute: `none` keeps every layer's activations, `full` keeps only layer inputs.
     #[serde(default)]
     pub recompute: Recompute,
-    /// Backward passes: `hand_written` (the default: dense decoder blocks without context
-    /// parallelism and the head run their own backward, see
+    /// Backward passes: `hand_written` (the default: dense decoder blocks and the head run their
+    /// own backward, see
     /// `crates/model/src/llama/{backward,head}.rs`) or `autograd` (candle's autograd for every
     /// piece, the reference).
     #[serde(default)]

@@ -52,8 +52,8 @@ impl Recompute {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BackwardMode {
-    /// A piece's own backward pass where it has one (dense decoder blocks without context
-    /// parallelism, the head), autograd elsewhere.
+    /// A piece's own backward pass where it has one (dense decoder blocks, the head), autograd
+    /// elsewhere (the embedding, MoE blocks).
     #[default]
     HandWritten,
     /// candle's autograd for every piece: the reference the hand-written passes are tested

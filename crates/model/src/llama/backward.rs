@@ -12,13 +12,14 @@
 //! collectives, the shared-input sums in autograd's order), so the two paths agree bit for bit on
 //! the CPU (asserted by `tests/hand_written_backward.rs` for every parallel layout). Tensor parallelism
 //! enters through the region entries' and exits' values and gradients
-//! (`TensorParallel::{enter,exit}_{value,grad}`). Blocks with a mixture of experts and blocks under
-//! context parallelism (whose ring attention is an autograd op of its own) keep the autograd path:
+//! (`TensorParallel::{enter,exit}_{value,grad}`), context parallelism through the ring attention's
+//! graph-free forward and backward (`ContextParallel::attention_{saved,bwd}`, the functions its
+//! differentiable op runs). Blocks with a mixture of experts keep the autograd path:
 //! [`Llama::hand_written`] says which. The head's hand-written pass is in `head.rs`.
 
 use candle_core::{Result, Tensor};
 
-use super::Llama;
+use super::{Llama, KERNELS};
 use crate::inventory::{BlockParams, MlpParams};
 use crate::ops::{self, linear, linear_to};
 use crate::segment::{storages, Held, ParamGrad};
@@ -39,7 +40,8 @@ pub struct BlockTape {
     k: Tensor,
     /// Values `[b, s, hkv/tp, d]`.
     v: Tensor,
-    /// Attention's output in the kernel dtype `[b, s, hq/tp, d]`.
+    /// Attention's output `[b, s, hq/tp, d]`: in the kernel dtype on one context-parallel rank,
+    /// in the model dtype from the ring.
     attn: Tensor,
     /// Attention's log-sum-exp `[b, hq/tp, s]` (f32; f64 for f64).
     lse: Tensor,
@@ -87,8 +89,8 @@ pub(super) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tens
 }
 
 impl Llama {
-    /// Whether `piece` runs with a hand-written backward: a dense decoder block on a rank
-    /// without context parallelism (this module), or the head (`head.rs`).
+    /// Whether `piece` runs with a hand-written backward: a dense decoder block (this module) or
+    /// the head (`head.rs`).
     pub fn hand_written(&self, piece: Piece) -> bool {
         let i = match piece {
             Piece::Block(i) => i,
@@ -100,7 +102,7 @@ impl Llama {
             .blocks
             .get(&i)
             .is_some_and(|b| matches!(b.mlp, MlpParams::Dense { .. }));
-        dense && self.placement.cp.size() == 1
+        dense
     }
 
     fn dense_block(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
@@ -109,9 +111,7 @@ impl Llama {
             .blocks
             .get(&layer)
             .filter(|_| self.hand_written(Piece::Block(layer)))
-            .ok_or_else(|| {
-                self.missing(&format!("dense layer {layer} without context parallelism"))
-            })?;
+            .ok_or_else(|| self.missing(&format!("dense layer {layer}")))?;
         let MlpParams::Dense {
             gate_proj,
             up_proj,
@@ -133,6 +133,39 @@ impl Llama {
             down: w(down_proj)?,
         };
         Ok((blk, weights))
+    }
+
+    /// Causal attention over the whole sequence without a graph (the ring under context
+    /// parallelism): the output and log-sum-exp [`Llama::attention_bwd`] reads.
+    fn attention_saved(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let cp = &self.placement.cp;
+        if cp.size() == 1 {
+            ops::causal_attention_saved(q, k, v, scale)
+        } else {
+            cp.attention_saved(q, k, v, scale, KERNELS)
+        }
+    }
+
+    /// The gradients of [`Llama::attention_saved`]'s inputs from its output's `dout`.
+    fn attention_bwd(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        saved: (&Tensor, &Tensor),
+        dout: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let cp = &self.placement.cp;
+        if cp.size() == 1 {
+            ops::causal_attention_bwd(q, k, v, saved, dout, scale)
+        } else {
+            cp.attention_bwd((q, k, v), saved, dout, scale, KERNELS)
+        }
     }
 
     /// The rotary tables for `s` positions and the attention scale.
@@ -161,7 +194,7 @@ impl Llama {
         let k = linear_to(&h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
         let v = linear_to(&h, &w.v, (b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
-        let (attn, lse) = ops::causal_attention_saved(&q, &k, &v, scale)?;
+        let (attn, lse) = self.attention_saved(&q, &k, &v, scale)?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
         let x1 = (&x + tp.exit_value(&o)?)?;
@@ -240,7 +273,7 @@ impl Llama {
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
         let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
-        let (dq, dk, dv) = ops::causal_attention_bwd(&q, &k, &v, (&attn, &lse), &da, scale)?;
+        let (dq, dk, dv) = self.attention_bwd((&q, &k, &v), (&attn, &lse), &da, scale)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,

@@ -183,19 +183,61 @@ impl ContextParallel {
         scale: f64,
         kernels: Kernels,
     ) -> Result<Tensor> {
-        match &self.comm {
-            Some(comm) if self.size() > 1 => {
-                let ring = ring::Ring {
-                    comm: comm.clone(),
-                    group: self.group.clone(),
-                    index: self.index,
-                    kernels,
-                    scale,
-                    stats: self.stats.clone(),
-                };
-                ring::attention(ring, q, k, v)
-            }
-            _ => (kernels.causal)(q, k, v, scale),
+        match self.ring(scale, kernels) {
+            Some(ring) => ring::attention(ring, q, k, v),
+            None => (kernels.causal)(q, k, v, scale),
+        }
+    }
+
+    /// [`ContextParallel::attention`]'s value without a graph, for a hand-written backward pass:
+    /// the output `[b, 2c, hq, d]` in the dtype of `q` and its log-sum-exp `[b, hq, 2c]` in the
+    /// accumulation dtype, which [`ContextParallel::attention_bwd`] reads. Only with more than
+    /// one rank (a single rank calls the plain kernels).
+    pub fn attention_saved(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        kernels: Kernels,
+    ) -> Result<(Tensor, Tensor)> {
+        ring::saved(&self.ring_or_err(scale, kernels)?, q, k, v)
+    }
+
+    /// The gradients `(dq, dk, dv)` of [`ContextParallel::attention_saved`] (in the dtypes of
+    /// `q`, `k`, `v`) from its output and log-sum-exp `saved` and the output's gradient `dout`
+    /// `[b, 2c, hq, d]`: the ring's backward, as the differentiable op runs it.
+    pub fn attention_bwd(
+        &self,
+        qkv: (&Tensor, &Tensor, &Tensor),
+        saved: (&Tensor, &Tensor),
+        dout: &Tensor,
+        scale: f64,
+        kernels: Kernels,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        ring::grads(&self.ring_or_err(scale, kernels)?, qkv, saved, dout)
+    }
+
+    /// The ring of a group of more than one rank.
+    fn ring(&self, scale: f64, kernels: Kernels) -> Option<ring::Ring> {
+        let comm = self.comm.as_ref().filter(|_| self.size() > 1)?;
+        Some(ring::Ring {
+            comm: comm.clone(),
+            group: self.group.clone(),
+            index: self.index,
+            kernels,
+            scale,
+            stats: self.stats.clone(),
+        })
+    }
+
+    fn ring_or_err(&self, scale: f64, kernels: Kernels) -> Result<ring::Ring> {
+        match self.ring(scale, kernels) {
+            Some(ring) => Ok(ring),
+            None => candle_core::bail!(
+                "ring attention needs a context-parallel group of more than one rank, got {:?}",
+                self
+            ),
         }
     }
 }

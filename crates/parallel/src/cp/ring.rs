@@ -315,29 +315,51 @@ impl CustomOp3 for RingOp {
     }
 }
 
+/// Checks that local `q` and `k` hold two equal chunks of the same rows.
+fn check_chunks(q: &Tensor, k: &Tensor) -> Result<()> {
+    let s = q.dim(1)?;
+    if s % 2 != 0 || k.dim(1)? != s {
+        candle_core::bail!(
+            "ring attention: local q {:?} and k {:?} must hold two equal chunks",
+            q.dims(),
+            k.dims()
+        )
+    }
+    Ok(())
+}
+
+/// The ring's forward without a graph: the output `[b, 2c, hq, d]` in the dtype of `q` and the
+/// log-sum-exp `[b, hq, 2c]` in the accumulation dtype, what [`grads`] reads.
+pub(super) fn saved(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    check_chunks(q, k)?;
+    let t0 = Instant::now();
+    let (out, lse) = forward(ring, q, k, v)?;
+    let out = out.to_dtype(q.dtype())?;
+    add_ns(&ring.stats.total_ns, t0);
+    Ok((out, lse))
+}
+
+/// The ring's backward from [`saved`]'s output and log-sum-exp and the output's gradient `dout`:
+/// `(dq, dk, dv)` in the dtypes of `q`, `k`, `v`.
+pub(super) fn grads(
+    ring: &Ring,
+    qkv: (&Tensor, &Tensor, &Tensor),
+    (out, lse): (&Tensor, &Tensor),
+    dout: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let t0 = Instant::now();
+    let grads = backward(ring, qkv, out, lse, dout);
+    add_ns(&ring.stats.total_ns, t0);
+    grads
+}
+
 /// Ring attention of local `q` `[b, 2c, hq, d]` with local `k`, `v` `[b, 2c, hkv, d]` (see the
 /// module docs); returns `[b, 2c, hq, d]` in the dtype of `q`, differentiable in `q`, `k`, `v`.
 pub(super) fn attention(ring: Ring, q0: &Tensor, k0: &Tensor, v0: &Tensor) -> Result<Tensor> {
-    let s = q0.dim(1)?;
-    if s % 2 != 0 || k0.dim(1)? != s {
-        candle_core::bail!(
-            "ring attention: local q {:?} and k {:?} must hold two equal chunks",
-            q0.dims(),
-            k0.dims()
-        )
-    }
-    let t0 = Instant::now();
     let (q, k, v) = (q0.detach(), k0.detach(), v0.detach());
-    let (out, lse) = forward(&ring, &q, &k, &v)?;
-    let out = out.to_dtype(q.dtype())?;
-    add_ns(&ring.stats.total_ns, t0);
-    let saved = out.clone();
-    let grad_fn: GradFn = Box::new(move |dout| {
-        let t0 = Instant::now();
-        let grads = backward(&ring, (&q, &k, &v), &saved, &lse, dout);
-        add_ns(&ring.stats.total_ns, t0);
-        grads
-    });
+    let (out, lse) = saved(&ring, &q, &k, &v)?;
+    let kept = out.clone();
+    let grad_fn: GradFn = Box::new(move |dout| grads(&ring, (&q, &k, &v), (&kept, &lse), dout));
     let op = RingOp {
         value: Mutex::new(Some(out)),
         grad_fn,
