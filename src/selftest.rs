@@ -368,8 +368,9 @@ fn max_rel(a: &[f64], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Checks 3 and 5: bf16 training on the device against f32 on the CPU, and dp=2 × tp=2
-/// thread-ranks sharing the device against one rank on it.
+/// Checks 3 and 5: bf16 training on the device against f32 on the CPU; dp=2 × tp=2, cp=2 and
+/// (a tiny MoE) dp=2 × ep=2 thread-ranks sharing the device against one rank on it; the MoE
+/// blocks' hand-written backward against autograd.
 pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     let dev = match kind {
         DeviceKind::Cpu => "cpu",
@@ -380,6 +381,22 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     let one = losses(tiny(recipe, 3, dev, "f32", "")?)?;
     let four = losses(tiny(recipe, 3, dev, "f32", "parallel.dp=2,parallel.tp=2")?)?;
     let ring = losses(tiny(recipe, 3, dev, "f32", "parallel.cp=2")?)?;
+    let moe = "model.num_local_experts=4,model.num_experts_per_tok=2";
+    let moe_one = losses(tiny(recipe, 3, dev, "f32", moe)?)?;
+    let moe_ep = losses(tiny(
+        recipe,
+        3,
+        dev,
+        "f32",
+        &format!("{moe},parallel.dp=2,parallel.ep=2"),
+    )?)?;
+    let moe_autograd = losses(tiny(
+        recipe,
+        3,
+        dev,
+        "f32",
+        &format!("{moe},train.backward=autograd"),
+    )?)?;
     Ok(vec![
         Check {
             name: format!("bf16 training steps on {dev} vs f32 on cpu (loss)"),
@@ -394,6 +411,16 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         Check {
             name: format!("cp2 thread-ranks (ring attention) sharing {dev} vs one rank (loss)"),
             error: max_rel(&ring, &one),
+            tolerance: 1e-5,
+        },
+        Check {
+            name: format!("MoE ep2 thread-ranks sharing {dev} vs one rank (loss)"),
+            error: max_rel(&moe_ep, &moe_one),
+            tolerance: 1e-5,
+        },
+        Check {
+            name: format!("MoE hand-written backward vs autograd on {dev} (loss)"),
+            error: max_rel(&moe_one, &moe_autograd),
             tolerance: 1e-5,
         },
     ])

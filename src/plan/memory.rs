@@ -159,21 +159,43 @@ fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
     elems * p + 4 * n * c.num_attention_heads as u64 / t + upcast + moe
 }
 
-/// What a dense block's hand-written backward keeps ([`model::llama::BlockTape`]): the two norms
-/// as the projections read them (`[n, h]` each), the rotated q and k, v, the attention output
-/// (in the kernel dtype, f32 for 16-bit models on the CPU, except from context parallelism's ring,
-/// which keeps the parameter dtype) and its log-sum-exp, the residual
-/// stream after attention, and the MLP's gate, up and SwiGLU outputs.
+/// What a dense block's hand-written backward keeps ([`model::llama::BlockTape`]): the
+/// attention half ([`attention_tape`]), the residual's norm as the MLP reads it `[n, h]`, and the
+/// MLP's gate, up and SwiGLU outputs.
 fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let f = c.intermediate_size as u64;
+    attention_tape(c, s) + (s.n * s.h + 3 * s.n * f / s.t) * s.p
+}
+
+/// The attention half of a block's tape: the input's norm as the projections read it `[n, h]`,
+/// the rotated q and k, v, the attention output (in the kernel dtype, f32 for 16-bit models on
+/// the CPU, except from context parallelism's ring, which keeps the parameter dtype) and its
+/// log-sum-exp, and the residual stream after attention.
+fn attention_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
     let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
     let (q, kv) = (
         c.q_dim() as u64,
         (c.num_key_value_heads * c.head_dim()) as u64,
     );
-    let f = c.intermediate_size as u64;
-    let elems = ns * h + 2 * n * h + n * (q + 2 * kv) / t + 3 * n * f / t;
+    let elems = ns * h + n * h + n * (q + 2 * kv) / t;
     let attn = n * q / t * if s.upcast && !s.ring { 4 } else { p };
     elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
+}
+
+/// What a MoE block's hand-written backward keeps: the attention half ([`attention_tape`]) and
+/// the MoE layer's tape (`model::moe::MoeTape`) — the residual's norm as the router reads it
+/// `[ns, h]` (the tokens this rank routes), the router's probabilities `[ns, E]`, log-sum-exps,
+/// routing weights and expert shares (f32; f64 for f64), the experts' outputs in slot order, the
+/// rows in expert order (those received with expert parallelism, as many on average), and each
+/// expert's gate, up and SwiGLU outputs, `[ns·k, ·]` each.
+fn moe_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
+    let Some(m) = c.moe() else { return 0 };
+    let (ns, p, h) = (s.ns, s.p, s.h);
+    let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
+    let acc = if p == 8 { 8 } else { 4 };
+    let rows = ns * k;
+    let layer = (ns * h + 2 * rows * h + 3 * rows * fe) * p + acc * (ns * e + ns + ns * k + e);
+    attention_tape(c, s) + layer
 }
 
 /// What the head's hand-written backward keeps ([`model::llama::HeadTape`]): the final norm's
@@ -240,10 +262,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
     let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
         .map_err(|e| format!("pipeline schedule: {e}"))?;
-    // Dense blocks keep a tape instead of a graph (`train.backward`).
-    let hand_written = train.backward == BackwardMode::HandWritten;
-    // So does the head.
-    let head_taped = train.backward == BackwardMode::HandWritten;
+    // Blocks and the head keep a tape instead of a graph (`train.backward`).
+    let taped = train.backward == BackwardMode::HandWritten;
     let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
         let input = if first_in_chunk { s_input(&shapes) } else { 0 };
         match piece {
@@ -252,7 +272,21 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 input: 0,
                 temp: shapes.n * shapes.h * p,
             },
-            Piece::Block(i) if hand_written && !c.is_moe_layer(i) => PieceActs {
+            Piece::Block(i) if taped && c.is_moe_layer(i) => {
+                let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
+                PieceActs {
+                    graph: moe_tape(c, &shapes),
+                    input,
+                    // The attention projections' factors, the experts' (rows of their input
+                    // and upstream gradient), and the gradients of the slots' rows.
+                    temp: p
+                        * (2 * n * shapes.h
+                            + 3 * rows
+                            + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
+                                / shapes.t),
+                }
+            }
+            Piece::Block(_) if taped => PieceActs {
                 graph: tape_graph(c, &shapes),
                 input,
                 // The projections' upstream gradients, kept as weight-gradient factors until
@@ -269,7 +303,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                 temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
             },
             Piece::Head => PieceActs {
-                graph: if head_taped {
+                graph: if taped {
                     head_tape(c, &shapes)
                 } else {
                     head_graph(c, &shapes)
@@ -314,13 +348,9 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                     .map(|(i, &pc)| {
                         let before = (i > 0).then(|| pieces[i - 1]);
                         // A graph keeps its output (the next piece's input); a tape does not.
-                        let taped = |pc: Piece| match pc {
-                            Piece::Block(l) => hand_written && !c.is_moe_layer(l),
-                            Piece::Head => head_taped,
-                            Piece::Embedding => false,
-                        };
+                        let has_tape = |pc: Piece| taped && pc != Piece::Embedding;
                         let counted =
-                            before.is_none_or(|b| kept_input(train.recompute, b) || taped(b));
+                            before.is_none_or(|b| kept_input(train.recompute, b) || has_tape(b));
                         acts(pc, counted)
                     })
                     .collect()

@@ -54,7 +54,7 @@ fn block_run(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Te
 
 /// [`block_run`] through the block's hand-written backward pass (`Llama::block_backward`).
 fn block_run_hand(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Tensor)>> {
-    let (y, tape) = m.block_forward_saved(0, x)?;
+    let (y, tape) = m.block_forward_saved(0, x, 1.0)?;
     let (dx, grads) = m.block_backward(tape, r)?;
     let mut grads: std::collections::HashMap<usize, _> = grads.into_iter().collect();
     let mut out = vec![("output".to_string(), y), ("input".to_string(), dx)];

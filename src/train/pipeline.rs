@@ -162,7 +162,7 @@ pub struct Executor<'a> {
     device_timed: Option<&'a Device>,
 }
 
-/// How piece `p` runs: with its hand-written backward (a dense block, the head with `targets`)
+/// How piece `p` runs: with its hand-written backward (a decoder block, the head with `targets`)
 /// when `hand_written` allows and the model has one for it, else through the autograd graph of
 /// `graph`.
 fn pass_of<'g>(
@@ -173,7 +173,9 @@ fn pass_of<'g>(
     targets: &'g Targets,
 ) -> Pass<'g> {
     match p {
-        Piece::Block(i) if hand_written && model.hand_written(p) => Pass::Block(model, i),
+        Piece::Block(i) if hand_written && model.hand_written(p) => {
+            Pass::Block(model, i, targets.aux_scale)
+        }
         Piece::Head if hand_written && model.hand_written(p) => Pass::Head(model, targets),
         _ => Pass::Graph(graph),
     }

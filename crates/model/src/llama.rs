@@ -18,13 +18,14 @@ use parallel::ep::ExpertParallel;
 use parallel::tp::TensorParallel;
 
 use crate::config::LlamaConfig;
-use crate::inventory::{Inventory, MlpParams};
+use crate::inventory::{Inventory, MlpParams, MoeParams};
 use crate::moe::{self, Expert, LayerStats, Router};
 use crate::ops::{self, linear, linear_to};
 use crate::params::{ParamSet, ParamSpec};
 
 mod backward;
 mod head;
+pub(crate) use backward::projection_bwd;
 pub use backward::BlockTape;
 pub use head::HeadTape;
 
@@ -280,52 +281,91 @@ impl Llama {
                 x + tp.exit(&linear(&g, &self.w(*down_proj)?)?)?
             }
             MlpParams::Moe(m) => {
-                let mut cfg = c.moe().ok_or_else(|| self.missing("MoE configuration"))?;
-                if aux_scale.is_none() {
-                    cfg.capacity_factor = None; // evaluation is dropless
-                }
-                let experts = m
-                    .experts
-                    .iter()
-                    .map(|e| {
-                        Ok(Expert {
-                            w1: self.w(e.w1)?,
-                            w3: self.w(e.w3)?,
-                            w2: self.w(e.w2)?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                // The experts are not split over the tensor-parallel group: each rank routes the
-                // tokens it holds (with sequence parallelism its share, whose balancing
-                // statistics are summed over the group; without, all of them, like its peers).
+                let parts = self.moe_parts(i, m, aux_scale.is_some(), false)?;
+                let split = self.moe_split();
                 let ep = &self.placement.ep;
-                let split = (tp.sequence_parallel && tp_size > 1).then_some(&tp.group);
-                let weight = self.w(m.router)?;
-                let bias = (cfg.bias_update_rate > 0.0)
-                    .then(|| {
-                        let biases = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
-                        biases.get(&i).cloned()
-                    })
-                    .flatten();
-                let router = Router {
-                    weight: &weight,
-                    bias: bias.as_deref(),
-                };
                 let h = normed.flatten_to(1)?; // [b·s(/tp), h]
-                let out = moe::forward(&h, &router, &experts, ep, split, &cfg, i)?;
+                let out = moe::forward(
+                    &h,
+                    &parts.router(),
+                    &parts.experts,
+                    ep,
+                    split,
+                    &parts.cfg,
+                    i,
+                )?;
                 let y = (x + out.y.reshape(normed.shape())?)?; // [b, s(/tp), h]
                 let Some(scale) = aux_scale else {
                     return Ok(y);
                 };
-                let moe_layers = c.num_moe_layers();
-                let aux = (out.aux_loss * (scale / moe_layers as f64))?;
-                self.moe_stats
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(out.stats);
+                let aux = (out.aux_loss * (scale / c.num_moe_layers() as f64))?;
+                self.record_moe(out.stats);
                 ops::with_side_loss(&y, &aux)
             }
         }
+    }
+
+    /// What MoE layer `layer` (parameters `m`)'s forward needs: the settings (dropless in
+    /// evaluation, `train` false), the router with its selection bias, and this rank's experts
+    /// (`detached` for a hand-written pass).
+    fn moe_parts(
+        &self,
+        layer: usize,
+        m: &MoeParams,
+        train: bool,
+        detached: bool,
+    ) -> Result<MoeParts> {
+        let mut cfg = self
+            .config
+            .moe()
+            .ok_or_else(|| self.missing("MoE configuration"))?;
+        if !train {
+            cfg.capacity_factor = None; // evaluation is dropless
+        }
+        let w = |i: usize| {
+            let t = self.w(i)?;
+            Ok::<_, candle_core::Error>(if detached { t.detach() } else { t })
+        };
+        let experts = m
+            .experts
+            .iter()
+            .map(|e| {
+                Ok(Expert {
+                    w1: w(e.w1)?,
+                    w3: w(e.w3)?,
+                    w2: w(e.w2)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bias = (cfg.bias_update_rate > 0.0)
+            .then(|| {
+                let biases = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+                biases.get(&layer).cloned()
+            })
+            .flatten();
+        Ok(MoeParts {
+            cfg,
+            weight: w(m.router)?,
+            bias,
+            experts,
+        })
+    }
+
+    /// The group a MoE layer's tokens are split over: the tensor-parallel group under sequence
+    /// parallelism. The experts are not split over the tensor-parallel group: each rank routes
+    /// the tokens it holds (with sequence parallelism its share, whose balancing statistics are
+    /// summed over the group; without, all of them, like its peers).
+    fn moe_split(&self) -> Option<&parallel::tp::TpGroup> {
+        let tp = &self.placement.tp;
+        (tp.sequence_parallel && tp.size() > 1).then_some(&tp.group)
+    }
+
+    /// Keeps a training forward's MoE measurements for [`Llama::take_moe_stats`].
+    fn record_moe(&self, stats: LayerStats) {
+        self.moe_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(stats);
     }
 
     /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]`
@@ -402,6 +442,26 @@ impl Llama {
     /// head: per-position losses `[b * s]`.
     pub fn token_losses(&self, tokens: &Tensor, labels: &Tensor) -> Result<Tensor> {
         self.losses(&self.hidden(tokens)?, labels)
+    }
+}
+
+/// What a MoE layer's forward reads besides its input (see `Llama::moe_parts`).
+struct MoeParts {
+    cfg: crate::MoeConfig,
+    /// The router weight `[E, h]`.
+    weight: Tensor,
+    /// The selection bias `[E]` (auxiliary-loss-free balancing).
+    bias: Option<Vec<f32>>,
+    /// This rank's experts.
+    experts: Vec<Expert>,
+}
+
+impl MoeParts {
+    fn router(&self) -> Router<'_> {
+        Router {
+            weight: &self.weight,
+            bias: self.bias.as_deref(),
+        }
     }
 }
 

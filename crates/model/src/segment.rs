@@ -65,15 +65,16 @@ pub enum BackwardMode {
 pub enum Pass<'a> {
     /// `f`'s forward builds an autograd graph; the backward runs through it.
     Graph(&'a dyn Fn(&Tensor) -> Result<Tensor>),
-    /// Dense decoder block `layer` of `model`, forward without a graph, hand-written backward.
-    Block(&'a Llama, usize),
+    /// Decoder block `layer` of `model`, forward without a graph, hand-written backward; a
+    /// MoE layer's balancing losses weigh the micro-batch's `aux_scale` (see `Targets`).
+    Block(&'a Llama, usize, f64),
     /// The head of `model` with the micro-batch's targets, hand-written backward.
     Head(&'a Llama, &'a crate::Targets),
 }
 
 /// What a hand-written pass keeps for its backward.
 pub enum Tape {
-    /// A dense block's.
+    /// A decoder block's.
     Block(BlockTape),
     /// The head's.
     Head(HeadTape),
@@ -94,8 +95,8 @@ impl Pass<'_> {
     fn run(&self, x: &Tensor) -> Result<(Tensor, Option<Tape>)> {
         match self {
             Pass::Graph(f) => Ok((f(x)?, None)),
-            Pass::Block(model, layer) => {
-                let (y, tape) = model.block_forward_saved(*layer, x)?;
+            Pass::Block(model, layer, aux_scale) => {
+                let (y, tape) = model.block_forward_saved(*layer, x, *aux_scale)?;
                 Ok((y, Some(Tape::Block(tape))))
             }
             Pass::Head(model, targets) => {
@@ -112,7 +113,7 @@ impl Pass<'_> {
         dy: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<(usize, ParamGrad)>)> {
         match (self, tape, dy) {
-            (Pass::Block(model, _), Tape::Block(tape), Some(dy)) => model.block_backward(tape, dy),
+            (Pass::Block(model, ..), Tape::Block(tape), Some(dy)) => model.block_backward(tape, dy),
             (Pass::Head(model, _), Tape::Head(tape), None) => model.head_backward(tape),
             _ => candle_core::bail!(
                 "a hand-written backward pass got another pass's tape or upstream gradient"

@@ -1,4 +1,4 @@
-//! The dense decoder block with a hand-written backward pass.
+//! The decoder block with a hand-written backward pass.
 //!
 //! candle's autograd materialises a zero gradient for every edge of a graph and adds each
 //! contribution into it: about thirty full-size fills and additions per block and micro-batch,
@@ -14,19 +14,21 @@
 //! enters through the region entries' and exits' values and gradients
 //! (`TensorParallel::{enter,exit}_{value,grad}`), context parallelism through the ring attention's
 //! graph-free forward and backward (`ContextParallel::attention_{saved,bwd}`, the functions its
-//! differentiable op runs). Blocks with a mixture of experts keep the autograd path:
-//! [`Llama::hand_written`] says which. The head's hand-written pass is in `head.rs`.
+//! differentiable op runs). A block with a mixture of experts runs the MoE layer's own pass
+//! (`moe::{forward_saved, backward}`, in `moe/saved.rs`) in place of the dense MLP's. The
+//! head's hand-written pass is in `head.rs`.
 
 use candle_core::{Result, Tensor};
 
-use super::{Llama, KERNELS};
+use super::{Llama, MoeParts, KERNELS};
 use crate::inventory::{BlockParams, MlpParams};
+use crate::moe::{self, MoeTape};
 use crate::ops::{self, linear, linear_to};
 use crate::segment::{storages, Held, ParamGrad};
 use crate::Piece;
 
-/// What a dense block's forward keeps for its backward pass (model dtype unless said otherwise;
-/// `s` is the whole sequence, `s/tp` its share with sequence parallelism).
+/// What a decoder block's forward keeps for its backward pass (model dtype unless said
+/// otherwise; `s` is the whole sequence, `s/tp` its share with sequence parallelism).
 pub struct BlockTape {
     /// Global layer index.
     layer: usize,
@@ -47,27 +49,56 @@ pub struct BlockTape {
     lse: Tensor,
     /// The residual stream after attention `[b, s(/tp), h]`.
     x1: Tensor,
-    /// Its norm as the MLP reads it `[b, s, h]`.
-    h2: Tensor,
-    /// Gate projection `[b, s, f/tp]`.
-    gate: Tensor,
-    /// Up projection `[b, s, f/tp]`.
-    up: Tensor,
-    /// SwiGLU of the two `[b, s, f/tp]`.
-    act: Tensor,
+    /// The feed-forward part's.
+    mlp: MlpTape,
+}
+
+/// What a block's feed-forward part keeps.
+enum MlpTape {
+    /// The dense SwiGLU MLP's.
+    Dense {
+        /// The norm of the residual as the MLP reads it `[b, s, h]`.
+        h2: Tensor,
+        /// Gate projection `[b, s, f/tp]`.
+        gate: Tensor,
+        /// Up projection `[b, s, f/tp]`.
+        up: Tensor,
+        /// SwiGLU of the two `[b, s, f/tp]`.
+        act: Tensor,
+    },
+    /// The mixture of experts' (its input rows, the norm of the residual, included).
+    Moe(Box<MoeTape>),
 }
 
 impl BlockTape {
     /// The storages the tape keeps alive, its input included.
     pub fn held(&self) -> Held {
-        storages(&[
-            &self.x, &self.h, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.x1, &self.h2,
-            &self.gate, &self.up, &self.act,
-        ])
+        let mut kept = vec![
+            &self.x, &self.h, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.x1,
+        ];
+        let mut held = match &self.mlp {
+            MlpTape::Dense { h2, gate, up, act } => {
+                kept.extend([h2, gate, up, act]);
+                Held::new()
+            }
+            MlpTape::Moe(tape) => tape.held(),
+        };
+        held.extend(storages(&kept));
+        dedup(held)
     }
 }
 
-/// The weights of a dense block, detached (the forward builds no graph).
+/// One entry per storage, the largest view's bytes.
+fn dedup(held: Held) -> Held {
+    let mut by_key = std::collections::HashMap::new();
+    for (key, bytes) in held {
+        let e = by_key.entry(key).or_insert(0);
+        *e = bytes.max(*e);
+    }
+    by_key.into_iter().collect()
+}
+
+/// The attention weights and norms of a block, detached (the forward builds no graph).
 struct Weights {
     norm1: Tensor,
     q: Tensor,
@@ -75,51 +106,33 @@ struct Weights {
     v: Tensor,
     o: Tensor,
     norm2: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
 }
 
 /// A projection's backward: the input gradient `g · w` (in `x`'s shape) and the weight gradient
 /// `gᵀ · x` as its factors, for the gradient buffer to accumulate with one GEMM.
-pub(super) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, ParamGrad)> {
+pub(crate) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, ParamGrad)> {
     let dx = ops::linear_dx(w, g, x.shape())?;
     let (g, x) = ops::linear_factors(x, w, g)?;
     Ok((dx, ParamGrad::Product { g, x }))
 }
 
 impl Llama {
-    /// Whether `piece` runs with a hand-written backward: a dense decoder block (this module) or
-    /// the head (`head.rs`).
+    /// Whether `piece` runs with a hand-written backward: every decoder block (this module) and
+    /// the head (`head.rs`); the embedding keeps autograd.
     pub fn hand_written(&self, piece: Piece) -> bool {
-        let i = match piece {
-            Piece::Block(i) => i,
-            Piece::Head => return self.head_hand_written(),
-            Piece::Embedding => return false,
-        };
-        let dense = self
-            .inventory
-            .blocks
-            .get(&i)
-            .is_some_and(|b| matches!(b.mlp, MlpParams::Dense { .. }));
-        dense
+        match piece {
+            Piece::Block(i) => self.inventory.blocks.contains_key(&i),
+            Piece::Head => self.head_hand_written(),
+            Piece::Embedding => false,
+        }
     }
 
-    fn dense_block(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
+    fn block_weights(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
         let blk = self
             .inventory
             .blocks
             .get(&layer)
-            .filter(|_| self.hand_written(Piece::Block(layer)))
-            .ok_or_else(|| self.missing(&format!("dense layer {layer}")))?;
-        let MlpParams::Dense {
-            gate_proj,
-            up_proj,
-            down_proj,
-        } = blk.mlp
-        else {
-            return Err(self.missing(&format!("dense layer {layer}")));
-        };
+            .ok_or_else(|| self.missing(&format!("layer {layer}")))?;
         let w = |i: usize| Ok::<_, candle_core::Error>(self.w(i)?.detach());
         let weights = Weights {
             norm1: w(blk.input_layernorm)?,
@@ -128,11 +141,16 @@ impl Llama {
             v: w(blk.v_proj)?,
             o: w(blk.o_proj)?,
             norm2: w(blk.post_attention_layernorm)?,
-            gate: w(gate_proj)?,
-            up: w(up_proj)?,
-            down: w(down_proj)?,
         };
         Ok((blk, weights))
+    }
+
+    /// The MoE parts of block `blk` (layer `layer`) for a hand-written pass.
+    fn moe_block(&self, layer: usize, blk: &BlockParams) -> Result<MoeParts> {
+        match &blk.mlp {
+            MlpParams::Moe(m) => self.moe_parts(layer, m, true, true),
+            MlpParams::Dense { .. } => Err(self.missing(&format!("MoE layer {layer}"))),
+        }
     }
 
     /// Causal attention over the whole sequence without a graph (the ring under context
@@ -175,10 +193,16 @@ impl Llama {
         Ok((cos, sin, 1.0 / (self.config.head_dim() as f64).sqrt()))
     }
 
-    /// Dense block `layer`'s forward without a graph: its output `[b, s(/tp), h]` (the value of
-    /// [`Llama::block`]) and the tape its [`Llama::block_backward`] needs.
-    pub fn block_forward_saved(&self, layer: usize, x: &Tensor) -> Result<(Tensor, BlockTape)> {
-        let (_, w) = self.dense_block(layer)?;
+    /// Block `layer`'s forward without a graph: its output `[b, s(/tp), h]` (the value of
+    /// [`Llama::block`]) and the tape its [`Llama::block_backward`] needs. A MoE layer's
+    /// balancing losses enter the objective times `aux_scale` (as in training).
+    pub fn block_forward_saved(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        aux_scale: f64,
+    ) -> Result<(Tensor, BlockTape)> {
+        let (blk, w) = self.block_weights(layer)?;
         let c = &self.config;
         let tp = &self.placement.tp;
         let (hq, hkv, d) = (
@@ -199,11 +223,39 @@ impl Llama {
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
         let x1 = (&x + tp.exit_value(&o)?)?;
 
-        let h2 = tp.enter_value(&ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?)?; // [b, s, h]
-        let gate = linear(&h2, &w.gate)?; // [b, s, f/tp]
-        let up = linear(&h2, &w.up)?;
-        let act = ops::swiglu(&gate, &up)?;
-        let y = (&x1 + tp.exit_value(&linear(&act, &w.down)?)?)?;
+        let normed = ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?; // [b, s(/tp), h]
+        let (y, mlp) = match &blk.mlp {
+            MlpParams::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => {
+                let h2 = tp.enter_value(&normed)?; // [b, s, h]
+                let gate = linear(&h2, &self.w(*gate_proj)?.detach())?; // [b, s, f/tp]
+                let up = linear(&h2, &self.w(*up_proj)?.detach())?;
+                let act = ops::swiglu(&gate, &up)?;
+                let down = linear(&act, &self.w(*down_proj)?.detach())?;
+                let y = (&x1 + tp.exit_value(&down)?)?;
+                (y, MlpTape::Dense { h2, gate, up, act })
+            }
+            MlpParams::Moe(_) => {
+                let parts = self.moe_block(layer, blk)?;
+                let aux_weight = aux_scale / c.num_moe_layers() as f64;
+                let (out, stats, tape) = moe::forward_saved(
+                    &normed.flatten_to(1)?, // [b·s(/tp), h]
+                    &parts.router(),
+                    &parts.experts,
+                    &self.placement.ep,
+                    self.moe_split(),
+                    &parts.cfg,
+                    layer,
+                    aux_weight,
+                )?;
+                self.record_moe(stats);
+                let y = (&x1 + out.reshape(normed.shape())?)?;
+                (y, MlpTape::Moe(Box::new(tape)))
+            }
+        };
         let tape = BlockTape {
             layer,
             x,
@@ -214,15 +266,12 @@ impl Llama {
             attn,
             lse,
             x1,
-            h2,
-            gate,
-            up,
-            act,
+            mlp,
         };
         Ok((y, tape))
     }
 
-    /// The backward pass of a dense block from its tape and the output's gradient `dy`
+    /// The backward pass of a block from its tape and the output's gradient `dy`
     /// `[b, s(/tp), h]`: the input's gradient and every parameter's, by parameter index (the
     /// projections' as the factors of `gᵀ · x`).
     pub fn block_backward(
@@ -240,32 +289,54 @@ impl Llama {
             attn,
             lse,
             x1,
-            h2,
-            gate,
-            up,
-            act,
+            mlp,
         } = tape;
-        let (blk, w) = self.dense_block(layer)?;
-        let MlpParams::Dense {
-            gate_proj,
-            up_proj,
-            down_proj,
-        } = blk.mlp
-        else {
-            return Err(self.missing(&format!("dense layer {layer}")));
-        };
+        let (blk, w) = self.block_weights(layer)?;
         let (c, tp) = (&self.config, &self.placement.tp);
         let dy = dy.to_dtype(x.dtype())?;
+        let mut grads = Vec::with_capacity(9);
 
-        // MLP: y = x1 + exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)).
-        let dd = tp.exit_grad(&dy)?; // [b, s, h]
-        let (dact, d_down) = projection_bwd(&act, &w.down, &dd)?; // [b, s, f/tp]
-        let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
-        let (dh2_up, d_up) = projection_bwd(&h2, &w.up, &dup)?; // [b, s, h] partial
-        let (dh2_gate, d_gate) = projection_bwd(&h2, &w.gate, &dgate)?;
-        let dh2 = (dh2_up + dh2_gate)?;
-        let (dx1, d_norm2) =
-            ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?;
+        // The feed-forward part: y = x1 + mlp(norm(x1)).
+        let (dx1, d_norm2) = match (mlp, &blk.mlp) {
+            (
+                MlpTape::Dense { h2, gate, up, act },
+                MlpParams::Dense {
+                    gate_proj,
+                    up_proj,
+                    down_proj,
+                },
+            ) => {
+                // mlp = exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)).
+                let dd = tp.exit_grad(&dy)?; // [b, s, h]
+                let wt = |i: usize| Ok::<_, candle_core::Error>(self.w(i)?.detach());
+                let (dact, d_down) = projection_bwd(&act, &wt(*down_proj)?, &dd)?; // [b, s, f/tp]
+                let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
+                let (dh2_up, d_up) = projection_bwd(&h2, &wt(*up_proj)?, &dup)?; // [b, s, h] partial
+                let (dh2_gate, d_gate) = projection_bwd(&h2, &wt(*gate_proj)?, &dgate)?;
+                let dh2 = (dh2_up + dh2_gate)?;
+                grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
+                ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?
+            }
+            (MlpTape::Moe(tape), MlpParams::Moe(m)) => {
+                let parts = self.moe_block(layer, blk)?;
+                let g = moe::backward(
+                    *tape,
+                    &parts.weight,
+                    &parts.experts,
+                    &self.placement.ep,
+                    &dy.flatten_to(1)?,
+                )?;
+                grads.push((m.router, ParamGrad::Tensor(g.router)));
+                for (e, g) in m.experts.iter().zip(g.experts) {
+                    if let Some([d1, d3, d2]) = g {
+                        grads.extend([(e.w1, d1), (e.w3, d3), (e.w2, d2)]);
+                    }
+                }
+                let dh2 = g.dx.reshape(x1.shape())?; // [b, s(/tp), h]
+                ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &dh2)?
+            }
+            _ => return Err(self.missing(&format!("the feed-forward part of layer {layer}"))),
+        };
         let dx1 = (&dy + dx1)?; // [b, s(/tp), h]
 
         // Attention: x1 = x + exit(attn(rope(h qᵀ), rope(h kᵀ), h vᵀ) oᵀ), h = enter(norm(x)).
@@ -284,17 +355,14 @@ impl Llama {
         let dh = ((dh_v + dh_k)? + dh_q)?;
         let (dx, d_norm1) = ops::rms_norm_bwd(&x, &w.norm1, c.rms_norm_eps, &tp.enter_grad(&dh)?)?;
         let dx = (dx1 + dx)?;
-        let grads = vec![
+        grads.extend([
             (blk.input_layernorm, ParamGrad::Tensor(d_norm1)),
             (blk.q_proj, d_q),
             (blk.k_proj, d_k),
             (blk.v_proj, d_v),
             (blk.o_proj, d_o),
             (blk.post_attention_layernorm, ParamGrad::Tensor(d_norm2)),
-            (gate_proj, d_gate),
-            (up_proj, d_up),
-            (down_proj, d_down),
-        ];
+        ]);
         Ok((dx, grads))
     }
 }

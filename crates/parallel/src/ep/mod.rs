@@ -110,6 +110,33 @@ impl ExpertParallel {
     /// must process (`[m, h]`, grouped by local expert, with the [`Dispatch`] saying how many
     /// each) — differentiable.
     pub fn dispatch(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
+        self.dispatch_with(x, counts, true)
+    }
+
+    /// [`ExpertParallel::dispatch`]'s value without a graph, for a hand-written backward pass
+    /// ([`ExpertParallel::dispatch_grad`]).
+    pub fn dispatch_saved(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
+        self.dispatch_with(x, counts, false)
+    }
+
+    /// The gradient of [`ExpertParallel::dispatch_saved`]'s input from that of its output
+    /// `dx_local` `[m, h]`: the rows regrouped back to (source, expert) order and returned to
+    /// their ranks by the reverse all-to-all, `[n·k, h]`. Every member calls it.
+    pub fn dispatch_grad(&self, dx_local: &Tensor, d: &Dispatch) -> Result<Tensor> {
+        let (Some(comm), Some(grouped)) = (self.comm.as_ref(), d.grouped.as_ref()) else {
+            return Ok(dx_local.clone());
+        };
+        let index = Tensor::from_vec(received_order(grouped), grouped.len(), dx_local.device())?;
+        let g = dx_local.index_select(&index, 0)?; // [m, h], (source, expert) order
+        comm.all_to_all(&self.group, &g, &d.recv, &d.send)
+    }
+
+    fn dispatch_with(
+        &self,
+        x: &Tensor,
+        counts: &[usize],
+        differentiable: bool,
+    ) -> Result<(Tensor, Dispatch)> {
         let (n, e) = (self.size(), counts.len());
         let Some(comm) = self.comm.as_ref().filter(|_| n > 1) else {
             let d = Dispatch {
@@ -162,7 +189,7 @@ impl ExpertParallel {
                 *total += c;
             }
         }
-        let received = self.exchange(comm, x, &send, &recv)?; // [m, h], (source, expert) order
+        let received = self.exchange(comm, x, &send, &recv, differentiable)?; // [m, h], (source, expert) order
         let index = Tensor::from_vec(grouped.clone(), grouped.len(), x.device())?;
         let x_local = received.index_select(&index, 0)?; // [m, h], (expert, source) order
         let d = Dispatch {
@@ -178,27 +205,50 @@ impl ExpertParallel {
     /// them) to the ranks their tokens came from: `[n·k, h]` in the dispatched `x`'s row order
     /// — differentiable.
     pub fn combine(&self, y: &Tensor, d: &Dispatch) -> Result<Tensor> {
+        self.combine_with(y, d, true)
+    }
+
+    /// [`ExpertParallel::combine`]'s value without a graph, for a hand-written backward pass
+    /// ([`ExpertParallel::combine_grad`]).
+    pub fn combine_saved(&self, y: &Tensor, d: &Dispatch) -> Result<Tensor> {
+        self.combine_with(y, d, false)
+    }
+
+    /// The gradient of [`ExpertParallel::combine_saved`]'s input from that of its output `dy`
+    /// `[n·k, h]`: the rows sent back to the experts' ranks by the reverse all-to-all and
+    /// regrouped to (local expert, source) order, `[m, h]`. Every member calls it.
+    pub fn combine_grad(&self, dy: &Tensor, d: &Dispatch) -> Result<Tensor> {
+        let (Some(comm), Some(grouped)) = (self.comm.as_ref(), d.grouped.as_ref()) else {
+            return Ok(dy.clone());
+        };
+        let g = comm.all_to_all(&self.group, dy, &d.send, &d.recv)?; // [m, h], (source, expert)
+        let index = Tensor::from_vec(grouped.clone(), grouped.len(), dy.device())?;
+        g.index_select(&index, 0)
+    }
+
+    fn combine_with(&self, y: &Tensor, d: &Dispatch, differentiable: bool) -> Result<Tensor> {
         let (Some(comm), Some(grouped)) = (self.comm.as_ref(), d.grouped.as_ref()) else {
             return Ok(y.clone());
         };
-        let mut received = vec![0u32; grouped.len()];
-        for (row, &r) in grouped.iter().enumerate() {
-            received[r as usize] = row as u32;
-        }
-        let index = Tensor::from_vec(received, grouped.len(), y.device())?;
+        let index = Tensor::from_vec(received_order(grouped), grouped.len(), y.device())?;
         let y = y.index_select(&index, 0)?; // [m, h], (source, expert) order
-        self.exchange(comm, &y, &d.recv, &d.send)
+        self.exchange(comm, &y, &d.recv, &d.send, differentiable)
     }
 
-    /// The differentiable all-to-all: forward `send`/`recv`, backward the reverse.
+    /// The all-to-all of `x`'s rows: forward `send`/`recv`; when `differentiable`, an op whose
+    /// backward is the reverse all-to-all, else the plain value.
     fn exchange(
         &self,
         comm: &Arc<dyn Comm>,
         x: &Tensor,
         send: &[usize],
         recv: &[usize],
+        differentiable: bool,
     ) -> Result<Tensor> {
         let value = comm.all_to_all(&self.group, &x.detach(), send, recv)?;
+        if !differentiable {
+            return Ok(value);
+        }
         let (comm2, group) = (comm.clone(), self.group.clone());
         let (back_send, back_recv) = (recv.to_vec(), send.to_vec());
         route(
@@ -208,4 +258,14 @@ impl ExpertParallel {
             Box::new(move |g| comm2.all_to_all(&group, g, &back_send, &back_recv)),
         )
     }
+}
+
+/// The inverse of the regrouping permutation `grouped` (row `i` of the (expert, source) order is
+/// received row `grouped[i]`): the (expert, source) row of each received row.
+fn received_order(grouped: &[u32]) -> Vec<u32> {
+    let mut received = vec![0u32; grouped.len()];
+    for (row, &r) in grouped.iter().enumerate() {
+        received[r as usize] = row as u32;
+    }
+    received
 }

@@ -1,0 +1,261 @@
+//! The MoE layer with a hand-written backward pass: [`forward_saved`] computes what
+//! [`super::forward`] computes without a graph and keeps a [`MoeTape`]; [`backward`] turns the
+//! output's gradient into the input's, the router's and each local expert's.
+//!
+//! The backward, in reverse order of the forward (`n` tokens, `k` slots, `rows` kept pairs, `m`
+//! rows on this rank's experts):
+//!
+//! ```text
+//! y = Σⱼ wⱼ·ykⱼ          dykⱼ = wⱼ·dy, dwⱼ = ⟨dy, ykⱼ⟩                       [n, k, h], [n, k]
+//! yk = unpermute(y_perm)  dy_perm = the rows of dyk in permuted order (gather)  [rows, h]
+//! combine / dispatch      their reverse all-to-alls (ExpertParallel::{combine,dispatch}_grad)
+//! expert e                projection and SwiGLU backward; weight gradients as GEMM factors
+//! x_perm = x[tokens]      dx = Σ over each token's slots (index_add)             [n, h]
+//! w = p_sel (/ Σ p_sel)   dp_sel = (dw − ⟨dw, w⟩) / Σ p_sel when renormalised
+//! p_sel = probs[chosen]   dprobs = scatter of dp_sel, plus the load-balancing loss's E·fᵢ/N
+//! probs, lse = softmax    dlogits = probs·(dprobs − ⟨dprobs, probs⟩ + dlse), dlse = z-loss's 2·lse/N
+//! logits = x Wᵀ           dx += dlogits·W, dW = dlogitsᵀ·x (router dtype)
+//! ```
+//!
+//! The balancing losses enter with the weight their side loss has in the objective
+//! (`aux_weight`: the training step's scale over the MoE layers). The sums differ from
+//! autograd's in order only (the token's slots are added by one `index_add` here); the
+//! comparison is in `tests/moe.rs` (f64) and `tests/hand_written_backward.rs` (training).
+
+use candle_core::{Result, Tensor};
+use parallel::ep::{Dispatch, ExpertParallel};
+use parallel::tp::TpGroup;
+
+use super::routing::Plan;
+use super::{
+    check_experts, losses, router_dtype, router_probs, routing_weights, split_rows, unpermute,
+    weigh, Expert, LayerStats, Router,
+};
+use crate::config::MoeConfig;
+use crate::llama::projection_bwd;
+use crate::ops::{self, linear};
+use crate::segment::{storages, Held, ParamGrad};
+
+/// One local expert's saved activations (`count` rows).
+struct ExpertTape {
+    /// Its input rows `[count, h]`.
+    x: Tensor,
+    /// Gate and up projections `[count, f]`.
+    gate: Tensor,
+    up: Tensor,
+    /// Their SwiGLU `[count, f]`.
+    act: Tensor,
+}
+
+/// What the MoE layer's forward keeps for [`backward`].
+pub struct MoeTape {
+    /// The layer's input rows `[n, h]`.
+    x: Tensor,
+    /// Router probabilities `[n, E]` and log-sum-exps `[n]` (router dtype).
+    probs: Tensor,
+    lse: Tensor,
+    /// The routing weights `[n, k]` (router dtype).
+    weights: Tensor,
+    /// The experts' outputs in (token, slot) order `[n, k, h]`.
+    yk: Tensor,
+    plan: Plan,
+    dispatch: Dispatch,
+    /// Per local expert, `None` for one without rows.
+    experts: Vec<Option<ExpertTape>>,
+    /// `fᵢ` per expert `[E]` and the tokens the losses' means run over.
+    share: Tensor,
+    tokens: f64,
+    /// The balancing losses' weights in the objective: `aux_weight · coef`.
+    lb_weight: f64,
+    z_weight: f64,
+    norm_topk_prob: bool,
+}
+
+impl MoeTape {
+    /// The storages the tape keeps alive (its input included).
+    pub fn held(&self) -> Held {
+        let mut kept = vec![
+            &self.x,
+            &self.probs,
+            &self.lse,
+            &self.weights,
+            &self.yk,
+            &self.share,
+        ];
+        for e in self.experts.iter().flatten() {
+            kept.extend([&e.x, &e.gate, &e.up, &e.act]);
+        }
+        storages(&kept)
+    }
+}
+
+/// The gradients of the MoE layer's inputs.
+pub struct MoeGrads {
+    /// The input rows' `[n, h]`.
+    pub dx: Tensor,
+    /// The router weight's `[E, h]`.
+    pub router: Tensor,
+    /// Per local expert, `(w1, w3, w2)`'s as GEMM factors; `None` for an expert without rows.
+    pub experts: Vec<Option<[ParamGrad; 3]>>,
+}
+
+/// The layer's forward without a graph (arguments as [`super::forward`], the router weight and
+/// the experts detached; `aux_weight` is the weight of its balancing losses in the objective):
+/// the output `[n, h]`, the measurements and the tape.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_saved(
+    x: &Tensor,
+    router: &Router,
+    experts: &[Expert],
+    ep: &ExpertParallel,
+    split: Option<&TpGroup>,
+    cfg: &MoeConfig,
+    layer: usize,
+    aux_weight: f64,
+) -> Result<(Tensor, LayerStats, MoeTape)> {
+    check_experts(experts.len(), ep, cfg, layer)?;
+    let (x, dev) = (x.detach(), x.device());
+    let (probs, lse) = router_probs(&x, router.weight)?; // [n, E], [n]
+    let plan = Plan::new(&probs, router, cfg, layer)?;
+    let weights = routing_weights(&probs, &plan.chosen(dev)?, cfg)?; // [n, k]
+
+    let x_perm = x.index_select(&plan.tokens(dev)?, 0)?; // [rows, h]
+    let (x_local, dispatch) = ep.dispatch_saved(&x_perm, &plan.counts)?; // [m, h]
+    let mut inputs = Vec::with_capacity(experts.len());
+    split_rows(&x_local, &dispatch.counts, &mut inputs)?;
+    let (mut outs, mut tapes) = (Vec::new(), Vec::with_capacity(experts.len()));
+    for (ex, xe) in experts.iter().zip(inputs) {
+        let Some(xe) = xe else {
+            tapes.push(None);
+            continue;
+        }; // [count, h]
+        let gate = linear(&xe, &ex.w1)?; // [count, f]
+        let up = linear(&xe, &ex.w3)?;
+        let act = ops::swiglu(&gate, &up)?;
+        outs.push(linear(&act, &ex.w2)?); // [count, h]
+        tapes.push(Some(ExpertTape {
+            x: xe,
+            gate,
+            up,
+            act,
+        }));
+    }
+    let y_local = if outs.is_empty() {
+        x_local
+    } else {
+        Tensor::cat(&outs, 0)?
+    }; // [m, h]
+    let y_perm = ep.combine_saved(&y_local, &dispatch)?; // [rows, h]
+    let yk = unpermute(&y_perm, &plan)?; // [n, k, h]
+    let y = weigh(&yk, &weights)?; // [n, h]
+
+    let l = losses(&probs, &lse, &plan, split, layer)?;
+    let tape = MoeTape {
+        x,
+        probs,
+        lse,
+        weights,
+        yk,
+        plan,
+        dispatch,
+        experts: tapes,
+        share: l.share,
+        tokens: l.tokens,
+        lb_weight: aux_weight * cfg.aux_loss_coef,
+        z_weight: aux_weight * cfg.z_loss_coef,
+        norm_topk_prob: cfg.norm_topk_prob,
+    };
+    Ok((y, l.stats, tape))
+}
+
+/// The layer's backward from its tape and the output's gradient `dy` `[n, h]`, with the
+/// (detached) router weight `[E, h]` and local experts the forward used. Every member of the expert-parallel
+/// group calls it (its all-to-alls), with or without local rows.
+pub fn backward(
+    tape: MoeTape,
+    router: &Tensor,
+    experts: &[Expert],
+    ep: &ExpertParallel,
+    dy: &Tensor,
+) -> Result<MoeGrads> {
+    let MoeTape {
+        x,
+        probs,
+        lse,
+        weights,
+        yk,
+        plan,
+        dispatch,
+        experts: tapes,
+        share,
+        tokens,
+        lb_weight,
+        z_weight,
+        norm_topk_prob,
+    } = tape;
+    let (n, h) = x.dims2()?;
+    let (dt, rdt, dev) = (x.dtype(), router_dtype(x.dtype()), x.device());
+    let dy = dy.to_dtype(dt)?.unsqueeze(1)?; // [n, 1, h]
+
+    // y = Σⱼ wⱼ·ykⱼ.
+    let dyk = dy.broadcast_mul(&weights.to_dtype(dt)?.unsqueeze(2)?)?; // [n, k, h]
+    let dw = dy.broadcast_mul(&yk)?.sum(2)?.to_dtype(rdt)?; // [n, k]
+    let dy_perm = dyk
+        .reshape((n * plan.k, h))?
+        .index_select(&plan.order(dev)?, 0)?; // [rows, h]
+    let dy_local = ep.combine_grad(&dy_perm, &dispatch)?; // [m, h]
+
+    // The experts, over their contiguous rows.
+    let mut douts = Vec::with_capacity(experts.len());
+    split_rows(&dy_local, &dispatch.counts, &mut douts)?;
+    let (mut dxs, mut grads) = (Vec::new(), Vec::with_capacity(experts.len()));
+    for ((ex, t), dout) in experts.iter().zip(tapes).zip(douts) {
+        let (Some(t), Some(dout)) = (t, dout) else {
+            grads.push(None);
+            continue;
+        };
+        let (dact, d_w2) = projection_bwd(&t.act, &ex.w2, &dout)?; // [count, f]
+        let (dgate, dup) = ops::swiglu_bwd(&t.gate, &t.up, &dact)?;
+        let (dx_up, d_w3) = projection_bwd(&t.x, &ex.w3, &dup)?; // [count, h]
+        let (dx_gate, d_w1) = projection_bwd(&t.x, &ex.w1, &dgate)?;
+        dxs.push((dx_up + dx_gate)?);
+        grads.push(Some([d_w1, d_w3, d_w2]));
+    }
+    let dx_local = if dxs.is_empty() {
+        dy_local
+    } else {
+        Tensor::cat(&dxs, 0)?
+    }; // [m, h]
+    let dx_perm = ep.dispatch_grad(&dx_local, &dispatch)?; // [rows, h]
+    let dx = x.zeros_like()?.index_add(&plan.tokens(dev)?, &dx_perm, 0)?; // [n, h]
+
+    // The router: routing weights, balancing losses, softmax, projection.
+    let chosen = plan.chosen(dev)?;
+    let dp_sel = if norm_topk_prob {
+        let sum = probs.gather(&chosen, 1)?.sum_keepdim(1)?; // [n, 1]
+        let dot = (&dw * &weights)?.sum_keepdim(1)?;
+        dw.broadcast_sub(&dot)?.broadcast_div(&sum)?
+    } else {
+        dw
+    }; // [n, k]
+    let e = probs.dim(1)?;
+    let lb = (share * (lb_weight * e as f64 / tokens))?.unsqueeze(0)?; // [1, E]
+    let dprobs = probs
+        .zeros_like()?
+        .scatter_add(&chosen, &dp_sel, 1)?
+        .broadcast_add(&lb)?; // [n, E]
+    let dlse = (lse * (2.0 * z_weight / tokens))?.unsqueeze(1)?; // [n, 1]
+    let dot = (&dprobs * &probs)?.sum_keepdim(1)?; // [n, 1]
+    let dlogits = (&probs * dprobs.broadcast_sub(&dot)?.broadcast_add(&dlse)?)?; // [n, E]
+    let w = router.to_dtype(rdt)?;
+    let dx_router = dlogits.matmul(&w)?.to_dtype(dt)?; // [n, h]
+    let d_router = dlogits
+        .t()?
+        .matmul(&x.to_dtype(rdt)?)?
+        .to_dtype(router.dtype())?; // [E, h]
+    Ok(MoeGrads {
+        dx: (dx + dx_router)?,
+        router: d_router,
+        experts: grads,
+    })
+}
