@@ -22,6 +22,18 @@ use candle_core::Device;
 
 use crate::recipe::DeviceKind;
 
+/// The number of CUDA devices this machine shows (0 in a build without the `cuda` feature).
+pub fn gpu_count() -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda::cudarc::driver::CudaContext;
+        let n = CudaContext::device_count().map_err(|e| anyhow::anyhow!("counting GPUs: {e}"))?;
+        Ok(n.max(0) as usize)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Ok(0)
+}
+
 /// The compute device a recipe asks for; `ordinal` picks the GPU. See the module docs for what
 /// opening a CUDA device checks and prepares.
 pub fn device_for(kind: DeviceKind, ordinal: usize) -> Result<Device> {

@@ -13,13 +13,18 @@
 //!    f32 on the CPU (relative loss difference).
 //! 4. **Collective backend.** With NCCL (CUDA builds with the `nccl` feature): a world of one rank
 //!    runs every collective through NCCL itself and must return its input.
-//! 5. **Thread-ranks.** dp=2 × tp=2 thread-ranks sharing the device against one rank on it.
+//! 5. **Thread-ranks.** dp=2 × tp=2, cp=2 and (a tiny MoE) dp=2 × ep=2 thread-ranks sharing the
+//!    device against one rank on it, and the MoE blocks' hand-written backward against autograd.
 //! 6. **A 1B decoder block.** One decoder block of the 1B recipes (hidden 2048, 32 query and 4 KV
 //!    heads of 64, intermediate 5632), forward and backward, in f32 and bf16 on the device against
 //!    the same block in f64 on the CPU with the same (device-rounded) weights and input: the
 //!    output, the input gradient and every weight gradient, through autograd and through the
 //!    block's hand-written backward pass (the training default). Over the recipes' 2048 positions on a
 //!    GPU; over 128 on the CPU, where f64 time forces it (the only scaled dimension).
+//!
+//! 7. **Rank processes.** Two processes started by the launcher (tp=2 with sequence
+//!    parallelism) against one rank: over `tcp` on the CPU, over NCCL with two or more GPUs
+//!    (`selftest/processes.rs`).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -29,6 +34,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 
 mod block;
+mod processes;
 
 use crate::optim::kernels::{add_into, add_product_into, sum_squares, AdamWStep};
 use crate::recipe::{self, DeviceKind, Recipe};
@@ -345,12 +351,17 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
     Ok(checks)
 }
 
-/// The tiny recipe cut to `steps` steps on `device_kind` in `dtype`, with `extra` overrides.
-fn tiny(recipe: &Path, steps: usize, device: &str, dtype: &str, extra: &str) -> Result<Recipe> {
-    let mut o = vec![format!(
+/// The overrides that cut the tiny recipe to `steps` steps on `device` in `dtype`.
+fn tiny_overrides(steps: usize, device: &str, dtype: &str) -> String {
+    format!(
         "train.steps={steps},schedule.warmup_steps=1,train.eval_interval=0,checkpoint.interval=0,\
          train.global_batch=16,train.device={device},train.dtype={dtype}"
-    )];
+    )
+}
+
+/// The tiny recipe cut to `steps` steps on `device_kind` in `dtype`, with `extra` overrides.
+fn tiny(recipe: &Path, steps: usize, device: &str, dtype: &str, extra: &str) -> Result<Recipe> {
+    let mut o = vec![tiny_overrides(steps, device, dtype)];
     if !extra.is_empty() {
         o.push(extra.to_string());
     }
@@ -461,6 +472,13 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         checks.extend(check_nccl(&device)?);
     }
     checks.extend(check_training(kind, recipe)?);
+    match processes::check_processes(kind, recipe)? {
+        Some(check) => checks.push(check),
+        None => eprintln!(
+            "selftest: one GPU, so no NCCL check across processes (it needs two; NCCL refuses \
+             two ranks on one device)"
+        ),
+    }
     let seq = if device.is_cuda() { 2048 } else { 128 };
     checks.extend(check_block(&device, seq)?);
     Ok(checks)
