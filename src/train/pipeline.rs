@@ -158,7 +158,7 @@ pub struct Executor<'a> {
     recompute: Recompute,
     /// Hand-written backward passes where a piece has one, or autograd for every piece.
     backward: BackwardMode,
-    /// Wait for the device after every action (see [`Executor::timed_on_device`]).
+    /// Time every action on this device's timeline (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
 }
 
@@ -227,11 +227,11 @@ impl<'a> Executor<'a> {
         self
     }
 
-    /// Makes every action's end time the moment the device finished it, by waiting for the
-    /// device after each action (no wait on the CPU). On a GPU, actions otherwise return once
-    /// their kernels are queued, and a timeline of enqueue times says little about the bubble or
-    /// the overlap; the waits cost this step the overlap of host and device work, so only the
-    /// traced step uses them.
+    /// Times every action on the device: on a GPU from timing events recorded on the device
+    /// stream around it, read after the step ([`super::clock::StepClock`]); on the CPU from the
+    /// host clock as usual. On a GPU, actions otherwise return once their kernels are queued, and
+    /// a timeline of enqueue times says little about the bubble or the overlap. Only the traced
+    /// step uses it (two events per action).
     pub fn timed_on_device(mut self, device: &'a Device) -> Self {
         self.device_timed = Some(device);
         self
@@ -277,8 +277,14 @@ impl<'a> Executor<'a> {
         // and read once at the end: no host wait per micro-batch on a GPU.
         let (mut loss, mut timing): (Option<Tensor>, _) = (None, Vec::with_capacity(actions.len()));
         let mut acts_held = Activations::default();
+        let device_clock = self
+            .device_timed
+            .map(|d| super::clock::StepClock::new(d, clock))
+            .transpose()?;
+        let mut marks = Vec::new();
         for &action in actions {
             let t0 = clock.elapsed().as_secs_f64();
+            let m0 = device_clock.as_ref().map(|c| c.mark()).transpose()?;
             match action {
                 Action::RecvActivation { chunk, micro, from } => {
                     acts.insert((chunk, micro), self.recv(from)?);
@@ -400,17 +406,27 @@ impl<'a> Executor<'a> {
                     self.comm.send(&g, self.stage_ranks[to])?;
                 }
             }
-            if let Some(device) = self.device_timed {
-                crate::device::synchronize(device)?;
+            match (&device_clock, m0) {
+                (Some(c), Some(m0)) => marks.push((action, m0, c.mark()?)),
+                _ => timing.push(Timed {
+                    action,
+                    start: t0,
+                    end: clock.elapsed().as_secs_f64(),
+                }),
             }
-            timing.push(Timed {
-                action,
-                start: t0,
-                end: clock.elapsed().as_secs_f64(),
-            });
+        }
+        let loss = loss.map_or(Ok(0.0), |l| l.to_scalar::<f64>())?;
+        if let Some(c) = &device_clock {
+            for (action, a, b) in marks {
+                timing.push(Timed {
+                    action,
+                    start: c.seconds(&a)?,
+                    end: c.seconds(&b)?,
+                });
+            }
         }
         Ok(StepRun {
-            loss: loss.map_or(Ok(0.0), |l| l.to_scalar::<f64>())?,
+            loss,
             timing,
             act_peak_bytes: acts_held.peak,
         })
