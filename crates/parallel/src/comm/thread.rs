@@ -9,12 +9,26 @@
 //! Every member submits the same jobs in the same order (they run the same schedule), so the
 //! jobs' collectives match across ranks.
 
+use std::cell::Cell;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 
 use candle_core::{Error, Result};
 
 type Job = Box<dyn FnOnce() + Send>;
+
+thread_local! {
+    /// Set on communication threads.
+    static COMM_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is a [`CommThread`]. Backends whose collectives can be ordered on
+/// the GPU without the host waiting (NCCL) still wait on the host here: the results are picked
+/// up by the compute thread later, and ordering the shared device stream behind them would stall
+/// the compute queued after them.
+pub fn on_comm_thread() -> bool {
+    COMM_THREAD.with(Cell::get)
+}
 
 /// A rank's communication thread (see the module docs).
 pub struct CommThread {
@@ -44,6 +58,7 @@ impl CommThread {
         let worker = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
+                COMM_THREAD.with(|c| c.set(true));
                 for job in queue {
                     job();
                 }
@@ -108,5 +123,13 @@ mod tests {
         assert_eq!(results, (0..20).map(|k| k * k).collect::<Vec<_>>());
         assert_eq!(*seen.lock().unwrap(), (0..20).collect::<Vec<_>>());
         assert!(failing.wait().unwrap_err().to_string().contains("boom"));
+    }
+
+    #[test]
+    fn jobs_know_they_run_on_the_communication_thread() {
+        assert!(!on_comm_thread());
+        let t = CommThread::new("comm-test".into()).unwrap();
+        assert!(t.submit(|| Ok(on_comm_thread())).unwrap().wait().unwrap());
+        assert!(!on_comm_thread());
     }
 }

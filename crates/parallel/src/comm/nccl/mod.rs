@@ -24,31 +24,46 @@
 //!   made contiguous (copied) and the output allocated on the device's stream
 //!   ([`CudaDevice::cuda_stream`]), an event recorded there after that work, the communicator's
 //!   stream made to wait for it, the NCCL call enqueued on the communicator's stream and a
-//!   completion event recorded behind it. For collectives and receives the calling thread waits
-//!   for that event (below) before it returns a fresh tensor of the input's dtype on the same
-//!   device, detached from the autograd graph, so later device-stream work on the result (and
-//!   freeing the inputs, stream-ordered on the device's stream) comes after the operation.
+//!   completion event recorded behind it. Collectives and receives return a fresh tensor of the
+//!   input's dtype on the same device, detached from the autograd graph, ordered after the
+//!   operation in one of two ways ([`Order`]). Called from a compute thread, the device stream is
+//!   made to wait for the completion event and the call returns at once: the kernels queued
+//!   next use the result on the GPU when it is there, the host goes on queueing, and freeing the
+//!   input (stream-ordered on the device stream, behind that wait) cannot hand its memory to
+//!   earlier work. The operation joins the pending ones (below) that every later call and the
+//!   watchdog check. Called from a communication thread (`comm::thread`: data-parallel buckets,
+//!   ZeRO gathers), and for barriers, the calling thread waits for the event instead: the compute
+//!   thread picks those results up later, and a wait on the shared device stream would hold the
+//!   backward kernels queued after it until the collective finished. The host of a compute
+//!   thread therefore waits only where it reads a value (a host tensor's collective, the
+//!   step's loss and gradient norm); such a read also reports a job failure that happened
+//!   meanwhile (an aborted operation completes, with a meaningless result).
 //!   `all_gather` / `reduce_scatter` along `dim ≠ 0` move axes with candle ops around NCCL's
 //!   flat, member-major buffers. Sends copy their tensor on the device's stream, then run on
 //!   their direction communicator's stream, ordered the same way; `send` returns at once (no
 //!   wait for the matching `recv`, as the `local` backend and the pipeline schedules assume).
-//!   The copy is held until the send completes (polled on later calls and by the watchdog). The
+//!   The copy is held until the send completes (polled on later calls and by the watchdog, like
+//!   every pending operation; a later call looks at the oldest ones, the watchdog at all). The
 //!   one wait a send can have: the first send on a direction joins its communicator, which waits
 //!   for the receiver's first `recv` from this rank. A communicator's stream is destroyed when
 //!   the communicator is dropped (after its abort).
-//! - **Bounded waits.** After enqueueing, the caller polls a CUDA event recorded behind the
+//! - **Bounded waits.** A host-ordered caller polls a CUDA event recorded behind the
 //!   operation: spinning for 1 ms, then sleeping 20 µs doubling to 1 ms, up to the timeout;
 //!   every 200 ms it also checks NCCL's asynchronous error. A timeout records this rank's failure
 //!   and aborts all of its communicators (`ncclCommAbort` ends their kernels) and returns
 //!   [`CommError::Timeout`] naming the whole group but this rank (NCCL cannot tell who is
 //!   late; communicator creation names the members that never arrived). Afterwards every call
 //!   of this rank fails with [`CommError::PeerFailed`] naming it, since the aborted
-//!   communicators are gone.
+//!   communicators are gone. A stream-ordered operation is bounded the same way by the pending
+//!   list: the watchdog (every 200 ms) and each later call fail the job when one outlives the
+//!   timeout (a `Timeout` naming it) or its communicator reports an asynchronous error; the
+//!   abort ends the NCCL kernel, so a device stream waiting on it moves on, and a host blocked
+//!   in reading a value returns and meets the failure at its next call.
 //! - **Failure.** [`Comm::abort`] publishes the failure in the store (`nccl/{k}/abort/claim`:
 //!   the first `add` wins and writes `…/rank` and `…/reason`, then bumps `…/count`), records it
 //!   and aborts this rank's communicators. A watchdog thread checks `…/count` every 200 ms
-//!   while this rank communicates (an operation within the last 5 s, or sends or NCCL calls
-//!   pending), every 2 s otherwise, and a call after an idle spell reads it first; once set, the
+//!   while this rank communicates (an operation within the last 5 s, or operations or NCCL
+//!   calls pending), every 2 s otherwise, and a call after an idle spell reads it first; once set, the
 //!   recorded rank and reason become this rank's failure, its communicators are aborted, and
 //!   pending and later calls return `PeerFailed` naming that rank. An unreachable store counts
 //!   as the failure of rank 0, which serves it. The watchdog also fails the job when a send or
@@ -83,7 +98,7 @@ use super::{Channel, Comm, CommError, Group, ReduceOp};
 use crate::store::Store;
 use layout::{instance_key, instance_prefix, CommKey};
 use raw::{alloc, cuda_err, device_addr, nccl_dtype, Fault, Launch, RawComm};
-use state::{Call, Shared, SLOW};
+use state::{Call, PendingOp, Shared, SLOW};
 
 /// One rank's [`Comm`] over NCCL (see the module documentation).
 pub struct NcclComm {
@@ -145,24 +160,30 @@ impl NcclComm {
         self.shared.failure()
     }
 
-    /// Waits (bounded by the timeout) until every send of this rank has been received. Call it
-    /// before dropping the communicator: dropping aborts sends still in flight after the timeout.
+    /// Waits (bounded by the timeout) until every send of this rank has been received and every
+    /// stream-ordered operation has completed. Call it before dropping the communicator:
+    /// dropping aborts operations still in flight after the timeout.
     pub fn flush_sends(&self) -> Result<()> {
-        let pending = self
-            .shared
-            .sends
-            .lock()
-            .map(|s| s.iter().map(|p| p.dst).collect());
+        let pending = self.shared.pending.lock().map(|s| {
+            let mut peers: Vec<usize> = s.iter().flat_map(|p| p.peers.clone()).collect();
+            peers.sort_unstable();
+            peers.dedup();
+            peers
+        });
         let missing: Vec<usize> = pending.unwrap_or_default();
         let call = self.call("flush_sends", vec![self.shared.rank], missing);
         let deadline = Instant::now() + self.shared.timeout;
         let sh = &self.shared;
         let out = sh.poll(&call, deadline, SLOW, |_| {
-            if let Some(f) = sh.reap_sends() {
+            if let Some(f) = sh.reap_pending(true) {
                 sh.fail(sh.rank, f.reason.clone());
                 return Err(call.peer_failed(sh.rank, f.reason));
             }
-            Ok(sh.sends.lock().map_or(true, |s| s.is_empty()).then_some(()))
+            Ok(sh
+                .pending
+                .lock()
+                .map_or(true, |s| s.is_empty())
+                .then_some(()))
         });
         out.map_err(Error::from)
     }
@@ -196,22 +217,19 @@ impl NcclComm {
         Ok(call)
     }
 
-    /// Fails `call` if the job has failed or a pending send went wrong; marks activity.
+    /// Fails `call` if the job has failed or a pending operation went wrong; marks activity.
     fn start(&self, call: &Call) -> Result<()> {
         let sh = &self.shared;
         sh.resume(call).map_err(Error::from)?;
-        if let Some(f) = sh.reap_sends() {
+        if let Some(f) = sh.reap_pending(false) {
             sh.fail(sh.rank, f.reason.clone());
             let e = if f.timed_out {
-                let pair = vec![sh.rank, f.dst];
-                let secs = sh.timeout.as_secs_f64();
-                let (me, op) = (sh.rank, "send");
                 CommError::Timeout {
-                    me,
-                    op,
-                    group: pair,
-                    secs,
-                    missing: vec![f.dst],
+                    me: sh.rank,
+                    op: f.op,
+                    group: f.group,
+                    secs: sh.timeout.as_secs_f64(),
+                    missing: f.peers,
                 }
             } else {
                 call.peer_failed(sh.rank, f.reason)
@@ -277,9 +295,13 @@ impl NcclComm {
             .map_err(|e| cuda_err("stream wait", e))
     }
 
-    /// Runs one operation on `key`'s communicator stream, after the device stream's work, and
-    /// waits for it: `input` (made contiguous) is NCCL's send buffer (null without), a fresh
-    /// `shape`/`dtype` tensor its receive buffer.
+    /// Runs one operation on `key`'s communicator stream, after the device stream's work:
+    /// `input` (made contiguous) is NCCL's send buffer (null without), a fresh `shape`/`dtype`
+    /// tensor its receive buffer, returned. With `Order::Stream` the device stream is made to
+    /// wait for the operation's completion event and the call returns at once (the operation
+    /// joins the pending ones the watchdog bounds); with `Order::Host` the calling thread waits
+    /// for it (see [`Order`]).
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         call: &Call,
@@ -287,6 +309,7 @@ impl NcclComm {
         input: Option<&Tensor>,
         shape: Shape,
         dtype: DType,
+        order: Order,
         launch: impl FnOnce(&Launch) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<Tensor> {
         let sh = &self.shared;
@@ -317,16 +340,66 @@ impl NcclComm {
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
-        sh.wait_event(call, &done, &comm).map_err(Error::from)?;
-        drop(input); // The GPU is done with it.
+        if order.resolve() == Order::Host {
+            sh.wait_event(call, &done, &comm).map_err(Error::from)?;
+            drop(input); // The GPU is done with it.
+            return Ok(out);
+        }
+        stream.wait(&done).map_err(|e| cuda_err("stream wait", e))?;
+        // Freeing the input now is stream-ordered behind that wait: its memory is reused only
+        // by work after the operation.
+        drop(input);
+        let pending = PendingOp {
+            done,
+            _data: None,
+            key,
+            op: call.op,
+            group: call.group.clone(),
+            peers: call.missing.clone(),
+            since: Instant::now(),
+        };
+        sh.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(pending);
         Ok(out)
     }
 }
 
-/// Runs `f` on `t` where NCCL can reach it: a host tensor (small scalars the trainer reduces on
-/// the CPU) is staged on this rank's GPU and the result brought back to the host.
+/// How the result of an NCCL operation is ordered before its users.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Order {
+    /// The device stream waits for the operation; the host does not (collectives and receives
+    /// issued by a compute thread: the next kernels use the result, and the host goes on
+    /// queueing them).
+    Stream,
+    /// The calling thread waits for the operation (barriers; every call from a communication
+    /// thread, `comm::thread`, whose results the compute thread picks up later: making the
+    /// shared device stream wait there would stall the compute queued behind it until the
+    /// collective finished, the overlap that thread exists for).
+    Host,
+}
+
+impl Order {
+    /// `Host` on a communication thread, else `self`.
+    fn resolve(self) -> Self {
+        if crate::comm::thread::on_comm_thread() {
+            Order::Host
+        } else {
+            self
+        }
+    }
+}
+
+/// Runs `f` (operation `op` on `group`) on `t` where NCCL can reach it: a host tensor (small
+/// scalars the trainer reduces on the CPU) is staged on this rank's GPU and the result brought
+/// back to the host. Bringing it back waits for the device stream, hence for the operation; an
+/// operation the watchdog aborted meanwhile completes with a meaningless result, so a failure of
+/// the job by then is this call's error.
 fn staged(
     comm: &NcclComm,
+    op: &'static str,
+    group: &Group,
     t: &Tensor,
     f: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
@@ -334,7 +407,12 @@ fn staged(
         return f(t);
     }
     let gpu = Device::Cuda(comm.shared.device.clone());
-    f(&t.to_device(&gpu)?)?.to_device(t.device())
+    let out = f(&t.to_device(&gpu)?)?.to_device(t.device())?;
+    if let Some((failed, reason)) = comm.shared.failure() {
+        let call = comm.call(op, group.ranks().to_vec(), vec![]);
+        return Err(Error::from(call.peer_failed(failed, reason)));
+    }
+    Ok(out)
 }
 
 impl Comm for NcclComm {
@@ -347,19 +425,27 @@ impl Comm for NcclComm {
     }
 
     fn all_reduce(&self, group: &Group, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        staged(self, t, |t| self.all_reduce_in(group, t, op, true))
+        staged(self, "all_reduce", group, t, |t| {
+            self.all_reduce_in(group, t, op, true)
+        })
     }
 
     fn all_gather(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor> {
-        staged(self, t, |t| self.all_gather_in(group, t, dim, true))
+        staged(self, "all_gather", group, t, |t| {
+            self.all_gather_in(group, t, dim, true)
+        })
     }
 
     fn reduce_scatter(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor> {
-        staged(self, t, |t| self.reduce_scatter_in(group, t, dim, true))
+        staged(self, "reduce_scatter", group, t, |t| {
+            self.reduce_scatter_in(group, t, dim, true)
+        })
     }
 
     fn broadcast(&self, group: &Group, t: &Tensor, root: usize) -> Result<Tensor> {
-        staged(self, t, |t| self.broadcast_in(group, t, root, true))
+        staged(self, "broadcast", group, t, |t| {
+            self.broadcast_in(group, t, root, true)
+        })
     }
 
     fn all_to_all(
@@ -369,7 +455,9 @@ impl Comm for NcclComm {
         send: &[usize],
         recv: &[usize],
     ) -> Result<Tensor> {
-        staged(self, t, |t| self.all_to_all_in(group, t, send, recv))
+        staged(self, "all_to_all", group, t, |t| {
+            self.all_to_all_in(group, t, send, recv)
+        })
     }
 
     /// Host tensors are staged on the GPU; the receiver gets a GPU tensor.

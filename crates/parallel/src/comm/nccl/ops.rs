@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 
 use super::layout::{gathered, scatter_input, CommKey};
 use super::raw::{cuda_err, device_addr};
-use super::state::PendingSend;
-use super::{fresh, NcclComm};
+use super::state::PendingOp;
+use super::{fresh, NcclComm, Order};
 use crate::comm::{all_to_all_p2p, check_all_to_all, Group, ReduceOp};
 
 /// The collectives; `copy_single`: answer single-member groups with a copy, without NCCL.
@@ -55,6 +55,7 @@ impl NcclComm {
             Some(t),
             t.shape().clone(),
             t.dtype(),
+            Order::Stream,
             |l| unsafe {
                 // SAFETY: both buffers hold `n` elements of `l.dtype` on this device.
                 nc::all_reduce(l.send, l.recv, n, l.dtype, red, l.comm, l.stream)
@@ -86,6 +87,7 @@ impl NcclComm {
             Some(t),
             (n * count,).into(),
             t.dtype(),
+            Order::Stream,
             |l| unsafe {
                 // SAFETY: the send buffer holds `count` elements, the receive buffer `n * count`.
                 nc::all_gather(l.send, l.recv, count, l.dtype, l.comm, l.stream)
@@ -122,6 +124,7 @@ impl NcclComm {
             Some(&arranged),
             dims.into(),
             t.dtype(),
+            Order::Stream,
             |l| unsafe {
                 // SAFETY: the send buffer holds `n * count` elements, the receive buffer `count`.
                 let sum = sys::ncclRedOp_t::ncclSum;
@@ -154,6 +157,7 @@ impl NcclComm {
             input,
             t.shape().clone(),
             t.dtype(),
+            Order::Stream,
             |l| unsafe {
                 // SAFETY: `n` elements each; NCCL reads the send buffer on the root only.
                 nc::broadcast(
@@ -182,6 +186,7 @@ impl NcclComm {
             Some(&one),
             (1,).into(),
             DType::F32,
+            Order::Host,
             |l| unsafe {
                 // SAFETY: one f32 in each buffer.
                 let sum = sys::ncclRedOp_t::ncclSum;
@@ -231,26 +236,36 @@ impl NcclComm {
         let (send_at, recv_at) = (starts(send), starts(recv));
         dims[0] = received.max(1);
         let key = CommKey::AllToAll(group.clone());
-        let out = self.run(&call, key, Some(&input), dims.into(), t.dtype(), |l| {
-            nc::group_start()?;
-            let mut r = Ok(nc::NcclStatus::Success);
-            for (j, (&s, &rc)) in send.iter().zip(recv).enumerate() {
-                let peer = j as i32;
-                if s > 0 && r.is_ok() {
-                    // SAFETY: rows `send_at[j] ..+ s` lie inside the send buffer.
-                    let at = unsafe { l.send.byte_add(send_at[j] * bytes) };
-                    r = unsafe { nc::send(at, s * row_elems, l.dtype, peer, l.comm, l.stream) };
+        let out = self.run(
+            &call,
+            key,
+            Some(&input),
+            dims.into(),
+            t.dtype(),
+            Order::Stream,
+            |l| {
+                nc::group_start()?;
+                let mut r = Ok(nc::NcclStatus::Success);
+                for (j, (&s, &rc)) in send.iter().zip(recv).enumerate() {
+                    let peer = j as i32;
+                    if s > 0 && r.is_ok() {
+                        // SAFETY: rows `send_at[j] ..+ s` lie inside the send buffer.
+                        let at = unsafe { l.send.byte_add(send_at[j] * bytes) };
+                        r = unsafe { nc::send(at, s * row_elems, l.dtype, peer, l.comm, l.stream) };
+                    }
+                    if rc > 0 && r.is_ok() {
+                        // SAFETY: rows `recv_at[j] ..+ rc` lie inside the receive buffer.
+                        let at = unsafe { l.recv.byte_add(recv_at[j] * bytes) };
+                        r = unsafe {
+                            nc::recv(at, rc * row_elems, l.dtype, peer, l.comm, l.stream)
+                        };
+                    }
                 }
-                if rc > 0 && r.is_ok() {
-                    // SAFETY: rows `recv_at[j] ..+ rc` lie inside the receive buffer.
-                    let at = unsafe { l.recv.byte_add(recv_at[j] * bytes) };
-                    r = unsafe { nc::recv(at, rc * row_elems, l.dtype, peer, l.comm, l.stream) };
-                }
-            }
-            // The group is always closed, also after a failed enqueue.
-            let end = nc::group_end();
-            r.and(end)
-        })?;
+                // The group is always closed, also after a failed enqueue.
+                let end = nc::group_end();
+                r.and(end)
+            },
+        )?;
         out.narrow(0, 0, received)
     }
 
@@ -283,13 +298,16 @@ impl NcclComm {
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
-        let pending = PendingSend {
+        let pending = PendingOp {
             done,
-            _data: data,
-            dst,
+            _data: Some(data),
+            key,
+            op: "send",
+            group: vec![sh.rank, dst],
+            peers: vec![dst],
             since: Instant::now(),
         };
-        sh.sends
+        sh.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(pending);
@@ -310,9 +328,17 @@ impl NcclComm {
         self.start(&call)?;
         let key = CommKey::P2p { src, dst: sh.rank };
         let count = shape.elem_count();
-        self.run(&call, key, None, shape.clone(), dtype, |l| unsafe {
-            // SAFETY: the receive buffer holds `count` elements of `l.dtype`.
-            nc::recv(l.recv, count, l.dtype, 0, l.comm, l.stream)
-        })
+        self.run(
+            &call,
+            key,
+            None,
+            shape.clone(),
+            dtype,
+            Order::Stream,
+            |l| unsafe {
+                // SAFETY: the receive buffer holds `count` elements of `l.dtype`.
+                nc::recv(l.recv, count, l.dtype, 0, l.comm, l.stream)
+            },
+        )
     }
 }

@@ -1,5 +1,5 @@
 //! The shared state of one [`NcclComm`](super::NcclComm): its communicators (created lazily
-//! through the store), the job's failure, bounded waits, pending sends and the watchdog thread.
+//! through the store), the job's failure, bounded waits, pending operations and the watchdog thread.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -94,25 +94,46 @@ impl Call {
     }
 }
 
-/// A send enqueued on its direction communicator's stream and not yet known to be complete.
-/// Holds the sent copy so that its memory is not reused before NCCL has read it.
-pub(super) struct PendingSend {
+/// An operation enqueued on a communicator's stream whose completion no host thread waits for:
+/// a send, or a stream-ordered collective or receive (the device stream waits for it instead).
+/// Reaped once complete; the watchdog and every later call fail the job if one outlives the
+/// timeout or its communicator reports an asynchronous error.
+pub(super) struct PendingOp {
     pub done: CudaEvent,
-    /// Kept alive (never read) until `done`.
-    pub _data: Tensor,
-    pub dst: usize,
+    /// Kept alive (never read) until `done`: a send's copy.
+    pub _data: Option<Tensor>,
+    /// Its communicator's key (for NCCL's asynchronous errors; holding the communicator itself
+    /// would keep it from being aborted before the pending operations go).
+    pub key: CommKey,
+    /// `send`, `all_reduce`, …
+    pub op: &'static str,
+    /// Its group: the members of a collective, the two ranks of a transfer.
+    pub group: Vec<usize>,
+    /// The peers it needs: the other members, or the destination of a send.
+    pub peers: Vec<usize>,
     pub since: Instant,
 }
 
-/// A pending send that failed or outlived the timeout.
-pub(super) struct SendFault {
-    pub dst: usize,
+impl PendingOp {
+    fn what(&self) -> String {
+        match (self.op, self.peers.as_slice()) {
+            ("send", [dst]) => format!("send to rank {dst}"),
+            (op, _) => format!("{op} on ranks {:?}", self.group),
+        }
+    }
+}
+
+/// A pending operation that failed or outlived the timeout.
+pub(super) struct OpFault {
+    pub op: &'static str,
+    pub group: Vec<usize>,
+    pub peers: Vec<usize>,
     pub reason: String,
     pub timed_out: bool,
 }
 
 /// State shared by the calling threads and the watchdog. Field order is drop order:
-/// communicators are aborted (and their streams destroyed) before pending sends go.
+/// communicators are aborted (and their streams destroyed) before pending operations go.
 pub(super) struct Shared {
     pub rank: usize,
     pub world_size: usize,
@@ -124,7 +145,7 @@ pub(super) struct Shared {
     pub comms: Mutex<HashMap<CommKey, Arc<RawComm>>>,
     /// Serialises communicator creation on this rank.
     creating: Mutex<()>,
-    pub sends: Mutex<VecDeque<PendingSend>>,
+    pub pending: Mutex<VecDeque<PendingOp>>,
     store: Mutex<Store>,
     failure: Mutex<Option<(usize, String)>>,
     failed: AtomicBool,
@@ -156,7 +177,7 @@ impl Shared {
             stream,
             comms: Mutex::new(HashMap::new()),
             creating: Mutex::new(()),
-            sends: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(VecDeque::new()),
             store: Mutex::new(store),
             failure: Mutex::new(None),
             failed: AtomicBool::new(false),
@@ -373,37 +394,66 @@ impl Shared {
         Ok(comm)
     }
 
-    /// Drops completed sends; reports the first one that failed or outlived the timeout (once
-    /// the job has failed, only drops completed ones).
-    pub(super) fn reap_sends(&self) -> Option<SendFault> {
+    /// Drops completed pending operations; reports the first one that failed, outlived the
+    /// timeout or whose communicator reports an asynchronous error (once the job has failed,
+    /// only drops completed ones). `all`: look at every pending operation (the watchdog);
+    /// otherwise only at the oldest ones, up to the first still running (every call: the
+    /// queue can be long while the host runs ahead of the GPU).
+    pub(super) fn reap_pending(&self, all: bool) -> Option<OpFault> {
         let failed = self.failure().is_some();
-        let mut sends = lock(&self.sends);
-        let mut fault = None;
-        sends.retain(|s| match s.done.try_is_complete() {
-            Ok(true) => false,
-            Ok(false) if failed || fault.is_some() || s.since.elapsed() < self.timeout => true,
-            Ok(false) => {
-                let secs = self.timeout.as_secs_f64();
-                let reason = format!("send to rank {} not received within {secs:.1}s", s.dst);
-                fault = Some(SendFault {
-                    dst: s.dst,
-                    reason,
-                    timed_out: true,
-                });
-                true
+        let mut pending = lock(&self.pending);
+        let fault = |p: &PendingOp, reason: String, timed_out: bool| OpFault {
+            op: p.op,
+            group: p.group.clone(),
+            peers: p.peers.clone(),
+            reason,
+            timed_out,
+        };
+        // `Some(keep)`, or the operation's fault.
+        let judge = |p: &PendingOp| -> Result<bool, OpFault> {
+            match p.done.try_is_complete() {
+                Ok(true) => Ok(false),
+                Ok(false) if failed => Ok(true),
+                Ok(false) if p.since.elapsed() >= self.timeout => {
+                    let secs = self.timeout.as_secs_f64();
+                    let done = if p.op == "send" {
+                        "received"
+                    } else {
+                        "complete"
+                    };
+                    let reason = format!("{} not {done} within {secs:.1}s", p.what());
+                    Err(fault(p, reason, true))
+                }
+                Ok(false) => match lock(&self.comms).get(&p.key).and_then(|c| c.async_error()) {
+                    Some(e) => Err(fault(p, format!("NCCL error in {}: {e}", p.what()), false)),
+                    None => Ok(true),
+                },
+                Err(_) if failed => Ok(false),
+                Err(e) => Err(fault(p, format!("CUDA error in {}: {e}", p.what()), false)),
             }
-            Err(_) if failed => false,
-            Err(e) => {
-                let reason = format!("CUDA error in send to rank {}: {e}", s.dst);
-                fault.get_or_insert(SendFault {
-                    dst: s.dst,
-                    reason,
-                    timed_out: false,
-                });
-                false
+        };
+        if !all {
+            while let Some(front) = pending.front() {
+                match judge(front) {
+                    Ok(false) => {
+                        pending.pop_front();
+                    }
+                    Ok(true) => return None,
+                    Err(f) => return Some(f),
+                }
+            }
+            return None;
+        }
+        let mut first = None;
+        pending.retain(|p| match judge(p) {
+            Ok(keep) => keep,
+            Err(f) => {
+                let keep = f.timed_out;
+                first.get_or_insert(f);
+                keep
             }
         });
-        fault
+        first
     }
 
     /// Reads the job's failure record from the store: `(rank, reason)` once some rank aborted.
@@ -443,7 +493,7 @@ impl Shared {
         publish(&mut store).unwrap_or(mine)
     }
 
-    /// The watchdog: until stopped, every [`SLOW_CHECK`] drops completed sends, fails the job on
+    /// The watchdog: until stopped, every [`SLOW_CHECK`] drops completed pending operations, fails the job on
     /// a send or NCCL host call outliving the timeout, and polls the store for another rank's
     /// abort (every [`IDLE_POLL`] only, while this rank does not communicate).
     pub(super) fn watch(&self) {
@@ -460,7 +510,7 @@ impl Shared {
                     return;
                 }
             }
-            if let Some(f) = self.reap_sends() {
+            if let Some(f) = self.reap_pending(true) {
                 self.fail(self.rank, f.reason);
             }
             if self.failure().is_some() {
@@ -478,7 +528,7 @@ impl Shared {
                 );
                 continue;
             }
-            let busy = !lock(&self.sends).is_empty() || !lock(&self.host_calls).is_empty();
+            let busy = !lock(&self.pending).is_empty() || !lock(&self.host_calls).is_empty();
             if busy || self.idle() < ACTIVE_WINDOW || polled.elapsed() >= IDLE_POLL {
                 polled = Instant::now();
                 if let Some((rank, reason)) = self.poll_store() {
