@@ -55,7 +55,8 @@ pub struct ParallelConfig {
     #[serde(default = "default_bucket_size")]
     pub bucket_size: usize,
     /// Seconds any communication may wait for its peers before failing with an error that names
-    /// the missing ranks.
+    /// the missing ranks. On NCCL a stream-ordered operation's clock starts when it is queued,
+    /// so this must also exceed the GPU time queued ahead of it (at most a step's work).
     #[serde(default = "default_timeout")]
     pub timeout_s: f64,
 }
