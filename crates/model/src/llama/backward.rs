@@ -76,26 +76,12 @@ impl BlockTape {
         let mut kept = vec![
             &self.x, &self.h, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.x1,
         ];
-        let mut held = match &self.mlp {
-            MlpTape::Dense { h2, gate, up, act } => {
-                kept.extend([h2, gate, up, act]);
-                Held::new()
-            }
-            MlpTape::Moe(tape) => tape.held(),
-        };
-        held.extend(storages(&kept));
-        dedup(held)
+        match &self.mlp {
+            MlpTape::Dense { h2, gate, up, act } => kept.extend([h2, gate, up, act]),
+            MlpTape::Moe(tape) => kept.extend(tape.tensors()),
+        }
+        storages(&kept)
     }
-}
-
-/// One entry per storage, the largest view's bytes.
-fn dedup(held: Held) -> Held {
-    let mut by_key = std::collections::HashMap::new();
-    for (key, bytes) in held {
-        let e = by_key.entry(key).or_insert(0);
-        *e = bytes.max(*e);
-    }
-    by_key.into_iter().collect()
 }
 
 /// The attention weights and norms of a block, detached (the forward builds no graph).

@@ -250,6 +250,52 @@ fn losses(
     Ok(losses)
 }
 
+/// The router's side of a forward (either pass): probabilities `[n, E]` and log-sum-exps `[n]`
+/// (router dtype), the routing plan, the routing weights `[n, k]`, and the input's rows in
+/// expert order `[rows, h]`.
+struct Routed {
+    probs: Tensor,
+    lse: Tensor,
+    plan: Plan,
+    weights: Tensor,
+    x_perm: Tensor,
+}
+
+/// Routes the rows of `x` `[n, h]` (see [`Routed`]) for `experts` local experts.
+fn route_rows(
+    x: &Tensor,
+    router: &Router,
+    experts: usize,
+    ep: &ExpertParallel,
+    cfg: &MoeConfig,
+    layer: usize,
+) -> Result<Routed> {
+    check_experts(experts, ep, cfg, layer)?;
+    let dev = x.device();
+    let (probs, lse) = router_probs(x, router.weight)?; // [n, E], [n]
+    let plan = Plan::new(&probs, router, cfg, layer)?;
+    let weights = routing_weights(&probs, &plan.chosen(dev)?, cfg)?; // [n, k]
+    let x_perm = x.index_select(&plan.tokens(dev)?, 0)?; // [rows, h]
+    Ok(Routed {
+        probs,
+        lse,
+        plan,
+        weights,
+        x_perm,
+    })
+}
+
+/// The local experts' outputs `outs` as one `[m, h]` tensor; with no local rows, the (empty)
+/// input `x_local` stands in, so that the backward still reaches the dispatch and every member
+/// of the group takes part in its reverse all-to-all.
+fn local_outputs(outs: &[Tensor], x_local: Tensor) -> Result<Tensor> {
+    if outs.is_empty() {
+        Ok(x_local)
+    } else {
+        Tensor::cat(outs, 0)
+    }
+}
+
 /// The MoE layer on `x` `[n, h]` with `router` and this rank's experts of layer `layer`
 /// (all `E`, or its share of the expert-parallel group `ep`, which the rows travel to). With
 /// `split`, the micro-batch's tokens are split over that group (sequence parallelism) and the
@@ -263,15 +309,15 @@ pub fn forward(
     cfg: &MoeConfig,
     layer: usize,
 ) -> Result<MoeOutput> {
-    check_experts(experts.len(), ep, cfg, layer)?;
-    let dev = x.device();
-    let (probs, lse) = router_probs(x, router.weight)?; // [n, E], [n]
-    let plan = Plan::new(&probs, router, cfg, layer)?;
-    let weights = routing_weights(&probs, &plan.chosen(dev)?, cfg)?; // [n, k]
-
+    let Routed {
+        probs,
+        lse,
+        plan,
+        weights,
+        x_perm,
+    } = route_rows(x, router, experts.len(), ep, cfg, layer)?;
     // Rows grouped by expert, sent to the ranks holding their experts (no-op without expert
     // parallelism), each local expert over its contiguous rows, and back.
-    let x_perm = x.index_select(&plan.tokens(dev)?, 0)?; // [rows, h]
     let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts)?; // [m, h]
     let mut outs = Vec::with_capacity(experts.len());
     let mut inputs = Vec::with_capacity(experts.len());
@@ -281,13 +327,7 @@ pub fn forward(
         let g = swiglu(&linear(&xe, &ex.w1)?, &linear(&xe, &ex.w3)?)?; // [count, f]
         outs.push(linear(&g, &ex.w2)?); // [count, h]
     }
-    // No local rows: the (empty) input stands in, so the backward still reaches the dispatch
-    // and every member of the group takes part in its reverse all-to-all.
-    let y_local = if outs.is_empty() {
-        x_local
-    } else {
-        Tensor::cat(&outs, 0)?
-    }; // [m, h]
+    let y_local = local_outputs(&outs, x_local)?; // [m, h]
     let y_perm = ep.combine(&y_local, &dispatch)?; // [rows, h]
     let y = weigh(&unpermute(&y_perm, &plan)?, &weights)?; // [n, h]
 

@@ -28,13 +28,13 @@ use parallel::tp::TpGroup;
 
 use super::routing::Plan;
 use super::{
-    check_experts, losses, router_dtype, router_probs, routing_weights, split_rows, unpermute,
-    weigh, Expert, LayerStats, Router,
+    local_outputs, losses, route_rows, router_dtype, split_rows, unpermute, weigh, Expert,
+    LayerStats, Routed, Router,
 };
 use crate::config::MoeConfig;
 use crate::llama::projection_bwd;
 use crate::ops::{self, linear};
-use crate::segment::{storages, Held, ParamGrad};
+use crate::segment::ParamGrad;
 
 /// One local expert's saved activations (`count` rows).
 struct ExpertTape {
@@ -72,8 +72,8 @@ pub struct MoeTape {
 }
 
 impl MoeTape {
-    /// The storages the tape keeps alive (its input included).
-    pub fn held(&self) -> Held {
+    /// The tensors the tape keeps alive (its input included).
+    pub fn tensors(&self) -> Vec<&Tensor> {
         let mut kept = vec![
             &self.x,
             &self.probs,
@@ -85,7 +85,7 @@ impl MoeTape {
         for e in self.experts.iter().flatten() {
             kept.extend([&e.x, &e.gate, &e.up, &e.act]);
         }
-        storages(&kept)
+        kept
     }
 }
 
@@ -113,13 +113,14 @@ pub fn forward_saved(
     layer: usize,
     aux_weight: f64,
 ) -> Result<(Tensor, LayerStats, MoeTape)> {
-    check_experts(experts.len(), ep, cfg, layer)?;
-    let (x, dev) = (x.detach(), x.device());
-    let (probs, lse) = router_probs(&x, router.weight)?; // [n, E], [n]
-    let plan = Plan::new(&probs, router, cfg, layer)?;
-    let weights = routing_weights(&probs, &plan.chosen(dev)?, cfg)?; // [n, k]
-
-    let x_perm = x.index_select(&plan.tokens(dev)?, 0)?; // [rows, h]
+    let x = x.detach();
+    let Routed {
+        probs,
+        lse,
+        plan,
+        weights,
+        x_perm,
+    } = route_rows(&x, router, experts.len(), ep, cfg, layer)?;
     let (x_local, dispatch) = ep.dispatch_saved(&x_perm, &plan.counts)?; // [m, h]
     let mut inputs = Vec::with_capacity(experts.len());
     split_rows(&x_local, &dispatch.counts, &mut inputs)?;
@@ -140,11 +141,7 @@ pub fn forward_saved(
             act,
         }));
     }
-    let y_local = if outs.is_empty() {
-        x_local
-    } else {
-        Tensor::cat(&outs, 0)?
-    }; // [m, h]
+    let y_local = local_outputs(&outs, x_local)?; // [m, h]
     let y_perm = ep.combine_saved(&y_local, &dispatch)?; // [rows, h]
     let yk = unpermute(&y_perm, &plan)?; // [n, k, h]
     let y = weigh(&yk, &weights)?; // [n, h]
@@ -169,8 +166,8 @@ pub fn forward_saved(
 }
 
 /// The layer's backward from its tape and the output's gradient `dy` `[n, h]`, with the
-/// (detached) router weight `[E, h]` and local experts the forward used. Every member of the expert-parallel
-/// group calls it (its all-to-alls), with or without local rows.
+/// (detached) router weight `[E, h]` and local experts the forward used. Every member of the
+/// expert-parallel group calls it (its all-to-alls), with or without local rows.
 pub fn backward(
     tape: MoeTape,
     router: &Tensor,
