@@ -44,6 +44,12 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// - `RUST_LIB_BACKTRACE=0`: ordinary errors are reported by their messages (`RUST_BACKTRACE`
 ///   still gives panics theirs);
 /// - `CANDLE_BARRIER_POOL_SPIN_LIMIT` = [`CANDLE_SPIN_LIMIT`];
+/// - `RAYON_NUM_THREADS` = the physical cores: candle's CPU matmul asks for its thread count on
+///   every call, and without this variable its default counts physical cores by reading and
+///   parsing `/proc/cpuinfo` each time (`num_cpus::get_physical`, uncached) — 4.5% of a tiny-moe
+///   step's samples; set, it is one environment read. The value is candle's own default, counted
+///   once (rayon's pool then has as many threads as candle's GEMMs use); not set when the user
+///   gave candle a CPU mask (`CANDLE_CPU_MASK`), which decides it then;
 /// - with the `cuda` feature, `CUDA_MODULE_LOADING=EAGER`: every kernel of a module is loaded with
 ///   its module (when a device opens), not at its first launch. With lazy loading (the driver's
 ///   default since CUDA 12.2) a first launch can wait on a context-wide lock while NCCL kernels
@@ -55,16 +61,24 @@ pub fn process_defaults() {
     // Options the environment set at load are kept (`set_default` leaves them).
     // SAFETY: a plain setter of mimalloc's option table, called while the process has one thread.
     unsafe { libmimalloc_sys::mi_option_set_default(MI_OPTION_PURGE_DELAY, -1) };
-    let spin = CANDLE_SPIN_LIMIT.to_string();
     let mut defaults = vec![
-        ("RUST_LIB_BACKTRACE", "0"),
-        ("CANDLE_BARRIER_POOL_SPIN_LIMIT", spin.as_str()),
+        ("RUST_LIB_BACKTRACE", "0".to_string()),
+        (
+            "CANDLE_BARRIER_POOL_SPIN_LIMIT",
+            CANDLE_SPIN_LIMIT.to_string(),
+        ),
     ];
+    // A CPU mask given to candle sets its thread count instead.
+    let unset = |key: &str| std::env::var_os(key).is_none();
+    if unset("RAYON_NUM_THREADS") && unset("CANDLE_CPU_MASK") {
+        let physical = num_cpus::get_physical().max(1);
+        defaults.push(("RAYON_NUM_THREADS", physical.to_string()));
+    }
     if cfg!(feature = "cuda") {
-        defaults.push(("CUDA_MODULE_LOADING", "EAGER"));
+        defaults.push(("CUDA_MODULE_LOADING", "EAGER".to_string()));
     }
     for (key, value) in defaults {
-        if std::env::var_os(key).is_none() {
+        if unset(key) {
             std::env::set_var(key, value);
         }
     }
