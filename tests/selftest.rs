@@ -23,9 +23,11 @@ fn cpu_selftest_passes_every_check() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Forward and backward of the six ops (attention at three head dims, cross-entropy at two
     // vocabularies, the embedding) and of an unmasked ring attention block in f32 and bf16,
-    // three optimizer kernels and the fused weight-gradient product (f32, bf16), three training runs, and the 1B decoder block's output, input
-    // gradient and nine weight gradients in f32 and bf16, through autograd and through the
-    // block's hand-written backward.
+    // three optimizer kernels and the fused weight-gradient product (f32, bf16), five training
+    // comparisons (bf16; dp2 x tp2, cp2 and MoE ep2 thread-ranks; MoE hand-written vs
+    // autograd), two rank processes over tcp, and the 1B decoder block's output, input gradient
+    // and nine weight gradients in f32 and bf16, through autograd and through the block's
+    // hand-written backward.
     assert_eq!(checks.len(), 111);
     for c in &checks {
         let (e, t) = (
@@ -43,6 +45,9 @@ fn cpu_selftest_passes_every_check() {
         .as_str()
         .unwrap()
         .starts_with("cp2 thread-ranks (ring attention)")));
+    assert!(checks
+        .iter()
+        .any(|c| c["name"] == "tp2 SP rank processes over tcp on cpu vs one rank (loss)"));
     // The 1B recipes' shapes: head dim 64 with 8 query heads per KV head, vocabulary 32000, and
     // their decoder block (128 positions on the CPU).
     for name in [
