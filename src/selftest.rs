@@ -381,7 +381,7 @@ fn max_rel(a: &[f64], b: &[f64]) -> f64 {
 
 /// Checks 3 and 5: bf16 training on the device against f32 on the CPU; dp=2 × tp=2, cp=2 and
 /// (a tiny MoE) dp=2 × ep=2 thread-ranks sharing the device against one rank on it; the MoE
-/// blocks' hand-written backward against autograd.
+/// blocks' hand-written backward against autograd; check 7 (rank processes, `processes.rs`).
 pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     let dev = match kind {
         DeviceKind::Cpu => "cpu",
@@ -408,7 +408,7 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         "f32",
         &format!("{moe},train.backward=autograd"),
     )?)?;
-    Ok(vec![
+    let mut checks = vec![
         Check {
             name: format!("bf16 training steps on {dev} vs f32 on cpu (loss)"),
             error: max_rel(&dev_bf16, &cpu_f32),
@@ -434,7 +434,15 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
             error: max_rel(&moe_one, &moe_autograd),
             tolerance: 1e-5,
         },
-    ])
+    ];
+    match processes::check_processes(kind, recipe, &one)? {
+        Some(check) => checks.push(check),
+        None => eprintln!(
+            "selftest: one GPU, so no NCCL check across processes (it needs two; NCCL refuses \
+             two ranks on one device)"
+        ),
+    }
+    Ok(checks)
 }
 
 /// Check 4: the NCCL backend in a world of one rank (CUDA builds with `nccl`).
@@ -472,13 +480,6 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         checks.extend(check_nccl(&device)?);
     }
     checks.extend(check_training(kind, recipe)?);
-    match processes::check_processes(kind, recipe)? {
-        Some(check) => checks.push(check),
-        None => eprintln!(
-            "selftest: one GPU, so no NCCL check across processes (it needs two; NCCL refuses \
-             two ranks on one device)"
-        ),
-    }
     let seq = if device.is_cuda() { 2048 } else { 128 };
     checks.extend(check_block(&device, seq)?);
     Ok(checks)

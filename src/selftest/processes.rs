@@ -11,14 +11,15 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use super::{losses, max_rel, tiny, tiny_overrides, Check};
+use super::{max_rel, tiny_overrides, Check};
 use crate::recipe::DeviceKind;
 
 /// The two processes' layout.
 const LAYOUT: &str = "parallel.tp=2,parallel.sequence_parallel=true";
 
-/// Check 7 on `kind` with the tiny `recipe`; `None` where the machine has no two GPUs.
-pub fn check_processes(kind: DeviceKind, recipe: &Path) -> Result<Option<Check>> {
+/// Check 7 on `kind` with the tiny `recipe`, against `one`, the one-rank f32 losses on the
+/// device; `None` where the machine has no two GPUs.
+pub fn check_processes(kind: DeviceKind, recipe: &Path, one: &[f64]) -> Result<Option<Check>> {
     let (dev, backend) = match kind {
         DeviceKind::Cpu => ("cpu", "tcp"),
         DeviceKind::Cuda => ("cuda", "NCCL"),
@@ -26,7 +27,6 @@ pub fn check_processes(kind: DeviceKind, recipe: &Path) -> Result<Option<Check>>
     if kind == DeviceKind::Cuda && crate::device::gpu_count()? < 2 {
         return Ok(None);
     }
-    let one = losses(tiny(recipe, 3, dev, "f32", "")?)?;
     let dir = std::env::temp_dir().join(format!("pretrain-selftest-{}", std::process::id()));
     let exe = std::env::current_exe().context("finding this binary to start rank processes")?;
     let out = Command::new(exe)
@@ -64,7 +64,7 @@ pub fn check_processes(kind: DeviceKind, recipe: &Path) -> Result<Option<Check>>
     }
     Ok(Some(Check {
         name: format!("tp2 SP rank processes over {backend} on {dev} vs one rank (loss)"),
-        error: max_rel(&two, &one),
+        error: max_rel(&two, one),
         tolerance: 1e-5,
     }))
 }

@@ -218,11 +218,7 @@ pub fn backward(
         dxs.push((dx_up + dx_gate)?);
         grads.push(Some([d_w1, d_w3, d_w2]));
     }
-    let dx_local = if dxs.is_empty() {
-        dy_local
-    } else {
-        Tensor::cat(&dxs, 0)?
-    }; // [m, h]
+    let dx_local = local_outputs(&dxs, dy_local)?; // [m, h]
     let dx_perm = ep.dispatch_grad(&dx_local, &dispatch)?; // [rows, h]
     let dx = x.zeros_like()?.index_add(&plan.tokens(dev)?, &dx_perm, 0)?; // [n, h]
 
