@@ -2,21 +2,20 @@
 //! (forward, backward, AdamW), on a fixed synthetic batch. `bench/cpu_step.sh` runs it beside the
 //! PyTorch reference `bench/torch_llama.py` on the same model and batch and reports the ratio.
 //!
-//! Run: `cargo bench --bench cpu_step -- [recipe] [steps] [hand_written|autograd]` (the pieces'
-//! backward passes, `train.backward`); prints one JSON line.
+//! Run: `cargo bench --bench cpu_step -- [recipe] [steps]`; prints one JSON line.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use data::Batch;
-use model::{BackwardMode, Llama, Recompute};
+use model::{Llama, Recompute};
 use parallel::comm::local::LocalWorld;
 use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
 use parallel::pipeline::{build, ScheduleKind};
 use pretrain::optim::{layout_of, write_params, AdamW, GradBuffer};
 use pretrain::recipe::load;
-use pretrain::train::pipeline::{Executor, MicroBatch};
+use pretrain::train::pipeline::{forward_losses, Executor, MicroBatch};
 use pretrain::train::RankCtx;
 
 #[global_allocator]
@@ -38,11 +37,6 @@ fn main() -> anyhow::Result<()> {
         .map(String::as_str)
         .unwrap_or("recipes/tiny.yaml");
     let steps: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(10);
-    let backward = match args.get(2).map(String::as_str) {
-        None | Some("hand_written") => BackwardMode::HandWritten,
-        Some("autograd") => BackwardMode::Autograd,
-        Some(other) => anyhow::bail!("block backward `{other}`: expected hand_written or autograd"),
-    };
     let r = load(Path::new(recipe_path), &[])?;
     let (b, s, v) = (
         r.train.micro_batch,
@@ -97,16 +91,16 @@ fn main() -> anyhow::Result<()> {
     let comm = LocalWorld::new(1, Duration::from_secs(60)).remove(0);
     let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm)?;
     let schedule = build(ScheduleKind::OneFOneB, 1, 1, micro)?;
-    let exec =
-        Executor::new(&model, &ctx, &schedule, Recompute::None, b, s).with_backward(backward);
+    let exec = Executor::new(&model, &ctx, &schedule, Recompute::None, b, s);
 
     let (mut fwd, mut step) = (vec![], vec![]);
     let mut loss = 0.0;
     for i in 0..steps + 2 {
         let t0 = Instant::now();
         for mb in &mbs {
-            let l = model
-                .token_losses(&mb.tokens, &mb.targets.labels)?
+            let losses = forward_losses(&model, &ctx, &mb.tokens, &mb.targets.labels, &mut ())?;
+            let l = losses
+                .ok_or_else(|| anyhow::anyhow!("no losses"))?
                 .mean_all()?;
             std::hint::black_box(l.to_scalar::<f32>()?);
         }
@@ -122,8 +116,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     println!(
-        "{{\"impl\": \"candle\", \"backward\": \"{}\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
-        args.get(2).map_or("hand_written", String::as_str),
+        "{{\"impl\": \"candle\", \"threads\": {}, \"tokens_per_step\": {}, \"fwd_ms\": {:.2}, \"step_ms\": {:.2}, \"last_loss\": {:.4}}}",
         rayon::current_num_threads(),
         micro * b * s,
         median(fwd),

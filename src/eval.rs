@@ -98,7 +98,7 @@ pub fn eval(
                     Dtype::Bf16 => DType::BF16,
                 };
                 let cfg = &recipe.model;
-                let model = Llama::new(
+                let mut model = Llama::new(
                     cfg,
                     ctx.placement(cfg.num_hidden_layers),
                     recipe.train.seed,

@@ -5,10 +5,13 @@
 //!
 //! And a MoE model trained on data- and pipeline-parallel layouts against one rank.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 use model::moe::{self, Expert, Router};
 use model::MoeConfig;
 use parallel::ep::ExpertParallel;
+use parallel::tp::TensorParallel;
+
+mod common;
 
 const N: usize = 12; // tokens
 const H: usize = 8; // hidden
@@ -74,18 +77,52 @@ fn experts(v: &[Tensor]) -> Vec<Expert> {
         .collect()
 }
 
-/// The layer on inputs `v` (`x`, router, then each expert's three weights) on one rank.
-fn layer(v: &[Tensor], cfg: &MoeConfig, index: usize) -> moe::MoeOutput {
-    let router = Router::plain(&v[1]);
-    let single = ExpertParallel::single();
-    moe::forward(&v[0], &router, &experts(v), &single, None, cfg, index).unwrap()
+/// The layer's forward on inputs `v` (`x`, router, then each expert's three weights) on one rank,
+/// with the selection `bias` and the balancing losses at weight 1 in the objective.
+fn layer(
+    v: &[Tensor],
+    cfg: &MoeConfig,
+    index: usize,
+    bias: Option<&[f32]>,
+) -> (Tensor, moe::LayerStats, moe::MoeTape) {
+    let router = Router {
+        weight: &v[1],
+        bias,
+    };
+    let (ep, tp) = (ExpertParallel::single(), TensorParallel::single());
+    moe::forward(&v[0], &router, &experts(v), &ep, &tp, cfg, index, 1.0).unwrap()
 }
 
-/// `Σ y·c + aux` of the layer under test.
-fn objective(v: &[Tensor], cfg: &MoeConfig) -> Tensor {
-    let out = layer(v, cfg, 0);
-    let c = Tensor::from_vec(values(N * H, 99, 1.0), (N, H), &Device::Cpu).unwrap();
-    ((out.y * c).unwrap().sum_all().unwrap() + out.aux_loss).unwrap()
+/// The balancing losses' weighted sum, from the layer's statistics.
+fn aux(stats: &moe::LayerStats, cfg: &MoeConfig) -> f64 {
+    cfg.aux_loss_coef * stats.load_balancing + cfg.z_loss_coef * stats.z_loss
+}
+
+/// The weights `c` of the objective `Σ y·c + aux`.
+fn weights(seed: u64) -> Tensor {
+    Tensor::from_vec(values(N * H, seed, 1.0), (N, H), &Device::Cpu).unwrap()
+}
+
+/// The hand-written backward's gradients of `Σ y·c + aux` for every input of `v` (`None` for an
+/// expert no token chose).
+fn hand_written(v: &[Tensor], cfg: &MoeConfig, bias: Option<&[f32]>) -> Vec<Option<Tensor>> {
+    let (_, _, tape) = layer(v, cfg, 0, bias);
+    let g = moe::backward(
+        tape,
+        &v[1],
+        &experts(v),
+        &ExpertParallel::single(),
+        &weights(99),
+    )
+    .unwrap();
+    let mut out = vec![Some(g.dx), Some(g.router)];
+    for e in g.experts {
+        match e {
+            Some(ws) => out.extend(ws.map(|w| Some(w.into_tensor().unwrap()))),
+            None => out.extend([None, None, None]),
+        }
+    }
+    out
 }
 
 #[test]
@@ -96,29 +133,33 @@ fn gradients_match_finite_differences() {
             capacity_factor: capacity,
             ..config(norm)
         };
-        let vars = inputs();
-        let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let grads = objective(&tensors, &cfg).backward().unwrap();
+        let tensors: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
+        let objective = |t: &[Tensor]| {
+            let (y, stats, _) = layer(t, &cfg, 0, None);
+            (y * weights(99))
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                + aux(&stats, &cfg)
+        };
+        let grads = hand_written(&tensors, &cfg, None);
         let eps = 1e-6;
         let mut worst = 0f64;
-        for (i, var) in vars.iter().enumerate() {
-            let analytic = grads
-                .get(var.as_tensor())
+        for (i, var) in tensors.iter().enumerate() {
+            let analytic = grads[i]
+                .as_ref()
                 .map(|g| g.flatten_all().unwrap().to_vec1::<f64>().unwrap())
                 .unwrap_or_else(|| vec![0.0; var.elem_count()]);
-            let base = var
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f64>()
-                .unwrap();
+            let base = var.flatten_all().unwrap().to_vec1::<f64>().unwrap();
             for j in 0..base.len() {
                 let at = |d: f64| {
                     let mut w = base.clone();
                     w[j] += d;
                     let mut t = tensors.clone();
                     t[i] = Tensor::from_vec(w, var.shape(), &Device::Cpu).unwrap();
-                    objective(&t, &cfg).to_scalar::<f64>().unwrap()
+                    objective(&t)
                 };
                 let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
                 let err = (numeric - analytic[j]).abs() / analytic[j].abs().max(1.0);
@@ -126,52 +167,13 @@ fn gradients_match_finite_differences() {
                 assert!(
                     err < 1e-6,
                     "norm_topk_prob={norm} capacity {capacity:?} input {i} element {j}: finite \
-                     difference {numeric}, autograd {}",
+                     difference {numeric}, hand-written {}",
                     analytic[j]
                 );
             }
         }
         eprintln!("norm_topk_prob={norm} capacity {capacity:?}: worst gradient error {worst:.2e}");
     }
-}
-
-/// Every expert on every token, the top-k kept by a mask: `y = Σₑ wₑ · expertₑ(x)` with
-/// `wₑ = pₑ·maskₑ (/ Σ p·mask)`, and the router losses from their definitions.
-fn dense_reference(v: &[Tensor], cfg: &MoeConfig) -> (Tensor, Tensor) {
-    let (x, router) = (&v[0], &v[1]);
-    let logits = x.matmul(&router.t().unwrap()).unwrap(); // [n, E]
-    let ex = logits.exp().unwrap();
-    let sum = ex.sum_keepdim(D::Minus1).unwrap();
-    let probs = ex.broadcast_div(&sum).unwrap();
-    // The top-k mask, chosen on the host: strictly larger probability first, lower index on ties.
-    let p = probs.to_vec2::<f64>().unwrap();
-    let mut mask = vec![0f64; N * E];
-    for (t, row) in p.iter().enumerate() {
-        let mut idx: Vec<usize> = (0..E).collect();
-        idx.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
-        for &e in &idx[..K] {
-            mask[t * E + e] = 1.0;
-        }
-    }
-    let mask = Tensor::from_vec(mask, (N, E), &Device::Cpu).unwrap();
-    let mut w = (&probs * &mask).unwrap();
-    if cfg.norm_topk_prob {
-        w = w.broadcast_div(&w.sum_keepdim(D::Minus1).unwrap()).unwrap();
-    }
-    let mut y = x.zeros_like().unwrap();
-    for (e, ex) in experts(v).iter().enumerate() {
-        let g = x.matmul(&ex.w1.t().unwrap()).unwrap().silu().unwrap();
-        let u = x.matmul(&ex.w3.t().unwrap()).unwrap();
-        let out = (g * u).unwrap().matmul(&ex.w2.t().unwrap()).unwrap(); // [n, h]
-        let we = w.narrow(1, e, 1).unwrap(); // [n, 1]
-        y = (y + out.broadcast_mul(&we).unwrap()).unwrap();
-    }
-    let f = mask.mean(0).unwrap(); // share of tokens choosing each expert (sums to k)
-    let lb = ((f * probs.mean(0).unwrap()).unwrap().sum_all().unwrap() * E as f64).unwrap();
-    let lse = sum.log().unwrap().squeeze(1).unwrap();
-    let z = lse.sqr().unwrap().mean_all().unwrap();
-    let aux = ((lb * cfg.aux_loss_coef).unwrap() + (z * cfg.z_loss_coef).unwrap()).unwrap();
-    (y, aux)
 }
 
 /// Largest absolute difference of two f64 tensors of one shape.
@@ -181,111 +183,55 @@ fn diff(a: &Tensor, b: &Tensor) -> f64 {
         .unwrap()
 }
 
+/// The layer against the dense masked reference (`common::reference::dense_moe`), in f64: the
+/// same output and balancing losses, and the hand-written backward's gradients of `Σ y·c + aux`
+/// equal autograd's over the reference for the input, the router and every expert —
+/// renormalised or not, with an idle expert (a selection bias keeps every token away from it).
+/// Only the order of some sums differs (a token's slots are added by one `index_add`), hence
+/// 1e-12 rather than bit equality.
 #[test]
 fn equals_the_dense_masked_reference() {
     for norm in [true, false] {
-        let cfg = config(norm);
-        let vars = inputs();
-        let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let out = layer(&t, &cfg, 3);
-        let (y_ref, aux_ref) = dense_reference(&t, &cfg);
-        assert!(diff(&out.y, &y_ref) < 1e-12, "output");
-        assert!(diff(&out.aux_loss, &aux_ref) < 1e-12, "router losses");
-        assert_eq!(out.stats.layer, 3);
-        assert_eq!(
-            out.stats.tokens_per_expert.iter().sum::<u64>(),
-            (N * K) as u64
-        );
-        // Gradients of `Σ y·c + aux` on both sides.
-        let c = Tensor::from_vec(values(N * H, 7, 1.0), (N, H), &Device::Cpu).unwrap();
-        let loss = |y: Tensor, aux: Tensor| ((y * &c).unwrap().sum_all().unwrap() + aux).unwrap();
-        let ours = loss(out.y, out.aux_loss).backward().unwrap();
-        let theirs = loss(y_ref, aux_ref).backward().unwrap();
-        for (i, v) in vars.iter().enumerate() {
-            let zero = v.zeros_like().unwrap();
-            let a = ours.get(v.as_tensor()).unwrap_or(&zero);
-            let b = theirs.get(v.as_tensor()).unwrap_or(&zero);
-            let d = diff(a, b);
-            assert!(
-                d < 1e-12,
-                "norm_topk_prob={norm} input {i}: gradients differ by {d:.2e}"
-            );
-        }
-    }
-}
-
-/// The hand-written pass (`moe::forward_saved` + `moe::backward`) against autograd over
-/// `moe::forward`, in f64: the same output and statistics, and the gradients of `Σ y·c + w·aux`
-/// for the input, the router and every expert — renormalised or not, with a capacity that
-/// drops pairs, with an idle expert. Only the order of some sums differs (a token's slots are
-/// added by one `index_add`), hence 1e-12 rather than bit equality.
-#[test]
-fn hand_written_backward_equals_autograd() {
-    let aux_weight = 0.37;
-    for (norm, capacity) in [(true, None), (false, None), (true, Some(0.5))] {
-        let cfg = MoeConfig {
-            capacity_factor: capacity,
-            ..config(norm)
-        };
         for idle in [false, true] {
-            let t: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
-            // With `idle`, a selection bias keeps every token away from expert 3.
+            let cfg = config(norm);
             let bias = [0.0, 0.0, 0.0, -10.0];
             let bias = idle.then_some(&bias[..]);
-            let c = Tensor::from_vec(values(N * H, 7, 1.0), (N, H), &Device::Cpu).unwrap();
-            let single = ExpertParallel::single();
-            let router = Router {
-                weight: &t[1],
+            let case = format!("norm_topk_prob={norm} idle {idle}");
+            let vars = inputs();
+            let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let (y, stats, _) = layer(&t, &cfg, 3, bias);
+            let ex: Vec<[&Tensor; 3]> = vars[2..]
+                .chunks(3)
+                .map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor()])
+                .collect();
+            let (y_ref, aux_ref) = common::reference::dense_moe(
+                vars[0].as_tensor(),
+                vars[1].as_tensor(),
                 bias,
-            };
-            let out = moe::forward(&t[0], &router, &experts(&t), &single, None, &cfg, 0).unwrap();
-            let objective = ((&out.y * &c).unwrap().sum_all().unwrap()
-                + (&out.aux_loss * aux_weight).unwrap())
-            .unwrap();
-            let want = objective.backward().unwrap();
-
-            let detached: Vec<Tensor> = t.iter().map(Tensor::detach).collect();
-            let router = Router {
-                weight: &detached[1],
-                bias,
-            };
-            let ex = experts(&detached);
-            let (y, stats, tape) = moe::forward_saved(
-                &detached[0],
-                &router,
                 &ex,
-                &single,
-                None,
                 &cfg,
-                0,
-                aux_weight,
             )
             .unwrap();
-            assert_eq!(diff(&y, &out.y), 0.0, "output");
-            assert_eq!(stats, out.stats);
+            assert!(diff(&y, &y_ref) < 1e-12, "{case}: output");
+            let aux_ref_value = aux_ref.to_scalar::<f64>().unwrap();
+            assert!(
+                (aux(&stats, &cfg) - aux_ref_value).abs() < 1e-12,
+                "{case}: router losses"
+            );
+            assert_eq!(stats.layer, 3);
+            assert_eq!(stats.tokens_per_expert.iter().sum::<u64>(), (N * K) as u64);
             if idle {
                 assert_eq!(stats.tokens_per_expert[3], 0, "expert 3 is idle");
             }
-            let got = moe::backward(tape, &detached[1], &ex, &single, &c).unwrap();
-            let case = format!("norm_topk_prob={norm} capacity {capacity:?} idle {idle}");
-            let close = |name: &str, a: &Tensor, var: &Tensor| {
-                let zero = var.zeros_like().unwrap();
-                let b = want.get(var).unwrap_or(&zero);
-                let d = diff(a, b);
-                assert!(d < 1e-12, "{case} {name}: gradients differ by {d:.2e}");
-            };
-            close("input", &got.dx, &t[0]);
-            close("router", &got.router, &t[1]);
-            for (e, g) in got.experts.into_iter().enumerate() {
-                let Some(g) = g else {
-                    assert!(idle && e == 3, "{case}: expert {e} got no gradient");
-                    assert!(want.get(&t[2 + 3 * e]).is_none());
+            let objective = ((y_ref * weights(99)).unwrap().sum_all().unwrap() + aux_ref).unwrap();
+            let want = objective.backward().unwrap();
+            for (i, (v, got)) in vars.iter().zip(hand_written(&t, &cfg, bias)).enumerate() {
+                let Some(got) = got else {
+                    assert!(idle && i >= 2 + 3 * 3, "{case}: input {i} got no gradient");
                     continue;
                 };
-                for (j, g) in g.into_iter().enumerate() {
-                    let g = g.into_tensor().unwrap();
-                    close(&format!("expert {e} weight {j}"), &g, &t[2 + 3 * e + j]);
-                }
+                let d = diff(&got, want.get(v.as_tensor()).unwrap());
+                assert!(d < 1e-12, "{case} input {i}: gradients differ by {d:.2e}");
             }
         }
     }
@@ -302,22 +248,23 @@ fn capacity_drops_the_least_probable_pairs() {
             capacity_factor: capacity,
             ..config(true)
         };
-        layer(&t, &cfg, 0)
+        let (y, stats, _) = layer(&t, &cfg, 0, None);
+        (y, stats)
     };
     let (free, roomy, tight) = (run(None), run(Some(4.0)), run(Some(0.5)));
-    assert_eq!(diff(&roomy.y, &free.y), 0.0);
-    assert_eq!((free.stats.dropped, roomy.stats.dropped), (0, 0));
+    assert_eq!(diff(&roomy.0, &free.0), 0.0);
+    assert_eq!((free.1.dropped, roomy.1.dropped), (0, 0));
     // Capacity ceil(0.5 · 24 / 4) = 3 per expert.
-    let loads = &free.stats.tokens_per_expert;
+    let loads = &free.1.tokens_per_expert;
     let want: u64 = loads.iter().map(|&c| c.saturating_sub(3)).sum();
     assert!(want > 0, "{loads:?}: the case drops nothing");
-    assert_eq!(tight.stats.dropped, want);
+    assert_eq!(tight.1.dropped, want);
     assert_eq!(
-        tight.stats.tokens_per_expert, *loads,
+        tight.1.tokens_per_expert, *loads,
         "loads are counted before the capacity"
     );
     // Tokens whose pairs were all kept have the dropless output; some token changed.
-    let changed = (&tight.y - &free.y)
+    let changed = (&tight.0 - &free.0)
         .unwrap()
         .abs()
         .unwrap()
@@ -334,21 +281,19 @@ fn capacity_drops_the_least_probable_pairs() {
 fn lower_precision_follows_f64() {
     let cfg = config(true);
     let t: Vec<Tensor> = inputs().iter().map(|v| v.as_tensor().clone()).collect();
-    let want = layer(&t, &cfg, 0);
+    let want = layer(&t, &cfg, 0, None);
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 5e-2)] {
         let low: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dtype).unwrap()).collect();
-        let got = layer(&low, &cfg, 0);
-        assert_eq!(got.y.dtype(), dtype);
+        let got = layer(&low, &cfg, 0, None);
+        assert_eq!(got.0.dtype(), dtype);
         assert_eq!(
-            got.stats.tokens_per_expert, want.stats.tokens_per_expert,
+            got.1.tokens_per_expert, want.1.tokens_per_expert,
             "{dtype:?}"
         );
-        let d = diff(&got.y.to_dtype(DType::F64).unwrap(), &want.y);
+        let d = diff(&got.0.to_dtype(DType::F64).unwrap(), &want.0);
         assert!(d < tol, "{dtype:?}: output differs by {d:.2e}");
     }
 }
-
-mod common;
 
 use common::{routing_differences, MOE};
 

@@ -312,6 +312,20 @@ fn stored_recipes_of_earlier_versions_still_load() {
     assert_eq!(r.parallel.zero, 1);
     let e = pretrain::recipe::load_str(&old, origin, &dp2).unwrap_err();
     assert!(e.to_string().contains("write parallel.zero: 1"), "{e}");
+    // `train.backward` (removed: the pieces have one hand-written pass) is dropped from stored
+    // recipes and refused, with the reason, in a user's.
+    let old = std::fs::read_to_string(TINY)
+        .unwrap()
+        .replace("train:\n", "train:\n  backward: hand_written\n");
+    assert!(old.contains("backward: hand_written"));
+    pretrain::recipe::load_stored(&old, origin, &[]).unwrap();
+    let e = pretrain::recipe::load_str(&old, origin, &[]).unwrap_err();
+    assert!(e.to_string().contains("train.backward was removed"), "{e}");
+    assert_err(
+        &["train.backward=autograd"],
+        "train.backward was removed: every model piece runs one forward and its hand-written \
+         backward",
+    );
 }
 
 /// Options that do nothing at one rank are switched off with a warning, as in Megatron-LM.

@@ -1,34 +1,23 @@
 //! Predicted bytes per rank: the persistent state from the same flat layout the trainer builds
-//! (exact), and the activations from what each piece's autograd graph keeps, walked through the
-//! stage's own pipeline schedule (the executor's accounting, `train/pipeline.rs`, measures the
-//! same quantity).
+//! (exact), and the activations from what each piece's tape keeps for its backward pass, walked
+//! through the stage's own pipeline schedule (the executor's accounting, `train/pipeline.rs`,
+//! measures the same quantity).
 //!
 //! Per micro-batch of `n = b·s` tokens on a rank of tensor-parallel size `t` (`n_s = n / t` with
-//! sequence parallelism, else `n`), `p` bytes per element, a decoder block's graph keeps
-//! (`[t > 1]` is 1 with tensor parallelism):
+//! sequence parallelism, else `n`), `p` bytes per element (the tapes: `model::llama::BlockTape`,
+//! `HeadTape`, `EmbeddingTape`, `model::moe::MoeTape`):
 //!
-//! | tensors | elements |
+//! | piece | keeps |
 //! |---|---|
-//! | input leaf copy, 2 norms, 2 residual sums | `5 · n_s · h` |
-//! | TP entries (gather / copy) and exits (reduce-scatter / all-reduce copies) | `[t > 1] · (2 n h + 2 n_s h)` |
-//! | q, k, v; rotated q, k; attention output | `n · (3 q + 3 kv) / t` |
-//! | o and down projections (partial sums) | `2 · n · h` |
-//! | gate, up, SwiGLU | `3 · n · f / t` |
+//! | dense block | its input and the residual after attention `2 · n_s · h`; both norms as the projections read them `2 · n · h`; rotated q, k and v `n · (q + 2 kv) / t`; the attention output `n · q / t` (f32 on the CPU for 16-bit models, except from the ring) and its f32 log-sum-exp; gate, up and SwiGLU `3 · n · f / t` |
+//! | MoE block | the attention half above; the routed rows' norm `[n_s, h]`, the router's f32 probabilities, log-sum-exps, routing weights and expert shares; the experts' outputs in slot order and their input rows `2 · n_s k · h`; each expert's gate, up and SwiGLU `3 · n_s k · f_e` |
+//! | head | its input `[n_s, h]`, the norm's rows `[n, h]`, labels and mask; on one rank the logits `n · V` and the f32 losses, under TP the vocab-parallel loss's f32 exponentials `n · V / t` and four `[n]` vectors |
+//! | embedding | the ids it looked up (u32), and under TP the ownership mask `[n]` |
 //!
-//! times `p`, plus the attention's log-sum-exp (`4 · n · heads / t` bytes). The head keeps its
-//! input copy and norm (`2 n_s h`), the TP entry (`[t > 1] n h`), the logits (`n V / t` in the
-//! training dtype, again in f32 unless training in f32) and the loss: the fused cross-entropy's
-//! `[n]` losses, or the vocab-parallel one's shifted logits and exponentials (`2 · 4 n V / t`) and
-//! seven `[n]` f32 vectors. The embedding keeps the token ids (`4 n`) and its output
-//! (`n_s h p`; with TP also the lookup and the masked partial, `2 n h p`).
-//!
-//! On the CPU, bf16 ops compute in f32: each fused op (the norms, the rotations, attention,
-//! SwiGLU) also keeps f32 copies of its inputs and its output (on CUDA they read bf16 directly).
-//!
-//! Under `recompute: full` a block keeps only its input, and its backward rebuilds the graph
-//! above while it runs.
+//! Under `recompute: full` a block keeps only its input, and its backward rebuilds the tape above
+//! while it runs.
 
-use model::{BackwardMode, Inventory, LlamaConfig, Piece, Recompute};
+use model::{Inventory, LlamaConfig, Piece, Recompute};
 use parallel::pipeline::{build, Action, ScheduleKind};
 use serde::Serialize;
 
@@ -47,7 +36,7 @@ pub struct MemoryBytes {
     /// fp32 master weights and AdamW moments of the owned ranges.
     pub optimizer: u64,
     /// Peak activations kept for backward passes (all in-flight micro-batches of the stage,
-    /// logits and loss included) plus a recomputing backward's rebuilt graph.
+    /// logits and loss included) plus a recomputing backward's rebuilt tape.
     pub activations: u64,
     /// ZeRO-3: full parameters gathered at once.
     pub gathered_parameters: u64,
@@ -83,8 +72,8 @@ pub struct StageMemory {
 /// What one piece keeps per micro-batch, bytes.
 #[derive(Debug, Clone, Copy, Default)]
 struct PieceActs {
-    /// Its graph (recompute none), excluding its input.
-    graph: u64,
+    /// Its tape (recompute none), excluding its input.
+    tape: u64,
     /// Its input, when nobody else keeps it.
     input: u64,
     /// Gradient temporaries of its backward.
@@ -100,69 +89,14 @@ struct Shapes {
     t: u64,
     p: u64,
     h: u64,
-    /// Expert-parallel ranks.
-    ep: u64,
     /// Attention is context parallelism's ring (whose output is kept in the parameter dtype).
     ring: bool,
-}
-
-/// Bytes a MoE layer's feed-forward part keeps beyond a dense MLP's gate, up and SwiGLU outputs:
-/// the rows in expert order, each expert's gate, up, SwiGLU and down outputs, the rows restored
-/// to token order and weighted (all `[n·k, ·]` in the parameter dtype), the side-loss copy of the
-/// block output, and the router's f32 logits, exponentials and probabilities with their row sums
-/// and the routing weights (plus f32 copies of the input and the router for 16-bit models). The
-/// layer routes the tokens the rank holds between tensor-parallel regions (`ns`); with expert
-/// parallelism the rows it computes come from the all-to-all (as many on average) and four more
-/// `[n·k, h]` tensors are kept — the rows received and regrouped, and the outputs regrouped and
-/// returned — plus a fifth while an exchange's op copies the received rows into its output.
-fn moe_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let Some(m) = c.moe() else { return 0 };
-    let (n, p, h) = (s.ns, s.p, s.h);
-    let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
-    let exchanged = if s.ep > 1 { 5 * n * k * h } else { 0 };
-    let rows = n * k * (3 * fe + 5 * h) + n * h + exchanged;
-    let router = 4 * (4 * n * e + 3 * n * k + 4 * n);
-    let copies = if p == 4 {
-        0
-    } else {
-        4 * (n * h + e * h) + p * n * k
-    };
-    let upcast = if s.upcast { 4 * 3 * n * k * fe } else { 0 };
-    rows * p + router + copies + upcast
-}
-
-fn block_graph(c: &LlamaConfig, s: &Shapes, moe: bool) -> u64 {
-    let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
-    let tp = u64::from(t > 1);
-    let (q, kv) = (
-        c.q_dim() as u64,
-        (c.num_key_value_heads * c.head_dim()) as u64,
-    );
-    // A MoE layer's feed-forward part is counted by `moe_graph`.
-    let f = if moe { 0 } else { c.intermediate_size as u64 };
-    // The outputs of the two region entries and exits (one of each for a MoE block, whose
-    // feed-forward part stays outside tensor parallelism).
-    let regions = if moe { 1 } else { 2 };
-    let elems = 5 * ns * h
-        + tp * regions * (n * h + ns * h)
-        + n * (3 * q + 3 * kv) / t
-        + 2 * n * h
-        + 3 * n * f / t;
-    // f32 copies: two norms (input, weight, output), two rotations (input, output), attention
-    // (q, k, v, output), SwiGLU (gate, up, output).
-    let upcast = if s.upcast {
-        4 * (2 * (2 * ns * h + h) + 2 * n * (q + kv) / t + n * (2 * q + 2 * kv) / t + 3 * n * f / t)
-    } else {
-        0
-    };
-    let moe = if moe { moe_graph(c, s) } else { 0 };
-    elems * p + 4 * n * c.num_attention_heads as u64 / t + upcast + moe
 }
 
 /// What a dense block's hand-written backward keeps ([`model::llama::BlockTape`]): the
 /// attention half ([`attention_tape`]), the residual's norm as the MLP reads it `[n, h]`, and the
 /// MLP's gate, up and SwiGLU outputs.
-fn tape_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
+fn dense_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
     let f = c.intermediate_size as u64;
     attention_tape(c, s) + (s.n * s.h + 3 * s.n * f / s.t) * s.p
 }
@@ -215,24 +149,11 @@ fn head_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
     }
 }
 
-fn head_graph(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
-    let v = c.vocab_size as u64;
-    // 16-bit logits get an f32 copy for the loss on the CPU and for the vocab-parallel loss; the
-    // single-rank loss on a GPU reads them as they are.
-    let widened = p != 4 && (s.upcast || t > 1);
-    let logits = n * v / t * p + if widened { 4 * n * v / t } else { 0 };
-    let loss = if t > 1 {
-        2 * 4 * n * v / t + 7 * 4 * n
-    } else {
-        4 * n
-    };
-    let upcast = if s.upcast { 4 * (2 * ns * h + h) } else { 0 };
-    (2 * ns * h + u64::from(t > 1) * n * h) * p + logits + loss + 4 * n + upcast
-}
-
-fn embedding_graph(s: &Shapes) -> u64 {
-    4 * s.n + s.ns * s.h * s.p + u64::from(s.t > 1) * 2 * s.n * s.h * s.p
+/// What the embedding keeps ([`model::llama::EmbeddingTape`]): the ids it looked up (the token
+/// ids themselves on one rank; under tensor parallelism the local rows, u32, and the ownership
+/// mask in the parameter dtype).
+fn embedding_tape(s: &Shapes) -> u64 {
+    4 * s.n + u64::from(s.t > 1) * s.n * s.p
 }
 
 /// Predicted memory of every pipeline stage of `r`'s layout (the first shard index of each
@@ -254,7 +175,6 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         t: t as u64,
         p,
         h: c.hidden_size as u64,
-        ep: par.ep as u64,
         ring: par.cp > 1,
     };
     // Schedules repeat their steady state: the peak is reached within the first 2·pp
@@ -262,20 +182,19 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
     let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
         .map_err(|e| format!("pipeline schedule: {e}"))?;
-    // Blocks and the head keep a tape instead of a graph (`train.backward`).
-    let taped = train.backward == BackwardMode::HandWritten;
-    let acts = |piece: Piece, first_in_chunk: bool| -> PieceActs {
-        let input = if first_in_chunk { s_input(&shapes) } else { 0 };
+    // A tape keeps its piece's input but not its output (the next piece's input, counted there).
+    let input = s_input(&shapes);
+    let acts = |piece: Piece| -> PieceActs {
         match piece {
             Piece::Embedding => PieceActs {
-                graph: embedding_graph(&shapes),
+                tape: embedding_tape(&shapes),
                 input: 0,
                 temp: shapes.n * shapes.h * p,
             },
-            Piece::Block(i) if taped && c.is_moe_layer(i) => {
+            Piece::Block(i) if c.is_moe_layer(i) => {
                 let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
                 PieceActs {
-                    graph: moe_tape(c, &shapes),
+                    tape: moe_tape(c, &shapes),
                     input,
                     // The attention projections' factors, the experts' (rows of their input
                     // and upstream gradient), and the gradients of the slots' rows.
@@ -286,8 +205,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                                 / shapes.t),
                 }
             }
-            Piece::Block(_) if taped => PieceActs {
-                graph: tape_graph(c, &shapes),
+            Piece::Block(_) => PieceActs {
+                tape: dense_tape(c, &shapes),
                 input,
                 // The projections' upstream gradients, kept as weight-gradient factors until
                 // the block's gradients are accumulated, and one MLP-wide temporary.
@@ -297,17 +216,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                         + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                             / shapes.t),
             },
-            Piece::Block(i) => PieceActs {
-                graph: block_graph(c, &shapes, c.is_moe_layer(i)),
-                input,
-                temp: 3 * n * c.intermediate_size as u64 / shapes.t * p + 2 * n * shapes.h * p,
-            },
             Piece::Head => PieceActs {
-                graph: if taped {
-                    head_tape(c, &shapes)
-                } else {
-                    head_graph(c, &shapes)
-                },
+                tape: head_tape(c, &shapes),
                 input,
                 temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
             },
@@ -341,20 +251,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         } = state.bytes(par.zero, &numels, r.train.dtype.dtype());
         let piece_acts: Vec<Vec<PieceActs>> = chunks
             .iter()
-            .map(|pieces| {
-                pieces
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &pc)| {
-                        let before = (i > 0).then(|| pieces[i - 1]);
-                        // A graph keeps its output (the next piece's input); a tape does not.
-                        let has_tape = |pc: Piece| taped && pc != Piece::Embedding;
-                        let counted =
-                            before.is_none_or(|b| kept_input(train.recompute, b) || has_tape(b));
-                        acts(pc, counted)
-                    })
-                    .collect()
-            })
+            .map(|pieces| pieces.iter().map(|&pc| acts(pc)).collect())
             .collect();
         let (activations, in_flight) = peak_activations(
             &schedule.actions[stage],
@@ -429,20 +326,13 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     Ok(out)
 }
 
-/// Bytes of a piece's input when it keeps its own copy (received from another stage, or
-/// following a recomputed block whose graph is gone).
+/// Bytes of a piece's input `[n_s, h]`.
 fn s_input(s: &Shapes) -> u64 {
     s.ns * s.h * s.p
 }
 
-/// Whether the piece before another keeps the other's input in its own graph (so the input is
-/// not counted twice).
-fn kept_input(recompute: Recompute, before: Piece) -> bool {
-    recompute.for_piece(before) != Recompute::None
-}
-
 /// Walks one stage's actions: a forward adds what each piece keeps, a backward first rebuilds a
-/// recomputed piece's graph on top of everything live, then frees each piece. Returns the peak
+/// recomputed piece's tape on top of everything live, then frees each piece. Returns the peak
 /// bytes and the micro-batches in flight at the peak.
 fn peak_activations(
     actions: &[Action],
@@ -453,7 +343,7 @@ fn peak_activations(
     let kept = |c: usize, i: usize| -> u64 {
         let a = acts[c][i];
         match recompute.for_piece(chunks[c][i]) {
-            Recompute::None => a.graph + a.input,
+            Recompute::None => a.tape + a.input,
             Recompute::Full => a.input,
         }
     };
@@ -471,8 +361,8 @@ fn peak_activations(
             Action::Backward { chunk, .. } => {
                 for i in (0..chunks[chunk].len()).rev() {
                     if recompute.for_piece(chunks[chunk][i]) == Recompute::Full {
-                        // The rebuilt graph (with its own leaf copy of the input).
-                        let rebuilt = acts[chunk][i].graph;
+                        // The rebuilt tape (its input is already counted).
+                        let rebuilt = acts[chunk][i].tape;
                         if live + rebuilt > peak {
                             (peak, at_peak) = (live + rebuilt, in_flight);
                         }

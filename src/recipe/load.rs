@@ -114,9 +114,13 @@ pub fn load_str(text: &str, origin: &Path, overrides: &[String]) -> Result<Recip
 
 /// Parses a recipe that an earlier version of this program stored (in a checkpoint's manifest):
 /// keys it has since renamed are read as what they meant — `parallel.zero1: true|false` as
-/// `parallel.zero: 1|0` — where a user's recipe using them is refused with the new name.
+/// `parallel.zero: 1|0` — and removed ones (`train.backward`) are dropped, where a user's recipe
+/// using them is refused with the reason.
 pub fn load_stored(text: &str, origin: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
     let mut value = parse(text, origin)?;
+    if let Some(train) = value.get_mut("train").and_then(Value::as_mapping_mut) {
+        train.remove("backward");
+    }
     if let Some(parallel) = value.get_mut("parallel").and_then(Value::as_mapping_mut) {
         if let Some(old) = parallel.remove("zero1") {
             if !parallel.contains_key("zero") {

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use model::{BackwardMode, Recompute};
+use model::Recompute;
 use serde::{Deserialize, Serialize};
 
 /// Element type of parameters and activations.
@@ -76,12 +76,10 @@ pub struct TrainConfig {
     /// Activation recompute: `none` keeps every layer's activations, `full` keeps only layer inputs.
     #[serde(default)]
     pub recompute: Recompute,
-    /// Backward passes: `hand_written` (the default: dense decoder blocks and the head run their
-    /// own backward, see
-    /// `crates/model/src/llama/{backward,head}.rs`) or `autograd` (candle's autograd for every
-    /// piece, the reference).
-    #[serde(default)]
-    pub backward: BackwardMode,
+    /// Removed: every piece has one forward and its hand-written backward (autograd over the same
+    /// ops is the tests' reference, not a training mode). Read only to refuse it with the reason.
+    #[serde(default, skip_serializing)]
+    pub backward: Option<serde_yaml::Value>,
     /// Parameter and activation dtype.
     #[serde(default = "default_dtype")]
     pub dtype: Dtype,

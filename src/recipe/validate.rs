@@ -187,6 +187,14 @@ impl Recipe {
                 par.timeout_s
             ));
         }
+        if self.train.backward.is_some() {
+            p.push(
+                "train.backward was removed: every model piece runs one forward and its \
+                 hand-written backward (autograd is only the tests' reference for them); delete \
+                 the key"
+                    .into(),
+            );
+        }
         if let Some(z) = par.zero1 {
             p.push(format!(
                 "parallel.zero1 was replaced by parallel.zero (0-3); write parallel.zero: {}",

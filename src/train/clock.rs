@@ -15,6 +15,73 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::Device;
+use parallel::pipeline::Action;
+
+/// One timed action of a step.
+#[derive(Debug, Clone)]
+pub struct Timed {
+    /// The action.
+    pub action: Action,
+    /// Start, seconds since the step began.
+    pub start: f64,
+    /// End, seconds since the step began.
+    pub end: f64,
+}
+
+/// The timeline of a step's actions: host times, or for the traced step the device's
+/// ([`StepClock`]), read once the step is done.
+pub struct Timeline {
+    start: Instant,
+    clock: Option<StepClock>,
+    marks: Vec<(Action, Mark, Mark)>,
+}
+
+impl Timeline {
+    /// The timeline of the step that began at `start`: on `device`'s own clock when given.
+    pub fn new(device: Option<&Device>, start: Instant) -> Result<Self> {
+        Ok(Self {
+            start,
+            clock: device.map(|d| StepClock::new(d, start)).transpose()?,
+            marks: Vec::new(),
+        })
+    }
+
+    /// The present point.
+    pub fn mark(&self) -> Result<Mark> {
+        match &self.clock {
+            Some(c) => c.mark(),
+            None => Ok(Mark::Host(self.start.elapsed().as_secs_f64())),
+        }
+    }
+
+    /// Records that `action` ran from `begin` until now.
+    pub fn record(&mut self, action: Action, begin: Mark) -> Result<()> {
+        let end = self.mark()?;
+        self.marks.push((action, begin, end));
+        Ok(())
+    }
+
+    /// Every action with its start and end (on a device clock this waits for the device to pass
+    /// the last mark).
+    pub fn finish(self) -> Result<Vec<Timed>> {
+        let read = |m: &Mark| match (&self.clock, m) {
+            (Some(c), m) => c.seconds(m),
+            (None, Mark::Host(t)) => Ok(*t),
+            #[cfg(feature = "cuda")]
+            (None, Mark::Event(_)) => anyhow::bail!("a device event on a host timeline"),
+        };
+        self.marks
+            .iter()
+            .map(|(action, a, b)| {
+                Ok(Timed {
+                    action: *action,
+                    start: read(a)?,
+                    end: read(b)?,
+                })
+            })
+            .collect()
+    }
+}
 
 /// A point on a step's timeline, read with [`StepClock::seconds`].
 pub enum Mark {

@@ -45,9 +45,13 @@ pub struct StepRecord {
     #[serde(flatten)]
     pub state: StateBytes,
     /// Peak bytes of activations this rank kept for backward passes during the step (distinct
-    /// storages of the segments' autograd graphs, or their inputs under recompute, plus a
-    /// recomputing backward's rebuilt graph; see `train/pipeline.rs`).
+    /// storages of the pieces' tapes, or their inputs under recompute, plus a recomputing
+    /// backward's rebuilt tape; see `train/pipeline.rs`).
     pub act_peak_bytes: usize,
+    /// Tensors carrying an autograd graph among what this rank's step kept, handed on and
+    /// returned (`StepRun::tracked`): the pieces build none, so this is zero; not written.
+    #[serde(skip)]
+    pub graph_tensors: usize,
     /// Peak bytes of gathered full parameters live at once during the step (ZeRO-3: the pieces
     /// being computed and the next piece's, gathered ahead).
     pub param_unit_peak_bytes: usize,

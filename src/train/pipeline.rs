@@ -5,9 +5,13 @@
 //! after that piece's backward. A rank without pipeline parallelism runs a one-stage schedule
 //! (forward then backward of each micro-batch), so there is one step path for every layout.
 //!
-//! The parallelisms that act around pieces hook in through [`StepHooks`] (`hooks.rs`). Point-to-
-//! point channels carry no tags; schedules are checked with `parallel::pipeline::check_fifo`
-//! before use. Also here: the forward-only pass of evaluation ([`forward_losses`]).
+//! [`Executor::step`] walks the schedule; what it keeps track of on the way is in small parts of
+//! their own: when a parameter's gradient is final ([`Finality`], which fires the data-parallel
+//! hook), which activations are held ([`Activations`]), and when each action ran
+//! ([`super::clock::Timeline`]). The parallelisms that act around pieces hook in through
+//! [`StepHooks`] (`hooks.rs`). Point-to-point channels carry no tags; schedules are checked with
+//! `parallel::pipeline::check_fifo` before use. Also here: the forward-only pass of evaluation
+//! ([`forward_losses`]).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -15,11 +19,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Shape, Tensor};
 use data::Batch;
-use model::segment::{self, ParamGrad, Pass, SegmentRun};
-use model::{BackwardMode, Llama, Piece, Recompute, Targets};
+use model::moe::LayerStats;
+use model::segment::{self, ParamGrad, SegmentRun};
+use model::{Llama, Piece, Recompute, Targets};
 use parallel::pipeline::{Action, Schedule};
 use parallel::Comm;
 
+pub use super::clock::Timed;
+use super::clock::Timeline;
 use super::hooks::StepHooks;
 use super::RankCtx;
 use crate::optim::GradBuffer;
@@ -81,17 +88,6 @@ impl Staged {
     }
 }
 
-/// One timed action of a step.
-#[derive(Debug, Clone)]
-pub struct Timed {
-    /// The action.
-    pub action: Action,
-    /// Start, seconds since the step began.
-    pub start: f64,
-    /// End, seconds since the step began.
-    pub end: f64,
-}
-
 /// What a rank's run of a step produced (its gradients are in the gradient buffer).
 pub struct StepRun {
     /// The summed scaled loss of the micro-batches whose head is on this rank (0 elsewhere).
@@ -100,10 +96,15 @@ pub struct StepRun {
     pub timing: Vec<Timed>,
     /// Peak bytes of activations kept for backward passes (see [`Activations`]).
     pub act_peak_bytes: usize,
+    /// What the MoE layers of this rank measured, one entry per layer and micro-batch.
+    pub moe: Vec<LayerStats>,
+    /// Tensors carrying an autograd graph among everything the step kept and produced (tapes,
+    /// outputs, gradients): the pieces build none, so this is zero.
+    pub tracked: usize,
 }
 
 /// The activation memory of a rank's step: the distinct storages kept by its segments between
-/// their forward and backward passes (graphs, or only inputs under recompute), plus the graph a
+/// their forward and backward passes (tapes, or only inputs under recompute), plus the tape a
 /// recomputing backward rebuilds while it runs. Parameters are not counted; a storage shared by
 /// two segments (one's output is the next one's input) counts once.
 #[derive(Default)]
@@ -140,6 +141,60 @@ impl Activations {
     }
 }
 
+/// When each parameter's gradient is final: before the step, every use of a parameter by a piece
+/// on this rank is counted once per micro-batch; each backward of a piece counts its parameters
+/// down, and a parameter is final at zero. This holds for any schedule, for parameters used by
+/// two pieces (the tied embedding) and for interleaved pipelines.
+struct Finality {
+    pending: Vec<usize>,
+}
+
+impl Finality {
+    fn new(model: &Llama, chunks: &[Vec<Piece>], micro_batches: usize) -> Self {
+        let mut pending = vec![0usize; model.params().len()];
+        for &p in chunks.iter().flatten() {
+            for i in model.piece_params(p) {
+                pending[i] += micro_batches;
+            }
+        }
+        Self { pending }
+    }
+
+    /// A backward of a piece using `params` is done: calls `hooks.param_final` for each that
+    /// no later backward adds to.
+    fn backward_done(&mut self, params: &[usize], hooks: &mut dyn StepHooks) -> Result<()> {
+        for &i in params {
+            self.pending[i] -= 1;
+            if self.pending[i] == 0 {
+                hooks.param_final(i)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a (chunk, micro-batch) keeps between its forward and its backward.
+struct Live {
+    runs: Vec<(SegmentRun, segment::Held)>,
+    output: Option<Tensor>,
+    input_grad: Option<Tensor>,
+}
+
+/// What a step's walk of the schedule carries from action to action.
+#[derive(Default)]
+struct Walk {
+    live: HashMap<(usize, usize), Live>,
+    /// Received activations and gradients, by (chunk, micro-batch).
+    acts: HashMap<(usize, usize), Tensor>,
+    dys: HashMap<(usize, usize), Tensor>,
+    /// The micro-batches' losses, summed where they are computed (f64, in schedule order) and
+    /// read once at the end: no host wait per micro-batch on a GPU.
+    loss: Option<Tensor>,
+    held: Activations,
+    moe: Vec<LayerStats>,
+    tracked: usize,
+}
+
 /// One rank's executor of a step's schedule.
 pub struct Executor<'a> {
     model: &'a Llama,
@@ -156,36 +211,8 @@ pub struct Executor<'a> {
     /// Their dtype (the parameters').
     dtype: DType,
     recompute: Recompute,
-    /// Hand-written backward passes where a piece has one, or autograd for every piece.
-    backward: BackwardMode,
     /// Time every action on this device's timeline (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
-}
-
-/// How piece `p` runs: with its hand-written backward (a decoder block, the head with `targets`)
-/// when `hand_written` allows and the model has one for it, else through the autograd graph of
-/// `graph`.
-fn pass_of<'g>(
-    model: &'g Llama,
-    p: Piece,
-    hand_written: bool,
-    graph: &'g dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
-    targets: &'g Targets,
-) -> Pass<'g> {
-    match p {
-        Piece::Block(i) if hand_written && model.hand_written(p) => {
-            Pass::Block(model, i, targets.aux_scale)
-        }
-        Piece::Head if hand_written && model.hand_written(p) => Pass::Head(model, targets),
-        _ => Pass::Graph(graph),
-    }
-}
-
-/// What a (chunk, micro-batch) keeps between its forward and its backward.
-struct Live {
-    runs: Vec<(SegmentRun, segment::Held)>,
-    output: Option<Tensor>,
-    input_grad: Option<Tensor>,
 }
 
 impl<'a> Executor<'a> {
@@ -199,11 +226,6 @@ impl<'a> Executor<'a> {
         micro_batch: usize,
         seq_len: usize,
     ) -> Self {
-        let sp_split = if ctx.sequence_parallel {
-            ctx.tp.size()
-        } else {
-            1
-        };
         let cfg = model.config();
         Self {
             model,
@@ -212,19 +234,11 @@ impl<'a> Executor<'a> {
             stage: ctx.coords.pp,
             stage_ranks: ctx.pp.ranks(),
             chunks: ctx.chunks(cfg.num_hidden_layers),
-            act_shape: Shape::from((micro_batch, seq_len / sp_split, cfg.hidden_size)),
+            act_shape: ctx.activation_shape(micro_batch, seq_len, cfg.hidden_size),
             dtype: model.params().get(0).dtype,
             recompute,
-            backward: BackwardMode::default(),
             device_timed: None,
         }
-    }
-
-    /// Runs the pieces' backward passes as `kind` says (hand-written where a piece has one, by
-    /// default).
-    pub fn with_backward(mut self, kind: BackwardMode) -> Self {
-        self.backward = kind;
-        self
     }
 
     /// Times every action on the device: on a GPU from timing events recorded on the device
@@ -253,183 +267,177 @@ impl<'a> Executor<'a> {
                 self.schedule.m
             );
         }
-        let model = self.model;
-        let mode = |p: Piece| self.recompute.for_piece(p);
-        let run_piece = |p: Piece, micro: usize| {
-            let targets = &mbs[micro].targets;
-            move |x: &Tensor| model.piece_forward(p, x, targets)
-        };
-        let hand_written = self.backward == BackwardMode::HandWritten;
-        // Backward passes still to come that add to each parameter; it is final at zero.
-        let mut pending = vec![0usize; model.params().len()];
-        for &p in self.chunks.iter().flatten() {
-            for i in model.piece_params(p) {
-                pending[i] += mbs.len();
-            }
-        }
-        let (mut live, mut acts, mut dys): (
-            HashMap<_, Live>,
-            HashMap<_, Tensor>,
-            HashMap<_, Tensor>,
-        ) = Default::default();
-        let actions = &self.schedule.actions[self.stage];
-        // The micro-batches' losses are summed where they are computed (f64, in schedule order)
-        // and read once at the end: no host wait per micro-batch on a GPU.
-        let (mut loss, mut timing): (Option<Tensor>, _) = (None, Vec::with_capacity(actions.len()));
-        let mut acts_held = Activations::default();
-        let device_clock = self
-            .device_timed
-            .map(|d| super::clock::StepClock::new(d, clock))
-            .transpose()?;
-        let mut marks = Vec::new();
-        for &action in actions {
-            let t0 = clock.elapsed().as_secs_f64();
-            let m0 = device_clock.as_ref().map(|c| c.mark()).transpose()?;
+        let mut finality = Finality::new(self.model, &self.chunks, mbs.len());
+        let mut timeline = Timeline::new(self.device_timed, clock)?;
+        let mut w = Walk::default();
+        for &action in &self.schedule.actions[self.stage] {
+            let begin = timeline.mark()?;
             match action {
                 Action::RecvActivation { chunk, micro, from } => {
-                    acts.insert((chunk, micro), self.recv(from)?);
+                    w.acts.insert((chunk, micro), self.recv(from)?);
                 }
                 Action::RecvGrad { chunk, micro, from } => {
-                    dys.insert((chunk, micro), self.recv(from)?);
+                    w.dys.insert((chunk, micro), self.recv(from)?);
                 }
                 Action::Forward { chunk, micro } => {
-                    let pieces = &self.chunks[chunk];
-                    let mut x = match pieces.first() {
-                        Some(Piece::Embedding) => mbs[micro].tokens.clone(),
-                        _ => acts
-                            .remove(&(chunk, micro))
-                            .with_context(|| format!("no activation for {action}"))?,
-                    };
-                    let mut runs = Vec::with_capacity(pieces.len());
-                    for &p in pieces {
-                        hooks.before_forward(p, micro)?;
-                        let graph = run_piece(p, micro);
-                        let (y, run) = segment::forward(
-                            &pass_of(model, p, hand_written, &graph, &mbs[micro].targets),
-                            &x,
-                            p != Piece::Embedding,
-                            mode(p),
-                        )?;
-                        hooks.after_forward(p, micro)?;
-                        let held = run.held();
-                        acts_held.add(&held);
-                        runs.push((run, held));
-                        x = y;
-                    }
-                    let output = if pieces.last() == Some(&Piece::Head) {
-                        // Detached: the sum must not keep this micro-batch's graph alive.
-                        let x = x.detach().to_dtype(DType::F64)?;
-                        loss = Some(match loss {
-                            Some(sum) => (sum + x)?,
-                            None => x,
-                        });
-                        None
-                    } else {
-                        Some(x)
-                    };
-                    let state = Live {
-                        runs,
-                        output,
-                        input_grad: None,
-                    };
-                    live.insert((chunk, micro), state);
+                    self.forward(chunk, micro, &mbs[micro], hooks, &mut w)?;
                 }
                 Action::SendActivation { chunk, micro, to } => {
-                    let out = live.get_mut(&(chunk, micro)).and_then(|l| l.output.take());
+                    let out = w
+                        .live
+                        .get_mut(&(chunk, micro))
+                        .and_then(|l| l.output.take());
                     let out = out.with_context(|| format!("nothing to send for {action}"))?;
                     self.comm.send(&out, self.stage_ranks[to])?;
                 }
                 Action::Backward { chunk, micro } => {
-                    let l = live
-                        .remove(&(chunk, micro))
-                        .with_context(|| format!("{action} before its forward"))?;
-                    let pieces = &self.chunks[chunk];
-                    let mut dy = match pieces.last() {
-                        Some(Piece::Head) => None,
-                        _ => Some(
-                            dys.remove(&(chunk, micro))
-                                .with_context(|| format!("no gradient for {action}"))?,
-                        ),
-                    };
-                    for (&p, (run, held)) in pieces.iter().zip(l.runs).rev() {
-                        hooks.before_backward(p, micro)?;
-                        let graph = run_piece(p, micro);
-                        let segment::Backward {
-                            grads: mut store,
-                            dx,
-                            recomputed,
-                        } = segment::backward(
-                            &pass_of(model, p, hand_written, &graph, &mbs[micro].targets),
-                            run,
-                            p != Piece::Embedding,
-                            dy.as_ref(),
-                        )?;
-                        acts_held.add(&recomputed);
-                        acts_held.remove(&recomputed);
-                        acts_held.remove(&held);
-                        let params = model.piece_params(p);
-                        for &i in &params {
-                            let param = model.params().get(i);
-                            let Some(g) = store.take(i, &param.tensor()?) else {
-                                if model.inventory().is_expert(i) {
-                                    continue; // no token of this micro-batch chose the expert
-                                }
-                                bail!("parameter {} received no gradient in {p:?}", param.name);
-                            };
-                            match g {
-                                ParamGrad::Tensor(g) => grads.accumulate(i, &g),
-                                ParamGrad::Product { g, x } => grads.accumulate_product(i, &g, &x),
-                            }
-                            .with_context(|| {
-                                format!("accumulating the gradient of {}", param.name)
-                            })?;
-                        }
-                        hooks.after_backward(p, micro)?;
-                        for i in params {
-                            pending[i] -= 1;
-                            if pending[i] == 0 {
-                                hooks.param_final(i)?;
-                            }
-                        }
-                        dy = dx;
-                    }
-                    let state = Live {
-                        runs: vec![],
-                        output: None,
-                        input_grad: dy,
-                    };
-                    live.insert((chunk, micro), state);
+                    let targets = &mbs[micro].targets;
+                    self.backward(chunk, micro, targets, grads, hooks, &mut finality, &mut w)?;
                 }
                 Action::SendGrad { chunk, micro, to } => {
-                    let g = live.remove(&(chunk, micro)).and_then(|l| l.input_grad);
+                    let g = w.live.remove(&(chunk, micro)).and_then(|l| l.input_grad);
                     let g = g.with_context(|| format!("no input gradient for {action}"))?;
                     self.comm.send(&g, self.stage_ranks[to])?;
                 }
             }
-            match (&device_clock, m0) {
-                (Some(c), Some(m0)) => marks.push((action, m0, c.mark()?)),
-                _ => timing.push(Timed {
-                    action,
-                    start: t0,
-                    end: clock.elapsed().as_secs_f64(),
-                }),
-            }
+            timeline.record(action, begin)?;
         }
-        let loss = loss.map_or(Ok(0.0), |l| l.to_scalar::<f64>())?;
-        if let Some(c) = &device_clock {
-            for (action, a, b) in marks {
-                timing.push(Timed {
-                    action,
-                    start: c.seconds(&a)?,
-                    end: c.seconds(&b)?,
-                });
-            }
-        }
+        let loss = w.loss.map_or(Ok(0.0), |l| l.to_scalar::<f64>())?;
         Ok(StepRun {
             loss,
-            timing,
-            act_peak_bytes: acts_held.peak,
+            timing: timeline.finish()?,
+            act_peak_bytes: w.held.peak,
+            moe: w.moe,
+            tracked: w.tracked,
         })
+    }
+
+    /// The forward of chunk `chunk` for micro-batch `micro` (`mb`): its pieces in order, each a
+    /// segment whose run is kept for the backward.
+    fn forward(
+        &self,
+        chunk: usize,
+        micro: usize,
+        mb: &MicroBatch,
+        hooks: &mut dyn StepHooks,
+        w: &mut Walk,
+    ) -> Result<()> {
+        let pieces = &self.chunks[chunk];
+        let mut x = match pieces.first() {
+            Some(Piece::Embedding) => mb.tokens.clone(),
+            _ => w
+                .acts
+                .remove(&(chunk, micro))
+                .with_context(|| format!("no activation for the forward of {chunk}.{micro}"))?,
+        };
+        let mut runs = Vec::with_capacity(pieces.len());
+        for &p in pieces {
+            hooks.before_forward(p, micro)?;
+            let mode = self.recompute.for_piece(p);
+            let (y, run, moe) = segment::forward(self.model, p, &x, &mb.targets, mode)?;
+            hooks.after_forward(p, micro)?;
+            w.moe.extend(moe);
+            w.tracked += run.tracked() + segment::tracked(&[&y]);
+            let held = run.held();
+            w.held.add(&held);
+            runs.push((run, held));
+            x = y;
+        }
+        let output = if pieces.last() == Some(&Piece::Head) {
+            let x = x.to_dtype(DType::F64)?;
+            w.loss = Some(match w.loss.take() {
+                Some(sum) => (sum + x)?,
+                None => x,
+            });
+            None
+        } else {
+            Some(x)
+        };
+        let state = Live {
+            runs,
+            output,
+            input_grad: None,
+        };
+        w.live.insert((chunk, micro), state);
+        Ok(())
+    }
+
+    /// The backward of chunk `chunk` for micro-batch `micro`: its pieces in reverse, each
+    /// piece's gradients added into `grads` right after its backward.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        chunk: usize,
+        micro: usize,
+        targets: &Targets,
+        grads: &GradBuffer,
+        hooks: &mut dyn StepHooks,
+        finality: &mut Finality,
+        w: &mut Walk,
+    ) -> Result<()> {
+        let l = w
+            .live
+            .remove(&(chunk, micro))
+            .with_context(|| format!("the backward of {chunk}.{micro} before its forward"))?;
+        let pieces = &self.chunks[chunk];
+        let mut dy = match pieces.last() {
+            Some(Piece::Head) => None,
+            _ => Some(
+                w.dys
+                    .remove(&(chunk, micro))
+                    .with_context(|| format!("no gradient for the backward of {chunk}.{micro}"))?,
+            ),
+        };
+        for (&p, (run, held)) in pieces.iter().zip(l.runs).rev() {
+            hooks.before_backward(p, micro)?;
+            let b = segment::backward(self.model, p, run, targets, dy.as_ref())?;
+            w.held.add(&b.recomputed);
+            w.held.remove(&b.recomputed);
+            w.held.remove(&held);
+            let params = self.model.piece_params(p);
+            self.accumulate(p, &params, b.grads, grads, &mut w.tracked)?;
+            hooks.after_backward(p, micro)?;
+            finality.backward_done(&params, hooks)?;
+            w.tracked += b.dx.as_ref().map_or(0, |dx| segment::tracked(&[dx]));
+            dy = b.dx;
+        }
+        let state = Live {
+            runs: vec![],
+            output: None,
+            input_grad: dy,
+        };
+        w.live.insert((chunk, micro), state);
+        Ok(())
+    }
+
+    /// Adds piece `p`'s parameter gradients into `grads` (every parameter in `params` must have
+    /// one, but an expert no token of the micro-batch chose).
+    fn accumulate(
+        &self,
+        p: Piece,
+        params: &[usize],
+        got: Vec<(usize, ParamGrad)>,
+        grads: &GradBuffer,
+        tracked: &mut usize,
+    ) -> Result<()> {
+        let model = self.model;
+        let mut got: HashMap<usize, ParamGrad> = got.into_iter().collect();
+        for &i in params {
+            let param = model.params().get(i);
+            let Some(g) = got.remove(&i) else {
+                if model.inventory().is_expert(i) {
+                    continue; // no token of this micro-batch chose the expert
+                }
+                bail!("parameter {} received no gradient in {p:?}", param.name);
+            };
+            *tracked += segment::tracked(&g.tensors());
+            match g {
+                ParamGrad::Tensor(g) => grads.accumulate(i, &g),
+                ParamGrad::Product { g, x } => grads.accumulate_product(i, &g, &x),
+            }
+            .with_context(|| format!("accumulating the gradient of {}", param.name))?;
+        }
+        Ok(())
     }
 
     fn recv(&self, from: usize) -> Result<Tensor> {
@@ -440,7 +448,7 @@ impl<'a> Executor<'a> {
 }
 
 /// Forward-only pass of one batch through the pipeline of `ctx`, chunk by chunk, activations
-/// handed from stage to stage (no segments, no gradients), with `hooks` around each piece's
+/// handed from stage to stage (no tapes kept, no gradients), with `hooks` around each piece's
 /// forward (micro-batch 0). Returns the per-position losses `[b * s]` on the last stage, `None`
 /// elsewhere.
 pub fn forward_losses(
@@ -453,13 +461,8 @@ pub fn forward_losses(
     let (pp, stage) = (ctx.pp.size(), ctx.coords.pp);
     let ranks = ctx.pp.ranks();
     let (b, s) = tokens.dims2()?;
-    let sp_split = if ctx.sequence_parallel {
-        ctx.tp.size()
-    } else {
-        1
-    };
     let cfg = model.config();
-    let shape = Shape::from((b, s / sp_split, cfg.hidden_size));
+    let shape = ctx.activation_shape(b, s, cfg.hidden_size);
     let dtype = model.params().get(0).dtype;
     for (c, pieces) in ctx.chunks(cfg.num_hidden_layers).into_iter().enumerate() {
         let g = c * pp + stage; // global chunk
@@ -470,18 +473,14 @@ pub fn forward_losses(
         };
         for p in pieces {
             hooks.before_forward(p, 0)?;
-            let y = match p {
-                Piece::Embedding => model.embed(&x)?,
-                Piece::Block(i) => model.block(i, &x)?,
-                Piece::Head => model.losses(&x, labels)?,
-            };
+            let y = model.eval_forward(p, &x, labels)?;
             hooks.after_forward(p, 0)?;
             if p == Piece::Head {
                 return Ok(Some(y));
             }
             x = y;
         }
-        ctx.comm.send(&x.detach(), ranks[(g + 1) % pp])?;
+        ctx.comm.send(&x, ranks[(g + 1) % pp])?;
     }
     Ok(None)
 }

@@ -129,6 +129,17 @@ impl RankCtx {
         local_batch(b, self.cp.size(), self.coords.cp)
     }
 
+    /// Shape of the activations between pieces for a micro-batch of `b` sequences of `s` local
+    /// tokens: `[b, s / tp, h]` with sequence parallelism, else `[b, s, h]`.
+    pub fn activation_shape(&self, b: usize, s: usize, h: usize) -> candle_core::Shape {
+        let split = if self.sequence_parallel {
+            self.tp.size()
+        } else {
+            1
+        };
+        candle_core::Shape::from((b, s / split, h))
+    }
+
     /// The pieces of each of this rank's local pipeline chunks, in local chunk order (one chunk
     /// without virtual stages; everything on a rank without pipeline parallelism).
     pub fn chunks(&self, num_layers: usize) -> Vec<Vec<Piece>> {

@@ -1,12 +1,14 @@
 //! How a step's mixture-of-experts layers routed: their router losses and the balance of tokens
-//! over experts, summed over every forward pass of the step on every rank (each pipeline stage
-//! measures its own layers, each data-parallel rank its own micro-batches).
+//! over experts, summed over every micro-batch's forward of the step on every rank (each pipeline
+//! stage measures its own layers, each data-parallel rank its own micro-batches; the executor
+//! hands on what the layers measured, `StepRun::moe`).
 
 use std::collections::BTreeMap;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use model::Llama;
+use model::moe::LayerStats;
+use model::LlamaConfig;
 use parallel::ReduceOp;
 use serde::Serialize;
 
@@ -28,8 +30,7 @@ pub struct LayerRouting {
     /// With an expert capacity: the share of routed `(token, slot)` pairs it dropped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped: Option<f64>,
-    /// Tokens routed to each expert over the step on all ranks (times the forwards recorded
-    /// per micro-batch: 2 under recompute); not written to the metrics.
+    /// Tokens routed to each expert over the step on all ranks; not written to the metrics.
     #[serde(skip)]
     pub tokens_per_expert: Vec<f64>,
 }
@@ -54,12 +55,14 @@ pub struct StepRouting {
     pub bias_max_abs: Option<f64>,
 }
 
-/// Collects what the model's MoE layers recorded in this step's forwards, summed over the
-/// pipeline and data-parallel ranks (a collective: every rank calls it every step of a MoE
-/// model). `None` for a dense model. Means are per recorded forward, so a recomputed forward
-/// (recorded twice, identically) does not change them.
-pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
-    let c = model.config();
+/// Sums what the MoE layers of model `c` measured in this step's forwards on this rank
+/// (`stats`) over the pipeline and data-parallel ranks (a collective: every rank calls it every
+/// step of a MoE model). `None` for a dense model. Means are per micro-batch.
+pub fn gather(
+    c: &LlamaConfig,
+    stats: Vec<LayerStats>,
+    ctx: &RankCtx,
+) -> Result<Option<StepRouting>> {
     let Some(moe) = c.moe() else {
         return Ok(None);
     };
@@ -69,7 +72,7 @@ pub fn gather(model: &Llama, ctx: &RankCtx) -> Result<Option<StepRouting>> {
     let e = moe.num_experts;
     let width = 4 + e; // forwards, Σ load balancing, Σ z-loss, dropped, tokens per expert
     let mut sums = vec![0f64; layers.len() * width];
-    for s in model.take_moe_stats() {
+    for s in stats {
         let Some(at) = layers.iter().position(|&l| l == s.layer) else {
             continue;
         };

@@ -46,8 +46,7 @@ impl Trainer {
             t.recompute,
             t.micro_batch,
             t.seq_len / ctx.cp.size(),
-        )
-        .with_backward(t.backward);
+        );
         if self.recipe.run.trace_step == Some(self.step + 1) {
             exec = exec.timed_on_device(&self.device);
         }
@@ -77,14 +76,14 @@ impl Trainer {
             .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
             .collect();
         self.inject_test_fault(self.step + 1)?;
-        let (local_loss, act_peak) = (run.loss, run.act_peak_bytes);
+        let (local_loss, act_peak, graph_tensors) = (run.loss, run.act_peak_bytes, run.tracked);
         self.timing = run.timing;
         let ctx = &self.ctx;
         let comm = ctx.comm.as_ref();
         let loss = all_reduce_f64(comm, &ctx.pp, local_loss)?;
         let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
         // After the data-parallel gradient traffic of the step has finished on every group.
-        let mut routing = super::routing::gather(&self.model, ctx)?;
+        let mut routing = super::routing::gather(self.model.config(), run.moe, ctx)?;
         let (grad_norm, grad_sq) = self.grad_norm()?;
         let local = LocalNumbers {
             loss: local_loss,
@@ -152,6 +151,7 @@ impl Trainer {
             device_peak_mib: device_mem.map(|m| m.peak as f64 / MIB),
             state: self.state_bytes(),
             act_peak_bytes: act_peak,
+            graph_tensors,
             param_unit_peak_bytes: gathered.peak_bytes,
             grad_unit_peak_bytes: self.grads.take_staged_peak(),
             gather_s: self.gather.as_ref().map(|_| gathered.gather_s),

@@ -9,6 +9,8 @@ use pretrain::recipe::load;
 use pretrain::train::{train, RunOutput};
 
 pub mod hf;
+pub mod reference;
+pub mod small;
 
 /// Trains the tiny recipe for 3 steps (global batch 16, micro-batch 4) at `layout` (recipe
 /// overrides), as threads, without writing outputs.

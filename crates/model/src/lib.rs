@@ -13,6 +13,6 @@ pub mod segment;
 
 pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
 pub use inventory::{Inventory, ParamDecl};
-pub use llama::{Llama, Piece, Placement, Targets};
+pub use llama::{Llama, Piece, Placement, Tape, Targets};
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
-pub use segment::{BackwardMode, Recompute};
+pub use segment::Recompute;

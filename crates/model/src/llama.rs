@@ -1,32 +1,40 @@
 //! The Llama decoder: token embedding, `num_hidden_layers` pre-norm blocks (grouped-query attention
-//! with rotary embeddings, SwiGLU MLP), final RMSNorm and the output projection, with Hugging Face
-//! parameter names.
+//! with rotary embeddings, SwiGLU MLP or a mixture of experts), final RMSNorm and the output
+//! projection, with Hugging Face parameter names.
 //!
 //! A rank holds the part of the model its [`Placement`] names (all of it on one rank; a layer range
 //! with an optional embedding and head on a pipeline stage) split across its tensor-parallel group
-//! as the TP plan says. The model never calls a collective itself: tensor parallelism enters only
-//! through `TensorParallel::{enter, exit}` around the column/row-parallel regions and through the
-//! vocab-parallel embedding and loss. The model is cut into segments (embedding, each block, head
-//! with loss) that [`crate::segment`] runs with separate autograd graphs.
+//! as the TP plan says. The model never calls a collective itself: tensor, context and expert
+//! parallelism enter only through the parallel layer's region entries and exits, ring attention,
+//! token dispatch and vocab-parallel embedding and loss, each the identity (or the plain kernel)
+//! on a one-rank group, so the model has one path for every layout.
+//!
+//! Each piece (the embedding, a decoder block, the head with its loss) has one forward, which
+//! builds no autograd graph and keeps a [`Tape`] of what its hand-written backward reads
+//! (`embedding.rs`, `block.rs`, `head.rs`): training, evaluation, the export parity gate and the
+//! self-test all run it. [`crate::segment`] runs the pieces one by one (recompute keeps only a
+//! piece's input and re-runs its forward inside the backward).
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result, Tensor};
 use parallel::cp::{ContextParallel, Kernels};
 use parallel::ep::ExpertParallel;
-use parallel::tp::TensorParallel;
+use parallel::tp::{EmbeddingKernels, LossKernels, TensorParallel};
 
 use crate::config::LlamaConfig;
-use crate::inventory::{Inventory, MlpParams, MoeParams};
-use crate::moe::{self, Expert, LayerStats, Router};
-use crate::ops::{self, linear, linear_to};
+use crate::inventory::{Inventory, MoeParams};
+use crate::moe::{Expert, LayerStats, Router};
+use crate::ops;
 use crate::params::{ParamSet, ParamSpec};
+use crate::segment::{storages, Held, ParamGrad};
 
-mod backward;
+mod block;
+mod embedding;
 mod head;
-pub(crate) use backward::projection_bwd;
-pub use backward::BlockTape;
+pub(crate) use block::projection_bwd;
+pub use block::BlockTape;
+pub use embedding::EmbeddingTape;
 pub use head::HeadTape;
 
 /// A piece of the model run as one segment.
@@ -100,11 +108,54 @@ pub struct Llama {
     /// `[max_pos, head_dim / 2]` rotary tables in the parameter dtype.
     cos: Tensor,
     sin: Tensor,
-    /// What the MoE layers measured in training forwards since [`Llama::take_moe_stats`].
-    moe_stats: Mutex<Vec<LayerStats>>,
     /// Per MoE layer, the experts' selection biases (auxiliary-loss-free balancing; empty
     /// without it, and all zero until [`Llama::set_expert_bias`]).
-    expert_bias: Mutex<BTreeMap<usize, Vec<f32>>>,
+    expert_bias: BTreeMap<usize, Vec<f32>>,
+}
+
+/// What a piece's forward keeps for its backward pass.
+pub enum Tape {
+    /// The embedding's.
+    Embedding(EmbeddingTape),
+    /// A decoder block's.
+    Block(BlockTape),
+    /// The head's.
+    Head(HeadTape),
+}
+
+impl Tape {
+    /// The tensors the tape keeps, its input included.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Tape::Embedding(t) => t.tensors(),
+            Tape::Block(t) => t.tensors(),
+            Tape::Head(t) => t.tensors(),
+        }
+    }
+
+    /// The storages the tape keeps alive.
+    pub fn held(&self) -> Held {
+        storages(&self.tensors())
+    }
+}
+
+/// A piece's training forward: its output, its tape and, for a MoE block, what the layer
+/// measured.
+pub struct Forward {
+    /// The output: hidden states, or the micro-batch's scaled loss (a scalar) from the head.
+    pub y: Tensor,
+    /// What the backward reads.
+    pub tape: Tape,
+    /// A MoE layer's routing measurements.
+    pub moe: Option<LayerStats>,
+}
+
+/// A piece's backward pass: its input's gradient (none for token ids) and its parameters'.
+pub struct Gradients {
+    /// The gradient of the piece's input.
+    pub dx: Option<Tensor>,
+    /// The parameters' gradients, by parameter index.
+    pub params: Vec<(usize, ParamGrad)>,
 }
 
 impl Llama {
@@ -143,21 +194,14 @@ impl Llama {
             inventory,
             cos,
             sin,
-            moe_stats: Mutex::new(Vec::new()),
-            expert_bias: Mutex::new(BTreeMap::new()),
+            expert_bias: BTreeMap::new(),
         })
-    }
-
-    /// The MoE layers' measurements of the training forwards run since the last call, one
-    /// entry per layer and forward (a recomputed forward measures again, identically).
-    pub fn take_moe_stats(&self) -> Vec<LayerStats> {
-        std::mem::take(&mut *self.moe_stats.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Sets the MoE layers' expert selection biases (by global layer index; a layer not given
     /// routes without a bias). Used only when `router_bias_update_rate` is set.
-    pub fn set_expert_bias(&self, bias: &BTreeMap<usize, Vec<f32>>) {
-        *self.expert_bias.lock().unwrap_or_else(|e| e.into_inner()) = bias.clone();
+    pub fn set_expert_bias(&mut self, bias: &BTreeMap<usize, Vec<f32>>) {
+        self.expert_bias = bias.clone();
     }
 
     /// Replaces every parameter with values from `value(parameter)`, which returns the row-major
@@ -217,104 +261,74 @@ impl Llama {
         ))
     }
 
-    /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence parallelism).
-    pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
-        let e = self
-            .inventory
-            .embed_tokens
-            .filter(|_| self.placement.embedding)
-            .ok_or_else(|| self.missing("embedding"))?;
-        let vocab = self.params.get(e).block.range(0); // this rank's vocabulary ids
-        self.placement
-            .tp
-            .embedding(tokens, &self.w(e)?, vocab.start, ops::embedding)
+    /// Piece `piece`'s training forward on micro-batch `targets`: token ids `[b, s]` → hidden
+    /// states (embedding), hidden → hidden (block; a MoE layer applies its capacity and weighs
+    /// its balancing losses by `targets.aux_scale`), hidden → the micro-batch's scaled loss
+    /// (head). Hidden states are `[b, s(/tp), h]`.
+    pub fn forward(&self, piece: Piece, x: &Tensor, targets: &Targets) -> Result<Forward> {
+        let (y, tape, moe) = match piece {
+            Piece::Embedding => {
+                let (y, tape) = self.embed(x)?;
+                (y, Tape::Embedding(tape), None)
+            }
+            Piece::Block(i) => {
+                let (y, tape, moe) = self.block(i, x, Some(targets.aux_scale))?;
+                (y, Tape::Block(tape), moe)
+            }
+            Piece::Head => {
+                let (loss, tape) = self.head(x, targets)?;
+                (loss, Tape::Head(tape), None)
+            }
+        };
+        Ok(Forward { y, tape, moe })
     }
 
-    /// Decoder block `i`: `[b, s, h]` → `[b, s, h]` (sequence-sharded with sequence parallelism;
-    /// with context parallelism `s` is this rank's share of the sequence).
-    pub fn block(&self, i: usize, x: &Tensor) -> Result<Tensor> {
-        self.block_with(i, x, None)
+    /// The backward pass of a piece from its forward's tape and the gradient `dy` of its output
+    /// (`None` for the head, whose output is the objective).
+    pub fn backward(&self, tape: Tape, dy: Option<&Tensor>) -> Result<Gradients> {
+        let need =
+            || dy.ok_or_else(|| candle_core::Error::Msg("a piece's backward needs dy".into()));
+        let (dx, params) = match tape {
+            Tape::Embedding(t) => (None, self.embed_backward(t, need()?)?),
+            Tape::Block(t) => {
+                let (dx, g) = self.block_backward(t, need()?)?;
+                (Some(dx), g)
+            }
+            Tape::Head(t) => {
+                let (dx, g) = self.head_backward(t)?;
+                (Some(dx), g)
+            }
+        };
+        Ok(Gradients { dx, params })
     }
 
-    /// [`Llama::block`]; in training (`aux_scale` given) a MoE layer adds its router losses
-    /// times `aux_scale` to the objective (riding on the output) and records its measurements.
-    fn block_with(&self, i: usize, x: &Tensor, aux_scale: Option<f64>) -> Result<Tensor> {
-        let c = &self.config;
-        let blk = self
-            .inventory
-            .blocks
-            .get(&i)
-            .ok_or_else(|| self.missing(&format!("layer {i}")))?;
-        let (tp, tp_size) = (&self.placement.tp, self.placement.tp.size());
-        let (hq, hkv, d) = (
-            c.num_attention_heads / tp_size,
-            c.num_key_value_heads / tp_size,
-            c.head_dim(),
-        );
+    /// Piece `piece`'s forward in evaluation (its tape dropped, MoE layers dropless): token ids
+    /// → hidden states, hidden → hidden, hidden → per-position losses `[b·s]` (f32) for `labels`,
+    /// identical on every tensor-parallel rank.
+    pub fn eval_forward(&self, piece: Piece, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        Ok(match piece {
+            Piece::Embedding => self.embed(x)?.0,
+            Piece::Block(i) => self.block(i, x, None)?.0,
+            Piece::Head => self.head_losses(x, labels)?.0,
+        })
+    }
 
-        let h = ops::rms_norm(x, &self.w(blk.input_layernorm)?, c.rms_norm_eps)?; // [b, s(/tp), h]
-        let h = tp.enter(&h)?; // [b, s, h]
-        let (b, s, _) = h.dims3()?; // s: this rank's rows of the sequence
-        let cp = &self.placement.cp;
-        let (cos, sin) = cp.rope_rows(&self.cos, &self.sin, s * cp.size())?; // global positions
-        let q = linear_to(&h, &self.w(blk.q_proj)?, (b, s, hq, d))?; // [b, s, hq/tp, d]
-        let k = linear_to(&h, &self.w(blk.k_proj)?, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
-        let v = linear_to(&h, &self.w(blk.v_proj)?, (b, s, hkv, d))?;
-        let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
-        let a = cp.attention(&q, &k, &v, 1.0 / (d as f64).sqrt(), KERNELS)?; // [b, s, hq/tp, d]
-        let o = linear_to(&a, &self.w(blk.o_proj)?, (b, s, c.hidden_size))?; // [b, s, h] partial
-        let x = (x + tp.exit(&o)?)?;
-
-        let norm = self.w(blk.post_attention_layernorm)?;
-        let normed = ops::rms_norm(&x, &norm, c.rms_norm_eps)?; // [b, s(/tp), h]
-        match &blk.mlp {
-            MlpParams::Dense {
-                gate_proj,
-                up_proj,
-                down_proj,
-            } => {
-                let h = tp.enter(&normed)?; // [b, s, h]
-                let g = ops::swiglu(
-                    &linear(&h, &self.w(*gate_proj)?)?,
-                    &linear(&h, &self.w(*up_proj)?)?,
-                )?; // [b, s, f/tp]
-                x + tp.exit(&linear(&g, &self.w(*down_proj)?)?)?
-            }
-            MlpParams::Moe(m) => {
-                let parts = self.moe_parts(i, m, aux_scale.is_some(), false)?;
-                let split = self.moe_split();
-                let ep = &self.placement.ep;
-                let h = normed.flatten_to(1)?; // [b·s(/tp), h]
-                let out = moe::forward(
-                    &h,
-                    &parts.router(),
-                    &parts.experts,
-                    ep,
-                    split,
-                    &parts.cfg,
-                    i,
-                )?;
-                let y = (x + out.y.reshape(normed.shape())?)?; // [b, s(/tp), h]
-                let Some(scale) = aux_scale else {
-                    return Ok(y);
-                };
-                let aux = (out.aux_loss * (scale / c.num_moe_layers() as f64))?;
-                self.record_moe(out.stats);
-                ops::with_side_loss(&y, &aux)
-            }
+    /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
+    pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
+        let p = &self.placement;
+        if p.tp.size() > 1 || p.cp.size() > 1 || p.ep.size() > 1 || !p.embedding || !p.head {
+            candle_core::bail!("full logits need the whole model on one rank");
         }
+        let mut x = self.embed(tokens)?.0;
+        for &i in &p.layers {
+            x = self.block(i, &x, None)?.0;
+        }
+        self.head_logits(&x)?.1.to_dtype(DType::F32)
     }
 
     /// What MoE layer `layer` (parameters `m`)'s forward needs: the settings (dropless in
-    /// evaluation, `train` false), the router with its selection bias, and this rank's experts
-    /// (`detached` for a hand-written pass).
-    fn moe_parts(
-        &self,
-        layer: usize,
-        m: &MoeParams,
-        train: bool,
-        detached: bool,
-    ) -> Result<MoeParts> {
+    /// evaluation, `train` false), the router with its selection bias, and this rank's experts.
+    fn moe_parts(&self, layer: usize, m: &MoeParams, train: bool) -> Result<MoeParts> {
         let mut cfg = self
             .config
             .moe()
@@ -322,126 +336,26 @@ impl Llama {
         if !train {
             cfg.capacity_factor = None; // evaluation is dropless
         }
-        let w = |i: usize| {
-            let t = self.w(i)?;
-            Ok::<_, candle_core::Error>(if detached { t.detach() } else { t })
-        };
         let experts = m
             .experts
             .iter()
             .map(|e| {
                 Ok(Expert {
-                    w1: w(e.w1)?,
-                    w3: w(e.w3)?,
-                    w2: w(e.w2)?,
+                    w1: self.w(e.w1)?,
+                    w3: self.w(e.w3)?,
+                    w2: self.w(e.w2)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let bias = (cfg.bias_update_rate > 0.0)
-            .then(|| {
-                let biases = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
-                biases.get(&layer).cloned()
-            })
+            .then(|| self.expert_bias.get(&layer).cloned())
             .flatten();
         Ok(MoeParts {
             cfg,
-            weight: w(m.router)?,
+            weight: self.w(m.router)?,
             bias,
             experts,
         })
-    }
-
-    /// The group a MoE layer's tokens are split over: the tensor-parallel group under sequence
-    /// parallelism. The experts are not split over the tensor-parallel group: each rank routes
-    /// the tokens it holds (with sequence parallelism its share, whose balancing statistics are
-    /// summed over the group; without, all of them, like its peers).
-    fn moe_split(&self) -> Option<&parallel::tp::TpGroup> {
-        let tp = &self.placement.tp;
-        (tp.sequence_parallel && tp.size() > 1).then_some(&tp.group)
-    }
-
-    /// Keeps a training forward's MoE measurements for [`Llama::take_moe_stats`].
-    fn record_moe(&self, stats: LayerStats) {
-        self.moe_stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(stats);
-    }
-
-    /// Final norm and this rank's output projection: `[b, s(/tp), h]` → logits `[b * s, v / tp]`
-    /// in the model dtype.
-    fn local_logits(&self, x: &Tensor) -> Result<Tensor> {
-        let (norm, head) = self
-            .inventory
-            .norm
-            .zip(self.inventory.lm_head)
-            .ok_or_else(|| self.missing("head"))?;
-        let h = self.placement.tp.enter(&ops::rms_norm(
-            x,
-            &self.w(norm)?,
-            self.config.rms_norm_eps,
-        )?)?; // [b, s, h]
-        linear(&h.flatten_to(1)?, &self.w(head)?)
-    }
-
-    /// Per-position next-token losses `[b * s]` from the last hidden states; identical on every
-    /// tensor-parallel rank. The full logits are never gathered across ranks.
-    pub fn losses(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        // The vocab-parallel loss is built from candle ops over f32 logits; the single-rank one
-        // reads the model-dtype logits and sums in f32 (no f32 copy of the logits on a GPU).
-        let logits = self.local_logits(x)?; // [b * s, v/tp]
-        let logits = if self.placement.tp.size() > 1 {
-            logits.to_dtype(DType::F32)?
-        } else {
-            logits
-        };
-        let head = self.inventory.lm_head.ok_or_else(|| self.missing("head"))?;
-        let vocab = self.params.get(head).block.range(0); // this rank's vocabulary ids
-        self.placement
-            .tp
-            .cross_entropy(&logits, labels, vocab.start, |l, t| {
-                ops::cross_entropy_acc(l, t)?.to_dtype(DType::F32)
-            })
-    }
-
-    /// Head segment: the micro-batch's summed masked cross-entropy times `targets.loss_scale`.
-    pub fn head_loss(&self, x: &Tensor, targets: &Targets) -> Result<Tensor> {
-        (self.losses(x, &targets.labels)? * &targets.loss_mask)?.sum_all()? * targets.loss_scale
-    }
-
-    /// Piece `piece`'s forward in training: token ids → hidden states (embedding), hidden →
-    /// hidden (block), hidden → this micro-batch's scaled loss (head).
-    pub fn piece_forward(&self, piece: Piece, x: &Tensor, targets: &Targets) -> Result<Tensor> {
-        match piece {
-            Piece::Embedding => self.embed(x),
-            Piece::Block(i) => self.block_with(i, x, Some(targets.aux_scale)),
-            Piece::Head => self.head_loss(x, targets),
-        }
-    }
-
-    /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
-    pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
-        let p = &self.placement;
-        if p.tp.size() > 1 || p.cp.size() > 1 || p.ep.size() > 1 || !p.embedding {
-            candle_core::bail!("full logits need the whole model on one rank");
-        }
-        self.local_logits(&self.hidden(tokens)?)?
-            .to_dtype(DType::F32)
-    }
-
-    /// Embedding and every block held, without segments: `[b, s]` → `[b, s(/tp), h]`.
-    pub fn hidden(&self, tokens: &Tensor) -> Result<Tensor> {
-        let mut x = self.embed(tokens)?;
-        for &i in &self.placement.layers {
-            x = self.block(i, &x)?;
-        }
-        Ok(x)
-    }
-
-    /// Full forward without segments (evaluation, tests) on a rank holding the embedding and the
-    /// head: per-position losses `[b * s]`.
-    pub fn token_losses(&self, tokens: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        self.losses(&self.hidden(tokens)?, labels)
     }
 }
 
@@ -465,11 +379,25 @@ impl MoeParts {
     }
 }
 
-/// The attention kernels of context parallelism's ring.
-const KERNELS: Kernels = Kernels {
-    causal: ops::causal_attention,
+/// The attention kernels: the plain causal ones on one context-parallel rank, the blocks the ring
+/// merges on more.
+const ATTENTION: Kernels = Kernels {
+    causal: ops::causal_attention_saved,
+    causal_bwd: ops::causal_attention_bwd,
     block: ops::attention_block,
     block_bwd: ops::attention_block_bwd,
+};
+
+/// The row gather of the (vocab-parallel) embedding and its gradient.
+const EMBEDDING: EmbeddingKernels = EmbeddingKernels {
+    lookup: ops::embedding,
+    lookup_bwd: ops::embedding_bwd,
+};
+
+/// The fused cross-entropy of one tensor-parallel rank.
+const LOSS: LossKernels = LossKernels {
+    fwd: ops::cross_entropy_acc,
+    bwd: ops::cross_entropy_acc_bwd,
 };
 
 /// Rotary tables `cos, sin`: `[max_pos, head_dim / 2]`, angle `p · f_i` with the (possibly

@@ -28,7 +28,8 @@ pub enum ParamKind {
 pub struct Parameter {
     /// Hugging Face parameter name.
     pub name: String,
-    /// The tensor autograd differentiates against (`None` while released).
+    /// The tensor (`None` while released); a variable so that its values can be overwritten in
+    /// place by the optimizer.
     var: RwLock<Option<Var>>,
     /// Element type of the tensor.
     pub dtype: DType,
@@ -63,7 +64,9 @@ impl Parameter {
         self.var.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The variable autograd differentiates against.
+    /// The parameter as an autograd variable sharing its storage: for reference computations
+    /// that differentiate through candle's graph (tests). The model itself reads
+    /// [`Parameter::tensor`].
     pub fn var(&self) -> Result<Var> {
         self.slot().clone().ok_or_else(|| {
             candle_core::Error::Msg(format!(
@@ -74,9 +77,10 @@ impl Parameter {
         })
     }
 
-    /// The parameter's tensor (this rank's block, shape `block.shape`).
+    /// The parameter's tensor (this rank's block, shape `block.shape`), carrying no autograd
+    /// graph: nothing computed from it builds one.
     pub fn tensor(&self) -> Result<Tensor> {
-        Ok(self.var()?.as_tensor().clone())
+        Ok(self.var()?.as_tensor().detach())
     }
 
     /// Elements of this rank's block.
@@ -100,7 +104,7 @@ impl Parameter {
         Ok(())
     }
 
-    /// Drops the tensor (its memory is freed once no autograd graph holds it).
+    /// Drops the tensor (its memory is freed once no tape holds it).
     pub fn release(&self) {
         *self.var.write().unwrap_or_else(|e| e.into_inner()) = None;
     }

@@ -1,35 +1,29 @@
-//! Segments: a model piece run with its own autograd graph.
+//! Segments: a model piece run on its own, forward then (later) backward.
 //!
-//! A segment's input is a leaf `Var` and its output is handed on detached, so each piece's graph is
-//! separate and is freed right after that piece's backward. The backward pass of a segment is driven
-//! by the upstream gradient through [`grad_inject`](crate::ops::grad_inject). The same mechanism
-//! serves activation recompute (keep only the input, re-run the forward inside backward) and
-//! pipeline stages (the upstream gradient arrives from the next stage).
+//! A piece's forward ([`crate::Llama::forward`]) builds no autograd graph: it returns its output
+//! and a tape of exactly what its hand-written backward reads, so each piece's saved state is
+//! separate and is freed right after that piece's backward. The backward is driven by the
+//! gradient of the piece's output, which comes from the next piece, from the next pipeline stage,
+//! or (for the head, whose output is the loss) from nowhere. Activation recompute is the same
+//! mechanism keeping only the piece's input and re-running its forward inside the backward.
 //!
-//! A segment runs as a [`Pass`]: through candle's autograd graph of a forward closure, or as a
-//! piece with a hand-written backward (a dense decoder block, [`crate::llama::BlockTape`]; the
-//! head, [`crate::llama::HeadTape`]), which keeps a tape of the tensors its backward reads instead
-//! of a graph. Recompute works alike for both.
-//!
-//! [`SegmentRun::held`] and [`graph_storages`] measure what a segment keeps for its backward: the
-//! distinct storages of its autograd graph (parameters excluded) and its input — the activation
-//! memory that the planner predicts.
+//! [`SegmentRun::held`] measures what a segment keeps for its backward: the distinct storages of
+//! its tape (its input included) — the activation memory that the planner predicts.
 
-use candle_core::backprop::GradStore;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
-use candle_core::{Result, Tensor, Var};
+use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::llama::{BlockTape, HeadTape};
-use crate::ops::grad_inject;
-use crate::Llama;
+use crate::llama::{Forward, Tape};
+use crate::moe::LayerStats;
+use crate::{Llama, Piece, Targets};
 
 /// What a segment keeps between its forward and its backward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
-    /// Keep the whole graph (all intermediate activations) until backward.
+    /// Keep the whole tape (all saved activations) until backward.
     #[default]
     None,
     /// Keep only the segment's input; re-run its forward during backward.
@@ -38,9 +32,9 @@ pub enum Recompute {
 
 impl Recompute {
     /// The mode for `piece`: only decoder blocks are recomputed; the embedding and the head keep
-    /// their (small) graphs.
-    pub fn for_piece(self, piece: crate::Piece) -> Recompute {
-        if matches!(piece, crate::Piece::Block(_)) {
+    /// their (small) tapes.
+    pub fn for_piece(self, piece: Piece) -> Recompute {
+        if matches!(piece, Piece::Block(_)) {
             self
         } else {
             Recompute::None
@@ -48,90 +42,11 @@ impl Recompute {
     }
 }
 
-/// How the pieces run their backward passes (`train.backward`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BackwardMode {
-    /// A piece's own backward pass where it has one (dense decoder blocks, the head), autograd
-    /// elsewhere (the embedding, MoE blocks).
-    #[default]
-    HandWritten,
-    /// candle's autograd for every piece: the reference the hand-written passes are tested
-    /// against.
-    Autograd,
-}
-
-/// How a segment computes its forward and backward passes.
-pub enum Pass<'a> {
-    /// `f`'s forward builds an autograd graph; the backward runs through it.
-    Graph(&'a dyn Fn(&Tensor) -> Result<Tensor>),
-    /// Decoder block `layer` of `model`, forward without a graph, hand-written backward; a
-    /// MoE layer's balancing losses weigh the micro-batch's `aux_scale` (see `Targets`).
-    Block(&'a Llama, usize, f64),
-    /// The head of `model` with the micro-batch's targets, hand-written backward.
-    Head(&'a Llama, &'a crate::Targets),
-}
-
-/// What a hand-written pass keeps for its backward.
-pub enum Tape {
-    /// A decoder block's.
-    Block(BlockTape),
-    /// The head's.
-    Head(HeadTape),
-}
-
-impl Tape {
-    /// The storages the tape keeps alive.
-    pub fn held(&self) -> Held {
-        match self {
-            Tape::Block(t) => t.held(),
-            Tape::Head(t) => t.held(),
-        }
-    }
-}
-
-impl Pass<'_> {
-    /// The output and, for a hand-written pass, its tape.
-    fn run(&self, x: &Tensor) -> Result<(Tensor, Option<Tape>)> {
-        match self {
-            Pass::Graph(f) => Ok((f(x)?, None)),
-            Pass::Block(model, layer, aux_scale) => {
-                let (y, tape) = model.block_forward_saved(*layer, x, *aux_scale)?;
-                Ok((y, Some(Tape::Block(tape))))
-            }
-            Pass::Head(model, targets) => {
-                let (loss, tape) = model.head_forward_saved(x, targets)?;
-                Ok((loss, Some(Tape::Head(tape))))
-            }
-        }
-    }
-
-    /// A hand-written pass's backward from its tape: the input's gradient and the parameters'.
-    fn backward(
-        &self,
-        tape: Tape,
-        dy: Option<&Tensor>,
-    ) -> Result<(Tensor, Vec<(usize, ParamGrad)>)> {
-        match (self, tape, dy) {
-            (Pass::Block(model, ..), Tape::Block(tape), Some(dy)) => model.block_backward(tape, dy),
-            (Pass::Head(model, _), Tape::Head(tape), None) => model.head_backward(tape),
-            _ => candle_core::bail!(
-                "a hand-written backward pass got another pass's tape or upstream gradient"
-            ),
-        }
-    }
-}
-
 /// The forward state of one segment that its backward pass needs.
 pub struct SegmentRun {
-    /// The input as a leaf variable (so its gradient is produced), or `None` for inputs that take
-    /// no gradient (token ids).
-    input: Option<Var>,
-    /// The raw input, for inputs without gradient that a recompute needs again.
-    raw_input: Tensor,
-    /// The output with its graph, kept unless recomputing ([`Pass::Graph`]).
-    output: Option<Tensor>,
-    /// A hand-written pass's tape, kept unless recomputing.
+    /// The input (kept for a recompute; a tape holds it otherwise).
+    input: Tensor,
+    /// The tape, unless recomputing.
     tape: Option<Tape>,
 }
 
@@ -141,7 +56,7 @@ pub struct SegmentRun {
 pub type Held = Vec<(usize, usize)>;
 
 /// The key and the bytes a tensor's view covers of its storage (its offset plus its elements; a
-/// storage's size is the largest of its views' on the graph).
+/// storage's size is the largest of its views').
 fn storage_of(t: &Tensor) -> (usize, usize) {
     let (storage, layout) = t.storage_and_layout();
     let key = std::ptr::from_ref(&*storage) as usize;
@@ -160,40 +75,26 @@ pub fn storages(tensors: &[&Tensor]) -> Held {
     held.into_iter().collect()
 }
 
-/// The distinct storages the autograd graph of `root` keeps for its backward pass, plus those of
-/// `extra`: every tensor on the graph except variables (parameters, leaf inputs) and views of
-/// them.
-pub fn graph_storages(root: &Tensor, extra: &[&Tensor]) -> Held {
-    let nodes = root.sorted_nodes();
-    let vars: HashSet<usize> = nodes
-        .iter()
-        .filter(|n| n.is_variable())
-        .map(|n| storage_of(n).0)
-        .collect();
-    let mut held: HashMap<usize, usize> = HashMap::new();
-    let graph = nodes.iter().copied().filter(|n| !n.is_variable());
-    for t in graph.chain(extra.iter().copied()) {
-        let (key, bytes) = storage_of(t);
-        if extra.iter().any(|e| e.id() == t.id()) || !vars.contains(&key) {
-            let e = held.entry(key).or_default();
-            *e = (*e).max(bytes);
-        }
-    }
-    held.into_iter().collect()
+/// How many of `tensors` carry an autograd graph (a variable or an op's result tracked for
+/// backpropagation). The pieces never build one: every count the step makes is zero.
+pub fn tracked(tensors: &[&Tensor]) -> usize {
+    tensors.iter().filter(|t| t.track_op()).count()
 }
 
 impl SegmentRun {
-    /// The storages this run keeps until its backward: its input (and the leaf copy of it) and,
-    /// unless recomputing, its forward's graph.
+    /// The storages this run keeps until its backward: its tape, or under recompute its input.
     pub fn held(&self) -> Held {
-        if let Some(tape) = &self.tape {
-            return tape.held();
+        match &self.tape {
+            Some(tape) => tape.held(),
+            None => storages(&[&self.input]),
         }
-        let mut extra = vec![&self.raw_input];
-        extra.extend(self.input.as_ref().map(|v| v.as_tensor()));
-        match &self.output {
-            Some(y) => graph_storages(y, &extra),
-            None => graph_storages(&self.raw_input, &extra),
+    }
+
+    /// The tensors it keeps that carry an autograd graph (see [`tracked`]).
+    pub fn tracked(&self) -> usize {
+        match &self.tape {
+            Some(tape) => tracked(&tape.tensors()),
+            None => tracked(&[&self.input]),
         }
     }
 }
@@ -221,153 +122,69 @@ impl ParamGrad {
             ParamGrad::Product { g, x } => g.t()?.matmul(&x),
         }
     }
-}
 
-/// The parameter gradients of a segment's backward pass.
-pub enum Grads {
-    /// Autograd's store, by tensor.
-    Graph(GradStore),
-    /// A hand-written pass's, by parameter index.
-    Params(HashMap<usize, ParamGrad>),
-}
-
-impl Grads {
-    /// Takes the gradient of parameter `index`, whose tensor is `param`.
-    pub fn take(&mut self, index: usize, param: &Tensor) -> Option<ParamGrad> {
+    /// The tensors it holds.
+    pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
-            Grads::Graph(store) => store.remove(param).map(ParamGrad::Tensor),
-            Grads::Params(map) => map.remove(&index),
+            ParamGrad::Tensor(t) => vec![t],
+            ParamGrad::Product { g, x } => vec![g, x],
         }
     }
 }
 
 /// What a segment's backward pass produced.
 pub struct Backward {
-    /// The gradients of the segment's parameters.
-    pub grads: Grads,
-    /// The input's gradient, if the input takes one.
+    /// The gradients of the segment's parameters, by parameter index.
+    pub grads: Vec<(usize, ParamGrad)>,
+    /// The input's gradient (none for token ids).
     pub dx: Option<Tensor>,
-    /// Under recompute: the storages of the forward graph rebuilt for this backward (held until
-    /// it ends, on top of everything else live).
+    /// Under recompute: the storages of the tape rebuilt for this backward (held until it ends,
+    /// on top of everything else live).
     pub recomputed: Held,
 }
 
-/// Runs `pass` on `x` as a segment. `x_needs_grad` is false for integer inputs (token ids).
-/// Returns the detached output and the state for [`backward`].
+/// Runs `piece` of `model` on `x` for the micro-batch `targets` as a segment. Returns the output
+/// and the state for [`backward`], and a MoE layer's routing measurements.
 pub fn forward(
-    pass: &Pass,
+    model: &Llama,
+    piece: Piece,
     x: &Tensor,
-    x_needs_grad: bool,
+    targets: &Targets,
     recompute: Recompute,
-) -> Result<(Tensor, SegmentRun)> {
-    match (recompute, pass) {
-        (Recompute::None, Pass::Graph(f)) => {
-            let input = if x_needs_grad {
-                Some(Var::from_tensor(x)?)
-            } else {
-                None
-            };
-            let y = f(input.as_ref().map(|v| v.as_tensor()).unwrap_or(x))?;
-            Ok((
-                y.detach(),
-                SegmentRun {
-                    input,
-                    raw_input: x.clone(),
-                    output: Some(y),
-                    tape: None,
-                },
-            ))
-        }
-        (Recompute::None, Pass::Block(..) | Pass::Head(..)) => {
-            let (y, tape) = pass.run(x)?;
-            Ok((
-                y,
-                SegmentRun {
-                    input: None,
-                    raw_input: x.clone(),
-                    output: None,
-                    tape,
-                },
-            ))
-        }
-        (Recompute::Full, _) => {
-            // The graph or tape built here is dropped at the end of this scope.
-            let (y, _) = pass.run(x)?;
-            Ok((
-                y.detach(),
-                SegmentRun {
-                    input: None,
-                    raw_input: x.clone(),
-                    output: None,
-                    tape: None,
-                },
-            ))
-        }
-    }
+) -> Result<(Tensor, SegmentRun, Option<LayerStats>)> {
+    let Forward { y, tape, moe } = model.forward(piece, x, targets)?;
+    let tape = match recompute {
+        Recompute::None => Some(tape),
+        Recompute::Full => None, // dropped here; the backward rebuilds it
+    };
+    let run = SegmentRun {
+        input: x.clone(),
+        tape,
+    };
+    Ok((y, run, moe))
 }
 
-/// Back-propagates through a segment run by `pass`. `dy` is the gradient of the loss with
-/// respect to the segment's output, or `None` when the output is the (scalar) loss itself.
-/// Returns the gradients of the segment's parameters and its input's gradient (if the input
-/// takes one).
+/// Back-propagates through a segment of `piece` run by [`forward`]. `dy` is the gradient of the
+/// loss with respect to the segment's output, or `None` when the output is the loss itself.
 pub fn backward(
-    pass: &Pass,
+    model: &Llama,
+    piece: Piece,
     run: SegmentRun,
-    x_needs_grad: bool,
+    targets: &Targets,
     dy: Option<&Tensor>,
 ) -> Result<Backward> {
-    let SegmentRun {
-        input,
-        raw_input,
-        output,
-        tape,
-    } = run;
-    if !matches!(pass, Pass::Graph(_)) {
-        let (tape, recomputed) = match tape {
-            Some(tape) => (tape, Held::new()),
-            None => {
-                let tape = pass.run(&raw_input)?.1;
-                let tape = tape.ok_or_else(|| candle_core::Error::Msg("no tape".into()))?;
-                let held = tape.held();
-                (tape, held)
-            }
-        };
-        let (dx, grads) = pass.backward(tape, dy)?;
-        return Ok(Backward {
-            grads: Grads::Params(grads.into_iter().collect()),
-            dx: Some(dx),
-            recomputed,
-        });
-    }
-    let mut recomputed = Held::new();
-    let (input, output) = match output {
-        Some(y) => (input, y),
+    let (tape, recomputed) = match run.tape {
+        Some(tape) => (tape, Held::new()),
         None => {
-            let input = if x_needs_grad {
-                Some(Var::from_tensor(&raw_input)?)
-            } else {
-                None
-            };
-            let y = pass
-                .run(input.as_ref().map(|v| v.as_tensor()).unwrap_or(&raw_input))?
-                .0;
-            let extra: Vec<&Tensor> = input.iter().map(|v| v.as_tensor()).collect();
-            recomputed = graph_storages(&y, &extra);
-            (input, y)
+            let tape = model.forward(piece, &run.input, targets)?.tape;
+            let held = tape.held();
+            (tape, held)
         }
     };
-    let root = match dy {
-        Some(dy) => grad_inject(&output, dy)?,
-        None => output,
-    };
-    let mut grads = root.backward()?;
-    let dx = match &input {
-        Some(v) => grads.remove(v.as_tensor()),
-        None => None,
-    };
+    let g = model.backward(tape, dy)?;
     Ok(Backward {
-        grads: Grads::Graph(grads),
-        dx,
+        grads: g.params,
+        dx: g.dx,
         recomputed,
     })
 }

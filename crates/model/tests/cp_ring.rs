@@ -1,8 +1,9 @@
-//! Context-parallel ring attention (`parallel::cp`) on thread ranks against the single-rank causal
-//! attention op: output and the gradients of q, k and v for cp = 2 and 4, plain heads, GQA and
-//! an odd number of heads, in f64 (tolerance 1e-10: the ring only regroups the same sums, merging
-//! blocks by their log-sum-exp, so the two differ by rounding) and f32 (1e-5); plus the load
-//! balance of the split and its errors.
+//! Context-parallel ring attention (`parallel::cp`, its forward and backward) on thread ranks
+//! against autograd over the single-rank causal attention op: output and the gradients of q, k
+//! and v for cp = 1 (the plain kernels), 2 and 4, plain heads, GQA and an odd number of heads, in
+//! f64 (tolerance 1e-10: the ring only regroups the same sums, merging blocks by their
+//! log-sum-exp, so the two differ by rounding) and f32 (1e-5); plus the load balance of the split
+//! and its errors.
 
 mod ops_util;
 
@@ -17,12 +18,14 @@ use parallel::cp::{local_chunks, ContextParallel, Kernels};
 use parallel::{Comm, Group};
 
 const KERNELS: Kernels = Kernels {
-    causal: ops::causal_attention,
+    causal: ops::causal_attention_saved,
+    causal_bwd: ops::causal_attention_bwd,
     block: ops::attention_block,
     block_bwd: ops::attention_block_bwd,
 };
 
-/// Output and `(dq, dk, dv)` of attention on `q, k, v` for the upstream gradient `dy`.
+/// Output and `(dq, dk, dv)` of attention on `q, k, v` for the upstream gradient `dy`, by
+/// autograd.
 fn grads(
     f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
     x: [&Tensor; 3],
@@ -69,14 +72,17 @@ fn check_ring(
                 scope.spawn(move || {
                     let comm: Arc<dyn Comm> = comm;
                     let rank = comm.rank();
-                    let ctx = ContextParallel::new(comm, Group::new((0..cp).collect()));
+                    let ctx = match cp {
+                        1 => ContextParallel::single(),
+                        _ => ContextParallel::new(comm, Group::new((0..cp).collect())),
+                    };
                     let mine = |t: &Tensor| ctx.split_rows(t, 1).unwrap();
-                    let (ly, ldx) = grads(
-                        |q, k, v| ctx.attention(q, k, v, scale, KERNELS),
-                        [&mine(q), &mine(k), &mine(v)],
-                        &mine(dy),
-                    )
-                    .unwrap();
+                    let (lq, lk, lv) = (mine(q), mine(k), mine(v));
+                    let (out, lse) = ctx.attention(&lq, &lk, &lv, scale, KERNELS).unwrap();
+                    let grads =
+                        ctx.attention_bwd((&lq, &lk, &lv), (&out, &lse), &mine(dy), scale, KERNELS);
+                    let (dq, dk, dv) = grads.unwrap();
+                    let (ly, ldx) = (out.to_dtype(dtype).unwrap(), [dq, dk, dv]);
                     let what =
                         |n: &str| format!("cp {cp} rank {rank} {n} ({b},{s},{hq},{hkv},{d})");
                     assert_close(&what("out"), &ly, &mine(y), tol, tol);
@@ -89,6 +95,9 @@ fn check_ring(
             .collect();
         for h in handles {
             let t = h.join().expect("a rank panicked");
+            if cp == 1 {
+                continue; // no ring
+            }
             assert!(t.total_s > 0.0 && t.total_s >= t.wait_s + t.send_s, "{t:?}");
             // Forward: cp − 1 K/V blocks; backward: cp − 1 K/V blocks and cp dK/dV accumulators.
             let kv = 2 * b * (s / cp) * hkv * d * dtype.size_in_bytes();
@@ -99,7 +108,7 @@ fn check_ring(
 
 #[test]
 fn ring_attention_equals_single_rank_attention_in_f64() {
-    for cp in [2, 4] {
+    for cp in [1, 2, 4] {
         // Plain heads, GQA (2 query heads per kv head), odd head counts (3 per kv head).
         for (hq, hkv) in [(2, 2), (4, 2), (3, 1)] {
             check_ring(cp, (2, 2 * cp * 3, hq, hkv, 8), DType::F64, 1e-10);

@@ -15,34 +15,32 @@
 //! experts is made on the host from the probabilities (it is discrete and takes no gradient);
 //! gradients reach the router through the selected probabilities (the routing weights) and the
 //! balancing losses. Each expert is one GEMM chain over its contiguous rows, cut from the grouped
-//! rows by a balanced tree of `narrow`s ([`split_rows`]). The whole layer is composed of
-//! differentiable ops (gather, index select, narrow, cat, the fused `linear`/`swiglu`), checked
-//! against finite differences and against a dense reference that runs every expert on every
-//! token with a top-k mask (`tests/moe.rs`). With expert parallelism the grouped rows travel to
-//! the experts' ranks and back ([`ExpertParallel`]). Training runs the same layer with a
-//! hand-written backward ([`forward_saved`], [`backward`]; `saved.rs`); the routing itself is in
-//! `routing.rs`.
+//! rows by a balanced tree of `narrow`s ([`split_rows`]). With expert parallelism the grouped
+//! rows travel to the experts' ranks and back ([`ExpertParallel`]). The layer's forward and its
+//! hand-written backward are in `saved.rs` ([`forward`], [`backward`]), checked against finite
+//! differences and against a dense reference that runs every expert on every token with a top-k
+//! mask (`tests/moe.rs`); the routing itself is in `routing.rs`.
 //!
 //! Losses of the layer (see `LlamaConfig::router_aux_loss_coef`): the load-balancing loss
 //! `E · Σᵢ fᵢ·Pᵢ` (`fᵢ`: share of tokens choosing expert `i`, summing to `k`; `Pᵢ`: mean router
-//! probability) and the z-loss `mean(logsumexp(logits)²)`; the model adds their weighted sum,
-//! divided by the number of MoE layers, to the objective with [`crate::ops::with_side_loss`].
+//! probability) and the z-loss `mean(logsumexp(logits)²)`. Their weighted sum, divided by the
+//! number of MoE layers, is part of the objective: it takes no part in the block's output, so
+//! the backward adds its gradients to the router's directly.
 
 mod routing;
 mod saved;
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
 use parallel::ep::ExpertParallel;
-use parallel::tp::TpGroup;
-use parallel::ReduceOp;
+use parallel::tp::TensorParallel;
 
 use crate::config::MoeConfig;
-use crate::ops::{linear, swiglu};
+use crate::ops::linear;
 
 use routing::Plan;
 pub use routing::{apply_capacity, expert_order, route, Routing};
-pub use saved::{backward, forward_saved, MoeGrads, MoeTape};
+pub use saved::{backward, forward, MoeGrads, MoeTape};
 
 /// The weights of one SwiGLU expert (Mixtral's names): `w2(silu(w1 x) · w3 x)`.
 #[derive(Debug, Clone)]
@@ -68,16 +66,6 @@ pub struct LayerStats {
     pub tokens_per_expert: Vec<u64>,
     /// `(token, slot)` pairs the expert capacity dropped.
     pub dropped: u64,
-}
-
-/// The layer's output.
-pub struct MoeOutput {
-    /// `[n, h]`, the dtype of the input.
-    pub y: Tensor,
-    /// `coef_lb · load_balancing + coef_z · z_loss` (f32 scalar, f64 for f64; with its graph).
-    pub aux_loss: Tensor,
-    /// The measurements.
-    pub stats: LayerStats,
 }
 
 /// A MoE layer's router: its weight `[E, h]` and, with auxiliary-loss-free balancing, the
@@ -127,10 +115,9 @@ fn split_rows(x: &Tensor, counts: &[usize], out: &mut Vec<Option<Tensor>>) -> Re
     }
 }
 
-/// Softmax over the last dimension of f32 `logits` `[n, E]` with its log-sum-exp `[n]`, both
-/// differentiable (the subtracted row maximum is a constant for autograd).
+/// Softmax over the last dimension of f32 `logits` `[n, E]` with its log-sum-exp `[n]`.
 fn softmax_lse(logits: &Tensor) -> Result<(Tensor, Tensor)> {
-    let max = logits.max_keepdim(D::Minus1)?.detach(); // [n, 1]
+    let max = logits.max_keepdim(D::Minus1)?; // [n, 1]
     let e = logits.broadcast_sub(&max)?.exp()?;
     let sum = e.sum_keepdim(D::Minus1)?; // [n, 1]
     let probs = e.broadcast_div(&sum)?;
@@ -201,10 +188,9 @@ fn weigh(yk: &Tensor, weights: &Tensor) -> Result<Tensor> {
         .sum(1)
 }
 
-/// The balancing losses of a micro-batch's routing and what their gradients need.
+/// The balancing losses of a micro-batch's routing (their values in the statistics) and what
+/// their gradients need.
 struct Losses {
-    load_balancing: Tensor,
-    z_loss: Tensor,
     stats: LayerStats,
     /// `fᵢ` per expert `[E]` (router dtype): the micro-batch's share of tokens choosing it.
     share: Tensor,
@@ -213,17 +199,17 @@ struct Losses {
 }
 
 /// The load-balancing and z-losses of `probs` `[n, E]` and `lse` `[n]` routed by `plan`, this
-/// rank's share of them with `split` ([`split_losses`]).
+/// rank's share of them when `tp` splits the tokens ([`split_losses`]).
 fn losses(
     probs: &Tensor,
     lse: &Tensor,
     plan: &Plan,
-    split: Option<&TpGroup>,
+    tp: &TensorParallel,
     layer: usize,
 ) -> Result<Losses> {
     let counts = &plan.routing.counts;
-    let mut losses = match split {
-        None => {
+    let mut losses = match tp.splits_sequence() {
+        false => {
             let (n, e) = probs.dims2()?;
             let share: Vec<f64> = counts.iter().map(|&c| c as f64 / n as f64).collect();
             let share = Tensor::from_vec(share, e, probs.device())?.to_dtype(probs.dtype())?;
@@ -237,14 +223,12 @@ fn losses(
                 dropped: 0,
             };
             Losses {
-                load_balancing,
-                z_loss,
                 stats,
                 share,
                 tokens: n as f64,
             }
         }
-        Some(group) => split_losses(group, probs, lse, counts, layer)?,
+        true => split_losses(tp, probs, lse, counts, layer)?,
     };
     losses.stats.dropped = plan.dropped();
     Ok(losses)
@@ -286,8 +270,8 @@ fn route_rows(
 }
 
 /// The local experts' outputs `outs` as one `[m, h]` tensor; with no local rows, the (empty)
-/// input `x_local` stands in, so that the backward still reaches the dispatch and every member
-/// of the group takes part in its reverse all-to-all.
+/// input `x_local` stands in, so that the backward still takes part in the group's reverse
+/// all-to-all.
 fn local_outputs(outs: &[Tensor], x_local: Tensor) -> Result<Tensor> {
     if outs.is_empty() {
         Ok(x_local)
@@ -296,58 +280,14 @@ fn local_outputs(outs: &[Tensor], x_local: Tensor) -> Result<Tensor> {
     }
 }
 
-/// The MoE layer on `x` `[n, h]` with `router` and this rank's experts of layer `layer`
-/// (all `E`, or its share of the expert-parallel group `ep`, which the rows travel to). With
-/// `split`, the micro-batch's tokens are split over that group (sequence parallelism) and the
-/// balancing losses are this rank's share of the micro-batch's ([`split_losses`]).
-pub fn forward(
-    x: &Tensor,
-    router: &Router,
-    experts: &[Expert],
-    ep: &ExpertParallel,
-    split: Option<&TpGroup>,
-    cfg: &MoeConfig,
-    layer: usize,
-) -> Result<MoeOutput> {
-    let Routed {
-        probs,
-        lse,
-        plan,
-        weights,
-        x_perm,
-    } = route_rows(x, router, experts.len(), ep, cfg, layer)?;
-    // Rows grouped by expert, sent to the ranks holding their experts (no-op without expert
-    // parallelism), each local expert over its contiguous rows, and back.
-    let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts)?; // [m, h]
-    let mut outs = Vec::with_capacity(experts.len());
-    let mut inputs = Vec::with_capacity(experts.len());
-    split_rows(&x_local, &dispatch.counts, &mut inputs)?;
-    for (ex, xe) in experts.iter().zip(inputs) {
-        let Some(xe) = xe else { continue }; // [count, h]
-        let g = swiglu(&linear(&xe, &ex.w1)?, &linear(&xe, &ex.w3)?)?; // [count, f]
-        outs.push(linear(&g, &ex.w2)?); // [count, h]
-    }
-    let y_local = local_outputs(&outs, x_local)?; // [m, h]
-    let y_perm = ep.combine(&y_local, &dispatch)?; // [rows, h]
-    let y = weigh(&unpermute(&y_perm, &plan)?, &weights)?; // [n, h]
-
-    let l = losses(&probs, &lse, &plan, split, layer)?;
-    let aux_loss = ((&l.load_balancing * cfg.aux_loss_coef)? + (&l.z_loss * cfg.z_loss_coef)?)?;
-    Ok(MoeOutput {
-        y,
-        aux_loss,
-        stats: l.stats,
-    })
-}
-
-/// The balancing losses when the micro-batch's tokens are split over `group` (sequence
-/// parallelism): the token counts, probability sums and squared log-sum-exps of all members are
-/// summed (one host all-reduce), and this rank's losses are its share — the terms of its own
-/// tokens with the micro-batch's expert shares `fᵢ` — so that the members' losses (and
-/// gradients, which are summed over the group for replicated parameters) add up to the
+/// The balancing losses when the micro-batch's tokens are split over the tensor-parallel group
+/// (sequence parallelism): the token counts, probability sums and squared log-sum-exps of all
+/// members are summed ([`TensorParallel::sum_over_sequence`]), and this rank's losses are its
+/// share — the terms of its own tokens with the micro-batch's expert shares `fᵢ` — so that the
+/// members' gradients (summed over the group for replicated parameters) add up to the
 /// micro-batch's. The statistics are the micro-batch's, alike on every member.
 fn split_losses(
-    group: &TpGroup,
+    tp: &TensorParallel,
     probs: &Tensor,
     lse: &Tensor,
     counts: &[usize],
@@ -361,16 +301,7 @@ fn split_losses(
     host.extend(p_sum.to_dtype(DType::F64)?.to_vec1::<f64>()?);
     host.push(lse2.to_dtype(DType::F64)?.to_scalar::<f64>()?);
     host.push(lse.dim(0)? as f64);
-    let len = host.len();
-    let all = group
-        .comm
-        .all_reduce(
-            &group.group,
-            &Tensor::from_vec(host, len, &Device::Cpu)?,
-            ReduceOp::Sum,
-        )?
-        .to_device(&Device::Cpu)?
-        .to_vec1::<f64>()?;
+    let all = tp.sum_over_sequence(host)?;
     let tokens = all[2 * e + 1].max(1.0);
     let share: Vec<f64> = all[..e].iter().map(|&c| c / tokens).collect();
     let stats = LayerStats {
@@ -387,11 +318,7 @@ fn split_losses(
         dropped: 0,
     };
     let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
-    let load_balancing = ((p_sum * &share)?.sum_all()? * (e as f64 / tokens))?;
-    let z_loss = (lse2 / tokens)?;
     Ok(Losses {
-        load_balancing,
-        z_loss,
         stats,
         share,
         tokens,
@@ -401,6 +328,7 @@ fn split_losses(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     #[test]
     fn rows_are_split_by_expert_with_none_for_idle_experts() {

@@ -1,6 +1,6 @@
-//! The MoE layer with a hand-written backward pass: [`forward_saved`] computes what
-//! [`super::forward`] computes without a graph and keeps a [`MoeTape`]; [`backward`] turns the
-//! output's gradient into the input's, the router's and each local expert's.
+//! The MoE layer's forward and its hand-written backward pass: [`forward`] computes the layer and
+//! keeps a [`MoeTape`]; [`backward`] turns the output's gradient into the input's, the router's
+//! and each local expert's.
 //!
 //! The backward, in reverse order of the forward (`n` tokens, `k` slots, `rows` kept pairs, `m`
 //! rows on this rank's experts):
@@ -17,14 +17,13 @@
 //! logits = x Wᵀ           dx += dlogits·W, dW = dlogitsᵀ·x (router dtype)
 //! ```
 //!
-//! The balancing losses enter with the weight their side loss has in the objective
-//! (`aux_weight`: the training step's scale over the MoE layers). The sums differ from
-//! autograd's in order only (the token's slots are added by one `index_add` here); the
-//! comparison is in `tests/moe.rs` (f64) and `tests/hand_written_backward.rs` (training).
+//! The balancing losses enter with the weight they have in the objective (`aux_weight`: the
+//! training step's scale over the MoE layers). The comparison with autograd over a dense
+//! reference and with finite differences is in `tests/moe.rs` (f64).
 
 use candle_core::{Result, Tensor};
 use parallel::ep::{Dispatch, ExpertParallel};
-use parallel::tp::TpGroup;
+use parallel::tp::TensorParallel;
 
 use super::routing::Plan;
 use super::{
@@ -99,21 +98,23 @@ pub struct MoeGrads {
     pub experts: Vec<Option<[ParamGrad; 3]>>,
 }
 
-/// The layer's forward without a graph (arguments as [`super::forward`], the router weight and
-/// the experts detached; `aux_weight` is the weight of its balancing losses in the objective):
-/// the output `[n, h]`, the measurements and the tape.
+/// The MoE layer on `x` `[n, h]` with `router` and this rank's experts of layer `layer` (all
+/// `E`, or its share of the expert-parallel group `ep`, which the rows travel to); with
+/// sequence parallelism (`tp` splits the tokens) the balancing losses are this rank's share of
+/// the micro-batch's (`split_losses`). `aux_weight` is the weight of the balancing losses in the
+/// objective. Returns the output `[n, h]`, the measurements and the tape.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_saved(
+pub fn forward(
     x: &Tensor,
     router: &Router,
     experts: &[Expert],
     ep: &ExpertParallel,
-    split: Option<&TpGroup>,
+    tp: &TensorParallel,
     cfg: &MoeConfig,
     layer: usize,
     aux_weight: f64,
 ) -> Result<(Tensor, LayerStats, MoeTape)> {
-    let x = x.detach();
+    let x = x.clone();
     let Routed {
         probs,
         lse,
@@ -121,7 +122,7 @@ pub fn forward_saved(
         weights,
         x_perm,
     } = route_rows(&x, router, experts.len(), ep, cfg, layer)?;
-    let (x_local, dispatch) = ep.dispatch_saved(&x_perm, &plan.counts)?; // [m, h]
+    let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts)?; // [m, h]
     let mut inputs = Vec::with_capacity(experts.len());
     split_rows(&x_local, &dispatch.counts, &mut inputs)?;
     let (mut outs, mut tapes) = (Vec::new(), Vec::with_capacity(experts.len()));
@@ -142,11 +143,11 @@ pub fn forward_saved(
         }));
     }
     let y_local = local_outputs(&outs, x_local)?; // [m, h]
-    let y_perm = ep.combine_saved(&y_local, &dispatch)?; // [rows, h]
+    let y_perm = ep.combine(&y_local, &dispatch)?; // [rows, h]
     let yk = unpermute(&y_perm, &plan)?; // [n, k, h]
     let y = weigh(&yk, &weights)?; // [n, h]
 
-    let l = losses(&probs, &lse, &plan, split, layer)?;
+    let l = losses(&probs, &lse, &plan, tp, layer)?;
     let tape = MoeTape {
         x,
         probs,
@@ -165,8 +166,8 @@ pub fn forward_saved(
     Ok((y, l.stats, tape))
 }
 
-/// The layer's backward from its tape and the output's gradient `dy` `[n, h]`, with the
-/// (detached) router weight `[E, h]` and local experts the forward used. Every member of the
+/// The layer's backward from its tape and the output's gradient `dy` `[n, h]`, with the router
+/// weight `[E, h]` and local experts the forward used. Every member of the
 /// expert-parallel group calls it (its all-to-alls), with or without local rows.
 pub fn backward(
     tape: MoeTape,

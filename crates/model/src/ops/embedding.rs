@@ -58,14 +58,19 @@ impl CustomOp2 for Embedding {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (v, _) = w.dims2()?;
-        let dw = if grad.device().is_cpu() {
-            w.zeros_like()?
-                .index_add(ids, &grad.to_dtype(w.dtype())?, 0)?
-        } else {
-            grad.contiguous()?
-                .apply_op2_no_bwd(&ids.contiguous()?, &EmbeddingBwd { v })?
-        };
-        Ok((Some(dw), None))
+        Ok((Some(embedding_bwd(grad, ids, v, w.dtype())?), None))
+    }
+}
+
+/// See [`super::embedding_bwd`].
+pub fn embedding_bwd(grad: &Tensor, ids: &Tensor, v: usize, dtype: DType) -> Result<Tensor> {
+    let (_, h) = grad.dims2()?;
+    if grad.device().is_cpu() {
+        Tensor::zeros((v, h), dtype, grad.device())?.index_add(ids, &grad.to_dtype(dtype)?, 0)
+    } else {
+        grad.contiguous()?
+            .apply_op2_no_bwd(&ids.contiguous()?, &EmbeddingBwd { v })?
+            .to_dtype(dtype)
     }
 }
 

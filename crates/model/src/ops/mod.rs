@@ -12,8 +12,12 @@
 //! also has a CUDA implementation (`cuda/`, PTX built from `kernels/*.cu`) that reads f32, f64 or
 //! bf16 storage directly and sums in f32 (f64 for f64); f16 goes through f32 there too.
 //!
+//! Each op's backward is also callable without a graph (`*_bwd`, `linear_dx`/`linear_factors`,
+//! `causal_attention_saved`): the same functions autograd's `bwd` runs, which the model's
+//! hand-written passes call. Autograd over these ops is the tests' reference for those passes.
+//!
 //! One file per op: `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`),
-//! `swiglu.rs`, `cross_entropy.rs`, `grad_inject.rs`, `side_loss.rs`; shared kernel helpers live in `common.rs`.
+//! `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers live in `common.rs`.
 
 use candle_core::{Result, Tensor};
 
@@ -25,11 +29,9 @@ mod attention_bwd;
 mod common;
 mod cross_entropy;
 mod embedding;
-mod grad_inject;
 mod linear;
 mod rms_norm;
 mod rope;
-mod side_loss;
 mod swiglu;
 
 /// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `x` `[.., in]` → `[.., out]`, one
@@ -179,6 +181,18 @@ pub fn embedding(w: &Tensor, ids: &Tensor) -> Result<Tensor> {
     embedding::embedding(w, ids)
 }
 
+/// The gradient of [`embedding`]'s table, `[v, h]` in `dtype`, from the rows' gradient `grad`
+/// `[n, h]` and their `ids` `[n]` (u32), without a graph: each id's rows summed in position order
+/// (candle's `index_add` on the CPU, our kernel on CUDA; the same computation as autograd's).
+pub fn embedding_bwd(
+    grad: &Tensor,
+    ids: &Tensor,
+    v: usize,
+    dtype: candle_core::DType,
+) -> Result<Tensor> {
+    embedding::embedding_bwd(grad, ids, v, dtype)
+}
+
 /// Per-row cross-entropy: `logits` `[n, v]` (float), `targets` `[n]` (u32); returns `[n]` losses
 /// `logsumexp(logits[i]) - logits[i, targets[i]]` in the dtype of `logits`. A target `>= v` is an
 /// error. Backward gives `dlogits = (softmax - onehot) * grad_loss`; `targets` get no gradient.
@@ -203,19 +217,4 @@ pub fn cross_entropy_acc_bwd(
     dlosses: &Tensor,
 ) -> Result<Tensor> {
     cross_entropy::cross_entropy_acc_bwd(logits, targets, losses, dlosses)
-}
-
-/// A scalar whose backward pass hands `grad` to `y`: calling `.backward()` on the result
-/// back-propagates the upstream gradient `grad` (same shape as `y`) through `y`'s graph.
-/// The value is a zero scalar (shape `()`, dtype of `y`); the gradient handed to `y` is `grad`
-/// times the scalar's own upstream gradient (1 for a direct `.backward()`), in `y`'s dtype.
-pub fn grad_inject(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    grad_inject::grad_inject(y, grad)
-}
-
-/// `y` unchanged, with the float scalar `loss` added to the objective: the backward pass hands
-/// `y`'s upstream gradient through and gives `loss` a gradient of 1 (how a layer's own loss, such
-/// as a router's balancing loss, rides on its output through segments and pipeline stages).
-pub fn with_side_loss(y: &Tensor, loss: &Tensor) -> Result<Tensor> {
-    side_loss::with_side_loss(y, loss)
 }

@@ -14,7 +14,7 @@
 //! token count of the whole global batch (the training loop's concern; see `RankCtx`).
 //!
 //! A model always has a [`ContextParallel`]; with one rank it is the identity and attention runs
-//! the plain causal kernel.
+//! the plain causal kernel, so the model has one path for every layout.
 
 pub mod ring;
 
@@ -174,7 +174,10 @@ impl ContextParallel {
 
     /// Causal attention of this rank's local queries `q` `[b, 2c, hq, d]` over the whole
     /// sequence, whose keys and values `k`, `v` `[b, 2c, hkv, d]` are spread over the group:
-    /// `kernels.causal` with one rank, the ring of [`ring`] otherwise. Differentiable.
+    /// `kernels.causal` with one rank, the ring of [`ring`] otherwise. Returns the output
+    /// `[b, 2c, hq, d]` (the kernel's dtype with one rank, that of `q` from the ring) and its
+    /// log-sum-exp `[b, hq, 2c]` in the accumulation dtype, which
+    /// [`ContextParallel::attention_bwd`] reads.
     pub fn attention(
         &self,
         q: &Tensor,
@@ -182,40 +185,28 @@ impl ContextParallel {
         v: &Tensor,
         scale: f64,
         kernels: Kernels,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         match self.ring(scale, kernels) {
-            Some(ring) => ring::attention(ring, q, k, v),
+            Some(ring) => ring::saved(&ring, q, k, v),
             None => (kernels.causal)(q, k, v, scale),
         }
     }
 
-    /// [`ContextParallel::attention`]'s value without a graph, for a hand-written backward pass:
-    /// the output `[b, 2c, hq, d]` in the dtype of `q` and its log-sum-exp `[b, hq, 2c]` in the
-    /// accumulation dtype, which [`ContextParallel::attention_bwd`] reads. Only with more than
-    /// one rank (a single rank calls the plain kernels).
-    pub fn attention_saved(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        scale: f64,
-        kernels: Kernels,
-    ) -> Result<(Tensor, Tensor)> {
-        ring::saved(&self.ring_or_err(scale, kernels)?, q, k, v)
-    }
-
-    /// The gradients `(dq, dk, dv)` of [`ContextParallel::attention_saved`] (in the dtypes of
-    /// `q`, `k`, `v`) from its output and log-sum-exp `saved` and the output's gradient `dout`
-    /// `[b, 2c, hq, d]`: the ring's backward, as the differentiable op runs it.
+    /// The gradients `(dq, dk, dv)` of [`ContextParallel::attention`] (in the dtypes of `q`,
+    /// `k`, `v`) from its output and log-sum-exp `saved` and the output's gradient `dout`
+    /// `[b, 2c, hq, d]`: the kernel's backward with one rank, the ring's otherwise.
     pub fn attention_bwd(
         &self,
-        qkv: (&Tensor, &Tensor, &Tensor),
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
         saved: (&Tensor, &Tensor),
         dout: &Tensor,
         scale: f64,
         kernels: Kernels,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        ring::grads(&self.ring_or_err(scale, kernels)?, qkv, saved, dout)
+        match self.ring(scale, kernels) {
+            Some(ring) => ring::grads(&ring, (q, k, v), saved, dout),
+            None => (kernels.causal_bwd)(q, k, v, saved, dout, scale),
+        }
     }
 
     /// The ring of a group of more than one rank.
@@ -229,16 +220,6 @@ impl ContextParallel {
             scale,
             stats: self.stats.clone(),
         })
-    }
-
-    fn ring_or_err(&self, scale: f64, kernels: Kernels) -> Result<ring::Ring> {
-        match self.ring(scale, kernels) {
-            Some(ring) => Ok(ring),
-            None => candle_core::bail!(
-                "ring attention needs a context-parallel group of more than one rank, got {:?}",
-                self
-            ),
-        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! Ring attention over a context-parallel group (Liu et al. 2023; the load-balanced causal variant
-//! of Megatron-LM/Transformer Engine), as one differentiable op.
+//! of Megatron-LM/Transformer Engine): a graph-free forward ([`saved`]) and its backward
+//! ([`grads`]).
 //!
 //! Rank `r` of `P` holds queries, keys and values of chunks `r` and `2P − 1 − r` (local rows
 //! `[0, c)` and `[c, 2c)`). Its K/V block travels around the ring: at step `i` a rank holds the
@@ -20,17 +21,27 @@
 //! accumulates locally, the `dK`/`dV` accumulator of a block travels with it and, after `P`
 //! moves, arrives back at its owner. With GQA only the `hkv` K/V heads travel.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::RingStats;
 use crate::comm::{Comm, Group};
-use crate::tp::ops::copy_storage;
 
-/// Causal attention with autograd: `(q, k, v, scale) → out`.
-pub type CausalFn = fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>;
+/// Causal attention over the whole sequence: `(q, k, v, scale) → (out, lse)`, the output in the
+/// kernel's dtype and the log-sum-exp in the accumulation dtype.
+pub type CausalFn = fn(&Tensor, &Tensor, &Tensor, f64) -> Result<(Tensor, Tensor)>;
+/// Its gradients: `(q, k, v, (out, lse), dout, scale) → (dq, dk, dv)` in the dtypes of `q`, `k`,
+/// `v`.
+pub type CausalBwdFn = fn(
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    (&Tensor, &Tensor),
+    &Tensor,
+    f64,
+) -> Result<(Tensor, Tensor, Tensor)>;
 /// One block without autograd: `(q, k, v, scale, causal) → (out, lse)`, the output in the
 /// accumulation dtype (that of `lse`).
 pub type BlockFn = fn(&Tensor, &Tensor, &Tensor, f64, bool) -> Result<(Tensor, Tensor)>;
@@ -52,6 +63,8 @@ pub type BlockBwdFn = fn(
 pub struct Kernels {
     /// Plain causal attention (one rank).
     pub causal: CausalFn,
+    /// Its backward.
+    pub causal_bwd: CausalBwdFn,
     /// One block's forward.
     pub block: BlockFn,
     /// One block's backward.
@@ -239,82 +252,6 @@ fn backward(
     ))
 }
 
-type GradFn = Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor, Tensor)> + Send + Sync>;
-
-/// Forward: a copy of the ring's output (computed outside the graph); backward: the ring's
-/// backward on the upstream gradient.
-struct RingOp {
-    value: Mutex<Option<Tensor>>,
-    grad_fn: GradFn,
-}
-
-impl RingOp {
-    fn copy_value<S>(&self, pick: impl FnOnce(&Storage) -> Option<&S>) -> Result<(S, Shape)>
-    where
-        S: candle_core::backend::BackendStorage,
-        S::Device: candle_core::backend::BackendDevice<Storage = S>,
-    {
-        let value = self.value.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some(v) = value else {
-            candle_core::bail!("ring-attention: the forward ran twice")
-        };
-        let (storage, layout) = v.storage_and_layout();
-        match pick(&storage) {
-            Some(s) => copy_storage(s, layout),
-            None => candle_core::bail!("ring-attention: the output is on another device"),
-        }
-    }
-}
-
-impl CustomOp3 for RingOp {
-    fn name(&self) -> &'static str {
-        "ring-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.copy_value(|s| match s {
-            Storage::Cpu(s) => Some(s),
-            _ => None,
-        })
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.copy_value(|s| match s {
-            Storage::Cuda(s) => Some(s),
-            _ => None,
-        })
-    }
-
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) = (self.grad_fn)(grad)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
-    }
-}
-
 /// Checks that local `q` and `k` hold two equal chunks of the same rows.
 fn check_chunks(q: &Tensor, k: &Tensor) -> Result<()> {
     let s = q.dim(1)?;
@@ -351,19 +288,4 @@ pub(super) fn grads(
     let grads = backward(ring, qkv, out, lse, dout);
     add_ns(&ring.stats.total_ns, t0);
     grads
-}
-
-/// Ring attention of local `q` `[b, 2c, hq, d]` with local `k`, `v` `[b, 2c, hkv, d]` (see the
-/// module docs); returns `[b, 2c, hq, d]` in the dtype of `q`, differentiable in `q`, `k`, `v`.
-pub(super) fn attention(ring: Ring, q0: &Tensor, k0: &Tensor, v0: &Tensor) -> Result<Tensor> {
-    let (q, k, v) = (q0.detach(), k0.detach(), v0.detach());
-    let (out, lse) = saved(&ring, &q, &k, &v)?;
-    let kept = out.clone();
-    let grad_fn: GradFn = Box::new(move |dout| grads(&ring, (&q, &k, &v), (&kept, &lse), dout));
-    let op = RingOp {
-        value: Mutex::new(Some(out)),
-        grad_fn,
-    };
-    // The op's inputs are the (graph-carrying) originals, so that the gradients flow to them.
-    q0.apply_op3(k0, v0, op)
 }

@@ -14,8 +14,9 @@
 //!  rank j: y_perm [n·k, h], in x_perm's row order
 //! ```
 //!
-//! The row all-to-alls are differentiable: the gradient of one is the reverse all-to-all of the
-//! incoming gradient. All exchanges are all-to-alls, which run point to point on the `local` and
+//! Both directions have graph-free gradients for the model's hand-written backward pass
+//! ([`ExpertParallel::dispatch_grad`], [`ExpertParallel::combine_grad`]): the gradient of a row
+//! all-to-all is the reverse all-to-all of the incoming gradient. All exchanges are all-to-alls, which run point to point on the `local` and
 //! `tcp` backends and on a communicator of their own with NCCL, never as a collective of the
 //! group's ranks: the same ranks can form a data-parallel group whose gradient reductions run
 //! at the same time on the communication thread. Every member of the group calls them in the
@@ -32,7 +33,6 @@ use std::sync::Arc;
 use candle_core::{Device, Result, Tensor};
 
 use crate::comm::{Comm, Group};
-use crate::tp::ops::route;
 
 /// The expert-parallel group of one rank (a one-rank group without expert parallelism, where
 /// dispatch and combine are the identity).
@@ -105,21 +105,7 @@ impl ExpertParallel {
         self.index * per..(self.index + 1) * per
     }
 
-    /// Sends the rows of `x` (`[n·k, h]`, grouped by global expert, `counts[e]` rows for expert
-    /// `e` of all `E`) to the ranks holding their experts; returns the rows this rank's experts
-    /// must process (`[m, h]`, grouped by local expert, with the [`Dispatch`] saying how many
-    /// each) — differentiable.
-    pub fn dispatch(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
-        self.dispatch_with(x, counts, true)
-    }
-
-    /// [`ExpertParallel::dispatch`]'s value without a graph, for a hand-written backward pass
-    /// ([`ExpertParallel::dispatch_grad`]).
-    pub fn dispatch_saved(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
-        self.dispatch_with(x, counts, false)
-    }
-
-    /// The gradient of [`ExpertParallel::dispatch_saved`]'s input from that of its output
+    /// The gradient of [`ExpertParallel::dispatch`]'s input from that of its output
     /// `dx_local` `[m, h]`: the rows regrouped back to (source, expert) order and returned to
     /// their ranks by the reverse all-to-all, `[n·k, h]`. Every member calls it.
     pub fn dispatch_grad(&self, dx_local: &Tensor, d: &Dispatch) -> Result<Tensor> {
@@ -131,12 +117,11 @@ impl ExpertParallel {
         comm.all_to_all(&self.group, &g, &d.recv, &d.send)
     }
 
-    fn dispatch_with(
-        &self,
-        x: &Tensor,
-        counts: &[usize],
-        differentiable: bool,
-    ) -> Result<(Tensor, Dispatch)> {
+    /// Sends the rows of `x` (`[n·k, h]`, grouped by global expert, `counts[e]` rows for expert
+    /// `e` of all `E`) to the ranks holding their experts; returns the rows this rank's experts
+    /// must process (`[m, h]`, grouped by local expert, with the [`Dispatch`] saying how many
+    /// each).
+    pub fn dispatch(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
         let (n, e) = (self.size(), counts.len());
         let Some(comm) = self.comm.as_ref().filter(|_| n > 1) else {
             let d = Dispatch {
@@ -189,7 +174,7 @@ impl ExpertParallel {
                 *total += c;
             }
         }
-        let received = self.exchange(comm, x, &send, &recv, differentiable)?; // [m, h], (source, expert) order
+        let received = comm.all_to_all(&self.group, x, &send, &recv)?; // [m, h], (source, expert) order
         let index = Tensor::from_vec(grouped.clone(), grouped.len(), x.device())?;
         let x_local = received.index_select(&index, 0)?; // [m, h], (expert, source) order
         let d = Dispatch {
@@ -201,20 +186,7 @@ impl ExpertParallel {
         Ok((x_local, d))
     }
 
-    /// Returns the experts' outputs `y` (`[m, h]`, rows as [`ExpertParallel::dispatch`] gave
-    /// them) to the ranks their tokens came from: `[n·k, h]` in the dispatched `x`'s row order
-    /// — differentiable.
-    pub fn combine(&self, y: &Tensor, d: &Dispatch) -> Result<Tensor> {
-        self.combine_with(y, d, true)
-    }
-
-    /// [`ExpertParallel::combine`]'s value without a graph, for a hand-written backward pass
-    /// ([`ExpertParallel::combine_grad`]).
-    pub fn combine_saved(&self, y: &Tensor, d: &Dispatch) -> Result<Tensor> {
-        self.combine_with(y, d, false)
-    }
-
-    /// The gradient of [`ExpertParallel::combine_saved`]'s input from that of its output `dy`
+    /// The gradient of [`ExpertParallel::combine`]'s input from that of its output `dy`
     /// `[n·k, h]`: the rows sent back to the experts' ranks by the reverse all-to-all and
     /// regrouped to (local expert, source) order, `[m, h]`. Every member calls it.
     pub fn combine_grad(&self, dy: &Tensor, d: &Dispatch) -> Result<Tensor> {
@@ -226,37 +198,15 @@ impl ExpertParallel {
         g.index_select(&index, 0)
     }
 
-    fn combine_with(&self, y: &Tensor, d: &Dispatch, differentiable: bool) -> Result<Tensor> {
+    /// Returns the experts' outputs `y` (`[m, h]`, rows as [`ExpertParallel::dispatch`] gave
+    /// them) to the ranks their tokens came from: `[n·k, h]` in the dispatched `x`'s row order.
+    pub fn combine(&self, y: &Tensor, d: &Dispatch) -> Result<Tensor> {
         let (Some(comm), Some(grouped)) = (self.comm.as_ref(), d.grouped.as_ref()) else {
             return Ok(y.clone());
         };
         let index = Tensor::from_vec(received_order(grouped), grouped.len(), y.device())?;
         let y = y.index_select(&index, 0)?; // [m, h], (source, expert) order
-        self.exchange(comm, &y, &d.recv, &d.send, differentiable)
-    }
-
-    /// The all-to-all of `x`'s rows: forward `send`/`recv`; when `differentiable`, an op whose
-    /// backward is the reverse all-to-all, else the plain value.
-    fn exchange(
-        &self,
-        comm: &Arc<dyn Comm>,
-        x: &Tensor,
-        send: &[usize],
-        recv: &[usize],
-        differentiable: bool,
-    ) -> Result<Tensor> {
-        let value = comm.all_to_all(&self.group, &x.detach(), send, recv)?;
-        if !differentiable {
-            return Ok(value);
-        }
-        let (comm2, group) = (comm.clone(), self.group.clone());
-        let (back_send, back_recv) = (recv.to_vec(), send.to_vec());
-        route(
-            x,
-            Some(value),
-            "expert-all-to-all",
-            Box::new(move |g| comm2.all_to_all(&group, g, &back_send, &back_recv)),
-        )
+        comm.all_to_all(&self.group, &y, &d.recv, &d.send)
     }
 }
 

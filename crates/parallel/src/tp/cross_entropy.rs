@@ -1,30 +1,88 @@
-//! Vocab-parallel cross-entropy: each rank holds logits for its slice of the vocabulary; the loss
-//! is computed from three small all-reduces (row max, row sum of exponentials, target logit) and
-//! the full `[n, v]` logits are never gathered.
+//! The loss over a vocabulary split across the tensor-parallel group: each rank holds logits for
+//! its slice of the vocabulary; the loss is computed from three small all-reduces (row max, row
+//! sum of exponentials, target logit) and the full `[n, v]` logits are never gathered. With one
+//! rank it is the model's fused cross-entropy ([`LossKernels`]).
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
-use super::ops::{reduce_from_tp, TpGroup};
+use super::{TensorParallel, TpGroup};
 use crate::comm::ReduceOp;
 
-/// Per-row losses `[n]` from this rank's logits `[n, v/tp]` (f32) covering vocabulary ids
-/// `vocab_start..vocab_start + v/tp`, and the global `targets` `[n]` (u32). Every rank gets the
-/// same losses; gradients reach each rank's own logits (`softmax − onehot` on its slice).
-pub fn vocab_parallel_cross_entropy(
-    logits: &Tensor,
-    targets: &Tensor,
-    vocab_start: usize,
-    tp: &TpGroup,
-) -> Result<Tensor> {
-    let (n, local_v) = logits.dims2()?;
-    let row_max = logits.detach().max_keepdim(D::Minus1)?; // [n, 1]
-    let row_max = tp.comm.all_reduce(&tp.group, &row_max, ReduceOp::Max)?;
-    let z = logits.broadcast_sub(&row_max)?; // [n, v/tp]
-    let sum_exp = reduce_from_tp(&z.exp()?.sum_keepdim(D::Minus1)?, tp)?; // [n, 1]
+/// The model's fused single-rank cross-entropy (its op library provides it).
+#[derive(Clone, Copy)]
+pub struct LossKernels {
+    /// Per-row losses `[n]` (accumulation dtype) from logits `[n, v]` and targets `[n]` (u32).
+    pub fwd: fn(&Tensor, &Tensor) -> Result<Tensor>,
+    /// The logits' gradient (their dtype) from `(logits, targets, losses, dlosses)`.
+    pub bwd: fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+}
 
-    let (local, mask) = target_columns(targets, vocab_start, (n, local_v), z.dtype(), tp)?;
-    let target_logit = reduce_from_tp(&(z.gather(&local, 1)?.squeeze(1)? * mask)?, tp)?; // [n]
-    sum_exp.squeeze(1)?.log()? - target_logit
+/// What the loss's backward reads.
+pub enum LossSaved {
+    /// One rank: the logits `[n, v]` (model dtype) and the per-row losses `[n]` in the
+    /// accumulation dtype, as the fused cross-entropy returned them.
+    Fused {
+        /// `[n, v]`.
+        logits: Tensor,
+        /// `[n]`.
+        losses: Tensor,
+    },
+    /// More than one rank: the vocab-parallel loss's exponentials and row sums, and the
+    /// logits' dtype.
+    VocabParallel(VocabParallelSaved, DType),
+}
+
+impl LossSaved {
+    /// The tensors kept.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            LossSaved::Fused { logits, losses } => vec![logits, losses],
+            LossSaved::VocabParallel(saved, _) => saved.tensors().to_vec(),
+        }
+    }
+}
+
+impl TensorParallel {
+    /// Per-row losses `[n]` (f32) from this rank's logits `[n, v / tp]` (model dtype), which
+    /// cover vocabulary ids from `vocab_start`, and the targets `[n]`; and what
+    /// [`TensorParallel::cross_entropy_bwd`] reads. Every rank gets the same losses.
+    pub fn cross_entropy(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        vocab_start: usize,
+        kernels: LossKernels,
+    ) -> Result<(Tensor, LossSaved)> {
+        if self.size() == 1 {
+            // Reads the model-dtype logits and sums in f32 (no f32 copy of the logits on a GPU).
+            let losses = (kernels.fwd)(logits, targets)?; // [n]
+            let value = losses.to_dtype(DType::F32)?;
+            let logits = logits.clone();
+            return Ok((value, LossSaved::Fused { logits, losses }));
+        }
+        let dtype = logits.dtype();
+        let logits = logits.to_dtype(DType::F32)?;
+        let (losses, saved) =
+            vocab_parallel_cross_entropy_saved(&logits, targets, vocab_start, &self.group)?;
+        Ok((losses, LossSaved::VocabParallel(saved, dtype)))
+    }
+
+    /// The gradient of this rank's logits `[n, v / tp]` (their dtype) from the losses'
+    /// upstream gradient `dlosses` `[n]`.
+    pub fn cross_entropy_bwd(
+        &self,
+        saved: &LossSaved,
+        targets: &Tensor,
+        dlosses: &Tensor,
+        kernels: LossKernels,
+    ) -> Result<Tensor> {
+        match saved {
+            LossSaved::Fused { logits, losses } => (kernels.bwd)(logits, targets, losses, dlosses),
+            LossSaved::VocabParallel(saved, dtype) => {
+                vocab_parallel_cross_entropy_bwd(saved, dlosses)?.to_dtype(*dtype)
+            }
+        }
+    }
 }
 
 /// Each target's column in this rank's slice of `n` rows × `local_v` ids from `vocab_start`
@@ -66,16 +124,15 @@ impl VocabParallelSaved {
     }
 }
 
-/// [`vocab_parallel_cross_entropy`] without a graph, for a hand-written backward: the same
-/// losses (the same operations and collectives) and what [`vocab_parallel_cross_entropy_bwd`]
-/// needs.
+/// Per-row losses `[n]` from this rank's logits `[n, v/tp]` (f32) covering vocabulary ids
+/// `vocab_start..vocab_start + v/tp`, and the global `targets` `[n]` (u32), without a graph;
+/// and what [`vocab_parallel_cross_entropy_bwd`] needs. Every rank gets the same losses.
 pub fn vocab_parallel_cross_entropy_saved(
     logits: &Tensor,
     targets: &Tensor,
     vocab_start: usize,
     tp: &TpGroup,
 ) -> Result<(Tensor, VocabParallelSaved)> {
-    let logits = logits.detach();
     let (n, local_v) = logits.dims2()?;
     let row_max = logits.max_keepdim(D::Minus1)?; // [n, 1]
     let row_max = tp.comm.all_reduce(&tp.group, &row_max, ReduceOp::Max)?;
@@ -101,8 +158,7 @@ pub fn vocab_parallel_cross_entropy_saved(
 }
 
 /// The gradient of this rank's logits `[n, v/tp]` (f32) for the losses' upstream gradient
-/// `dlosses` `[n]`: `softmax − onehot` on the rank's slice times `dlosses`, formed as autograd
-/// forms it from [`vocab_parallel_cross_entropy`]'s graph (the same values, bit for bit).
+/// `dlosses` `[n]`: `softmax − onehot` on the rank's slice times `dlosses`.
 pub fn vocab_parallel_cross_entropy_bwd(
     saved: &VocabParallelSaved,
     dlosses: &Tensor,

@@ -1,31 +1,66 @@
 //! Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with optional sequence parallelism
-//! (Korthikanti et al. 2022): the communication primitives, the TP plan, and the vocab-parallel
-//! embedding and cross-entropy.
+//! (Korthikanti et al. 2022): the region entries and exits with their gradients, the TP plan,
+//! and the vocab-parallel embedding and cross-entropy.
+//!
+//! Megatron's four primitives are here as pairs of graph-free functions, a value and its
+//! gradient, for the model's hand-written passes:
+//!
+//! | region | forward ([`TensorParallel::enter`], [`TensorParallel::exit`]) | backward (`_grad`) |
+//! |---|---|---|
+//! | column-parallel entry (f / SP gather) | identity, or all-gather along the sequence | all-reduce, or reduce-scatter |
+//! | row-parallel exit (g / SP scatter) | all-reduce, or reduce-scatter along the sequence | identity, or all-gather |
 //!
 //! A model always has a [`TensorParallel`]: without tensor parallelism it is a one-rank group,
-//! whose region entries and exits are the identity and whose embedding and loss are the plain
+//! whose entries and exits are the identity and whose embedding and loss are the plain
 //! single-rank ones, so model code has one path for every layout.
 
 pub mod cross_entropy;
 pub mod embedding;
-pub mod ops;
 pub mod plan;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use crate::comm::local::LocalWorld;
-use crate::comm::Group;
+use crate::comm::{Comm, Group, ReduceOp};
 
 pub use cross_entropy::{
-    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_bwd,
-    vocab_parallel_cross_entropy_saved, VocabParallelSaved,
+    vocab_parallel_cross_entropy_bwd, vocab_parallel_cross_entropy_saved, LossKernels, LossSaved,
+    VocabParallelSaved,
 };
-pub use embedding::vocab_parallel_embedding;
-pub use ops::TpGroup;
+pub use embedding::{EmbeddingKernels, EmbeddingSaved};
 pub use plan::{tp_shard, Block, Shard, ShardError};
+
+/// The tensor-parallel group of one rank.
+#[derive(Clone)]
+pub struct TpGroup {
+    /// The job's communicator.
+    pub comm: Arc<dyn Comm>,
+    /// Ranks sharing this rank's layers.
+    pub group: Group,
+}
+
+impl TpGroup {
+    /// Tensor-parallel degree.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's index within the group (its shard number).
+    pub fn index(&self) -> usize {
+        self.group
+            .index_of(self.comm.rank())
+            .expect("a rank belongs to its own tensor-parallel group")
+    }
+}
+
+impl std::fmt::Debug for TpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TpGroup(rank {} of {:?})", self.comm.rank(), self.group)
+    }
+}
 
 /// How one rank's layers are split: its tensor-parallel group and whether activations outside
 /// the column/row-parallel regions are split along the sequence.
@@ -103,18 +138,9 @@ impl TensorParallel {
     }
 
     /// Entry of a column-parallel region: the full `[b, s, h]` input every rank multiplies by its
-    /// column shard (`gather_seq` from `[b, s/tp, h]` with sequence parallelism, else `copy_to_tp`).
+    /// column shard, all-gathered along the sequence from `[b, s/tp, h]` with sequence
+    /// parallelism, else `x` itself.
     pub fn enter(&self, x: &Tensor) -> Result<Tensor> {
-        if self.sequence_parallel {
-            ops::gather_seq(x, &self.group, SEQ_DIM)
-        } else {
-            ops::copy_to_tp(x, &self.group)
-        }
-    }
-
-    /// [`TensorParallel::enter`] without a graph, for hand-written backward passes: the
-    /// all-gathered sequence with sequence parallelism, else `x` itself.
-    pub fn enter_value(&self, x: &Tensor) -> Result<Tensor> {
         if self.sequence_parallel && self.size() > 1 {
             let g = &self.group;
             g.comm.all_gather(&g.group, x, SEQ_DIM)
@@ -131,13 +157,13 @@ impl TensorParallel {
         match (self.size(), self.sequence_parallel) {
             (1, _) => Ok(dy.clone()),
             (_, true) => g.comm.reduce_scatter(&g.group, dy, SEQ_DIM),
-            (_, false) => g.comm.all_reduce(&g.group, dy, crate::comm::ReduceOp::Sum),
+            (_, false) => g.comm.all_reduce(&g.group, dy, ReduceOp::Sum),
         }
     }
 
-    /// [`TensorParallel::exit`] without a graph: the sum of the ranks' partial results
-    /// (reduce-scattered along the sequence with sequence parallelism).
-    pub fn exit_value(&self, y: &Tensor) -> Result<Tensor> {
+    /// Exit of a row-parallel region: the sum of the ranks' partial `[b, s, h]` results
+    /// (reduce-scattered along the sequence to `[b, s/tp, h]` with sequence parallelism).
+    pub fn exit(&self, y: &Tensor) -> Result<Tensor> {
         // The same collectives as `enter_grad`: a row-parallel exit sums what a column-parallel
         // entry's backward sums.
         self.enter_grad(y)
@@ -146,47 +172,31 @@ impl TensorParallel {
     /// The gradient of [`TensorParallel::exit`]'s input from its output's `dy`: all-gathered
     /// along the sequence with sequence parallelism, else `dy` itself.
     pub fn exit_grad(&self, dy: &Tensor) -> Result<Tensor> {
-        self.enter_value(dy)
+        self.enter(dy)
     }
 
-    /// Token ids `[b, s]` → hidden states `[b, s, h]` (`[b, s / tp, h]` with sequence
-    /// parallelism) from this rank's embedding rows `w` `[v / tp, h]`, which start at vocabulary
-    /// id `vocab_start`, gathered by `lookup` (see [`vocab_parallel_embedding`]).
-    pub fn embedding(
-        &self,
-        ids: &Tensor,
-        w: &Tensor,
-        vocab_start: usize,
-        lookup: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        vocab_parallel_embedding(ids, w, vocab_start, self, lookup)
+    /// Whether each rank holds only its share of the tokens between regions (sequence
+    /// parallelism over more than one rank).
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence_parallel && self.size() > 1
     }
 
-    /// Per-row losses `[n]` from this rank's logits `[n, v / tp]` (f32), which cover vocabulary
-    /// ids from `vocab_start`, and the targets `[n]`: the vocab-parallel cross-entropy, or with one
-    /// rank `single(logits, targets)` (a fused cross-entropy over the whole vocabulary).
-    pub fn cross_entropy(
-        &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        vocab_start: usize,
-        single: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        if self.size() == 1 {
-            single(logits, targets)
-        } else {
-            vocab_parallel_cross_entropy(logits, targets, vocab_start, &self.group)
+    /// Sums host values over the ranks the sequence is split over
+    /// ([`TensorParallel::splits_sequence`]); the values themselves otherwise. Every member
+    /// calls it alike (one all-reduce).
+    pub fn sum_over_sequence(&self, values: Vec<f64>) -> Result<Vec<f64>> {
+        if !self.splits_sequence() {
+            return Ok(values);
         }
-    }
-
-    /// Exit of a row-parallel region: sums the ranks' partial `[b, s, h]` results
-    /// (`reduce_scatter_seq` to `[b, s/tp, h]` with sequence parallelism, else `reduce_from_tp`).
-    pub fn exit(&self, y: &Tensor) -> Result<Tensor> {
-        if self.sequence_parallel {
-            ops::reduce_scatter_seq(y, &self.group, SEQ_DIM)
-        } else {
-            ops::reduce_from_tp(y, &self.group)
-        }
+        let (g, len) = (&self.group, values.len());
+        g.comm
+            .all_reduce(
+                &g.group,
+                &Tensor::from_vec(values, len, &Device::Cpu)?,
+                ReduceOp::Sum,
+            )?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f64>()
     }
 }
 

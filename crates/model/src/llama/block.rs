@@ -1,31 +1,29 @@
-//! The decoder block with a hand-written backward pass.
+//! The decoder block: its forward, which builds no autograd graph and keeps exactly the tensors
+//! its backward reads (a [`BlockTape`]), and its hand-written backward, which calls the fused ops'
+//! backward kernels and the projections' GEMMs in reverse order.
 //!
 //! candle's autograd materialises a zero gradient for every edge of a graph and adds each
 //! contribution into it: about thirty full-size fills and additions per block and micro-batch,
-//! 19% of a 1B step on a GPU (docs/perf.md). Here the forward runs without a graph and keeps
-//! exactly the tensors its backward reads (a [`BlockTape`]); the backward calls the fused ops'
-//! backward kernels and the projections' GEMMs in reverse order. Its only additions are the ones
-//! the mathematics has: the two residual streams and the input gradients of the projections that
-//! share an input (q, k, v; gate, up).
+//! 19% of a 1B step on a GPU (docs/perf.md). Here the only additions are the ones the
+//! mathematics has: the two residual streams and the input gradients of the projections that
+//! share an input (q, k, v; gate, up), summed in that order. The projections' weight gradients
+//! leave as their GEMM factors for the gradient buffer's fused accumulation.
 //!
-//! It computes what autograd computes, op for op (the same kernels, dtype conversions and
-//! collectives, the shared-input sums in autograd's order), so the two paths agree bit for bit on
-//! the CPU (asserted by `tests/hand_written_backward.rs` for every parallel layout). Tensor parallelism
-//! enters through the region entries' and exits' values and gradients
-//! (`TensorParallel::{enter,exit}_{value,grad}`), context parallelism through the ring attention's
-//! graph-free forward and backward (`ContextParallel::attention_{saved,bwd}`, the functions its
-//! differentiable op runs). A block with a mixture of experts runs the MoE layer's own pass
-//! (`moe::{forward_saved, backward}`, in `moe/saved.rs`) in place of the dense MLP's. The
-//! head's hand-written pass is in `head.rs`.
+//! Tensor parallelism enters through the region entries' and exits' values and gradients
+//! (`TensorParallel::{enter, exit}{,_grad}`), context parallelism through the ring attention's
+//! forward and backward (`ContextParallel::{attention, attention_bwd}`, the plain kernels on one
+//! rank). A block with a mixture of experts runs the MoE layer's pass (`moe::{forward,
+//! backward}`, in `moe/saved.rs`) in place of the dense MLP's. The tests check the backward
+//! against an autograd reference over the same ops and against finite differences
+//! (`tests/hand_written_backward.rs`, `tests/moe.rs`).
 
 use candle_core::{Result, Tensor};
 
-use super::{Llama, MoeParts, KERNELS};
+use super::{Llama, ATTENTION};
 use crate::inventory::{BlockParams, MlpParams};
-use crate::moe::{self, MoeTape};
+use crate::moe::{self, LayerStats, MoeTape};
 use crate::ops::{self, linear, linear_to};
-use crate::segment::{storages, Held, ParamGrad};
-use crate::Piece;
+use crate::segment::ParamGrad;
 
 /// What a decoder block's forward keeps for its backward pass (model dtype unless said
 /// otherwise; `s` is the whole sequence, `s/tp` its share with sequence parallelism).
@@ -71,8 +69,8 @@ enum MlpTape {
 }
 
 impl BlockTape {
-    /// The storages the tape keeps alive, its input included.
-    pub fn held(&self) -> Held {
+    /// The tensors the tape keeps, its input included.
+    pub fn tensors(&self) -> Vec<&Tensor> {
         let mut kept = vec![
             &self.x, &self.h, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.x1,
         ];
@@ -80,11 +78,11 @@ impl BlockTape {
             MlpTape::Dense { h2, gate, up, act } => kept.extend([h2, gate, up, act]),
             MlpTape::Moe(tape) => kept.extend(tape.tensors()),
         }
-        storages(&kept)
+        kept
     }
 }
 
-/// The attention weights and norms of a block, detached (the forward builds no graph).
+/// The attention weights and norms of a block.
 struct Weights {
     norm1: Tensor,
     q: Tensor,
@@ -103,23 +101,13 @@ pub(crate) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tens
 }
 
 impl Llama {
-    /// Whether `piece` runs with a hand-written backward: every decoder block (this module) and
-    /// the head (`head.rs`); the embedding keeps autograd.
-    pub fn hand_written(&self, piece: Piece) -> bool {
-        match piece {
-            Piece::Block(i) => self.inventory.blocks.contains_key(&i),
-            Piece::Head => self.head_hand_written(),
-            Piece::Embedding => false,
-        }
-    }
-
     fn block_weights(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
         let blk = self
             .inventory
             .blocks
             .get(&layer)
             .ok_or_else(|| self.missing(&format!("layer {layer}")))?;
-        let w = |i: usize| Ok::<_, candle_core::Error>(self.w(i)?.detach());
+        let w = |i: usize| self.w(i);
         let weights = Weights {
             norm1: w(blk.input_layernorm)?,
             q: w(blk.q_proj)?,
@@ -131,47 +119,6 @@ impl Llama {
         Ok((blk, weights))
     }
 
-    /// The MoE parts of block `blk` (layer `layer`) for a hand-written pass.
-    fn moe_block(&self, layer: usize, blk: &BlockParams) -> Result<MoeParts> {
-        match &blk.mlp {
-            MlpParams::Moe(m) => self.moe_parts(layer, m, true, true),
-            MlpParams::Dense { .. } => Err(self.missing(&format!("MoE layer {layer}"))),
-        }
-    }
-
-    /// Causal attention over the whole sequence without a graph (the ring under context
-    /// parallelism): the output and log-sum-exp [`Llama::attention_bwd`] reads.
-    fn attention_saved(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor)> {
-        let cp = &self.placement.cp;
-        if cp.size() == 1 {
-            ops::causal_attention_saved(q, k, v, scale)
-        } else {
-            cp.attention_saved(q, k, v, scale, KERNELS)
-        }
-    }
-
-    /// The gradients of [`Llama::attention_saved`]'s inputs from its output's `dout`.
-    fn attention_bwd(
-        &self,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        saved: (&Tensor, &Tensor),
-        dout: &Tensor,
-        scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let cp = &self.placement.cp;
-        if cp.size() == 1 {
-            ops::causal_attention_bwd(q, k, v, saved, dout, scale)
-        } else {
-            cp.attention_bwd((q, k, v), saved, dout, scale, KERNELS)
-        }
-    }
-
     /// The rotary tables for `s` positions and the attention scale.
     fn rope_and_scale(&self, s: usize) -> Result<(Tensor, Tensor, f64)> {
         let cp = &self.placement.cp;
@@ -179,15 +126,17 @@ impl Llama {
         Ok((cos, sin, 1.0 / (self.config.head_dim() as f64).sqrt()))
     }
 
-    /// Block `layer`'s forward without a graph: its output `[b, s(/tp), h]` (the value of
-    /// [`Llama::block`]) and the tape its [`Llama::block_backward`] needs. A MoE layer's
-    /// balancing losses enter the objective times `aux_scale` (as in training).
-    pub fn block_forward_saved(
+    /// Block `layer`'s forward: its output `[b, s(/tp), h]` (with context parallelism `s` is
+    /// this rank's share of the sequence), the tape [`Llama::block_backward`] reads and a MoE
+    /// layer's routing measurements. In training (`aux_scale` given) a MoE layer applies its
+    /// capacity and its balancing losses enter the objective times `aux_scale`; in evaluation it
+    /// is dropless and measures nothing.
+    pub fn block(
         &self,
         layer: usize,
         x: &Tensor,
-        aux_scale: f64,
-    ) -> Result<(Tensor, BlockTape)> {
+        aux_scale: Option<f64>,
+    ) -> Result<(Tensor, BlockTape, Option<LayerStats>)> {
         let (blk, w) = self.block_weights(layer)?;
         let c = &self.config;
         let tp = &self.placement.tp;
@@ -196,50 +145,49 @@ impl Llama {
             c.num_key_value_heads / tp.size(),
             c.head_dim(),
         );
-        let x = x.detach();
-        let h = tp.enter_value(&ops::rms_norm(&x, &w.norm1, c.rms_norm_eps)?)?; // [b, s, h]
+        let x = x.clone();
+        let h = tp.enter(&ops::rms_norm(&x, &w.norm1, c.rms_norm_eps)?)?; // [b, s, h]
         let (b, s, _) = h.dims3()?;
         let (cos, sin, scale) = self.rope_and_scale(s)?;
         let q = linear_to(&h, &w.q, (b, s, hq, d))?; // [b, s, hq/tp, d]
         let k = linear_to(&h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
         let v = linear_to(&h, &w.v, (b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
-        let (attn, lse) = self.attention_saved(&q, &k, &v, scale)?;
+        let (attn, lse) = self.placement.cp.attention(&q, &k, &v, scale, ATTENTION)?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
-        let x1 = (&x + tp.exit_value(&o)?)?;
+        let x1 = (&x + tp.exit(&o)?)?;
 
         let normed = ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?; // [b, s(/tp), h]
-        let (y, mlp) = match &blk.mlp {
+        let (y, mlp, stats) = match &blk.mlp {
             MlpParams::Dense {
                 gate_proj,
                 up_proj,
                 down_proj,
             } => {
-                let h2 = tp.enter_value(&normed)?; // [b, s, h]
-                let gate = linear(&h2, &self.w(*gate_proj)?.detach())?; // [b, s, f/tp]
-                let up = linear(&h2, &self.w(*up_proj)?.detach())?;
+                let h2 = tp.enter(&normed)?; // [b, s, h]
+                let gate = linear(&h2, &self.w(*gate_proj)?)?; // [b, s, f/tp]
+                let up = linear(&h2, &self.w(*up_proj)?)?;
                 let act = ops::swiglu(&gate, &up)?;
-                let down = linear(&act, &self.w(*down_proj)?.detach())?;
-                let y = (&x1 + tp.exit_value(&down)?)?;
-                (y, MlpTape::Dense { h2, gate, up, act })
+                let down = linear(&act, &self.w(*down_proj)?)?;
+                let y = (&x1 + tp.exit(&down)?)?;
+                (y, MlpTape::Dense { h2, gate, up, act }, None)
             }
-            MlpParams::Moe(_) => {
-                let parts = self.moe_block(layer, blk)?;
-                let aux_weight = aux_scale / c.num_moe_layers() as f64;
-                let (out, stats, tape) = moe::forward_saved(
+            MlpParams::Moe(m) => {
+                let parts = self.moe_parts(layer, m, aux_scale.is_some())?;
+                let aux_weight = aux_scale.unwrap_or(0.0) / c.num_moe_layers() as f64;
+                let (out, stats, tape) = moe::forward(
                     &normed.flatten_to(1)?, // [b·s(/tp), h]
                     &parts.router(),
                     &parts.experts,
                     &self.placement.ep,
-                    self.moe_split(),
+                    tp,
                     &parts.cfg,
                     layer,
                     aux_weight,
                 )?;
-                self.record_moe(stats);
                 let y = (&x1 + out.reshape(normed.shape())?)?;
-                (y, MlpTape::Moe(Box::new(tape)))
+                (y, MlpTape::Moe(Box::new(tape)), aux_scale.map(|_| stats))
             }
         };
         let tape = BlockTape {
@@ -254,7 +202,7 @@ impl Llama {
             x1,
             mlp,
         };
-        Ok((y, tape))
+        Ok((y, tape, stats))
     }
 
     /// The backward pass of a block from its tape and the output's gradient `dy`
@@ -294,17 +242,16 @@ impl Llama {
             ) => {
                 // mlp = exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)).
                 let dd = tp.exit_grad(&dy)?; // [b, s, h]
-                let wt = |i: usize| Ok::<_, candle_core::Error>(self.w(i)?.detach());
-                let (dact, d_down) = projection_bwd(&act, &wt(*down_proj)?, &dd)?; // [b, s, f/tp]
+                let (dact, d_down) = projection_bwd(&act, &self.w(*down_proj)?, &dd)?; // [b, s, f/tp]
                 let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
-                let (dh2_up, d_up) = projection_bwd(&h2, &wt(*up_proj)?, &dup)?; // [b, s, h] partial
-                let (dh2_gate, d_gate) = projection_bwd(&h2, &wt(*gate_proj)?, &dgate)?;
+                let (dh2_up, d_up) = projection_bwd(&h2, &self.w(*up_proj)?, &dup)?; // [b, s, h] partial
+                let (dh2_gate, d_gate) = projection_bwd(&h2, &self.w(*gate_proj)?, &dgate)?;
                 let dh2 = (dh2_up + dh2_gate)?;
                 grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
                 ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?
             }
             (MlpTape::Moe(tape), MlpParams::Moe(m)) => {
-                let parts = self.moe_block(layer, blk)?;
+                let parts = self.moe_parts(layer, m, true)?;
                 let g = moe::backward(
                     *tape,
                     &parts.weight,
@@ -330,7 +277,8 @@ impl Llama {
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
         let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
-        let (dq, dk, dv) = self.attention_bwd((&q, &k, &v), (&attn, &lse), &da, scale)?;
+        let cp = &self.placement.cp;
+        let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), (&attn, &lse), &da, scale, ATTENTION)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,
