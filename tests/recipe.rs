@@ -309,7 +309,7 @@ fn stored_recipes_of_earlier_versions_still_load() {
     let origin = Path::new("checkpoint/manifest.json");
     let dp2 = ["parallel.dp=2".to_string()];
     let r = pretrain::recipe::load_stored(&old, origin, &dp2).unwrap();
-    assert_eq!(r.parallel.zero, 1);
+    assert_eq!(r.parallel.zero, parallel::dp::ZeroStage::Optimizer);
     let e = pretrain::recipe::load_str(&old, origin, &dp2).unwrap_err();
     assert!(e.to_string().contains("write parallel.zero: 1"), "{e}");
     // `train.backward` (removed: the pieces have one hand-written pass) is dropped from stored
@@ -339,7 +339,10 @@ fn options_that_do_nothing_at_this_scale_are_switched_off() {
         &o("parallel.zero=2,parallel.zero_shard_size=1"),
     )
     .unwrap();
-    assert_eq!((r.parallel.zero, r.parallel.zero_shard_size), (0, None));
+    assert_eq!(
+        (r.parallel.zero, r.parallel.zero_shard_size),
+        (parallel::dp::ZeroStage::Off, None)
+    );
     let r = load(Path::new(TINY), &o("schedule.warmup_steps=500")).unwrap();
     assert_eq!(r.schedule.warmup_steps, 500, "reported, kept");
 }

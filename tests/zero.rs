@@ -86,7 +86,8 @@ fn memory(layout: &str) -> Vec<RankMemory> {
 /// and two moments take
 ///   stage 0: pΨ + 4T + 12T,   stage 1: pΨ + 4T + 12T/N,
 ///   stage 2: pΨ + (4 + 12)T/N,   stage 3: (p + 4 + 12)T/N.
-/// At stage 3 the full parameters live at once are at most two pieces' worth.
+/// At stage 3 the full parameters live at once are at most two pieces' worth, with or without
+/// recompute (a piece's tape holds no parameter, so they are released after every use).
 #[test]
 fn bytes_per_rank_follow_the_zero_formulas() {
     for (dtype, p) in [("f32", 4), ("bf16", 2)] {
@@ -141,5 +142,14 @@ fn bytes_per_rank_follow_the_zero_formulas() {
             totals.windows(2).all(|w| w[1] < w[0]),
             "{dtype}: every stage needs less than the one before: {totals:?}"
         );
+        let layout = format!("parallel.dp=4,parallel.zero=3,train.dtype={dtype}");
+        for (r, m) in memory(&layout).iter().enumerate() {
+            assert!(
+                m.param_unit_peak > 0 && m.param_unit_peak <= 2 * p * m.largest_piece,
+                "{layout} rank {r}: {} bytes of full parameters live, largest piece {} elements",
+                m.param_unit_peak,
+                m.largest_piece
+            );
+        }
     }
 }

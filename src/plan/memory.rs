@@ -24,7 +24,7 @@ use serde::Serialize;
 use crate::recipe::{DeviceKind, Recipe};
 use crate::train::metrics::StateBytes;
 use crate::train::rank::chunk_pieces;
-use crate::train::zero::StateLayout;
+use crate::train::zero::state_layout;
 
 /// Predicted bytes of the most loaded rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -243,12 +243,12 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         let numels = inventory
             .local_numels(t)
             .map_err(|e| format!("parallel.tp: {e}"))?;
-        let state = StateLayout::new(par, &inventory, &numels, &chunks, 0, 0);
+        let state = state_layout(par, &inventory, &numels, &chunks, (0, 0));
         let StateBytes {
             param_bytes,
             grad_bytes,
             optimizer_bytes,
-        } = state.bytes(par.zero, &numels, r.train.dtype.dtype());
+        } = state.bytes(par, &numels, r.train.dtype.dtype());
         let piece_acts: Vec<Vec<PieceActs>> = chunks
             .iter()
             .map(|pieces| pieces.iter().map(|&pc| acts(pc)).collect())
@@ -272,27 +272,24 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
             .map(|&pc| piece_bytes(pc))
             .max()
             .unwrap_or(0);
-        let gathered_parameters = if par.zero < 3 {
-            0
-        } else if train.recompute == Recompute::Full {
-            // The pieces never recomputed stay gathered; blocks: the current and the next.
-            let kept: u64 = all_pieces
-                .iter()
-                .filter(|pc| !matches!(pc, Piece::Block(_)))
-                .map(|&pc| piece_bytes(pc))
-                .sum();
-            p * (kept + 2 * largest)
+        // ZeRO-3: the current piece's parameters and the next's, gathered ahead.
+        let gathered_parameters = if par.zero.shards_parameters() {
+            p * 2 * largest
         } else {
-            p * numels.iter().map(|&x| x as u64).sum::<u64>()
+            0
         };
-        let staged_gradients = if par.zero >= 2 { 4 * largest } else { 0 };
+        let staged_gradients = if par.zero.shards_gradients() {
+            4 * largest
+        } else {
+            0
+        };
         let temp = piece_acts
             .iter()
             .flatten()
             .map(|a| a.temp)
             .max()
             .unwrap_or(0);
-        let bucket = if par.zero >= 2 {
+        let bucket = if par.zero.shards_gradients() {
             0
         } else {
             4 * par.bucket_size as u64

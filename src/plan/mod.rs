@@ -40,7 +40,7 @@ pub struct Layout {
     /// Sequence parallelism.
     pub sequence_parallel: bool,
     /// ZeRO stage.
-    pub zero: u8,
+    pub zero: parallel::dp::ZeroStage,
     /// Sequences per micro-batch.
     pub micro_batch: usize,
     /// Activation recompute.
@@ -73,7 +73,7 @@ impl Layout {
         (p.dp, p.tp, p.cp) = (self.dp, self.tp, self.cp);
         (p.pp, p.virtual_stages, p.ep) = (self.pp, self.virtual_stages, self.ep);
         (p.sequence_parallel, p.zero) = (self.sequence_parallel, self.zero);
-        if self.zero == 0
+        if !self.zero.shards_optimizer()
             || p.zero_shard_size
                 .is_some_and(|n| !(self.dp * self.cp).is_multiple_of(n))
         {

@@ -6,6 +6,7 @@
 //! valid; each candidate is planned and those that fit are ranked by throughput.
 
 use model::Recompute;
+use parallel::dp::ZeroStage;
 
 use super::{plan, Hardware, Layout, Plan};
 use crate::recipe::Recipe;
@@ -51,7 +52,8 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                 .collect();
             for (&virtual_stages, &ep) in vs.iter().flat_map(|v| eps.iter().map(move |e| (v, e))) {
                 for sequence_parallel in [false, true].into_iter().filter(|&s| !s || tp > 1) {
-                    for zero in (0..=3u8).filter(|&z| z == 0 || dp * cp > 1) {
+                    let stages = ZeroStage::ALL.into_iter();
+                    for zero in stages.filter(|z| !z.shards_optimizer() || dp * cp > 1) {
                         for micro_batch in divisors(per_rank) {
                             for recompute in [Recompute::None, Recompute::Full] {
                                 let layout = Layout {

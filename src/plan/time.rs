@@ -6,6 +6,7 @@
 //! trainer overlaps them; then the optimizer. Formulas and sources: `docs/PLANNER.md`.
 
 use model::{LlamaConfig, Piece, Recompute};
+use parallel::dp::ZeroStage;
 use serde::Serialize;
 
 use super::hardware::Hardware;
@@ -313,11 +314,11 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     };
     let grads = 4.0 * st.total;
     let (dp_comm_s, dp_exposed_s) = match par.zero {
-        0 => {
+        ZeroStage::Off => {
             let all_reduce = 2.0 * ring(dp, grads, dp_bw);
             (all_reduce, exposed(all_reduce, per_stage[slowest].0.bwd))
         }
-        1 => {
+        ZeroStage::Optimizer => {
             let reduce =
                 ring(shard, grads, shard_bw) + 2.0 * ring(replicas, grads / shard as f64, dp_bw);
             let gather = ring(shard, grads, shard_bw);
@@ -326,22 +327,18 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
                 exposed(reduce, per_stage[slowest].0.bwd) + gather,
             )
         }
-        _ => {
+        ZeroStage::Gradients | ZeroStage::Parameters => {
             // Every micro-batch's gradients are reduce-scattered; stage 3 also gathers the
-            // parameters before each use (twice per micro-batch under recompute).
+            // parameters before each use, its forward and its backward.
             let per_micro = ring(shard, grads, shard_bw);
             let replica = 2.0 * ring(replicas, grads / shard as f64, dp_bw);
-            let uses = if par.zero >= 3 {
-                m * if tr.recompute == Recompute::Full {
-                    2.0
-                } else {
-                    1.0
-                }
+            let uses = if par.zero.shards_parameters() {
+                2.0 * m
             } else {
                 0.0
             };
             let gathers = uses * ring(shard, p * st.params, shard_bw);
-            let publish = if par.zero == 2 {
+            let publish = if par.zero == ZeroStage::Gradients {
                 ring(shard, grads, shard_bw)
             } else {
                 0.0

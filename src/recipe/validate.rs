@@ -4,6 +4,7 @@
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
 use super::{LrCurve, Recipe};
+use parallel::dp::ZeroStage;
 
 /// Largest persistent training state (parameters, gradients, optimizer) one rank may hold: far
 /// above any device or host of today, so only sizes that cannot exist are refused.
@@ -54,13 +55,13 @@ impl Recipe {
             );
             par.sequence_parallel = false;
         }
-        if par.zero > 0 && par.grad_ranks() == 1 {
+        if par.zero.shards_optimizer() && par.grad_ranks() == 1 {
             w.push(format!(
                 "parallel.zero: {} shards state across data- (and context-) parallel ranks and \
                  does nothing at parallel.dp = parallel.cp = 1; switched off",
                 par.zero
             ));
-            par.zero = 0;
+            par.zero = ZeroStage::Off;
             par.zero_shard_size = None;
         }
         if self.schedule.warmup_steps > self.train.steps {
@@ -89,11 +90,12 @@ impl Recipe {
     fn check_state_size(&self, p: &mut Vec<String>) {
         let par = &self.parallel;
         let per_rank = self.model.num_params_f64() / (par.tp * par.pp) as f64;
-        let shards = if par.zero >= 1 { par.shard_size() } else { 1 } as f64;
+        let owned = per_rank / par.shard_size() as f64;
         let dtype = self.train.dtype.dtype().size_in_bytes() as f64;
-        let grads = if par.zero >= 2 { 4.0 / shards } else { 4.0 };
-        let params = if par.zero >= 3 { dtype / shards } else { dtype };
-        let bytes = per_rank * (params + grads + 12.0 / shards);
+        let bytes = par
+            .zero
+            .state_bytes(per_rank, per_rank, owned, dtype)
+            .total();
         if bytes > MAX_STATE_BYTES_PER_RANK {
             p.push(format!(
                 "the training state would take {:.1} TiB per rank ({:.3e} parameters over \
@@ -201,11 +203,8 @@ impl Recipe {
                 u8::from(z)
             ));
         }
-        if par.zero > 3 {
-            p.push(format!("parallel.zero ({}) must be 0, 1, 2 or 3", par.zero));
-        }
         if let Some(n) = par.zero_shard_size {
-            if par.zero == 0 {
+            if !par.zero.shards_optimizer() {
                 p.push("parallel.zero_shard_size needs parallel.zero >= 1".into());
             } else if n == 0 || !par.grad_ranks().is_multiple_of(n) {
                 p.push(format!(

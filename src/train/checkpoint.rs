@@ -112,7 +112,7 @@ impl Trainer {
         // rank of their expert gradient group.
         let first = |g: &parallel::Group| g.ranks().first() == Some(&self.ctx.rank);
         let first_shard_group = first(&self.ctx.dp_replicate);
-        let sharded = self.recipe.parallel.zero >= 1 && first_shard_group;
+        let sharded = self.recipe.parallel.zero.shards_optimizer() && first_shard_group;
         let (first_replica, first_expert_replica) =
             (first(&self.ctx.dp), first(&self.ctx.expert_dp));
         if sharded || first_replica || first_expert_replica {

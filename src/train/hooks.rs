@@ -6,7 +6,7 @@
 //! | hook | when | used by |
 //! |---|---|---|
 //! | [`StepHooks::before_forward`] | before a piece's forward | ZeRO-3: install its parameters |
-//! | [`StepHooks::after_forward`] | after it | ZeRO-3: release them (or keep them for the backward) |
+//! | [`StepHooks::after_forward`] | after it | ZeRO-3: release them (unless the next use reads them) |
 //! | [`StepHooks::before_backward`] | before its backward (and its recompute) | ZeRO-3: install |
 //! | [`StepHooks::after_backward`] | after its gradients are accumulated | ZeRO-2/3: reduce-scatter them; ZeRO-3: release |
 //! | [`StepHooks::param_final`] | after the last backward of the step that adds to a parameter | data-parallel sync |
@@ -20,8 +20,8 @@ use anyhow::Result;
 use model::{Llama, Piece};
 use parallel::dp::DataParallel;
 
-use super::zero::{Gatherer, Pass};
 use crate::optim::GradBuffer;
+use parallel::dp::{Gatherer, Pass};
 
 /// Callbacks of the step executor; every method defaults to doing nothing.
 pub trait StepHooks {
@@ -71,39 +71,41 @@ pub struct StepSync<'a> {
     /// Its data parallelism.
     pub dp: &'a mut DataParallel,
     /// ZeRO-3's gatherer.
-    pub gather: Option<&'a mut Gatherer>,
+    pub gather: Option<&'a mut Gatherer<Piece>>,
 }
 
 impl StepHooks for StepSync<'_> {
     fn before_forward(&mut self, piece: Piece, micro: usize) -> Result<()> {
         match &mut self.gather {
-            Some(g) => g.before(self.model, self.dp, (piece, micro, Pass::Forward)),
+            Some(g) => Ok(g.before(self.model.params(), self.dp, (piece, micro, Pass::Forward))?),
             None => Ok(()),
         }
     }
 
-    fn after_forward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+    fn after_forward(&mut self, piece: Piece, _micro: usize) -> Result<()> {
         match &mut self.gather {
-            Some(g) => g.after(self.model, (piece, micro, Pass::Forward)),
+            Some(g) => Ok(g.after(self.model.params(), piece)?),
             None => Ok(()),
         }
     }
 
     fn before_backward(&mut self, piece: Piece, micro: usize) -> Result<()> {
         match &mut self.gather {
-            Some(g) => g.before(self.model, self.dp, (piece, micro, Pass::Backward)),
+            Some(g) => {
+                Ok(g.before(self.model.params(), self.dp, (piece, micro, Pass::Backward))?)
+            }
             None => Ok(()),
         }
     }
 
-    fn after_backward(&mut self, piece: Piece, micro: usize) -> Result<()> {
+    fn after_backward(&mut self, piece: Piece, _micro: usize) -> Result<()> {
         if self.grads.is_sharded() {
             for (b, full) in self.grads.take_staged() {
                 self.dp.reduce_scatter(b, full)?;
             }
         }
         match &mut self.gather {
-            Some(g) => g.after(self.model, (piece, micro, Pass::Backward)),
+            Some(g) => Ok(g.after(self.model.params(), piece)?),
             None => Ok(()),
         }
     }

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::pipeline::Timed;
 use super::RankCtx;
+pub use parallel::dp::StateBytes;
 
 /// What one optimizer step measured.
 #[derive(Debug, Clone, Serialize)]
@@ -93,24 +94,6 @@ pub struct StepRecord {
     /// Why the step's update was discarded (`train.on_nonfinite: skip`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
-}
-
-/// Bytes of a rank's persistent training state (exact, from buffer sizes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct StateBytes {
-    /// Parameters in the training dtype: whole, or this rank's ZeRO-3 shards.
-    pub param_bytes: usize,
-    /// fp32 gradients: the whole flat buffer, or this rank's ZeRO-2/3 shards.
-    pub grad_bytes: usize,
-    /// fp32 master weights and AdamW moments of the flat ranges this rank owns.
-    pub optimizer_bytes: usize,
-}
-
-impl StateBytes {
-    /// All of it.
-    pub fn total(&self) -> usize {
-        self.param_bytes + self.grad_bytes + self.optimizer_bytes
-    }
 }
 
 /// A validation result.

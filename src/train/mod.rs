@@ -37,12 +37,13 @@ use crate::optim::{AdamW, GradBuffer};
 use crate::recipe::{DeviceKind, Recipe, Resume};
 use hooks::StepSync;
 use metrics::{EvalRecord, Metrics, StepRecord};
+use parallel::dp::{Gatherer, Pass};
 use pipeline::Timed;
 pub use rank::RankCtx;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
 };
-use zero::{piece_uses, Gatherer, Pass};
+use zero::piece_uses;
 
 /// Everything one rank of a training run holds.
 pub struct Trainer {
@@ -56,7 +57,7 @@ pub struct Trainer {
     /// ZeRO-3 parameter shards.
     dp: DataParallel,
     /// ZeRO-3: installs the parameters of the pieces being computed.
-    gather: Option<Gatherer>,
+    gather: Option<Gatherer<model::Piece>>,
     /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
     uses: Vec<(model::Piece, usize, Pass)>,
     train_data: Arc<GptData>,
@@ -283,7 +284,7 @@ impl Trainer {
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
             if let Some(g) = &mut self.gather {
-                g.start(forwards.clone(), true);
+                g.start(forwards.clone());
             }
             let mut hooks = StepSync {
                 model: &self.model,
@@ -293,7 +294,7 @@ impl Trainer {
             };
             let losses = pipeline::forward_losses(&self.model, ctx, &tokens, &labels, &mut hooks)?;
             if let Some(g) = &mut self.gather {
-                g.finish(&self.model)?;
+                g.finish(self.model.params())?;
             }
             if let Some(l) = losses {
                 sum += masked_mean(&l.detach(), &mask)? * n;
@@ -328,7 +329,7 @@ impl Trainer {
                 p.pp,
                 if p.sequence_parallel { " +sp" } else { "" },
                 match (p.zero, p.zero_shard_size) {
-                    (0, _) => String::new(),
+                    (parallel::dp::ZeroStage::Off, _) => String::new(),
                     (z, Some(n)) => format!(" +zero{z} (shards of {n})"),
                     (z, None) => format!(" +zero{z}"),
                 },

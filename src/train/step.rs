@@ -52,7 +52,7 @@ impl Trainer {
         }
         self.dp.start();
         if let Some(g) = &mut self.gather {
-            g.start(self.uses.clone(), false);
+            g.start(self.uses.clone());
         }
         let mut hooks = StepSync {
             model: &self.model,
@@ -61,9 +61,9 @@ impl Trainer {
             gather: self.gather.as_mut(),
         };
         let run = exec.step(&mbs, &self.grads, &mut hooks, start)?;
-        let mut gathered = zero::GatherStats::default();
+        let mut gathered = parallel::dp::GatherStats::default();
         if let Some(g) = &mut self.gather {
-            g.finish(&self.model)?;
+            g.finish(self.model.params())?;
             gathered = g.stats();
         }
         let reduced = self
@@ -236,14 +236,14 @@ impl Trainer {
         }
         let comm = ctx.comm.as_ref();
         let mut sq = local[0];
-        if split_experts && self.recipe.parallel.zero == 0 {
+        if split_experts && !self.recipe.parallel.zero.shards_optimizer() {
             sq += all_reduce_f64(comm, &ctx.ep, local[1])?;
         } else {
             sq += local[1];
         }
         sq = all_reduce_f64(comm, &ctx.tp, sq)?;
         sq = all_reduce_f64(comm, &ctx.pp, sq)?;
-        if self.recipe.parallel.zero >= 1 {
+        if self.recipe.parallel.zero.shards_optimizer() {
             // Shards of one shard group; replica groups hold the same shards. Expert shards are
             // cut over the expert gradient group, whose members, with the other expert-parallel
             // indices, make up the gradient group: each element is still counted once.

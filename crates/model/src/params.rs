@@ -119,6 +119,17 @@ impl Parameter {
     }
 }
 
+/// ZeRO-3 installs and releases parameters through their slots.
+impl parallel::dp::ParamSlots for ParamSet {
+    fn install(&self, i: usize, values: &Tensor) -> Result<()> {
+        self.get(i).install(values)
+    }
+
+    fn release(&self, i: usize) {
+        self.get(i).release();
+    }
+}
+
 /// The ordered list of a model's parameters; indices into it identify parameters everywhere
 /// (gradient buffers, optimiser state, checkpoints).
 #[derive(Debug, Default)]

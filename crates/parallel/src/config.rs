@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::dp::ZeroStage;
+
 /// Degrees of data, tensor, context and pipeline parallelism and their options.
 /// The world size is `dp × tp × cp × pp`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,9 +37,9 @@ pub struct ParallelConfig {
     /// ZeRO stage (Rajbhandari et al. 2020): what data-parallel ranks shard instead of
     /// replicating. 0: nothing; 1: optimizer state (fp32 master weights and moments); 2: also
     /// gradients (reduce-scattered after each micro-batch's backward of a unit); 3: also
-    /// parameters (a unit is all-gathered before its forward and backward).
+    /// parameters (a unit is all-gathered before its forward and backward). See [`ZeroStage`].
     #[serde(default)]
-    pub zero: u8,
+    pub zero: ZeroStage,
     /// Hybrid sharding (HSDP): ZeRO shards within groups of this many data-parallel (× context-
     /// parallel) ranks and
     /// replicates across the groups (gradients reduce-scattered inside a group, then all-reduced
@@ -86,7 +88,7 @@ impl Default for ParallelConfig {
             ep: 1,
             virtual_stages: 1,
             sequence_parallel: false,
-            zero: 0,
+            zero: ZeroStage::Off,
             zero_shard_size: None,
             zero1: None,
             bucket_size: DEFAULT_BUCKET_SIZE,
@@ -116,7 +118,7 @@ impl ParallelConfig {
     /// Ranks per ZeRO shard group (among the [`ParallelConfig::grad_ranks`]):
     /// `zero_shard_size`, or all of them; 1 at stage 0.
     pub fn shard_size(&self) -> usize {
-        if self.zero == 0 {
+        if !self.zero.shards_optimizer() {
             1
         } else {
             self.zero_shard_size.unwrap_or(self.grad_ranks())

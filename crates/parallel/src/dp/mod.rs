@@ -11,17 +11,27 @@
 //!   reducer or, at stages 2 and 3, per-piece reduce-scatters into this rank's shards) and the
 //!   gathering of sharded parameters at stage 3;
 //! - [`zero`]: ZeRO ownership (which flat ranges a rank's optimizer updates) and the gathering of
-//!   the updated shards.
+//!   the updated shards;
+//! - [`stage`]: the ZeRO stage as a type, with the bytes of a rank's state at each stage;
+//! - [`state`]: the layout of a rank's gradient and optimizer state at its stage;
+//! - [`gather`]: ZeRO-3's [`Gatherer`], which installs the full parameters of the piece being
+//!   computed in the model's parameter slots ([`ParamSlots`]).
 //!
 //! Gradients are summed, not averaged: each micro-batch's loss is already divided by the global
 //! batch's token count, which makes the gradient independent of how the batch is split.
 
+pub mod gather;
 pub mod layout;
 pub mod rank;
+pub mod stage;
+pub mod state;
 pub mod sync;
 pub mod zero;
 
+pub use gather::{GatherStats, Gatherer, ParamSlots, Pass};
 pub use layout::{intersect, Bucket, FlatLayout};
 pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
+pub use stage::{StateBytes, ZeroStage};
+pub use state::{unit_buckets, StateLayout};
 pub use sync::{BucketSpan, GradSync, Reduction};
 pub use zero::{gather_shards, owned_ranges, ShardPos};

@@ -34,6 +34,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Result, Tensor};
 
+use super::stage::ZeroStage;
 use super::{BucketSpan, FlatLayout, GradSync, Reduction};
 use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, ReduceOp};
@@ -71,7 +72,7 @@ pub struct DataParallel {
     comm: Arc<dyn Comm>,
     layout: FlatLayout,
     groups: DpGroups,
-    zero: u8,
+    zero: ZeroStage,
     partial: Vec<Partial>,
     /// This rank's gradients: the whole flat buffer (stages 0, 1) or its shards (stages 2, 3).
     grads: Tensor,
@@ -104,7 +105,7 @@ impl DataParallel {
         comm: Arc<dyn Comm>,
         layout: FlatLayout,
         groups: DpGroups,
-        zero: u8,
+        zero: ZeroStage,
         partial: Vec<Partial>,
         grads: Tensor,
         owned: Vec<Range<usize>>,
@@ -118,7 +119,7 @@ impl DataParallel {
             );
         }
         let expert_buckets = layout.buckets.iter().any(|b| b.expert);
-        if expert_buckets && zero >= 1 && groups.replicate.size() > 1 {
+        if expert_buckets && zero.shards_optimizer() && groups.replicate.size() > 1 {
             candle_core::bail!(
                 "data parallelism: expert buckets (expert parallelism) are sharded without hybrid \
                  sharding only ({} replica groups)",
@@ -132,8 +133,8 @@ impl DataParallel {
             at += r.len();
         }
         let (sync, thread) = match zero {
-            0 | 1 if groups.dp.size() > 1 => {
-                let reduction = if zero == 0 {
+            ZeroStage::Off | ZeroStage::Optimizer if groups.dp.size() > 1 => {
+                let reduction = if zero == ZeroStage::Off {
                     Reduction::AllReduce {
                         dp: groups.dp.clone(),
                         expert: groups.expert.clone(),
@@ -148,13 +149,15 @@ impl DataParallel {
                 let s = GradSync::new(layout.clone(), grads.clone(), comm.clone(), reduction)?;
                 (Some(s), None)
             }
-            0 | 1 => (None, None),
-            _ => (None, Some(CommThread::new(format!("dp-{}", comm.rank()))?)),
+            ZeroStage::Off | ZeroStage::Optimizer => (None, None),
+            ZeroStage::Gradients | ZeroStage::Parameters => {
+                (None, Some(CommThread::new(format!("dp-{}", comm.rank()))?))
+            }
         };
-        let param_shards = match (zero, params) {
-            (3, Some((flat, dtype))) => Some(gather_owned(flat, &owned)?.to_dtype(dtype)?),
-            (3, None) => candle_core::bail!("ZeRO-3 needs the initial parameters"),
-            _ => None,
+        let param_shards = match (zero.shards_parameters(), params) {
+            (true, Some((flat, dtype))) => Some(gather_owned(flat, &owned)?.to_dtype(dtype)?),
+            (true, None) => candle_core::bail!("ZeRO-3 needs the initial parameters"),
+            (false, _) => None,
         };
         Ok(Self {
             comm,
@@ -176,7 +179,7 @@ impl DataParallel {
     }
 
     /// The ZeRO stage.
-    pub fn zero(&self) -> u8 {
+    pub fn zero(&self) -> ZeroStage {
         self.zero
     }
 
@@ -229,7 +232,7 @@ impl DataParallel {
             Some(true) => candle_core::bail!("data parallelism: parameter {i} reported twice"),
             Some(seen) => *seen = true,
         }
-        if self.zero >= 2 {
+        if self.zero.shards_gradients() {
             let b = self.layout.bucket_of(i);
             self.pending[b] -= 1;
             if self.pending[b] == 0 && self.groups.replicate.size() > 1 {
@@ -251,7 +254,7 @@ impl DataParallel {
         if let Some(i) = self.reported.iter().position(|&r| !r) {
             candle_core::bail!("data parallelism: parameter {i} was never reported final");
         }
-        if self.zero >= 2 {
+        if self.zero.shards_gradients() {
             let mut spans = Vec::with_capacity(self.in_flight.len());
             let mut first_err = None;
             for t in self.in_flight.drain(..) {
