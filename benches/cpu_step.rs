@@ -89,7 +89,7 @@ fn main() -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     // The training step path of one rank: a one-stage schedule through the step executor.
     let comm = LocalWorld::new(1, Duration::from_secs(60)).remove(0);
-    let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm)?;
+    let ctx = RankCtx::open(&ParallelConfig::default(), 0, comm, dev.clone())?;
     let schedule = build(ScheduleKind::OneFOneB, 1, 1, micro)?;
     let exec = Executor::new(&model, &ctx, &schedule, Recompute::None, b, s);
 

@@ -91,8 +91,7 @@ pub fn eval(
         timeout,
         |rank, comm: Arc<dyn Comm>| {
             let go = || -> Result<(f64, f64)> {
-                comm.prepare(&crate::train::rank::job_channels(&recipe.parallel, &comm)?)?;
-                let ctx = RankCtx::new(&recipe.parallel, rank, comm.clone())?;
+                let ctx = RankCtx::open(&recipe.parallel, rank, comm.clone(), device.clone())?;
                 let dtype = match recipe.train.dtype {
                     Dtype::F32 => DType::F32,
                     Dtype::Bf16 => DType::BF16,
@@ -111,8 +110,8 @@ pub fn eval(
                 model.set_expert_bias(&expert_bias);
                 let mine: Vec<&[u32]> = windows
                     .iter()
-                    .skip(ctx.data_index)
-                    .step_by(ctx.data_size)
+                    .skip(ctx.data_index())
+                    .step_by(ctx.data_size())
                     .copied()
                     .collect();
                 let (mut sum, mut count) = (0f64, 0f64);
@@ -121,10 +120,10 @@ pub fn eval(
                 // first batch and does not count it.
                 let mut batches: Vec<(&[&[u32]], bool)> =
                     mine.chunks(WINDOWS_PER_BATCH).map(|b| (b, true)).collect();
-                if ctx.ep.size() > 1 {
+                if ctx.groups.ep.size() > 1 {
                     let rounds = windows
                         .len()
-                        .div_ceil(ctx.data_size)
+                        .div_ceil(ctx.data_size())
                         .div_ceil(WINDOWS_PER_BATCH);
                     let spare = &windows[..1];
                     while batches.len() < rounds {
@@ -150,9 +149,14 @@ pub fn eval(
                 if let (Some(path), true) = (
                     logits_out,
                     rank == 0
-                        && [&ctx.tp, &ctx.cp, &ctx.pp, &ctx.ep]
-                            .iter()
-                            .all(|g| g.size() == 1),
+                        && [
+                            &ctx.groups.tp,
+                            &ctx.groups.cp,
+                            &ctx.groups.pp,
+                            &ctx.groups.ep,
+                        ]
+                        .iter()
+                        .all(|g| g.size() == 1),
                 ) {
                     let t = Tensor::from_vec(windows[0][..s].to_vec(), (1, s), device)?;
                     let logits = model
@@ -170,7 +174,7 @@ pub fn eval(
                     })?;
                 }
                 let mut v = Tensor::new(&[sum, count], &candle_core::Device::Cpu)?;
-                for group in [&ctx.pp, &ctx.dp] {
+                for group in [&ctx.groups.pp, &ctx.groups.grad] {
                     if group.size() > 1 {
                         v = comm.all_reduce(group, &v, ReduceOp::Sum)?;
                     }

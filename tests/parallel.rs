@@ -88,7 +88,7 @@ fn a_failing_rank_stops_every_other_rank_with_an_error_naming_it() {
     let start = Instant::now();
     let peers: std::sync::Mutex<Vec<String>> = Default::default();
     let err = parallel::comm::local::run_local(4, timeout, |rank, comm| {
-        let ctx = RankCtx::new(&recipe.parallel, rank, comm).unwrap();
+        let ctx = RankCtx::open(&recipe.parallel, rank, comm, candle_core::Device::Cpu).unwrap();
         let mut trainer = Trainer::new(recipe.clone(), ctx, false).unwrap();
         if rank == 1 {
             // The others are inside their first step, blocked on a collective with this rank.

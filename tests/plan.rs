@@ -19,7 +19,7 @@ struct Measured {
 fn measure(recipe: &pretrain::recipe::Recipe) -> Vec<Measured> {
     let world = recipe.parallel.world_size();
     parallel::comm::local::run_local(world, Duration::from_secs(120), |rank, comm| {
-        let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+        let ctx = RankCtx::open(&recipe.parallel, rank, comm, candle_core::Device::Cpu)?;
         let stage = ctx.coords.pp;
         let mut trainer = Trainer::new(recipe.clone(), ctx, false)?;
         let rec = trainer.train_step()?;

@@ -90,7 +90,7 @@ fn record(
     m: usize,
     recompute: Recompute,
 ) -> anyhow::Result<(Vec<Event>, Llama, Vec<Vec<Piece>>)> {
-    let ctx = RankCtx::new(cfg, rank, comm)?;
+    let ctx = RankCtx::open(cfg, rank, comm, candle_core::Device::Cpu)?;
     let c = config();
     let model = Llama::new(&c, ctx.placement(4), 7, DType::F32, &Device::Cpu)?;
     let kind = ScheduleKind::for_virtual_stages(cfg.virtual_stages);

@@ -52,7 +52,7 @@ fn memory(layout: &str) -> Vec<RankMemory> {
     let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
     let world = recipe.parallel.world_size();
     parallel::comm::local::run_local(world, Duration::from_secs(60), |rank, comm| {
-        let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+        let ctx = RankCtx::open(&recipe.parallel, rank, comm, candle_core::Device::Cpu)?;
         let chunks = ctx.chunks(recipe.model.num_hidden_layers);
         let mut trainer = Trainer::new(recipe.clone(), ctx, false)?;
         let rec = trainer.train_step()?;

@@ -111,10 +111,12 @@ impl Trainer {
         // Routed experts (which differ between expert-parallel ranks) are written by the first
         // rank of their expert gradient group.
         let first = |g: &parallel::Group| g.ranks().first() == Some(&self.ctx.rank);
-        let first_shard_group = first(&self.ctx.dp_replicate);
+        let first_shard_group = first(&self.ctx.groups.replicate);
         let sharded = self.recipe.parallel.zero.shards_optimizer() && first_shard_group;
-        let (first_replica, first_expert_replica) =
-            (first(&self.ctx.dp), first(&self.ctx.expert_dp));
+        let (first_replica, first_expert_replica) = (
+            first(&self.ctx.groups.grad),
+            first(&self.ctx.groups.expert_grad),
+        );
         if sharded || first_replica || first_expert_replica {
             let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
             let layout = self.grads.layout();

@@ -133,8 +133,8 @@ impl Trainer {
         let train_data = Arc::new(train_data);
         let prefetch = {
             let (data, gb, mb) = (train_data.clone(), t.global_batch, t.micro_batch);
-            let (index, size) = (ctx.data_index, ctx.data_size);
-            let (cp, cp_index, device) = (ctx.cp.size(), ctx.coords.cp, device.clone());
+            let (index, size) = (ctx.data_index(), ctx.data_size());
+            let (cp, cp_index, device) = (ctx.groups.cp.size(), ctx.coords.cp, device.clone());
             prefetch::Prefetch::new(
                 &format!("data-rank{}", ctx.rank),
                 Arc::new(move |consumed| {
@@ -165,8 +165,8 @@ impl Trainer {
             None
         };
         // The largest activations of a micro-batch must fit candle's 32-bit CUDA indexing too.
-        let rows = t.micro_batch * t.seq_len / ctx.cp.size();
-        let tp = ctx.tp.size();
+        let rows = t.micro_batch * t.seq_len / ctx.groups.cp.size();
+        let tp = ctx.groups.tp.size();
         for (what, n) in [
             (
                 "the logits of a micro-batch",
@@ -193,8 +193,12 @@ impl Trainer {
             gather,
         } = zero::rank_state(&recipe, &ctx, &model)?;
         let (v, m) = (ctx.virtual_stages, recipe.grad_accum_steps());
-        let schedule =
-            parallel::pipeline::build(ScheduleKind::for_virtual_stages(v), ctx.pp.size(), v, m)?;
+        let schedule = parallel::pipeline::build(
+            ScheduleKind::for_virtual_stages(v),
+            ctx.groups.pp.size(),
+            v,
+            m,
+        )?;
         validate(&schedule)?;
         check_fifo(&schedule)?;
         let uses = piece_uses(
@@ -274,7 +278,7 @@ impl Trainer {
             .flatten()
             .map(|p| (p, 0, Pass::Forward))
             .collect();
-        for i in (ctx.data_index..micro_batches).step_by(ctx.data_size) {
+        for i in (ctx.data_index()..micro_batches).step_by(ctx.data_size()) {
             let ix: Vec<u64> = (0..t.micro_batch)
                 .map(|j| (i * t.micro_batch + j) as u64)
                 .collect();
@@ -303,10 +307,11 @@ impl Trainer {
         }
         let comm = ctx.comm.as_ref();
         let (sum, count) = (
-            all_reduce_f64(comm, &ctx.pp, sum)?,
-            all_reduce_f64(comm, &ctx.pp, count)?,
+            all_reduce_f64(comm, &ctx.groups.pp, sum)?,
+            all_reduce_f64(comm, &ctx.groups.pp, count)?,
         );
-        Ok(all_reduce_f64(comm, &ctx.dp, sum)? / all_reduce_f64(comm, &ctx.dp, count)?.max(1.0))
+        Ok(all_reduce_f64(comm, &ctx.groups.grad, sum)?
+            / all_reduce_f64(comm, &ctx.groups.grad, count)?.max(1.0))
     }
 
     /// Trains for the recipe's steps; returns every step's record and the final validation loss.
@@ -396,7 +401,7 @@ impl Trainer {
             }
             if let (true, Some(b)) = (main, rec.bubble) {
                 let (p, v, m) = (
-                    self.ctx.pp.size() as f64,
+                    self.ctx.groups.pp.size() as f64,
                     self.ctx.virtual_stages as f64,
                     self.recipe.grad_accum_steps() as f64,
                 );

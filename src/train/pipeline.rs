@@ -232,7 +232,7 @@ impl<'a> Executor<'a> {
             schedule,
             comm: ctx.comm.as_ref(),
             stage: ctx.coords.pp,
-            stage_ranks: ctx.pp.ranks(),
+            stage_ranks: ctx.groups.pp.ranks(),
             chunks: ctx.chunks(cfg.num_hidden_layers),
             act_shape: ctx.activation_shape(micro_batch, seq_len, cfg.hidden_size),
             dtype: model.params().get(0).dtype,
@@ -458,8 +458,8 @@ pub fn forward_losses(
     labels: &Tensor,
     hooks: &mut dyn StepHooks,
 ) -> Result<Option<Tensor>> {
-    let (pp, stage) = (ctx.pp.size(), ctx.coords.pp);
-    let ranks = ctx.pp.ranks();
+    let (pp, stage) = (ctx.groups.pp.size(), ctx.coords.pp);
+    let ranks = ctx.groups.pp.ranks();
     let (b, s) = tokens.dims2()?;
     let cfg = model.config();
     let shape = ctx.activation_shape(b, s, cfg.hidden_size);

@@ -9,7 +9,7 @@ use data::Batch;
 use model::{Piece, Placement};
 use parallel::cp::{local_chunks, ContextParallel};
 use parallel::ep::ExpertParallel;
-use parallel::mesh::{Axis, Coords, Mesh};
+use parallel::mesh::{Axis, Coords, Mesh, RankGroups};
 use parallel::tp::TensorParallel;
 use parallel::{Channel, Comm, Group, ParallelConfig};
 
@@ -24,36 +24,10 @@ pub struct RankCtx {
     pub coords: Coords,
     /// The job's communicator.
     pub comm: Arc<dyn Comm>,
-    /// The gradient group: the ranks holding the same weights, which reduce their gradients
-    /// (and split ZeRO state) among themselves — the data-parallel ranks and, with context
-    /// parallelism, the context-parallel ranks of each (`dp × cp` ranks). Samples are split by
-    /// [`RankCtx::data_index`] instead.
-    pub dp: Group,
-    /// Context-parallel group: the ranks sharing this rank's samples, each holding a share of
-    /// every sequence.
-    pub cp: Group,
-    /// Which data-parallel replica this rank is (`coords.dp`): the samples it reads.
-    pub data_index: usize,
-    /// Number of data-parallel replicas (`parallel.dp`): the ways each global batch is split.
-    pub data_size: usize,
-    /// ZeRO shard group: the gradient-group ranks that split sharded state among themselves (all
-    /// of `dp`, or a group of `parallel.zero_shard_size` with hybrid sharding; this rank alone at
-    /// stage 0).
-    pub dp_shard: Group,
-    /// The ranks of the other shard groups holding the same shard (only this rank without hybrid
-    /// sharding).
-    pub dp_replicate: Group,
-    /// Expert-parallel group: the data-parallel ranks among which each MoE layer's experts are
-    /// split and tokens travel by all-to-all (this rank alone without expert parallelism).
-    pub ep: Group,
-    /// Expert gradient group: the gradient-group ranks holding this rank's experts, which reduce
-    /// (and, with ZeRO, shard) the experts' gradients (the gradient group without expert
-    /// parallelism).
-    pub expert_dp: Group,
-    /// Tensor-parallel group.
-    pub tp: Group,
-    /// Pipeline group (this rank's pipeline, stage order = member order).
-    pub pp: Group,
+    /// Its communication groups, by name (all built by [`Mesh::rank_groups`]). Samples are split
+    /// by the data-parallel index ([`RankCtx::data_index`]), gradients reduced over `grad`
+    /// (`dp × cp`).
+    pub groups: RankGroups,
     /// Model chunks per pipeline stage.
     pub virtual_stages: usize,
     /// Sequence parallelism on.
@@ -66,32 +40,39 @@ impl RankCtx {
     /// The context of `rank` in the layout `cfg`, communicating through `comm`.
     pub fn new(cfg: &ParallelConfig, rank: usize, comm: Arc<dyn Comm>) -> anyhow::Result<Self> {
         let mesh = Mesh::from_config(cfg)?;
-        let coords = mesh.coords(rank);
-        let dp = mesh.group_across(&[Axis::Dp, Axis::Cp], rank);
-        // Gradient-group index d = r · n + s: shard s of shard group r (shards vary fastest).
-        let n = cfg.shard_size();
-        let d = dp.index_of(rank).expect("a rank is in its gradient group");
-        let (r, s) = (d / n, d % n);
-        let members = dp.ranks();
         Ok(Self {
             rank,
-            coords,
-            cp: mesh.group(Axis::Cp, rank),
-            data_index: coords.dp,
-            data_size: mesh.size(Axis::Dp),
-            dp_shard: Group::new(members[r * n..(r + 1) * n].to_vec()),
-            dp_replicate: Group::new(members.iter().skip(s).step_by(n).copied().collect()),
-            dp,
-            ep: mesh.ep_group(rank),
-            expert_dp: mesh.expert_grad_group(rank),
-            tp: mesh.group(Axis::Tp, rank),
-            pp: mesh.group(Axis::Pp, rank),
+            coords: mesh.coords(rank),
+            groups: mesh.rank_groups(rank, cfg.shard_size()),
             virtual_stages: cfg.virtual_stages,
             mesh,
             comm,
             sequence_parallel: cfg.sequence_parallel,
             device: Device::Cpu,
         })
+    }
+
+    /// Opens `rank` of a job with layout `cfg` on `device`: creates every communicator of the
+    /// job in one global order first ([`job_channels`], [`Comm::prepare`]), then the context.
+    /// Training, evaluation and the tests all open their ranks here.
+    pub fn open(
+        cfg: &ParallelConfig,
+        rank: usize,
+        comm: Arc<dyn Comm>,
+        device: Device,
+    ) -> anyhow::Result<Self> {
+        comm.prepare(&job_channels(cfg, &comm)?)?;
+        Ok(Self::new(cfg, rank, comm)?.on(device))
+    }
+
+    /// Which data-parallel replica this rank is: the samples it reads.
+    pub fn data_index(&self) -> usize {
+        self.coords.dp
+    }
+
+    /// Number of data-parallel replicas (`parallel.dp`): the ways each global batch is split.
+    pub fn data_size(&self) -> usize {
+        self.mesh.size(Axis::Dp)
     }
 
     /// The same context computing on `device`.
@@ -102,38 +83,37 @@ impl RankCtx {
 
     /// Tensor-parallel setup for the model (a one-rank group without tensor parallelism).
     pub fn tensor_parallel(&self) -> TensorParallel {
-        TensorParallel::new(self.comm.clone(), self.tp.clone(), self.sequence_parallel)
+        let tp = self.groups.tp.clone();
+        TensorParallel::new(self.comm.clone(), tp, self.sequence_parallel)
     }
 
     /// Context-parallel setup for the model (a one-rank group without context parallelism).
     pub fn context_parallel(&self) -> ContextParallel {
-        if self.cp.size() == 1 {
-            ContextParallel::single()
-        } else {
-            ContextParallel::new(self.comm.clone(), self.cp.clone())
+        match self.groups.cp.size() {
+            1 => ContextParallel::single(),
+            _ => ContextParallel::new(self.comm.clone(), self.groups.cp.clone()),
         }
     }
 
     /// Expert-parallel setup for the model (a one-rank group without expert parallelism).
     pub fn expert_parallel(&self) -> ExpertParallel {
-        if self.ep.size() == 1 {
-            ExpertParallel::single()
-        } else {
-            ExpertParallel::new(self.comm.clone(), self.ep.clone())
+        match self.groups.ep.size() {
+            1 => ExpertParallel::single(),
+            _ => ExpertParallel::new(self.comm.clone(), self.groups.ep.clone()),
         }
     }
 
     /// This rank's share of a batch of whole sequences: the rows of its context-parallel chunks
     /// (the batch itself without context parallelism).
     pub fn local_batch(&self, b: Batch) -> anyhow::Result<Batch> {
-        local_batch(b, self.cp.size(), self.coords.cp)
+        local_batch(b, self.groups.cp.size(), self.coords.cp)
     }
 
     /// Shape of the activations between pieces for a micro-batch of `b` sequences of `s` local
     /// tokens: `[b, s / tp, h]` with sequence parallelism, else `[b, s, h]`.
     pub fn activation_shape(&self, b: usize, s: usize, h: usize) -> candle_core::Shape {
         let split = if self.sequence_parallel {
-            self.tp.size()
+            self.groups.tp.size()
         } else {
             1
         };
@@ -143,7 +123,7 @@ impl RankCtx {
     /// The pieces of each of this rank's local pipeline chunks, in local chunk order (one chunk
     /// without virtual stages; everything on a rank without pipeline parallelism).
     pub fn chunks(&self, num_layers: usize) -> Vec<Vec<Piece>> {
-        let (pp, v, stage) = (self.pp.size(), self.virtual_stages, self.coords.pp);
+        let (pp, v, stage) = (self.groups.pp.size(), self.virtual_stages, self.coords.pp);
         (0..v)
             .map(|c| chunk_pieces(stage, c, pp, v, num_layers))
             .collect()
@@ -152,7 +132,7 @@ impl RankCtx {
     /// The part of the model this rank holds: the layers of its pipeline chunks, the embedding on
     /// the first stage, the head on the last.
     pub fn placement(&self, num_layers: usize) -> Placement {
-        let (pp, stage) = (self.pp.size(), self.coords.pp);
+        let (pp, stage) = (self.groups.pp.size(), self.coords.pp);
         let layers = self
             .chunks(num_layers)
             .into_iter()
@@ -172,12 +152,6 @@ impl RankCtx {
         }
     }
 
-    /// First and last pipeline stage of this rank's pipeline (they share tied embeddings).
-    pub fn embedding_group(&self) -> Group {
-        let r = self.pp.ranks();
-        Group::new(vec![r[0], r[r.len() - 1]])
-    }
-
     /// Whether this rank writes logs and run outputs.
     pub fn is_main(&self) -> bool {
         self.rank == 0
@@ -185,11 +159,10 @@ impl RankCtx {
 }
 
 /// Every communication channel of a job with layout `cfg`, in one global order that every rank
-/// computes alike (see [`Comm::prepare`]): rank by rank, its world, tensor-, context-,
-/// gradient-, shard-, replica-, expert-gradient-, expert-parallel (the gradient norm's sum at
-/// stage 0), pipeline- and pipeline-ends groups, its expert-parallel all-to-all group, and its
-/// point-to-point directions (to the next and the previous pipeline stage, and to the next rank
-/// of the context-parallel ring), each listed where it first appears.
+/// computes alike (see [`Comm::prepare`]): rank by rank, its world group and its groups in
+/// [`RankGroups::named`] order, its expert-parallel all-to-all group, and its point-to-point
+/// directions (to the next and the previous pipeline stage, and to the next rank of the
+/// context-parallel ring), each listed where it first appears.
 pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Result<Vec<Channel>> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
@@ -202,22 +175,12 @@ pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Resul
                 out.push(ch);
             }
         };
-        for g in [
-            &all,
-            &c.tp,
-            &c.cp,
-            &c.dp,
-            &c.dp_shard,
-            &c.dp_replicate,
-            &c.expert_dp,
-            &c.ep,
-            &c.pp,
-        ] {
+        add(Channel::Group(all.clone()));
+        for (_, g) in c.groups.named() {
             add(Channel::Group(g.clone()));
         }
-        add(Channel::Group(c.embedding_group()));
-        add(Channel::AllToAll(c.ep.clone()));
-        let (pp, stage) = (c.pp.ranks(), c.coords.pp);
+        add(Channel::AllToAll(c.groups.ep.clone()));
+        let (pp, stage) = (c.groups.pp.ranks(), c.coords.pp);
         if pp.len() > 1 {
             let n = pp.len();
             add(Channel::P2p {
@@ -229,9 +192,9 @@ pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Resul
                 dst: pp[(stage + n - 1) % n],
             });
         }
-        let ring = c.cp.ranks();
+        let ring = c.groups.cp.ranks();
         if ring.len() > 1 {
-            let at = c.cp.index_of(r).unwrap_or(0);
+            let at = c.groups.cp.index_of(r).unwrap_or(0);
             add(Channel::P2p {
                 src: r,
                 dst: ring[(at + 1) % ring.len()],

@@ -85,7 +85,7 @@ pub fn gather(
             *dst += n as f64;
         }
     }
-    for group in [&ctx.pp, &ctx.dp] {
+    for group in [&ctx.groups.pp, &ctx.groups.grad] {
         if group.size() > 1 {
             let t = Tensor::from_vec(sums, layers.len() * width, &Device::Cpu)?;
             sums = ctx.comm.all_reduce(group, &t, ReduceOp::Sum)?.to_vec1()?;

@@ -92,11 +92,7 @@ pub fn run_rank(
     } else {
         Vec::new()
     };
-    // Every communicator of the job before anything else communicates (see `Comm::prepare`).
-    let ctx = super::rank::job_channels(&recipe.parallel, &comm)
-        .and_then(|channels| Ok(comm.prepare(&channels)?))
-        .and_then(|()| RankCtx::new(&recipe.parallel, rank, comm.clone()))
-        .map(|c| c.on(device))
+    let ctx = RankCtx::open(&recipe.parallel, rank, comm.clone(), device)
         .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
     let mut trainer = match ctx {
         Ok(t) => t,

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use parallel::dp::intersect;
+use parallel::dp::{global_sum_squares, norm_runs, NormGroups};
 use parallel::tp::Shard;
 
 use super::guard::{LocalNumbers, Verdict};
@@ -32,8 +32,8 @@ impl Trainer {
         let next = (self.step + 1 < t.steps).then(|| self.consumed + t.global_batch as u64);
         let staged = self.prefetch.get(self.consumed, next)?;
         let local: f64 = staged.iter().map(|b| b.counted).sum();
-        let scale = 1.0 / all_reduce_f64(comm, &ctx.dp, local)?.max(1.0);
-        let aux_scale = 1.0 / (staged.len() * ctx.dp.size()) as f64;
+        let scale = 1.0 / all_reduce_f64(comm, &ctx.groups.grad, local)?.max(1.0);
+        let aux_scale = 1.0 / (staged.len() * ctx.groups.grad.size()) as f64;
         let mbs: Vec<MicroBatch> = staged
             .into_iter()
             .map(|b| b.into_micro_batch(scale, aux_scale))
@@ -45,7 +45,7 @@ impl Trainer {
             &self.schedule,
             t.recompute,
             t.micro_batch,
-            t.seq_len / ctx.cp.size(),
+            t.seq_len / ctx.groups.cp.size(),
         );
         if self.recipe.run.trace_step == Some(self.step + 1) {
             exec = exec.timed_on_device(&self.device);
@@ -80,8 +80,8 @@ impl Trainer {
         self.timing = run.timing;
         let ctx = &self.ctx;
         let comm = ctx.comm.as_ref();
-        let loss = all_reduce_f64(comm, &ctx.pp, local_loss)?;
-        let loss = all_reduce_f64(comm, &ctx.dp, loss)?;
+        let loss = all_reduce_f64(comm, &ctx.groups.pp, local_loss)?;
+        let loss = all_reduce_f64(comm, &ctx.groups.grad, loss)?;
         // After the data-parallel gradient traffic of the step has finished on every group.
         let mut routing = super::routing::gather(self.model.config(), run.moe, ctx)?;
         let (grad_norm, grad_sq) = self.grad_norm()?;
@@ -128,7 +128,7 @@ impl Trainer {
         };
         let (t, r) = (&self.recipe.train, &self.recipe);
 
-        let ring = (ctx.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
+        let ring = (ctx.groups.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
         // The update's kernels may still be queued: the step ends when the device is done.
         crate::device::synchronize(&self.device)?;
         let secs = start.elapsed().as_secs_f64();
@@ -165,7 +165,9 @@ impl Trainer {
             moe: routing,
             consumed_samples: self.consumed,
             step_time_s: secs,
-            bubble: traced.filter(|_| ctx.pp.size() > 1).map(|s| s.bubble),
+            bubble: traced
+                .filter(|_| ctx.groups.pp.size() > 1)
+                .map(|s| s.bubble),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
             skipped: match verdict {
@@ -203,53 +205,30 @@ impl Trainer {
     }
 
     /// The global gradient norm, each element counted once over the whole job (see
-    /// [`Trainer::owns_copy`]; ZeRO-1 shards summed over data-parallel ranks; without ZeRO the
-    /// routed experts, which differ between expert-parallel ranks, summed over the ep group),
-    /// and this rank's own sum of squares.
+    /// `parallel::dp::norm`; a copy counts where [`Trainer::owns_copy`] says), and this rank's
+    /// own sum of squares.
     fn grad_norm(&self) -> Result<(f64, f64)> {
-        let ctx = &self.ctx;
-        let split_experts = ctx.ep.size() > 1;
-        let expert = self.model.inventory().expert_flags();
-        // Adjacent ranges are summed in one pass: one kernel (and, on a GPU, one read-back)
-        // per contiguous run instead of one per parameter. Runs of experts and of the other
-        // parameters are kept apart ([others, experts]) under expert parallelism.
-        let mut runs: [Vec<std::ops::Range<usize>>; 2] = [Vec::new(), Vec::new()];
-        for (i, p) in self.model.params().iter().enumerate() {
-            if !self.owns_copy(p) {
-                continue;
-            }
-            let runs = &mut runs[usize::from(split_experts && expert[i])];
-            for r in self.optimizer.owned() {
-                let x = intersect(&self.grads.layout().range(i), r);
-                match runs.last_mut() {
-                    _ if x.is_empty() => {}
-                    Some(last) if last.end == x.start => last.end = x.end,
-                    _ => runs.push(x),
-                }
-            }
-        }
+        let (ctx, model) = (&self.ctx, &self.model);
+        let counts: Vec<bool> = model.params().iter().map(|p| self.owns_copy(p)).collect();
+        let expert = model.inventory().expert_flags();
+        let split = ctx.groups.ep.size() > 1;
+        let owned = self.optimizer.owned();
+        let runs = norm_runs(self.grads.layout(), &counts, &expert, owned, split);
         let mut local = [0.0; 2];
         for (sum, runs) in local.iter_mut().zip(runs) {
             for r in runs {
                 *sum += self.grads.sum_squares(r)?;
             }
         }
-        let comm = ctx.comm.as_ref();
-        let mut sq = local[0];
-        if split_experts && !self.recipe.parallel.zero.shards_optimizer() {
-            sq += all_reduce_f64(comm, &ctx.ep, local[1])?;
-        } else {
-            sq += local[1];
-        }
-        sq = all_reduce_f64(comm, &ctx.tp, sq)?;
-        sq = all_reduce_f64(comm, &ctx.pp, sq)?;
-        if self.recipe.parallel.zero.shards_optimizer() {
-            // Shards of one shard group; replica groups hold the same shards. Expert shards are
-            // cut over the expert gradient group, whose members, with the other expert-parallel
-            // indices, make up the gradient group: each element is still counted once.
-            sq = all_reduce_f64(comm, &ctx.dp_shard, sq)?;
-        }
-        let local = local[0] + local[1];
-        Ok((sq.sqrt(), local))
+        let g = &ctx.groups;
+        let groups = NormGroups {
+            tp: &g.tp,
+            pp: &g.pp,
+            ep: &g.ep,
+            shard: &g.shard,
+        };
+        let zero = self.recipe.parallel.zero;
+        let sq = global_sum_squares(ctx.comm.as_ref(), groups, zero, local)?;
+        Ok((sq.sqrt(), local[0] + local[1]))
     }
 }

@@ -122,8 +122,8 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let zero = par.zero;
     let chunks = ctx.chunks(model.config().num_hidden_layers);
     let numels: Vec<usize> = model.params().iter().map(|p| p.numel()).collect();
-    let shard_index = ctx.dp_shard.index_of(ctx.rank).unwrap_or(0);
-    let expert_index = ctx.expert_dp.index_of(ctx.rank).unwrap_or(0);
+    let shard_index = ctx.groups.shard.index_of(ctx.rank).unwrap_or(0);
+    let expert_index = ctx.groups.expert_grad.index_of(ctx.rank).unwrap_or(0);
     let StateLayout { layout, owned } = state_layout(
         par,
         model.inventory(),
@@ -138,7 +138,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         GradBuffer::new(layout.clone(), device)?
     };
     let optimizer = AdamW::new(model.params(), &layout, owned.clone(), &recipe.optimizer)?;
-    let tied_pipeline = recipe.model.tie_word_embeddings && ctx.pp.size() > 1;
+    let tied_pipeline = recipe.model.tie_word_embeddings && ctx.groups.pp.size() > 1;
     let partial = model
         .params()
         .iter()
@@ -148,12 +148,12 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         })
         .collect();
     let groups = DpGroups {
-        dp: ctx.dp.clone(),
-        shard: ctx.dp_shard.clone(),
-        expert: ctx.expert_dp.clone(),
-        replicate: ctx.dp_replicate.clone(),
-        tp: ctx.tp.clone(),
-        pipeline_ends: ctx.embedding_group(),
+        dp: ctx.groups.grad.clone(),
+        shard: ctx.groups.shard.clone(),
+        expert: ctx.groups.expert_grad.clone(),
+        replicate: ctx.groups.replicate.clone(),
+        tp: ctx.groups.tp.clone(),
+        pipeline_ends: ctx.groups.pipeline_ends.clone(),
     };
     let flat = if zero.shards_parameters() {
         Some(flatten_params(model.params(), &layout)?)
@@ -200,8 +200,8 @@ pub fn publish(
     match dp.zero() {
         ZeroStage::Off => write_params(model.params(), dp.layout(), &master)?,
         ZeroStage::Optimizer | ZeroStage::Gradients => {
-            let (comm, expert) = (ctx.comm.as_ref(), &ctx.expert_dp);
-            let full = gather_shards(dp.layout(), &master, comm, &ctx.dp_shard, expert)?;
+            let (comm, expert) = (ctx.comm.as_ref(), &ctx.groups.expert_grad);
+            let full = gather_shards(dp.layout(), &master, comm, &ctx.groups.shard, expert)?;
             write_params(model.params(), dp.layout(), &full)?;
         }
         ZeroStage::Parameters => dp.set_param_shards(&master)?,

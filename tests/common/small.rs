@@ -90,7 +90,7 @@ pub fn step(model: &Llama, batches: &[Batch], recompute: Recompute) -> Step {
     let layout = layout_of(model.params(), DEFAULT_BUCKET_SIZE, 1);
     let buf = GradBuffer::new(layout, &Device::Cpu).unwrap();
     let comm = LocalWorld::new(1, Duration::from_secs(10)).remove(0);
-    let ctx = RankCtx::new(&ParallelConfig::default(), 0, comm).unwrap();
+    let ctx = RankCtx::open(&ParallelConfig::default(), 0, comm, Device::Cpu).unwrap();
     let schedule = pipeline::build(ScheduleKind::OneFOneB, 1, 1, batches.len()).unwrap();
     let (b, s) = (batches[0].micro_batch, batches[0].seq_len);
     let exec = Executor::new(model, &ctx, &schedule, recompute, b, s);

@@ -179,6 +179,54 @@ pub enum MeshError {
     ExpertAxis { ep: usize, dp: usize },
 }
 
+/// Every communication group of one rank, by name ([`Mesh::rank_groups`] builds them all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankGroups {
+    /// Tensor-parallel group.
+    pub tp: Group,
+    /// Context-parallel group: the ranks sharing this rank's samples, each holding a share of
+    /// every sequence.
+    pub cp: Group,
+    /// The gradient group: the ranks holding the same weights, which reduce their gradients (and
+    /// split ZeRO state) among themselves — the data-parallel ranks and, with context
+    /// parallelism, the context-parallel ranks of each (`dp × cp`).
+    pub grad: Group,
+    /// ZeRO shard group: the gradient-group ranks that split sharded state among themselves (all
+    /// of `grad`, or a group of `parallel.zero_shard_size` with hybrid sharding; this rank alone
+    /// without sharding).
+    pub shard: Group,
+    /// The ranks of the other shard groups holding the same shard (only this rank without hybrid
+    /// sharding).
+    pub replicate: Group,
+    /// Expert-parallel group: the data-parallel ranks among which each MoE layer's experts are
+    /// split and tokens travel by all-to-all (this rank alone without expert parallelism).
+    pub ep: Group,
+    /// Expert gradient group: the gradient-group ranks holding this rank's experts, which reduce
+    /// (and shard) the experts' gradients (the gradient group without expert parallelism).
+    pub expert_grad: Group,
+    /// Pipeline group (this rank's pipeline, stage order = member order).
+    pub pp: Group,
+    /// The first and last stage of this rank's pipeline (they share tied embeddings).
+    pub pipeline_ends: Group,
+}
+
+impl RankGroups {
+    /// Every group with its name, in one fixed order.
+    pub fn named(&self) -> [(&'static str, &Group); 9] {
+        [
+            ("tp", &self.tp),
+            ("cp", &self.cp),
+            ("grad", &self.grad),
+            ("shard", &self.shard),
+            ("replicate", &self.replicate),
+            ("expert_grad", &self.expert_grad),
+            ("ep", &self.ep),
+            ("pp", &self.pp),
+            ("pipeline_ends", &self.pipeline_ends),
+        ]
+    }
+}
+
 /// The sizes of the parallelism axes and the rank layout derived from them (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Mesh {
@@ -278,6 +326,32 @@ impl Mesh {
             .filter(|&r| self.ep_index(r) == me)
             .collect();
         Group::new(ranks)
+    }
+
+    /// Every communication group of `rank` by name, with ZeRO shard groups of `shard_size`
+    /// gradient-group ranks (1 without sharding; all of them without hybrid sharding).
+    pub fn rank_groups(&self, rank: usize, shard_size: usize) -> RankGroups {
+        let grad = self.group_across(&[Axis::Dp, Axis::Cp], rank);
+        // Gradient-group index d = r · n + s: shard s of shard group r (shards vary fastest).
+        let n = shard_size.max(1);
+        let d = grad
+            .index_of(rank)
+            .expect("a rank is in its gradient group");
+        let (r, s) = (d / n, d % n);
+        let members = grad.ranks();
+        let pp = self.group(Axis::Pp, rank);
+        let ends = pp.ranks();
+        RankGroups {
+            tp: self.group(Axis::Tp, rank),
+            cp: self.group(Axis::Cp, rank),
+            shard: Group::new(members[r * n..(r + 1) * n].to_vec()),
+            replicate: Group::new(members.iter().skip(s).step_by(n).copied().collect()),
+            ep: self.ep_group(rank),
+            expert_grad: self.expert_grad_group(rank),
+            pipeline_ends: Group::new(vec![ends[0], ends[ends.len() - 1]]),
+            pp,
+            grad,
+        }
     }
 
     /// Total number of ranks (`dp × tp × cp × pp`).

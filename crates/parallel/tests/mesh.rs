@@ -229,3 +229,46 @@ fn expert_groups_follow_the_worked_example() {
         "{e}"
     );
 }
+
+/// Every group of a rank comes from the mesh: with tp 2 × cp 2 × dp 4 (ep 2) × pp 2 and shard
+/// groups of 4 over the 8-rank gradient group (dp × cp), rank 2 (tp 0, cp 1, dp 0, pp 0).
+#[test]
+fn rank_groups_name_every_group_of_a_rank() {
+    let mesh = Mesh::with_sizes(&[(Axis::Tp, 2), (Axis::Cp, 2), (Axis::Dp, 4), (Axis::Pp, 2)])
+        .unwrap()
+        .with_ep(2)
+        .unwrap();
+    let g = mesh.rank_groups(2, 4);
+    assert_eq!(g.tp.ranks(), &[2, 3]);
+    assert_eq!(g.cp.ranks(), &[0, 2]);
+    // Gradient group: the dp × cp ranks with tp 0, pp 0, in rank order.
+    assert_eq!(g.grad.ranks(), &[0, 2, 4, 6, 8, 10, 12, 14]);
+    // Rank 2 is member 1 of the gradient group: shard group 0 (members 0-3), shard 1; its
+    // replicas hold shard 1 of the other shard groups.
+    assert_eq!(g.shard.ranks(), &[0, 2, 4, 6]);
+    assert_eq!(g.replicate.ranks(), &[2, 10]);
+    // Expert parallelism pairs data-parallel indices 0 and 1 (same tp, cp, pp).
+    assert_eq!(g.ep.ranks(), &[2, 6]);
+    assert_eq!(g.expert_grad.ranks(), &[0, 2, 8, 10]);
+    assert_eq!(g.pp.ranks(), &[2, 18]);
+    assert_eq!(g.pipeline_ends.ranks(), &[2, 18]);
+    let names: Vec<&str> = g.named().iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        names,
+        [
+            "tp",
+            "cp",
+            "grad",
+            "shard",
+            "replicate",
+            "expert_grad",
+            "ep",
+            "pp",
+            "pipeline_ends"
+        ]
+    );
+    // Without sharding every rank is its own shard group and the gradient group replicates.
+    let one = mesh.rank_groups(2, 1);
+    assert_eq!(one.shard.ranks(), &[2]);
+    assert_eq!(one.replicate.ranks(), one.grad.ranks());
+}

@@ -14,6 +14,7 @@
 //!   the updated shards;
 //! - [`stage`]: the ZeRO stage as a type, with the bytes of a rank's state at each stage;
 //! - [`state`]: the layout of a rank's gradient and optimizer state at its stage;
+//! - [`norm`]: the global gradient norm, each element counted once over the job;
 //! - [`gather`]: ZeRO-3's [`Gatherer`], which installs the full parameters of the piece being
 //!   computed in the model's parameter slots ([`ParamSlots`]).
 //!
@@ -22,6 +23,7 @@
 
 pub mod gather;
 pub mod layout;
+pub mod norm;
 pub mod rank;
 pub mod stage;
 pub mod state;
@@ -30,6 +32,7 @@ pub mod zero;
 
 pub use gather::{GatherStats, Gatherer, ParamSlots, Pass};
 pub use layout::{intersect, Bucket, FlatLayout};
+pub use norm::{global_sum_squares, norm_runs, NormGroups};
 pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
 pub use stage::{StateBytes, ZeroStage};
 pub use state::{unit_buckets, StateLayout};
