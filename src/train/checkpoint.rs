@@ -214,6 +214,59 @@ impl Trainer {
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let ck = Checkpoint::open(dir)?;
         let m = ck.manifest();
+        self.check_same_model(dir, m)?;
+        self.check_resume_changes(dir, m)?;
+        let t = &self.recipe.train;
+        let needed =
+            m.consumed_samples + (t.steps as u64).saturating_sub(m.step) * t.global_batch as u64;
+        if needed > self.data.train.num_samples() {
+            bail!(
+                "{}: the checkpoint has consumed {} samples at step {}; the remaining {} steps of {} need {needed}, \
+                 more than train.steps × train.global_batch = {} provides (raise train.steps)",
+                dir.display(),
+                m.consumed_samples,
+                m.step,
+                (t.steps as u64).saturating_sub(m.step),
+                t.global_batch,
+                self.data.train.num_samples()
+            );
+        }
+        let state = self.read_owned_state(dir, &ck)?;
+        // Checkpoints written before the loop state was saved: every step was an update.
+        let progress: super::guard::LoopState = if m.trainer.is_null() {
+            super::guard::LoopState {
+                updates: m.step,
+                ..Default::default()
+            }
+        } else {
+            serde_json::from_value(m.trainer.clone())
+                .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
+        };
+        let n = state.len() / 3;
+        let buffers = Tensor::from_vec(state, (3, n), &self.ctx.device)?;
+        self.optimizer.load_state(&AdamWState {
+            step: progress.updates,
+            buffers,
+        })?;
+        self.progress = progress;
+        self.model.set_expert_bias(&self.progress.expert_bias);
+        super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+        self.step = m.step as usize;
+        self.consumed = m.consumed_samples;
+        if self.ctx.is_main() {
+            info!(
+                "resumed from {} (step {}, {} samples consumed)",
+                dir.display(),
+                m.step,
+                m.consumed_samples
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses a checkpoint of another model than the recipe's (token ids aside, which a recipe
+    /// leaving them unset inherits).
+    fn check_same_model(&mut self, dir: &Path, m: &ckpt::Manifest) -> Result<()> {
         // Token ids are the exported config's metadata, not the model's math: a recipe that
         // leaves them unset inherits the checkpoint's (e.g. those of an imported model).
         let stored: model::LlamaConfig = serde_json::from_value(m.model.clone())
@@ -250,22 +303,12 @@ impl Trainer {
                 diff.join("; ")
             );
         }
-        self.check_resume_changes(dir, m)?;
-        let t = &self.recipe.train;
-        let needed =
-            m.consumed_samples + (t.steps as u64).saturating_sub(m.step) * t.global_batch as u64;
-        if needed > self.train_data.num_samples() {
-            bail!(
-                "{}: the checkpoint has consumed {} samples at step {}; the remaining {} steps of {} need {needed}, \
-                 more than train.steps × train.global_batch = {} provides (raise train.steps)",
-                dir.display(),
-                m.consumed_samples,
-                m.step,
-                (t.steps as u64).saturating_sub(m.step),
-                t.global_batch,
-                self.train_data.num_samples()
-            );
-        }
+        Ok(())
+    }
+
+    /// This rank's owned flat ranges of the master weights and both moments from `ck` (in
+    /// `dir`), `[master | exp_avg | exp_avg_sq]`, all finite.
+    fn read_owned_state(&self, dir: &Path, ck: &Checkpoint) -> Result<Vec<f32>> {
         let layout = self.grads.layout().clone();
         let n: usize = self.optimizer.owned().iter().map(|r| r.len()).sum();
         let mut state = vec![0f32; 3 * n];
@@ -300,34 +343,6 @@ impl Trainer {
                 state[bad]
             );
         }
-        // Checkpoints written before the loop state was saved: every step was an update.
-        let progress: super::guard::LoopState = if m.trainer.is_null() {
-            super::guard::LoopState {
-                updates: m.step,
-                ..Default::default()
-            }
-        } else {
-            serde_json::from_value(m.trainer.clone())
-                .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
-        };
-        let buffers = Tensor::from_vec(state, (3, n), &self.device)?;
-        self.optimizer.load_state(&AdamWState {
-            step: progress.updates,
-            buffers,
-        })?;
-        self.progress = progress;
-        self.model.set_expert_bias(&self.progress.expert_bias);
-        super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
-        self.step = m.step as usize;
-        self.consumed = m.consumed_samples;
-        if self.ctx.is_main() {
-            info!(
-                "resumed from {} (step {}, {} samples consumed)",
-                dir.display(),
-                m.step,
-                m.consumed_samples
-            );
-        }
-        Ok(())
+        Ok(state)
     }
 }

@@ -14,19 +14,17 @@ pub mod metrics;
 pub mod pipeline;
 pub mod prefetch;
 pub mod rank;
+mod report;
 pub mod routing;
 mod run;
 mod saver;
 pub mod signals;
+mod splits;
 mod step;
 pub mod zero;
 
-use std::path::Path;
-use std::sync::Arc;
-
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use data::{GptData, Split};
 use model::{llama::masked_mean, Llama};
 use parallel::dp::DataParallel;
 use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind};
@@ -43,13 +41,13 @@ pub use rank::RankCtx;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
 };
+use splits::RankData;
 use zero::piece_uses;
 
 /// Everything one rank of a training run holds.
 pub struct Trainer {
     recipe: Recipe,
     ctx: RankCtx,
-    device: Device,
     model: Llama,
     grads: GradBuffer,
     optimizer: AdamW,
@@ -60,11 +58,8 @@ pub struct Trainer {
     gather: Option<Gatherer<model::Piece>>,
     /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
     uses: Vec<(model::Piece, usize, Pass)>,
-    train_data: Arc<GptData>,
-    /// The next step's micro-batches, read, cut to this rank's share and copied to the device
-    /// on a background thread during this step.
-    prefetch: prefetch::Prefetch<Vec<pipeline::Staged>>,
-    valid_data: Option<GptData>,
+    /// The training and validation splits, and the prefetch thread.
+    data: RankData,
     metrics: Option<Metrics>,
     /// Optimizer steps done.
     step: usize,
@@ -83,10 +78,6 @@ pub struct Trainer {
     stop: Option<i32>,
     /// The checkpoint being written in the background (`checkpoint.async`).
     saving: Option<std::thread::JoinHandle<Result<()>>>,
-}
-
-fn mib(bytes: usize) -> f64 {
-    bytes as f64 / (1u64 << 20) as f64
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -113,57 +104,7 @@ impl Trainer {
         }
         let dtype = recipe.train.dtype.dtype();
         let t = &recipe.train;
-        let total_samples = (t.steps * t.global_batch) as u64;
-        let train_data = GptData::open(
-            &recipe.data,
-            Path::new("."),
-            Split::Train,
-            t.seq_len,
-            t.seed,
-            total_samples,
-        )
-        .context("opening the training data")?;
-        if train_data.vocab_size() > recipe.model.vocab_size {
-            bail!(
-                "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({})",
-                recipe.model.vocab_size,
-                train_data.vocab_size()
-            );
-        }
-        let train_data = Arc::new(train_data);
-        let prefetch = {
-            let (data, gb, mb) = (train_data.clone(), t.global_batch, t.micro_batch);
-            let (index, size) = (ctx.data_index(), ctx.data_size());
-            let (cp, cp_index, device) = (ctx.groups.cp.size(), ctx.coords.cp, device.clone());
-            prefetch::Prefetch::new(
-                &format!("data-rank{}", ctx.rank),
-                Arc::new(move |consumed| {
-                    data::micro_batch_indices(consumed, gb, mb, index, size)
-                        .iter()
-                        .map(|ix| {
-                            let b = rank::local_batch(data.batch(ix)?, cp, cp_index)?;
-                            pipeline::Staged::new(&b, &device)
-                        })
-                        .collect()
-                }),
-            )?
-        };
-        let valid_data = if t.eval_interval > 0 {
-            let n = (t.eval_batches * t.global_batch) as u64;
-            Some(
-                GptData::open(
-                    &recipe.data,
-                    Path::new("."),
-                    Split::Valid,
-                    t.seq_len,
-                    t.seed,
-                    n,
-                )
-                .context("opening the validation data")?,
-            )
-        } else {
-            None
-        };
+        let data = RankData::open(&recipe, &ctx)?;
         // The largest activations of a micro-batch must fit candle's 32-bit CUDA indexing too.
         let rows = t.micro_batch * t.seq_len / ctx.groups.cp.size();
         let tp = ctx.groups.tp.size();
@@ -215,16 +156,13 @@ impl Trainer {
         let mut trainer = Self {
             recipe,
             ctx,
-            device,
             model,
             grads,
             optimizer,
             dp,
             gather,
             uses,
-            train_data,
-            prefetch,
-            valid_data,
+            data,
             metrics: None,
             step: 0,
             consumed: 0,
@@ -266,7 +204,7 @@ impl Trainer {
     /// Mean loss over the validation micro-batches (the same samples every time), split across
     /// data-parallel ranks.
     pub fn evaluate(&mut self) -> Result<f64> {
-        let Some(valid) = &self.valid_data else {
+        let Some(valid) = &self.data.valid else {
             bail!("validation is disabled (train.eval_interval = 0)")
         };
         let (t, ctx) = (&self.recipe.train, &self.ctx);
@@ -283,9 +221,10 @@ impl Trainer {
                 .map(|j| (i * t.micro_batch + j) as u64)
                 .collect();
             let b = ctx.local_batch(valid.batch(&ix)?)?;
-            let tokens = Tensor::from_slice(&b.tokens, (b.micro_batch, b.seq_len), &self.device)?;
-            let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.device)?;
-            let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.device)?;
+            let tokens =
+                Tensor::from_slice(&b.tokens, (b.micro_batch, b.seq_len), &self.ctx.device)?;
+            let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.ctx.device)?;
+            let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.ctx.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
             if let Some(g) = &mut self.gather {
                 g.start(forwards.clone());
@@ -316,158 +255,32 @@ impl Trainer {
 
     /// Trains for the recipe's steps; returns every step's record and the final validation loss.
     pub fn run(&mut self) -> Result<(Vec<StepRecord>, Option<f64>)> {
-        let (steps, log_every, eval_every) = (
-            self.recipe.train.steps,
-            self.recipe.run.log_interval,
-            self.recipe.train.eval_interval,
-        );
+        let (steps, eval_every) = (self.recipe.train.steps, self.recipe.train.eval_interval);
         let main = self.ctx.is_main();
         if main {
-            let p = &self.recipe.parallel;
-            info!(
-                "model: {} parameters, {} layers; layout dp={} tp={} cp={} pp={}{}{}; {} micro-batches of {} × {} tokens per rank and step",
-                self.model.config().num_params(),
-                self.model.config().num_hidden_layers,
-                p.dp,
-                p.tp,
-                p.cp,
-                p.pp,
-                if p.sequence_parallel { " +sp" } else { "" },
-                match (p.zero, p.zero_shard_size) {
-                    (parallel::dp::ZeroStage::Off, _) => String::new(),
-                    (z, Some(n)) => format!(" +zero{z} (shards of {n})"),
-                    (z, None) => format!(" +zero{z}"),
-                },
-                self.recipe.grad_accum_steps(),
-                self.recipe.train.micro_batch,
-                self.recipe.train.seq_len / p.cp
-            );
-            let b = self.state_bytes();
-            info!(
-                "rank 0 state: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB",
-                mib(b.param_bytes),
-                mib(b.grad_bytes),
-                mib(b.optimizer_bytes)
-            );
+            self.log_start();
         }
         let mut records = Vec::new();
         let mut last_eval = None;
         while self.step < steps {
             let rec = self.train_step()?;
-            if main && (rec.step % log_every == 0 || rec.step == steps) {
-                let mfu = rec
-                    .mfu
-                    .map_or("n/a".to_string(), |m| format!("{:.1}%", 100.0 * m));
-                let gathers = rec.gather_s.map_or(String::new(), |s| {
-                    let hidden = rec.gather_hidden.unwrap_or(0.0);
-                    format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
-                });
-                let ring = rec.ring_s.map_or(String::new(), |s| {
-                    let exposed = rec.ring_exposed_s.unwrap_or(0.0);
-                    format!(" ring={:.0}ms ({:.0}ms exposed)", 1e3 * s, 1e3 * exposed)
-                });
-                // On a GPU: the device memory allocated at the step's end and its peak.
-                let mem = match (rec.device_mem_mib, rec.device_peak_mib) {
-                    (Some(now), Some(peak)) => format!("{now:.0}MiB (peak {peak:.0}MiB)"),
-                    _ => format!("{:.0}MiB", rec.mem_mib),
-                };
-                let moe = rec.moe.as_ref().map_or(String::new(), |m| {
-                    let bias = m
-                        .bias_max_abs
-                        .map_or(String::new(), |b| format!(" |bias|<={b:.4}"));
-                    let bias = match m.dropped {
-                        Some(d) => format!("{bias} dropped={:.2}%", 100.0 * d),
-                        None => bias,
-                    };
-                    format!(
-                        " moe_lb={:.3} moe_z={:.3} max/mean={:.2}{bias}",
-                        m.load_balancing, m.z_loss, m.max_over_mean
-                    )
-                });
-                let skip = if rec.skipped.is_some() {
-                    " (update skipped)"
-                } else {
-                    ""
-                };
-                info!(
-                    "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{moe}{skip}",
-                    rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
-                    mib(rec.state.total()), mib(rec.act_peak_bytes), mib(rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes)
-                );
-            }
-            if main && self.recipe.run.trace_step == Some(rec.step) {
-                let path = self.recipe.run.dir.join("trace.json");
-                info!("step={} timeline: {}", rec.step, path.display());
-            }
-            if let (true, Some(b)) = (main, rec.bubble) {
-                let (p, v, m) = (
-                    self.ctx.groups.pp.size() as f64,
-                    self.ctx.virtual_stages as f64,
-                    self.recipe.grad_accum_steps() as f64,
-                );
-                info!(
-                    "step={} pipeline bubble: measured {:.3} of the pipeline phase; ideal (p-1)/(v·m+p-1) = {:.3}, i.e. (p-1)/(v·m) = {:.3} of the compute time",
-                    rec.step,
-                    b,
-                    (p - 1.0) / (v * m + p - 1.0),
-                    (p - 1.0) / (v * m),
-                );
-            }
-            if let (true, Some(o), Some(t)) = (main, rec.sync_overlap, rec.sync_exposed_s) {
-                info!(
-                    "step={} data-parallel gradient sync: {:.0}% of the buckets reduced during the backward passes; the step waited {:.1} ms for the rest",
-                    rec.step,
-                    100.0 * o,
-                    1e3 * t
-                );
+            if main {
+                self.log_step(&rec);
             }
             if let Some(m) = &mut self.metrics {
                 m.step(&rec)?;
             }
             if eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps) {
-                let val_loss = self.evaluate()?;
-                if main {
-                    info!("step={} val_loss={val_loss:.4}", rec.step);
-                }
-                if let Some(m) = &mut self.metrics {
-                    m.eval(&EvalRecord {
-                        step: rec.step,
-                        val_loss,
-                    })?;
-                    m.plot()?;
-                }
-                last_eval = Some(val_loss);
+                last_eval = Some(self.validate(rec.step)?);
             }
-            let every = self.recipe.checkpoint.interval;
             // A stop signal during the last step changes nothing: the run is complete.
             if self.step == steps {
                 self.stop = None;
             }
-            let saved = if (every > 0 && (rec.step % every == 0 || rec.step == steps))
-                || self.stop.is_some()
-            {
-                Some(
-                    self.save_checkpoint()
-                        .with_context(|| format!("saving the checkpoint of step {}", rec.step))?,
-                )
-            } else {
-                None
-            };
+            let saved = self.save_if_due(rec.step)?;
             records.push(rec);
             if let Some(signal) = self.stop {
-                self.wait_for_save()?;
-                if let Some(m) = &self.metrics {
-                    m.plot()?;
-                }
-                let stop = signals::Interrupted {
-                    signal,
-                    step: Some(self.step),
-                    checkpoint: saved,
-                };
-                if main {
-                    tracing::warn!("{stop}");
-                }
-                return Err(stop.into());
+                return Err(self.interrupted(signal, saved)?.into());
             }
         }
         self.wait_for_save()?;
@@ -475,6 +288,55 @@ impl Trainer {
             m.plot()?;
         }
         Ok((records, last_eval))
+    }
+
+    /// Validation after step `step`: logged, recorded and plotted.
+    fn validate(&mut self, step: usize) -> Result<f64> {
+        let val_loss = self.evaluate()?;
+        if self.ctx.is_main() {
+            info!("step={step} val_loss={val_loss:.4}");
+        }
+        if let Some(m) = &mut self.metrics {
+            m.eval(&EvalRecord { step, val_loss })?;
+            m.plot()?;
+        }
+        Ok(val_loss)
+    }
+
+    /// Saves the checkpoint of step `step` when the interval, the last step or a stop signal
+    /// asks for one.
+    fn save_if_due(&mut self, step: usize) -> Result<Option<std::path::PathBuf>> {
+        let (every, steps) = (self.recipe.checkpoint.interval, self.recipe.train.steps);
+        if (every > 0 && (step.is_multiple_of(every) || step == steps)) || self.stop.is_some() {
+            let saved = self
+                .save_checkpoint()
+                .with_context(|| format!("saving the checkpoint of step {step}"))?;
+            Ok(Some(saved))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A run stopped by `signal` after its checkpoint `saved` was written: waits for the save,
+    /// plots, and says so.
+    fn interrupted(
+        &mut self,
+        signal: i32,
+        saved: Option<std::path::PathBuf>,
+    ) -> Result<signals::Interrupted> {
+        self.wait_for_save()?;
+        if let Some(m) = &self.metrics {
+            m.plot()?;
+        }
+        let stop = signals::Interrupted {
+            signal,
+            step: Some(self.step),
+            checkpoint: saved,
+        };
+        if self.ctx.is_main() {
+            tracing::warn!("{stop}");
+        }
+        Ok(stop)
     }
 
     /// This rank's parameter slices: `(name, global shape, slice, values)`.

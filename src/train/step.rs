@@ -6,49 +6,121 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use parallel::dp::{global_sum_squares, norm_runs, NormGroups};
+use model::moe::LayerStats;
+use parallel::dp::{global_sum_squares, norm_runs, GatherStats, NormGroups};
 use parallel::tp::Shard;
 
 use super::guard::{LocalNumbers, Verdict};
 use super::hooks::StepSync;
 use super::metrics::{self, peak_rss_mib, StateBytes, StepRecord};
 use super::pipeline::{Executor, MicroBatch};
+use super::routing::StepRouting;
 use super::{all_reduce_f64, zero, Trainer};
 use crate::lr::lr_at;
 
 /// Bytes per MiB.
 const MIB: f64 = (1u64 << 20) as f64;
 
+/// What a step measured, for its record.
+struct Measured {
+    start: Instant,
+    loss: f64,
+    lr: f64,
+    grad_norm: f64,
+    /// Seconds since the start when the optimizer began.
+    opt_start: f64,
+    run: PassStats,
+    routing: Option<StepRouting>,
+    verdict: Verdict,
+}
+
+/// What the step's forward and backward passes left besides gradients.
+struct PassStats {
+    /// This rank's summed scaled loss.
+    loss: f64,
+    act_peak_bytes: usize,
+    graph_tensors: usize,
+    moe: Vec<LayerStats>,
+    gathered: GatherStats,
+}
+
 impl Trainer {
-    /// One optimizer step over the next global batch.
+    /// One optimizer step over the next global batch: its micro-batches through the schedule,
+    /// the global loss and gradient norm, the step guard's verdict, the update, the record.
     pub fn train_step(&mut self) -> Result<StepRecord> {
         let start = Instant::now();
-        crate::device::reset_peak(&self.device);
-        let (t, ctx) = (&self.recipe.train, &self.ctx);
-        let comm = ctx.comm.as_ref();
+        crate::device::reset_peak(&self.ctx.device);
         self.grads.zero()?;
         self.model.placement().cp.stats().take(); // count this step's ring only
-                                                  // This step's micro-batches (read during the last step) and a request for the next's.
+        let mbs = self.micro_batches()?;
+        let mut run = self.forward_backward(&mbs, start)?;
+        self.inject_test_fault(self.step + 1)?;
+        let ctx = &self.ctx;
+        let comm = ctx.comm.as_ref();
+        let loss = all_reduce_f64(comm, &ctx.groups.pp, run.loss)?;
+        let loss = all_reduce_f64(comm, &ctx.groups.grad, loss)?;
+        // After the data-parallel gradient traffic of the step has finished on every group.
+        let moe = std::mem::take(&mut run.moe);
+        let mut routing = super::routing::gather(self.model.config(), moe, ctx)?;
+        let (grad_norm, grad_sq) = self.grad_norm()?;
+        let local = LocalNumbers {
+            loss: run.loss,
+            grad_sq,
+        };
+        let verdict = self.judge(self.step + 1, loss, grad_norm, local)?;
+        let r = &self.recipe;
+        let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, r.train.steps);
+        let opt_start = start.elapsed().as_secs_f64();
+        let updated = verdict == Verdict::Update;
+        if updated {
+            self.update(lr, grad_norm, routing.as_mut())?;
+        }
+        self.step += 1;
+        self.consumed += self.recipe.train.global_batch as u64;
+        self.stop = self.after_update(self.step, updated)?;
+        self.record(Measured {
+            start,
+            loss,
+            lr,
+            grad_norm,
+            opt_start,
+            run,
+            routing,
+            verdict,
+        })
+    }
+
+    /// This step's micro-batches (read and staged during the last step), with their loss scales
+    /// from the global batch's token count, and a request for the next step's.
+    fn micro_batches(&mut self) -> Result<Vec<MicroBatch>> {
+        let (t, ctx) = (&self.recipe.train, &self.ctx);
         let next = (self.step + 1 < t.steps).then(|| self.consumed + t.global_batch as u64);
-        let staged = self.prefetch.get(self.consumed, next)?;
+        let staged = self.data.prefetch.get(self.consumed, next)?;
         let local: f64 = staged.iter().map(|b| b.counted).sum();
-        let scale = 1.0 / all_reduce_f64(comm, &ctx.groups.grad, local)?.max(1.0);
-        let aux_scale = 1.0 / (staged.len() * ctx.groups.grad.size()) as f64;
-        let mbs: Vec<MicroBatch> = staged
+        let grad = &ctx.groups.grad;
+        let scale = 1.0 / all_reduce_f64(ctx.comm.as_ref(), grad, local)?.max(1.0);
+        let aux_scale = 1.0 / (staged.len() * grad.size()) as f64;
+        Ok(staged
             .into_iter()
             .map(|b| b.into_micro_batch(scale, aux_scale))
-            .collect();
+            .collect())
+    }
 
+    /// The schedule's forward and backward passes over `mbs`, with the data-parallel sync and
+    /// ZeRO-3 gathering through the executor's hooks, waited for at the end.
+    fn forward_backward(&mut self, mbs: &[MicroBatch], start: Instant) -> Result<PassStats> {
+        let (t, ctx) = (&self.recipe.train, &self.ctx);
+        let local_seq = t.seq_len / ctx.groups.cp.size();
         let mut exec = Executor::new(
             &self.model,
             ctx,
             &self.schedule,
             t.recompute,
             t.micro_batch,
-            t.seq_len / ctx.groups.cp.size(),
+            local_seq,
         );
         if self.recipe.run.trace_step == Some(self.step + 1) {
-            exec = exec.timed_on_device(&self.device);
+            exec = exec.timed_on_device(&self.ctx.device);
         }
         self.dp.start();
         if let Some(g) = &mut self.gather {
@@ -60,8 +132,8 @@ impl Trainer {
             dp: &mut self.dp,
             gather: self.gather.as_mut(),
         };
-        let run = exec.step(&mbs, &self.grads, &mut hooks, start)?;
-        let mut gathered = parallel::dp::GatherStats::default();
+        let run = exec.step(mbs, &self.grads, &mut hooks, start)?;
+        let mut gathered = GatherStats::default();
         if let Some(g) = &mut self.gather {
             g.finish(self.model.params())?;
             gathered = g.stats();
@@ -75,71 +147,63 @@ impl Trainer {
             .iter()
             .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
             .collect();
-        self.inject_test_fault(self.step + 1)?;
-        let (local_loss, act_peak, graph_tensors) = (run.loss, run.act_peak_bytes, run.tracked);
         self.timing = run.timing;
-        let ctx = &self.ctx;
-        let comm = ctx.comm.as_ref();
-        let loss = all_reduce_f64(comm, &ctx.groups.pp, local_loss)?;
-        let loss = all_reduce_f64(comm, &ctx.groups.grad, loss)?;
-        // After the data-parallel gradient traffic of the step has finished on every group.
-        let mut routing = super::routing::gather(self.model.config(), run.moe, ctx)?;
-        let (grad_norm, grad_sq) = self.grad_norm()?;
-        let local = LocalNumbers {
-            loss: local_loss,
-            grad_sq,
-        };
-        let verdict = self.judge(self.step + 1, loss, grad_norm, local)?;
-        let (t, r) = (&self.recipe.train, &self.recipe);
-        let clip = if t.grad_clip > 0.0 && grad_norm > t.grad_clip {
-            t.grad_clip / (grad_norm + 1e-6)
+        Ok(PassStats {
+            loss: run.loss,
+            act_peak_bytes: run.act_peak_bytes,
+            graph_tensors: run.tracked,
+            moe: run.moe,
+            gathered,
+        })
+    }
+
+    /// The clipped AdamW update at learning rate `lr`, the parameters made from it, and with
+    /// auxiliary-loss-free balancing the experts' selection biases moved by the step's loads.
+    fn update(&mut self, lr: f64, grad_norm: f64, routing: Option<&mut StepRouting>) -> Result<()> {
+        let clip = self.recipe.train.grad_clip;
+        let scale = if clip > 0.0 && grad_norm > clip {
+            clip / (grad_norm + 1e-6)
         } else {
             1.0
         };
-        let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, t.steps);
-        let opt_start = start.elapsed().as_secs_f64();
-        let updated = verdict == Verdict::Update;
-        if updated {
-            self.optimizer.step(&self.grads, lr, clip)?;
-            zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
-            self.progress.updates += 1;
-            let rate = self
-                .model
-                .config()
-                .moe()
-                .map_or(0.0, |m| m.bias_update_rate);
-            if let Some(r) = routing.as_mut().filter(|_| rate > 0.0) {
-                let bias = &mut self.progress.expert_bias;
-                r.bias_max_abs = Some(super::routing::update_bias(bias, r, rate));
-                self.model.set_expert_bias(bias);
-            }
+        self.optimizer.step(&self.grads, lr, scale)?;
+        zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+        self.progress.updates += 1;
+        let rate = (self.model.config().moe()).map_or(0.0, |m| m.bias_update_rate);
+        if let Some(r) = routing.filter(|_| rate > 0.0) {
+            let bias = &mut self.progress.expert_bias;
+            r.bias_max_abs = Some(super::routing::update_bias(bias, r, rate));
+            self.model.set_expert_bias(bias);
         }
-        self.step += 1;
-        self.consumed += t.global_batch as u64;
-        self.stop = self.after_update(self.step, updated)?;
+        Ok(())
+    }
+
+    /// The step's record (and, for the traced step, its timeline), once the device is done.
+    fn record(&mut self, m: Measured) -> Result<StepRecord> {
         let (r, ctx) = (&self.recipe, &self.ctx);
         let traced = if r.run.trace_step == Some(self.step) {
-            let optimizer = (opt_start, start.elapsed().as_secs_f64());
+            let optimizer = (m.opt_start, m.start.elapsed().as_secs_f64());
             let path = r.run.dir.join("trace.json");
             let (schedule, timing) = (&self.schedule, &self.timing);
             metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?
         } else {
             None
         };
-        let (t, r) = (&self.recipe.train, &self.recipe);
-
         let ring = (ctx.groups.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
         // The update's kernels may still be queued: the step ends when the device is done.
-        crate::device::synchronize(&self.device)?;
-        let secs = start.elapsed().as_secs_f64();
-        let device_mem = crate::device::memory(&self.device);
+        crate::device::synchronize(&self.ctx.device)?;
+        let secs = m.start.elapsed().as_secs_f64();
+        let device_mem = crate::device::memory(&self.ctx.device);
+        let t = &r.train;
         let tokens = (t.global_batch * t.seq_len) as f64;
         let tflops = tokens * r.model.flops_per_token(t.seq_len) / secs / 1e12;
+        let g = m.run.gathered;
+        let zero3 = self.gather.is_some();
         Ok(StepRecord {
             step: self.step,
-            loss,
-            lr,
-            grad_norm,
+            loss: m.loss,
+            lr: m.lr,
+            grad_norm: m.grad_norm,
             tokens_per_s: tokens / secs,
             tflops,
             mfu: r
@@ -147,22 +211,19 @@ impl Trainer {
                 .peak_tflops
                 .map(|p| tflops / (p * r.parallel.world_size() as f64)),
             mem_mib: peak_rss_mib(),
-            device_mem_mib: device_mem.map(|m| m.current as f64 / MIB),
-            device_peak_mib: device_mem.map(|m| m.peak as f64 / MIB),
+            device_mem_mib: device_mem.map(|d| d.current as f64 / MIB),
+            device_peak_mib: device_mem.map(|d| d.peak as f64 / MIB),
             state: self.state_bytes(),
-            act_peak_bytes: act_peak,
-            graph_tensors,
-            param_unit_peak_bytes: gathered.peak_bytes,
+            act_peak_bytes: m.run.act_peak_bytes,
+            graph_tensors: m.run.graph_tensors,
+            param_unit_peak_bytes: g.peak_bytes,
             grad_unit_peak_bytes: self.grads.take_staged_peak(),
-            gather_s: self.gather.as_ref().map(|_| gathered.gather_s),
-            gather_hidden: self
-                .gather
-                .as_ref()
-                .filter(|_| gathered.gather_s > 0.0)
-                .map(|_| 1.0 - (gathered.wait_s / gathered.gather_s).min(1.0)),
+            gather_s: zero3.then_some(g.gather_s),
+            gather_hidden: (zero3 && g.gather_s > 0.0)
+                .then(|| 1.0 - (g.wait_s / g.gather_s).min(1.0)),
             ring_s: ring.map(|r| r.total_s),
             ring_exposed_s: ring.map(|r| r.wait_s + r.send_s),
-            moe: routing,
+            moe: m.routing,
             consumed_samples: self.consumed,
             step_time_s: secs,
             bubble: traced
@@ -170,7 +231,7 @@ impl Trainer {
                 .map(|s| s.bubble),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
-            skipped: match verdict {
+            skipped: match m.verdict {
                 Verdict::Update => None,
                 Verdict::Skip(why) => Some(why),
             },

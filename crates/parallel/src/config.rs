@@ -98,6 +98,31 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
+    /// The layout in one line: `dp=2 tp=2 cp=1 pp=2 (virtual 2) ep=2 +sp +zero1 (shards of 2)`,
+    /// each parallelism's part only where it is on (dp, tp, cp and pp always).
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "dp={} tp={} cp={} pp={}",
+            self.dp, self.tp, self.cp, self.pp
+        );
+        if self.virtual_stages > 1 {
+            s += &format!(" (virtual {})", self.virtual_stages);
+        }
+        if self.ep > 1 {
+            s += &format!(" ep={}", self.ep);
+        }
+        if self.sequence_parallel {
+            s += " +sp";
+        }
+        if self.zero.shards_optimizer() {
+            s += &format!(" +zero{}", self.zero);
+            if let Some(n) = self.zero_shard_size {
+                s += &format!(" (shards of {n})");
+            }
+        }
+        s
+    }
+
     /// Number of ranks the layout needs.
     pub fn world_size(&self) -> usize {
         self.dp * self.tp * self.cp * self.pp

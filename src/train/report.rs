@@ -1,0 +1,113 @@
+//! What a training run logs: the layout line at the start and, per logged step, its line (loss,
+//! rates, memory, ZeRO-3 gathers, the ring, MoE routing) and the traced step's pipeline bubble and
+//! gradient-sync overlap.
+
+use tracing::info;
+
+use super::metrics::StepRecord;
+use super::Trainer;
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+impl Trainer {
+    /// The run's first lines: model, layout and micro-batches, and rank 0's state bytes.
+    pub(super) fn log_start(&self) {
+        let (r, c) = (&self.recipe, self.model.config());
+        info!(
+            "model: {} parameters, {} layers; layout {}; {} micro-batches of {} × {} tokens per rank and step",
+            c.num_params(),
+            c.num_hidden_layers,
+            r.parallel.describe(),
+            r.grad_accum_steps(),
+            r.train.micro_batch,
+            r.train.seq_len / r.parallel.cp
+        );
+        let b = self.state_bytes();
+        info!(
+            "rank 0 state: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB",
+            mib(b.param_bytes),
+            mib(b.grad_bytes),
+            mib(b.optimizer_bytes)
+        );
+    }
+
+    /// A step's lines (at the log interval, and the traced step's).
+    pub(super) fn log_step(&self, rec: &StepRecord) {
+        let (r, steps) = (&self.recipe, self.recipe.train.steps);
+        if rec.step.is_multiple_of(r.run.log_interval) || rec.step == steps {
+            info!("{}", step_line(rec, steps));
+        }
+        if r.run.trace_step == Some(rec.step) {
+            let path = r.run.dir.join("trace.json");
+            info!("step={} timeline: {}", rec.step, path.display());
+        }
+        if let Some(b) = rec.bubble {
+            let (p, v, m) = (
+                self.ctx.groups.pp.size() as f64,
+                self.ctx.virtual_stages as f64,
+                r.grad_accum_steps() as f64,
+            );
+            info!(
+                "step={} pipeline bubble: measured {:.3} of the pipeline phase; ideal (p-1)/(v·m+p-1) = {:.3}, i.e. (p-1)/(v·m) = {:.3} of the compute time",
+                rec.step,
+                b,
+                (p - 1.0) / (v * m + p - 1.0),
+                (p - 1.0) / (v * m),
+            );
+        }
+        if let (Some(o), Some(t)) = (rec.sync_overlap, rec.sync_exposed_s) {
+            info!(
+                "step={} data-parallel gradient sync: {:.0}% of the buckets reduced during the backward passes; the step waited {:.1} ms for the rest",
+                rec.step,
+                100.0 * o,
+                1e3 * t
+            );
+        }
+    }
+}
+
+/// The log line of a step of `steps`.
+fn step_line(rec: &StepRecord, steps: usize) -> String {
+    let mfu = rec
+        .mfu
+        .map_or("n/a".to_string(), |m| format!("{:.1}%", 100.0 * m));
+    let gathers = rec.gather_s.map_or(String::new(), |s| {
+        let hidden = rec.gather_hidden.unwrap_or(0.0);
+        format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
+    });
+    let ring = rec.ring_s.map_or(String::new(), |s| {
+        let exposed = rec.ring_exposed_s.unwrap_or(0.0);
+        format!(" ring={:.0}ms ({:.0}ms exposed)", 1e3 * s, 1e3 * exposed)
+    });
+    // On a GPU: the device memory allocated at the step's end and its peak.
+    let mem = match (rec.device_mem_mib, rec.device_peak_mib) {
+        (Some(now), Some(peak)) => format!("{now:.0}MiB (peak {peak:.0}MiB)"),
+        _ => format!("{:.0}MiB", rec.mem_mib),
+    };
+    let moe = rec.moe.as_ref().map_or(String::new(), |m| {
+        let bias = m
+            .bias_max_abs
+            .map_or(String::new(), |b| format!(" |bias|<={b:.4}"));
+        let bias = match m.dropped {
+            Some(d) => format!("{bias} dropped={:.2}%", 100.0 * d),
+            None => bias,
+        };
+        format!(
+            " moe_lb={:.3} moe_z={:.3} max/mean={:.2}{bias}",
+            m.load_balancing, m.z_loss, m.max_over_mean
+        )
+    });
+    let skip = if rec.skipped.is_some() {
+        " (update skipped)"
+    } else {
+        ""
+    };
+    let units = rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes;
+    format!(
+        "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{moe}{skip}",
+        rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
+        mib(rec.state.total()), mib(rec.act_peak_bytes), mib(units)
+    )
+}
