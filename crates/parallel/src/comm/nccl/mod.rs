@@ -59,7 +59,7 @@
 //!   timeout (a `Timeout` naming it) or its communicator reports an asynchronous error; the
 //!   abort ends the NCCL kernel, so a device stream waiting on it moves on, and a host blocked
 //!   in reading a value returns and meets the failure at its next call.
-//! - **Failure.** [`Comm::abort`] publishes the failure in the store (`nccl/{k}/abort/claim`:
+//! - **Failure.** [`Comm::abort`](super::Comm::abort) publishes the failure in the store (`nccl/{k}/abort/claim`:
 //!   the first `add` wins and writes `…/rank` and `…/reason`, then bumps `…/count`), records it
 //!   and aborts this rank's communicators. A watchdog thread checks `…/count` every 200 ms
 //!   while this rank communicates (an operation within the last 5 s, or operations or NCCL
@@ -80,6 +80,7 @@
 //!
 //! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]).
 
+mod api;
 mod layout;
 mod ops;
 mod raw;
@@ -94,13 +95,13 @@ use candle_core::cuda::cudarc::nccl::{result as nc, sys};
 use candle_core::cuda::CudaDevice;
 use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 
-use super::{Channel, Comm, CommError, Group, ReduceOp};
+use super::{CommError, Group};
 use crate::store::Store;
 use layout::{instance_key, instance_prefix, CommKey};
 use raw::{alloc, cuda_err, device_addr, nccl_dtype, Fault, Launch, RawComm};
 use state::{Call, PendingOp, Shared, SLOW};
 
-/// One rank's [`Comm`] over NCCL (see the module documentation).
+/// One rank's [`Comm`](super::Comm) over NCCL (see the module documentation).
 pub struct NcclComm {
     shared: Arc<Shared>,
     watchdog: Option<JoinHandle<()>>,
@@ -388,125 +389,6 @@ impl Order {
         } else {
             self
         }
-    }
-}
-
-/// Runs `f` (operation `op` on `group`) on `t` where NCCL can reach it: a host tensor (small
-/// scalars the trainer reduces on the CPU) is staged on this rank's GPU and the result brought
-/// back to the host. Bringing it back waits for the device stream, hence for the operation; an
-/// operation the watchdog aborted meanwhile completes with a meaningless result, so a failure of
-/// the job by then is this call's error.
-fn staged(
-    comm: &NcclComm,
-    op: &'static str,
-    group: &Group,
-    t: &Tensor,
-    f: impl FnOnce(&Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    if t.device().is_cuda() {
-        return f(t);
-    }
-    let gpu = Device::Cuda(comm.shared.device.clone());
-    let out = f(&t.to_device(&gpu)?)?.to_device(t.device())?;
-    if let Some((failed, reason)) = comm.shared.failure() {
-        let call = comm.call(op, group.ranks().to_vec(), vec![]);
-        return Err(Error::from(call.peer_failed(failed, reason)));
-    }
-    Ok(out)
-}
-
-impl Comm for NcclComm {
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.shared.world_size
-    }
-
-    fn all_reduce(&self, group: &Group, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        staged(self, "all_reduce", group, t, |t| {
-            self.all_reduce_in(group, t, op, true)
-        })
-    }
-
-    fn all_gather(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor> {
-        staged(self, "all_gather", group, t, |t| {
-            self.all_gather_in(group, t, dim, true)
-        })
-    }
-
-    fn reduce_scatter(&self, group: &Group, t: &Tensor, dim: usize) -> Result<Tensor> {
-        staged(self, "reduce_scatter", group, t, |t| {
-            self.reduce_scatter_in(group, t, dim, true)
-        })
-    }
-
-    fn broadcast(&self, group: &Group, t: &Tensor, root: usize) -> Result<Tensor> {
-        staged(self, "broadcast", group, t, |t| {
-            self.broadcast_in(group, t, root, true)
-        })
-    }
-
-    fn all_to_all(
-        &self,
-        group: &Group,
-        t: &Tensor,
-        send: &[usize],
-        recv: &[usize],
-    ) -> Result<Tensor> {
-        staged(self, "all_to_all", group, t, |t| {
-            self.all_to_all_in(group, t, send, recv)
-        })
-    }
-
-    /// Host tensors are staged on the GPU; the receiver gets a GPU tensor.
-    fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
-        if t.device().is_cuda() {
-            self.send_to(t, dst)
-        } else {
-            self.send_to(
-                &t.to_device(&Device::Cuda(self.shared.device.clone()))?,
-                dst,
-            )
-        }
-    }
-
-    /// The tensor arrives on this rank's GPU.
-    fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
-        self.recv_from(src, shape, dtype)
-    }
-
-    fn barrier(&self, group: &Group) -> Result<()> {
-        self.barrier_in(group, true)
-    }
-
-    /// Creates the communicator of every channel with this rank and another member, in order
-    /// (single-member groups never use one).
-    fn prepare(&self, channels: &[Channel]) -> Result<()> {
-        let me = self.shared.rank;
-        for channel in channels.iter().filter(|c| c.includes(me)) {
-            let key = match channel {
-                Channel::Group(g) if g.size() > 1 => CommKey::Group(g.clone()),
-                Channel::AllToAll(g) if g.size() > 1 => CommKey::AllToAll(g.clone()),
-                Channel::P2p { src, dst } if src != dst => CommKey::P2p {
-                    src: *src,
-                    dst: *dst,
-                },
-                _ => continue,
-            };
-            let members = key.members();
-            let others = members.iter().copied().filter(|&r| r != me).collect();
-            let call = self.call("prepare", members, others);
-            self.start(&call)?;
-            self.shared.comm(&call, &key).map_err(Error::from)?;
-        }
-        Ok(())
-    }
-
-    fn abort(&self, reason: &str) {
-        let (failed, reason) = self.shared.publish_abort(reason);
-        self.shared.fail(failed, reason);
     }
 }
 
