@@ -7,6 +7,9 @@
 //! sequence parallelism, else `n`), `p` bytes per element (the tapes: `model::llama::BlockTape`,
 //! `HeadTape`, `EmbeddingTape`, `model::moe::MoeTape`):
 //!
+//! The byte formulas sit next to the tapes (`BlockTape::bytes`, `MoeTape::bytes`,
+//! `HeadTape::bytes`, `EmbeddingTape::bytes`):
+//!
 //! | piece | keeps |
 //! |---|---|
 //! | dense block | its input and the residual after attention `2 · n_s · h`; both norms as the projections read them `2 · n · h`; rotated q, k and v `n · (q + 2 kv) / t`; the attention output `n · q / t` (f32 on the CPU for 16-bit models, except from the ring) and its f32 log-sum-exp; gate, up and SwiGLU `3 · n · f / t` |
@@ -17,7 +20,9 @@
 //! Under `recompute: full` a block keeps only its input, and its backward rebuilds the tape above
 //! while it runs.
 
-use model::{Inventory, LlamaConfig, Piece, Recompute};
+use model::llama::{BlockTape, EmbeddingTape, HeadTape};
+use model::segment::TapeShape;
+use model::{Inventory, Piece, Recompute};
 use parallel::pipeline::{build, Action, ScheduleKind};
 use serde::Serialize;
 
@@ -80,82 +85,6 @@ struct PieceActs {
     temp: u64,
 }
 
-/// Shapes of one micro-batch on one rank.
-struct Shapes {
-    /// Fused ops keep f32 copies of their bf16 inputs and outputs (the CPU path).
-    upcast: bool,
-    n: u64,
-    ns: u64,
-    t: u64,
-    p: u64,
-    h: u64,
-    /// Attention is context parallelism's ring (whose output is kept in the parameter dtype).
-    ring: bool,
-}
-
-/// What a dense block's hand-written backward keeps ([`model::llama::BlockTape`]): the
-/// attention half ([`attention_tape`]), the residual's norm as the MLP reads it `[n, h]`, and the
-/// MLP's gate, up and SwiGLU outputs.
-fn dense_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let f = c.intermediate_size as u64;
-    attention_tape(c, s) + (s.n * s.h + 3 * s.n * f / s.t) * s.p
-}
-
-/// The attention half of a block's tape: the input's norm as the projections read it `[n, h]`,
-/// the rotated q and k, v, the attention output (in the kernel dtype, f32 for 16-bit models on
-/// the CPU, except from context parallelism's ring, which keeps the parameter dtype) and its
-/// log-sum-exp, and the residual stream after attention.
-fn attention_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
-    let (q, kv) = (
-        c.q_dim() as u64,
-        (c.num_key_value_heads * c.head_dim()) as u64,
-    );
-    let elems = ns * h + n * h + n * (q + 2 * kv) / t;
-    let attn = n * q / t * if s.upcast && !s.ring { 4 } else { p };
-    elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
-}
-
-/// What a MoE block's hand-written backward keeps: the attention half ([`attention_tape`]) and
-/// the MoE layer's tape (`model::moe::MoeTape`) — the residual's norm as the router reads it
-/// `[ns, h]` (the tokens this rank routes), the router's probabilities `[ns, E]`, log-sum-exps,
-/// routing weights and expert shares (f32; f64 for f64), the experts' outputs in slot order, the
-/// rows in expert order (those received with expert parallelism, as many on average), and each
-/// expert's gate, up and SwiGLU outputs, `[ns·k, ·]` each.
-fn moe_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let Some(m) = c.moe() else { return 0 };
-    let (ns, p, h) = (s.ns, s.p, s.h);
-    let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
-    let acc = if p == 8 { 8 } else { 4 };
-    let rows = ns * k;
-    let layer = (ns * h + 2 * rows * h + 3 * rows * fe) * p + acc * (ns * e + ns + ns * k + e);
-    attention_tape(c, s) + layer
-}
-
-/// What the head's hand-written backward keeps ([`model::llama::HeadTape`]): the final norm's
-/// rows as the projection reads them and the micro-batch's labels (u32) and loss mask (f32), and
-/// for the loss on one rank the logits (model dtype) and the per-row losses (f32; f64 for f64),
-/// under tensor parallelism the vocab-parallel loss's f32 exponentials `[n, v/tp]`, row sums,
-/// local target columns (u32) and ownership mask (f32).
-fn head_tape(c: &LlamaConfig, s: &Shapes) -> u64 {
-    let (n, t, p, h) = (s.n, s.t, s.p, s.h);
-    let v = c.vocab_size as u64;
-    let shared = n * h * p + n * (4 + 4);
-    if t == 1 {
-        let acc = if p == 8 { 8 } else { 4 };
-        shared + n * v * p + n * acc
-    } else {
-        shared + 4 * n * v / t + n * (4 + 4 + 4)
-    }
-}
-
-/// What the embedding keeps ([`model::llama::EmbeddingTape`]): the ids it looked up (the token
-/// ids themselves on one rank; under tensor parallelism the local rows, u32, and the ownership
-/// mask in the parameter dtype).
-fn embedding_tape(s: &Shapes) -> u64 {
-    4 * s.n + u64::from(s.t > 1) * s.n * s.p
-}
-
 /// Predicted memory of every pipeline stage of `r`'s layout (the first shard index of each
 /// stage: shards are equal in size).
 pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
@@ -164,7 +93,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let m = r.grad_accum_steps();
     let p = r.train.dtype.dtype().size_in_bytes() as u64;
     let n = (train.micro_batch * train.seq_len / par.cp) as u64; // this rank's share
-    let shapes = Shapes {
+    let shapes = TapeShape {
         upcast: p != 4 && train.device == DeviceKind::Cpu,
         n,
         ns: if par.sequence_parallel {
@@ -187,14 +116,14 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let acts = |piece: Piece| -> PieceActs {
         match piece {
             Piece::Embedding => PieceActs {
-                tape: embedding_tape(&shapes),
+                tape: EmbeddingTape::bytes(&shapes),
                 input: 0,
                 temp: shapes.n * shapes.h * p,
             },
             Piece::Block(i) if c.is_moe_layer(i) => {
                 let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
                 PieceActs {
-                    tape: moe_tape(c, &shapes),
+                    tape: BlockTape::bytes(c, &shapes, i),
                     input,
                     // The attention projections' factors, the experts' (rows of their input
                     // and upstream gradient), and the gradients of the slots' rows.
@@ -205,8 +134,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                                 / shapes.t),
                 }
             }
-            Piece::Block(_) => PieceActs {
-                tape: dense_tape(c, &shapes),
+            Piece::Block(i) => PieceActs {
+                tape: BlockTape::bytes(c, &shapes, i),
                 input,
                 // The projections' upstream gradients, kept as weight-gradient factors until
                 // the block's gradients are accumulated, and one MLP-wide temporary.
@@ -217,7 +146,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                             / shapes.t),
             },
             Piece::Head => PieceActs {
-                tape: head_tape(c, &shapes),
+                tape: HeadTape::bytes(c, &shapes),
                 input,
                 temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
             },
@@ -324,7 +253,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
 }
 
 /// Bytes of a piece's input `[n_s, h]`.
-fn s_input(s: &Shapes) -> u64 {
+fn s_input(s: &TapeShape) -> u64 {
     s.ns * s.h * s.p
 }
 

@@ -64,6 +64,40 @@ fn storage_of(t: &Tensor) -> (usize, usize) {
     (key, elems * t.dtype().size_in_bytes())
 }
 
+/// The shapes a tape's bytes follow, for one micro-batch on one rank (the planner's view of
+/// [`Tape::held`](crate::Tape::held), exact on the tiny layouts): `n` tokens of this rank's
+/// share of the micro-batch (`n_s` between tensor-parallel regions: `n / t` with sequence
+/// parallelism), `t` tensor-parallel ranks, `p` bytes per element of the model dtype, hidden
+/// size `h`.
+#[derive(Debug, Clone, Copy)]
+pub struct TapeShape {
+    /// Fused ops compute 16-bit inputs in f32 (the CPU path), so attention's saved output is f32.
+    pub upcast: bool,
+    /// Tokens in the tensor-parallel regions.
+    pub n: u64,
+    /// Tokens between them.
+    pub ns: u64,
+    /// Tensor-parallel ranks.
+    pub t: u64,
+    /// Bytes per element of the model dtype.
+    pub p: u64,
+    /// Hidden size.
+    pub h: u64,
+    /// Attention is context parallelism's ring (whose output is kept in the model dtype).
+    pub ring: bool,
+}
+
+impl TapeShape {
+    /// Bytes per element of the accumulation dtype (f32; f64 for f64 models).
+    pub fn acc(&self) -> u64 {
+        if self.p == 8 {
+            8
+        } else {
+            4
+        }
+    }
+}
+
 /// The distinct storages of `tensors`.
 pub fn storages(tensors: &[&Tensor]) -> Held {
     let mut held: HashMap<usize, usize> = HashMap::new();

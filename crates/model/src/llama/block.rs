@@ -20,10 +20,11 @@
 use candle_core::{Result, Tensor};
 
 use super::{Llama, ATTENTION};
+use crate::config::LlamaConfig;
 use crate::inventory::{BlockParams, MlpParams};
 use crate::moe::{self, LayerStats, MoeTape};
 use crate::ops::{self, linear, linear_to};
-use crate::segment::ParamGrad;
+use crate::segment::{ParamGrad, TapeShape};
 
 /// What a decoder block's forward keeps for its backward pass (model dtype unless said
 /// otherwise; `s` is the whole sequence, `s/tp` its share with sequence parallelism).
@@ -69,6 +70,32 @@ enum MlpTape {
 }
 
 impl BlockTape {
+    /// The bytes a tape of layer `layer` of model `c` keeps besides its input (dense: the
+    /// attention half, the residual's norm as the MLP reads it `[n, h]`, and the MLP's gate, up
+    /// and SwiGLU outputs; MoE: the attention half and [`MoeTape::bytes`]).
+    pub fn bytes(c: &LlamaConfig, s: &TapeShape, layer: usize) -> u64 {
+        if c.is_moe_layer(layer) {
+            return Self::attention_bytes(c, s) + MoeTape::bytes(c, s);
+        }
+        let f = c.intermediate_size as u64;
+        Self::attention_bytes(c, s) + (s.n * s.h + 3 * s.n * f / s.t) * s.p
+    }
+
+    /// The attention half of a block's tape: the input's norm as the projections read it
+    /// `[n, h]`, the rotated q and k, v, the attention output (in the kernel dtype, f32 for
+    /// 16-bit models on the CPU, except from context parallelism's ring, which keeps the model
+    /// dtype) and its f32 log-sum-exp, and the residual stream after attention `[n_s, h]`.
+    fn attention_bytes(c: &LlamaConfig, s: &TapeShape) -> u64 {
+        let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
+        let (q, kv) = (
+            c.q_dim() as u64,
+            (c.num_key_value_heads * c.head_dim()) as u64,
+        );
+        let elems = ns * h + n * h + n * (q + 2 * kv) / t;
+        let attn = n * q / t * if s.upcast && !s.ring { 4 } else { p };
+        elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
+    }
+
     /// The tensors the tape keeps, its input included.
     pub fn tensors(&self) -> Vec<&Tensor> {
         let mut kept = vec![

@@ -17,6 +17,13 @@ pub struct EmbeddingTape {
 }
 
 impl EmbeddingTape {
+    /// The bytes the tape keeps (shapes `s`): the ids it looked up (the token ids themselves on
+    /// one rank; under tensor parallelism the local rows, u32, and the ownership mask in the
+    /// model dtype).
+    pub fn bytes(s: &crate::segment::TapeShape) -> u64 {
+        4 * s.n + u64::from(s.t > 1) * s.n * s.p
+    }
+
     /// The tensors the tape keeps.
     pub fn tensors(&self) -> Vec<&Tensor> {
         self.saved.tensors()

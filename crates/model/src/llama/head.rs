@@ -29,6 +29,22 @@ pub struct HeadTape {
 }
 
 impl HeadTape {
+    /// The bytes the tape keeps besides its input (model `c`, shapes `s`): the final norm's
+    /// rows as the projection reads them, the micro-batch's labels (u32) and loss mask (f32), and
+    /// for the loss on one rank the logits (model dtype) and the per-row losses (accumulation
+    /// dtype), under tensor parallelism the vocab-parallel loss's f32 exponentials `[n, v/tp]`,
+    /// row sums, local target columns (u32) and ownership mask (f32).
+    pub fn bytes(c: &crate::LlamaConfig, s: &crate::segment::TapeShape) -> u64 {
+        let (n, t, p, h) = (s.n, s.t, s.p, s.h);
+        let v = c.vocab_size as u64;
+        let shared = n * h * p + n * (4 + 4);
+        if t == 1 {
+            shared + n * v * p + n * s.acc()
+        } else {
+            shared + 4 * n * v / t + n * (4 + 4 + 4)
+        }
+    }
+
     /// The tensors the tape keeps, its input and the targets included.
     pub fn tensors(&self) -> Vec<&Tensor> {
         let mut kept = vec![

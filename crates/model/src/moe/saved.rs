@@ -71,6 +71,20 @@ pub struct MoeTape {
 }
 
 impl MoeTape {
+    /// The bytes a MoE layer's tape keeps (model `c`, shapes `s`): the residual's norm as the
+    /// router reads it `[n_s, h]` (the tokens this rank routes), the router's probabilities
+    /// `[n_s, E]`, log-sum-exps, routing weights and expert shares (f32; f64 for f64), the
+    /// experts' outputs in slot order and the rows in expert order (those received with expert
+    /// parallelism, as many on average), and each expert's gate, up and SwiGLU outputs,
+    /// `[n_s·k, ·]` each.
+    pub fn bytes(c: &crate::LlamaConfig, s: &crate::segment::TapeShape) -> u64 {
+        let Some(m) = c.moe() else { return 0 };
+        let (ns, p, h) = (s.ns, s.p, s.h);
+        let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
+        let rows = ns * k;
+        (ns * h + 2 * rows * h + 3 * rows * fe) * p + s.acc() * (ns * e + ns + ns * k + e)
+    }
+
     /// The tensors the tape keeps alive (its input included).
     pub fn tensors(&self) -> Vec<&Tensor> {
         let mut kept = vec![
