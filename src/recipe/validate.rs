@@ -5,6 +5,7 @@
 
 use super::{LrCurve, Recipe};
 use parallel::dp::ZeroStage;
+use parallel::register::Dims;
 
 /// Largest persistent training state (parameters, gradients, optimizer) one rank may hold: far
 /// above any device or host of today, so only sizes that cannot exist are refused.
@@ -33,7 +34,6 @@ impl Recipe {
             p.push(e.to_string());
         }
         self.check_parallel(&mut p);
-        self.check_moe(&mut p);
         self.check_train(&mut p);
         self.check_optimizer(&mut p);
         self.check_policies(&mut p);
@@ -138,51 +138,18 @@ impl Recipe {
             ));
             return;
         }
-        self.check_context_parallel(p);
-        if m.num_attention_heads % par.tp != 0 || m.num_key_value_heads % par.tp != 0 {
-            p.push(format!(
-                "parallel.tp ({}) must divide model.num_attention_heads ({}) and model.num_key_value_heads ({})",
-                par.tp, m.num_attention_heads, m.num_key_value_heads
-            ));
-        }
-        if m.intermediate_size % par.tp != 0 {
-            p.push(format!(
-                "parallel.tp ({}) must divide model.intermediate_size ({})",
-                par.tp, m.intermediate_size
-            ));
-        }
-        if m.vocab_size % par.tp != 0 {
-            p.push(format!(
-                "parallel.tp ({}) must divide model.vocab_size ({})",
-                par.tp, m.vocab_size
-            ));
-        }
-        let chunks = match product(
-            ("parallel.pp", par.pp),
-            ("parallel.virtual_stages", par.virtual_stages),
-        ) {
-            Ok(c) => c,
-            Err(e) => {
-                p.push(e);
-                return;
-            }
+        let dims = Dims {
+            heads: m.num_attention_heads,
+            kv_heads: m.num_key_value_heads,
+            intermediate: m.intermediate_size,
+            vocab: m.vocab_size,
+            layers: m.num_hidden_layers,
+            seq_len: self.train.seq_len,
+            experts: m.num_local_experts,
+            expert_capacity: m.moe_expert_capacity_factor.is_some(),
         };
-        if m.num_hidden_layers % chunks != 0 {
-            p.push(format!(
-                "parallel.pp × parallel.virtual_stages ({} × {}) must divide model.num_hidden_layers ({})",
-                par.pp, par.virtual_stages, m.num_hidden_layers
-            ));
-        }
-        if par.virtual_stages > 1 && par.pp == 1 {
-            p.push("parallel.virtual_stages > 1 needs parallel.pp > 1".into());
-        }
-        if par.sequence_parallel && !(self.train.seq_len / par.cp).is_multiple_of(par.tp) {
-            p.push(format!(
-                "parallel.sequence_parallel: each rank's share of a sequence (train.seq_len / \
-                 parallel.cp = {} / {}) must be divisible by parallel.tp ({})",
-                self.train.seq_len, par.cp, par.tp
-            ));
-        }
+        // Each parallelism's own checks (`crates/parallel/src/*/register.rs`).
+        p.extend(parallel::register::problems(par, &dims));
         if !(par.timeout_s > 0.0 && par.timeout_s <= 1e7) {
             p.push(format!(
                 "parallel.timeout_s ({}) must be positive and at most 1e7 seconds",
@@ -201,89 +168,6 @@ impl Recipe {
             p.push(format!(
                 "parallel.zero1 was replaced by parallel.zero (0-3); write parallel.zero: {}",
                 u8::from(z)
-            ));
-        }
-        if let Some(n) = par.zero_shard_size {
-            if !par.zero.shards_optimizer() {
-                p.push("parallel.zero_shard_size needs parallel.zero >= 1".into());
-            } else if n == 0 || !par.grad_ranks().is_multiple_of(n) {
-                p.push(format!(
-                    "parallel.zero_shard_size ({n}) must divide parallel.dp × parallel.cp ({} × {})",
-                    par.dp, par.cp
-                ));
-            }
-        }
-    }
-
-    /// Mixture-of-experts layers run with data, expert, tensor (experts replicated over the
-    /// group) and pipeline parallelism and ZeRO; context parallelism does not split them yet.
-    /// Expert parallelism is folded inside data parallelism and splits the experts evenly.
-    fn check_moe(&self, p: &mut Vec<String>) {
-        let par = &self.parallel;
-        let Some(experts) = self.model.num_local_experts else {
-            if par.ep > 1 {
-                p.push(format!(
-                    "parallel.ep = {} needs mixture-of-experts layers (model.num_local_experts)",
-                    par.ep
-                ));
-            }
-            return;
-        };
-        if par.cp > 1 {
-            p.push(format!(
-                "parallel.cp = {} with mixture-of-experts layers (model.num_local_experts): MoE \
-                 layers run with parallel.dp, parallel.ep, parallel.tp, parallel.pp and ZeRO; set \
-                 parallel.cp to 1",
-                par.cp
-            ));
-        }
-        if self.model.moe_expert_capacity_factor.is_some() && par.sequence_parallel && par.tp > 1 {
-            p.push(
-                "model.moe_expert_capacity_factor with parallel.sequence_parallel: each \
-                 tensor-parallel rank routes its share of the sequence, and a capacity over a \
-                 share would drop other tokens than over the micro-batch; turn one of them off"
-                    .into(),
-            );
-        }
-        if par.ep <= 1 {
-            return;
-        }
-        if !par.dp.is_multiple_of(par.ep) {
-            p.push(format!(
-                "parallel.ep ({}) must divide parallel.dp ({}): expert-parallel ranks are \
-                 data-parallel ranks that split the experts among them",
-                par.ep, par.dp
-            ));
-        }
-        if !experts.is_multiple_of(par.ep) {
-            p.push(format!(
-                "parallel.ep ({}) must divide model.num_local_experts ({experts})",
-                par.ep
-            ));
-        }
-        if par.zero_shard_size.is_some() {
-            p.push(format!(
-                "parallel.zero_shard_size with parallel.ep = {}: expert parallelism runs \
-                 without hybrid sharding",
-                par.ep
-            ));
-        }
-    }
-
-    /// Context parallelism: the sequence splits into `2·cp` equal chunks.
-    fn check_context_parallel(&self, p: &mut Vec<String>) {
-        let (par, t) = (&self.parallel, &self.train);
-        if par.cp == 1 {
-            return;
-        }
-        if !t.seq_len.is_multiple_of(2 * par.cp) {
-            p.push(format!(
-                "parallel.cp ({}) splits each sequence into 2·cp = {} chunks: train.seq_len ({}) \
-                 must be divisible by {}",
-                par.cp,
-                2 * par.cp,
-                t.seq_len,
-                2 * par.cp
             ));
         }
     }

@@ -11,7 +11,7 @@ use parallel::cp::{local_chunks, ContextParallel};
 use parallel::ep::ExpertParallel;
 use parallel::mesh::{Axis, Coords, Mesh, RankGroups};
 use parallel::tp::TensorParallel;
-use parallel::{Channel, Comm, Group, ParallelConfig};
+use parallel::{register, Channel, Comm, Group, ParallelConfig};
 
 /// Everything a rank needs to know about the job layout.
 #[derive(Clone)]
@@ -159,46 +159,21 @@ impl RankCtx {
 }
 
 /// Every communication channel of a job with layout `cfg`, in one global order that every rank
-/// computes alike (see [`Comm::prepare`]): rank by rank, its world group and its groups in
-/// [`RankGroups::named`] order, its expert-parallel all-to-all group, and its point-to-point
-/// directions (to the next and the previous pipeline stage, and to the next rank of the
-/// context-parallel ring), each listed where it first appears.
+/// computes alike (see [`Comm::prepare`]): rank by rank, the world group and the channels each
+/// parallelism registers for it (`parallel::register::channels`), each listed where it first
+/// appears.
 pub fn job_channels(cfg: &ParallelConfig, comm: &Arc<dyn Comm>) -> anyhow::Result<Vec<Channel>> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     let world = cfg.world_size();
-    let all = Group::new((0..world).collect());
+    let all = Channel::Group(Group::new((0..world).collect()));
     for r in 0..world {
         let c = RankCtx::new(cfg, r, comm.clone())?;
-        let mut add = |ch: Channel| {
+        let channels = std::iter::once(all.clone()).chain(register::channels(r, &c.groups));
+        for ch in channels {
             if seen.insert(ch.clone()) {
                 out.push(ch);
             }
-        };
-        add(Channel::Group(all.clone()));
-        for (_, g) in c.groups.named() {
-            add(Channel::Group(g.clone()));
-        }
-        add(Channel::AllToAll(c.groups.ep.clone()));
-        let (pp, stage) = (c.groups.pp.ranks(), c.coords.pp);
-        if pp.len() > 1 {
-            let n = pp.len();
-            add(Channel::P2p {
-                src: r,
-                dst: pp[(stage + 1) % n],
-            });
-            add(Channel::P2p {
-                src: r,
-                dst: pp[(stage + n - 1) % n],
-            });
-        }
-        let ring = c.groups.cp.ranks();
-        if ring.len() > 1 {
-            let at = c.groups.cp.index_of(r).unwrap_or(0);
-            add(Channel::P2p {
-                src: r,
-                dst: ring[(at + 1) % ring.len()],
-            });
         }
     }
     Ok(out)

@@ -98,29 +98,15 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
-    /// The layout in one line: `dp=2 tp=2 cp=1 pp=2 (virtual 2) ep=2 +sp +zero1 (shards of 2)`,
-    /// each parallelism's part only where it is on (dp, tp, cp and pp always).
+    /// The layout in one line, each parallelism's part as it registers it
+    /// (`crate::register::Parallelism::describe`): `dp=2 +zero1 tp=2 +sp cp=1 pp=2 (virtual 2) ep=2`.
     pub fn describe(&self) -> String {
-        let mut s = format!(
-            "dp={} tp={} cp={} pp={}",
-            self.dp, self.tp, self.cp, self.pp
-        );
-        if self.virtual_stages > 1 {
-            s += &format!(" (virtual {})", self.virtual_stages);
-        }
-        if self.ep > 1 {
-            s += &format!(" ep={}", self.ep);
-        }
-        if self.sequence_parallel {
-            s += " +sp";
-        }
-        if self.zero.shards_optimizer() {
-            s += &format!(" +zero{}", self.zero);
-            if let Some(n) = self.zero_shard_size {
-                s += &format!(" (shards of {n})");
-            }
-        }
-        s
+        let parts = crate::register::ALL.map(|p| p.describe(self));
+        parts
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     /// Number of ranks the layout needs.

@@ -11,6 +11,7 @@ pub mod env;
 pub mod ep;
 pub mod mesh;
 pub mod pipeline;
+pub mod register;
 pub mod store;
 pub mod tp;
 

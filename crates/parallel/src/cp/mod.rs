@@ -16,6 +16,7 @@
 //! A model always has a [`ContextParallel`]; with one rank it is the identity and attention runs
 //! the plain causal kernel, so the model has one path for every layout.
 
+pub mod register;
 pub mod ring;
 
 use std::ops::Range;

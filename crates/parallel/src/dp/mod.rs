@@ -25,6 +25,7 @@ pub mod gather;
 pub mod layout;
 pub mod norm;
 pub mod rank;
+pub mod register;
 pub mod stage;
 pub mod state;
 pub mod sync;

@@ -27,6 +27,8 @@
 //! Rank layout and gradient groups: see `mesh.rs` (expert parallelism is folded inside data
 //! parallelism; expert gradients are reduced over the expert gradient group).
 
+pub mod register;
+
 use std::ops::Range;
 use std::sync::Arc;
 

@@ -26,6 +26,7 @@ pub mod afab;
 pub mod check;
 pub mod interleaved;
 pub mod one_f_one_b;
+pub mod register;
 pub mod schedule;
 pub mod sim;
 pub mod trace;

@@ -17,6 +17,7 @@
 pub mod cross_entropy;
 pub mod embedding;
 pub mod plan;
+pub mod register;
 
 use std::sync::Arc;
 use std::time::Duration;

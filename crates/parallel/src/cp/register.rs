@@ -1,0 +1,46 @@
+//! Context parallelism's registration: each sequence splits into `2·cp` equal chunks, attention
+//! runs as a ring (one group, and a direction to the next rank of the ring); MoE layers are not
+//! split over it.
+
+use crate::comm::Channel;
+use crate::mesh::RankGroups;
+use crate::register::{next_in, Dims, Parallelism};
+use crate::ParallelConfig;
+
+/// Context parallelism.
+pub struct Context;
+
+impl Parallelism for Context {
+    fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
+        let mut p = Vec::new();
+        if c.cp > 1 && !d.seq_len.is_multiple_of(2 * c.cp) {
+            p.push(format!(
+                "parallel.cp ({}) splits each sequence into 2·cp = {} chunks: train.seq_len ({}) \
+                 must be divisible by {}",
+                c.cp,
+                2 * c.cp,
+                d.seq_len,
+                2 * c.cp
+            ));
+        }
+        if c.cp > 1 && d.experts.is_some() {
+            p.push(format!(
+                "parallel.cp = {} with mixture-of-experts layers (model.num_local_experts): MoE \
+                 layers run with parallel.dp, parallel.ep, parallel.tp, parallel.pp and ZeRO; set \
+                 parallel.cp to 1",
+                c.cp
+            ));
+        }
+        p
+    }
+
+    fn channels(&self, rank: usize, g: &RankGroups) -> Vec<Channel> {
+        let mut out = vec![Channel::Group(g.cp.clone())];
+        out.extend(next_in(rank, &g.cp, 1));
+        out
+    }
+
+    fn describe(&self, c: &ParallelConfig) -> String {
+        format!("cp={}", c.cp)
+    }
+}
