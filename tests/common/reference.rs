@@ -13,27 +13,25 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use model::inventory::MlpParams;
 use model::ops;
-use model::{Llama, MoeConfig};
+use model::{Llama, MoeConfig, Targets};
 
-/// The scaled loss `Σ loss·mask · scale` of `model` (one rank, whole model, no capacity or
-/// selection bias) on `tokens` `[b, s]` with `labels` and `mask` `[b·s]`, its MoE layers'
-/// balancing losses weighted by `aux_scale / MoE layers`; and every parameter's gradient, in
-/// parameter order (zeros for an expert no token chose).
-pub fn loss_and_grads(
-    model: &Llama,
-    tokens: &Tensor,
-    labels: &Tensor,
-    mask: &Tensor,
-    (scale, aux_scale): (f64, f64),
-) -> Result<(f64, Vec<Tensor>)> {
+/// The scaled token loss `Σ loss·mask · loss_scale` of `model` (one rank, whole model, no
+/// capacity or selection bias) on `tokens` `[b, s]` with `t`'s labels and mask, and every
+/// parameter's gradient of it plus the MoE layers' balancing losses (weighted by
+/// `aux_scale / MoE layers`), in parameter order (zeros for an expert no token chose).
+pub fn loss_and_grads(model: &Llama, tokens: &Tensor, t: &Targets) -> Result<(f64, Vec<Tensor>)> {
     let vars: Vec<Var> = model
         .params()
         .iter()
         .map(|p| p.var())
         .collect::<Result<_>>()?;
-    let loss = objective(model, &vars, tokens, labels, mask, (scale, aux_scale))?;
-    let grads: GradStore = loss.backward()?;
+    let (loss, aux) = objective(model, &vars, tokens, t)?;
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let total = match aux {
+        Some(a) => (&loss + a.to_dtype(loss.dtype())?)?,
+        None => loss,
+    };
+    let grads: GradStore = total.backward()?;
     let grads = vars
         .iter()
         .map(|v| match grads.get(v.as_tensor()) {
@@ -44,14 +42,14 @@ pub fn loss_and_grads(
     Ok((value, grads))
 }
 
+/// The token loss and, for a MoE model, the weighted balancing losses.
 fn objective(
     model: &Llama,
     vars: &[Var],
     tokens: &Tensor,
-    labels: &Tensor,
-    mask: &Tensor,
-    (scale, aux_scale): (f64, f64),
-) -> Result<Tensor> {
+    t: &Targets,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (labels, mask, scale, aux_scale) = (&t.labels, &t.loss_mask, t.loss_scale, t.aux_scale);
     let c = model.config();
     let inv = model.inventory();
     let w = |i: usize| vars[i].as_tensor();
@@ -111,10 +109,7 @@ fn objective(
     // losses' gradient.
     let dtype = losses.dtype();
     let loss = (losses * mask.affine(scale, 0.0)?.to_dtype(dtype)?)?.sum_all()?;
-    match aux {
-        Some(a) => loss + a.to_dtype(dtype)?,
-        None => Ok(loss),
-    }
+    Ok((loss, aux))
 }
 
 /// A mixture of experts written with candle's primitive ops: every expert on every row of `x`
