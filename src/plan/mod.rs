@@ -3,7 +3,7 @@
 //!
 //! A plan is a pure function of the recipe and the [`Hardware`]: the state bytes come from the
 //! flat layout the trainer builds ([`crate::train::zero::StateLayout`]), the activations from
-//! what each piece's graph keeps walked through the stage's pipeline schedule ([`memory`]), the
+//! what each piece's tape keeps walked through the stage's pipeline schedule ([`memory`]), the
 //! time from a roofline of every piece plus the collectives ([`time`]). `docs/PLANNER.md` has
 //! the formulas, their sources and the checks against our runs and published results.
 

@@ -3,10 +3,16 @@
 //! the fused attention at its own fraction, memory-bound ops at HBM speed and the tensor-parallel
 //! collectives (blocking, on the critical path); stages combined by the pipeline schedule's
 //! closed form; data-parallel and ZeRO collectives overlapped with the backward passes as the
-//! trainer overlaps them; then the optimizer. Formulas and sources: `docs/PLANNER.md`.
+//! trainer overlaps them; then the optimizer. Formulas and sources: `docs/PLANNER.md`. Each
+//! parallelism's communication terms come from its folder of `crates/parallel/src/`
+//! (`register.rs`); this file combines them with the compute.
 
 use model::{LlamaConfig, Piece, Recompute};
-use parallel::dp::ZeroStage;
+use parallel::cp::register::Context;
+use parallel::dp::register::{Data, SyncSizes};
+use parallel::ep::register::Expert;
+use parallel::pipeline::register::Pipeline;
+use parallel::tp::register::Tensor;
 use serde::Serialize;
 
 use super::hardware::Hardware;
@@ -66,8 +72,6 @@ struct Model<'a> {
     ep_bw: f64,
 }
 
-/// Latency of one collective, seconds.
-const LATENCY_S: f64 = 10e-6;
 /// Fraction of HBM bandwidth memory-bound kernels reach.
 const HBM_EFFICIENCY: f64 = 0.8;
 /// Share of an overlapped collective's time that still lengthens the step: its kernels take
@@ -93,19 +97,9 @@ impl Model<'_> {
         bytes / (self.hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
     }
 
-    /// A ring collective moving `factor × bytes` per GPU in the TP group.
+    /// A collective of the tensor-parallel group moving `factor × bytes` per GPU.
     fn tp_collective(&self, factor: f64, bytes: f64) -> f64 {
-        if self.t <= 1.0 {
-            return 0.0;
-        }
-        LATENCY_S * self.t.log2().ceil().max(1.0) + factor * bytes / self.tp_bw
-    }
-
-    /// Two entries and two exits of a block (all-reduces, or all-gathers and reduce-scatters
-    /// with sequence parallelism) move `2 (t - 1) / t` of `[n, h]` each way per pair.
-    fn tp_pair(&self) -> f64 {
-        let bytes = self.n * self.c.hidden_size as f64 * self.p;
-        2.0 * self.tp_collective(2.0 * (self.t - 1.0) / self.t, bytes)
+        Tensor::collective_s(self.t, factor, bytes, self.tp_bw)
     }
 
     /// A decoder block; `moe`: with a mixture-of-experts feed-forward part (the router, and
@@ -130,10 +124,7 @@ impl Model<'_> {
                     n * m.top_k as f64,
                     m.expert_size as f64,
                 );
-                if self.ep > 1.0 {
-                    let bytes = rows * h * p * (self.ep - 1.0) / self.ep;
-                    a2a = 2.0 * (LATENCY_S + bytes / self.ep_bw);
-                }
+                a2a = Expert::exchange_s(self.ep, rows * h * p, self.ep_bw);
                 let gemms =
                     self.gemm(n, e, h) + self.gemm(rows, 2.0 * fe, h) + self.gemm(rows, h, fe);
                 (gemms, rows * (3.0 * fe + 5.0 * h))
@@ -149,25 +140,12 @@ impl Model<'_> {
         // context-parallel ranks by the load-balanced chunks.
         let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp;
         let attn = attn_flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
-        // The ring: cp − 1 K/V blocks per forward (and, in backward, the blocks again with
-        // their f32 dK/dV accumulators), each sent while the previous block computes: only
-        // what the attention cannot cover, and the latencies, are exposed.
-        let (ring_fwd, ring_bwd) = if self.cp > 1.0 {
-            let steps = self.cp - 1.0;
-            let kv_bytes = 2.0 * n * kv / t * p;
-            let fwd = steps * kv_bytes / self.cp_bw;
-            let bwd = steps * kv_bytes * (p + 4.0) / p / self.cp_bw;
-            (
-                (fwd - attn).max(0.0) + steps * LATENCY_S,
-                (bwd - 2.5 * attn).max(0.0) + 2.0 * steps * LATENCY_S,
-            )
-        } else {
-            (0.0, 0.0)
-        };
+        let kv_bytes = 2.0 * n * kv / t * p;
+        let (ring_fwd, ring_bwd) = Context::ring_s(self.cp, kv_bytes, p, self.cp_bw, attn);
         let tp_copies = if t > 1.0 { 8.0 * n * h } else { 0.0 };
         let mem_bytes = p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + mlp_bytes + tp_copies);
         let mem = self.memory(mem_bytes);
-        let tp = self.tp_pair();
+        let tp = Tensor::block_s(t, n * h * p, self.tp_bw);
         let fwd = gemms + attn + mem + tp + ring_fwd + a2a;
         let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp + ring_bwd + a2a;
         let mut tp_all = 2.0 * tp;
@@ -265,7 +243,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     let (head, embedding) = (model.head(), model.embedding());
     // Pipeline neighbours are tp · cp · dp ranks apart.
     let pp_bw = group_bandwidth(hw, 2, tp * dp);
-    let p2p = model.ns * c.hidden_size as f64 * p / pp_bw + LATENCY_S;
+    let p2p = Pipeline::transfer_s(model.ns * c.hidden_size as f64 * p, pp_bw);
     let mut per_stage = Vec::with_capacity(pp);
     for stage in 0..pp {
         let mut cost = Cost::default();
@@ -296,59 +274,32 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         .map(|(i, x)| (i, stage_time(x)))
         .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
     let mean = per_stage.iter().map(stage_time).sum::<f64>() / pp as f64;
-    let bubble_s = (pp as f64 - 1.0) / v as f64 * mean;
+    let bubble_s = Pipeline::bubble_s(pp, v, mean);
     let pipeline_s = m * worst + bubble_s;
 
     // Data parallelism on the slowest stage.
     let st = &state[slowest];
-    let shard = par.shard_size();
-    let replicas = dp / shard;
-    let dp_bw = group_bandwidth(hw, dp, tp);
-    let shard_bw = group_bandwidth(hw, shard, tp);
-    let ring = |k: usize, bytes: f64, bw: f64| {
-        if k <= 1 {
-            0.0
-        } else {
-            (k as f64 - 1.0) / k as f64 * bytes / bw + LATENCY_S * k as f64
-        }
+    let sizes = SyncSizes {
+        grad_ranks: dp,
+        shard: par.shard_size(),
+        micro_batches: m,
+        grad_bytes: 4.0 * st.total,
+        param_bytes: p * st.params,
+        grad_bw: group_bandwidth(hw, dp, tp),
+        shard_bw: group_bandwidth(hw, par.shard_size(), tp),
     };
-    let grads = 4.0 * st.total;
-    let (dp_comm_s, dp_exposed_s) = match par.zero {
-        ZeroStage::Off => {
-            let all_reduce = 2.0 * ring(dp, grads, dp_bw);
-            (all_reduce, exposed(all_reduce, per_stage[slowest].0.bwd))
-        }
-        ZeroStage::Optimizer => {
-            let reduce =
-                ring(shard, grads, shard_bw) + 2.0 * ring(replicas, grads / shard as f64, dp_bw);
-            let gather = ring(shard, grads, shard_bw);
-            (
-                reduce + gather,
-                exposed(reduce, per_stage[slowest].0.bwd) + gather,
-            )
-        }
-        ZeroStage::Gradients | ZeroStage::Parameters => {
-            // Every micro-batch's gradients are reduce-scattered; stage 3 also gathers the
-            // parameters before each use, its forward and its backward.
-            let per_micro = ring(shard, grads, shard_bw);
-            let replica = 2.0 * ring(replicas, grads / shard as f64, dp_bw);
-            let uses = if par.zero.shards_parameters() {
-                2.0 * m
-            } else {
-                0.0
-            };
-            let gathers = uses * ring(shard, p * st.params, shard_bw);
-            let publish = if par.zero == ZeroStage::Gradients {
-                ring(shard, grads, shard_bw)
-            } else {
-                0.0
-            };
-            let overlapped = m * per_micro + replica + gathers;
-            // All but the last piece's reduce-scatter can hide behind compute.
-            let window = pipeline_s - per_stage[slowest].0.bwd / m.max(1.0);
-            (overlapped + publish, exposed(overlapped, window) + publish)
-        }
+    let sync = Data::sync_s(par.zero, sizes);
+    // Stages 0 and 1 reduce behind the last backward; 2 and 3 every micro-batch's, so all but
+    // the last piece's reduce-scatter can hide behind the schedule's compute.
+    let window = if sync.per_micro {
+        pipeline_s - per_stage[slowest].0.bwd / m.max(1.0)
+    } else {
+        per_stage[slowest].0.bwd
     };
+    let (dp_comm_s, dp_exposed_s) = (
+        sync.overlapped + sync.after,
+        exposed(sync.overlapped, window) + sync.after,
+    );
     let optimizer_s = model.memory(st.owned * (4.0 + 24.0 + p + 4.0));
     let (cost, pp_s) = per_stage[slowest];
     let step_s = pipeline_s + dp_exposed_s + optimizer_s;

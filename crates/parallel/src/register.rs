@@ -3,7 +3,9 @@
 //! against the model and batch it splits ([`Dims`]), the channels a rank uses for it (created by
 //! `Comm::prepare` before the first step) and its part of the layout line. The recipe check,
 //! the trainer's channel list and the log line walk [`ALL`]; adding a parallelism is a folder and
-//! one entry here.
+//! one entry here. The same files hold each parallelism's communication terms for the planner
+//! (`src/plan/time.rs` combines them with the compute): seconds from bytes, group sizes and link
+//! bandwidths, with the latency [`LATENCY_S`] and the ring collective [`ring_s`] shared here.
 
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
@@ -51,6 +53,19 @@ pub const ALL: [&dyn Parallelism; 5] = [
     &crate::pipeline::register::Pipeline,
     &crate::ep::register::Expert,
 ];
+
+/// Latency of one collective (or one step of one), seconds: the planner's terms.
+pub const LATENCY_S: f64 = 10e-6;
+
+/// Planner term: seconds of a ring collective over `k` ranks of `bytes` (the whole tensor) at
+/// `bw` bytes/s per link — `(k − 1)/k` of it through each link, a latency per rank.
+pub fn ring_s(k: usize, bytes: f64, bw: f64) -> f64 {
+    if k <= 1 {
+        0.0
+    } else {
+        (k as f64 - 1.0) / k as f64 * bytes / bw + LATENCY_S * k as f64
+    }
+}
 
 /// Every parallelism's problems with `cfg` splitting `dims`.
 pub fn problems(cfg: &ParallelConfig, dims: &Dims) -> Vec<String> {

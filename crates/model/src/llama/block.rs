@@ -13,7 +13,7 @@
 //! (`TensorParallel::{enter, exit}{,_grad}`), context parallelism through the ring attention's
 //! forward and backward (`ContextParallel::{attention, attention_bwd}`, the plain kernels on one
 //! rank). A block with a mixture of experts runs the MoE layer's pass (`moe::{forward,
-//! backward}`, in `moe/saved.rs`) in place of the dense MLP's. The tests check the backward
+//! backward}`, in `moe/pass.rs`) in place of the dense MLP's. The tests check the backward
 //! against an autograd reference over the same ops and against finite differences
 //! (`tests/hand_written_backward.rs`, `tests/moe.rs`).
 

@@ -27,8 +27,8 @@
 //! number of MoE layers, is part of the objective: it takes no part in the block's output, so
 //! the backward adds its gradients to the router's directly.
 
+mod pass;
 mod routing;
-mod saved;
 
 use candle_core::{DType, Result, Tensor, D};
 
@@ -38,9 +38,9 @@ use parallel::tp::TensorParallel;
 use crate::config::MoeConfig;
 use crate::ops::linear;
 
+pub use pass::{backward, forward, MoeGrads, MoeTape};
 use routing::Plan;
 pub use routing::{apply_capacity, expert_order, route, Routing};
-pub use saved::{backward, forward, MoeGrads, MoeTape};
 
 /// The weights of one SwiGLU expert (Mixtral's names): `w2(silu(w1 x) · w3 x)`.
 #[derive(Debug, Clone)]

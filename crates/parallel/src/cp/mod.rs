@@ -188,7 +188,7 @@ impl ContextParallel {
         kernels: Kernels,
     ) -> Result<(Tensor, Tensor)> {
         match self.ring(scale, kernels) {
-            Some(ring) => ring::saved(&ring, q, k, v),
+            Some(ring) => ring::attention(&ring, q, k, v),
             None => (kernels.causal)(q, k, v, scale),
         }
     }
@@ -205,7 +205,7 @@ impl ContextParallel {
         kernels: Kernels,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         match self.ring(scale, kernels) {
-            Some(ring) => ring::grads(&ring, (q, k, v), saved, dout),
+            Some(ring) => ring::attention_bwd(&ring, (q, k, v), saved, dout),
             None => (kernels.causal_bwd)(q, k, v, saved, dout, scale),
         }
     }

@@ -4,11 +4,31 @@
 
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
-use crate::register::{next_in, Dims, Parallelism};
+use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Context parallelism.
 pub struct Context;
+
+impl Context {
+    /// Planner term: the ring's exposed seconds per decoder block, forward and backward, over
+    /// `cp` ranks: `cp − 1` K/V blocks of `kv_bytes` each (in the backward with their f32 dK/dV
+    /// accumulators, `(p + 4)/p` as many bytes for `p` bytes per element), each sent while the
+    /// previous block computes, so only what the attention (`attn_s` of the forward, 2.5 × that
+    /// in the backward) cannot cover, and the latencies, lengthen the step.
+    pub fn ring_s(cp: f64, kv_bytes: f64, p: f64, bw: f64, attn_s: f64) -> (f64, f64) {
+        if cp <= 1.0 {
+            return (0.0, 0.0);
+        }
+        let steps = cp - 1.0;
+        let fwd = steps * kv_bytes / bw;
+        let bwd = steps * kv_bytes * (p + 4.0) / p / bw;
+        (
+            (fwd - attn_s).max(0.0) + steps * LATENCY_S,
+            (bwd - 2.5 * attn_s).max(0.0) + 2.0 * steps * LATENCY_S,
+        )
+    }
+}
 
 impl Parallelism for Context {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {

@@ -1,6 +1,6 @@
 //! Ring attention over a context-parallel group (Liu et al. 2023; the load-balanced causal variant
-//! of Megatron-LM/Transformer Engine): a graph-free forward ([`saved`]) and its backward
-//! ([`grads`]).
+//! of Megatron-LM/Transformer Engine): a graph-free forward ([`attention`]) and its backward
+//! ([`attention_bwd`]).
 //!
 //! Rank `r` of `P` holds queries, keys and values of chunks `r` and `2P − 1 − r` (local rows
 //! `[0, c)` and `[c, 2c)`). Its K/V block travels around the ring: at step `i` a rank holds the
@@ -267,7 +267,12 @@ fn check_chunks(q: &Tensor, k: &Tensor) -> Result<()> {
 
 /// The ring's forward without a graph: the output `[b, 2c, hq, d]` in the dtype of `q` and the
 /// log-sum-exp `[b, hq, 2c]` in the accumulation dtype, what [`grads`] reads.
-pub(super) fn saved(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+pub(super) fn attention(
+    ring: &Ring,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     check_chunks(q, k)?;
     let t0 = Instant::now();
     let (out, lse) = forward(ring, q, k, v)?;
@@ -276,9 +281,9 @@ pub(super) fn saved(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(
     Ok((out, lse))
 }
 
-/// The ring's backward from [`saved`]'s output and log-sum-exp and the output's gradient `dout`:
+/// The ring's backward from [`attention`]'s output and log-sum-exp and the output's gradient `dout`:
 /// `(dq, dk, dv)` in the dtypes of `q`, `k`, `v`.
-pub(super) fn grads(
+pub(super) fn attention_bwd(
     ring: &Ring,
     qkv: (&Tensor, &Tensor, &Tensor),
     (out, lse): (&Tensor, &Tensor),

@@ -3,11 +3,24 @@
 
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
-use crate::register::{Dims, Parallelism};
+use crate::register::{Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Expert parallelism.
 pub struct Expert;
+
+impl Expert {
+    /// Planner term: a MoE layer's two exchanges (dispatch and combine) in one direction, of
+    /// `row_bytes` of routed rows over `ep` ranks, `(ep − 1)/ep` of them to other ranks, at `bw`
+    /// bytes/s.
+    pub fn exchange_s(ep: f64, row_bytes: f64, bw: f64) -> f64 {
+        if ep <= 1.0 {
+            return 0.0;
+        }
+        let bytes = row_bytes * (ep - 1.0) / ep;
+        2.0 * (LATENCY_S + bytes / bw)
+    }
+}
 
 impl Parallelism for Expert {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {

@@ -4,11 +4,25 @@
 
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
-use crate::register::{next_in, Dims, Parallelism};
+use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Pipeline parallelism, interleaved with virtual stages.
 pub struct Pipeline;
+
+impl Pipeline {
+    /// Planner term: one transfer of `bytes` (an activation or its gradient) to a neighbouring
+    /// stage at `bw` bytes/s.
+    pub fn transfer_s(bytes: f64, bw: f64) -> f64 {
+        bytes / bw + LATENCY_S
+    }
+
+    /// Planner term: the bubble of 1F1B and interleaved 1F1B over `pp` stages of `v` chunks,
+    /// `(pp − 1)/v` of a mean stage's `mean_stage_s`.
+    pub fn bubble_s(pp: usize, v: usize, mean_stage_s: f64) -> f64 {
+        (pp as f64 - 1.0) / v as f64 * mean_stage_s
+    }
+}
 
 impl Parallelism for Pipeline {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {

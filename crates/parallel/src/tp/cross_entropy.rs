@@ -63,7 +63,7 @@ impl TensorParallel {
         let dtype = logits.dtype();
         let logits = logits.to_dtype(DType::F32)?;
         let (losses, saved) =
-            vocab_parallel_cross_entropy_saved(&logits, targets, vocab_start, &self.group)?;
+            vocab_parallel_cross_entropy(&logits, targets, vocab_start, &self.group)?;
         Ok((losses, LossSaved::VocabParallel(saved, dtype)))
     }
 
@@ -127,7 +127,7 @@ impl VocabParallelSaved {
 /// Per-row losses `[n]` from this rank's logits `[n, v/tp]` (f32) covering vocabulary ids
 /// `vocab_start..vocab_start + v/tp`, and the global `targets` `[n]` (u32), without a graph;
 /// and what [`vocab_parallel_cross_entropy_bwd`] needs. Every rank gets the same losses.
-pub fn vocab_parallel_cross_entropy_saved(
+pub fn vocab_parallel_cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
     vocab_start: usize,

@@ -28,7 +28,7 @@ use crate::comm::local::LocalWorld;
 use crate::comm::{Comm, Group, ReduceOp};
 
 pub use cross_entropy::{
-    vocab_parallel_cross_entropy_bwd, vocab_parallel_cross_entropy_saved, LossKernels, LossSaved,
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_bwd, LossKernels, LossSaved,
     VocabParallelSaved,
 };
 pub use embedding::{EmbeddingKernels, EmbeddingSaved};

@@ -3,11 +3,29 @@
 
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
-use crate::register::{Dims, Parallelism};
+use crate::register::{Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Tensor (and sequence) parallelism.
 pub struct Tensor;
+
+impl Tensor {
+    /// Planner term: seconds of a collective of `t` tensor-parallel ranks moving `factor × bytes`
+    /// per rank at `bw` bytes/s, with a latency per step of its tree (`⌈log₂ t⌉`).
+    pub fn collective_s(t: f64, factor: f64, bytes: f64, bw: f64) -> f64 {
+        if t <= 1.0 {
+            return 0.0;
+        }
+        LATENCY_S * t.log2().ceil().max(1.0) + factor * bytes / bw
+    }
+
+    /// Planner term: a decoder block's two region entries and two exits in one direction
+    /// (all-reduces, or all-gathers and reduce-scatters with sequence parallelism), each moving
+    /// `2 (t − 1)/t` of `bytes`, the `[n, h]` activation.
+    pub fn block_s(t: f64, bytes: f64, bw: f64) -> f64 {
+        2.0 * Self::collective_s(t, 2.0 * (t - 1.0) / t, bytes, bw)
+    }
+}
 
 impl Parallelism for Tensor {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
