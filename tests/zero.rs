@@ -153,3 +153,68 @@ fn bytes_per_rank_follow_the_zero_formulas() {
         }
     }
 }
+
+/// ZeRO-3 never builds the unsharded model: a rank starts from its shards of the initial values,
+/// computed straight from the seed for its flat ranges, which equal bit for bit the same ranges
+/// of the built model (f32 and bf16, tensor-parallel blocks split by rows and by columns, ranges
+/// that cut parameters and padding), and after start-up no parameter slot holds a tensor.
+#[test]
+fn stage_3_starts_from_its_shards_without_building_the_model() {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use candle_core::{DType, Device};
+    use model::{Llama, Placement};
+    use pretrain::optim::{flatten_params, initial_owned, layout_of};
+
+    let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &[]).unwrap();
+    let c = &recipe.model;
+    for dtype in [DType::F32, DType::BF16] {
+        for tp in [1, 2] {
+            let r = parallel::comm::local::run_local(tp, Duration::from_secs(60), |rank, comm| {
+                let mut placement = Placement::whole(c);
+                let group = parallel::Group::new((0..tp).collect());
+                placement.tp = parallel::tp::TensorParallel::new(comm, group, false);
+                let built = Llama::new(c, placement.clone(), 5, dtype, &Device::Cpu)?;
+                let declared = Llama::declare(c, placement, dtype, &Device::Cpu)?;
+                assert!(declared.params().iter().all(|p| !p.is_installed()));
+                let layout = layout_of(built.params(), 1000, 4);
+                let t = layout.total;
+                let ranges = [
+                    0..7,
+                    100..t / 3,
+                    t / 3..t / 3 + 1,
+                    t / 2 + 17..t - 3,
+                    t - 2..t,
+                ];
+                let want = flatten_params(built.params(), &layout)?;
+                let got = initial_owned(declared.params(), &layout, &ranges, 5, &Device::Cpu)?;
+                let want: Vec<f32> = ranges
+                    .iter()
+                    .flat_map(|r| {
+                        want.narrow(0, r.start, r.len())
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                    })
+                    .collect();
+                assert_eq!(got.to_vec1::<f32>()?, want, "{dtype:?} tp {tp} rank {rank}");
+                Ok::<_, anyhow::Error>(())
+            });
+            r.unwrap_or_else(|e| panic!("{e}: {:#}", e.error));
+        }
+    }
+    let o = ["parallel.dp=2,parallel.zero=3,train.eval_interval=0".to_string()];
+    let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    parallel::comm::local::run_local(2, Duration::from_secs(60), |rank, comm| {
+        let ctx = pretrain::train::RankCtx::open(&recipe.parallel, rank, comm, Device::Cpu)?;
+        let trainer = pretrain::train::Trainer::new(recipe.clone(), ctx, false)?;
+        let held: Vec<&str> = (trainer.model().params().iter())
+            .filter(|p| p.is_installed())
+            .map(|p| p.name.as_str())
+            .collect();
+        assert!(held.is_empty(), "rank {rank} holds {held:?} after start-up");
+        Ok::<_, anyhow::Error>(())
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:#}", e.error));
+}

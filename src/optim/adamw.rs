@@ -45,24 +45,40 @@ impl AdamW {
             .iter()
             .next()
             .map_or(Device::Cpu, |p| p.device.clone());
-        let owned_len: usize = owned.iter().map(|r| r.len()).sum();
         crate::device::check_elements("the flat parameters", layout.total, &device)?;
-        crate::device::check_elements(
-            "the AdamW state (master weights and two moments)",
-            owned_len.saturating_mul(3),
-            &device,
-        )?;
         let flat = flatten_params(params, layout)?;
         let masters: Vec<Tensor> = owned
             .iter()
             .map(|r| flat.narrow(0, r.start, r.len()))
             .collect::<Result<_>>()?;
-        let master = Tensor::cat(&masters, 0)?;
-        let n = master.elem_count();
-        let state = Tensor::cat(
-            &[master, Tensor::zeros(2 * n, DType::F32, flat.device())?],
-            0,
+        Self::with_masters(params, layout, owned, Tensor::cat(&masters, 0)?, cfg)
+    }
+
+    /// Fresh state for the flat ranges `owned` of `layout` whose master weights are `master`
+    /// (`[Σ len]` f32, the ranges one after the other), zero moments; `params` say which
+    /// elements take weight decay.
+    pub fn with_masters(
+        params: &ParamSet,
+        layout: &FlatLayout,
+        owned: Vec<Range<usize>>,
+        master: Tensor,
+        cfg: &OptimizerConfig,
+    ) -> Result<Self> {
+        let owned_len: usize = owned.iter().map(|r| r.len()).sum();
+        crate::device::check_elements(
+            "the AdamW state (master weights and two moments)",
+            owned_len.saturating_mul(3),
+            master.device(),
         )?;
+        if master.elem_count() != owned_len {
+            candle_core::bail!(
+                "AdamW: {} master weights for {owned_len} owned elements",
+                master.elem_count()
+            );
+        }
+        let n = master.elem_count();
+        let zeros = Tensor::zeros(2 * n, DType::F32, master.device())?;
+        let state = Tensor::cat(&[master.to_dtype(DType::F32)?, zeros], 0)?;
         let mut decay = Vec::new();
         let mut base = 0;
         for r in &owned {

@@ -10,8 +10,11 @@ pub use adamw::{AdamW, AdamWState};
 pub use grads::GradBuffer;
 pub use parallel::dp::FlatLayout;
 
-use candle_core::{DType, Result, Tensor};
+use std::ops::Range;
+
+use candle_core::{DType, Device, Result, Tensor};
 use model::ParamSet;
+use parallel::dp::intersect;
 
 /// The layout of `params` in buckets of at least `bucket_size` elements, padded for `dp_size`
 /// data-parallel ranks.
@@ -36,6 +39,42 @@ pub fn flatten_params(params: &ParamSet, layout: &FlatLayout) -> Result<Tensor> 
         parts.push(Tensor::zeros(layout.total - end, DType::F32, &p.device)?);
     }
     Tensor::cat(&parts, 0)
+}
+
+/// The initial values (run seed `seed`) of the flat ranges `owned` of `layout`, one after the
+/// other as f32 `[Σ len]` on `device` (padding zero), rounded through each parameter's dtype as
+/// [`flatten_params`] of a freshly built model would give them — without building the
+/// parameters: each range costs only its own rows (ZeRO-3's start-up).
+pub fn initial_owned(
+    params: &ParamSet,
+    layout: &FlatLayout,
+    owned: &[Range<usize>],
+    seed: u64,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut out: Vec<f32> = Vec::with_capacity(owned.iter().map(|r| r.len()).sum());
+    for r in owned {
+        let mut at = r.start;
+        for (i, p) in params.iter().enumerate() {
+            let slot = layout.range(i);
+            let cut = intersect(&slot, r);
+            if cut.is_empty() {
+                continue;
+            }
+            out.resize(out.len() + (cut.start - at), 0.0); // padding before it
+            let local = cut.start - slot.start..cut.end - slot.start;
+            let values = p.initial_values(seed, local);
+            let n = values.len();
+            let rounded = Tensor::from_vec(values, n, &Device::Cpu)?
+                .to_dtype(p.dtype)?
+                .to_dtype(DType::F32)?;
+            out.extend(rounded.to_vec1::<f32>()?);
+            at = cut.end;
+        }
+        out.resize(out.len() + (r.end - at), 0.0);
+    }
+    let n = out.len();
+    Tensor::from_vec(out, n, device)
 }
 
 /// Writes a whole flat f32 vector `[layout.total]` into the parameters (cast to their dtype).

@@ -102,7 +102,6 @@ impl Trainer {
                 device.location()
             );
         }
-        let dtype = recipe.train.dtype.dtype();
         let t = &recipe.train;
         let data = RankData::open(&recipe, &ctx)?;
         // The largest activations of a micro-batch must fit candle's 32-bit CUDA indexing too.
@@ -120,13 +119,7 @@ impl Trainer {
         ] {
             crate::device::check_elements(what, n, &device)?;
         }
-        let model = Llama::new(
-            &recipe.model,
-            ctx.placement(recipe.model.num_hidden_layers),
-            t.seed,
-            dtype,
-            &device,
-        )?;
+        let model = zero::rank_model(&recipe, &ctx)?;
         let zero::RankState {
             grads,
             optimizer,

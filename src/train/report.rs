@@ -31,6 +31,17 @@ impl Trainer {
             mib(b.grad_bytes),
             mib(b.optimizer_bytes)
         );
+        // The planner's prediction, to read beside each step's measured `mem=` (this process's
+        // peak resident memory on the CPU, the device pool's on a GPU).
+        if let Ok(stages) = crate::plan::memory::stages(r) {
+            let most = stages.iter().map(|s| s.bytes.total).max().unwrap_or(0);
+            info!(
+                "planned memory: {:.1} MiB per rank (most loaded stage; `pretrain plan` itemises \
+                 it); each step's mem= is the measured peak of this process (all the thread-ranks \
+                 it runs) or of the GPU's memory pool",
+                mib(most as usize)
+            );
+        }
     }
 
     /// A step's lines (at the log interval, and the traced step's).

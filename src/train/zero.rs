@@ -16,7 +16,7 @@ use parallel::tp::Shard;
 use parallel::ParallelConfig;
 
 use super::RankCtx;
-use crate::optim::{flatten_params, write_params, AdamW, GradBuffer};
+use crate::optim::{flatten_params, initial_owned, write_params, AdamW, GradBuffer};
 use crate::recipe::Recipe;
 
 /// The parameters each piece in `chunks` reads, in execution order (what ZeRO-2/3 buckets
@@ -115,8 +115,23 @@ pub struct RankState {
     pub gather: Option<Gatherer<Piece>>,
 }
 
-/// Builds the state of rank `ctx` for `model` (fully initialised: at stage 3 the rank keeps its
-/// shards and releases the parameters).
+/// The model a rank of `recipe` starts from: at ZeRO stage 3 declared without parameter values
+/// (its shards come from [`rank_state`], and a piece's full parameters are installed only while
+/// it runs, so the unsharded model is never held), else built with the recipe's seed.
+pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
+    let (c, t) = (&recipe.model, &recipe.train);
+    let placement = ctx.placement(c.num_hidden_layers);
+    let (dtype, device) = (t.dtype.dtype(), &ctx.device);
+    Ok(if recipe.parallel.zero.shards_parameters() {
+        Llama::declare(c, placement, dtype, device)?
+    } else {
+        Llama::new(c, placement, t.seed, dtype, device)?
+    })
+}
+
+/// Builds the state of rank `ctx` for `model` (from [`rank_model`]): the optimizer's master
+/// weights are the model's values (stages 0-2) or, at stage 3, this rank's shards of the initial
+/// values computed directly from the seed — bit for bit what sharding the built model gives.
 pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankState> {
     let par = &recipe.parallel;
     let zero = par.zero;
@@ -137,7 +152,16 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     } else {
         GradBuffer::new(layout.clone(), device)?
     };
-    let optimizer = AdamW::new(model.params(), &layout, owned.clone(), &recipe.optimizer)?;
+    let (params, optim) = (model.params(), &recipe.optimizer);
+    let (optimizer, shards) = if zero.shards_parameters() {
+        let seed = recipe.train.seed;
+        let master = initial_owned(params, &layout, &owned, seed, device)?;
+        let shards = master.to_dtype(params.get(0).dtype)?;
+        let optimizer = AdamW::with_masters(params, &layout, owned.clone(), master, optim)?;
+        (optimizer, Some(shards))
+    } else {
+        (AdamW::new(params, &layout, owned.clone(), optim)?, None)
+    };
     let tied_pipeline = recipe.model.tie_word_embeddings && ctx.groups.pp.size() > 1;
     let partial = model
         .params()
@@ -155,12 +179,6 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         tp: ctx.groups.tp.clone(),
         pipeline_ends: ctx.groups.pipeline_ends.clone(),
     };
-    let flat = if zero.shards_parameters() {
-        Some(flatten_params(model.params(), &layout)?)
-    } else {
-        None
-    };
-    let dtype = model.params().get(0).dtype;
     let dp = DataParallel::new(
         ctx.comm.clone(),
         layout.clone(),
@@ -169,16 +187,11 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         partial,
         grads.flat().clone(),
         owned,
-        flat.as_ref().map(|f| (f, dtype)),
+        shards,
     )?;
-    let gather = if zero.shards_parameters() {
-        for p in model.params().iter() {
-            p.release();
-        }
-        Some(gatherer(model, layout, &chunks))
-    } else {
-        None
-    };
+    let gather = zero
+        .shards_parameters()
+        .then(|| gatherer(model, layout, &chunks));
     Ok(RankState {
         grads,
         optimizer,

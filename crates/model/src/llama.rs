@@ -168,6 +168,29 @@ impl Llama {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::build(config, placement, Some(seed), dtype, device)
+    }
+
+    /// This rank's part of the model with every parameter slot empty (released): what ZeRO-3
+    /// starts from, installing a piece's parameters only while it runs, so the unsharded model
+    /// is never held. [`crate::Parameter::initial_values`] gives any slice of the values
+    /// [`Llama::new`] would have installed.
+    pub fn declare(
+        config: &LlamaConfig,
+        placement: Placement,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::build(config, placement, None, dtype, device)
+    }
+
+    fn build(
+        config: &LlamaConfig,
+        placement: Placement,
+        seed: Option<u64>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let experts = config.moe().map_or(0, |m| m.num_experts);
         let inventory = Inventory::with_experts(
             config,
@@ -184,7 +207,10 @@ impl Llama {
                 kind: d.kind,
                 init: d.init,
             };
-            params.add(spec, seed, &placement.tp, dtype, device)?;
+            match seed {
+                Some(seed) => params.add(spec, seed, &placement.tp, dtype, device)?,
+                None => params.declare(spec, &placement.tp, dtype, device)?,
+            };
         }
         let (cos, sin) = rope_tables(config, dtype, device)?;
         Ok(Self {

@@ -43,6 +43,8 @@ pub struct Parameter {
     pub shard: Shard,
     /// The block of the whole tensor this rank holds.
     pub block: Block,
+    /// How it starts.
+    pub init: Init,
 }
 
 /// What a parameter is, before any sharding: its name, whole shape, role and initialisation.
@@ -81,6 +83,34 @@ impl Parameter {
     /// graph: nothing computed from it builds one.
     pub fn tensor(&self) -> Result<Tensor> {
         Ok(self.var()?.as_tensor().detach())
+    }
+
+    /// The initial values (run seed `seed`) of elements `range` of this rank's block, in row-major
+    /// order, as f32 (the parameter holds them in its dtype). Any range costs only its own rows.
+    pub fn initial_values(&self, seed: u64, range: std::ops::Range<usize>) -> Vec<f32> {
+        let (global, offset, shape) = (&self.global_shape, &self.block.offset, &self.block.shape);
+        let (row0, col0, cols, full_cols) = match (global.as_slice(), offset.as_slice()) {
+            ([_, full], [r0, c0]) => (*r0, *c0, shape[1], *full),
+            ([full], [c0]) => (0, *c0, shape[0], *full),
+            _ => unreachable!("ParamSet::declare admits 1-D and 2-D parameters only"),
+        };
+        if range.is_empty() || cols == 0 {
+            return Vec::new();
+        }
+        let (first, last) = (range.start / cols, (range.end - 1) / cols);
+        let mut rows = self.init.block(
+            seed,
+            &self.name,
+            row0 + first,
+            col0,
+            last + 1 - first,
+            cols,
+            full_cols,
+        );
+        let at = first * cols;
+        rows.truncate(range.end - at);
+        rows.drain(..range.start - at);
+        rows
     }
 
     /// Elements of this rank's block.
@@ -138,14 +168,12 @@ pub struct ParamSet {
 }
 
 impl ParamSet {
-    /// Creates this rank's block of parameter `spec.name` (whole shape `spec.global_shape`, 1-D
-    /// or 2-D) from `spec.init`, split across the tensor-parallel group `tp` as the TP plan says,
-    /// and returns its index. The values are exactly that block of the single-rank
-    /// tensor built with `seed`.
-    pub fn add(
+    /// Declares this rank's block of parameter `spec.name` (whole shape `spec.global_shape`,
+    /// 1-D or 2-D), split across the tensor-parallel group `tp` as the TP plan says, without
+    /// allocating it (its slot starts released), and returns its index.
+    pub fn declare(
         &mut self,
         spec: ParamSpec<'_>,
-        seed: u64,
         tp: &TensorParallel,
         dtype: DType,
         device: &Device,
@@ -156,34 +184,42 @@ impl ParamSet {
             kind,
             init,
         } = spec;
+        if !(1..=2).contains(&global_shape.len()) {
+            candle_core::bail!("{name}: parameters are 1-D or 2-D, got shape {global_shape:?}");
+        }
         let shard = tp_shard(name);
         let block = shard
             .block(global_shape, tp.index(), tp.size())
             .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-        let (row0, col0, rows, cols, full_cols) = match (
-            global_shape,
-            block.offset.as_slice(),
-            block.shape.as_slice(),
-        ) {
-            ([_, full], [r0, c0], [r, c]) => (*r0, *c0, *r, *c, *full),
-            ([full], [c0], [c]) => (0, *c0, 1, *c, *full),
-            _ => {
-                candle_core::bail!("{name}: parameters are 1-D or 2-D, got shape {global_shape:?}")
-            }
-        };
-        let values = init.block(seed, name, row0, col0, rows, cols, full_cols);
-        let t = Tensor::from_vec(values, block.shape.as_slice(), device)?.to_dtype(dtype)?;
         self.params.push(Parameter {
             name: name.to_string(),
-            var: RwLock::new(Some(Var::from_tensor(&t)?)),
+            var: RwLock::new(None),
             dtype,
             device: device.clone(),
             kind,
             global_shape: global_shape.to_vec(),
             shard,
             block,
+            init,
         });
         Ok(self.params.len() - 1)
+    }
+
+    /// [`ParamSet::declare`]s parameter `spec.name` and installs its initial values: exactly
+    /// this rank's block of the single-rank tensor built with `seed`.
+    pub fn add(
+        &mut self,
+        spec: ParamSpec<'_>,
+        seed: u64,
+        tp: &TensorParallel,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<usize> {
+        let i = self.declare(spec, tp, dtype, device)?;
+        let p = &self.params[i];
+        let values = p.initial_values(seed, 0..p.numel());
+        p.install(&Tensor::from_vec(values, p.numel(), device)?)?;
+        Ok(i)
     }
 
     /// All parameters in creation order.

@@ -32,7 +32,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::stage::ZeroStage;
 use super::{BucketSpan, FlatLayout, GradSync, Reduction};
@@ -98,8 +98,8 @@ impl DataParallel {
     /// The data parallelism of a rank at ZeRO stage `zero` whose gradients are `grads` (shared
     /// with the caller: `[layout.total]` f32 at stages 0 and 1, `[n_owned]` f32 at 2 and 3), owning
     /// the flat ranges `owned`, where parameter `i`'s other partial sums are `partial[i]`. At stage
-    /// 3 `params` gives the initial parameters as a whole flat buffer `[layout.total]`, from which
-    /// the rank keeps its shards (in `param_dtype`).
+    /// 3 `param_shards` are the rank's initial shards of the parameters (`[n_owned]`, the owned
+    /// ranges one after the other, in the parameters' dtype).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         comm: Arc<dyn Comm>,
@@ -109,7 +109,7 @@ impl DataParallel {
         partial: Vec<Partial>,
         grads: Tensor,
         owned: Vec<Range<usize>>,
-        params: Option<(&Tensor, DType)>,
+        param_shards: Option<Tensor>,
     ) -> Result<Self> {
         if partial.len() != layout.numels.len() {
             candle_core::bail!(
@@ -154,9 +154,9 @@ impl DataParallel {
                 (None, Some(CommThread::new(format!("dp-{}", comm.rank()))?))
             }
         };
-        let param_shards = match (zero.shards_parameters(), params) {
-            (true, Some((flat, dtype))) => Some(gather_owned(flat, &owned)?.to_dtype(dtype)?),
-            (true, None) => candle_core::bail!("ZeRO-3 needs the initial parameters"),
+        let param_shards = match (zero.shards_parameters(), param_shards) {
+            (true, Some(shards)) => Some(shards),
+            (true, None) => candle_core::bail!("ZeRO-3 needs the initial parameter shards"),
             (false, _) => None,
         };
         Ok(Self {
