@@ -1,10 +1,13 @@
-// Tensor-core (nvcuda::wmma, bf16 m16n16k16, f32 accumulators) variants of the causal GQA flash
-// attention of attention.cu for its common case: bf16 storage, head dim D = 64 or 128. Same math,
+// Tensor-core (nvcuda::wmma, bf16 m16n16k16, f32 accumulators) variants of the GQA flash
+// attention of attention.cu for its common case: bf16 storage, head dim D = 64 or 128, causal
+// (sk = s) or unmasked over sk keys (a block of context-parallel ring attention). Same math,
 // layouts, outputs and determinism; the backward reuses attention.cu's attn_bwd_delta_bf16.
 // Launched by src/ops/cuda/attention_tc.rs, which mirrors TcCfg below.
 //
-// Layouts as in attention.cu: q, out, dout [b, s, hq, D]; k, v [b, s, hkv, D] (bf16); lse and
-// delta [b, hq, s] (f32); the backward writes the flat grads dq [b, s, hq, D] | dk | dv.
+// Layouts as in attention.cu: q, out, dout [b, s, hq, D]; k, v [b, sk, hkv, D] (bf16); lse and
+// delta [b, hq, s] (f32); the backward writes the flat grads dq [b, s, hq, D] | dk | dv. Causal
+// calls skip the tiles above the diagonal and mask key > query; unmasked calls visit every key
+// tile and mask only the keys past sk in the last one.
 //
 // Blocks of 128 threads (4 warps). Tiles of BM = 64 rows, 16 per warp: the forward and dQ blocks
 // own 64 query rows of one (b, query head); the dK/dV block owns 64 key rows of one (b, kv head)
@@ -29,8 +32,9 @@
 //   attn_tc_dq     block = (b, query head, 64 query rows); key tiles of BT = 32:
 //                  S = Q Kᵀ, dP = dO Vᵀ, dS = P ∘ (dP - delta), dQ += dS K (fragments).
 //   attn_tc_dkv    block = (b, query head, 64 keys), first key tiles first; query tiles of
-//                  BT = 32 at or after the block's first key: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ,
-//                  dV += Pᵀ dO, dK += dSᵀ Q (fragments). Without GQA (hq = hkv) the block writes
+//                  BT = 32 at or after the block's first key (causal): Sᵀ = K Qᵀ, dPᵀ = V dOᵀ,
+//                  dV += Pᵀ dO, dK += dSᵀ Q (fragments); unmasked, every query tile.
+//                  Without GQA (hq = hkv) the block writes
 //                  dK, dV; with GQA it writes its query head's f32 share to `part` and
 //                  attn_tc_dkv_reduce sums the group's shares in head order. (One block per kv
 //                  head looping over the group's heads, as before, ran 2x the ideal time on
@@ -145,7 +149,7 @@ template <int D>
 __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                     const bf16* __restrict__ v, bf16* __restrict__ out,
                                     float* __restrict__ lse, int b, int s, int hq, int hkv, int d,
-                                    float scale) {
+                                    int sk, bool causal, float scale) {
   typedef TcCfg<D> C;
   constexpr int BM = C::BM, KT = C::FKT, LDH = C::LDH, LDS = KT + 4, LDP = KT + 8;
   constexpr int NC = D / 16, NK = KT / 16, CP = (KT < D ? KT : D) / 16;  // CP: chunks per pass
@@ -162,9 +166,10 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
   const size_t qrs = (size_t)hq * D, krs = (size_t)hkv * D;
   const bf16* qh = q + (size_t)bi * s * qrs + (size_t)h * D;
-  const bf16* kh = k + (size_t)bi * s * krs + (size_t)g * D;
-  const bf16* vh = v + (size_t)bi * s * krs + (size_t)g * D;
+  const bf16* kh = k + (size_t)bi * sk * krs + (size_t)g * D;
+  const bf16* vh = v + (size_t)bi * sk * krs + (size_t)g * D;
   const int q0 = qt * BM, w0 = q0 + 16 * warp, r = lane >> 1, row = w0 + r;
+  const int last = causal ? row : sk - 1;  // the last key this lane's row sees
   float* sw = ss + 16 * warp * LDS;
   bf16* pw = ps + 16 * warp * LDP;
 
@@ -178,13 +183,13 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 #pragma unroll
   for (int j = 0; j < D / 2; ++j) o[j] = 0.0f;
 
-  const int kend = min(q0 + BM, s);
+  const int kend = causal ? min(q0 + BM, s) : sk;
   for (int k0 = 0; k0 < kend; k0 += KT) {
     __syncthreads();  // the previous tile (or the Q staging) is no longer read
-    load_tile<D>(ks, kh, krs, k0, KT, s);
-    load_tile<D>(vs, vh, krs, k0, KT, s);
+    load_tile<D>(ks, kh, krs, k0, KT, sk);
+    load_tile<D>(vs, vh, krs, k0, KT, sk);
     __syncthreads();
-    if (k0 > w0 + 15) continue;  // every key after every row of this warp (warp-uniform)
+    if (causal && k0 > w0 + 15) continue;  // every key after every row of this warp (uniform)
     // S = Q Kᵀ for this warp's 16 rows.
 #pragma unroll
     for (int j = 0; j < NK; ++j) {
@@ -207,7 +212,7 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 #pragma unroll
       for (int e = 0; e < KT / 2; ++e) {
         const int key = k0 + half * (KT / 2) + e;
-        sv[e] = key <= row ? sr[e] * scale : neg_inf<float>();
+        sv[e] = key <= last ? sr[e] * scale : neg_inf<float>();
         mx = sv[e] > mx ? sv[e] : mx;
       }
       __syncwarp();  // every lane has read its scores: the S rows now take P_lo
@@ -279,7 +284,7 @@ __device__ __forceinline__ void dq(const bf16* __restrict__ q, const bf16* __res
                                    const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                    bf16* __restrict__ grads, int b, int s, int hq, int hkv, int d,
-                                   float scale) {
+                                   int sk, bool causal, float scale) {
   typedef TcCfg<D> C;
   constexpr int BM = C::BM, KT = C::BT, LDH = C::LDH, LDS = KT + 4, LDP = KT + 8;
   constexpr int NC = D / 16, NK = KT / 16;
@@ -297,9 +302,10 @@ __device__ __forceinline__ void dq(const bf16* __restrict__ q, const bf16* __res
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
   const size_t qrs = (size_t)hq * D, krs = (size_t)hkv * D;
   const size_t qoff = (size_t)bi * s * qrs + (size_t)h * D;
-  const bf16* kh = k + (size_t)bi * s * krs + (size_t)g * D;
-  const bf16* vh = v + (size_t)bi * s * krs + (size_t)g * D;
+  const bf16* kh = k + (size_t)bi * sk * krs + (size_t)g * D;
+  const bf16* vh = v + (size_t)bi * sk * krs + (size_t)g * D;
   const int q0 = qt * BM, w0 = q0 + 16 * warp, r = lane >> 1, row = w0 + r;
+  const int last = causal ? row : sk - 1;  // the last key this lane's row sees
   float* sw = ss + 16 * warp * LDS;
   float* dpw = dps + 16 * warp * LDS;
   bf16* dsw = dss + 16 * warp * LDP;
@@ -323,13 +329,13 @@ __device__ __forceinline__ void dq(const bf16* __restrict__ q, const bf16* __res
 #pragma unroll
   for (int c = 0; c < NC; ++c) wmma::fill_fragment(acc[c], 0.0f);
 
-  const int kend = min(q0 + BM, s);
+  const int kend = causal ? min(q0 + BM, s) : sk;
   for (int k0 = 0; k0 < kend; k0 += KT) {
     __syncthreads();
-    load_tile<D>(ks, kh, krs, k0, KT, s);
-    load_tile<D>(vs, vh, krs, k0, KT, s);
+    load_tile<D>(ks, kh, krs, k0, KT, sk);
+    load_tile<D>(vs, vh, krs, k0, KT, sk);
     __syncthreads();
-    if (k0 > w0 + 15) continue;  // every key after every row of this warp
+    if (causal && k0 > w0 + 15) continue;  // every key after every row of this warp
 #pragma unroll
     for (int j = 0; j < NK; ++j) {
       FragC sa, pa;
@@ -360,7 +366,7 @@ __device__ __forceinline__ void dq(const bf16* __restrict__ q, const bf16* __res
 #pragma unroll
       for (int e = 0; e < KT / 2; ++e) {
         const int key = k0 + c0 + e;
-        const float p = key <= row ? exp_acc(sv[e] * scale - lse_r) : 0.0f;
+        const float p = key <= last ? exp_acc(sv[e] * scale - lse_r) : 0.0f;
         split(p * (dpv[e] - del_r), dsw + r * LDP + c0 + e, dlw + r * LDP + c0 + e);
       }
     }
@@ -391,7 +397,7 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
                                     const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                     const float* __restrict__ lse, const float* __restrict__ delta,
                                     bf16* __restrict__ grads, float* __restrict__ part, int b, int s,
-                                    int hq, int hkv, int d, float scale) {
+                                    int hq, int hkv, int d, int sk, bool causal, float scale) {
   typedef TcCfg<D> C;
   constexpr int BM = C::BM, QT = C::BT, LDH = C::LDH, LDS = QT + 4, LDP = QT + 8;
   constexpr int NC = D / 16, NQ = QT / 16;
@@ -411,7 +417,7 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
   if (group > 1 && part == nullptr) __trap();  // GQA writes shares that attn_tc_dkv_reduce sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
   const size_t qrs = (size_t)hq * D, krs = (size_t)hkv * D;
-  const size_t koff = (size_t)bi * s * krs + (size_t)g * D;
+  const size_t koff = (size_t)bi * sk * krs + (size_t)g * D;
   const int k0 = kt * BM, w0 = k0 + 16 * warp, r = lane >> 1, key = w0 + r;
   float* stw = sts + 16 * warp * LDS;
   float* dptw = dpts + 16 * warp * LDS;
@@ -421,8 +427,8 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
   FragA kf[NC], vf[NC];
   {
     bf16* kst = reinterpret_cast<bf16*>(base);  // [BM, LDH] K, then [BM, LDH] V
-    load_tile<D>(kst, k + koff, krs, k0, BM, s);
-    load_tile<D>(kst + BM * LDH, v + koff, krs, k0, BM, s);
+    load_tile<D>(kst, k + koff, krs, k0, BM, sk);
+    load_tile<D>(kst + BM * LDH, v + koff, krs, k0, BM, sk);
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
@@ -442,7 +448,7 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
     const size_t bh = (size_t)bi * hq + h;
     const bf16* qh = q + (size_t)bi * s * qrs + (size_t)h * D;
     const bf16* doh = dout + (size_t)bi * s * qrs + (size_t)h * D;
-    for (int m0 = k0; m0 < s; m0 += QT) {
+    for (int m0 = causal ? k0 : 0; m0 < s; m0 += QT) {
       __syncthreads();
       load_tile<D>(qs, qh, qrs, m0, QT, s);
       load_tile<D>(dos, doh, qrs, m0, QT, s);
@@ -452,7 +458,7 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
         dels[t] = ok ? delta[bh * s + m0 + t] : 0.0f;
       }
       __syncthreads();
-      if (m0 + QT - 1 < w0) continue;  // every query before every key of this warp
+      if (causal && m0 + QT - 1 < w0) continue;  // every query before every key of this warp
       // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for this warp's 16 keys.
 #pragma unroll
       for (int j = 0; j < NQ; ++j) {
@@ -482,7 +488,8 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
 #pragma unroll
         for (int e = 0; e < QT / 2; ++e) {
           const int col = c0 + e, qpos = m0 + col;
-          p[e] = key <= qpos && qpos < s ? exp_acc(stw[r * LDS + col] * scale - lses[col]) : 0.0f;
+          const bool seen = causal ? key <= qpos : key < sk;
+          p[e] = seen && qpos < s ? exp_acc(stw[r * LDS + col] * scale - lses[col]) : 0.0f;
         }
         __syncwarp();  // every lane has read its Sᵀ values
 #pragma unroll
@@ -520,29 +527,30 @@ __device__ __forceinline__ void dkv(const bf16* __restrict__ q, const bf16* __re
   }
 
   __syncthreads();  // every warp is done with the tiles: reuse the memory as f32 staging
-  const size_t nq = (size_t)b * s * qrs, nkv = (size_t)b * s * krs;
+  const size_t nq = (size_t)b * s * qrs, nkv = (size_t)b * sk * krs, np = (size_t)b * sk * qrs;
   float* st = reinterpret_cast<float*>(base) + 16 * warp * C::LDF;
   if (group == 1) {
-    write_acc<D>(st, dk, grads + nq + koff, krs, w0, s, scale);
-    write_acc<D>(st, dv, grads + nq + nkv + koff, krs, w0, s, 1.0f);
-  } else {  // this query head's shares: part = [dK | dV], each [b, s, hq, D] f32, unscaled
-    const size_t qoff = (size_t)bi * s * qrs + (size_t)h0 * D;
-    write_acc<D>(st, dk, part + qoff, qrs, w0, s, 1.0f);
-    write_acc<D>(st, dv, part + nq + qoff, qrs, w0, s, 1.0f);
+    write_acc<D>(st, dk, grads + nq + koff, krs, w0, sk, scale);
+    write_acc<D>(st, dv, grads + nq + nkv + koff, krs, w0, sk, 1.0f);
+  } else {  // this query head's shares: part = [dK | dV], each [b, sk, hq, D] f32, unscaled
+    const size_t poff = (size_t)bi * sk * qrs + (size_t)h0 * D;
+    write_acc<D>(st, dk, part + poff, qrs, w0, sk, 1.0f);
+    write_acc<D>(st, dv, part + np + poff, qrs, w0, sk, 1.0f);
   }
 }
 
-// dK, dV [b, s, hkv, D] of `grads` (after its nq dQ elements) from the shares in `part`: each
-// element the sum over its group's query heads in head order (dK times scale), rounded once.
+// dK, dV [b, sk, hkv, D] of `grads` (after its nq dQ elements) from the shares in `part`
+// ([2, b, sk, hq, D]): each element the sum over its group's query heads in head order (dK times
+// scale), rounded once.
 __device__ __forceinline__ void dkv_reduce(const float* __restrict__ part, bf16* __restrict__ grads,
-                                           int b, int s, int hq, int hkv, int d, float scale) {
+                                           int b, int s, int hq, int hkv, int d, int sk, float scale) {
   const int group = hq / hkv;
-  const size_t nq = (size_t)b * s * hq * d, nkv = (size_t)b * s * hkv * d;
+  const size_t nq = (size_t)b * s * hq * d, nkv = (size_t)b * sk * hkv * d, np = (size_t)b * sk * hq * d;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < 2 * nkv;
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t which = i / nkv, e = i % nkv;  // 0: dK, 1: dV
-    const size_t c = e % d, g = e / d % hkv, p = e / ((size_t)d * hkv);  // p = bi * s + position
-    const float* src = part + which * nq + (p * hq + g * group) * d + c;
+    const size_t c = e % d, g = e / d % hkv, p = e / ((size_t)d * hkv);  // p = bi * sk + key
+    const float* src = part + which * np + (p * hq + g * group) * d + c;
     float sum = 0.0f;
     for (int hh = 0; hh < group; ++hh) sum += src[(size_t)hh * d];
     grads[nq + i] = __float2bfloat16_rn(which == 0 ? sum * scale : sum);
@@ -554,35 +562,36 @@ __device__ __forceinline__ void dkv_reduce(const float* __restrict__ part, bf16*
 // ---------------------------------------------------------------------------------------------
 // Exports: attn_tc_{fwd,dq,dkv}_d<D>_bf16, with the parameter lists of attention.cu's bf16
 // attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps), except that the
-// dK/dV kernel also takes `part`, 2 nq floats for the GQA shares (null without GQA), and runs
-// b·hq blocks per key tile. They compute the causal mask only: a launch with causal = 0 or
-// sk != s traps (the launchers pick the scalar kernels for unmasked blocks).
+// dK/dV kernel also takes `part`, 2·b·sk·hq·D floats for the GQA shares (null without GQA), and
+// runs b·hq blocks per key tile. A causal launch with sk != s, or sk < 1, traps.
 // bf16 wmma needs sm_80 or newer: compiled for an older architecture, the kernels only trap (the
 // launchers pick them for bf16, which the project trains with on sm_80+ GPUs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define TC_BODY(CALL) __trap();
 #else
 #define TC_BODY(CALL) \
-  if (!causal || sk != s) __trap(); \
+  if ((causal && sk != s) || sk < 1) __trap(); \
   CALL;
 #endif
 #define ATTN_TC_EXPORT(D)                                                                          \
   extern "C" __global__ void attn_tc_fwd_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* out,  \
       float* lse, int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {         \
-    TC_BODY(attn_tc::fwd<D>(q, k, v, out, lse, b, s, hq, hkv, d, scale))                           \
+    TC_BODY(attn_tc::fwd<D>(q, k, v, out, lse, b, s, hq, hkv, d, sk, causal != 0, scale))         \
   }                                                                                                \
   extern "C" __global__ void attn_tc_dq_d##D##_bf16(                                               \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
       int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {                     \
-    TC_BODY(attn_tc::dq<D>(q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, scale))             \
+    TC_BODY(attn_tc::dq<D>(q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal != 0,    \
+                           scale))                                                                 \
   }                                                                                                \
   extern "C" __global__ void attn_tc_dkv_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
       float* part, int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {        \
-    TC_BODY(attn_tc::dkv<D>(q, k, v, dout, lse, delta, grads, part, b, s, hq, hkv, d, scale))      \
+    TC_BODY(attn_tc::dkv<D>(q, k, v, dout, lse, delta, grads, part, b, s, hq, hkv, d, sk,         \
+                            causal != 0, scale))                                                   \
   }
 
 ATTN_TC_EXPORT(64)
@@ -590,6 +599,7 @@ ATTN_TC_EXPORT(128)
 
 // The GQA dK/dV shares of attn_tc_dkv_d<D>_bf16 summed into `grads` (any grid; grid-stride).
 extern "C" __global__ void attn_tc_dkv_reduce_bf16(const float* part, __nv_bfloat16* grads, int b,
-                                                   int s, int hq, int hkv, int d, float scale) {
-  attn_tc::dkv_reduce(part, grads, b, s, hq, hkv, d, scale);
+                                                   int s, int hq, int hkv, int d, int sk,
+                                                   float scale) {
+  attn_tc::dkv_reduce(part, grads, b, s, hq, hkv, d, sk, scale);
 }

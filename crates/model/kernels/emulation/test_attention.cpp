@@ -4,8 +4,8 @@
 // other key counts (the blocks of context-parallel ring attention), with the launch shapes and
 // argument order of src/ops/cuda/attention.rs, compared with a naive double-precision attention; plus the kernels' own launch checks (they must trap on a wrong block size or too
 // little shared memory) and the tile geometry table that attention.rs's unit test pins. The
-// tensor-core kernels of attention_tc.cu (bf16, d = 64 and 128; `tc` below) run through the same
-// checks with the launch shapes of src/ops/cuda/attention_tc.rs.
+// tensor-core kernels of attention_tc.cu (bf16, d = 64 and 128; `tc` below), causal and unmasked,
+// run through the same checks with the launch shapes of src/ops/cuda/attention_tc.rs.
 #include "shim.h"
 // The kernels under test, unchanged.
 #include "../attention.cu"
@@ -159,8 +159,7 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
         }
       }
 
-  // attention.rs `fwd`: grid(blocks(b hq, s, rows), THREADS, kv_smem), kernel attn_fwd_d<dmax>
-  // (always for unmasked calls: the tensor-core kernels are causal only).
+  // attention.rs `fwd`: grid(blocks(b hq, s, rows), THREADS, kv_smem), kernel attn_fwd_d<dmax>.
   // attention_tc.rs: grid(blocks(b hq, s, 64), THREADS, fwd smem), kernel attn_tc_fwd_d<d>_bf16.
   const Shape fwd_shape = tc ? grid(blocks(b * hq, s, TC_ROWS), THREADS, tg.fwd)
                              : grid(blocks(b * hq, s, geo.rows), THREADS, geo.kv_smem());
@@ -252,8 +251,9 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
                                      delta.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
                                      (int)d, ski, ci, sc);
   };
-  // The GQA shares of the tensor-core dK/dV kernel (attention.rs allocates them only for GQA).
-  Buffer<float> part(group > 1 ? 2 * nq : 1, "part");
+  // The GQA shares [2, b, sk, hq, d] of the tensor-core dK/dV kernel (attention.rs allocates
+  // them only for GQA).
+  Buffer<float> part(group > 1 ? 2 * b * sk * hq * d : 1, "part");
   float* part_ptr = group > 1 ? part.data() : nullptr;
   auto dkv = [&] {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
@@ -281,7 +281,7 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
     if (tc && group > 1) {
       auto reduce = [&] {
         attn_tc_dkv_reduce_bf16(part.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
-                                (int)d, sc);
+                                (int)d, ski, sc);
       };
       if (!run("attn_tc_dkv_reduce_bf16", Shape{4, THREADS, 0}, reduce)) return;
     }
@@ -325,14 +325,20 @@ void all_tc(uint64_t seed) {
     attention<__nv_bfloat16>(2, 100, 4, 1, d, seed + d + 4, true, true);   // GQA 4, partial tiles
     attention<__nv_bfloat16>(2, 130, 2, 1, d, seed + d + 5, false, true);  // 3 row blocks, GQA 2
     attention<__nv_bfloat16>(1, 70, 8, 1, d, seed + d + 6, false, true);   // GQA 8 (the 1B recipes)
-    // Causal only: an unmasked launch (which the launchers never make) traps.
+    // Unmasked blocks (ring attention): fewer keys than queries across tiles, more keys than
+    // queries (partial last key tile), a single key, as many keys as queries, GQA 1 / 2 / 8.
+    attention<__nv_bfloat16>(2, 100, 4, 1, d, seed + d + 7, false, true, 37);
+    attention<__nv_bfloat16>(1, 30, 2, 2, d, seed + d + 8, false, true, 97);
+    attention<__nv_bfloat16>(2, 17, 4, 2, d, seed + d + 9, false, true, 1);
+    attention<__nv_bfloat16>(1, 64, 8, 1, d, seed + d + 10, false, true, 64);
+    // A causal launch with other than s keys traps.
     const size_t n = 2 * 8 * 2 * d;
     Buffer<__nv_bfloat16> x(n, "x"), o(n, "o");
     Buffer<float> l(2 * 2 * 8, "l");
-    expect_fault(format("attn_tc_fwd_d%zu_bf16 unmasked", d),
+    expect_fault(format("attn_tc_fwd_d%zu_bf16 causal with sk != s", d),
                  grid(blocks(2 * 2, 8, TC_ROWS), THREADS, tc_geometry(d).fwd), [&] {
                    (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
-                       x.data(), x.data(), x.data(), o.data(), l.data(), 2, 8, 2, 2, (int)d, 8, 0, 1.0f);
+                       x.data(), x.data(), x.data(), o.data(), l.data(), 2, 8, 2, 2, (int)d, 4, 1, 1.0f);
                  });
   }
 }

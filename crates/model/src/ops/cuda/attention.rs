@@ -13,9 +13,9 @@
 //! launched with fewer bytes or other than [`THREADS`] threads.
 //!
 //! For bf16 with head dim 64 or 128 the forward, dQ and dK/dV kernels are the tensor-core
-//! variants of `kernels/attention_tc.cu` instead (same parameters and outputs; geometry in
-//! [`super::attention_tc`]) when the call is causal — they have no unmasked mode; [`plan`] is the
-//! one place that picks a kernel and its launch shape.
+//! variants of `kernels/attention_tc.cu` instead (same parameters and outputs, causal or
+//! unmasked; geometry in [`super::attention_tc`]); [`plan`] is the one place that picks a kernel
+//! and its launch shape.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{
@@ -121,7 +121,7 @@ fn kernel(dev: &CudaDevice, base: &str, dtype: DType) -> Result<CudaFunction> {
 }
 
 /// The kernel of `step` for dims `dm` and storage `dtype`, with its launch shape and whether it is
-/// a tensor-core kernel: those for causal bf16 calls with d = 64 or 128, else
+/// a tensor-core kernel: those for bf16 calls with d = 64 or 128, else
 /// `<base>_d<DMAX>_<dtype>` shaped by [`Geometry`]. The dK/dV kernel's blocks cover the `sk`
 /// keys (per query head for the tensor-core one, per kv head otherwise), the others the `s`
 /// queries. Both have the same parameter list per step, except the tensor-core dK/dV kernel's
@@ -132,7 +132,7 @@ fn plan(
     dm: Dims,
     dtype: DType,
 ) -> Result<(CudaFunction, LaunchConfig, bool)> {
-    if let Some(tc) = TcGeometry::new(dtype, dm.d).filter(|_| dm.causal) {
+    if let Some(tc) = TcGeometry::new(dtype, dm.d) {
         let (units, rows) = match step {
             Step::Fwd | Step::Dq => (dm.b * dm.hq, dm.s),
             Step::Dkv => (dm.b * dm.hq, dm.sk),
@@ -359,7 +359,7 @@ fn bwd<T: KernelFloat>(
 }
 
 /// The tensor-core dK/dV kernel (b·hq·ceil(s / 64) blocks, one query head each) and, with GQA,
-/// the reduction of its per-query-head f32 shares `part` (`[2, b, s, hq, d]`) over each group in
+/// the reduction of its per-query-head f32 shares `part` (`[2, b, sk, hq, d]`) over each group in
 /// head order into the dK and dV parts of `grads`.
 #[allow(clippy::too_many_arguments)]
 fn tc_dkv_launch<T: KernelFloat>(
@@ -374,13 +374,13 @@ fn tc_dkv_launch<T: KernelFloat>(
     sc: T::Acc,
 ) -> Result<CudaStorage> {
     let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
-    let (nq, _, _) = sizes(dm);
     let stream = dev.cuda_stream();
     let gqa = dm.hq != dm.hkv;
-    // SAFETY: with GQA the dK/dV kernel writes every row p < s of every (batch, query head) of
+    // SAFETY: with GQA the dK/dV kernel writes every row p < sk of every (batch, query head) of
     // both shares before the reduction (queued after it on the same stream) reads them; without
     // GQA the kernel writes `grads` itself and never touches `part`.
-    let mut part = unsafe { alloc::<f32>(dev, if gqa { 2 * nq } else { 1 }) }?;
+    let np = dm.b * dm.sk * dm.hq * dm.d; // one share: [b, sk, hq, d]
+    let mut part = unsafe { alloc::<f32>(dev, if gqa { 2 * np } else { 1 }) }?;
     let mut a = stream.launch_builder(f);
     a.arg(qv).arg(kv).arg(vv).arg(dov);
     a.arg(lv).arg(delta).arg(&mut grads);
@@ -394,18 +394,25 @@ fn tc_dkv_launch<T: KernelFloat>(
     // SAFETY: matches `attn_tc_dkv_d<D>_bf16(const bf16* q, const bf16* k, const bf16* v,
     // const bf16* dout, const float* lse, const float* delta, bf16* grads, float* part, int b,
     // int s, int hq, int hkv, int d, int sk, int causal, float scale)` (`plan` picks it only for
-    // bf16, so T::Acc = f32); buffers as for the dQ kernel, `part` holds 2 nq floats with GQA (the
+    // bf16, so T::Acc = f32); buffers as for the dQ kernel, `part` holds 2 np floats with GQA (the
     // kernel traps on a null `part` with GQA); grid and shared memory come from `plan`.
     unsafe { a.launch(cfg) }.w()?;
     if gqa {
         let f = load(dev, Module::AttentionTc, "attn_tc_dkv_reduce_bf16")?;
         let mut a = stream.launch_builder(&f);
         a.arg(&part).arg(&mut grads);
-        a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d).arg(&sc);
+        a.arg(&b)
+            .arg(&s)
+            .arg(&hq)
+            .arg(&hkv)
+            .arg(&d)
+            .arg(&sk)
+            .arg(&sc);
         // SAFETY: matches `attn_tc_dkv_reduce_bf16(const float* part, bf16* grads, int b, int s,
-        // int hq, int hkv, int d, float scale)`: it reads 2 nq floats of `part` and writes the
-        // 2 nkv elements of `grads` after its first nq; grid-stride, so any grid covers them.
-        unsafe { a.launch(super::elementwise(2 * dm.b * dm.s * dm.hkv * dm.d)) }.w()?;
+        // int hq, int hkv, int d, int sk, float scale)`: it reads 2 np floats of `part` and
+        // writes the 2 nkv elements of `grads` after its first nq; grid-stride, so any grid
+        // covers them.
+        unsafe { a.launch(super::elementwise(2 * dm.b * dm.sk * dm.hkv * dm.d)) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
 }
