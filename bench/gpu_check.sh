@@ -2,17 +2,26 @@
 # Every check of a CUDA build on one GPU, in one go, for a machine that is lent for minutes: run
 # it on the GPU machine from a copy of the repository with the binary of scripts/build-cuda.sh.
 #
-#   bench/gpu_check.sh [PRETRAIN_BINARY] [PART ...]
+#   bench/gpu_check.sh [PRETRAIN_BINARY[.xz]] [PART ...]
 #
-# PARTs (default: all, in this order):
+# A binary given as .xz is unpacked beside itself first. PARTs (default: all, in this order):
 #   selftest  pretrain selftest --device cuda
-#   tiny      the tiny recipe (200 steps) on CUDA in f32 and bf16 against the same binary on CPU
-#             (f32): loss curves and validation losses compared step by step
+#   tiny      the tiny recipe (200 steps) on CUDA in f32, bf16 (attention on cuDNN, the CUDA
+#             default) and bf16 on the project's attention kernels, against the same binary on
+#             the CPU (f32): loss curves and validation losses compared step by step
 #   tiny-gpu  only the CUDA runs of `tiny` (to compare with an earlier CPU curve)
 #   ranks     the tiny recipe at tp 2 × dp 2 thread-ranks sharing the GPU against one rank on it
+#   zero3     the tiny recipe at dp 2 with ZeRO-3 (thread-ranks sharing the GPU) against one rank
+#   moe       tiny-moe (50 steps) on CUDA in f32 and bf16 against the CPU (f32)
+#   long      tiny-long (cp 4: ring attention over thread-ranks sharing the GPU) on CUDA in f32
+#             and bf16 (the ring's blocks on cuDNN) against the CPU (f32)
+#   attention bench/attention_gpu.sh: attention forward + backward, ours (cudnn, own) against
+#             torch SDPA (flash, cudnn)
 #   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so beside the binary or CUPTI_TRACE_SO
+# The CPU reference runs start in the background when the script starts and run beside the GPU
+# parts (they use the CPU, those mostly the GPU); all parts take about 8 minutes on an H100.
 #
 # Environment: PYTHON (default /opt/torch/.venv/bin/python, a venv with torch and the nvidia-*
 # cu13 wheels), OUT (results; default runs/gpu_check), RUNS (run directories and logs; default
@@ -25,7 +34,10 @@ cd "$(dirname "$0")/.."
 BIN=./pretrain
 if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks bench profile)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 moe long attention bench profile)
+if [ "${BIN%.xz}" != "$BIN" ]; then
+  xz -dkf "$BIN" && BIN=${BIN%.xz} && chmod +x "$BIN" || { echo "gpu_check.sh: cannot unpack $BIN" >&2; exit 1; }
+fi
 BIN=$(realpath "$BIN")
 PYTHON=${PYTHON:-/opt/torch/.venv/bin/python}
 OUT=${OUT:-runs/gpu_check}
@@ -41,13 +53,13 @@ SP=$("$PYTHON" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])') ||
   echo "gpu_check.sh: no Python with site-packages at $PYTHON" >&2
   exit 1
 }
-export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 exec > >(tee -a "$OUT/check.log") 2>&1
 echo "== gpu_check $(date -u +%FT%TZ) binary $BIN"
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' || true
-"$PYTHON" -m pip list 2>/dev/null | grep -Ei '^nvidia-(nccl|cublas|cuda-runtime|cuda-cupti)' || true
+"$PYTHON" -m pip list 2>/dev/null | grep -Ei '^nvidia-(nccl|cublas|cuda-runtime|cuda-cupti|cudnn)' || true
 
 FAILED=()
 part() { # part NAME COMMAND...: runs COMMAND under the timeout, reports its status and time
@@ -68,10 +80,28 @@ part() { # part NAME COMMAND...: runs COMMAND under the timeout, reports its sta
 }
 
 tiny_run() { # tiny_run NAME DEVICE DTYPE [--set ...]
-  local name=$1 dev=$2 dtype=$3
-  shift 3
+  recipe_run tiny "$@"
+}
+
+recipe_run() { # recipe_run RECIPE NAME DEVICE DTYPE [--set ...]: recipes/RECIPE.yaml
+  local recipe=$1 name=$2 dev=$3 dtype=$4
+  shift 4
   rm -rf "$RUNS/$name"
-  "$BIN" --recipe recipes/tiny.yaml --set "run.dir=$RUNS/$name,train.device=$dev,train.dtype=$dtype" "$@"
+  "$BIN" --recipe "recipes/$recipe.yaml" --set "run.dir=$RUNS/$name,train.device=$dev,train.dtype=$dtype" "$@"
+}
+
+# CPU references, started at once in the background: cpu_ref NAME RECIPE [--set ...]
+declare -A CPU_PID
+cpu_ref() {
+  local name=$1 recipe=$2
+  shift 2
+  (recipe_run "$recipe" "$name" cpu f32 "$@" >"$RUNS/$name.log" 2>&1; echo $? >"$RUNS/$name.rc") &
+  CPU_PID[$name]=$!
+}
+cpu_wait() { # cpu_wait NAME: waits for the reference and reports it
+  wait "${CPU_PID[$1]}" 2>/dev/null || true
+  echo "$1: exit $(cat "$RUNS/$1.rc" 2>/dev/null || echo '?')"
+  tail -2 "$RUNS/$1.log"
 }
 
 compare() { # compare A B TOLERANCE: loss curves of two runs, step by step
@@ -97,7 +127,16 @@ PY
 }
 
 export BIN RUNS PYTHON
-export -f tiny_run compare
+export -f tiny_run recipe_run compare
+
+MOE_STEPS="train.steps=50,train.eval_interval=25"
+for p in "${PARTS[@]}"; do
+  case $p in
+    tiny) cpu_ref tiny-cpu tiny ;;
+    moe) cpu_ref moe-cpu tiny-moe --set "$MOE_STEPS" ;;
+    long) cpu_ref long-cpu tiny-long ;;
+  esac
+done
 
 for p in "${PARTS[@]}"; do
   case $p in
@@ -105,17 +144,16 @@ for p in "${PARTS[@]}"; do
       part selftest "$BIN" selftest --device cuda --json "$OUT/selftest.json"
       ;;
     tiny)
-      # The CPU reference runs beside the GPU runs (it uses the CPU, they mostly the GPU).
-      (tiny_run tiny-cpu cpu f32 >"$RUNS/tiny-cpu.log" 2>&1; echo $? >"$RUNS/tiny-cpu.rc") &
-      cpu=$!
       part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
       part tiny-cuda-bf16 tiny_run tiny-cuda-bf16 cuda bf16
-      wait $cpu
-      echo "tiny on cpu: exit $(cat "$RUNS/tiny-cpu.rc")"; tail -3 "$RUNS/tiny-cpu.log"
+      part tiny-cuda-bf16-own tiny_run tiny-cuda-bf16-own cuda bf16 --set train.attention=own
+      cpu_wait tiny-cpu
       # f32: the same arithmetic up to summation order, so the curves agree closely for the
       # first steps and drift apart slowly over 200 steps; bf16 rounds every activation.
       part tiny-f32-curve compare tiny-cuda-f32 tiny-cpu 1e-2
       part tiny-bf16-curve compare tiny-cuda-bf16 tiny-cpu 3e-2
+      part tiny-bf16-own-curve compare tiny-cuda-bf16-own tiny-cpu 3e-2
+      part tiny-bf16-cudnn-vs-own compare tiny-cuda-bf16 tiny-cuda-bf16-own 3e-2
       ;;
     tiny-gpu)
       part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
@@ -125,6 +163,29 @@ for p in "${PARTS[@]}"; do
       [ -f "$RUNS/tiny-cuda-f32/metrics.jsonl" ] || part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
       part ranks-tp2-dp2 tiny_run tiny-cuda-tp2dp2 cuda f32 --set parallel.tp=2,parallel.dp=2
       part ranks-curve compare tiny-cuda-tp2dp2 tiny-cuda-f32 1e-3
+      ;;
+    zero3)
+      [ -f "$RUNS/tiny-cuda-f32/metrics.jsonl" ] || part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
+      part zero3-dp2 tiny_run tiny-cuda-zero3 cuda f32 --set parallel.dp=2,parallel.zero=3
+      part zero3-curve compare tiny-cuda-zero3 tiny-cuda-f32 1e-3
+      ;;
+    moe)
+      # Routing decisions flip with rounding, so MoE curves drift apart faster than dense ones.
+      part moe-cuda-f32 recipe_run tiny-moe moe-cuda-f32 cuda f32 --set "$MOE_STEPS"
+      part moe-cuda-bf16 recipe_run tiny-moe moe-cuda-bf16 cuda bf16 --set "$MOE_STEPS"
+      cpu_wait moe-cpu
+      part moe-f32-curve compare moe-cuda-f32 moe-cpu 2e-2
+      part moe-bf16-curve compare moe-cuda-bf16 moe-cpu 5e-2
+      ;;
+    long)
+      part long-cuda-f32 recipe_run tiny-long long-cuda-f32 cuda f32
+      part long-cuda-bf16 recipe_run tiny-long long-cuda-bf16 cuda bf16
+      cpu_wait long-cpu
+      part long-f32-curve compare long-cuda-f32 long-cpu 1e-2
+      part long-bf16-curve compare long-cuda-bf16 long-cpu 3e-2
+      ;;
+    attention)
+      part attention env OUT="$OUT/attention" PYTHON="$PYTHON" bench/attention_gpu.sh "$BIN"
       ;;
     bench)
       part bench env OUT="$OUT" OUT_DIR="$RUNS/gpu_step" PYTHON="$PYTHON" bench/gpu_step.sh "$BIN"

@@ -9,11 +9,13 @@
 # Why these pins: the GPU machines' driver JITs PTX ISA <= 9.0, which nvcc 13.0 emits (newer nvcc
 # emits newer PTX); cudarc reads the CUDA version from `nvcc --version`; candle-core links cudarc
 # dynamically, so the linker needs unversioned lib*.so names and a libcuda.so — a stub here, the
-# driver's real libcuda.so.1 at run time.
+# driver's real libcuda.so.1 at run time. cuDNN 9.19 (the version PyTorch 2.11 ships) and its
+# frontend 1.19 give the headers of the fused-attention shim (crates/model/cudnn/sdpa.cpp); the
+# binary opens libcudnn.so.9 at run time, only with `train.attention: cudnn` (the CUDA default).
 #
 # On the GPU machine, after copying the binary:
 #   SP=$(python3 -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')   # a venv with the nvidia wheels
-#   export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}
+#   export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib:$SP/nvidia/cudnn/lib:${LD_LIBRARY_PATH:-}
 #   ./pretrain --recipe recipes/1b.yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,8 @@ CARGO_SUBCOMMAND=${CARGO_SUBCOMMAND:-build}
 "$TC/venv/bin/pip" install -q --disable-pip-version-check \
   nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
   nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 \
-  nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-nccl-cu13==2.27.7
+  nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-nccl-cu13==2.27.7 \
+  nvidia-cudnn-cu13==9.19.0.56 nvidia-cudnn-frontend==1.19.1
 SP=$("$TC/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 CU=$SP/nvidia/cu13
 NC=$SP/nvidia/nccl
@@ -49,6 +52,8 @@ fi
 
 export PATH=$CU/bin:$PATH
 export CUDA_HOME=$CU
+export CUDNN_INCLUDE_DIR=$SP/nvidia/cudnn/include
+export CUDNN_FRONTEND_INCLUDE_DIR=$SP/include
 export CUDA_ROOT=$TC/link
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}

@@ -12,6 +12,7 @@ use tracing::info;
 
 use crate::recipe::{self, DeviceKind, Dtype, Recipe};
 
+mod bench;
 mod check;
 use check::check;
 
@@ -165,6 +166,8 @@ pub enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Time one attention call, forward and backward, on each attention backend (TFLOP/s).
+    BenchAttention(bench::AttentionArgs),
 }
 
 /// Tokenizer subcommands.
@@ -333,6 +336,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 json,
             }),
         ) => selftest(device, &recipe, json.as_deref()),
+        (None, Some(Command::BenchAttention(args))) => bench::bench_attention(&args).map(drop),
         _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),
     }
 }

@@ -20,7 +20,33 @@
 use anyhow::Result;
 use candle_core::Device;
 
+use model::AttentionBackend;
+
 use crate::recipe::DeviceKind;
+
+/// Makes attention `backend` ready to run: for `cudnn`, opens libcudnn (once per process; an
+/// error names the library and the fix when it cannot be). Returns how the log names it, e.g.
+/// `cudnn 9.19.0` or `own`.
+pub fn prepare_attention(backend: AttentionBackend) -> Result<String> {
+    if backend == AttentionBackend::Own {
+        return Ok(backend.to_string());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let v = model::ops::cuda::cudnn::load()?;
+        Ok(format!(
+            "cudnn {}.{}.{}",
+            v / 10_000,
+            v / 100 % 100,
+            v % 100
+        ))
+    }
+    #[cfg(not(feature = "cuda"))]
+    anyhow::bail!(
+        "train.attention is cudnn but this binary was built without the `cuda` feature \
+         (scripts/build-cuda.sh builds it)"
+    )
+}
 
 /// The number of CUDA devices this machine shows (0 in a build without the `cuda` feature).
 pub fn gpu_count() -> Result<usize> {

@@ -25,6 +25,9 @@
 //! 7. **Rank processes.** Two processes started by the launcher (tp=2 with sequence
 //!    parallelism) against one rank: over `tcp` on the CPU, over NCCL with two or more GPUs
 //!    (`selftest/processes.rs`).
+//! 8. **Attention backends.** The project's attention kernels and, on CUDA, cuDNN's fused
+//!    attention, in bf16 against f64 on the CPU: causal calls and an unmasked ring block, forward
+//!    and backward (`selftest/attention.rs`).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -33,12 +36,14 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 
+mod attention;
 mod block;
 mod processes;
 
 use crate::optim::kernels::{add_into, add_product_into, sum_squares, AdamWStep};
 use crate::recipe::{self, DeviceKind, Recipe};
 use crate::train::{device_for, train};
+pub use attention::check_attention;
 pub use block::check_block;
 
 /// One check's outcome.
@@ -470,5 +475,6 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     checks.extend(check_training(kind, recipe)?);
     let seq = if device.is_cuda() { 2048 } else { 128 };
     checks.extend(check_block(&device, seq)?);
+    checks.extend(check_attention(&device)?);
     Ok(checks)
 }

@@ -462,3 +462,29 @@ fn recipe_files_are_bounded() {
         "{e}"
     );
 }
+
+#[test]
+fn the_attention_backend_defaults_by_device_and_cudnn_needs_cuda() {
+    use model::AttentionBackend;
+    use pretrain::recipe::DeviceKind;
+    let read = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        load(Path::new(TINY), &o).unwrap().train
+    };
+    let cpu = read(&[]);
+    assert_eq!((cpu.device, cpu.attention), (DeviceKind::Cpu, None));
+    assert_eq!(cpu.attention_backend(), AttentionBackend::Own);
+    let cuda = read(&["train.device=cuda"]);
+    assert_eq!(cuda.attention_backend(), AttentionBackend::Cudnn);
+    let own = read(&["train.device=cuda,train.attention=own"]);
+    assert_eq!(own.attention_backend(), AttentionBackend::Own);
+    assert_eq!(
+        read(&["train.device=cuda,train.attention=cudnn"]).attention_backend(),
+        AttentionBackend::Cudnn
+    );
+    assert_err(
+        &["train.attention=cudnn"],
+        "train.attention is cudnn, which needs train.device cuda",
+    );
+    assert_err(&["train.attention=flash"], "train.attention");
+}

@@ -1,5 +1,6 @@
 //! `pretrain selftest` on the CPU: every check runs and passes (the same checks a GPU machine runs
-//! with `--device cuda`), and asking for CUDA from a CPU build is a clear error.
+//! with `--device cuda`), and asking for CUDA from a CPU build is a clear error; `pretrain
+//! bench-attention` on the CPU.
 
 use std::process::Command;
 
@@ -18,7 +19,7 @@ fn cpu_selftest_passes_every_check() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("all 88 checks passed"), "{stdout}");
+    assert!(stdout.contains("all 98 checks passed"), "{stdout}");
     let checks: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Forward and backward of the six ops (attention at three head dims, cross-entropy at two
@@ -27,7 +28,7 @@ fn cpu_selftest_passes_every_check() {
     // comparisons (bf16; dp2 x tp2, cp2 and MoE ep2 thread-ranks), two rank processes over tcp,
     // and the 1B decoder block's output, input gradient and nine weight gradients in f32 and
     // bf16, through its forward and hand-written backward.
-    assert_eq!(checks.len(), 88);
+    assert_eq!(checks.len(), 98);
     for c in &checks {
         let (e, t) = (
             c["error"].as_f64().unwrap(),
@@ -69,4 +70,65 @@ fn cuda_selftest_on_a_cpu_build_is_a_clear_error() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("built without the `cuda` feature"), "{err}");
+}
+
+/// `pretrain bench-attention` times the project's kernels on the CPU (causal and a ring block)
+/// and refuses what it cannot run, by name.
+#[test]
+fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("attention.json");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench-attention",
+            "--device",
+            "cpu",
+            "--batch",
+            "1",
+            "--seq",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--iters",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        Command::new(env!("CARGO_BIN_EXE_pretrain"))
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    for extra in [&[][..], &["--keys", "96", "--unmasked"][..]] {
+        let mut extra = extra.to_vec();
+        extra.extend(["--json", json.to_str().unwrap()]);
+        let out = bench(&extra);
+        assert!(out.status.success(), "{out:?}");
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0]["backend"], "own");
+        for key in ["fwd_ms", "bwd_ms", "tflops"] {
+            assert!(rows[0][key].as_f64().unwrap() > 0.0, "{key}: {rows:?}");
+        }
+    }
+    for (extra, needle) in [
+        (
+            &["--backend", "cudnn"][..],
+            "--backend cudnn needs --device cuda",
+        ),
+        (&["--keys", "32"][..], "add --unmasked"),
+        (
+            &["--backend", "flash"][..],
+            "unknown attention backend `flash`",
+        ),
+    ] {
+        let out = bench(extra);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
 }

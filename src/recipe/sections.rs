@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use model::Recompute;
+use model::{AttentionBackend, Recompute};
 use serde::{Deserialize, Serialize};
 
 /// Element type of parameters and activations.
@@ -86,6 +86,11 @@ pub struct TrainConfig {
     /// Compute device.
     #[serde(default = "default_device")]
     pub device: DeviceKind,
+    /// Attention kernels: `cudnn` (cuDNN's fused attention for bf16; the default on CUDA) or
+    /// `own` (the project's kernels; the default, and the only choice, on the CPU). See
+    /// [`TrainConfig::attention_backend`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionBackend>,
     /// Run validation every this many steps (and after the last step); 0 disables it.
     #[serde(default)]
     pub eval_interval: usize,
@@ -104,6 +109,18 @@ pub struct TrainConfig {
     /// [`SPIKE_WINDOW`] steps is a loss spike, handled as `on_nonfinite` says; unset disables it.
     #[serde(default)]
     pub spike_factor: Option<f64>,
+}
+
+impl TrainConfig {
+    /// The attention backend: `train.attention`, else cuDNN's on CUDA and the project's kernels
+    /// on the CPU (where `cudnn` is refused by the recipe's validation).
+    pub fn attention_backend(&self) -> AttentionBackend {
+        match (self.attention, self.device) {
+            (Some(b), _) => b,
+            (None, DeviceKind::Cuda) => AttentionBackend::Cudnn,
+            (None, DeviceKind::Cpu) => AttentionBackend::Own,
+        }
+    }
 }
 
 /// Steps in the running mean that loss spikes are measured against.

@@ -3,7 +3,8 @@
 //! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
-use super::{LrCurve, Recipe};
+use super::{DeviceKind, LrCurve, Recipe};
+use model::AttentionBackend;
 use parallel::dp::ZeroStage;
 use parallel::register::Dims;
 
@@ -234,6 +235,13 @@ impl Recipe {
                 "train.grad_clip ({}) must be 0 (off) or positive",
                 t.grad_clip
             ));
+        }
+        if t.attention == Some(AttentionBackend::Cudnn) && t.device == DeviceKind::Cpu {
+            p.push(
+                "train.attention is cudnn, which needs train.device cuda (on the CPU the \
+                 project's kernels run: `own`, or leave train.attention unset)"
+                    .into(),
+            );
         }
         if t.eval_interval > 0 && t.eval_batches == 0 {
             p.push("train.eval_batches must be positive when train.eval_interval is set".into());

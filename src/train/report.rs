@@ -15,8 +15,10 @@ impl Trainer {
     /// The run's first lines: model, layout and micro-batches, and rank 0's state bytes.
     pub(super) fn log_start(&self) {
         let (r, c) = (&self.recipe, self.model.config());
+        let attention = crate::device::prepare_attention(self.model.attention_backend())
+            .unwrap_or_else(|e| e.to_string());
         info!(
-            "model: {} parameters, {} layers; layout {}; {} micro-batches of {} × {} tokens per rank and step",
+            "model: {} parameters, {} layers; layout {}; {} micro-batches of {} × {} tokens per rank and step; attention {attention}",
             c.num_params(),
             c.num_hidden_layers,
             r.parallel.describe(),

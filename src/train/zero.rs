@@ -117,16 +117,21 @@ pub struct RankState {
 
 /// The model a rank of `recipe` starts from: at ZeRO stage 3 declared without parameter values
 /// (its shards come from [`rank_state`], and a piece's full parameters are installed only while
-/// it runs, so the unsharded model is never held), else built with the recipe's seed.
+/// it runs, so the unsharded model is never held), else built with the recipe's seed; attention
+/// runs on the recipe's backend (`train.attention`).
 pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     let (c, t) = (&recipe.model, &recipe.train);
     let placement = ctx.placement(c.num_hidden_layers);
     let (dtype, device) = (t.dtype.dtype(), &ctx.device);
-    Ok(if recipe.parallel.zero.shards_parameters() {
+    let mut model = if recipe.parallel.zero.shards_parameters() {
         Llama::declare(c, placement, dtype, device)?
     } else {
         Llama::new(c, placement, t.seed, dtype, device)?
-    })
+    };
+    let backend = t.attention_backend();
+    crate::device::prepare_attention(backend)?;
+    model.set_attention_backend(backend);
+    Ok(model)
 }
 
 /// Builds the state of rank `ctx` for `model` (from [`rank_model`]): the optimizer's master

@@ -18,14 +18,14 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Result, Tensor};
-use parallel::cp::{ContextParallel, Kernels};
+use parallel::cp::ContextParallel;
 use parallel::ep::ExpertParallel;
 use parallel::tp::{EmbeddingKernels, LossKernels, TensorParallel};
 
 use crate::config::LlamaConfig;
 use crate::inventory::{Inventory, MoeParams};
 use crate::moe::{Expert, LayerStats, Router};
-use crate::ops;
+use crate::ops::{self, AttentionBackend};
 use crate::params::{ParamSet, ParamSpec};
 use crate::segment::{storages, Held, ParamGrad};
 
@@ -111,6 +111,8 @@ pub struct Llama {
     /// Per MoE layer, the experts' selection biases (auxiliary-loss-free balancing; empty
     /// without it, and all zero until [`Llama::set_expert_bias`]).
     expert_bias: BTreeMap<usize, Vec<f32>>,
+    /// Which kernels run attention (the project's unless [`Llama::set_attention_backend`] says).
+    attention: AttentionBackend,
 }
 
 /// What a piece's forward keeps for its backward pass.
@@ -221,7 +223,19 @@ impl Llama {
             cos,
             sin,
             expert_bias: BTreeMap::new(),
+            attention: AttentionBackend::Own,
         })
+    }
+
+    /// Runs attention on `backend`'s kernels (see [`AttentionBackend`]); a new model runs the
+    /// project's.
+    pub fn set_attention_backend(&mut self, backend: AttentionBackend) {
+        self.attention = backend;
+    }
+
+    /// Which kernels run attention.
+    pub fn attention_backend(&self) -> AttentionBackend {
+        self.attention
     }
 
     /// Sets the MoE layers' expert selection biases (by global layer index; a layer not given
@@ -404,15 +418,6 @@ impl MoeParts {
         }
     }
 }
-
-/// The attention kernels: the plain causal ones on one context-parallel rank, the blocks the ring
-/// merges on more.
-const ATTENTION: Kernels = Kernels {
-    causal: ops::causal_attention_saved,
-    causal_bwd: ops::causal_attention_bwd,
-    block: ops::attention_block,
-    block_bwd: ops::attention_block_bwd,
-};
 
 /// The row gather of the (vocab-parallel) embedding and its gradient.
 const EMBEDDING: EmbeddingKernels = EmbeddingKernels {

@@ -1,7 +1,8 @@
 //! Tests of `model::ops::causal_attention`: finite-difference gradients (f64), agreement with an
 //! explicit `softmax(Q K^T · scale + causal mask) · V` built from candle primitives (f32, f64)
 //! for GQA and plain heads and sequence lengths that straddle the kernel's row blocks, `s = 1`,
-//! non-contiguous inputs, half dtypes and errors; plus an ignored timing run.
+//! non-contiguous inputs, half dtypes and errors; the cuDNN backend's entry points on the CPU;
+//! plus an ignored timing run.
 
 mod common;
 use common::expect_err;
@@ -151,6 +152,48 @@ fn bf16_runs_through_f32() {
     let got = op(0.35)(&half).unwrap();
     assert_eq!(got.dtype(), DType::BF16);
     assert_close("bf16 output", &got, &want, 3e-2, 3e-2);
+}
+
+/// On the CPU the cuDNN backend's entry points run the project's kernels: the same results bit
+/// for bit, for causal calls, unmasked ring blocks with more or fewer keys, and both backwards.
+#[test]
+fn the_cudnn_backend_runs_the_projects_kernels_on_the_cpu() -> Result<()> {
+    use model::ops::{self, cudnn};
+    let same = |a: &Tensor, b: &Tensor| -> Result<()> {
+        let (a, b) = (values(a), values(b));
+        assert!(a == b, "results differ");
+        Ok(())
+    };
+    let mut rng = Rng::new(11);
+    for dtype in [DType::F32, DType::BF16] {
+        let t = inputs(&mut rng, (2, 9, 4, 2, 8), dtype);
+        let (q, k, v) = (&t[0], &t[1], &t[2]);
+        let own = ops::causal_attention_saved(q, k, v, 0.3)?;
+        let cud = cudnn::causal_attention_saved(q, k, v, 0.3)?;
+        same(&own.0, &cud.0)?;
+        same(&own.1, &cud.1)?;
+        let dout = rng.tensor(q.dims(), 1.0, dtype);
+        let a = ops::causal_attention_bwd(q, k, v, (&own.0, &own.1), &dout, 0.3)?;
+        let b = cudnn::causal_attention_bwd(q, k, v, (&own.0, &own.1), &dout, 0.3)?;
+        for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+            same(x, y)?;
+        }
+        for sk in [5, 13] {
+            let k = rng.tensor((2, sk, 2, 8), 1.0, dtype);
+            let v = rng.tensor((2, sk, 2, 8), 1.0, dtype);
+            let own = ops::attention_block(q, &k, &v, 0.3, false)?;
+            let cud = cudnn::attention_block(q, &k, &v, 0.3, false)?;
+            same(&own.0, &cud.0)?;
+            same(&own.1, &cud.1)?;
+            let (o, l) = (&own.0, &own.1);
+            let a = ops::attention_block_bwd(q, &k, &v, o, &dout, l, 0.3, false)?;
+            let b = cudnn::attention_block_bwd(q, &k, &v, o, &dout, l, 0.3, false)?;
+            for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+                same(x, y)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 #[test]

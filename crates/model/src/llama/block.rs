@@ -19,7 +19,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::{Llama, ATTENTION};
+use super::Llama;
 use crate::config::LlamaConfig;
 use crate::inventory::{BlockParams, MlpParams};
 use crate::moe::{self, LayerStats, MoeTape};
@@ -180,7 +180,13 @@ impl Llama {
         let k = linear_to(&h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
         let v = linear_to(&h, &w.v, (b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
-        let (attn, lse) = self.placement.cp.attention(&q, &k, &v, scale, ATTENTION)?;
+        let (attn, lse) = self.placement.cp.attention(
+            &q,
+            &k,
+            &v,
+            scale,
+            ops::attention_kernels(self.attention),
+        )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
         let x1 = (&x + tp.exit(&o)?)?;
@@ -305,7 +311,13 @@ impl Llama {
         let a = attn.to_dtype(x.dtype())?;
         let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
         let cp = &self.placement.cp;
-        let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), (&attn, &lse), &da, scale, ATTENTION)?;
+        let (dq, dk, dv) = cp.attention_bwd(
+            (&q, &k, &v),
+            (&attn, &lse),
+            &da,
+            scale,
+            ops::attention_kernels(self.attention),
+        )?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,

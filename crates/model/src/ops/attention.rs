@@ -7,7 +7,8 @@
 //! per-task scratch, get a row softmax and are multiplied by `V`. Only the per-row log-sum-exp
 //! `[b, hq, s]` survives the op (stashed in the op struct for the backward pass, as a tensor on
 //! the device of the inputs). With the `cuda` feature, CUDA inputs run the flash kernels of
-//! `cuda/attention.rs` on f32, f64 or bf16 storage; their log-sum-exp is f32 (f64 for f64).
+//! `cuda/attention.rs` on f32, f64 or bf16 storage, or cuDNN's fused attention (`cuda/cudnn.rs`)
+//! where the [`AttentionBackend`] routes a call there; the log-sum-exp is f32 (f64 for f64).
 
 use std::sync::Mutex;
 
@@ -22,6 +23,7 @@ use super::attention_bwd::AttentionBwd;
 use super::common::{
     kernel_dtype, max, prepare, same_device, same_dtype, simd, slice, sum, Float, SyncPtr,
 };
+use super::sdpa::AttentionBackend;
 
 pub(super) const OP: &str = "causal_attention";
 
@@ -208,6 +210,7 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
 struct Attention {
     scale: f64,
     causal: bool,
+    backend: AttentionBackend,
     lse: Mutex<Option<Tensor>>,
 }
 
@@ -270,8 +273,12 @@ impl CustomOp3 for Attention {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = Dims::from_layouts(l1, l2, self.causal)?;
-        let (out, lse) =
-            super::cuda::attention::attention_fwd((s1, l1), (s2, l2), (s3, l3), dm, self.scale)?;
+        let (q, k, v) = ((s1, l1), (s2, l2), (s3, l3));
+        let (out, lse) = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+            super::cuda::cudnn::attention_fwd(q, k, v, dm, self.scale)?
+        } else {
+            super::cuda::attention::attention_fwd(q, k, v, dm, self.scale)?
+        };
         let lse = Storage::Cuda(lse); // [b, hq, s]
         self.stash(Tensor::from_storage(
             lse,
@@ -297,6 +304,7 @@ impl CustomOp3 for Attention {
         let bwd = AttentionBwd {
             scale: self.scale,
             causal: self.causal,
+            backend: self.backend,
             out: out.contiguous()?,
             dout: grad.contiguous()?,
             lse,
@@ -364,24 +372,25 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     let op = Attention {
         scale,
         causal: true,
+        backend: AttentionBackend::Own,
         lse: Mutex::new(None),
     };
     q.apply_op3(&k, &v, op)?.to_dtype(dtype)
 }
 
-/// The forward kernel without a graph: the output in the kernel dtype (`[b, s, hq, d]`) and the
-/// log-sum-exp `[b, hq, s]`.
+/// The forward kernel of `backend` without a graph: the output in the kernel dtype
+/// (`[b, s, hq, d]`) and the log-sum-exp `[b, hq, s]`.
 fn forward_kernel(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
     scale: f64,
     causal: bool,
+    backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor)> {
     let (q, k, v) = checked(q, k, v, scale, causal)?;
     let op = Attention {
         scale,
         causal,
+        backend,
         lse: Mutex::new(None),
     };
     let out = q.apply_op3_no_bwd(&k, &v, &op)?;
@@ -392,23 +401,21 @@ fn forward_kernel(
     Ok((out, lse))
 }
 
-/// The backward kernel without a graph: `(dq, dk, dv)` in the kernel dtype.
-#[allow(clippy::too_many_arguments)]
+/// The backward kernel of `backend` without a graph: `(dq, dk, dv)` in the kernel dtype.
 fn backward_kernel(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse): (&Tensor, &Tensor),
     dout: &Tensor,
-    lse: &Tensor,
     scale: f64,
     causal: bool,
+    backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (qc, kc, vc) = checked(q, k, v, scale, causal)?;
     let cdt = qc.dtype();
     let bwd = AttentionBwd {
         scale,
         causal,
+        backend,
         out: prepare(out, cdt)?,
         dout: prepare(dout, cdt)?,
         lse: lse.contiguous()?,
@@ -421,55 +428,48 @@ fn backward_kernel(
 
 /// See [`super::attention_block`].
 pub fn attention_block(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: (&Tensor, &Tensor, &Tensor),
     scale: f64,
     causal: bool,
+    backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor)> {
-    let (out, lse) = forward_kernel(q, k, v, scale, causal)?;
+    let (out, lse) = forward_kernel(qkv, scale, causal, backend)?;
     Ok((out.to_dtype(lse.dtype())?, lse))
 }
 
 /// See [`super::attention_block_bwd`].
-#[allow(clippy::too_many_arguments)]
 pub fn attention_block_bwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
+    qkv: (&Tensor, &Tensor, &Tensor),
+    merged: (&Tensor, &Tensor),
     dout: &Tensor,
-    lse: &Tensor,
     scale: f64,
     causal: bool,
+    backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let acc = lse.dtype();
-    let (dq, dk, dv) = backward_kernel(q, k, v, out, dout, lse, scale, causal)?;
+    let acc = merged.1.dtype();
+    let (dq, dk, dv) = backward_kernel(qkv, merged, dout, scale, causal, backend)?;
     Ok((dq.to_dtype(acc)?, dk.to_dtype(acc)?, dv.to_dtype(acc)?))
 }
 
 /// See [`super::causal_attention_saved`].
 pub fn causal_attention_saved(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: (&Tensor, &Tensor, &Tensor),
     scale: f64,
+    backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor)> {
-    forward_kernel(q, k, v, scale, true)
+    forward_kernel(qkv, scale, true, backend)
 }
 
 /// See [`super::causal_attention_bwd`].
 pub fn causal_attention_bwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    qkv: (&Tensor, &Tensor, &Tensor),
     saved: (&Tensor, &Tensor),
     dout: &Tensor,
     scale: f64,
+    backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (out, lse) = saved;
-    let (dq, dk, dv) = backward_kernel(q, k, v, out, dout, lse, scale, true)?;
-    let dtype = q.dtype();
+    let (dq, dk, dv) = backward_kernel(qkv, saved, dout, scale, true, backend)?;
+    let dtype = qkv.0.dtype();
     Ok((
         dq.to_dtype(dtype)?,
         dk.to_dtype(dtype)?,

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::attention::{matmul, Dims, BLOCK, OP};
 use super::common::{dot, simd, slice, Float, SyncPtr};
+use super::sdpa::AttentionBackend;
 
 /// Forward-only op on `(q, k, v)` computing their gradients; the forward output, its upstream
 /// gradient and the log-sum-exp ride along in the struct. Returns the flat `[nq + 2 nkv]`
@@ -21,6 +22,9 @@ pub(super) struct AttentionBwd {
     pub scale: f64,
     /// Causal mask, or none (see [`Dims`]).
     pub causal: bool,
+    /// Which kernels run the backward on CUDA (see [`AttentionBackend::runs_cudnn`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub backend: AttentionBackend,
     /// Forward output `[b, s, hq, d]`, contiguous.
     pub out: Tensor,
     /// Upstream gradient of the output `[b, s, hq, d]`, contiguous.
@@ -296,14 +300,16 @@ impl CustomOp3 for AttentionBwd {
         let (o_st, o_l) = self.out.storage_and_layout(); // [b, s, hq, d]
         let (do_st, do_l) = self.dout.storage_and_layout(); // [b, s, hq, d]
         let (lse_st, lse_l) = self.lse.storage_and_layout(); // [b, hq, s]
-        let flat = super::cuda::attention::attention_bwd(
-            [(s1, l1), (s2, l2), (s3, l3)],
-            (cuda("out", &o_st)?, o_l),
+        let (qkv, out) = ([(s1, l1), (s2, l2), (s3, l3)], (cuda("out", &o_st)?, o_l));
+        let (dout, lse) = (
             (cuda("dout", &do_st)?, do_l),
             (cuda("lse", &lse_st)?, lse_l),
-            dm,
-            self.scale,
-        )?;
+        );
+        let flat = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+            super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, dm, self.scale)?
+        } else {
+            super::cuda::attention::attention_bwd(qkv, out, dout, lse, dm, self.scale)?
+        };
         let len = l1.shape().elem_count() + 2 * l2.shape().elem_count();
         Ok((flat, Shape::from(len)))
     }

@@ -17,9 +17,14 @@
 //! hand-written passes call. Autograd over these ops is the tests' reference for those passes.
 //!
 //! One file per op: `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`),
-//! `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers live in `common.rs`.
+//! `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers live in `common.rs`;
+//! `sdpa.rs` holds the attention backend choice (the project's kernels or cuDNN's fused attention)
+//! and the cuDNN calls' descriptions.
 
 use candle_core::{Result, Tensor};
+use parallel::cp::Kernels;
+
+pub use sdpa::{AttentionBackend, CUDNN_MAX_HEAD_DIM};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -32,6 +37,7 @@ mod embedding;
 mod linear;
 mod rms_norm;
 mod rope;
+pub mod sdpa;
 mod swiglu;
 
 /// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `x` `[.., in]` → `[.., out]`, one
@@ -114,7 +120,7 @@ pub fn causal_attention_saved(
     v: &Tensor,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
-    attention::causal_attention_saved(q, k, v, scale)
+    attention::causal_attention_saved((q, k, v), scale, AttentionBackend::Own)
 }
 
 /// Gradients `(dq, dk, dv)` of [`causal_attention`] (dtypes of `q`, `k`, `v`) from the inputs,
@@ -128,7 +134,7 @@ pub fn causal_attention_bwd(
     dout: &Tensor,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    attention::causal_attention_bwd(q, k, v, saved, dout, scale)
+    attention::causal_attention_bwd((q, k, v), saved, dout, scale, AttentionBackend::Own)
 }
 
 /// One block of attention without autograd, for ring attention (context parallelism): `q`
@@ -143,7 +149,7 @@ pub fn attention_block(
     scale: f64,
     causal: bool,
 ) -> Result<(Tensor, Tensor)> {
-    attention::attention_block(q, k, v, scale, causal)
+    attention::attention_block((q, k, v), scale, causal, AttentionBackend::Own)
 }
 
 /// Gradients `(dq, dk, dv)` of one block of [`attention_block`] given the *merged* attention's
@@ -162,7 +168,91 @@ pub fn attention_block_bwd(
     scale: f64,
     causal: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    attention::attention_block_bwd(q, k, v, out, dout, lse, scale, causal)
+    let merged = (out, lse);
+    attention::attention_block_bwd(
+        (q, k, v),
+        merged,
+        dout,
+        scale,
+        causal,
+        AttentionBackend::Own,
+    )
+}
+
+/// The attention kernels of `backend`: the plain causal ones on one context-parallel rank, the
+/// blocks the ring merges on more.
+pub fn attention_kernels(backend: AttentionBackend) -> Kernels {
+    match backend {
+        AttentionBackend::Own => Kernels {
+            causal: causal_attention_saved,
+            causal_bwd: causal_attention_bwd,
+            block: attention_block,
+            block_bwd: attention_block_bwd,
+        },
+        AttentionBackend::Cudnn => Kernels {
+            causal: cudnn::causal_attention_saved,
+            causal_bwd: cudnn::causal_attention_bwd,
+            block: cudnn::attention_block,
+            block_bwd: cudnn::attention_block_bwd,
+        },
+    }
+}
+
+/// The attention entry points with the [`AttentionBackend::Cudnn`] backend: the calls it routes
+/// there (CUDA, bf16, a head dim cuDNN takes) run cuDNN's fused attention, every other call the
+/// same kernels as the functions of the same names above, with the same arguments and results.
+pub mod cudnn {
+    use super::{attention, AttentionBackend, Result, Tensor};
+
+    const CUDNN: AttentionBackend = AttentionBackend::Cudnn;
+
+    /// [`super::causal_attention_saved`] on the cuDNN backend.
+    pub fn causal_attention_saved(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        attention::causal_attention_saved((q, k, v), scale, CUDNN)
+    }
+
+    /// [`super::causal_attention_bwd`] on the cuDNN backend.
+    pub fn causal_attention_bwd(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        saved: (&Tensor, &Tensor),
+        dout: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        attention::causal_attention_bwd((q, k, v), saved, dout, scale, CUDNN)
+    }
+
+    /// [`super::attention_block`] on the cuDNN backend.
+    pub fn attention_block(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        causal: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        attention::attention_block((q, k, v), scale, causal, CUDNN)
+    }
+
+    /// [`super::attention_block_bwd`] on the cuDNN backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_block_bwd(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+        causal: bool,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        attention::attention_block_bwd((q, k, v), (out, lse), dout, scale, causal, CUDNN)
+    }
 }
 
 /// SwiGLU: `silu(gate) * up`, elementwise, same shapes and dtypes. Backward gives `d gate` and `d up`.

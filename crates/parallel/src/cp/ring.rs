@@ -59,7 +59,7 @@ pub type BlockBwdFn = fn(
 ) -> Result<(Tensor, Tensor, Tensor)>;
 
 /// The attention kernels the ring runs (the model's op library provides them).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct Kernels {
     /// Plain causal attention (one rank).
     pub causal: CausalFn,

@@ -2,7 +2,8 @@
 //! build script (fat binaries: SASS for the build's architecture and PTX for newer ones), and the
 //! helpers every launcher uses — loading every module once per CUDA context ([`load_all`], called
 //! when a device opens, so no module is loaded inside a step), typed views of contiguous CUDA
-//! storage, output allocation and launch shapes.
+//! storage, output allocation and launch shapes. `cudnn.rs` runs cuDNN's fused attention
+//! through the C++ shim `cudnn/sdpa.cpp`, which the build script compiles.
 //!
 //! Kernel naming: a kernel templated on the storage type `T` is exported once per supported
 //! dtype as `<base>_f32`, `<base>_f64` and `<base>_bf16` (see [`kernel_name`]); sums and
@@ -10,6 +11,7 @@
 
 pub mod attention;
 mod attention_tc;
+pub mod cudnn;
 pub mod flat;
 pub mod pointwise;
 

@@ -1,0 +1,331 @@
+//! cuDNN's fused attention on bf16 CUDA storage, through the C-ABI shim `cudnn/sdpa.cpp` (built
+//! by `build.rs` against the cuDNN frontend's headers). `libcudnn.so.9` is opened by [`load`] at
+//! start-up, when the recipe's attention backend is `cudnn`, never by a bare start of the binary.
+//!
+//! [`attention_fwd`] and [`attention_bwd`] take and return what the project's kernels do
+//! (`super::attention`): the output `[b, s, hq, d]` and the log-sum-exp `[b, hq, s]` f32 (cuDNN's
+//! softmax statistics are exactly that), and the flat `[nq + 2 nkv]` gradients. Handles (one per
+//! CUDA context) and graphs (one per [`SdpaDesc`] and direction) are made on first use and kept
+//! for the process's life in one [`GraphCache`]; its lock is held across binding the handle to the
+//! device's stream and enqueueing the graph ([`run_graph`]), which is all a call does on the host.
+
+use std::ffi::{c_char, c_void};
+use std::sync::{LazyLock, Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{bail, Layout, Result};
+use half::bf16;
+
+use super::{alloc, view};
+use crate::ops::attention::Dims;
+use crate::ops::sdpa::{Direction, GraphCache, SdpaDesc};
+
+const OP: &str = "cuDNN attention";
+
+extern "C" {
+    fn pretrain_cudnn_load(msg: *mut c_char, len: usize) -> i64;
+    fn pretrain_cudnn_handle(handle: *mut *mut c_void, msg: *mut c_char, len: usize) -> i32;
+    fn pretrain_sdpa_build(
+        p: *const SdpaDesc,
+        backward: i32,
+        handle: *mut c_void,
+        graph: *mut *mut c_void,
+        workspace: *mut i64,
+        msg: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn pretrain_sdpa_fwd(
+        graph: *mut c_void,
+        handle: *mut c_void,
+        stream: *mut c_void,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        o: *mut c_void,
+        stats: *mut f32,
+        workspace: *mut c_void,
+        msg: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn pretrain_sdpa_bwd(
+        graph: *mut c_void,
+        handle: *mut c_void,
+        stream: *mut c_void,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        o: *const c_void,
+        d_o: *const c_void,
+        stats: *const f32,
+        d_q: *mut c_void,
+        d_k: *mut c_void,
+        d_v: *mut c_void,
+        workspace: *mut c_void,
+        msg: *mut c_char,
+        len: usize,
+    ) -> i32;
+}
+
+/// A message buffer for the shim's errors.
+struct Message([u8; 1024]);
+
+impl Message {
+    fn new() -> Self {
+        Self([0; 1024])
+    }
+
+    fn ptr(&mut self) -> (*mut c_char, usize) {
+        (self.0.as_mut_ptr().cast(), self.0.len())
+    }
+
+    fn text(&self) -> String {
+        let end = self.0.iter().position(|&b| b == 0).unwrap_or(self.0.len());
+        String::from_utf8_lossy(&self.0[..end]).into_owned()
+    }
+}
+
+/// The shim's status as a result, with `what` and its message.
+fn status(rc: i32, what: &str, msg: &Message) -> Result<()> {
+    if rc != 0 {
+        bail!("{OP}: {what}: {}", msg.text())
+    }
+    Ok(())
+}
+
+/// Opens `libcudnn.so.9` once per process and returns its version (e.g. 91900); the error names
+/// the library and the ways to fix it.
+pub fn load() -> Result<u64> {
+    static LOADED: OnceLock<std::result::Result<u64, String>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        let mut msg = Message::new();
+        let (m, len) = msg.ptr();
+        // SAFETY: `m` points at `len` writable bytes, which the shim NUL-terminates.
+        let version = unsafe { pretrain_cudnn_load(m, len) };
+        match u64::try_from(version) {
+            Ok(v) if v > 0 => Ok(v),
+            _ => Err(msg.text()),
+        }
+    });
+    match loaded {
+        Ok(v) => Ok(*v),
+        Err(e) => bail!(
+            "train.attention is cudnn but libcudnn.so.9 cannot be loaded ({e}). Install it \
+             (`pip install nvidia-cudnn-cu13`) and put its lib directory on LD_LIBRARY_PATH \
+             (…/site-packages/nvidia/cudnn/lib), or run the project's kernels with \
+             `--set train.attention=own`"
+        ),
+    }
+}
+
+/// A shim pointer (a cuDNN handle or graph), shared between threads under the cache's lock.
+#[derive(Clone, Copy)]
+struct Ptr(*mut c_void);
+
+// SAFETY: the pointees are used only under `CACHE`'s lock.
+unsafe impl Send for Ptr {}
+
+/// A built graph and the workspace bytes a run of it needs.
+#[derive(Clone, Copy)]
+struct Graph {
+    ptr: Ptr,
+    workspace: usize,
+}
+
+static CACHE: LazyLock<Mutex<GraphCache<Ptr, Graph>>> = LazyLock::new(Mutex::default);
+
+/// What one run of a graph gets: the graph, its handle and stream, a workspace of the graph's
+/// size and a message buffer.
+struct Run {
+    graph: *mut c_void,
+    handle: *mut c_void,
+    stream: *mut c_void,
+    workspace: *mut c_void,
+    msg: *mut c_char,
+    len: usize,
+}
+
+/// Runs `call` on the graph of `desc` in direction `dir` on `dev` (the context's handle and the
+/// graph made on first use, the context bound to this thread, the cache locked throughout) and
+/// turns its status into a result naming `what`.
+fn run_graph(
+    dev: &CudaDevice,
+    desc: &SdpaDesc,
+    dir: Direction,
+    what: &str,
+    call: impl FnOnce(Run) -> i32,
+) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    ctx.bind_to_thread().w()?;
+    let key = ctx.cu_ctx() as usize;
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let handle = cache.handle(key, || {
+        let mut msg = Message::new();
+        let (m, len) = msg.ptr();
+        let mut h = std::ptr::null_mut();
+        // SAFETY: `h` receives a handle; `m` points at `len` writable bytes.
+        let rc = unsafe { pretrain_cudnn_handle(&mut h, m, len) };
+        status(rc, "creating a handle", &msg)?;
+        Ok(Ptr(h))
+    })?;
+    let graph = cache.graph(key, desc, dir, || {
+        let mut msg = Message::new();
+        let (m, len) = msg.ptr();
+        let (mut g, mut ws) = (std::ptr::null_mut(), 0i64);
+        let backward = i32::from(dir == Direction::Backward);
+        // SAFETY: `desc` is a valid `PretrainSdpa` (same layout, `#[repr(C)]`); `handle` was
+        // made by the shim in this context; `g`, `ws` receive the graph and its workspace size.
+        let rc = unsafe { pretrain_sdpa_build(desc, backward, handle.0, &mut g, &mut ws, m, len) };
+        let what = format!(
+            "building the {dir:?} graph of {desc:?} (`--set train.attention=own` runs the \
+             project's kernels)"
+        );
+        status(rc, &what, &msg)?;
+        Ok(Graph {
+            ptr: Ptr(g),
+            workspace: usize::try_from(ws).unwrap_or(0),
+        })
+    })?;
+    // SAFETY: the graph uses its workspace as scratch only.
+    let mut ws = unsafe { alloc::<u8>(dev, graph.workspace) }?;
+    let (wp, _w) = ws.device_ptr_mut(&stream);
+    let mut msg = Message::new();
+    let (m, len) = msg.ptr();
+    let rc = call(Run {
+        graph: graph.ptr.0,
+        handle: handle.0,
+        stream: stream.cu_stream().cast(),
+        workspace: wp as *mut c_void,
+        msg: m,
+        len,
+    });
+    status(rc, what, &msg)
+}
+
+/// The contiguous bf16 data of `(storage, layout)`, which must hold `want` elements.
+fn input<'a>(
+    name: &str,
+    (storage, layout): (&'a CudaStorage, &Layout),
+    want: usize,
+) -> Result<CudaView<'a, bf16>> {
+    let v = view::<bf16>(OP, name, storage, layout)?;
+    if v.len() != want {
+        bail!("{OP}: `{name}` has {} elements, expected {want}", v.len())
+    }
+    Ok(v)
+}
+
+/// The forward of `dm` on contiguous bf16 `q` `[b, s, hq, d]`, `k`, `v` `[b, sk, hkv, d]`: the
+/// output `[b, s, hq, d]` bf16 and the log-sum-exp of the scaled scores `[b, hq, s]` f32.
+pub(crate) fn attention_fwd(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    dm: Dims,
+    scale: f64,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let desc = SdpaDesc::new(dm, scale, true)?;
+    let (nq, nkv) = desc.sizes();
+    let dev = q.0.device();
+    let stream = dev.cuda_stream();
+    let qv = input("q", q, nq)?; // [b, s, hq, d]
+    let kv = input("k", k, nkv)?; // [b, sk, hkv, d]
+    let vv = input("v", v, nkv)?; // [b, sk, hkv, d]
+                                  // SAFETY: the graph writes every element of the output and of the statistics.
+    let mut out = unsafe { alloc::<bf16>(dev, nq) }?; // [b, s, hq, d]
+    let mut lse = unsafe { alloc::<f32>(dev, dm.b * dm.hq * dm.s) }?; // [b, hq, s]
+    let (qp, _q) = qv.device_ptr(&stream);
+    let (kp, _k) = kv.device_ptr(&stream);
+    let (vp, _v) = vv.device_ptr(&stream);
+    let (op, o_write) = out.device_ptr_mut(&stream);
+    let (lp, l_write) = lse.device_ptr_mut(&stream);
+    run_graph(dev, &desc, Direction::Forward, "forward", |r| {
+        // SAFETY: the graph was built for `desc`, whose sizes and strides describe these
+        // buffers (checked lengths, contiguous [b, s, h, d]); the statistics buffer holds
+        // b·hq·s floats; everything lives on the stream's device and is used in stream order
+        // (the guards record it).
+        unsafe {
+            pretrain_sdpa_fwd(
+                r.graph,
+                r.handle,
+                r.stream,
+                qp as *const c_void,
+                kp as *const c_void,
+                vp as *const c_void,
+                op as *mut c_void,
+                lp as *mut f32,
+                r.workspace,
+                r.msg,
+                r.len,
+            )
+        }
+    })?;
+    drop((o_write, l_write)); // the writes are recorded before the buffers move
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+    ))
+}
+
+/// The backward of `dm` from the forward's `out` and log-sum-exp `lse` and the output gradient
+/// `dout` (bf16 `[b, s, hq, d]`; lse f32 `[b, hq, s]`): the flat `[nq + 2 nkv]` bf16
+/// concatenation of dQ `[b, s, hq, d]`, dK and dV `[b, sk, hkv, d]`.
+pub(crate) fn attention_bwd(
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
+    out: (&CudaStorage, &Layout),
+    dout: (&CudaStorage, &Layout),
+    lse: (&CudaStorage, &Layout),
+    dm: Dims,
+    scale: f64,
+) -> Result<CudaStorage> {
+    let desc = SdpaDesc::new(dm, scale, true)?;
+    let (nq, nkv) = desc.sizes();
+    let dev = q.0.device();
+    let stream = dev.cuda_stream();
+    let qv = input("q", q, nq)?; // [b, s, hq, d]
+    let kv = input("k", k, nkv)?; // [b, sk, hkv, d]
+    let vv = input("v", v, nkv)?;
+    let ov = input("out", out, nq)?; // [b, s, hq, d]
+    let dov = input("dout", dout, nq)?;
+    let lv = view::<f32>(OP, "lse", lse.0, lse.1)?; // [b, hq, s]
+    if lv.len() != dm.b * dm.hq * dm.s {
+        bail!("{OP}: `lse` has {} elements, expected b·hq·s", lv.len())
+    }
+    // SAFETY: the graph writes every element of dQ, dK and dV.
+    let mut grads = unsafe { alloc::<bf16>(dev, nq + 2 * nkv) }?; // [nq + 2 nkv]
+    let (qp, _q) = qv.device_ptr(&stream);
+    let (kp, _k) = kv.device_ptr(&stream);
+    let (vp, _v) = vv.device_ptr(&stream);
+    let (op, _o) = ov.device_ptr(&stream);
+    let (dop, _do) = dov.device_ptr(&stream);
+    let (lp, _l) = lv.device_ptr(&stream);
+    let (gp, g_write) = grads.device_ptr_mut(&stream);
+    let at = |elems: usize| (gp + (elems * std::mem::size_of::<bf16>()) as u64) as *mut c_void;
+    run_graph(dev, &desc, Direction::Backward, "backward", |r| {
+        // SAFETY: as for the forward; dQ, dK and dV are the disjoint parts [0, nq),
+        // [nq, nq + nkv) and [nq + nkv, nq + 2 nkv) of `grads`, with the strides of q, k, v.
+        unsafe {
+            pretrain_sdpa_bwd(
+                r.graph,
+                r.handle,
+                r.stream,
+                qp as *const c_void,
+                kp as *const c_void,
+                vp as *const c_void,
+                op as *const c_void,
+                dop as *const c_void,
+                lp as *const f32,
+                at(0),
+                at(nq),
+                at(nq + nkv),
+                r.workspace,
+                r.msg,
+                r.len,
+            )
+        }
+    })?;
+    drop(g_write); // the write is recorded before the buffer moves
+    Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
+}

@@ -1,0 +1,387 @@
+//! The attention backend (`train.attention`) and what the cuDNN one needs besides the library:
+//! which calls it takes ([`AttentionBackend::runs_cudnn`]), the description of one call in the C
+//! layout of `cudnn/sdpa.cpp` ([`SdpaDesc`]) and the cache of built graphs ([`GraphCache`]).
+//! Pure logic, in every build, so the CPU tests cover it; `cuda/cudnn.rs` runs it on a GPU.
+//!
+//! cuDNN's fused attention reads the model's `[b, s, h, d]` activations in place: it describes
+//! a tensor in the logical order `[b, h, s, d]` with element strides, which for a contiguous
+//! `[b, s, h, d]` buffer are `[s·h·d, d, h·d, 1]`. The backward writes dQ, dK and dV with the
+//! strides of Q, K and V into the parts of one flat buffer, as the project's kernels do.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use candle_core::{bail, DType, Result};
+use serde::{Deserialize, Serialize};
+
+use super::attention::Dims;
+
+/// Which kernels run attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionBackend {
+    /// The project's flash kernels (`kernels/attention*.cu`, and the CPU kernels): every dtype
+    /// and head dim up to 256, deterministic.
+    #[default]
+    Own,
+    /// cuDNN's fused attention (from `libcudnn.so.9`, loaded at start-up) for bf16 calls with
+    /// a head dim that is a multiple of 8 up to [`CUDNN_MAX_HEAD_DIM`]; other calls (f32, other
+    /// head dims) run the project's kernels. Its backward runs cuDNN's deterministic algorithm,
+    /// so resumed runs stay bit-exact.
+    Cudnn,
+}
+
+/// The largest head dim routed to cuDNN (its fused attention's forward and backward limit on
+/// every supported GPU; larger ones run the project's kernels).
+pub const CUDNN_MAX_HEAD_DIM: usize = 128;
+
+impl AttentionBackend {
+    /// Whether a call on storage `dtype` with head dim `d` runs on cuDNN under this backend.
+    pub fn runs_cudnn(self, dtype: DType, d: usize) -> bool {
+        self == AttentionBackend::Cudnn
+            && dtype == DType::BF16
+            && d > 0
+            && d.is_multiple_of(8)
+            && d <= CUDNN_MAX_HEAD_DIM
+    }
+
+    /// The recipe's name of the backend.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionBackend::Own => "own",
+            AttentionBackend::Cudnn => "cudnn",
+        }
+    }
+}
+
+impl std::str::FromStr for AttentionBackend {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "own" => Ok(AttentionBackend::Own),
+            "cudnn" => Ok(AttentionBackend::Cudnn),
+            _ => Err(format!("unknown attention backend `{s}` (own or cudnn)")),
+        }
+    }
+}
+
+impl std::fmt::Display for AttentionBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One fused-attention call as `cudnn/sdpa.cpp` reads it (`struct PretrainSdpa`): sizes, the
+/// element strides of the `[b, h, s, d]` views of q (and out, dout, dq), k (dk) and v (dv), the
+/// mask and the scale. Equal descriptions share a built graph (the scale compared by its bits).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaDesc {
+    pub b: i64,
+    pub hq: i64,
+    pub hkv: i64,
+    pub sq: i64,
+    pub skv: i64,
+    pub d: i64,
+    pub q_stride: [i64; 4],
+    pub k_stride: [i64; 4],
+    pub v_stride: [i64; 4],
+    pub o_stride: [i64; 4],
+    /// 1: query `i` sees keys `0..=i` (`sq == skv`); 0: every key.
+    pub causal: i32,
+    /// 1: the backward runs cuDNN's deterministic algorithm.
+    pub deterministic: i32,
+    pub scale: f32,
+}
+
+impl SdpaDesc {
+    /// The call of `dm` (contiguous `q` `[b, s, hq, d]`, `k` and `v` `[b, sk, hkv, d]`) with
+    /// `scale`. Errors on sizes cuDNN cannot take or a non-finite scale.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn new(dm: Dims, scale: f64, deterministic: bool) -> Result<Self> {
+        let i = |what: &str, x: usize| -> Result<i64> {
+            match i64::try_from(x) {
+                Ok(v) if v > 0 => Ok(v),
+                _ => bail!("cuDNN attention: {what} = {x} is out of range"),
+            }
+        };
+        let (b, sq, skv) = (i("b", dm.b)?, i("s", dm.s)?, i("sk", dm.sk)?);
+        let (hq, hkv, d) = (i("hq", dm.hq)?, i("hkv", dm.hkv)?, i("d", dm.d)?);
+        if hq % hkv != 0 {
+            bail!("cuDNN attention: query heads {hq} must be a multiple of kv heads {hkv}")
+        }
+        if dm.causal && sq != skv {
+            bail!("cuDNN attention: a causal call needs as many keys ({skv}) as queries ({sq})")
+        }
+        let scale32 = scale as f32;
+        if !scale32.is_finite() {
+            bail!("cuDNN attention: the scale {scale} is not a finite f32")
+        }
+        // [b, h, s, d] views of contiguous [b, s, h, d] buffers.
+        let bshd = |s: i64, h: i64| [s * h * d, d, h * d, 1];
+        Ok(Self {
+            b,
+            hq,
+            hkv,
+            sq,
+            skv,
+            d,
+            q_stride: bshd(sq, hq),
+            k_stride: bshd(skv, hkv),
+            v_stride: bshd(skv, hkv),
+            o_stride: bshd(sq, hq),
+            causal: i32::from(dm.causal),
+            deterministic: i32::from(deterministic),
+            scale: scale32,
+        })
+    }
+
+    /// Every field as a number, the scale by its bits: what equality and hashing compare.
+    fn fields(&self) -> [i64; 25] {
+        let mut f = [0i64; 25];
+        f[..6].copy_from_slice(&[self.b, self.hq, self.hkv, self.sq, self.skv, self.d]);
+        for (i, s) in [self.q_stride, self.k_stride, self.v_stride, self.o_stride]
+            .iter()
+            .enumerate()
+        {
+            f[6 + 4 * i..10 + 4 * i].copy_from_slice(s);
+        }
+        f[22] = self.causal.into();
+        f[23] = self.deterministic.into();
+        f[24] = self.scale.to_bits().into();
+        f
+    }
+
+    /// Elements of q (and out, dq) and of k (and v, dk, dv).
+    pub fn sizes(&self) -> (usize, usize) {
+        let n = |x: [i64; 3]| x.iter().product::<i64>() as usize * self.d as usize;
+        (
+            n([self.b, self.sq, self.hq]),
+            n([self.b, self.skv, self.hkv]),
+        )
+    }
+}
+
+impl PartialEq for SdpaDesc {
+    fn eq(&self, other: &Self) -> bool {
+        self.fields() == other.fields()
+    }
+}
+
+impl Eq for SdpaDesc {}
+
+impl Hash for SdpaDesc {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.fields().hash(state);
+    }
+}
+
+/// Forward or backward graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    Forward,
+    Backward,
+}
+
+/// cuDNN handles per CUDA context and built graphs per context, description and direction:
+/// each is made once (`H` and `G` are the shim's opaque pointers and the graph's workspace size;
+/// the tests use plain values).
+#[derive(Debug)]
+pub struct GraphCache<H, G> {
+    handles: HashMap<usize, H>,
+    graphs: HashMap<(usize, SdpaDesc, Direction), G>,
+}
+
+impl<H, G> Default for GraphCache<H, G> {
+    fn default() -> Self {
+        Self {
+            handles: HashMap::new(),
+            graphs: HashMap::new(),
+        }
+    }
+}
+
+impl<H: Copy, G: Copy> GraphCache<H, G> {
+    /// The handle of context `ctx`, made by `create` on first use.
+    pub fn handle(&mut self, ctx: usize, create: impl FnOnce() -> Result<H>) -> Result<H> {
+        if let Some(h) = self.handles.get(&ctx) {
+            return Ok(*h);
+        }
+        let h = create()?;
+        self.handles.insert(ctx, h);
+        Ok(h)
+    }
+
+    /// The graph of `desc` in direction `dir` on context `ctx`, built by `build` on first use
+    /// (a failed build is not cached: the next call tries again and reports again).
+    pub fn graph(
+        &mut self,
+        ctx: usize,
+        desc: &SdpaDesc,
+        dir: Direction,
+        build: impl FnOnce() -> Result<G>,
+    ) -> Result<G> {
+        let key = (ctx, *desc, dir);
+        if let Some(g) = self.graphs.get(&key) {
+            return Ok(*g);
+        }
+        let g = build()?;
+        self.graphs.insert(key, g);
+        Ok(g)
+    }
+
+    /// Graphs built so far.
+    pub fn len(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Whether no graph was built.
+    pub fn is_empty(&self) -> bool {
+        self.graphs.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(b: usize, s: usize, sk: usize, hq: usize, hkv: usize, d: usize, causal: bool) -> Dims {
+        Dims {
+            b,
+            s,
+            sk,
+            hq,
+            hkv,
+            d,
+            causal,
+        }
+    }
+
+    #[test]
+    fn cudnn_takes_bf16_with_head_dims_it_supports() {
+        let c = AttentionBackend::Cudnn;
+        assert!(c.runs_cudnn(DType::BF16, 64));
+        assert!(c.runs_cudnn(DType::BF16, 128));
+        assert!(c.runs_cudnn(DType::BF16, 8));
+        for (dtype, d) in [
+            (DType::F32, 64),
+            (DType::F64, 64),
+            (DType::F16, 64),
+            (DType::BF16, 60),
+            (DType::BF16, 0),
+            (DType::BF16, 136),
+            (DType::BF16, 256),
+        ] {
+            assert!(!c.runs_cudnn(dtype, d), "{dtype:?} d {d}");
+        }
+        assert!(!AttentionBackend::Own.runs_cudnn(DType::BF16, 64));
+    }
+
+    #[test]
+    fn backends_print_and_parse_as_the_recipe_names_them() {
+        for (b, name) in [
+            (AttentionBackend::Own, "own"),
+            (AttentionBackend::Cudnn, "cudnn"),
+        ] {
+            assert_eq!(b.to_string(), name);
+            assert_eq!(name.parse::<AttentionBackend>().unwrap(), b);
+        }
+        assert!("flash".parse::<AttentionBackend>().is_err());
+        assert_eq!(AttentionBackend::default(), AttentionBackend::Own);
+    }
+
+    /// The strides address element `(b, h, s, d)` of a contiguous `[b, s, h, d]` buffer.
+    #[test]
+    fn strides_view_the_models_layout_in_place() {
+        let dm = dims(2, 5, 7, 4, 2, 16, false);
+        let p = SdpaDesc::new(dm, 0.25, true).unwrap();
+        let at = |st: [i64; 4], (b, h, s, d): (i64, i64, i64, i64)| {
+            b * st[0] + h * st[1] + s * st[2] + d * st[3]
+        };
+        for (b, s, h, d) in [(0, 0, 0, 0), (1, 4, 3, 15), (1, 2, 1, 7)] {
+            let bshd = ((b * 5 + s) * 4 + h) * 16 + d;
+            assert_eq!(at(p.q_stride, (b, h, s, d)), bshd);
+            assert_eq!(at(p.o_stride, (b, h, s, d)), bshd);
+        }
+        for (b, s, h, d) in [(0, 6, 1, 15), (1, 3, 0, 2)] {
+            let bshd = ((b * 7 + s) * 2 + h) * 16 + d;
+            assert_eq!(at(p.k_stride, (b, h, s, d)), bshd);
+            assert_eq!(at(p.v_stride, (b, h, s, d)), bshd);
+        }
+        assert_eq!(p.sizes(), (2 * 5 * 4 * 16, 2 * 7 * 2 * 16));
+        assert_eq!((p.sq, p.skv, p.hq, p.hkv), (5, 7, 4, 2));
+        assert_eq!((p.causal, p.deterministic, p.scale), (0, 1, 0.25));
+    }
+
+    #[test]
+    fn bad_calls_are_refused_by_name() {
+        let err = |dm: Dims, scale: f64| SdpaDesc::new(dm, scale, true).unwrap_err().to_string();
+        assert!(err(dims(1, 4, 6, 2, 2, 8, true), 1.0).contains("causal call"));
+        assert!(err(dims(1, 4, 4, 3, 2, 8, false), 1.0).contains("multiple of kv heads"));
+        assert!(err(dims(0, 4, 4, 2, 2, 8, false), 1.0).contains("b = 0"));
+        assert!(err(dims(1, 4, 4, 2, 2, 8, false), f64::NAN).contains("scale"));
+        assert!(err(dims(1, 4, 4, 2, 2, 8, false), 1e300).contains("scale"));
+    }
+
+    /// A graph is built once per context, description and direction; everything that changes
+    /// the graph changes the key.
+    #[test]
+    fn graphs_are_built_once_per_shape_direction_and_context() {
+        let base = dims(2, 64, 64, 8, 2, 64, true);
+        let desc = |dm: Dims, scale: f64, det: bool| SdpaDesc::new(dm, scale, det).unwrap();
+        let p = desc(base, 0.125, true);
+        let mut cache = GraphCache::<u32, u32>::default();
+        let mut builds = 0u32;
+        let mut get = |cache: &mut GraphCache<u32, u32>, ctx, d: &SdpaDesc, dir| {
+            cache
+                .graph(ctx, d, dir, || {
+                    builds += 1;
+                    Ok(builds)
+                })
+                .unwrap()
+        };
+        let first = get(&mut cache, 1, &p, Direction::Forward);
+        assert_eq!(get(&mut cache, 1, &p, Direction::Forward), first);
+        assert_eq!(
+            get(&mut cache, 1, &desc(base, 0.125, true), Direction::Forward),
+            first
+        );
+        assert_eq!(cache.len(), 1);
+        let variants = [
+            desc(dims(2, 64, 64, 8, 2, 64, false), 0.125, true),
+            desc(dims(2, 128, 128, 8, 2, 64, true), 0.125, true),
+            desc(dims(2, 64, 64, 8, 4, 64, true), 0.125, true),
+            desc(dims(2, 64, 64, 8, 2, 128, true), 0.125, true),
+            desc(dims(1, 64, 64, 8, 2, 64, true), 0.125, true),
+            desc(dims(2, 64, 128, 8, 2, 64, false), 0.125, true),
+            desc(base, 0.0625, true),
+            desc(base, 0.125, false),
+        ];
+        for v in &variants {
+            assert_ne!(get(&mut cache, 1, v, Direction::Forward), first, "{v:?}");
+        }
+        assert_ne!(get(&mut cache, 1, &p, Direction::Backward), first);
+        assert_ne!(get(&mut cache, 2, &p, Direction::Forward), first);
+        assert_eq!(cache.len(), variants.len() + 3);
+
+        // A failed build is reported and not cached.
+        let failed = cache.graph(3, &p, Direction::Forward, || bail!("no engine"));
+        assert!(failed.unwrap_err().to_string().contains("no engine"));
+        assert_eq!(
+            cache.graph(3, &p, Direction::Forward, || Ok(99)).unwrap(),
+            99
+        );
+
+        let mut made = 0;
+        for _ in 0..3 {
+            cache
+                .handle(7, || {
+                    made += 1;
+                    Ok(5)
+                })
+                .unwrap();
+        }
+        assert_eq!(made, 1);
+    }
+}

@@ -1,0 +1,131 @@
+//! Check 8 of `pretrain selftest`: attention on every backend the device has — the project's
+//! kernels, and on CUDA cuDNN's fused attention — in bf16 against the project's kernels in f64
+//! on the CPU: causal calls at the 1B recipes' head shapes (32 query and 4 KV heads of 64; 16 and
+//! 8 of 128) and an unmasked block of context-parallel ring attention with twice as many keys as
+//! queries; the forward's output and log-sum-exp, the backward's dq, dk and dv (from the f64
+//! reference's output and log-sum-exp, as the ring passes the merged ones). On the CPU the shapes
+//! are scaled down and only the project's kernels run (a `cudnn` backend has no CPU kernels).
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use model::{ops, AttentionBackend};
+
+use super::{op_tolerance, randn, rel_error, Check};
+
+/// One attention call: `q` `[b, s, hq, d]`, `k`, `v` `[b, sk, hkv, d]`.
+struct Case {
+    b: usize,
+    s: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+}
+
+impl Case {
+    fn name(&self) -> String {
+        let mask = if self.causal { "causal" } else { "unmasked" };
+        format!(
+            "attention {mask} b{} s{} sk{} h{}/{} d{}",
+            self.b, self.s, self.sk, self.hq, self.hkv, self.d
+        )
+    }
+}
+
+fn cases(gpu: bool) -> Vec<Case> {
+    let case = |b, s, sk, hq, hkv, d, causal| Case {
+        b,
+        s,
+        sk,
+        hq,
+        hkv,
+        d,
+        causal,
+    };
+    if gpu {
+        vec![
+            case(2, 1024, 1024, 32, 4, 64, true),
+            case(1, 1024, 1024, 16, 8, 128, true),
+            case(1, 512, 1024, 32, 4, 64, false),
+        ]
+    } else {
+        vec![
+            case(1, 96, 96, 8, 2, 64, true),
+            case(1, 48, 96, 8, 2, 64, false),
+        ]
+    }
+}
+
+/// The inputs of `case` (f64 on the CPU): q, k, v and the output's upstream gradient.
+fn inputs(case: &Case) -> Result<[Tensor; 4]> {
+    let (q, kv) = (
+        [case.b, case.s, case.hq, case.d],
+        [case.b, case.sk, case.hkv, case.d],
+    );
+    Ok([
+        randn(&q, 41)?,
+        randn(&kv, 42)?,
+        randn(&kv, 43)?,
+        randn(&q, 44)?,
+    ])
+}
+
+/// Output, log-sum-exp, dq, dk and dv of `case` on `backend`, the inputs in `dtype` on `device`;
+/// the backward reads `merged` (output and log-sum-exp) when given, else the forward's own.
+fn run(
+    case: &Case,
+    backend: AttentionBackend,
+    (dtype, device): (DType, &Device),
+    merged: Option<(&Tensor, &Tensor)>,
+) -> Result<Vec<Tensor>> {
+    let [q, k, v, dout] = inputs(case)?.map(|t| t.to_dtype(dtype)?.to_device(device));
+    let (q, k, v, dout) = (q?, k?, v?, dout?);
+    let kernels = ops::attention_kernels(backend);
+    let (fwd, bwd) = (kernels.block, kernels.block_bwd);
+    let scale = 1.0 / (case.d as f64).sqrt();
+    let (out, lse) = fwd(&q, &k, &v, scale, case.causal)?;
+    let (o, l) = match merged {
+        Some((o, l)) => (
+            o.to_device(device)?,
+            l.to_dtype(lse.dtype())?.to_device(device)?,
+        ),
+        None => (out.clone(), lse.clone()),
+    };
+    let (dq, dk, dv) = bwd(&q, &k, &v, &o, &dout, &l, scale, case.causal)?;
+    Ok(vec![out, lse, dq, dk, dv])
+}
+
+/// Check 8 (see the module docs).
+pub fn check_attention(device: &Device) -> Result<Vec<Check>> {
+    let mut backends = vec![AttentionBackend::Own];
+    if device.is_cuda() {
+        crate::device::prepare_attention(AttentionBackend::Cudnn)?;
+        backends.push(AttentionBackend::Cudnn);
+    }
+    let mut checks = Vec::new();
+    for case in cases(device.is_cuda()) {
+        let reference = run(
+            &case,
+            AttentionBackend::Own,
+            (DType::F64, &Device::Cpu),
+            None,
+        )?;
+        let merged = (&reference[0], &reference[1]);
+        for &backend in &backends {
+            let dtype = DType::BF16;
+            let got = run(&case, backend, (dtype, device), Some(merged))?;
+            for (what, (g, r)) in ["output", "lse", "dq", "dk", "dv"]
+                .iter()
+                .zip(got.iter().zip(&reference))
+            {
+                checks.push(Check {
+                    name: format!("{} {what} {backend} {dtype:?}", case.name()),
+                    error: rel_error(g, r)?,
+                    tolerance: op_tolerance(dtype),
+                });
+            }
+        }
+    }
+    Ok(checks)
+}
