@@ -274,10 +274,14 @@ impl CustomOp3 for Attention {
     ) -> Result<(CudaStorage, Shape)> {
         let dm = Dims::from_layouts(l1, l2, self.causal)?;
         let (q, k, v) = ((s1, l1), (s2, l2), (s3, l3));
-        let (out, lse) = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+        let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
             super::cuda::cudnn::attention_fwd(q, k, v, dm, self.scale)?
         } else {
-            super::cuda::attention::attention_fwd(q, k, v, dm, self.scale)?
+            None
+        };
+        let (out, lse) = match cudnn {
+            Some(ran) => ran,
+            None => super::cuda::attention::attention_fwd(q, k, v, dm, self.scale)?,
         };
         let lse = Storage::Cuda(lse); // [b, hq, s]
         self.stash(Tensor::from_storage(

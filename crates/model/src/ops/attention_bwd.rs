@@ -305,10 +305,14 @@ impl CustomOp3 for AttentionBwd {
             (cuda("dout", &do_st)?, do_l),
             (cuda("lse", &lse_st)?, lse_l),
         );
-        let flat = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+        let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
             super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, dm, self.scale)?
         } else {
-            super::cuda::attention::attention_bwd(qkv, out, dout, lse, dm, self.scale)?
+            None
+        };
+        let flat = match cudnn {
+            Some(ran) => ran,
+            None => super::cuda::attention::attention_bwd(qkv, out, dout, lse, dm, self.scale)?,
         };
         let len = l1.shape().elem_count() + 2 * l2.shape().elem_count();
         Ok((flat, Shape::from(len)))

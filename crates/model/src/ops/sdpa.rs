@@ -26,8 +26,9 @@ pub enum AttentionBackend {
     Own,
     /// cuDNN's fused attention (from `libcudnn.so.9`, loaded at start-up) for bf16 calls with
     /// a head dim that is a multiple of 8 up to [`CUDNN_MAX_HEAD_DIM`]; other calls (f32, other
-    /// head dims) run the project's kernels. Its backward runs cuDNN's deterministic algorithm,
-    /// so resumed runs stay bit-exact.
+    /// head dims, and shapes cuDNN cannot build a graph for, which are logged once) run the
+    /// project's kernels. Its backward runs cuDNN's deterministic algorithm, so resumed runs
+    /// stay bit-exact.
     Cudnn,
 }
 
@@ -184,13 +185,21 @@ pub enum Direction {
     Backward,
 }
 
+/// Why cuDNN does not run a call: the reason its graph could not be built, and whether this is
+/// the first call to hear it (the one that reports it; later calls fall back quietly).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: String,
+    pub first: bool,
+}
+
 /// cuDNN handles per CUDA context and built graphs per context, description and direction:
-/// each is made once (`H` and `G` are the shim's opaque pointers and the graph's workspace size;
-/// the tests use plain values).
+/// each is made once, and a graph cuDNN cannot build is remembered as refused (`H` and `G` are
+/// the shim's opaque pointers and the graph's workspace size; the tests use plain values).
 #[derive(Debug)]
 pub struct GraphCache<H, G> {
     handles: HashMap<usize, H>,
-    graphs: HashMap<(usize, SdpaDesc, Direction), G>,
+    graphs: HashMap<(usize, SdpaDesc, Direction), std::result::Result<G, String>>,
 }
 
 impl<H, G> Default for GraphCache<H, G> {
@@ -213,22 +222,28 @@ impl<H: Copy, G: Copy> GraphCache<H, G> {
         Ok(h)
     }
 
-    /// The graph of `desc` in direction `dir` on context `ctx`, built by `build` on first use
-    /// (a failed build is not cached: the next call tries again and reports again).
+    /// The graph of `desc` in direction `dir` on context `ctx`, built by `build` on first use;
+    /// a build that fails is refused now and on every later call without building again.
     pub fn graph(
         &mut self,
         ctx: usize,
         desc: &SdpaDesc,
         dir: Direction,
         build: impl FnOnce() -> Result<G>,
-    ) -> Result<G> {
+    ) -> std::result::Result<G, Refusal> {
         let key = (ctx, *desc, dir);
         if let Some(g) = self.graphs.get(&key) {
-            return Ok(*g);
+            return g.clone().map_err(|reason| Refusal {
+                reason,
+                first: false,
+            });
         }
-        let g = build()?;
-        self.graphs.insert(key, g);
-        Ok(g)
+        let g = build().map_err(|e| e.to_string());
+        self.graphs.insert(key, g.clone());
+        g.map_err(|reason| Refusal {
+            reason,
+            first: true,
+        })
     }
 
     /// Graphs built so far.
@@ -327,7 +342,7 @@ mod tests {
     /// A graph is built once per context, description and direction; everything that changes
     /// the graph changes the key.
     #[test]
-    fn graphs_are_built_once_per_shape_direction_and_context() {
+    fn graphs_are_built_once_and_refusals_remembered() {
         let base = dims(2, 64, 64, 8, 2, 64, true);
         let desc = |dm: Dims, scale: f64, det: bool| SdpaDesc::new(dm, scale, det).unwrap();
         let p = desc(base, 0.125, true);
@@ -365,13 +380,19 @@ mod tests {
         assert_ne!(get(&mut cache, 2, &p, Direction::Forward), first);
         assert_eq!(cache.len(), variants.len() + 3);
 
-        // A failed build is reported and not cached.
+        // A failed build is refused, reported once, and never tried again.
         let failed = cache.graph(3, &p, Direction::Forward, || bail!("no engine"));
-        assert!(failed.unwrap_err().to_string().contains("no engine"));
-        assert_eq!(
-            cache.graph(3, &p, Direction::Forward, || Ok(99)).unwrap(),
-            99
+        let refusal = failed.unwrap_err();
+        assert!(
+            refusal.first && refusal.reason.contains("no engine"),
+            "{refusal:?}"
         );
+        let again = cache.graph(3, &p, Direction::Forward, || panic!("built twice"));
+        let again = again.unwrap_err();
+        assert!(!again.first);
+        assert_eq!(again.reason, refusal.reason);
+        let other = cache.graph(3, &p, Direction::Backward, || Ok(99));
+        assert_eq!(other.unwrap(), 99);
 
         let mut made = 0;
         for _ in 0..3 {

@@ -8,6 +8,8 @@
 //! CUDA context) and graphs (one per [`SdpaDesc`] and direction) are made on first use and kept
 //! for the process's life in one [`GraphCache`]; its lock is held across binding the handle to the
 //! device's stream and enqueueing the graph ([`run_graph`]), which is all a call does on the host.
+//! A shape cuDNN cannot build a graph for (its engines' limits) is logged once and runs the
+//! project's kernels, as f32 and other head dims do; a failure to run a built graph is an error.
 
 use std::ffi::{c_char, c_void};
 use std::sync::{LazyLock, Mutex, OnceLock};
@@ -147,15 +149,17 @@ struct Run {
 }
 
 /// Runs `call` on the graph of `desc` in direction `dir` on `dev` (the context's handle and the
-/// graph made on first use, the context bound to this thread, the cache locked throughout) and
-/// turns its status into a result naming `what`.
-fn run_graph(
+/// graph made on first use, the context bound to this thread, the cache locked throughout);
+/// `call` makes the outputs, enqueues the graph and returns the shim's status with them, which
+/// becomes an error naming `what`. `None` when cuDNN cannot build the graph: the first such call
+/// logs the reason, and the caller runs the project's kernels.
+fn run_graph<R>(
     dev: &CudaDevice,
     desc: &SdpaDesc,
     dir: Direction,
     what: &str,
-    call: impl FnOnce(Run) -> i32,
-) -> Result<()> {
+    call: impl FnOnce(Run) -> Result<(i32, R)>,
+) -> Result<Option<R>> {
     let stream = dev.cuda_stream();
     let ctx = stream.context();
     ctx.bind_to_thread().w()?;
@@ -170,7 +174,7 @@ fn run_graph(
         status(rc, "creating a handle", &msg)?;
         Ok(Ptr(h))
     })?;
-    let graph = cache.graph(key, desc, dir, || {
+    let built = cache.graph(key, desc, dir, || {
         let mut msg = Message::new();
         let (m, len) = msg.ptr();
         let (mut g, mut ws) = (std::ptr::null_mut(), 0i64);
@@ -178,30 +182,40 @@ fn run_graph(
         // SAFETY: `desc` is a valid `PretrainSdpa` (same layout, `#[repr(C)]`); `handle` was
         // made by the shim in this context; `g`, `ws` receive the graph and its workspace size.
         let rc = unsafe { pretrain_sdpa_build(desc, backward, handle.0, &mut g, &mut ws, m, len) };
-        let what = format!(
-            "building the {dir:?} graph of {desc:?} (`--set train.attention=own` runs the \
-             project's kernels)"
-        );
-        status(rc, &what, &msg)?;
+        status(rc, "building the graph", &msg)?;
         Ok(Graph {
             ptr: Ptr(g),
             workspace: usize::try_from(ws).unwrap_or(0),
         })
-    })?;
+    });
+    let graph = match built {
+        Ok(g) => g,
+        Err(refusal) => {
+            if refusal.first {
+                tracing::warn!(
+                    "cuDNN cannot run the attention {what} of {desc:?}; calls of this shape run \
+                     the project's kernels ({})",
+                    refusal.reason
+                );
+            }
+            return Ok(None);
+        }
+    };
     // SAFETY: the graph uses its workspace as scratch only.
     let mut ws = unsafe { alloc::<u8>(dev, graph.workspace) }?;
     let (wp, _w) = ws.device_ptr_mut(&stream);
     let mut msg = Message::new();
     let (m, len) = msg.ptr();
-    let rc = call(Run {
+    let (rc, out) = call(Run {
         graph: graph.ptr.0,
         handle: handle.0,
         stream: stream.cu_stream().cast(),
         workspace: wp as *mut c_void,
         msg: m,
         len,
-    });
-    status(rc, what, &msg)
+    })?;
+    status(rc, what, &msg)?;
+    Ok(Some(out))
 }
 
 /// The contiguous bf16 data of `(storage, layout)`, which must hold `want` elements.
@@ -218,14 +232,15 @@ fn input<'a>(
 }
 
 /// The forward of `dm` on contiguous bf16 `q` `[b, s, hq, d]`, `k`, `v` `[b, sk, hkv, d]`: the
-/// output `[b, s, hq, d]` bf16 and the log-sum-exp of the scaled scores `[b, hq, s]` f32.
+/// output `[b, s, hq, d]` bf16 and the log-sum-exp of the scaled scores `[b, hq, s]` f32; `None`
+/// when cuDNN cannot run this shape.
 pub(crate) fn attention_fwd(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     dm: Dims,
     scale: f64,
-) -> Result<(CudaStorage, CudaStorage)> {
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
     let desc = SdpaDesc::new(dm, scale, true)?;
     let (nq, nkv) = desc.sizes();
     let dev = q.0.device();
@@ -233,45 +248,50 @@ pub(crate) fn attention_fwd(
     let qv = input("q", q, nq)?; // [b, s, hq, d]
     let kv = input("k", k, nkv)?; // [b, sk, hkv, d]
     let vv = input("v", v, nkv)?; // [b, sk, hkv, d]
-                                  // SAFETY: the graph writes every element of the output and of the statistics.
-    let mut out = unsafe { alloc::<bf16>(dev, nq) }?; // [b, s, hq, d]
-    let mut lse = unsafe { alloc::<f32>(dev, dm.b * dm.hq * dm.s) }?; // [b, hq, s]
-    let (qp, _q) = qv.device_ptr(&stream);
-    let (kp, _k) = kv.device_ptr(&stream);
-    let (vp, _v) = vv.device_ptr(&stream);
-    let (op, o_write) = out.device_ptr_mut(&stream);
-    let (lp, l_write) = lse.device_ptr_mut(&stream);
-    run_graph(dev, &desc, Direction::Forward, "forward", |r| {
-        // SAFETY: the graph was built for `desc`, whose sizes and strides describe these
-        // buffers (checked lengths, contiguous [b, s, h, d]); the statistics buffer holds
-        // b·hq·s floats; everything lives on the stream's device and is used in stream order
-        // (the guards record it).
-        unsafe {
-            pretrain_sdpa_fwd(
-                r.graph,
-                r.handle,
-                r.stream,
-                qp as *const c_void,
-                kp as *const c_void,
-                vp as *const c_void,
-                op as *mut c_void,
-                lp as *mut f32,
-                r.workspace,
-                r.msg,
-                r.len,
-            )
-        }
+    let ran = run_graph(dev, &desc, Direction::Forward, "forward", |r| {
+        // SAFETY: the graph writes every element of the output and of the statistics.
+        let mut out = unsafe { alloc::<bf16>(dev, nq) }?; // [b, s, hq, d]
+        let mut lse = unsafe { alloc::<f32>(dev, dm.b * dm.hq * dm.s) }?; // [b, hq, s]
+        let rc = {
+            let (qp, _q) = qv.device_ptr(&stream);
+            let (kp, _k) = kv.device_ptr(&stream);
+            let (vp, _v) = vv.device_ptr(&stream);
+            let (op, _o) = out.device_ptr_mut(&stream);
+            let (lp, _l) = lse.device_ptr_mut(&stream);
+            // SAFETY: the graph was built for `desc`, whose sizes and strides describe these
+            // buffers (checked lengths, contiguous [b, s, h, d]); the statistics buffer holds
+            // b·hq·s floats; everything lives on the stream's device and is used in stream
+            // order.
+            unsafe {
+                pretrain_sdpa_fwd(
+                    r.graph,
+                    r.handle,
+                    r.stream,
+                    qp as *const c_void,
+                    kp as *const c_void,
+                    vp as *const c_void,
+                    op as *mut c_void,
+                    lp as *mut f32,
+                    r.workspace,
+                    r.msg,
+                    r.len,
+                )
+            }
+        };
+        Ok((rc, (out, lse)))
     })?;
-    drop((o_write, l_write)); // the writes are recorded before the buffers move
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        CudaStorage::wrap_cuda_slice(lse, dev.clone()),
-    ))
+    Ok(ran.map(|(out, lse)| {
+        (
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+        )
+    }))
 }
 
 /// The backward of `dm` from the forward's `out` and log-sum-exp `lse` and the output gradient
 /// `dout` (bf16 `[b, s, hq, d]`; lse f32 `[b, hq, s]`): the flat `[nq + 2 nkv]` bf16
-/// concatenation of dQ `[b, s, hq, d]`, dK and dV `[b, sk, hkv, d]`.
+/// concatenation of dQ `[b, s, hq, d]`, dK and dV `[b, sk, hkv, d]`; `None` when cuDNN cannot run
+/// this shape.
 pub(crate) fn attention_bwd(
     [q, k, v]: [(&CudaStorage, &Layout); 3],
     out: (&CudaStorage, &Layout),
@@ -279,7 +299,7 @@ pub(crate) fn attention_bwd(
     lse: (&CudaStorage, &Layout),
     dm: Dims,
     scale: f64,
-) -> Result<CudaStorage> {
+) -> Result<Option<CudaStorage>> {
     let desc = SdpaDesc::new(dm, scale, true)?;
     let (nq, nkv) = desc.sizes();
     let dev = q.0.device();
@@ -293,39 +313,42 @@ pub(crate) fn attention_bwd(
     if lv.len() != dm.b * dm.hq * dm.s {
         bail!("{OP}: `lse` has {} elements, expected b·hq·s", lv.len())
     }
-    // SAFETY: the graph writes every element of dQ, dK and dV.
-    let mut grads = unsafe { alloc::<bf16>(dev, nq + 2 * nkv) }?; // [nq + 2 nkv]
-    let (qp, _q) = qv.device_ptr(&stream);
-    let (kp, _k) = kv.device_ptr(&stream);
-    let (vp, _v) = vv.device_ptr(&stream);
-    let (op, _o) = ov.device_ptr(&stream);
-    let (dop, _do) = dov.device_ptr(&stream);
-    let (lp, _l) = lv.device_ptr(&stream);
-    let (gp, g_write) = grads.device_ptr_mut(&stream);
-    let at = |elems: usize| (gp + (elems * std::mem::size_of::<bf16>()) as u64) as *mut c_void;
-    run_graph(dev, &desc, Direction::Backward, "backward", |r| {
-        // SAFETY: as for the forward; dQ, dK and dV are the disjoint parts [0, nq),
-        // [nq, nq + nkv) and [nq + nkv, nq + 2 nkv) of `grads`, with the strides of q, k, v.
-        unsafe {
-            pretrain_sdpa_bwd(
-                r.graph,
-                r.handle,
-                r.stream,
-                qp as *const c_void,
-                kp as *const c_void,
-                vp as *const c_void,
-                op as *const c_void,
-                dop as *const c_void,
-                lp as *const f32,
-                at(0),
-                at(nq),
-                at(nq + nkv),
-                r.workspace,
-                r.msg,
-                r.len,
-            )
-        }
+    let ran = run_graph(dev, &desc, Direction::Backward, "backward", |r| {
+        // SAFETY: the graph writes every element of dQ, dK and dV.
+        let mut grads = unsafe { alloc::<bf16>(dev, nq + 2 * nkv) }?; // [nq + 2 nkv]
+        let rc = {
+            let (qp, _q) = qv.device_ptr(&stream);
+            let (kp, _k) = kv.device_ptr(&stream);
+            let (vp, _v) = vv.device_ptr(&stream);
+            let (op, _o) = ov.device_ptr(&stream);
+            let (dop, _do) = dov.device_ptr(&stream);
+            let (lp, _l) = lv.device_ptr(&stream);
+            let (gp, _g) = grads.device_ptr_mut(&stream);
+            let at = |n: usize| (gp + (n * std::mem::size_of::<bf16>()) as u64) as *mut c_void;
+            // SAFETY: as for the forward; dQ, dK and dV are the disjoint parts [0, nq),
+            // [nq, nq + nkv) and [nq + nkv, nq + 2 nkv) of `grads`, with the strides of q, k,
+            // v.
+            unsafe {
+                pretrain_sdpa_bwd(
+                    r.graph,
+                    r.handle,
+                    r.stream,
+                    qp as *const c_void,
+                    kp as *const c_void,
+                    vp as *const c_void,
+                    op as *const c_void,
+                    dop as *const c_void,
+                    lp as *const f32,
+                    at(0),
+                    at(nq),
+                    at(nq + nkv),
+                    r.workspace,
+                    r.msg,
+                    r.len,
+                )
+            }
+        };
+        Ok((rc, grads))
     })?;
-    drop(g_write); // the write is recorded before the buffer moves
-    Ok(CudaStorage::wrap_cuda_slice(grads, dev.clone()))
+    Ok(ran.map(|grads| CudaStorage::wrap_cuda_slice(grads, dev.clone())))
 }
