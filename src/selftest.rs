@@ -38,13 +38,14 @@ use candle_core::{DType, Device, Tensor, Var};
 
 mod attention;
 mod block;
+mod flat;
 mod processes;
 
-use crate::optim::kernels::{add_into, add_product_into, sum_squares, AdamWStep};
 use crate::recipe::{self, DeviceKind, Recipe};
 use crate::train::{device_for, train};
 pub use attention::check_attention;
 pub use block::check_block;
+pub use flat::check_flat_kernels;
 
 /// One check's outcome.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -290,68 +291,6 @@ pub fn check_ops(device: &Device) -> Result<Vec<Check>> {
                 });
             }
         }
-    }
-    Ok(checks)
-}
-
-/// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
-pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
-    let n = 10_007;
-    let mut checks = Vec::new();
-    let grad = randn(&[n], 21)?.to_dtype(DType::F32)?;
-    let state = randn(&[3 * n], 22)?.to_dtype(DType::F32)?.abs()?;
-    let run = |dev: &Device| -> Result<(Tensor, Tensor, f64)> {
-        let acc = randn(&[n], 23)?.to_dtype(DType::F32)?.to_device(dev)?;
-        add_into(&acc, &grad.to_dtype(DType::BF16)?.to_device(dev)?)?;
-        let st = state.to_device(dev)?;
-        let op = AdamWStep {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            step: 3,
-            grad_scale: 0.5,
-            decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
-        };
-        st.inplace_op2(&grad.to_device(dev)?, &op)?;
-        Ok((acc.clone(), st, sum_squares(&acc)?))
-    };
-    let (acc_d, st_d, ss_d) = run(device)?;
-    let (acc_c, st_c, ss_c) = run(&Device::Cpu)?;
-    let exact = 1e-6;
-    checks.push(Check {
-        name: "add_into (bf16 gradient into f32)".into(),
-        error: rel_error(&acc_d, &acc_c)?,
-        tolerance: exact,
-    });
-    checks.push(Check {
-        name: "adamw step".into(),
-        error: rel_error(&st_d, &st_c)?,
-        tolerance: exact,
-    });
-    checks.push(Check {
-        name: "sum_squares".into(),
-        error: (ss_d - ss_c).abs() / ss_c,
-        tolerance: 1e-12,
-    });
-    // A weight gradient's product accumulated into the buffer, against f64 on the CPU from the
-    // same (rounded) values. Sums of 1000 products in f32: 1e-5. bf16 factors on the CPU take
-    // the unfused path, whose product is rounded to bf16 before it is added (op tolerance).
-    let (rows, out, inp) = (1000, 96, 80);
-    for dtype in [DType::F32, DType::BF16] {
-        let acc = randn(&[out * inp], 24)?.to_dtype(DType::F32)?;
-        let g = randn(&[rows, out], 25)?.to_dtype(dtype)?;
-        let x = randn(&[rows, inp], 26)?.to_dtype(dtype)?;
-        let f64s = |t: &Tensor| t.to_dtype(DType::F64);
-        let want = (f64s(&acc)? + f64s(&g)?.t()?.matmul(&f64s(&x)?)?.flatten_all()?)?;
-        let got = acc.to_device(device)?; // the same storage as `acc` on the CPU
-        add_product_into(&got, &g.to_device(device)?, &x.to_device(device)?)?;
-        let fused = device.is_cuda() || dtype == DType::F32;
-        checks.push(Check {
-            name: format!("add_product_into ({dtype:?} factors into f32)"),
-            error: rel_error(&got.to_dtype(DType::F64)?, &want)?,
-            tolerance: if fused { 1e-5 } else { op_tolerance(dtype) },
-        });
     }
     Ok(checks)
 }

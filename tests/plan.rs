@@ -47,6 +47,8 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
         "parallel.dp=2,parallel.zero=1",
         "parallel.dp=2,parallel.zero=2",
         "parallel.dp=2,parallel.zero=3,train.recompute=full",
+        "optimizer.state_dtype=bf16",
+        "parallel.dp=2,parallel.zero=1,train.dtype=bf16,optimizer.state_dtype=bf16",
         "parallel.tp=2,parallel.sequence_parallel=true,parallel.pp=2,train.recompute=full",
         "parallel.cp=2",
         "parallel.cp=2,parallel.tp=2,parallel.sequence_parallel=true,train.dtype=bf16",
@@ -59,6 +61,7 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
         "parallel.tp=2",
         "parallel.tp=2,parallel.sequence_parallel=true",
         "parallel.dp=2,parallel.ep=2",
+        "parallel.dp=2,parallel.ep=2,optimizer.state_dtype=bf16",
         "parallel.dp=4,parallel.ep=4,parallel.zero=1",
         "parallel.dp=2,parallel.ep=2,parallel.zero=3,train.recompute=full",
     ];
@@ -202,4 +205,76 @@ fn predicts_megatron_2021_throughput_within_fifteen_percent() {
             100.0 * err
         );
     }
+}
+
+/// The memory levers: bf16 moments take 8 bytes of optimizer state per element (planned exactly,
+/// above); the search plans a layout with them only where fp32 moments do not fit, and
+/// `cheapest_fit` gives the fastest fitting variant of the recipe's own layout.
+#[test]
+fn bf16_moments_are_a_lever_used_only_where_fp32_ones_do_not_fit() {
+    use model::Recompute;
+    use pretrain::plan::{candidates, cheapest_fit, plan, GpuPreset, Layout, GIB};
+    use pretrain::recipe::StateDtype;
+    // One data-parallel rank: no ZeRO stage to vary, only recompute and the moments.
+    let o = ["parallel.dp=1,parallel.zero=0".to_string()];
+    let r = pretrain::recipe::load(Path::new("recipes/1b.yaml"), &o).unwrap();
+    let mut hw = GpuPreset::H100.hardware();
+    let at = |recompute, state_dtype, hw: &pretrain::plan::Hardware| {
+        let l = Layout {
+            recompute,
+            state_dtype,
+            ..Layout::of(&r)
+        };
+        plan(&l.apply(&r), hw).unwrap()
+    };
+    let (fp32, bf16) = (
+        at(Recompute::Full, StateDtype::Fp32, &hw),
+        at(Recompute::Full, StateDtype::Bf16, &hw),
+    );
+    let (a, b) = (fp32.memory_bytes, bf16.memory_bytes);
+    assert_eq!(3 * b.optimizer, 2 * a.optimizer);
+    assert_eq!(a.total - b.total, a.optimizer - b.optimizer);
+    assert!(
+        fp32.layout.to_string().ends_with(" rc") && bf16.layout.to_string().ends_with(" rc m:bf16")
+    );
+
+    // Memory between the two: only bf16 moments (with recompute, or without it if that fits)
+    // make the recipe's layout fit.
+    hw.memory_gib = (a.total + b.total) as f64 / 2.0 / GIB;
+    let fit = cheapest_fit(&r, &hw).expect("bf16 moments fit");
+    assert!(
+        fit.fits && fit.layout.state_dtype == StateDtype::Bf16,
+        "{}",
+        fit.layout
+    );
+    let mut fits = Vec::new();
+    for rc in [Recompute::None, Recompute::Full] {
+        for sd in [StateDtype::Fp32, StateDtype::Bf16] {
+            let p = at(rc, sd, &hw);
+            if p.fits {
+                fits.push(p.tokens_per_s);
+            }
+        }
+    }
+    assert_eq!(fit.tokens_per_s, fits.iter().copied().fold(0.0, f64::max));
+
+    // Ranking on 8 GPUs: a bf16 candidate's fp32 twin never fits.
+    let ranked = candidates(&r, &hw, 8);
+    let twins = ranked
+        .iter()
+        .filter(|c| c.plan.layout.state_dtype == StateDtype::Bf16);
+    let mut n = 0;
+    for c in twins {
+        let twin = Layout {
+            state_dtype: StateDtype::Fp32,
+            ..c.plan.layout
+        };
+        assert!(
+            !plan(&twin.apply(&r), &hw).unwrap().fits,
+            "{}",
+            c.plan.layout
+        );
+        n += 1;
+    }
+    assert!(n > 0 && n < ranked.len(), "{n} of {}", ranked.len());
 }

@@ -488,3 +488,19 @@ fn the_attention_backend_defaults_by_device_and_cudnn_needs_cuda() {
     );
     assert_err(&["train.attention=flash"], "train.attention");
 }
+
+#[test]
+fn optimizer_state_dtype_is_fp32_by_default_and_names_bad_values() {
+    use pretrain::recipe::StateDtype;
+    let read = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        load(Path::new(TINY), &o).unwrap().optimizer.state_dtype
+    };
+    assert_eq!(read(&[]), StateDtype::Fp32);
+    assert_eq!(read(&["optimizer.state_dtype=bf16"]), StateDtype::Bf16);
+    assert_eq!(read(&["optimizer.state_dtype=f32"]), StateDtype::Fp32);
+    assert_err(
+        &["optimizer.state_dtype=fp16"],
+        "optimizer.state_dtype: unknown variant `fp16`, expected one of `f32`, `fp32`, `bf16`",
+    );
+}

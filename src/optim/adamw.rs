@@ -1,22 +1,42 @@
-//! `AdamW`: fp32 master weights and moments over the flat ranges a rank owns, decoupled weight
-//! decay with a mask, serializable state.
+//! `AdamW`: fp32 master weights and fp32 or bf16 moments (`optimizer.state_dtype`) over the
+//! flat ranges a rank owns, decoupled weight decay with a mask, serializable state.
+//!
+//! The state is one buffer of f32 words, `[master | exp_avg | exp_avg_sq]`, updated by one
+//! in-place kernel (candle's in-place ops write a single tensor): with bf16 moments the two
+//! moment arrays are packed two values to a word after the master weights, `2 n` words in all
+//! instead of `3 n`.
 
 use std::ops::Range;
 
 use candle_core::{DType, Device, Result, Tensor};
+use ckpt::{PieceDtype, Values};
+use half::bf16;
 use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
-use super::{flatten_params, kernels::AdamWStep, FlatLayout, GradBuffer};
+use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWStep};
+use super::{flatten_params, FlatLayout, GradBuffer};
 use crate::recipe::OptimizerConfig;
 
-/// The optimizer's complete state, as saved in checkpoints.
-#[derive(Debug, Clone)]
+/// The optimizer's complete state, as saved in checkpoints (host memory).
+#[derive(Debug, Clone, PartialEq)]
 pub struct AdamWState {
     /// Steps taken so far.
     pub step: u64,
-    /// `[3, owned elements]` f32: master weights, first moments, second moments.
-    pub buffers: Tensor,
+    /// fp32 master weights of the owned elements `[n]`.
+    pub master: Vec<f32>,
+    /// First moments `[n]`, f32 or bf16.
+    pub exp_avg: Values,
+    /// Second moments `[n]`, f32 or bf16.
+    pub exp_avg_sq: Values,
+}
+
+/// The checkpoint type of moments of candle dtype `d` (f32 or bf16).
+fn piece_dtype(d: DType) -> PieceDtype {
+    match d {
+        DType::BF16 => PieceDtype::Bf16,
+        _ => PieceDtype::F32,
+    }
 }
 
 /// AdamW over the flat ranges `owned` of a parameter layout, keeping its own fp32 copy of them.
@@ -28,7 +48,9 @@ pub struct AdamW {
     /// `(start, len, weight_decay)` in owned coordinates, covering `[0, n)`.
     decay: Vec<(usize, usize, f64)>,
     step: u64,
-    /// `[3 n]` f32: master | exp_avg | exp_avg_sq.
+    /// Element type of the moments (f32 or bf16).
+    moments: DType,
+    /// f32 words: master `[n]`, then exp_avg and exp_avg_sq `[n]` each in `moments`.
     state: Tensor,
 }
 
@@ -55,8 +77,8 @@ impl AdamW {
     }
 
     /// Fresh state for the flat ranges `owned` of `layout` whose master weights are `master`
-    /// (`[Σ len]` f32, the ranges one after the other), zero moments; `params` say which
-    /// elements take weight decay.
+    /// (`[Σ len]` f32, the ranges one after the other), zero moments in the configured state
+    /// dtype; `params` say which elements take weight decay.
     pub fn with_masters(
         params: &ParamSet,
         layout: &FlatLayout,
@@ -65,9 +87,11 @@ impl AdamW {
         cfg: &OptimizerConfig,
     ) -> Result<Self> {
         let owned_len: usize = owned.iter().map(|r| r.len()).sum();
+        let moments = cfg.state_dtype.dtype();
+        let words = state_words(owned_len, moments)?;
         crate::device::check_elements(
             "the AdamW state (master weights and two moments)",
-            owned_len.saturating_mul(3),
+            words,
             master.device(),
         )?;
         if master.elem_count() != owned_len {
@@ -77,7 +101,8 @@ impl AdamW {
             );
         }
         let n = master.elem_count();
-        let zeros = Tensor::zeros(2 * n, DType::F32, master.device())?;
+        // Zero words are zero moments in either dtype.
+        let zeros = Tensor::zeros(words - n, DType::F32, master.device())?;
         let state = Tensor::cat(&[master.to_dtype(DType::F32)?, zeros], 0)?;
         let mut decay = Vec::new();
         let mut base = 0;
@@ -111,6 +136,7 @@ impl AdamW {
             n,
             decay,
             step: 0,
+            moments,
             state,
         })
     }
@@ -132,13 +158,15 @@ impl AdamW {
             step: self.step,
             grad_scale,
             decay: self.decay.clone(),
+            moments: self.moments,
         };
         self.state.inplace_op2(&grads.owned(&self.owned)?, &op)
     }
 
-    /// Bytes of state: fp32 master weights and two moments per owned element.
+    /// Bytes of state, as allocated: an fp32 master weight and two moments in the state dtype
+    /// per owned element.
     pub fn state_bytes(&self) -> usize {
-        3 * self.n * std::mem::size_of::<f32>()
+        self.state.elem_count() * std::mem::size_of::<f32>()
     }
 
     /// The owned master weights, back to back `[n]`.
@@ -149,36 +177,69 @@ impl AdamW {
     /// `Σ x²` over the whole state — master weights and both moments (f64 accumulation):
     /// non-finite exactly when some value is.
     pub fn state_sum_squares(&self) -> Result<f64> {
-        super::kernels::sum_squares(&self.state)
+        let words = self.state.elem_count();
+        let moments = self.state.narrow(0, self.n, words - self.n)?;
+        Ok(sum_squares(&self.master()?)? + sum_squares_of(&moments, self.moments)?)
     }
 
-    /// A copy of the state for checkpointing.
+    /// A host copy of the state for checkpointing, the moments in the state dtype.
     pub fn state(&self) -> Result<AdamWState> {
+        let words = self.state.to_vec1::<f32>()?;
+        let (master, tail) = words.split_at(self.n);
+        let (exp_avg, exp_avg_sq) = match self.moments {
+            DType::BF16 => {
+                let (m, v) = bytemuck::cast_slice::<f32, bf16>(tail).split_at(self.n);
+                (Values::Bf16(m.to_vec()), Values::Bf16(v.to_vec()))
+            }
+            _ => {
+                let (m, v) = tail.split_at(self.n);
+                (Values::F32(m.to_vec()), Values::F32(v.to_vec()))
+            }
+        };
         Ok(AdamWState {
             step: self.step,
-            buffers: self.state.reshape((3, self.n))?.copy()?,
+            master: master.to_vec(),
+            exp_avg,
+            exp_avg_sq,
         })
     }
 
-    /// Restores a saved state (shapes must match this optimizer's owned ranges), moving it to
-    /// this optimizer's device.
+    /// Restores a saved state (lengths must match this optimizer's owned ranges) on this
+    /// optimizer's device, its moments converted to the state dtype (f32 to bf16 rounds to
+    /// nearest, bf16 to f32 is exact).
     pub fn load_state(&mut self, s: &AdamWState) -> Result<()> {
-        if s.buffers.dims() != [3, self.n] {
+        let lens = [s.master.len(), s.exp_avg.len(), s.exp_avg_sq.len()];
+        if lens != [self.n; 3] {
             candle_core::bail!(
-                "optimizer state has shape {:?}, this rank needs [3, {}]",
-                s.buffers.dims(),
+                "optimizer state has {lens:?} master weights and moments, this rank needs {} of each",
                 self.n
             );
         }
-        // On this optimizer's device, whatever device the saved state is on.
-        self.state = s
-            .buffers
-            .to_dtype(DType::F32)?
-            .to_device(self.state.device())?
-            .flatten_all()?
-            .copy()?;
+        let want = piece_dtype(self.moments);
+        let (m, v) = (s.exp_avg.to_dtype(want), s.exp_avg_sq.to_dtype(want));
+        let mut words = s.master.clone();
+        match (m, v) {
+            (Values::Bf16(m), Values::Bf16(v)) => {
+                // n words hold the 2 n bf16 values (f32 words are aligned for bf16 views).
+                words.resize(2 * self.n, 0.0);
+                let packed = bytemuck::cast_slice_mut::<f32, bf16>(&mut words[self.n..]);
+                packed[..self.n].copy_from_slice(&m);
+                packed[self.n..].copy_from_slice(&v);
+            }
+            (m, v) => {
+                words.extend(m.to_f32());
+                words.extend(v.to_f32());
+            }
+        }
+        let len = words.len();
+        self.state = Tensor::from_vec(words, len, self.state.device())?;
         self.step = s.step;
         Ok(())
+    }
+
+    /// The type of the moments, as checkpoints store them.
+    pub fn moment_dtype(&self) -> PieceDtype {
+        piece_dtype(self.moments)
     }
 }
 
@@ -189,6 +250,8 @@ mod tests {
     use model::init::Init;
     use parallel::tp::TensorParallel;
 
+    use crate::recipe::StateDtype;
+
     fn cfg() -> OptimizerConfig {
         OptimizerConfig {
             lr: 0.1,
@@ -197,6 +260,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.5,
             decay_embeddings: false,
+            state_dtype: StateDtype::Fp32,
         }
     }
 
@@ -315,7 +379,7 @@ mod tests {
             }
         }
         let st = opt.state().unwrap();
-        assert_eq!((st.step, st.buffers.dims().to_vec()), (3, vec![3, 9]));
+        assert_eq!((st.step, st.master.len(), st.exp_avg.len()), (3, 9, 9));
     }
 
     #[test]
@@ -356,19 +420,144 @@ mod tests {
         .unwrap();
         b.load_state(&a.state().unwrap()).unwrap();
         let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
-        assert_eq!(sa.step, sb.step);
-        assert_eq!(
-            sa.buffers.to_vec2::<f32>().unwrap(),
-            sb.buffers.to_vec2::<f32>().unwrap()
-        );
+        assert_eq!(sa, sb);
         let bad = AdamWState {
             step: 1,
-            buffers: Tensor::zeros((3, 5), DType::F32, &dev).unwrap(),
+            master: vec![0.0; 5],
+            ..sa
         };
         let e = b.load_state(&bad).unwrap_err().to_string();
         assert!(
-            e.contains("optimizer state has shape [3, 5], this rank needs [3, 4]"),
+            e.contains("optimizer state has [5, 4, 4] master weights and moments, this rank needs 4 of each"),
             "{e}"
+        );
+    }
+
+    /// A matrix `w` of `n` elements, and AdamW over all of it with moments in `dtype`.
+    fn matrix(n: usize, dtype: StateDtype) -> (ParamSet, FlatLayout, AdamW) {
+        let mut ps = ParamSet::default();
+        let shape = [n];
+        let spec = model::ParamSpec {
+            name: "w",
+            global_shape: &shape,
+            kind: ParamKind::Matrix,
+            init: Init::Normal { std: 1.0 },
+        };
+        let tp = TensorParallel::single();
+        ps.add(spec, 3, &tp, DType::F32, &Device::Cpu).unwrap();
+        let layout = crate::optim::layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
+        let owned =
+            parallel::dp::owned_ranges(&layout, false, parallel::dp::ShardPos::uniform(0, 1));
+        let c = OptimizerConfig {
+            state_dtype: dtype,
+            ..cfg()
+        };
+        let opt = AdamW::new(&ps, &layout, owned, &c).unwrap();
+        (ps, layout, opt)
+    }
+
+    /// bf16 moments: the update is computed in f32 from the stored (rounded) moments and the
+    /// moments are stored rounded to nearest — an f64 AdamW that rounds its moments to bf16
+    /// after each step agrees to f32 precision; the state takes 8 bytes per element, not 12.
+    #[test]
+    fn bf16_moments_follow_a_reference_that_rounds_them() {
+        let n = 64;
+        let (ps, layout, mut opt) = matrix(n, StateDtype::Bf16);
+        let (_, _, full) = matrix(n, StateDtype::Fp32);
+        assert_eq!((opt.state_bytes(), full.state_bytes()), (8 * n, 12 * n));
+        let c = cfg();
+        let grads = GradBuffer::new(layout.clone(), &Device::Cpu).unwrap();
+        let round = |x: f64| bf16::from_f32(x as f32).to_f64();
+        let mut p: Vec<f64> = ps
+            .get(0)
+            .tensor()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+        for t in 1..=4 {
+            let g: Vec<f32> = (0..n)
+                .map(|i| ((i * 7 + t * 3) % 11) as f32 * 0.1 - 0.5)
+                .collect();
+            grads.zero().unwrap();
+            grads
+                .accumulate(0, &Tensor::new(g.as_slice(), &Device::Cpu).unwrap())
+                .unwrap();
+            opt.step(&grads, c.lr, 1.0).unwrap();
+            for i in 0..n {
+                let gi = g[i] as f64;
+                p[i] *= 1.0 - c.lr * c.weight_decay;
+                let mi = c.beta1 * m[i] + (1.0 - c.beta1) * gi;
+                let vi = c.beta2 * v[i] + (1.0 - c.beta2) * gi * gi;
+                let mh = mi / (1.0 - c.beta1.powi(t as i32));
+                let vh = vi / (1.0 - c.beta2.powi(t as i32));
+                p[i] -= c.lr * mh / (vh.sqrt() + c.eps);
+                (m[i], v[i]) = (round(mi), round(vi));
+            }
+        }
+        let st = opt.state().unwrap();
+        assert_eq!(st.exp_avg.dtype(), PieceDtype::Bf16);
+        for (a, b) in st.master.iter().zip(&p) {
+            assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        for (got, want) in [(&st.exp_avg, &m), (&st.exp_avg_sq, &v)] {
+            let got = got.to_f32();
+            let off = got
+                .iter()
+                .zip(want.iter())
+                .filter(|(a, b)| **a as f64 != **b)
+                .count();
+            assert!(
+                off <= n / 16,
+                "{off} of {n} moments differ from the rounded reference"
+            );
+        }
+        assert!(opt.state_sum_squares().unwrap().is_finite());
+    }
+
+    /// A bf16 state round-trips exactly; a state resumes under the other moment dtype by
+    /// conversion (f32 to bf16 rounds to nearest, bf16 to f32 is exact).
+    #[test]
+    fn states_round_trip_and_convert_between_moment_dtypes() {
+        let n = 10;
+        let (_, layout, mut a) = matrix(n, StateDtype::Bf16);
+        let g = GradBuffer::new(layout, &Device::Cpu).unwrap();
+        let gs: Vec<f32> = (0..n).map(|i| i as f32 * 0.37 - 1.3).collect();
+        g.accumulate(0, &Tensor::new(gs.as_slice(), &Device::Cpu).unwrap())
+            .unwrap();
+        a.step(&g, 0.1, 1.0).unwrap();
+        a.step(&g, 0.1, 1.0).unwrap();
+        let sa = a.state().unwrap();
+        let (_, _, mut b) = matrix(n, StateDtype::Bf16);
+        b.load_state(&sa).unwrap();
+        assert_eq!(b.state().unwrap(), sa);
+
+        // bf16 into fp32: exact; and back: exact again.
+        let (_, _, mut f) = matrix(n, StateDtype::Fp32);
+        f.load_state(&sa).unwrap();
+        let sf = f.state().unwrap();
+        assert_eq!(sf.exp_avg, Values::F32(sa.exp_avg.to_f32()));
+        b.load_state(&sf).unwrap();
+        assert_eq!(b.state().unwrap(), sa);
+
+        // fp32 into bf16: rounded to nearest.
+        let (_, layout, mut f) = matrix(n, StateDtype::Fp32);
+        let g = GradBuffer::new(layout, &Device::Cpu).unwrap();
+        g.accumulate(0, &Tensor::new(gs.as_slice(), &Device::Cpu).unwrap())
+            .unwrap();
+        f.step(&g, 0.1, 1.0).unwrap();
+        let sf = f.state().unwrap();
+        b.load_state(&sf).unwrap();
+        let sb = b.state().unwrap();
+        assert_eq!((sb.step, &sb.master), (1, &sf.master));
+        assert_eq!(sb.exp_avg_sq, sf.exp_avg_sq.to_dtype(PieceDtype::Bf16));
+        assert_ne!(
+            sb.exp_avg_sq.to_f32(),
+            sf.exp_avg_sq.to_f32(),
+            "nothing was rounded"
         );
     }
 }

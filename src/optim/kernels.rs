@@ -1,6 +1,7 @@
 //! In-place kernels over flat fp32 buffers: gradient accumulation (of a gradient, or of a
-//! projection's weight gradient as one GEMM into the buffer), the AdamW update and the sum of
-//! squares for the global gradient norm. Each is a candle op with a CPU version here
+//! projection's weight gradient as one GEMM into the buffer), the AdamW update (fp32 master
+//! weights, fp32 or bf16 moments) and the sum of squares for the global gradient norm and the
+//! optimizer state's finiteness. Each is a candle op with a CPU version here
 //! (rayon) and, with the `cuda` feature, a CUDA version launching the kernels of
 //! `model::ops::cuda::flat`. The CUDA AdamW performs the same f32 operations in the same order
 //! (bitwise equal results); its sum of squares is a fixed-order f64 reduction, deterministic but
@@ -12,6 +13,7 @@ use candle_core::CudaStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp1, DType, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor,
 };
+use half::bf16;
 #[cfg(feature = "cuda")]
 use model::ops::cuda::flat;
 use rayon::prelude::*;
@@ -212,8 +214,11 @@ pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
     dst.inplace_op3(&g.contiguous()?, &x.contiguous()?, &op)
 }
 
-/// Sum of squares of an f32 buffer, accumulated in f64 (a scalar f64 tensor).
-struct SumSquares;
+/// Sum of squares of an f32 buffer whose words hold elements of `elems` (f32, or bf16 two to a
+/// word), accumulated in f64 (a scalar f64 tensor).
+struct SumSquares {
+    elems: DType,
+}
 
 impl CustomOp1 for SumSquares {
     fn name(&self) -> &'static str {
@@ -221,31 +226,47 @@ impl CustomOp1 for SumSquares {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let v = f32_slice(s, l, "sum-squares")?;
+        let words = f32_slice(s, l, "sum-squares")?;
         // Per-chunk sums in parallel, added in chunk order: rayon's parallel `sum` would combine
         // them in an order that depends on work stealing, so the norm could differ by an ulp from
         // run to run (and with it the clipping factor).
-        let partial: Vec<f64> = v
-            .par_chunks(CHUNK)
-            .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
-            .collect();
-        let total: f64 = partial.iter().sum();
-        Ok((CpuStorage::F64(vec![total]), Shape::from(())))
+        fn total<T: Copy + Sync>(v: &[T], f: impl Fn(T) -> f64 + Sync) -> f64 {
+            let partial: Vec<f64> = v
+                .par_chunks(CHUNK)
+                .map(|c| c.iter().map(|&x| f(x) * f(x)).sum::<f64>())
+                .collect();
+            partial.iter().sum()
+        }
+        let sum = match self.elems {
+            DType::F32 => total(words, |x| x as f64),
+            DType::BF16 => total(bytemuck::cast_slice::<f32, bf16>(words), |x| x.to_f64()),
+            d => bail!("sum-squares: elements of dtype {d:?} (f32 or bf16 are supported)"),
+        };
+        Ok((CpuStorage::F64(vec![sum]), Shape::from(())))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-        Ok((flat::sum_squares(s, l)?, Shape::from(())))
+        Ok((flat::sum_squares(s, l, self.elems)?, Shape::from(())))
     }
 }
 
 /// `Σ x²` of a contiguous f32 buffer, in f64.
 pub fn sum_squares(buf: &Tensor) -> Result<f64> {
-    buf.apply_op1_no_bwd(&SumSquares)?.to_scalar::<f64>()
+    sum_squares_of(buf, DType::F32)
 }
 
-/// One AdamW step over a flat state `[master | exp_avg | exp_avg_sq]` (3 n f32) and gradients
-/// `[n]` f32, in place.
+/// `Σ x²` of a contiguous f32 buffer whose words hold elements of `elems` (f32, or bf16 two to
+/// a word), in f64.
+pub fn sum_squares_of(buf: &Tensor, elems: DType) -> Result<f64> {
+    buf.apply_op1_no_bwd(&SumSquares { elems })?
+        .to_scalar::<f64>()
+}
+
+/// One AdamW step in place over a flat state of f32 words — the master weights `[n]`, then
+/// `exp_avg` and `exp_avg_sq` `[n]` each in `moments` (f32: `3 n` words; bf16: two to a word,
+/// `2 n` words) — and gradients `[n]` f32. The update is computed in f32 and the moments are
+/// stored rounded to nearest.
 pub struct AdamWStep {
     /// Learning rate of this step.
     pub lr: f64,
@@ -261,6 +282,41 @@ pub struct AdamWStep {
     pub grad_scale: f64,
     /// `(start, len, weight_decay)` ranges covering `[0, n)`.
     pub decay: Vec<(usize, usize, f64)>,
+    /// Element type of the moments: f32 or bf16.
+    pub moments: DType,
+}
+
+/// An element type the AdamW moments are kept in: read as f32, stored rounded to nearest.
+trait Moment: Copy + Send + Sync + bytemuck::Pod {
+    fn get(self) -> f32;
+    fn put(x: f32) -> Self;
+}
+
+impl Moment for f32 {
+    fn get(self) -> f32 {
+        self
+    }
+    fn put(x: f32) -> Self {
+        x
+    }
+}
+
+impl Moment for bf16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// State words per element: one for the master weight and the moments' share.
+pub fn state_words(n: usize, moments: DType) -> Result<usize> {
+    match moments {
+        DType::F32 => Ok(3 * n),
+        DType::BF16 => Ok(2 * n),
+        d => bail!("adamw: moments of dtype {d:?} (f32 or bf16 are supported)"),
+    }
 }
 
 /// The step-wide f32 scalars of an AdamW update, shared by the CPU and CUDA kernels.
@@ -296,6 +352,40 @@ impl AdamWStep {
         (1.0 - self.lr * wd) as f32
     }
 
+    /// The update of `master` `[n]` and the moments `[2 n]` (`exp_avg | exp_avg_sq`) from
+    /// `grad` `[n]`, with the CUDA kernel's f32 operations in its order.
+    fn update<M: Moment>(&self, master: &mut [f32], moments: &mut [M], grad: &[f32]) {
+        let n = master.len();
+        let (m, v) = moments.split_at_mut(n);
+        let StepScalars {
+            b1,
+            b2,
+            step_size,
+            inv_sqrt_bc2,
+            eps,
+            gs,
+        } = self.scalars();
+        for &(start, len, wd) in &self.decay {
+            let keep = self.keep(wd);
+            let r = start..start + len;
+            master[r.clone()]
+                .par_chunks_mut(CHUNK)
+                .zip(m[r.clone()].par_chunks_mut(CHUNK))
+                .zip(v[r.clone()].par_chunks_mut(CHUNK))
+                .zip(grad[r].par_chunks(CHUNK))
+                .for_each(|(((p, m), v), g)| {
+                    for i in 0..p.len() {
+                        let g = g[i] * gs;
+                        let mi = b1 * m[i].get() + (1.0 - b1) * g;
+                        let vi = b2 * v[i].get() + (1.0 - b2) * g * g;
+                        (m[i], v[i]) = (M::put(mi), M::put(vi));
+                        let denom = vi.sqrt() * inv_sqrt_bc2 + eps;
+                        p[i] = p[i] * keep - step_size * mi / denom;
+                    }
+                });
+        }
+    }
+
     /// Errors unless every decay range lies within `[0, n)`.
     fn check_ranges(&self, n: usize) -> Result<()> {
         for &(start, len, _) in &self.decay {
@@ -316,40 +406,19 @@ impl InplaceOp2 for AdamWStep {
         let state = f32_slice_mut(st, sl, "adamw state")?;
         let grad = f32_slice(g, gl, "adamw gradient")?;
         let n = grad.len();
-        if state.len() != 3 * n {
+        let words = state_words(n, self.moments)?;
+        if state.len() != words {
             bail!(
-                "adamw: state has {} elements, expected 3 × {n}",
-                state.len()
+                "adamw: state has {} words, expected {words} for {n} elements with {:?} moments",
+                state.len(),
+                self.moments
             );
         }
         self.check_ranges(n)?;
         let (master, rest) = state.split_at_mut(n);
-        let (m, v) = rest.split_at_mut(n);
-        let StepScalars {
-            b1,
-            b2,
-            step_size,
-            inv_sqrt_bc2,
-            eps,
-            gs,
-        } = self.scalars();
-        for &(start, len, wd) in &self.decay {
-            let keep = self.keep(wd);
-            let r = start..start + len;
-            master[r.clone()]
-                .par_chunks_mut(CHUNK)
-                .zip(m[r.clone()].par_chunks_mut(CHUNK))
-                .zip(v[r.clone()].par_chunks_mut(CHUNK))
-                .zip(grad[r].par_chunks(CHUNK))
-                .for_each(|(((p, m), v), g)| {
-                    for i in 0..p.len() {
-                        let g = g[i] * gs;
-                        m[i] = b1 * m[i] + (1.0 - b1) * g;
-                        v[i] = b2 * v[i] + (1.0 - b2) * g * g;
-                        let denom = v[i].sqrt() * inv_sqrt_bc2 + eps;
-                        p[i] = p[i] * keep - step_size * m[i] / denom;
-                    }
-                });
+        match self.moments {
+            DType::BF16 => self.update(master, bytemuck::cast_slice_mut::<f32, bf16>(rest), grad),
+            _ => self.update(master, rest, grad),
         }
         Ok(())
     }
@@ -377,6 +446,6 @@ impl InplaceOp2 for AdamWStep {
             .iter()
             .map(|&(start, len, wd)| (start, len, self.keep(wd)))
             .collect();
-        flat::adamw(st, sl, g, gl, &scalars, &ranges)
+        flat::adamw(st, sl, g, gl, &scalars, &ranges, self.moments)
     }
 }

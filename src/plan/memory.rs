@@ -38,7 +38,7 @@ pub struct MemoryBytes {
     pub parameters: u64,
     /// fp32 gradients (whole, or ZeRO-2/3 shards).
     pub gradients: u64,
-    /// fp32 master weights and AdamW moments of the owned ranges.
+    /// fp32 master weights and AdamW moments (fp32 or bf16) of the owned ranges.
     pub optimizer: u64,
     /// Peak activations kept for backward passes (all in-flight micro-batches of the stage,
     /// logits and loss included) plus a recomputing backward's rebuilt tape.
@@ -177,7 +177,12 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
             param_bytes,
             grad_bytes,
             optimizer_bytes,
-        } = state.bytes(par, &numels, r.train.dtype.dtype());
+        } = state.bytes(
+            par,
+            &numels,
+            r.train.dtype.dtype(),
+            r.optimizer.state_dtype.dtype(),
+        );
         let piece_acts: Vec<Vec<PieceActs>> = chunks
             .iter()
             .map(|pieces| pieces.iter().map(|&pc| acts(pc)).collect())

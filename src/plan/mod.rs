@@ -17,10 +17,10 @@ use serde::Serialize;
 
 pub use hardware::{GpuPreset, Hardware};
 pub use memory::{MemoryBytes, StageMemory};
-pub use search::{candidates, Candidate};
+pub use search::{candidates, cheapest_fit, Candidate};
 pub use time::StepTime;
 
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, StateDtype};
 
 /// A layout: the recipe keys the planner varies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -45,6 +45,8 @@ pub struct Layout {
     pub micro_batch: usize,
     /// Activation recompute.
     pub recompute: model::Recompute,
+    /// Element type of the AdamW moments.
+    pub state_dtype: StateDtype,
 }
 
 impl Layout {
@@ -62,6 +64,7 @@ impl Layout {
             zero: p.zero,
             micro_batch: r.train.micro_batch,
             recompute: r.train.recompute,
+            state_dtype: r.optimizer.state_dtype,
         }
     }
 
@@ -81,6 +84,7 @@ impl Layout {
         }
         r.train.micro_batch = self.micro_batch;
         r.train.recompute = self.recompute;
+        r.optimizer.state_dtype = self.state_dtype;
         r
     }
 }
@@ -105,7 +109,11 @@ impl std::fmt::Display for Layout {
             model::Recompute::None => "",
             model::Recompute::Full => " rc",
         };
-        write!(f, " z{} mb{}{rc}", self.zero, self.micro_batch)
+        write!(f, " z{} mb{}{rc}", self.zero, self.micro_batch)?;
+        if self.state_dtype == StateDtype::Bf16 {
+            f.write_str(" m:bf16")?;
+        }
+        Ok(())
     }
 }
 

@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 
-use super::{candidates, plan, GpuPreset, Hardware, MemoryBytes, Plan, GIB};
+use super::{candidates, cheapest_fit, plan, GpuPreset, Hardware, MemoryBytes, Plan, GIB};
 use crate::cli::RecipeArgs;
 
 /// Arguments of `pretrain plan`.
@@ -88,6 +88,26 @@ struct PlanJson<'a> {
     plan: &'a Plan,
     #[serde(skip_serializing_if = "Option::is_none")]
     candidates: Option<Vec<&'a Plan>>,
+    /// When the recipe's layout does not fit: its fastest variant that does, varying only the
+    /// memory levers (ZeRO stage, recompute, moments' dtype).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cheapest_fit: Option<&'a Plan>,
+}
+
+/// The recipe overrides that turn layout `from` into `to` (only the memory levers differ).
+fn lever_overrides(from: &super::Layout, to: &super::Layout) -> Vec<String> {
+    let mut out = Vec::new();
+    if from.zero != to.zero {
+        out.push(format!("parallel.zero={}", to.zero));
+    }
+    if from.recompute != to.recompute {
+        let rc = serde_json::to_value(to.recompute).unwrap_or_default();
+        out.push(format!("train.recompute={}", rc.as_str().unwrap_or("?")));
+    }
+    if from.state_dtype != to.state_dtype {
+        out.push(format!("optimizer.state_dtype={}", to.state_dtype));
+    }
+    out
 }
 
 fn gib(b: u64) -> f64 {
@@ -164,10 +184,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         Some(n) => Some(candidates(&r, &hw, n)),
         None => None,
     };
+    let fit = (!own.fits).then(|| cheapest_fit(&r, &hw)).flatten();
     let json = PlanJson {
         hardware: &hw,
         plan: &own,
         candidates: ranked.as_ref().map(|c| c.iter().map(|c| &c.plan).collect()),
+        cheapest_fit: fit.as_ref(),
     };
     let text = serde_json::to_string(&json)?;
     if let Some(path) = &args.json_out {
@@ -185,6 +207,25 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         hw.gpus_per_node
     );
     print_plan(&own, &hw);
+    if !own.fits {
+        match &fit {
+            Some(p) => println!(
+                "fits with {} ({:.2} GiB per rank, step {:.3} s, {:.0} tokens/s)",
+                lever_overrides(&own.layout, &p.layout)
+                    .iter()
+                    .map(|o| format!("--set {o}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                gib(p.memory_bytes.total),
+                p.step_time_s,
+                p.tokens_per_s
+            ),
+            None => println!(
+                "no ZeRO stage, recompute or moments' dtype makes this layout fit; see --gpus N \
+                 for other layouts"
+            ),
+        }
+    }
     if let (Some(n), Some(c)) = (args.gpus, &ranked) {
         let fitting = c.iter().filter(|c| c.plan.fits).count();
         println!();

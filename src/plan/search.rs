@@ -2,14 +2,64 @@
 //! pipeline depth and interleaving the layer count allows, data parallelism over the rest
 //! (split by expert parallelism for a mixture-of-experts model), with or without sequence
 //! parallelism, every ZeRO stage, every micro-batch size dividing the
-//! per-rank batch, with and without recompute. The recipe's own validation decides what is
-//! valid; each candidate is planned and those that fit are ranked by throughput.
+//! per-rank batch, with and without recompute, with fp32 or bf16 AdamW moments. The recipe's own
+//! validation decides what is valid; each candidate is planned and those that fit are ranked by
+//! throughput. bf16 moments are a lever, not a preference: a layout is planned with them only
+//! where it does not fit with fp32 moments. [`cheapest_fit`] varies only the memory levers of the
+//! recipe's own layout.
 
 use model::Recompute;
 use parallel::dp::ZeroStage;
 
 use super::{plan, Hardware, Layout, Plan};
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, StateDtype};
+
+/// The plan of `layout` applied to `r`, if the recipe it makes is valid.
+fn planned(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
+    let rr = layout.apply(r);
+    if !rr.problems().is_empty() {
+        return None;
+    }
+    plan(&rr, hw).ok()
+}
+
+/// The plan of `layout` with fp32 moments, or with bf16 ones where only those fit.
+fn planned_moments(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
+    let with = |state_dtype| Layout {
+        state_dtype,
+        ..layout
+    };
+    let fp32 = planned(r, hw, with(StateDtype::Fp32))?;
+    if fp32.fits {
+        return Some(fp32);
+    }
+    planned(r, hw, with(StateDtype::Bf16))
+        .filter(|p| p.fits)
+        .or(Some(fp32))
+}
+
+/// The fastest plan of the recipe's own parallel layout that fits `hw`, varying only the memory
+/// levers: ZeRO's stage, recompute and (where fp32 ones do not fit) bf16 moments; `None` when no
+/// combination fits.
+pub fn cheapest_fit(r: &Recipe, hw: &Hardware) -> Option<Plan> {
+    let own = Layout::of(r);
+    let shardable = own.dp * own.cp > 1;
+    let stages = ZeroStage::ALL
+        .into_iter()
+        .filter(|z| !z.shards_optimizer() || shardable);
+    stages
+        .flat_map(|zero| [Recompute::None, Recompute::Full].map(|rc| (zero, rc)))
+        .filter_map(|(zero, recompute)| {
+            let layout = Layout {
+                zero,
+                recompute,
+                ..own
+            };
+            planned_moments(r, hw, layout)
+        })
+        .filter(|p| p.fits)
+        .max_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s))
+}
 
 /// A planned layout.
 #[derive(Debug, Clone)]
@@ -67,22 +117,23 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                                     zero,
                                     micro_batch,
                                     recompute,
+                                    state_dtype: StateDtype::Fp32,
                                 };
-                                let rr = layout.apply(r);
-                                if !rr.problems().is_empty() {
-                                    continue;
-                                }
-                                if let Ok(plan) = plan(&rr, hw) {
-                                    out.push(Candidate {
-                                        plan,
-                                        own: layout == own,
-                                    });
+                                if let Some(plan) = planned_moments(r, hw, layout) {
+                                    let own = plan.layout == own;
+                                    out.push(Candidate { plan, own });
                                 }
                             }
                         }
                     }
                 }
             }
+        }
+    }
+    // The recipe's own layout is always ranked, its moments' dtype as it is.
+    if !out.iter().any(|c| c.own) {
+        if let Some(plan) = planned(r, hw, own) {
+            out.push(Candidate { plan, own: true });
         }
     }
     out.sort_by(|a, b| {

@@ -300,7 +300,11 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         sync.overlapped + sync.after,
         exposed(sync.overlapped, window) + sync.after,
     );
-    let optimizer_s = model.memory(st.owned * (4.0 + 24.0 + p + 4.0));
+    // Per owned element: the gradient read, the state (fp32 master, two moments) read and
+    // written, the parameter written and the gradient read again by the norm.
+    let moment = r.optimizer.state_dtype.dtype().size_in_bytes() as f64;
+    let state = 4.0 + 2.0 * moment;
+    let optimizer_s = model.memory(st.owned * (4.0 + 2.0 * state + p + 4.0));
     let (cost, pp_s) = per_stage[slowest];
     let step_s = pipeline_s + dp_exposed_s + optimizer_s;
     let time = StepTime {

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 pub use load::{load, load_stored, load_str, RecipeError};
 pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, OptimizerConfig, Resume,
-    ResumeChange, RunConfig, ScheduleConfig, TrainConfig, SPIKE_WINDOW,
+    ResumeChange, RunConfig, ScheduleConfig, StateDtype, TrainConfig, SPIKE_WINDOW,
 };
 
 /// A complete training recipe. Every key of the YAML file maps to a documented field here or in

@@ -177,6 +177,42 @@ pub struct OptimizerConfig {
     /// Also decay the token embedding (and a tied output projection).
     #[serde(default)]
     pub decay_embeddings: bool,
+    /// Element type of the two AdamW moments (master weights stay fp32 and the update is
+    /// computed in fp32 either way): `bf16` halves their memory.
+    #[serde(default)]
+    pub state_dtype: StateDtype,
+}
+
+/// Element type of the AdamW moments (`optimizer.state_dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StateDtype {
+    /// 32-bit floats, as PyTorch's AdamW keeps them.
+    #[default]
+    #[serde(alias = "f32")]
+    Fp32,
+    /// bfloat16, rounded to nearest from the fp32 values each update computes: 4 bytes of
+    /// moments per element instead of 8.
+    Bf16,
+}
+
+impl StateDtype {
+    /// The tensor dtype of the moments.
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            StateDtype::Fp32 => candle_core::DType::F32,
+            StateDtype::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
+impl std::fmt::Display for StateDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StateDtype::Fp32 => "fp32",
+            StateDtype::Bf16 => "bf16",
+        })
+    }
 }
 
 fn default_beta1() -> f64 {

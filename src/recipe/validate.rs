@@ -86,16 +86,17 @@ impl Recipe {
         }
     }
 
-    /// Refuses a persistent state (parameters, fp32 gradients, fp32 master weights and moments)
+    /// Refuses a persistent state (parameters, fp32 gradients and master weights, moments)
     /// per rank that no machine holds, estimated in floating point so that no size overflows.
     fn check_state_size(&self, p: &mut Vec<String>) {
         let par = &self.parallel;
         let per_rank = self.model.num_params_f64() / (par.tp * par.pp) as f64;
         let owned = per_rank / par.shard_size() as f64;
         let dtype = self.train.dtype.dtype().size_in_bytes() as f64;
+        let moment = self.optimizer.state_dtype.dtype().size_in_bytes() as f64;
         let bytes = par
             .zero
-            .state_bytes(per_rank, per_rank, owned, dtype)
+            .state_bytes(per_rank, per_rank, owned, dtype, moment)
             .total();
         if bytes > MAX_STATE_BYTES_PER_RANK {
             p.push(format!(

@@ -1,14 +1,14 @@
 //! Saving and restoring a rank's training state through `ckpt`: the optimizer's fp32 master
-//! weights and moments (the parameters are the masters cast to their dtype), step and samples
-//! consumed. Pieces carry global coordinates, so a checkpoint loads at any layout.
+//! weights and its moments in their state dtype (the parameters are the masters cast to their
+//! dtype), step and samples consumed. Pieces carry global coordinates, so a checkpoint loads at
+//! any layout, and under either moment dtype.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Tensor;
-use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
+use ckpt::{Checkpoint, Kind, Manifest, PieceDtype, RankWriter, TensorBlock, Values};
 use parallel::dp::intersect;
 use parallel::Group;
 use tracing::info;
@@ -118,7 +118,7 @@ impl Trainer {
             first(&self.ctx.groups.expert_grad),
         );
         if sharded || first_replica || first_expert_replica {
-            let state = self.optimizer.state()?.buffers.to_vec2::<f32>()?; // [3, owned]
+            let state = self.optimizer.state()?; // host copies of [owned] each
             let layout = self.grads.layout();
             let expert = self.model.inventory().expert_flags();
             for (i, p) in self.model.params().iter().enumerate() {
@@ -140,8 +140,12 @@ impl Trainer {
                     if !cut.is_empty() {
                         let local = cut.start - layout.offsets[i]..cut.end - layout.offsets[i];
                         let own = base + cut.start - r.start..base + cut.end - r.start;
-                        for (k, kind) in Kind::ALL.into_iter().enumerate() {
-                            let values = state[k][own.clone()].to_vec();
+                        for kind in Kind::ALL {
+                            let values = match kind {
+                                Kind::Master => Values::F32(state.master[own.clone()].to_vec()),
+                                Kind::ExpAvg => state.exp_avg.slice(own.clone()),
+                                Kind::ExpAvgSq => state.exp_avg_sq.slice(own.clone()),
+                            };
                             writer.add(kind, tensor_block(p), local.clone(), values);
                         }
                     }
@@ -243,10 +247,26 @@ impl Trainer {
                 .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
         };
         let n = state.len() / 3;
-        let buffers = Tensor::from_vec(state, (3, n), &self.ctx.device)?;
+        let (stored, ours) = (ck.dtype(Kind::ExpAvg), self.optimizer.moment_dtype());
+        if stored != ours && self.ctx.is_main() {
+            info!(
+                "the checkpoint's AdamW moments are {} and optimizer.state_dtype is {}: \
+                 converted ({})",
+                stored.as_str(),
+                ours.as_str(),
+                if ours == PieceDtype::Bf16 {
+                    "rounded to nearest"
+                } else {
+                    "exactly"
+                }
+            );
+        }
+        let values = |k: usize| Values::F32(state[k * n..(k + 1) * n].to_vec());
         self.optimizer.load_state(&AdamWState {
             step: progress.updates,
-            buffers,
+            master: state[..n].to_vec(),
+            exp_avg: values(1),
+            exp_avg_sq: values(2),
         })?;
         self.progress = progress;
         self.model.set_expert_bias(&self.progress.expert_bias);
@@ -307,7 +327,8 @@ impl Trainer {
     }
 
     /// This rank's owned flat ranges of the master weights and both moments from `ck` (in
-    /// `dir`), `[master | exp_avg | exp_avg_sq]`, all finite.
+    /// `dir`), `[master | exp_avg | exp_avg_sq]` as f32 (bf16 moments widened exactly), all
+    /// finite.
     fn read_owned_state(&self, dir: &Path, ck: &Checkpoint) -> Result<Vec<f32>> {
         let layout = self.grads.layout().clone();
         let n: usize = self.optimizer.owned().iter().map(|r| r.len()).sum();

@@ -1,5 +1,6 @@
 //! The on-disk records: the manifest, per-rank piece lists and tensor kinds.
 
+use half::bf16;
 use serde::{Deserialize, Serialize};
 
 /// File name of the manifest inside a step directory.
@@ -32,6 +33,115 @@ impl Kind {
             Kind::ExpAvg => "exp_avg",
             Kind::ExpAvgSq => "exp_avg_sq",
         }
+    }
+}
+
+/// The element type a piece is stored in: master weights always f32, moments f32 or bf16
+/// (`optimizer.state_dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PieceDtype {
+    /// 32-bit floats (every piece of checkpoints that do not say).
+    #[default]
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+impl PieceDtype {
+    /// Its name, as manifests write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PieceDtype::F32 => "f32",
+            PieceDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per value.
+    pub fn width(self) -> usize {
+        match self {
+            PieceDtype::F32 => 4,
+            PieceDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// A piece's values in the type it is stored in.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Values {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// bf16 values.
+    Bf16(Vec<bf16>),
+}
+
+impl Values {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            Values::F32(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The type they are stored in.
+    pub fn dtype(&self) -> PieceDtype {
+        match self {
+            Values::F32(_) => PieceDtype::F32,
+            Values::Bf16(_) => PieceDtype::Bf16,
+        }
+    }
+
+    /// Values `range` of these, in the same type.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Values {
+        match self {
+            Values::F32(v) => Values::F32(v[range].to_vec()),
+            Values::Bf16(v) => Values::Bf16(v[range].to_vec()),
+        }
+    }
+
+    /// The values as f32 (bf16 widens exactly).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Values::F32(v) => v.clone(),
+            Values::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// The values in `dtype`: f32 to bf16 rounds to nearest (even), bf16 to f32 is exact.
+    pub fn to_dtype(&self, dtype: PieceDtype) -> Values {
+        match (self, dtype) {
+            (Values::F32(v), PieceDtype::Bf16) => {
+                Values::Bf16(v.iter().map(|&x| bf16::from_f32(x)).collect())
+            }
+            (Values::Bf16(_), PieceDtype::F32) => Values::F32(self.to_f32()),
+            _ => self.clone(),
+        }
+    }
+
+    /// Little-endian bytes, as safetensors stores them.
+    pub(crate) fn le_bytes(&self) -> Vec<u8> {
+        match self {
+            Values::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Values::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
+impl From<Vec<f32>> for Values {
+    fn from(v: Vec<f32>) -> Self {
+        Values::F32(v)
+    }
+}
+
+impl From<Vec<bf16>> for Values {
+    fn from(v: Vec<bf16>) -> Self {
+        Values::Bf16(v)
     }
 }
 
@@ -73,6 +183,9 @@ pub struct PieceMeta {
     pub block: Vec<(usize, usize)>,
     /// Element range `[start, end)` of the block, row-major.
     pub range: (usize, usize),
+    /// The type its values are stored in (f32 in checkpoints that do not say).
+    #[serde(default)]
+    pub dtype: PieceDtype,
     /// Key of the data in the rank's safetensors file.
     pub key: String,
     /// The rank file holding it.

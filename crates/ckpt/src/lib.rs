@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! <root>/step-00000100/
-//!     rank-00000.safetensors   this rank's pieces of the fp32 optimizer state
+//!     rank-00000.safetensors   this rank's pieces of the optimizer state (f32; moments f32 or bf16)
 //!     rank-00000.json          what those pieces are (names, global coordinates) and the file's sha256
 //!     ...
 //!     tokenizer.json           the tokenizer the run was trained with
@@ -29,7 +29,9 @@ pub mod stream;
 mod write;
 
 pub use error::CkptError;
-pub use format::{FileEntry, Kind, Manifest, PieceMeta, TensorBlock, MANIFEST, TOKENIZER};
+pub use format::{
+    FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, Values, MANIFEST, TOKENIZER,
+};
 pub use read::{find_latest, Checkpoint};
 pub use write::{finalize, prune, step_dir_name, RankWriter};
 

@@ -6,13 +6,16 @@ use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use half::bf16;
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
-use crate::format::{Kind, Manifest, PieceMeta, TensorBlock, FORMAT, MANIFEST, TOKENIZER};
-use crate::write::hex;
+use crate::format::{
+    Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, FORMAT, MANIFEST, TOKENIZER,
+};
+use crate::write::{hex, safetensors_dtype};
 use crate::Result;
 
 /// An opened, verified checkpoint.
@@ -162,10 +165,13 @@ impl Checkpoint {
         for (i, p) in manifest.pieces.iter().enumerate() {
             // Every piece is data that exists: reading never allocates more than the files hold.
             let len = p.range.1.saturating_sub(p.range.0);
-            if stored.get(&(p.file.clone(), p.key.clone())) != len.checked_mul(4).as_ref() {
+            let bytes = len.checked_mul(p.dtype.width());
+            if stored.get(&(p.file.clone(), p.key.clone())) != bytes.as_ref() {
                 return Err(bad(format!(
-                    "piece {} claims {len} elements, which {} does not hold",
-                    p.key, p.file
+                    "piece {} claims {len} {} elements, which {} does not hold",
+                    p.key,
+                    p.dtype.as_str(),
+                    p.file
                 )));
             }
             *covered.entry((p.name.clone(), p.kind)).or_default() += len;
@@ -256,19 +262,40 @@ impl Checkpoint {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        if view.dtype() != safetensors::Dtype::F32
-            || view.data().len() != 4 * (p.range.1 - p.range.0)
+        if view.dtype() != safetensors_dtype(p.dtype)
+            || view.data().len() != p.dtype.width() * (p.range.1 - p.range.0)
         {
             return Err(CkptError::Format {
                 path,
-                message: format!("tensor {} has the wrong type or size", p.key),
+                message: format!(
+                    "tensor {} has the wrong type or size (the manifest says {} × {})",
+                    p.key,
+                    p.range.1 - p.range.0,
+                    p.dtype.as_str()
+                ),
             });
         }
-        Ok(view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        let data = view.data();
+        Ok(match p.dtype {
+            PieceDtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            PieceDtype::Bf16 => data
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        })
+    }
+
+    /// The type the pieces of `kind` are stored in (f32 where there are none); a checkpoint
+    /// written by one run stores every piece of a kind in one type.
+    pub fn dtype(&self, kind: Kind) -> PieceDtype {
+        self.manifest
+            .pieces
+            .iter()
+            .find(|p| p.kind == kind)
+            .map_or(PieceDtype::F32, |p| p.dtype)
     }
 
     /// The row-major values of the whole tensor `name` of kind `kind`; `global_shape` must match
@@ -285,8 +312,8 @@ impl Checkpoint {
     }
 
     /// The row-major values of `block` of kind `kind`, assembled from every piece that overlaps
-    /// it. `block.global_shape` must match the checkpoint's; every element of the block must be
-    /// present exactly once.
+    /// it, as f32 (bf16 pieces widen exactly). `block.global_shape` must match the checkpoint's;
+    /// every element of the block must be present exactly once.
     pub fn read_block(&self, kind: Kind, block: TensorBlock<'_>) -> Result<Vec<f32>> {
         let (name, global_shape) = (block.name, block.global_shape);
         let ix = self

@@ -7,12 +7,12 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
 use crate::format::{
-    FileEntry, Kind, Manifest, PieceMeta, RankRecord, TensorBlock, FORMAT, MANIFEST, TOKENIZER,
+    FileEntry, Kind, Manifest, PieceDtype, PieceMeta, RankRecord, TensorBlock, Values, FORMAT,
+    MANIFEST, TOKENIZER,
 };
 use crate::Result;
 
@@ -36,7 +36,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 pub struct RankWriter {
     dir: PathBuf,
     rank: usize,
-    pieces: Vec<(PieceMeta, Vec<f32>)>,
+    pieces: Vec<(PieceMeta, Values)>,
 }
 
 impl RankWriter {
@@ -56,9 +56,16 @@ impl RankWriter {
         format!("rank-{:05}.safetensors", self.rank)
     }
 
-    /// Adds elements `range` (row-major) of the block `block` (of a tensor of `block.name`);
-    /// `data.len()` must equal the range's length.
-    pub fn add(&mut self, kind: Kind, block: TensorBlock<'_>, range: Range<usize>, data: Vec<f32>) {
+    /// Adds elements `range` (row-major) of the block `block` (of a tensor of `block.name`),
+    /// stored in the type of `data` (f32 values or bf16); `data` must hold the range's length.
+    pub fn add(
+        &mut self,
+        kind: Kind,
+        block: TensorBlock<'_>,
+        range: Range<usize>,
+        data: impl Into<Values>,
+    ) {
+        let data = data.into();
         debug_assert_eq!(data.len(), range.len());
         let key = format!("{}/{}/{}", kind.as_str(), block.name, range.start);
         let meta = PieceMeta {
@@ -67,6 +74,7 @@ impl RankWriter {
             global_shape: block.global_shape.to_vec(),
             block: block.spans(),
             range: (range.start, range.end),
+            dtype: data.dtype(),
             key,
             file: self.file_name(),
         };
@@ -76,11 +84,7 @@ impl RankWriter {
     /// Writes the rank's safetensors file and its sidecar record.
     pub fn write(self) -> Result<()> {
         let path = self.dir.join(self.file_name());
-        let bytes: Vec<Vec<u8>> = self
-            .pieces
-            .iter()
-            .map(|(_, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
+        let bytes: Vec<Vec<u8>> = self.pieces.iter().map(|(_, d)| d.le_bytes()).collect();
         let views = self
             .pieces
             .iter()
@@ -88,7 +92,7 @@ impl RankWriter {
             .map(|((m, d), b)| {
                 Ok((
                     m.key.clone(),
-                    TensorView::new(Dtype::F32, vec![d.len()], b)?,
+                    TensorView::new(safetensors_dtype(d.dtype()), vec![d.len()], b)?,
                 ))
             })
             .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
@@ -115,6 +119,14 @@ impl RankWriter {
         let json = serde_json::to_vec(&record).expect("records serialise");
         write_synced(&tmp, &json)?;
         fs::rename(&tmp, &side).map_err(CkptError::io(&side))
+    }
+}
+
+/// The safetensors type of a piece's values.
+pub(crate) fn safetensors_dtype(d: PieceDtype) -> safetensors::Dtype {
+    match d {
+        PieceDtype::F32 => safetensors::Dtype::F32,
+        PieceDtype::Bf16 => safetensors::Dtype::BF16,
     }
 }
 

@@ -4,7 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use ckpt::{finalize, find_latest, Checkpoint, CkptError, Kind, Manifest, RankWriter, TensorBlock};
+use ckpt::{
+    finalize, find_latest, Checkpoint, CkptError, Kind, Manifest, PieceDtype, RankWriter,
+    TensorBlock, Values,
+};
+use half::bf16;
 
 /// The block at `offset` of extent `shape` of tensor `name` (whole shape `global_shape`).
 fn block<'a>(
@@ -47,7 +51,12 @@ fn write(root: &Path, step: u64) -> PathBuf {
             w.add(kind, b, 5..12, data[5..].to_vec());
             if rank == 0 {
                 let n = block("n", &[6], &[0], &[6]);
-                w.add(kind, n, 0..6, (0..6).map(|c| value("n", 0, c)).collect());
+                w.add(
+                    kind,
+                    n,
+                    0..6,
+                    (0..6).map(|c| value("n", 0, c)).collect::<Vec<f32>>(),
+                );
             }
         }
         w.write().unwrap();
@@ -103,6 +112,69 @@ fn any_block_is_reassembled_from_the_pieces() {
         (0..6).map(|c| c as f32).collect::<Vec<_>>()
     );
     assert!(ck.tokenizer_path().exists());
+}
+
+/// Moments stored as bf16 (`optimizer.state_dtype: bf16`) take two bytes a value, read back
+/// widened exactly, and say so in the manifest; a manifest without piece types (written before
+/// moments could be bf16) reads as f32.
+#[test]
+fn bf16_moments_are_stored_as_bf16_and_old_manifests_read_as_f32() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let tok = root.join("tok.json");
+    std::fs::write(&tok, "{}").unwrap();
+    let b = block("w", &[4, 6], &[0, 0], &[4, 6]);
+    let master: Vec<f32> = (0..24).map(|i| 0.1 * i as f32).collect();
+    let rounded: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut w = RankWriter::new(root, 1, 0).unwrap();
+    w.add(Kind::Master, b, 0..24, master.clone());
+    w.add(Kind::ExpAvg, b, 0..24, Values::Bf16(rounded.clone()));
+    w.add(Kind::ExpAvgSq, b, 0..10, rounded[..10].to_vec());
+    w.add(Kind::ExpAvgSq, b, 10..24, rounded[10..].to_vec());
+    w.write().unwrap();
+    let manifest = Manifest {
+        format: String::new(),
+        step: 1,
+        consumed_samples: 0,
+        seed: 1,
+        model: serde_json::json!({}),
+        recipe: "train: {}".into(),
+        layout: serde_json::json!({}),
+        trainer: serde_json::Value::Null,
+        files: vec![],
+        pieces: vec![],
+    };
+    let dir = finalize(root, manifest, 1, &tok, 2).unwrap();
+    let bytes = std::fs::metadata(dir.join("rank-00000.safetensors"))
+        .unwrap()
+        .len();
+    assert!(bytes < 24 * (4 + 2 + 2) + 1024, "{bytes} bytes");
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.dtype(Kind::Master), PieceDtype::F32);
+    assert_eq!(ck.dtype(Kind::ExpAvg), PieceDtype::Bf16);
+    let widened: Vec<f32> = rounded.iter().map(|x| x.to_f32()).collect();
+    assert_ne!(widened, master, "0.1 steps are not bf16 values");
+    assert_eq!(ck.read_block(Kind::Master, b).unwrap(), master);
+    for kind in [Kind::ExpAvg, Kind::ExpAvgSq] {
+        assert_eq!(ck.read_block(kind, b).unwrap(), widened);
+    }
+
+    // The same pieces all f32, with a manifest that names no piece types.
+    std::fs::create_dir(root.join("old")).unwrap();
+    let dir = write(&root.join("old"), 3);
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    for p in m["pieces"].as_array_mut().unwrap() {
+        assert_eq!(
+            p.as_object_mut().unwrap().remove("dtype"),
+            Some("f32".into())
+        );
+    }
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.dtype(Kind::ExpAvgSq), PieceDtype::F32);
+    let want: Vec<f32> = (0..6).map(|c| c as f32).collect();
+    assert_eq!(ck.read_tensor("n", Kind::ExpAvg, &[6]).unwrap(), want);
 }
 
 #[test]

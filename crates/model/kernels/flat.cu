@@ -1,5 +1,6 @@
 // Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the AdamW
-// update (adamw) and the sum of squares for the global gradient norm (sum_squares_*).
+// update (adamw_f32, adamw_bf16: the moments' type) and the sum of squares for the global
+// gradient norm and the state's finiteness check (sum_squares_*).
 //
 // add_into and adamw are elementwise with grid-stride loops over 64-bit indices (any 1-D grid).
 // adamw uses the explicitly rounded intrinsics (__fmul_rn, ...), which nvcc never contracts into
@@ -24,40 +25,53 @@ template <typename T> __device__ void add_into_impl(float* dst, const T* src, u6
 EXPORT3(add_into, (float* dst, const T* src, u64 n), (dst, src, n))
 
 // One AdamW step over the elements [start, start + len) of one decay range.
-// state: [3 n] f32 = master | exp_avg | exp_avg_sq; grad: [n] f32. Per element, as the CPU:
+// state: [n] f32 master, then the moments exp_avg [n] M and exp_avg_sq [n] M (M = f32 or bf16:
+// 3 n floats, or n floats then 2 n bf16s); grad: [n] f32. Per element, in f32 as the CPU:
 //   g = grad * gs; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
-//   p = p keep - step_size m / (sqrt(v) inv_sqrt_bc2 + eps).
-extern "C" __global__ void adamw(float* state, const float* grad, u64 n, u64 start, u64 len,
-                                 float b1, float b2, float step_size, float inv_sqrt_bc2,
-                                 float eps, float gs, float keep) {
+//   p = p keep - step_size m / (sqrt(v) inv_sqrt_bc2 + eps);
+// the moments are stored rounded to M (nearest even), the update uses their f32 values.
+template <typename M>
+__device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u64 len, float b1,
+                           float b2, float step_size, float inv_sqrt_bc2, float eps, float gs,
+                           float keep) {
   float* master = state;
-  float* exp_avg = state + n;
-  float* exp_avg_sq = state + 2 * n;
+  M* exp_avg = (M*)(state + n);
+  M* exp_avg_sq = exp_avg + n;
   const float c1 = __fsub_rn(1.0f, b1), c2 = __fsub_rn(1.0f, b2);
   for (u64 i = global_id(); i < len; i += grid_stride()) {
     const u64 k = start + i;
     const float g = __fmul_rn(grad[k], gs);
-    const float m = __fadd_rn(__fmul_rn(b1, exp_avg[k]), __fmul_rn(c1, g));
-    const float v = __fadd_rn(__fmul_rn(b2, exp_avg_sq[k]), __fmul_rn(__fmul_rn(c2, g), g));
-    exp_avg[k] = m;
-    exp_avg_sq[k] = v;
+    const float m = __fadd_rn(__fmul_rn(b1, to_f32(exp_avg[k])), __fmul_rn(c1, g));
+    const float v = __fadd_rn(__fmul_rn(b2, to_f32(exp_avg_sq[k])), __fmul_rn(__fmul_rn(c2, g), g));
+    exp_avg[k] = from_acc<M>(m);
+    exp_avg_sq[k] = from_acc<M>(v);
     const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_sqrt_bc2), eps);
     master[k] = __fsub_rn(__fmul_rn(master[k], keep), __fdiv_rn(__fmul_rn(step_size, m), denom));
   }
 }
+#define ADAMW_PARAMS                                                                             \
+  (float* state, const float* grad, u64 n, u64 start, u64 len, float b1, float b2,              \
+   float step_size, float inv_sqrt_bc2, float eps, float gs, float keep)
+#define ADAMW_ARGS (state, grad, n, start, len, b1, b2, step_size, inv_sqrt_bc2, eps, gs, keep)
+EXPORT_ONE(adamw, f32, float, ADAMW_PARAMS, ADAMW_ARGS)
+EXPORT_ONE(adamw, bf16, __nv_bfloat16, ADAMW_PARAMS, ADAMW_ARGS)
 
 // Stage 1 of Σ x²: block b writes partial[b] = Σ x[i]² (in f64) over the indices i this grid
-// assigns to it (grid-stride). x: [n] f32; partial: [gridDim.x] f64.
-extern "C" __global__ void sum_squares_partial(const float* x, u64 n, double* partial) {
+// assigns to it (grid-stride). x: [n] f32 or bf16 (the optimizer's bf16 moments); partial:
+// [gridDim.x] f64.
+template <typename T> __device__ void sum_squares_partial_impl(const T* x, u64 n, double* partial) {
   __shared__ double scratch[32];
   double s = 0.0;
   for (u64 i = global_id(); i < n; i += grid_stride()) {
-    const double v = (double)x[i];
+    const double v = (double)to_f32(x[i]);
     s += v * v;
   }
   s = block_sum(s, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
+EXPORT_ONE(sum_squares_partial, f32, float, (const T* x, u64 n, double* partial), (x, n, partial))
+EXPORT_ONE(sum_squares_partial, bf16, __nv_bfloat16, (const T* x, u64 n, double* partial),
+           (x, n, partial))
 
 // Stage 2: out[0] = Σ partial[0..blocks), by one block of a fixed size.
 extern "C" __global__ void sum_squares_final(const double* partial, int blocks, double* out) {

@@ -1,5 +1,5 @@
-// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), adamw over two
-// decay ranges and the two-stage sum_squares, with the launch shapes and argument order of
+// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), adamw (f32 and
+// bf16 moments) over two decay ranges and the two-stage sum_squares (f32 and bf16), with the launch shapes and argument order of
 // src/ops/cuda/flat.rs, compared with double-precision references (and adamw also bitwise with
 // the CPU AdamWStep's f32 arithmetic, which the kernel promises to reproduce exactly).
 #include "shim.h"
@@ -42,9 +42,10 @@ template <typename T> void check_add_into(size_t n, uint64_t seed) {
   }
 }
 
-// adamw: one step over state [master | exp_avg | exp_avg_sq] with gradients grad, two decay
-// ranges [0, 250) and [250, 500) and the elements [500, n) outside every range.
-void check_adamw(size_t n, uint64_t seed) {
+// adamw: one step over state [master | exp_avg | exp_avg_sq] (f32 words; moments of type M,
+// bf16 ones packed two to a word) with gradients grad, two decay ranges [0, 250) and [250, 500)
+// and the elements [500, n) outside every range.
+template <typename M> void check_adamw(size_t n, uint64_t seed) {
   // AdamWStep::scalars and ::keep (src/optim/kernels.rs): computed in f64, rounded to f32.
   const double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_scale = 0.7;
   const int step = 3;
@@ -57,35 +58,46 @@ void check_adamw(size_t n, uint64_t seed) {
     float keep;
   };
   const std::vector<Range> ranges = {{0, 250, (float)(1.0 - lr * 0.1)}, {250, 250, (float)(1.0 - lr * 0.0)}};
+  // State words: n master weights, then 2 n moments of sizeof(M) bytes.
+  const size_t words = n + 2 * n * sizeof(M) / sizeof(float);
 
   Rng rng(seed);
   Buffer<float> grad(n, "grad");
   fill_normal(grad, rng);
-  std::vector<float> init(3 * n);
+  std::vector<float> init(words);
+  M* init_m = (M*)(init.data() + n);
   for (size_t i = 0; i < n; ++i) {
     init[i] = (float)rng.normal();
-    init[n + i] = (float)(0.05 * rng.normal());
+    init_m[i] = fromd<M>(0.05 * rng.normal());
     const double v = 0.05 * rng.normal();
-    init[2 * n + i] = (float)(v * v);
+    init_m[n + i] = fromd<M>(v * v);
   }
 
   // The CPU AdamWStep (src/optim/kernels.rs, cpu_fwd), in f32, and a double reference.
   std::vector<float> cpu = init;
-  std::vector<double> ref(init.begin(), init.end());
+  M* cpu_m = (M*)(cpu.data() + n);
+  std::vector<double> ref(3 * n);
+  for (size_t i = 0; i < n; ++i) {
+    ref[i] = init[i];
+    ref[n + i] = tod(init_m[i]);
+    ref[2 * n + i] = tod(init_m[n + i]);
+  }
   for (const Range& r : ranges)
     for (size_t i = r.start; i < r.start + r.len; ++i) {
       float* p = &cpu[i];
-      float* m = &cpu[n + i];
-      float* v = &cpu[2 * n + i];
+      M* mm = &cpu_m[i];
+      M* vv = &cpu_m[n + i];
       // One rounded operation per statement, in Rust's evaluation order (so that no compiler
       // contracts them into FMAs, which Rust never does).
       const float g = grad[i] * gs;
-      const float bm = b1 * *m, c1 = 1.0f - b1, c1g = c1 * g;
-      *m = bm + c1g;
-      const float bv = b2 * *v, c2 = 1.0f - b2, c2g = c2 * g, c2gg = c2g * g;
-      *v = bv + c2gg;
-      const float sv = std::sqrt(*v), svb = sv * inv_sqrt_bc2, denom = svb + epsf;
-      const float pk = *p * r.keep, sm = step_size * *m, upd = sm / denom;
+      const float bm = b1 * (float)tod(*mm), c1 = 1.0f - b1, c1g = c1 * g;
+      const float m = bm + c1g;
+      const float bv = b2 * (float)tod(*vv), c2 = 1.0f - b2, c2g = c2 * g, c2gg = c2g * g;
+      const float v = bv + c2gg;
+      *mm = fromd<M>(m);
+      *vv = fromd<M>(v);
+      const float sv = std::sqrt(v), svb = sv * inv_sqrt_bc2, denom = svb + epsf;
+      const float pk = *p * r.keep, sm = step_size * m, upd = sm / denom;
       *p = pk - upd;
 
       const double gd = (double)grad[i] * gs;
@@ -100,36 +112,39 @@ void check_adamw(size_t n, uint64_t seed) {
   // flat.rs `adamw`: adjacent ranges with equal keep merged (these differ), one launch per range
   // with elementwise(len); also small grids (grid-stride).
   for (int small = 0; small < 2; ++small) {
-    Buffer<float> state(3 * n, "state");
-    std::memcpy(state.data(), init.data(), 3 * n * sizeof(float));
+    Buffer<float> state(words, "state");
+    std::memcpy(state.data(), init.data(), words * sizeof(float));
     bool ok = true;
     for (const Range& r : ranges)
-      ok = ok && run("adamw", small ? grid(2, 64, 0) : elementwise(r.len), [&] {
-             ::adamw(state.data(), grad.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
-                   inv_sqrt_bc2, epsf, gs, r.keep);
+      ok = ok && run(format("adamw_%s", type_name<M>()), small ? grid(2, 64, 0) : elementwise(r.len), [&] {
+             pick<M>(adamw_f32_ns::adamw_f32, adamw_f32_ns::adamw_f32, adamw_bf16_ns::adamw_bf16)(
+                 state.data(), grad.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
+                 inv_sqrt_bc2, epsf, gs, r.keep);
            });
     if (!ok) continue;
-    const std::string tag = format("adamw n=%zu, ranges [0,250) keep %.4f, [250,500) keep 1, grid %s",
-                                   n, ranges[0].keep, small ? "2x64" : "elementwise(len)");
+    const std::string tag =
+        format("adamw %s moments n=%zu, ranges [0,250) keep %.4f, [250,500) keep 1, grid %s",
+               type_name<M>(), n, ranges[0].keep, small ? "2x64" : "elementwise(len)");
     const size_t end = ranges.back().start + ranges.back().len;
     const char* names[3] = {"master", "exp_avg", "exp_avg_sq"};
+    const M* got_m = (const M*)(state.data() + n);
     for (int part = 0; part < 3; ++part) {
       std::vector<double> got(end), want(end);
       for (size_t i = 0; i < end; ++i) {
-        got[i] = state[part * n + i];
+        got[i] = part == 0 ? (double)state[i] : tod(got_m[(part - 1) * n + i]);
         want[i] = ref[part * n + i];
       }
-      compare(tag + " " + names[part], got, want, tol<float>());
+      compare(tag + " " + names[part], got, want, part == 0 ? tol<float>() : tol<M>());
     }
-    expect(same_bits(state, cpu, 0, 3 * n),
+    expect(same_bits(state, cpu, 0, words),
            tag + " bitwise equal to the CPU AdamWStep (untouched outside the ranges)");
   }
 }
 
 // sum_squares: stage 1 writes one f64 partial per block, stage 2 sums them in one block.
-void check_sum_squares(size_t n, uint64_t seed, bool rust_shape) {
+template <typename T> void check_sum_squares(size_t n, uint64_t seed, bool rust_shape) {
   Rng rng(seed);
-  Buffer<float> x(n, "x");
+  Buffer<T> x(n, "x");
   fill_normal(x, rng);
   // flat.rs `sum_squares`: blocks = n.div_ceil(SUM_THREADS).clamp(1, SUM_BLOCKS), stage 1
   // grid(blocks, SUM_THREADS, 0), stage 2 grid(1, SUM_THREADS, 0). Otherwise a small grid whose
@@ -140,18 +155,23 @@ void check_sum_squares(size_t n, uint64_t seed, bool rust_shape) {
   std::vector<long double> rpart(blocks, 0.0L);
   long double total = 0;
   for (size_t i = 0; i < n; ++i) {
-    const long double v = (long double)x[i] * x[i];
+    const long double v = (long double)tod(x[i]) * tod(x[i]);
     rpart[(i / threads) % blocks] += v;  // grid-stride assignment: block (i / threads) mod grid
     total += v;
   }
   Buffer<double> partial(blocks, "partial"), out(1, "out");
-  if (!run("sum_squares_partial", grid(blocks, threads, 0),
-           [&] { sum_squares_partial(x.data(), (u64)n, partial.data()); }))
+  if (!run(format("sum_squares_partial_%s", type_name<T>()), grid(blocks, threads, 0), [&] {
+        pick<T>(sum_squares_partial_f32_ns::sum_squares_partial_f32,
+                sum_squares_partial_f32_ns::sum_squares_partial_f32,
+                sum_squares_partial_bf16_ns::sum_squares_partial_bf16)(x.data(), (u64)n,
+                                                                       partial.data());
+      }))
     return;
   if (!run("sum_squares_final", grid(1, threads, 0),
            [&] { sum_squares_final(partial.data(), (int)blocks, out.data()); }))
     return;
-  const std::string tag = format("sum_squares n=%zu, %zu partials of %u threads", n, blocks, threads);
+  const std::string tag = format("sum_squares %s n=%zu, %zu partials of %u threads", type_name<T>(),
+                                 n, blocks, threads);
   std::vector<double> got(partial.data(), partial.data() + blocks), want(rpart.begin(), rpart.end());
   compare(tag + " partials", got, want, tol<double>());
   compare(tag + " total", {out[0]}, {(double)total}, tol<double>());
@@ -163,9 +183,11 @@ void flat_checks() {
   check_add_into<float>(1000, 1);
   check_add_into<double>(1000, 2);
   check_add_into<__nv_bfloat16>(1000, 3);
-  check_adamw(600, 4);
-  check_sum_squares(0, 5, true);
-  check_sum_squares(1000, 6, true);
-  check_sum_squares(70000, 7, true);  // 274 partials: stage 2's threads stride
-  check_sum_squares(1000, 8, false);
+  check_adamw<float>(600, 4);
+  check_adamw<__nv_bfloat16>(600, 9);
+  check_sum_squares<float>(0, 5, true);
+  check_sum_squares<float>(1000, 6, true);
+  check_sum_squares<float>(70000, 7, true);  // 274 partials: stage 2's threads stride
+  check_sum_squares<float>(1000, 8, false);
+  check_sum_squares<__nv_bfloat16>(2000, 10, true);  // the optimizer's packed bf16 moments
 }

@@ -75,12 +75,12 @@ impl ZeroStage {
 
     /// The state of a rank at this stage: `params` parameter elements held whole, `flat`
     /// elements of the whole gradient buffer (padding included), `owned` the flat elements it
-    /// owns (all of them at stage 0), `dtype` bytes per parameter element; gradients, master
-    /// weights and both moments are fp32. Exact in `usize` from a layout, an estimate in `f64`
-    /// from parameter counts.
-    pub fn state_bytes<T>(self, params: T, flat: T, owned: T, dtype: T) -> StateBytes<T>
+    /// owns (all of them at stage 0), `dtype` bytes per parameter element, `moment` bytes per
+    /// AdamW moment element (4 or 2); gradients and master weights are fp32. Exact in `usize`
+    /// from a layout, an estimate in `f64` from parameter counts.
+    pub fn state_bytes<T>(self, params: T, flat: T, owned: T, dtype: T, moment: T) -> StateBytes<T>
     where
-        T: Copy + Mul<Output = T> + From<u8>,
+        T: Copy + Mul<Output = T> + Add<Output = T> + From<u8>,
     {
         StateBytes {
             param_bytes: dtype
@@ -90,7 +90,7 @@ impl ZeroStage {
                     params
                 },
             grad_bytes: T::from(4) * if self.shards_gradients() { owned } else { flat },
-            optimizer_bytes: T::from(12) * owned,
+            optimizer_bytes: (T::from(4) + T::from(2) * moment) * owned,
         }
     }
 }
@@ -135,8 +135,8 @@ mod tests {
     #[test]
     fn state_bytes_follow_the_stage() {
         // 100 bf16 parameters in a flat buffer of 104, 26 owned.
-        let b = |z: ZeroStage| z.state_bytes(100usize, 104, 26, 2);
-        let off = ZeroStage::Off.state_bytes(100usize, 104, 104, 2);
+        let b = |z: ZeroStage| z.state_bytes(100usize, 104, 26, 2, 4);
+        let off = ZeroStage::Off.state_bytes(100usize, 104, 104, 2, 4);
         assert_eq!(
             (off.param_bytes, off.grad_bytes, off.optimizer_bytes),
             (200, 416, 1248)
@@ -150,8 +150,11 @@ mod tests {
         assert_eq!((z2.param_bytes, z2.grad_bytes), (200, 104));
         let z3 = b(ZeroStage::Parameters);
         assert_eq!((z3.param_bytes, z3.grad_bytes, z3.total()), (52, 104, 468));
-        let f = ZeroStage::Parameters.state_bytes(100f64, 104.0, 26.0, 2.0);
+        let f = ZeroStage::Parameters.state_bytes(100f64, 104.0, 26.0, 2.0, 4.0);
         assert_eq!(f.total(), 468.0);
+        // bf16 moments: 8 bytes of optimizer state per owned element instead of 12.
+        let h = ZeroStage::Optimizer.state_bytes(100usize, 104, 26, 2, 2);
+        assert_eq!((h.optimizer_bytes, h.param_bytes), (208, 200));
     }
 
     #[test]

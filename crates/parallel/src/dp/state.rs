@@ -100,12 +100,19 @@ impl StateLayout {
         self.owned.iter().map(|r| r.len()).sum()
     }
 
-    /// The bytes of parameters (`numels`, in `dtype`), fp32 gradients and fp32 AdamW state this
-    /// layout gives a rank under `par` ([`super::ZeroStage::state_bytes`]).
-    pub fn bytes(&self, par: &ParallelConfig, numels: &[usize], dtype: DType) -> StateBytes {
+    /// The bytes of parameters (`numels`, in `dtype`), fp32 gradients and the AdamW state (fp32
+    /// master weights, moments in `moments`) this layout gives a rank under `par`
+    /// ([`super::ZeroStage::state_bytes`]).
+    pub fn bytes(
+        &self,
+        par: &ParallelConfig,
+        numels: &[usize],
+        dtype: DType,
+        moments: DType,
+    ) -> StateBytes {
         let params = numels.iter().sum();
         let (flat, owned) = (self.layout.total, self.owned_elems());
-        par.zero
-            .state_bytes(params, flat, owned, dtype.size_in_bytes())
+        let (p, m) = (dtype.size_in_bytes(), moments.size_in_bytes());
+        par.zero.state_bytes(params, flat, owned, p, m)
     }
 }

@@ -1,7 +1,8 @@
 //! Launchers of the optimizer's flat-buffer kernels (`kernels/flat.cu`), called from the root
 //! crate's `optim::kernels` ops: gradient accumulation into an f32 buffer (and a weight
 //! gradient's product accumulated by cuBLAS), the AdamW update over
-//! `[master | exp_avg | exp_avg_sq]` and the sum of squares of an f32 buffer (in f64).
+//! `[master | exp_avg | exp_avg_sq]` (moments f32 or bf16) and the sum of squares of an f32 or
+//! bf16 buffer (in f64).
 //!
 //! `adamw` performs exactly the f32 operations of the CPU `AdamWStep` (bitwise equal results);
 //! `sum_squares` is a deterministic two-stage reduction (a grid of [`SUM_BLOCKS`] or fewer
@@ -11,7 +12,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
-use candle_core::{bail, Layout, Result};
+use candle_core::{bail, DType, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, Module};
 
@@ -193,10 +194,11 @@ pub struct AdamWScalars {
     pub grad_scale: f32,
 }
 
-/// One AdamW step in place over `state` `[3 n]` f32 (`master | exp_avg | exp_avg_sq`) with
-/// gradients `grad` `[n]` f32. `ranges` are `(start, len, keep)` in `[0, n)`, `keep` the
-/// decoupled weight-decay factor `1 - lr · wd` of the range; elements outside every range are
-/// left unchanged. Adjacent ranges with equal `keep` share one launch.
+/// One AdamW step in place over `state` (f32 words: the master weights `[n]`, then
+/// `exp_avg` and `exp_avg_sq` `[n]` each of dtype `moments`, f32 or bf16, packed into the
+/// words that follow) with gradients `grad` `[n]` f32. `ranges` are `(start, len, keep)` in
+/// `[0, n)`, `keep` the decoupled weight-decay factor `1 - lr · wd` of the range; elements
+/// outside every range are left unchanged. Adjacent ranges with equal `keep` share one launch.
 pub fn adamw(
     state: &mut CudaStorage,
     sl: &Layout,
@@ -204,14 +206,23 @@ pub fn adamw(
     gl: &Layout,
     s: &AdamWScalars,
     ranges: &[(usize, usize, f32)],
+    moments: DType,
 ) -> Result<()> {
     const OP: &str = "adamw";
     let dev = state.device().clone();
     let (a, b) = range(OP, "state", sl)?;
     let g = view::<f32>(OP, "gradient", grad, gl)?; // [n]
     let n = g.len();
-    if b - a != 3 * n {
-        bail!("{OP}: state has {} elements, expected 3 × {n}", b - a)
+    let words = match moments {
+        DType::F32 => 3 * n,
+        DType::BF16 => 2 * n,
+        d => bail!("{OP}: moments of dtype {d:?} (f32 or bf16 are supported)"),
+    };
+    if b - a != words {
+        bail!(
+            "{OP}: state has {} words, expected {words} for {n} elements with {moments:?} moments",
+            b - a
+        )
     }
     let mut merged: Vec<(usize, usize, f32)> = Vec::with_capacity(ranges.len());
     for &(start, len, keep) in ranges {
@@ -225,13 +236,13 @@ pub fn adamw(
             _ => merged.push((start, len, keep)),
         }
     }
-    let f = kernel(&dev, "adamw")?;
+    let f = kernel(&dev, &kernel_name(OP, "adamw", moments)?)?;
     let dtype = state.dtype();
     let data = match state.as_cuda_slice_mut::<f32>() {
         Ok(d) => d,
         Err(_) => bail!("{OP}: expected an f32 state, got {dtype:?}"),
     };
-    let mut st = data.slice_mut(a..b); // [3 n]
+    let mut st = data.slice_mut(a..b); // [words]
     let stream = dev.cuda_stream();
     let n_u = n as u64;
     for (start, len, keep) in merged.into_iter().filter(|r| r.1 > 0) {
@@ -249,20 +260,27 @@ pub fn adamw(
             .arg(&s.step_size)
             .arg(&s.inv_sqrt_bc2);
         builder.arg(&s.eps).arg(&s.grad_scale).arg(&keep);
-        // SAFETY: matches `adamw(float*, const float*, u64, u64, u64, float × 7)`; the kernel
-        // touches indices start + i < start + len <= n of grad ([n]) and of the three [n]
-        // sections of state ([3 n]).
+        // SAFETY: matches `adamw_{f32,bf16}(float*, const float*, u64, u64, u64, float × 7)`;
+        // the kernel touches indices start + i < start + len <= n of grad ([n]), of the master
+        // weights (the first n words) and of the two [n] moment arrays after them, which end
+        // at word n + 2 n · size(moments) / 4 = `words` (checked above).
         unsafe { builder.launch(elementwise(len)) }.w()?;
     }
     Ok(())
 }
 
-/// `Σ x²` of a contiguous f32 buffer, accumulated in f64; returns a one-element f64 storage.
-pub fn sum_squares(x: &CudaStorage, xl: &Layout) -> Result<CudaStorage> {
+/// `Σ x²` of a contiguous f32 buffer, accumulated in f64, its words read as elements of
+/// `elems` (f32, or bf16 two to a word: the optimizer's packed moments); returns a one-element
+/// f64 storage.
+pub fn sum_squares(x: &CudaStorage, xl: &Layout, elems: DType) -> Result<CudaStorage> {
     const OP: &str = "sum-squares";
     let dev = x.device();
-    let xv = view::<f32>(OP, "buffer", x, xl)?; // [n]
-    let n = xv.len();
+    let xv = view::<f32>(OP, "buffer", x, xl)?; // [words]
+    let n = match elems {
+        DType::F32 => xv.len(),
+        DType::BF16 => 2 * xv.len(),
+        d => bail!("{OP}: elements of dtype {d:?} (f32 or bf16 are supported)"),
+    };
     let blocks = n.div_ceil(SUM_THREADS as usize).clamp(1, SUM_BLOCKS);
     let (n_u, blocks_i) = (n as u64, blocks as i32);
     // [blocks]; SAFETY: stage 1 writes one partial per block.
@@ -270,11 +288,12 @@ pub fn sum_squares(x: &CudaStorage, xl: &Layout) -> Result<CudaStorage> {
     // [1]; SAFETY: stage 2 writes the single result.
     let mut out = unsafe { alloc::<f64>(dev, 1) }?;
     let stream = dev.cuda_stream();
-    let f = kernel(dev, "sum_squares_partial")?;
+    let f = kernel(dev, &kernel_name(OP, "sum_squares_partial", elems)?)?;
     let mut builder = stream.launch_builder(&f);
     builder.arg(&xv).arg(&n_u).arg(&mut partial);
-    // SAFETY: matches `sum_squares_partial(const float*, u64, double*)`; reads indices `i < n`,
-    // block `b < blocks` writes partial[b].
+    // SAFETY: matches `sum_squares_partial_{f32,bf16}(const T*, u64, double*)`; reads elements
+    // `i < n` of the buffer's `n` f32 or bf16 elements (its bytes), block `b < blocks` writes
+    // partial[b].
     unsafe { builder.launch(grid(blocks, SUM_THREADS, 0)) }.w()?;
     let f = kernel(dev, "sum_squares_final")?;
     let mut builder = stream.launch_builder(&f);

@@ -1,0 +1,108 @@
+//! Check 2: the optimizer's flat-buffer kernels (gradient accumulation, the AdamW update with
+//! fp32 and bf16 moments, sums of squares, the fused weight-gradient product) on the device
+//! against the CPU.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+
+use super::{op_tolerance, randn, rel_error, Check};
+use crate::optim::kernels::{add_into, add_product_into, sum_squares, sum_squares_of, AdamWStep};
+
+/// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
+pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
+    let n = 10_007;
+    let mut checks = Vec::new();
+    let grad = randn(&[n], 21)?.to_dtype(DType::F32)?;
+    let master = randn(&[n], 22)?.to_dtype(DType::F32)?;
+    let moments = randn(&[2 * n], 27)?.abs()?;
+    // The state words of each moment dtype: f32 moments, or bf16 ones two to a word.
+    let state_of = |dtype: DType| -> Result<Tensor> {
+        let words = match dtype {
+            DType::BF16 => {
+                let m = moments.to_dtype(DType::BF16)?.to_vec1::<half::bf16>()?;
+                Tensor::new(bytemuck::cast_slice::<half::bf16, f32>(&m), &Device::Cpu)?
+            }
+            _ => moments.to_dtype(DType::F32)?,
+        };
+        Ok(Tensor::cat(&[&master, &words], 0)?)
+    };
+    let run = |dev: &Device| -> Result<(Tensor, Vec<Tensor>, [f64; 2])> {
+        let acc = randn(&[n], 23)?.to_dtype(DType::F32)?.to_device(dev)?;
+        add_into(&acc, &grad.to_dtype(DType::BF16)?.to_device(dev)?)?;
+        let mut states = Vec::new();
+        for dtype in [DType::F32, DType::BF16] {
+            let st = state_of(dtype)?.to_device(dev)?;
+            let op = AdamWStep {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                step: 3,
+                grad_scale: 0.5,
+                decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
+                moments: dtype,
+            };
+            st.inplace_op2(&grad.to_device(dev)?, &op)?;
+            states.push(st);
+        }
+        let packed = sum_squares_of(&states[1].narrow(0, n, n)?, DType::BF16)?;
+        Ok((acc.clone(), states, [sum_squares(&acc)?, packed]))
+    };
+    let (acc_d, st_d, ss_d) = run(device)?;
+    let (acc_c, st_c, ss_c) = run(&Device::Cpu)?;
+    let exact = 1e-6;
+    checks.push(Check {
+        name: "add_into (bf16 gradient into f32)".into(),
+        error: rel_error(&acc_d, &acc_c)?,
+        tolerance: exact,
+    });
+    checks.push(Check {
+        name: "adamw step".into(),
+        error: rel_error(&st_d[0], &st_c[0])?,
+        tolerance: exact,
+    });
+    // bf16 moments: the master weights as above, the packed moments' words bit for bit.
+    let differing = |a: &Tensor, b: &Tensor| -> Result<f64> {
+        let (a, b) = (a.to_vec1::<f32>()?, b.to_vec1::<f32>()?);
+        let bad = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits());
+        Ok(bad.count() as f64 / a.len().max(1) as f64)
+    };
+    checks.push(Check {
+        name: "adamw step, bf16 moments".into(),
+        error: rel_error(&st_d[1].narrow(0, 0, n)?, &st_c[1].narrow(0, 0, n)?)?.max(differing(
+            &st_d[1].narrow(0, n, n)?,
+            &st_c[1].narrow(0, n, n)?,
+        )?),
+        tolerance: exact,
+    });
+    for (i, what) in ["sum_squares", "sum_squares of packed bf16"]
+        .iter()
+        .enumerate()
+    {
+        checks.push(Check {
+            name: what.to_string(),
+            error: (ss_d[i] - ss_c[i]).abs() / ss_c[i],
+            tolerance: 1e-12,
+        });
+    }
+    // A weight gradient's product accumulated into the buffer, against f64 on the CPU from the
+    // same (rounded) values. Sums of 1000 products in f32: 1e-5. bf16 factors on the CPU take
+    // the unfused path, whose product is rounded to bf16 before it is added (op tolerance).
+    let (rows, out, inp) = (1000, 96, 80);
+    for dtype in [DType::F32, DType::BF16] {
+        let acc = randn(&[out * inp], 24)?.to_dtype(DType::F32)?;
+        let g = randn(&[rows, out], 25)?.to_dtype(dtype)?;
+        let x = randn(&[rows, inp], 26)?.to_dtype(dtype)?;
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64);
+        let want = (f64s(&acc)? + f64s(&g)?.t()?.matmul(&f64s(&x)?)?.flatten_all()?)?;
+        let got = acc.to_device(device)?; // the same storage as `acc` on the CPU
+        add_product_into(&got, &g.to_device(device)?, &x.to_device(device)?)?;
+        let fused = device.is_cuda() || dtype == DType::F32;
+        checks.push(Check {
+            name: format!("add_product_into ({dtype:?} factors into f32)"),
+            error: rel_error(&got.to_dtype(DType::F64)?, &want)?,
+            tolerance: if fused { 1e-5 } else { op_tolerance(dtype) },
+        });
+    }
+    Ok(checks)
+}
