@@ -504,3 +504,39 @@ fn optimizer_state_dtype_is_fp32_by_default_and_names_bad_values() {
         "optimizer.state_dtype: unknown variant `fp16`, expected one of `f32`, `fp32`, `bf16`",
     );
 }
+
+#[test]
+fn recompute_modules_apply_to_selective_recompute_only() {
+    use model::{Recompute, Recomputed};
+    let read = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        load(Path::new(TINY), &o).unwrap().train
+    };
+    let t = read(&["train.recompute=selective"]);
+    assert_eq!(t.recompute, Recompute::Selective);
+    let want = Recomputed {
+        layernorm: true,
+        mlp_act: true,
+        moe_act: true,
+        core_attn: false,
+    };
+    assert_eq!(t.recomputed(), want);
+    let t = read(&["train.recompute=selective,train.recompute_modules=[core_attn]"]);
+    assert!(t.recomputed().core_attn && !t.recomputed().layernorm);
+    assert_eq!(
+        read(&["train.recompute=full"]).recomputed(),
+        Recomputed::default()
+    );
+    assert_err(
+        &["train.recompute_modules=[layernorm]"],
+        "train.recompute_modules is set but train.recompute is none",
+    );
+    assert_err(
+        &["train.recompute=selective,train.recompute_modules=[]"],
+        "train.recompute_modules is empty",
+    );
+    assert_err(
+        &["train.recompute=selective,train.recompute_modules=[mlp]"],
+        "unknown variant `mlp`, expected one of `layernorm`, `mlp_act`, `moe_act`, `core_attn`",
+    );
+}

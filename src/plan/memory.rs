@@ -18,11 +18,14 @@
 //! | embedding | the ids it looked up (u32), and under TP the ownership mask `[n]` |
 //!
 //! Under `recompute: full` a block keeps only its input, and its backward rebuilds the tape above
-//! while it runs.
+//! while it runs. Under `recompute: selective` a block's tape leaves out `train.recompute_modules`
+//! (`layernorm`: both norms' `[n, h]`; `mlp_act`: the SwiGLU `n · f / t`; `moe_act`: the experts'
+//! SwiGLU; `core_attn`: the attention output and its log-sum-exp), which its backward rebuilds
+//! and holds as a temporary.
 
 use model::llama::{BlockTape, EmbeddingTape, HeadTape};
 use model::segment::TapeShape;
-use model::{Inventory, Piece, Recompute};
+use model::{Inventory, Piece, Recompute, Recomputed};
 use parallel::pipeline::{build, Action, ScheduleKind};
 use serde::Serialize;
 
@@ -105,7 +108,15 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         p,
         h: c.hidden_size as u64,
         ring: par.cp > 1,
+        recomputed: train.recomputed(),
     };
+    // What `recompute: selective` leaves out of a block's tape is rebuilt inside its backward
+    // and held there, a temporary of that backward.
+    let whole = TapeShape {
+        recomputed: Recomputed::default(),
+        ..shapes
+    };
+    let rebuilt = |i: usize| BlockTape::bytes(c, &whole, i) - BlockTape::bytes(c, &shapes, i);
     // Schedules repeat their steady state: the peak is reached within the first 2·pp
     // micro-batches (a multiple of pp, as interleaving needs).
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
@@ -131,7 +142,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                         * (2 * n * shapes.h
                             + 3 * rows
                             + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
-                                / shapes.t),
+                                / shapes.t)
+                        + rebuilt(i),
                 }
             }
             Piece::Block(i) => PieceActs {
@@ -143,7 +155,8 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                     * (2 * n * shapes.h
                         + 3 * n * c.intermediate_size as u64 / shapes.t
                         + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
-                            / shapes.t),
+                            / shapes.t)
+                    + rebuilt(i),
             },
             Piece::Head => PieceActs {
                 tape: HeadTape::bytes(c, &shapes),
@@ -274,7 +287,8 @@ fn peak_activations(
     let kept = |c: usize, i: usize| -> u64 {
         let a = acts[c][i];
         match recompute.for_piece(chunks[c][i]) {
-            Recompute::None => a.tape + a.input,
+            // Under `selective` the tape's bytes already leave the recomputed modules out.
+            Recompute::None | Recompute::Selective => a.tape + a.input,
             Recompute::Full => a.input,
         }
     };

@@ -43,7 +43,7 @@ pub struct Layout {
     pub zero: parallel::dp::ZeroStage,
     /// Sequences per micro-batch.
     pub micro_batch: usize,
-    /// Activation recompute.
+    /// Activation recompute (`selective` with the recipe's `recompute_modules`).
     pub recompute: model::Recompute,
     /// Element type of the AdamW moments.
     pub state_dtype: StateDtype,
@@ -84,6 +84,9 @@ impl Layout {
         }
         r.train.micro_batch = self.micro_batch;
         r.train.recompute = self.recompute;
+        if self.recompute != model::Recompute::Selective {
+            r.train.recompute_modules = None; // they name what only `selective` recomputes
+        }
         r.optimizer.state_dtype = self.state_dtype;
         r
     }
@@ -107,6 +110,7 @@ impl std::fmt::Display for Layout {
         }
         let rc = match self.recompute {
             model::Recompute::None => "",
+            model::Recompute::Selective => " rc:sel",
             model::Recompute::Full => " rc",
         };
         write!(f, " z{} mb{}{rc}", self.zero, self.micro_batch)?;

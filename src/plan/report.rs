@@ -101,8 +101,7 @@ fn lever_overrides(from: &super::Layout, to: &super::Layout) -> Vec<String> {
         out.push(format!("parallel.zero={}", to.zero));
     }
     if from.recompute != to.recompute {
-        let rc = serde_json::to_value(to.recompute).unwrap_or_default();
-        out.push(format!("train.recompute={}", rc.as_str().unwrap_or("?")));
+        out.push(format!("train.recompute={}", to.recompute));
     }
     if from.state_dtype != to.state_dtype {
         out.push(format!("optimizer.state_dtype={}", to.state_dtype));

@@ -2,7 +2,8 @@
 //! pipeline depth and interleaving the layer count allows, data parallelism over the rest
 //! (split by expert parallelism for a mixture-of-experts model), with or without sequence
 //! parallelism, every ZeRO stage, every micro-batch size dividing the
-//! per-rank batch, with and without recompute, with fp32 or bf16 AdamW moments. The recipe's own
+//! per-rank batch, with recompute none, selective (the recipe's modules) or full, with fp32 or
+//! bf16 AdamW moments. The recipe's own
 //! validation decides what is valid; each candidate is planned and those that fit are ranked by
 //! throughput. bf16 moments are a lever, not a preference: a layout is planned with them only
 //! where it does not fit with fp32 moments. [`cheapest_fit`] varies only the memory levers of the
@@ -13,6 +14,9 @@ use parallel::dp::ZeroStage;
 
 use super::{plan, Hardware, Layout, Plan};
 use crate::recipe::{Recipe, StateDtype};
+
+/// The recompute modes searched.
+const RECOMPUTE: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
 
 /// The plan of `layout` applied to `r`, if the recipe it makes is valid.
 fn planned(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
@@ -48,7 +52,7 @@ pub fn cheapest_fit(r: &Recipe, hw: &Hardware) -> Option<Plan> {
         .into_iter()
         .filter(|z| !z.shards_optimizer() || shardable);
     stages
-        .flat_map(|zero| [Recompute::None, Recompute::Full].map(|rc| (zero, rc)))
+        .flat_map(|zero| RECOMPUTE.map(|rc| (zero, rc)))
         .filter_map(|(zero, recompute)| {
             let layout = Layout {
                 zero,
@@ -105,7 +109,7 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                     let stages = ZeroStage::ALL.into_iter();
                     for zero in stages.filter(|z| !z.shards_optimizer() || dp * cp > 1) {
                         for micro_batch in divisors(per_rank) {
-                            for recompute in [Recompute::None, Recompute::Full] {
+                            for recompute in RECOMPUTE {
                                 let layout = Layout {
                                     dp,
                                     tp,

@@ -7,7 +7,7 @@
 //! parallelism's communication terms come from its folder of `crates/parallel/src/`
 //! (`register.rs`); this file combines them with the compute.
 
-use model::{LlamaConfig, Piece, Recompute};
+use model::{LlamaConfig, Piece, Recompute, Recomputed};
 use parallel::cp::register::Context;
 use parallel::dp::register::{Data, SyncSizes};
 use parallel::ep::register::Expert;
@@ -105,7 +105,8 @@ impl Model<'_> {
     /// A decoder block; `moe`: with a mixture-of-experts feed-forward part (the router, and
     /// each token's `k` experts as GEMMs over `n · k` rows: the grouped rows of an expert run as
     /// one GEMM, so the sum over experts is one GEMM's worth of rows).
-    fn block(&self, recompute: Recompute, moe: bool) -> Cost {
+    /// `recomputed`: what `recompute: selective` rebuilds in the backward.
+    fn block(&self, recompute: Recompute, recomputed: Recomputed, moe: bool) -> Cost {
         let c = self.c;
         let (n, t, p) = (self.n, self.t, self.p);
         let h = c.hidden_size as f64;
@@ -152,6 +153,26 @@ impl Model<'_> {
         if recompute == Recompute::Full {
             bwd += fwd;
             tp_all += tp;
+        }
+        // Selective: the norms (memory-bound, and with sequence parallelism the all-gathers
+        // before the projections again), the SwiGLU (reads gate and up, writes its output), or
+        // one more attention forward.
+        let r = recomputed;
+        if r.layernorm {
+            bwd += self.memory(p * 4.0 * n * h);
+            if self.ns < n {
+                bwd += tp;
+                tp_all += tp;
+            }
+        }
+        if r.mlp_act && !moe {
+            bwd += self.memory(p * 3.0 * n * c.intermediate_size as f64 / t);
+        }
+        if let (true, true, Some(m)) = (r.moe_act, moe, c.moe()) {
+            bwd += self.memory(p * 3.0 * self.ns * (m.top_k * m.expert_size) as f64);
+        }
+        if r.core_attn {
+            bwd += attn + ring_fwd;
         }
         Cost {
             fwd,
@@ -237,8 +258,8 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         ep_bw: group_bandwidth(hw, par.ep, tp * cp),
     };
     let (dense, moe) = (
-        model.block(tr.recompute, false),
-        model.block(tr.recompute, true),
+        model.block(tr.recompute, tr.recomputed(), false),
+        model.block(tr.recompute, tr.recomputed(), true),
     );
     let (head, embedding) = (model.head(), model.embedding());
     // Pipeline neighbours are tp · cp · dp ranks apart.

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use model::{AttentionBackend, Recompute};
+use model::{AttentionBackend, Recompute, RecomputeModule, Recomputed};
 use serde::{Deserialize, Serialize};
 
 /// Element type of parameters and activations.
@@ -73,9 +73,17 @@ pub struct TrainConfig {
     /// Clip the global gradient norm to this value; 0 disables clipping.
     #[serde(default = "default_clip")]
     pub grad_clip: f64,
-    /// Activation recompute: `none` keeps every layer's activations, `full` keeps only layer inputs.
+    /// Activation recompute: `none` keeps every layer's activations, `selective` keeps them
+    /// without `recompute_modules` (recomputed in each block's backward), `full` keeps only
+    /// layer inputs.
     #[serde(default)]
     pub recompute: Recompute,
+    /// What `recompute: selective` recomputes: `layernorm` (both norms' outputs), `mlp_act`
+    /// (the dense MLP's SwiGLU), `moe_act` (the experts' SwiGLU), `core_attn` (attention's
+    /// output, one more attention forward per backward). Default: `[layernorm, mlp_act,
+    /// moe_act]`, the cheap, memory-heavy ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_modules: Option<Vec<RecomputeModule>>,
     /// Removed: every piece has one forward and its hand-written backward (autograd over the same
     /// ops is the tests' reference, not a training mode). Read only to refuse it with the reason.
     #[serde(default, skip_serializing)]
@@ -120,6 +128,16 @@ impl TrainConfig {
             (None, DeviceKind::Cuda) => AttentionBackend::Cudnn,
             (None, DeviceKind::Cpu) => AttentionBackend::Own,
         }
+    }
+
+    /// What blocks leave out of their tapes: `recompute_modules` (or the default set) under
+    /// `recompute: selective`, nothing otherwise.
+    pub fn recomputed(&self) -> Recomputed {
+        let modules = self
+            .recompute_modules
+            .as_deref()
+            .unwrap_or(&RecomputeModule::DEFAULT);
+        Recomputed::of(self.recompute, modules)
     }
 }
 

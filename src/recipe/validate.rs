@@ -4,7 +4,7 @@
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
 use super::{DeviceKind, LrCurve, Recipe};
-use model::AttentionBackend;
+use model::{AttentionBackend, Recompute};
 use parallel::dp::ZeroStage;
 use parallel::register::Dims;
 
@@ -243,6 +243,18 @@ impl Recipe {
                  project's kernels run: `own`, or leave train.attention unset)"
                     .into(),
             );
+        }
+        match (&t.recompute_modules, t.recompute) {
+            (Some(m), Recompute::Selective) if m.is_empty() => p.push(
+                "train.recompute_modules is empty: name what `recompute: selective` recomputes \
+                 (layernorm, mlp_act, moe_act, core_attn), or use train.recompute: none"
+                    .into(),
+            ),
+            (Some(_), r) if r != Recompute::Selective => p.push(format!(
+                "train.recompute_modules is set but train.recompute is {r}: the modules apply \
+                 only to train.recompute: selective"
+            )),
+            _ => {}
         }
         if t.eval_interval > 0 && t.eval_batches == 0 {
             p.push("train.eval_batches must be positive when train.eval_interval is set".into());

@@ -118,7 +118,7 @@ pub struct RankState {
 /// The model a rank of `recipe` starts from: at ZeRO stage 3 declared without parameter values
 /// (its shards come from [`rank_state`], and a piece's full parameters are installed only while
 /// it runs, so the unsharded model is never held), else built with the recipe's seed; attention
-/// runs on the recipe's backend (`train.attention`).
+/// runs on the recipe's backend (`train.attention`) and blocks keep what `train.recompute` says.
 pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     let (c, t) = (&recipe.model, &recipe.train);
     let placement = ctx.placement(c.num_hidden_layers);
@@ -131,6 +131,7 @@ pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     let backend = t.attention_backend();
     crate::device::prepare_attention(backend)?;
     model.set_attention_backend(backend);
+    model.set_recomputed(t.recomputed());
     Ok(model)
 }
 

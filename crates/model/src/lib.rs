@@ -16,4 +16,4 @@ pub use inventory::{Inventory, ParamDecl};
 pub use llama::{Llama, Piece, Placement, Tape, Targets};
 pub use ops::AttentionBackend;
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
-pub use segment::Recompute;
+pub use segment::{Recompute, RecomputeModule, Recomputed};

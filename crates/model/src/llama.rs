@@ -113,6 +113,9 @@ pub struct Llama {
     expert_bias: BTreeMap<usize, Vec<f32>>,
     /// Which kernels run attention (the project's unless [`Llama::set_attention_backend`] says).
     attention: AttentionBackend,
+    /// What blocks leave out of their tapes for their backward to recompute (nothing unless
+    /// [`Llama::set_recomputed`] says).
+    recomputed: crate::Recomputed,
 }
 
 /// What a piece's forward keeps for its backward pass.
@@ -224,7 +227,14 @@ impl Llama {
             sin,
             expert_bias: BTreeMap::new(),
             attention: AttentionBackend::Own,
+            recomputed: crate::Recomputed::default(),
         })
+    }
+
+    /// Has blocks leave `recomputed` out of their tapes; their backward recomputes it
+    /// (`recompute: selective`). A new model keeps everything.
+    pub fn set_recomputed(&mut self, recomputed: crate::Recomputed) {
+        self.recomputed = recomputed;
     }
 
     /// Runs attention on `backend`'s kernels (see [`AttentionBackend`]); a new model runs the

@@ -26,8 +26,80 @@ pub enum Recompute {
     /// Keep the whole tape (all saved activations) until backward.
     #[default]
     None,
+    /// Keep the tape without the modules [`Llama::set_recomputed`](crate::Llama::set_recomputed)
+    /// names (`train.recompute_modules`); the block's backward recomputes them.
+    Selective,
     /// Keep only the segment's input; re-run its forward during backward.
     Full,
+}
+
+/// A part of a decoder block's tape that `recompute: selective` drops and the block's backward
+/// recomputes (Megatron's `--recompute-modules` names where they mean the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecomputeModule {
+    /// Both RMS norms' outputs as the projections read them (`[n, h]` each; under sequence
+    /// parallelism recomputing includes the all-gather). Cheap, memory-heavy.
+    Layernorm,
+    /// The dense MLP's SwiGLU output `[n, f/tp]`, from the kept gate and up projections.
+    MlpAct,
+    /// Each expert's SwiGLU output `[rows, f_e]`, from its kept gate and up projections.
+    MoeAct,
+    /// Attention's output and log-sum-exp, from the kept q, k, v: one more attention forward
+    /// (under context parallelism, one more ring) per backward.
+    CoreAttn,
+}
+
+impl RecomputeModule {
+    /// The modules recomputed when a recipe names none: the cheap, memory-heavy ones.
+    pub const DEFAULT: [RecomputeModule; 3] = [
+        RecomputeModule::Layernorm,
+        RecomputeModule::MlpAct,
+        RecomputeModule::MoeAct,
+    ];
+}
+
+/// The set of modules a block's forward drops from its tape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Recomputed {
+    /// [`RecomputeModule::Layernorm`].
+    pub layernorm: bool,
+    /// [`RecomputeModule::MlpAct`].
+    pub mlp_act: bool,
+    /// [`RecomputeModule::MoeAct`].
+    pub moe_act: bool,
+    /// [`RecomputeModule::CoreAttn`].
+    pub core_attn: bool,
+}
+
+impl Recomputed {
+    /// The modules dropped under `recompute` (only `selective` drops any) from `modules`.
+    pub fn of(recompute: Recompute, modules: &[RecomputeModule]) -> Self {
+        let mut r = Recomputed::default();
+        if recompute != Recompute::Selective {
+            return r;
+        }
+        for m in modules {
+            match m {
+                RecomputeModule::Layernorm => r.layernorm = true,
+                RecomputeModule::MlpAct => r.mlp_act = true,
+                RecomputeModule::MoeAct => r.moe_act = true,
+                RecomputeModule::CoreAttn => r.core_attn = true,
+            }
+        }
+        r
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    /// The recipe's name of the mode.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        })
+    }
 }
 
 impl Recompute {
@@ -85,6 +157,8 @@ pub struct TapeShape {
     pub h: u64,
     /// Attention is context parallelism's ring (whose output is kept in the model dtype).
     pub ring: bool,
+    /// What blocks drop from their tapes (`recompute: selective`).
+    pub recomputed: Recomputed,
 }
 
 impl TapeShape {
@@ -188,7 +262,8 @@ pub fn forward(
 ) -> Result<(Tensor, SegmentRun, Option<LayerStats>)> {
     let Forward { y, tape, moe } = model.forward(piece, x, targets)?;
     let tape = match recompute {
-        Recompute::None => Some(tape),
+        // Under `selective` the model already left the recomputed modules out of the tape.
+        Recompute::None | Recompute::Selective => Some(tape),
         Recompute::Full => None, // dropped here; the backward rebuilds it
     };
     let run = SegmentRun {

@@ -33,19 +33,18 @@ pub struct BlockTape {
     layer: usize,
     /// The block's input `[b, s(/tp), h]`.
     x: Tensor,
-    /// The input's norm as the projections read it `[b, s, h]`.
-    h: Tensor,
+    /// The input's norm as the projections read it `[b, s, h]` (`None`: recomputed).
+    h: Option<Tensor>,
     /// Rotated queries `[b, s, hq/tp, d]`.
     q: Tensor,
     /// Rotated keys `[b, s, hkv/tp, d]`.
     k: Tensor,
     /// Values `[b, s, hkv/tp, d]`.
     v: Tensor,
-    /// Attention's output `[b, s, hq/tp, d]`: in the kernel dtype on one context-parallel rank,
-    /// in the model dtype from the ring.
-    attn: Tensor,
-    /// Attention's log-sum-exp `[b, hq/tp, s]` (f32; f64 for f64).
-    lse: Tensor,
+    /// Attention's output `[b, s, hq/tp, d]` (in the kernel dtype on one context-parallel rank,
+    /// in the model dtype from the ring) and its log-sum-exp `[b, hq/tp, s]` (f32; f64 for
+    /// f64); `None`: recomputed.
+    attn: Option<(Tensor, Tensor)>,
     /// The residual stream after attention `[b, s(/tp), h]`.
     x1: Tensor,
     /// The feed-forward part's.
@@ -56,14 +55,14 @@ pub struct BlockTape {
 enum MlpTape {
     /// The dense SwiGLU MLP's.
     Dense {
-        /// The norm of the residual as the MLP reads it `[b, s, h]`.
-        h2: Tensor,
+        /// The norm of the residual as the MLP reads it `[b, s, h]` (`None`: recomputed).
+        h2: Option<Tensor>,
         /// Gate projection `[b, s, f/tp]`.
         gate: Tensor,
         /// Up projection `[b, s, f/tp]`.
         up: Tensor,
-        /// SwiGLU of the two `[b, s, f/tp]`.
-        act: Tensor,
+        /// SwiGLU of the two `[b, s, f/tp]` (`None`: recomputed).
+        act: Option<Tensor>,
     },
     /// The mixture of experts' (its input rows, the norm of the residual, included).
     Moe(Box<MoeTape>),
@@ -72,37 +71,47 @@ enum MlpTape {
 impl BlockTape {
     /// The bytes a tape of layer `layer` of model `c` keeps besides its input (dense: the
     /// attention half, the residual's norm as the MLP reads it `[n, h]`, and the MLP's gate, up
-    /// and SwiGLU outputs; MoE: the attention half and [`MoeTape::bytes`]).
+    /// and SwiGLU outputs; MoE: the attention half and [`MoeTape::bytes`]), without what
+    /// `s.recomputed` drops.
     pub fn bytes(c: &LlamaConfig, s: &TapeShape, layer: usize) -> u64 {
         if c.is_moe_layer(layer) {
             return Self::attention_bytes(c, s) + MoeTape::bytes(c, s);
         }
         let f = c.intermediate_size as u64;
-        Self::attention_bytes(c, s) + (s.n * s.h + 3 * s.n * f / s.t) * s.p
+        let r = &s.recomputed;
+        let h2 = if r.layernorm { 0 } else { s.n * s.h };
+        let act = if r.mlp_act { 0 } else { s.n * f / s.t };
+        Self::attention_bytes(c, s) + (h2 + 2 * s.n * f / s.t + act) * s.p
     }
 
     /// The attention half of a block's tape: the input's norm as the projections read it
     /// `[n, h]`, the rotated q and k, v, the attention output (in the kernel dtype, f32 for
     /// 16-bit models on the CPU, except from context parallelism's ring, which keeps the model
-    /// dtype) and its f32 log-sum-exp, and the residual stream after attention `[n_s, h]`.
+    /// dtype) and its f32 log-sum-exp, and the residual stream after attention `[n_s, h]`;
+    /// without what `s.recomputed` drops.
     fn attention_bytes(c: &LlamaConfig, s: &TapeShape) -> u64 {
         let (n, ns, t, p, h) = (s.n, s.ns, s.t, s.p, s.h);
         let (q, kv) = (
             c.q_dim() as u64,
             (c.num_key_value_heads * c.head_dim()) as u64,
         );
-        let elems = ns * h + n * h + n * (q + 2 * kv) / t;
+        let norm = if s.recomputed.layernorm { 0 } else { n * h };
+        let elems = ns * h + norm + n * (q + 2 * kv) / t;
         let attn = n * q / t * if s.upcast && !s.ring { 4 } else { p };
-        elems * p + attn + 4 * n * c.num_attention_heads as u64 / t
+        let core = attn + 4 * n * c.num_attention_heads as u64 / t;
+        elems * p + if s.recomputed.core_attn { 0 } else { core }
     }
 
     /// The tensors the tape keeps, its input included.
     pub fn tensors(&self) -> Vec<&Tensor> {
-        let mut kept = vec![
-            &self.x, &self.h, &self.q, &self.k, &self.v, &self.attn, &self.lse, &self.x1,
-        ];
+        let mut kept = vec![&self.x, &self.q, &self.k, &self.v, &self.x1];
+        kept.extend(&self.h);
+        kept.extend(self.attn.iter().flat_map(|(a, l)| [a, l]));
         match &self.mlp {
-            MlpTape::Dense { h2, gate, up, act } => kept.extend([h2, gate, up, act]),
+            MlpTape::Dense { h2, gate, up, act } => {
+                kept.extend([gate, up]);
+                kept.extend(h2.iter().chain(act));
+            }
             MlpTape::Moe(tape) => kept.extend(tape.tensors()),
         }
         kept
@@ -204,7 +213,14 @@ impl Llama {
                 let act = ops::swiglu(&gate, &up)?;
                 let down = linear(&act, &self.w(*down_proj)?)?;
                 let y = (&x1 + tp.exit(&down)?)?;
-                (y, MlpTape::Dense { h2, gate, up, act }, None)
+                let r = &self.recomputed;
+                let tape = MlpTape::Dense {
+                    h2: (!r.layernorm).then_some(h2),
+                    gate,
+                    up,
+                    act: (!r.mlp_act).then_some(act),
+                };
+                (y, tape, None)
             }
             MlpParams::Moe(m) => {
                 let parts = self.moe_parts(layer, m, aux_scale.is_some())?;
@@ -220,18 +236,20 @@ impl Llama {
                     aux_weight,
                 )?;
                 let y = (&x1 + out.reshape(normed.shape())?)?;
-                (y, MlpTape::Moe(Box::new(tape)), aux_scale.map(|_| stats))
+                let mut tape = Box::new(tape);
+                tape.forget(self.recomputed.layernorm, self.recomputed.moe_act);
+                (y, MlpTape::Moe(tape), aux_scale.map(|_| stats))
             }
         };
+        let r = &self.recomputed;
         let tape = BlockTape {
             layer,
             x,
-            h,
+            h: (!r.layernorm).then_some(h),
             q,
             k,
             v,
-            attn,
-            lse,
+            attn: (!r.core_attn).then_some((attn, lse)),
             x1,
             mlp,
         };
@@ -254,7 +272,6 @@ impl Llama {
             k,
             v,
             attn,
-            lse,
             x1,
             mlp,
         } = tape;
@@ -273,7 +290,16 @@ impl Llama {
                     down_proj,
                 },
             ) => {
-                // mlp = exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)).
+                // mlp = exit(swiglu(h2 gᵀ, h2 uᵀ) dᵀ), h2 = enter(norm(x1)); what the tape left
+                // out is recomputed by the forward's operations, so it is bit for bit the same.
+                let h2 = match h2 {
+                    Some(h2) => h2,
+                    None => tp.enter(&ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?)?,
+                };
+                let act = match act {
+                    Some(act) => act,
+                    None => ops::swiglu(&gate, &up)?,
+                };
                 let dd = tp.exit_grad(&dy)?; // [b, s, h]
                 let (dact, d_down) = projection_bwd(&act, &self.w(*down_proj)?, &dd)?; // [b, s, f/tp]
                 let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
@@ -283,7 +309,11 @@ impl Llama {
                 grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
                 ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?
             }
-            (MlpTape::Moe(tape), MlpParams::Moe(m)) => {
+            (MlpTape::Moe(mut tape), MlpParams::Moe(m)) => {
+                if tape.forgot_input() {
+                    let normed = ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?; // [b, s(/tp), h]
+                    tape.restore_input(normed.flatten_to(1)?);
+                }
                 let parts = self.moe_parts(layer, m, true)?;
                 let g = moe::backward(
                     *tape,
@@ -306,18 +336,21 @@ impl Llama {
         let dx1 = (&dy + dx1)?; // [b, s(/tp), h]
 
         // Attention: x1 = x + exit(attn(rope(h qᵀ), rope(h kᵀ), h vᵀ) oᵀ), h = enter(norm(x)).
+        let h = match h {
+            Some(h) => h,
+            None => tp.enter(&ops::rms_norm(&x, &w.norm1, c.rms_norm_eps)?)?, // [b, s, h]
+        };
         let (cos, sin, scale) = self.rope_and_scale(h.dim(1)?)?;
+        let kernels = ops::attention_kernels(self.attention);
+        let cp = &self.placement.cp;
+        let (attn, lse) = match attn {
+            Some(kept) => kept,
+            None => cp.attention(&q, &k, &v, scale, kernels)?,
+        };
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
         let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
-        let cp = &self.placement.cp;
-        let (dq, dk, dv) = cp.attention_bwd(
-            (&q, &k, &v),
-            (&attn, &lse),
-            &da,
-            scale,
-            ops::attention_kernels(self.attention),
-        )?;
+        let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), (&attn, &lse), &da, scale, kernels)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,

@@ -42,14 +42,14 @@ struct ExpertTape {
     /// Gate and up projections `[count, f]`.
     gate: Tensor,
     up: Tensor,
-    /// Their SwiGLU `[count, f]`.
-    act: Tensor,
+    /// Their SwiGLU `[count, f]` (`None`: recomputed, `moe_act`).
+    act: Option<Tensor>,
 }
 
 /// What the MoE layer's forward keeps for [`backward`].
 pub struct MoeTape {
-    /// The layer's input rows `[n, h]`.
-    x: Tensor,
+    /// The layer's input rows `[n, h]` (`None`: recomputed by the block, `layernorm`).
+    x: Option<Tensor>,
     /// Router probabilities `[n, E]` and log-sum-exps `[n]` (router dtype).
     probs: Tensor,
     lse: Tensor,
@@ -72,33 +72,55 @@ pub struct MoeTape {
 
 impl MoeTape {
     /// The bytes a MoE layer's tape keeps (model `c`, shapes `s`): the residual's norm as the
-    /// router reads it `[n_s, h]` (the tokens this rank routes), the router's probabilities
-    /// `[n_s, E]`, log-sum-exps, routing weights and expert shares (f32; f64 for f64), the
-    /// experts' outputs in slot order and the rows in expert order (those received with expert
-    /// parallelism, as many on average), and each expert's gate, up and SwiGLU outputs,
+    /// router reads it `[n_s, h]` (the tokens this rank routes; unless `layernorm` is
+    /// recomputed), the router's probabilities `[n_s, E]`, log-sum-exps, routing weights and
+    /// expert shares (f32; f64 for f64), the experts' outputs in slot order and the rows in
+    /// expert order (those received with expert parallelism, as many on average), and each
+    /// expert's gate, up and SwiGLU outputs (the SwiGLU unless `moe_act` is recomputed),
     /// `[n_s·k, ·]` each.
     pub fn bytes(c: &crate::LlamaConfig, s: &crate::segment::TapeShape) -> u64 {
         let Some(m) = c.moe() else { return 0 };
         let (ns, p, h) = (s.ns, s.p, s.h);
         let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
         let rows = ns * k;
-        (ns * h + 2 * rows * h + 3 * rows * fe) * p + s.acc() * (ns * e + ns + ns * k + e)
+        let norm = if s.recomputed.layernorm { 0 } else { ns * h };
+        let acts = if s.recomputed.moe_act { 2 } else { 3 };
+        (norm + 2 * rows * h + acts * rows * fe) * p + s.acc() * (ns * e + ns + ns * k + e)
     }
 
     /// The tensors the tape keeps alive (its input included).
     pub fn tensors(&self) -> Vec<&Tensor> {
-        let mut kept = vec![
-            &self.x,
-            &self.probs,
-            &self.lse,
-            &self.weights,
-            &self.yk,
-            &self.share,
-        ];
+        let mut kept = vec![&self.probs, &self.lse, &self.weights, &self.yk, &self.share];
+        kept.extend(&self.x);
         for e in self.experts.iter().flatten() {
-            kept.extend([&e.x, &e.gate, &e.up, &e.act]);
+            kept.extend([&e.x, &e.gate, &e.up]);
+            kept.extend(&e.act);
         }
         kept
+    }
+
+    /// Drops the layer's input rows (`input`) and the experts' SwiGLU outputs (`act`) from the
+    /// tape: the block's backward gives the rows back ([`MoeTape::restore_input`]) and
+    /// [`backward`] recomputes the SwiGLU from the kept gate and up projections.
+    pub fn forget(&mut self, input: bool, act: bool) {
+        if input {
+            self.x = None;
+        }
+        if act {
+            for e in self.experts.iter_mut().flatten() {
+                e.act = None;
+            }
+        }
+    }
+
+    /// Whether the input rows were dropped.
+    pub fn forgot_input(&self) -> bool {
+        self.x.is_none()
+    }
+
+    /// Gives back the input rows `[n, h]` the forward read (recomputed bit for bit).
+    pub fn restore_input(&mut self, x: Tensor) {
+        self.x = Some(x);
     }
 }
 
@@ -153,7 +175,7 @@ pub fn forward(
             x: xe,
             gate,
             up,
-            act,
+            act: Some(act),
         }));
     }
     let y_local = local_outputs(&outs, x_local)?; // [m, h]
@@ -163,7 +185,7 @@ pub fn forward(
 
     let l = losses(&probs, &lse, &plan, tp, layer)?;
     let tape = MoeTape {
-        x,
+        x: Some(x),
         probs,
         lse,
         weights,
@@ -205,6 +227,11 @@ pub fn backward(
         z_weight,
         norm_topk_prob,
     } = tape;
+    let x = x.ok_or_else(|| {
+        candle_core::Error::Msg(
+            "MoE backward: the tape's input rows were dropped and not restored".into(),
+        )
+    })?;
     let (n, h) = x.dims2()?;
     let (dt, rdt, dev) = (x.dtype(), router_dtype(x.dtype()), x.device());
     let dy = dy.to_dtype(dt)?.unsqueeze(1)?; // [n, 1, h]
@@ -226,7 +253,11 @@ pub fn backward(
             grads.push(None);
             continue;
         };
-        let (dact, d_w2) = projection_bwd(&t.act, &ex.w2, &dout)?; // [count, f]
+        let act = match t.act {
+            Some(act) => act,
+            None => ops::swiglu(&t.gate, &t.up)?, // as the forward computed it
+        };
+        let (dact, d_w2) = projection_bwd(&act, &ex.w2, &dout)?; // [count, f]
         let (dgate, dup) = ops::swiglu_bwd(&t.gate, &t.up, &dact)?;
         let (dx_up, d_w3) = projection_bwd(&t.x, &ex.w3, &dup)?; // [count, h]
         let (dx_gate, d_w1) = projection_bwd(&t.x, &ex.w1, &dgate)?;
