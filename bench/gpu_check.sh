@@ -12,6 +12,8 @@
 #   tiny-gpu  only the CUDA runs of `tiny` (to compare with an earlier CPU curve)
 #   ranks     the tiny recipe at tp 2 × dp 2 thread-ranks sharing the GPU against one rank on it
 #   zero3     the tiny recipe at dp 2 with ZeRO-3 (thread-ranks sharing the GPU) against one rank
+#   levers    the tiny recipe in bf16 with selective recompute of every module (must equal the
+#             run that keeps everything bit for bit) and with bf16 AdamW moments (close to it)
 #   moe       tiny-moe (50 steps) on CUDA in f32 and bf16 against the CPU (f32)
 #   long      tiny-long (cp 4: ring attention over thread-ranks sharing the GPU) on CUDA in f32
 #             and bf16 (the ring's blocks on cuDNN) against the CPU (f32)
@@ -34,7 +36,7 @@ cd "$(dirname "$0")/.."
 BIN=./pretrain
 if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 moe long attention bench profile)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long attention bench profile)
 if [ "${BIN%.xz}" != "$BIN" ]; then
   xz -dkf "$BIN" && BIN=${BIN%.xz} && chmod +x "$BIN" || { echo "gpu_check.sh: cannot unpack $BIN" >&2; exit 1; }
 fi
@@ -168,6 +170,16 @@ for p in "${PARTS[@]}"; do
       [ -f "$RUNS/tiny-cuda-f32/metrics.jsonl" ] || part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
       part zero3-dp2 tiny_run tiny-cuda-zero3 cuda f32 --set parallel.dp=2,parallel.zero=3
       part zero3-curve compare tiny-cuda-zero3 tiny-cuda-f32 1e-3
+      ;;
+    levers)
+      [ -f "$RUNS/tiny-cuda-bf16/metrics.jsonl" ] || part tiny-cuda-bf16 tiny_run tiny-cuda-bf16 cuda bf16
+      part selective-bf16 tiny_run tiny-cuda-selective cuda bf16 \
+        --set "train.recompute=selective,train.recompute_modules=[layernorm,mlp_act,core_attn]"
+      # Recomputing with the forward's own kernels changes nothing: any difference is a
+      # nondeterministic kernel.
+      part selective-curve compare tiny-cuda-selective tiny-cuda-bf16 0
+      part moments-bf16 tiny_run tiny-cuda-moments cuda bf16 --set optimizer.state_dtype=bf16
+      part moments-curve compare tiny-cuda-moments tiny-cuda-bf16 2e-2
       ;;
     moe)
       # Routing decisions flip with rounding, so MoE curves drift apart faster than dense ones.
