@@ -193,6 +193,15 @@ fn parallel_options_need_their_axis() {
         &["parallel.zero=4,parallel.dp=2"],
         "parallel.zero (4) must be 0, 1, 2 or 3",
     );
+    // R3-1: a shard size of 1 used to pass and fail at step 1 with an internal error.
+    for zero in 1..=3 {
+        assert_err(
+            &[&format!(
+                "parallel.zero={zero},parallel.dp=2,parallel.zero_shard_size=1"
+            )],
+            "parallel.zero_shard_size is 1, which shards nothing",
+        );
+    }
     assert_err(
         &["parallel.zero=2,parallel.dp=4,parallel.zero_shard_size=3"],
         "parallel.zero_shard_size (3) must divide parallel.dp × parallel.cp (4 × 1)",

@@ -225,6 +225,40 @@ fn nonfinite_gradients_halt_naming_rank_and_stage_or_are_skipped() {
     assert!(stderr(&o).contains("train.max_skips"), "{}", stderr(&o));
 }
 
+/// R3-6: without ZeRO a data-parallel replica whose gradients go bad after the all-reduce is the
+/// only one to see it; the guard still decides once for the whole job (the ranks used to call
+/// different collectives and fail with "does not match", a hang on NCCL).
+#[test]
+fn r3_6_one_replicas_nonfinite_gradients_get_one_job_wide_verdict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, set: &str| {
+        let mut cmd = pretrain(
+            &tmp.path().join(name),
+            &format!("train.steps=4,parallel.dp=2,parallel.zero=0,{set}"),
+        );
+        cmd.env("PRETRAIN_TEST_NAN_GRADS", "2:1");
+        output(cmd)
+    };
+    let o = run("skip", "train.on_nonfinite=skip");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(tmp.path().join("skip/metrics.jsonl")).unwrap();
+    let skipped: Vec<bool> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|r| r.get("skipped").is_some())
+        .collect();
+    assert_eq!(skipped, [false, true, false, false]);
+    let o = run("halt", "train.on_nonfinite=halt");
+    let e = stderr(&o);
+    assert!(
+        !o.status.success()
+            && e.contains("step 2:")
+            && e.contains("non-finite gradients on rank(s) 1"),
+        "{e}"
+    );
+    assert!(!e.contains("does not match"), "{e}");
+}
+
 #[test]
 fn an_update_that_overflows_the_parameters_is_never_checkpointed() {
     let tmp = tempfile::tempdir().unwrap();

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::{candidates, cheapest_fit, plan, GpuPreset, Hardware, MemoryBytes, Plan, GIB};
 use crate::cli::RecipeArgs;
+use crate::recipe::MAX_RANKS;
 
 /// Arguments of `pretrain plan`.
 #[derive(Debug, Args)]
@@ -180,6 +181,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let own = plan(&r, &hw).map_err(anyhow::Error::msg)?;
     let ranked = match args.gpus {
         Some(0) => bail!("--gpus must be at least 1"),
+        Some(n) if n > MAX_RANKS => bail!(
+            "--gpus {n} exceeds {MAX_RANKS}, the most ranks a recipe may have (parallel.dp × tp × \
+             cp × pp)"
+        ),
         Some(n) => Some(candidates(&r, &hw, n)),
         None => None,
     };

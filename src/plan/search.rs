@@ -134,8 +134,8 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
             }
         }
     }
-    // The recipe's own layout is always ranked, its moments' dtype as it is.
-    if !out.iter().any(|c| c.own) {
+    // The recipe's own layout on these GPUs is ranked with its moments' dtype as it is.
+    if own.dp * own.tp * own.cp * own.pp == gpus && !out.iter().any(|c| c.own) {
         if let Some(plan) = planned(r, hw, own) {
             out.push(Candidate { plan, own: true });
         }

@@ -15,6 +15,7 @@ pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, OptimizerConfig, Resume,
     ResumeChange, RunConfig, ScheduleConfig, StateDtype, TrainConfig, SPIKE_WINDOW,
 };
+pub use validate::MAX_RANKS;
 
 /// A complete training recipe. Every key of the YAML file maps to a documented field here or in
 /// the section types; unknown keys are errors.

@@ -128,8 +128,14 @@ impl Trainer {
         local: LocalNumbers,
     ) -> Result<Verdict> {
         let t = &self.recipe.train;
-        let problem = if !loss.is_finite() || !grad_norm.is_finite() {
-            let bad = self.ranks_where(&[!local.loss.is_finite(), !local.grad_sq.is_finite()])?;
+        // One decision for the whole job: whether any rank saw a non-finite loss or gradient is
+        // asked of every rank every step. The job-wide numbers are not enough: without ZeRO the
+        // norm is not reduced over data-parallel replicas (their gradients are equal after the
+        // all-reduce), so a replica whose gradients went bad afterwards (a faulty kernel, a bit
+        // flip) is the only one to see it, and deciding alone desynchronises the collectives.
+        let bad = self.ranks_where(&[!local.loss.is_finite(), !local.grad_sq.is_finite()])?;
+        let nonfinite = !loss.is_finite() || !grad_norm.is_finite();
+        let problem = if nonfinite || bad.iter().any(|r| !r.is_empty()) {
             let mut parts = Vec::new();
             if !bad[0].is_empty() {
                 parts.push(format!("non-finite loss on {}", self.describe(&bad[0])));

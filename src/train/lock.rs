@@ -5,7 +5,9 @@
 //! in any way, SIGKILL included; the file's text (pid, host, start time) only names the holder.
 //! A second run on the same directory is refused with that name. A lock file whose text names a
 //! holder but whose lock is free was left by a run that died: it is taken over, and the log says
-//! so. A run that ends normally empties the file.
+//! so. A run that ends normally empties the file. The lock file must be a regular file (a link
+//! planted in its place is refused, never followed), and only a bounded, printable part of its
+//! text is ever shown.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -15,6 +17,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use tracing::warn;
 
+use super::files::{open_regular, sanitized};
+
 /// Name of the lock file inside a locked directory.
 pub const LOCK_FILE: &str = "run.lock";
 
@@ -23,6 +27,13 @@ pub const LOCK_FILE: &str = "run.lock";
 pub struct RunLock {
     file: File,
     path: PathBuf,
+}
+
+/// The holder a lock file names, bounded and printable (whatever bytes it holds).
+fn holder_of(file: &mut File) -> String {
+    let mut bytes = Vec::new();
+    let _ = file.take(4096).read_to_end(&mut bytes);
+    sanitized(&bytes, 200)
 }
 
 /// This host's name, for naming a lock's holder.
@@ -42,19 +53,13 @@ impl RunLock {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating {what} {}", dir.display()))?;
         let path = dir.join(LOCK_FILE);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .with_context(|| format!("opening the lock file {}", path.display()))?;
-        let mut holder = String::new();
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        let mut file = open_regular(&path, &mut options, "the lock file")?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
-                let _ = file.read_to_string(&mut holder);
-                let holder = holder.trim();
+                let holder = holder_of(&mut file);
                 bail!(
                     "{what} {} is in use by another run ({}); wait for it to end or choose \
                      another {what}",
@@ -62,7 +67,7 @@ impl RunLock {
                     if holder.is_empty() {
                         format!("lock {}", path.display())
                     } else {
-                        holder.to_string()
+                        holder
                     }
                 );
             }
@@ -70,13 +75,11 @@ impl RunLock {
                 return Err(e).with_context(|| format!("locking {}", path.display()))
             }
         }
-        file.read_to_string(&mut holder)
-            .with_context(|| format!("reading {}", path.display()))?;
-        if !holder.trim().is_empty() {
+        let holder = holder_of(&mut file);
+        if !holder.is_empty() {
             warn!(
-                "{what} {}: taking over the lock of a run that ended without releasing it ({})",
+                "{what} {}: taking over the lock of a run that ended without releasing it ({holder})",
                 dir.display(),
-                holder.trim()
             );
         }
         let since = SystemTime::now()

@@ -150,17 +150,12 @@ impl Metrics {
                     "{}: removed {dropped} record(s) after step {start}, which this run (re)does",
                     path.display()
                 );
-                let tmp = dir.join("metrics.jsonl.tmp");
-                std::fs::write(&tmp, kept)
-                    .and_then(|_| std::fs::rename(&tmp, &path))
-                    .with_context(|| format!("rewriting {}", path.display()))?;
+                super::files::write_replacing(&path, kept.as_bytes())?;
             }
         }
-        let f = File::options()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
+        let mut options = File::options();
+        options.create(true).append(true);
+        let f = super::files::open_regular(&path, &mut options, "the metrics log")?;
         Ok(Self {
             out: BufWriter::new(f),
             dir: dir.to_path_buf(),
@@ -182,17 +177,18 @@ impl Metrics {
     }
 
     fn line<T: Serialize>(&mut self, r: &T) -> Result<()> {
-        serde_json::to_writer(&mut self.out, r)?;
-        self.out.write_all(b"\n")?;
-        self.out.flush()?;
-        Ok(())
+        let mut line = serde_json::to_vec(r)?;
+        line.push(b'\n');
+        self.out
+            .write_all(&line)
+            .and_then(|_| self.out.flush())
+            .with_context(|| format!("writing {}", self.dir.join("metrics.jsonl").display()))
     }
 
     /// Writes `loss.svg` with the training and validation curves.
     pub fn plot(&self) -> Result<()> {
         let path = self.dir.join("loss.svg");
-        std::fs::write(&path, loss_svg(&self.train, &self.valid))
-            .with_context(|| format!("writing {}", path.display()))
+        super::files::write_replacing(&path, loss_svg(&self.train, &self.valid).as_bytes())
     }
 }
 

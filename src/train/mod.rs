@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod clock;
+pub mod files;
 pub mod guard;
 pub mod hooks;
 pub mod lock;
@@ -143,8 +144,7 @@ impl Trainer {
         let write = write_outputs && ctx.is_main();
         if write {
             let path = recipe.run.dir.join("recipe.yaml");
-            std::fs::write(&path, serde_yaml::to_string(&recipe)?)
-                .with_context(|| format!("writing {}", path.display()))?;
+            files::write_replacing(&path, serde_yaml::to_string(&recipe)?.as_bytes())?;
         }
         let mut trainer = Self {
             recipe,

@@ -92,6 +92,12 @@ impl Parallelism for Data {
         if let Some(n) = c.zero_shard_size {
             if !c.zero.shards_optimizer() {
                 p.push("parallel.zero_shard_size needs parallel.zero >= 1".into());
+            } else if n == 1 {
+                p.push(
+                    "parallel.zero_shard_size is 1, which shards nothing: use parallel.zero: 0 \
+                     (plain replication), or a size of at least 2"
+                        .into(),
+                );
             } else if n == 0 || !c.grad_ranks().is_multiple_of(n) {
                 p.push(format!(
                     "parallel.zero_shard_size ({n}) must divide parallel.dp × parallel.cp ({} × {})",

@@ -1,0 +1,119 @@
+//! How a run writes the files of its directories without following links planted there: in a
+//! shared runs directory another user could replace `recipe.yaml`, `loss.svg`, `metrics.jsonl` or
+//! `run.lock` with a symbolic link to a file of the user running the job, which would then be
+//! overwritten or truncated. Whole files are written to a fresh temporary file and renamed over
+//! the name (a rename replaces a link, never its target); files kept open (the metrics log, the
+//! lock) are opened with `O_NOFOLLOW` and must be regular files.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+/// Writes `bytes` as `path`, replacing whatever is there (a link included) by rename.
+pub fn write_replacing(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp); // a leftover of a run with this pid that died
+    let written = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(bytes));
+    let done = written.and_then(|_| std::fs::rename(&tmp, path));
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done.with_context(|| format!("writing {}", path.display()))
+}
+
+/// Opens `path` with `options` without following a link, and checks it is a regular file.
+pub fn open_regular(path: &Path, options: &mut OpenOptions, what: &str) -> Result<File> {
+    let file = match options.custom_flags(libc::O_NOFOLLOW).open(path) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => bail!(
+            "{what} {} is a symbolic link; a run writes only regular files it owns: remove the \
+             link",
+            path.display()
+        ),
+        Err(e) => return Err(e).with_context(|| format!("opening {what} {}", path.display())),
+    };
+    let meta = file
+        .metadata()
+        .with_context(|| format!("reading {what} {}", path.display()))?;
+    if !meta.is_file() {
+        bail!(
+            "{what} {} is not a regular file; remove it or choose another directory",
+            path.display()
+        );
+    }
+    Ok(file)
+}
+
+/// At most `max` characters of `bytes` for a message: printable ASCII kept, anything else `?`.
+pub fn sanitized(bytes: &[u8], max: usize) -> String {
+    let bytes = bytes.trim_ascii();
+    let mut s: String = bytes
+        .iter()
+        .take(max)
+        .map(|&b| match b {
+            b' '..=b'~' => b as char,
+            _ => '?',
+        })
+        .collect();
+    if bytes.len() > max {
+        s.push('…');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replacing_a_link_leaves_its_target_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("precious.txt");
+        std::fs::write(&target, "precious data").unwrap();
+        let link = tmp.path().join("recipe.yaml");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        write_replacing(&link, b"new").unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious data");
+        assert_eq!(std::fs::read_to_string(&link).unwrap(), "new");
+        assert!(!std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert_eq!(left.len(), 2, "no temporary file is left");
+    }
+
+    #[test]
+    fn links_and_other_non_regular_files_are_refused_by_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("t");
+        std::fs::write(&target, "x").unwrap();
+        let link = tmp.path().join("run.lock");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let mut o = OpenOptions::new();
+        o.read(true).write(true).create(true).truncate(false);
+        let e = format!(
+            "{:#}",
+            open_regular(&link, &mut o, "the lock file").unwrap_err()
+        );
+        assert!(e.contains("is a symbolic link"), "{e}");
+        let e = format!(
+            "{:#}",
+            open_regular(tmp.path(), &mut o, "the lock file").unwrap_err()
+        );
+        assert!(e.contains("the lock file"), "{e}");
+    }
+
+    #[test]
+    fn messages_get_bounded_printable_text() {
+        assert_eq!(sanitized(b"pid 1 on h\n", 100), "pid 1 on h");
+        assert_eq!(sanitized(&[0xff, b'a', 0x1b], 100), "?a?");
+        assert_eq!(sanitized(&[b'x'; 300], 4), "xxxx…");
+    }
+}

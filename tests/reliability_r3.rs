@@ -1,0 +1,98 @@
+//! Regression tests of the 2026-11-26 reliability probe's defects (R3-n, each named in its
+//! test), through the binary.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
+                    train.micro_batch=4,run.log_interval=1";
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pretrain"))
+}
+
+fn train(dir: &Path, set: &str) -> Output {
+    bin()
+        .args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!("{BASE},run.dir={},{set}", dir.display()))
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// R3-5: files of the run directory planted as symbolic links are never written through: a
+/// linked `run.lock` is refused (its target neither shown nor truncated), linked `recipe.yaml`
+/// and `loss.svg` are replaced, their targets untouched.
+#[test]
+fn r3_5_run_files_are_not_written_through_links() {
+    let tmp = tempfile::tempdir().unwrap();
+    let precious = tmp.path().join("precious.txt");
+    std::fs::write(&precious, "precious data").unwrap();
+    let dir = tmp.path().join("run");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::symlink(&precious, dir.join("run.lock")).unwrap();
+    let o = train(&dir, "train.steps=2");
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("is a symbolic link"), "{}", text(&o));
+    assert!(!text(&o).contains("precious data"), "{}", text(&o));
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "precious data");
+
+    std::fs::remove_file(dir.join("run.lock")).unwrap();
+    for name in ["recipe.yaml", "loss.svg"] {
+        std::os::unix::fs::symlink(&precious, dir.join(name)).unwrap();
+    }
+    let o = train(&dir, "train.steps=2");
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "precious data");
+    for name in ["recipe.yaml", "loss.svg"] {
+        let meta = std::fs::symlink_metadata(dir.join(name)).unwrap();
+        assert!(meta.is_file(), "{name} was replaced by a regular file");
+    }
+}
+
+/// R3-13 (g): a lock file left with bytes that are not UTF-8 is taken over, its text shown
+/// bounded and printable.
+#[test]
+fn r3_13g_a_garbled_stale_lock_is_taken_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut garbage = vec![0xffu8, 0xfe, b'p', b'i', b'd', 0x1b];
+    garbage.extend(std::iter::repeat_n(b'x', 10_000));
+    std::fs::write(dir.join("run.lock"), &garbage).unwrap();
+    let o = train(&dir, "train.steps=1");
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    let line = t
+        .lines()
+        .find(|l| l.contains("taking over the lock"))
+        .unwrap();
+    assert!(line.contains("??pid?x") && line.len() < 600, "{line}");
+}
+
+/// R3-3: `plan --gpus` beyond the most ranks a recipe may have is refused at once (it used to
+/// enumerate layouts for minutes).
+#[test]
+fn r3_3_plan_refuses_more_gpus_than_ranks_at_once() {
+    let start = std::time::Instant::now();
+    let o = bin()
+        .args(["plan", "--recipe", "recipes/tiny.yaml", "--gpus"])
+        .arg(u64::MAX.to_string())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("exceeds 1048576"), "{}", text(&o));
+    let o = bin()
+        .args(["plan", "--recipe", "recipes/tiny.yaml", "--gpus", "1048576"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(start.elapsed().as_secs() < 20, "{:?}", start.elapsed());
+}
