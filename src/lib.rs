@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod device;
 pub mod eval;
+pub mod files;
 pub mod hf;
 pub mod launch;
 pub mod lr;

@@ -35,9 +35,14 @@ pub(super) fn key<'a>(v: &'a Value, k: &str) -> Option<&'a Value> {
     v.get(k).filter(|x| !x.is_null())
 }
 
-/// Reads and checks the `config.json` at `path`.
+/// Largest `config.json` read (a Llama or Mixtral config is a few kilobytes).
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// Reads and checks the `config.json` at `path` (a regular file of at most
+/// [`MAX_CONFIG_BYTES`]).
 pub fn read(path: &Path) -> Result<HfModel> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = crate::files::read_capped(path, MAX_CONFIG_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
     let v: Value =
         serde_json::from_slice(&bytes).with_context(|| format!("{}: not JSON", path.display()))?;
     parse(&v).with_context(|| path.display().to_string())

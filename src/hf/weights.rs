@@ -45,7 +45,10 @@ impl HfWeights {
             }
             maps.insert(SINGLE.to_string(), m);
         } else if index.exists() {
-            let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&index)?)
+            // An index lists a name and a file per tensor: kilobytes to a few megabytes.
+            let bytes = crate::files::read_capped(&index, 256 << 20)
+                .with_context(|| format!("reading {}", index.display()))?;
+            let v: serde_json::Value = serde_json::from_slice(&bytes)
                 .with_context(|| format!("{}: not JSON", index.display()))?;
             let weight_map = v["weight_map"]
                 .as_object()

@@ -72,32 +72,30 @@ fn check_depth(text: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads a recipe file: a regular file of at most [`MAX_RECIPE_BYTES`].
+/// Reads a recipe file: a regular file of at most [`MAX_RECIPE_BYTES`] (a FIFO is refused
+/// without waiting for a writer).
 fn read_text(path: &Path) -> Result<String, RecipeError> {
-    use std::io::Read;
-    let io = |error| RecipeError::Io {
+    use crate::files::{read_capped, ReadError};
+    let parse = |message: String| RecipeError::Parse {
         path: path.into(),
-        error,
+        message,
     };
-    let file = std::fs::File::open(path).map_err(io)?;
-    let meta = file.metadata().map_err(io)?;
-    let too_big = |what: String| RecipeError::Parse {
-        path: path.into(),
-        message: what,
+    let bytes = match read_capped(path, MAX_RECIPE_BYTES) {
+        Ok(b) => b,
+        Err(ReadError::Io(error)) => {
+            return Err(RecipeError::Io {
+                path: path.into(),
+                error,
+            })
+        }
+        Err(ReadError::NotRegular) => return Err(parse("not a regular file".into())),
+        Err(ReadError::TooLarge { .. }) => {
+            return Err(parse(format!(
+                "larger than {MAX_RECIPE_BYTES} bytes; a recipe is a few kilobytes"
+            )))
+        }
     };
-    if !meta.is_file() {
-        return Err(too_big("not a regular file".into()));
-    }
-    let mut text = String::new();
-    file.take(MAX_RECIPE_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(io)?;
-    if text.len() as u64 > MAX_RECIPE_BYTES {
-        return Err(too_big(format!(
-            "larger than {MAX_RECIPE_BYTES} bytes; a recipe is a few kilobytes"
-        )));
-    }
-    Ok(text)
+    String::from_utf8(bytes).map_err(|_| parse("not UTF-8 text".into()))
 }
 
 /// Loads `path` (following `inherit:`), applies `overrides` (`a.b=value`, comma-separated lists

@@ -17,7 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use tracing::warn;
 
-use super::files::{open_regular, sanitized};
+use crate::files::{open_regular, sanitized};
 
 /// Name of the lock file inside a locked directory.
 pub const LOCK_FILE: &str = "run.lock";

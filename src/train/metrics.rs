@@ -150,12 +150,12 @@ impl Metrics {
                     "{}: removed {dropped} record(s) after step {start}, which this run (re)does",
                     path.display()
                 );
-                super::files::write_replacing(&path, kept.as_bytes())?;
+                crate::files::write_replacing(&path, kept.as_bytes())?;
             }
         }
         let mut options = File::options();
         options.create(true).append(true);
-        let f = super::files::open_regular(&path, &mut options, "the metrics log")?;
+        let f = crate::files::open_regular(&path, &mut options, "the metrics log")?;
         Ok(Self {
             out: BufWriter::new(f),
             dir: dir.to_path_buf(),
@@ -188,7 +188,7 @@ impl Metrics {
     /// Writes `loss.svg` with the training and validation curves.
     pub fn plot(&self) -> Result<()> {
         let path = self.dir.join("loss.svg");
-        super::files::write_replacing(&path, loss_svg(&self.train, &self.valid).as_bytes())
+        crate::files::write_replacing(&path, loss_svg(&self.train, &self.valid).as_bytes())
     }
 }
 

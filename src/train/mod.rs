@@ -7,7 +7,6 @@
 
 pub mod checkpoint;
 pub mod clock;
-pub mod files;
 pub mod guard;
 pub mod hooks;
 pub mod lock;
@@ -144,7 +143,7 @@ impl Trainer {
         let write = write_outputs && ctx.is_main();
         if write {
             let path = recipe.run.dir.join("recipe.yaml");
-            files::write_replacing(&path, serde_yaml::to_string(&recipe)?.as_bytes())?;
+            crate::files::write_replacing(&path, serde_yaml::to_string(&recipe)?.as_bytes())?;
         }
         let mut trainer = Self {
             recipe,

@@ -26,10 +26,16 @@ pub fn expand_inputs(inputs: &[String]) -> Result<Vec<PathBuf>> {
         let is_pattern = input.contains(['*', '?', '[']);
         if !is_pattern {
             let p = PathBuf::from(input);
-            if !p.is_file() {
+            let problem = match std::fs::metadata(&p) {
+                Ok(m) if m.is_file() => None,
+                Ok(m) if m.is_dir() => Some("a directory, not a file (use a glob: DIR/*.txt)"),
+                Ok(_) => Some("not a regular file (a device, FIFO or socket)"),
+                Err(_) => Some("no such file"),
+            };
+            if let Some(message) = problem {
                 return Err(DataError::Input {
                     input: input.clone(),
-                    message: "no such file".into(),
+                    message: message.into(),
                 });
             }
             files.push(p);

@@ -106,8 +106,16 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
     if opts.json_key.is_empty() {
         return Err(DataError::config("json_key", "must not be empty"));
     }
-    if opts.workers == Some(0) {
-        return Err(DataError::config("workers", "must be at least 1"));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match opts.workers {
+        Some(0) => return Err(DataError::config("workers", "must be at least 1")),
+        Some(n) if n > 4 * cores => {
+            return Err(DataError::config(
+                "workers",
+                format!("{n} is more than 4 × the {cores} cores of this machine"),
+            ))
+        }
+        _ => {}
     }
     let files = expand_inputs(&opts.inputs)?;
     let tokenizer = load_tokenizer(&opts.tokenizer)?;

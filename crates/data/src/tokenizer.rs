@@ -100,8 +100,24 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
         ));
     }
     let mut files = Vec::with_capacity(opts.inputs.len());
+    let output = std::fs::canonicalize(&opts.output).ok();
     for p in &opts.inputs {
-        std::fs::metadata(p).map_err(|e| DataError::io(p, e))?;
+        let meta = std::fs::metadata(p).map_err(|e| DataError::io(p, e))?;
+        if !meta.is_file() {
+            return Err(DataError::config(
+                "inputs",
+                format!("{} is not a regular file", p.display()),
+            ));
+        }
+        if output.is_some() && std::fs::canonicalize(p).ok() == output {
+            return Err(DataError::config(
+                "output",
+                format!(
+                    "{} is also an input: writing the tokenizer would replace the corpus",
+                    opts.output.display()
+                ),
+            ));
+        }
         files.push(
             p.to_str()
                 .ok_or_else(|| {
@@ -141,7 +157,14 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
     let json = tokenizer
         .to_string(true)
         .map_err(|e| tok_err(format!("cannot serialise: {e}")))?;
-    std::fs::write(&opts.output, json + "\n").map_err(|e| DataError::io(&opts.output, e))?;
+    // A temporary file renamed over the name: a link planted there is replaced, not followed.
+    let tmp = opts.output.with_extension("json.tmp");
+    std::fs::write(&tmp, json + "\n")
+        .and_then(|_| std::fs::rename(&tmp, &opts.output))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            DataError::io(&opts.output, e)
+        })?;
 
     // Reload through the generic loader: proves the file is a valid HF tokenizer.json.
     let loaded = load_tokenizer(&opts.output)?;
@@ -152,11 +175,27 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
     })
 }
 
-/// Loads any Hugging Face `tokenizer.json`; errors name the file.
+/// Largest `tokenizer.json` loaded (vocabularies of a few hundred thousand tokens take tens of
+/// megabytes).
+pub const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
+
+/// Loads any Hugging Face `tokenizer.json` (a regular file of at most
+/// [`MAX_TOKENIZER_BYTES`]); errors name the file.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let path = path.as_ref();
-    if let Err(e) = std::fs::metadata(path) {
-        return Err(DataError::io(path, e));
+    let meta = std::fs::metadata(path).map_err(|e| DataError::io(path, e))?;
+    let refuse = |message: String| DataError::Tokenizer {
+        path: path.to_path_buf(),
+        message,
+    };
+    if !meta.is_file() {
+        return Err(refuse("not a regular file".into()));
+    }
+    if meta.len() > MAX_TOKENIZER_BYTES {
+        return Err(refuse(format!(
+            "{} bytes, more than the {MAX_TOKENIZER_BYTES} a tokenizer.json may have",
+            meta.len()
+        )));
     }
     Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
         path: path.to_path_buf(),

@@ -1,16 +1,67 @@
-//! How a run writes the files of its directories without following links planted there: in a
-//! shared runs directory another user could replace `recipe.yaml`, `loss.svg`, `metrics.jsonl` or
-//! `run.lock` with a symbolic link to a file of the user running the job, which would then be
-//! overwritten or truncated. Whole files are written to a fresh temporary file and renamed over
-//! the name (a rename replaces a link, never its target); files kept open (the metrics log, the
-//! lock) are opened with `O_NOFOLLOW` and must be regular files.
+//! Files the binary reads whole and files a run writes, made safe against what a careless or
+//! hostile neighbour leaves in their place.
+//!
+//! Reading: a file read whole (a recipe, an HF `config.json` or index, a tokenizer) must be a
+//! regular file under a size cap, checked before anything is read; a FIFO is opened without
+//! blocking and refused, `/dev/zero` is refused instead of filling memory.
+//!
+//! Writing: in a shared runs directory another user could replace `recipe.yaml`, `loss.svg`,
+//! `metrics.jsonl` or `run.lock` with a symbolic link to a file of the user running the job,
+//! which would then be overwritten or truncated. Whole files are written to a fresh temporary
+//! file and renamed over the name (a rename replaces a link, never its target); files kept open
+//! (the metrics log, the lock) are opened with `O_NOFOLLOW` and must be regular files.
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+
+/// Why a file cannot be read whole.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// Opening or reading failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// A FIFO, device, directory or socket.
+    #[error("not a regular file")]
+    NotRegular,
+    /// Larger than the cap.
+    #[error("larger than {cap} bytes")]
+    TooLarge {
+        /// The cap, bytes.
+        cap: u64,
+    },
+}
+
+/// The bytes of `path`, a regular file of at most `cap` bytes (a FIFO is refused without
+/// waiting for a writer; a file that grows past the cap while read is refused too).
+pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(ReadError::NotRegular);
+    }
+    if meta.len() > cap {
+        return Err(ReadError::TooLarge { cap });
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(cap + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(ReadError::TooLarge { cap });
+    }
+    Ok(bytes)
+}
+
+/// [`read_capped`] as UTF-8 text, errors naming `path`.
+pub fn read_text_capped(path: &Path, cap: u64) -> Result<String> {
+    let bytes = read_capped(path, cap).with_context(|| format!("reading {}", path.display()))?;
+    String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
+}
 
 /// Writes `bytes` as `path`, replacing whatever is there (a link included) by rename.
 pub fn write_replacing(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -108,6 +159,29 @@ mod tests {
             open_regular(tmp.path(), &mut o, "the lock file").unwrap_err()
         );
         assert!(e.contains("the lock file"), "{e}");
+    }
+
+    #[test]
+    fn whole_file_reads_refuse_fifos_devices_and_large_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(matches!(read_capped(&fifo, 10), Err(ReadError::NotRegular)));
+        let zero = Path::new("/dev/zero");
+        assert!(matches!(read_capped(zero, 10), Err(ReadError::NotRegular)));
+        assert!(matches!(
+            read_capped(tmp.path(), 10),
+            Err(ReadError::NotRegular)
+        ));
+        let f = tmp.path().join("f");
+        std::fs::write(&f, "12345").unwrap();
+        assert_eq!(read_capped(&f, 5).unwrap(), b"12345");
+        assert!(matches!(
+            read_capped(&f, 4),
+            Err(ReadError::TooLarge { cap: 4 })
+        ));
     }
 
     #[test]
