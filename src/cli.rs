@@ -133,7 +133,8 @@ pub enum Command {
         /// The recipe; `model:` must match the directory's config.json.
         #[command(flatten)]
         recipe: RecipeArgs,
-        /// Checkpoint root to write into (default: the recipe's checkpoint directory).
+        /// Checkpoint root to write into, which must hold no checkpoints (default:
+        /// `<run.dir>/hf-import`).
         #[arg(long)]
         output: Option<PathBuf>,
     },
@@ -301,7 +302,8 @@ pub fn run(cli: Cli) -> Result<()> {
             }),
         ) => {
             let r = recipe.load()?;
-            let root = output.unwrap_or_else(|| r.checkpoint_root());
+            // Never the run's own checkpoint root: see `hf::import`.
+            let root = output.unwrap_or_else(|| r.run.dir.join("hf-import"));
             // It writes a step directory, `latest`, and prunes: not while a run uses the root.
             let _lock = crate::train::lock::RunLock::acquire(&root, "checkpoint directory")?;
             let dir = crate::hf::import(&model, &r, &root)?;

@@ -208,3 +208,63 @@ fn r3_15_tokenizer_train_never_overwrites_its_input() {
     assert!(text(&o).contains("is also an input"), "{}", text(&o));
     assert_eq!(std::fs::read(&corpus).unwrap(), before);
 }
+
+/// R3-9 and R3-8: `import-hf` never writes into a root that holds checkpoints (by default it used
+/// to write into the run's own, move `latest` to step 0, and the next `resume: auto` restarted
+/// the run over its steps); its default is `<run.dir>/hf-import`; the tokenizer it copies is
+/// parsed at import.
+#[test]
+fn r3_9_import_never_writes_into_a_runs_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let o = train(&run, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let hf = tmp.path().join("hf");
+    let o = bin()
+        .args(["export-hf", "--checkpoint"])
+        .arg(run.join("checkpoints/step-00000002"))
+        .arg("--output")
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let import = |output: Option<&Path>| {
+        let mut cmd = bin();
+        cmd.args(["import-hf", "--model"])
+            .arg(&hf)
+            .args(["--recipe", "recipes/tiny.yaml", "--set"])
+            .arg(format!("run.dir={}", run.display()));
+        if let Some(out) = output {
+            cmd.arg("--output").arg(out);
+        }
+        cmd.output().unwrap()
+    };
+    let latest = || std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    let o = import(Some(&run.join("checkpoints")));
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("already holds checkpoints"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(latest(), "step-00000002");
+    let o = import(None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(run.join("hf-import/step-00000000/manifest.json").exists());
+    assert_eq!(latest(), "step-00000002");
+    let o = import(None);
+    assert!(
+        text(&o).contains("already holds checkpoints"),
+        "{}",
+        text(&o)
+    );
+
+    std::fs::write(hf.join("tokenizer.json"), [7u8; 200]).unwrap();
+    let o = import(Some(&tmp.path().join("fresh")));
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("not a valid tokenizer.json"),
+        "{}",
+        text(&o)
+    );
+}

@@ -387,6 +387,25 @@ fn differences(theirs: &LlamaConfig, ours: &LlamaConfig, cfg: &Path) -> Vec<Stri
 /// `config.json` describes; token ids it leaves unset are taken from there. Returns the step
 /// directory.
 pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf> {
+    // A root with checkpoints belongs to a run: importing there would point `latest` at step 0
+    // and the run's next `resume: auto` would restart from the import over its own steps.
+    if let Some(existing) = ckpt::find_latest(root).ok().flatten().or_else(|| {
+        std::fs::read_dir(root).ok().and_then(|mut d| {
+            d.find_map(|e| {
+                let e = e.ok()?;
+                e.file_name()
+                    .to_str()?
+                    .starts_with("step-")
+                    .then(|| e.path())
+            })
+        })
+    }) {
+        bail!(
+            "{} already holds checkpoints ({}); import into a fresh directory (--output DIR)",
+            root.display(),
+            existing.display()
+        );
+    }
     let cfg_path = model_dir.join("config.json");
     let hf = config::read(&cfg_path)?;
     let diff = differences(&hf.config, &recipe.model, &cfg_path);
@@ -444,6 +463,16 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
     } else {
         recipe.data.tokenizer.clone()
     };
+    // The tokenizer the checkpoint carries is parsed now, not when an export or an evaluation
+    // first needs it, and its ids must fit the model's vocabulary.
+    let vocab = data::load_tokenizer(&tokenizer)?.get_vocab_size(true);
+    if vocab > c.vocab_size {
+        bail!(
+            "{}: the tokenizer has {vocab} tokens, more than the model's vocab_size {}",
+            tokenizer.display(),
+            c.vocab_size
+        );
+    }
     let manifest = Manifest {
         format: String::new(),
         step: 0,
