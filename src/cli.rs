@@ -368,6 +368,19 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
     let (out, main) = match info {
         Some(info) if info.world_size > 1 => {
             let job = crate::launch::join(&info, &recipe)?;
+            // A GPU per process; on the CPU the node's processes share its memory.
+            let here = if job.device.is_cuda() {
+                1
+            } else {
+                std::env::var("LOCAL_WORLD_SIZE")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(1)
+            };
+            if let Err(e) = crate::train::admit::admit(&recipe, here, &job.device) {
+                job.comm.abort(&format!("{e:#}"));
+                return Err(e.context(format!("rank {}", info.rank)));
+            }
             let mine = crate::train::run_rank(
                 &recipe,
                 info.rank,

@@ -136,6 +136,25 @@ pub fn memory(device: &Device) -> Option<DeviceMemory> {
     None
 }
 
+/// The memory a job on `device` may use: on the CPU the host's `MemAvailable` (what can be
+/// allocated without swapping), on CUDA the GPU's free memory now; `None` when it cannot be read.
+pub fn capacity(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return cuda::free_memory(d).ok();
+    }
+    let _ = device;
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    mem_available(&meminfo)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Starts a new peak for [`memory`] at the bytes in use now.
 pub fn reset_peak(device: &Device) {
     #[cfg(feature = "cuda")]
@@ -148,6 +167,15 @@ pub fn reset_peak(device: &Device) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn available_memory_is_read_from_meminfo() {
+        let text =
+            "MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(mem_available(text), Some(20_000_000 * 1024));
+        assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
+        assert!(capacity(&Device::Cpu).is_some_and(|b| b > 0));
+    }
 
     #[test]
     fn tensors_past_the_index_limit_are_refused_by_name() {
@@ -259,6 +287,12 @@ mod cuda {
             current: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
             peak: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
         })
+    }
+
+    pub(super) fn free_memory(d: &CudaDevice) -> Result<u64> {
+        d.cuda_stream().context().bind_to_thread()?;
+        let (free, _total) = result::mem_get_info()?;
+        Ok(free as u64)
     }
 
     pub(super) fn reset_peak(d: &CudaDevice) -> Result<()> {

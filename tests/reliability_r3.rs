@@ -268,3 +268,40 @@ fn r3_9_import_never_writes_into_a_runs_checkpoints() {
         text(&o)
     );
 }
+
+/// R3-2: a job whose planned memory exceeds the machine's is refused before it allocates
+/// anything (it used to abort in an allocation or bring on the kernel's OOM killer); `check`
+/// warns about it.
+#[test]
+fn r3_2_jobs_larger_than_the_machine_are_refused_before_allocating() {
+    let tmp = tempfile::tempdir().unwrap();
+    let start = std::time::Instant::now();
+    let o = train(
+        &tmp.path().join("run"),
+        "train.steps=3,model.vocab_size=1000000000",
+    );
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains("the job needs about") && t.contains("available memory (MemAvailable)"),
+        "{t}"
+    );
+    assert!(start.elapsed().as_secs() < 10, "{:?}", start.elapsed());
+    let o = bin()
+        .args([
+            "check",
+            "--no-data",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--set",
+        ])
+        .arg("model.vocab_size=1000000000")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("warning: the job needs about"),
+        "{}",
+        text(&o)
+    );
+}

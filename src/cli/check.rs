@@ -111,5 +111,17 @@ pub(super) fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
             println!("{l}");
         }
     }
+    // Against this machine (CPU jobs; a GPU is not opened here): training would refuse it.
+    if r.train.device == crate::recipe::DeviceKind::Cpu {
+        let world = r.parallel.world_size();
+        if let Some(a) = crate::train::admit::assess(&r, world, &candle_core::Device::Cpu)? {
+            if !a.fits() {
+                println!(
+                    "warning: {}; training here would refuse to start",
+                    a.describe(&r, &candle_core::Device::Cpu)
+                );
+            }
+        }
+    }
     Ok(())
 }

@@ -96,7 +96,7 @@ struct PlanJson<'a> {
 }
 
 /// The recipe overrides that turn layout `from` into `to` (only the memory levers differ).
-fn lever_overrides(from: &super::Layout, to: &super::Layout) -> Vec<String> {
+pub fn lever_overrides(from: &super::Layout, to: &super::Layout) -> Vec<String> {
     let mut out = Vec::new();
     if from.zero != to.zero {
         out.push(format!("parallel.zero={}", to.zero));

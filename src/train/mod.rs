@@ -5,6 +5,7 @@
 //! `zero.rs`) → exact global gradient norm → clipped AdamW step over the rank's owned flat ranges.
 //! `run.rs` runs whole jobs ([`train`], [`run_rank`]).
 
+pub mod admit;
 pub mod checkpoint;
 pub mod clock;
 pub mod guard;

@@ -129,6 +129,8 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     }
     let timeout = Duration::from_secs_f64(recipe.parallel.timeout_s);
     let device = device_for(recipe.train.device, 0)?;
+    // Thread ranks share this process and its device.
+    super::admit::admit(&recipe, world, &device)?;
     let results = run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
         run_rank(&recipe, rank, comm, device.clone(), write_outputs)
     })

@@ -1,0 +1,149 @@
+//! Admission: before a job allocates anything, the planner's prediction of its memory is
+//! compared with what the machine has, so a model that cannot fit is refused with the numbers
+//! instead of aborting in an allocation or driving the host into the kernel's OOM killer.
+//!
+//! The need is the most loaded rank's predicted bytes (parameters, gradients, optimizer state,
+//! activations, ZeRO buffers and temporaries: `plan::memory`) times the ranks sharing the device
+//! (thread ranks share the process; on a GPU, ranks sharing it), plus a headroom for what the
+//! planner does not model: the process itself, allocator arenas and the data loader on the CPU;
+//! the CUDA context, library workspaces and NCCL buffers on a GPU. It is compared with the
+//! host's `MemAvailable` or the GPU's free memory (`device::capacity`). `pretrain check` prints
+//! the same comparison as a warning.
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+
+use crate::plan::{cheapest_fit, GpuPreset, GIB};
+use crate::recipe::Recipe;
+
+/// What a CPU job needs beyond the planned bytes.
+pub const CPU_HEADROOM: u64 = 512 << 20;
+/// What a GPU needs beyond the planned bytes (context, cuBLAS/cuDNN workspaces, NCCL buffers).
+pub const GPU_HEADROOM: u64 = 2 << 30;
+
+/// A job's memory against its device's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Assessment {
+    /// Predicted bytes of the most loaded rank.
+    pub per_rank: u64,
+    /// Ranks sharing the device.
+    pub ranks: usize,
+    /// `per_rank × ranks` + the headroom.
+    pub need: u64,
+    /// What the device has.
+    pub have: u64,
+}
+
+impl Assessment {
+    /// Whether the job fits.
+    pub fn fits(&self) -> bool {
+        self.need <= self.have
+    }
+
+    /// The comparison in words, with the fastest memory levers that would make it fit.
+    pub fn describe(&self, recipe: &Recipe, device: &Device) -> String {
+        let gib = |b: u64| b as f64 / GIB;
+        let (what, headroom) = if device.is_cuda() {
+            ("this GPU's free memory", GPU_HEADROOM)
+        } else {
+            (
+                "this machine's available memory (MemAvailable)",
+                CPU_HEADROOM,
+            )
+        };
+        let mut s = format!(
+            "the job needs about {:.2} GiB ({} rank(s) × {:.2} GiB planned by `pretrain plan` + \
+             {:.2} GiB headroom), more than {what}, {:.2} GiB",
+            gib(self.need),
+            self.ranks,
+            gib(self.per_rank),
+            gib(headroom),
+            gib(self.have)
+        );
+        let mut hw = GpuPreset::H100.hardware();
+        hw.memory_gib = gib(self.have.saturating_sub(headroom)) / self.ranks.max(1) as f64;
+        match cheapest_fit(recipe, &hw) {
+            Some(p) => {
+                let own = crate::plan::Layout::of(recipe);
+                let sets = crate::plan::report::lever_overrides(&own, &p.layout);
+                s += &format!(
+                    "; it fits with {}",
+                    sets.iter()
+                        .map(|o| format!("--set {o}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
+            }
+            None => {
+                s += "; no ZeRO stage, recompute or moments' dtype makes this layout fit: \
+                          a smaller model or train.micro_batch, or more ranks on more machines \
+                          (`pretrain plan --gpus N` ranks the layouts)"
+            }
+        }
+        s
+    }
+}
+
+/// The job of `recipe` with `ranks` ranks on `device` against its capacity; `None` when the
+/// capacity cannot be read.
+pub fn assess(recipe: &Recipe, ranks: usize, device: &Device) -> Result<Option<Assessment>> {
+    let Some(have) = crate::device::capacity(device) else {
+        return Ok(None);
+    };
+    let stages = crate::plan::memory::stages(recipe).map_err(anyhow::Error::msg)?;
+    let per_rank = stages.iter().map(|s| s.bytes.total).max().unwrap_or(0);
+    let headroom = if device.is_cuda() {
+        GPU_HEADROOM
+    } else {
+        CPU_HEADROOM
+    };
+    let need = per_rank
+        .saturating_mul(ranks as u64)
+        .saturating_add(headroom);
+    Ok(Some(Assessment {
+        per_rank,
+        ranks,
+        need,
+        have,
+    }))
+}
+
+/// Refuses the job of `recipe` when its `ranks` ranks on `device` do not fit.
+pub fn admit(recipe: &Recipe, ranks: usize, device: &Device) -> Result<()> {
+    if let Some(a) = assess(recipe, ranks, device)? {
+        if !a.fits() {
+            bail!("{}", a.describe(recipe, device));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job short of memory is told the fastest levers that make it fit.
+    #[test]
+    fn a_job_that_does_not_fit_is_told_what_would() {
+        let o = ["parallel.dp=1,parallel.zero=0".to_string()];
+        let r = crate::recipe::load(std::path::Path::new("recipes/1b.yaml"), &o).unwrap();
+        let stages = crate::plan::memory::stages(&r).unwrap();
+        let per_rank = stages.iter().map(|s| s.bytes.total).max().unwrap();
+        let a = Assessment {
+            per_rank,
+            ranks: 1,
+            need: per_rank + CPU_HEADROOM,
+            have: per_rank + CPU_HEADROOM - (1 << 30),
+        };
+        assert!(!a.fits());
+        let text = a.describe(&r, &Device::Cpu);
+        assert!(text.contains("it fits with --set"), "{text}");
+        assert!(text.contains("MemAvailable"), "{text}");
+        let hopeless = Assessment { have: 1 << 20, ..a };
+        let text = hopeless.describe(&r, &Device::Cpu);
+        assert!(
+            text.contains("no ZeRO stage, recompute or moments' dtype"),
+            "{text}"
+        );
+    }
+}
