@@ -305,3 +305,43 @@ fn r3_2_jobs_larger_than_the_machine_are_refused_before_allocating() {
         text(&o)
     );
 }
+
+/// R3-4: a background checkpoint write that fails is reported as the save of its own step (it
+/// was reported as the save of the step that found it out). The failure is a file-size limit
+/// (`RLIMIT_FSIZE`, with SIGXFSZ ignored so that the write fails with EFBIG), which the rank's
+/// shard of the tiny model exceeds and the small run files do not.
+#[test]
+fn r3_4_a_failed_background_save_names_its_step() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut cmd = bin();
+    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!(
+            "{BASE},run.dir={},train.steps=4,checkpoint.interval=2,checkpoint.async=true",
+            dir.display()
+        ));
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit {
+                rlim_cur: 1 << 20,
+                rlim_max: 1 << 20,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = cmd.output().unwrap();
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains("writing the checkpoint of step 2 in the background")
+            && t.contains("step-00000002.tmp")
+            && !t.contains("checkpoint of step 4"),
+        "{t}"
+    );
+}

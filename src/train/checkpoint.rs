@@ -95,10 +95,10 @@ impl Trainer {
     pub fn wait_for_save(&mut self) -> Result<()> {
         match self.saving.take() {
             None => Ok(()),
+            // The writer's error names the step it was saving.
             Some(h) => h
                 .join()
-                .map_err(|_| anyhow::anyhow!("the checkpoint writer panicked"))?
-                .context("writing a checkpoint in the background"),
+                .map_err(|_| anyhow::anyhow!("the checkpoint writer panicked"))?,
         }
     }
 

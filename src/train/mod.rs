@@ -301,6 +301,8 @@ impl Trainer {
     fn save_if_due(&mut self, step: usize) -> Result<Option<std::path::PathBuf>> {
         let (every, steps) = (self.recipe.checkpoint.interval, self.recipe.train.steps);
         if (every > 0 && (step.is_multiple_of(every) || step == steps)) || self.stop.is_some() {
+            // A failed background save is reported as its own step's, not this one's.
+            self.wait_for_save()?;
             let saved = self
                 .save_checkpoint()
                 .with_context(|| format!("saving the checkpoint of step {step}"))?;

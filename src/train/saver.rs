@@ -116,11 +116,16 @@ impl SaveJob {
         std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
             .spawn(move || {
-                self.write_share()?;
-                if self.manifest.is_some() {
-                    self.wait_for_shares()?;
-                }
-                self.finalize()
+                let written = (|| {
+                    self.write_share()?;
+                    if self.manifest.is_some() {
+                        self.wait_for_shares()?;
+                    }
+                    self.finalize()
+                })();
+                written.with_context(|| {
+                    format!("writing the checkpoint of step {step} in the background")
+                })
             })
             .with_context(|| format!("starting the writer of checkpoint {step}"))
     }
