@@ -345,3 +345,56 @@ fn r3_4_a_failed_background_save_names_its_step() {
         "{t}"
     );
 }
+
+/// R3 item 7: a resume that changes the number of steps, the learning rate, the batch or the
+/// dtype is accepted and says so, key by key.
+#[test]
+fn r3_resume_logs_each_changed_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let o = train(&dir, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let o = train(
+        &dir,
+        "train.steps=3,checkpoint.interval=2,checkpoint.resume=auto,optimizer.lr=0.002",
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    assert!(
+        t.contains("resume: train.steps changed from 2 to 3 (accepted)"),
+        "{t}"
+    );
+    assert!(t.contains("resume: optimizer.lr changed from"), "{t}");
+    assert!(!t.contains("resume: train.dtype"), "{t}");
+}
+
+/// R3-13 (f): halting on a non-finite step names the checkpoint it leaves untouched, or says
+/// that none was written (it claimed "the last checkpoint is untouched" with none).
+#[test]
+fn r3_13f_a_halt_says_which_checkpoint_is_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, set: &str| {
+        bin()
+            .args(["--recipe", "recipes/tiny.yaml", "--set"])
+            .arg(format!(
+                "{BASE},run.dir={},train.steps=4,{set}",
+                tmp.path().join(name).display()
+            ))
+            .env("PRETRAIN_TEST_NAN_GRADS", "2:0")
+            .output()
+            .unwrap()
+    };
+    let o = run("none", "checkpoint.interval=0");
+    assert!(
+        text(&o).contains("no checkpoint has been written"),
+        "{}",
+        text(&o)
+    );
+    let o = run("one", "checkpoint.interval=1");
+    assert!(
+        text(&o).contains("the last checkpoint,")
+            && text(&o).contains("step-00000001, is untouched"),
+        "{}",
+        text(&o)
+    );
+}

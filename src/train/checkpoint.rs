@@ -202,6 +202,32 @@ impl Trainer {
                 );
             }
         }
+        // Keys a run may change on resume, said in the log: they change the run from here on.
+        if self.ctx.is_main() {
+            let ours = serde_yaml::to_value(&self.recipe)?;
+            for key in [
+                "train.steps",
+                "train.global_batch",
+                "train.dtype",
+                "optimizer.lr",
+                "optimizer.state_dtype",
+                "train.recompute",
+            ] {
+                let get = |v: &serde_yaml::Value| {
+                    key.split('.').try_fold(v, |v, k| v.get(k)).map(|v| {
+                        serde_yaml::to_string(v)
+                            .unwrap_or_default()
+                            .trim()
+                            .to_string()
+                    })
+                };
+                if let (Some(was), Some(now)) = (get(&stored), get(&ours)) {
+                    if was != now {
+                        info!("resume: {key} changed from {was} to {now} (accepted)");
+                    }
+                }
+            }
+        }
         if m.step > t.steps as u64 {
             bail!(
                 "{}: the checkpoint is at step {}, beyond train.steps = {}: nothing to train \

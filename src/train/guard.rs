@@ -178,10 +178,14 @@ impl Trainer {
             return Ok(Verdict::Update);
         };
         match t.on_nonfinite {
-            OnNonFinite::Halt => bail!(
-                "{problem}; halting before the update (train.on_nonfinite: halt; the last \
-                 checkpoint is untouched)"
-            ),
+            OnNonFinite::Halt => {
+                let last = ckpt::find_latest(&self.checkpoint_root()).ok().flatten();
+                let kept = match last {
+                    Some(dir) => format!("the last checkpoint, {}, is untouched", dir.display()),
+                    None => "no checkpoint has been written".into(),
+                };
+                bail!("{problem}; halting before the update (train.on_nonfinite: halt; {kept})")
+            }
             OnNonFinite::Skip if self.progress.skipped_in_a_row >= t.max_skips => bail!(
                 "{problem}; halting: {} steps in a row were skipped already (train.max_skips)",
                 self.progress.skipped_in_a_row

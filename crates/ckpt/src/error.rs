@@ -15,6 +15,9 @@ pub enum CkptError {
     /// The step directory has no manifest: it was never completed (e.g. the run died while saving).
     #[error("{dir}: incomplete checkpoint (no {file})")]
     Incomplete { dir: PathBuf, file: &'static str },
+    /// The step directory does not exist (or is not a directory).
+    #[error("{dir}: no such checkpoint directory")]
+    NoCheckpoint { dir: PathBuf },
     /// A file listed in the manifest is missing.
     #[error("{path}: missing shard file listed in the manifest")]
     MissingFile { path: PathBuf },

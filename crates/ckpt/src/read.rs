@@ -28,6 +28,11 @@ pub struct Checkpoint {
 
 fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
+    if !dir.is_dir() {
+        return Err(CkptError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+        });
+    }
     if !path.exists() {
         return Err(CkptError::Incomplete {
             dir: dir.to_path_buf(),
@@ -82,7 +87,25 @@ pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
     let latest = root.join("latest");
     if latest.exists() {
         let name = fs::read_to_string(&latest).map_err(CkptError::io(&latest))?;
-        let dir = root.join(name.trim());
+        let name = name.trim();
+        // The fault is `latest`'s when it names nothing usable as a step directory.
+        let bad_latest = |why: String| CkptError::Mismatch {
+            dir: root.to_path_buf(),
+            message: format!(
+                "{} {why}; fix or remove it (without it the highest step directory is used), or \
+                 set checkpoint.resume to a step directory",
+                latest.display()
+            ),
+        };
+        if name.is_empty() {
+            return Err(bad_latest("is empty".into()));
+        }
+        let dir = root.join(name);
+        if !dir.is_dir() {
+            return Err(bad_latest(format!(
+                "names {name}, which is not a checkpoint directory"
+            )));
+        }
         return match read_manifest(&dir) {
             Ok(_) => Ok(Some(dir)),
             Err(e) => Err(unusable(&dir, e)),

@@ -273,6 +273,37 @@ fn incomplete_directories_are_never_chosen() {
     assert_eq!(find_latest(&tmp.path().join("nothing-here")).unwrap(), None);
 }
 
+/// R3-13 (a, b): a `latest` that is empty or names no directory is blamed as such (it used to be
+/// reported as an incomplete checkpoint to move aside), and a checkpoint path that does not exist
+/// says so.
+#[test]
+fn a_bad_latest_and_a_missing_checkpoint_are_named_as_such() {
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), 2);
+    for (text, why) in [
+        ("", "is empty"),
+        (
+            "step-00000099",
+            "names step-00000099, which is not a checkpoint directory",
+        ),
+    ] {
+        std::fs::write(tmp.path().join("latest"), text).unwrap();
+        let e = find_latest(tmp.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("latest") && e.contains(why) && e.contains("fix or remove it"),
+            "{e}"
+        );
+    }
+    let e = Checkpoint::open(&tmp.path().join("step-00000099"))
+        .err()
+        .unwrap();
+    assert!(matches!(e, CkptError::NoCheckpoint { .. }), "{e}");
+    assert!(
+        e.to_string().contains("no such checkpoint directory"),
+        "{e}"
+    );
+}
+
 #[test]
 fn only_the_newest_checkpoints_are_kept() {
     let tmp = tempfile::tempdir().unwrap();
