@@ -152,6 +152,34 @@ fn the_launcher_forwards_sigterm_and_its_ranks_never_outlive_it() {
     }
 }
 
+/// R3-13 (c): a rank that received SIGTERM directly (not through the launcher) stops the job
+/// after a step like a forwarded one: every rank saves and exits 143, and the launcher reports a
+/// stop, not a failed rank.
+#[test]
+fn r3_13c_a_rank_stopped_directly_is_a_stop_not_a_failure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut cmd = pretrain(&dir, "train.steps=200,parallel.dp=2");
+    cmd.args(["--nproc-per-node", "2"]).stderr(Stdio::piped());
+    let mut launcher = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let mut out = BufReader::new(launcher.stdout.take().unwrap()).lines();
+    while !out.next().unwrap().unwrap().contains("step=2/") {}
+    std::thread::spawn(move || out.for_each(drop));
+    let needle = format!("run.dir={}", dir.display());
+    let rank = processes_mentioning(&needle)
+        .into_iter()
+        .find(|&p| p != launcher.id())
+        .unwrap();
+    // SAFETY: kill(2) on a rank process of this test's launcher.
+    assert_eq!(unsafe { libc::kill(rank as libc::pid_t, libc::SIGTERM) }, 0);
+    let o = launcher.wait_with_output().unwrap();
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(128 + libc::SIGTERM), "{e}");
+    assert!(!e.contains("failed"), "{e}");
+    let latest = std::fs::read_to_string(dir.join("checkpoints/latest")).unwrap();
+    Checkpoint::open(&dir.join("checkpoints").join(latest.trim())).unwrap();
+}
+
 #[test]
 fn one_live_run_per_directory_and_a_dead_runs_lock_is_taken_over() {
     let tmp = tempfile::tempdir().unwrap();

@@ -12,6 +12,14 @@ use super::PEER_FAILED_EXIT;
 /// them. The error names the root cause: the first failed rank that did not merely follow
 /// another's failure (exit status [`PEER_FAILED_EXIT`]).
 pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
+    // A rank that received a stop signal (through this launcher or directly) saves and exits
+    // with 128 + the signal, and so do the others: the stop is agreed job-wide after a step.
+    let stopped = |s: &ExitStatus| {
+        crate::train::signals::STOP_SIGNALS
+            .iter()
+            .find(|&&sig| s.code() == Some(128 + sig))
+            .copied()
+    };
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut hung: Vec<(usize, ExitStatus)> = Vec::new();
     let mut deadline: Option<Instant> = None;
@@ -37,7 +45,7 @@ pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> R
                         failures.push((*rank, status));
                         // A rank that stopped as asked is no failure to hurry the others for:
                         // they are saving too.
-                        if forwarded.map(|s| 128 + s) != status.code() {
+                        if stopped(&status).is_none() {
                             deadline.get_or_insert(Instant::now() + grace);
                         }
                     }
@@ -67,9 +75,11 @@ pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> R
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    // Stopped as asked: every rank that did not finish exited with 128 + the signal.
-    if let Some(signal) = forwarded {
-        if failures.iter().all(|(_, s)| s.code() == Some(128 + signal)) {
+    // Stopped as asked: every rank that did not finish exited with 128 + a stop signal (the
+    // one forwarded, or one a rank received directly).
+    let signal = forwarded.or_else(|| failures.first().and_then(|(_, s)| stopped(s)));
+    if let Some(signal) = signal {
+        if hung.is_empty() && failures.iter().all(|(_, s)| stopped(s).is_some()) {
             return Err(crate::train::signals::Interrupted {
                 signal,
                 step: None,
