@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -40,6 +40,10 @@ pub enum StoreError {
 
 /// Connections the server serves at once; more are closed unanswered (a job needs one per rank).
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections that have not yet presented the token, at once: each holds a thread for up to
+/// the greeting's timeout, so strangers are held to this many threads; a rank refused meanwhile
+/// retries until its connect timeout.
+pub const MAX_PENDING: usize = 64;
 /// How long a new connection may take to present the token.
 const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -99,7 +103,8 @@ impl StoreServer {
             token.as_bytes().to_vec(),
             stop.clone(),
         );
-        let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let active = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(AtomicUsize::new(0));
         let accept = std::thread::Builder::new()
             .name("rendezvous-store".into())
             .spawn(move || {
@@ -108,20 +113,26 @@ impl StoreServer {
                         break;
                     }
                     let Ok(stream) = conn else { continue };
-                    // Strangers cannot exhaust the server: past the cap, connections are closed.
-                    if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                    // Strangers cannot exhaust the server: past either cap, connections are
+                    // closed.
+                    if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS
+                        || pending.load(Ordering::SeqCst) >= MAX_PENDING
+                    {
                         continue;
                     }
                     active.fetch_add(1, Ordering::SeqCst);
-                    let (shared, token, mine) = (shared.clone(), token.clone(), active.clone());
+                    pending.fetch_add(1, Ordering::SeqCst);
+                    let (shared, token) = (shared.clone(), token.clone());
+                    let (mine, greeting) = (active.clone(), pending.clone());
                     let spawned = std::thread::Builder::new()
                         .name("rendezvous-conn".into())
                         .spawn(move || {
-                            serve(stream, &shared, &token, timeout);
+                            serve(stream, &shared, &token, timeout, &greeting);
                             mine.fetch_sub(1, Ordering::SeqCst);
                         });
                     if spawned.is_err() {
                         active.fetch_sub(1, Ordering::SeqCst);
+                        pending.fetch_sub(1, Ordering::SeqCst);
                     }
                 }
             })?;
@@ -148,12 +159,21 @@ impl Drop for StoreServer {
     }
 }
 
-/// One client connection: token check, then requests until the peer closes.
-fn serve(mut s: TcpStream, shared: &Shared, token: &[u8], timeout: Duration) {
+/// One client connection: token check (counted in `pending` until it is done), then requests
+/// until the peer closes.
+fn serve(
+    mut s: TcpStream,
+    shared: &Shared,
+    token: &[u8],
+    timeout: Duration,
+    pending: &AtomicUsize,
+) {
     // The token first, briefly and bounded by its own length: nothing larger is allocated for
     // a connection that has not proven it belongs to the job.
     let _ = s.set_read_timeout(Some(GREETING_TIMEOUT));
-    match read_frame_bounded(&mut s, token.len()) {
+    let greeted = read_frame_bounded(&mut s, token.len());
+    pending.fetch_sub(1, Ordering::SeqCst);
+    match greeted {
         Ok(t) if t == token => {}
         _ => {
             let _ = write_frame(&mut s, b"Ewrong job token");

@@ -121,3 +121,35 @@ fn processes_rendezvous_on_loopback() {
         "every process saw the same pids"
     );
 }
+
+/// This process's thread count.
+fn threads() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Threads:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// R3-14: silent connections that never present the token hold at most
+/// `MAX_PENDING` server threads (each used to get one, up to 1024), and a rank still joins once
+/// they are gone.
+#[test]
+fn r3_14_silent_connections_hold_a_bounded_number_of_threads() {
+    use parallel::store::MAX_PENDING;
+    let server = StoreServer::start("127.0.0.1:0", TOKEN, Duration::from_secs(5)).unwrap();
+    let before = threads();
+    let silent: Vec<_> = (0..400)
+        .filter_map(|_| std::net::TcpStream::connect(server.addr()).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let held = threads().saturating_sub(before);
+    // (Other tests of this binary may run threads meanwhile: a margin of 32.)
+    assert!(
+        held <= MAX_PENDING + 32,
+        "{held} threads for 400 silent connections"
+    );
+    drop(silent);
+    let mut st =
+        Store::connect(&server.addr().to_string(), TOKEN, Duration::from_secs(20)).unwrap();
+    st.set("k", b"v").unwrap();
+    assert_eq!(st.get("k").unwrap(), b"v");
+}
