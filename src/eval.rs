@@ -67,12 +67,10 @@ pub fn eval(
         }
     };
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
-    let text =
-        std::fs::read_to_string(input).with_context(|| format!("reading {}", input.display()))?;
-    let enc = tokenizer
-        .encode(text.as_str(), false)
+    // A regular file, read whole (at most 1 GiB: evaluation text, not a corpus).
+    let text = crate::files::read_text_capped(input, 1 << 30)?;
+    let ids = data::tokenizer::encode_long(&tokenizer, &text)
         .map_err(|e| anyhow::anyhow!("{}: tokenizing: {e}", input.display()))?;
-    let ids = enc.get_ids();
     let s = recipe.model.max_position_embeddings;
     let windows: Vec<&[u32]> = ids.chunks_exact(s + 1).collect();
     if windows.is_empty() {

@@ -211,14 +211,11 @@ fn encode(
     file: &std::path::Path,
     tokenizer_path: &std::path::Path,
 ) -> Result<Vec<u32>> {
-    let enc = tokenizer
-        .encode_fast(doc, false)
-        .map_err(|e| DataError::Tokenizer {
+    let mut ids =
+        crate::tokenizer::encode_long(tokenizer, doc).map_err(|e| DataError::Tokenizer {
             path: tokenizer_path.to_path_buf(),
             message: format!("encoding a document of {} failed: {e}", file.display()),
         })?;
-    let mut ids = Vec::with_capacity(enc.len() + 1);
-    ids.extend_from_slice(enc.get_ids());
     ids.push(eod);
     Ok(ids)
 }

