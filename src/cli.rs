@@ -418,6 +418,13 @@ fn selftest(
     recipe: &std::path::Path,
     json: Option<&std::path::Path>,
 ) -> Result<()> {
+    // The arguments first: a bad recipe or output path is found before minutes of checks.
+    crate::recipe::load(recipe, &[])?;
+    if let Some(path) = json {
+        if path.is_dir() {
+            anyhow::bail!("--json {}: a directory, not a file", path.display());
+        }
+    }
     let checks = crate::selftest::run(device, recipe)?;
     for c in &checks {
         println!(

@@ -450,3 +450,85 @@ fn r3_10_a_huge_document_is_tokenized_in_bounded_memory() {
     let idx = std::fs::metadata(tmp.path().join("big.idx")).unwrap();
     assert!(idx.len() > 0);
 }
+
+/// R3-13 (e, h): a `model.safetensors` that is a directory is named as such (it was "No such
+/// device"); `selftest` refuses a missing recipe or a directory as `--json` before running any
+/// check; `plan` refuses hardware numbers that describe no machine.
+#[test]
+fn r3_13eh_bad_arguments_are_named_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let o = train(&run, "train.steps=1,checkpoint.interval=1");
+    assert!(o.status.success(), "{}", text(&o));
+    let hf = tmp.path().join("hf");
+    let o = bin()
+        .args(["export-hf", "--checkpoint"])
+        .arg(run.join("checkpoints/step-00000001"))
+        .arg("--output")
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    std::fs::remove_file(hf.join("model.safetensors")).unwrap();
+    std::fs::create_dir(hf.join("model.safetensors")).unwrap();
+    let o = bin()
+        .args(["import-hf", "--model"])
+        .arg(&hf)
+        .args(["--recipe", "recipes/tiny.yaml", "--output"])
+        .arg(tmp.path().join("out"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("model.safetensors: not a regular file"),
+        "{}",
+        text(&o)
+    );
+
+    let start = std::time::Instant::now();
+    let o = bin()
+        .args([
+            "selftest",
+            "--device",
+            "cpu",
+            "--recipe",
+            "no/such/recipe.yaml",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success() && text(&o).contains("no/such/recipe.yaml"),
+        "{}",
+        text(&o)
+    );
+    let o = bin()
+        .args([
+            "selftest",
+            "--device",
+            "cpu",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--json",
+        ])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    assert!(text(&o).contains("a directory, not a file"), "{}", text(&o));
+    assert!(start.elapsed().as_secs() < 5, "{:?}", start.elapsed());
+
+    let o = bin()
+        .args([
+            "plan",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--peak-tflops",
+            "1e-300",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        text(&o).contains("--peak-tflops must be a number between"),
+        "{}",
+        text(&o)
+    );
+}

@@ -23,6 +23,12 @@ pub struct HfWeights {
 
 fn map(path: &Path) -> Result<memmap2::Mmap> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let meta = file
+        .metadata()
+        .with_context(|| format!("reading {}", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!("{}: not a regular file", path.display());
+    }
     // SAFETY: read-only map of a file nobody modifies while we read it.
     unsafe { memmap2::Mmap::map(&file) }.with_context(|| path.display().to_string())
 }

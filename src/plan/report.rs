@@ -50,10 +50,12 @@ impl PlanArgs {
     /// The preset with the flags' overrides.
     pub fn hardware(&self) -> Result<Hardware> {
         let mut hw = self.gpu.hardware();
+        // Between 1e-3 and 1e9 of its unit: a value outside describes no machine and only
+        // prints absurd times.
         let set = |field: &str, v: Option<f64>, slot: &mut f64| -> Result<()> {
             if let Some(v) = v {
-                if !(v.is_finite() && v > 0.0) {
-                    bail!("--{field} must be a positive number, got {v}");
+                if !(v.is_finite() && (1e-3..=1e9).contains(&v)) {
+                    bail!("--{field} must be a number between 0.001 and 1e9, got {v}");
                 }
                 *slot = v;
             }
