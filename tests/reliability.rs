@@ -253,6 +253,35 @@ fn nonfinite_gradients_halt_naming_rank_and_stage_or_are_skipped() {
     assert!(stderr(&o).contains("train.max_skips"), "{}", stderr(&o));
 }
 
+/// Non-finite gradients on a first pipeline stage (which computes no loss): every rank reaches
+/// the same verdict, naming rank 0 and stage 0.
+#[test]
+fn nonfinite_gradients_on_a_first_stage_get_the_same_verdict_everywhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, set: &str| {
+        let mut cmd = pretrain(
+            &tmp.path().join(name),
+            &format!("train.steps=3,parallel.pp=2,{set}"),
+        );
+        cmd.env("PRETRAIN_TEST_NAN_GRADS", "2:0");
+        output(cmd)
+    };
+    let o = run("halt", "train.on_nonfinite=halt");
+    let e = stderr(&o);
+    assert!(
+        !o.status.success()
+            && e.contains("non-finite gradients on rank(s) 0 (pipeline stage(s) 0)"),
+        "{e}"
+    );
+    let o = run("skip", "train.on_nonfinite=skip");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(tmp.path().join("skip/metrics.jsonl")).unwrap();
+    assert_eq!(
+        text.lines().filter(|l| l.contains("\"skipped\"")).count(),
+        1
+    );
+}
+
 /// R3-6: without ZeRO a data-parallel replica whose gradients go bad after the all-reduce is the
 /// only one to see it; the guard still decides once for the whole job (the ranks used to call
 /// different collectives and fail with "does not match", a hang on NCCL).

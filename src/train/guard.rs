@@ -154,19 +154,7 @@ impl Trainer {
                 parts.join("; ")
             ))
         } else {
-            let recent = &self.progress.recent_losses;
-            match t.spike_factor {
-                Some(k) if recent.len() >= SPIKE_WINDOW => {
-                    let mean = recent.iter().sum::<f64>() / recent.len() as f64;
-                    (loss > k * mean).then(|| {
-                        format!(
-                            "step {step}: loss spike: {loss:.4} is above train.spike_factor × the \
-                             mean of the last {SPIKE_WINDOW} steps ({k} × {mean:.4})"
-                        )
-                    })
-                }
-                _ => None,
-            }
+            spike(&self.progress.recent_losses, t.spike_factor, loss, step)
         };
         let Some(problem) = problem else {
             let p = &mut self.progress;
@@ -223,5 +211,48 @@ impl Trainer {
             .zip(&answers[1..])
             .find(|(_, r)| !r.is_empty())
             .map(|(&s, _)| s))
+    }
+}
+
+/// The spike rule: with `factor` k set and a full window of `recent` losses, a `loss` above k
+/// times their mean is a problem (described for step `step`).
+fn spike(recent: &VecDeque<f64>, factor: Option<f64>, loss: f64, step: usize) -> Option<String> {
+    let k = factor?;
+    if recent.len() < SPIKE_WINDOW {
+        return None;
+    }
+    let mean = recent.iter().sum::<f64>() / recent.len() as f64;
+    (loss > k * mean).then(|| {
+        format!(
+            "step {step}: loss spike: {loss:.4} is above train.spike_factor × the mean of the \
+             last {SPIKE_WINDOW} steps ({k} × {mean:.4})"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spike rule on its own: above k × the window's mean is a spike, at or below it is
+    /// not, and a window one short of full never is.
+    #[test]
+    fn a_spike_is_above_the_factor_times_a_full_windows_mean() {
+        let full: VecDeque<f64> = (0..SPIKE_WINDOW)
+            .map(|i| 0.9 + 0.2 * (i % 2) as f64)
+            .collect();
+        let mean = full.iter().sum::<f64>() / SPIKE_WINDOW as f64;
+        assert!((mean - 1.0).abs() < 1e-12);
+        let k = 3.0;
+        let e = spike(&full, Some(k), 3.0 * mean + 1e-9, 7).unwrap();
+        assert!(
+            e.starts_with("step 7: loss spike: 3.0000") && e.contains("(3 × 1.0000)"),
+            "{e}"
+        );
+        assert_eq!(spike(&full, Some(k), 3.0 * mean - 1e-9, 7), None);
+        assert_eq!(spike(&full, None, 1e9, 7), None);
+        let mut short = full.clone();
+        short.pop_front();
+        assert_eq!(spike(&short, Some(k), 1e9, 7), None);
     }
 }

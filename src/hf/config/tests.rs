@@ -224,3 +224,36 @@ fn disagreeing_or_unsupported_configs_are_refused_by_name() {
         assert!(e.contains(want), "wanted {want:?} in: {e}");
     }
 }
+
+/// A config naming only the architecture: every omitted key takes the default of transformers'
+/// `LlamaConfig`.
+#[test]
+fn omitted_keys_take_transformers_llama_defaults() {
+    let m = parse(&json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})).unwrap();
+    let c = &m.config;
+    assert_eq!(
+        (
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_hidden_layers
+        ),
+        (32000, 4096, 11008, 32)
+    );
+    assert_eq!((c.num_attention_heads, c.num_key_value_heads), (32, 32));
+    assert_eq!((c.max_position_embeddings, c.head_dim), (2048, None));
+    assert_eq!(
+        (c.rms_norm_eps, c.init_std, c.rope_theta),
+        (1e-6, 0.02, 10000.0)
+    );
+    assert_eq!((c.tie_word_embeddings, c.rope_scaling), (false, None));
+    let m = parse(&with(&[("num_attention_heads", json!(8))])).unwrap();
+    assert_eq!(m.config.num_key_value_heads, 2, "given, not defaulted");
+    let mut v = base();
+    v.as_object_mut().unwrap().remove("num_key_value_heads");
+    assert_eq!(
+        parse(&v).unwrap().config.num_key_value_heads,
+        4,
+        "defaults to the heads"
+    );
+}
