@@ -532,3 +532,28 @@ fn r3_13eh_bad_arguments_are_named_before_any_work() {
         text(&o)
     );
 }
+
+/// Mutation check M13: rank 0 of an asynchronous save finalises only after every rank's record
+/// exists — here the last rank's share is made late (`PRETRAIN_TEST_SHARE_DELAY_MS`) at dp 4 with
+/// ZeRO-1, where every rank writes a shard, and every save still completes whole.
+#[test]
+fn asynchronous_saves_wait_for_the_last_ranks_share() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let o = bin()
+        .args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!(
+            "{BASE},run.dir={},train.steps=3,parallel.dp=4,parallel.zero=1,\
+             train.global_batch=16,checkpoint.interval=1,checkpoint.async=true,checkpoint.keep=5",
+            dir.display()
+        ))
+        .env("PRETRAIN_TEST_SHARE_DELAY_MS", "3:400")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    for step in 1..=3 {
+        let d = dir.join(format!("checkpoints/step-{step:08}"));
+        let ck = ckpt::Checkpoint::open(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+        assert_eq!(ck.manifest().files.len(), 4, "{}", d.display());
+    }
+}

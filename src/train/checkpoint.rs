@@ -61,6 +61,7 @@ impl Trainer {
             writer: Some(self.snapshot(&root, step)?),
             root,
             step,
+            rank: self.ctx.rank,
             world_size: world.size(),
             manifest: self
                 .ctx

@@ -26,6 +26,8 @@ pub struct SaveJob {
     pub root: PathBuf,
     /// The step saved.
     pub step: u64,
+    /// This rank.
+    pub rank: usize,
     /// Ranks in the job.
     pub world_size: usize,
     /// Rank 0's part: the manifest (files and pieces filled at finalisation).
@@ -48,6 +50,18 @@ impl SaveJob {
 
     /// Writes this rank's share.
     pub fn write_share(&mut self) -> Result<()> {
+        // Fault-injection point for tests: `PRETRAIN_TEST_SHARE_DELAY_MS=RANK:MS` makes rank
+        // RANK's share late, so rank 0 must really wait for the last record.
+        let delay = std::env::var("PRETRAIN_TEST_SHARE_DELAY_MS")
+            .ok()
+            .and_then(|v| {
+                let (rank, ms) = v.split_once(':')?;
+                (rank.trim().parse::<usize>().ok()? == self.rank)
+                    .then(|| ms.trim().parse::<u64>().ok())?
+            });
+        if let Some(ms) = delay {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
         if let Some(w) = self.writer.take() {
             w.write()?;
         }
