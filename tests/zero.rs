@@ -25,6 +25,19 @@ fn zero_2_and_3_train_like_one_rank_at_every_layout() {
     }
 }
 
+/// Hybrid sharding with three replica groups (dp 6, shards of 2) at stages 2 and 3 trains like
+/// one rank: a bug that holds only for exactly two replica groups (`== 2` for `> 1`) is caught
+/// (the other HSDP layouts have two).
+#[test]
+fn hybrid_sharding_with_three_replica_groups_trains_like_one_rank() {
+    let batch = "train.global_batch=24,train.micro_batch=4";
+    let base = run(&format!("{batch},parallel.dp=1"));
+    for stage in [2, 3] {
+        let l = format!("{batch},parallel.dp=6,parallel.zero={stage},parallel.zero_shard_size=2");
+        assert_equivalent(&l, compare(&l, &base, &run(&l)));
+    }
+}
+
 /// What one rank of a one-step run reports about its memory.
 struct RankMemory {
     /// Parameters on the rank (elements of its tensor-parallel blocks).
