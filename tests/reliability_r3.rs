@@ -557,3 +557,30 @@ fn asynchronous_saves_wait_for_the_last_ranks_share() {
         assert_eq!(ck.manifest().files.len(), 4, "{}", d.display());
     }
 }
+
+/// R3-13 (i): a `--master-port` already taken on a one-node job is refused by the launcher at
+/// once, naming the flag and the loopback address (it named 0.0.0.0, and the job waited out its
+/// timeout after rank 0 failed).
+#[test]
+fn r3_13i_a_taken_master_port_is_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let start = std::time::Instant::now();
+    let o = bin()
+        .args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!(
+            "{BASE},run.dir={},train.steps=2,parallel.dp=2",
+            tmp.path().join("run").display()
+        ))
+        .args(["--nproc-per-node", "2", "--master-port", &port.to_string()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains(&format!("--master-port {port}")) && t.contains(&format!("127.0.0.1:{port}")),
+        "{t}"
+    );
+    assert!(start.elapsed().as_secs() < 10, "{:?}", start.elapsed());
+}

@@ -122,6 +122,17 @@ pub fn spawn_node(
         (Some(p), _) => p,
         (None, _) => DEFAULT_PORT,
     };
+    // The store runs on node 0: a port already taken there fails now, naming the flag, instead
+    // of rank 0 failing while the other ranks wait out their timeout.
+    if node_rank == 0 {
+        let bind = store_bind(&addr, port);
+        if let Err(e) = std::net::TcpListener::bind(&bind) {
+            bail!(
+                "--master-port {port}: cannot serve the rendezvous store on {bind} ({e}); choose \
+                 another port (on one node, leaving --master-port unset picks a free one)"
+            );
+        }
+    }
     // One node draws a secret token; several nodes must agree on one without talking, so
     // without PRETRAIN_JOB_TOKEN their ranks derive it from public values (and rank 0 warns).
     let token = match std::env::var(TOKEN_VAR) {

@@ -75,8 +75,15 @@ pub(super) fn store_bind(master_addr: &str, port: u16) -> String {
         .ok()
         .and_then(|mut a| a.find(|a| a.is_ipv4()));
     match ip {
-        Some(a) if std::net::TcpListener::bind(a).is_ok() => a.to_string(),
-        _ => format!("0.0.0.0:{port}"),
+        // An address of another host (not bindable here) is served on every interface; one of
+        // this host's is kept even when its port is taken, so the error names it.
+        Some(a) => match std::net::TcpListener::bind(a) {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                format!("0.0.0.0:{port}")
+            }
+            _ => a.to_string(),
+        },
+        None => format!("0.0.0.0:{port}"),
     }
 }
 
