@@ -11,12 +11,16 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_pretrain"))
 }
 
+/// A tiny training run in `dir` with the overrides `set`, to run.
+fn training(dir: &Path, set: &str) -> Command {
+    let mut cmd = bin();
+    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!("{BASE},run.dir={},{set}", dir.display()));
+    cmd
+}
+
 fn train(dir: &Path, set: &str) -> Output {
-    bin()
-        .args(["--recipe", "recipes/tiny.yaml", "--set"])
-        .arg(format!("{BASE},run.dir={},{set}", dir.display()))
-        .output()
-        .unwrap()
+    training(dir, set).output().unwrap()
 }
 
 fn text(o: &Output) -> String {
@@ -203,12 +207,10 @@ fn r3_4_a_failed_background_save_names_its_step() {
     use std::os::unix::process::CommandExt;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
-    let mut cmd = bin();
-    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
-        .arg(format!(
-            "{BASE},run.dir={},train.steps=4,checkpoint.interval=2,checkpoint.async=true",
-            dir.display()
-        ));
+    let mut cmd = training(
+        &dir,
+        "train.steps=4,checkpoint.interval=2,checkpoint.async=true",
+    );
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -262,12 +264,7 @@ fn r3_resume_logs_each_changed_key() {
 fn r3_13f_a_halt_says_which_checkpoint_is_untouched() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |name: &str, set: &str| {
-        bin()
-            .args(["--recipe", "recipes/tiny.yaml", "--set"])
-            .arg(format!(
-                "{BASE},run.dir={},train.steps=4,{set}",
-                tmp.path().join(name).display()
-            ))
+        training(&tmp.path().join(name), &format!("train.steps=4,{set}"))
             .env("PRETRAIN_TEST_NAN_GRADS", "2:0")
             .output()
             .unwrap()
@@ -376,13 +373,9 @@ fn r3_13eh_bad_arguments_are_named_before_any_work() {
 fn asynchronous_saves_wait_for_the_last_ranks_share() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
-    let o = bin()
-        .args(["--recipe", "recipes/tiny.yaml", "--set"])
-        .arg(format!(
-            "{BASE},run.dir={},train.steps=3,parallel.dp=4,parallel.zero=1,\
-             train.global_batch=16,checkpoint.interval=1,checkpoint.async=true,checkpoint.keep=5",
-            dir.display()
-        ))
+    let set = "train.steps=3,parallel.dp=4,parallel.zero=1,train.global_batch=16,\
+               checkpoint.interval=1,checkpoint.async=true,checkpoint.keep=5";
+    let o = training(&dir, set)
         .env("PRETRAIN_TEST_SHARE_DELAY_MS", "3:400")
         .output()
         .unwrap();
@@ -403,12 +396,7 @@ fn r3_13i_a_taken_master_port_is_refused_at_once() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let start = std::time::Instant::now();
-    let o = bin()
-        .args(["--recipe", "recipes/tiny.yaml", "--set"])
-        .arg(format!(
-            "{BASE},run.dir={},train.steps=2,parallel.dp=2",
-            tmp.path().join("run").display()
-        ))
+    let o = training(&tmp.path().join("run"), "train.steps=2,parallel.dp=2")
         .args(["--nproc-per-node", "2", "--master-port", &port.to_string()])
         .output()
         .unwrap();
