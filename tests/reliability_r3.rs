@@ -4,12 +4,11 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+mod common;
+use common::cli::{assert_says, bin, text};
+
 const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
                     train.micro_batch=4,run.log_interval=1";
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_pretrain"))
-}
 
 /// A tiny training run in `dir` with the overrides `set`, to run.
 fn training(dir: &Path, set: &str) -> Command {
@@ -21,14 +20,6 @@ fn training(dir: &Path, set: &str) -> Command {
 
 fn train(dir: &Path, set: &str) -> Output {
     training(dir, set).output().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// R3-5: files of the run directory planted as symbolic links are never written through: a
@@ -44,7 +35,7 @@ fn r3_5_run_files_are_not_written_through_links() {
     std::os::unix::fs::symlink(&precious, dir.join("run.lock")).unwrap();
     let o = train(&dir, "train.steps=2");
     assert!(!o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("is a symbolic link"), "{}", text(&o));
+    assert_says(&o, "is a symbolic link");
     assert!(!text(&o).contains("precious data"), "{}", text(&o));
     assert_eq!(std::fs::read_to_string(&precious).unwrap(), "precious data");
 
@@ -92,7 +83,7 @@ fn r3_3_plan_refuses_more_gpus_than_ranks_at_once() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(text(&o).contains("exceeds 1048576"), "{}", text(&o));
+    assert_says(&o, "exceeds 1048576");
     let o = bin()
         .args(["plan", "--recipe", "recipes/tiny.yaml", "--gpus", "1048576"])
         .output()
@@ -134,31 +125,19 @@ fn r3_9_import_never_writes_into_a_runs_checkpoints() {
     let latest = || std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
     let o = import(Some(&run.join("checkpoints")));
     assert!(!o.status.success());
-    assert!(
-        text(&o).contains("already holds checkpoints"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "already holds checkpoints");
     assert_eq!(latest(), "step-00000002");
     let o = import(None);
     assert!(o.status.success(), "{}", text(&o));
     assert!(run.join("hf-import/step-00000000/manifest.json").exists());
     assert_eq!(latest(), "step-00000002");
     let o = import(None);
-    assert!(
-        text(&o).contains("already holds checkpoints"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "already holds checkpoints");
 
     std::fs::write(hf.join("tokenizer.json"), [7u8; 200]).unwrap();
     let o = import(Some(&tmp.path().join("fresh")));
     assert!(!o.status.success());
-    assert!(
-        text(&o).contains("not a valid tokenizer.json"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "not a valid tokenizer.json");
 }
 
 /// R3-2: a job whose planned memory exceeds the machine's is refused before it allocates
@@ -191,11 +170,7 @@ fn r3_2_jobs_larger_than_the_machine_are_refused_before_allocating() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    assert!(
-        text(&o).contains("warning: the job needs about"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "warning: the job needs about");
 }
 
 /// R3-4: a background checkpoint write that fails is reported as the save of its own step (it
@@ -270,18 +245,10 @@ fn r3_13f_a_halt_says_which_checkpoint_is_untouched() {
             .unwrap()
     };
     let o = run("none", "checkpoint.interval=0");
-    assert!(
-        text(&o).contains("no checkpoint has been written"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "no checkpoint has been written");
     let o = run("one", "checkpoint.interval=1");
-    assert!(
-        text(&o).contains("the last checkpoint,")
-            && text(&o).contains("step-00000001, is untouched"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "the last checkpoint,");
+    assert_says(&o, "step-00000001, is untouched");
 }
 
 /// R3-13 (e, h): a `model.safetensors` that is a directory is named as such (it was "No such
@@ -312,11 +279,7 @@ fn r3_13eh_bad_arguments_are_named_before_any_work() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(
-        text(&o).contains("model.safetensors: not a regular file"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "model.safetensors: not a regular file");
 
     let start = std::time::Instant::now();
     let o = bin()
@@ -346,7 +309,7 @@ fn r3_13eh_bad_arguments_are_named_before_any_work() {
         .arg(tmp.path())
         .output()
         .unwrap();
-    assert!(text(&o).contains("a directory, not a file"), "{}", text(&o));
+    assert_says(&o, "a directory, not a file");
     assert!(start.elapsed().as_secs() < 5, "{:?}", start.elapsed());
 
     let o = bin()
@@ -359,11 +322,7 @@ fn r3_13eh_bad_arguments_are_named_before_any_work() {
         ])
         .output()
         .unwrap();
-    assert!(
-        text(&o).contains("--peak-tflops must be a number between"),
-        "{}",
-        text(&o)
-    );
+    assert_says(&o, "--peak-tflops must be a number between");
 }
 
 /// Mutation check M13: rank 0 of an asynchronous save finalises only after every rank's record

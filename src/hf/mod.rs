@@ -389,21 +389,18 @@ fn differences(theirs: &LlamaConfig, ours: &LlamaConfig, cfg: &Path) -> Vec<Stri
 pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf> {
     // A root with checkpoints belongs to a run: importing there would point `latest` at step 0
     // and the run's next `resume: auto` would restart from the import over its own steps.
-    if let Some(existing) = ckpt::find_latest(root).ok().flatten().or_else(|| {
-        std::fs::read_dir(root).ok().and_then(|mut d| {
-            d.find_map(|e| {
-                let e = e.ok()?;
-                e.file_name()
-                    .to_str()?
-                    .starts_with("step-")
-                    .then(|| e.path())
-            })
+    let held = std::fs::read_dir(root).ok().and_then(|mut d| {
+        d.find_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            let step = name.starts_with("step-") && !name.ends_with(".tmp");
+            (name == "latest" || step).then_some(name)
         })
-    }) {
+    });
+    if let Some(existing) = held {
         bail!(
-            "{} already holds checkpoints ({}); import into a fresh directory (--output DIR)",
-            root.display(),
-            existing.display()
+            "{} already holds checkpoints ({existing}); import into a fresh directory \
+             (--output DIR)",
+            root.display()
         );
     }
     let cfg_path = model_dir.join("config.json");
@@ -420,6 +417,22 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
     c.bos_token_id = c.bos_token_id.or(hf.config.bos_token_id);
     c.eos_token_id = c.eos_token_id.clone().or(hf.config.eos_token_id);
     let c = &recipe.model;
+    let tokenizer = model_dir.join("tokenizer.json");
+    let tokenizer = if tokenizer.exists() {
+        tokenizer
+    } else {
+        recipe.data.tokenizer.clone()
+    };
+    // The tokenizer the checkpoint carries is parsed now, not when an export or an evaluation
+    // first needs it, and its ids must fit the model's vocabulary.
+    let vocab = data::load_tokenizer(&tokenizer)?.get_vocab_size(true);
+    if vocab > c.vocab_size {
+        bail!(
+            "{}: the tokenizer has {vocab} tokens, more than the model's vocab_size {}",
+            tokenizer.display(),
+            c.vocab_size
+        );
+    }
     let weights = HfWeights::open(model_dir)?;
     let shapes = c.tensor_shapes();
     for name in weights.names() {
@@ -457,22 +470,6 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
         writer.add(Kind::ExpAvgSq, whole, 0..n, vec![0.0; n]);
     }
     writer.write()?;
-    let tokenizer = model_dir.join("tokenizer.json");
-    let tokenizer = if tokenizer.exists() {
-        tokenizer
-    } else {
-        recipe.data.tokenizer.clone()
-    };
-    // The tokenizer the checkpoint carries is parsed now, not when an export or an evaluation
-    // first needs it, and its ids must fit the model's vocabulary.
-    let vocab = data::load_tokenizer(&tokenizer)?.get_vocab_size(true);
-    if vocab > c.vocab_size {
-        bail!(
-            "{}: the tokenizer has {vocab} tokens, more than the model's vocab_size {}",
-            tokenizer.display(),
-            c.vocab_size
-        );
-    }
     let manifest = Manifest {
         format: String::new(),
         step: 0,

@@ -177,6 +177,9 @@ impl AdamW {
     /// `Σ x²` over the whole state — master weights and both moments (f64 accumulation):
     /// non-finite exactly when some value is.
     pub fn state_sum_squares(&self) -> Result<f64> {
+        if self.moments == DType::F32 {
+            return sum_squares(&self.state); // one pass, as every word is an f32 value
+        }
         let words = self.state.elem_count();
         let moments = self.state.narrow(0, self.n, words - self.n)?;
         Ok(sum_squares(&self.master()?)? + sum_squares_of(&moments, self.moments)?)

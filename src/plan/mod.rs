@@ -90,6 +90,22 @@ impl Layout {
         r.optimizer.state_dtype = self.state_dtype;
         r
     }
+
+    /// The `--set` flags that turn this layout into `to`, naming the memory levers that differ
+    /// (ZeRO stage, recompute, the moments' dtype).
+    pub fn lever_flags(&self, to: &Layout) -> String {
+        let mut out = Vec::new();
+        if self.zero != to.zero {
+            out.push(format!("--set parallel.zero={}", to.zero));
+        }
+        if self.recompute != to.recompute {
+            out.push(format!("--set train.recompute={}", to.recompute));
+        }
+        if self.state_dtype != to.state_dtype {
+            out.push(format!("--set optimizer.state_dtype={}", to.state_dtype));
+        }
+        out.join(" ")
+    }
 }
 
 impl std::fmt::Display for Layout {

@@ -97,21 +97,6 @@ struct PlanJson<'a> {
     cheapest_fit: Option<&'a Plan>,
 }
 
-/// The recipe overrides that turn layout `from` into `to` (only the memory levers differ).
-pub fn lever_overrides(from: &super::Layout, to: &super::Layout) -> Vec<String> {
-    let mut out = Vec::new();
-    if from.zero != to.zero {
-        out.push(format!("parallel.zero={}", to.zero));
-    }
-    if from.recompute != to.recompute {
-        out.push(format!("train.recompute={}", to.recompute));
-    }
-    if from.state_dtype != to.state_dtype {
-        out.push(format!("optimizer.state_dtype={}", to.state_dtype));
-    }
-    out
-}
-
 fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
@@ -217,11 +202,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         match &fit {
             Some(p) => println!(
                 "fits with {} ({:.2} GiB per rank, step {:.3} s, {:.0} tokens/s)",
-                lever_overrides(&own.layout, &p.layout)
-                    .iter()
-                    .map(|o| format!("--set {o}"))
-                    .collect::<Vec<_>>()
-                    .join(" "),
+                own.layout.lever_flags(&p.layout),
                 gib(p.memory_bytes.total),
                 p.step_time_s,
                 p.tokens_per_s

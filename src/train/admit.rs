@@ -65,14 +65,7 @@ impl Assessment {
         match cheapest_fit(recipe, &hw) {
             Some(p) => {
                 let own = crate::plan::Layout::of(recipe);
-                let sets = crate::plan::report::lever_overrides(&own, &p.layout);
-                s += &format!(
-                    "; it fits with {}",
-                    sets.iter()
-                        .map(|o| format!("--set {o}"))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                );
+                s += &format!("; it fits with {}", own.lever_flags(&p.layout));
             }
             None => {
                 s += "; no ZeRO stage, recompute or moments' dtype makes this layout fit: \

@@ -8,6 +8,7 @@ use std::path::Path;
 use pretrain::recipe::load;
 use pretrain::train::{train, RunOutput};
 
+pub mod cli;
 pub mod hf;
 pub mod reference;
 pub mod small;

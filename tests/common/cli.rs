@@ -1,0 +1,24 @@
+//! Running the `pretrain` binary from tests and reading what it said.
+
+use std::process::{Command, Output};
+
+/// The binary under test.
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pretrain"))
+}
+
+/// Everything a finished command printed, stdout then stderr.
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Asserts that the command printed `needle`, showing everything it printed otherwise.
+#[track_caller]
+pub fn assert_says(o: &Output, needle: &str) {
+    let t = text(o);
+    assert!(t.contains(needle), "expected {needle:?} in:\n{t}");
+}
