@@ -15,8 +15,10 @@ import re
 import sys
 
 CATEGORIES = [
+    # cuDNN's fused-attention kernels (sdpa, fmha, matmul_dq) before the GEMMs, whose
+    # architecture tags (sm90_) they share.
+    ("attention", r"attn|flash|fmha|attention|sdpa|cudnn"),
     ("gemm (cuBLAS)", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm80_|splitK"),
-    ("attention", r"attn|flash|fmha|attention"),
     ("nccl", r"nccl"),
     ("optimizer", r"adamw|sum_squares|multi_tensor|fused_adam"),
     ("rmsnorm", r"rms"),
@@ -72,7 +74,7 @@ def main():
     rows.sort()
 
     # Optimizer launches closer than 50 ms belong to one step's update.
-    opt = [e for s, e, n, _ in rows if re.search(r"^adamw$|fused_adam|multi_tensor_apply", n)]
+    opt = [e for s, e, n, _ in rows if re.search(r"^adamw(_f32|_bf16)?$|fused_adam|multi_tensor_apply", n)]
     ends = []
     for e in opt:
         if ends and e - ends[-1] < 50_000_000:

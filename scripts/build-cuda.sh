@@ -28,7 +28,7 @@ CARGO_SUBCOMMAND=${CARGO_SUBCOMMAND:-build}
   nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
   nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 \
   nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-nccl-cu13==2.27.7 \
-  nvidia-cudnn-cu13==9.19.0.56 nvidia-cudnn-frontend==1.19.1
+  nvidia-cudnn-cu13==9.19.0.56 nvidia-cudnn-frontend==1.19.1 nvidia-cuda-cupti==13.0.85
 SP=$("$TC/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 CU=$SP/nvidia/cu13
 NC=$SP/nvidia/nccl
@@ -59,4 +59,10 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 cargo "$CARGO_SUBCOMMAND" --release --features "$FEATURES" "$@"
-[ "$CARGO_SUBCOMMAND" != build ] || echo "built $CARGO_TARGET_DIR/release/pretrain"
+if [ "$CARGO_SUBCOMMAND" = build ]; then
+  # The kernel-timeline preload of bench/gpu_check.sh's profile part, built here because the GPU
+  # machines' Python environments lack the CUDA headers cupti.h includes; copy it beside the binary.
+  cc -O2 -shared -fPIC -I"$CU/include" -o "$CARGO_TARGET_DIR/release/cupti_trace.so" \
+    bench/cupti_trace.c -L"$CU/lib" -l:libcupti.so.13
+  echo "built $CARGO_TARGET_DIR/release/pretrain and cupti_trace.so"
+fi

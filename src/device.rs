@@ -123,6 +123,9 @@ pub struct DeviceMemory {
     pub current: u64,
     /// Most bytes in use at once.
     pub peak: u64,
+    /// Bytes the pool holds from the driver: the most ever in use at once, since the pool keeps
+    /// freed memory (start-up's peak included); what other processes cannot have.
+    pub reserved: u64,
 }
 
 /// The memory in use on `device` through its memory pool (every tensor of the process), or `None`
@@ -286,6 +289,7 @@ mod cuda {
         Ok(DeviceMemory {
             current: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
             peak: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            reserved: attribute(d, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
         })
     }
 

@@ -15,7 +15,7 @@ use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
 use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWStep};
-use super::{flatten_params, FlatLayout, GradBuffer};
+use super::{FlatLayout, GradBuffer};
 use crate::recipe::OptimizerConfig;
 
 /// The optimizer's complete state, as saved in checkpoints (host memory).
@@ -56,7 +56,9 @@ pub struct AdamW {
 
 impl AdamW {
     /// Fresh state for the flat ranges `owned` of `layout`: master weights copied from `params`
-    /// (as f32), zero moments.
+    /// (as f32), zero moments. The masters are written into the state buffer one parameter
+    /// slice at a time, so start-up holds the state and one parameter's f32 copy at most (a
+    /// device pool keeps whatever start-up peaked at for the whole run).
     pub fn new(
         params: &ParamSet,
         layout: &FlatLayout,
@@ -68,12 +70,26 @@ impl AdamW {
             .next()
             .map_or(Device::Cpu, |p| p.device.clone());
         crate::device::check_elements("the flat parameters", layout.total, &device)?;
-        let flat = flatten_params(params, layout)?;
-        let masters: Vec<Tensor> = owned
-            .iter()
-            .map(|r| flat.narrow(0, r.start, r.len()))
-            .collect::<Result<_>>()?;
-        Self::with_masters(params, layout, owned, Tensor::cat(&masters, 0)?, cfg)
+        let n: usize = owned.iter().map(|r| r.len()).sum();
+        let state = Self::zero_state(n, cfg, &device)?;
+        let mut base = 0; // where range `r` starts in the state
+        for r in &owned {
+            for (i, p) in params.iter().enumerate() {
+                let slot = layout.range(i);
+                let cut = intersect(&slot, r);
+                if cut.is_empty() {
+                    continue;
+                }
+                let part = p
+                    .tensor()?
+                    .flatten_all()?
+                    .narrow(0, cut.start - slot.start, cut.len())?
+                    .to_dtype(DType::F32)?;
+                state.slice_set(&part, 0, base + cut.start - r.start)?;
+            }
+            base += r.len();
+        }
+        Self::with_state(params, layout, owned, state, cfg)
     }
 
     /// Fresh state for the flat ranges `owned` of `layout` whose master weights are `master`
@@ -87,23 +103,39 @@ impl AdamW {
         cfg: &OptimizerConfig,
     ) -> Result<Self> {
         let owned_len: usize = owned.iter().map(|r| r.len()).sum();
-        let moments = cfg.state_dtype.dtype();
-        let words = state_words(owned_len, moments)?;
-        crate::device::check_elements(
-            "the AdamW state (master weights and two moments)",
-            words,
-            master.device(),
-        )?;
         if master.elem_count() != owned_len {
             candle_core::bail!(
                 "AdamW: {} master weights for {owned_len} owned elements",
                 master.elem_count()
             );
         }
-        let n = master.elem_count();
-        // Zero words are zero moments in either dtype.
-        let zeros = Tensor::zeros(words - n, DType::F32, master.device())?;
-        let state = Tensor::cat(&[master.to_dtype(DType::F32)?, zeros], 0)?;
+        let state = Self::zero_state(owned_len, cfg, master.device())?;
+        state.slice_set(&master.flatten_all()?.to_dtype(DType::F32)?, 0, 0)?;
+        Self::with_state(params, layout, owned, state, cfg)
+    }
+
+    /// A zero state buffer for `n` owned elements in the configured moment dtype (zero words are
+    /// zero master weights and zero moments in either dtype).
+    fn zero_state(n: usize, cfg: &OptimizerConfig, device: &Device) -> Result<Tensor> {
+        let words = state_words(n, cfg.state_dtype.dtype())?;
+        crate::device::check_elements(
+            "the AdamW state (master weights and two moments)",
+            words,
+            device,
+        )?;
+        Tensor::zeros(words, DType::F32, device)
+    }
+
+    /// The optimizer over `state` (see [`AdamW::zero_state`]) with its master weights written.
+    fn with_state(
+        params: &ParamSet,
+        layout: &FlatLayout,
+        owned: Vec<Range<usize>>,
+        state: Tensor,
+        cfg: &OptimizerConfig,
+    ) -> Result<Self> {
+        let moments = cfg.state_dtype.dtype();
+        let n: usize = owned.iter().map(|r| r.len()).sum();
         let mut decay = Vec::new();
         let mut base = 0;
         for r in &owned {

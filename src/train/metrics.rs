@@ -42,6 +42,10 @@ pub struct StepRecord {
     /// On a GPU: the most device memory this process had allocated at once during the step, MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_peak_mib: Option<f64>,
+    /// On a GPU: the device memory this process's memory pool holds, MiB (the most it ever had
+    /// in use at once, start-up included: the pool keeps freed memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_pool_mib: Option<f64>,
     /// This rank's persistent training state, from buffer sizes.
     #[serde(flatten)]
     pub state: StateBytes,

@@ -1,5 +1,5 @@
-// Pointwise kernels of the op library, forward and backward: RMSNorm, RoPE, SwiGLU and
-// cross-entropy. Every kernel is a template on the storage type T (float, double, bf16) exported
+// Pointwise kernels of the op library, forward and backward: RMSNorm, RoPE, SwiGLU,
+// cross-entropy, the embedding's backward and the addition of two tensors. Every kernel is a template on the storage type T (float, double, bf16) exported
 // as NAME_f32 / NAME_f64 / NAME_bf16; loads convert to Acc<T> (f32, f64 for double), all
 // arithmetic and sums run there, stores round back to T. The formulas (and their evaluation
 // order) follow the CPU kernels in src/ops/*.rs.
@@ -7,7 +7,8 @@
 // Launch shapes (chosen by src/ops/cuda/pointwise.rs):
 //   row kernels (rms_norm*, cross_entropy*): one block per row (rms_norm_bwd: per block of rows),
 //     blockDim.x a multiple of 32 and at most 1024, any grid at least as large as needed;
-//   element kernels (rope, swiglu*): any 1-D grid, grid-stride loops over 64-bit indices.
+//   element kernels (rope, swiglu*, add): any 1-D grid, grid-stride loops over 64-bit indices
+//     (swiglu* and add over 16-byte packs of elements where aligned, see Pack).
 // Every reduction has a fixed shape (per-thread strided sums, then block_sum's fixed tree), so
 // results are bitwise reproducible for a given input and launch shape.
 #include "common.cuh"
@@ -17,6 +18,25 @@ typedef unsigned long long u64;
 // Index of this thread in a 1-D grid, and the grid's stride.
 __device__ __forceinline__ u64 global_id() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 grid_stride() { return (u64)gridDim.x * blockDim.x; }
+
+// Element kernels move 16 bytes at a time (8 bf16, 4 f32 or 2 f64 elements: a Pack) when all
+// their buffers are 16-byte aligned, then the elements past the last whole pack one at a time;
+// an element's arithmetic is the same on either path. Launch them with one thread per pack.
+template <typename T> struct Pack {
+  static constexpr int N = 16 / sizeof(T);
+  float4 raw;  // the 16 bytes, carried as a float4
+  __device__ __forceinline__ T get(int e) const { return reinterpret_cast<const T*>(&raw)[e]; }
+  __device__ __forceinline__ void set(int e, T v) { reinterpret_cast<T*>(&raw)[e] = v; }
+};
+template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p, u64 k) {
+  return Pack<T>{reinterpret_cast<const float4*>(p)[k]};
+}
+template <typename T> __device__ __forceinline__ void store_pack(T* p, u64 k, const Pack<T>& v) {
+  reinterpret_cast<float4*>(p)[k] = v.raw;
+}
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+  return (((size_t)a | (size_t)b | (size_t)c) & 15) == 0;
+}
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: y = x * r * w per row, r = 1 / sqrt(mean(x²) + eps).
@@ -151,10 +171,19 @@ template <typename A> __device__ __forceinline__ A sigmoid_acc(A x) {
 template <typename T>
 __device__ void swiglu_fwd_impl(const T* gate, const T* up, T* y, u64 n) {
   typedef typename Acc<T>::type A;
-  for (u64 i = global_id(); i < n; i += grid_stride()) {
-    const A g = to_acc(gate[i]);
-    y[i] = from_acc<T>(g * sigmoid_acc(g) * to_acc(up[i]));
+  const auto one = [](T g, T u) {
+    const A a = to_acc(g);
+    return from_acc<T>(a * sigmoid_acc(a) * to_acc(u));
+  };
+  const u64 packs = aligned16(gate, up, y) ? n / Pack<T>::N : 0;
+  for (u64 k = global_id(); k < packs; k += grid_stride()) {
+    const Pack<T> g = load_pack(gate, k), u = load_pack(up, k);
+    Pack<T> o;
+    for (int e = 0; e < Pack<T>::N; ++e) o.set(e, one(g.get(e), u.get(e)));
+    store_pack(y, k, o);
   }
+  for (u64 i = packs * Pack<T>::N + global_id(); i < n; i += grid_stride())
+    y[i] = one(gate[i], up[i]);
 }
 EXPORT3(swiglu_fwd, (const T* gate, const T* up, T* y, u64 n), (gate, up, y, n))
 
@@ -163,15 +192,49 @@ EXPORT3(swiglu_fwd, (const T* gate, const T* up, T* y, u64 n), (gate, up, y, n))
 template <typename T>
 __device__ void swiglu_bwd_impl(const T* gate, const T* up, const T* grad, T* out, u64 n) {
   typedef typename Acc<T>::type A;
-  for (u64 i = global_id(); i < n; i += grid_stride()) {
-    const A g = to_acc(gate[i]), u = to_acc(up[i]), gr = to_acc(grad[i]);
+  const auto one = [](T gt, T ut, T dt, T* dg, T* du) {
+    const A g = to_acc(gt), u = to_acc(ut), gr = to_acc(dt);
     const A s = sigmoid_acc(g);
-    out[i] = from_acc<T>(gr * u * s * ((A)1 + g * ((A)1 - s)));
-    out[n + i] = from_acc<T>(gr * g * s);
+    *dg = from_acc<T>(gr * u * s * ((A)1 + g * ((A)1 - s)));
+    *du = from_acc<T>(gr * g * s);
+  };
+  T* const dup = out + n;
+  const u64 packs = aligned16(gate, up, grad) && aligned16(out, dup, out) ? n / Pack<T>::N : 0;
+  for (u64 k = global_id(); k < packs; k += grid_stride()) {
+    const Pack<T> g = load_pack(gate, k), u = load_pack(up, k), d = load_pack(grad, k);
+    Pack<T> dg, du;
+    for (int e = 0; e < Pack<T>::N; ++e) {
+      T a, b;
+      one(g.get(e), u.get(e), d.get(e), &a, &b);
+      dg.set(e, a);
+      du.set(e, b);
+    }
+    store_pack(out, k, dg);
+    store_pack(dup, k, du);
   }
+  for (u64 i = packs * Pack<T>::N + global_id(); i < n; i += grid_stride())
+    one(gate[i], up[i], grad[i], &out[i], &dup[i]);
 }
 EXPORT3(swiglu_bwd, (const T* gate, const T* up, const T* grad, T* out, u64 n),
         (gate, up, grad, out, n))
+
+// ---------------------------------------------------------------------------------------------
+// Addition of two tensors of one shape (the residual stream and the gradients that meet where a
+// tensor feeds several operations): out = a + b, each sum rounded once to T.
+
+// a, b, out: [n].
+template <typename T> __device__ void add_impl(const T* a, const T* b, T* out, u64 n) {
+  const auto one = [](T x, T y) { return from_acc<T>(to_acc(x) + to_acc(y)); };
+  const u64 packs = aligned16(a, b, out) ? n / Pack<T>::N : 0;
+  for (u64 k = global_id(); k < packs; k += grid_stride()) {
+    const Pack<T> x = load_pack(a, k), y = load_pack(b, k);
+    Pack<T> o;
+    for (int e = 0; e < Pack<T>::N; ++e) o.set(e, one(x.get(e), y.get(e)));
+    store_pack(out, k, o);
+  }
+  for (u64 i = packs * Pack<T>::N + global_id(); i < n; i += grid_stride()) out[i] = one(a[i], b[i]);
+}
+EXPORT3(add, (const T* a, const T* b, T* out, u64 n), (a, b, out, n))
 
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy: loss = logsumexp(row) - row[target]. A target >= v makes that row's outputs
@@ -242,42 +305,89 @@ EXPORT3(cross_entropy_bwd,
 
 // ---------------------------------------------------------------------------------------------
 // Embedding backward: dw[id] = Σ_{i : ids[i] = id} grad[i], each row summed over its positions
-// in position order (deterministic; the CPU's index_add order). Stage 1 (embedding_mark) sets
-// used[id] = 1 for every id present, one thread per position (ids >= v are skipped; stores of
-// the same value need no atomics). Stage 2 (embedding_bwd) runs one block per vocabulary row:
-// an unused row is written as zeros; a used row scans the ids in order, each thread summing its
-// columns of the matching gradient rows in Acc<T>. Unlike a scatter-add over positions, no two
-// threads ever write the same element and the order never depends on scheduling.
+// in position order (deterministic; the CPU's index_add order). The positions are first sorted
+// by id, stably, into `order` (a counting sort: embedding_count, embedding_offsets,
+// embedding_order), so that embedding_bwd's block for row id reads exactly its own positions:
+// O(n² / threads) integer work for the sort and O(n h + v h) for the sums, where scanning every
+// position for every row cost O(v n h / threads). No two threads write the same element of dw
+// and the summation order never depends on scheduling. Ids >= v are skipped.
 
-// ids: [n]; used: [v], zeroed by the caller. Any 1-D grid.
-extern "C" __global__ void embedding_mark(const unsigned* ids, unsigned* used, u64 n,
-                                          unsigned v) {
+// ids: [n]; counts: [v], zeroed by the caller. Any 1-D grid. Integer atomics: the final counts
+// do not depend on their order.
+extern "C" __global__ void embedding_count(const unsigned* ids, unsigned* counts, u64 n,
+                                           unsigned v) {
   for (u64 i = global_id(); i < n; i += grid_stride()) {
     const unsigned t = ids[i];
-    if (t < v) used[t] = 1u;
+    if (t < v) atomicAdd(&counts[t], 1u);
   }
 }
 
-// grad: [n, h]; ids: [n]; used: [v]; dw: [v, h]. One block per row id < v (grid v).
+// counts: [v]; offsets: [v + 1], offsets[id] = Σ_{k < id} counts[k]. One block of any width up
+// to EMB_SCAN_THREADS: thread t sums its run of ids, thread 0 scans the runs' sums, then every
+// thread writes its run's offsets.
+#define EMB_SCAN_THREADS 1024
+extern "C" __global__ void embedding_offsets(const unsigned* counts, unsigned* offsets,
+                                             unsigned v) {
+  __shared__ unsigned run_start[EMB_SCAN_THREADS + 1];
+  const unsigned threads = blockDim.x, t = threadIdx.x;
+  const unsigned per = (v + threads - 1) / threads;
+  const unsigned lo = min(v, t * per), hi = min(v, lo + per);
+  unsigned sum = 0;
+  for (unsigned k = lo; k < hi; ++k) sum += counts[k];
+  run_start[t + 1] = sum;
+  __syncthreads();
+  if (t == 0) {
+    run_start[0] = 0;
+    for (unsigned k = 1; k <= threads; ++k) run_start[k] += run_start[k - 1];
+  }
+  __syncthreads();
+  unsigned at = run_start[t];
+  for (unsigned k = lo; k < hi; ++k) {
+    offsets[k] = at;
+    at += counts[k];
+  }
+  if (t == threads - 1) offsets[v] = run_start[threads];
+}
+
+// ids: [n]; offsets: [v + 1]; order: [offsets[v]]. Position i goes to slot offsets[ids[i]] + the
+// number of earlier positions with the same id, so each id's positions stay in position order.
+// Blocks of EMB_ORDER_THREADS threads, one position per thread, grid ceil(n / threads): the ids
+// before a block's last position pass through shared memory in tiles of the block's width.
+#define EMB_ORDER_THREADS 256
+extern "C" __global__ void embedding_order(const unsigned* ids, const unsigned* offsets,
+                                           unsigned* order, u64 n, unsigned v) {
+  __shared__ unsigned tile[EMB_ORDER_THREADS];
+  const u64 first = (u64)blockIdx.x * blockDim.x;
+  const u64 i = first + threadIdx.x;
+  const unsigned id = i < n ? ids[i] : v;
+  unsigned rank = 0;
+  for (u64 base = 0; base < first + blockDim.x && base < n; base += blockDim.x) {
+    const u64 j = base + threadIdx.x;
+    tile[threadIdx.x] = j < n ? ids[j] : v;
+    __syncthreads();
+    const u64 end = min((u64)blockDim.x, i > base ? i - base : 0);  // only positions j < i
+    for (u64 k = 0; k < end; ++k) rank += tile[k] == id;
+    __syncthreads();
+  }
+  if (i < n && id < v) order[offsets[id] + rank] = (unsigned)i;
+}
+
+// grad: [n, h]; order, offsets as above; dw: [v, h]. One block per row id < v (grid v): the sum
+// of the gradient rows of its positions, in position order, each thread its columns.
 template <typename T>
-__device__ void embedding_bwd_impl(const T* grad, const unsigned* ids, const unsigned* used,
-                                   T* dw, u64 n, int h, int v) {
+__device__ void embedding_bwd_impl(const T* grad, const unsigned* order, const unsigned* offsets,
+                                   T* dw, int h, int v) {
   typedef typename Acc<T>::type A;
   const int id = blockIdx.x;
   if (id >= v) return;
   T* out = dw + (size_t)id * h;
-  if (!used[id]) {
-    for (int j = threadIdx.x; j < h; j += blockDim.x) out[j] = from_acc<T>((A)0);
-    return;
-  }
-  for (int j0 = 0; j0 < h; j0 += blockDim.x) {  // one pass over the ids per blockDim columns
-    const int j = j0 + threadIdx.x;
+  const unsigned lo = offsets[id], hi = offsets[id + 1];
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
     A s = 0;
-    for (u64 i = 0; i < n; ++i)
-      if (ids[i] == (unsigned)id && j < h) s += to_acc(grad[i * h + j]);
-    if (j < h) out[j] = from_acc<T>(s);
+    for (unsigned k = lo; k < hi; ++k) s += to_acc(grad[(size_t)order[k] * h + j]);
+    out[j] = from_acc<T>(s);
   }
 }
 EXPORT3(embedding_bwd,
-        (const T* grad, const unsigned* ids, const unsigned* used, T* dw, u64 n, int h, int v),
-        (grad, ids, used, dw, n, h, v))
+        (const T* grad, const unsigned* order, const unsigned* offsets, T* dw, int h, int v),
+        (grad, order, offsets, dw, h, v))

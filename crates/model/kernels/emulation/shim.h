@@ -132,6 +132,11 @@ inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned val) {
   if (old == compare) *p = val;
   return old;
 }
+inline unsigned atomicAdd(unsigned* p, unsigned val) {
+  const unsigned old = *p;
+  *p = old + val;
+  return old;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Runtime (shim.cpp).

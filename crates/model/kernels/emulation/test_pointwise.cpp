@@ -1,8 +1,8 @@
 // Emulation driver of kernels/pointwise.cu: runs every exported kernel (rms_norm_fwd,
-// rms_norm_bwd + rms_norm_dw, rope forward and inverse, swiglu_fwd, swiglu_bwd, cross_entropy_fwd,
-// cross_entropy_bwd, embedding_mark + embedding_bwd) for f32, f64 and bf16 with the launch
-// shapes and argument order of src/ops/cuda/pointwise.rs, and compares the results with
-// double-precision references.
+// rms_norm_bwd + rms_norm_dw, rope forward and inverse, swiglu_fwd, swiglu_bwd, add,
+// cross_entropy_fwd, cross_entropy_bwd, embedding_count + embedding_offsets + embedding_order +
+// embedding_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
+// src/ops/cuda/pointwise.rs, and compares the results with double-precision references.
 #include "shim.h"
 // The kernels under test, unchanged.
 #include "../pointwise.cu"
@@ -137,32 +137,64 @@ template <typename T> void rope(size_t b, size_t s, size_t heads, size_t d, uint
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: y = g sigmoid(g) u; backward with upstream e: d gate = e u s (1 + g (1 - s)),
 // d up = e g s, s = sigmoid(g).
-template <typename T> void swiglu(size_t n, uint64_t seed) {
+// The launch of the packed element kernels (pointwise.rs `packs`): one thread per 16 bytes.
+template <typename T> Shape packed(size_t n) {
+  return elementwise((n + 16 / sizeof(T) - 1) / (16 / sizeof(T)));
+}
+
+// SwiGLU over the n elements at offset `skip` of its buffers (skip = 1 makes every buffer
+// misaligned for 16-byte packs: the element path then covers everything).
+template <typename T> void swiglu(size_t n, size_t skip, uint64_t seed) {
   Rng rng(seed);
-  Buffer<T> gate(n, "gate"), up(n, "up"), grad(n, "grad");
+  Buffer<T> gate(n + skip, "gate"), up(n + skip, "up"), grad(n + skip, "grad");
   fill_normal(gate, rng, 0.0, 3.0);
   fill_normal(up, rng);
   fill_normal(grad, rng);
   std::vector<double> ry(n), rd(2 * n);
   for (size_t i = 0; i < n; ++i) {
-    const double g = tod(gate[i]), u = tod(up[i]), e = tod(grad[i]);
+    const double g = tod(gate[skip + i]), u = tod(up[skip + i]), e = tod(grad[skip + i]);
     const double s = 1.0 / (1.0 + std::exp(-g));
     ry[i] = g * s * u;
     rd[i] = e * u * s * (1.0 + g * (1.0 - s));
     rd[n + i] = e * g * s;
   }
-  // pointwise.rs `swiglu_fwd` / `swiglu_bwd`: elementwise(n); also a small grid (grid-stride).
-  const Shape shapes[2] = {elementwise(n), grid(2, 96, 0)};
+  // pointwise.rs `swiglu_fwd` / `swiglu_bwd`: packed(n); also a small grid (grid-stride).
+  const Shape shapes[2] = {packed<T>(n), grid(2, 96, 0)};
   for (const Shape& sh : shapes) {
-    const std::string tag = format("%s n=%zu grid=%ux%u", type_name<T>(), n, sh.blocks, sh.threads);
-    Buffer<T> y(n, "y"), d(2 * n, "d gate|d up");
-    if (run(format("swiglu_fwd_%s", type_name<T>()), sh,
-            [&] { KERNEL(T, swiglu_fwd)(gate.data(), up.data(), y.data(), (u64)n); }))
-      compare("swiglu_fwd " + tag, read(y), ry, tol<T>());
-    if (run(format("swiglu_bwd_%s", type_name<T>()), sh, [&] {
-          KERNEL(T, swiglu_bwd)(gate.data(), up.data(), grad.data(), d.data(), (u64)n);
+    const std::string tag =
+        format("%s n=%zu skip=%zu grid=%ux%u", type_name<T>(), n, skip, sh.blocks, sh.threads);
+    Buffer<T> y(n + skip, "y"), d(2 * n + skip, "d gate|d up");
+    if (run(format("swiglu_fwd_%s", type_name<T>()), sh, [&] {
+          KERNEL(T, swiglu_fwd)(gate.data() + skip, up.data() + skip, y.data() + skip, (u64)n);
         }))
-      compare("swiglu_bwd " + tag + " [d gate, d up]", read(d), rd, tol<T>());
+      compare("swiglu_fwd " + tag, read(y, skip, n), ry, tol<T>());
+    if (run(format("swiglu_bwd_%s", type_name<T>()), sh, [&] {
+          KERNEL(T, swiglu_bwd)(gate.data() + skip, up.data() + skip, grad.data() + skip,
+                                d.data() + skip, (u64)n);
+        }))
+      compare("swiglu_bwd " + tag + " [d gate, d up]", read(d, skip, 2 * n), rd, tol<T>());
+  }
+}
+
+// Addition over the n elements at offset `skip`, against the sum of the stored values rounded
+// once to T (the kernel must give exactly that on either path).
+template <typename T> void add(size_t n, size_t skip, uint64_t seed) {
+  Rng rng(seed);
+  Buffer<T> a(n + skip, "a"), b(n + skip, "b");
+  fill_normal(a, rng);
+  fill_normal(b, rng, 0.0, 1e-2);
+  std::vector<double> want(n);
+  for (size_t i = 0; i < n; ++i)
+    want[i] = tod(from_acc<T>(to_acc(a[skip + i]) + to_acc(b[skip + i])));
+  const Shape shapes[2] = {packed<T>(n), grid(2, 96, 0)};
+  for (const Shape& sh : shapes) {
+    const std::string tag =
+        format("add %s n=%zu skip=%zu grid=%ux%u", type_name<T>(), n, skip, sh.blocks, sh.threads);
+    Buffer<T> out(n + skip, "out");
+    if (run(format("add_%s", type_name<T>()), sh, [&] {
+          KERNEL(T, add)(a.data() + skip, b.data() + skip, out.data() + skip, (u64)n);
+        }))
+      compare(tag, read(out, skip, n), want, 0.0);
   }
 }
 
@@ -257,17 +289,32 @@ template <typename T> void embedding(size_t n, size_t v, size_t h, uint64_t seed
     if (ids[i] < v)
       for (size_t j = 0; j < h; ++j) rdw[ids[i] * h + j] += tod(grad[i * h + j]);
   const std::string tag = format("%s n=%zu v=%zu h=%zu", type_name<T>(), n, v, h);
-  // pointwise.rs `embedding_bwd`: used = zeros(v); embedding_mark on elementwise(n); then
-  // embedding_bwd on grid(v, min(1024, h rounded up to 32), 0).
-  Buffer<unsigned> used(v, "used");
-  for (size_t i = 0; i < v; ++i) used[i] = 0;
-  if (!run("embedding_mark", elementwise(n),
-           [&] { embedding_mark(ids.data(), used.data(), (u64)n, (unsigned)v); }))
+  // pointwise.rs `embedding_bwd`: counts = zeros(v); embedding_count on elementwise(n);
+  // embedding_offsets on one block of min(1024, v rounded up to 32) threads; embedding_order on
+  // grid(ceil(n / 256), 256, 0); embedding_bwd on grid(v, min(1024, h rounded up to 32), 0).
+  Buffer<unsigned> counts(v, "counts"), offsets(v + 1, "offsets"), order(n, "order");
+  for (size_t i = 0; i < v; ++i) counts[i] = 0;
+  if (!run("embedding_count", elementwise(n),
+           [&] { embedding_count(ids.data(), counts.data(), (u64)n, (unsigned)v); }))
     return;
+  const unsigned scan = (unsigned)std::min<size_t>(1024, (v + 31) / 32 * 32);
+  if (!run("embedding_offsets", grid(1, scan, 0),
+           [&] { embedding_offsets(counts.data(), offsets.data(), (unsigned)v); }))
+    return;
+  if (!run("embedding_order", grid((n + 255) / 256, 256, 0),
+           [&] { embedding_order(ids.data(), offsets.data(), order.data(), (u64)n, (unsigned)v); }))
+    return;
+  // The order is each id's positions, ascending, ids ascending (the skipped id has no slot).
+  std::vector<double> want_order, got_order;
+  for (unsigned id = 0; id < v; ++id)
+    for (size_t i = 0; i < n; ++i)
+      if (ids[i] == id) want_order.push_back((double)i);
+  for (size_t k = 0; k < want_order.size(); ++k) got_order.push_back((double)order[k]);
+  compare("embedding_order " + tag + " order", got_order, want_order, 0.0);
   Buffer<T> dw(v * h, "dw");
   const unsigned threads = (unsigned)std::min<size_t>(1024, (h + 31) / 32 * 32);
   if (!run(format("embedding_bwd_%s", type_name<T>()), grid(v, threads, 0), [&] {
-        KERNEL(T, embedding_bwd)(grad.data(), ids.data(), used.data(), dw.data(), (u64)n, (int)h,
+        KERNEL(T, embedding_bwd)(grad.data(), order.data(), offsets.data(), dw.data(), (int)h,
                                  (int)v);
       }))
     return;
@@ -281,11 +328,17 @@ template <typename T> void all(uint64_t seed) {
   rms_norm<T>(0, 5, true, seed + 4);       // no rows: dweight = 0 (stage 2 only)
   rms_norm<T>(2100, 70, false, seed + 9); // 700 partials over 8 slices, h not a multiple of 32
   rope<T>(2, 5, 3, 12, seed + 5);
-  swiglu<T>(1000, seed + 6);
+  swiglu<T>(1000, 0, seed + 6);  // whole packs
+  swiglu<T>(1003, 0, seed + 14); // whole packs and a tail of 3 (bf16), 3 (f32), 1 (f64)
+  swiglu<T>(1000, 1, seed + 15); // misaligned: elements only
+  add<T>(4099, 0, seed + 16);
+  add<T>(4099, 1, seed + 17);
   cross_entropy<T>(3, 1500, {}, seed + 7);      // v > CE_THREADS: strided
   cross_entropy<T>(5, 37, {1, 3}, seed + 8);    // v < CE_THREADS, two bad targets
   embedding<T>(50, 37, 300, seed + 10);         // one column pass per id
   embedding<T>(20, 9, 1500, seed + 11);         // h > 1024: two passes
+  embedding<T>(700, 2100, 40, seed + 12);       // n > 256: three order blocks; v > 1024: runs of 3
+  embedding<T>(600, 5, 33, seed + 13);          // few ids, long runs of positions each
 }
 
 }  // namespace

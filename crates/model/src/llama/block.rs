@@ -198,7 +198,7 @@ impl Llama {
         )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
-        let x1 = (&x + tp.exit(&o)?)?;
+        let x1 = ops::add(&x, &tp.exit(&o)?)?;
 
         let normed = ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?; // [b, s(/tp), h]
         let (y, mlp, stats) = match &blk.mlp {
@@ -212,7 +212,7 @@ impl Llama {
                 let up = linear(&h2, &self.w(*up_proj)?)?;
                 let act = ops::swiglu(&gate, &up)?;
                 let down = linear(&act, &self.w(*down_proj)?)?;
-                let y = (&x1 + tp.exit(&down)?)?;
+                let y = ops::add(&x1, &tp.exit(&down)?)?;
                 let r = &self.recomputed;
                 let tape = MlpTape::Dense {
                     h2: (!r.layernorm).then_some(h2),
@@ -235,7 +235,7 @@ impl Llama {
                     layer,
                     aux_weight,
                 )?;
-                let y = (&x1 + out.reshape(normed.shape())?)?;
+                let y = ops::add(&x1, &out.reshape(normed.shape())?)?;
                 let mut tape = Box::new(tape);
                 tape.forget(self.recomputed.layernorm, self.recomputed.moe_act);
                 (y, MlpTape::Moe(tape), aux_scale.map(|_| stats))
@@ -305,7 +305,7 @@ impl Llama {
                 let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
                 let (dh2_up, d_up) = projection_bwd(&h2, &self.w(*up_proj)?, &dup)?; // [b, s, h] partial
                 let (dh2_gate, d_gate) = projection_bwd(&h2, &self.w(*gate_proj)?, &dgate)?;
-                let dh2 = (dh2_up + dh2_gate)?;
+                let dh2 = ops::add(&dh2_up, &dh2_gate)?;
                 grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
                 ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?
             }
@@ -333,7 +333,7 @@ impl Llama {
             }
             _ => return Err(self.missing(&format!("the feed-forward part of layer {layer}"))),
         };
-        let dx1 = (&dy + dx1)?; // [b, s(/tp), h]
+        let dx1 = ops::add(&dy, &dx1)?; // [b, s(/tp), h]
 
         // Attention: x1 = x + exit(attn(rope(h qᵀ), rope(h kᵀ), h vᵀ) oᵀ), h = enter(norm(x)).
         let h = match h {
@@ -358,9 +358,9 @@ impl Llama {
         let (dh_v, d_v) = projection_bwd(&h, &w.v, &dv)?; // [b, s, h] partial
         let (dh_k, d_k) = projection_bwd(&h, &w.k, &dk)?;
         let (dh_q, d_q) = projection_bwd(&h, &w.q, &dq)?;
-        let dh = ((dh_v + dh_k)? + dh_q)?;
+        let dh = ops::add(&ops::add(&dh_v, &dh_k)?, &dh_q)?;
         let (dx, d_norm1) = ops::rms_norm_bwd(&x, &w.norm1, c.rms_norm_eps, &tp.enter_grad(&dh)?)?;
-        let dx = (dx1 + dx)?;
+        let dx = ops::add(&dx1, &dx)?;
         grads.extend([
             (blk.input_layernorm, ParamGrad::Tensor(d_norm1)),
             (blk.q_proj, d_q),

@@ -16,10 +16,10 @@
 //! `causal_attention_saved`): the same functions autograd's `bwd` runs, which the model's
 //! hand-written passes call. Autograd over these ops is the tests' reference for those passes.
 //!
-//! One file per op: `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+ `attention_bwd.rs`),
-//! `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers live in `common.rs`;
-//! `sdpa.rs` holds the attention backend choice (the project's kernels or cuDNN's fused attention)
-//! and the cuDNN calls' descriptions.
+//! One file per op: `add.rs`, `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+
+//! `attention_bwd.rs`), `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers
+//! live in `common.rs`; `sdpa.rs` holds the attention backend choice (the project's kernels or
+//! cuDNN's fused attention) and the cuDNN calls' descriptions.
 
 use candle_core::{Result, Tensor};
 use parallel::cp::Kernels;
@@ -29,6 +29,7 @@ pub use sdpa::{AttentionBackend, CUDNN_MAX_HEAD_DIM};
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+mod add;
 mod attention;
 mod attention_bwd;
 mod common;
@@ -39,6 +40,12 @@ mod rms_norm;
 mod rope;
 pub mod sdpa;
 mod swiglu;
+
+/// `a + b` for tensors of one shape and dtype, each sum rounded once to the storage type (bit for
+/// bit candle's addition); on CUDA one kernel moving 16 bytes at a time.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    add::add(a, b)
+}
 
 /// `x · wᵀ` for a weight stored `[out, in]` as in Hugging Face: `x` `[.., in]` → `[.., out]`, one
 /// node in the autograd graph (candle's GEMMs, bit-identical on the CPU to composing reshape,

@@ -196,6 +196,38 @@ pub fn rope(
     })
 }
 
+/// One thread per 16-byte pack of `n` elements of `T` (the element kernels' `Pack`).
+fn packs<T>(n: usize) -> usize {
+    n.div_ceil(16 / std::mem::size_of::<T>())
+}
+
+/// `a + b` for two contiguous tensors of `n` elements each (`add` in kernels/pointwise.cu).
+pub fn add(a: &CudaStorage, al: &Layout, b: &CudaStorage, bl: &Layout) -> Result<CudaStorage> {
+    const OP: &str = "add";
+    let dev = a.device();
+    let n = al.shape().elem_count();
+    check_len(OP, "b", bl.shape().elem_count(), n)?;
+    if a.dtype() != b.dtype() {
+        bail!("{OP}: a is {:?} but b is {:?}", a.dtype(), b.dtype())
+    }
+    let n_u = n as u64;
+    crate::with_cuda_dtype!(OP, a.dtype(), T => {
+        let av = view::<T>(OP, "a", a, al)?; // [n]
+        let bv = view::<T>(OP, "b", b, bl)?; // [n]
+        // SAFETY: the grid-stride loops write every element `i < n`.
+        let mut out = unsafe { alloc::<T>(dev, n) }?; // [n]
+        if n > 0 {
+            let f = kernel(dev, OP, "add", a.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&f);
+            builder.arg(&av).arg(&bv).arg(&mut out).arg(&n_u);
+            // SAFETY: matches `add_<T>(const T*, const T*, T*, u64)`; indices `i < n`.
+            unsafe { builder.launch(elementwise(packs::<T>(n))) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    })
+}
+
 /// SwiGLU forward: `gate * sigmoid(gate) * up`, elementwise; returns `y` like `gate`.
 pub fn swiglu_fwd(
     gate: &CudaStorage,
@@ -219,7 +251,7 @@ pub fn swiglu_fwd(
             let mut b = stream.launch_builder(&f);
             b.arg(&gv).arg(&uv).arg(&mut y).arg(&n_u);
             // SAFETY: matches `swiglu_fwd_<T>(const T*, const T*, T*, u64)`; indices `i < n`.
-            unsafe { b.launch(elementwise(n)) }.w()?;
+            unsafe { b.launch(elementwise(packs::<T>(n))) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     })
@@ -255,7 +287,7 @@ pub fn swiglu_bwd(
             b.arg(&gv).arg(&uv).arg(&dv).arg(&mut out).arg(&n_u);
             // SAFETY: matches `swiglu_bwd_<T>(const T*, const T*, const T*, T*, u64)`; reads
             // indices `i < n`, writes `i` and `n + i < 2 n`.
-            unsafe { b.launch(elementwise(n)) }.w()?;
+            unsafe { b.launch(elementwise(packs::<T>(n))) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     })
@@ -342,8 +374,10 @@ pub fn cross_entropy_bwd(
 }
 
 /// Embedding backward for a `[v, h]` table: `grad` `[n, h]` and `ids` `[n]` u32 give `dw`
-/// `[v, h]`, each row the sum of its positions' gradient rows in position order (two kernels:
-/// `embedding_mark`, `embedding_bwd`; see `kernels/pointwise.cu`). Ids `>= v` contribute nothing.
+/// `[v, h]`, each row the sum of its positions' gradient rows in position order: a stable
+/// counting sort of the positions by id (`embedding_count`, `embedding_offsets`,
+/// `embedding_order`), then one block per row (`embedding_bwd`; see `kernels/pointwise.cu`).
+/// Ids `>= v` contribute nothing.
 pub fn embedding_bwd(
     grad: &CudaStorage,
     gl: &Layout,
@@ -352,10 +386,20 @@ pub fn embedding_bwd(
     v: usize,
 ) -> Result<CudaStorage> {
     const OP: &str = "embedding";
+    /// `EMB_SCAN_THREADS` and `EMB_ORDER_THREADS` in kernels/pointwise.cu.
+    const SCAN_THREADS: usize = 1024;
+    const ORDER_THREADS: usize = 256;
     let dev = grad.device();
     let n = il.shape().elem_count();
     let h = *gl.dims().last().unwrap_or(&0);
     check_len(OP, "grad", gl.shape().elem_count(), n * h)?;
+    // Positions and slots are u32 in the kernels; offsets[v] counts positions.
+    if u32::try_from(n).is_err() {
+        candle_core::bail!(
+            "{OP}: {n} positions in one micro-batch, more than the {} the CUDA kernels index",
+            u32::MAX
+        );
+    }
     let (h_i, v_i, v_u) = (
         to_i32(OP, "h", h)?,
         to_i32(OP, "vocabulary", v)?,
@@ -363,15 +407,35 @@ pub fn embedding_bwd(
     );
     let n_u = n as u64;
     let iv = view::<u32>(OP, "ids", ids, il)?; // [n]
-    let mut used = zeros::<u32>(dev, v)?; // [v]
+    let mut counts = zeros::<u32>(dev, v)?; // [v]
+    let mut offsets = zeros::<u32>(dev, v + 1)?; // [v + 1]
+    let mut order = zeros::<u32>(dev, n.max(1))?; // [n]
     let stream = dev.cuda_stream();
     if n > 0 && v > 0 {
-        let f = load(dev, Module::Pointwise, "embedding_mark")?;
+        let f = load(dev, Module::Pointwise, "embedding_count")?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&iv).arg(&mut used).arg(&n_u).arg(&v_u);
-        // SAFETY: matches `embedding_mark(const unsigned*, unsigned*, u64, unsigned)`; reads
-        // ids[i < n], writes used[id] only for id < v.
+        b.arg(&iv).arg(&mut counts).arg(&n_u).arg(&v_u);
+        // SAFETY: matches `embedding_count(const unsigned*, unsigned*, u64, unsigned)`; reads
+        // ids[i < n], increments counts[id] only for id < v.
         unsafe { b.launch(elementwise(n)) }.w()?;
+    }
+    if v > 0 {
+        let f = load(dev, Module::Pointwise, "embedding_offsets")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&counts).arg(&mut offsets).arg(&v_u);
+        let threads = v.next_multiple_of(32).min(SCAN_THREADS) as u32;
+        // SAFETY: matches `embedding_offsets(const unsigned*, unsigned*, unsigned)`; one block of
+        // at most EMB_SCAN_THREADS threads reads counts[0..v] and writes offsets[0..=v].
+        unsafe { b.launch(grid(1, threads, 0)) }.w()?;
+    }
+    if n > 0 && v > 0 {
+        let f = load(dev, Module::Pointwise, "embedding_order")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&iv).arg(&offsets).arg(&mut order).arg(&n_u).arg(&v_u);
+        // SAFETY: matches `embedding_order(const unsigned*, const unsigned*, unsigned*, u64,
+        // unsigned)` with blocks of EMB_ORDER_THREADS; reads ids[0..n] and offsets[id], writes
+        // order[offsets[id] + rank] < offsets[v] <= n for each position with id < v.
+        unsafe { b.launch(grid(n.div_ceil(ORDER_THREADS), ORDER_THREADS as u32, 0)) }.w()?;
     }
     crate::with_cuda_dtype!(OP, grad.dtype(), T => {
         let gv = view::<T>(OP, "grad", grad, gl)?; // [n, h]
@@ -380,11 +444,11 @@ pub fn embedding_bwd(
         if v > 0 && h > 0 {
             let f = kernel(dev, OP, "embedding_bwd", grad.dtype())?;
             let mut b = stream.launch_builder(&f);
-            b.arg(&gv).arg(&iv).arg(&used).arg(&mut dw).arg(&n_u).arg(&h_i).arg(&v_i);
+            b.arg(&gv).arg(&order).arg(&offsets).arg(&mut dw).arg(&h_i).arg(&v_i);
             let threads = h.next_multiple_of(32).min(1024) as u32;
             // SAFETY: matches `embedding_bwd_<T>(const T*, const unsigned*, const unsigned*, T*,
-            // u64, int, int)`; block `id < v` reads ids[0..n], used[id] and, for matching
-            // positions i, grad[i, 0..h], and writes dw[id, 0..h].
+            // int, int)`; block `id < v` reads offsets[id..=id + 1], order[offsets[id]..
+            // offsets[id + 1]] (positions < n) and their rows of grad, and writes dw[id, 0..h].
             unsafe { b.launch(grid(v, threads, 0)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(dw, dev.clone()))
