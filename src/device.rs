@@ -7,7 +7,7 @@
 //! kernels were built for (an error names both), the device gets a stream of its own (shared by
 //! every thread-rank and the communication thread of this process), cudarc's per-allocation event
 //! tracking is turned off, the memory pool is told to keep freed memory, and every kernel module of
-//! the project is loaded.
+//! the project, and those of candle's that training launches, is loaded.
 //!
 //! Why event tracking can be off: cudarc records two CUDA events per allocation and a wait and a
 //! record per kernel argument once a context has a second stream, to order buffers used on several
@@ -58,6 +58,35 @@ pub fn gpu_count() -> Result<usize> {
     }
     #[cfg(not(feature = "cuda"))]
     Ok(0)
+}
+
+/// The GPU a process of a multi-process job uses: its local rank among the GPUs it sees when
+/// it sees one per local rank (torchrun; Slurm with every GPU of the node visible), GPU 0 when it
+/// sees exactly one (Slurm's `--gpus-per-task=1`, or `CUDA_VISIBLE_DEVICES` set per process).
+/// Anything else is an error naming the numbers and the variable that decides them.
+pub fn gpu_ordinal(local_rank: usize, visible: usize) -> Result<usize> {
+    match visible {
+        0 => anyhow::bail!("local rank {local_rank}: no GPU is visible to this process"),
+        1 => Ok(0),
+        n if local_rank < n => Ok(local_rank),
+        n => anyhow::bail!(
+            "local rank {local_rank} has no GPU of its own: this process sees {n} GPUs              (CUDA_VISIBLE_DEVICES={}); give each process either every GPU of its node (one              process per GPU, local ranks 0..{n}) or exactly one",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+        ),
+    }
+}
+
+/// Opens the GPU of local rank `local_rank` ([`gpu_ordinal`] over the GPUs this process sees)
+/// and says in the log which one it took.
+pub fn open_local_gpu(rank: usize, local_rank: usize) -> Result<Device> {
+    let visible = gpu_count()?;
+    let ordinal = gpu_ordinal(local_rank, visible)?;
+    let device = device_for(DeviceKind::Cuda, ordinal)?;
+    tracing::info!(
+        "rank {rank} (local rank {local_rank}): GPU {ordinal} of the {visible} it sees          (CUDA_VISIBLE_DEVICES={})",
+        std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+    );
+    Ok(device)
 }
 
 /// The compute device a recipe asks for; `ordinal` picks the GPU. See the module docs for what
@@ -178,6 +207,21 @@ mod tests {
         assert_eq!(mem_available(text), Some(20_000_000 * 1024));
         assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
         assert!(capacity(&Device::Cpu).is_some_and(|b| b > 0));
+    }
+
+    #[test]
+    fn each_local_rank_takes_its_own_gpu_or_the_only_one_it_sees() {
+        // torchrun / Slurm with the node's GPUs visible: local rank = ordinal.
+        assert_eq!(gpu_ordinal(3, 8).unwrap(), 3);
+        assert_eq!(gpu_ordinal(0, 8).unwrap(), 0);
+        // Slurm --gpus-per-task=1: each process sees one GPU, ordinal 0 whatever its local rank.
+        assert_eq!(gpu_ordinal(5, 1).unwrap(), 0);
+        let e = gpu_ordinal(5, 4).unwrap_err().to_string();
+        assert!(e.contains("local rank 5 has no GPU of its own"), "{e}");
+        assert!(e.contains("sees 4 GPUs"), "{e}");
+        assert!(e.contains("CUDA_VISIBLE_DEVICES="), "{e}");
+        let e = gpu_ordinal(0, 0).unwrap_err().to_string();
+        assert!(e.contains("no GPU is visible"), "{e}");
     }
 
     #[test]

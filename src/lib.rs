@@ -54,7 +54,12 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// - with the `cuda` feature, `CUDA_MODULE_LOADING=EAGER`: every kernel of a module is loaded with
 ///   its module (when a device opens), not at its first launch. With lazy loading (the driver's
 ///   default since CUDA 12.2) a first launch can wait on a context-wide lock while NCCL kernels
-///   spin waiting for peers. It must be set before the driver initialises.
+///   spin waiting for peers. It must be set before the driver initialises;
+/// - with the `nccl` feature, `NCCL_RUNTIME_CONNECT=0`: NCCL (2.22 and newer) otherwise connects
+///   a communicator's peers, and allocates their buffers outside the CUDA memory pool, at the
+///   first operation of each kind — inside step 1, right after its activation peak. Connected at
+///   creation (`Comm::prepare`, before the first step), a communicator that does not fit fails at
+///   start-up with NCCL's message, and the buffers count in the memory the pool can then take.
 ///
 /// Call it while the process has one thread (setting the environment races with threads reading
 /// it).
@@ -77,6 +82,9 @@ pub fn process_defaults() {
     }
     if cfg!(feature = "cuda") {
         defaults.push(("CUDA_MODULE_LOADING", "EAGER".to_string()));
+    }
+    if cfg!(feature = "nccl") {
+        defaults.push(("NCCL_RUNTIME_CONNECT", "0".to_string()));
     }
     for (key, value) in defaults {
         if unset(key) {

@@ -248,7 +248,7 @@ fn bf16_moments_are_a_lever_used_only_where_fp32_ones_do_not_fit() {
 
     // Memory between the two: only bf16 moments (with recompute, or without it if that fits)
     // make the recipe's layout fit.
-    hw.memory_gib = (a.total + b.total) as f64 / 2.0 / GIB;
+    hw.memory_gib = ((a.total + b.total) / 2 + fp32.headroom_bytes) as f64 / GIB;
     let fit = cheapest_fit(&r, &hw).expect("bf16 moments fit");
     assert!(
         fit.fits && fit.layout.state_dtype == StateDtype::Bf16,

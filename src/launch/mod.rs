@@ -7,8 +7,8 @@
 //!   any survivors are killed.
 //! - [`join`]: a rank process (started by us, torchrun or Slurm — see `parallel::env`) joins its
 //!   job: rank 0 serves the rendezvous store, every rank connects to it and builds the
-//!   communicator of its device — `tcp` for CPU ranks, NCCL for CUDA ranks (one GPU per process,
-//!   `LOCAL_RANK` picks it).
+//!   communicator of its device — `tcp` for CPU ranks, NCCL for CUDA ranks (one GPU per process:
+//!   the local rank's among the GPUs it sees, or the only one it sees; `device::gpu_ordinal`).
 //!
 //! The job token keeps stray connections out of the store and the `tcp` mesh. It is
 //! `PRETRAIN_JOB_TOKEN`, or the contents of the owner-only file `PRETRAIN_JOB_TOKEN_FILE` names;
@@ -33,7 +33,6 @@ use parallel::store::{Store, StoreServer};
 use parallel::Comm;
 
 use crate::recipe::{DeviceKind, Recipe};
-use crate::train::device_for;
 
 mod supervise;
 mod token;
@@ -282,7 +281,7 @@ fn cuda_comm(
     store: Store,
     timeout: Duration,
 ) -> Result<(Arc<dyn Comm>, Device)> {
-    let device = device_for(DeviceKind::Cuda, info.local_rank)?;
+    let device = crate::device::open_local_gpu(info.rank, info.local_rank)?;
     let cuda = device.as_cuda_device()?.clone();
     let comm = parallel::comm::nccl::NcclComm::new(info.rank, world, store, cuda, timeout)
         .with_context(|| format!("rank {}: setting up NCCL", info.rank))?;
@@ -297,7 +296,7 @@ fn cuda_comm(
     _timeout: Duration,
 ) -> Result<(Arc<dyn Comm>, Device)> {
     // Opening the device first gives the more basic error on a CPU-only build.
-    device_for(DeviceKind::Cuda, info.local_rank)?;
+    crate::device::open_local_gpu(info.rank, info.local_rank)?;
     bail!("multi-process CUDA jobs need the `nccl` feature (scripts/build-cuda.sh builds it)")
 }
 

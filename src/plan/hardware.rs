@@ -5,6 +5,9 @@
 
 use serde::Serialize;
 
+/// How many collective communicators' worth of NCCL buffers an all-to-all communicator holds.
+pub const ALL_TO_ALL_COMMUNICATORS: f64 = 3.5;
+
 /// A GPU model the planner knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GpuPreset {
@@ -24,8 +27,17 @@ pub struct Hardware {
     pub name: &'static str,
     /// Peak dense bf16 TFLOP/s per GPU.
     pub peak_tflops: f64,
-    /// Usable device memory per GPU, GiB.
+    /// Device memory per GPU, GiB.
     pub memory_gib: f64,
+    /// Memory each process needs outside its memory pool, GiB: the CUDA context, the loaded
+    /// kernels and the cuBLAS and cuDNN workspaces (3.2 measured on an H100: nvidia-smi against
+    /// the pool, docs/perf.md, GPU 2026-11-26; assumed the same on the other presets).
+    pub context_gib: f64,
+    /// NCCL buffers of one collective communicator, GiB (public reports: 0.5-0.7 GB per group on
+    /// A100, 1.6 GB for one all-reducing communicator; not measured here). A point-to-point
+    /// communicator counts half of it and an all-to-all one [`ALL_TO_ALL_COMMUNICATORS`] times it
+    /// (one channel per peer pair: 3.3 GB on 8 H100s).
+    pub nccl_gib: f64,
     /// HBM bandwidth, GB/s.
     pub hbm_gbps: f64,
     /// Per-GPU bandwidth of collectives inside a node (NVLink, one direction), GB/s.
@@ -48,6 +60,8 @@ impl GpuPreset {
                 name: "a100-80g",
                 peak_tflops: 312.0,
                 memory_gib: 80.0,
+                context_gib: 3.2,
+                nccl_gib: 1.0,
                 hbm_gbps: 2039.0,
                 intra_node_gbps: 300.0,
                 inter_node_gbps: 25.0,
@@ -59,6 +73,8 @@ impl GpuPreset {
                 name: "h100",
                 peak_tflops: 989.0,
                 memory_gib: 80.0,
+                context_gib: 3.2,
+                nccl_gib: 1.0,
                 hbm_gbps: 3350.0,
                 intra_node_gbps: 450.0,
                 inter_node_gbps: 50.0,
@@ -70,6 +86,8 @@ impl GpuPreset {
                 name: "h200",
                 peak_tflops: 989.0,
                 memory_gib: 141.0,
+                context_gib: 3.2,
+                nccl_gib: 1.0,
                 hbm_gbps: 4800.0,
                 intra_node_gbps: 450.0,
                 inter_node_gbps: 50.0,
@@ -78,5 +96,15 @@ impl GpuPreset {
                 attention_efficiency: 0.20,
             },
         }
+    }
+}
+
+impl Hardware {
+    /// Bytes a rank holding `comms` NCCL communicators needs outside its memory pool.
+    pub fn headroom_bytes(&self, comms: &parallel::register::Communicators) -> u64 {
+        let nccl = comms.groups as f64
+            + 0.5 * comms.p2p as f64
+            + ALL_TO_ALL_COMMUNICATORS * comms.all_to_all as f64;
+        ((self.context_gib + self.nccl_gib * nccl) * super::GIB) as u64
     }
 }

@@ -146,7 +146,12 @@ pub struct Plan {
     pub memory_bytes: MemoryBytes,
     /// Each pipeline stage's bytes.
     pub stages: Vec<StageMemory>,
-    /// Whether the most loaded rank fits the GPU's memory.
+    /// The NCCL communicators of the rank that holds the most.
+    pub communicators: parallel::register::Communicators,
+    /// What a rank needs outside its memory pool: context, libraries, NCCL buffers
+    /// ([`Hardware::headroom_bytes`]).
+    pub headroom_bytes: u64,
+    /// Whether the most loaded rank, with the headroom, fits the GPU's memory.
     pub fits: bool,
     /// Step time, by part.
     pub step_time: StepTime,
@@ -178,6 +183,9 @@ pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
         })
         .collect();
     let (step_time, bubble) = time::step_time(r, hw, &state);
+    let communicators =
+        parallel::register::most_communicators(&r.parallel).map_err(|e| e.to_string())?;
+    let headroom_bytes = hw.headroom_bytes(&communicators);
     let world = r.parallel.world_size() as f64;
     let tokens = (r.train.global_batch * r.train.seq_len) as f64;
     let tflops =
@@ -185,7 +193,9 @@ pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
     Ok(Plan {
         layout: Layout::of(r),
         memory_bytes: most.bytes,
-        fits: most.bytes.total as f64 <= hw.memory_gib * GIB,
+        communicators,
+        headroom_bytes,
+        fits: (most.bytes.total + headroom_bytes) as f64 <= hw.memory_gib * GIB,
         stages,
         step_time,
         step_time_s: step_time.step_s,

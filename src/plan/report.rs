@@ -29,6 +29,14 @@ pub struct PlanArgs {
     /// Usable memory per GPU, GiB.
     #[arg(long)]
     pub gpu_memory_gib: Option<f64>,
+    /// Memory each process needs outside its memory pool (CUDA context, kernels, cuBLAS and
+    /// cuDNN workspaces), GiB.
+    #[arg(long)]
+    pub context_gib: Option<f64>,
+    /// NCCL buffers per collective communicator, GiB (a point-to-point one counts half, an
+    /// all-to-all one 3.5 times).
+    #[arg(long)]
+    pub nccl_gib: Option<f64>,
     /// Peak dense bf16 TFLOP/s per GPU.
     #[arg(long)]
     pub peak_tflops: Option<f64>,
@@ -62,6 +70,18 @@ impl PlanArgs {
             Ok(())
         };
         set("gpu-memory-gib", self.gpu_memory_gib, &mut hw.memory_gib)?;
+        // The headroom may be zero (to plan the pool alone).
+        for (field, v, slot) in [
+            ("context-gib", self.context_gib, &mut hw.context_gib),
+            ("nccl-gib", self.nccl_gib, &mut hw.nccl_gib),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && (0.0..=1e6).contains(&v)) {
+                    bail!("--{field} must be a number between 0 and 1e6, got {v}");
+                }
+                *slot = v;
+            }
+        }
         set("peak-tflops", self.peak_tflops, &mut hw.peak_tflops)?;
         set(
             "intra-node-gbps",
@@ -134,6 +154,16 @@ fn print_plan(p: &Plan, hw: &Hardware) {
             s.in_flight
         );
     }
+    let c = &p.communicators;
+    println!(
+        "  outside the memory pool: {:.2} GiB (context and libraries {:.2}; NCCL {} collective, \
+         {} all-to-all, {} point-to-point communicators)",
+        gib(p.headroom_bytes),
+        hw.context_gib,
+        c.groups,
+        c.all_to_all,
+        c.p2p
+    );
     println!(
         "fits {} ({:.0} GiB): {}",
         hw.name,

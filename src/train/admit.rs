@@ -5,8 +5,9 @@
 //! The need is the most loaded rank's predicted bytes (parameters, gradients, optimizer state,
 //! activations, ZeRO buffers and temporaries: `plan::memory`) times the ranks sharing the device
 //! (thread ranks share the process; on a GPU, ranks sharing it), plus a headroom for what the
-//! planner does not model: the process itself, allocator arenas and the data loader on the CPU;
-//! the CUDA context, library workspaces and NCCL buffers on a GPU. It is compared with the
+//! planner's memory pool does not hold: the process itself, allocator arenas and the data loader
+//! on the CPU; on a GPU the planner's headroom (the CUDA context, library workspaces and, for a
+//! rank of a multi-process job, its NCCL communicators' buffers: `Hardware::headroom_bytes`). It is compared with the
 //! host's `MemAvailable` or the GPU's free memory (`device::capacity`). `pretrain check` prints
 //! the same comparison as a warning.
 
@@ -18,8 +19,6 @@ use crate::recipe::Recipe;
 
 /// What a CPU job needs beyond the planned bytes.
 pub const CPU_HEADROOM: u64 = 512 << 20;
-/// What a GPU needs beyond the planned bytes (context, cuBLAS/cuDNN workspaces, NCCL buffers).
-pub const GPU_HEADROOM: u64 = 2 << 30;
 
 /// A job's memory against its device's.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,6 +27,10 @@ pub struct Assessment {
     pub per_rank: u64,
     /// Ranks sharing the device.
     pub ranks: usize,
+    /// What the device needs beyond the planned bytes: on a GPU the planner's headroom
+    /// (`Hardware::headroom_bytes`: context, libraries and, for a rank of a multi-process job,
+    /// its NCCL communicators' buffers), on the CPU [`CPU_HEADROOM`].
+    pub headroom: u64,
     /// `per_rank × ranks` + the headroom.
     pub need: u64,
     /// What the device has.
@@ -43,13 +46,11 @@ impl Assessment {
     /// The comparison in words, with the fastest memory levers that would make it fit.
     pub fn describe(&self, recipe: &Recipe, device: &Device) -> String {
         let gib = |b: u64| b as f64 / GIB;
-        let (what, headroom) = if device.is_cuda() {
-            ("this GPU's free memory", GPU_HEADROOM)
+        let headroom = self.headroom;
+        let what = if device.is_cuda() {
+            "this GPU's free memory"
         } else {
-            (
-                "this machine's available memory (MemAvailable)",
-                CPU_HEADROOM,
-            )
+            "this machine's available memory (MemAvailable)"
         };
         let mut s = format!(
             "the job needs about {:.2} GiB ({} rank(s) × {:.2} GiB planned by `pretrain plan` + \
@@ -60,8 +61,10 @@ impl Assessment {
             gib(headroom),
             gib(self.have)
         );
+        // What each rank may plan for, the headroom already set aside.
         let mut hw = GpuPreset::H100.hardware();
         hw.memory_gib = gib(self.have.saturating_sub(headroom)) / self.ranks.max(1) as f64;
+        (hw.context_gib, hw.nccl_gib) = (0.0, 0.0);
         match cheapest_fit(recipe, &hw) {
             Some(p) => {
                 let own = crate::plan::Layout::of(recipe);
@@ -86,7 +89,13 @@ pub fn assess(recipe: &Recipe, ranks: usize, device: &Device) -> Result<Option<A
     let stages = crate::plan::memory::stages(recipe).map_err(anyhow::Error::msg)?;
     let per_rank = stages.iter().map(|s| s.bytes.total).max().unwrap_or(0);
     let headroom = if device.is_cuda() {
-        GPU_HEADROOM
+        // Thread ranks sharing one GPU talk through host memory; one rank per process uses NCCL.
+        let comms = if ranks < recipe.parallel.world_size() {
+            parallel::register::most_communicators(&recipe.parallel)?
+        } else {
+            parallel::register::Communicators::default()
+        };
+        GpuPreset::H100.hardware().headroom_bytes(&comms)
     } else {
         CPU_HEADROOM
     };
@@ -96,6 +105,7 @@ pub fn assess(recipe: &Recipe, ranks: usize, device: &Device) -> Result<Option<A
     Ok(Some(Assessment {
         per_rank,
         ranks,
+        headroom,
         need,
         have,
     }))
@@ -125,6 +135,7 @@ mod tests {
         let a = Assessment {
             per_rank,
             ranks: 1,
+            headroom: CPU_HEADROOM,
             need: per_rank + CPU_HEADROOM,
             have: per_rank + CPU_HEADROOM - (1 << 30),
         };

@@ -77,6 +77,81 @@ pub fn channels(rank: usize, groups: &RankGroups) -> Vec<Channel> {
     ALL.iter().flat_map(|p| p.channels(rank, groups)).collect()
 }
 
+/// The communicators one rank holds on NCCL, by kind: what `Comm::prepare` creates for it from
+/// the job's channels (one per group of two or more ranks it collects over, the world's
+/// included; one per all-to-all group; one per point-to-point direction it sends or receives
+/// on). Each holds GPU buffers outside the memory pool, which the planner's headroom counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Communicators {
+    /// Collective groups.
+    pub groups: usize,
+    /// All-to-all groups (expert parallelism).
+    pub all_to_all: usize,
+    /// Point-to-point directions (pipeline neighbours).
+    pub p2p: usize,
+}
+
+/// The [`Communicators`] of `rank` in layout `cfg`: the distinct channels that include it among
+/// those of every rank it shares a group with (a receiver's channel is listed by its sender).
+pub fn communicators(
+    cfg: &ParallelConfig,
+    rank: usize,
+) -> Result<Communicators, crate::mesh::MeshError> {
+    let mesh = crate::mesh::Mesh::from_config(cfg)?;
+    let shard = cfg.shard_size();
+    let world = mesh.world_size();
+    let mut peers: std::collections::BTreeSet<usize> = mesh
+        .rank_groups(rank, shard)
+        .named()
+        .iter()
+        .flat_map(|(_, g)| g.ranks().iter().copied())
+        .collect();
+    peers.insert(rank);
+    let mut seen = std::collections::HashSet::new();
+    let mut n = Communicators::default();
+    // The job-wide group every job's channel list starts with.
+    if seen.insert(Channel::Group(crate::Group::new((0..world).collect()))) && world > 1 {
+        n.groups += 1;
+    }
+    for r in peers {
+        for ch in channels(r, &mesh.rank_groups(r, shard)) {
+            if !ch.includes(rank) || !seen.insert(ch.clone()) {
+                continue;
+            }
+            match ch {
+                Channel::Group(g) if g.size() > 1 => n.groups += 1,
+                Channel::AllToAll(g) if g.size() > 1 => n.all_to_all += 1,
+                Channel::P2p { src, dst } if src != dst => n.p2p += 1,
+                _ => {}
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// The most [`Communicators`] any rank of `cfg` holds, by kind: ranks differ only by their
+/// pipeline stage (the first and last have fewer neighbours), so the first stage's first rank,
+/// the second stage's and the last stage's are enough.
+pub fn most_communicators(cfg: &ParallelConfig) -> Result<Communicators, crate::mesh::MeshError> {
+    let mesh = crate::mesh::Mesh::from_config(cfg)?;
+    let stages = mesh.group(crate::mesh::Axis::Pp, 0);
+    let ranks = stages.ranks();
+    let mut most = Communicators::default();
+    for &r in [
+        ranks[0],
+        ranks[1.min(ranks.len() - 1)],
+        ranks[ranks.len() - 1],
+    ]
+    .iter()
+    {
+        let c = communicators(cfg, r)?;
+        most.groups = most.groups.max(c.groups);
+        most.all_to_all = most.all_to_all.max(c.all_to_all);
+        most.p2p = most.p2p.max(c.p2p);
+    }
+    Ok(most)
+}
+
 /// A point-to-point direction from `rank` to the member `step` places after it in `group`
 /// (none in a one-rank group).
 pub(crate) fn next_in(rank: usize, group: &crate::Group, step: usize) -> Option<Channel> {
@@ -106,6 +181,74 @@ mod tests {
             experts: Some(4),
             expert_capacity: false,
         }
+    }
+
+    /// Against the job's whole channel list (every rank's channels, as the trainer hands them to
+    /// `Comm::prepare`) filtered to each rank, at layouts with every kind of group.
+    #[test]
+    fn communicators_are_the_channels_that_include_the_rank() {
+        let layouts = [
+            ParallelConfig::default(),
+            ParallelConfig {
+                dp: 2,
+                tp: 2,
+                pp: 2,
+                ep: 2,
+                virtual_stages: 2,
+                zero: ZeroStage::Optimizer,
+                ..ParallelConfig::default()
+            },
+            ParallelConfig {
+                dp: 2,
+                cp: 2,
+                pp: 3,
+                zero: ZeroStage::Parameters,
+                zero_shard_size: Some(2),
+                ..ParallelConfig::default()
+            },
+            ParallelConfig {
+                dp: 4,
+                pp: 4,
+                ..ParallelConfig::default()
+            },
+        ];
+        for c in layouts {
+            let mesh = Mesh::from_config(&c).unwrap();
+            let world = mesh.world_size();
+            let mut all = vec![Channel::Group(crate::Group::new((0..world).collect()))];
+            for r in 0..world {
+                for ch in channels(r, &mesh.rank_groups(r, c.shard_size())) {
+                    if !all.contains(&ch) {
+                        all.push(ch);
+                    }
+                }
+            }
+            let mut most = Communicators::default();
+            for r in 0..world {
+                let mut want = Communicators::default();
+                for ch in all.iter().filter(|ch| ch.includes(r)) {
+                    match ch {
+                        Channel::Group(g) if g.size() > 1 => want.groups += 1,
+                        Channel::AllToAll(g) if g.size() > 1 => want.all_to_all += 1,
+                        Channel::P2p { src, dst } if src != dst => want.p2p += 1,
+                        _ => {}
+                    }
+                }
+                assert_eq!(
+                    communicators(&c, r).unwrap(),
+                    want,
+                    "{} rank {r}",
+                    c.describe()
+                );
+                most.groups = most.groups.max(want.groups);
+                most.all_to_all = most.all_to_all.max(want.all_to_all);
+                most.p2p = most.p2p.max(want.p2p);
+            }
+            assert_eq!(most_communicators(&c).unwrap(), most, "{}", c.describe());
+        }
+        // One rank: no communicator at all.
+        let one = most_communicators(&ParallelConfig::default()).unwrap();
+        assert_eq!(one, Communicators::default());
     }
 
     #[test]

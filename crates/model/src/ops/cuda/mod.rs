@@ -138,9 +138,35 @@ fn module_in<'c>(
 /// device opens, so that no module is loaded — and nothing can wait on a driver lock — while
 /// kernels of a step, or collectives, are in flight.
 pub fn load_all(dev: &CudaDevice) -> Result<()> {
-    let mut cache = loaded();
-    for m in Module::ALL {
-        module_in(&mut cache, dev, m)?;
+    {
+        let mut cache = loaded();
+        for m in Module::ALL {
+            module_in(&mut cache, dev, m)?;
+        }
+    }
+    load_candle_modules(dev)
+}
+
+/// candle's own kernel modules that training launches (its casts, fills, copies, index, reduce,
+/// affine, unary, binary and select kernels), each through one of its kernels: candle ships them
+/// as PTX, which the driver compiles when a module first loads — otherwise inside step 1, with
+/// NCCL kernels possibly in flight. (Its convolution, quantized and sort modules are never used.)
+fn load_candle_modules(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda::kernels as k;
+    let modules = [
+        (&k::AFFINE, "affine_f32"),
+        (&k::BINARY, "badd_f32"),
+        (&k::CAST, "cast_f32_bf16"),
+        (&k::FILL, "fill_f32"),
+        (&k::INDEXING, "is_u32_f32"),
+        (&k::REDUCE, "fast_sum_f32"),
+        (&k::TERNARY, "where_u8_f32"),
+        (&k::UNARY, "ucopy_f32"),
+    ];
+    for (module, kernel) in modules {
+        dev.get_or_load_func(kernel, module).map_err(|e| {
+            candle_core::Error::Msg(format!("loading candle's CUDA kernel {kernel}: {e}"))
+        })?;
     }
     Ok(())
 }
