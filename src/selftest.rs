@@ -23,8 +23,8 @@
 //!    dimension).
 //!
 //! 7. **Rank processes.** Two processes started by the launcher (tp=2 with sequence
-//!    parallelism) against one rank: over `tcp` on the CPU, over NCCL with two or more GPUs
-//!    (`selftest/processes.rs`).
+//!    parallelism) against one rank: over `tcp` on the CPU, over NCCL with two or more GPUs, where
+//!    ZeRO-1, pp 2 and (with four) dp 2 × tp 2 run too (`selftest/processes.rs`).
 //! 8. **Attention backends.** The project's attention kernels and, on CUDA, cuDNN's fused
 //!    attention, in bf16 against f64 on the CPU: causal calls and an unmasked ring block, forward
 //!    and backward (`selftest/attention.rs`).
@@ -367,13 +367,14 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
             tolerance: 1e-5,
         },
     ];
-    match processes::check_processes(kind, recipe, &one)? {
-        Some(check) => checks.push(check),
-        None => eprintln!(
+    let across = processes::check_processes(kind, recipe, &one)?;
+    if across.is_empty() {
+        eprintln!(
             "selftest: one GPU, so no NCCL check across processes (it needs two; NCCL refuses \
              two ranks on one device)"
-        ),
+        );
     }
+    checks.extend(across);
     Ok(checks)
 }
 

@@ -1,8 +1,9 @@
 //! Check 8 of `pretrain selftest`: attention on every backend the device has — the project's
 //! kernels, and on CUDA cuDNN's fused attention — in bf16 against the project's kernels in f64
 //! on the CPU: causal calls at the 1B recipes' head shapes (32 query and 4 KV heads of 64; 16 and
-//! 8 of 128) and an unmasked block of context-parallel ring attention with twice as many keys as
-//! queries; the forward's output and log-sum-exp, the backward's dq, dk and dv (from the f64
+//! 8 of 128) and at the 7B recipes' (d 128, as many KV heads as query heads, 4096 positions), and
+//! unmasked blocks of context-parallel ring attention with twice as many keys as queries (512 and
+//! 4096 queries); the forward's output and log-sum-exp, the backward's dq, dk and dv (from the f64
 //! reference's output and log-sum-exp, as the ring passes the merged ones). On the CPU the shapes
 //! are scaled down and only the project's kernels run (a `cudnn` backend has no CPU kernels).
 
@@ -48,6 +49,10 @@ fn cases(gpu: bool) -> Vec<Case> {
             case(2, 1024, 1024, 32, 4, 64, true),
             case(1, 1024, 1024, 16, 8, 128, true),
             case(1, 512, 1024, 32, 4, 64, false),
+            // The 7B recipes' heads (d 128, one query head per KV head) at their 4096 positions.
+            case(1, 4096, 4096, 4, 4, 128, true),
+            // A context-parallel ring block at production size: 4096 queries after 8192 keys.
+            case(1, 4096, 8192, 8, 2, 128, false),
         ]
     } else {
         vec![

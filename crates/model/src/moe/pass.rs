@@ -10,7 +10,7 @@
 //! yk = unpermute(y_perm)  dy_perm = the rows of dyk in permuted order (gather)  [rows, h]
 //! combine / dispatch      their reverse all-to-alls (ExpertParallel::{combine,dispatch}_grad)
 //! expert e                projection and SwiGLU backward; weight gradients as GEMM factors
-//! x_perm = x[tokens]      dx = Σ over each token's slots (index_add)             [n, h]
+//! x_perm = x[tokens]      dx = Σ over each token's slots (gathered, summed)     [n, h]
 //! w = p_sel (/ Σ p_sel)   dp_sel = (dw − ⟨dw, w⟩) / Σ p_sel when renormalised
 //! p_sel = probs[chosen]   dprobs = scatter of dp_sel, plus the load-balancing loss's E·fᵢ/N
 //! probs, lse = softmax    dlogits = probs·(dprobs − ⟨dprobs, probs⟩ + dlse), dlse = z-loss's 2·lse/N
@@ -266,7 +266,9 @@ pub fn backward(
     }
     let dx_local = local_outputs(&dxs, dy_local)?; // [m, h]
     let dx_perm = ep.dispatch_grad(&dx_local, &dispatch)?; // [rows, h]
-    let dx = x.zeros_like()?.index_add(&plan.tokens(dev)?, &dx_perm, 0)?; // [n, h]
+                                                           // Each token's k slots, gathered back to slot order (a dropped slot reads zero) and summed:
+                                                           // deterministic, and parallel on a GPU, where a scatter-add over the rows is neither.
+    let dx = unpermute(&dx_perm, &plan)?.sum(1)?; // [n, h]
 
     // The router: routing weights, balancing losses, softmax, projection.
     let chosen = plan.chosen(dev)?;
