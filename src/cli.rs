@@ -367,6 +367,8 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
     let info = parallel::env::from_env(&|k| std::env::var(k).ok())?;
     let (out, main) = match info {
         Some(info) if info.world_size > 1 => {
+            let deadline = crate::launch::deadline::for_timeout(recipe.parallel.timeout_s);
+            crate::launch::deadline::install(info.rank, deadline);
             let job = crate::launch::join(&info, &recipe)?;
             // A GPU per process; on the CPU the node's processes share its memory.
             let here = if job.device.is_cuda() {
@@ -388,7 +390,16 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
                 job.device.clone(),
                 true,
             )
-            .with_context(|| format!("rank {}", info.rank))?;
+            .with_context(|| format!("rank {}", info.rank));
+            let mine = match mine {
+                Ok(m) => m,
+                Err(e) => {
+                    // From here the process ends within the deadline, however its teardown goes.
+                    parallel::comm::failure::report(info.rank, &format!("{e:#}"));
+                    stuck_for_tests();
+                    return Err(e);
+                }
+            };
             (crate::train::collect(vec![mine]), info.rank == 0)
         }
         _ => (crate::train::train(recipe, true)?, true),
@@ -448,6 +459,17 @@ fn selftest(
     }
     println!("selftest on {device}: all {} checks passed", checks.len());
     Ok(())
+}
+
+/// Fault-injection point for tests: with `PRETRAIN_TEST_STUCK_AFTER_FAILURE` set, a rank process
+/// whose run failed hangs instead of returning, as a teardown stuck on a dead peer would (the
+/// exit deadline must end it).
+fn stuck_for_tests() {
+    if std::env::var_os("PRETRAIN_TEST_STUCK_AFTER_FAILURE").is_some() {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
 }
 
 #[cfg(test)]

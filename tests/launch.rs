@@ -217,3 +217,59 @@ fn a_rank_stopped_by_a_dead_peer_exits_with_the_follower_status() {
     assert_eq!(status.code(), Some(3), "{err}");
     assert!(err.contains("rank 1 failed"), "{err}");
 }
+
+/// A rank process whose job failed ends within its exit deadline even when its own teardown
+/// hangs (simulated by `PRETRAIN_TEST_STUCK_AFTER_FAILURE`): it says so and exits with the
+/// follower status, its peer having failed first.
+#[test]
+fn a_rank_stuck_after_the_job_failed_exits_at_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let rank = |r: usize| {
+        Command::new(env!("CARGO_BIN_EXE_pretrain"))
+            .args(["--recipe", "recipes/tiny.yaml", "--set"])
+            .arg(format!(
+                "parallel.dp=2,train.steps=500,train.eval_interval=0,checkpoint.interval=0,\
+                 run.log_interval=1,parallel.timeout_s=3,run.dir={}",
+                dir.path().display()
+            ))
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("PRETRAIN_JOB_TOKEN", "exit-deadline-test")
+            .env("PRETRAIN_TEST_STUCK_AFTER_FAILURE", "1")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = rank(0);
+    let mut second = rank(1);
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().contains("step=2/") {
+            break;
+        }
+    }
+    second.kill().unwrap();
+    second.wait().unwrap();
+    let killed_at = Instant::now();
+    for _ in lines {}
+    let status = first.wait().unwrap();
+    let elapsed = killed_at.elapsed();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut first.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("rank 0: still running 3 s after the job failed (rank 1: connection lost"),
+        "{err}"
+    );
+    // The deadline (3 s) after the failure, not the hang.
+    assert!(elapsed < Duration::from_secs(30), "took {elapsed:?}");
+}

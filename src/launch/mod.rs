@@ -34,6 +34,7 @@ use parallel::Comm;
 
 use crate::recipe::{DeviceKind, Recipe};
 
+pub mod deadline;
 mod supervise;
 mod token;
 

@@ -2,6 +2,7 @@
 //! wait bounded by a timeout and every failure reported with the rank and the operation.
 
 pub(crate) mod collective;
+pub mod failure;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;

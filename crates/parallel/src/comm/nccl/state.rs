@@ -23,6 +23,9 @@ mod watch;
 pub(super) const SLOW_CHECK: Duration = Duration::from_millis(200);
 /// The watchdog polls the store every [`SLOW_CHECK`] while an operation ran within this window.
 const ACTIVE_WINDOW: Duration = Duration::from_secs(5);
+/// How long a failing rank waits for its communicators' concurrent aborts before going on (an
+/// abort stuck on a spinning kernel is left to the process's exit deadline).
+const ABORT_DEADLINE: Duration = Duration::from_secs(10);
 /// ... and this often otherwise, which also keeps the store connection from idling out (the
 /// server drops a connection silent for 4 timeouts, at least 4 s).
 const IDLE_POLL: Duration = Duration::from_secs(2);
@@ -203,10 +206,26 @@ impl Shared {
     /// Records a failure (the first one is kept) and aborts every communicator of this rank, so
     /// that pending operations end and later ones fail.
     pub(super) fn fail(&self, rank: usize, reason: String) {
-        lock(&self.failure).get_or_insert((rank, reason));
+        let (failed, reason) = lock(&self.failure).get_or_insert((rank, reason)).clone();
         self.failed.store(true, Ordering::SeqCst);
+        crate::comm::failure::report(failed, &reason);
+        // All at once: an abort can wait on a kernel spinning for a peer, and one after another
+        // those waits would add up. Aborts still running at the deadline are left to the
+        // process's exit deadline.
         let comms: Vec<_> = lock(&self.comms).values().cloned().collect();
-        comms.iter().for_each(|c| c.abort());
+        let aborts: Vec<_> = comms
+            .into_iter()
+            .map(|c| std::thread::spawn(move || c.abort()))
+            .collect();
+        let deadline = std::time::Instant::now() + ABORT_DEADLINE;
+        for a in aborts {
+            while !a.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            if a.is_finished() {
+                let _ = a.join();
+            }
+        }
     }
 
     /// The job's failure as an error of `call`, if any.

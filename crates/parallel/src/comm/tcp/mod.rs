@@ -247,7 +247,8 @@ fn read_loop(peer: usize, mut stream: TcpStream, shared: &Shared) {
             }
             Ok(f) if f.kind == FrameKind::Abort => {
                 let reason = String::from_utf8_lossy(&f.payload).to_string();
-                inbox.failure.get_or_insert((f.seq as usize, reason));
+                let (failed, reason) = inbox.failure.get_or_insert((f.seq as usize, reason));
+                super::failure::report(*failed, reason);
             }
             Ok(f) if f.kind == FrameKind::Bye => {
                 inbox.departed.insert(peer);
@@ -256,13 +257,15 @@ fn read_loop(peer: usize, mut stream: TcpStream, shared: &Shared) {
             }
             Ok(f) => {
                 let reason = format!("protocol error: unexpected {:?} frame", f.kind);
-                inbox.failure.get_or_insert((peer, reason));
+                let (failed, reason) = inbox.failure.get_or_insert((peer, reason));
+                super::failure::report(*failed, reason);
             }
             Err(e) => {
                 if !inbox.closing && !inbox.departed.contains(&peer) {
-                    inbox
+                    let (failed, reason) = inbox
                         .failure
                         .get_or_insert((peer, format!("connection lost: {e}")));
+                    super::failure::report(*failed, reason);
                 }
                 shared.cv.notify_all();
                 return;
@@ -357,6 +360,7 @@ impl Comm for TcpComm {
                 .get_or_insert((self.rank, reason.to_string()))
                 .clone()
         };
+        super::failure::report(failed, &reason);
         self.shared.cv.notify_all();
         for w in self.writers.iter().flatten() {
             let _ = write_frame(
