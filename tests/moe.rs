@@ -95,7 +95,7 @@ fn layer(
 
 /// The balancing losses' weighted sum, from the layer's statistics.
 fn aux(stats: &moe::LayerStats, cfg: &MoeConfig) -> f64 {
-    cfg.aux_loss_coef * stats.load_balancing + cfg.z_loss_coef * stats.z_loss
+    cfg.aux_loss_coef * stats.load_balancing().unwrap() + cfg.z_loss_coef * stats.z_loss().unwrap()
 }
 
 /// The weights `c` of the objective `Σ y·c + aux`.

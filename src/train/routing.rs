@@ -60,7 +60,7 @@ pub struct StepRouting {
 /// step of a MoE model). `None` for a dense model. Means are per micro-batch.
 pub fn gather(
     c: &LlamaConfig,
-    stats: Vec<LayerStats>,
+    mut stats: Vec<LayerStats>,
     ctx: &RankCtx,
 ) -> Result<Option<StepRouting>> {
     let Some(moe) = c.moe() else {
@@ -72,14 +72,15 @@ pub fn gather(
     let e = moe.num_experts;
     let width = 4 + e; // forwards, Σ load balancing, Σ z-loss, dropped, tokens per expert
     let mut sums = vec![0f64; layers.len() * width];
+    LayerStats::read_all(&mut stats)?; // the step's one read of them
     for s in stats {
         let Some(at) = layers.iter().position(|&l| l == s.layer) else {
             continue;
         };
         let row = &mut sums[at * width..(at + 1) * width];
         row[0] += 1.0;
-        row[1] += s.load_balancing;
-        row[2] += s.z_loss;
+        row[1] += s.load_balancing()?;
+        row[2] += s.z_loss()?;
         row[3] += s.dropped as f64;
         for (dst, &n) in row[4..].iter_mut().zip(&s.tokens_per_expert) {
             *dst += n as f64;

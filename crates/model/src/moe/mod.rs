@@ -54,18 +54,73 @@ pub struct Expert {
 }
 
 /// What one MoE layer measured on one micro-batch.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct LayerStats {
     /// Global index of the layer.
     pub layer: usize,
-    /// The load-balancing loss (unweighted; `k` when perfectly balanced).
-    pub load_balancing: f64,
-    /// The router z-loss (unweighted).
-    pub z_loss: f64,
+    /// The load-balancing and z-losses, unweighted.
+    losses: LossValues,
     /// Tokens routed to each expert (all `E`; they sum to `n · k`), before any capacity.
     pub tokens_per_expert: Vec<u64>,
     /// `(token, slot)` pairs the expert capacity dropped.
     pub dropped: u64,
+}
+
+/// A layer's two balancing losses: on the host, or still on the device (`[2]`: load balancing,
+/// z-loss) so that a forward reads nothing back for them — a read waits for the device's queue
+/// to drain — until [`LayerStats::read_all`] reads a whole step's in one transfer.
+#[derive(Debug, Clone)]
+enum LossValues {
+    Host([f64; 2]),
+    Device(Tensor),
+}
+
+impl LayerStats {
+    /// The load-balancing loss (unweighted; `k` when perfectly balanced).
+    pub fn load_balancing(&self) -> Result<f64> {
+        Ok(self.losses()?[0])
+    }
+
+    /// The router z-loss (unweighted).
+    pub fn z_loss(&self) -> Result<f64> {
+        Ok(self.losses()?[1])
+    }
+
+    fn losses(&self) -> Result<[f64; 2]> {
+        match &self.losses {
+            LossValues::Host(v) => Ok(*v),
+            LossValues::Device(t) => {
+                let v = t.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+                Ok([v[0], v[1]])
+            }
+        }
+    }
+
+    /// Reads the losses of every layer of `stats` still on the device, in one transfer per
+    /// device.
+    pub fn read_all(stats: &mut [LayerStats]) -> Result<()> {
+        let pending: Vec<Tensor> = stats
+            .iter()
+            .filter_map(|s| match &s.losses {
+                LossValues::Device(t) => Some(t.to_dtype(DType::F64)),
+                LossValues::Host(_) => None,
+            })
+            .collect::<Result<_>>()?;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let all = Tensor::cat(&pending, 0)?.to_vec1::<f64>()?; // [2 · layers]
+        let mut values = all.chunks_exact(2);
+        for s in stats.iter_mut() {
+            if matches!(s.losses, LossValues::Device(_)) {
+                let v = values.next().ok_or_else(|| {
+                    candle_core::Error::Msg("MoE statistics: fewer values than layers".into())
+                })?;
+                s.losses = LossValues::Host([v[0], v[1]]);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A MoE layer's router: its weight `[E, h]` and, with auxiliary-loss-free balancing, the
@@ -217,8 +272,7 @@ fn losses(
             let z_loss = lse.sqr()?.mean_all()?;
             let stats = LayerStats {
                 layer,
-                load_balancing: load_balancing.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-                z_loss: z_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+                losses: LossValues::Device(Tensor::stack(&[load_balancing, z_loss], 0)?),
                 tokens_per_expert: counts.iter().map(|&c| c as u64).collect(),
                 dropped: 0,
             };
@@ -304,16 +358,16 @@ fn split_losses(
     let all = tp.sum_over_sequence(host)?;
     let tokens = all[2 * e + 1].max(1.0);
     let share: Vec<f64> = all[..e].iter().map(|&c| c / tokens).collect();
+    let load_balancing = e as f64
+        * share
+            .iter()
+            .zip(&all[e..2 * e])
+            .map(|(f, p)| f * p)
+            .sum::<f64>()
+        / tokens;
     let stats = LayerStats {
         layer,
-        load_balancing: e as f64
-            * share
-                .iter()
-                .zip(&all[e..2 * e])
-                .map(|(f, p)| f * p)
-                .sum::<f64>()
-            / tokens,
-        z_loss: all[2 * e] / tokens,
+        losses: LossValues::Host([load_balancing, all[2 * e] / tokens]),
         tokens_per_expert: all[..e].iter().map(|&c| c as u64).collect(),
         dropped: 0,
     };
@@ -329,6 +383,35 @@ fn split_losses(
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn losses_left_on_the_device_are_read_together_in_layer_order() {
+        let dev = Device::Cpu;
+        let on_device = |layer: usize, lb: f32, z: f32| LayerStats {
+            layer,
+            losses: LossValues::Device(Tensor::new(&[lb, z], &dev).unwrap()),
+            tokens_per_expert: vec![],
+            dropped: 0,
+        };
+        let mut stats = vec![
+            on_device(0, 2.5, 0.25),
+            LayerStats {
+                layer: 1,
+                losses: LossValues::Host([1.0, 0.5]),
+                tokens_per_expert: vec![],
+                dropped: 0,
+            },
+            on_device(2, 3.0, 0.75),
+        ];
+        assert_eq!(stats[2].z_loss().unwrap(), 0.75); // a single read works too
+        LayerStats::read_all(&mut stats).unwrap();
+        assert!(stats.iter().all(|s| matches!(s.losses, LossValues::Host(_))));
+        let got: Vec<(f64, f64)> = stats
+            .iter()
+            .map(|s| (s.load_balancing().unwrap(), s.z_loss().unwrap()))
+            .collect();
+        assert_eq!(got, [(2.5, 0.25), (1.0, 0.5), (3.0, 0.75)]);
+    }
 
     #[test]
     fn rows_are_split_by_expert_with_none_for_idle_experts() {
