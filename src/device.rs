@@ -18,7 +18,7 @@
 //! Tracking would add host work to every op (tens of microseconds each) for no ordering.
 
 use anyhow::Result;
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 
 use model::AttentionBackend;
 
@@ -131,6 +131,32 @@ pub fn check_elements(what: &str, n: usize, device: &Device) -> candle_core::Res
     Ok(())
 }
 
+/// A zero tensor `[n]` of f32 on `device` for the large buffer `what` (gradients, optimizer
+/// state), allocated fallibly: where the memory cannot be had, an error naming the buffer and its
+/// size instead of an abort. On the CPU the pages are the allocator's lazily zeroed ones, as
+/// `Tensor::zeros` gives them.
+pub fn zeros_f32(what: &str, n: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let fail = |e: &dyn std::fmt::Display| {
+        candle_core::Error::Msg(format!(
+            "cannot allocate {what} ({:.2} GiB): {e}",
+            n as f64 * 4.0 / (1u64 << 30) as f64
+        ))
+    };
+    if !device.is_cpu() || n == 0 {
+        return Tensor::zeros(n, candle_core::DType::F32, device).map_err(|e| fail(&e));
+    }
+    let layout = std::alloc::Layout::array::<f32>(n).map_err(|e| fail(&e))?;
+    // SAFETY: `layout` has a non-zero size (n > 0); a null result is the failure checked below.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+    if ptr.is_null() {
+        return Err(fail(&"out of memory"));
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `n` f32s, all of
+    // them zeroed (a valid f32), and is owned by the vector from here on.
+    let v = unsafe { Vec::from_raw_parts(ptr, n, n) };
+    Tensor::from_vec(v, n, device)
+}
+
 /// [`check_elements`] against `limit`.
 pub fn check_elements_within(what: &str, n: usize, limit: usize) -> candle_core::Result<()> {
     if n > limit {
@@ -222,6 +248,18 @@ mod tests {
         assert!(e.contains("CUDA_VISIBLE_DEVICES="), "{e}");
         let e = gpu_ordinal(0, 0).unwrap_err().to_string();
         assert!(e.contains("no GPU is visible"), "{e}");
+    }
+
+    #[test]
+    fn large_buffers_are_allocated_fallibly() {
+        let t = zeros_f32("the test buffer", 1000, &Device::Cpu).unwrap();
+        assert_eq!(t.to_vec1::<f32>().unwrap(), vec![0f32; 1000]);
+        assert_eq!(zeros_f32("empty", 0, &Device::Cpu).unwrap().elem_count(), 0);
+        // More than any address space: an error naming the buffer, not an abort.
+        let e = zeros_f32("the AdamW state", usize::MAX / 8, &Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot allocate the AdamW state"), "{e}");
     }
 
     #[test]

@@ -171,6 +171,22 @@ fn r3_2_jobs_larger_than_the_machine_are_refused_before_allocating() {
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert_says(&o, "warning: the job needs about");
+    // A million experts per layer: refused by name at once (`check` planned it for 20 s).
+    let start = std::time::Instant::now();
+    let o = bin()
+        .args([
+            "check",
+            "--no-data",
+            "--recipe",
+            "recipes/tiny-moe.yaml",
+            "--set",
+            "model.num_local_experts=1000000",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert_says(&o, "model.num_local_experts (1000000) is above 16384");
+    assert!(start.elapsed().as_secs() < 5, "{:?}", start.elapsed());
 }
 
 /// R3-4: a background checkpoint write that fails is reported as the save of its own step (it

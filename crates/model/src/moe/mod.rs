@@ -405,7 +405,9 @@ mod tests {
         ];
         assert_eq!(stats[2].z_loss().unwrap(), 0.75); // a single read works too
         LayerStats::read_all(&mut stats).unwrap();
-        assert!(stats.iter().all(|s| matches!(s.losses, LossValues::Host(_))));
+        assert!(stats
+            .iter()
+            .all(|s| matches!(s.losses, LossValues::Host(_))));
         let got: Vec<(f64, f64)> = stats
             .iter()
             .map(|s| (s.load_balancing().unwrap(), s.z_loss().unwrap()))
