@@ -253,6 +253,44 @@ fn nonfinite_gradients_halt_naming_rank_and_stage_or_are_skipped() {
     assert!(stderr(&o).contains("train.max_skips"), "{}", stderr(&o));
 }
 
+/// The spike rule trained into: a loss jump injected at step 23 (the 20-step window is full)
+/// is skipped once by every rank of a dp 2 job, or halts it naming the spike; the same jump
+/// below the factor, or before the window is full, is trained on.
+#[test]
+fn a_loss_spike_is_skipped_or_halts_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, set: &str, jump: &str| {
+        let mut cmd = pretrain(
+            &tmp.path().join(name),
+            &format!("train.steps=24,parallel.dp=2,train.spike_factor=3,{set}"),
+        );
+        cmd.env("PRETRAIN_TEST_LOSS_JUMP", jump);
+        output(cmd)
+    };
+    let skipped = |name: &str| -> Vec<u64> {
+        let text = std::fs::read_to_string(tmp.path().join(name).join("metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r.get("skipped").is_some())
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect()
+    };
+    let o = run("skip", "train.on_nonfinite=skip", "23:10");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(skipped("skip"), [23]);
+    let o = run("halt", "train.on_nonfinite=halt", "23:10");
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("step 23: loss spike"),
+        "{e}"
+    );
+    for (name, jump) in [("below", "23:2.5"), ("early", "15:10")] {
+        let o = run(name, "train.on_nonfinite=halt", jump);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert!(skipped(name).is_empty(), "{name}");
+    }
+}
+
 /// Non-finite gradients on a first pipeline stage (which computes no loss): every rank reaches
 /// the same verdict, naming rank 0 and stage 0.
 #[test]

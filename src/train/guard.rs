@@ -64,6 +64,24 @@ fn nan_grads_at() -> Option<(usize, usize)> {
     Some((step.trim().parse().ok()?, rank.trim().parse().ok()?))
 }
 
+/// Fault-injection point for tests: `PRETRAIN_TEST_LOSS_JUMP=STEP:FACTOR` multiplies the job's
+/// loss as the guard sees it at step `STEP` by `FACTOR` on every rank, as a loss spike would.
+fn loss_jump_at(step: usize) -> f64 {
+    let Ok(v) = std::env::var("PRETRAIN_TEST_LOSS_JUMP") else {
+        return 1.0;
+    };
+    let parsed = v.split_once(':').and_then(|(s, f)| {
+        Some((
+            s.trim().parse::<usize>().ok()?,
+            f.trim().parse::<f64>().ok()?,
+        ))
+    });
+    match parsed {
+        Some((at, factor)) if at == step => factor,
+        _ => 1.0,
+    }
+}
+
 impl Trainer {
     /// Applies the test fault of `PRETRAIN_TEST_NAN_GRADS` when it names this step and rank.
     pub(crate) fn inject_test_fault(&self, step: usize) -> Result<()> {
@@ -127,6 +145,7 @@ impl Trainer {
         grad_norm: f64,
         local: LocalNumbers,
     ) -> Result<Verdict> {
+        let loss = loss * loss_jump_at(step);
         let t = &self.recipe.train;
         // One decision for the whole job: whether any rank saw a non-finite loss or gradient is
         // asked of every rank every step. The job-wide numbers are not enough: without ZeRO the
