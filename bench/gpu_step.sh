@@ -174,6 +174,9 @@ def ours():
             "step_ms": med("step_time_s") * 1e3, "last_loss": recs[-1]["loss"],
             "flops_per_token": med("tflops") * 1e12 / med("tokens_per_s"),
             "peak_gpu_mem_mib": mem(ours_mem), "metrics": ours_metrics,
+            # What the memory pool held at its largest; nvidia-smi's peak less this is the memory
+            # outside the pool (context, kernels, library workspaces): the planner's context_gib.
+            "pool_mib": max((r.get("device_pool_mib") or 0) for r in recs) or None,
             "per_step": [{k: r[k] for k in ("step", "loss", "step_time_s", "tokens_per_s", "tflops", "mfu")}
                          for r in recs]}
 
@@ -225,6 +228,10 @@ for name, r in rows:
           f"{r['step_ms']:>9.1f} {fmt(r.get('peak_gpu_mem_mib'), '>12.0f')}")
 for m, x in ratios.items():
     print(f"ratio ours / PyTorch {m} (tokens/s): {x:.3f}x")
+if ok(o) and o.get("pool_mib") and o.get("peak_gpu_mem_mib"):
+    print(f"this project's memory outside its pool: {o['peak_gpu_mem_mib'] - o['pool_mib']:.0f} MiB "
+          f"(nvidia-smi peak {o['peak_gpu_mem_mib']:.0f} less the pool's {o['pool_mib']:.0f}; "
+          "`pretrain plan --context-gib`)")
 print(f"written: {out}")
 for e in errors:
     print(f"gpu_step.sh: error: {e}", file=sys.stderr)
