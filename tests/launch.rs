@@ -1,7 +1,8 @@
 //! Multi-process jobs on loopback: `--nproc-per-node` starts rank processes that rendezvous through
 //! the store and train over the `tcp` backend exactly like thread-ranks (bit-identical losses);
 //! torchrun-style environments are checked against the recipe; a rank killed mid-run fails the
-//! whole job promptly with an error naming it.
+//! whole job promptly with an error naming it, and a rank whose teardown then hangs still ends at
+//! its exit deadline.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -13,6 +14,14 @@ use pretrain::recipe;
 const LAYOUT: &str = "parallel.dp=2,parallel.pp=2,train.steps=3,schedule.warmup_steps=1,\
                       train.eval_interval=0,checkpoint.interval=0,run.log_interval=1";
 
+/// One multi-process job at a time in this file: the tests pick free ports by binding port 0 and
+/// letting it go, which another job's processes could take in between, and on two cores several
+/// jobs at once only slow each other down.
+fn one_job() -> std::sync::MutexGuard<'static, ()> {
+    static JOBS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    JOBS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn losses(dir: &Path) -> Vec<f64> {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
     text.lines()
@@ -23,6 +32,7 @@ fn losses(dir: &Path) -> Vec<f64> {
 
 #[test]
 fn processes_train_exactly_like_threads() {
+    let _one = one_job();
     // Plain data parallelism with a pipeline, ZeRO-3 (gathers and reduce-scatters on each rank's
     // communication thread beside the pipeline's traffic), the context-parallel ring (K/V
     // blocks sent point to point around each pair) with data parallelism, and experts split
@@ -127,6 +137,7 @@ fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
 
 #[test]
 fn a_killed_rank_fails_the_job_promptly() {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_pretrain"))
         .args([
@@ -171,10 +182,14 @@ fn a_killed_rank_fails_the_job_promptly() {
     assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
 }
 
-/// A rank stopped by a peer's failure exits with the follower status (3), so that launchers can
-/// tell the root cause from the ranks that followed it; the status comes from the error's type.
-#[test]
-fn a_rank_stopped_by_a_dead_peer_exits_with_the_follower_status() {
+/// Two rank processes of a dp 2 tiny job, started torchrun-style (`RANK`, `WORLD_SIZE`, ...) with
+/// `timeout_s` and the extra environment `env`; rank 1 is killed once rank 0 logged step 2.
+/// Rank 0's exit status, its stderr, and the time from the kill to its exit.
+fn kill_a_peer(
+    timeout_s: u32,
+    env: &[(&str, &str)],
+) -> (std::process::ExitStatus, String, Duration) {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -182,72 +197,24 @@ fn a_rank_stopped_by_a_dead_peer_exits_with_the_follower_status() {
         .unwrap()
         .port();
     let rank = |r: usize| {
-        Command::new(env!("CARGO_BIN_EXE_pretrain"))
-            .args(["--recipe", "recipes/tiny.yaml", "--set"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
+        cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
             .arg(format!(
                 "parallel.dp=2,train.steps=500,train.eval_interval=0,checkpoint.interval=0,\
-                 run.log_interval=1,parallel.timeout_s=600,run.dir={}",
+                 run.log_interval=1,parallel.timeout_s={timeout_s},run.dir={}",
                 dir.path().display()
             ))
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", "2")
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            .env("PRETRAIN_JOB_TOKEN", "follower-status-test")
+            .env("PRETRAIN_JOB_TOKEN", "kill-a-peer-test")
             .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let mut first = rank(0);
-    let mut second = rank(1);
-    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
-    for line in lines.by_ref() {
-        if line.unwrap().contains("step=2/") {
-            break;
-        }
-    }
-    second.kill().unwrap();
-    second.wait().unwrap();
-    for _ in lines {}
-    let status = first.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut first.stderr.take().unwrap(), &mut err).unwrap();
-    assert_eq!(status.code(), Some(3), "{err}");
-    assert!(err.contains("rank 1 failed"), "{err}");
-}
-
-/// A rank process whose job failed ends within its exit deadline even when its own teardown
-/// hangs (simulated by `PRETRAIN_TEST_STUCK_AFTER_FAILURE`): it says so and exits with the
-/// follower status, its peer having failed first.
-#[test]
-fn a_rank_stuck_after_the_job_failed_exits_at_the_deadline() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let rank = |r: usize| {
-        Command::new(env!("CARGO_BIN_EXE_pretrain"))
-            .args(["--recipe", "recipes/tiny.yaml", "--set"])
-            .arg(format!(
-                "parallel.dp=2,train.steps=500,train.eval_interval=0,checkpoint.interval=0,\
-                 run.log_interval=1,parallel.timeout_s=3,run.dir={}",
-                dir.path().display()
-            ))
-            .env("RANK", r.to_string())
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("PRETRAIN_JOB_TOKEN", "exit-deadline-test")
-            .env("PRETRAIN_TEST_STUCK_AFTER_FAILURE", "1")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+            .envs(env.iter().copied());
+        // Rank 0's output is read; rank 1's goes nowhere (an unread pipe could fill and stall it).
+        let out = |piped: bool| if piped { Stdio::piped() } else { Stdio::null() };
+        cmd.stdout(out(r == 0)).stderr(out(r == 0));
+        cmd.spawn().unwrap()
     };
     let mut first = rank(0);
     let mut second = rank(1);
@@ -265,6 +232,24 @@ fn a_rank_stuck_after_the_job_failed_exits_at_the_deadline() {
     let elapsed = killed_at.elapsed();
     let mut err = String::new();
     std::io::Read::read_to_string(&mut first.stderr.take().unwrap(), &mut err).unwrap();
+    (status, err, elapsed)
+}
+
+/// A rank stopped by a peer's failure exits with the follower status (3), so that launchers can
+/// tell the root cause from the ranks that followed it; the status comes from the error's type.
+#[test]
+fn a_rank_stopped_by_a_dead_peer_exits_with_the_follower_status() {
+    let (status, err, _) = kill_a_peer(600, &[]);
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("rank 1 failed"), "{err}");
+}
+
+/// A rank process whose job failed ends within its exit deadline even when its own teardown
+/// hangs (simulated by `PRETRAIN_TEST_STUCK_AFTER_FAILURE`): it says so and exits with the
+/// follower status, its peer having failed first.
+#[test]
+fn a_rank_stuck_after_the_job_failed_exits_at_the_deadline() {
+    let (status, err, elapsed) = kill_a_peer(3, &[("PRETRAIN_TEST_STUCK_AFTER_FAILURE", "1")]);
     assert_eq!(status.code(), Some(3), "{err}");
     assert!(
         err.contains("rank 0: still running 3 s after the job failed (rank 1: connection lost"),
