@@ -70,7 +70,9 @@ pub fn gpu_ordinal(local_rank: usize, visible: usize) -> Result<usize> {
         1 => Ok(0),
         n if local_rank < n => Ok(local_rank),
         n => anyhow::bail!(
-            "local rank {local_rank} has no GPU of its own: this process sees {n} GPUs              (CUDA_VISIBLE_DEVICES={}); give each process either every GPU of its node (one              process per GPU, local ranks 0..{n}) or exactly one",
+            "local rank {local_rank} has no GPU of its own: this process sees {n} GPUs \
+             (CUDA_VISIBLE_DEVICES={}); give each process either every GPU of its node (one \
+             process per GPU, local ranks 0..{n}) or exactly one",
             std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
         ),
     }
@@ -83,7 +85,8 @@ pub fn open_local_gpu(rank: usize, local_rank: usize) -> Result<Device> {
     let ordinal = gpu_ordinal(local_rank, visible)?;
     let device = device_for(DeviceKind::Cuda, ordinal)?;
     tracing::info!(
-        "rank {rank} (local rank {local_rank}): GPU {ordinal} of the {visible} it sees          (CUDA_VISIBLE_DEVICES={})",
+        "rank {rank} (local rank {local_rank}): GPU {ordinal} of the {visible} it sees \
+         (CUDA_VISIBLE_DEVICES={})",
         std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
     );
     Ok(device)

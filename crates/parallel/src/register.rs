@@ -92,7 +92,10 @@ pub struct Communicators {
 }
 
 /// The [`Communicators`] of `rank` in layout `cfg`: the distinct channels that include it among
-/// those of every rank it shares a group with (a receiver's channel is listed by its sender).
+/// its own and those of the ranks that may send to it (a receiver's direction is listed by its
+/// sender: point-to-point directions run along the context- and pipeline-parallel groups only;
+/// every member lists a group it collects over). The ranks looked at are bounded by `cp + pp`,
+/// so that planning thousands of ranks stays fast.
 pub fn communicators(
     cfg: &ParallelConfig,
     rank: usize,
@@ -100,11 +103,13 @@ pub fn communicators(
     let mesh = crate::mesh::Mesh::from_config(cfg)?;
     let shard = cfg.shard_size();
     let world = mesh.world_size();
-    let mut peers: std::collections::BTreeSet<usize> = mesh
-        .rank_groups(rank, shard)
-        .named()
+    let mine = mesh.rank_groups(rank, shard);
+    let mut peers: std::collections::BTreeSet<usize> = mine
+        .cp
+        .ranks()
         .iter()
-        .flat_map(|(_, g)| g.ranks().iter().copied())
+        .chain(mine.pp.ranks())
+        .copied()
         .collect();
     peers.insert(rank);
     let mut seen = std::collections::HashSet::new();

@@ -266,8 +266,9 @@ pub fn backward(
     }
     let dx_local = local_outputs(&dxs, dy_local)?; // [m, h]
     let dx_perm = ep.dispatch_grad(&dx_local, &dispatch)?; // [rows, h]
-                                                           // Each token's k slots, gathered back to slot order (a dropped slot reads zero) and summed:
-                                                           // deterministic, and parallel on a GPU, where a scatter-add over the rows is neither.
+
+    // Each token's k slots, gathered back to slot order (a dropped slot reads zero) and summed:
+    // deterministic, and parallel on a GPU, where a scatter-add over the rows is neither.
     let dx = unpermute(&dx_perm, &plan)?.sum(1)?; // [n, h]
 
     // The router: routing weights, balancing losses, softmax, projection.
