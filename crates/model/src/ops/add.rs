@@ -4,11 +4,9 @@
 //! moves 16 bytes at a time (`add` in kernels/pointwise.cu). Each sum is rounded once to the
 //! storage type, as candle's addition does.
 
+use super::common::{kernel_dtype, prepare, same_device, same_dtype, slice, zip_map, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
-
-use super::common::{kernel_dtype, prepare, same_device, same_dtype, simd, slice, Float};
 
 const OP: &str = "add";
 
@@ -27,20 +25,7 @@ impl Add {
     ) -> Result<CpuStorage> {
         let a = slice::<T>(OP, "a", s1, l1)?;
         let b = slice::<T>(OP, "b", s2, l2)?;
-        let mut out = vec![T::zero(); a.len()];
-        out.par_chunks_mut(CHUNK)
-            .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-            .for_each(|(o, (a, b))| {
-                simd(
-                    #[inline(always)]
-                    || {
-                        for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                            *o = a + b;
-                        }
-                    },
-                )
-            });
-        Ok(T::to_cpu_storage_owned(out))
+        Ok(T::to_cpu_storage_owned(zip_map(a, b, CHUNK, |a, b| a + b)))
     }
 }
 

@@ -4,6 +4,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor, WithDType};
+use rayon::prelude::*;
 
 /// Element type of the CPU kernels (`f32` and `f64`); half types are computed through `f32`.
 pub(crate) trait Float:
@@ -67,6 +68,30 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
     pulp::Arch::new().dispatch(f)
+}
+
+/// `f(a[i], b[i])` for every element of two slices of one length, in rayon tasks of `chunk`
+/// elements, each loop compiled at the widest SIMD level ([`simd`]).
+pub(crate) fn zip_map<T: Float>(
+    a: &[T],
+    b: &[T],
+    chunk: usize,
+    f: impl Fn(T, T) -> T + Sync,
+) -> Vec<T> {
+    let mut out = vec![T::zero(); a.len()];
+    out.par_chunks_mut(chunk)
+        .zip(a.par_chunks(chunk).zip(b.par_chunks(chunk)))
+        .for_each(|(o, (a, b))| {
+            simd(
+                #[inline(always)]
+                || {
+                    for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                        *o = f(a, b);
+                    }
+                },
+            )
+        });
+    out
 }
 
 /// Lanes of the independent accumulators of [`sum`], [`max`] and [`dot`]: lets the compiler keep

@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::common::{kernel_dtype, prepare, same_device, same_dtype, simd, slice, Float};
+use super::common::{kernel_dtype, prepare, same_device, same_dtype, simd, slice, zip_map, Float};
 
 const OP: &str = "swiglu";
 
@@ -30,19 +30,7 @@ impl SwiGlu {
     ) -> Result<CpuStorage> {
         let gate = slice::<T>(OP, "gate", s1, l1)?;
         let up = slice::<T>(OP, "up", s2, l2)?;
-        let mut out = vec![T::zero(); gate.len()];
-        out.par_chunks_mut(CHUNK)
-            .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
-            .for_each(|(o, (g, u))| {
-                simd(
-                    #[inline(always)]
-                    || {
-                        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                            *o = g * sigmoid(g) * u;
-                        }
-                    },
-                )
-            });
+        let out = zip_map(gate, up, CHUNK, |g, u| g * sigmoid(g) * u);
         Ok(T::to_cpu_storage_owned(out))
     }
 }
