@@ -38,6 +38,20 @@ __device__ __forceinline__ bool aligned16(const void* a, const void* b, const vo
   return (((size_t)a | (size_t)b | (size_t)c) & 15) == 0;
 }
 
+// out[i] = f(a[i], b[i]) for i < n: by packs where all three are 16-byte aligned, then the rest
+// one element at a time (any 1-D grid).
+template <typename T, typename F>
+__device__ void map2(const T* a, const T* b, T* out, u64 n, F f) {
+  const u64 packs = aligned16(a, b, out) ? n / Pack<T>::N : 0;
+  for (u64 k = global_id(); k < packs; k += grid_stride()) {
+    const Pack<T> x = load_pack(a, k), y = load_pack(b, k);
+    Pack<T> o;
+    for (int e = 0; e < Pack<T>::N; ++e) o.set(e, f(x.get(e), y.get(e)));
+    store_pack(out, k, o);
+  }
+  for (u64 i = packs * Pack<T>::N + global_id(); i < n; i += grid_stride()) out[i] = f(a[i], b[i]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: y = x * r * w per row, r = 1 / sqrt(mean(x²) + eps).
 
@@ -175,15 +189,7 @@ __device__ void swiglu_fwd_impl(const T* gate, const T* up, T* y, u64 n) {
     const A a = to_acc(g);
     return from_acc<T>(a * sigmoid_acc(a) * to_acc(u));
   };
-  const u64 packs = aligned16(gate, up, y) ? n / Pack<T>::N : 0;
-  for (u64 k = global_id(); k < packs; k += grid_stride()) {
-    const Pack<T> g = load_pack(gate, k), u = load_pack(up, k);
-    Pack<T> o;
-    for (int e = 0; e < Pack<T>::N; ++e) o.set(e, one(g.get(e), u.get(e)));
-    store_pack(y, k, o);
-  }
-  for (u64 i = packs * Pack<T>::N + global_id(); i < n; i += grid_stride())
-    y[i] = one(gate[i], up[i]);
+  map2(gate, up, y, n, one);
 }
 EXPORT3(swiglu_fwd, (const T* gate, const T* up, T* y, u64 n), (gate, up, y, n))
 
@@ -225,14 +231,7 @@ EXPORT3(swiglu_bwd, (const T* gate, const T* up, const T* grad, T* out, u64 n),
 // a, b, out: [n].
 template <typename T> __device__ void add_impl(const T* a, const T* b, T* out, u64 n) {
   const auto one = [](T x, T y) { return from_acc<T>(to_acc(x) + to_acc(y)); };
-  const u64 packs = aligned16(a, b, out) ? n / Pack<T>::N : 0;
-  for (u64 k = global_id(); k < packs; k += grid_stride()) {
-    const Pack<T> x = load_pack(a, k), y = load_pack(b, k);
-    Pack<T> o;
-    for (int e = 0; e < Pack<T>::N; ++e) o.set(e, one(x.get(e), y.get(e)));
-    store_pack(out, k, o);
-  }
-  for (u64 i = packs * Pack<T>::N + global_id(); i < n; i += grid_stride()) out[i] = one(a[i], b[i]);
+  map2(a, b, out, n, one);
 }
 EXPORT3(add, (const T* a, const T* b, T* out, u64 n), (a, b, out, n))
 
