@@ -194,22 +194,38 @@ pub enum TokenizerCommand {
 /// Arguments of `pretrain preprocess`.
 #[derive(Debug, Args)]
 pub struct PreprocessArgs {
-    /// Input `.txt` / `.jsonl` files or glob patterns.
+    /// Input files or glob patterns: `.txt`, `.text` or `.jsonl`, each plain or compressed
+    /// (`.gz`, `.zst`), and `.parquet`; the forms may be mixed.
     #[arg(long, num_args = 1.., required = true)]
     pub input: Vec<String>,
-    /// Tokenizer (`tokenizer.json`).
+    /// Tokenizer (`tokenizer.json`): one trained by `pretrain tokenizer train`, or a hub
+    /// tokenizer such as Llama 3's.
     #[arg(long)]
     pub tokenizer: PathBuf,
     /// Output prefix: writes `PREFIX.bin` and `PREFIX.idx`.
     #[arg(long)]
     pub output_prefix: PathBuf,
-    /// JSON field holding the text in `.jsonl` inputs.
+    /// JSON field (`.jsonl`) or column (`.parquet`, a dotted path inside structs) holding the
+    /// text.
     #[arg(long, default_value = "text")]
     pub json_key: String,
     /// Split `.txt` files into documents at this separator; `\n` and `\t` are understood
     /// (e.g. `'\n\n\n'`). Default: one document per file.
     #[arg(long)]
     pub doc_separator: Option<String>,
+    /// Follow each document with the tokenizer's end-of-text token (`<|endoftext|>`, Llama 3's
+    /// `<|end_of_text|>`, `</s>`); `--append-eod false` leaves documents unseparated.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    pub append_eod: bool,
+    /// Begin each document with the tokenizer's beginning-of-text token (Llama 3's
+    /// `<|begin_of_text|>`, `<s>`), as Llama 3 pretrains.
+    #[arg(long)]
+    pub add_bos: bool,
+    /// Write shards `PREFIX_00000.bin/.idx`, `PREFIX_00001…`, starting a new one whenever a
+    /// `.bin` reaches this many bytes (documents stay whole).
+    #[arg(long)]
+    pub shard_size: Option<u64>,
     /// Tokenizer threads (default: all cores).
     #[arg(long)]
     pub workers: Option<usize>,
@@ -262,6 +278,9 @@ pub fn run(cli: Cli) -> Result<()> {
                 doc_separator: a
                     .doc_separator
                     .map(|s| s.replace("\\n", "\n").replace("\\t", "\t")),
+                append_eod: a.append_eod,
+                add_bos: a.add_bos,
+                shard_bytes: a.shard_size,
                 workers: a.workers,
                 show_progress: true,
             };

@@ -243,7 +243,10 @@ fn write_export(
     }
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
     let eod = data::eod_id(&tokenizer, &ck.tokenizer_path())?;
-    let bos = c.bos_token_id.unwrap_or(eod);
+    let bos = c
+        .bos_token_id
+        .or_else(|| data::bos_id(&tokenizer, &ck.tokenizer_path()).ok())
+        .unwrap_or(eod);
     let eos = c.eos_token_id.clone().unwrap_or(TokenIds::One(eod));
     std::fs::write(
         out.join("config.json"),

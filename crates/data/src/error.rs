@@ -116,11 +116,11 @@ pub enum DataError {
         message: String,
     },
     /// The tokenizer lacks the end-of-document token.
-    #[error("tokenizer {}: has no end-of-document token `{token}`", path.display())]
+    #[error("tokenizer {}: has no end-of-document token (looked for `{token}`)", path.display())]
     MissingEod {
         /// The tokenizer file.
         path: PathBuf,
-        /// The token that was looked up.
+        /// The tokens that were looked up.
         token: String,
     },
     /// A JSONL line is not valid JSON or lacks the text field.
@@ -134,6 +134,14 @@ pub enum DataError {
         message: String,
     },
     /// An input pattern matched nothing or an input has an unsupported extension.
+    /// A damaged, truncated or refused input file, with where the problem was found (a byte
+    /// offset, a row, a footer).
+    #[error("{}: {at}: {message}", path.display())]
+    Corrupt {
+        path: PathBuf,
+        at: String,
+        message: String,
+    },
     #[error("input `{input}`: {message}")]
     Input {
         /// The input path or glob as given.

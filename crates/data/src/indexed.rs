@@ -238,21 +238,37 @@ impl IndexedDatasetWriter {
         }
     }
 
+    /// Bytes of `.bin` written so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     /// Flushes `P.bin`, writes `P.idx`, and returns the number of `.bin` bytes written.
-    pub fn finish(mut self) -> Result<u64> {
+    pub fn finish(self) -> Result<u64> {
+        self.seal()?.commit()
+    }
+
+    /// Flushes `P.bin` and writes `P.idx`, both still under their temporary names: several
+    /// datasets written together are sealed one by one and committed once all are.
+    pub fn seal(mut self) -> Result<SealedDataset> {
         self.bin
             .flush()
             .and_then(|_| self.bin.get_ref().sync_all())
             .map_err(|e| DataError::io(&self.bin_tmp, e))?;
         let doc_indices: Vec<i64> = (0..=self.lengths.len() as i64).collect();
-        let bytes = encode_index(self.dtype, &self.lengths, &doc_indices);
+        let index = encode_index(self.dtype, &self.lengths, &doc_indices);
         let idx_tmp = with_suffix(&self.idx_path, ".tmp");
-        std::fs::write(&idx_tmp, bytes).map_err(|e| DataError::io(&idx_tmp, e))?;
-        std::fs::rename(&self.bin_tmp, &self.bin_path)
-            .map_err(|e| DataError::io(&self.bin_path, e))?;
-        std::fs::rename(&idx_tmp, &self.idx_path).map_err(|e| DataError::io(&self.idx_path, e))?;
-        self.finished = true;
-        Ok(self.bytes)
+        let sealed = SealedDataset {
+            bin_tmp: self.bin_tmp.clone(),
+            idx_tmp,
+            bin_path: self.bin_path.clone(),
+            idx_path: self.idx_path.clone(),
+            bytes: self.bytes,
+            committed: false,
+        };
+        self.finished = true; // the sealed dataset owns the temporary files now
+        std::fs::write(&sealed.idx_tmp, index).map_err(|e| DataError::io(&sealed.idx_tmp, e))?;
+        Ok(sealed)
     }
 }
 
@@ -260,6 +276,38 @@ impl Drop for IndexedDatasetWriter {
     fn drop(&mut self) {
         if !self.finished {
             let _ = std::fs::remove_file(&self.bin_tmp);
+        }
+    }
+}
+
+/// A written dataset under temporary names; [`commit`](Self::commit) renames it into place,
+/// dropping it uncommitted removes it.
+pub struct SealedDataset {
+    bin_tmp: PathBuf,
+    idx_tmp: PathBuf,
+    bin_path: PathBuf,
+    idx_path: PathBuf,
+    bytes: u64,
+    committed: bool,
+}
+
+impl SealedDataset {
+    /// Renames `P.bin` and `P.idx` into place; returns the `.bin` bytes.
+    pub fn commit(mut self) -> Result<u64> {
+        std::fs::rename(&self.bin_tmp, &self.bin_path)
+            .map_err(|e| DataError::io(&self.bin_path, e))?;
+        std::fs::rename(&self.idx_tmp, &self.idx_path)
+            .map_err(|e| DataError::io(&self.idx_path, e))?;
+        self.committed = true;
+        Ok(self.bytes)
+    }
+}
+
+impl Drop for SealedDataset {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.bin_tmp);
+            let _ = std::fs::remove_file(&self.idx_tmp);
         }
     }
 }

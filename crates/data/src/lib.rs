@@ -1,6 +1,7 @@
 //! The data pipeline of the pretraining framework: byte-level BPE tokenizer training and
-//! loading, preprocessing of text/JSONL corpora into Megatron-LM indexed datasets
-//! (`.bin` + `.idx`, byte-compatible with Megatron), a validated memory-mapped reader,
+//! loading, preprocessing of text, JSONL and Parquet corpora (plain or compressed) into
+//! Megatron-LM indexed datasets (`.bin` + `.idx`, byte-compatible with Megatron), a validated
+//! memory-mapped reader,
 //! GPT-style shuffled sample indices, document-level splits, weighted blending, and the
 //! micro-batch loader the trainer consumes.
 //!
@@ -10,9 +11,9 @@
 
 pub mod blend;
 pub mod config;
-pub mod documents;
 pub mod error;
 pub mod indexed;
+pub mod input;
 pub mod loader;
 pub mod preprocess;
 pub mod reader;
@@ -26,11 +27,11 @@ pub use config::{DataConfig, DatasetSpec};
 pub use error::{DataError, Result};
 pub use indexed::{DType, IndexedDatasetWriter};
 pub use loader::{micro_batch_indices, Batch, GptData, Split};
-pub use preprocess::{preprocess, PreprocessOptions, PreprocessSummary};
+pub use preprocess::{preprocess, PreprocessOptions, PreprocessSummary, WrittenDataset};
 pub use reader::IndexedDataset;
 pub use sample_index::SampleIndex;
 pub use split::SplitWeights;
 pub use tokenizer::{
-    eod_id, load_tokenizer, train_tokenizer, TokenizerTrainOptions, TokenizerTrainSummary,
-    EOD_TOKEN,
+    bos_id, eod_id, load_tokenizer, train_tokenizer, TokenizerTrainOptions, TokenizerTrainSummary,
+    BOS_TOKENS, EOD_TOKEN, EOD_TOKENS,
 };

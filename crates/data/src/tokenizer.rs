@@ -192,14 +192,38 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     })
 }
 
-/// The id of [`EOD_TOKEN`] in `tokenizer` (loaded from `path`, used in the error).
+/// End-of-document tokens, in the order they are looked for: ours and GPT-2's / Qwen's, Llama
+/// 3's, Llama 2's and Mistral's (SentencePiece), Gemma's.
+pub const EOD_TOKENS: [&str; 4] = [EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>"];
+
+/// Beginning-of-document tokens, in the order they are looked for: Llama 3's, Llama 2's and
+/// Mistral's, Gemma's, and the GPT-style `<|startoftext|>`.
+pub const BOS_TOKENS: [&str; 4] = ["<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>"];
+
+/// The first of `names` in the tokenizer's vocabulary (added tokens included).
+fn first_of(tokenizer: &Tokenizer, names: &[&str]) -> Option<u32> {
+    names.iter().find_map(|t| tokenizer.token_to_id(t))
+}
+
+/// The end-of-document id of `tokenizer` (loaded from `path`, used in the error): the first of
+/// [`EOD_TOKENS`] it has, so a tokenizer trained here and a hub tokenizer (Llama 3's
+/// `<|end_of_text|>`, Llama 2's `</s>`) both work.
 pub fn eod_id(tokenizer: &Tokenizer, path: &Path) -> Result<u32> {
-    tokenizer
-        .token_to_id(EOD_TOKEN)
-        .ok_or_else(|| DataError::MissingEod {
-            path: path.to_path_buf(),
-            token: EOD_TOKEN.to_string(),
-        })
+    first_of(tokenizer, &EOD_TOKENS).ok_or_else(|| DataError::MissingEod {
+        path: path.to_path_buf(),
+        token: EOD_TOKENS.join("`, `"),
+    })
+}
+
+/// The beginning-of-document id of `tokenizer`: the first of [`BOS_TOKENS`] it has.
+pub fn bos_id(tokenizer: &Tokenizer, path: &Path) -> Result<u32> {
+    first_of(tokenizer, &BOS_TOKENS).ok_or_else(|| DataError::Tokenizer {
+        path: path.to_path_buf(),
+        message: format!(
+            "has no beginning-of-document token (looked for `{}`), needed by --add-bos",
+            BOS_TOKENS.join("`, `")
+        ),
+    })
 }
 
 /// Longest piece of a document encoded at once: the tokenizer's intermediate structures take

@@ -148,7 +148,7 @@ fn bad_inputs_are_reported() {
     let csv = dir.path().join("table.csv");
     std::fs::write(&csv, "a,b").unwrap();
     let e = preprocess(&opts(vec![csv.display().to_string()], &tok, &prefix)).unwrap_err();
-    assert!(e.to_string().contains("unsupported extension"), "{e}");
+    assert!(e.to_string().contains("unsupported file name"), "{e}");
 
     let empty = dir.path().join("empty.txt");
     std::fs::write(&empty, "\n").unwrap();
