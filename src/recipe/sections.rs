@@ -374,6 +374,18 @@ pub struct RunConfig {
     /// optimizer spans) as a Chrome/Perfetto trace to `<dir>/trace.json` (pipeline parallel runs).
     #[serde(default)]
     pub trace_step: Option<usize>,
+    /// Also write the logged scalars (loss, learning rate, gradient norm, throughput, MFU,
+    /// memory, validation loss) as TensorBoard event files under `<dir>/tensorboard/`.
+    #[serde(default)]
+    pub tensorboard: bool,
+    /// At each log interval every rank's compute time is compared: a rank slower than this
+    /// many times the median is named as a straggler in the log and in `metrics.jsonl`.
+    #[serde(default = "default_straggler_factor")]
+    pub straggler_factor: f64,
+}
+
+fn default_straggler_factor() -> f64 {
+    1.2
 }
 
 fn default_dir() -> PathBuf {
@@ -390,6 +402,8 @@ impl Default for RunConfig {
             log_interval: 1,
             peak_tflops: None,
             trace_step: None,
+            tensorboard: false,
+            straggler_factor: default_straggler_factor(),
         }
     }
 }

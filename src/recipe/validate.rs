@@ -262,6 +262,13 @@ impl Recipe {
         if self.run.log_interval == 0 {
             p.push("run.log_interval must be positive".into());
         }
+        let f = self.run.straggler_factor;
+        if !(f.is_finite() && f > 1.0) {
+            p.push(format!(
+                "run.straggler_factor ({f}) must be a finite number above 1 (a rank is a \
+                 straggler when slower than this many times the median)"
+            ));
+        }
         if self.checkpoint.keep == 0 {
             p.push("checkpoint.keep must be at least 1".into());
         }

@@ -1,4 +1,5 @@
-//! Run outputs: one JSON line per step and per validation in `metrics.jsonl`, the loss-curve plot
+//! Run outputs: one JSON line per step and per validation in `metrics.jsonl` (and, with
+//! `run.tensorboard`, the same scalars as TensorBoard events), the loss-curve plot
 //! `loss.svg`, a step's timeline as a Perfetto trace with the measured pipeline bubble
 //! ([`write_trace`]), and process memory readings.
 
@@ -98,6 +99,10 @@ pub struct StepRecord {
     /// Why the step's update was discarded (`train.on_nonfinite: skip`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
+    /// On logged steps: the ranks' compute times and the stragglers among them
+    /// (`compute_median_s`, `compute_max_s`, `stragglers`).
+    #[serde(flatten)]
+    pub compute: Option<super::stragglers::ComputeSpread>,
 }
 
 /// A validation result.
@@ -112,6 +117,7 @@ pub struct EvalRecord {
 /// Appends records to `metrics.jsonl` and keeps the curves for the plot.
 pub struct Metrics {
     out: BufWriter<File>,
+    tensorboard: Option<super::tensorboard::EventWriter>,
     dir: PathBuf,
     train: Vec<(usize, f64)>,
     valid: Vec<(usize, f64)>,
@@ -120,8 +126,9 @@ pub struct Metrics {
 impl Metrics {
     /// Opens `dir/metrics.jsonl` for a run that starts after step `start` (0 for a fresh run):
     /// the records of steps up to `start` are kept (and plotted), later ones (steps a resumed
-    /// run will redo, or an earlier run's) are removed, so the file holds each step once.
-    pub fn open(dir: &Path, start: usize) -> Result<Self> {
+    /// run will redo, or an earlier run's) are removed, so the file holds each step once. With
+    /// `tensorboard`, a new event file is started beside it.
+    pub fn open(dir: &Path, start: usize, tensorboard: bool) -> Result<Self> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating run directory {}", dir.display()))?;
         let path = dir.join("metrics.jsonl");
@@ -160,8 +167,12 @@ impl Metrics {
         let mut options = File::options();
         options.create(true).append(true);
         let f = crate::files::open_regular(&path, &mut options, "the metrics log")?;
+        let tensorboard = tensorboard
+            .then(|| super::tensorboard::EventWriter::create(dir, start))
+            .transpose()?;
         Ok(Self {
             out: BufWriter::new(f),
+            tensorboard,
             dir: dir.to_path_buf(),
             train,
             valid,
@@ -171,12 +182,18 @@ impl Metrics {
     /// Records a step.
     pub fn step(&mut self, r: &StepRecord) -> Result<()> {
         self.train.push((r.step, r.loss));
+        if let Some(tb) = &mut self.tensorboard {
+            tb.scalars(r.step, &scalars(r))?;
+        }
         self.line(r)
     }
 
     /// Records a validation.
     pub fn eval(&mut self, r: &EvalRecord) -> Result<()> {
         self.valid.push((r.step, r.val_loss));
+        if let Some(tb) = &mut self.tensorboard {
+            tb.scalars(r.step, &[("valid/loss", r.val_loss)])?;
+        }
         self.line(r)
     }
 
@@ -194,6 +211,30 @@ impl Metrics {
         let path = self.dir.join("loss.svg");
         crate::files::write_replacing(&path, loss_svg(&self.train, &self.valid).as_bytes())
     }
+}
+
+/// The TensorBoard scalars of a step: its loss, rates and memory.
+fn scalars(r: &StepRecord) -> Vec<(&'static str, f64)> {
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    let mut v = vec![
+        ("train/loss", r.loss),
+        ("train/lr", r.lr),
+        ("train/grad_norm", r.grad_norm),
+        ("throughput/tokens_per_s", r.tokens_per_s),
+        ("throughput/tflops", r.tflops),
+        ("throughput/step_time_s", r.step_time_s),
+        ("memory/process_peak_mib", r.mem_mib),
+        ("memory/state_mib", mib(r.state.total())),
+        ("memory/activations_peak_mib", mib(r.act_peak_bytes)),
+    ];
+    let optional = [
+        ("throughput/mfu", r.mfu),
+        ("memory/device_mib", r.device_mem_mib),
+        ("memory/device_peak_mib", r.device_peak_mib),
+        ("memory/device_pool_mib", r.device_pool_mib),
+    ];
+    v.extend(optional.into_iter().filter_map(|(t, x)| x.map(|x| (t, x))));
+    v
 }
 
 /// An SVG line chart of loss against step: training in blue, validation in orange, with axis

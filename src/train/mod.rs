@@ -22,6 +22,8 @@ mod saver;
 pub mod signals;
 mod splits;
 mod step;
+pub mod stragglers;
+pub mod tensorboard;
 pub mod zero;
 
 use anyhow::{bail, Context, Result};
@@ -179,7 +181,11 @@ impl Trainer {
                 .with_context(|| format!("resuming from {}", dir.display()))?;
         }
         if write {
-            trainer.metrics = Some(Metrics::open(&trainer.recipe.run.dir, trainer.step)?);
+            trainer.metrics = Some(Metrics::open(
+                &trainer.recipe.run.dir,
+                trainer.step,
+                trainer.recipe.run.tensorboard,
+            )?);
         }
         Ok(trainer)
     }

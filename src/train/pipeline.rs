@@ -213,6 +213,8 @@ pub struct Executor<'a> {
     recompute: Recompute,
     /// Time every action on this device's timeline (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
+    /// Tests: a pause in each forward action of this rank (`PRETRAIN_TEST_SLOW_RANK`).
+    slow: Option<std::time::Duration>,
 }
 
 impl<'a> Executor<'a> {
@@ -238,6 +240,7 @@ impl<'a> Executor<'a> {
             dtype: model.params().get(0).dtype,
             recompute,
             device_timed: None,
+            slow: super::stragglers::test_slowdown(ctx.rank),
         }
     }
 
@@ -280,6 +283,9 @@ impl<'a> Executor<'a> {
                     w.dys.insert((chunk, micro), self.recv(from)?);
                 }
                 Action::Forward { chunk, micro } => {
+                    if let Some(pause) = self.slow {
+                        std::thread::sleep(pause);
+                    }
                     self.forward(chunk, micro, &mbs[micro], hooks, &mut w)?;
                 }
                 Action::SendActivation { chunk, micro, to } => {

@@ -1,8 +1,8 @@
 //! What a training run logs: the layout line at the start and, per logged step, its line (loss,
-//! rates, memory, ZeRO-3 gathers, the ring, MoE routing) and the traced step's pipeline bubble and
-//! gradient-sync overlap.
+//! rates, memory, ZeRO-3 gathers, the ring, MoE routing), the stragglers, and the traced step's
+//! pipeline bubble and gradient-sync overlap.
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::metrics::StepRecord;
 use super::Trainer;
@@ -68,6 +68,27 @@ impl Trainer {
                 b,
                 (p - 1.0) / (v * m + p - 1.0),
                 (p - 1.0) / (v * m),
+            );
+        }
+        if let Some(c) = rec.compute.as_ref().filter(|c| !c.stragglers.is_empty()) {
+            let named: Vec<String> = c
+                .stragglers
+                .iter()
+                .map(|s| {
+                    format!(
+                        "rank {} {:.1} ms ({:.2}x)",
+                        s.rank,
+                        1e3 * s.compute_s,
+                        s.ratio
+                    )
+                })
+                .collect();
+            warn!(
+                "step={} stragglers (compute above {}x the median {:.1} ms): {}",
+                rec.step,
+                r.run.straggler_factor,
+                1e3 * c.compute_median_s,
+                named.join(", ")
             );
         }
         if let (Some(o), Some(t)) = (rec.sync_overlap, rec.sync_exposed_s) {

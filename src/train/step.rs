@@ -32,6 +32,7 @@ struct Measured {
     run: PassStats,
     routing: Option<StepRouting>,
     verdict: Verdict,
+    compute: Option<super::stragglers::ComputeSpread>,
 }
 
 /// What the step's forward and backward passes left besides gradients.
@@ -78,6 +79,7 @@ impl Trainer {
         self.step += 1;
         self.consumed += self.recipe.train.global_batch as u64;
         self.stop = self.after_update(self.step, updated)?;
+        let compute = self.compute_spread(self.step)?;
         self.record(Measured {
             start,
             loss,
@@ -87,6 +89,7 @@ impl Trainer {
             run,
             routing,
             verdict,
+            compute,
         })
     }
 
@@ -119,7 +122,11 @@ impl Trainer {
             t.micro_batch,
             local_seq,
         );
-        if self.recipe.run.trace_step == Some(self.step + 1) {
+        // The traced step, and on a GPU each logged step (its compute time is compared across
+        // the ranks), run on the device's clock.
+        let next = self.step + 1;
+        let logged_on_gpu = self.ctx.device.is_cuda() && self.is_logged(next);
+        if self.recipe.run.trace_step == Some(next) || logged_on_gpu {
             exec = exec.timed_on_device(&self.ctx.device);
         }
         self.dp.start();
@@ -236,6 +243,7 @@ impl Trainer {
                 Verdict::Update => None,
                 Verdict::Skip(why) => Some(why),
             },
+            compute: m.compute,
         })
     }
 
