@@ -62,6 +62,7 @@ fn main() -> anyhow::Result<()> {
                 loss_mask: vec![1.0; b * s],
                 micro_batch: b,
                 seq_len: s,
+                doc_starts: None,
             }
         })
         .collect();
@@ -98,7 +99,8 @@ fn main() -> anyhow::Result<()> {
     for i in 0..steps + 2 {
         let t0 = Instant::now();
         for mb in &mbs {
-            let losses = forward_losses(&model, &ctx, &mb.tokens, &mb.targets.labels, &mut ())?;
+            let inputs = (&mb.tokens, &mb.targets.labels, None);
+            let losses = forward_losses(&model, &ctx, inputs, &mut ())?;
             let l = losses
                 .ok_or_else(|| anyhow::anyhow!("no losses"))?
                 .mean_all()?;

@@ -135,10 +135,11 @@ pub fn eval(
                         loss_mask: vec![1.0; batch.len() * s],
                         micro_batch: batch.len(),
                         seq_len: s,
+                        doc_starts: None,
                     })?;
                     let t = Tensor::from_vec(b.tokens, (b.micro_batch, b.seq_len), device)?;
                     let l = Tensor::from_vec(b.labels, b.micro_batch * b.seq_len, device)?;
-                    let losses = forward_losses(&model, &ctx, &t, &l, &mut ())?;
+                    let losses = forward_losses(&model, &ctx, (&t, &l, None), &mut ())?;
                     if let Some(losses) = losses.filter(|_| counted) {
                         sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
                         count += (b.micro_batch * b.seq_len) as f64;

@@ -200,7 +200,7 @@ fn op_cases() -> Result<Vec<OpCase>> {
             ],
             grads: vec![],
             f: |x| {
-                let (o, _) = model::ops::attention_block(&x[0], &x[1], &x[2], 0.2, false)?;
+                let (o, _) = model::ops::attention_block(&x[0], &x[1], &x[2], 0.2, false, None)?;
                 o.to_dtype(x[0].dtype())
             },
         },
@@ -214,10 +214,10 @@ fn op_cases() -> Result<Vec<OpCase>> {
             ],
             grads: vec![],
             f: |x| {
-                let (o, lse) = model::ops::attention_block(&x[0], &x[1], &x[2], 0.2, false)?;
+                let (o, lse) = model::ops::attention_block(&x[0], &x[1], &x[2], 0.2, false, None)?;
                 let o = o.to_dtype(x[0].dtype())?;
                 let (dq, dk, dv) = model::ops::attention_block_bwd(
-                    &x[0], &x[1], &x[2], &o, &x[3], &lse, 0.2, false,
+                    &x[0], &x[1], &x[2], &o, &x[3], &lse, 0.2, false, None,
                 )?;
                 candle_core::Tensor::cat(
                     &[dq.flatten_all()?, dk.flatten_all()?, dv.flatten_all()?],

@@ -69,6 +69,7 @@ fn accumulating_micro_batches_equals_one_large_batch() {
                 loss_mask: big.loss_mask[h * n..(h + 1) * n].to_vec(),
                 micro_batch: 2,
                 seq_len: 16,
+                doc_starts: None,
             }
         })
         .collect();

@@ -10,10 +10,8 @@
 //! untied 0, tied 7.3e-8, MoE 4.6e-7 of each tensor's largest element); asserted 1e-5. A 1e-6
 //! relative error planted in the head's loss gradient fails the f64 comparison (1.0e-6).
 
-use std::collections::HashMap;
-
 use candle_core::{DType, Device, Tensor};
-use model::{Llama, LlamaConfig, Piece, Recompute, Targets};
+use model::{LlamaConfig, Recompute, Targets};
 
 mod common;
 use common::reference::loss_and_grads as reference;
@@ -53,52 +51,9 @@ fn targets(b: &data::Batch, counted: f64, aux_scale: f64) -> (Tensor, Targets) {
         loss_mask: Tensor::from_slice(&b.loss_mask, n, &dev).unwrap(),
         loss_scale: 1.0 / counted,
         aux_scale,
+        documents: None,
     };
     (tokens, targets)
-}
-
-/// Every piece's forward in order, then every backward in reverse, straight through the model's
-/// functions (no gradient buffer): the loss and each parameter's gradient summed over the pieces,
-/// in the model's dtype.
-fn hand_written(model: &Llama, tokens: &Tensor, targets: &Targets) -> (f64, Vec<Tensor>) {
-    let c = model.config();
-    let pieces: Vec<Piece> = std::iter::once(Piece::Embedding)
-        .chain((0..c.num_hidden_layers).map(Piece::Block))
-        .chain([Piece::Head])
-        .collect();
-    let (mut x, mut tapes) = (tokens.clone(), Vec::new());
-    for &p in &pieces {
-        let f = model.forward(p, &x, targets).unwrap();
-        let kept = f.tape.tensors();
-        assert_eq!(model::segment::tracked(&kept), 0, "{p:?} kept a graph");
-        x = f.y;
-        tapes.push(f.tape);
-    }
-    let loss = x.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
-    let mut sums: HashMap<usize, Tensor> = HashMap::new();
-    let mut dy = None;
-    for tape in tapes.into_iter().rev() {
-        let g = model.backward(tape, dy.as_ref()).unwrap();
-        for (i, pg) in g.params {
-            let t = pg.into_tensor().unwrap();
-            let sum = match sums.remove(&i) {
-                Some(s) => (s + t).unwrap(),
-                None => t,
-            };
-            sums.insert(i, sum);
-        }
-        dy = g.dx;
-    }
-    let grads = model
-        .params()
-        .iter()
-        .enumerate()
-        .map(|(i, p)| match sums.remove(&i) {
-            Some(g) => g,
-            None => p.tensor().unwrap().zeros_like().unwrap(),
-        })
-        .collect();
-    (loss, grads)
 }
 
 fn to_f32(ts: &[Tensor]) -> Vec<Vec<f32>> {
@@ -135,7 +90,7 @@ fn every_piece_equals_autograd_over_the_reference_in_f64() {
         let model = small::build(&c, DType::F64, 3);
         let b = batch(2, 5);
         let (tokens, t) = targets(&b, counted(std::slice::from_ref(&b)), 1.0);
-        let (loss, got) = hand_written(&model, &tokens, &t);
+        let (loss, got) = small::pieces(&model, &tokens, &t);
         let (want_loss, want) = reference(&model, &tokens, &t).unwrap();
         // The head reports the loss in f32.
         assert!(

@@ -48,6 +48,7 @@ fn batch(offset: u32) -> Batch {
         loss_mask: vec![1.0; b * s],
         micro_batch: b,
         seq_len: s,
+        doc_starts: None,
     }
 }
 

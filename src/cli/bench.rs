@@ -128,16 +128,16 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
         let kern = ops::attention_kernels(backend);
         let fwd = || -> Result<(Tensor, Tensor)> {
             Ok(if a.unmasked {
-                (kern.block)(&q, &k, &v, scale, false)?
+                (kern.block)(&q, &k, &v, scale, false, None)?
             } else {
-                (kern.causal)(&q, &k, &v, scale)?
+                (kern.causal)(&q, &k, &v, scale, None)?
             })
         };
         let bwd = |(o, l): &(Tensor, Tensor)| -> Result<()> {
             if a.unmasked {
-                (kern.block_bwd)(&q, &k, &v, o, &dout, l, scale, false)?;
+                (kern.block_bwd)(&q, &k, &v, o, &dout, l, scale, false, None)?;
             } else {
-                (kern.causal_bwd)(&q, &k, &v, (o, l), &dout, scale)?;
+                (kern.causal_bwd)(&q, &k, &v, (o, l), &dout, scale, None)?;
             }
             Ok(())
         };

@@ -89,7 +89,7 @@ fn run(
     let kernels = ops::attention_kernels(backend);
     let (fwd, bwd) = (kernels.block, kernels.block_bwd);
     let scale = 1.0 / (case.d as f64).sqrt();
-    let (out, lse) = fwd(&q, &k, &v, scale, case.causal)?;
+    let (out, lse) = fwd(&q, &k, &v, scale, case.causal, None)?;
     let (o, l) = match merged {
         Some((o, l)) => (
             o.to_device(device)?,
@@ -97,7 +97,7 @@ fn run(
         ),
         None => (out.clone(), lse.clone()),
     };
-    let (dq, dk, dv) = bwd(&q, &k, &v, &o, &dout, &l, scale, case.causal)?;
+    let (dq, dk, dv) = bwd(&q, &k, &v, &o, &dout, &l, scale, case.causal, None)?;
     Ok(vec![out, lse, dq, dk, dv])
 }
 

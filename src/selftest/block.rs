@@ -32,7 +32,7 @@ fn block_config(seq: usize) -> model::LlamaConfig {
 /// Output, input gradient and weight gradients (by parameter name) of block 0 of `m` on `x`, the
 /// gradients taken of `Σ y ∘ r`.
 fn block_run(m: &model::Llama, x: &Tensor, r: &Tensor) -> Result<Vec<(String, Tensor)>> {
-    let (y, tape, _) = m.block(0, x, Some(1.0))?;
+    let (y, tape, _) = m.block(0, x, Some(1.0), None)?;
     let (dx, grads) = m.block_backward(tape, r)?;
     let mut grads: std::collections::HashMap<usize, _> = grads.into_iter().collect();
     let mut out = vec![("output".to_string(), y), ("input".to_string(), dx)];

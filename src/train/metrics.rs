@@ -31,8 +31,13 @@ pub struct StepRecord {
     pub grad_norm: f64,
     /// Training throughput over all ranks.
     pub tokens_per_s: f64,
-    /// Achieved model TFLOP/s (see `LlamaConfig::flops_per_token`).
+    /// Achieved model TFLOP/s (see `LlamaConfig::flops_per_token`; with documents kept apart
+    /// by the attention mask, the attention work the mask leaves).
     pub tflops: f64,
+    /// With `data.reset_attention_mask`: the share of the causal attention pairs the step
+    /// computed (the document mask keeps the rest out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention_share: Option<f64>,
     /// Model FLOPs utilisation, when the device peak is known.
     pub mfu: Option<f64>,
     /// Peak resident memory of the process, MiB.

@@ -234,7 +234,9 @@ impl Trainer {
                 dp: &mut self.dp,
                 gather: self.gather.as_mut(),
             };
-            let losses = pipeline::forward_losses(&self.model, ctx, &tokens, &labels, &mut hooks)?;
+            let docs = pipeline::documents(&b)?;
+            let inputs = (&tokens, &labels, docs.as_ref());
+            let losses = pipeline::forward_losses(&self.model, ctx, inputs, &mut hooks)?;
             if let Some(g) = &mut self.gather {
                 g.finish(self.model.params())?;
             }

@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use data::Batch;
 use model::moe::LayerStats;
 use model::segment::{self, ParamGrad, SegmentRun};
-use model::{Llama, Piece, Recompute, Targets};
+use model::{DocumentStarts, Llama, Piece, Recompute, Targets};
 use parallel::pipeline::{Action, Schedule};
 use parallel::Comm;
 
@@ -60,6 +60,8 @@ pub struct Staged {
     loss_mask: Tensor,
     /// The number of counted tokens (the loss mask's sum, read on the host before the copy).
     pub counted: f64,
+    /// Where its documents start, when they are kept apart.
+    documents: Option<DocumentStarts>,
 }
 
 impl Staged {
@@ -71,6 +73,7 @@ impl Staged {
             labels: Tensor::from_slice(&b.labels, n, device)?,
             loss_mask: Tensor::from_slice(&b.loss_mask, n, device)?,
             counted: b.loss_mask.iter().map(|&m| m as f64).sum(),
+            documents: documents(b)?,
         })
     }
 
@@ -83,9 +86,19 @@ impl Staged {
                 loss_mask: self.loss_mask,
                 loss_scale,
                 aux_scale,
+                documents: self.documents,
             },
         }
     }
+}
+
+/// The document starts a batch brings (whole sequences: `micro_batch` rows of their length).
+pub fn documents(b: &Batch) -> Result<Option<DocumentStarts>> {
+    let Some(starts) = &b.doc_starts else {
+        return Ok(None);
+    };
+    let whole = starts.len() / b.micro_batch.max(1);
+    Ok(Some(DocumentStarts::new(starts.clone(), whole)?))
 }
 
 /// What a rank's run of a step produced (its gradients are in the gradient buffer).
@@ -460,8 +473,7 @@ impl<'a> Executor<'a> {
 pub fn forward_losses(
     model: &Llama,
     ctx: &RankCtx,
-    tokens: &Tensor,
-    labels: &Tensor,
+    (tokens, labels, documents): (&Tensor, &Tensor, Option<&DocumentStarts>),
     hooks: &mut dyn StepHooks,
 ) -> Result<Option<Tensor>> {
     let (pp, stage) = (ctx.groups.pp.size(), ctx.coords.pp);
@@ -479,7 +491,7 @@ pub fn forward_losses(
         };
         for p in pieces {
             hooks.before_forward(p, 0)?;
-            let y = model.eval_forward(p, &x, labels)?;
+            let y = model.eval_forward(p, &x, labels, documents)?;
             hooks.after_forward(p, 0)?;
             if p == Piece::Head {
                 return Ok(Some(y));

@@ -193,6 +193,7 @@ pub fn local_batch(b: Batch, cp: usize, index: usize) -> anyhow::Result<Batch> {
         loss_mask: local_rows(&b.loss_mask, b.seq_len, &chunks),
         micro_batch: b.micro_batch,
         seq_len: b.seq_len / cp,
+        doc_starts: b.doc_starts,
     })
 }
 

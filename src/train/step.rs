@@ -33,6 +33,8 @@ struct Measured {
     routing: Option<StepRouting>,
     verdict: Verdict,
     compute: Option<super::stragglers::ComputeSpread>,
+    /// The share of the causal attention pairs computed (below 1 with documents kept apart).
+    attention_share: f64,
 }
 
 /// What the step's forward and backward passes left besides gradients.
@@ -54,6 +56,7 @@ impl Trainer {
         self.grads.zero()?;
         self.model.placement().cp.stats().take(); // count this step's ring only
         let mbs = self.micro_batches()?;
+        let attention_share = self.attention_share(&mbs)?;
         let mut run = self.forward_backward(&mbs, start)?;
         self.inject_test_fault(self.step + 1)?;
         let ctx = &self.ctx;
@@ -90,7 +93,28 @@ impl Trainer {
             routing,
             verdict,
             compute,
+            attention_share,
         })
+    }
+
+    /// The share of the causal mask's (query, key) pairs the step's attention computes over the
+    /// global batch: 1 unless documents are kept apart by the attention mask, then the pairs the
+    /// document mask keeps over all of them (every rank of a gradient group counts its own
+    /// micro-batches; context-parallel ranks count the same samples, which cancels).
+    fn attention_share(&self, mbs: &[MicroBatch]) -> Result<f64> {
+        if !self.recipe.data.reset_attention_mask {
+            return Ok(1.0);
+        }
+        let (mut kept, mut causal) = (0f64, 0f64);
+        for d in mbs.iter().filter_map(|m| m.targets.documents.as_ref()) {
+            let s = d.seq_len() as f64;
+            kept += d.pairs() as f64;
+            causal += d.batch() as f64 * s * (s + 1.0) / 2.0;
+        }
+        let (ctx, grad) = (&self.ctx, &self.ctx.groups.grad);
+        let kept = all_reduce_f64(ctx.comm.as_ref(), grad, kept)?;
+        let causal = all_reduce_f64(ctx.comm.as_ref(), grad, causal)?;
+        Ok(if causal > 0.0 { kept / causal } else { 1.0 })
     }
 
     /// This step's micro-batches (read and staged during the last step), with their loss scales
@@ -203,7 +227,8 @@ impl Trainer {
         let device_mem = crate::device::memory(&self.ctx.device);
         let t = &r.train;
         let tokens = (t.global_batch * t.seq_len) as f64;
-        let tflops = tokens * r.model.flops_per_token(t.seq_len) / secs / 1e12;
+        let skipped = r.model.attention_flops_per_token(t.seq_len) * (1.0 - m.attention_share);
+        let tflops = tokens * (r.model.flops_per_token(t.seq_len) - skipped) / secs / 1e12;
         let g = m.run.gathered;
         let zero3 = self.gather.is_some();
         Ok(StepRecord {
@@ -213,6 +238,7 @@ impl Trainer {
             grad_norm: m.grad_norm,
             tokens_per_s: tokens / secs,
             tflops,
+            attention_share: r.data.reset_attention_mask.then_some(m.attention_share),
             mfu: r
                 .run
                 .peak_tflops

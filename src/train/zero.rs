@@ -118,7 +118,8 @@ pub struct RankState {
 /// The model a rank of `recipe` starts from: at ZeRO stage 3 declared without parameter values
 /// (its shards come from [`rank_state`], and a piece's full parameters are installed only while
 /// it runs, so the unsharded model is never held), else built with the recipe's seed; attention
-/// runs on the recipe's backend (`train.attention`) and blocks keep what `train.recompute` says.
+/// runs on the recipe's backend (`train.attention`), blocks keep what `train.recompute` says and
+/// keep documents apart as `data.reset_attention_mask` and `data.reset_position_ids` say.
 pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     let (c, t) = (&recipe.model, &recipe.train);
     let placement = ctx.placement(c.num_hidden_layers);
@@ -132,6 +133,10 @@ pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     crate::device::prepare_attention(backend)?;
     model.set_attention_backend(backend);
     model.set_recomputed(t.recomputed());
+    model.set_documents(model::DocumentUse {
+        mask: recipe.data.reset_attention_mask,
+        positions: recipe.data.reset_position_ids,
+    });
     Ok(model)
 }
 

@@ -4,9 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
 use data::Batch;
-use model::{Llama, LlamaConfig, Recompute};
+use model::{Llama, LlamaConfig, Piece, Recompute, Targets};
 use parallel::comm::local::LocalWorld;
 use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
 use parallel::pipeline::{self, ScheduleKind};
@@ -62,6 +64,7 @@ pub fn batch(b: usize, offset: u32) -> Batch {
         loss_mask,
         micro_batch: b,
         seq_len: s,
+        doc_starts: None,
     }
 }
 
@@ -124,4 +127,48 @@ pub fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
         }
     }
     worst
+}
+
+/// Every piece's forward in order, then every backward in reverse, straight through the model's
+/// functions (no gradient buffer): the loss and each parameter's gradient summed over the pieces,
+/// in the model's dtype.
+pub fn pieces(model: &Llama, tokens: &Tensor, targets: &Targets) -> (f64, Vec<Tensor>) {
+    let c = model.config();
+    let pieces: Vec<Piece> = std::iter::once(Piece::Embedding)
+        .chain((0..c.num_hidden_layers).map(Piece::Block))
+        .chain([Piece::Head])
+        .collect();
+    let (mut x, mut tapes) = (tokens.clone(), Vec::new());
+    for &p in &pieces {
+        let f = model.forward(p, &x, targets).unwrap();
+        let kept = f.tape.tensors();
+        assert_eq!(model::segment::tracked(&kept), 0, "{p:?} kept a graph");
+        x = f.y;
+        tapes.push(f.tape);
+    }
+    let loss = x.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let mut sums: HashMap<usize, Tensor> = HashMap::new();
+    let mut dy = None;
+    for tape in tapes.into_iter().rev() {
+        let g = model.backward(tape, dy.as_ref()).unwrap();
+        for (i, pg) in g.params {
+            let t = pg.into_tensor().unwrap();
+            let sum = match sums.remove(&i) {
+                Some(s) => (s + t).unwrap(),
+                None => t,
+            };
+            sums.insert(i, sum);
+        }
+        dy = g.dx;
+    }
+    let grads = model
+        .params()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match sums.remove(&i) {
+            Some(g) => g,
+            None => p.tensor().unwrap().zeros_like().unwrap(),
+        })
+        .collect();
+    (loss, grads)
 }

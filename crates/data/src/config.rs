@@ -53,6 +53,22 @@ pub struct DataConfig {
     /// (default false), so the model is not trained to predict across document boundaries.
     #[serde(default)]
     pub eod_mask_loss: bool,
+    /// Keep the documents packed into a sequence apart: no position attends to an earlier
+    /// document (default false). A document starts at the sequence's start and after each
+    /// end-of-document token, as in Megatron-LM's `--reset-attention-mask`.
+    #[serde(default)]
+    pub reset_attention_mask: bool,
+    /// Restart the RoPE positions at each document (default false), as Megatron-LM's
+    /// `--reset-position-ids`.
+    #[serde(default)]
+    pub reset_position_ids: bool,
+}
+
+impl DataConfig {
+    /// Whether batches carry where their documents start (either reset flag).
+    pub fn keeps_documents_apart(&self) -> bool {
+        self.reset_attention_mask || self.reset_position_ids
+    }
 }
 
 impl DataConfig {
@@ -103,6 +119,8 @@ mod tests {
             tokenizer: "t.json".into(),
             split: "98,2".into(),
             eod_mask_loss: false,
+            reset_attention_mask: false,
+            reset_position_ids: false,
         }
     }
 

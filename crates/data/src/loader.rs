@@ -54,6 +54,27 @@ pub struct Batch {
     pub micro_batch: usize,
     /// Columns.
     pub seq_len: usize,
+    /// With `data.reset_attention_mask` or `data.reset_position_ids`: for every position of the
+    /// whole rows `[micro_batch, seq_len]`, the position its document starts at (0, or just
+    /// after an end-of-document token). Kept whole when a rank takes its context-parallel share
+    /// of the other fields.
+    pub doc_starts: Option<Vec<u32>>,
+}
+
+/// For each position of the rows of `tokens` (`seq_len` each), where its document starts: at 0
+/// and just after every `eod`.
+pub fn document_starts(tokens: &[u32], seq_len: usize, eod: u32) -> Vec<u32> {
+    let mut starts = Vec::with_capacity(tokens.len());
+    for row in tokens.chunks(seq_len.max(1)) {
+        let mut start = 0u32;
+        for (i, &t) in row.iter().enumerate() {
+            starts.push(start);
+            if t == eod {
+                start = i as u32 + 1;
+            }
+        }
+    }
+    starts
 }
 
 struct Part {
@@ -70,6 +91,8 @@ pub struct GptData {
     eod: u32,
     vocab_size: usize,
     eod_mask_loss: bool,
+    /// Batches carry their document starts.
+    documents: bool,
 }
 
 fn resolve(base: &Path, p: &Path) -> PathBuf {
@@ -176,6 +199,7 @@ impl GptData {
             eod,
             vocab_size,
             eod_mask_loss: cfg.eod_mask_loss,
+            documents: cfg.keeps_documents_apart(),
         })
     }
 
@@ -230,12 +254,16 @@ impl GptData {
                 }
             })
             .collect();
+        let doc_starts = self
+            .documents
+            .then(|| document_starts(&tokens, s, self.eod));
         Ok(Batch {
             tokens,
             labels,
             loss_mask,
             micro_batch: rows,
             seq_len: s,
+            doc_starts,
         })
     }
 

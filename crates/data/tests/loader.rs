@@ -52,6 +52,8 @@ impl Fixture {
             tokenizer: "tokenizer.json".into(),
             split: split.into(),
             eod_mask_loss: false,
+            reset_attention_mask: false,
+            reset_position_ids: false,
         }
     }
 

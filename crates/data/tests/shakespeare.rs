@@ -63,6 +63,8 @@ fn bundled_corpus_end_to_end() {
         tokenizer: common::shakespeare_dir().join("tokenizer.json"),
         split: "90,10".into(),
         eod_mask_loss: false,
+        reset_attention_mask: false,
+        reset_position_ids: false,
     };
     let train = GptData::open(&cfg, tmp.path(), Split::Train, 256, 1234, 10_000).unwrap();
     let valid = GptData::open(&cfg, tmp.path(), Split::Valid, 256, 1234, 100).unwrap();

@@ -403,8 +403,14 @@ impl LlamaConfig {
         let matrices = self.num_active_params() as f64
             - v * h * if self.tie_word_embeddings { 0.0 } else { 1.0 }
             - (2 * self.num_hidden_layers + 1) as f64 * h;
-        let attention = 6.0 * self.num_hidden_layers as f64 * seq_len as f64 * self.q_dim() as f64;
-        6.0 * matrices + attention
+        6.0 * matrices + self.attention_flops_per_token(seq_len)
+    }
+
+    /// The attention part of [`LlamaConfig::flops_per_token`], `6 L s q`, for the plain causal
+    /// mask; with documents kept apart the work done is this times the share of the causal
+    /// (query, key) pairs the document mask keeps.
+    pub fn attention_flops_per_token(&self, seq_len: usize) -> f64 {
+        6.0 * self.num_hidden_layers as f64 * seq_len as f64 * self.q_dim() as f64
     }
 }
 

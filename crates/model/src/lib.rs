@@ -13,7 +13,8 @@ pub mod segment;
 
 pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
 pub use inventory::{Inventory, ParamDecl};
-pub use llama::{Llama, Piece, Placement, Tape, Targets};
+pub use llama::{DocumentUse, Llama, Piece, Placement, Tape, Targets};
 pub use ops::AttentionBackend;
+pub use parallel::cp::DocumentStarts;
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};
 pub use segment::{Recompute, RecomputeModule, Recomputed};

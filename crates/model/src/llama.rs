@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Result, Tensor};
-use parallel::cp::ContextParallel;
+use parallel::cp::{ContextParallel, DocumentStarts};
 use parallel::ep::ExpertParallel;
 use parallel::tp::{EmbeddingKernels, LossKernels, TensorParallel};
 
@@ -95,6 +95,19 @@ pub struct Targets {
     /// their sum over the step is their mean over the global batch's micro-batches:
     /// `1 / (micro-batches per rank × data-parallel ranks)`.
     pub aux_scale: f64,
+    /// Where the micro-batch's documents start (whole sequences, every context-parallel share),
+    /// when they are kept apart (see [`Llama::set_documents`]).
+    pub documents: Option<DocumentStarts>,
+}
+
+/// How a model uses the document starts a micro-batch brings (`data.reset_attention_mask`,
+/// `data.reset_position_ids`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DocumentUse {
+    /// No position attends to an earlier document.
+    pub mask: bool,
+    /// RoPE positions restart at each document.
+    pub positions: bool,
 }
 
 /// A Llama model (or this rank's part of it) whose parameters live in a [`ParamSet`].
@@ -116,6 +129,9 @@ pub struct Llama {
     /// What blocks leave out of their tapes for their backward to recompute (nothing unless
     /// [`Llama::set_recomputed`] says).
     recomputed: crate::Recomputed,
+    /// How blocks use a micro-batch's document starts (not at all unless
+    /// [`Llama::set_documents`] says).
+    documents: DocumentUse,
 }
 
 /// What a piece's forward keeps for its backward pass.
@@ -228,7 +244,15 @@ impl Llama {
             expert_bias: BTreeMap::new(),
             attention: AttentionBackend::Own,
             recomputed: crate::Recomputed::default(),
+            documents: DocumentUse::default(),
         })
+    }
+
+    /// Keeps documents apart in micro-batches that bring their starts ([`Targets::documents`]):
+    /// masks attention across them and/or restarts positions at each. A new model does
+    /// neither.
+    pub fn set_documents(&mut self, documents: DocumentUse) {
+        self.documents = documents;
     }
 
     /// Has blocks leave `recomputed` out of their tapes; their backward recomputes it
@@ -322,7 +346,8 @@ impl Llama {
                 (y, Tape::Embedding(tape), None)
             }
             Piece::Block(i) => {
-                let (y, tape, moe) = self.block(i, x, Some(targets.aux_scale))?;
+                let docs = targets.documents.as_ref();
+                let (y, tape, moe) = self.block(i, x, Some(targets.aux_scale), docs)?;
                 (y, Tape::Block(tape), moe)
             }
             Piece::Head => {
@@ -354,11 +379,17 @@ impl Llama {
 
     /// Piece `piece`'s forward in evaluation (its tape dropped, MoE layers dropless): token ids
     /// → hidden states, hidden → hidden, hidden → per-position losses `[b·s]` (f32) for `labels`,
-    /// identical on every tensor-parallel rank.
-    pub fn eval_forward(&self, piece: Piece, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    /// identical on every tensor-parallel rank. `documents` as in [`Targets::documents`].
+    pub fn eval_forward(
+        &self,
+        piece: Piece,
+        x: &Tensor,
+        labels: &Tensor,
+        documents: Option<&DocumentStarts>,
+    ) -> Result<Tensor> {
         Ok(match piece {
             Piece::Embedding => self.embed(x)?.0,
-            Piece::Block(i) => self.block(i, x, None)?.0,
+            Piece::Block(i) => self.block(i, x, None, documents)?.0,
             Piece::Head => self.head_losses(x, labels)?.0,
         })
     }
@@ -371,7 +402,7 @@ impl Llama {
         }
         let mut x = self.embed(tokens)?.0;
         for &i in &p.layers {
-            x = self.block(i, &x, None)?.0;
+            x = self.block(i, &x, None, None)?.0;
         }
         self.head_logits(&x)?.1.to_dtype(DType::F32)
     }

@@ -2,8 +2,9 @@
 //! against autograd over the single-rank causal attention op: output and the gradients of q, k
 //! and v for cp = 1 (the plain kernels), 2 and 4, plain heads, GQA and an odd number of heads, in
 //! f64 (tolerance 1e-10: the ring only regroups the same sums, merging blocks by their
-//! log-sum-exp, so the two differ by rounding) and f32 (1e-5); plus the load balance of the split
-//! and its errors.
+//! log-sum-exp, so the two differ by rounding) and f32 (1e-5); with documents kept apart, the
+//! same against attention over each document alone (blocks wholly before a query's document are
+//! skipped); plus the load balance of the split and its errors.
 
 mod ops_util;
 
@@ -14,7 +15,7 @@ use candle_core::{DType, Result, Tensor, Var};
 use model::ops;
 use ops_util::{assert_close, Rng};
 use parallel::comm::local::LocalWorld;
-use parallel::cp::{local_chunks, ContextParallel, Kernels};
+use parallel::cp::{local_chunks, ContextParallel, DocumentStarts, Kernels};
 use parallel::{Comm, Group};
 
 const KERNELS: Kernels = Kernels {
@@ -42,33 +43,98 @@ fn grads(
     Ok((y, d))
 }
 
+/// Document starts for `b` rows of `s`: row `r` is cut after every position `p` with
+/// `(p · 7 + r · 3) % 5 == 0`, so documents of one position and longer ones alternate (row 0
+/// also holds one document of more than half the row).
+fn document_starts(b: usize, s: usize) -> DocumentStarts {
+    let mut starts = Vec::with_capacity(b * s);
+    for r in 0..b {
+        let mut start = 0;
+        for p in 0..s {
+            starts.push(start as u32);
+            let long = r == 0 && p < s / 2 + 3;
+            if !long && (p * 7 + r * 3) % 5 == 0 {
+                start = p + 1;
+            }
+        }
+    }
+    DocumentStarts::new(starts, s).unwrap()
+}
+
+/// Causal attention of every document alone, stitched back together: the reference for attention
+/// that keeps documents apart.
+fn per_document(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    scale: f64,
+    docs: &DocumentStarts,
+) -> Result<Tensor> {
+    let s = docs.seq_len();
+    let mut rows = Vec::new();
+    for (r, starts) in docs.starts().chunks_exact(s).enumerate() {
+        let mut parts = Vec::new();
+        let mut a = 0;
+        while a < s {
+            let z = (a..s).find(|&p| starts[p] as usize > a).unwrap_or(s);
+            let part = |t: &Tensor| t.narrow(0, r, 1)?.narrow(1, a, z - a);
+            parts.push(ops::causal_attention(
+                &part(q)?,
+                &part(k)?,
+                &part(v)?,
+                scale,
+            )?);
+            a = z;
+        }
+        rows.push(Tensor::cat(&parts, 1)?);
+    }
+    Tensor::cat(&rows, 0)
+}
+
 /// Runs the ring at `cp` ranks on shapes `(b, s, hq, hkv, d)` and compares every rank's share
-/// with the single-rank op's.
+/// with the single-rank op's (with `documents`, with attention over each document alone).
 fn check_ring(
     cp: usize,
     (b, s, hq, hkv, d): (usize, usize, usize, usize, usize),
     dtype: DType,
     tol: f64,
-) {
+    documents: bool,
+) -> u64 {
     let mut rng = Rng::new((cp * 1000 + s * 10 + hq) as u64);
     let q = rng.tensor((b, s, hq, d), 1.0, dtype);
     let k = rng.tensor((b, s, hkv, d), 1.0, dtype);
     let v = rng.tensor((b, s, hkv, d), 1.0, dtype);
     let dy = rng.tensor((b, s, hq, d), 1.0, dtype);
     let scale = 1.0 / (d as f64).sqrt();
+    let docs = documents.then(|| document_starts(b, s));
     let (y, dx) = grads(
-        |q, k, v| ops::causal_attention(q, k, v, scale),
+        |q, k, v| match &docs {
+            Some(docs) => per_document((q, k, v), scale, docs),
+            None => ops::causal_attention(q, k, v, scale),
+        },
         [&q, &k, &v],
         &dy,
     )
     .unwrap();
 
+    if let Some(docs) = &docs {
+        // The documents matter: plain causal attention is another function.
+        let plain = ops::causal_attention(&q, &k, &v, scale).unwrap();
+        let apart = (plain - &y).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(
+            apart
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                > 1e-3
+        );
+        assert!(docs.pairs() < (b * s * (s + 1) / 2) as u64);
+    }
     let world = LocalWorld::new(cp, Duration::from_secs(60));
     std::thread::scope(|scope| {
         let handles: Vec<_> = world
             .into_iter()
             .map(|comm| {
-                let (q, k, v, dy, y, dx) = (&q, &k, &v, &dy, &y, &dx);
+                let (q, k, v, dy, y, dx, docs) = (&q, &k, &v, &dy, &y, &dx, docs.as_ref());
                 scope.spawn(move || {
                     let comm: Arc<dyn Comm> = comm;
                     let rank = comm.rank();
@@ -78,9 +144,10 @@ fn check_ring(
                     };
                     let mine = |t: &Tensor| ctx.split_rows(t, 1).unwrap();
                     let (lq, lk, lv) = (mine(q), mine(k), mine(v));
-                    let (out, lse) = ctx.attention(&lq, &lk, &lv, scale, KERNELS).unwrap();
-                    let grads =
-                        ctx.attention_bwd((&lq, &lk, &lv), (&out, &lse), &mine(dy), scale, KERNELS);
+                    let lqkv = (&lq, &lk, &lv);
+                    let (out, lse) = ctx.attention(lqkv, scale, KERNELS, docs).unwrap();
+                    let saved = (&out, &lse);
+                    let grads = ctx.attention_bwd(lqkv, saved, &mine(dy), scale, KERNELS, docs);
                     let (dq, dk, dv) = grads.unwrap();
                     let (ly, ldx) = (out.to_dtype(dtype).unwrap(), [dq, dk, dv]);
                     let what =
@@ -93,17 +160,23 @@ fn check_ring(
                 })
             })
             .collect();
+        let mut skipped = 0;
         for h in handles {
             let t = h.join().expect("a rank panicked");
+            skipped += t.skipped_blocks;
             if cp == 1 {
                 continue; // no ring
             }
             assert!(t.total_s > 0.0 && t.total_s >= t.wait_s + t.send_s, "{t:?}");
+            if !documents {
+                assert_eq!(t.skipped_blocks, 0);
+            }
             // Forward: cp − 1 K/V blocks; backward: cp − 1 K/V blocks and cp dK/dV accumulators.
             let kv = 2 * b * (s / cp) * hkv * d * dtype.size_in_bytes();
             assert_eq!(t.sent_bytes as usize, (3 * cp - 2) * kv, "{t:?}");
         }
-    });
+        skipped
+    })
 }
 
 #[test]
@@ -111,16 +184,34 @@ fn ring_attention_equals_single_rank_attention_in_f64() {
     for cp in [1, 2, 4] {
         // Plain heads, GQA (2 query heads per kv head), odd head counts (3 per kv head).
         for (hq, hkv) in [(2, 2), (4, 2), (3, 1)] {
-            check_ring(cp, (2, 2 * cp * 3, hq, hkv, 8), DType::F64, 1e-10);
+            check_ring(cp, (2, 2 * cp * 3, hq, hkv, 8), DType::F64, 1e-10, false);
         }
     }
     // Chunks longer than the kernels' 64-row blocks.
-    check_ring(2, (1, 4 * 40, 2, 1, 4), DType::F64, 1e-10);
+    check_ring(2, (1, 4 * 40, 2, 1, 4), DType::F64, 1e-10, false);
 }
 
 #[test]
 fn ring_attention_equals_single_rank_attention_in_f32() {
-    check_ring(4, (2, 32, 4, 2, 16), DType::F32, 1e-5);
+    check_ring(4, (2, 32, 4, 2, 16), DType::F32, 1e-5, false);
+}
+
+/// With documents kept apart, one rank's kernels and the ring equal attention over each
+/// document alone: output and gradients, in f64, with plain heads and GQA, at cp 1, 2 and 4,
+/// and with documents and chunks longer than the kernels' 64-row blocks.
+#[test]
+fn attention_that_keeps_documents_apart_equals_each_document_alone() {
+    let mut skipped = 0;
+    for cp in [1, 2, 4] {
+        for (hq, hkv) in [(2, 2), (4, 2), (3, 1)] {
+            skipped += check_ring(cp, (2, 2 * cp * 4, hq, hkv, 8), DType::F64, 1e-10, true);
+        }
+    }
+    // Single-position documents leave whole blocks of earlier chunks unseen: skipped.
+    assert!(skipped > 0);
+    check_ring(1, (2, 200, 2, 1, 4), DType::F64, 1e-10, true);
+    check_ring(2, (2, 4 * 40, 2, 1, 4), DType::F64, 1e-10, true);
+    check_ring(2, (2, 4 * 40, 4, 2, 8), DType::F32, 1e-5, true);
 }
 
 #[test]

@@ -18,6 +18,7 @@
 //! (`tests/hand_written_backward.rs`, `tests/moe.rs`).
 
 use candle_core::{Result, Tensor};
+use parallel::cp::DocumentStarts;
 
 use super::Llama;
 use crate::config::LlamaConfig;
@@ -49,6 +50,8 @@ pub struct BlockTape {
     x1: Tensor,
     /// The feed-forward part's.
     mlp: MlpTape,
+    /// The micro-batch's document starts, when the model keeps documents apart.
+    docs: Option<DocumentStarts>,
 }
 
 /// What a block's feed-forward part keeps.
@@ -155,11 +158,46 @@ impl Llama {
         Ok((blk, weights))
     }
 
-    /// The rotary tables for `s` positions and the attention scale.
-    fn rope_and_scale(&self, s: usize) -> Result<(Tensor, Tensor, f64)> {
+    /// The rotary tables for this rank's `s` rows of `b` sequences (`[s, d/2]`, or `[b, s, d/2]`
+    /// when positions restart at each document) and the attention scale.
+    fn rope_and_scale(
+        &self,
+        (b, s): (usize, usize),
+        docs: Option<&DocumentStarts>,
+    ) -> Result<(Tensor, Tensor, f64)> {
         let cp = &self.placement.cp;
-        let (cos, sin) = cp.rope_rows(&self.cos, &self.sin, s * cp.size())?;
-        Ok((cos, sin, 1.0 / (self.config.head_dim() as f64).sqrt()))
+        let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
+        let Some(docs) = docs.filter(|_| self.documents.positions) else {
+            let (cos, sin) = cp.rope_rows(&self.cos, &self.sin, s * cp.size())?;
+            return Ok((cos, sin, scale));
+        };
+        let rows = cp.positions(s * cp.size())?;
+        let at = docs.positions(&rows); // [b·s], each row's position in its document
+        let ids = Tensor::from_vec(at, b * s, self.cos.device())?;
+        let half = self.cos.dim(1)?;
+        let table = |t: &Tensor| t.index_select(&ids, 0)?.reshape((b, s, half));
+        Ok((table(&self.cos)?, table(&self.sin)?, scale))
+    }
+
+    /// The micro-batch's document starts as attention uses them (the mask), checked against
+    /// this rank's `b` rows of `s` positions.
+    fn document_mask<'a>(
+        &self,
+        docs: Option<&'a DocumentStarts>,
+        (b, s): (usize, usize),
+    ) -> Result<Option<&'a DocumentStarts>> {
+        let Some(d) = docs.filter(|_| self.documents.mask || self.documents.positions) else {
+            return Ok(None);
+        };
+        let whole = s * self.placement.cp.size();
+        if (d.batch(), d.seq_len()) != (b, whole) {
+            candle_core::bail!(
+                "document starts for {} × {} positions, but the micro-batch has {b} × {whole}",
+                d.batch(),
+                d.seq_len()
+            )
+        }
+        Ok(docs.filter(|_| self.documents.mask))
     }
 
     /// Block `layer`'s forward: its output `[b, s(/tp), h]` (with context parallelism `s` is
@@ -172,6 +210,7 @@ impl Llama {
         layer: usize,
         x: &Tensor,
         aux_scale: Option<f64>,
+        docs: Option<&DocumentStarts>,
     ) -> Result<(Tensor, BlockTape, Option<LayerStats>)> {
         let (blk, w) = self.block_weights(layer)?;
         let c = &self.config;
@@ -184,17 +223,17 @@ impl Llama {
         let x = x.clone();
         let h = tp.enter(&ops::rms_norm(&x, &w.norm1, c.rms_norm_eps)?)?; // [b, s, h]
         let (b, s, _) = h.dims3()?;
-        let (cos, sin, scale) = self.rope_and_scale(s)?;
+        let mask = self.document_mask(docs, (b, s))?;
+        let (cos, sin, scale) = self.rope_and_scale((b, s), docs)?;
         let q = linear_to(&h, &w.q, (b, s, hq, d))?; // [b, s, hq/tp, d]
         let k = linear_to(&h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
         let v = linear_to(&h, &w.v, (b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
         let (attn, lse) = self.placement.cp.attention(
-            &q,
-            &k,
-            &v,
+            (&q, &k, &v),
             scale,
             ops::attention_kernels(self.attention),
+            mask,
         )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
@@ -252,6 +291,7 @@ impl Llama {
             attn: (!r.core_attn).then_some((attn, lse)),
             x1,
             mlp,
+            docs: docs.cloned(),
         };
         Ok((y, tape, stats))
     }
@@ -274,6 +314,7 @@ impl Llama {
             attn,
             x1,
             mlp,
+            docs,
         } = tape;
         let (blk, w) = self.block_weights(layer)?;
         let (c, tp) = (&self.config, &self.placement.tp);
@@ -340,17 +381,20 @@ impl Llama {
             Some(h) => h,
             None => tp.enter(&ops::rms_norm(&x, &w.norm1, c.rms_norm_eps)?)?, // [b, s, h]
         };
-        let (cos, sin, scale) = self.rope_and_scale(h.dim(1)?)?;
+        let (b, s) = (h.dim(0)?, h.dim(1)?);
+        let mask = self.document_mask(docs.as_ref(), (b, s))?;
+        let (cos, sin, scale) = self.rope_and_scale((b, s), docs.as_ref())?;
         let kernels = ops::attention_kernels(self.attention);
         let cp = &self.placement.cp;
         let (attn, lse) = match attn {
             Some(kept) => kept,
-            None => cp.attention(&q, &k, &v, scale, kernels)?,
+            None => cp.attention((&q, &k, &v), scale, kernels, mask)?,
         };
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
         let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
-        let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), (&attn, &lse), &da, scale, kernels)?;
+        let saved = (&attn, &lse);
+        let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), saved, &da, scale, kernels, mask)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,

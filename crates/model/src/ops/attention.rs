@@ -24,8 +24,14 @@ use super::common::{
     kernel_dtype, max, prepare, same_device, same_dtype, simd, slice, sum, Float, SyncPtr,
 };
 use super::sdpa::AttentionBackend;
+pub(super) use parallel::cp::Floor;
 
 pub(super) const OP: &str = "causal_attention";
+
+/// Why a CUDA call with a document floor is refused.
+#[cfg(feature = "cuda")]
+pub(super) const CUDA_NO_FLOOR: &str = "document masking (data.reset_attention_mask) runs on \
+    the CPU kernels; the CUDA kernels take no document starts yet";
 
 /// Query rows per block: bounds the per-task scratch to `BLOCK * s` elements.
 pub(super) const BLOCK: usize = 64;
@@ -93,6 +99,41 @@ impl Dims {
             self.sk
         }
     }
+
+    /// The keys `lo..hi` query rows `r0..r1` of sample `bi` see between them: up to
+    /// [`Dims::keys_seen`], from the lowest of their floors (see [`Floor`]).
+    pub fn block_keys(&self, floor: Floor<'_>, bi: usize, r0: usize, r1: usize) -> (usize, usize) {
+        let hi = self.keys_seen(r1);
+        let row = bi * self.s;
+        let lo = floor.map_or(0, |f| {
+            f[row + r0..row + r1]
+                .iter()
+                .min()
+                .map_or(0, |&x| x as usize)
+        });
+        (lo.min(hi), hi)
+    }
+
+    /// The keys `lo..hi` query row `i` of sample `bi` sees.
+    pub fn row_range(&self, floor: Floor<'_>, bi: usize, i: usize) -> (usize, usize) {
+        let hi = self.row_keys(i);
+        let lo = floor.map_or(0, |f| f[bi * self.s + i] as usize);
+        (lo.min(hi), hi)
+    }
+}
+
+/// Checks a floor's length against the queries of `q` `[b, s, hq, d]`.
+fn check_floor(floor: Floor<'_>, q: &Tensor) -> Result<()> {
+    if let Some(f) = floor {
+        let rows = q.dim(0)? * q.dim(1)?;
+        if f.len() != rows {
+            bail!(
+                "{OP}: the document floor has {} rows for {rows} query rows",
+                f.len()
+            )
+        }
+    }
+    Ok(())
 }
 
 /// `dst[m×n] = (acc ? dst : 0) + beta · lhs[m×k] · rhs[k×n]`, single-threaded (called inside rayon
@@ -135,8 +176,15 @@ pub(super) unsafe fn matmul<T: Float>(
     )
 }
 
-/// Forward kernel: returns the output `[b, s, hq, d]` and the log-sum-exp `[b, hq, s]`.
-fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
+/// Forward kernel: returns the output `[b, s, hq, d]` and the log-sum-exp `[b, hq, s]`. A row
+/// that sees no key (a block of ring attention wholly before its document) gets a zero output and
+/// a log-sum-exp of −∞.
+fn attention_fwd<T: Float>(
+    (q, k, v): (&[T], &[T], &[T]),
+    dm: Dims,
+    floor: Floor<'_>,
+    scale: T,
+) -> (Vec<T>, Vec<T>) {
     let Dims {
         b,
         s,
@@ -167,21 +215,35 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
             let mut scores = vec![T::zero(); BLOCK.min(s) * sk]; // [m, n] scratch
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
-                let (m, n) = (r1 - r0, dm.keys_seen(r1)); // query rows r0..r1 see keys 0..n
+                let (lo, hi) = dm.block_keys(floor, bi, r0, r1); // rows r0..r1 see keys lo..hi
+                let (m, n) = (r1 - r0, hi - lo);
+                if n == 0 {
+                    lse[r0..r1].fill(T::neg_infinity()); // and the output rows stay zero
+                    continue;
+                }
 
-                // S = Q[r0..r1] · K[0..n]^T · scale   [m, n]
+                // S = Q[r0..r1] · K[lo..hi]^T · scale   [m, n]
                 let sp = scores.as_mut_ptr();
                 matmul(
                     (m, n, d),
                     (sp, n),
                     false,
                     (q_h.add(r0 * qs), qs, 1),
-                    (k_h, 1, ks),
+                    (k_h.add(lo * ks), 1, ks),
                     scale,
                 );
                 for (i, row) in scores[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
-                    let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
+                    let (a, z) = dm.row_range(floor, bi, qi);
+                    let (a, z) = (a - lo, z - lo);
+                    if a == z {
+                        row.fill(T::zero());
+                        lse[qi] = T::neg_infinity();
+                        continue;
+                    }
+                    let (before, rest) = row.split_at_mut(a);
+                    let (seen, masked) = rest.split_at_mut(z - a);
+                    before.fill(T::zero());
                     let (row_max, row_sum) = simd(
                         #[inline(always)]
                         || {
@@ -196,9 +258,10 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
                     masked.fill(T::zero());
                     lse[qi] = row_max + row_sum.ln();
                 }
-                // O[r0..r1] = P · V[0..n]   [m, d]
+                // O[r0..r1] = P · V[lo..hi]   [m, d]
                 let o_blk = (o_h.add(r0 * qs), qs);
-                matmul((m, d, n), o_blk, false, (sp, n, 1), (v_h, ks, 1), T::one());
+                let v_blk = (v_h.add(lo * ks), ks, 1);
+                matmul((m, d, n), o_blk, false, (sp, n, 1), v_blk, T::one());
             }
         }
     });
@@ -207,14 +270,15 @@ fn attention_fwd<T: Float>(q: &[T], k: &[T], v: &[T], dm: Dims, scale: T) -> (Ve
 
 /// The forward op on `(q, k, v)`; keeps the log-sum-exp `[b, hq, s]` for the backward pass (in
 /// the dtype of the inputs on the CPU; f32, or f64 for f64, on CUDA).
-struct Attention {
+struct Attention<'a> {
     scale: f64,
     causal: bool,
+    floor: Floor<'a>,
     backend: AttentionBackend,
     lse: Mutex<Option<Tensor>>,
 }
 
-impl Attention {
+impl Attention<'_> {
     #[allow(clippy::too_many_arguments)]
     fn fwd<T: Float>(
         &self,
@@ -229,7 +293,7 @@ impl Attention {
         let q = slice::<T>(OP, "q", s1, l1)?;
         let k = slice::<T>(OP, "k", s2, l2)?;
         let v = slice::<T>(OP, "v", s3, l3)?;
-        let (out, lse) = attention_fwd(q, k, v, dm, T::from_f64(self.scale));
+        let (out, lse) = attention_fwd((q, k, v), dm, self.floor, T::from_f64(self.scale));
         self.stash(Tensor::from_vec(lse, (dm.b, dm.hq, dm.s), &Device::Cpu)?);
         Ok(T::to_cpu_storage_owned(out))
     }
@@ -240,7 +304,7 @@ impl Attention {
     }
 }
 
-impl CustomOp3 for Attention {
+impl CustomOp3 for Attention<'_> {
     fn name(&self) -> &'static str {
         OP
     }
@@ -273,6 +337,9 @@ impl CustomOp3 for Attention {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = Dims::from_layouts(l1, l2, self.causal)?;
+        if self.floor.is_some() {
+            bail!("{OP}: {CUDA_NO_FLOOR}")
+        }
         let (q, k, v) = ((s1, l1), (s2, l2), (s3, l3));
         let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
             super::cuda::cudnn::attention_fwd(q, k, v, dm, self.scale)?
@@ -308,6 +375,7 @@ impl CustomOp3 for Attention {
         let bwd = AttentionBwd {
             scale: self.scale,
             causal: self.causal,
+            floor: self.floor,
             backend: self.backend,
             out: out.contiguous()?,
             dout: grad.contiguous()?,
@@ -376,6 +444,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     let op = Attention {
         scale,
         causal: true,
+        floor: None,
         backend: AttentionBackend::Own,
         lse: Mutex::new(None),
     };
@@ -387,13 +456,15 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 fn forward_kernel(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     scale: f64,
-    causal: bool,
+    (causal, floor): (bool, Floor<'_>),
     backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor)> {
     let (q, k, v) = checked(q, k, v, scale, causal)?;
+    check_floor(floor, &q)?;
     let op = Attention {
         scale,
         causal,
+        floor,
         backend,
         lse: Mutex::new(None),
     };
@@ -411,14 +482,16 @@ fn backward_kernel(
     (out, lse): (&Tensor, &Tensor),
     dout: &Tensor,
     scale: f64,
-    causal: bool,
+    (causal, floor): (bool, Floor<'_>),
     backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (qc, kc, vc) = checked(q, k, v, scale, causal)?;
+    check_floor(floor, &qc)?;
     let cdt = qc.dtype();
     let bwd = AttentionBwd {
         scale,
         causal,
+        floor,
         backend,
         out: prepare(out, cdt)?,
         dout: prepare(dout, cdt)?,
@@ -434,10 +507,10 @@ fn backward_kernel(
 pub fn attention_block(
     qkv: (&Tensor, &Tensor, &Tensor),
     scale: f64,
-    causal: bool,
+    mask: (bool, Floor<'_>),
     backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor)> {
-    let (out, lse) = forward_kernel(qkv, scale, causal, backend)?;
+    let (out, lse) = forward_kernel(qkv, scale, mask, backend)?;
     Ok((out.to_dtype(lse.dtype())?, lse))
 }
 
@@ -447,11 +520,11 @@ pub fn attention_block_bwd(
     merged: (&Tensor, &Tensor),
     dout: &Tensor,
     scale: f64,
-    causal: bool,
+    mask: (bool, Floor<'_>),
     backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let acc = merged.1.dtype();
-    let (dq, dk, dv) = backward_kernel(qkv, merged, dout, scale, causal, backend)?;
+    let (dq, dk, dv) = backward_kernel(qkv, merged, dout, scale, mask, backend)?;
     Ok((dq.to_dtype(acc)?, dk.to_dtype(acc)?, dv.to_dtype(acc)?))
 }
 
@@ -459,9 +532,10 @@ pub fn attention_block_bwd(
 pub fn causal_attention_saved(
     qkv: (&Tensor, &Tensor, &Tensor),
     scale: f64,
+    floor: Floor<'_>,
     backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor)> {
-    forward_kernel(qkv, scale, true, backend)
+    forward_kernel(qkv, scale, (true, floor), backend)
 }
 
 /// See [`super::causal_attention_bwd`].
@@ -470,9 +544,10 @@ pub fn causal_attention_bwd(
     saved: (&Tensor, &Tensor),
     dout: &Tensor,
     scale: f64,
+    floor: Floor<'_>,
     backend: AttentionBackend,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (dq, dk, dv) = backward_kernel(qkv, saved, dout, scale, true, backend)?;
+    let (dq, dk, dv) = backward_kernel(qkv, saved, dout, scale, (true, floor), backend)?;
     let dtype = qkv.0.dtype();
     Ok((
         dq.to_dtype(dtype)?,

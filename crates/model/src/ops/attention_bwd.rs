@@ -9,7 +9,7 @@ use candle_core::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::attention::{matmul, Dims, BLOCK, OP};
+use super::attention::{matmul, Dims, Floor, BLOCK, OP};
 use super::common::{dot, simd, slice, Float, SyncPtr};
 use super::sdpa::AttentionBackend;
 
@@ -18,10 +18,12 @@ use super::sdpa::AttentionBackend;
 /// concatenation of `dq [b, s, hq, d]`, `dk [b, sk, hkv, d]` and `dv [b, sk, hkv, d]`. For a
 /// block of ring attention, `out` and `lse` are those of the whole (merged) attention, so that
 /// `P = exp(S · scale - lse)` are the block's share of the final probabilities.
-pub(super) struct AttentionBwd {
+pub(super) struct AttentionBwd<'a> {
     pub scale: f64,
     /// Causal mask, or none (see [`Dims`]).
     pub causal: bool,
+    /// The first key each query row sees (document masking), or none.
+    pub floor: Floor<'a>,
     /// Which kernels run the backward on CUDA (see [`AttentionBackend::runs_cudnn`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub backend: AttentionBackend,
@@ -44,7 +46,7 @@ struct Inputs<'a, T> {
 }
 
 /// Backward kernel; see [`AttentionBwd`] for the output layout.
-fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
+fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, floor: Floor<'_>, scale: T) -> Vec<T> {
     let Dims {
         b,
         s,
@@ -104,25 +106,35 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
             };
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
-                let (m, n) = (r1 - r0, dm.keys_seen(r1)); // query rows r0..r1 see keys 0..n
+                let (lo, hi) = dm.block_keys(floor, bi, r0, r1); // rows r0..r1 see keys lo..hi
+                let (m, n) = (r1 - r0, hi - lo);
+                if n == 0 {
+                    continue; // dQ rows stay zero, no key gets a gradient
+                }
+                let (k_b, v_b) = (k_h.add(lo * ks), v_h.add(lo * ks)); // K, V [lo..hi]
+                let (dk_b, dv_b) = (dk_h.add(lo * kv_rs), dv_h.add(lo * kv_rs));
                 let (pp, dsp) = (p.as_mut_ptr(), ds.as_mut_ptr());
                 let (q_blk, do_blk) = ((q_h.add(r0 * qs), qs, 1), (do_h.add(r0 * qs), qs, 1));
-                // P = exp(Q[r0..r1] · K[0..n]^T · scale - lse), causal-masked   [m, n]
-                matmul((m, n, d), (pp, n), false, q_blk, (k_h, 1, ks), scale);
+                // P = exp(Q[r0..r1] · K[lo..hi]^T · scale - lse), masked   [m, n]
+                matmul((m, n, d), (pp, n), false, q_blk, (k_b, 1, ks), scale);
                 for (i, row) in p[..m * n].chunks_exact_mut(n).enumerate() {
                     let qi = r0 + i;
-                    let (seen, masked) = row.split_at_mut(dm.row_keys(qi));
+                    let (a, z) = dm.row_range(floor, bi, qi);
+                    let (a, z) = (a - lo, z - lo);
+                    let (before, rest) = row.split_at_mut(a);
+                    let (seen, masked) = rest.split_at_mut(z - a);
                     let shift = lse[qi];
                     simd(
                         #[inline(always)]
                         || seen.iter_mut().for_each(|x| *x = (*x - shift).fast_exp()),
                     );
+                    before.fill(T::zero());
                     masked.fill(T::zero());
                 }
-                // dV[0..n] += P^T · dO[r0..r1]   [n, d]
-                matmul((n, d, m), (dv_h, kv_rs), true, (pp, 1, n), do_blk, T::one());
-                // dP = dO[r0..r1] · V[0..n]^T   [m, n]
-                matmul((m, n, d), (dsp, n), false, do_blk, (v_h, 1, ks), T::one());
+                // dV[lo..hi] += P^T · dO[r0..r1]   [n, d]
+                matmul((n, d, m), (dv_b, kv_rs), true, (pp, 1, n), do_blk, T::one());
+                // dP = dO[r0..r1] · V[lo..hi]^T   [m, n]
+                matmul((m, n, d), (dsp, n), false, do_blk, (v_b, 1, ks), T::one());
                 // dS = P ∘ (dP - D) · scale   [m, n] (zero where masked, as P is)
                 for (i, (dsr, pr)) in ds[..m * n]
                     .chunks_exact_mut(n)
@@ -134,17 +146,17 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, scale: T) -> Vec<T> {
                         *dsv = pv * (*dsv - di) * scale;
                     }
                 }
-                // dQ[r0..r1] = dS · K[0..n]   [m, d]
+                // dQ[r0..r1] = dS · K[lo..hi]   [m, d]
                 matmul(
                     (m, d, n),
                     (dq_h.add(r0 * qs), qs),
                     false,
                     (dsp, n, 1),
-                    (k_h, ks, 1),
+                    (k_b, ks, 1),
                     T::one(),
                 );
-                // dK[0..n] += dS^T · Q[r0..r1]   [n, d]
-                matmul((n, d, m), (dk_h, kv_rs), true, (dsp, 1, n), q_blk, T::one());
+                // dK[lo..hi] += dS^T · Q[r0..r1]   [n, d]
+                matmul((n, d, m), (dk_b, kv_rs), true, (dsp, 1, n), q_blk, T::one());
             }
         }
     });
@@ -191,7 +203,7 @@ fn cuda<'a>(name: &str, storage: &'a Storage) -> Result<&'a CudaStorage> {
     }
 }
 
-impl AttentionBwd {
+impl AttentionBwd<'_> {
     /// The sizes of the call from the layouts of `q` and `k`, after checking that `out`, `dout`
     /// and `lse` match them.
     fn dims(&self, l1: &Layout, l2: &Layout) -> Result<Dims> {
@@ -258,12 +270,13 @@ impl AttentionBwd {
         Ok(T::to_cpu_storage_owned(attention_bwd(
             x,
             dm,
+            self.floor,
             T::from_f64(self.scale),
         )))
     }
 }
 
-impl CustomOp3 for AttentionBwd {
+impl CustomOp3 for AttentionBwd<'_> {
     fn name(&self) -> &'static str {
         "causal_attention-bwd"
     }
@@ -297,6 +310,9 @@ impl CustomOp3 for AttentionBwd {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = self.dims(l1, l2)?;
+        if self.floor.is_some() {
+            bail!("{OP}: {}", super::attention::CUDA_NO_FLOOR)
+        }
         let (o_st, o_l) = self.out.storage_and_layout(); // [b, s, hq, d]
         let (do_st, do_l) = self.dout.storage_and_layout(); // [b, s, hq, d]
         let (lse_st, lse_l) = self.lse.storage_and_layout(); // [b, hq, s]

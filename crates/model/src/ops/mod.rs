@@ -22,6 +22,7 @@
 //! cuDNN's fused attention) and the cuDNN calls' descriptions.
 
 use candle_core::{Result, Tensor};
+pub use parallel::cp::Floor;
 use parallel::cp::Kernels;
 
 pub use sdpa::{AttentionBackend, CUDNN_MAX_HEAD_DIM};
@@ -94,7 +95,8 @@ pub fn rms_norm_bwd(
 
 /// Rotary position embedding in Hugging Face's rotate-half convention:
 /// `y = x * cos + rotate_half(x) * sin`, `rotate_half([x1, x2]) = [-x2, x1]` on the halves of `d`.
-/// `x`: `[b, s, heads, d]`; `cos`, `sin`: `[s, d / 2]` (the angle of pair `i` at position `p`).
+/// `x`: `[b, s, heads, d]`; `cos`, `sin`: `[s, d / 2]` (the angle of pair `i` at position `p`), or
+/// `[b, s, d / 2]` when the samples' positions differ (they restart at each document).
 /// `cos`/`sin` may have any float dtype (converted to the compute dtype of `x`) and get no gradient;
 /// the backward pass is the inverse rotation of the upstream gradient.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -121,13 +123,18 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 /// [`causal_attention_bwd`] needs, the output in the kernel dtype (f32 for 16-bit inputs on the
 /// CPU; the input dtype on CUDA) and the log-sum-exp `[b, hq, s]`. The caller converts the output
 /// to the model dtype.
+///
+/// `floor` keeps documents apart (`data.reset_attention_mask`): `[b · s]`, the first key each
+/// query row may see (its document's first position), `None` for plain causal attention. The
+/// kernels skip the keys below a block's floor. CPU kernels only so far.
 pub fn causal_attention_saved(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
+    floor: Floor<'_>,
 ) -> Result<(Tensor, Tensor)> {
-    attention::causal_attention_saved((q, k, v), scale, AttentionBackend::Own)
+    attention::causal_attention_saved((q, k, v), scale, floor, AttentionBackend::Own)
 }
 
 /// Gradients `(dq, dk, dv)` of [`causal_attention`] (dtypes of `q`, `k`, `v`) from the inputs,
@@ -140,23 +147,27 @@ pub fn causal_attention_bwd(
     saved: (&Tensor, &Tensor),
     dout: &Tensor,
     scale: f64,
+    floor: Floor<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    attention::causal_attention_bwd((q, k, v), saved, dout, scale, AttentionBackend::Own)
+    attention::causal_attention_bwd((q, k, v), saved, dout, scale, floor, AttentionBackend::Own)
 }
 
 /// One block of attention without autograd, for ring attention (context parallelism): `q`
 /// `[b, s, hq, d]` against `k`, `v` `[b, sk, hkv, d]`, causally (`sk == s`, query `i` sees keys
 /// `0..=i`) or unmasked (every query sees every key). Returns the output `[b, s, hq, d]` and the
 /// per-row log-sum-exp of the scaled scores `[b, hq, s]`, both in the accumulation dtype (f32;
-/// f64 for f64), from which blocks are merged (CPU and CUDA kernels).
+/// f64 for f64), from which blocks are merged (CPU and CUDA kernels). With a `floor` (see
+/// [`causal_attention_saved`], counted in this block's keys), a row that sees none of the
+/// block's keys gets a zero output and a log-sum-exp of −∞.
 pub fn attention_block(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
     causal: bool,
+    floor: Floor<'_>,
 ) -> Result<(Tensor, Tensor)> {
-    attention::attention_block((q, k, v), scale, causal, AttentionBackend::Own)
+    attention::attention_block((q, k, v), scale, (causal, floor), AttentionBackend::Own)
 }
 
 /// Gradients `(dq, dk, dv)` of one block of [`attention_block`] given the *merged* attention's
@@ -174,6 +185,7 @@ pub fn attention_block_bwd(
     lse: &Tensor,
     scale: f64,
     causal: bool,
+    floor: Floor<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let merged = (out, lse);
     attention::attention_block_bwd(
@@ -181,7 +193,7 @@ pub fn attention_block_bwd(
         merged,
         dout,
         scale,
-        causal,
+        (causal, floor),
         AttentionBackend::Own,
     )
 }
@@ -209,7 +221,7 @@ pub fn attention_kernels(backend: AttentionBackend) -> Kernels {
 /// there (CUDA, bf16, a head dim cuDNN takes) run cuDNN's fused attention, every other call the
 /// same kernels as the functions of the same names above, with the same arguments and results.
 pub mod cudnn {
-    use super::{attention, AttentionBackend, Result, Tensor};
+    use super::{attention, AttentionBackend, Floor, Result, Tensor};
 
     const CUDNN: AttentionBackend = AttentionBackend::Cudnn;
 
@@ -219,8 +231,9 @@ pub mod cudnn {
         k: &Tensor,
         v: &Tensor,
         scale: f64,
+        floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor)> {
-        attention::causal_attention_saved((q, k, v), scale, CUDNN)
+        attention::causal_attention_saved((q, k, v), scale, floor, CUDNN)
     }
 
     /// [`super::causal_attention_bwd`] on the cuDNN backend.
@@ -231,8 +244,9 @@ pub mod cudnn {
         saved: (&Tensor, &Tensor),
         dout: &Tensor,
         scale: f64,
+        floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        attention::causal_attention_bwd((q, k, v), saved, dout, scale, CUDNN)
+        attention::causal_attention_bwd((q, k, v), saved, dout, scale, floor, CUDNN)
     }
 
     /// [`super::attention_block`] on the cuDNN backend.
@@ -242,8 +256,9 @@ pub mod cudnn {
         v: &Tensor,
         scale: f64,
         causal: bool,
+        floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor)> {
-        attention::attention_block((q, k, v), scale, causal, CUDNN)
+        attention::attention_block((q, k, v), scale, (causal, floor), CUDNN)
     }
 
     /// [`super::attention_block_bwd`] on the cuDNN backend.
@@ -257,8 +272,10 @@ pub mod cudnn {
         lse: &Tensor,
         scale: f64,
         causal: bool,
+        floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        attention::attention_block_bwd((q, k, v), (out, lse), dout, scale, causal, CUDNN)
+        let mask = (causal, floor);
+        attention::attention_block_bwd((q, k, v), (out, lse), dout, scale, mask, CUDNN)
     }
 }
 

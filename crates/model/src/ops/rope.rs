@@ -1,5 +1,8 @@
 //! `rope`: rotary position embedding (Hugging Face rotate-half convention) on `[b, s, heads, d]`.
-//! The backward pass is the same kernel with the inverse rotation (sin negated).
+//! The backward pass is the same kernel with the inverse rotation (sin negated). The tables are
+//! `[s, d / 2]` (every sample at the same positions) or `[b, s, d / 2]` (positions per sample,
+//! as when they restart at each document): row `r` of `x`'s `b·s` rows takes table row
+//! `r mod (table rows)`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -29,9 +32,9 @@ impl Rope {
         l3: &Layout,
     ) -> Result<CpuStorage> {
         let x = slice::<T>(OP, "x", s1, l1)?; // [b, s, heads, d]
-        let cos = slice::<T>(OP, "cos", s2, l2)?; // [s, d / 2]
-        let sin = slice::<T>(OP, "sin", s3, l3)?; // [s, d / 2]
-        let &[_, seq, heads, d] = l1.dims() else {
+        let cos = slice::<T>(OP, "cos", s2, l2)?; // [s, d / 2] or [b, s, d / 2]
+        let sin = slice::<T>(OP, "sin", s3, l3)?;
+        let &[_, _, heads, d] = l1.dims() else {
             bail!("{OP}: `x` must be [b, s, heads, d], got {:?}", l1.dims())
         };
         let half = d / 2;
@@ -40,6 +43,7 @@ impl Rope {
         if row == 0 {
             return Ok(T::to_cpu_storage_owned(y));
         }
+        let seq = cos.len() / half; // table rows
         let sign = if self.inverse { -T::one() } else { T::one() };
         let rows = rows_per_task(row);
         y.par_chunks_mut(rows * row)
@@ -135,10 +139,12 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             x.dims()
         )
     }
+    let b = x.dim(0)?;
     for (name, t) in [("cos", cos), ("sin", sin)] {
-        if t.dims() != [s, d / 2] {
+        if t.dims() != [s, d / 2] && t.dims() != [b, s, d / 2] {
             bail!(
-                "{OP}: `{name}` must be [s, d / 2] = [{s}, {}] for `x` {:?}, got {:?}",
+                "{OP}: `{name}` must be [s, d / 2] = [{s}, {}] or [b, s, d / 2] for `x` {:?}, \
+                 got {:?}",
                 d / 2,
                 x.dims(),
                 t.dims()

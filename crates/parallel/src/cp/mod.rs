@@ -16,6 +16,7 @@
 //! A model always has a [`ContextParallel`]; with one rank it is the identity and attention runs
 //! the plain causal kernel, so the model has one path for every layout.
 
+pub mod documents;
 pub mod register;
 pub mod ring;
 
@@ -27,6 +28,7 @@ use candle_core::{Result, Tensor};
 
 use crate::comm::{Comm, Group};
 
+pub use documents::{DocumentStarts, Floor};
 pub use ring::Kernels;
 
 /// Nanosecond counters of the ring's communication, shared by the clones of one
@@ -42,6 +44,8 @@ pub struct RingStats {
     pub total_ns: AtomicU64,
     /// Bytes sent to the next rank.
     pub sent_bytes: AtomicU64,
+    /// Blocks whose computation was skipped: no query may see their keys (documents kept apart).
+    pub skipped_blocks: AtomicU64,
 }
 
 impl RingStats {
@@ -53,6 +57,7 @@ impl RingStats {
             send_s: secs(&self.send_ns),
             total_s: secs(&self.total_ns),
             sent_bytes: self.sent_bytes.swap(0, Ordering::Relaxed),
+            skipped_blocks: self.skipped_blocks.swap(0, Ordering::Relaxed),
         }
     }
 }
@@ -68,6 +73,8 @@ pub struct RingTotals {
     pub total_s: f64,
     /// Bytes sent to the next rank.
     pub sent_bytes: u64,
+    /// Blocks skipped (forward and backward).
+    pub skipped_blocks: u64,
 }
 
 /// One rank's context-parallel group.
@@ -178,18 +185,18 @@ impl ContextParallel {
     /// `kernels.causal` with one rank, the ring of [`ring`] otherwise. Returns the output
     /// `[b, 2c, hq, d]` (the kernel's dtype with one rank, that of `q` from the ring) and its
     /// log-sum-exp `[b, hq, 2c]` in the accumulation dtype, which
-    /// [`ContextParallel::attention_bwd`] reads.
+    /// [`ContextParallel::attention_bwd`] reads. With `docs`, every query sees only the keys of
+    /// its own document.
     pub fn attention(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
         scale: f64,
         kernels: Kernels,
+        docs: Option<&DocumentStarts>,
     ) -> Result<(Tensor, Tensor)> {
-        match self.ring(scale, kernels) {
+        match self.ring(scale, kernels, docs) {
             Some(ring) => ring::attention(&ring, q, k, v),
-            None => (kernels.causal)(q, k, v, scale),
+            None => (kernels.causal)(q, k, v, scale, docs.map(|d| d.starts())),
         }
     }
 
@@ -203,15 +210,21 @@ impl ContextParallel {
         dout: &Tensor,
         scale: f64,
         kernels: Kernels,
+        docs: Option<&DocumentStarts>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        match self.ring(scale, kernels) {
+        match self.ring(scale, kernels, docs) {
             Some(ring) => ring::attention_bwd(&ring, (q, k, v), saved, dout),
-            None => (kernels.causal_bwd)(q, k, v, saved, dout, scale),
+            None => (kernels.causal_bwd)(q, k, v, saved, dout, scale, docs.map(|d| d.starts())),
         }
     }
 
     /// The ring of a group of more than one rank.
-    fn ring(&self, scale: f64, kernels: Kernels) -> Option<ring::Ring> {
+    fn ring(
+        &self,
+        scale: f64,
+        kernels: Kernels,
+        docs: Option<&DocumentStarts>,
+    ) -> Option<ring::Ring> {
         let comm = self.comm.as_ref().filter(|_| self.size() > 1)?;
         Some(ring::Ring {
             comm: comm.clone(),
@@ -220,6 +233,7 @@ impl ContextParallel {
             kernels,
             scale,
             stats: self.stats.clone(),
+            docs: docs.cloned(),
         })
     }
 }

@@ -16,6 +16,10 @@
 //! on to the next rank before the step computes, so the transfer overlaps the computation; the
 //! partial outputs are merged by their log-sum-exp in the accumulation dtype (f32, f64 for f64).
 //!
+//! With documents kept apart ([`super::DocumentStarts`]) every block gets the floor of its keys
+//! (the first key each query may see), and a block that no query may see is skipped: its K/V
+//! still travel, its scores are never computed.
+//!
 //! Backward: K/V rotate again, each step computing the block's gradients with the *merged*
 //! output and log-sum-exp (so its probabilities are its share of the final softmax); `dQ`
 //! accumulates locally, the `dK`/`dV` accumulator of a block travels with it and, after `P`
@@ -26,14 +30,14 @@ use std::time::Instant;
 
 use candle_core::{Result, Tensor};
 
-use super::RingStats;
+use super::{local_chunks, DocumentStarts, Floor, RingStats};
 use crate::comm::{Comm, Group};
 
-/// Causal attention over the whole sequence: `(q, k, v, scale) → (out, lse)`, the output in the
-/// kernel's dtype and the log-sum-exp in the accumulation dtype.
-pub type CausalFn = fn(&Tensor, &Tensor, &Tensor, f64) -> Result<(Tensor, Tensor)>;
-/// Its gradients: `(q, k, v, (out, lse), dout, scale) → (dq, dk, dv)` in the dtypes of `q`, `k`,
-/// `v`.
+/// Causal attention over the whole sequence: `(q, k, v, scale, floor) → (out, lse)`, the output
+/// in the kernel's dtype and the log-sum-exp in the accumulation dtype.
+pub type CausalFn = fn(&Tensor, &Tensor, &Tensor, f64, Floor<'_>) -> Result<(Tensor, Tensor)>;
+/// Its gradients: `(q, k, v, (out, lse), dout, scale, floor) → (dq, dk, dv)` in the dtypes of
+/// `q`, `k`, `v`.
 pub type CausalBwdFn = fn(
     &Tensor,
     &Tensor,
@@ -41,11 +45,12 @@ pub type CausalBwdFn = fn(
     (&Tensor, &Tensor),
     &Tensor,
     f64,
+    Floor<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)>;
-/// One block without autograd: `(q, k, v, scale, causal) → (out, lse)`, the output in the
+/// One block without autograd: `(q, k, v, scale, causal, floor) → (out, lse)`, the output in the
 /// accumulation dtype (that of `lse`).
-pub type BlockFn = fn(&Tensor, &Tensor, &Tensor, f64, bool) -> Result<(Tensor, Tensor)>;
-/// A block's gradients: `(q, k, v, out, dout, lse, scale, causal) → (dq, dk, dv)` in the
+pub type BlockFn = fn(&Tensor, &Tensor, &Tensor, f64, bool, Floor<'_>) -> Result<(Tensor, Tensor)>;
+/// A block's gradients: `(q, k, v, out, dout, lse, scale, causal, floor) → (dq, dk, dv)` in the
 /// accumulation dtype, from the merged attention's `out` and `lse`.
 pub type BlockBwdFn = fn(
     &Tensor,
@@ -56,6 +61,7 @@ pub type BlockBwdFn = fn(
     &Tensor,
     f64,
     bool,
+    Floor<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)>;
 
 /// The attention kernels the ring runs (the model's op library provides them).
@@ -80,6 +86,8 @@ pub(super) struct Ring {
     pub kernels: Kernels,
     pub scale: f64,
     pub stats: Arc<RingStats>,
+    /// Documents kept apart, or none.
+    pub docs: Option<DocumentStarts>,
 }
 
 impl Ring {
@@ -119,6 +127,44 @@ impl Ring {
     fn src(&self, i: usize) -> usize {
         let p = self.size();
         (self.index + p - i % p) % p
+    }
+
+    /// The floor of the block of `src` (its rows as in the table of the module docs;
+    /// `src == index` is the own block), or `None` without document masking.
+    fn floor(&self, src: usize, c: usize) -> Result<Option<Vec<u32>>> {
+        let Some(docs) = &self.docs else {
+            return Ok(None);
+        };
+        let (p, r) = (self.size(), self.index);
+        let rows = |rank: usize| -> Result<Vec<usize>> {
+            Ok(local_chunks(2 * c * p, p, rank)?
+                .into_iter()
+                .flatten()
+                .collect())
+        };
+        let own = rows(r)?;
+        Ok(Some(if src == r {
+            docs.floor(&own, &own)
+        } else if src < r {
+            docs.floor(&own, &rows(src)?[..c])
+        } else {
+            docs.floor(&own[c..], &rows(src)?)
+        }))
+    }
+}
+
+impl Ring {
+    /// Whether a block's `floor` leaves every query no key among its `keys`: the block is
+    /// skipped (and counted).
+    fn skips(&self, floor: &Option<Vec<u32>>, keys: usize) -> bool {
+        let skip = floor
+            .as_ref()
+            .is_some_and(|f| f.iter().all(|&x| x as usize >= keys));
+        if skip {
+            let skipped = &self.stats.skipped_blocks;
+            skipped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        skip
     }
 }
 
@@ -172,21 +218,31 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, T
         ring.send_next(&cur)?;
     }
     // The own block: causal over the local rows.
-    let (mut out, mut lse) = block(q, k, v, scale, true)?; // [b, 2c, hq, d], [b, hq, 2c]
+    let floor = ring.floor(r, c)?;
+    let (mut out, mut lse) = block(q, k, v, scale, true, floor.as_deref())?; // [b, 2c, hq, d], [b, hq, 2c]
     for i in 1..p {
         cur = ring.recv_prev(&cur)?;
         if i + 1 < p {
             ring.send_next(&cur)?;
         }
         let (kb, vb) = (cur.get(0)?, cur.get(1)?); // [b, 2c, hkv, d]
-        if ring.src(i) < r {
+        let src = ring.src(i);
+        let floor = ring.floor(src, c)?;
+        if src < r {
             // All local queries see the block's first chunk.
+            if ring.skips(&floor, c) {
+                continue;
+            }
             let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
-            let (ob, lb) = block(q, &kb, &vb, scale, false)?;
+            let (ob, lb) = block(q, &kb, &vb, scale, false, floor.as_deref())?;
             (out, lse) = merge((&out, &lse), (&ob, &lb))?;
         } else {
             // The second local chunk sees the whole block.
-            let (ob, lb) = block(&q.narrow(1, c, c)?, &kb, &vb, scale, false)?;
+            if ring.skips(&floor, 2 * c) {
+                continue;
+            }
+            let qh = q.narrow(1, c, c)?;
+            let (ob, lb) = block(&qh, &kb, &vb, scale, false, floor.as_deref())?;
             let (oa, la) = (out.narrow(1, c, c)?, lse.narrow(2, c, c)?);
             let (om, lm) = merge((&oa, &la), (&ob, &lb))?;
             out = update_rows(&out, 1, c..2 * c, |_| Ok(om))?;
@@ -217,24 +273,28 @@ fn backward(
         }
         let (kb, vb) = (cur.get(0)?, cur.get(1)?);
         let src = ring.src(i);
+        let floor = ring.floor(src, c)?;
+        let fl = floor.as_deref();
         if i == 0 {
-            let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, true)?;
+            let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, true, fl)?;
             dq = (dq + dqb)?;
             dkv = (dkv + Tensor::stack(&[dkb, dvb], 0)?)?;
         } else if src < r {
-            let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
-            let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, false)?;
-            dq = (dq + dqb)?;
-            let add = Tensor::stack(&[dkb, dvb], 0)?; // [2, b, c, hkv, d]
-            dkv = update_rows(&dkv, 2, 0..c, |d| d + add)?;
-        } else {
+            if !ring.skips(&floor, c) {
+                let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
+                let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, false, fl)?;
+                dq = (dq + dqb)?;
+                let add = Tensor::stack(&[dkb, dvb], 0)?; // [2, b, c, hkv, d]
+                dkv = update_rows(&dkv, 2, 0..c, |d| d + add)?;
+            }
+        } else if !ring.skips(&floor, 2 * c) {
             let (qh, oh, dh, lh) = (
                 second(q, 1)?,
                 second(out, 1)?,
                 second(dout, 1)?,
                 second(lse, 2)?,
             );
-            let (dqb, dkb, dvb) = bwd(&qh, &kb, &vb, &oh, &dh, &lh, scale, false)?;
+            let (dqb, dkb, dvb) = bwd(&qh, &kb, &vb, &oh, &dh, &lh, scale, false, fl)?;
             dq = update_rows(&dq, 1, c..2 * c, |d| d + dqb)?;
             dkv = (dkv + Tensor::stack(&[dkb, dvb], 0)?)?;
         }

@@ -165,6 +165,11 @@ pub fn rope(
         bail!("{OP}: the head dim of `x` {:?} must be even", xl.dims())
     }
     let half = d / 2;
+    // `[s, half]`, or `[b, s, half]` per sample: row r of x's b·s rows reads table row
+    // r mod (table rows), which the kernel computes as `(t / heads) % seq`.
+    let b = xl.dims()[0];
+    let rows = cl.shape().elem_count() / half.max(1);
+    let s = if rows == b * s && b > 1 { rows } else { s };
     check_len(OP, "cos", cl.shape().elem_count(), s * half)?;
     check_len(OP, "sin", sl.shape().elem_count(), s * half)?;
     let n = xl.shape().elem_count();
@@ -177,8 +182,8 @@ pub fn rope(
     let (pairs_u, inverse_i) = (pairs as u64, i32::from(inverse));
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
         let xv = view::<T>(OP, "x", x, xl)?; // [b, s, heads, d]
-        let cv = view::<T>(OP, "cos", cos, cl)?; // [s, d / 2]
-        let sv = view::<T>(OP, "sin", sin, sl)?; // [s, d / 2]
+        let cv = view::<T>(OP, "cos", cos, cl)?; // [s, d / 2] or [b, s, d / 2]
+        let sv = view::<T>(OP, "sin", sin, sl)?;
         // SAFETY: pair `p` writes both of its elements, and the pairs cover `x`.
         let mut y = unsafe { alloc::<T>(dev, n) }?; // [b, s, heads, d]
         if pairs > 0 {
