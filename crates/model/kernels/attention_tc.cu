@@ -563,33 +563,37 @@ __device__ __forceinline__ void dkv_reduce(const float* __restrict__ part, bf16*
 // Exports: attn_tc_{fwd,dq,dkv}_d<D>_bf16, with the parameter lists of attention.cu's bf16
 // attn_fwd / attn_bwd_dq / attn_bwd_dkv (d must equal D, or the kernel traps), except that the
 // dK/dV kernel also takes `part`, 2·b·sk·hq·D floats for the GQA shares (null without GQA), and
-// runs b·hq blocks per key tile. A causal launch with sk != s, or sk < 1, traps.
+// runs b·hq blocks per key tile. A causal launch with sk != s, or sk < 1, or with a document
+// `floor` (the launchers run those on attention.cu's kernels), traps.
 // bf16 wmma needs sm_80 or newer: compiled for an older architecture, the kernels only trap (the
 // launchers pick them for bf16, which the project trains with on sm_80+ GPUs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define TC_BODY(CALL) __trap();
 #else
 #define TC_BODY(CALL) \
-  if ((causal && sk != s) || sk < 1) __trap(); \
+  if ((causal && sk != s) || sk < 1 || floor != nullptr) __trap(); \
   CALL;
 #endif
 #define ATTN_TC_EXPORT(D)                                                                          \
   extern "C" __global__ void attn_tc_fwd_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* out,  \
-      float* lse, int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {         \
+      float* lse, int b, int s, int hq, int hkv, int d, int sk, int causal, const unsigned* floor,  \
+      float scale) {                                                                               \
     TC_BODY(attn_tc::fwd<D>(q, k, v, out, lse, b, s, hq, hkv, d, sk, causal != 0, scale))         \
   }                                                                                                \
   extern "C" __global__ void attn_tc_dq_d##D##_bf16(                                               \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
-      int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {                     \
+      int b, int s, int hq, int hkv, int d, int sk, int causal, const unsigned* floor,             \
+      float scale) {                                                                               \
     TC_BODY(attn_tc::dq<D>(q, k, v, dout, lse, delta, grads, b, s, hq, hkv, d, sk, causal != 0,    \
                            scale))                                                                 \
   }                                                                                                \
   extern "C" __global__ void attn_tc_dkv_d##D##_bf16(                                              \
       const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,                      \
       const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* grads,       \
-      float* part, int b, int s, int hq, int hkv, int d, int sk, int causal, float scale) {        \
+      float* part, int b, int s, int hq, int hkv, int d, int sk, int causal,                       \
+      const unsigned* floor, float scale) {                                                        \
     TC_BODY(attn_tc::dkv<D>(q, k, v, dout, lse, delta, grads, part, b, s, hq, hkv, d, sk,         \
                             causal != 0, scale))                                                   \
   }

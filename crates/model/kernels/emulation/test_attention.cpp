@@ -5,7 +5,10 @@
 // argument order of src/ops/cuda/attention.rs, compared with a naive double-precision attention; plus the kernels' own launch checks (they must trap on a wrong block size or too
 // little shared memory) and the tile geometry table that attention.rs's unit test pins. The
 // tensor-core kernels of attention_tc.cu (bf16, d = 64 and 128; `tc` below), causal and unmasked,
-// run through the same checks with the launch shapes of src/ops/cuda/attention_tc.rs.
+// run through the same checks with the launch shapes of src/ops/cuda/attention_tc.rs. With
+// `docs`, the scalar kernels take a document floor ([b, s], non-decreasing along each row): the
+// reference lets row i see keys floor .. its causal or unmasked limit, and a row that sees none
+// must get a zero output and a log-sum-exp of -inf.
 #include "shim.h"
 // The kernels under test, unchanged.
 #include "../attention.cu"
@@ -97,7 +100,7 @@ void check_tc_geometry() {
 // `sk` = 0: causal (sk = s); otherwise unmasked over sk keys.
 template <typename T>
 void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t seed, bool launch_checks,
-               bool tc = false, size_t sk = 0) {
+               bool tc = false, size_t sk = 0, bool docs = false) {
   typedef typename Acc<T>::type A;
   const bool causal = sk == 0;
   if (causal) sk = s;
@@ -107,9 +110,9 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
   const A sc = (A)(1.3 / std::sqrt((double)d));  // `T::acc(scale)`
   const double scale = (double)sc;
   const size_t nq = b * s * hq * d, nkv = b * sk * hkv * d, nl = b * hq * s, group = hq / hkv;
-  const std::string tag = format("%s%s d=%zu (bucket %zu) b=%zu s=%zu sk=%zu %s hq=%zu hkv=%zu",
+  const std::string tag = format("%s%s d=%zu (bucket %zu) b=%zu s=%zu sk=%zu %s%s hq=%zu hkv=%zu",
                                  tc ? "tc " : "", type_name<T>(), d, geo.dmax, b, s, sk,
-                                 causal ? "causal" : "unmasked", hq, hkv);
+                                 causal ? "causal" : "unmasked", docs ? " documents" : "", hq, hkv);
   const std::string kp = tc ? "attn_tc_" : "attn_";  // kernel name prefix
   Rng rng(seed);
   Buffer<T> q(nq, "q"), k(nkv, "k"), v(nkv, "v"), dout(nq, "dout");
@@ -117,6 +120,25 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
   fill_normal(k, rng);
   fill_normal(v, rng);
   fill_normal(dout, rng);
+  // Document floors: causal rows start documents at random points (a row's floor is its
+  // document's start); unmasked rows (a ring block) rise from 0 to sk, the last rows seeing no key.
+  std::vector<unsigned> floors(docs ? b * s : 0);
+  for (size_t bi = 0; docs && bi < b; ++bi) {
+    size_t start = 0;
+    for (size_t i = 0; i < s; ++i) {
+      if (causal) {
+        if (i > 0 && rng.next() % 5 == 0) start = i;
+        floors[bi * s + i] = (unsigned)start;
+      } else {
+        floors[bi * s + i] = (unsigned)std::min(sk, (i * (sk + 2)) / s + (bi + rng.next() % 2) * (i > 0));
+      }
+    }
+    for (size_t i = 1; i < s; ++i)  // non-decreasing, as the launcher requires
+      floors[bi * s + i] = std::max(floors[bi * s + i], floors[bi * s + i - 1]);
+  }
+  Buffer<unsigned> floor_buf(docs ? b * s : 1, "floor");
+  for (size_t i = 0; i < floors.size(); ++i) floor_buf[i] = floors[i];
+  const unsigned* fl = docs ? floor_buf.data() : nullptr;
 
   // Reference, in double from the stored inputs: P = softmax(scale Q K^T) (masked) per row.
   // `at` reads a [b, s, heads, d] buffer (q, out, dout), `atk` a [b, sk, hkv, d] one (k, v).
@@ -126,19 +148,23 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
   auto atk = [&](const Buffer<T>& x, size_t bi, size_t p, size_t g, size_t c) {
     return tod(x[((bi * sk + p) * hkv + g) * d + c]);
   };
-  auto seen = [&](size_t i) { return causal ? i + 1 : sk; };  // keys row i sees
+  auto seen = [&](size_t i) { return causal ? i + 1 : sk; };  // keys row i sees, up to
+  size_t cur_b = 0;  // the batch of the row `first` is asked about
+  auto first = [&](size_t i) { return docs ? std::min<size_t>(floors[cur_b * s + i], seen(i)) : 0; };
   auto probs = [&](size_t bi, size_t h, size_t i, std::vector<double>& p) -> double {  // lse
-    const size_t g = h / group, n = seen(i);
+    cur_b = bi;
+    const size_t g = h / group, n = seen(i), j0 = first(i);
     p.assign(n, 0.0);
+    if (j0 == n) return -INFINITY;  // no key: p stays 0
     double mx = -INFINITY, sum = 0;
-    for (size_t j = 0; j < n; ++j) {
+    for (size_t j = j0; j < n; ++j) {
       double a = 0;
       for (size_t c = 0; c < d; ++c) a += at(q, hq, bi, i, h, c) * atk(k, bi, j, g, c);
       p[j] = a * scale;
       mx = std::max(mx, p[j]);
     }
-    for (size_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
-    for (size_t j = 0; j < n; ++j) p[j] /= sum;
+    for (size_t j = j0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+    for (size_t j = j0; j < n; ++j) p[j] /= sum;
     return mx + std::log(sum);
   };
   // Forward: out = P V, lse; `mag_out` = max |P| |V| (out's scale).
@@ -170,17 +196,23 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
       if (tc) {
         (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
             q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b, (int)s, (int)hq, (int)hkv, (int)d,
-            ski, ci, sc);
+            ski, ci, fl, sc);
         return;
       }
     }
     BUCKET(T, attn_fwd, geo.dmax)(q.data(), k.data(), v.data(), out.data(), lse.data(), (int)b,
-                                  (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
+                                  (int)s, (int)hq, (int)hkv, (int)d, ski, ci, fl, sc);
   };
   if (!run(format("%sfwd_d%zu_%s", kp.c_str(), tc ? d : geo.dmax, type_name<T>()), fwd_shape, fwd)) return;
   const double t = tol<T>();
   compare(kp + "fwd " + tag + " out", read(out), ro, t, mag_out);
   std::vector<double> got(lse.data(), lse.data() + nl);
+  bool empty_rows_ok = true;  // -inf exactly where the reference row sees no key, then compared as 0
+  for (size_t i = 0; i < nl; ++i) {
+    empty_rows_ok = empty_rows_ok && (std::isinf(rl[i]) == std::isinf(got[i])) && !std::isnan(got[i]);
+    if (std::isinf(rl[i])) rl[i] = got[i] = 0;
+  }
+  expect(empty_rows_ok, kp + "fwd " + tag + " lse is -inf exactly for rows that see no key");
   compare(kp + "fwd " + tag + " lse", got, rl, tol<A>());
 
   // attention.rs `bwd`: delta with grid(blocks(1, b s hq, THREADS / 32), THREADS, 0). The
@@ -243,13 +275,13 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
       if (tc) {
         (d == 64 ? attn_tc_dq_d64_bf16 : attn_tc_dq_d128_bf16)(
             q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(), (int)b,
-            (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
+            (int)s, (int)hq, (int)hkv, (int)d, ski, ci, fl, sc);
         return;
       }
     }
     BUCKET(T, attn_bwd_dq, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
                                      delta.data(), grads.data(), (int)b, (int)s, (int)hq, (int)hkv,
-                                     (int)d, ski, ci, sc);
+                                     (int)d, ski, ci, fl, sc);
   };
   // The GQA shares [2, b, sk, hq, d] of the tensor-core dK/dV kernel (attention.rs allocates
   // them only for GQA).
@@ -260,13 +292,13 @@ void attention(size_t b, size_t s, size_t hq, size_t hkv, size_t d, uint64_t see
       if (tc) {
         (d == 64 ? attn_tc_dkv_d64_bf16 : attn_tc_dkv_d128_bf16)(
             q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), grads.data(),
-            part_ptr, (int)b, (int)s, (int)hq, (int)hkv, (int)d, ski, ci, sc);
+            part_ptr, (int)b, (int)s, (int)hq, (int)hkv, (int)d, ski, ci, fl, sc);
         return;
       }
     }
     BUCKET(T, attn_bwd_dkv, geo.dmax)(q.data(), k.data(), v.data(), dout.data(), lse.data(),
                                       delta.data(), grads.data(), (int)b, (int)s, (int)hq,
-                                      (int)hkv, (int)d, ski, ci, sc);
+                                      (int)hkv, (int)d, ski, ci, fl, sc);
   };
   // attention_tc.rs: dQ grid(blocks(b hq, s, 64), THREADS, dq smem); dK/dV grid(blocks(b hq,
   // s, 64), THREADS, dkv smem), then with GQA the reduction over 4 blocks (grid-stride).
@@ -312,6 +344,14 @@ template <typename T> void all(uint64_t seed) {
   attention<T>(1, 5, 2, 1, 8, seed + 8, false, false, 1);
   attention<T>(1, 37, 2, 1, 80, seed + 9, false, false, 74);
   attention<T>(2, 20, 4, 2, 250, seed + 10, false, false, 10);
+  // Documents kept apart: causal over several tiles and row blocks (GQA 4), odd d; ring blocks
+  // whose last rows see no key, more keys than queries, every bucket.
+  attention<T>(2, 70, 4, 1, 40, seed + 11, false, false, 0, true);
+  attention<T>(1, 23, 2, 2, 17, seed + 12, false, false, 0, true);
+  attention<T>(2, 37, 2, 1, 80, seed + 13, false, false, 0, true);
+  attention<T>(2, 70, 4, 1, 40, seed + 14, false, false, 35, true);
+  attention<T>(1, 23, 2, 2, 17, seed + 15, false, false, 46, true);
+  attention<T>(2, 20, 4, 2, 250, seed + 16, false, false, 10, true);
 }
 
 // The tensor-core kernels: d = 64 and 128, lengths below, at and past the tiles, GQA 1 / 2 / 4 / 8,
@@ -338,7 +378,16 @@ void all_tc(uint64_t seed) {
     expect_fault(format("attn_tc_fwd_d%zu_bf16 causal with sk != s", d),
                  grid(blocks(2 * 2, 8, TC_ROWS), THREADS, tc_geometry(d).fwd), [&] {
                    (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
-                       x.data(), x.data(), x.data(), o.data(), l.data(), 2, 8, 2, 2, (int)d, 4, 1, 1.0f);
+                       x.data(), x.data(), x.data(), o.data(), l.data(), 2, 8, 2, 2, (int)d, 4, 1, nullptr,
+                       1.0f);
+                 });
+    // So does a launch with a document floor (the launchers run those on attention.cu's kernels).
+    Buffer<unsigned> f(2 * 8, "f");
+    expect_fault(format("attn_tc_fwd_d%zu_bf16 with a document floor", d),
+                 grid(blocks(2 * 2, 8, TC_ROWS), THREADS, tc_geometry(d).fwd), [&] {
+                   (d == 64 ? attn_tc_fwd_d64_bf16 : attn_tc_fwd_d128_bf16)(
+                       x.data(), x.data(), x.data(), o.data(), l.data(), 2, 8, 2, 2, (int)d, 8, 1, f.data(),
+                       1.0f);
                  });
   }
 }

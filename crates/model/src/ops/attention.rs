@@ -28,11 +28,6 @@ pub(super) use parallel::cp::Floor;
 
 pub(super) const OP: &str = "causal_attention";
 
-/// Why a CUDA call with a document floor is refused.
-#[cfg(feature = "cuda")]
-pub(super) const CUDA_NO_FLOOR: &str = "document masking (data.reset_attention_mask) runs on \
-    the CPU kernels; the CUDA kernels take no document starts yet";
-
 /// Query rows per block: bounds the per-task scratch to `BLOCK * s` elements.
 pub(super) const BLOCK: usize = 64;
 
@@ -122,15 +117,21 @@ impl Dims {
     }
 }
 
-/// Checks a floor's length against the queries of `q` `[b, s, hq, d]`.
+/// Checks a floor against the queries of `q` `[b, s, hq, d]`: one entry per query row, never
+/// decreasing along a sample (what the kernels' block bounds assume; floors of queries and keys
+/// in sequence order always are).
 fn check_floor(floor: Floor<'_>, q: &Tensor) -> Result<()> {
     if let Some(f) = floor {
-        let rows = q.dim(0)? * q.dim(1)?;
-        if f.len() != rows {
+        let (b, s) = (q.dim(0)?, q.dim(1)?);
+        if f.len() != b * s {
             bail!(
-                "{OP}: the document floor has {} rows for {rows} query rows",
-                f.len()
+                "{OP}: the document floor has {} rows for {} query rows",
+                f.len(),
+                b * s
             )
+        }
+        if let Some(i) = (1..f.len()).find(|&i| i % s != 0 && f[i] < f[i - 1]) {
+            bail!("{OP}: the document floor decreases at query row {i}")
         }
     }
     Ok(())
@@ -337,18 +338,19 @@ impl CustomOp3 for Attention<'_> {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = Dims::from_layouts(l1, l2, self.causal)?;
-        if self.floor.is_some() {
-            bail!("{OP}: {CUDA_NO_FLOOR}")
-        }
         let (q, k, v) = ((s1, l1), (s2, l2), (s3, l3));
-        let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+        // cuDNN takes no document floor: such calls run the project's kernels.
+        let cudnn = if self.floor.is_none() && self.backend.runs_cudnn(s1.dtype(), dm.d) {
             super::cuda::cudnn::attention_fwd(q, k, v, dm, self.scale)?
         } else {
             None
         };
         let (out, lse) = match cudnn {
             Some(ran) => ran,
-            None => super::cuda::attention::attention_fwd(q, k, v, dm, self.scale)?,
+            None => {
+                let mask = (dm, self.floor);
+                super::cuda::attention::attention_fwd(q, k, v, mask, self.scale)?
+            }
         };
         let lse = Storage::Cuda(lse); // [b, hq, s]
         self.stash(Tensor::from_storage(

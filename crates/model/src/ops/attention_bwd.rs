@@ -310,9 +310,6 @@ impl CustomOp3 for AttentionBwd<'_> {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let dm = self.dims(l1, l2)?;
-        if self.floor.is_some() {
-            bail!("{OP}: {}", super::attention::CUDA_NO_FLOOR)
-        }
         let (o_st, o_l) = self.out.storage_and_layout(); // [b, s, hq, d]
         let (do_st, do_l) = self.dout.storage_and_layout(); // [b, s, hq, d]
         let (lse_st, lse_l) = self.lse.storage_and_layout(); // [b, hq, s]
@@ -321,14 +318,18 @@ impl CustomOp3 for AttentionBwd<'_> {
             (cuda("dout", &do_st)?, do_l),
             (cuda("lse", &lse_st)?, lse_l),
         );
-        let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+        // cuDNN takes no document floor: such calls run the project's kernels.
+        let cudnn = if self.floor.is_none() && self.backend.runs_cudnn(s1.dtype(), dm.d) {
             super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, dm, self.scale)?
         } else {
             None
         };
         let flat = match cudnn {
             Some(ran) => ran,
-            None => super::cuda::attention::attention_bwd(qkv, out, dout, lse, dm, self.scale)?,
+            None => {
+                let mask = (dm, self.floor);
+                super::cuda::attention::attention_bwd(qkv, out, dout, lse, mask, self.scale)?
+            }
         };
         let len = l1.shape().elem_count() + 2 * l2.shape().elem_count();
         Ok((flat, Shape::from(len)))

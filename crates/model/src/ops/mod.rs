@@ -126,7 +126,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 ///
 /// `floor` keeps documents apart (`data.reset_attention_mask`): `[b · s]`, the first key each
 /// query row may see (its document's first position), `None` for plain causal attention. The
-/// kernels skip the keys below a block's floor. CPU kernels only so far.
+/// kernels skip the keys below a block's floor (on CUDA the project's flash kernels; cuDNN
+/// takes no floor and leaves such calls to them).
 pub fn causal_attention_saved(
     q: &Tensor,
     k: &Tensor,

@@ -15,7 +15,8 @@
 //! For bf16 with head dim 64 or 128 the forward, dQ and dK/dV kernels are the tensor-core
 //! variants of `kernels/attention_tc.cu` instead (same parameters and outputs, causal or
 //! unmasked; geometry in [`super::attention_tc`]); [`plan`] is the one place that picks a kernel
-//! and its launch shape.
+//! and its launch shape. A call with a document floor (documents kept apart) runs the scalar
+//! kernels, which take it (copied to the device per call; the tensor-core ones trap on it).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{
@@ -26,7 +27,7 @@ use candle_core::{bail, DType, Layout, Result};
 
 use super::attention_tc::{self, Step, TcGeometry};
 use super::{acc_dtype, alloc, grid, kernel_name, load, to_i32, view, KernelFloat, Module};
-use crate::ops::attention::{Dims, OP};
+use crate::ops::attention::{Dims, Floor, OP};
 
 /// Threads per block of every attention kernel (`Cfg::THREADS`).
 const THREADS: u32 = 128;
@@ -131,8 +132,9 @@ fn plan(
     step: Step,
     dm: Dims,
     dtype: DType,
+    floor: bool,
 ) -> Result<(CudaFunction, LaunchConfig, bool)> {
-    if let Some(tc) = TcGeometry::new(dtype, dm.d) {
+    if let Some(tc) = TcGeometry::new(dtype, dm.d).filter(|_| !floor) {
         let (units, rows) = match step {
             Step::Fwd | Step::Dq => (dm.b * dm.hq, dm.s),
             Step::Dkv => (dm.b * dm.hq, dm.sk),
@@ -194,25 +196,32 @@ pub(crate) fn attention_fwd(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    dm: Dims,
+    (dm, floor): (Dims, Floor<'_>),
     scale: f64,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dtype = q.0.dtype();
-    crate::with_cuda_dtype!(OP, dtype, T => fwd::<T>(q, k, v, dm, scale, dtype))
+    crate::with_cuda_dtype!(OP, dtype, T => fwd::<T>(q, k, v, (dm, floor), scale, dtype))
+}
+
+/// A document floor on the device (see [`Floor`]), or none.
+fn device_floor(dev: &CudaDevice, floor: Floor<'_>) -> Result<Option<CudaSlice<u32>>> {
+    floor.map(|f| dev.clone_htod(f)).transpose()
 }
 
 fn fwd<T: KernelFloat>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    dm: Dims,
+    (dm, floor): (Dims, Floor<'_>),
     scale: f64,
     dtype: DType,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
-    let (f, cfg, _) = plan(dev, Step::Fwd, dm, dtype)?;
+    let (f, cfg, _) = plan(dev, Step::Fwd, dm, dtype, floor.is_some())?;
+    let fl = device_floor(dev, floor)?; // [b, s] or none
+    let null = 0u64; // a null `const unsigned*`
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
     let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, sk, hkv, d]
     let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, sk, hkv, d]
@@ -229,10 +238,16 @@ fn fwd<T: KernelFloat>(
         let mut a = stream.launch_builder(&f);
         a.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
         a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
-        a.arg(&sk).arg(&causal).arg(&sc);
+        a.arg(&sk).arg(&causal);
+        match &fl {
+            Some(fl) => a.arg(fl),
+            None => a.arg(&null),
+        };
+        a.arg(&sc);
         // SAFETY: the arguments match `attn_fwd_d<DMAX>_<T>(const T* q, const T* k, const T* v,
-        // T* out, A* lse, int b, int s, int hq, int hkv, int d, int sk, int causal, A scale)`
-        // with A = T::Acc, and
+        // T* out, A* lse, int b, int s, int hq, int hkv, int d, int sk, int causal,
+        // const unsigned* floor, A scale)` with A = T::Acc (`floor` null, or b·s elements that
+        // never decrease along a row, as `check_floor` made sure), and
         // `attn_tc_fwd_d<D>_bf16`, the same list for T = bf16, A = f32 (`plan` picks it only for
         // bf16); the buffers hold nq, nkv, nkv, nq and nl elements, which is what the kernel
         // indexes for these dims; grid and shared memory come from `plan`, as the kernel expects
@@ -254,11 +269,12 @@ pub(crate) fn attention_bwd(
     out: (&CudaStorage, &Layout),
     dout: (&CudaStorage, &Layout),
     lse: (&CudaStorage, &Layout),
-    dm: Dims,
+    (dm, floor): (Dims, Floor<'_>),
     scale: f64,
 ) -> Result<CudaStorage> {
     let dtype = qkv[0].0.dtype();
-    crate::with_cuda_dtype!(OP, dtype, T => bwd::<T>(qkv, out, dout, lse, dm, scale, dtype))
+    let mask = (dm, floor);
+    crate::with_cuda_dtype!(OP, dtype, T => bwd::<T>(qkv, out, dout, lse, mask, scale, dtype))
 }
 
 fn bwd<T: KernelFloat>(
@@ -266,15 +282,17 @@ fn bwd<T: KernelFloat>(
     out: (&CudaStorage, &Layout),
     dout: (&CudaStorage, &Layout),
     lse: (&CudaStorage, &Layout),
-    dm: Dims,
+    (dm, floor): (Dims, Floor<'_>),
     scale: f64,
     dtype: DType,
 ) -> Result<CudaStorage> {
     let Ints([b, s, hq, hkv, d, sk, causal]) = Ints::new(dm)?;
     let (nq, nkv, nl) = sizes(dm);
     let dev = q.0.device();
-    let (f_dq, cfg_dq, _) = plan(dev, Step::Dq, dm, dtype)?;
-    let (f_dkv, cfg_dkv, tc_dkv) = plan(dev, Step::Dkv, dm, dtype)?;
+    let (f_dq, cfg_dq, _) = plan(dev, Step::Dq, dm, dtype, floor.is_some())?;
+    let (f_dkv, cfg_dkv, tc_dkv) = plan(dev, Step::Dkv, dm, dtype, floor.is_some())?;
+    let fl = device_floor(dev, floor)?; // [b, s] or none
+    let null = 0u64; // a null `const unsigned*`
     let qv = view::<T>(OP, "q", q.0, q.1)?; // [b, s, hq, d]
     let kv = view::<T>(OP, "k", k.0, k.1)?; // [b, sk, hkv, d]
     let vv = view::<T>(OP, "v", v.0, v.1)?; // [b, sk, hkv, d]
@@ -322,10 +340,16 @@ fn bwd<T: KernelFloat>(
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
     a.arg(&lv).arg(&delta).arg(&mut grads);
     a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
-    a.arg(&sk).arg(&causal).arg(&sc);
+    a.arg(&sk).arg(&causal);
+    match &fl {
+        Some(fl) => a.arg(fl),
+        None => a.arg(&null),
+    };
+    a.arg(&sc);
     // SAFETY: matches `attn_bwd_dq_d<DMAX>_<T>(const T* q, const T* k, const T* v,
     // const T* dout, const A* lse, const A* delta, T* grads, int b, int s, int hq, int hkv,
-    // int d, int sk, int causal, A scale)`; the buffers hold nq, nkv, nkv, nq, nl, nl and nq + 2 nkv elements and
+    // int d, int sk, int causal, const unsigned* floor, A scale)` (`floor` null or b·s
+    // non-decreasing rows); the buffers hold nq, nkv, nkv, nq, nl, nl and nq + 2 nkv elements and
     // the kernel writes only the dQ part [0, nq) of `grads`; or `attn_tc_dq_d<D>_bf16`, the same
     // list for T = bf16, A = f32 (`plan` picks it only for bf16); grid and shared memory come
     // from `plan` (the kernel traps otherwise).
@@ -349,7 +373,12 @@ fn bwd<T: KernelFloat>(
     a.arg(&qv).arg(&kv).arg(&vv).arg(&dov);
     a.arg(&lv).arg(&delta).arg(&mut grads);
     a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
-    a.arg(&sk).arg(&causal).arg(&sc);
+    a.arg(&sk).arg(&causal);
+    match &fl {
+        Some(fl) => a.arg(fl),
+        None => a.arg(&null),
+    };
+    a.arg(&sc);
     // SAFETY: same parameter list and buffers as the dQ kernel; this one writes only the dK and
     // dV parts [nq, nq + 2 nkv) of `grads`; grid and shared memory come from `plan` (the kernel
     // traps otherwise).
@@ -390,12 +419,13 @@ fn tc_dkv_launch<T: KernelFloat>(
         a.arg(&0u64); // a null pointer: the kernel writes dK, dV itself
     }
     a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
-    a.arg(&sk).arg(&causal).arg(&sc);
-    // SAFETY: matches `attn_tc_dkv_d<D>_bf16(const bf16* q, const bf16* k, const bf16* v,
-    // const bf16* dout, const float* lse, const float* delta, bf16* grads, float* part, int b,
-    // int s, int hq, int hkv, int d, int sk, int causal, float scale)` (`plan` picks it only for
-    // bf16, so T::Acc = f32); buffers as for the dQ kernel, `part` holds 2 np floats with GQA (the
-    // kernel traps on a null `part` with GQA); grid and shared memory come from `plan`.
+    a.arg(&sk).arg(&causal).arg(&0u64).arg(&sc); // a null floor: `plan` picks none with one
+                                                 // SAFETY: matches `attn_tc_dkv_d<D>_bf16(const bf16* q, const bf16* k, const bf16* v,
+                                                 // const bf16* dout, const float* lse, const float* delta, bf16* grads, float* part, int b,
+                                                 // int s, int hq, int hkv, int d, int sk, int causal, const unsigned* floor, float scale)`
+                                                 // (`plan` picks it only for
+                                                 // bf16, so T::Acc = f32); buffers as for the dQ kernel, `part` holds 2 np floats with GQA (the
+                                                 // kernel traps on a null `part` with GQA); grid and shared memory come from `plan`.
     unsafe { a.launch(cfg) }.w()?;
     if gqa {
         let f = load(dev, Module::AttentionTc, "attn_tc_dkv_reduce_bf16")?;
