@@ -54,6 +54,46 @@ fn parallel_layouts_equal_the_single_rank_run() {
     }
 }
 
+/// Uneven pipeline stages (`parallel.pipeline_layout`) compute the same pieces in the same order
+/// as the even ones: the losses equal the even layout's bit for bit, and the runs equal one rank
+/// (the 4-layer tiny model as [1, 3] and [3, 1] on pp 2; at pp 4 and at pp 2 × v 2 with an end
+/// chunk holding only the embedding or the head).
+#[test]
+fn uneven_pipeline_layouts_train_like_the_even_one() {
+    let base = run("parallel.dp=1");
+    let even = run("parallel.pp=2");
+    for layout in [
+        "parallel.pp=2,parallel.pipeline_layout=[1, 3]",
+        "parallel.pp=2,parallel.pipeline_layout=[3, 1]",
+        "parallel.pp=4,parallel.pipeline_layout=[0, 2, 2, 0]",
+        "parallel.pp=2,parallel.virtual_stages=2,parallel.pipeline_layout=[0, 2, 1, 1]",
+    ] {
+        let uneven = run(layout);
+        assert_equivalent(layout, compare(layout, &base, &uneven));
+        if layout.starts_with("parallel.pp=2,parallel.pipeline") {
+            let losses = |r: &pretrain::train::RunOutput| -> Vec<f64> {
+                r.records.iter().map(|x| x.loss).collect()
+            };
+            assert_eq!(losses(&uneven), losses(&even), "{layout}");
+        }
+    }
+    let bad = |set: &str| {
+        let o = vec![format!("parallel.pp=2,{set}")];
+        load(Path::new("recipes/tiny.yaml"), &o)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = bad("parallel.pipeline_layout=[1, 2]");
+    assert!(
+        e.contains("holds 3 layers; model.num_hidden_layers is 4"),
+        "{e}"
+    );
+    let e = bad("parallel.pipeline_layout=[1, 1, 2]");
+    assert!(e.contains("has 3 entries") && e.contains("= 2"), "{e}");
+    let e = bad("parallel.pp=3,parallel.pipeline_layout=[2, 0, 2]");
+    assert!(e.contains("parallel.pipeline_layout[1] is 0"), "{e}");
+}
+
 /// A head dimension other than hidden / heads (query projection 8 × 32 = 256 wide on a 128-wide
 /// model) with Llama 3 RoPE scaling trains alike on one rank and on tp 2 with SP, and learns.
 #[test]

@@ -93,6 +93,7 @@ struct PieceActs {
 pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let (par, train, c) = (&r.parallel, &r.train, &r.model);
     let (pp, v, t) = (par.pp, par.virtual_stages, par.tp);
+    let chunk_layers = par.chunk_layers(c.num_hidden_layers);
     let m = r.grad_accum_steps();
     let p = r.train.dtype.dtype().size_in_bytes() as u64;
     let n = (train.micro_batch * train.seq_len / par.cp) as u64; // this rank's share
@@ -168,7 +169,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let mut out = Vec::with_capacity(pp);
     for stage in 0..pp {
         let chunks: Vec<Vec<Piece>> = (0..v)
-            .map(|k| chunk_pieces(stage, k, pp, v, c.num_hidden_layers))
+            .map(|k| chunk_pieces(stage, k, pp, &chunk_layers))
             .collect();
         let layers: Vec<usize> = chunks
             .iter()

@@ -233,6 +233,7 @@ fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
 pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, f64) {
     let (par, tr, c) = (&r.parallel, &r.train, &r.model);
     let (pp, v, tp, cp) = (par.pp, par.virtual_stages, par.tp, par.cp);
+    let chunk_layers = par.chunk_layers(c.num_hidden_layers);
     let dp = par.grad_ranks(); // gradients are reduced over dp × cp
     let m = r.grad_accum_steps() as f64;
     let n = (tr.micro_batch * tr.seq_len / cp) as f64;
@@ -270,7 +271,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         let mut cost = Cost::default();
         let mut sends = 0.0;
         for k in 0..v {
-            for piece in chunk_pieces(stage, k, pp, v, c.num_hidden_layers) {
+            for piece in chunk_pieces(stage, k, pp, &chunk_layers) {
                 let x = match piece {
                     Piece::Embedding => embedding,
                     Piece::Block(i) if c.is_moe_layer(i) => moe,

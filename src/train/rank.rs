@@ -30,6 +30,8 @@ pub struct RankCtx {
     pub groups: RankGroups,
     /// Model chunks per pipeline stage.
     pub virtual_stages: usize,
+    /// `parallel.pipeline_layout`: layers per global chunk, or none (an equal share each).
+    pub pipeline_layout: Option<Vec<usize>>,
     /// Sequence parallelism on.
     pub sequence_parallel: bool,
     /// The device this rank computes on (thread-ranks sharing a GPU share one device handle).
@@ -45,6 +47,7 @@ impl RankCtx {
             coords: mesh.coords(rank),
             groups: mesh.rank_groups(rank, cfg.shard_size()),
             virtual_stages: cfg.virtual_stages,
+            pipeline_layout: cfg.pipeline_layout.clone(),
             mesh,
             comm,
             sequence_parallel: cfg.sequence_parallel,
@@ -124,8 +127,10 @@ impl RankCtx {
     /// without virtual stages; everything on a rank without pipeline parallelism).
     pub fn chunks(&self, num_layers: usize) -> Vec<Vec<Piece>> {
         let (pp, v, stage) = (self.groups.pp.size(), self.virtual_stages, self.coords.pp);
+        let layout = self.pipeline_layout.as_deref();
+        let layers = parallel::config::chunk_layers(layout, pp * v, num_layers);
         (0..v)
-            .map(|c| chunk_pieces(stage, c, pp, v, num_layers))
+            .map(|c| chunk_pieces(stage, c, pp, &layers))
             .collect()
     }
 
@@ -207,18 +212,19 @@ fn local_rows<T: Copy>(v: &[T], seq_len: usize, chunks: &[std::ops::Range<usize>
         .collect()
 }
 
-/// The pieces of local chunk `c` of pipeline stage `stage`: global chunk `c · pp + stage` holds
-/// `num_layers / (pp · v)` consecutive layers, the embedding if it is the first global chunk and
-/// the head if it is the last (Megatron's virtual-pipeline layout).
-pub fn chunk_pieces(stage: usize, c: usize, pp: usize, v: usize, num_layers: usize) -> Vec<Piece> {
+/// The pieces of local chunk `c` of pipeline stage `stage`, where global chunk `k` holds
+/// `layers[k]` consecutive layers (`layers` has `pp · v` entries): global chunk `c · pp + stage`,
+/// with the embedding if it is the first global chunk and the head if it is the last
+/// (Megatron's virtual-pipeline layout).
+pub fn chunk_pieces(stage: usize, c: usize, pp: usize, layers: &[usize]) -> Vec<Piece> {
     let g = c * pp + stage;
-    let per = num_layers / (pp * v);
+    let first: usize = layers[..g].iter().sum();
     let mut pieces = Vec::new();
     if g == 0 {
         pieces.push(Piece::Embedding);
     }
-    pieces.extend((g * per..(g + 1) * per).map(Piece::Block));
-    if g + 1 == pp * v {
+    pieces.extend((first..first + layers[g]).map(Piece::Block));
+    if g + 1 == layers.len() {
         pieces.push(Piece::Head);
     }
     pieces
@@ -233,16 +239,28 @@ mod tests {
         use Piece::{Block, Embedding, Head};
         // One stage, one chunk: the whole model.
         assert_eq!(
-            chunk_pieces(0, 0, 1, 1, 3),
+            chunk_pieces(0, 0, 1, &[3]),
             vec![Embedding, Block(0), Block(1), Block(2), Head]
         );
         // pp 2 × v 2 over 8 layers: stage 0 holds global chunks 0 and 2, stage 1 chunks 1 and 3.
+        let even = [2, 2, 2, 2];
         assert_eq!(
-            chunk_pieces(0, 0, 2, 2, 8),
+            chunk_pieces(0, 0, 2, &even),
             vec![Embedding, Block(0), Block(1)]
         );
-        assert_eq!(chunk_pieces(0, 1, 2, 2, 8), vec![Block(4), Block(5)]);
-        assert_eq!(chunk_pieces(1, 0, 2, 2, 8), vec![Block(2), Block(3)]);
-        assert_eq!(chunk_pieces(1, 1, 2, 2, 8), vec![Block(6), Block(7), Head]);
+        assert_eq!(chunk_pieces(0, 1, 2, &even), vec![Block(4), Block(5)]);
+        assert_eq!(chunk_pieces(1, 0, 2, &even), vec![Block(2), Block(3)]);
+        assert_eq!(chunk_pieces(1, 1, 2, &even), vec![Block(6), Block(7), Head]);
+        // Uneven: pp 3 over 7 layers as [1, 4, 2]; an end chunk may hold no layer.
+        assert_eq!(chunk_pieces(0, 0, 3, &[1, 4, 2]), vec![Embedding, Block(0)]);
+        assert_eq!(
+            chunk_pieces(1, 0, 3, &[1, 4, 2]),
+            (1..5).map(Block).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            chunk_pieces(2, 0, 3, &[1, 4, 2]),
+            vec![Block(5), Block(6), Head]
+        );
+        assert_eq!(chunk_pieces(1, 0, 2, &[3, 0]), vec![Head]);
     }
 }

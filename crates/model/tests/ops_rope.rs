@@ -1,5 +1,5 @@
 //! Tests of `model::ops::rope`: finite-difference gradients (f64), agreement with a composition
-//! of candle primitives (f32, f64), non-contiguous input and errors.
+//! of candle primitives (f32, f64), per-sample tables, non-contiguous input and errors.
 
 mod common;
 use common::expect_err;
@@ -82,6 +82,29 @@ fn non_contiguous_input_and_mixed_tables() {
     assert_close("bf16 output", &yb, &op(&t).unwrap(), 2e-2, 2e-2);
 }
 
+/// Tables per sample (`[b, s, d/2]`, positions restarting at each document) rotate each sample
+/// as its own `[s, d/2]` table does, forward and backward, bit for bit.
+#[test]
+fn per_sample_tables_rotate_each_sample_by_its_own_rows() {
+    let mut rng = Rng::new(5);
+    let (b, s, h, d) = (3, 7, 2, 8);
+    let x = rng.tensor((b, s, h, d), 1.0, DType::F64);
+    let tables: Vec<Vec<Tensor>> = (0..b)
+        .map(|_| inputs(&mut rng, (1, s, h, d), DType::F64)[1..].to_vec())
+        .collect();
+    let stack = |i: usize| Tensor::stack(&tables.iter().map(|t| &t[i]).collect::<Vec<_>>(), 0);
+    let (cos, sin) = (stack(0).unwrap(), stack(1).unwrap());
+    let y = rope(&x, &cos, &sin).unwrap();
+    let dy = model::ops::rope_bwd(&x, &cos, &sin).unwrap();
+    for (bi, t) in tables.iter().enumerate() {
+        let xb = x.narrow(0, bi, 1).unwrap();
+        let want = rope(&xb, &t[0], &t[1]).unwrap();
+        assert_close("forward", &y.narrow(0, bi, 1).unwrap(), &want, 0.0, 0.0);
+        let want = model::ops::rope_bwd(&xb, &t[0], &t[1]).unwrap();
+        assert_close("backward", &dy.narrow(0, bi, 1).unwrap(), &want, 0.0, 0.0);
+    }
+}
+
 #[test]
 fn bad_inputs_are_errors() {
     let dev = Device::Cpu;
@@ -91,11 +114,11 @@ fn bad_inputs_are_errors() {
     assert!(rope(&x, &table, &table).is_ok());
     expect_err(
         rope(&x, &short, &table),
-        "`cos` must be [s, d / 2] = [4, 4] for `x` [1, 4, 2, 8], got [3, 4]",
+        "`cos` must be [s, d / 2] = [4, 4] or [b, s, d / 2] for `x` [1, 4, 2, 8], got [3, 4]",
     );
     expect_err(
         rope(&x, &table, &short),
-        "`sin` must be [s, d / 2] = [4, 4] for `x` [1, 4, 2, 8], got [3, 4]",
+        "`sin` must be [s, d / 2] = [4, 4] or [b, s, d / 2] for `x` [1, 4, 2, 8], got [3, 4]",
     );
     expect_err(
         rope(&x.reshape((4, 2, 8)).unwrap(), &table, &table),

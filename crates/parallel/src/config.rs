@@ -31,6 +31,13 @@ pub struct ParallelConfig {
     /// Model chunks per pipeline rank (interleaved 1F1B when greater than 1).
     #[serde(default = "one")]
     pub virtual_stages: usize,
+    /// Layers of each pipeline chunk, in global chunk order (`pp × virtual_stages` entries:
+    /// stage 0's first chunk, stage 1's, …, then each stage's second chunk): uneven stages, e.g.
+    /// `[3, 5, 5, 3]` to make room for the embedding on the first and the head on the last
+    /// (those two chunks may hold no layer; every other one at least one). Default: an equal
+    /// share, `num_hidden_layers / (pp × virtual_stages)` each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_layout: Option<Vec<usize>>,
     /// Split norms and residual activations along the sequence across tensor-parallel ranks.
     #[serde(default)]
     pub sequence_parallel: bool,
@@ -87,6 +94,7 @@ impl Default for ParallelConfig {
             pp: 1,
             ep: 1,
             virtual_stages: 1,
+            pipeline_layout: None,
             sequence_parallel: false,
             zero: ZeroStage::Off,
             zero_shard_size: None,
@@ -98,6 +106,13 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
+    /// Layers of each global pipeline chunk for a model of `num_layers`: the layout given (when
+    /// it has one entry per chunk; validation refuses one that has not), or an equal share each.
+    pub fn chunk_layers(&self, num_layers: usize) -> Vec<usize> {
+        let layout = self.pipeline_layout.as_deref();
+        chunk_layers(layout, self.pp * self.virtual_stages, num_layers)
+    }
+
     /// The layout in one line, each parallelism's part as it registers it
     /// (`crate::register::Parallelism::describe`): `dp=2 +zero1 tp=2 +sp cp=1 pp=2 (virtual 2) ep=2`.
     pub fn describe(&self) -> String {
@@ -134,5 +149,15 @@ impl ParallelConfig {
         } else {
             self.zero_shard_size.unwrap_or(self.grad_ranks())
         }
+    }
+}
+
+/// Layers of each of `chunks` pipeline chunks for a model of `num_layers`: `layout` when it has
+/// one entry per chunk, else an equal share each (see [`ParallelConfig::pipeline_layout`]).
+pub fn chunk_layers(layout: Option<&[usize]>, chunks: usize, num_layers: usize) -> Vec<usize> {
+    let chunks = chunks.max(1);
+    match layout {
+        Some(l) if l.len() == chunks => l.to_vec(),
+        _ => vec![num_layers / chunks; chunks],
     }
 }

@@ -1,4 +1,5 @@
-//! Pipeline parallelism's registration: the layers split over `pp × virtual_stages` chunks; the
+//! Pipeline parallelism's registration: the layers split over `pp × virtual_stages` chunks (evenly,
+//! or as `parallel.pipeline_layout` says); the
 //! pipeline group, its ends (tied embeddings) and the directions to the next and the previous
 //! stage.
 
@@ -24,6 +25,33 @@ impl Pipeline {
     }
 }
 
+/// What is wrong with `parallel.pipeline_layout` `l` for `chunks` chunks of `layers` layers.
+fn layout_problems(l: &[usize], chunks: usize, layers: usize) -> Vec<String> {
+    let mut p = Vec::new();
+    if l.len() != chunks {
+        p.push(format!(
+            "parallel.pipeline_layout has {} entries; it needs one per pipeline chunk, \
+             parallel.pp × parallel.virtual_stages = {chunks}",
+            l.len()
+        ));
+    }
+    let sum = l.iter().try_fold(0usize, |a, &x| a.checked_add(x));
+    if sum != Some(layers) {
+        p.push(format!(
+            "parallel.pipeline_layout {l:?} holds {} layers; model.num_hidden_layers is {layers}",
+            sum.map_or("too many".to_string(), |s| s.to_string())
+        ));
+    }
+    let last = l.len().saturating_sub(1);
+    if let Some(i) = (1..last).find(|&i| l[i] == 0) {
+        p.push(format!(
+            "parallel.pipeline_layout[{i}] is 0: only the first chunk (with the embedding) and \
+             the last (with the head) may hold no layer"
+        ));
+    }
+    p
+}
+
 impl Parallelism for Pipeline {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
         let mut p = Vec::new();
@@ -32,11 +60,16 @@ impl Parallelism for Pipeline {
                 "parallel.pp × parallel.virtual_stages ({} × {}) overflows",
                 c.pp, c.virtual_stages
             )),
-            Some(chunks) if !d.layers.is_multiple_of(chunks) => p.push(format!(
-                "parallel.pp × parallel.virtual_stages ({} × {}) must divide model.num_hidden_layers ({})",
-                c.pp, c.virtual_stages, d.layers
-            )),
-            Some(_) => {}
+            Some(chunks) => match &c.pipeline_layout {
+                None if !d.layers.is_multiple_of(chunks) => p.push(format!(
+                    "parallel.pp × parallel.virtual_stages ({} × {}) must divide \
+                     model.num_hidden_layers ({}), or parallel.pipeline_layout must say how \
+                     many layers each chunk holds",
+                    c.pp, c.virtual_stages, d.layers
+                )),
+                None => {}
+                Some(l) => p.extend(layout_problems(l, chunks, d.layers)),
+            },
         }
         if c.virtual_stages > 1 && c.pp == 1 {
             p.push("parallel.virtual_stages > 1 needs parallel.pp > 1".into());
@@ -56,9 +89,13 @@ impl Parallelism for Pipeline {
     }
 
     fn describe(&self, c: &ParallelConfig) -> String {
+        let layout = c
+            .pipeline_layout
+            .as_ref()
+            .map_or(String::new(), |l| format!(" layers {l:?}"));
         match c.virtual_stages {
-            1 => format!("pp={}", c.pp),
-            v => format!("pp={} (virtual {v})", c.pp),
+            1 => format!("pp={}{layout}", c.pp),
+            v => format!("pp={} (virtual {v}){layout}", c.pp),
         }
     }
 }
