@@ -277,12 +277,48 @@ fn bf16_moments_are_a_lever_used_only_where_fp32_ones_do_not_fit() {
             state_dtype: StateDtype::Fp32,
             ..c.plan.layout
         };
-        assert!(
-            !plan(&twin.apply(&r), &hw).unwrap().fits,
-            "{}",
-            c.plan.layout
-        );
+        let mut twin = twin.apply(&r);
+        twin.parallel.pipeline_layout = c.plan.pipeline_layout.clone(); // balanced stages
+        assert!(!plan(&twin, &hw).unwrap().fits, "{}", c.plan.layout);
         n += 1;
     }
     assert!(n > 0 && n < ranked.len(), "{n} of {}", ranked.len());
+}
+
+/// Uneven pipeline stages: the planner balances the 1B model's 22 layers over two stages by
+/// giving the stage with the head (about two layers' time) fewer layers, predicting a faster
+/// step; a stage count that does not divide the layers is planned with balanced stages in the
+/// `--gpus` search, and the plan's memory and time follow the layout it was given.
+#[test]
+fn the_planner_balances_pipeline_stages() {
+    use pretrain::plan::{candidates, plan, time::balanced_layout, GpuPreset};
+    let hw = GpuPreset::H100.hardware();
+    let load = |set: &str| pretrain::recipe::load(Path::new("recipes/1b.yaml"), &[set.into()]);
+    let r = load("parallel.pp=2,parallel.dp=2").unwrap();
+    let layers = balanced_layout(&r, &hw).unwrap();
+    assert_eq!(layers.iter().sum::<usize>(), 22);
+    assert!(layers[0] > layers[1], "{layers:?}");
+    let p = plan(&r, &hw).unwrap();
+    let b = p.balanced.as_ref().expect("a balanced plan");
+    assert_eq!(b.pipeline_layout.as_deref(), Some(&layers[..]));
+    assert!(b.step_time_s < p.step_time_s);
+    // Given as the recipe's layout, it is planned as it is: its memory and time are the
+    // balanced plan's.
+    let set = format!("parallel.pp=2,parallel.dp=2,parallel.pipeline_layout={layers:?}");
+    let given = plan(&load(&set).unwrap(), &hw).unwrap();
+    assert_eq!(given.step_time_s, b.step_time_s);
+    assert_eq!(given.memory_bytes, b.memory_bytes);
+    // 22 layers on 4 stages only unevenly.
+    assert!(load("parallel.pp=4").is_err());
+    let ranked = candidates(&r, &hw, 8);
+    let uneven = ranked
+        .iter()
+        .find(|c| c.plan.layout.pp == 4)
+        .expect("a pp 4 candidate");
+    let l = uneven
+        .plan
+        .pipeline_layout
+        .as_ref()
+        .expect("balanced layers");
+    assert_eq!((l.len(), l.iter().sum::<usize>()), (4, 22));
 }

@@ -73,6 +73,9 @@ impl Layout {
     pub fn apply(&self, r: &Recipe) -> Recipe {
         let mut r = r.clone();
         let p = &mut r.parallel;
+        if (p.pp, p.virtual_stages) != (self.pp, self.virtual_stages) {
+            p.pipeline_layout = None; // the recipe's chunks are not this layout's
+        }
         (p.dp, p.tp, p.cp) = (self.dp, self.tp, self.cp);
         (p.pp, p.virtual_stages, p.ep) = (self.pp, self.virtual_stages, self.ep);
         (p.sequence_parallel, p.zero) = (self.sequence_parallel, self.zero);
@@ -165,10 +168,37 @@ pub struct Plan {
     pub mfu: f64,
     /// Pipeline bubble as a fraction of the pipeline phase.
     pub bubble: f64,
+    /// The layers of each pipeline chunk when they are not an equal share
+    /// (`parallel.pipeline_layout`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_layout: Option<Vec<usize>>,
+    /// With pipeline parallelism: the plan with the stages balanced by
+    /// [`time::balanced_layout`], when that is faster than this one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub balanced: Option<Box<Plan>>,
 }
 
-/// Plans `r`'s own layout on `hw` (the recipe must be valid).
+/// Plans `r`'s own layout on `hw` (the recipe must be valid), with the plan of its stages
+/// balanced when that is faster ([`Plan::balanced`]).
 pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
+    let mut own = plan_layout(r, hw)?;
+    let layers = r.model.num_hidden_layers;
+    if let Some(l) = time::balanced_layout(r, hw).filter(|l| *l != r.parallel.chunk_layers(layers))
+    {
+        let mut rb = r.clone();
+        rb.parallel.pipeline_layout = Some(l);
+        if rb.problems().is_empty() {
+            let b = plan_layout(&rb, hw)?;
+            if b.step_time_s < own.step_time_s && (b.fits || !own.fits) {
+                own.balanced = Some(Box::new(b));
+            }
+        }
+    }
+    Ok(own)
+}
+
+/// Plans `r`'s layout as it is.
+fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
     let stages = memory::stages(r)?;
     let most = stages
         .iter()
@@ -203,6 +233,8 @@ pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
         tflops_per_gpu: tflops,
         mfu: tflops / hw.peak_tflops,
         bubble,
+        pipeline_layout: r.parallel.pipeline_layout.clone(),
+        balanced: None,
     })
 }
 

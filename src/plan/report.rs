@@ -140,8 +140,16 @@ pub fn memory_lines(m: &MemoryBytes) -> Vec<String> {
     out
 }
 
+/// A plan's layout, with its layers per pipeline chunk when they are not an equal share.
+fn layout_name(p: &Plan) -> String {
+    match &p.pipeline_layout {
+        Some(l) => format!("{} layers{l:?}", p.layout),
+        None => p.layout.to_string(),
+    }
+}
+
 fn print_plan(p: &Plan, hw: &Hardware) {
-    println!("layout: {}", p.layout);
+    println!("layout: {}", layout_name(p));
     for l in memory_lines(&p.memory_bytes) {
         println!("{l}");
     }
@@ -189,6 +197,16 @@ fn print_plan(p: &Plan, hw: &Hardware) {
         p.tflops_per_gpu,
         100.0 * p.mfu
     );
+    if let Some(b) = &p.balanced {
+        let layers = b.pipeline_layout.as_deref().unwrap_or_default();
+        println!(
+            "balanced stages: --set 'parallel.pipeline_layout={layers:?}' (the embedding and the \
+             head counted where they sit): step {:.3} s, {:.0} tokens/s, {:.2} GiB per rank",
+            b.step_time_s,
+            b.tokens_per_s,
+            gib(b.memory_bytes.total)
+        );
+    }
 }
 
 /// Runs `pretrain plan`.
@@ -252,16 +270,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             hw.memory_gib
         );
         println!(
-            "  {:<3} {:<32} {:>9} {:>9} {:>12} {:>8} {:>6} {:>7}",
+            "  {:<3} {:<44} {:>9} {:>9} {:>12} {:>8} {:>6} {:>7}",
             "#", "layout", "GiB/rank", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble"
         );
         let row = |i: String, c: &super::Candidate| {
             let p = &c.plan;
             println!(
-                "{}{:<3} {:<32} {:>9.2} {:>9.3} {:>12.0} {:>8.0} {:>5.1}% {:>6.1}%",
+                "{}{:<3} {:<44} {:>9.2} {:>9.3} {:>12.0} {:>8.0} {:>5.1}% {:>6.1}%",
                 if c.own { "*" } else { " " },
                 i,
-                p.layout.to_string(),
+                layout_name(p),
                 gib(p.memory_bytes.total),
                 p.step_time_s,
                 p.tokens_per_s,

@@ -20,11 +20,21 @@ const RECOMPUTE: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recomp
 
 /// The plan of `layout` applied to `r`, if the recipe it makes is valid.
 fn planned(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
-    let rr = layout.apply(r);
+    let mut rr = layout.apply(r);
+    let (par, layers) = (&rr.parallel, rr.model.num_hidden_layers);
+    if par.pipeline_layout.is_none() && !layers.is_multiple_of(par.pp * par.virtual_stages) {
+        // Stages that cannot be equal are balanced.
+        rr.parallel.pipeline_layout = Some(super::time::balanced_layout(&rr, hw)?);
+    }
     if !rr.problems().is_empty() {
         return None;
     }
-    plan(&rr, hw).ok()
+    let p = plan(&rr, hw).ok()?;
+    // A candidate is ranked with its stages balanced where that is faster.
+    Some(match p.balanced {
+        Some(b) => *b,
+        None => p,
+    })
 }
 
 /// The plan of `layout` with fp32 moments, or with bf16 ones where only those fit.
@@ -90,13 +100,15 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
         return out;
     }
     for tp in divisors(gpus / cp).filter(|&t| t <= hw.gpus_per_node) {
-        for pp in divisors(gpus / (tp * cp)).filter(|&p| layers.is_multiple_of(p)) {
+        for pp in divisors(gpus / (tp * cp)).filter(|&p| p <= layers) {
             let dp = gpus / (tp * cp * pp);
             let per_rank = r.train.global_batch / dp;
             if per_rank == 0 || !r.train.global_batch.is_multiple_of(dp) {
                 continue;
             }
-            let vs: Vec<usize> = if pp == 1 {
+            // Virtual stages where the layers split evenly over them; one chunk per stage
+            // otherwise (balanced by `planned`).
+            let vs: Vec<usize> = if pp == 1 || !layers.is_multiple_of(pp) {
                 vec![1]
             } else {
                 divisors(layers / pp).collect()

@@ -229,16 +229,13 @@ fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
     gbps * 1e9
 }
 
-/// The predicted time of one step of `r` on `hw`, with each stage's state sizes.
-pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, f64) {
+/// The cost model of `r`'s layout on `hw`.
+fn model_of<'a>(r: &'a Recipe, hw: &'a Hardware) -> Model<'a> {
     let (par, tr, c) = (&r.parallel, &r.train, &r.model);
-    let (pp, v, tp, cp) = (par.pp, par.virtual_stages, par.tp, par.cp);
-    let chunk_layers = par.chunk_layers(c.num_hidden_layers);
-    let dp = par.grad_ranks(); // gradients are reduced over dp × cp
-    let m = r.grad_accum_steps() as f64;
+    let (tp, cp) = (par.tp, par.cp);
     let n = (tr.micro_batch * tr.seq_len / cp) as f64;
     let p = r.train.dtype.dtype().size_in_bytes() as f64;
-    let model = Model {
+    Model {
         hw,
         c,
         n,
@@ -257,7 +254,86 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         // Expert-parallel ranks are adjacent data-parallel ranks, tp · cp apart.
         ep: par.ep as f64,
         ep_bw: group_bandwidth(hw, par.ep, tp * cp),
+    }
+}
+
+/// The layers per pipeline chunk (`parallel.pipeline_layout`) that make the slowest chunk of
+/// `r`'s layout fastest on `hw`, counting the embedding on the first chunk and the head on the
+/// last (forward and backward of one micro-batch; middle chunks hold at least one layer).
+/// `None` without pipeline parallelism or with too few layers. The smallest feasible cap on a
+/// chunk's time is found by bisection, each cap checked by filling chunks in order.
+pub fn balanced_layout(r: &Recipe, hw: &Hardware) -> Option<Vec<usize>> {
+    let (par, c) = (&r.parallel, &r.model);
+    let (chunks, layers) = (par.pp * par.virtual_stages, c.num_hidden_layers);
+    if par.pp < 2 || layers + 2 < chunks {
+        return None;
+    }
+    let model = model_of(r, hw);
+    let tr = &r.train;
+    let time = |x: Cost| x.fwd + x.bwd;
+    let (dense, moe) = (
+        time(model.block(tr.recompute, tr.recomputed(), false)),
+        time(model.block(tr.recompute, tr.recomputed(), true)),
+    );
+    let cost: Vec<f64> = (0..layers)
+        .map(|i| if c.is_moe_layer(i) { moe } else { dense })
+        .collect();
+    let (head, embedding) = (time(model.head()), time(model.embedding()));
+    // Layers per chunk under `cap`, filling each chunk in order as far as it goes; `None` when
+    // the cap cannot be met.
+    let fill = |cap: f64| -> Option<Vec<usize>> {
+        let mut out = vec![0; chunks];
+        let mut i = 0;
+        for (k, n) in out.iter_mut().enumerate().take(chunks - 1) {
+            let mut t = if k == 0 { embedding } else { 0.0 };
+            if t > cap {
+                return None;
+            }
+            while i < layers && t + cost[i] <= cap {
+                t += cost[i];
+                i += 1;
+                *n += 1;
+            }
+            if k > 0 && *n == 0 && i < layers {
+                return None; // a middle chunk cannot take even one layer
+            }
+        }
+        let rest: f64 = cost[i..].iter().sum();
+        out[chunks - 1] = layers - i;
+        (head + rest <= cap).then_some(out)
     };
+    let (mut lo, mut hi) = (0.0, embedding + head + cost.iter().sum::<f64>());
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if fill(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let mut out = fill(hi)?;
+    // Filling in order can leave later middle chunks empty: give each one a layer from the
+    // nearest earlier chunk that has one to spare (only lowering that chunk's time).
+    for k in (1..chunks - 1).rev() {
+        if out[k] == 0 {
+            let from = (0..k).rev().find(|&j| out[j] > usize::from(j > 0))?;
+            out[from] -= 1;
+            out[k] += 1;
+            // The layers between keep their order: chunks `from + 1 .. k` shift by one.
+        }
+    }
+    Some(out)
+}
+
+/// The predicted time of one step of `r` on `hw`, with each stage's state sizes.
+pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, f64) {
+    let (par, tr, c) = (&r.parallel, &r.train, &r.model);
+    let (pp, v, tp) = (par.pp, par.virtual_stages, par.tp);
+    let chunk_layers = par.chunk_layers(c.num_hidden_layers);
+    let dp = par.grad_ranks(); // gradients are reduced over dp × cp
+    let m = r.grad_accum_steps() as f64;
+    let p = r.train.dtype.dtype().size_in_bytes() as f64;
+    let model = model_of(r, hw);
     let (dense, moe) = (
         model.block(tr.recompute, tr.recomputed(), false),
         model.block(tr.recompute, tr.recomputed(), true),
