@@ -10,12 +10,10 @@ use std::process::Command;
 const BASE: &str = "schedule.warmup_steps=1,train.global_batch=16,train.micro_batch=4,\
                     run.log_interval=1";
 
+mod common;
+
 fn pretrain(dir: &Path, set: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
-    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
-        .arg(format!("{BASE},run.dir={},{set}", dir.display()))
-        .env("RUST_LOG", "info");
-    cmd
+    common::cli::tiny(dir, BASE, set)
 }
 
 fn records(dir: &Path) -> Vec<serde_json::Value> {

@@ -10,15 +10,13 @@ use std::time::{Duration, Instant};
 
 use ckpt::{Checkpoint, Kind};
 
+mod common;
+
 const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
                     train.micro_batch=4,run.log_interval=1";
 
 fn pretrain(dir: &Path, set: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
-    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
-        .arg(format!("{BASE},run.dir={},{set}", dir.display()))
-        .env("RUST_LOG", "info");
-    cmd
+    common::cli::tiny(dir, BASE, set)
 }
 
 fn output(mut cmd: Command) -> Output {

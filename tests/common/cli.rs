@@ -1,10 +1,21 @@
 //! Running the `pretrain` binary from tests and reading what it said.
 
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// The binary under test.
 pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_pretrain"))
+}
+
+/// The binary training the tiny recipe into `dir` with `--set {base},run.dir={dir},{set}`,
+/// logging at `info`.
+pub fn tiny(dir: &Path, base: &str, set: &str) -> Command {
+    let mut cmd = bin();
+    cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!("{base},run.dir={},{set}", dir.display()))
+        .env("RUST_LOG", "info");
+    cmd
 }
 
 /// Everything a finished command printed, stdout then stderr.
