@@ -414,3 +414,24 @@ fn shards_concatenate_to_the_whole_dataset() {
     preprocess(&o).unwrap();
     assert!(!d.join(format!("sharded/ds_{last:05}.bin")).exists());
 }
+
+/// A Parquet column of large documents is read a few rows at a time (the batch follows their
+/// size), every document whole and in order.
+#[test]
+fn large_parquet_documents_are_read_whole_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("big.parquet");
+    let docs: Vec<Vec<u8>> = (0..40u8)
+        .map(|i| vec![b'a' + i % 26; (3 << 20) + i as usize])
+        .collect();
+    let refs: Vec<Option<&[u8]>> = docs.iter().map(|d| Some(&d[..])).collect();
+    write_parquet(&p, &refs, 25, Compression::SNAPPY);
+    let read: Vec<String> = data::input::read_documents(&p, "text", None)
+        .unwrap()
+        .collect::<data::Result<_>>()
+        .unwrap();
+    assert_eq!(read.len(), docs.len());
+    for (r, d) in read.iter().zip(&docs) {
+        assert_eq!(r.as_bytes(), &d[..]);
+    }
+}

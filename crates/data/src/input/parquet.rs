@@ -1,7 +1,8 @@
 //! Defines [`ParquetDocs`], the documents of a Parquet file: one per row, from a string column
 //! (top level, or a dotted path into structs), read with the Apache Arrow project's `parquet`
-//! crate a batch of rows at a time, row group after row group. Memory holds one batch and the
-//! page being decoded, whatever the file's size.
+//! crate a batch of rows at a time, row group after row group. Memory holds one batch (of about
+//! [`BATCH_BYTES`], its row count following the documents' sizes) and the page being decoded,
+//! whatever the file's size.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -12,11 +13,16 @@ use parquet::column::reader::{ColumnReader, ColumnReaderImpl};
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
-use super::MAX_EXPANSION;
+use super::{MAX_DOCUMENT_BYTES, MAX_EXPANSION};
 use crate::error::{DataError, Result};
 
-/// Rows decoded at a time.
+/// Most rows decoded at a time.
 const BATCH_ROWS: usize = 1024;
+
+/// Bytes of text a batch aims at: after each batch the next one's row count is set from the
+/// documents' mean size so far (starting from 16 rows), so a column of huge documents is read a
+/// few at a time.
+const BATCH_BYTES: usize = 32 << 20;
 
 /// The documents of one Parquet file; see the module docs.
 pub(super) struct ParquetDocs {
@@ -31,6 +37,8 @@ pub(super) struct ParquetDocs {
     reader: Option<ColumnReaderImpl<ByteArrayType>>,
     /// Index in the file of the next row decoded.
     row: u64,
+    /// Bytes of text read so far (for the batch size).
+    text_bytes: u64,
     ready: VecDeque<String>,
     done: bool,
 }
@@ -101,6 +109,7 @@ impl ParquetDocs {
             group: 0,
             reader: None,
             row: 0,
+            text_bytes: 0,
             ready: VecDeque::new(),
             done: false,
         })
@@ -116,8 +125,12 @@ impl ParquetDocs {
 
     /// Decodes the next batch of rows into `ready`; `false` at the end of the file.
     fn fill(&mut self) -> Result<bool> {
-        let mut defs = Vec::with_capacity(BATCH_ROWS);
-        let mut values: Vec<ByteArray> = Vec::with_capacity(BATCH_ROWS);
+        let batch = match self.text_bytes / self.row.max(1) {
+            _ if self.row == 0 => 16,
+            mean => (BATCH_BYTES as u64 / mean.max(1)).clamp(1, BATCH_ROWS as u64) as usize,
+        };
+        let mut defs = Vec::with_capacity(batch);
+        let mut values: Vec<ByteArray> = Vec::with_capacity(batch);
         loop {
             let Some(reader) = self.reader.as_mut() else {
                 if self.group == self.file.num_row_groups() {
@@ -138,7 +151,7 @@ impl ParquetDocs {
             };
             let defs_out = (self.max_def > 0).then_some(&mut defs);
             let (rows, _, _) = reader
-                .read_records(BATCH_ROWS, defs_out, None, &mut values)
+                .read_records(batch, defs_out, None, &mut values)
                 .map_err(|e| DataError::Corrupt {
                     path: self.path.clone(),
                     at: format!("row {} (row group {})", self.row, self.group - 1),
@@ -160,6 +173,12 @@ impl ParquetDocs {
                 let value = values
                     .next()
                     .ok_or_else(|| self.error(row, "fewer values than rows".into()))?;
+                if value.len() > MAX_DOCUMENT_BYTES {
+                    let len = value.len();
+                    let what = format!("a document of {len} bytes, over {MAX_DOCUMENT_BYTES}");
+                    return Err(self.error(row, what));
+                }
+                self.text_bytes += value.len() as u64;
                 let text = std::str::from_utf8(value.data()).map_err(|e| {
                     self.error(
                         row,
