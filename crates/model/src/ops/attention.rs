@@ -4,7 +4,9 @@
 //!
 //! The forward runs one rayon task per `(batch, query head)`. Each task walks blocks of `BLOCK`
 //! query rows; a block's scores against the keys it may see (`[BLOCK, r1]`) live in a transient
-//! per-task scratch, get a row softmax and are multiplied by `V`. Only the per-row log-sum-exp
+//! per-task scratch, get a row softmax and are multiplied by `V`; with a document floor
+//! (`attention_dims.rs`) a block's keys start at its rows' lowest floor and each row's keys at its
+//! own. Only the per-row log-sum-exp
 //! `[b, hq, s]` survives the op (stashed in the op struct for the backward pass, as a tensor on
 //! the device of the inputs). With the `cuda` feature, CUDA inputs run the flash kernels of
 //! `cuda/attention.rs` on f32, f64 or bf16 storage, or cuDNN's fused attention (`cuda/cudnn.rs`)
@@ -20,122 +22,16 @@ use rayon::prelude::*;
 use candle_core::{op::BackpropOp, CudaStorage, Storage};
 
 use super::attention_bwd::AttentionBwd;
+pub(crate) use super::attention_dims::{check_floor, Dims, Floor};
 use super::common::{
     kernel_dtype, max, prepare, same_device, same_dtype, simd, slice, sum, Float, SyncPtr,
 };
 use super::sdpa::AttentionBackend;
-pub(super) use parallel::cp::Floor;
 
 pub(super) const OP: &str = "causal_attention";
 
 /// Query rows per block: bounds the per-task scratch to `BLOCK * s` elements.
 pub(super) const BLOCK: usize = 64;
-
-/// Sizes of one attention call: `q` is `[b, s, hq, d]`, `k` and `v` are `[b, sk, hkv, d]`.
-/// Causal calls have `sk == s` and query row `i` sees keys `0..=i`; full (unmasked) calls let every
-/// query see all `sk` keys (a block of context-parallel ring attention whose keys all precede the
-/// queries).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Dims {
-    pub b: usize,
-    /// Query rows.
-    pub s: usize,
-    /// Key (and value) rows.
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    /// Causal mask (`sk == s`) or none.
-    pub causal: bool,
-}
-
-impl Dims {
-    fn from_layouts(q: &Layout, k: &Layout, causal: bool) -> Result<Self> {
-        let (&[b, s, hq, d], &[_, sk, hkv, _]) = (q.dims(), k.dims()) else {
-            bail!(
-                "{OP}: expected rank-4 q and k, got {:?} and {:?}",
-                q.dims(),
-                k.dims()
-            )
-        };
-        if causal && sk != s {
-            bail!("{OP}: a causal call needs as many keys ({sk}) as queries ({s})")
-        }
-        Ok(Self {
-            b,
-            s,
-            sk,
-            hq,
-            hkv,
-            d,
-            causal,
-        })
-    }
-
-    /// Query heads per kv head.
-    pub fn group(&self) -> usize {
-        self.hq / self.hkv
-    }
-
-    /// Keys seen by the query rows `r0..r1`: up to `r1` when causal, else all of them.
-    pub fn keys_seen(&self, r1: usize) -> usize {
-        if self.causal {
-            r1
-        } else {
-            self.sk
-        }
-    }
-
-    /// Keys seen by query row `i` (within [`Dims::keys_seen`] of its block).
-    pub fn row_keys(&self, i: usize) -> usize {
-        if self.causal {
-            i + 1
-        } else {
-            self.sk
-        }
-    }
-
-    /// The keys `lo..hi` query rows `r0..r1` of sample `bi` see between them: up to
-    /// [`Dims::keys_seen`], from the lowest of their floors (see [`Floor`]).
-    pub fn block_keys(&self, floor: Floor<'_>, bi: usize, r0: usize, r1: usize) -> (usize, usize) {
-        let hi = self.keys_seen(r1);
-        let row = bi * self.s;
-        let lo = floor.map_or(0, |f| {
-            f[row + r0..row + r1]
-                .iter()
-                .min()
-                .map_or(0, |&x| x as usize)
-        });
-        (lo.min(hi), hi)
-    }
-
-    /// The keys `lo..hi` query row `i` of sample `bi` sees.
-    pub fn row_range(&self, floor: Floor<'_>, bi: usize, i: usize) -> (usize, usize) {
-        let hi = self.row_keys(i);
-        let lo = floor.map_or(0, |f| f[bi * self.s + i] as usize);
-        (lo.min(hi), hi)
-    }
-}
-
-/// Checks a floor against the queries of `q` `[b, s, hq, d]`: one entry per query row, never
-/// decreasing along a sample (what the kernels' block bounds assume; floors of queries and keys
-/// in sequence order always are).
-fn check_floor(floor: Floor<'_>, q: &Tensor) -> Result<()> {
-    if let Some(f) = floor {
-        let (b, s) = (q.dim(0)?, q.dim(1)?);
-        if f.len() != b * s {
-            bail!(
-                "{OP}: the document floor has {} rows for {} query rows",
-                f.len(),
-                b * s
-            )
-        }
-        if let Some(i) = (1..f.len()).find(|&i| i % s != 0 && f[i] < f[i - 1]) {
-            bail!("{OP}: the document floor decreases at query row {i}")
-        }
-    }
-    Ok(())
-}
 
 /// `dst[m×n] = (acc ? dst : 0) + beta · lhs[m×k] · rhs[k×n]`, single-threaded (called inside rayon
 /// tasks). Every matrix is `(pointer, row stride, column stride)` in elements; `dst` has unit

@@ -17,7 +17,7 @@
 //! hand-written passes call. Autograd over these ops is the tests' reference for those passes.
 //!
 //! One file per op: `add.rs`, `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+
-//! `attention_bwd.rs`), `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers
+//! `attention_bwd.rs`, and `attention_dims.rs` for a call's sizes and mask), `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers
 //! live in `common.rs`; `sdpa.rs` holds the attention backend choice (the project's kernels or
 //! cuDNN's fused attention) and the cuDNN calls' descriptions.
 
@@ -33,6 +33,7 @@ pub mod cuda;
 mod add;
 mod attention;
 mod attention_bwd;
+mod attention_dims;
 mod common;
 mod cross_entropy;
 mod embedding;

@@ -151,9 +151,7 @@ impl Ring {
             docs.floor(&own[c..], &rows(src)?)
         }))
     }
-}
 
-impl Ring {
     /// Whether a block's `floor` leaves every query no key among its `keys`: the block is
     /// skipped (and counted).
     fn skips(&self, floor: &Option<Vec<u32>>, keys: usize) -> bool {
@@ -219,7 +217,8 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, T
     }
     // The own block: causal over the local rows.
     let floor = ring.floor(r, c)?;
-    let (mut out, mut lse) = block(q, k, v, scale, true, floor.as_deref())?; // [b, 2c, hq, d], [b, hq, 2c]
+    // [b, 2c, hq, d], [b, hq, 2c]
+    let (mut out, mut lse) = block(q, k, v, scale, true, floor.as_deref())?;
     for i in 1..p {
         cur = ring.recv_prev(&cur)?;
         if i + 1 < p {
