@@ -188,17 +188,18 @@ impl Output<'_> {
     }
 
     fn add(&mut self, ids: &[u32]) -> Result<()> {
-        if self.writer.is_none() {
-            let prefix = self.prefix(self.sealed.len());
-            self.writer = Some(IndexedDatasetWriter::create(&prefix, self.dtype)?);
-            self.current = WrittenDataset {
-                prefix,
-                documents: 0,
-                tokens: 0,
-            };
-        }
-        let Some(writer) = self.writer.as_mut() else {
-            unreachable!("created above")
+        let mut writer = match self.writer.take() {
+            Some(w) => w,
+            None => {
+                let prefix = self.prefix(self.sealed.len());
+                let w = IndexedDatasetWriter::create(&prefix, self.dtype)?;
+                self.current = WrittenDataset {
+                    prefix,
+                    documents: 0,
+                    tokens: 0,
+                };
+                w
+            }
         };
         writer.add_document(ids)?;
         self.current.documents += 1;
@@ -208,7 +209,9 @@ impl Output<'_> {
             .shard_bytes
             .is_some_and(|max| writer.bytes() >= max)
         {
-            self.seal()?;
+            self.sealed.push((writer.seal()?, self.current.clone()));
+        } else {
+            self.writer = Some(writer);
         }
         Ok(())
     }
