@@ -93,7 +93,8 @@ impl Trainer {
         Ok(())
     }
 
-    fn world_group(&self) -> Group {
+    /// Every rank of the job.
+    pub(super) fn world_group(&self) -> Group {
         Group::new((0..self.ctx.mesh.world_size()).collect())
     }
 

@@ -10,7 +10,7 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use parallel::pipeline::Action;
-use parallel::{Group, ReduceOp};
+use parallel::ReduceOp;
 use serde::Serialize;
 
 use super::clock::Timed;
@@ -91,12 +91,11 @@ impl Trainer {
         let mut v = vec![0f64; world];
         v[self.ctx.rank] = compute_seconds(&self.timing);
         if world > 1 {
-            let group = Group::new((0..world).collect());
             let t = Tensor::from_vec(v, world, &Device::Cpu)?;
             v = self
                 .ctx
                 .comm
-                .all_reduce(&group, &t, ReduceOp::Sum)?
+                .all_reduce(&self.world_group(), &t, ReduceOp::Sum)?
                 .to_vec1::<f64>()?;
         }
         Ok(Some(spread(&v, self.recipe.run.straggler_factor)))

@@ -179,6 +179,19 @@ impl DataError {
     }
 
     /// A configuration error for `field`.
+    /// A damaged or refused input `path`, at `at` (`byte 7`, `row 12`, `footer`).
+    pub fn corrupt(
+        path: impl Into<PathBuf>,
+        at: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        DataError::Corrupt {
+            path: path.into(),
+            at: at.into(),
+            message: message.into(),
+        }
+    }
+
     pub fn config(field: impl Into<String>, message: impl Into<String>) -> Self {
         DataError::Config {
             field: field.into(),

@@ -48,11 +48,7 @@ impl ParquetDocs {
     /// ratio (see [`MAX_EXPANSION`]).
     pub(super) fn open(path: &Path, key: &str) -> Result<Self> {
         let f = File::open(path).map_err(|e| DataError::io(path, e))?;
-        let corrupt = |at: &str, message: String| DataError::Corrupt {
-            path: path.to_path_buf(),
-            at: at.into(),
-            message,
-        };
+        let corrupt = |at: &str, message: String| DataError::corrupt(path, at, message);
         let file = SerializedFileReader::new(f).map_err(|e| {
             corrupt(
                 "footer",
@@ -116,11 +112,7 @@ impl ParquetDocs {
     }
 
     fn error(&self, row: u64, message: String) -> DataError {
-        DataError::Corrupt {
-            path: self.path.clone(),
-            at: format!("row {row}"),
-            message,
-        }
+        DataError::corrupt(&self.path, format!("row {row}"), message)
     }
 
     /// Decodes the next batch of rows into `ready`; `false` at the end of the file.
@@ -152,10 +144,9 @@ impl ParquetDocs {
             let defs_out = (self.max_def > 0).then_some(&mut defs);
             let (rows, _, _) = reader
                 .read_records(batch, defs_out, None, &mut values)
-                .map_err(|e| DataError::Corrupt {
-                    path: self.path.clone(),
-                    at: format!("row {} (row group {})", self.row, self.group - 1),
-                    message: e.to_string(),
+                .map_err(|e| {
+                    let at = format!("row {} (row group {})", self.row, self.group - 1);
+                    DataError::corrupt(&self.path, at, e.to_string())
                 })?;
             if rows == 0 {
                 self.reader = None;

@@ -45,11 +45,7 @@ impl<R: Read> TextDocs<R> {
     }
 
     fn error(&self, at: u64, message: String) -> DataError {
-        DataError::Corrupt {
-            path: self.path.clone(),
-            at: format!("byte {at}"),
-            message,
-        }
+        DataError::corrupt(&self.path, format!("byte {at}"), message)
     }
 
     /// Queues `buf[start..end]` as a document unless it is only whitespace.
