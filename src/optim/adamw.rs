@@ -72,23 +72,7 @@ impl AdamW {
         crate::device::check_elements("the flat parameters", layout.total, &device)?;
         let n: usize = owned.iter().map(|r| r.len()).sum();
         let state = Self::zero_state(n, cfg, &device)?;
-        let mut base = 0; // where range `r` starts in the state
-        for r in &owned {
-            for (i, p) in params.iter().enumerate() {
-                let slot = layout.range(i);
-                let cut = intersect(&slot, r);
-                if cut.is_empty() {
-                    continue;
-                }
-                let part = p
-                    .tensor()?
-                    .flatten_all()?
-                    .narrow(0, cut.start - slot.start, cut.len())?
-                    .to_dtype(DType::F32)?;
-                state.slice_set(&part, 0, base + cut.start - r.start)?;
-            }
-            base += r.len();
-        }
+        super::copy_owned(params, layout, &owned, &state)?;
         Self::with_state(params, layout, owned, state, cfg)
     }
 

@@ -144,31 +144,29 @@ impl GradBuffer {
         &self.layout
     }
 
-    /// The gradients of the flat ranges `owned`, back to back (what an optimizer owning those
-    /// ranges updates with). A sharded buffer gives its own shards, which must be these ranges.
-    pub fn owned(&self, owned: &[Range<usize>]) -> Result<Tensor> {
-        match &self.owned {
-            Some((mine, _)) if mine.as_slice() == owned => Ok(self.flat.clone()),
-            Some(_) => candle_core::bail!("gradient buffer: asked for ranges it does not hold"),
-            None => match owned {
-                [r] if r.len() == self.flat.elem_count() => Ok(self.flat.clone()),
-                rs => Tensor::cat(
-                    &rs.iter()
-                        .map(|r| self.flat.narrow(0, r.start, r.len()))
-                        .collect::<Result<Vec<_>>>()?,
-                    0,
-                ),
-            },
+    /// The gradients of the flat ranges `ranges`, back to back (what an optimizer owning those
+    /// ranges updates with). A sharded buffer gives parts of its own shards only.
+    pub fn owned(&self, ranges: &[Range<usize>]) -> Result<Tensor> {
+        match (&self.owned, ranges) {
+            (Some((mine, _)), _) if mine.as_slice() == ranges => return Ok(self.flat.clone()),
+            (None, [r]) if r.len() == self.flat.elem_count() => return Ok(self.flat.clone()),
+            _ => {}
         }
+        let parts = ranges
+            .iter()
+            .filter(|r| !r.is_empty())
+            .map(|r| self.flat.narrow(0, self.local_start(r)?, r.len()))
+            .collect::<Result<Vec<_>>>()?;
+        if parts.is_empty() {
+            return Tensor::zeros(0, DType::F32, self.flat.device());
+        }
+        Tensor::cat(&parts, 0)
     }
 
-    /// `Σ g²` over a flat range (f64 accumulation); sharded, the range must lie in an owned one.
-    pub fn sum_squares(&self, r: Range<usize>) -> Result<f64> {
-        if r.is_empty() {
-            return Ok(0.0);
-        }
-        let start = match &self.owned {
-            None => r.start,
+    /// Where flat range `r` starts in this buffer; sharded, it must lie in an owned range.
+    fn local_start(&self, r: &Range<usize>) -> Result<usize> {
+        match &self.owned {
+            None => Ok(r.start),
             Some((owned, at)) => {
                 let k = owned
                     .iter()
@@ -178,9 +176,17 @@ impl GradBuffer {
                             "gradient buffer: range {r:?} is not one this rank holds"
                         ))
                     })?;
-                at[k] + r.start - owned[k].start
+                Ok(at[k] + r.start - owned[k].start)
             }
-        };
+        }
+    }
+
+    /// `Σ g²` over a flat range (f64 accumulation); sharded, the range must lie in an owned one.
+    pub fn sum_squares(&self, r: Range<usize>) -> Result<f64> {
+        if r.is_empty() {
+            return Ok(0.0);
+        }
+        let start = self.local_start(&r)?;
         kernels::sum_squares(&self.flat.narrow(0, start, r.len())?)
     }
 }

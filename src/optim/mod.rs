@@ -1,13 +1,18 @@
 //! The optimizer side of a step: persistent flat fp32 gradient buffers, AdamW with fp32 master
 //! weights and moments over the flat ranges a rank owns (everything, or its ZeRO-1 shards),
-//! weight-decay masks and global-norm clipping.
+//! weight-decay masks and global-norm clipping; Muon for the hidden matrices
+//! (`optimizer.name: muon`), and the rank's [`Optimizer`] holding either.
 
 mod adamw;
 mod grads;
 pub mod kernels;
+pub mod muon;
+mod optimizer;
 
 pub use adamw::{AdamW, AdamWState};
 pub use grads::GradBuffer;
+pub use muon::{Muon, MuonState};
+pub use optimizer::Optimizer;
 pub use parallel::dp::FlatLayout;
 
 use std::ops::Range;
@@ -75,6 +80,35 @@ pub fn initial_owned(
     }
     let n = out.len();
     Tensor::from_vec(out, n, device)
+}
+
+/// Copies the parameters' values at the flat ranges `owned` of `layout` into the front of
+/// `dst` (f32), the ranges back to back, one parameter slice at a time (start-up holds one
+/// parameter's f32 copy at most; padding is left as it is).
+pub(crate) fn copy_owned(
+    params: &ParamSet,
+    layout: &FlatLayout,
+    owned: &[Range<usize>],
+    dst: &Tensor,
+) -> Result<()> {
+    let mut base = 0; // where range `r` starts in `dst`
+    for r in owned {
+        for (i, p) in params.iter().enumerate() {
+            let slot = layout.range(i);
+            let cut = intersect(&slot, r);
+            if cut.is_empty() {
+                continue;
+            }
+            let part = p
+                .tensor()?
+                .flatten_all()?
+                .narrow(0, cut.start - slot.start, cut.len())?
+                .to_dtype(DType::F32)?;
+            dst.slice_set(&part, 0, base + cut.start - r.start)?;
+        }
+        base += r.len();
+    }
+    Ok(())
 }
 
 /// Writes a whole flat f32 vector `[layout.total]` into the parameters (cast to their dtype).

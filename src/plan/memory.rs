@@ -29,7 +29,7 @@ use model::{Inventory, Piece, Recompute, Recomputed};
 use parallel::pipeline::{build, Action, ScheduleKind};
 use serde::Serialize;
 
-use crate::recipe::{DeviceKind, Recipe};
+use crate::recipe::{DeviceKind, OptimizerName, Recipe};
 use crate::train::metrics::StateBytes;
 use crate::train::rank::chunk_pieces;
 use crate::train::zero::state_layout;
@@ -187,16 +187,19 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
             .local_numels(t)
             .map_err(|e| format!("parallel.tp: {e}"))?;
         let state = state_layout(par, &inventory, &numels, &chunks, (0, 0));
+        let moments = r.optimizer.state_dtype.dtype();
         let StateBytes {
             param_bytes,
             grad_bytes,
-            optimizer_bytes,
-        } = state.bytes(
-            par,
-            &numels,
-            r.train.dtype.dtype(),
-            r.optimizer.state_dtype.dtype(),
-        );
+            mut optimizer_bytes,
+        } = state.bytes(par, &numels, r.train.dtype.dtype(), moments);
+        if r.optimizer.name == OptimizerName::Muon {
+            // Muon keeps a master weight and an f32 momentum (8 bytes) per hidden matrix element
+            // instead of AdamW's master and two moments.
+            let hidden = state.owned_of(&inventory.hidden_matrices());
+            optimizer_bytes =
+                optimizer_bytes - (4 + 2 * moments.size_in_bytes()) * hidden + 8 * hidden;
+        }
         let piece_acts: Vec<Vec<PieceActs>> = chunks
             .iter()
             .map(|pieces| pieces.iter().map(|&pc| acts(pc)).collect())

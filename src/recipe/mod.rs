@@ -12,8 +12,9 @@ use serde::{Deserialize, Serialize};
 
 pub use load::{load, load_stored, load_str, RecipeError};
 pub use sections::{
-    CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, OptimizerConfig, Resume,
-    ResumeChange, RunConfig, ScheduleConfig, StateDtype, TrainConfig, SPIKE_WINDOW,
+    AdjustLr, CheckpointConfig, DeviceKind, Dtype, LrCurve, MuonConfig, OnNonFinite,
+    OptimizerConfig, OptimizerName, Resume, ResumeChange, RunConfig, ScheduleConfig, StateDtype,
+    TrainConfig, SPIKE_WINDOW,
 };
 pub use validate::MAX_RANKS;
 

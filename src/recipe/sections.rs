@@ -174,7 +174,7 @@ fn default_max_skips() -> usize {
     5
 }
 
-/// `optimizer:` — AdamW with decoupled weight decay.
+/// `optimizer:` — AdamW with decoupled weight decay, or Muon for the hidden matrices.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizerConfig {
@@ -199,6 +199,97 @@ pub struct OptimizerConfig {
     /// computed in fp32 either way): `bf16` halves their memory.
     #[serde(default)]
     pub state_dtype: StateDtype,
+    /// `adamw` (every parameter) or `muon` (the attention and MLP/expert projections; AdamW for
+    /// the embedding, the output matrix, norms and routers).
+    #[serde(default)]
+    pub name: OptimizerName,
+    /// Muon's settings (used when `name: muon`).
+    #[serde(default)]
+    pub muon: MuonConfig,
+}
+
+/// `optimizer.name`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerName {
+    /// AdamW for every parameter.
+    #[default]
+    AdamW,
+    /// Muon for the hidden projection matrices, AdamW for the rest.
+    Muon,
+}
+
+impl std::fmt::Display for OptimizerName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OptimizerName::AdamW => "adamw",
+            OptimizerName::Muon => "muon",
+        })
+    }
+}
+
+/// `optimizer.muon:` — the meanings and defaults of `torch.optim.Muon`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MuonConfig {
+    /// Momentum: `buf ← buf + (1 − momentum)(g − buf)`.
+    #[serde(default = "default_muon_momentum")]
+    pub momentum: f64,
+    /// Orthogonalise `g + momentum (buf − g)` instead of `buf`.
+    #[serde(default = "default_true")]
+    pub nesterov: bool,
+    /// Newton-Schulz iterations.
+    #[serde(default = "default_ns_steps")]
+    pub ns_steps: usize,
+    /// The quintic iteration's `(a, b, c)`: `X ← a X + (b A + c A²) X`, `A = X Xᵀ`.
+    #[serde(default = "default_ns_coefficients")]
+    pub ns_coefficients: [f64; 3],
+    /// Floor of the Frobenius norm the update is divided by before iterating.
+    #[serde(default = "default_muon_eps")]
+    pub eps: f64,
+    /// How the learning rate is scaled by a matrix's shape `[A, B]`.
+    #[serde(default)]
+    pub adjust_lr: AdjustLr,
+}
+
+/// `optimizer.muon.adjust_lr`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdjustLr {
+    /// `lr · sqrt(max(1, A / B))` (Keller Jordan's Muon).
+    #[default]
+    Original,
+    /// `lr · 0.2 · sqrt(max(A, B))`: the update's RMS matches AdamW's (Moonshot's Muon).
+    MatchRmsAdamw,
+}
+
+impl Default for MuonConfig {
+    fn default() -> Self {
+        Self {
+            momentum: default_muon_momentum(),
+            nesterov: true,
+            ns_steps: default_ns_steps(),
+            ns_coefficients: default_ns_coefficients(),
+            eps: default_muon_eps(),
+            adjust_lr: AdjustLr::Original,
+        }
+    }
+}
+
+fn default_muon_momentum() -> f64 {
+    0.95
+}
+fn default_true() -> bool {
+    true
+}
+fn default_ns_steps() -> usize {
+    5
+}
+fn default_ns_coefficients() -> [f64; 3] {
+    [3.4445, -4.7750, 2.0315]
+}
+fn default_muon_eps() -> f64 {
+    1e-7
 }
 
 /// Element type of the AdamW moments (`optimizer.state_dtype`).
@@ -337,6 +428,8 @@ pub enum ResumeChange {
     Seed,
     /// The `data:` section.
     Data,
+    /// `optimizer.name` (the other optimizer's state starts at zero).
+    Optimizer,
 }
 
 fn default_keep() -> usize {

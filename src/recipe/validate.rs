@@ -3,7 +3,7 @@
 //! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
-use super::{DeviceKind, LrCurve, Recipe};
+use super::{DeviceKind, LrCurve, OptimizerName, Recipe};
 use model::{AttentionBackend, Recompute};
 use parallel::dp::ZeroStage;
 use parallel::register::Dims;
@@ -296,6 +296,30 @@ impl Recipe {
                 "optimizer.weight_decay ({}) must be non-negative",
                 o.weight_decay
             ));
+        }
+        if o.name == OptimizerName::Muon {
+            let m = &o.muon;
+            if !(0.0..1.0).contains(&m.momentum) {
+                p.push(format!(
+                    "optimizer.muon.momentum ({}) must be in [0, 1)",
+                    m.momentum
+                ));
+            }
+            if !(1..100).contains(&m.ns_steps) {
+                p.push(format!(
+                    "optimizer.muon.ns_steps ({}) must be in 1..=99",
+                    m.ns_steps
+                ));
+            }
+            if m.ns_coefficients.iter().any(|c| !c.is_finite()) {
+                p.push(format!(
+                    "optimizer.muon.ns_coefficients ({:?}) must be finite",
+                    m.ns_coefficients
+                ));
+            }
+            if m.eps.is_nan() || m.eps <= 0.0 {
+                p.push(format!("optimizer.muon.eps ({}) must be positive", m.eps));
+            }
         }
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
             p.push(format!(

@@ -15,7 +15,7 @@ use tracing::info;
 
 use super::saver::SaveJob;
 use super::Trainer;
-use crate::optim::AdamWState;
+use crate::optim::{AdamWState, MuonState};
 use crate::recipe::ResumeChange;
 
 /// The block of its tensor that parameter `p` holds on this rank, in checkpoint terms.
@@ -119,42 +119,79 @@ impl Trainer {
             first(&self.ctx.groups.expert_grad),
         );
         if sharded || first_replica || first_expert_replica {
-            let state = self.optimizer.state()?; // host copies of [owned] each
-            let layout = self.grads.layout();
             let expert = self.model.inventory().expert_flags();
-            for (i, p) in self.model.params().iter().enumerate() {
-                if !self.owns_copy(p) {
-                    continue; // replicas and the tied copy are written by their owner
-                }
-                let writes = sharded
+            let writes = |i: usize| {
+                sharded
                     || if expert[i] {
                         first_expert_replica
                     } else {
                         first_replica
-                    };
-                if !writes {
-                    continue;
-                }
-                let mut base = 0;
-                for r in self.optimizer.owned() {
-                    let cut = intersect(&layout.range(i), r);
-                    if !cut.is_empty() {
-                        let local = cut.start - layout.offsets[i]..cut.end - layout.offsets[i];
-                        let own = base + cut.start - r.start..base + cut.end - r.start;
-                        for kind in Kind::ALL {
-                            let values = match kind {
-                                Kind::Master => Values::F32(state.master[own.clone()].to_vec()),
-                                Kind::ExpAvg => state.exp_avg.slice(own.clone()),
-                                Kind::ExpAvgSq => state.exp_avg_sq.slice(own.clone()),
-                            };
-                            writer.add(kind, tensor_block(p), local.clone(), values);
-                        }
                     }
-                    base += r.len();
-                }
+            };
+            let adamw = self.optimizer.adamw();
+            let state = adamw.state()?; // host copies of [owned] each
+            self.write_part(
+                &mut writer,
+                adamw.owned(),
+                &writes,
+                &|kind, own| match kind {
+                    Kind::ExpAvg => state.exp_avg.slice(own),
+                    Kind::ExpAvgSq => state.exp_avg_sq.slice(own),
+                    _ => Values::F32(state.master[own].to_vec()),
+                },
+            );
+            if let Some(muon) = self.optimizer.muon() {
+                let state = muon.state()?;
+                self.write_part(&mut writer, muon.owned(), &writes, &|kind, own| {
+                    Values::F32(match kind {
+                        Kind::Momentum => state.momentum[own].to_vec(),
+                        _ => state.master[own].to_vec(),
+                    })
+                });
             }
         }
         Ok(writer)
+    }
+
+    /// Adds the pieces of one optimizer part over its flat ranges `owned` (AdamW's kinds, or
+    /// Muon's) to `writer`, for the parameters this rank writes (`writes`, and owned copies):
+    /// `values(kind, range)` gives a kind's values at a range of the part's state.
+    fn write_part(
+        &self,
+        writer: &mut RankWriter,
+        owned: &[std::ops::Range<usize>],
+        writes: &dyn Fn(usize) -> bool,
+        values: &dyn Fn(Kind, std::ops::Range<usize>) -> Values,
+    ) {
+        let layout = self.grads.layout();
+        let hidden = self.model.inventory().hidden_matrices();
+        for (i, p) in self.model.params().iter().enumerate() {
+            if !self.owns_copy(p) || !writes(i) {
+                continue; // replicas and the tied copy are written by their owner
+            }
+            let kinds: &[Kind] = if self.optimizer.muon().is_some() && hidden[i] {
+                &Kind::MUON
+            } else {
+                &Kind::ADAMW
+            };
+            let mut base = 0;
+            for r in owned {
+                let cut = intersect(&layout.range(i), r);
+                if !cut.is_empty() {
+                    let local = cut.start - layout.offsets[i]..cut.end - layout.offsets[i];
+                    let own = base + cut.start - r.start..base + cut.end - r.start;
+                    for &kind in kinds {
+                        writer.add(
+                            kind,
+                            tensor_block(p),
+                            local.clone(),
+                            values(kind, own.clone()),
+                        );
+                    }
+                }
+                base += r.len();
+            }
+        }
     }
 
     /// Rank 0's manifest of the checkpoint of `step` (files and pieces are filled when it is
@@ -200,6 +237,30 @@ impl Trainer {
                     dir.display(),
                     serde_json::to_string(data)?,
                     serde_json::to_string(&ours)?
+                );
+            }
+        }
+        let stored_optimizer = stored
+            .get("optimizer")
+            .and_then(|o| o.get("name"))
+            .and_then(|n| n.as_str())
+            .unwrap_or("adamw");
+        let ours = self.recipe.optimizer.name.to_string();
+        if stored_optimizer != ours {
+            if !accept.contains(&ResumeChange::Optimizer) {
+                bail!(
+                    "{}: the checkpoint was trained with optimizer.name {stored_optimizer}, the \
+                     recipe has {ours}: the hidden matrices' optimizer state would be lost. Use \
+                     {stored_optimizer}, or accept the change with \
+                     checkpoint.accept_changes: [optimizer] (the new optimizer's state starts at \
+                     zero)",
+                    dir.display()
+                );
+            }
+            if self.ctx.is_main() {
+                info!(
+                    "resume: optimizer.name changed from {stored_optimizer} to {ours} (accepted; \
+                     its state starts at zero for the matrices that change optimizer)"
                 );
             }
         }
@@ -262,7 +323,8 @@ impl Trainer {
                 self.data.train.num_samples()
             );
         }
-        let state = self.read_owned_state(dir, &ck)?;
+        let owned = self.optimizer.adamw().owned().to_vec();
+        let state = self.read_owned_state(dir, &ck, &owned, &Kind::ADAMW)?;
         // Checkpoints written before the loop state was saved: every step was an update.
         let progress: super::guard::LoopState = if m.trainer.is_null() {
             super::guard::LoopState {
@@ -289,12 +351,21 @@ impl Trainer {
             );
         }
         let values = |k: usize| Values::F32(state[k * n..(k + 1) * n].to_vec());
-        self.optimizer.load_state(&AdamWState {
+        self.optimizer.adamw_mut().load_state(&AdamWState {
             step: progress.updates,
             master: state[..n].to_vec(),
             exp_avg: values(1),
             exp_avg_sq: values(2),
         })?;
+        if let Some(owned) = self.optimizer.muon().map(|m| m.owned().to_vec()) {
+            let state = self.read_owned_state(dir, &ck, &owned, &Kind::MUON)?;
+            let (master, momentum) = state.split_at(state.len() / 2);
+            let muon = self.optimizer.muon_mut().expect("present");
+            muon.load_state(&MuonState {
+                master: master.to_vec(),
+                momentum: momentum.to_vec(),
+            })?;
+        }
         self.progress = progress;
         self.model.set_expert_bias(&self.progress.expert_bias);
         super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
@@ -353,21 +424,28 @@ impl Trainer {
         Ok(())
     }
 
-    /// This rank's owned flat ranges of the master weights and both moments from `ck` (in
-    /// `dir`), `[master | exp_avg | exp_avg_sq]` as f32 (bf16 moments widened exactly), all
-    /// finite.
-    fn read_owned_state(&self, dir: &Path, ck: &Checkpoint) -> Result<Vec<f32>> {
+    /// This rank's flat ranges `owned` of the values of `kinds` from `ck` (in `dir`), `[kind 0 |
+    /// kind 1 | …]` as f32 (bf16 moments widened exactly), all finite. A kind the checkpoint
+    /// lacks for a tensor (the other optimizer's state, where `optimizer.name` changed and the
+    /// change is accepted) starts at zero.
+    fn read_owned_state(
+        &self,
+        dir: &Path,
+        ck: &Checkpoint,
+        owned: &[std::ops::Range<usize>],
+        kinds: &[Kind],
+    ) -> Result<Vec<f32>> {
         let layout = self.grads.layout().clone();
-        let n: usize = self.optimizer.owned().iter().map(|r| r.len()).sum();
-        let mut state = vec![0f32; 3 * n];
+        let n: usize = owned.iter().map(|r| r.len()).sum();
+        let mut state = vec![0f32; kinds.len() * n];
         let params = self.model.params();
-        for (k, kind) in Kind::ALL.into_iter().enumerate() {
+        for (k, &kind) in kinds.iter().enumerate() {
             let mut cache: HashMap<usize, Vec<f32>> = HashMap::new();
             let mut base = 0;
-            for r in self.optimizer.owned() {
+            for r in owned {
                 for (i, p) in params.iter().enumerate() {
                     let cut = intersect(&layout.range(i), r);
-                    if cut.is_empty() {
+                    if cut.is_empty() || (kind != Kind::Master && !ck.has(kind, &p.name)) {
                         continue;
                     }
                     if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(i) {
@@ -387,7 +465,7 @@ impl Trainer {
                 "{}: the checkpoint holds a non-finite {} value ({}) at element {at} of this rank's \
                  state; it cannot be resumed (use an earlier checkpoint)",
                 dir.display(),
-                Kind::ALL[k].as_str(),
+                kinds[k].as_str(),
                 state[bad]
             );
         }

@@ -34,7 +34,7 @@ use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind};
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
-use crate::optim::{AdamW, GradBuffer};
+use crate::optim::{GradBuffer, Optimizer};
 use crate::recipe::{DeviceKind, Recipe, Resume};
 use hooks::StepSync;
 use metrics::{EvalRecord, Metrics, StepRecord};
@@ -53,7 +53,7 @@ pub struct Trainer {
     ctx: RankCtx,
     model: Llama,
     grads: GradBuffer,
-    optimizer: AdamW,
+    optimizer: Optimizer,
     /// Completes gradients as they become final (partial sums, data-parallel sync) and holds the
     /// ZeRO-3 parameter shards.
     dp: DataParallel,

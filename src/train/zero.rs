@@ -8,16 +8,16 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use model::{Inventory, Llama, ParamKind, Piece};
 use parallel::dp::{
-    gather_shards, DataParallel, DpGroups, FlatLayout, Gatherer, Partial, Pass, StateLayout,
-    ZeroStage,
+    gather_shards, DataParallel, DpGroups, FlatLayout, Gatherer, Matrix, MatrixGroups, Partial,
+    Pass, ShardPos, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
 use parallel::ParallelConfig;
 
 use super::RankCtx;
-use crate::optim::{flatten_params, initial_owned, write_params, AdamW, GradBuffer};
-use crate::recipe::Recipe;
+use crate::optim::{flatten_params, initial_owned, write_params, GradBuffer, Optimizer};
+use crate::recipe::{OptimizerName, Recipe};
 
 /// The parameters each piece in `chunks` reads, in execution order (what ZeRO-2/3 buckets
 /// follow).
@@ -107,8 +107,8 @@ pub fn gather_all(dp: &DataParallel) -> Result<Tensor> {
 pub struct RankState {
     /// Gradients: whole (stages 0, 1) or this rank's shards (2, 3).
     pub grads: GradBuffer,
-    /// AdamW over the owned flat ranges.
-    pub optimizer: AdamW,
+    /// AdamW (and Muon) over the owned flat ranges.
+    pub optimizer: Optimizer,
     /// Gradient completion, sync and (stage 3) parameter shards.
     pub dp: DataParallel,
     /// Stage 3: installs the parameters pieces use.
@@ -164,15 +164,24 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         GradBuffer::new(layout.clone(), device)?
     };
     let (params, optim) = (model.params(), &recipe.optimizer);
-    let (optimizer, shards) = if zero.shards_parameters() {
+    let (master, shards) = if zero.shards_parameters() {
         let seed = recipe.train.seed;
         let master = initial_owned(params, &layout, &owned, seed, device)?;
         let shards = master.to_dtype(params.get(0).dtype)?;
-        let optimizer = AdamW::with_masters(params, &layout, owned.clone(), master, optim)?;
-        (optimizer, Some(shards))
+        (Some(master), Some(shards))
     } else {
-        (AdamW::new(params, &layout, owned.clone(), optim)?, None)
+        (None, None)
     };
+    let hidden = model.inventory().hidden_matrices();
+    let muon = (optim.name == OptimizerName::Muon).then(|| {
+        let pos = ShardPos {
+            dense: (shard_index, par.shard_size()),
+            expert: (expert_index, par.expert_grad_ranks()),
+        };
+        whole_matrices(recipe, ctx, model, &layout, pos)
+    });
+    let muon = muon.map(|w| (w, hidden.as_slice()));
+    let optimizer = Optimizer::new(params, &layout, owned.clone(), optim, master, muon)?;
     let tied_pipeline = recipe.model.tie_word_embeddings && ctx.groups.pp.size() > 1;
     let partial = model
         .params()
@@ -211,11 +220,54 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     })
 }
 
+/// The hidden matrices of `model` on rank `ctx` (at `pos` in its shard groups), assembled whole
+/// for Muon across tensor parallelism and ZeRO shards (see `parallel::dp::matrices`).
+fn whole_matrices(
+    recipe: &Recipe,
+    ctx: &RankCtx,
+    model: &Llama,
+    layout: &FlatLayout,
+    pos: ShardPos,
+) -> WholeMatrices {
+    let par = &recipe.parallel;
+    let hidden = model.inventory().hidden_matrices();
+    let expert = model.inventory().expert_flags();
+    let matrices = model
+        .params()
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| hidden[i])
+        .map(|(i, p)| Matrix {
+            param: i,
+            shape: [p.block.shape[0], p.block.shape[1]],
+            tp_dim: match p.shard {
+                Shard::Dim(d) if par.tp > 1 => Some(d),
+                _ => None,
+            },
+            expert: expert[i] && par.ep > 1,
+        })
+        .collect();
+    let groups = MatrixGroups {
+        shard: ctx.groups.shard.clone(),
+        expert_shard: ctx.groups.expert_grad.clone(),
+        tp: ctx.groups.tp.clone(),
+    };
+    let cfg = recipe.optimizer.muon.clone();
+    WholeMatrices::new(
+        ctx.comm.clone(),
+        layout.clone(),
+        (par.zero.shards_optimizer(), pos),
+        groups,
+        matrices,
+        move |shape| crate::optim::muon::ns_cost(&cfg, shape),
+    )
+}
+
 /// Makes the optimizer's owned master weights the parameters (after a step or a checkpoint
 /// load): written whole (stage 0), gathered from the shard group (1, 2), or kept as this rank's
 /// shards (3).
 pub fn publish(
-    optimizer: &AdamW,
+    optimizer: &Optimizer,
     dp: &mut DataParallel,
     model: &Llama,
     ctx: &RankCtx,

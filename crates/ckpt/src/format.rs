@@ -20,11 +20,17 @@ pub enum Kind {
     ExpAvg,
     /// AdamW second moment.
     ExpAvgSq,
+    /// Muon's momentum buffer (the hidden matrices of runs with `optimizer.name: muon`).
+    Momentum,
 }
 
 impl Kind {
     /// All kinds, in file order.
-    pub const ALL: [Kind; 3] = [Kind::Master, Kind::ExpAvg, Kind::ExpAvgSq];
+    pub const ALL: [Kind; 4] = [Kind::Master, Kind::ExpAvg, Kind::ExpAvgSq, Kind::Momentum];
+    /// The kinds of a tensor AdamW updates.
+    pub const ADAMW: [Kind; 3] = [Kind::Master, Kind::ExpAvg, Kind::ExpAvgSq];
+    /// The kinds of a tensor Muon updates.
+    pub const MUON: [Kind; 2] = [Kind::Master, Kind::Momentum];
 
     /// Short name used in tensor keys.
     pub fn as_str(self) -> &'static str {
@@ -32,6 +38,7 @@ impl Kind {
             Kind::Master => "master",
             Kind::ExpAvg => "exp_avg",
             Kind::ExpAvgSq => "exp_avg_sq",
+            Kind::Momentum => "momentum",
         }
     }
 }

@@ -311,6 +311,11 @@ impl Checkpoint {
         })
     }
 
+    /// Whether the checkpoint holds values of kind `kind` for tensor `name`.
+    pub fn has(&self, kind: Kind, name: &str) -> bool {
+        self.by_tensor.contains_key(&(name.to_string(), kind))
+    }
+
     /// The type the pieces of `kind` are stored in (f32 where there are none); a checkpoint
     /// written by one run stores every piece of a kind in one type.
     pub fn dtype(&self, kind: Kind) -> PieceDtype {

@@ -130,9 +130,10 @@ pub(crate) fn safetensors_dtype(d: PieceDtype) -> safetensors::Dtype {
     }
 }
 
-/// Checks that `pieces` hold every element of every tensor exactly once for each kind, and the
-/// same tensors for every kind: a checkpoint with a hole (a rank that skipped a piece) or a
-/// duplicate is refused when it is written, not when a resume needs it.
+/// Checks that `pieces` hold every element of every tensor exactly once for each kind, and every
+/// tensor the kinds of its optimizer (AdamW's two moments or Muon's momentum): a checkpoint with a
+/// hole (a rank that skipped a piece) or a duplicate is refused when it is written, not when a
+/// resume needs it.
 fn check_complete(pieces: &[PieceMeta], dir: &Path) -> Result<()> {
     use std::collections::BTreeMap;
     let mut count: BTreeMap<(&str, Kind), (usize, usize)> = BTreeMap::new();
@@ -153,11 +154,15 @@ fn check_complete(pieces: &[PieceMeta], dir: &Path) -> Result<()> {
             )));
         }
     }
-    for kind in Kind::ALL {
-        for ((name, _), _) in count.iter().filter(|((_, k), _)| *k == Kind::Master) {
-            if !count.contains_key(&(name, kind)) {
-                return Err(problem(format!("no {} of {name}", kind.as_str())));
-            }
+    for (name, _) in count.keys() {
+        let has = |kind: Kind| count.contains_key(&(name, kind));
+        let missing = if has(Kind::Momentum) && !has(Kind::ExpAvg) {
+            Kind::MUON.into_iter().find(|&k| !has(k))
+        } else {
+            Kind::ADAMW.into_iter().find(|&k| !has(k))
+        };
+        if let Some(kind) = missing {
+            return Err(problem(format!("no {} of {name}", kind.as_str())));
         }
     }
     Ok(())

@@ -285,6 +285,29 @@ impl Inventory {
         flags
     }
 
+    /// Whether each parameter is a hidden projection matrix: attention's q, k, v and o, the
+    /// MLP's gate, up and down, every expert's w1, w3 and w2 (what Muon updates; the embedding,
+    /// the output matrix, norms and routers are not).
+    pub fn hidden_matrices(&self) -> Vec<bool> {
+        let mut flags = self.expert_flags();
+        for b in self.blocks.values() {
+            for i in [b.q_proj, b.k_proj, b.v_proj, b.o_proj] {
+                flags[i] = true;
+            }
+            if let MlpParams::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } = b.mlp
+            {
+                for i in [gate_proj, up_proj, down_proj] {
+                    flags[i] = true;
+                }
+            }
+        }
+        flags
+    }
+
     /// Elements of each parameter on one tensor-parallel rank of `tp`, in construction order.
     pub fn local_numels(&self, tp: usize) -> Result<Vec<usize>, ShardError> {
         self.params.iter().map(|p| p.local_numel(tp)).collect()

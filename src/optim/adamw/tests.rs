@@ -17,6 +17,8 @@ fn cfg() -> OptimizerConfig {
         weight_decay: 0.5,
         decay_embeddings: false,
         state_dtype: StateDtype::Fp32,
+        name: Default::default(),
+        muon: Default::default(),
     }
 }
 

@@ -15,6 +15,8 @@
 //! - [`stage`]: the ZeRO stage as a type, with the bytes of a rank's state at each stage;
 //! - [`state`]: the layout of a rank's gradient and optimizer state at its stage;
 //! - [`norm`]: the global gradient norm, each element counted once over the job;
+//! - [`matrices`]: whole matrices for an optimizer that transforms each as one (Muon), from
+//!   their tensor-parallel blocks and ZeRO shards, the work spread over the shard group;
 //! - [`gather`]: ZeRO-3's [`Gatherer`], which installs the full parameters of the piece being
 //!   computed in the model's parameter slots ([`ParamSlots`]).
 //!
@@ -23,6 +25,7 @@
 
 pub mod gather;
 pub mod layout;
+pub mod matrices;
 pub mod norm;
 pub mod rank;
 pub mod register;
@@ -33,6 +36,7 @@ pub mod zero;
 
 pub use gather::{GatherStats, Gatherer, ParamSlots, Pass};
 pub use layout::{intersect, Bucket, FlatLayout};
+pub use matrices::{assign_owners, Matrix, MatrixGroups, WholeMatrices};
 pub use norm::{global_sum_squares, norm_runs, NormGroups};
 pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
 pub use stage::{StateBytes, ZeroStage};

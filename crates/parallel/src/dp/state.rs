@@ -100,6 +100,19 @@ impl StateLayout {
         self.owned.iter().map(|r| r.len()).sum()
     }
 
+    /// Elements this rank owns of the parameters flagged in `flags`.
+    pub fn owned_of(&self, flags: &[bool]) -> usize {
+        let l = &self.layout;
+        (0..flags.len())
+            .filter(|&i| flags[i])
+            .flat_map(|i| {
+                self.owned
+                    .iter()
+                    .map(move |r| super::intersect(&l.range(i), r).len())
+            })
+            .sum()
+    }
+
     /// The bytes of parameters (`numels`, in `dtype`), fp32 gradients and the AdamW state (fp32
     /// master weights, moments in `moments`) this layout gives a rank under `par`
     /// ([`super::ZeroStage::state_bytes`]).

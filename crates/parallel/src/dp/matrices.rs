@@ -1,0 +1,357 @@
+//! Whole matrices for an optimizer that transforms each logical matrix as one (Muon's
+//! orthogonalisation), whatever shards it: [`WholeMatrices::map`] takes a value per element
+//! this rank owns (in the order of its owned flat ranges) and gives back `f` of each whole
+//! matrix, cut to the same elements.
+//!
+//! A matrix is cut twice: by tensor parallelism into blocks along one dimension (its layout
+//! is the same flat layout on every tensor-parallel rank), and by ZeRO into flat shards of
+//! each bucket over the shard group (routed experts' buckets: the expert shard group). Each
+//! matrix has one owner in its shard group, chosen so the owners' work is balanced
+//! ([`assign_owners`], longest job first by the cost of `f`). Bucket by bucket:
+//!
+//! 1. the shard group all-gathers the bucket's values (skipped without sharding), so every
+//!    member holds its tensor-parallel block of each matrix in the bucket;
+//! 2. each owner all-gathers its matrices' blocks over the tensor-parallel group (members of
+//!    one tensor-parallel group are at the same shard index, so own the same matrices), applies
+//!    `f` to the whole matrix and keeps its own block of the result;
+//! 3. each owner broadcasts its results to the shard group, and every member keeps the part
+//!    of the bucket it owns.
+//!
+//! Without sharding every rank applies `f` to every matrix it holds (the optimizer is
+//! replicated, as its state is). Memory: two buckets' values at a time, and one whole matrix.
+//! Traffic per member and step, sharded: the bucket once in (step 1) and once out (step 3),
+//! about twice ZeRO's parameter all-gather in f32.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor};
+
+use super::{FlatLayout, ShardPos};
+use crate::comm::{Comm, Group};
+
+/// One matrix a rank holds: its parameter, the shape of its block here, and the dimension
+/// tensor parallelism cuts it along (`None`: held whole).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Matrix {
+    /// Index of the parameter in the flat layout.
+    pub param: usize,
+    /// Shape of the block this rank holds `[rows, cols]`.
+    pub shape: [usize; 2],
+    /// The dimension tensor-parallel ranks cut it along.
+    pub tp_dim: Option<usize>,
+    /// A routed expert's (sharded over the expert shard group).
+    pub expert: bool,
+}
+
+impl Matrix {
+    /// The shape of the whole matrix over `tp` tensor-parallel ranks.
+    pub fn whole_shape(&self, tp: usize) -> [usize; 2] {
+        let mut s = self.shape;
+        if let Some(d) = self.tp_dim {
+            s[d] *= tp;
+        }
+        s
+    }
+}
+
+/// The groups the matrices are spread over.
+#[derive(Debug, Clone)]
+pub struct MatrixGroups {
+    /// Shard group of the dense buckets.
+    pub shard: Group,
+    /// Shard group of the routed experts' buckets.
+    pub expert_shard: Group,
+    /// Tensor-parallel group.
+    pub tp: Group,
+}
+
+/// Owners (shard indices) of jobs of cost `cost[i]` in a group of `size` members: the longest
+/// job first to the least-loaded member (ties: the lower index), which keeps the largest load
+/// within 4/3 of the best possible (Graham's bound).
+pub fn assign_owners(cost: &[f64], size: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..cost.len()).collect();
+    order.sort_by(|&a, &b| cost[b].total_cmp(&cost[a]).then(a.cmp(&b)));
+    let mut load = vec![0f64; size.max(1)];
+    let mut owner = vec![0; cost.len()];
+    for i in order {
+        let (least, _) = load
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1).then(a.0.cmp(&b.0)))
+            .expect("a group has a member");
+        owner[i] = least;
+        load[least] += cost[i];
+    }
+    owner
+}
+
+/// The matrices of a rank, where they are and who transforms them.
+pub struct WholeMatrices {
+    comm: Arc<dyn Comm>,
+    layout: FlatLayout,
+    sharded: bool,
+    pos: ShardPos,
+    groups: MatrixGroups,
+    matrices: Vec<Matrix>,
+    /// Owner (shard index) of each matrix.
+    owner: Vec<usize>,
+    /// The matrices of each bucket, in flat order.
+    by_bucket: Vec<Vec<usize>>,
+}
+
+impl WholeMatrices {
+    /// `matrices` of a rank at `pos` whose state is laid out by `layout`, sharded (ZeRO stage
+    /// 1 and above) or not; `cost` gives the work of transforming a whole matrix of a shape.
+    pub fn new(
+        comm: Arc<dyn Comm>,
+        layout: FlatLayout,
+        (sharded, pos): (bool, ShardPos),
+        groups: MatrixGroups,
+        matrices: Vec<Matrix>,
+        cost: impl Fn([usize; 2]) -> f64,
+    ) -> Self {
+        let tp = groups.tp.size();
+        let mut owner = vec![0; matrices.len()];
+        for expert in [false, true] {
+            let ix: Vec<usize> = (0..matrices.len())
+                .filter(|&i| matrices[i].expert == expert)
+                .collect();
+            let costs: Vec<f64> = ix
+                .iter()
+                .map(|&i| cost(matrices[i].whole_shape(tp)))
+                .collect();
+            let size = if expert { pos.expert.1 } else { pos.dense.1 };
+            for (&i, o) in ix.iter().zip(assign_owners(&costs, size)) {
+                owner[i] = o;
+            }
+        }
+        let mut by_bucket = vec![Vec::new(); layout.buckets.len()];
+        for (m, mat) in matrices.iter().enumerate() {
+            by_bucket[layout.bucket_of(mat.param)].push(m);
+        }
+        for b in &mut by_bucket {
+            b.sort_by_key(|&m| layout.offsets[matrices[m].param]);
+        }
+        Self {
+            comm,
+            layout,
+            sharded,
+            pos,
+            groups,
+            matrices,
+            owner,
+            by_bucket,
+        }
+    }
+
+    /// Whether this rank transforms matrix `m` (of [`WholeMatrices::matrices`]).
+    fn transforms(&self, m: usize) -> bool {
+        let (index, size) = self.shard_pos(self.matrices[m].expert);
+        !self.sharded || size == 1 || self.owner[m] == index
+    }
+
+    /// `(index, size)` in the shard group of dense or expert buckets.
+    fn shard_pos(&self, expert: bool) -> (usize, usize) {
+        if expert {
+            self.pos.expert
+        } else {
+            self.pos.dense
+        }
+    }
+
+    /// The matrices, in the order given.
+    pub fn matrices(&self) -> &[Matrix] {
+        &self.matrices
+    }
+
+    /// The shapes of the whole matrices this rank transforms each step.
+    pub fn transformed_shapes(&self) -> Vec<[usize; 2]> {
+        let tp = self.groups.tp.size();
+        (0..self.matrices.len())
+            .filter(|&m| self.transforms(m))
+            .map(|m| self.matrices[m].whole_shape(tp))
+            .collect()
+    }
+
+    /// This rank's range of bucket `b` (its shard, or the whole bucket without sharding).
+    fn own_range(&self, b: usize) -> Range<usize> {
+        let bucket = &self.layout.buckets[b];
+        if self.sharded {
+            self.pos.shard(bucket)
+        } else {
+            bucket.start..bucket.start + bucket.len
+        }
+    }
+
+    /// `f` of every whole matrix, cut to this rank's elements: `u` holds a value for every
+    /// element this rank owns (its owned flat ranges back to back, f32); the result has the
+    /// same layout, zero outside the matrices. Every member of the shard groups and of the
+    /// tensor-parallel group calls it together.
+    pub fn map(&self, u: &Tensor, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let device = u.device();
+        let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
+        let mut out = Vec::with_capacity(self.layout.buckets.len());
+        let mut at = 0;
+        for (b, mats) in self.by_bucket.iter().enumerate() {
+            let own = self.own_range(b);
+            let n = own.len();
+            if n == 0 {
+                continue; // an empty bucket, on every rank
+            }
+            if mats.is_empty() {
+                out.push(zeros(n)?);
+                at += n;
+                continue;
+            }
+            let bucket = &self.layout.buckets[b];
+            let group = if bucket.expert {
+                &self.groups.expert_shard
+            } else {
+                &self.groups.shard
+            };
+            let split = self.sharded && group.size() > 1;
+            let mine = u.narrow(0, at, n)?;
+            let whole = if split {
+                self.comm.all_gather(group, &mine, 0)? // [bucket.len]
+            } else {
+                mine
+            };
+            let mut results: Vec<Option<Tensor>> = vec![None; mats.len()];
+            for (k, &m) in mats.iter().enumerate() {
+                if self.transforms(m) {
+                    results[k] = Some(self.transform(m, &whole, bucket.start, f)?);
+                }
+            }
+            if split {
+                self.share(mats, &mut results, group, device)?;
+            }
+            // The bucket's results in flat order, then this rank's part of them.
+            let mut parts = Vec::with_capacity(2 * mats.len() + 1);
+            let mut pos = bucket.start;
+            for (k, &m) in mats.iter().enumerate() {
+                let r = self.layout.range(self.matrices[m].param);
+                if r.start > pos {
+                    parts.push(zeros(r.start - pos)?);
+                }
+                parts.push(results[k].take().expect("every matrix's result is present"));
+                pos = r.end;
+            }
+            if bucket.start + bucket.len > pos {
+                parts.push(zeros(bucket.start + bucket.len - pos)?);
+            }
+            let o = Tensor::cat(&parts, 0)?; // [bucket.len]
+            out.push(o.narrow(0, own.start - bucket.start, n)?);
+            at += n;
+        }
+        if at != u.elem_count() {
+            candle_core::bail!(
+                "whole matrices: {} owned values given, the layout owns {at}",
+                u.elem_count()
+            );
+        }
+        if out.is_empty() {
+            return zeros(0);
+        }
+        Tensor::cat(&out, 0)
+    }
+
+    /// `f` of matrix `m`, whose block here is in `whole` (a bucket's values from flat element
+    /// `start`), cut back to this rank's block, flat.
+    fn transform(
+        &self,
+        m: usize,
+        whole: &Tensor,
+        start: usize,
+        f: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let mat = self.matrices[m];
+        let r = self.layout.range(mat.param);
+        let block = whole
+            .narrow(0, r.start - start, r.len())?
+            .reshape((mat.shape[0], mat.shape[1]))?; // [rows, cols]
+        let tp = &self.groups.tp;
+        let o = match mat.tp_dim {
+            Some(d) if tp.size() > 1 => {
+                let full = self.comm.all_gather(tp, &block, d)?; // the whole matrix
+                let o = f(&full)?;
+                let i = tp.index_of(self.comm.rank()).unwrap_or(0);
+                o.narrow(d, i * mat.shape[d], mat.shape[d])?
+            }
+            _ => f(&block)?,
+        };
+        o.flatten_all()?.contiguous()
+    }
+
+    /// Each owner's results in `results` (this rank's own are present) broadcast to the shard
+    /// `group`, one message per owner holding all of its matrices of the bucket.
+    fn share(
+        &self,
+        mats: &[usize],
+        results: &mut [Option<Tensor>],
+        group: &Group,
+        device: &candle_core::Device,
+    ) -> Result<()> {
+        for owner in 0..group.size() {
+            let theirs: Vec<usize> = (0..mats.len())
+                .filter(|&k| self.owner[mats[k]] == owner)
+                .collect();
+            if theirs.is_empty() {
+                continue;
+            }
+            let lens: Vec<usize> = theirs
+                .iter()
+                .map(|&k| self.layout.numels[self.matrices[mats[k]].param])
+                .collect();
+            let total: usize = lens.iter().sum();
+            let sent = if self.results_here(&theirs, results) {
+                let own: Vec<Tensor> = theirs.iter().filter_map(|&k| results[k].clone()).collect();
+                Tensor::cat(&own, 0)?
+            } else {
+                Tensor::zeros(total, DType::F32, device)?
+            };
+            let got = self.comm.broadcast(group, &sent, group.ranks()[owner])?;
+            let mut at = 0;
+            for (&k, &len) in theirs.iter().zip(&lens) {
+                results[k] = Some(got.narrow(0, at, len)?);
+                at += len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every one of `theirs` has its result here.
+    fn results_here(&self, theirs: &[usize], results: &[Option<Tensor>]) -> bool {
+        theirs.iter().all(|&k| results[k].is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_take_the_longest_jobs_first() {
+        assert_eq!(
+            assign_owners(&[1.0, 8.0, 3.0, 3.0, 2.0], 2),
+            vec![0, 0, 1, 1, 1]
+        );
+        // One member owns everything.
+        assert_eq!(assign_owners(&[5.0, 1.0], 1), vec![0, 0]);
+        // Equal jobs go round the members.
+        assert_eq!(assign_owners(&[1.0; 4], 3), vec![0, 1, 2, 0]);
+    }
+
+    #[test]
+    fn whole_shapes_follow_the_cut() {
+        let m = Matrix {
+            param: 0,
+            shape: [4, 6],
+            tp_dim: Some(1),
+            expert: false,
+        };
+        assert_eq!(m.whole_shape(2), [4, 12]);
+        let held = Matrix { tp_dim: None, ..m };
+        assert_eq!(held.whole_shape(2), [4, 6]);
+    }
+}

@@ -1,0 +1,281 @@
+//! Muon (orthogonalised momentum) over the hidden matrices a rank owns, as `torch.optim.Muon`
+//! defines it: per step and matrix,
+//!
+//! ```text
+//! buf ← lerp(buf, g, 1 − momentum)
+//! u   ← nesterov ? lerp(g, buf, momentum) : buf
+//! O   ← NewtonSchulz(u)            on the whole logical matrix
+//! W   ← W (1 − lr·wd) − lr·ratio(A, B) · O
+//! ```
+//!
+//! with `ratio = sqrt(max(1, A/B))` (`adjust_lr: original`) or `0.2 sqrt(max(A, B))`
+//! (`match_rms_adamw`) for a matrix of shape `[A, B]`. The elementwise parts run on the flat
+//! ranges this rank owns; the orthogonalisation needs the whole matrix, which
+//! `parallel::dp::WholeMatrices` assembles from tensor-parallel blocks and ZeRO shards and
+//! spreads over the shard group. The iteration runs in f32 on the CPU and in bf16 with f32
+//! accumulation on a GPU (as the references do).
+//!
+//! State: fp32 master weights and an fp32 momentum buffer per owned element, `[master |
+//! momentum]` in one buffer.
+
+use std::ops::Range;
+
+use candle_core::{DType, Device, Result, Tensor};
+use parallel::dp::WholeMatrices;
+
+use super::kernels::sum_squares;
+use super::GradBuffer;
+use crate::recipe::{AdjustLr, MuonConfig};
+
+/// Muon's state as checkpoints save it (host memory).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MuonState {
+    /// fp32 master weights of the owned elements `[k]`.
+    pub master: Vec<f32>,
+    /// Momentum buffer `[k]`.
+    pub momentum: Vec<f32>,
+}
+
+/// `torch.lerp(start, end, weight)` with its two-sided formula (f32 weight): `start + w (end −
+/// start)` for `|w| < 0.5`, else `end − (end − start)(1 − w)`.
+pub fn lerp(start: &Tensor, end: &Tensor, weight: f64) -> Result<Tensor> {
+    let w = weight as f32;
+    let diff = (end - start)?;
+    if w.abs() < 0.5 {
+        start + diff.affine(w as f64, 0.0)?
+    } else {
+        end - diff.affine((1.0 - w) as f64, 0.0)?
+    }
+}
+
+/// The learning-rate ratio of a matrix of shape `[a, b]`.
+pub fn lr_ratio(adjust: AdjustLr, [a, b]: [usize; 2]) -> f64 {
+    let (a, b) = (a as f64, b as f64);
+    match adjust {
+        AdjustLr::Original => (a / b).max(1.0).sqrt(),
+        AdjustLr::MatchRmsAdamw => 0.2 * a.max(b).sqrt(),
+    }
+}
+
+/// Multiply-adds of the Newton-Schulz iteration on a matrix of shape `[a, b]` (what the owners'
+/// work is balanced by): per step `X Xᵀ`, `A A` and `B X` on the wide orientation.
+pub fn ns_cost(cfg: &MuonConfig, [a, b]: [usize; 2]) -> f64 {
+    let (m, n) = (a.min(b) as f64, a.max(b) as f64);
+    cfg.ns_steps as f64 * (2.0 * m * m * n + m * m * m)
+}
+
+/// The Newton-Schulz orthogonalisation of `g` `[a, b]` in `dtype` (f32, or bf16 whose
+/// products accumulate in f32), as `torch.optim.Muon` computes it: a tall matrix is iterated
+/// transposed, divided by its Frobenius norm (at least `eps`), then `ns_steps` times `A = X Xᵀ`,
+/// `B = b A + c A A`, `X = a X + B X`. Returns f32.
+pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tensor> {
+    let [ca, cb, cc] = cfg.ns_coefficients;
+    let (rows, cols) = g.dims2()?;
+    let mut x = g.to_dtype(dtype)?;
+    let tall = rows > cols;
+    if tall {
+        x = x.t()?.contiguous()?;
+    }
+    let norm = x
+        .to_dtype(DType::F32)?
+        .sqr()?
+        .sum_all()?
+        .sqrt()?
+        .maximum(cfg.eps)?
+        .to_dtype(dtype)?;
+    x = x.broadcast_div(&norm)?;
+    for _ in 0..cfg.ns_steps {
+        let gram = x.matmul(&x.t()?)?; // [m, m]
+        let update = (gram.affine(cb, 0.0)? + gram.matmul(&gram)?.affine(cc, 0.0)?)?;
+        x = (x.affine(ca, 0.0)? + update.matmul(&x)?)?;
+    }
+    if tall {
+        x = x.t()?.contiguous()?;
+    }
+    x.to_dtype(DType::F32)
+}
+
+/// Muon over the flat ranges of hidden matrices a rank owns.
+pub struct Muon {
+    cfg: MuonConfig,
+    weight_decay: f64,
+    /// The flat ranges updated (parts of the rank's owned ranges), ascending.
+    owned: Vec<Range<usize>>,
+    /// Elements updated.
+    k: usize,
+    /// Elements of the rank's owned ranges, and where each of `owned` sits among them:
+    /// `(offset among all owned, offset here, len)`.
+    spread: (usize, Vec<(usize, usize, usize)>),
+    /// The element type the iteration runs in.
+    compute: DType,
+    /// f32: master `[k]`, then the momentum `[k]`.
+    state: Tensor,
+    whole: WholeMatrices,
+}
+
+impl Muon {
+    /// Muon over `owned` (ascending flat ranges of hidden matrices), whose master weights are
+    /// `master` (`[Σ len]` f32), with zero momentum; `spread` says where each range sits among
+    /// the `n` elements the rank owns (`(offset among them, len)`), `whole` assembles the
+    /// matrices.
+    pub fn new(
+        cfg: &crate::recipe::OptimizerConfig,
+        owned: Vec<Range<usize>>,
+        (n, spread): (usize, Vec<usize>),
+        master: &Tensor,
+        whole: WholeMatrices,
+    ) -> Result<Self> {
+        let k: usize = owned.iter().map(|r| r.len()).sum();
+        let device = master.device();
+        let words = 2 * k;
+        crate::device::check_elements("the Muon state (master weights, momentum)", words, device)?;
+        let state = crate::device::zeros_f32("the Muon state", words, device)?;
+        if k > 0 {
+            state.slice_set(&master.to_dtype(DType::F32)?, 0, 0)?;
+        }
+        let mut at = 0;
+        let spread = spread
+            .into_iter()
+            .zip(&owned)
+            .map(|(offset, r)| {
+                at += r.len();
+                (offset, at - r.len(), r.len())
+            })
+            .collect();
+        Ok(Self {
+            cfg: cfg.muon.clone(),
+            weight_decay: cfg.weight_decay,
+            owned,
+            k,
+            spread: (n, spread),
+            compute: compute_dtype(device),
+            state,
+            whole,
+        })
+    }
+
+    /// The flat ranges this part updates.
+    pub fn owned(&self) -> &[Range<usize>] {
+        &self.owned
+    }
+
+    /// One update at learning rate `lr` with gradients scaled by `grad_scale`. Every rank of
+    /// the shard and tensor-parallel groups takes part (the matrices are assembled across them).
+    pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
+        let k = self.k;
+        let mut g = grads.owned(&self.owned)?; // [k]
+        if grad_scale != 1.0 {
+            g = g.affine(grad_scale, 0.0)?;
+        }
+        let master = self.state.narrow(0, 0, k)?;
+        let buf = lerp(&self.state.narrow(0, k, k)?, &g, 1.0 - self.cfg.momentum)?;
+        let u = if self.cfg.nesterov {
+            lerp(&g, &buf, self.cfg.momentum)?
+        } else {
+            buf.clone()
+        };
+        let (cfg, compute) = (&self.cfg, self.compute);
+        let mut orthogonalise = |m: &Tensor| -> Result<Tensor> {
+            let shape = [m.dim(0)?, m.dim(1)?];
+            let o = newton_schulz(m, cfg, compute)?;
+            // `W += (−lr · ratio) O`, the product rounded once as torch's `add_(alpha=)` does.
+            o.affine(-lr * lr_ratio(cfg.adjust_lr, shape), 0.0)
+        };
+        let step = self.gather(&self.whole.map(&self.scatter(&u)?, &mut orthogonalise)?)?;
+        let decayed = master.affine(1.0 - lr * self.weight_decay, 0.0)?;
+        if k > 0 {
+            self.state.slice_set(&(decayed + step)?, 0, 0)?;
+            self.state.slice_set(&buf, 0, k)?;
+        }
+        Ok(())
+    }
+
+    /// `[k]` values of this part placed among all `n` owned elements (zero elsewhere).
+    fn scatter(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, spread) = (&self.spread.0, &self.spread.1);
+        let zeros = |len: usize| Tensor::zeros(len, DType::F32, x.device());
+        let mut parts = Vec::with_capacity(2 * spread.len() + 1);
+        let mut at = 0;
+        for &(offset, here, len) in spread {
+            if offset > at {
+                parts.push(zeros(offset - at)?);
+            }
+            parts.push(x.narrow(0, here, len)?);
+            at = offset + len;
+        }
+        if *n > at {
+            parts.push(zeros(n - at)?);
+        }
+        if parts.is_empty() {
+            return zeros(0);
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// This part's `[k]` values out of all `n` owned elements.
+    fn gather(&self, x: &Tensor) -> Result<Tensor> {
+        let parts = self
+            .spread
+            .1
+            .iter()
+            .map(|&(offset, _, len)| x.narrow(0, offset, len))
+            .collect::<Result<Vec<_>>>()?;
+        if parts.is_empty() {
+            return Tensor::zeros(0, DType::F32, x.device());
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// The owned master weights `[k]`.
+    pub fn master(&self) -> Result<Tensor> {
+        self.state.narrow(0, 0, self.k)
+    }
+
+    /// Bytes of state, as allocated.
+    pub fn state_bytes(&self) -> usize {
+        self.state.elem_count() * std::mem::size_of::<f32>()
+    }
+
+    /// `Σ x²` over the master weights and the momentum (f64).
+    pub fn state_sum_squares(&self) -> Result<f64> {
+        sum_squares(&self.state)
+    }
+
+    /// A host copy of the state.
+    pub fn state(&self) -> Result<MuonState> {
+        let mut words = self.state.to_vec1::<f32>()?;
+        let momentum = words.split_off(self.k);
+        Ok(MuonState {
+            master: words,
+            momentum,
+        })
+    }
+
+    /// Restores a saved state (its lengths must be this part's).
+    pub fn load_state(&mut self, s: &MuonState) -> Result<()> {
+        if [s.master.len(), s.momentum.len()] != [self.k; 2] {
+            candle_core::bail!(
+                "Muon state has {} master weights and {} momenta, this rank needs {} of each",
+                s.master.len(),
+                s.momentum.len(),
+                self.k
+            );
+        }
+        let mut words = s.master.clone();
+        words.extend_from_slice(&s.momentum);
+        self.state = Tensor::from_vec(words, 2 * self.k, self.state.device())?;
+        Ok(())
+    }
+}
+
+/// The element type of the iteration on `device`: bf16 on a GPU, f32 on the CPU.
+pub fn compute_dtype(device: &Device) -> DType {
+    if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,221 @@
+//! Muon against `torch.optim.Muon` (`torch_reference.json`, written by
+//! `scripts/make_muon_reference.py`: torch's own code with its iteration in f32), and the split
+//! of a rank's elements between Muon and AdamW.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use model::init::Init;
+use model::{ParamKind, ParamSet};
+use parallel::comm::local::LocalWorld;
+use parallel::dp::{Matrix, MatrixGroups, ShardPos, WholeMatrices};
+use parallel::tp::TensorParallel;
+use parallel::Group;
+
+use super::*;
+use crate::optim::{layout_of, GradBuffer, Optimizer};
+use crate::recipe::{OptimizerConfig, OptimizerName, StateDtype};
+
+/// The reference's formula for initial values (`kind` 0) and step `t`'s gradients (1).
+fn value(kind: u8, t: usize, i: usize, j: usize) -> f32 {
+    let (i, j, tf) = (i as f64, j as f64, t as f64);
+    let v = if kind == 0 {
+        0.1 * (0.37 * i + 0.11 * j + 0.5).sin()
+    } else {
+        (0.29 * i * ((t % 3) + 1) as f64 + 0.13 * j + 0.7 * tf).sin() * (1.0 + 0.25 * tf)
+    };
+    v as f32
+}
+
+fn matrix_values(kind: u8, t: usize, [rows, cols]: [usize; 2]) -> Tensor {
+    let v: Vec<f32> = (0..rows * cols)
+        .map(|k| value(kind, t, k / cols, k % cols))
+        .collect();
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+}
+
+fn config(case: &serde_json::Value) -> OptimizerConfig {
+    let f = |k: &str| case[k].as_f64().unwrap();
+    let c: Vec<f64> = case["ns_coefficients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    OptimizerConfig {
+        lr: f("lr"),
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: f("weight_decay"),
+        decay_embeddings: false,
+        state_dtype: StateDtype::Fp32,
+        name: OptimizerName::Muon,
+        muon: MuonConfig {
+            momentum: f("momentum"),
+            nesterov: case["nesterov"].as_bool().unwrap(),
+            ns_steps: case["ns_steps"].as_u64().unwrap() as usize,
+            ns_coefficients: [c[0], c[1], c[2]],
+            eps: f("eps"),
+            adjust_lr: match case["adjust_lr"].as_str().unwrap() {
+                "original" => AdjustLr::Original,
+                _ => AdjustLr::MatchRmsAdamw,
+            },
+        },
+    }
+}
+
+/// A norm gain `[4]` and a hidden matrix of `shape`, on one rank, under `cfg`.
+fn one_rank(shape: [usize; 2], cfg: &OptimizerConfig) -> (ParamSet, Optimizer) {
+    let mut ps = ParamSet::default();
+    let tp = TensorParallel::single();
+    for (name, kind, global) in [
+        ("model.norm.weight", ParamKind::Norm, vec![4]),
+        ("w", ParamKind::Matrix, shape.to_vec()),
+    ] {
+        let spec = model::ParamSpec {
+            name,
+            global_shape: &global,
+            kind,
+            init: Init::Normal { std: 1.0 },
+        };
+        ps.add(spec, 3, &tp, DType::F32, &Device::Cpu).unwrap();
+    }
+    ps.get(1).set(&matrix_values(0, 0, shape)).unwrap();
+    let layout = layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
+    let comm = LocalWorld::new(1, Duration::from_secs(10)).remove(0);
+    let one = Group::new(vec![0]);
+    let groups = MatrixGroups {
+        shard: one.clone(),
+        expert_shard: one.clone(),
+        tp: one,
+    };
+    let matrices = vec![Matrix {
+        param: 1,
+        shape,
+        tp_dim: None,
+        expert: false,
+    }];
+    let m = cfg.muon.clone();
+    let whole = WholeMatrices::new(
+        comm as Arc<dyn parallel::Comm>,
+        layout.clone(),
+        (false, ShardPos::uniform(0, 1)),
+        groups,
+        matrices,
+        move |s| ns_cost(&m, s),
+    );
+    let owned = vec![0..layout.total];
+    let hidden = [false, true];
+    let opt = Optimizer::new(&ps, &layout, owned, cfg, None, Some((whole, &hidden[..]))).unwrap();
+    (ps, opt)
+}
+
+/// Ten steps of ours equal torch.optim.Muon's on a wide, a tall and a square matrix (Nesterov
+/// or not, both learning-rate adjustments, both sides of torch's `lerp`, other coefficients
+/// and step counts) within 1e-6; the norm gain beside it is updated by AdamW exactly as an
+/// AdamW-only optimizer updates it.
+#[test]
+fn ten_steps_equal_torch_optim_muon() {
+    let reference: serde_json::Value =
+        serde_json::from_str(include_str!("torch_reference.json")).unwrap();
+    for case in reference["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let s: Vec<usize> = case["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        let shape = [s[0], s[1]];
+        let cfg = config(case);
+        let (ps, mut opt) = one_rank(shape, &cfg);
+        let adamw_cfg = OptimizerConfig {
+            name: OptimizerName::AdamW,
+            ..cfg.clone()
+        };
+        let layout = layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
+        let mut adamw_only =
+            Optimizer::new(&ps, &layout, vec![0..layout.total], &adamw_cfg, None, None).unwrap();
+        let grads = GradBuffer::new(layout.clone(), &Device::Cpu).unwrap();
+        let mut worst = 0f32;
+        for (t, want) in case["after"].as_array().unwrap().iter().enumerate() {
+            grads.zero().unwrap();
+            let norm_grad = Tensor::new(&[0.5f32, -1.0, 2.0, 0.25], &Device::Cpu).unwrap();
+            grads
+                .accumulate(0, &norm_grad.affine(t as f64 + 1.0, 0.0).unwrap())
+                .unwrap();
+            grads
+                .accumulate(1, &matrix_values(1, t + 1, shape))
+                .unwrap();
+            opt.step(&grads, cfg.lr, 1.0).unwrap();
+            adamw_only.step(&grads, cfg.lr, 1.0).unwrap();
+            let ours = opt.master().unwrap().to_vec1::<f32>().unwrap();
+            for (k, w) in want.as_array().unwrap().iter().enumerate() {
+                let d = (ours[4 + k] - w.as_f64().unwrap() as f32).abs();
+                worst = worst.max(d);
+            }
+            let alone = adamw_only.master().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(
+                ours[..4],
+                alone[..4],
+                "{name}: AdamW's part, step {}",
+                t + 1
+            );
+        }
+        eprintln!("{name}: max |ours − torch| over 10 steps {worst:.2e}");
+        assert!(worst < 1e-6, "{name}: differs from torch by {worst:.2e}");
+        // Muon keeps 8 bytes per matrix element, AdamW 12 per other element (padding included).
+        let n = shape[0] * shape[1];
+        assert_eq!(opt.state_bytes(), 8 * n + 12 * (layout.total - n));
+    }
+}
+
+#[test]
+fn learning_rate_ratios_follow_torch() {
+    assert_eq!(lr_ratio(AdjustLr::Original, [40, 10]), 2.0);
+    assert_eq!(lr_ratio(AdjustLr::Original, [10, 40]), 1.0);
+    assert!((lr_ratio(AdjustLr::MatchRmsAdamw, [10, 400]) - 4.0).abs() < 1e-12);
+}
+
+/// The iteration on a tall matrix is its transpose's, transposed; the result is close to
+/// orthogonal (the quintic leaves singular values near 1, not at 1).
+#[test]
+fn newton_schulz_orthogonalises_either_orientation() {
+    let cfg = MuonConfig::default();
+    let mut state = 12345u64;
+    let v: Vec<f32> = (0..24 * 8)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
+    let g = Tensor::from_vec(v, (24, 8), &Device::Cpu).unwrap();
+    let tall = newton_schulz(&g, &cfg, DType::F32).unwrap();
+    let wide = newton_schulz(&g.t().unwrap().contiguous().unwrap(), &cfg, DType::F32).unwrap();
+    let d = (tall.t().unwrap() - wide)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(d, 0.0);
+    // OᵀO (8 × 8) has its diagonal within the quintic's band around 1.
+    let gram = tall.t().unwrap().matmul(&tall).unwrap();
+    let diag: Vec<f32> = (0..8)
+        .map(|i| {
+            gram.get(i)
+                .unwrap()
+                .get(i)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .collect();
+    assert!(diag.iter().all(|&x| (0.3..1.5).contains(&x)), "{diag:?}");
+}

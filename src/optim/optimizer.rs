@@ -1,0 +1,268 @@
+//! A rank's optimizer over the flat ranges it owns: AdamW for every element
+//! (`optimizer.name: adamw`), or Muon for the hidden matrices' elements and AdamW for the rest
+//! (`muon`). The owned ranges are cut where a hidden matrix begins or ends; each part keeps its
+//! own state over its cuts, and [`Optimizer::master`] puts the master weights back in owned
+//! order.
+
+use std::ops::Range;
+
+use candle_core::{DType, Result, Tensor};
+use ckpt::PieceDtype;
+use model::ParamSet;
+use parallel::dp::{intersect, WholeMatrices};
+
+use super::muon::Muon;
+use super::{copy_owned, AdamW, FlatLayout, GradBuffer};
+use crate::recipe::OptimizerConfig;
+
+/// Which part updates a run of owned elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    AdamW,
+    Muon,
+}
+
+/// A run of owned elements: its part, where it starts in that part's state, its length.
+type Run = (Part, usize, usize);
+
+/// The owned ranges cut by part.
+#[derive(Debug, Default, PartialEq)]
+struct Split {
+    adamw: Vec<Range<usize>>,
+    muon: Vec<Range<usize>>,
+    /// The runs in owned order.
+    runs: Vec<Run>,
+}
+
+/// Cuts `owned` where a parameter with `hidden[i]` begins or ends (padding goes to AdamW),
+/// merging neighbours of one part.
+fn split(layout: &FlatLayout, owned: &[Range<usize>], hidden: &[bool]) -> Split {
+    let mut cuts: Vec<(Part, Range<usize>)> = Vec::new();
+    let mut push = |part: Part, r: Range<usize>| match cuts.last_mut() {
+        Some((p, last)) if *p == part && last.end == r.start => last.end = r.end,
+        _ if r.is_empty() => {}
+        _ => cuts.push((part, r)),
+    };
+    for r in owned {
+        let mut at = r.start;
+        for (i, &h) in hidden.iter().enumerate() {
+            let cut = intersect(&layout.range(i), r);
+            if cut.is_empty() {
+                continue;
+            }
+            push(Part::AdamW, at..cut.start);
+            push(if h { Part::Muon } else { Part::AdamW }, cut.clone());
+            at = cut.end;
+        }
+        push(Part::AdamW, at..r.end);
+    }
+    let mut s = Split::default();
+    let mut sizes = [0usize; 2];
+    for (part, r) in cuts {
+        let (list, size) = match part {
+            Part::AdamW => (&mut s.adamw, &mut sizes[0]),
+            Part::Muon => (&mut s.muon, &mut sizes[1]),
+        };
+        s.runs.push((part, *size, r.len()));
+        *size += r.len();
+        list.push(r);
+    }
+    s
+}
+
+/// The elements of `x` (owned order) in the runs of `part`, back to back.
+fn select(x: &Tensor, runs: &[Run], part: Part) -> Result<Tensor> {
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for &(p, _, len) in runs {
+        if p == part {
+            parts.push(x.narrow(0, at, len)?);
+        }
+        at += len;
+    }
+    if parts.is_empty() {
+        return Tensor::zeros(0, DType::F32, x.device());
+    }
+    Tensor::cat(&parts, 0)
+}
+
+/// The optimizer of a rank.
+pub struct Optimizer {
+    owned: Vec<Range<usize>>,
+    adamw: AdamW,
+    muon: Option<Muon>,
+    runs: Vec<Run>,
+}
+
+impl Optimizer {
+    /// The optimizer of the flat ranges `owned` of `layout`: master weights from `master`
+    /// (`[Σ len]` f32, ZeRO-3's shards) or else from `params`. With `muon`, the parameters
+    /// flagged hidden go to Muon, whose matrices the given [`WholeMatrices`] assembles.
+    pub fn new(
+        params: &ParamSet,
+        layout: &FlatLayout,
+        owned: Vec<Range<usize>>,
+        cfg: &OptimizerConfig,
+        master: Option<Tensor>,
+        muon: Option<(WholeMatrices, &[bool])>,
+    ) -> Result<Self> {
+        let n: usize = owned.iter().map(|r| r.len()).sum();
+        let Some((whole, hidden)) = muon else {
+            let adamw = match master {
+                Some(m) => AdamW::with_masters(params, layout, owned.clone(), m, cfg)?,
+                None => AdamW::new(params, layout, owned.clone(), cfg)?,
+            };
+            return Ok(Self {
+                owned,
+                adamw,
+                muon: None,
+                runs: vec![(Part::AdamW, 0, n)],
+            });
+        };
+        let s = split(layout, &owned, hidden);
+        let device = params
+            .iter()
+            .next()
+            .map_or(candle_core::Device::Cpu, |p| p.device.clone());
+        let k: usize = s.muon.iter().map(|r| r.len()).sum();
+        let (adamw, muon_master) = match &master {
+            Some(m) => {
+                let a = select(m, &s.runs, Part::AdamW)?;
+                let adamw = AdamW::with_masters(params, layout, s.adamw.clone(), a, cfg)?;
+                (adamw, select(m, &s.runs, Part::Muon)?)
+            }
+            None => {
+                let adamw = AdamW::new(params, layout, s.adamw.clone(), cfg)?;
+                let m = Tensor::zeros(k, DType::F32, &device)?;
+                copy_owned(params, layout, &s.muon, &m)?;
+                (adamw, m)
+            }
+        };
+        let mut offsets = Vec::new();
+        let mut at = 0;
+        for &(p, _, len) in &s.runs {
+            if p == Part::Muon {
+                offsets.push(at);
+            }
+            at += len;
+        }
+        let muon = Muon::new(cfg, s.muon, (n, offsets), &muon_master, whole)?;
+        Ok(Self {
+            owned,
+            adamw,
+            muon: Some(muon),
+            runs: s.runs,
+        })
+    }
+
+    /// The flat ranges this optimizer updates.
+    pub fn owned(&self) -> &[Range<usize>] {
+        &self.owned
+    }
+
+    /// AdamW's part.
+    pub fn adamw(&self) -> &AdamW {
+        &self.adamw
+    }
+
+    /// AdamW's part, to restore.
+    pub fn adamw_mut(&mut self) -> &mut AdamW {
+        &mut self.adamw
+    }
+
+    /// Muon's part (`optimizer.name: muon`).
+    pub fn muon(&self) -> Option<&Muon> {
+        self.muon.as_ref()
+    }
+
+    /// Muon's part, to restore.
+    pub fn muon_mut(&mut self) -> Option<&mut Muon> {
+        self.muon.as_mut()
+    }
+
+    /// One update with learning rate `lr`, gradients scaled by `grad_scale` (clipping). With
+    /// Muon every rank of the shard and tensor-parallel groups takes part.
+    pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
+        self.adamw.step(grads, lr, grad_scale)?;
+        if let Some(m) = &mut self.muon {
+            m.step(grads, lr, grad_scale)?;
+        }
+        Ok(())
+    }
+
+    /// The owned master weights in owned order `[n]`.
+    pub fn master(&self) -> Result<Tensor> {
+        let Some(muon) = &self.muon else {
+            return self.adamw.master();
+        };
+        let (a, m) = (self.adamw.master()?, muon.master()?);
+        let parts = self
+            .runs
+            .iter()
+            .map(|&(p, at, len)| match p {
+                Part::AdamW => a.narrow(0, at, len),
+                Part::Muon => m.narrow(0, at, len),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if parts.is_empty() {
+            return Tensor::zeros(0, DType::F32, a.device());
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// Bytes of state, as allocated.
+    pub fn state_bytes(&self) -> usize {
+        self.adamw.state_bytes() + self.muon.as_ref().map_or(0, |m| m.state_bytes())
+    }
+
+    /// `Σ x²` over the whole state (f64): non-finite exactly when some value is.
+    pub fn state_sum_squares(&self) -> Result<f64> {
+        let muon = self
+            .muon
+            .as_ref()
+            .map_or(Ok(0.0), |m| m.state_sum_squares())?;
+        Ok(self.adamw.state_sum_squares()? + muon)
+    }
+
+    /// The type of AdamW's moments, as checkpoints store them.
+    pub fn moment_dtype(&self) -> PieceDtype {
+        self.adamw.moment_dtype()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_ranges_are_cut_where_hidden_matrices_begin_and_end() {
+        // Parameters of 4, 6, 2, 6 elements; the second and fourth hidden; padding to 20.
+        let layout = FlatLayout::new(&[4, 6, 2, 6], 1 << 20, 4);
+        assert_eq!(layout.total, 20);
+        let hidden = [false, true, false, true];
+        let s = split(&layout, &[0..20], &hidden);
+        assert_eq!(s.adamw, vec![0..4, 10..12, 18..20]);
+        assert_eq!(s.muon, vec![4..10, 12..18]);
+        let runs: Vec<_> = s.runs.iter().map(|r| (r.0, r.1, r.2)).collect();
+        assert_eq!(
+            runs,
+            vec![
+                (Part::AdamW, 0, 4),
+                (Part::Muon, 0, 6),
+                (Part::AdamW, 4, 2),
+                (Part::Muon, 6, 6),
+                (Part::AdamW, 6, 2)
+            ]
+        );
+        // A shard cutting through the parameters.
+        let s = split(&layout, &[5..11, 15..20], &hidden);
+        assert_eq!(s.muon, vec![5..10, 15..18]);
+        assert_eq!(s.adamw, vec![10..11, 18..20]);
+        let x = Tensor::arange(0f32, 11.0, &candle_core::Device::Cpu).unwrap();
+        let m = select(&x, &s.runs, Part::Muon).unwrap();
+        assert_eq!(
+            m.to_vec1::<f32>().unwrap(),
+            vec![0., 1., 2., 3., 4., 6., 7., 8.]
+        );
+    }
+}
