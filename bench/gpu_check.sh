@@ -20,6 +20,9 @@
 #   documents the tiny recipe (60 steps) on the plays' paragraphs as short documents with
 #             data.reset_attention_mask and data.reset_position_ids (the attention kernels'
 #             document floor) on CUDA in f32, bf16 and at cp 2, against the CPU (f32)
+#   muon      the tiny recipe (60 steps) with optimizer.name=muon (Newton-Schulz in bf16 on the
+#             GPU) in f32 and bf16 against the CPU (f32, f32 iteration), at dp 2 x tp 2 with
+#             ZeRO-1 against one rank, and 6 steps of bench-1b with Muon (opt= in its log)
 #   attention bench/attention_gpu.sh: attention forward + backward, ours (cudnn, own) against
 #             torch SDPA (flash, cudnn)
 #   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
@@ -41,7 +44,7 @@ cd "$(dirname "$0")/.."
 BIN=./pretrain
 if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents attention bench profile)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents muon attention bench profile)
 if [ "${BIN%.xz}" != "$BIN" ]; then
   xz -dkf "$BIN" && BIN=${BIN%.xz} && chmod +x "$BIN" || { echo "gpu_check.sh: cannot unpack $BIN" >&2; exit 1; }
 fi
@@ -183,12 +186,14 @@ export BIN RUNS PYTHON
 export -f tiny_run recipe_run compare compare_drift
 
 MOE_STEPS="train.steps=50,train.eval_interval=25"
+MUON_SET="train.steps=60,train.eval_interval=30,optimizer.name=muon"
 DOCS_SET="train.steps=60,train.eval_interval=30,data.datasets=[{prefix: $RUNS/docs/docs}],\
 data.reset_attention_mask=true,data.reset_position_ids=true"
 for p in "${PARTS[@]}"; do
   case $p in
     tiny) cpu_ref tiny-cpu tiny ;;
     documents) docs_data && cpu_ref docs-cpu tiny --set "$DOCS_SET" ;;
+    muon) cpu_ref muon-cpu tiny --set "$MUON_SET" ;;
     moe) cpu_ref moe-cpu tiny-moe --set "$MOE_STEPS" ;;
     long) cpu_ref long-cpu tiny-long ;;
   esac
@@ -261,6 +266,20 @@ for p in "${PARTS[@]}"; do
       part docs-f32-curve compare docs-cuda-f32 docs-cpu 1e-2
       part docs-bf16-curve compare docs-cuda-bf16 docs-cpu 3e-2
       part docs-cp2-curve compare docs-cuda-cp2 docs-cuda-f32 1e-3
+      ;;
+    muon)
+      part muon-cuda-f32 tiny_run muon-cuda-f32 cuda f32 --set "$MUON_SET"
+      part muon-cuda-bf16 tiny_run muon-cuda-bf16 cuda bf16 --set "$MUON_SET"
+      part muon-cuda-dp2tp2 tiny_run muon-cuda-dp2tp2 cuda f32 \
+        --set "$MUON_SET,parallel.dp=2,parallel.tp=2,parallel.zero=1"
+      cpu_wait muon-cpu
+      # The GPU iterates in bf16 (as torch's Muon), the CPU in f32.
+      part muon-f32-curve compare muon-cuda-f32 muon-cpu 3e-2
+      part muon-bf16-curve compare muon-cuda-bf16 muon-cpu 3e-2
+      part muon-dp2tp2-curve compare muon-cuda-dp2tp2 muon-cuda-f32 5e-3
+      rm -rf "$RUNS/muon-1b"
+      part muon-1b "$BIN" --recipe recipes/bench-1b.yaml \
+        --set "run.dir=$RUNS/muon-1b,train.steps=6,run.log_interval=1,optimizer.name=muon"
       ;;
     attention)
       part attention env OUT="$OUT/attention" PYTHON="$PYTHON" bench/attention_gpu.sh "$BIN"

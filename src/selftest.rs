@@ -345,6 +345,18 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
         "f32",
         &format!("{moe},parallel.dp=2,parallel.ep=2"),
     )?)?;
+    let muon = "optimizer.name=muon";
+    let muon_one = losses(tiny(recipe, 3, dev, "f32", muon)?)?;
+    let muon_four = losses(tiny(
+        recipe,
+        3,
+        dev,
+        "f32",
+        &format!("{muon},parallel.dp=2,parallel.tp=2,parallel.zero=1"),
+    )?)?;
+    // Muon iterates in bf16 on a GPU: the layouts' f32 rounding differences can flip a bf16
+    // rounding, so its bound there is wider.
+    let muon_tolerance = if kind == DeviceKind::Cuda { 1e-3 } else { 1e-5 };
     let mut checks = vec![
         Check {
             name: format!("bf16 training steps on {dev} vs f32 on cpu (loss)"),
@@ -365,6 +377,11 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
             name: format!("MoE ep2 thread-ranks sharing {dev} vs one rank (loss)"),
             error: max_rel(&moe_ep, &moe_one),
             tolerance: 1e-5,
+        },
+        Check {
+            name: format!("Muon dp2 x tp2 ZeRO-1 thread-ranks sharing {dev} vs one rank (loss)"),
+            error: max_rel(&muon_four, &muon_one),
+            tolerance: muon_tolerance,
         },
     ];
     let across = processes::check_processes(kind, recipe, &one)?;

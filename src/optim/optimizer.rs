@@ -5,15 +5,18 @@
 //! order.
 
 use std::ops::Range;
+use std::time::Duration;
 
 use candle_core::{DType, Result, Tensor};
 use ckpt::PieceDtype;
 use model::ParamSet;
-use parallel::dp::{intersect, WholeMatrices};
+use parallel::comm::local::LocalWorld;
+use parallel::dp::{intersect, Matrix, MatrixGroups, ShardPos, WholeMatrices};
+use parallel::Group;
 
 use super::muon::Muon;
 use super::{copy_owned, AdamW, FlatLayout, GradBuffer};
-use crate::recipe::OptimizerConfig;
+use crate::recipe::{OptimizerConfig, OptimizerName};
 
 /// Which part updates a run of owned elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,6 +158,48 @@ impl Optimizer {
         })
     }
 
+    /// The optimizer of a model held whole by one rank (benchmarks, tests): every element
+    /// owned, Muon's matrices (`hidden`, with `optimizer.name: muon`) whole where they are.
+    pub fn single_rank(
+        params: &ParamSet,
+        layout: &FlatLayout,
+        cfg: &OptimizerConfig,
+        hidden: &[bool],
+    ) -> Result<Self> {
+        let owned: Vec<Range<usize>> = std::iter::once(0..layout.total).collect();
+        if cfg.name != OptimizerName::Muon {
+            return Self::new(params, layout, owned, cfg, None, None);
+        }
+        let comm = LocalWorld::new(1, Duration::from_secs(60)).remove(0);
+        let one = Group::new(vec![0]);
+        let groups = MatrixGroups {
+            shard: one.clone(),
+            expert_shard: one.clone(),
+            tp: one,
+        };
+        let matrices = params
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| hidden[i])
+            .map(|(i, p)| Matrix {
+                param: i,
+                shape: [p.block.shape[0], p.block.shape[1]],
+                tp_dim: None,
+                expert: false,
+            })
+            .collect();
+        let m = cfg.muon.clone();
+        let whole = WholeMatrices::new(
+            comm,
+            layout.clone(),
+            (false, ShardPos::uniform(0, 1)),
+            groups,
+            matrices,
+            move |s| super::muon::ns_cost(&m, s),
+        );
+        Self::new(params, layout, owned, cfg, None, Some((whole, hidden)))
+    }
+
     /// The flat ranges this optimizer updates.
     pub fn owned(&self) -> &[Range<usize>] {
         &self.owned
@@ -240,7 +285,8 @@ mod tests {
         let layout = FlatLayout::new(&[4, 6, 2, 6], 1 << 20, 4);
         assert_eq!(layout.total, 20);
         let hidden = [false, true, false, true];
-        let s = split(&layout, &[0..20], &hidden);
+        let whole: Vec<Range<usize>> = std::iter::once(0..20).collect();
+        let s = split(&layout, &whole, &hidden);
         assert_eq!(s.adamw, vec![0..4, 10..12, 18..20]);
         assert_eq!(s.muon, vec![4..10, 12..18]);
         let runs: Vec<_> = s.runs.iter().map(|r| (r.0, r.1, r.2)).collect();

@@ -195,10 +195,11 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         } = state.bytes(par, &numels, r.train.dtype.dtype(), moments);
         if r.optimizer.name == OptimizerName::Muon {
             // Muon keeps a master weight and an f32 momentum (8 bytes) per hidden matrix element
-            // instead of AdamW's master and two moments.
-            let hidden = state.owned_of(&inventory.hidden_matrices());
-            optimizer_bytes =
-                optimizer_bytes - (4 + 2 * moments.size_in_bytes()) * hidden + 8 * hidden;
+            // instead of AdamW's master and two moments. Shards are equal in size but not in
+            // their share of hidden matrices: the most loaded rank is the one with the fewest.
+            let hidden = fewest_hidden(par, &inventory, &numels, &chunks);
+            let adamw = 4 + 2 * moments.size_in_bytes();
+            optimizer_bytes = optimizer_bytes - adamw * hidden + 8 * hidden;
         }
         let piece_acts: Vec<Vec<PieceActs>> = chunks
             .iter()
@@ -275,6 +276,38 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
 }
 
 /// Bytes of a piece's input `[n_s, h]`.
+/// The fewest hidden matrix elements (Muon's) a rank of one stage owns: the fewest of any
+/// shard index in the dense buckets plus the fewest of any expert shard index in the routed
+/// experts' buckets.
+fn fewest_hidden(
+    par: &parallel::ParallelConfig,
+    inventory: &Inventory,
+    numels: &[usize],
+    chunks: &[Vec<Piece>],
+) -> usize {
+    let hidden = inventory.hidden_matrices();
+    let split = par.ep > 1;
+    let expert = inventory.expert_flags();
+    let of = |want_expert: bool| -> Vec<bool> {
+        (0..hidden.len())
+            .map(|i| hidden[i] && (split && expert[i]) == want_expert)
+            .collect()
+    };
+    let (dense, routed) = (of(false), of(true));
+    let (shards, expert_shards) = if par.zero.shards_optimizer() {
+        (par.shard_size(), par.expert_grad_ranks())
+    } else {
+        (1, 1)
+    };
+    let fewest = |n: usize, flags: &[bool], at: &dyn Fn(usize) -> (usize, usize)| {
+        (0..n)
+            .map(|i| state_layout(par, inventory, numels, chunks, at(i)).owned_of(flags))
+            .min()
+            .unwrap_or(0)
+    };
+    fewest(shards, &dense, &|i| (i, 0)) + fewest(expert_shards, &routed, &|j| (0, j))
+}
+
 fn s_input(s: &TapeShape) -> u64 {
     s.ns * s.h * s.p
 }

@@ -16,7 +16,7 @@ use parallel::tp::register::Tensor;
 use serde::Serialize;
 
 use super::hardware::Hardware;
-use crate::recipe::Recipe;
+use crate::recipe::{OptimizerName, Recipe};
 use crate::train::rank::chunk_pieces;
 
 /// Predicted seconds of one optimizer step, by part.
@@ -35,7 +35,7 @@ pub struct StepTime {
     pub dp_comm_s: f64,
     /// Their part not hidden behind the backward passes.
     pub dp_exposed_s: f64,
-    /// AdamW update and gradient norm.
+    /// AdamW update and gradient norm (with Muon, its iterations and exchange too).
     pub optimizer_s: f64,
     /// The step.
     pub step_s: f64,
@@ -219,6 +219,53 @@ pub struct StageState {
     pub params: f64,
 }
 
+/// Muon's own seconds on a rank of a stage holding decoder blocks `layers` (its elementwise
+/// work is counted with AdamW's): the Newton-Schulz iterations of the whole matrices it owns
+/// (the stage's matrices spread evenly over the shard group; every rank iterates all of them
+/// without sharding), the tensor-parallel all-gathers that assemble them, and with sharding
+/// the exchange over the shard group (each bucket all-gathered in, and broadcast back, in f32).
+fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, shard_bw: f64) -> f64 {
+    let (c, par) = (&r.model, &r.parallel);
+    let (h, q) = (c.hidden_size, c.q_dim());
+    let kv = c.num_key_value_heads * c.head_dim();
+    let mut shapes: Vec<[usize; 2]> = Vec::new();
+    for &i in layers {
+        shapes.extend([[q, h], [kv, h], [kv, h], [h, q]]);
+        match c.moe().filter(|_| c.is_moe_layer(i)) {
+            Some(m) => {
+                let (e, f) = (m.num_experts / par.ep.max(1), m.expert_size);
+                shapes.extend((0..e).flat_map(|_| [[f, h], [f, h], [h, f]]));
+            }
+            None => {
+                let f = c.intermediate_size;
+                shapes.extend([[f, h], [f, h], [h, f]]);
+            }
+        }
+    }
+    let cfg = &r.optimizer.muon;
+    let flops: f64 = shapes
+        .iter()
+        .map(|&s| 2.0 * crate::optim::muon::ns_cost(cfg, s))
+        .sum();
+    let elems: f64 = shapes.iter().map(|s| (s[0] * s[1]) as f64).sum();
+    let sharded = par.zero.shards_optimizer() && par.shard_size() > 1;
+    let owners = if sharded {
+        par.shard_size() as f64
+    } else {
+        1.0
+    };
+    let hw = model.hw;
+    let compute = flops / owners / (hw.peak_tflops * 1e12 * hw.gemm_efficiency);
+    let t = par.tp as f64;
+    let gather = model.tp_collective((t - 1.0) / t, 4.0 * elems / owners);
+    let exchange = if sharded {
+        2.0 * 4.0 * st.params * (owners - 1.0) / owners / shard_bw
+    } else {
+        0.0
+    };
+    compute + gather + exchange
+}
+
 /// Bandwidth in bytes/s of a group of `size` ranks spaced `stride` apart.
 fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
     let gbps = if size * stride <= hw.gpus_per_node {
@@ -343,11 +390,15 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     let pp_bw = group_bandwidth(hw, 2, tp * dp);
     let p2p = Pipeline::transfer_s(model.ns * c.hidden_size as f64 * p, pp_bw);
     let mut per_stage = Vec::with_capacity(pp);
-    for stage in 0..pp {
+    let mut stage_layers: Vec<Vec<usize>> = vec![Vec::new(); pp];
+    for (stage, layers) in stage_layers.iter_mut().enumerate() {
         let mut cost = Cost::default();
         let mut sends = 0.0;
         for k in 0..v {
             for piece in chunk_pieces(stage, k, pp, &chunk_layers) {
+                if let Piece::Block(i) = piece {
+                    layers.push(i);
+                }
                 let x = match piece {
                     Piece::Embedding => embedding,
                     Piece::Block(i) if c.is_moe_layer(i) => moe,
@@ -402,7 +453,11 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     // written, the parameter written and the gradient read again by the norm.
     let moment = r.optimizer.state_dtype.dtype().size_in_bytes() as f64;
     let state = 4.0 + 2.0 * moment;
-    let optimizer_s = model.memory(st.owned * (4.0 + 2.0 * state + p + 4.0));
+    let mut optimizer_s = model.memory(st.owned * (4.0 + 2.0 * state + p + 4.0));
+    if r.optimizer.name == OptimizerName::Muon {
+        let shard_bw = group_bandwidth(hw, par.shard_size(), tp);
+        optimizer_s += muon_s(r, &model, &stage_layers[slowest], st, shard_bw);
+    }
     let (cost, pp_s) = per_stage[slowest];
     let step_s = pipeline_s + dp_exposed_s + optimizer_s;
     let time = StepTime {

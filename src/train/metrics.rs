@@ -91,6 +91,10 @@ pub struct StepRecord {
     pub consumed_samples: u64,
     /// Wall time of the step, seconds.
     pub step_time_s: f64,
+    /// Seconds of the optimizer update (with Muon, its matrix exchange and iterations) and the
+    /// parameters made from it; 0 when the update was skipped. On a GPU timed on logged steps
+    /// only (the device is waited for there), else the host's share.
+    pub optimizer_s: f64,
     /// Measured pipeline bubble fraction, on the step whose timeline was traced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bubble: Option<f64>,

@@ -142,8 +142,8 @@ fn step_line(rec: &StepRecord, steps: usize) -> String {
     };
     let units = rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes;
     format!(
-        "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB{gathers}{ring}{moe}{skip}",
+        "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB opt={:.1}ms{gathers}{ring}{moe}{skip}",
         rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
-        mib(rec.state.total()), mib(rec.act_peak_bytes), mib(units)
+        mib(rec.state.total()), mib(rec.act_peak_bytes), mib(units), 1e3 * rec.optimizer_s
     )
 }

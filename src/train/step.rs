@@ -29,6 +29,8 @@ struct Measured {
     grad_norm: f64,
     /// Seconds since the start when the optimizer began.
     opt_start: f64,
+    /// Seconds the update took.
+    optimizer_s: f64,
     run: PassStats,
     routing: Option<StepRouting>,
     verdict: Verdict,
@@ -78,7 +80,11 @@ impl Trainer {
         let updated = verdict == Verdict::Update;
         if updated {
             self.update(lr, grad_norm, routing.as_mut())?;
+            if self.ctx.device.is_cuda() && self.is_logged(self.step + 1) {
+                crate::device::synchronize(&self.ctx.device)?;
+            }
         }
+        let optimizer_s = start.elapsed().as_secs_f64() - opt_start;
         self.step += 1;
         self.consumed += self.recipe.train.global_batch as u64;
         self.stop = self.after_update(self.step, updated)?;
@@ -89,6 +95,7 @@ impl Trainer {
             lr,
             grad_norm,
             opt_start,
+            optimizer_s,
             run,
             routing,
             verdict,
@@ -260,6 +267,7 @@ impl Trainer {
             moe: m.routing,
             consumed_samples: self.consumed,
             step_time_s: secs,
+            optimizer_s: m.optimizer_s,
             bubble: traced
                 .filter(|_| ctx.groups.pp.size() > 1)
                 .map(|s| s.bubble),

@@ -388,3 +388,50 @@ fn an_incomplete_checkpoint_is_refused_when_written() {
     );
     assert!(!root.join("step-00000003").exists());
 }
+
+/// A tensor carries the state of its optimizer: AdamW's two moments, or Muon's momentum. A
+/// checkpoint with both kinds of tensors is complete; a tensor with neither is refused.
+#[test]
+fn tensors_carry_adamw_moments_or_muon_momentum() {
+    let save = |kinds_of_b: &[Kind]| -> Result<(), String> {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let tok = root.join("tok.json");
+        std::fs::write(&tok, "{}").unwrap();
+        let mut w = RankWriter::new(root, 1, 0).unwrap();
+        let a = block("a", &[2, 2], &[0, 0], &[2, 2]);
+        for kind in Kind::ADAMW {
+            w.add(kind, a, 0..4, vec![0.5; 4]);
+        }
+        let b = block("b", &[2, 3], &[0, 0], &[2, 3]);
+        for &kind in kinds_of_b {
+            w.add(kind, b, 0..6, vec![0.25; 6]);
+        }
+        w.write().unwrap();
+        let manifest = Manifest {
+            format: String::new(),
+            step: 1,
+            consumed_samples: 0,
+            seed: 1,
+            model: serde_json::json!({}),
+            recipe: String::new(),
+            layout: serde_json::json!({}),
+            trainer: serde_json::Value::Null,
+            files: vec![],
+            pieces: vec![],
+        };
+        finalize(root, manifest, 1, &tok, 2)
+            .map(|dir| {
+                let ck = Checkpoint::open(&dir).unwrap();
+                assert!(ck.has(Kind::Momentum, "b") && !ck.has(Kind::ExpAvg, "b"));
+                let m = ck.read_tensor("b", Kind::Momentum, &[2, 3]).unwrap();
+                assert_eq!(m, vec![0.25; 6]);
+            })
+            .map_err(|e| e.to_string())
+    };
+    save(&Kind::MUON).unwrap();
+    let e = save(&[Kind::Master]).unwrap_err();
+    assert!(e.contains("no exp_avg of b"), "{e}");
+    let e = save(&[Kind::Master, Kind::ExpAvg]).unwrap_err();
+    assert!(e.contains("no exp_avg_sq of b"), "{e}");
+}

@@ -2,16 +2,10 @@
 //! `scripts/make_muon_reference.py`: torch's own code with its iteration in f32), and the split
 //! of a rank's elements between Muon and AdamW.
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use candle_core::{DType, Device, Tensor};
 use model::init::Init;
 use model::{ParamKind, ParamSet};
-use parallel::comm::local::LocalWorld;
-use parallel::dp::{Matrix, MatrixGroups, ShardPos, WholeMatrices};
 use parallel::tp::TensorParallel;
-use parallel::Group;
 
 use super::*;
 use crate::optim::{layout_of, GradBuffer, Optimizer};
@@ -84,31 +78,7 @@ fn one_rank(shape: [usize; 2], cfg: &OptimizerConfig) -> (ParamSet, Optimizer) {
     }
     ps.get(1).set(&matrix_values(0, 0, shape)).unwrap();
     let layout = layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
-    let comm = LocalWorld::new(1, Duration::from_secs(10)).remove(0);
-    let one = Group::new(vec![0]);
-    let groups = MatrixGroups {
-        shard: one.clone(),
-        expert_shard: one.clone(),
-        tp: one,
-    };
-    let matrices = vec![Matrix {
-        param: 1,
-        shape,
-        tp_dim: None,
-        expert: false,
-    }];
-    let m = cfg.muon.clone();
-    let whole = WholeMatrices::new(
-        comm as Arc<dyn parallel::Comm>,
-        layout.clone(),
-        (false, ShardPos::uniform(0, 1)),
-        groups,
-        matrices,
-        move |s| ns_cost(&m, s),
-    );
-    let owned = vec![0..layout.total];
-    let hidden = [false, true];
-    let opt = Optimizer::new(&ps, &layout, owned, cfg, None, Some((whole, &hidden[..]))).unwrap();
+    let opt = Optimizer::single_rank(&ps, &layout, cfg, &[false, true]).unwrap();
     (ps, opt)
 }
 
@@ -137,7 +107,7 @@ fn ten_steps_equal_torch_optim_muon() {
         };
         let layout = layout_of(&ps, parallel::config::DEFAULT_BUCKET_SIZE, 1);
         let mut adamw_only =
-            Optimizer::new(&ps, &layout, vec![0..layout.total], &adamw_cfg, None, None).unwrap();
+            Optimizer::single_rank(&ps, &layout, &adamw_cfg, &[false, true]).unwrap();
         let grads = GradBuffer::new(layout.clone(), &Device::Cpu).unwrap();
         let mut worst = 0f32;
         for (t, want) in case["after"].as_array().unwrap().iter().enumerate() {
