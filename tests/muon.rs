@@ -1,7 +1,8 @@
 //! `optimizer.name: muon` under every layout: the Newton-Schulz iteration runs on each whole
 //! matrix whatever shards it, so tensor parallelism, ZeRO 1 and 3, pipelines and expert
-//! parallelism train like one rank (the tolerances of tests/parallel.rs); resume is bit-identical;
-//! switching optimizer on resume needs `checkpoint.accept_changes: [optimizer]`.
+//! parallelism train like one rank (the tolerances of tests/parallel.rs); resume is bit-identical
+//! and continues at another layout; switching optimizer on resume needs
+//! `checkpoint.accept_changes: [optimizer]`.
 
 use std::path::Path;
 
@@ -33,6 +34,8 @@ fn muon_layouts_equal_the_single_rank_run() {
         "parallel.dp=4,parallel.zero=1,parallel.bucket_size=20000",
         "parallel.pp=2",
         "parallel.pp=2,parallel.virtual_stages=2,parallel.dp=2,parallel.zero=2",
+        // Stages holding only the embedding or the head: no hidden matrix, nothing for Muon.
+        "parallel.pp=4,parallel.pipeline_layout=[0, 2, 2, 0]",
     ] {
         let other = run(&format!("{MUON},{layout}"));
         assert_equivalent(layout, compare(layout, &base, &other));
@@ -95,6 +98,23 @@ fn muon_resumes_bit_identically_and_a_switch_must_be_accepted() {
                 && e.contains("accept_changes: [optimizer]"),
             "{e}"
         );
+        // Layout-free: the one-rank checkpoint continues at dp 2 × tp 2 + SP with ZeRO-3 on
+        // the same curve (tests/parallel.rs's loss bound).
+        let moved = run_in(
+            &tmp.path().join("e"),
+            &[
+                MUON,
+                "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero=3",
+                &resume,
+            ],
+        )
+        .unwrap();
+        for (a, b) in losses(&moved).iter().zip(&losses(&full)[3..]) {
+            assert!(
+                (a - b).abs() / b < 1e-6,
+                "resumed at another layout: {a} vs {b}"
+            );
+        }
         let switched = run_in(
             &tmp.path().join("d"),
             &[layout, &resume, "checkpoint.accept_changes=[optimizer]"],
