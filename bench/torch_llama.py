@@ -1,6 +1,6 @@
 """PyTorch reference for the step benchmarks: the same Llama (RMSNorm, rotate-half RoPE,
 grouped-query attention through SDPA, SwiGLU, tied or untied embeddings), the same batch shape and
-the same synthetic token stream as benches/cpu_step.rs. Prints one JSON line on stdout.
+the same synthetic token stream as the benches (benches/common/mod.rs). Prints one JSON line on stdout.
 
 CPU (bench/cpu_step.sh), f32 eager, forward and full step timed separately, median of STEPS steps
 after 2 warm-up steps:
@@ -212,7 +212,7 @@ def flops_per_token(c, seq_len):
 # ---- shared setup ---------------------------------------------------------------------------------
 
 def synthetic_batches(vocab, micro, b, s):
-    """benches/cpu_step.rs's token stream: x <- x * 6364136223846793005 + 1442695040888963407 mod
+    """The benches' token stream (benches/common/mod.rs): x <- x * 6364136223846793005 + 1442695040888963407 mod
     2^64 from 42, token = (x >> 33) mod vocab; `micro` micro-batches of b rows of s + 1 tokens."""
     x, mask64 = 42, (1 << 64) - 1
 

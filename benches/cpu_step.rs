@@ -8,7 +8,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use data::Batch;
 use model::{Llama, Recompute};
 use parallel::comm::local::LocalWorld;
 use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
@@ -17,6 +16,8 @@ use pretrain::optim::{layout_of, write_params, AdamW, GradBuffer};
 use pretrain::recipe::load;
 use pretrain::train::pipeline::{forward_losses, Executor, MicroBatch};
 use pretrain::train::RankCtx;
+
+mod common;
 
 #[global_allocator]
 static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
@@ -45,27 +46,7 @@ fn main() -> anyhow::Result<()> {
     );
     let micro = r.grad_accum_steps();
 
-    // The same token stream as the PyTorch script: x_{i+1} = (x_i · 6364136223846793005 + 1442695040888963407) mod 2⁶⁴, token = x >> 33 mod vocab.
-    let mut x: u64 = 42;
-    let mut next = || {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((x >> 33) % v) as u32
-    };
-    let batches: Vec<Batch> = (0..micro)
-        .map(|_| {
-            let seqs: Vec<Vec<u32>> = (0..b).map(|_| (0..=s).map(|_| next()).collect()).collect();
-            Batch {
-                tokens: seqs.iter().flat_map(|q| q[..s].to_vec()).collect(),
-                labels: seqs.iter().flat_map(|q| q[1..].to_vec()).collect(),
-                loss_mask: vec![1.0; b * s],
-                micro_batch: b,
-                seq_len: s,
-                doc_starts: None,
-            }
-        })
-        .collect();
+    let batches = common::synthetic_batches(v, micro, b, s);
 
     let dev = Device::Cpu;
     let model = Llama::new(

@@ -1,5 +1,5 @@
 //! Our training steps beside PyTorch's from the same weights: the recipe's model (f32, CPU,
-//! seeded initialisation) trained for STEPS steps on `benches/cpu_step.rs`'s synthetic token
+//! seeded initialisation) trained for STEPS steps on the benches' synthetic token
 //! stream at a constant learning rate, without clipping, with the recipe's optimizer (AdamW, or
 //! Muon for the hidden matrices). Writes the initial weights to OUT (safetensors, Hugging Face
 //! names) and prints `{"losses": [...]}`; `bench/torch_match.sh` trains the same weights with
@@ -12,7 +12,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use data::Batch;
 use model::{Llama, Recompute};
 use parallel::comm::local::LocalWorld;
 use parallel::config::{ParallelConfig, DEFAULT_BUCKET_SIZE};
@@ -21,6 +20,8 @@ use pretrain::optim::{layout_of, write_params, GradBuffer, Optimizer};
 use pretrain::recipe::load;
 use pretrain::train::pipeline::{Executor, MicroBatch};
 use pretrain::train::RankCtx;
+
+mod common;
 
 #[global_allocator]
 static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
@@ -42,27 +43,7 @@ fn main() -> anyhow::Result<()> {
         r.model.vocab_size as u64,
     );
     let micro = r.grad_accum_steps();
-    // benches/cpu_step.rs's stream (bench/torch_llama.py's `synthetic_batches`).
-    let mut x: u64 = 42;
-    let mut next = || {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((x >> 33) % v) as u32
-    };
-    let batches: Vec<Batch> = (0..micro)
-        .map(|_| {
-            let seqs: Vec<Vec<u32>> = (0..b).map(|_| (0..=s).map(|_| next()).collect()).collect();
-            Batch {
-                tokens: seqs.iter().flat_map(|q| q[..s].to_vec()).collect(),
-                labels: seqs.iter().flat_map(|q| q[1..].to_vec()).collect(),
-                loss_mask: vec![1.0; b * s],
-                micro_batch: b,
-                seq_len: s,
-                doc_starts: None,
-            }
-        })
-        .collect();
+    let batches = common::synthetic_batches(v, micro, b, s);
 
     let dev = Device::Cpu;
     let whole = model::Placement::whole(&r.model);

@@ -20,8 +20,13 @@
 
 use std::ops::Range;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Result, Tensor};
-use parallel::dp::WholeMatrices;
+use model::ParamSet;
+use parallel::dp::{FlatLayout, Matrix, MatrixGroups, ShardPos, WholeMatrices};
+use parallel::tp::Shard;
+use parallel::Comm;
 
 use super::kernels::sum_squares;
 use super::GradBuffer;
@@ -93,6 +98,38 @@ pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tenso
         x = x.t()?.contiguous()?;
     }
     x.to_dtype(DType::F32)
+}
+
+/// The exchange assembling the hidden matrices (`hidden[i]`) of `params`, laid out by `layout`
+/// at `place` (sharded or not, and where) over `groups`; `expert[i]` for a routed expert's
+/// matrix sharded over the expert shard group. Owners are balanced by [`ns_cost`].
+pub fn exchange(
+    comm: Arc<dyn Comm>,
+    layout: &FlatLayout,
+    place: (bool, ShardPos),
+    groups: MatrixGroups,
+    (params, hidden, expert): (&ParamSet, &[bool], &[bool]),
+    cfg: &MuonConfig,
+) -> WholeMatrices {
+    let tp = groups.tp.size();
+    let matrices = params
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| hidden[i])
+        .map(|(i, p)| Matrix {
+            param: i,
+            shape: [p.block.shape[0], p.block.shape[1]],
+            tp_dim: match p.shard {
+                Shard::Dim(d) if tp > 1 => Some(d),
+                _ => None,
+            },
+            expert: expert[i],
+        })
+        .collect();
+    let cfg = cfg.clone();
+    WholeMatrices::new(comm, layout.clone(), place, groups, matrices, move |s| {
+        ns_cost(&cfg, s)
+    })
 }
 
 /// Muon over the flat ranges of hidden matrices a rank owns.

@@ -11,7 +11,7 @@ use candle_core::{DType, Result, Tensor};
 use ckpt::PieceDtype;
 use model::ParamSet;
 use parallel::comm::local::LocalWorld;
-use parallel::dp::{intersect, Matrix, MatrixGroups, ShardPos, WholeMatrices};
+use parallel::dp::{intersect, MatrixGroups, ShardPos, WholeMatrices};
 use parallel::Group;
 
 use super::muon::Muon;
@@ -177,25 +177,14 @@ impl Optimizer {
             expert_shard: one.clone(),
             tp: one,
         };
-        let matrices = params
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| hidden[i])
-            .map(|(i, p)| Matrix {
-                param: i,
-                shape: [p.block.shape[0], p.block.shape[1]],
-                tp_dim: None,
-                expert: false,
-            })
-            .collect();
-        let m = cfg.muon.clone();
-        let whole = WholeMatrices::new(
+        let no_experts = vec![false; hidden.len()];
+        let whole = super::muon::exchange(
             comm,
-            layout.clone(),
+            layout,
             (false, ShardPos::uniform(0, 1)),
             groups,
-            matrices,
-            move |s| super::muon::ns_cost(&m, s),
+            (params, hidden, &no_experts),
+            &cfg.muon,
         );
         Self::new(params, layout, owned, cfg, None, Some((whole, hidden)))
     }

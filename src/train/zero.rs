@@ -8,8 +8,8 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use model::{Inventory, Llama, ParamKind, Piece};
 use parallel::dp::{
-    gather_shards, DataParallel, DpGroups, FlatLayout, Gatherer, Matrix, MatrixGroups, Partial,
-    Pass, ShardPos, StateLayout, WholeMatrices, ZeroStage,
+    gather_shards, DataParallel, DpGroups, FlatLayout, Gatherer, MatrixGroups, Partial, Pass,
+    ShardPos, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
@@ -230,36 +230,24 @@ fn whole_matrices(
     pos: ShardPos,
 ) -> WholeMatrices {
     let par = &recipe.parallel;
-    let hidden = model.inventory().hidden_matrices();
-    let expert = model.inventory().expert_flags();
-    let matrices = model
-        .params()
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| hidden[i])
-        .map(|(i, p)| Matrix {
-            param: i,
-            shape: [p.block.shape[0], p.block.shape[1]],
-            tp_dim: match p.shard {
-                Shard::Dim(d) if par.tp > 1 => Some(d),
-                _ => None,
-            },
-            expert: expert[i] && par.ep > 1,
-        })
+    let inventory = model.inventory();
+    let hidden = inventory.hidden_matrices();
+    // Routed experts' matrices are sharded over the expert shard group when split off.
+    let expert: Vec<bool> = (inventory.expert_flags().into_iter())
+        .map(|e| e && par.ep > 1)
         .collect();
     let groups = MatrixGroups {
         shard: ctx.groups.shard.clone(),
         expert_shard: ctx.groups.expert_grad.clone(),
         tp: ctx.groups.tp.clone(),
     };
-    let cfg = recipe.optimizer.muon.clone();
-    WholeMatrices::new(
+    crate::optim::muon::exchange(
         ctx.comm.clone(),
-        layout.clone(),
+        layout,
         (par.zero.shards_optimizer(), pos),
         groups,
-        matrices,
-        move |shape| crate::optim::muon::ns_cost(&cfg, shape),
+        (model.params(), &hidden, &expert),
+        &recipe.optimizer.muon,
     )
 }
 
