@@ -379,7 +379,8 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
         }
         let grace = Duration::from_secs_f64(recipe.parallel.timeout_s.min(10.0));
         let world = recipe.parallel.world_size();
-        return crate::launch::spawn_node(&layout, &child, world, grace);
+        let flight = crate::train::flight::dir(&recipe);
+        return crate::launch::spawn_node(&layout, &child, world, grace, &flight);
     }
     crate::train::signals::install()?;
     let dir = recipe.run.dir.clone();
@@ -402,6 +403,20 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
                 job.comm.abort(&format!("{e:#}"));
                 return Err(e.context(format!("rank {}", info.rank)));
             }
+            // SIGUSR1 logs what every rank of this node is doing (the launcher, when there is
+            // one, says it for the node instead).
+            let flight_dir = crate::train::flight::dir(&recipe);
+            let world = info.world_size;
+            let launched = std::env::var_os("PRETRAIN_LAUNCHED").is_some();
+            let _watch = if launched {
+                crate::train::flight::install_usr1()?;
+                None
+            } else {
+                let d = flight_dir.clone();
+                Some(crate::train::flight::watch(move || {
+                    crate::train::flight::from_dir(&d, world)
+                })?)
+            };
             let mine = crate::train::run_rank(
                 &recipe,
                 info.rank,
@@ -413,6 +428,12 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
             let mine = match mine {
                 Ok(m) => m,
                 Err(e) => {
+                    // Without a launcher of ours, rank 0 says what the ranks it can read (its
+                    // node's, or all on a shared run.dir) were doing when a peer went missing.
+                    if info.rank == 0 && !launched && crate::train::flight::timed_out(&e) {
+                        let d = crate::train::flight::from_dir(&flight_dir, world);
+                        crate::train::flight::report(&d);
+                    }
                     // From here the process ends within the deadline, however its teardown goes.
                     parallel::comm::failure::report(info.rank, &format!("{e:#}"));
                     stuck_for_tests();

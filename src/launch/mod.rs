@@ -90,6 +90,7 @@ pub fn spawn_node(
     args: &[OsString],
     world: usize,
     grace: Duration,
+    flight: &std::path::Path,
 ) -> Result<()> {
     let NodeLayout {
         nproc_per_node: n,
@@ -142,6 +143,7 @@ pub fn spawn_node(
     };
     let exe = std::env::current_exe().context("locating the pretrain binary")?;
     crate::train::signals::install()?;
+    crate::train::flight::install_usr1()?;
     let launcher_pid = std::process::id() as libc::pid_t;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);
     for local in 0..n {
@@ -184,7 +186,7 @@ pub fn spawn_node(
             }
         }
     }
-    supervise(children, grace)
+    supervise(children, grace, (flight, world))
 }
 
 /// The port of this job's rendezvous store: `PRETRAIN_STORE_PORT` if set; under torchrun, whose
@@ -343,23 +345,46 @@ mod tests {
             master_port: None,
         };
         let g = Duration::from_secs(1);
-        let e = spawn_node(&layout(0, 1, 0, None), &[], 1, g).unwrap_err();
+        let e =
+            spawn_node(&layout(0, 1, 0, None), &[], 1, g, std::path::Path::new(".")).unwrap_err();
         assert!(e.to_string().contains("at least 1"), "{e}");
-        let e = spawn_node(&layout(2, 2, 2, Some("h")), &[], 4, g).unwrap_err();
+        let e = spawn_node(
+            &layout(2, 2, 2, Some("h")),
+            &[],
+            4,
+            g,
+            std::path::Path::new("."),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("--node-rank 2"), "{e}");
-        let e = spawn_node(&layout(2, 2, 0, None), &[], 4, g).unwrap_err();
+        let e =
+            spawn_node(&layout(2, 2, 0, None), &[], 4, g, std::path::Path::new(".")).unwrap_err();
         assert!(e.to_string().contains("--master-addr"), "{e}");
         // Checked before anything is spawned: no fork storm for a wrong count.
-        let e = spawn_node(&layout(100_000, 1, 0, None), &[], 2, g).unwrap_err();
+        let e = spawn_node(
+            &layout(100_000, 1, 0, None),
+            &[],
+            2,
+            g,
+            std::path::Path::new("."),
+        )
+        .unwrap_err();
         assert!(
             e.to_string().contains("has 2 ranks") && e.to_string().contains("100000"),
             "{e}"
         );
-        let e = spawn_node(&layout(usize::MAX, 2, 0, Some("h")), &[], 2, g).unwrap_err();
+        let e = spawn_node(
+            &layout(usize::MAX, 2, 0, Some("h")),
+            &[],
+            2,
+            g,
+            std::path::Path::new("."),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("has 2 ranks"), "{e}");
         let mut zero_port = layout(2, 2, 0, Some("h"));
         zero_port.master_port = Some(0);
-        let e = spawn_node(&zero_port, &[], 4, g).unwrap_err();
+        let e = spawn_node(&zero_port, &[], 4, g, std::path::Path::new(".")).unwrap_err();
         assert!(e.to_string().contains("--master-port 0"), "{e}");
     }
 

@@ -1,6 +1,7 @@
 //! Supervising a node's rank processes: waiting for them, forwarding stop signals, and naming the
 //! rank that failed first.
 
+use std::path::Path;
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -10,8 +11,15 @@ use super::PEER_FAILED_EXIT;
 
 /// Waits for every child; after the first failure, gives the others `grace` to stop, then kills
 /// them. The error names the root cause: the first failed rank that did not merely follow
-/// another's failure (exit status [`PEER_FAILED_EXIT`]).
-pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<()> {
+/// another's failure (exit status [`PEER_FAILED_EXIT`]). The flight records of the job's `world`
+/// ranks in `flight` say what the ranks were waiting in: logged at each SIGUSR1, and when the
+/// job fails with a rank waiting in some operation.
+pub(super) fn supervise(
+    mut children: Vec<(usize, Child)>,
+    grace: Duration,
+    (flight, world): (&Path, usize),
+) -> Result<()> {
+    let mut usr1 = crate::train::flight::usr1_count();
     // A rank that received a stop signal (through this launcher or directly) saves and exits
     // with 128 + the signal, and so do the others: the stop is agreed job-wide after a step.
     let stopped = |s: &ExitStatus| {
@@ -35,6 +43,10 @@ pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> R
                 unsafe { libc::kill(c.id() as libc::pid_t, sig) };
             }
             forwarded = Some(sig);
+        }
+        if crate::train::flight::usr1_count() != usr1 {
+            usr1 = crate::train::flight::usr1_count();
+            crate::train::flight::report(&crate::train::flight::from_dir(flight, world));
         }
         let mut i = 0;
         while i < children.len() {
@@ -96,6 +108,14 @@ pub(super) fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> R
         .find(|(_, s)| !secondary(s))
         .or(hung.first())
         .or(failures.first());
+    if root.is_some() {
+        // What the ranks were waiting in when the job stopped (a rank that hung or was killed
+        // left its record too).
+        let d = crate::train::flight::from_dir(flight, world);
+        if d.waits > 0 {
+            crate::train::flight::report(&d);
+        }
+    }
     match root {
         Some((rank, status)) if status.code().is_some() => {
             bail!("rank {rank} failed ({status}); see its error above")

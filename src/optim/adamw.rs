@@ -94,7 +94,9 @@ impl AdamW {
             );
         }
         let state = Self::zero_state(owned_len, cfg, master.device())?;
-        state.slice_set(&master.flatten_all()?.to_dtype(DType::F32)?, 0, 0)?;
+        if owned_len > 0 {
+            state.slice_set(&master.flatten_all()?.to_dtype(DType::F32)?, 0, 0)?;
+        }
         Self::with_state(params, layout, owned, state, cfg)
     }
 
@@ -102,6 +104,10 @@ impl AdamW {
     /// zero master weights and zero moments in either dtype).
     fn zero_state(n: usize, cfg: &OptimizerConfig, device: &Device) -> Result<Tensor> {
         let words = state_words(n, cfg.state_dtype.dtype())?;
+        if words == 0 {
+            // A rank whose owned elements all belong to Muon: no device allocation of size 0.
+            return Tensor::zeros(0, DType::F32, &Device::Cpu);
+        }
         crate::device::check_elements(
             "the AdamW state (master weights and two moments)",
             words,
@@ -170,6 +176,9 @@ impl AdamW {
     /// The new master weights are in [`AdamW::master`].
     pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
         self.step += 1;
+        if self.n == 0 {
+            return Ok(());
+        }
         let op = AdamWStep {
             lr,
             beta1: self.cfg.beta1,

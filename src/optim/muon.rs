@@ -151,22 +151,24 @@ pub struct Muon {
 }
 
 impl Muon {
-    /// Muon over `owned` (ascending flat ranges of hidden matrices), whose master weights are
-    /// `master` (`[Σ len]` f32), with zero momentum; `spread` says where each range sits among
-    /// the `n` elements the rank owns (`(offset among them, len)`), `whole` assembles the
+    /// Muon on `device` over `owned` (ascending flat ranges of hidden matrices), whose master
+    /// weights are `master` (`[Σ len]` f32), with zero momentum; `spread` says where each range
+    /// sits among the `n` elements the rank owns (its offset among them), `whole` assembles the
     /// matrices.
     pub fn new(
         cfg: &crate::recipe::OptimizerConfig,
         owned: Vec<Range<usize>>,
         (n, spread): (usize, Vec<usize>),
         master: &Tensor,
-        whole: WholeMatrices,
+        (whole, device): (WholeMatrices, &Device),
     ) -> Result<Self> {
         let k: usize = owned.iter().map(|r| r.len()).sum();
-        let device = master.device();
         let words = 2 * k;
         crate::device::check_elements("the Muon state (master weights, momentum)", words, device)?;
-        let state = crate::device::zeros_f32("the Muon state", words, device)?;
+        // No hidden matrix here (a stage of only the embedding or the head): nothing to allocate
+        // on the device.
+        let at = if k == 0 { &Device::Cpu } else { device };
+        let state = crate::device::zeros_f32("the Muon state", words, at)?;
         if k > 0 {
             state.slice_set(&master.to_dtype(DType::F32)?, 0, 0)?;
         }
@@ -200,16 +202,23 @@ impl Muon {
     /// the shard and tensor-parallel groups takes part (the matrices are assembled across them).
     pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
         let k = self.k;
-        let mut g = grads.owned(&self.owned)?; // [k]
-        if grad_scale != 1.0 {
-            g = g.affine(grad_scale, 0.0)?;
-        }
-        let master = self.state.narrow(0, 0, k)?;
-        let buf = lerp(&self.state.narrow(0, k, k)?, &g, 1.0 - self.cfg.momentum)?;
-        let u = if self.cfg.nesterov {
-            lerp(&g, &buf, self.cfg.momentum)?
+        let (n, device) = (self.spread.0, grads.flat().device().clone());
+        // A rank owning no hidden matrix element still takes part in assembling (and, as an
+        // owner, orthogonalising) the matrices of its groups.
+        let (buf, u) = if k == 0 {
+            (None, Tensor::zeros(n, DType::F32, &device)?)
         } else {
-            buf.clone()
+            let mut g = grads.owned(&self.owned)?; // [k]
+            if grad_scale != 1.0 {
+                g = g.affine(grad_scale, 0.0)?;
+            }
+            let buf = lerp(&self.state.narrow(0, k, k)?, &g, 1.0 - self.cfg.momentum)?;
+            let u = if self.cfg.nesterov {
+                lerp(&g, &buf, self.cfg.momentum)?
+            } else {
+                buf.clone()
+            };
+            (Some(buf), self.scatter(&u)?)
         };
         let (cfg, compute) = (&self.cfg, self.compute);
         let mut orthogonalise = |m: &Tensor| -> Result<Tensor> {
@@ -218,12 +227,15 @@ impl Muon {
             // `W += (−lr · ratio) O`, the product rounded once as torch's `add_(alpha=)` does.
             o.affine(-lr * lr_ratio(cfg.adjust_lr, shape), 0.0)
         };
-        let step = self.gather(&self.whole.map(&self.scatter(&u)?, &mut orthogonalise)?)?;
+        let o = self.whole.map(&u, &mut orthogonalise)?; // [n]
+        let Some(buf) = buf else {
+            return Ok(());
+        };
+        let step = self.gather(&o)?;
+        let master = self.state.narrow(0, 0, k)?;
         let decayed = master.affine(1.0 - lr * self.weight_decay, 0.0)?;
-        if k > 0 {
-            self.state.slice_set(&(decayed + step)?, 0, 0)?;
-            self.state.slice_set(&buf, 0, k)?;
-        }
+        self.state.slice_set(&(decayed + step)?, 0, 0)?;
+        self.state.slice_set(&buf, 0, k)?;
         Ok(())
     }
 

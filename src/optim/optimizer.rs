@@ -7,7 +7,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use ckpt::PieceDtype;
 use model::ParamSet;
 use parallel::comm::local::LocalWorld;
@@ -84,7 +84,8 @@ fn select(x: &Tensor, runs: &[Run], part: Part) -> Result<Tensor> {
         at += len;
     }
     if parts.is_empty() {
-        return Tensor::zeros(0, DType::F32, x.device());
+        // Kept off the device: CUDA allocates nothing of size zero.
+        return Tensor::zeros(0, DType::F32, &Device::Cpu);
     }
     Tensor::cat(&parts, 0)
 }
@@ -126,7 +127,7 @@ impl Optimizer {
         let device = params
             .iter()
             .next()
-            .map_or(candle_core::Device::Cpu, |p| p.device.clone());
+            .map_or(Device::Cpu, |p| p.device.clone());
         let k: usize = s.muon.iter().map(|r| r.len()).sum();
         let (adamw, muon_master) = match &master {
             Some(m) => {
@@ -136,7 +137,7 @@ impl Optimizer {
             }
             None => {
                 let adamw = AdamW::new(params, layout, s.adamw.clone(), cfg)?;
-                let m = Tensor::zeros(k, DType::F32, &device)?;
+                let m = Tensor::zeros(k, DType::F32, if k == 0 { &Device::Cpu } else { &device })?;
                 copy_owned(params, layout, &s.muon, &m)?;
                 (adamw, m)
             }
@@ -149,7 +150,7 @@ impl Optimizer {
             }
             at += len;
         }
-        let muon = Muon::new(cfg, s.muon, (n, offsets), &muon_master, whole)?;
+        let muon = Muon::new(cfg, s.muon, (n, offsets), &muon_master, (whole, &device))?;
         Ok(Self {
             owned,
             adamw,

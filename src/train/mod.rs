@@ -8,6 +8,7 @@
 pub mod admit;
 pub mod checkpoint;
 pub mod clock;
+pub mod flight;
 pub mod guard;
 pub mod hooks;
 pub mod lock;
@@ -25,6 +26,8 @@ mod step;
 pub mod stragglers;
 pub mod tensorboard;
 pub mod zero;
+
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -81,6 +84,8 @@ pub struct Trainer {
     stop: Option<i32>,
     /// The checkpoint being written in the background (`checkpoint.async`).
     saving: Option<std::thread::JoinHandle<Result<()>>>,
+    /// The flight recorder of this rank's communicator, told the step.
+    flight: Option<Arc<parallel::comm::flight::FlightRecorder>>,
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -93,6 +98,11 @@ fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
 }
 
 impl Trainer {
+    /// Tells `recorder` (the flight recorder of this rank's communicator) each step.
+    pub fn set_flight(&mut self, recorder: Arc<parallel::comm::flight::FlightRecorder>) {
+        self.flight = Some(recorder);
+    }
+
     /// Opens the data, builds this rank's part of the model and its optimizer. `write_outputs` is
     /// false for in-memory runs (tests) that should leave no files.
     pub fn new(recipe: Recipe, ctx: RankCtx, write_outputs: bool) -> Result<Self> {
@@ -167,6 +177,7 @@ impl Trainer {
             progress: guard::LoopState::default(),
             stop: None,
             saving: None,
+            flight: None,
         };
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,

@@ -6,10 +6,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use candle_core::Device;
+use parallel::comm::flight::{FlightRecorder, Recorded};
 use parallel::comm::local::{run_local, RankFailed};
 use parallel::tp::Block;
 use parallel::Comm;
 
+use super::flight;
 use super::metrics::StepRecord;
 use super::{RankCtx, Trainer};
 pub use crate::device::device_for;
@@ -71,8 +73,9 @@ pub fn assemble(
 /// parameter slices.
 pub type RankOutput = (Vec<StepRecord>, Option<f64>, Vec<WeightSlice>);
 
-/// Runs rank `rank` of a training job to the end on `device`, communicating through `comm`.
-/// On failure the communicator is aborted first, so the peers stop promptly.
+/// Runs rank `rank` of a training job to the end on `device`, communicating through `comm`,
+/// recorded by its flight recorder (`super::flight`). On failure the communicator is aborted
+/// first, so the peers stop promptly.
 pub fn run_rank(
     recipe: &Recipe,
     rank: usize,
@@ -80,6 +83,26 @@ pub fn run_rank(
     device: Device,
     write_outputs: bool,
 ) -> Result<RankOutput> {
+    let recorder = match flight::recorder(recipe, rank, write_outputs) {
+        Ok(r) => r,
+        Err(e) => {
+            comm.abort(&format!("{e:#}"));
+            return Err(e);
+        }
+    };
+    run_recorded(recipe, rank, comm, device, write_outputs, recorder)
+}
+
+/// [`run_rank`] with the flight recorder `recorder`.
+fn run_recorded(
+    recipe: &Recipe,
+    rank: usize,
+    comm: Arc<dyn Comm>,
+    device: Device,
+    write_outputs: bool,
+    recorder: Arc<FlightRecorder>,
+) -> Result<RankOutput> {
+    let comm: Arc<dyn Comm> = Arc::new(Recorded::new(comm, recorder.clone()));
     // One live run per directory: rank 0 holds the locks until this rank's run ends.
     let locks = if rank == 0 && (write_outputs || recipe.checkpoint.interval > 0) {
         match super::lock::lock_run(&recipe.run.dir, &recipe.checkpoint_root()) {
@@ -95,7 +118,10 @@ pub fn run_rank(
     let ctx = RankCtx::open(&recipe.parallel, rank, comm.clone(), device)
         .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
     let mut trainer = match ctx {
-        Ok(t) => t,
+        Ok(mut t) => {
+            t.set_flight(recorder);
+            t
+        }
         Err(e) => {
             comm.abort(&format!("{e:#}"));
             return Err(e);
@@ -131,10 +157,21 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let device = device_for(recipe.train.device, 0)?;
     // Thread ranks share this process and its device.
     super::admit::admit(&recipe, world, &device)?;
+    let recorders = (0..world)
+        .map(|r| flight::recorder(&recipe, r, write_outputs))
+        .collect::<Result<Vec<_>>>()?;
+    let seen = recorders.clone();
+    let _watch = flight::watch(move || flight::from_recorders(&seen, world))?;
     let results = run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
-        run_rank(&recipe, rank, comm, device.clone(), write_outputs)
+        let recorder = recorders[rank].clone();
+        run_recorded(&recipe, rank, comm, device.clone(), write_outputs, recorder)
     })
-    .map_err(root_cause)?;
+    .map_err(|f| {
+        if flight::timed_out(&f.error) {
+            flight::report(&flight::from_recorders(&recorders, world));
+        }
+        root_cause(f)
+    })?;
     Ok(collect(results))
 }
 

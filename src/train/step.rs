@@ -54,6 +54,9 @@ impl Trainer {
     /// the global loss and gradient norm, the step guard's verdict, the update, the record.
     pub fn train_step(&mut self) -> Result<StepRecord> {
         let start = Instant::now();
+        if let Some(f) = &self.flight {
+            f.set_step(self.step as u64 + 1);
+        }
         crate::device::reset_peak(&self.ctx.device);
         self.grads.zero()?;
         self.model.placement().cp.stats().take(); // count this step's ring only

@@ -3,6 +3,7 @@
 
 pub(crate) mod collective;
 pub mod failure;
+pub mod flight;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;

@@ -1,0 +1,198 @@
+//! The flight recorder's ring: a header and [`SLOTS`] slots of [`SLOT`] bytes, each one JSON
+//! object padded with spaces and ended by a newline (a record file reads as text), in memory or
+//! in a memory-mapped file. A slot is rewritten when its operation ends; a reader that catches a
+//! slot half-written skips it.
+
+use std::path::Path;
+
+use memmap2::MmapMut;
+use serde::{Deserialize, Serialize};
+
+/// Operations a ring keeps.
+pub const SLOTS: usize = 1024;
+/// Bytes per slot.
+const SLOT: usize = 256;
+
+/// One recorded operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpRecord {
+    /// The rank's operation number (all groups), from 1.
+    pub n: u64,
+    /// Its number among the rank's operations on `key`, from 1.
+    pub seq: u64,
+    /// `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `barrier`, `all_to_all`,
+    /// `send`, `recv`.
+    pub op: String,
+    /// The group (see `group_key`), or `send:PEER` / `recv:PEER`.
+    pub key: String,
+    /// Bytes this rank contributed (received, for `recv`).
+    pub bytes: usize,
+    /// The training step it belongs to.
+    pub step: u64,
+    /// Start, milliseconds since the Unix epoch.
+    pub start_ms: f64,
+    /// End, if it ended.
+    pub end_ms: Option<f64>,
+    /// Whether it succeeded, once ended.
+    pub ok: Option<bool>,
+}
+
+/// A rank's record as read back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankRecord {
+    /// The rank.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub world: usize,
+    /// Its process.
+    pub pid: u32,
+    /// Its last operations, oldest first.
+    #[serde(default)]
+    pub ops: Vec<OpRecord>,
+}
+
+enum Store {
+    Memory(Vec<u8>),
+    File(MmapMut),
+}
+
+/// The ring of one rank.
+pub(super) struct Ring {
+    store: Store,
+    /// Operations pushed so far.
+    pushed: u64,
+}
+
+impl Ring {
+    fn bytes(&mut self) -> &mut [u8] {
+        match &mut self.store {
+            Store::Memory(v) => v,
+            Store::File(m) => m,
+        }
+    }
+
+    fn with(store: Store, rank: usize, world: usize) -> Self {
+        let mut ring = Self { store, pushed: 0 };
+        let header = RankRecord {
+            rank,
+            world,
+            pid: std::process::id(),
+            ops: Vec::new(),
+        };
+        let text = serde_json::to_string(&header).unwrap_or_default();
+        ring.put(0, &text);
+        ring
+    }
+
+    /// A ring in memory.
+    pub(super) fn memory(rank: usize, world: usize) -> Self {
+        Self::with(Store::Memory(vec![b' '; (SLOTS + 1) * SLOT]), rank, world)
+    }
+
+    /// A ring in the file `path` (created or truncated).
+    pub(super) fn file(path: &Path, rank: usize, world: usize) -> std::io::Result<Self> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        f.set_len(((SLOTS + 1) * SLOT) as u64)?;
+        // SAFETY: the file is this rank's own, created just now; others only read it.
+        let mut map = unsafe { MmapMut::map_mut(&f)? };
+        map.fill(b' ');
+        Ok(Self::with(Store::File(map), rank, world))
+    }
+
+    /// Writes `text` (cut to fit) into slot `slot`, padded, newline-terminated.
+    fn put(&mut self, slot: usize, text: &str) {
+        let dst = &mut self.bytes()[slot * SLOT..(slot + 1) * SLOT];
+        let n = text.len().min(SLOT - 1);
+        dst[..n].copy_from_slice(&text.as_bytes()[..n]);
+        dst[n..SLOT - 1].fill(b' ');
+        dst[SLOT - 1] = b'\n';
+    }
+
+    /// Stores `r` in the next slot (overwriting the oldest), numbering it; returns the slot.
+    pub(super) fn push(&mut self, r: &mut OpRecord) -> usize {
+        self.pushed += 1;
+        r.n = self.pushed;
+        let slot = 1 + ((self.pushed - 1) as usize % SLOTS);
+        self.write(slot, r);
+        slot
+    }
+
+    /// Rewrites slot `slot` with `r`.
+    pub(super) fn write(&mut self, slot: usize, r: &OpRecord) {
+        let text = serde_json::to_string(r).unwrap_or_default();
+        self.put(slot, &text);
+    }
+
+    /// The record as it stands.
+    pub(super) fn read(&mut self) -> RankRecord {
+        parse(self.bytes()).unwrap_or(RankRecord {
+            rank: 0,
+            world: 0,
+            pid: 0,
+            ops: Vec::new(),
+        })
+    }
+}
+
+/// A record from a ring's bytes (a file's contents); `None` without a readable header.
+pub fn parse(bytes: &[u8]) -> Option<RankRecord> {
+    let mut lines = bytes.chunks(SLOT);
+    let mut record: RankRecord = serde_json::from_slice(lines.next()?.trim_ascii()).ok()?;
+    record.ops = lines
+        .filter_map(|l| serde_json::from_slice::<OpRecord>(l.trim_ascii()).ok())
+        .collect();
+    record.ops.sort_by_key(|o| o.n);
+    Some(record)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(seq: u64) -> OpRecord {
+        OpRecord {
+            n: 0,
+            seq,
+            op: "all_reduce".into(),
+            key: "[0,1]".into(),
+            bytes: 8,
+            step: 1,
+            start_ms: seq as f64,
+            end_ms: None,
+            ok: None,
+        }
+    }
+
+    /// The ring keeps the newest operations in order, a file holds what memory holds, and a
+    /// slot caught half-written is skipped.
+    #[test]
+    fn the_ring_keeps_the_newest_operations_readable_from_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rank-00001.flight");
+        let mut file = Ring::file(&path, 1, 4).unwrap();
+        let mut mem = Ring::memory(1, 4);
+        for seq in 1..=(SLOTS as u64 + 6) {
+            let mut r = record(seq);
+            let slot = file.push(&mut r);
+            r.end_ms = Some(seq as f64 + 0.5);
+            r.ok = Some(true);
+            file.write(slot, &r);
+            mem.push(&mut record(seq));
+        }
+        let got = parse(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!((got.rank, got.world, got.ops.len()), (1, 4, SLOTS));
+        assert_eq!(got.ops.first().unwrap().seq, 7);
+        assert_eq!(got.ops.last().unwrap().n, SLOTS as u64 + 6);
+        assert!(got.ops.iter().all(|o| o.ok == Some(true)));
+        assert_eq!(mem.read().ops.len(), SLOTS);
+        // A torn slot (half of a record) is left out.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[SLOT + 10..2 * SLOT - 1].fill(b' ');
+        assert_eq!(parse(&bytes).unwrap().ops.len(), SLOTS - 1);
+    }
+}
