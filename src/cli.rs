@@ -81,6 +81,13 @@ pub struct LaunchArgs {
     /// Port of the rendezvous store (default: a free port on one node, 29500 otherwise).
     #[arg(long, requires = "nproc_per_node")]
     pub master_port: Option<u16>,
+    /// Restart the job on the ranks left when one fails: MIN[:MAX] ranks (one node), from the
+    /// newest checkpoint, on a layout the planner picks for them.
+    #[arg(long, requires = "nproc_per_node", value_parser = crate::launch::elastic::parse_range)]
+    pub elastic: Option<(usize, Option<usize>)>,
+    /// Restarts allowed with --elastic.
+    #[arg(long, default_value_t = 3, requires = "elastic")]
+    pub max_restarts: usize,
 }
 
 /// Subcommands.
@@ -379,6 +386,14 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
         }
         let grace = Duration::from_secs_f64(recipe.parallel.timeout_s.min(10.0));
         let world = recipe.parallel.world_size();
+        if let Some((min, max)) = launch.elastic {
+            let e = crate::launch::elastic::Elastic {
+                min,
+                max,
+                max_restarts: launch.max_restarts,
+            };
+            return crate::launch::spawn_elastic(&layout, &child, &recipe, grace, e);
+        }
         let flight = crate::train::flight::dir(&recipe);
         return crate::launch::spawn_node(&layout, &child, world, grace, &flight);
     }

@@ -35,10 +35,12 @@ use parallel::Comm;
 use crate::recipe::{DeviceKind, Recipe};
 
 pub mod deadline;
+pub mod elastic;
 mod supervise;
 mod token;
 
 use supervise::supervise;
+pub use supervise::JobFailed;
 pub use token::{job_token, JobToken, TOKEN_FILE_VAR};
 use token::{random_token, store_bind};
 
@@ -86,6 +88,96 @@ fn free_port() -> Result<u16> {
 /// this launcher, which forwards them (each rank then finishes its step, saves and exits), and a
 /// rank whose launcher dies receives SIGTERM from the kernel, so none is left behind.
 pub fn spawn_node(
+    layout: &NodeLayout,
+    args: &[OsString],
+    world: usize,
+    grace: Duration,
+    flight: &std::path::Path,
+) -> Result<()> {
+    spawn_round(layout, args, world, grace, flight)
+}
+
+/// [`spawn_node`] with elastic restarts (see `elastic.rs`): `recipe` is the job's, `args` its
+/// command line; each restart adds the new layout and `checkpoint.resume=auto`.
+pub fn spawn_elastic(
+    layout: &NodeLayout,
+    args: &[OsString],
+    recipe: &Recipe,
+    grace: Duration,
+    e: elastic::Elastic,
+) -> Result<()> {
+    elastic::check(&e, layout.nproc_per_node, layout.nnodes)?;
+    let flight = crate::train::flight::dir(recipe);
+    let mut slots = layout.nproc_per_node;
+    let mut round_args = args.to_vec();
+    let mut world = recipe.parallel.world_size();
+    let mut restart = 0;
+    let mut watcher: Option<elastic::Resumed> = None;
+    loop {
+        let round = NodeLayout {
+            nproc_per_node: world,
+            ..layout.clone()
+        };
+        let outcome = spawn_round(&round, &round_args, world, grace, &flight);
+        drop(watcher.take()); // the round's resume watcher
+        let err = match outcome {
+            Ok(()) => return Ok(()),
+            Err(err) => err,
+        };
+        let failed_at = std::time::Instant::now();
+        let Some(failed) = err.downcast_ref::<JobFailed>() else {
+            return Err(err); // a stop signal, or the launcher's own failure
+        };
+        if restart == e.max_restarts {
+            return Err(err.context(format!(
+                "--max-restarts {} used up; not restarting again",
+                e.max_restarts
+            )));
+        }
+        let lost = failed.rank;
+        slots = slots.saturating_sub(1);
+        if slots < e.min {
+            return Err(err.context(format!(
+                "rank {lost} lost: {slots} ranks left, below the --elastic minimum {}",
+                e.min
+            )));
+        }
+        let Some(next) = elastic::relayout(recipe, slots, e.min) else {
+            return Err(err.context(format!(
+                "rank {lost} lost: no valid layout of the recipe fits {slots} down to {} ranks",
+                e.min
+            )));
+        };
+        let resumed = elastic::checkpoint_step(&recipe.checkpoint_root());
+        let reached = elastic::last_step(&recipe.run.dir).unwrap_or(0);
+        let from = resumed.unwrap_or(0);
+        tracing::warn!(
+            "elastic restart {}/{}: rank {lost} lost ({slots} ranks left); restarting on {}; \
+             resuming from {} ({} steps redone)",
+            restart + 1,
+            e.max_restarts,
+            next.describe(),
+            match resumed {
+                Some(s) => format!("the checkpoint of step {s}"),
+                None => "the start (no checkpoint yet)".to_string(),
+            },
+            reached.saturating_sub(from)
+        );
+        world = next.world;
+        watcher = Some(elastic::Resumed::watch(&recipe.run.dir, from, failed_at));
+        round_args = args.to_vec();
+        round_args.extend([
+            "--set".into(),
+            next.overrides().into(),
+            "--set".into(),
+            "checkpoint.resume=auto".into(),
+        ]);
+        restart += 1;
+    }
+}
+
+/// One round of a node's processes for a job of `world` ranks, supervised to the end.
+fn spawn_round(
     layout: &NodeLayout,
     args: &[OsString],
     world: usize,

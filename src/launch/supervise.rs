@@ -117,13 +117,29 @@ pub(super) fn supervise(
         }
     }
     match root {
-        Some((rank, status)) if status.code().is_some() => {
-            bail!("rank {rank} failed ({status}); see its error above")
+        Some((rank, status)) if status.code().is_some() => Err(JobFailed {
+            rank: *rank,
+            message: format!("rank {rank} failed ({status}); see its error above"),
         }
-        Some((rank, status)) => bail!(
-            "rank {rank} was killed ({status}) without reporting an error (out of memory? see \
-             the kernel log)"
-        ),
+        .into()),
+        Some((rank, status)) => Err(JobFailed {
+            rank: *rank,
+            message: format!(
+                "rank {rank} was killed ({status}) without reporting an error (out of memory? \
+                 see the kernel log)"
+            ),
+        }
+        .into()),
         None => Ok(()),
     }
+}
+
+/// A job that failed, and the rank at its root: the first that failed on its own (or hung).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct JobFailed {
+    /// The rank.
+    pub rank: usize,
+    /// What happened to it.
+    pub message: String,
 }

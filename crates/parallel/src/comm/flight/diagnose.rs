@@ -137,17 +137,24 @@ pub fn diagnose(records: &[RankRecord], world: usize, now_ms: f64) -> Diagnosis 
         // A rank that entered only after another had given up (timed out) arrived too late.
         let gave_up = entered
             .iter()
-            .filter(|(_, o)| o.ok == Some(false))
+            .filter(|(_, o)| o.failure.as_deref() == Some("timeout"))
             .filter_map(|(_, o)| o.end_ms)
             .fold(f64::INFINITY, f64::min);
         let (late, on_time): (Vec<_>, Vec<_>) =
             entered.iter().partition(|(_, o)| o.start_ms > gave_up);
         let ranks: Vec<usize> = on_time.iter().map(|(r, _)| *r).collect();
         let ranks = &ranks;
-        let failed = gave_up.is_finite();
-        let waited = match first.end_ms {
-            Some(end) => format!("{:.1} s until it failed", (end - first.start_ms) / 1e3),
-            None => format!("{:.1} s", (now_ms - first.start_ms) / 1e3),
+        let failed = entered.iter().any(|(_, o)| o.ok == Some(false));
+        let waited = match (first.end_ms, first.failure.as_deref()) {
+            (Some(end), Some("timeout")) => {
+                format!("{:.1} s until it timed out", (end - first.start_ms) / 1e3)
+            }
+            (Some(end), Some("peer")) => format!(
+                "{:.1} s until another rank's failure ended it",
+                (end - first.start_ms) / 1e3
+            ),
+            (Some(end), _) => format!("{:.1} s until it failed", (end - first.start_ms) / 1e3),
+            (None, _) => format!("{:.1} s", (now_ms - first.start_ms) / 1e3),
         };
         let waiting = format!(
             "rank{} {} wait{} in {} (step {}, for {waited})",
@@ -245,6 +252,7 @@ mod tests {
             start_ms: start,
             end_ms: end,
             ok: end.map(|_| true),
+            failure: None,
         }
     }
 
@@ -291,8 +299,9 @@ mod tests {
         let mut timed_out = waiting(2);
         timed_out.ops[1].end_ms = Some(7002.0);
         timed_out.ops[1].ok = Some(false);
+        timed_out.ops[1].failure = Some("timeout".into());
         let d = diagnose(&[timed_out, rank(3, vec![])], 4, 14_300.0).to_string();
-        assert!(d.contains("rank 2 waits in all_reduce #513 over ranks [0,1,2,3] (step 41, for 5.0 s until it failed)"), "{d}");
+        assert!(d.contains("rank 2 waits in all_reduce #513 over ranks [0,1,2,3] (step 41, for 5.0 s until it timed out)"), "{d}");
         assert!(
             d.contains("rank 3 never entered it; its last operation was none recorded"),
             "{d}"
@@ -307,11 +316,11 @@ mod tests {
     fn a_rank_that_arrives_after_the_timeout_is_late() {
         let g = "[0,1]";
         let mut first = op(1, 2, "all_reduce", g, 1, 1000.0, Some(3000.0));
-        first.ok = Some(false);
+        (first.ok, first.failure) = (Some(false), Some("timeout".into()));
         let mut second = op(1, 2, "all_reduce", g, 1, 5000.0, Some(5000.1));
-        second.ok = Some(false);
+        (second.ok, second.failure) = (Some(false), Some("peer".into()));
         let d = diagnose(&[rank(0, vec![first]), rank(1, vec![second])], 2, 6000.0).to_string();
-        assert!(d.contains("rank 0 waits in all_reduce #2 over ranks [0,1] (step 1, for 2.0 s until it failed)"), "{d}");
+        assert!(d.contains("rank 0 waits in all_reduce #2 over ranks [0,1] (step 1, for 2.0 s until it timed out)"), "{d}");
         assert!(
             d.contains("rank 1 entered it 4.0 s after rank 0 and too late"),
             "{d}"

@@ -24,7 +24,7 @@ use candle_core::{DType, Result, Shape, Tensor};
 pub use diagnose::{diagnose, read_dir, Diagnosis};
 pub use slots::{parse, OpRecord, RankRecord, SLOTS};
 
-use super::{Channel, Comm, Group, ReduceOp};
+use super::{Channel, Comm, CommError, Group, ReduceOp};
 use slots::Ring;
 
 /// File name of rank `rank`'s record in a flight directory.
@@ -127,16 +127,19 @@ impl FlightRecorder {
             start_ms: now_ms(),
             end_ms: None,
             ok: None,
+            failure: None,
         };
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         let slot = ring.push(&mut record);
         Started { slot, record }
     }
 
-    /// Records the end of an operation, `ok` or failed.
-    pub fn end(&self, mut s: Started, ok: bool) {
+    /// Records the end of an operation: successful, or failed as `failure` says (`timeout`,
+    /// `peer`, `invalid`, `error`).
+    pub fn end(&self, mut s: Started, failure: Option<&str>) {
         s.record.end_ms = Some(now_ms());
-        s.record.ok = Some(ok);
+        s.record.ok = Some(failure.is_none());
+        s.record.failure = failure.map(str::to_string);
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         ring.write(s.slot, &s.record);
     }
@@ -173,7 +176,13 @@ impl Recorded {
     ) -> Result<T> {
         let s = self.recorder.start(op, key, bytes);
         let out = f();
-        self.recorder.end(s, out.is_ok());
+        let failure = out.as_ref().err().map(|e| match CommError::find(e) {
+            Some(CommError::Timeout { .. }) => "timeout",
+            Some(CommError::PeerFailed { .. }) => "peer",
+            Some(CommError::Invalid { .. }) => "invalid",
+            None => "error",
+        });
+        self.recorder.end(s, failure);
         out
     }
 }

@@ -35,6 +35,9 @@ pub struct OpRecord {
     pub end_ms: Option<f64>,
     /// Whether it succeeded, once ended.
     pub ok: Option<bool>,
+    /// How it failed: `timeout`, `peer` (another rank failed), `invalid`, `error`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
 }
 
 /// A rank's record as read back.
@@ -165,6 +168,7 @@ mod tests {
             start_ms: seq as f64,
             end_ms: None,
             ok: None,
+            failure: None,
         }
     }
 
