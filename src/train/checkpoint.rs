@@ -360,11 +360,12 @@ impl Trainer {
         if let Some(owned) = self.optimizer.muon().map(|m| m.owned().to_vec()) {
             let state = self.read_owned_state(dir, &ck, &owned, &Kind::MUON)?;
             let (master, momentum) = state.split_at(state.len() / 2);
-            let muon = self.optimizer.muon_mut().expect("present");
-            muon.load_state(&MuonState {
-                master: master.to_vec(),
-                momentum: momentum.to_vec(),
-            })?;
+            if let Some(muon) = self.optimizer.muon_mut() {
+                muon.load_state(&MuonState {
+                    master: master.to_vec(),
+                    momentum: momentum.to_vec(),
+                })?;
+            }
         }
         self.progress = progress;
         self.model.set_expert_bias(&self.progress.expert_bias);

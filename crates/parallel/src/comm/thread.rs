@@ -20,6 +20,15 @@ type Job = Box<dyn FnOnce() + Send>;
 thread_local! {
     /// Set on communication threads.
     static COMM_THREAD: Cell<bool> = const { Cell::new(false) };
+    /// When the job running on this communication thread was submitted (milliseconds since the
+    /// Unix epoch), for the flight recorder.
+    static QUEUED_MS: Cell<Option<f64>> = const { Cell::new(None) };
+}
+
+/// When the job the calling communication thread runs was submitted (milliseconds since the
+/// Unix epoch); `None` off communication threads.
+pub fn queued_ms() -> Option<f64> {
+    QUEUED_MS.with(Cell::get)
 }
 
 /// Whether the calling thread is a [`CommThread`]. Backends whose collectives can be ordered on
@@ -76,9 +85,13 @@ impl CommThread {
         job: impl FnOnce() -> Result<T> + Send + 'static,
     ) -> Result<Ticket<T>> {
         let (done, result) = channel();
+        let queued = super::flight::now_ms();
         let run: Job = Box::new(move || {
+            QUEUED_MS.with(|q| q.set(Some(queued)));
+            let out = job();
+            QUEUED_MS.with(|q| q.set(None));
             // The submitter may have stopped waiting (its step failed): nothing to report to.
-            let _ = done.send(job());
+            let _ = done.send(out);
         });
         self.jobs
             .as_ref()
@@ -127,8 +140,16 @@ mod tests {
 
     #[test]
     fn jobs_know_they_run_on_the_communication_thread() {
-        assert!(!on_comm_thread());
+        assert!(!on_comm_thread() && queued_ms().is_none());
         let t = CommThread::new("comm-test".into()).unwrap();
+        let before = crate::comm::flight::now_ms();
+        let queued = t
+            .submit(|| Ok(queued_ms()))
+            .unwrap()
+            .wait()
+            .unwrap()
+            .unwrap();
+        assert!(queued >= before && queued <= crate::comm::flight::now_ms());
         assert!(t.submit(|| Ok(on_comm_thread())).unwrap().wait().unwrap());
         assert!(!on_comm_thread());
     }

@@ -234,7 +234,13 @@ impl WholeMatrices {
                 if r.start > pos {
                     parts.push(zeros(r.start - pos)?);
                 }
-                parts.push(results[k].take().expect("every matrix's result is present"));
+                let result = results[k].take().ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "whole matrices: no result for parameter {} (owner {})",
+                        self.matrices[m].param, self.owner[m]
+                    ))
+                })?;
+                parts.push(result);
                 pos = r.end;
             }
             if bucket.start + bucket.len > pos {

@@ -249,6 +249,7 @@ mod tests {
             key: key.into(),
             bytes: 4,
             step,
+            queued_ms: None,
             start_ms: start,
             end_ms: end,
             ok: end.map(|_| true),

@@ -1,5 +1,6 @@
 //! The flight recorder: every rank keeps its last [`SLOTS`] communication operations (group,
-//! kind, sequence number on that group, bytes, step, start and end times) in a ring of
+//! kind, sequence number on that group, bytes, step, when it was queued on the communication
+//! thread, start and end times) in a ring of
 //! fixed-size text slots — in memory, or in a memory-mapped file `rank-NNNNN.flight` that
 //! survives the process (a rank that is stopped, killed or hung still leaves its last
 //! operations readable by the launcher on its node). [`Recorded`] wraps any [`Comm`] (local, tcp,
@@ -124,6 +125,7 @@ impl FlightRecorder {
             key,
             bytes,
             step: self.step.load(Ordering::Relaxed),
+            queued_ms: super::thread::queued_ms(),
             start_ms: now_ms(),
             end_ms: None,
             ok: None,

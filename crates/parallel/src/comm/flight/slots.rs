@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 /// Operations a ring keeps.
 pub const SLOTS: usize = 1024;
 /// Bytes per slot.
-const SLOT: usize = 256;
+const SLOT: usize = 512;
 
 /// One recorded operation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -29,6 +29,10 @@ pub struct OpRecord {
     pub bytes: usize,
     /// The training step it belongs to.
     pub step: u64,
+    /// When it was handed to the rank's communication thread, if it ran there (milliseconds
+    /// since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_ms: Option<f64>,
     /// Start, milliseconds since the Unix epoch.
     pub start_ms: f64,
     /// End, if it ended.
@@ -165,6 +169,7 @@ mod tests {
             key: "[0,1]".into(),
             bytes: 8,
             step: 1,
+            queued_ms: None,
             start_ms: seq as f64,
             end_ms: None,
             ok: None,
@@ -194,6 +199,22 @@ mod tests {
         assert_eq!(got.ops.last().unwrap().n, SLOTS as u64 + 6);
         assert!(got.ops.iter().all(|o| o.ok == Some(true)));
         assert_eq!(mem.read().ops.len(), SLOTS);
+        // The longest record (a listed group of 24 five-digit ranks, every field set) fits.
+        let key = format!("{:?}", (10000..10024).collect::<Vec<usize>>()).replace(' ', "");
+        let long = OpRecord {
+            n: u64::MAX,
+            seq: u64::MAX,
+            op: "reduce_scatter".into(),
+            key,
+            bytes: usize::MAX,
+            step: u64::MAX,
+            queued_ms: Some(1.0e12 / 3.0),
+            start_ms: 1.0e12 / 7.0,
+            end_ms: Some(1.0e12 / 9.0),
+            ok: Some(false),
+            failure: Some("timeout".into()),
+        };
+        assert!(serde_json::to_string(&long).unwrap().len() < SLOT);
         // A torn slot (half of a record) is left out.
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[SLOT + 10..2 * SLOT - 1].fill(b' ');
