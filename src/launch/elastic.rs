@@ -9,6 +9,9 @@
 //! says which rank was lost, the new layout, the checkpoint's step and how many steps are
 //! redone. Fewer than MIN slots, K restarts used, or no layout fitting: an error naming which.
 //!
+//! On CUDA each slot is a GPU: after a restart each rank sees only its slot's GPU
+//! (`CUDA_VISIBLE_DEVICES`), so a GPU that failed is not used again.
+//!
 //! One node: the store lives in rank 0's process, so a job spanning nodes cannot outlive its
 //! rank 0; `--elastic` with `--nnodes` above 1 is refused.
 
@@ -201,6 +204,20 @@ impl Drop for Resumed {
     }
 }
 
+/// `CUDA_VISIBLE_DEVICES` for the local ranks of a round on slots `free`: the GPU each slot
+/// stands for, through the launcher's own `CUDA_VISIBLE_DEVICES` (`outer`) when it has one.
+pub fn visible_devices(free: &[usize], outer: Option<&str>) -> Vec<String> {
+    let listed: Option<Vec<String>> = outer
+        .filter(|v| !v.trim().is_empty())
+        .map(|v| v.split(',').map(|d| d.trim().to_string()).collect());
+    free.iter()
+        .map(|&slot| match &listed {
+            Some(l) => l.get(slot).cloned().unwrap_or_else(|| slot.to_string()),
+            None => slot.to_string(),
+        })
+        .collect()
+}
+
 /// Refuses what elastic restarts cannot do.
 pub fn check(e: &Elastic, nproc_per_node: usize, nnodes: usize) -> Result<()> {
     if nnodes > 1 {
@@ -236,6 +253,13 @@ mod tests {
         assert!(parse_range("a")
             .unwrap_err()
             .contains("expected MIN or MIN:MAX"));
+    }
+
+    #[test]
+    fn each_slot_keeps_its_gpu() {
+        assert_eq!(visible_devices(&[0, 2, 3], None), ["0", "2", "3"]);
+        assert_eq!(visible_devices(&[0, 2], Some("4,5,6,7")), ["4", "6"]);
+        assert_eq!(visible_devices(&[1], Some(" ")), ["1"]);
     }
 
     #[test]

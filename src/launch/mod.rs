@@ -94,7 +94,7 @@ pub fn spawn_node(
     grace: Duration,
     flight: &std::path::Path,
 ) -> Result<()> {
-    spawn_round(layout, args, world, grace, flight)
+    spawn_round(layout, args, world, grace, flight, None)
 }
 
 /// [`spawn_node`] with elastic restarts (see `elastic.rs`): `recipe` is the job's, `args` its
@@ -108,7 +108,10 @@ pub fn spawn_elastic(
 ) -> Result<()> {
     elastic::check(&e, layout.nproc_per_node, layout.nnodes)?;
     let flight = crate::train::flight::dir(recipe);
-    let mut slots = layout.nproc_per_node;
+    // The node's slots still in use (a GPU each on CUDA): the lost rank's slot is dropped, and
+    // a later round's local rank `i` runs on slot `free[i]`.
+    let mut free: Vec<usize> = (0..layout.nproc_per_node).collect();
+    let gpus = recipe.train.device == DeviceKind::Cuda;
     let mut round_args = args.to_vec();
     let mut world = recipe.parallel.world_size();
     let mut restart = 0;
@@ -118,7 +121,11 @@ pub fn spawn_elastic(
             nproc_per_node: world,
             ..layout.clone()
         };
-        let outcome = spawn_round(&round, &round_args, world, grace, &flight);
+        // After a restart each CUDA rank sees only its slot's GPU.
+        let outer = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let devices =
+            (gpus && restart > 0).then(|| elastic::visible_devices(&free, outer.as_deref()));
+        let outcome = spawn_round(&round, &round_args, world, grace, &flight, devices);
         drop(watcher.take()); // the round's resume watcher
         let err = match outcome {
             Ok(()) => return Ok(()),
@@ -135,7 +142,10 @@ pub fn spawn_elastic(
             )));
         }
         let lost = failed.rank;
-        slots = slots.saturating_sub(1);
+        if lost < free.len() {
+            free.remove(lost); // one node: the rank is the round's local rank
+        }
+        let slots = free.len();
         if slots < e.min {
             return Err(err.context(format!(
                 "rank {lost} lost: {slots} ranks left, below the --elastic minimum {}",
@@ -176,13 +186,15 @@ pub fn spawn_elastic(
     }
 }
 
-/// One round of a node's processes for a job of `world` ranks, supervised to the end.
+/// One round of a node's processes for a job of `world` ranks, supervised to the end; with
+/// `devices`, local rank `i` gets `CUDA_VISIBLE_DEVICES=devices[i]`.
 fn spawn_round(
     layout: &NodeLayout,
     args: &[OsString],
     world: usize,
     grace: Duration,
     flight: &std::path::Path,
+    devices: Option<Vec<String>>,
 ) -> Result<()> {
     let NodeLayout {
         nproc_per_node: n,
@@ -265,6 +277,9 @@ fn spawn_round(
             .env("MASTER_PORT", port.to_string());
         if let Some(t) = &token {
             cmd.env(TOKEN_VAR, t);
+        }
+        if let Some(d) = devices.as_ref().and_then(|d| d.get(local)) {
+            cmd.env("CUDA_VISIBLE_DEVICES", d);
         }
         let spawned = cmd.spawn();
         match spawned {

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use parallel::comm::flight::{diagnose, now_ms, read_dir, Diagnosis, FlightRecorder};
+use parallel::comm::flight::{diagnose, now_ms, read_dir, Diagnosis, FlightRecorder, SLOTS};
 use parallel::CommError;
 
 use crate::recipe::Recipe;
@@ -22,19 +22,31 @@ pub fn dir(recipe: &Recipe) -> PathBuf {
     recipe.run.dir.join("flight")
 }
 
-/// Rank `rank`'s recorder: in [`dir`] when the run writes outputs, else in memory.
-pub fn recorder(recipe: &Recipe, rank: usize, write_outputs: bool) -> Result<Arc<FlightRecorder>> {
+/// Rank `rank`'s recorder: in [`dir`] when the run writes outputs, else in memory. A rank
+/// process keeps its last [`SLOTS`] operations (512 KiB); the thread ranks of one process keep
+/// at most about 32 MiB together (64 operations each at the least).
+pub fn recorder(
+    recipe: &Recipe,
+    rank: usize,
+    write_outputs: bool,
+    threads: bool,
+) -> Result<Arc<FlightRecorder>> {
     let world = recipe.parallel.world_size();
+    let slots = if threads {
+        (65_536 / world.max(1)).clamp(64, SLOTS)
+    } else {
+        SLOTS
+    };
     Ok(Arc::new(if write_outputs {
         let d = dir(recipe);
-        FlightRecorder::in_dir(&d, rank, world).with_context(|| {
+        FlightRecorder::in_dir(&d, slots, rank, world).with_context(|| {
             format!(
                 "creating the flight record of rank {rank} in {}",
                 d.display()
             )
         })?
     } else {
-        FlightRecorder::in_memory(rank, world)
+        FlightRecorder::in_memory(slots, rank, world)
     }))
 }
 

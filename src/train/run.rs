@@ -83,7 +83,7 @@ pub fn run_rank(
     device: Device,
     write_outputs: bool,
 ) -> Result<RankOutput> {
-    let recorder = match flight::recorder(recipe, rank, write_outputs) {
+    let recorder = match flight::recorder(recipe, rank, write_outputs, false) {
         Ok(r) => r,
         Err(e) => {
             comm.abort(&format!("{e:#}"));
@@ -158,7 +158,7 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     // Thread ranks share this process and its device.
     super::admit::admit(&recipe, world, &device)?;
     let recorders = (0..world)
-        .map(|r| flight::recorder(&recipe, r, write_outputs))
+        .map(|r| flight::recorder(&recipe, r, write_outputs, true))
         .collect::<Result<Vec<_>>>()?;
     let seen = recorders.clone();
     let _watch = flight::watch(move || flight::from_recorders(&seen, world))?;

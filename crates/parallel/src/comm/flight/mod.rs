@@ -71,17 +71,18 @@ pub struct Started {
 }
 
 impl FlightRecorder {
-    /// A recorder of rank `rank` of `world` in memory.
-    pub fn in_memory(rank: usize, world: usize) -> Self {
-        Self::with(rank, Ring::memory(rank, world), None)
+    /// A recorder of rank `rank` of `world` keeping its last `slots` operations (at most
+    /// [`SLOTS`]) in memory.
+    pub fn in_memory(slots: usize, rank: usize, world: usize) -> Self {
+        Self::with(rank, Ring::memory(slots, rank, world), None)
     }
 
-    /// A recorder of rank `rank` of `world` in the file [`file_name`] under `dir` (created,
-    /// replacing an earlier run's).
-    pub fn in_dir(dir: &Path, rank: usize, world: usize) -> std::io::Result<Self> {
+    /// A recorder of rank `rank` of `world` keeping its last `slots` operations (at most
+    /// [`SLOTS`]) in the file [`file_name`] under `dir` (created, replacing an earlier run's).
+    pub fn in_dir(dir: &Path, slots: usize, rank: usize, world: usize) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let path = dir.join(file_name(rank));
-        let ring = Ring::file(&path, rank, world)?;
+        let ring = Ring::file(&path, slots, rank, world)?;
         Ok(Self::with(rank, ring, Some(path)))
     }
 

@@ -1,4 +1,4 @@
-//! The flight recorder's ring: a header and [`SLOTS`] slots of [`SLOT`] bytes, each one JSON
+//! The flight recorder's ring: a header and up to [`SLOTS`] slots of [`SLOT`] bytes, each one JSON
 //! object padded with spaces and ended by a newline (a record file reads as text), in memory or
 //! in a memory-mapped file. A slot is rewritten when its operation ends; a reader that catches a
 //! slot half-written skips it.
@@ -8,7 +8,7 @@ use std::path::Path;
 use memmap2::MmapMut;
 use serde::{Deserialize, Serialize};
 
-/// Operations a ring keeps.
+/// Operations a ring keeps at most.
 pub const SLOTS: usize = 1024;
 /// Bytes per slot.
 const SLOT: usize = 512;
@@ -66,6 +66,8 @@ enum Store {
 /// The ring of one rank.
 pub(super) struct Ring {
     store: Store,
+    /// Operations it keeps.
+    slots: usize,
     /// Operations pushed so far.
     pushed: u64,
 }
@@ -78,8 +80,12 @@ impl Ring {
         }
     }
 
-    fn with(store: Store, rank: usize, world: usize) -> Self {
-        let mut ring = Self { store, pushed: 0 };
+    fn with(store: Store, slots: usize, rank: usize, world: usize) -> Self {
+        let mut ring = Self {
+            store,
+            slots,
+            pushed: 0,
+        };
         let header = RankRecord {
             rank,
             world,
@@ -91,24 +97,32 @@ impl Ring {
         ring
     }
 
-    /// A ring in memory.
-    pub(super) fn memory(rank: usize, world: usize) -> Self {
-        Self::with(Store::Memory(vec![b' '; (SLOTS + 1) * SLOT]), rank, world)
+    /// A ring of `slots` operations (1 to [`SLOTS`]) in memory.
+    pub(super) fn memory(slots: usize, rank: usize, world: usize) -> Self {
+        let slots = slots.clamp(1, SLOTS);
+        let store = Store::Memory(vec![b' '; (slots + 1) * SLOT]);
+        Self::with(store, slots, rank, world)
     }
 
-    /// A ring in the file `path` (created or truncated).
-    pub(super) fn file(path: &Path, rank: usize, world: usize) -> std::io::Result<Self> {
+    /// A ring of `slots` operations (1 to [`SLOTS`]) in the file `path` (created or truncated).
+    pub(super) fn file(
+        path: &Path,
+        slots: usize,
+        rank: usize,
+        world: usize,
+    ) -> std::io::Result<Self> {
+        let slots = slots.clamp(1, SLOTS);
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
             .open(path)?;
-        f.set_len(((SLOTS + 1) * SLOT) as u64)?;
+        f.set_len(((slots + 1) * SLOT) as u64)?;
         // SAFETY: the file is this rank's own, created just now; others only read it.
         let mut map = unsafe { MmapMut::map_mut(&f)? };
         map.fill(b' ');
-        Ok(Self::with(Store::File(map), rank, world))
+        Ok(Self::with(Store::File(map), slots, rank, world))
     }
 
     /// Writes `text` (cut to fit) into slot `slot`, padded, newline-terminated.
@@ -124,7 +138,7 @@ impl Ring {
     pub(super) fn push(&mut self, r: &mut OpRecord) -> usize {
         self.pushed += 1;
         r.n = self.pushed;
-        let slot = 1 + ((self.pushed - 1) as usize % SLOTS);
+        let slot = 1 + ((self.pushed - 1) as usize % self.slots);
         self.write(slot, r);
         slot
     }
@@ -183,8 +197,8 @@ mod tests {
     fn the_ring_keeps_the_newest_operations_readable_from_its_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rank-00001.flight");
-        let mut file = Ring::file(&path, 1, 4).unwrap();
-        let mut mem = Ring::memory(1, 4);
+        let mut file = Ring::file(&path, SLOTS, 1, 4).unwrap();
+        let mut mem = Ring::memory(64, 1, 4);
         for seq in 1..=(SLOTS as u64 + 6) {
             let mut r = record(seq);
             let slot = file.push(&mut r);
@@ -198,7 +212,7 @@ mod tests {
         assert_eq!(got.ops.first().unwrap().seq, 7);
         assert_eq!(got.ops.last().unwrap().n, SLOTS as u64 + 6);
         assert!(got.ops.iter().all(|o| o.ok == Some(true)));
-        assert_eq!(mem.read().ops.len(), SLOTS);
+        assert_eq!(mem.read().ops.len(), 64);
         // The longest record (a listed group of 24 five-digit ranks, every field set) fits.
         let key = format!("{:?}", (10000..10024).collect::<Vec<usize>>()).replace(' ', "");
         let long = OpRecord {
