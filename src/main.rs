@@ -31,6 +31,8 @@ fn main() -> std::process::ExitCode {
             eprintln!("error: {e:#}");
             if pretrain::launch::is_peer_failure(&e) {
                 std::process::ExitCode::from(pretrain::launch::PEER_FAILED_EXIT)
+            } else if pretrain::train::flight::timed_out(&e) {
+                std::process::ExitCode::from(pretrain::launch::TIMED_OUT_EXIT)
             } else {
                 std::process::ExitCode::FAILURE
             }

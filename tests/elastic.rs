@@ -101,7 +101,7 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
     );
     assert!(status.success(), "{log}");
     assert!(
-        log.contains("elastic restart 1/1: rank 3 lost (3 ranks left)"),
+        log.contains("elastic restart 1/1: rank 3 lost (3 ranks left: "),
         "{log}"
     );
     assert!(log.contains("training resumed"), "{log}");
@@ -223,4 +223,59 @@ fn too_few_ranks_left_is_an_error() {
         !out.status.success() && text.contains("use --elastic on one node"),
         "{text}"
     );
+}
+
+/// A rank that hangs (SIGSTOP) is the one taken out: the others time out waiting for it, the
+/// launcher kills it and restarts on the ranks left.
+#[test]
+fn a_hung_rank_is_the_one_taken_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args([
+            "--nproc-per-node",
+            "4",
+            "--elastic",
+            "2",
+            "--recipe",
+            "recipes/tiny.yaml",
+        ])
+        .args(["--set", SET, "--set"])
+        .arg(format!("run.dir={}", tmp.path().display()))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = launcher.stderr.take().unwrap();
+    let errors = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
+        s
+    });
+    let mut log = String::new();
+    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        log.push_str(&l);
+        log.push('\n');
+        if l.contains("step=3/8") {
+            break;
+        }
+    }
+    let pid = rank_pid(launcher.id(), 1).expect("rank 1's process");
+    // SAFETY: kill(2) on a rank process of the job this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    for l in lines {
+        log.push_str(&l.unwrap());
+        log.push('\n');
+    }
+    let status = launcher.wait().unwrap();
+    log.push_str(&errors.join().unwrap());
+    assert!(status.success(), "{log}");
+    assert!(log.contains("rank 1 hung: still running"), "{log}");
+    assert!(
+        log.contains("elastic restart 1/3: rank 1 lost (3 ranks left: "),
+        "{log}"
+    );
+    assert_eq!(records(tmp.path()).len(), 8, "{log}");
 }

@@ -114,6 +114,8 @@ fn a_stopped_rank_is_named_with_the_operation_it_never_entered() {
         elapsed < Duration::from_secs(timeout_s + 10),
         "the job took {elapsed:?} to stop after rank 3 was stopped:\n{log}"
     );
+    // The launcher names the rank that hung as the root cause, not those that timed out.
+    assert!(log.contains("rank 3 hung: still running"), "{log}");
     let report = log.split("flight recorder:").last().unwrap_or_default();
     assert!(
         report.contains("rank 3 never entered") && report.contains("its last operation was"),

@@ -51,6 +51,10 @@ pub const TOKEN_VAR: &str = "PRETRAIN_JOB_TOKEN";
 /// rank that failed first on its own, not the ranks that followed it.
 pub const PEER_FAILED_EXIT: u8 = 3;
 
+/// Exit status of a rank that gave up waiting for its peers (`parallel.timeout_s`): the rank
+/// that never came — hung, killed by the launcher once the others stopped — is the root cause.
+pub const TIMED_OUT_EXIT: u8 = 4;
+
 /// Whether `e` reports that this rank stopped because another rank failed, decided by the
 /// error's type ([`parallel::CommError::PeerFailed`] anywhere in its chain), never by its text.
 pub fn is_peer_failure(e: &anyhow::Error) -> bool {
@@ -162,10 +166,11 @@ pub fn spawn_elastic(
         let reached = elastic::last_step(&recipe.run.dir).unwrap_or(0);
         let from = resumed.unwrap_or(0);
         tracing::warn!(
-            "elastic restart {}/{}: rank {lost} lost ({slots} ranks left); restarting on {}; \
-             resuming from {} ({} steps redone)",
+            "elastic restart {}/{}: rank {lost} lost ({slots} ranks left: {}); restarting on \
+             {}; resuming from {} ({} steps redone)",
             restart + 1,
             e.max_restarts,
+            failed.message,
             next.describe(),
             match resumed {
                 Some(s) => format!("the checkpoint of step {s}"),

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::PEER_FAILED_EXIT;
+use super::{PEER_FAILED_EXIT, TIMED_OUT_EXIT};
 
 /// Waits for every child; after the first failure, gives the others `grace` to stop, then kills
 /// them. The error names the root cause: the first failed rank that did not merely follow
@@ -101,8 +101,10 @@ pub(super) fn supervise(
         }
     }
     // The root cause: the first rank that failed on its own; else a rank that hung while every
-    // failure was a follower's; else the first follower.
-    let secondary = |s: &ExitStatus| s.code() == Some(PEER_FAILED_EXIT as i32);
+    // failure was a follower's or a timeout waiting for it; else the first of those.
+    let secondary = |s: &ExitStatus| {
+        s.code() == Some(PEER_FAILED_EXIT as i32) || s.code() == Some(TIMED_OUT_EXIT as i32)
+    };
     let root = failures
         .iter()
         .find(|(_, s)| !secondary(s))
@@ -116,7 +118,17 @@ pub(super) fn supervise(
             crate::train::flight::report(&d);
         }
     }
+    let hung_root = root.is_some_and(|r| hung.iter().any(|h| h.0 == r.0));
     match root {
+        Some((rank, _)) if hung_root => Err(JobFailed {
+            rank: *rank,
+            message: format!(
+                "rank {rank} hung: still running {:.0} s after the others stopped (they timed \
+                 out waiting for it or followed), so it was killed",
+                grace.as_secs_f64()
+            ),
+        }
+        .into()),
         Some((rank, status)) if status.code().is_some() => Err(JobFailed {
             rank: *rank,
             message: format!("rank {rank} failed ({status}); see its error above"),
