@@ -3,15 +3,17 @@
 //! planner picks for them, from the newest checkpoint. The job finishes every step (exit 0), each
 //! step is in metrics.jsonl once, the steps after the restart equal a run that made the same
 //! layout change by hand from the same checkpoint bit for bit, and the curve stays within 1e-3 of
-//! the uninterrupted run's.
+//! the uninterrupted run's. A hung rank is the one taken out; too few ranks left is an error.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use pretrain::launch::elastic::relayout;
 use pretrain::recipe::load;
+
+mod common;
+use common::job::Job;
 
 const SET: &str = "parallel.dp=2,parallel.tp=2,train.steps=8,train.global_batch=16,\
                    train.micro_batch=4,schedule.warmup_steps=1,train.eval_interval=0,\
@@ -27,85 +29,34 @@ fn records(dir: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
-/// The pid of the child of `parent` whose environment has `RANK=rank`.
-fn rank_pid(parent: u32, rank: usize) -> Option<i32> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: i32 = e.file_name().to_string_lossy().parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid: u32 = stat
-            .rsplit_once(')')?
-            .1
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-        let want = format!("RANK={rank}");
-        (ppid == parent && env.split(|&b| b == 0).any(|v| v == want.as_bytes())).then_some(pid)
-    })
+/// The launcher of a 4-rank job of the tiny recipe with `elastic` and SET, into `dir`.
+fn launcher(elastic: &[&str], dir: &Path, extra: &str) -> Job {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
+    cmd.args(["--nproc-per-node", "4"])
+        .args(elastic)
+        .args(["--recipe", "recipes/tiny.yaml", "--set", SET, "--set"])
+        .arg(format!("run.dir={}{extra}", dir.display()));
+    Job::start(cmd)
 }
 
 #[test]
 fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("elastic");
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pretrain"))
-        .args([
-            "--nproc-per-node",
-            "4",
-            "--elastic",
-            "2:4",
-            "--max-restarts",
-            "1",
-            "--recipe",
-            "recipes/tiny.yaml",
-            "--set",
-            SET,
-            "--set",
-        ])
-        .arg(format!("run.dir={}", run.display()))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let err = launcher.stderr.take().unwrap();
-    let errors = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
-        s
-    });
-    let mut log = String::new();
-    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
-    for l in lines.by_ref() {
-        let l = l.unwrap();
-        log.push_str(&l);
-        log.push('\n');
-        if l.contains("step=3/8") {
-            break;
-        }
-    }
-    let pid = rank_pid(launcher.id(), 3).expect("rank 3's process");
-    // SAFETY: kill(2) on a rank process of the job this test started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut job = launcher(&["--elastic", "2:4", "--max-restarts", "1"], &run, "");
+    assert!(job.wait_for("step=3/8"), "{}", job.log);
+    job.signal_rank(3, libc::SIGKILL);
     let killed = Instant::now();
-    for l in lines {
-        log.push_str(&l.unwrap());
-        log.push('\n');
-    }
-    let status = launcher.wait().unwrap();
-    log.push_str(&errors.join().unwrap());
-    eprintln!(
-        "job finished {:.1} s after the kill",
-        killed.elapsed().as_secs_f64()
-    );
+    let (status, log) = job.finish();
+    let took = killed.elapsed();
+    eprintln!("job finished {:.1} s after the kill", took.as_secs_f64());
     assert!(status.success(), "{log}");
     assert!(
         log.contains("elastic restart 1/1: rank 3 lost (3 ranks left: "),
         "{log}"
     );
     assert!(log.contains("training resumed"), "{log}");
-    assert!(killed.elapsed() < Duration::from_secs(120), "{log}");
+    assert!(took < Duration::from_secs(120), "{log}");
     let got = records(&run);
     assert_eq!(
         got.iter().map(|r| r.0).collect::<Vec<_>>(),
@@ -119,11 +70,11 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
     let recipe = load(Path::new("recipes/tiny.yaml"), &base).unwrap();
     let next = relayout(&recipe, 3, 2).unwrap();
     assert!(log.contains(&next.describe()), "{log}");
+    assert!(
+        log.contains("resuming from the checkpoint of step 2"),
+        "{log}"
+    );
     let ckpt = run.join("checkpoints/step-00000002");
-    let from = log
-        .contains("resuming from the checkpoint of step 2")
-        .then_some(2)
-        .expect("resumed from step 2");
     let by_hand = load(
         Path::new("recipes/tiny.yaml"),
         &[
@@ -139,7 +90,7 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
         .iter()
         .map(|r| r.loss)
         .collect();
-    let after: Vec<f64> = got[from..].iter().map(|r| r.1).collect();
+    let after: Vec<f64> = got[2..].iter().map(|r| r.1).collect();
     assert_eq!(
         after, hand,
         "the steps after the restart vs the same change by hand"
@@ -161,39 +112,10 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
 #[test]
 fn too_few_ranks_left_is_an_error() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pretrain"))
-        .args([
-            "--nproc-per-node",
-            "4",
-            "--elastic",
-            "4",
-            "--recipe",
-            "recipes/tiny.yaml",
-        ])
-        .args(["--set", SET, "--set"])
-        .arg(format!("run.dir={},train.steps=50", tmp.path().display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let err = launcher.stderr.take().unwrap();
-    let errors = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
-        s
-    });
-    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
-    for l in lines.by_ref() {
-        if l.unwrap().contains("step=2/") {
-            break;
-        }
-    }
-    let pid = rank_pid(launcher.id(), 2).expect("rank 2's process");
-    // SAFETY: kill(2) on a rank process of the job this test started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    for _ in lines {}
-    let status = launcher.wait().unwrap();
-    let log = errors.join().unwrap();
+    let mut job = launcher(&["--elastic", "4"], tmp.path(), ",train.steps=50");
+    assert!(job.wait_for("step=2/"), "{}", job.log);
+    job.signal_rank(2, libc::SIGKILL);
+    let (status, log) = job.finish();
     assert!(!status.success(), "{log}");
     assert!(
         log.contains("rank 2 lost: 3 ranks left, below the --elastic minimum 4"),
@@ -230,47 +152,10 @@ fn too_few_ranks_left_is_an_error() {
 #[test]
 fn a_hung_rank_is_the_one_taken_out() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pretrain"))
-        .args([
-            "--nproc-per-node",
-            "4",
-            "--elastic",
-            "2",
-            "--recipe",
-            "recipes/tiny.yaml",
-        ])
-        .args(["--set", SET, "--set"])
-        .arg(format!("run.dir={}", tmp.path().display()))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let err = launcher.stderr.take().unwrap();
-    let errors = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
-        s
-    });
-    let mut log = String::new();
-    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
-    for l in lines.by_ref() {
-        let l = l.unwrap();
-        log.push_str(&l);
-        log.push('\n');
-        if l.contains("step=3/8") {
-            break;
-        }
-    }
-    let pid = rank_pid(launcher.id(), 1).expect("rank 1's process");
-    // SAFETY: kill(2) on a rank process of the job this test started.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
-    for l in lines {
-        log.push_str(&l.unwrap());
-        log.push('\n');
-    }
-    let status = launcher.wait().unwrap();
-    log.push_str(&errors.join().unwrap());
+    let mut job = launcher(&["--elastic", "2"], tmp.path(), "");
+    assert!(job.wait_for("step=3/8"), "{}", job.log);
+    job.signal_rank(1, libc::SIGSTOP);
+    let (status, log) = job.finish();
     assert!(status.success(), "{log}");
     assert!(log.contains("rank 1 hung: still running"), "{log}");
     assert!(

@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use pretrain::recipe;
 
+mod common;
+use common::job::rank_pid;
+
 const LAYOUT: &str = "parallel.dp=2,parallel.pp=2,train.steps=3,schedule.warmup_steps=1,\
                       train.eval_interval=0,checkpoint.interval=0,run.log_interval=1";
 
@@ -108,31 +111,6 @@ fn a_torchrun_environment_must_match_the_recipe() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("RANK is set but WORLD_SIZE is not"), "{err}");
-}
-
-/// The pid of the child of `parent` whose environment has `RANK=rank`.
-fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // Field 4 (after the parenthesised command name) is the parent pid.
-        let ppid = stat
-            .rsplit(')')
-            .next()
-            .and_then(|rest| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid != Some(parent) {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let want = format!("RANK={rank}");
-        if env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
 }
 
 #[test]

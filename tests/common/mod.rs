@@ -10,6 +10,7 @@ use pretrain::train::{train, RunOutput};
 
 pub mod cli;
 pub mod hf;
+pub mod job;
 pub mod reference;
 pub mod small;
 
