@@ -86,3 +86,46 @@ fn thread_ranks_report_the_rank_that_did_not_arrive() {
         "{log}"
     );
 }
+
+/// Without a launcher of ours (torchrun- or Slurm-style processes), rank 0 reports from the
+/// records it can read when it times out: here rank 1 is stopped, and rank 0 names it.
+#[test]
+fn rank_zero_reports_under_another_launcher() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let rank = |r: usize| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
+        cmd.args(["--recipe", "recipes/tiny.yaml", "--set"])
+            .arg(format!(
+                "parallel.dp=2,train.steps=500,train.eval_interval=0,checkpoint.interval=0,\
+                 run.log_interval=1,parallel.timeout_s=3,run.dir={}",
+                dir.path().display()
+            ))
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("PRETRAIN_JOB_TOKEN", "flight-test");
+        cmd
+    };
+    let mut first = Job::start(rank(0));
+    let mut second = rank(1)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(first.wait_for("step=2/"), "{}", first.log);
+    // SAFETY: kill(2) on the rank process this test started.
+    unsafe { libc::kill(second.id() as i32, libc::SIGSTOP) };
+    let (status, log) = first.finish();
+    // SAFETY: as above; the stopped process is ended.
+    unsafe { libc::kill(second.id() as i32, libc::SIGKILL) };
+    second.wait().unwrap();
+    assert_eq!(status.code(), Some(4), "a timed-out rank exits 4:\n{log}");
+    assert!(log.contains("flight recorder:"), "{log}");
+    assert!(log.contains("rank 1 never entered it"), "{log}");
+}
