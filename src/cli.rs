@@ -392,7 +392,7 @@ fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
                 max,
                 max_restarts: launch.max_restarts,
             };
-            return crate::launch::spawn_elastic(&layout, &child, &recipe, grace, e);
+            return crate::launch::elastic::spawn(&layout, &child, &recipe, grace, e);
         }
         let flight = crate::train::flight::dir(&recipe);
         return crate::launch::spawn_node(&layout, &child, world, grace, &flight);

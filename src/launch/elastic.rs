@@ -20,10 +20,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::ffi::OsString;
+
 use anyhow::{bail, Result};
 
+use super::{JobFailed, NodeLayout};
 use crate::plan::{search::candidates, GpuPreset, Layout};
-use crate::recipe::Recipe;
+use crate::recipe::{DeviceKind, Recipe};
 
 /// `--elastic MIN[:MAX]`: the fewest ranks a job may continue on, the most it starts with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,6 +159,95 @@ pub fn last_step(run_dir: &Path) -> Option<u64> {
         .filter(|v| v.get("loss").is_some())
         .filter_map(|v| v.get("step")?.as_u64())
         .max()
+}
+
+/// `super::spawn_node` with elastic restarts (see the module docs): `recipe` is the job's, `args` its
+/// command line; each restart adds the new layout and `checkpoint.resume=auto`.
+pub fn spawn(
+    layout: &NodeLayout,
+    args: &[OsString],
+    recipe: &Recipe,
+    grace: Duration,
+    e: Elastic,
+) -> Result<()> {
+    check(&e, layout.nproc_per_node, layout.nnodes)?;
+    let flight = crate::train::flight::dir(recipe);
+    // The node's slots still in use (a GPU each on CUDA): the lost rank's slot is dropped, and
+    // a later round's local rank `i` runs on slot `free[i]`.
+    let mut free: Vec<usize> = (0..layout.nproc_per_node).collect();
+    let gpus = recipe.train.device == DeviceKind::Cuda;
+    let mut round_args = args.to_vec();
+    let mut world = recipe.parallel.world_size();
+    let mut restart = 0;
+    let mut watcher: Option<Resumed> = None;
+    loop {
+        let round = NodeLayout {
+            nproc_per_node: world,
+            ..layout.clone()
+        };
+        // After a restart each CUDA rank sees only its slot's GPU.
+        let outer = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let devices = (gpus && restart > 0).then(|| visible_devices(&free, outer.as_deref()));
+        let outcome = super::spawn_round(&round, &round_args, world, grace, &flight, devices);
+        drop(watcher.take()); // the round's resume watcher
+        let err = match outcome {
+            Ok(()) => return Ok(()),
+            Err(err) => err,
+        };
+        let failed_at = std::time::Instant::now();
+        let Some(failed) = err.downcast_ref::<JobFailed>() else {
+            return Err(err); // a stop signal, or the launcher's own failure
+        };
+        if restart == e.max_restarts {
+            return Err(err.context(format!(
+                "--max-restarts {} used up; not restarting again",
+                e.max_restarts
+            )));
+        }
+        let lost = failed.rank;
+        if lost < free.len() {
+            free.remove(lost); // one node: the rank is the round's local rank
+        }
+        let slots = free.len();
+        if slots < e.min {
+            return Err(err.context(format!(
+                "rank {lost} lost: {slots} ranks left, below the --elastic minimum {}",
+                e.min
+            )));
+        }
+        let Some(next) = relayout(recipe, slots, e.min) else {
+            return Err(err.context(format!(
+                "rank {lost} lost: no valid layout of the recipe fits {slots} down to {} ranks",
+                e.min
+            )));
+        };
+        let resumed = checkpoint_step(&recipe.checkpoint_root());
+        let reached = last_step(&recipe.run.dir).unwrap_or(0);
+        let from = resumed.unwrap_or(0);
+        tracing::warn!(
+            "elastic restart {}/{}: rank {lost} lost ({slots} ranks left: {}); restarting on \
+             {}; resuming from {} ({} steps redone)",
+            restart + 1,
+            e.max_restarts,
+            failed.message,
+            next.describe(),
+            match resumed {
+                Some(s) => format!("the checkpoint of step {s}"),
+                None => "the start (no checkpoint yet)".to_string(),
+            },
+            reached.saturating_sub(from)
+        );
+        world = next.world;
+        watcher = Some(Resumed::watch(&recipe.run.dir, from, failed_at));
+        round_args = args.to_vec();
+        round_args.extend([
+            "--set".into(),
+            next.overrides().into(),
+            "--set".into(),
+            "checkpoint.resume=auto".into(),
+        ]);
+        restart += 1;
+    }
 }
 
 /// Reports when a restarted round has trained its first step: a thread watching
