@@ -1,8 +1,9 @@
 //! The step executor's hooks: every piece of every micro-batch is announced before its forward
-//! and backward and after its backward; every parameter is reported final exactly once, after the
-//! last backward that adds to it — with an interleaved pipeline, a later chunk's parameters while
-//! the cool-down of earlier chunks still runs (which is what lets their data-parallel buckets be
-//! reduced during it).
+//! and backward, after its backward and after its gradients are accumulated; every parameter is
+//! reported final exactly once, after the last accumulation that adds to it — with an interleaved
+//! pipeline, a later chunk's parameters while the cool-down of earlier chunks still runs (which
+//! is what lets their data-parallel buckets be reduced during it); with zb-h1, a block's
+//! accumulation is its weight action's, after its backward.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -57,6 +58,7 @@ enum Event {
     BeforeForward(Piece, usize),
     BeforeBackward(Piece, usize),
     AfterBackward(Piece, usize),
+    Accumulated(Piece, usize),
     Final(usize),
 }
 
@@ -74,6 +76,10 @@ impl StepHooks for Recorder {
     }
     fn after_backward(&mut self, piece: Piece, micro: usize) -> anyhow::Result<()> {
         self.0.push(Event::AfterBackward(piece, micro));
+        Ok(())
+    }
+    fn after_accumulate(&mut self, piece: Piece, micro: usize) -> anyhow::Result<()> {
+        self.0.push(Event::Accumulated(piece, micro));
         Ok(())
     }
     fn param_final(&mut self, param: usize) -> anyhow::Result<()> {
@@ -94,8 +100,7 @@ fn record(
     let ctx = RankCtx::open(cfg, rank, comm, candle_core::Device::Cpu)?;
     let c = config();
     let model = Llama::new(&c, ctx.placement(4), 7, DType::F32, &Device::Cpu)?;
-    let kind = ScheduleKind::for_virtual_stages(cfg.virtual_stages);
-    let schedule = build(kind, cfg.pp, cfg.virtual_stages, m)?;
+    let schedule = build(cfg.schedule_kind(), cfg.pp, cfg.virtual_stages, m)?;
     let exec = Executor::new(&model, &ctx, &schedule, recompute, 2, 8);
     let grads = GradBuffer::new(
         layout_of(model.params(), DEFAULT_BUCKET_SIZE, 1),
@@ -118,16 +123,17 @@ fn check(events: &[Event], model: &Llama, chunks: &[Vec<Piece>], m: usize) -> Ve
             let f = pos[&Event::BeforeForward(p, micro)];
             let b = pos[&Event::BeforeBackward(p, micro)];
             let a = pos[&Event::AfterBackward(p, micro)];
-            assert!(f < b && b < a, "{p:?} m{micro}: {f} {b} {a}");
+            let acc = pos[&Event::Accumulated(p, micro)];
+            assert!(f < b && b < a && b < acc, "{p:?} m{micro}: {f} {b} {a} {acc}");
         }
     }
     let pieces: usize = chunks.iter().map(Vec::len).sum();
     let n = model.params().len();
-    assert_eq!(events.len(), 3 * pieces * m + n, "{events:?}");
+    assert_eq!(events.len(), 4 * pieces * m + n, "{events:?}");
     (0..n)
         .map(|i| {
             let at = pos[&Event::Final(i)];
-            // Final after the last backward of every piece using it...
+            // Final after the last accumulation of every piece using it...
             let users: Vec<Piece> = chunks
                 .iter()
                 .flatten()
@@ -137,7 +143,7 @@ fn check(events: &[Event], model: &Llama, chunks: &[Vec<Piece>], m: usize) -> Ve
             assert!(!users.is_empty(), "{}", model.params().get(i).name);
             let last = users
                 .iter()
-                .map(|&p| pos[&Event::AfterBackward(p, m - 1)])
+                .map(|&p| pos[&Event::Accumulated(p, m - 1)])
                 .max()
                 .unwrap();
             assert!(
@@ -145,9 +151,9 @@ fn check(events: &[Event], model: &Llama, chunks: &[Vec<Piece>], m: usize) -> Ve
                 "{} final at {at} before {last}",
                 model.params().get(i).name
             );
-            // ...and no backward of such a piece comes later.
+            // ...and no backward or accumulation of such a piece comes later.
             for e in &events[at..] {
-                if let Event::BeforeBackward(p, _) = e {
+                if let Event::BeforeBackward(p, _) | Event::Accumulated(p, _) = e {
                     assert!(
                         !users.contains(p),
                         "{} final before {e:?}",
@@ -176,8 +182,9 @@ fn one_stage_reports_every_piece_and_each_parameter_final_once() {
             .index_of("model.embed_tokens.weight")
             .unwrap();
         assert_eq!(
-            &events[events.len() - 2..],
+            &events[events.len() - 3..],
             [
+                Event::Accumulated(Piece::Embedding, m - 1),
                 Event::AfterBackward(Piece::Embedding, m - 1),
                 Event::Final(e)
             ]
@@ -220,6 +227,45 @@ fn interleaved_pipeline_finalises_later_chunks_during_the_cool_down() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// zb-h1 at pp 2: a block's gradients are accumulated by its weight action, after the block's
+/// backward has released it and (on stage 1, which defers one) after the next micro-batch's
+/// backward; the embedding and the head accumulate inside their backward.
+#[test]
+fn zero_bubble_accumulates_blocks_in_their_weight_actions() {
+    let cfg = ParallelConfig {
+        pp: 2,
+        schedule: Some(ScheduleKind::ZeroBubbleH1),
+        ..ParallelConfig::default()
+    };
+    let m = 3;
+    let out = run_local(2, Duration::from_secs(30), |rank, comm| {
+        record(&cfg, rank, comm, m, Recompute::None)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:#}", e.error));
+    for (rank, (events, model, chunks)) in out.iter().enumerate() {
+        check(events, model, chunks, m);
+        let at = |e: Event| events.iter().position(|&x| x == e).unwrap();
+        for &p in &chunks[0] {
+            for micro in 0..m {
+                let (done, acc) = (
+                    at(Event::AfterBackward(p, micro)),
+                    at(Event::Accumulated(p, micro)),
+                );
+                match p {
+                    Piece::Block(_) => assert!(done < acc, "rank {rank} {p:?} m{micro}"),
+                    _ => assert!(acc < done, "rank {rank} {p:?} m{micro}"),
+                }
+            }
+        }
+        // Stage 1 defers one weight action: micro-batch 0's blocks accumulate after micro-batch
+        // 1's backward.
+        if rank == 1 {
+            let b = chunks[0].iter().find(|p| matches!(p, Piece::Block(_))).unwrap();
+            assert!(at(Event::Accumulated(*b, 0)) > at(Event::BeforeBackward(*b, 1)));
         }
     }
 }

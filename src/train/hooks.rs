@@ -8,12 +8,15 @@
 //! | [`StepHooks::before_forward`] | before a piece's forward | ZeRO-3: install its parameters |
 //! | [`StepHooks::after_forward`] | after it | ZeRO-3: release them (unless the next use reads them) |
 //! | [`StepHooks::before_backward`] | before its backward (and its recompute) | ZeRO-3: install |
-//! | [`StepHooks::after_backward`] | after its gradients are accumulated | ZeRO-2/3: reduce-scatter them; ZeRO-3: release |
-//! | [`StepHooks::param_final`] | after the last backward of the step that adds to a parameter | data-parallel sync |
+//! | [`StepHooks::after_accumulate`] | after its gradients are added into the buffer | ZeRO-2/3: reduce-scatter them |
+//! | [`StepHooks::after_backward`] | after its backward (and the accumulation, unless deferred) | ZeRO-3: release |
+//! | [`StepHooks::param_final`] | after the last accumulation of the step that adds to a parameter | data-parallel sync |
 //!
-//! A parameter is final after the last micro-batch's backward of the last piece on this rank that
-//! uses it; with interleaved pipelines a later chunk's parameters are final while earlier chunks
-//! still run their cool-down, so their buckets are reduced during it. [`StepSync`] is the
+//! A parameter is final after the last micro-batch's accumulation of the last piece on this rank
+//! that uses it; with interleaved pipelines a later chunk's parameters are final while earlier
+//! chunks still run their cool-down, so their buckets are reduced during it. In a zero-bubble
+//! schedule a block's accumulation is its weight action's, after the backward: the parameters
+//! are released by then (the weight gradients need only the kept factors). [`StepSync`] is the
 //! training step's implementation, over [`DataParallel`] and the ZeRO-3 [`Gatherer`].
 
 use anyhow::Result;
@@ -44,8 +47,15 @@ pub trait StepHooks {
         Ok(())
     }
 
-    /// After the backward of `piece` for micro-batch `micro` has added its parameters' gradients
-    /// into the gradient buffer.
+    /// After `piece`'s gradients for micro-batch `micro` were added into the gradient buffer
+    /// (in its backward, or in a split backward's weight action).
+    fn after_accumulate(&mut self, piece: Piece, micro: usize) -> Result<()> {
+        let _ = (piece, micro);
+        Ok(())
+    }
+
+    /// After the backward of `piece` for micro-batch `micro` (and its accumulation, unless the
+    /// schedule defers that to a weight action).
     fn after_backward(&mut self, piece: Piece, micro: usize) -> Result<()> {
         let _ = (piece, micro);
         Ok(())
@@ -98,12 +108,16 @@ impl StepHooks for StepSync<'_> {
         }
     }
 
-    fn after_backward(&mut self, piece: Piece, _micro: usize) -> Result<()> {
+    fn after_accumulate(&mut self, _piece: Piece, _micro: usize) -> Result<()> {
         if self.grads.is_sharded() {
             for (b, full) in self.grads.take_staged() {
                 self.dp.reduce_scatter(b, full)?;
             }
         }
+        Ok(())
+    }
+
+    fn after_backward(&mut self, piece: Piece, _micro: usize) -> Result<()> {
         match &mut self.gather {
             Some(g) => Ok(g.after(self.model.params(), piece)?),
             None => Ok(()),

@@ -33,7 +33,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use model::{llama::masked_mean, Llama};
 use parallel::dp::DataParallel;
-use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind};
+use parallel::pipeline::{check_fifo, validate, Schedule};
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
@@ -141,7 +141,7 @@ impl Trainer {
         } = zero::rank_state(&recipe, &ctx, &model)?;
         let (v, m) = (ctx.virtual_stages, recipe.grad_accum_steps());
         let schedule = parallel::pipeline::build(
-            ScheduleKind::for_virtual_stages(v),
+            recipe.parallel.schedule_kind(),
             ctx.groups.pp.size(),
             v,
             m,

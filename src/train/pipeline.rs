@@ -155,8 +155,9 @@ impl Activations {
 }
 
 /// When each parameter's gradient is final: before the step, every use of a parameter by a piece
-/// on this rank is counted once per micro-batch; each backward of a piece counts its parameters
-/// down, and a parameter is final at zero. This holds for any schedule, for parameters used by
+/// on this rank is counted once per micro-batch; each accumulation of a piece's gradients (in its
+/// backward, or in the weight action of a split backward) counts its parameters down, and a
+/// parameter is final at zero. This holds for any schedule, for parameters used by
 /// two pieces (the tied embedding) and for interleaved pipelines.
 struct Finality {
     pending: Vec<usize>,
@@ -173,9 +174,9 @@ impl Finality {
         Self { pending }
     }
 
-    /// A backward of a piece using `params` is done: calls `hooks.param_final` for each that
-    /// no later backward adds to.
-    fn backward_done(&mut self, params: &[usize], hooks: &mut dyn StepHooks) -> Result<()> {
+    /// The gradients of a piece using `params` are accumulated: calls `hooks.param_final` for
+    /// each that no later accumulation adds to.
+    fn accumulated(&mut self, params: &[usize], hooks: &mut dyn StepHooks) -> Result<()> {
         for &i in params {
             self.pending[i] -= 1;
             if self.pending[i] == 0 {
@@ -193,6 +194,14 @@ struct Live {
     input_grad: Option<Tensor>,
 }
 
+/// A block's weight gradients that a split backward left for its weight action: the GEMM
+/// factors (they hold the projections' inputs and upstream gradients) and their storages.
+struct Deferred {
+    piece: Piece,
+    grads: Vec<(usize, ParamGrad)>,
+    held: segment::Held,
+}
+
 /// What a step's walk of the schedule carries from action to action.
 #[derive(Default)]
 struct Walk {
@@ -200,6 +209,8 @@ struct Walk {
     /// Received activations and gradients, by (chunk, micro-batch).
     acts: HashMap<(usize, usize), Tensor>,
     dys: HashMap<(usize, usize), Tensor>,
+    /// Weight gradients waiting for their weight action, by (chunk, micro-batch).
+    deferred: HashMap<(usize, usize), Vec<Deferred>>,
     /// The micro-batches' losses, summed where they are computed (f64, in schedule order) and
     /// read once at the end: no host wait per micro-batch on a GPU.
     loss: Option<Tensor>,
@@ -224,6 +235,9 @@ pub struct Executor<'a> {
     /// Their dtype (the parameters').
     dtype: DType,
     recompute: Recompute,
+    /// Whether the schedule splits backwards (zero-bubble): blocks then leave their weight
+    /// gradients to [`Action::Weight`].
+    split: bool,
     /// Time every action on this device's timeline (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
     /// Tests: a pause in each forward action of this rank (`PRETRAIN_TEST_SLOW_RANK`).
@@ -252,6 +266,7 @@ impl<'a> Executor<'a> {
             act_shape: ctx.activation_shape(micro_batch, seq_len, cfg.hidden_size),
             dtype: model.params().get(0).dtype,
             recompute,
+            split: schedule.splits_backward(),
             device_timed: None,
             slow: super::stragglers::test_slowdown(ctx.rank),
         }
@@ -312,6 +327,9 @@ impl<'a> Executor<'a> {
                 Action::Backward { chunk, micro } => {
                     let targets = &mbs[micro].targets;
                     self.backward(chunk, micro, targets, grads, hooks, &mut finality, &mut w)?;
+                }
+                Action::Weight { chunk, micro } => {
+                    self.weight(chunk, micro, grads, hooks, &mut finality, &mut w)?;
                 }
                 Action::SendGrad { chunk, micro, to } => {
                     let g = w.live.remove(&(chunk, micro)).and_then(|l| l.input_grad);
@@ -382,7 +400,10 @@ impl<'a> Executor<'a> {
     }
 
     /// The backward of chunk `chunk` for micro-batch `micro`: its pieces in reverse, each
-    /// piece's gradients added into `grads` right after its backward.
+    /// piece's gradients added into `grads` right after its backward — but a block's in a split
+    /// schedule, which are kept for the weight action ([`Executor::weight`]). The embedding's
+    /// and the head's are added here in either case: the head's factors would hold the logits'
+    /// gradient `[b·s, vocab]` until then, and the embedding's are a scatter-add.
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
@@ -407,18 +428,34 @@ impl<'a> Executor<'a> {
                     .with_context(|| format!("no gradient for the backward of {chunk}.{micro}"))?,
             ),
         };
+        let mut deferred = Vec::new();
         for (&p, (run, held)) in pieces.iter().zip(l.runs).rev() {
             hooks.before_backward(p, micro)?;
             let b = segment::backward(self.model, p, run, targets, dy.as_ref())?;
             w.held.add(&b.recomputed);
             w.held.remove(&b.recomputed);
-            w.held.remove(&held);
-            let params = self.model.piece_params(p);
-            self.accumulate(p, &params, b.grads, grads, &mut w.tracked)?;
-            hooks.after_backward(p, micro)?;
-            finality.backward_done(&params, hooks)?;
+            if self.split && matches!(p, Piece::Block(_)) {
+                let tensors: Vec<&Tensor> = b.grads.iter().flat_map(|(_, g)| g.tensors()).collect();
+                let kept = segment::storages(&tensors);
+                w.held.add(&kept); // before the tape goes: the factors share its storages
+                w.held.remove(&held);
+                hooks.after_backward(p, micro)?;
+                deferred.push(Deferred {
+                    piece: p,
+                    grads: b.grads,
+                    held: kept,
+                });
+            } else {
+                w.held.remove(&held);
+                let params = self.finish(p, micro, b.grads, grads, hooks, &mut w.tracked)?;
+                hooks.after_backward(p, micro)?;
+                finality.accumulated(&params, hooks)?;
+            }
             w.tracked += b.dx.as_ref().map_or(0, |dx| segment::tracked(&[dx]));
             dy = b.dx;
+        }
+        if self.split {
+            w.deferred.insert((chunk, micro), deferred);
         }
         let state = Live {
             runs: vec![],
@@ -427,6 +464,46 @@ impl<'a> Executor<'a> {
         };
         w.live.insert((chunk, micro), state);
         Ok(())
+    }
+
+    /// The weight action of a split backward of (`chunk`, `micro`): the blocks' weight
+    /// gradients its backward left, added into `grads` in the order the backward made them.
+    fn weight(
+        &self,
+        chunk: usize,
+        micro: usize,
+        grads: &GradBuffer,
+        hooks: &mut dyn StepHooks,
+        finality: &mut Finality,
+        w: &mut Walk,
+    ) -> Result<()> {
+        let deferred = w
+            .deferred
+            .remove(&(chunk, micro))
+            .with_context(|| format!("the weight action of {chunk}.{micro} before its backward"))?;
+        for d in deferred {
+            let params = self.finish(d.piece, micro, d.grads, grads, hooks, &mut w.tracked)?;
+            finality.accumulated(&params, hooks)?;
+            w.held.remove(&d.held);
+        }
+        Ok(())
+    }
+
+    /// Adds piece `p`'s gradients `got` into `grads` and lets the hooks take what is staged;
+    /// returns the piece's parameters (to count towards their finality).
+    fn finish(
+        &self,
+        p: Piece,
+        micro: usize,
+        got: Vec<(usize, ParamGrad)>,
+        grads: &GradBuffer,
+        hooks: &mut dyn StepHooks,
+        tracked: &mut usize,
+    ) -> Result<Vec<usize>> {
+        let params = self.model.piece_params(p);
+        self.accumulate(p, &params, got, grads, tracked)?;
+        hooks.after_accumulate(p, micro)?;
+        Ok(params)
     }
 
     /// Adds piece `p`'s parameter gradients into `grads` (every parameter in `params` must have

@@ -9,7 +9,6 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use parallel::pipeline::Action;
 use parallel::ReduceOp;
 use serde::Serialize;
 
@@ -38,11 +37,11 @@ pub struct ComputeSpread {
     pub stragglers: Vec<Straggler>,
 }
 
-/// Seconds of forward and backward actions in `timing`.
+/// Seconds of compute actions (forward, backward, weight) in `timing`.
 pub fn compute_seconds(timing: &[Timed]) -> f64 {
     timing
         .iter()
-        .filter(|t| matches!(t.action, Action::Forward { .. } | Action::Backward { .. }))
+        .filter(|t| t.action.is_compute())
         .map(|t| (t.end - t.start).max(0.0))
         .sum()
 }

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::dp::ZeroStage;
+use crate::pipeline::ScheduleKind;
 
 /// Degrees of data, tensor, context and pipeline parallelism and their options.
 /// The world size is `dp × tp × cp × pp`.
@@ -38,6 +39,11 @@ pub struct ParallelConfig {
     /// share, `num_hidden_layers / (pp × virtual_stages)` each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline_layout: Option<Vec<usize>>,
+    /// The pipeline schedule: `1f1b`, `interleaved` (needs `virtual_stages > 1`), `zb-h1`
+    /// (zero-bubble: split backwards, their weight gradients filling 1F1B's cool-down) or
+    /// `gpipe`. Default: `interleaved` with virtual stages, else `1f1b`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleKind>,
     /// Split norms and residual activations along the sequence across tensor-parallel ranks.
     #[serde(default)]
     pub sequence_parallel: bool,
@@ -95,6 +101,7 @@ impl Default for ParallelConfig {
             ep: 1,
             virtual_stages: 1,
             pipeline_layout: None,
+            schedule: None,
             sequence_parallel: false,
             zero: ZeroStage::Off,
             zero_shard_size: None,
@@ -106,6 +113,13 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
+    /// The pipeline schedule steps run: `parallel.schedule`, or by default interleaved 1F1B with
+    /// virtual stages, else 1F1B.
+    pub fn schedule_kind(&self) -> ScheduleKind {
+        self.schedule
+            .unwrap_or_else(|| ScheduleKind::for_virtual_stages(self.virtual_stages))
+    }
+
     /// Layers of each global pipeline chunk for a model of `num_layers`: the layout given (when
     /// it has one entry per chunk; validation refuses one that has not), or an equal share each.
     pub fn chunk_layers(&self, num_layers: usize) -> Vec<usize> {

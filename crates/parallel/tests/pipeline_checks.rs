@@ -182,6 +182,7 @@ fn broken_action_lists_are_caught() {
     let bad = SimCosts {
         forward: f64::NAN,
         backward: 1.0,
+        weight: 1.0,
     };
     assert!(matches!(
         simulate(&good, bad),
@@ -252,5 +253,46 @@ fn channels_must_receive_in_send_order() {
     assert!(matches!(
         check_fifo(&s),
         Err(SimError::OutOfOrder { from: 1, to: 0, .. })
+    ));
+}
+
+/// A split schedule must run exactly one weight action per (chunk, micro), after its backward.
+#[test]
+fn broken_weight_actions_are_caught() {
+    let good = build(ScheduleKind::ZeroBubbleH1, 2, 1, 4).unwrap();
+    assert!(good.splits_backward());
+    let run = |s: &Schedule| simulate(s, SimCosts::default()).unwrap_err();
+    let w = |micro| Action::Weight { chunk: 0, micro };
+
+    // A W moved before its B.
+    let mut s = good.clone();
+    let i = pos(&s, 1, w(2));
+    s.actions[1].remove(i);
+    s.actions[1].insert(0, w(2));
+    let e = run(&s);
+    assert_eq!(
+        e,
+        SimError::WeightBeforeBackward {
+            stage: 1,
+            action: w(2)
+        }
+    );
+    assert_eq!(e.to_string(), "stage 1 runs `W c0 m2` before its backward");
+
+    // A W left out, and one run twice.
+    let mut s = good.clone();
+    let i = pos(&s, 0, w(3));
+    s.actions[0].remove(i);
+    assert_eq!(
+        validate(&s),
+        Err(SimError::MissingCompute {
+            stage: 0,
+            action: w(3)
+        })
+    );
+    s.actions[0].push(w(1));
+    assert!(matches!(
+        validate(&s),
+        Err(SimError::DuplicateCompute { stage: 0, .. })
     ));
 }

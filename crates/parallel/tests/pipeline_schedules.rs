@@ -10,10 +10,11 @@ use parallel::pipeline::{
     Action, Schedule, ScheduleError, ScheduleKind, SimCosts, SimReport, TraceSpan,
 };
 
-const KINDS: [ScheduleKind; 3] = [
+const KINDS: [ScheduleKind; 4] = [
     ScheduleKind::AllForwardAllBackward,
     ScheduleKind::OneFOneB,
     ScheduleKind::Interleaved,
+    ScheduleKind::ZeroBubbleH1,
 ];
 const PPS: [usize; 3] = [1, 2, 4];
 const VS: [usize; 2] = [1, 2];
@@ -27,6 +28,7 @@ fn close(a: f64, b: f64) -> bool {
 fn expected_valid(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> bool {
     match kind {
         ScheduleKind::AllForwardAllBackward | ScheduleKind::OneFOneB => v == 1,
+        ScheduleKind::ZeroBubbleH1 => v == 1,
         ScheduleKind::Interleaved => m.is_multiple_of(pp) && (v == 1 || pp >= 2),
     }
 }
@@ -58,29 +60,34 @@ fn grid() -> Vec<(ScheduleKind, usize, usize, usize, Schedule, SimReport)> {
 #[test]
 fn every_valid_schedule_runs_each_compute_once_in_order_with_matched_messages() {
     let all = grid();
-    assert_eq!(all.len(), 15 + 15 + 15, "grid coverage");
+    assert_eq!(all.len(), 15 + 15 + 15 + 15, "grid coverage");
     for (kind, pp, v, m, sched, report) in &all {
         let ctx = format!("{kind} pp {pp} v {v} m {m}");
         assert_eq!(sched.actions.len(), *pp, "{ctx}");
         // Every built schedule can run over tag-less channels.
         assert_eq!(check_fifo(sched), Ok(()), "{ctx}");
         // Independently of the simulator's own checks: per stage, each (chunk, micro) has one
-        // F and one B, and F ends before B starts.
+        // F, one B and (split schedules) one W, F ending before B starts and B before W.
+        let split = *kind == ScheduleKind::ZeroBubbleH1;
+        assert_eq!(sched.splits_backward(), split, "{ctx}");
         for (stage, spans) in report.timelines.iter().enumerate() {
-            assert_eq!(spans.len(), 2 * v * m, "{ctx} stage {stage}");
+            let per = if split { 3 } else { 2 };
+            assert_eq!(spans.len(), per * v * m, "{ctx} stage {stage}");
             let mut fwd_end = HashMap::new();
+            let mut bwd_end = HashMap::new();
             for s in spans {
                 let key = (s.action.chunk(), s.action.micro());
+                let after = |ends: &HashMap<_, f64>| ends.get(&key).is_some_and(|&e| e <= s.start);
                 match s.action {
                     Action::Forward { .. } => {
                         assert!(fwd_end.insert(key, s.end).is_none(), "{ctx}: twice {key:?}");
                     }
                     Action::Backward { .. } => {
-                        let end = fwd_end.get(&key).copied();
-                        assert!(
-                            end.is_some_and(|e| e <= s.start),
-                            "{ctx}: B before F {key:?}"
-                        );
+                        assert!(after(&fwd_end), "{ctx}: B before F {key:?}");
+                        assert!(bwd_end.insert(key, s.end).is_none(), "{ctx}: twice {key:?}");
+                    }
+                    Action::Weight { .. } => {
+                        assert!(after(&bwd_end), "{ctx}: W before B {key:?}");
                     }
                     _ => panic!("{ctx}: non-compute span"),
                 }
@@ -126,6 +133,7 @@ fn peak_in_flight_activations_match_closed_forms() {
                 ScheduleKind::Interleaved => {
                     (interleaved::warmup_forwards(pp, v, m, s) + 1).min(m * v)
                 }
+                ScheduleKind::ZeroBubbleH1 => pp.min(m),
             })
             .collect();
         assert_eq!(
@@ -160,7 +168,8 @@ fn peak_in_flight_activations_match_closed_forms() {
 fn makespan_and_bubble_match_closed_forms() {
     let costs = [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (3.0, 1.0)];
     let mut checked = 0;
-    for kind in KINDS {
+    for kind in &KINDS[..3] {
+        let kind = *kind;
         for pp in [1usize, 2, 3, 4, 8] {
             for v in [1usize, 2, 4] {
                 for m in [1usize, 2, 3, 4, 8, 16] {
@@ -336,5 +345,74 @@ fn compute_orders_match_megatron() {
                  F c0 m3, B c0 m1, F c1 m2, B c1 m2, F c1 m3, B c1 m3, B c0 m2, B c0 m3"
             ),
         ]
+    );
+}
+
+/// ZB-H1 with forward, B and W costing `f`, `b`, `w` (`w <= b`, `m >= pp`) finishes in
+/// `m (f + b + w) + (pp - 1)(f + b - w)`, against 1F1B's `(m + pp - 1)(f + b + w)` on the
+/// same costs: with equal costs a third of 1F1B's idle time per stage. Stage `s` holds at most
+/// `pp` micro-batches (1F1B's stage 0), and defers `s` weight actions into its cool-down.
+#[test]
+fn zero_bubble_h1_makespan_matches_its_closed_form() {
+    let costs = [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (2.0, 1.0, 1.0), (1.0, 2.0, 0.5)];
+    let mut checked = 0;
+    for pp in [1usize, 2, 3, 4, 8] {
+        for m in [1usize, 2, 4, 8, 16] {
+            let zb = build(ScheduleKind::ZeroBubbleH1, pp, 1, m).unwrap();
+            let ofob = build(ScheduleKind::OneFOneB, pp, 1, m).unwrap();
+            for (f, b, w) in costs {
+                let c = SimCosts {
+                    forward: f,
+                    backward: b,
+                    weight: w,
+                };
+                let (z, o) = (simulate(&zb, c).unwrap(), simulate(&ofob, c).unwrap());
+                let (mf, ppf) = (m as f64, pp as f64);
+                let ctx = format!("pp {pp} m {m} f {f} b {b} w {w}");
+                assert!(close(o.makespan, (mf + ppf - 1.0) * (f + b + w)), "{ctx}");
+                assert!(z.makespan <= o.makespan + 1e-9, "{ctx}: never slower than 1F1B");
+                if m >= pp {
+                    let makespan = mf * (f + b + w) + (ppf - 1.0) * (f + b - w);
+                    assert!(close(z.makespan, makespan), "{ctx}: {}", z.makespan);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 50, "{checked}");
+    // p = 4, m = 8, equal costs: 1F1B idles 9 of 33 units per stage, ZB-H1 3 of 27.
+    let unit = SimCosts::default();
+    let z = simulate(&build(ScheduleKind::ZeroBubbleH1, 4, 1, 8).unwrap(), unit).unwrap();
+    assert!(close(z.makespan, 27.0) && close(z.bubble_fraction, 3.0 / 27.0));
+    assert_eq!(z.peak_in_flight, vec![4, 4, 4, 4]);
+}
+
+/// The orders ZB-H1 runs at pp 4, m 6: 1F1B's forwards and B actions, each stage's W actions
+/// `s` B actions late.
+#[test]
+fn zero_bubble_h1_orders() {
+    let sched = build(ScheduleKind::ZeroBubbleH1, 4, 1, 6).unwrap();
+    let order = |s: usize| -> String {
+        let names: Vec<String> = sched.actions[s]
+            .iter()
+            .filter(|a| a.is_compute())
+            .map(|a| {
+                let n = a.to_string();
+                format!("{}{}", &n[..1], a.micro())
+            })
+            .collect();
+        names.join(" ")
+    };
+    assert_eq!(
+        order(0),
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5"
+    );
+    assert_eq!(
+        order(2),
+        "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5"
+    );
+    assert_eq!(
+        order(3),
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"
     );
 }

@@ -19,8 +19,9 @@ pub(crate) enum Payload {
 pub(crate) type Key = (Payload, usize, usize);
 
 /// Checks `sched` without executing it: sizes, indices in range, exactly one forward and one
-/// backward per (chunk, micro) on every stage, and every message routed between the stages
-/// holding neighbouring global chunks with exactly one send and one receive.
+/// backward per (chunk, micro) on every stage (and exactly one weight action when the schedule
+/// splits its backwards, none otherwise), and every message routed between the stages holding
+/// neighbouring global chunks with exactly one send and one receive.
 pub fn validate(sched: &Schedule) -> Result<(), SimError> {
     let (pp, v, m) = (sched.pp, sched.v, sched.m);
     let total = pp.checked_mul(v).and_then(|x| x.checked_mul(m));
@@ -37,9 +38,10 @@ pub fn validate(sched: &Schedule) -> Result<(), SimError> {
     type Ends = (Vec<(usize, Action)>, Vec<(usize, Action)>);
     let mut messages: HashMap<Key, Ends> = HashMap::new();
     let mut order: Vec<Key> = Vec::new();
+    let split = sched.splits_backward();
     for (stage, list) in sched.actions.iter().enumerate() {
-        // (chunk, micro) -> (forwards, backwards); a map, so huge `m` costs nothing.
-        let mut counts: HashMap<(usize, usize), (usize, usize)> = HashMap::new();
+        // (chunk, micro) -> (forwards, backwards, weights); a map, so huge `m` costs nothing.
+        let mut counts: HashMap<(usize, usize), (usize, usize, usize)> = HashMap::new();
         for (index, &action) in list.iter().enumerate() {
             let (chunk, micro) = (action.chunk(), action.micro());
             let peer = match action {
@@ -61,6 +63,7 @@ pub fn validate(sched: &Schedule) -> Result<(), SimError> {
             let seen = match action {
                 Action::Forward { .. } => &mut count.0,
                 Action::Backward { .. } => &mut count.1,
+                Action::Weight { .. } => &mut count.2,
                 _ => {
                     let (key, is_send) = route(sched, stage, index, action)?;
                     let ends = messages.entry(key).or_insert_with(|| {
@@ -81,13 +84,17 @@ pub fn validate(sched: &Schedule) -> Result<(), SimError> {
         // `counts.len() + 1` steps.
         for chunk in 0..v {
             for micro in 0..m {
-                let (f, b) = counts.get(&(chunk, micro)).copied().unwrap_or_default();
+                let (f, b, w) = counts.get(&(chunk, micro)).copied().unwrap_or_default();
                 if f == 0 {
                     let action = Action::Forward { chunk, micro };
                     return Err(SimError::MissingCompute { stage, action });
                 }
                 if b == 0 {
                     let action = Action::Backward { chunk, micro };
+                    return Err(SimError::MissingCompute { stage, action });
+                }
+                if split && w == 0 {
+                    let action = Action::Weight { chunk, micro };
                     return Err(SimError::MissingCompute { stage, action });
                 }
             }
@@ -124,7 +131,9 @@ pub fn check_fifo(sched: &Schedule) -> Result<(), SimError> {
                 Action::RecvActivation { from, .. } | Action::RecvGrad { from, .. } => {
                     (channels.entry((from, stage)).or_default(), false)
                 }
-                Action::Forward { .. } | Action::Backward { .. } => continue,
+                Action::Forward { .. } | Action::Backward { .. } | Action::Weight { .. } => {
+                    continue
+                }
             };
             let (key, _) = route(sched, stage, index, action)?;
             let side = if is_send { &mut ends.0 } else { &mut ends.1 };
@@ -182,7 +191,7 @@ fn route(
         }
         Action::SendGrad { to, .. } => (false, to, (Payload::Grad, g.wrapping_sub(1), micro), true),
         Action::RecvGrad { from, .. } => (true, from, (Payload::Grad, g, micro), false),
-        Action::Forward { .. } | Action::Backward { .. } => {
+        Action::Forward { .. } | Action::Backward { .. } | Action::Weight { .. } => {
             return Err(bad("not a communication".into()))
         }
     };

@@ -6,7 +6,9 @@
 //!
 //! - [`afab`]: all-forward-all-backward (GPipe), the reference;
 //! - [`one_f_one_b`]: Megatron's 1F1B (warm-up, steady 1F1B, cool-down);
-//! - [`interleaved`]: Megatron's interleaved 1F1B with `v` model chunks per stage.
+//! - [`interleaved`]: Megatron's interleaved 1F1B with `v` model chunks per stage;
+//! - [`zb_h1`]: zero-bubble ZB-H1, 1F1B with split backwards whose weight-gradient actions fill
+//!   the cool-down.
 //!
 //! [`check::validate`] checks a schedule's structure and [`check::check_fifo`] the order of every
 //! channel's messages; [`sim::simulate`] executes a schedule without tensors, validating it and
@@ -30,6 +32,7 @@ pub mod register;
 pub mod schedule;
 pub mod sim;
 pub mod trace;
+pub mod zb_h1;
 
 pub use check::{check_fifo, validate};
 pub use schedule::{build, Action, Schedule, ScheduleError, ScheduleKind};

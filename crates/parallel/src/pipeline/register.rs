@@ -3,6 +3,7 @@
 //! pipeline group, its ends (tied embeddings) and the directions to the next and the previous
 //! stage.
 
+use super::ScheduleKind;
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
 use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
@@ -74,6 +75,19 @@ impl Parallelism for Pipeline {
         if c.virtual_stages > 1 && c.pp == 1 {
             p.push("parallel.virtual_stages > 1 needs parallel.pp > 1".into());
         }
+        match (c.schedule_kind(), c.virtual_stages) {
+            (ScheduleKind::Interleaved, 1) => p.push(
+                "parallel.schedule interleaved needs parallel.virtual_stages >= 2 (with one \
+                 chunk per stage use 1f1b or zb-h1)"
+                    .into(),
+            ),
+            (ScheduleKind::Interleaved, _) | (_, 1) => {}
+            (kind, v) => p.push(format!(
+                "parallel.schedule {} runs one model chunk per stage; parallel.virtual_stages is \
+                 {v} (use interleaved, or virtual_stages: 1)",
+                kind.recipe_name()
+            )),
+        }
         p
     }
 
@@ -93,9 +107,13 @@ impl Parallelism for Pipeline {
             .pipeline_layout
             .as_ref()
             .map_or(String::new(), |l| format!(" layers {l:?}"));
+        let schedule = match c.schedule {
+            Some(k) => format!(" {}", k.recipe_name()),
+            None => String::new(),
+        };
         match c.virtual_stages {
-            1 => format!("pp={}{layout}", c.pp),
-            v => format!("pp={} (virtual {v}){layout}", c.pp),
+            1 => format!("pp={}{layout}{schedule}", c.pp),
+            v => format!("pp={} (virtual {v}){layout}{schedule}", c.pp),
         }
     }
 }

@@ -21,7 +21,9 @@
 
 use std::fmt;
 
-use super::{afab, interleaved, one_f_one_b};
+use serde::{Deserialize, Serialize};
+
+use super::{afab, interleaved, one_f_one_b, zb_h1};
 
 /// One step of a pipeline stage's program.
 ///
@@ -32,8 +34,13 @@ use super::{afab, interleaved, one_f_one_b};
 pub enum Action {
     /// Run the forward pass of local chunk `chunk` on micro-batch `micro`.
     Forward { chunk: usize, micro: usize },
-    /// Run the backward pass of local chunk `chunk` on micro-batch `micro`.
+    /// Run the backward pass of local chunk `chunk` on micro-batch `micro`: its input gradient,
+    /// and its weight gradients too unless the schedule has a [`Action::Weight`] for them.
     Backward { chunk: usize, micro: usize },
+    /// Accumulate the weight gradients a split backward of (`chunk`, `micro`) left as GEMM
+    /// factors (zero-bubble schedules: off the critical path, any time after its
+    /// [`Action::Backward`]).
+    Weight { chunk: usize, micro: usize },
     /// Send the output activation of (`chunk`, `micro`) to stage `to` (non-blocking).
     SendActivation {
         chunk: usize,
@@ -66,6 +73,7 @@ impl Action {
         match *self {
             Action::Forward { chunk, .. }
             | Action::Backward { chunk, .. }
+            | Action::Weight { chunk, .. }
             | Action::SendActivation { chunk, .. }
             | Action::RecvActivation { chunk, .. }
             | Action::SendGrad { chunk, .. }
@@ -78,6 +86,7 @@ impl Action {
         match *self {
             Action::Forward { micro, .. }
             | Action::Backward { micro, .. }
+            | Action::Weight { micro, .. }
             | Action::SendActivation { micro, .. }
             | Action::RecvActivation { micro, .. }
             | Action::SendGrad { micro, .. }
@@ -85,18 +94,22 @@ impl Action {
         }
     }
 
-    /// True for [`Action::Forward`] and [`Action::Backward`].
+    /// True for [`Action::Forward`], [`Action::Backward`] and [`Action::Weight`].
     pub fn is_compute(&self) -> bool {
-        matches!(self, Action::Forward { .. } | Action::Backward { .. })
+        matches!(
+            self,
+            Action::Forward { .. } | Action::Backward { .. } | Action::Weight { .. }
+        )
     }
 }
 
 impl fmt::Display for Action {
-    /// Short names, e.g. `F c0 m3`, `B c1 m0`, `send-act c0 m3 -> 1`, `recv-grad c0 m3 <- 2`.
+    /// Short names, e.g. `F c0 m3`, `B c1 m0`, `W c1 m0`, `send-act c0 m3 -> 1`, `recv-grad c0 m3 <- 2`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             Action::Forward { chunk, micro } => write!(f, "F c{chunk} m{micro}"),
             Action::Backward { chunk, micro } => write!(f, "B c{chunk} m{micro}"),
+            Action::Weight { chunk, micro } => write!(f, "W c{chunk} m{micro}"),
             Action::SendActivation { chunk, micro, to } => {
                 write!(f, "send-act c{chunk} m{micro} -> {to}")
             }
@@ -136,20 +149,36 @@ impl Schedule {
     pub fn global_chunk(&self, stage: usize, chunk: usize) -> usize {
         chunk * self.pp + stage
     }
+
+    /// Whether backwards are split: the weight gradients of every (chunk, micro-batch) are
+    /// accumulated by a separate [`Action::Weight`] (zero-bubble schedules).
+    pub fn splits_backward(&self) -> bool {
+        self.actions
+            .iter()
+            .flatten()
+            .any(|a| matches!(a, Action::Weight { .. }))
+    }
 }
 
 /// Upper bound on `pp * v * m` accepted by [`build`] (keeps the action lists allocatable).
 pub const MAX_PAIRS: usize = 1 << 24;
 
-/// Which pipeline schedule to build; see [`build`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Which pipeline schedule to build; see [`build`]. In a recipe: `parallel.schedule`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScheduleKind {
     /// GPipe: all forwards, then all backwards (`v = 1` only).
+    #[serde(rename = "gpipe")]
     AllForwardAllBackward,
     /// Megatron's non-interleaved 1F1B (`v = 1` only).
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// Megatron's interleaved 1F1B with `v` virtual stages per rank (`m % pp == 0`).
+    #[serde(rename = "interleaved")]
     Interleaved,
+    /// Zero-bubble ZB-H1 (Qi et al. 2024): 1F1B's order with split backwards whose weight
+    /// gradients fill the cool-down (`v = 1` only).
+    #[serde(rename = "zb-h1")]
+    ZeroBubbleH1,
 }
 
 impl ScheduleKind {
@@ -165,12 +194,25 @@ impl ScheduleKind {
     }
 }
 
+impl ScheduleKind {
+    /// The name `parallel.schedule` takes.
+    pub fn recipe_name(self) -> &'static str {
+        match self {
+            ScheduleKind::AllForwardAllBackward => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved => "interleaved",
+            ScheduleKind::ZeroBubbleH1 => "zb-h1",
+        }
+    }
+}
+
 impl fmt::Display for ScheduleKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             ScheduleKind::AllForwardAllBackward => "all-forward-all-backward",
             ScheduleKind::OneFOneB => "1F1B",
             ScheduleKind::Interleaved => "interleaved 1F1B",
+            ScheduleKind::ZeroBubbleH1 => "zb-h1",
         })
     }
 }
@@ -216,6 +258,7 @@ pub fn build(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Result<Schedu
         ScheduleKind::AllForwardAllBackward => afab::actions(pp, v, m)?,
         ScheduleKind::OneFOneB => one_f_one_b::actions(pp, v, m)?,
         ScheduleKind::Interleaved => interleaved::actions(pp, v, m)?,
+        ScheduleKind::ZeroBubbleH1 => zb_h1::actions(pp, v, m)?,
     };
     Ok(Schedule { pp, v, m, actions })
 }

@@ -4,7 +4,9 @@
 //! problem found ([`SimError`]).
 //!
 //! Execution model (the one the real executor follows): a stage runs its actions in order; a
-//! forward costs `SimCosts::forward` and a backward `SimCosts::backward`; sends take no time and
+//! forward costs `SimCosts::forward`, a backward `SimCosts::backward` plus, unless the schedule
+//! splits backwards, `SimCosts::weight`, and a weight action `SimCosts::weight`; sends take no
+//! time and
 //! never block (buffered); a receive blocks until the matching send has happened and then moves
 //! the stage's clock to at least the send time. Because stages only interact through messages,
 //! running each stage as far as it can go, round-robin, yields exactly the times of a lock-step
@@ -13,7 +15,7 @@
 //! Checks, in order: static structure (stage count, indices in range, every (chunk, micro) has
 //! exactly one forward and one backward per stage, every message goes between the right stages
 //! and has exactly one matching send and receive) and then, while executing: a backward before
-//! its forward, a compute before its input arrived, a send before the compute producing it, and
+//! its forward, a weight action before its backward, a compute before its input arrived, a send before the compute producing it, and
 //! deadlock.
 
 use std::collections::{HashMap, HashSet};
@@ -26,27 +28,39 @@ use super::schedule::{Action, Schedule};
 pub struct SimCosts {
     /// Duration of a forward of one chunk on one micro-batch.
     pub forward: f64,
-    /// Duration of a backward of one chunk on one micro-batch.
+    /// Duration of the input-gradient part of a backward (B) of one chunk on one micro-batch.
     pub backward: f64,
+    /// Duration of its weight-gradient part (W): an [`Action::Weight`] of a split schedule, else
+    /// part of the backward.
+    pub weight: f64,
 }
 
 impl Default for SimCosts {
-    /// `forward = 1`, `backward = 2`.
+    /// `forward = backward = weight = 1` (a whole backward costs 2).
     fn default() -> Self {
         SimCosts {
             forward: 1.0,
-            backward: 2.0,
+            backward: 1.0,
+            weight: 1.0,
         }
     }
 }
 
 impl SimCosts {
-    /// Costs of a whole stage's layers (`forward`, `backward`) split evenly over `v` chunks.
+    /// Costs of a whole stage's layers (`forward`, whole `backward`) split evenly over `v`
+    /// chunks, with no separate weight part.
     pub fn per_chunk(forward: f64, backward: f64, v: usize) -> Self {
+        Self::split_per_chunk(forward, backward, 0.0, v)
+    }
+
+    /// Costs of a whole stage's layers (`forward`, input gradient `backward`, weight gradient
+    /// `weight`) split evenly over `v` chunks.
+    pub fn split_per_chunk(forward: f64, backward: f64, weight: f64, v: usize) -> Self {
         let v = v.max(1) as f64;
         SimCosts {
             forward: forward / v,
             backward: backward / v,
+            weight: weight / v,
         }
     }
 }
@@ -58,7 +72,7 @@ pub struct Span {
     pub start: f64,
     /// End time.
     pub end: f64,
-    /// The [`Action::Forward`] or [`Action::Backward`] executed.
+    /// The [`Action::Forward`], [`Action::Backward`] or [`Action::Weight`] executed.
     pub action: Action,
 }
 
@@ -75,7 +89,8 @@ pub struct SimReport {
     pub bubble: Vec<f64>,
     /// Mean of [`SimReport::bubble`] over stages.
     pub bubble_fraction: f64,
-    /// Per stage, the largest number of forwards whose backward had not yet run.
+    /// Per stage, the largest number of forwards whose backward (in a split schedule: whose
+    /// weight action) had not yet run.
     pub peak_in_flight: Vec<usize>,
 }
 
@@ -84,8 +99,15 @@ pub struct SimReport {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SimError {
     /// Costs must be finite and non-negative.
-    #[error("compute costs must be finite and >= 0 (forward {forward}, backward {backward})")]
-    InvalidCosts { forward: f64, backward: f64 },
+    #[error(
+        "compute costs must be finite and >= 0 (forward {forward}, backward {backward}, weight \
+         {weight})"
+    )]
+    InvalidCosts {
+        forward: f64,
+        backward: f64,
+        weight: f64,
+    },
     /// `pp`, `v` or `m` is zero, or `pp * v * m` overflows.
     #[error("schedule sizes must be at least 1 and small enough (pp {pp}, v {v}, m {m})")]
     BadSizes { pp: usize, v: usize, m: usize },
@@ -138,6 +160,9 @@ pub enum SimError {
     /// A backward before the forward of the same (chunk, micro).
     #[error("stage {stage} runs `{action}` before its forward")]
     BackwardBeforeForward { stage: usize, action: Action },
+    /// A weight action before the backward of the same (chunk, micro).
+    #[error("stage {stage} runs `{action}` before its backward")]
+    WeightBeforeBackward { stage: usize, action: Action },
     /// A compute whose input (activation or gradient) has not been received yet.
     #[error("stage {stage} runs `{action}` before its input was received")]
     InputNotReceived { stage: usize, action: Action },
@@ -159,11 +184,12 @@ fn stuck_list(stuck: &[(usize, Action)]) -> String {
 
 /// Simulates `schedule` with `costs`; see the module docs for the model and the checks.
 pub fn simulate(schedule: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
-    let (f, b) = (costs.forward, costs.backward);
-    if !(f.is_finite() && b.is_finite() && f >= 0.0 && b >= 0.0) {
+    let (f, b, w) = (costs.forward, costs.backward, costs.weight);
+    if ![f, b, w].iter().all(|c| c.is_finite() && *c >= 0.0) {
         return Err(SimError::InvalidCosts {
             forward: f,
             backward: b,
+            weight: w,
         });
     }
     validate(schedule)?;
@@ -188,6 +214,7 @@ struct StageState {
 /// no stage can progress.
 fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
     let last = sched.num_chunks() - 1;
+    let split = sched.splits_backward();
     let mut states: Vec<StageState> = (0..sched.pp).map(|_| StageState::default()).collect();
     let mut posted: HashMap<Key, f64> = HashMap::new();
     loop {
@@ -198,6 +225,20 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                 let (chunk, micro) = (action.chunk(), action.micro());
                 let g = sched.global_chunk(stage, chunk);
                 match action {
+                    Action::Weight { .. } => {
+                        if !st.backwarded.contains(&(chunk, micro)) {
+                            return Err(SimError::WeightBeforeBackward { stage, action });
+                        }
+                        let start = st.clock;
+                        st.clock += costs.weight;
+                        st.compute += costs.weight;
+                        st.spans.push(Span {
+                            start,
+                            end: st.clock,
+                            action,
+                        });
+                        st.in_flight -= 1;
+                    }
                     Action::Forward { .. } | Action::Backward { .. } => {
                         let forward = matches!(action, Action::Forward { .. });
                         if !forward && !st.forwarded.contains(&(chunk, micro)) {
@@ -211,10 +252,10 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                         if input.is_some_and(|k| !st.received.contains(&k)) {
                             return Err(SimError::InputNotReceived { stage, action });
                         }
-                        let cost = if forward {
-                            costs.forward
-                        } else {
-                            costs.backward
+                        let cost = match (forward, split) {
+                            (true, _) => costs.forward,
+                            (false, true) => costs.backward,
+                            (false, false) => costs.backward + costs.weight,
                         };
                         let start = st.clock;
                         st.clock += cost;
@@ -230,7 +271,9 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                             st.peak = st.peak.max(st.in_flight);
                         } else {
                             st.backwarded.insert((chunk, micro));
-                            st.in_flight -= 1;
+                            if !split {
+                                st.in_flight -= 1;
+                            }
                         }
                     }
                     Action::SendActivation { .. } | Action::SendGrad { .. } => {

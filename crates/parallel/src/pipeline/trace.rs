@@ -54,8 +54,8 @@ pub fn spans_from_timelines(timelines: &[Vec<Span>], us_per_unit: f64) -> Vec<Tr
 /// span (`pid` 0, `tid` = track) plus one `"ph":"M"` thread-name event per track, named by
 /// `track_name`.
 ///
-/// Spans whose name starts with `F` get category `forward`, `B` category `backward`, others
-/// `other`. Non-finite times are written as `null`.
+/// Spans whose name starts with `F` get category `forward`, `B` category `backward`, `W`
+/// category `weight`, others `other`. Non-finite times are written as `null`.
 pub fn chrome_trace(spans: &[TraceSpan], track_name: &dyn Fn(usize) -> String) -> String {
     let mut tracks: Vec<usize> = spans.iter().map(|s| s.track).collect();
     tracks.sort_unstable();
@@ -73,6 +73,7 @@ pub fn chrome_trace(spans: &[TraceSpan], track_name: &dyn Fn(usize) -> String) -
         let cat = match s.name.chars().next() {
             Some('F') => "forward",
             Some('B') => "backward",
+            Some('W') => "weight",
             _ => "other",
         };
         json!({

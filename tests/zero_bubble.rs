@@ -1,0 +1,136 @@
+//! `parallel.schedule: zb-h1`: split backwards whose weight actions run later. Each parameter
+//! still receives its micro-batches' gradients in the same order, so a zb-h1 run equals the 1F1B
+//! run of the same layout bit for bit (losses, reported gradient norms, weights), and therefore
+//! one rank within tests/parallel.rs's tolerances; with tensor, sequence, context, data (ZeRO 1
+//! and 3) and expert parallelism, uneven stages and recompute; resume is bit-identical; a
+//! schedule that does not fit the layout is refused by field.
+
+use std::path::Path;
+
+use pretrain::recipe::load;
+use pretrain::train::{train, RunOutput};
+
+mod common;
+use common::{assert_equivalent, compare, run, MOE};
+
+const ZB: &str = "parallel.schedule=zb-h1";
+
+fn losses(r: &RunOutput) -> Vec<f64> {
+    r.records.iter().map(|x| x.loss).collect()
+}
+
+fn norms(r: &RunOutput) -> Vec<f64> {
+    r.records.iter().map(|x| x.grad_norm).collect()
+}
+
+/// zb-h1 at `layout` equals 1F1B at `layout` bit for bit, and one rank (`base`) within the
+/// layout tolerances.
+fn check(base: &RunOutput, layout: &str) {
+    let zb = run(&format!("{layout},{ZB}"));
+    let ofob = run(layout);
+    assert_eq!(losses(&zb), losses(&ofob), "{layout}: losses");
+    assert_eq!(norms(&zb), norms(&ofob), "{layout}: gradient norms");
+    assert_eq!(zb.weights, ofob.weights, "{layout}: weights");
+    assert_equivalent(layout, compare(layout, base, &zb));
+}
+
+#[test]
+fn zero_bubble_h1_trains_like_1f1b_and_one_rank() {
+    let base = run("parallel.dp=1");
+    for layout in [
+        "parallel.pp=2",
+        "parallel.pp=4",
+        "parallel.pp=2,parallel.tp=2,parallel.sequence_parallel=true",
+        "parallel.pp=4,parallel.tp=2,parallel.sequence_parallel=true",
+        "parallel.pp=2,parallel.dp=2,parallel.zero=1,parallel.bucket_size=65536",
+        "parallel.pp=2,parallel.dp=2,parallel.zero=3",
+        "parallel.pp=2,parallel.cp=2",
+        "parallel.pp=4,parallel.pipeline_layout=[0, 2, 2, 0]",
+        "parallel.pp=2,train.recompute=full",
+    ] {
+        check(&base, layout);
+    }
+    let moe = run(MOE);
+    check(&moe, &format!("{MOE},parallel.pp=2,parallel.dp=2,parallel.ep=2"));
+}
+
+fn run_in(dir: &Path, extra: &[&str]) -> anyhow::Result<RunOutput> {
+    let mut o = vec![format!(
+        "train.steps=6,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,run.dir={}",
+        dir.display()
+    )];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let recipe = load(Path::new("recipes/tiny.yaml"), &o)?;
+    train(recipe, true)
+}
+
+#[test]
+fn zero_bubble_h1_resumes_bit_identically() {
+    let layout = "parallel.pp=2,parallel.dp=2,parallel.zero=3";
+    let tmp = tempfile::tempdir().unwrap();
+    let full = run_in(&tmp.path().join("a"), &[ZB, layout, "checkpoint.interval=3"]).unwrap();
+    let step3 = tmp.path().join("a/checkpoints/step-00000003");
+    let resume = format!("checkpoint.resume={}", step3.display());
+    let resumed = run_in(&tmp.path().join("b"), &[ZB, layout, &resume]).unwrap();
+    assert_eq!(losses(&resumed), losses(&full)[3..].to_vec());
+    assert_eq!(resumed.weights, full.weights, "final weights");
+}
+
+#[test]
+fn a_schedule_that_does_not_fit_the_layout_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let refused = |extra: &[&str]| -> String {
+        match run_in(tmp.path(), extra) {
+            Ok(_) => panic!("{extra:?} was accepted"),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    let e = refused(&["parallel.pp=2,parallel.virtual_stages=2", ZB]);
+    assert!(
+        e.contains("parallel.schedule zb-h1 runs one model chunk per stage")
+            && e.contains("parallel.virtual_stages is 2"),
+        "{e}"
+    );
+    let e = refused(&["parallel.pp=2,parallel.schedule=interleaved"]);
+    assert!(
+        e.contains("parallel.schedule interleaved needs parallel.virtual_stages >= 2"),
+        "{e}"
+    );
+    let e = refused(&["parallel.pp=2,parallel.schedule=zbv"]);
+    assert!(e.contains("zbv") && e.contains("zb-h1"), "{e}");
+}
+
+/// The traced step shows each stage's weight actions as `W` spans (category `weight`), in the
+/// order of the schedule: stage 1 of pp 2 runs micro-batch 0's W after micro-batch 1's B.
+#[test]
+fn the_trace_shows_weight_actions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run_in(
+        tmp.path(),
+        &["train.steps=2,parallel.pp=2,run.trace_step=2", ZB],
+    )
+    .unwrap();
+    assert!(out.records[1].bubble.is_some_and(|b| (0.0..1.0).contains(&b)));
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("trace.json")).unwrap())
+            .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for rank in 0..2 {
+        let names: Vec<&str> = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == rank)
+            .map(|e| e["name"].as_str().unwrap())
+            .collect();
+        let weights: Vec<&&str> = names.iter().filter(|n| n.starts_with("W ")).collect();
+        assert_eq!(weights.len(), 4, "rank {rank}: {names:?}");
+        let at = |n: &str| names.iter().position(|x| *x == n).unwrap();
+        if rank == 1 {
+            assert!(at("W c0 m0") > at("B c0 m1"), "{names:?}");
+        } else {
+            assert!(at("W c0 m0") < at("B c0 m1"), "{names:?}");
+        }
+    }
+    assert!(events
+        .iter()
+        .any(|e| e["cat"] == "weight" && e["ph"] == "X"));
+}
