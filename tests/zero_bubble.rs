@@ -1,9 +1,12 @@
-//! `parallel.schedule: zb-h1`: split backwards whose weight actions run later. Each parameter
-//! still receives its micro-batches' gradients in the same order, so a zb-h1 run equals the 1F1B
-//! run of the same layout bit for bit (losses, reported gradient norms, weights), and therefore
-//! one rank within tests/parallel.rs's tolerances; with tensor, sequence, context, data (ZeRO 1
-//! and 3) and expert parallelism, uneven stages and recompute; resume is bit-identical; a
-//! schedule that does not fit the layout is refused by field.
+//! The zero-bubble schedules, `parallel.schedule: zb-h1 | zbv`: split backwards whose weight
+//! actions run later. Each parameter still receives its micro-batches' gradients in the same
+//! order, so a zb-h1 run equals the 1F1B run of the same layout bit for bit (losses, reported
+//! gradient norms, weights); a zbv run (its V keeps the tied embedding's two uses on the first
+//! stage, its order is fitted to measured costs from the second step) equals the same layout
+//! without a pipeline and one rank within tests/parallel.rs's tolerances. With tensor,
+//! sequence, context, data (ZeRO 1 and 3) and expert parallelism, uneven stages and recompute;
+//! resume is bit-identical (zbv's fitted order travels in the checkpoint); a schedule that does
+//! not fit the layout is refused by field.
 
 use std::path::Path;
 
@@ -54,6 +57,48 @@ fn zero_bubble_h1_trains_like_1f1b_and_one_rank() {
     check(&moe, &format!("{MOE},parallel.pp=2,parallel.dp=2,parallel.ep=2"));
 }
 
+const ZBV: &str = "parallel.schedule=zbv,parallel.virtual_stages=2";
+
+/// zbv at `pipeline` on top of `layout` equals `layout` without a pipeline and one rank
+/// (`base`) within the layout tolerances.
+fn check_v(base: &RunOutput, layout: &str, pipeline: &str) -> RunOutput {
+    let zbv = run(&format!("{layout},{pipeline},{ZBV}"));
+    let flat = run(layout);
+    let name = format!("{layout},{pipeline}");
+    assert_equivalent(&name, compare(&name, &flat, &zbv));
+    assert_equivalent(&name, compare(&name, base, &zbv));
+    zbv
+}
+
+#[test]
+fn zbv_trains_like_the_layout_without_a_pipeline() {
+    let base = run("parallel.dp=1");
+    for layout in [
+        "parallel.dp=1",
+        "parallel.tp=2,parallel.sequence_parallel=true",
+        "parallel.dp=2,parallel.zero=1,parallel.bucket_size=65536",
+        "parallel.dp=2,parallel.zero=3",
+        "parallel.cp=2",
+        "train.recompute=full",
+    ] {
+        check_v(&base, layout, "parallel.pp=2");
+    }
+    // pp 4 × 2 chunks of an 8-layer model, evenly and with the end chunks holding only the
+    // embedding and the head.
+    let deep = "model.num_hidden_layers=8";
+    let deep_base = run(deep);
+    check_v(&deep_base, deep, "parallel.pp=4");
+    let tp = format!("{deep},parallel.tp=2,parallel.sequence_parallel=true");
+    check_v(&deep_base, &tp, "parallel.pp=4");
+    check_v(
+        &deep_base,
+        deep,
+        "parallel.pp=4,parallel.pipeline_layout=[0, 1, 1, 2, 2, 1, 1, 0]",
+    );
+    let moe = run(MOE);
+    check_v(&moe, &format!("{MOE},parallel.dp=2,parallel.ep=2"), "parallel.pp=2");
+}
+
 fn run_in(dir: &Path, extra: &[&str]) -> anyhow::Result<RunOutput> {
     let mut o = vec![format!(
         "train.steps=6,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,run.dir={}",
@@ -65,15 +110,30 @@ fn run_in(dir: &Path, extra: &[&str]) -> anyhow::Result<RunOutput> {
 }
 
 #[test]
-fn zero_bubble_h1_resumes_bit_identically() {
-    let layout = "parallel.pp=2,parallel.dp=2,parallel.zero=3";
-    let tmp = tempfile::tempdir().unwrap();
-    let full = run_in(&tmp.path().join("a"), &[ZB, layout, "checkpoint.interval=3"]).unwrap();
-    let step3 = tmp.path().join("a/checkpoints/step-00000003");
-    let resume = format!("checkpoint.resume={}", step3.display());
-    let resumed = run_in(&tmp.path().join("b"), &[ZB, layout, &resume]).unwrap();
-    assert_eq!(losses(&resumed), losses(&full)[3..].to_vec());
-    assert_eq!(resumed.weights, full.weights, "final weights");
+fn zero_bubble_schedules_resume_bit_identically() {
+    for (schedule, layout) in [
+        (ZB, "parallel.pp=2,parallel.dp=2,parallel.zero=3"),
+        (ZBV, "parallel.pp=2,parallel.dp=2,parallel.zero=3"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let at = [schedule, layout, "checkpoint.interval=3"];
+        let full = run_in(&tmp.path().join("a"), &at).unwrap();
+        let step3 = tmp.path().join("a/checkpoints/step-00000003");
+        let resume = format!("checkpoint.resume={}", step3.display());
+        let resumed = run_in(&tmp.path().join("b"), &[schedule, layout, &resume]).unwrap();
+        assert_eq!(losses(&resumed), losses(&full)[3..].to_vec(), "{schedule}");
+        assert_eq!(resumed.weights, full.weights, "{schedule}: final weights");
+        // zbv's order was fitted to step 2's measured costs, which the checkpoint keeps for
+        // the resumed run.
+        let trainer = ckpt::Checkpoint::open(&step3).unwrap().manifest().trainer.clone();
+        let costs = &trainer["schedule_costs"];
+        if schedule == ZBV {
+            let c: Vec<f64> = serde_json::from_value(costs.clone()).unwrap();
+            assert!(c.len() == 3 && c.iter().all(|&x| x > 0.0), "{trainer}");
+        } else {
+            assert!(costs.is_null(), "{trainer}");
+        }
+    }
 }
 
 #[test]
@@ -97,7 +157,13 @@ fn a_schedule_that_does_not_fit_the_layout_is_refused() {
         "{e}"
     );
     let e = refused(&["parallel.pp=2,parallel.schedule=zbv"]);
-    assert!(e.contains("zbv") && e.contains("zb-h1"), "{e}");
+    assert!(
+        e.contains("parallel.schedule zbv runs two model chunks per stage")
+            && e.contains("parallel.virtual_stages: 2, not 1"),
+        "{e}"
+    );
+    let e = refused(&["parallel.pp=2,parallel.schedule=zb-v"]);
+    assert!(e.contains("zb-v") && e.contains("zbv"), "{e}");
 }
 
 /// The traced step shows each stage's weight actions as `W` spans (category `weight`), in the

@@ -26,7 +26,7 @@
 use model::llama::{BlockTape, EmbeddingTape, HeadTape};
 use model::segment::TapeShape;
 use model::{Inventory, Piece, Recompute, Recomputed};
-use parallel::pipeline::{build, Action, ScheduleKind};
+use parallel::pipeline::{build, Action};
 use serde::Serialize;
 
 use crate::recipe::{DeviceKind, OptimizerName, Recipe};
@@ -86,6 +86,9 @@ struct PieceActs {
     input: u64,
     /// Gradient temporaries of its backward.
     temp: u64,
+    /// What a split backward (zero-bubble schedules) keeps of a block until its weight action:
+    /// the projections' inputs and upstream gradients, the factors of its weight gradients.
+    factors: u64,
 }
 
 /// Predicted memory of every pipeline stage of `r`'s layout (the first shard index of each
@@ -121,16 +124,21 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     // Schedules repeat their steady state: the peak is reached within the first 2·pp
     // micro-batches (a multiple of pp, as interleaving needs).
     let m_sim = if m >= 2 * pp { 2 * pp } else { m };
-    let schedule = build(ScheduleKind::for_virtual_stages(v), pp, v, m_sim)
+    let schedule = build(par.schedule_kind(), pp, v, m_sim)
         .map_err(|e| format!("pipeline schedule: {e}"))?;
     // A tape keeps its piece's input but not its output (the next piece's input, counted there).
     let input = s_input(&shapes);
+    // A split backward's attention factors: the first norm's rows and the attention output
+    // (inputs), the q, k, v and o projections' upstream gradients.
+    let qkv = (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64;
+    let attention_factors = p * n * (2 * shapes.h + (c.q_dim() as u64 + qkv) / shapes.t);
     let acts = |piece: Piece| -> PieceActs {
         match piece {
             Piece::Embedding => PieceActs {
                 tape: EmbeddingTape::bytes(&shapes),
                 input: 0,
                 temp: shapes.n * shapes.h * p,
+                factors: 0,
             },
             Piece::Block(i) if c.is_moe_layer(i) => {
                 let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
@@ -145,6 +153,11 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                             + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                                 / shapes.t)
                         + rebuilt(i),
+                    factors: attention_factors
+                        + p * shapes.ns
+                            * c.moe().map_or(0, |m| {
+                                (m.top_k * (2 * c.hidden_size + 3 * m.expert_size)) as u64
+                            }),
                 }
             }
             Piece::Block(i) => PieceActs {
@@ -158,18 +171,23 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
                         + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                             / shapes.t)
                     + rebuilt(i),
+                // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
+                // gradients: q, k, v, o, gate, up, down.
+                factors: attention_factors
+                    + p * n * (2 * shapes.h + 3 * c.intermediate_size as u64 / shapes.t),
             },
             Piece::Head => PieceActs {
                 tape: HeadTape::bytes(c, &shapes),
                 input,
                 temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
+                factors: 0, // the head's weight gradient is not deferred
             },
         }
     };
     let mut out = Vec::with_capacity(pp);
     for stage in 0..pp {
         let chunks: Vec<Vec<Piece>> = (0..v)
-            .map(|k| chunk_pieces(stage, k, pp, &chunk_layers))
+            .map(|k| chunk_pieces(schedule.global_chunk(stage, k), &chunk_layers))
             .collect();
         let layers: Vec<usize> = chunks
             .iter()
@@ -181,8 +199,9 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
             .collect();
         // Expert-parallel rank 0's share of the experts (every share has the same size).
         let experts = c.moe().map_or(0, |m| m.num_experts / par.ep.max(1));
-        let inventory =
-            Inventory::with_experts(c, &layers, stage == 0, stage + 1 == pp, 0..experts);
+        let holds = |p: Piece| chunks.iter().flatten().any(|&q| q == p);
+        let (embedding, head) = (holds(Piece::Embedding), holds(Piece::Head));
+        let inventory = Inventory::with_experts(c, &layers, embedding, head, 0..experts);
         let numels = inventory
             .local_numels(t)
             .map_err(|e| format!("parallel.tp: {e}"))?;
@@ -313,8 +332,9 @@ fn s_input(s: &TapeShape) -> u64 {
 }
 
 /// Walks one stage's actions: a forward adds what each piece keeps, a backward first rebuilds a
-/// recomputed piece's tape on top of everything live, then frees each piece. Returns the peak
-/// bytes and the micro-batches in flight at the peak.
+/// recomputed piece's tape on top of everything live, then frees each piece — but for the
+/// factors a split backward keeps of each block until the weight action. Returns the peak bytes
+/// and the (chunk, micro-batch) pairs in flight at the peak.
 fn peak_activations(
     actions: &[Action],
     chunks: &[Vec<Piece>],
@@ -330,6 +350,7 @@ fn peak_activations(
         }
     };
     let (mut live, mut peak, mut in_flight, mut at_peak) = (0u64, 0u64, 0usize, 0usize);
+    let split = actions.iter().any(|a| matches!(a, Action::Weight { .. }));
     for a in actions {
         match *a {
             Action::Forward { chunk, .. } => {
@@ -350,7 +371,19 @@ fn peak_activations(
                         }
                     }
                     live -= kept(chunk, i);
+                    if split {
+                        live += acts[chunk][i].factors;
+                        if live > peak {
+                            (peak, at_peak) = (live, in_flight);
+                        }
+                    }
                 }
+                if !split {
+                    in_flight -= 1;
+                }
+            }
+            Action::Weight { chunk, .. } => {
+                live -= acts[chunk].iter().map(|a| a.factors).sum::<u64>();
                 in_flight -= 1;
             }
             _ => {}

@@ -377,6 +377,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     let (par, tr, c) = (&r.parallel, &r.train, &r.model);
     let (pp, v, tp) = (par.pp, par.virtual_stages, par.tp);
     let chunk_layers = par.chunk_layers(c.num_hidden_layers);
+    let place = par.schedule_kind().placement();
     let dp = par.grad_ranks(); // gradients are reduced over dp × cp
     let m = r.grad_accum_steps() as f64;
     let p = r.train.dtype.dtype().size_in_bytes() as f64;
@@ -395,7 +396,8 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         let mut cost = Cost::default();
         let mut sends = 0.0;
         for k in 0..v {
-            for piece in chunk_pieces(stage, k, pp, &chunk_layers) {
+            let g = place.global(pp, stage, k);
+            for piece in chunk_pieces(g, &chunk_layers) {
                 if let Piece::Block(i) = piece {
                     layers.push(i);
                 }
@@ -409,9 +411,13 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
                 cost.bwd += x.bwd;
                 cost.tp += x.tp;
             }
-            let g = k * pp + stage;
-            // A chunk receives its input and sends its output (and the gradients back).
-            sends += if g == 0 || g + 1 == pp * v { 1.0 } else { 2.0 };
+            // A chunk receives its input and sends its output (and the gradients back), unless
+            // the neighbour is on this stage (a V's turn) or there is none.
+            let other = |n: usize| n < pp * v && place.locate(pp, n).0 != stage;
+            sends += [g.wrapping_sub(1), g + 1]
+                .into_iter()
+                .filter(|&n| other(n))
+                .count() as f64;
         }
         let pp_s = if pp > 1 { sends * 2.0 * p2p } else { 0.0 };
         per_stage.push((cost, pp_s));
@@ -423,7 +429,9 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         .map(|(i, x)| (i, stage_time(x)))
         .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
     let mean = per_stage.iter().map(stage_time).sum::<f64>() / pp as f64;
-    let bubble_s = Pipeline::bubble_s(pp, v, mean);
+    let mean_bwd = per_stage.iter().map(|(c, _)| c.bwd).sum::<f64>() / pp as f64;
+    let kind = par.schedule_kind();
+    let bubble_s = Pipeline::bubble_s(kind, (pp, v, m as usize), (mean, mean_bwd));
     let pipeline_s = m * worst + bubble_s;
 
     // Data parallelism on the slowest stage.

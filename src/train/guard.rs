@@ -37,6 +37,10 @@ pub struct LoopState {
     /// layer index; identical on every rank).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub expert_bias: BTreeMap<usize, Vec<f32>>,
+    /// The seconds of a chunk's forward, B and W that the zbv schedule's order was fitted to
+    /// (`train/order.rs`): a resumed run takes the same order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule_costs: Option<[f64; 3]>,
 }
 
 /// What a step does with its update.

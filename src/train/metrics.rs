@@ -105,6 +105,10 @@ pub struct StepRecord {
     /// Seconds the traced step waited after the schedule for the rest of the gradient sync.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_exposed_s: Option<f64>,
+    /// The most activation bytes any rank kept during the traced step (the largest
+    /// `act_peak_bytes` over the ranks; with pipelines, usually the first stage's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub act_peak_max_bytes: Option<usize>,
     /// Why the step's update was discarded (`train.on_nonfinite: skip`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
@@ -338,17 +342,20 @@ pub struct TraceSummary {
     /// Seconds from the end of a rank's schedule to the end of its last bucket reduction: the
     /// gradient sync the step waits for (`None` without data parallelism).
     pub sync_exposed_s: Option<f64>,
+    /// The largest peak of activation bytes over the ranks.
+    pub act_peak_max_bytes: usize,
 }
 
 /// Writes a step's timeline as a Chrome/Perfetto trace to `path`: every rank's timed actions
 /// (`timing`, this rank's), its optimizer span `(start, end)` and the data-parallel reductions of
 /// its gradient buckets (`sync`: bucket and seconds since the step began) on a row of their own,
-/// gathered from all ranks. Returns the measured bubble and gradient-sync overlap on rank 0, `None`
+/// gathered from all ranks with each rank's peak activation bytes (`act_peak`). Returns the
+/// measured bubble, gradient-sync overlap and largest activation peak on rank 0, `None`
 /// elsewhere (every rank takes part).
 pub fn write_trace(
     ctx: &RankCtx,
     schedule: &Schedule,
-    timing: &[Timed],
+    (timing, act_peak): (&[Timed], usize),
     optimizer: (f64, f64),
     sync: &[(usize, Range<f64>)],
     path: &Path,
@@ -359,14 +366,15 @@ pub fn write_trace(
         let t = Tensor::from_vec(row, (1, width), &Device::Cpu)?;
         Ok(ctx.comm.all_gather(&everyone, &t, 0)?.to_vec2::<f64>()?) // [world, width]
     };
-    // Actions and the optimizer: one row per rank, padded to the longest action list.
-    let mine: Vec<f64> = timing
-        .iter()
-        .flat_map(|t| [t.start, t.end])
+    // The activation peak, then actions and the optimizer: one row per rank, padded to the
+    // longest action list.
+    let mine: Vec<f64> = std::iter::once(act_peak as f64)
+        .chain(timing.iter().flat_map(|t| [t.start, t.end]))
         .chain([optimizer.0, optimizer.1])
         .collect();
-    let width = 2 * schedule.actions.iter().map(Vec::len).max().unwrap_or(0) + 2;
-    let steps = gather(mine, width)?;
+    let width = 2 * schedule.actions.iter().map(Vec::len).max().unwrap_or(0) + 3;
+    let mut steps = gather(mine, width)?;
+    let act_peak_max = steps.iter_mut().map(|row| row.remove(0)).fold(0.0, f64::max);
     // Bucket reductions: as many as the rank with the most buckets.
     let most = ctx.comm.all_reduce(
         &everyone,
@@ -434,5 +442,6 @@ pub fn write_trace(
         bubble: bubbles.iter().sum::<f64>() / world as f64,
         sync_overlap: (buckets > 0).then(|| hidden as f64 / buckets as f64),
         sync_exposed_s: (buckets > 0).then(|| exposed / world as f64),
+        act_peak_max_bytes: act_peak_max as usize,
     }))
 }

@@ -13,6 +13,7 @@ pub mod guard;
 pub mod hooks;
 pub mod lock;
 pub mod metrics;
+pub mod order;
 pub mod pipeline;
 pub mod prefetch;
 pub mod rank;
@@ -33,7 +34,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use model::{llama::masked_mean, Llama};
 use parallel::dp::DataParallel;
-use parallel::pipeline::{check_fifo, validate, Schedule};
+use parallel::pipeline::{check_fifo, validate, Schedule, SimCosts};
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
@@ -73,6 +74,9 @@ pub struct Trainer {
     consumed: u64,
     /// The schedule of a step (one stage without pipeline parallelism).
     schedule: Schedule,
+    /// The step after which the schedule's order is fitted to that step's measured costs (zbv;
+    /// see `order.rs`), until it is.
+    reorder_at: Option<usize>,
     /// The timed actions of the last step, for the timeline trace.
     timing: Vec<Timed>,
     /// When the last step's data-parallel bucket reductions ran: (bucket, seconds since the step
@@ -171,6 +175,7 @@ impl Trainer {
             metrics: None,
             step: 0,
             consumed: 0,
+            reorder_at: None,
             schedule,
             timing: Vec::new(),
             sync_timing: Vec::new(),
@@ -190,6 +195,16 @@ impl Trainer {
             trainer
                 .load_checkpoint(&dir)
                 .with_context(|| format!("resuming from {}", dir.display()))?;
+        }
+        if order::tuned(trainer.recipe.parallel.schedule_kind(), trainer.schedule.pp) {
+            match trainer.progress.schedule_costs {
+                Some([forward, backward, weight]) => trainer.set_order(SimCosts {
+                    forward,
+                    backward,
+                    weight,
+                })?,
+                None => trainer.reorder_at = Some(trainer.step + 2),
+            }
         }
         if write {
             trainer.metrics = Some(Metrics::open(

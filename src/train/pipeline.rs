@@ -387,6 +387,9 @@ impl<'a> Executor<'a> {
                 None => x,
             });
             None
+        } else if let Some(next) = self.local_neighbour(chunk, 1) {
+            w.acts.insert((next, micro), x); // the next chunk is on this stage (a V's turn)
+            None
         } else {
             Some(x)
         };
@@ -457,13 +460,29 @@ impl<'a> Executor<'a> {
         if self.split {
             w.deferred.insert((chunk, micro), deferred);
         }
-        let state = Live {
-            runs: vec![],
-            output: None,
-            input_grad: dy,
-        };
-        w.live.insert((chunk, micro), state);
+        match (self.local_neighbour(chunk, -1), dy) {
+            (Some(prev), Some(dy)) => {
+                w.dys.insert((prev, micro), dy); // handed to this stage's previous chunk
+            }
+            (_, dy) => {
+                let state = Live {
+                    runs: vec![],
+                    output: None,
+                    input_grad: dy,
+                };
+                w.live.insert((chunk, micro), state);
+            }
+        }
         Ok(())
+    }
+
+    /// The local chunk on this stage holding the global chunk `step` (±1) away from local
+    /// `chunk`, if there is one (only the V placement's turn hands over within a stage).
+    fn local_neighbour(&self, chunk: usize, step: isize) -> Option<usize> {
+        let s = self.schedule;
+        let g = s.global_chunk(self.stage, chunk).checked_add_signed(step)?;
+        let (stage, local) = (g < s.num_chunks()).then(|| s.locate(g))?;
+        (stage == self.stage).then_some(local)
     }
 
     /// The weight action of a split backward of (`chunk`, `micro`): the blocks' weight
@@ -545,8 +564,8 @@ impl<'a> Executor<'a> {
 
 /// Forward-only pass of one batch through the pipeline of `ctx`, chunk by chunk, activations
 /// handed from stage to stage (no tapes kept, no gradients), with `hooks` around each piece's
-/// forward (micro-batch 0). Returns the per-position losses `[b * s]` on the last stage, `None`
-/// elsewhere.
+/// forward (micro-batch 0). Returns the per-position losses `[b * s]` on the stage holding the
+/// head, `None` elsewhere.
 pub fn forward_losses(
     model: &Llama,
     ctx: &RankCtx,
@@ -554,17 +573,24 @@ pub fn forward_losses(
     hooks: &mut dyn StepHooks,
 ) -> Result<Option<Tensor>> {
     let (pp, stage) = (ctx.groups.pp.size(), ctx.coords.pp);
+    let place = ctx.chunk_placement;
     let ranks = ctx.groups.pp.ranks();
     let (b, s) = tokens.dims2()?;
     let cfg = model.config();
     let shape = ctx.activation_shape(b, s, cfg.hidden_size);
     let dtype = model.params().get(0).dtype;
-    for (c, pieces) in ctx.chunks(cfg.num_hidden_layers).into_iter().enumerate() {
-        let g = c * pp + stage; // global chunk
-        let mut x = if g == 0 {
-            tokens.clone()
-        } else {
-            ctx.comm.recv(ranks[(g - 1) % pp], &shape, dtype)?
+    let chunks = ctx.chunks(cfg.num_hidden_layers);
+    let last = pp * chunks.len() - 1;
+    // What a chunk hands to this stage's next chunk (a V's turn).
+    let mut handed: Option<Tensor> = None;
+    for (c, pieces) in chunks.into_iter().enumerate() {
+        let g = place.global(pp, stage, c);
+        let mut x = match (g, handed.take()) {
+            (0, _) => tokens.clone(),
+            (_, Some(x)) => x,
+            _ => ctx
+                .comm
+                .recv(ranks[place.locate(pp, g - 1).0], &shape, dtype)?,
         };
         for p in pieces {
             hooks.before_forward(p, 0)?;
@@ -575,7 +601,10 @@ pub fn forward_losses(
             }
             x = y;
         }
-        ctx.comm.send(&x, ranks[(g + 1) % pp])?;
+        match place.locate(pp, (g + 1).min(last)).0 {
+            next if next == stage => handed = Some(x),
+            next => ctx.comm.send(&x, ranks[next])?,
+        }
     }
     Ok(None)
 }

@@ -10,6 +10,7 @@ use model::{Piece, Placement};
 use parallel::cp::{local_chunks, ContextParallel};
 use parallel::ep::ExpertParallel;
 use parallel::mesh::{Axis, Coords, Mesh, RankGroups};
+use parallel::pipeline::ChunkPlacement;
 use parallel::tp::TensorParallel;
 use parallel::{register, Channel, Comm, Group, ParallelConfig};
 
@@ -32,6 +33,8 @@ pub struct RankCtx {
     pub virtual_stages: usize,
     /// `parallel.pipeline_layout`: layers per global chunk, or none (an equal share each).
     pub pipeline_layout: Option<Vec<usize>>,
+    /// Which global chunks each stage holds (a V for the zbv schedule).
+    pub chunk_placement: ChunkPlacement,
     /// Sequence parallelism on.
     pub sequence_parallel: bool,
     /// The device this rank computes on (thread-ranks sharing a GPU share one device handle).
@@ -48,6 +51,7 @@ impl RankCtx {
             groups: mesh.rank_groups(rank, cfg.shard_size()),
             virtual_stages: cfg.virtual_stages,
             pipeline_layout: cfg.pipeline_layout.clone(),
+            chunk_placement: cfg.schedule_kind().placement(),
             mesh,
             comm,
             sequence_parallel: cfg.sequence_parallel,
@@ -130,20 +134,18 @@ impl RankCtx {
         let layout = self.pipeline_layout.as_deref();
         let layers = parallel::config::chunk_layers(layout, pp * v, num_layers);
         (0..v)
-            .map(|c| chunk_pieces(stage, c, pp, &layers))
+            .map(|c| chunk_pieces(self.chunk_placement.global(pp, stage, c), &layers))
             .collect()
     }
 
     /// The part of the model this rank holds: the layers of its pipeline chunks, the embedding on
     /// the first stage, the head on the last.
     pub fn placement(&self, num_layers: usize) -> Placement {
-        let (pp, stage) = (self.groups.pp.size(), self.coords.pp);
-        let layers = self
-            .chunks(num_layers)
-            .into_iter()
-            .flatten()
+        let pieces: Vec<Piece> = self.chunks(num_layers).into_iter().flatten().collect();
+        let layers = pieces
+            .iter()
             .filter_map(|p| match p {
-                Piece::Block(i) => Some(i),
+                Piece::Block(i) => Some(*i),
                 _ => None,
             })
             .collect();
@@ -152,8 +154,8 @@ impl RankCtx {
             cp: self.context_parallel(),
             ep: self.expert_parallel(),
             layers,
-            embedding: stage == 0,
-            head: stage + 1 == pp,
+            embedding: pieces.contains(&Piece::Embedding),
+            head: pieces.contains(&Piece::Head),
         }
     }
 
@@ -212,12 +214,11 @@ fn local_rows<T: Copy>(v: &[T], seq_len: usize, chunks: &[std::ops::Range<usize>
         .collect()
 }
 
-/// The pieces of local chunk `c` of pipeline stage `stage`, where global chunk `k` holds
-/// `layers[k]` consecutive layers (`layers` has `pp · v` entries): global chunk `c · pp + stage`,
-/// with the embedding if it is the first global chunk and the head if it is the last
-/// (Megatron's virtual-pipeline layout).
-pub fn chunk_pieces(stage: usize, c: usize, pp: usize, layers: &[usize]) -> Vec<Piece> {
-    let g = c * pp + stage;
+/// The pieces of global chunk `g`, where global chunk `k` holds `layers[k]` consecutive layers
+/// (`layers` has `pp · v` entries), with the embedding if it is the first global chunk and the
+/// head if it is the last. Which stage holds it is the schedule's
+/// [`ChunkPlacement`](parallel::pipeline::ChunkPlacement).
+pub fn chunk_pieces(g: usize, layers: &[usize]) -> Vec<Piece> {
     let first: usize = layers[..g].iter().sum();
     let mut pieces = Vec::new();
     if g == 0 {
@@ -239,28 +240,29 @@ mod tests {
         use Piece::{Block, Embedding, Head};
         // One stage, one chunk: the whole model.
         assert_eq!(
-            chunk_pieces(0, 0, 1, &[3]),
+            chunk_pieces(0, &[3]),
             vec![Embedding, Block(0), Block(1), Block(2), Head]
         );
-        // pp 2 × v 2 over 8 layers: stage 0 holds global chunks 0 and 2, stage 1 chunks 1 and 3.
+        // 8 layers in 4 chunks (pp 2 × v 2: stage 0 holds global chunks 0 and 2 when looped, 0
+        // and 3 as a V).
         let even = [2, 2, 2, 2];
         assert_eq!(
-            chunk_pieces(0, 0, 2, &even),
+            chunk_pieces(0, &even),
             vec![Embedding, Block(0), Block(1)]
         );
-        assert_eq!(chunk_pieces(0, 1, 2, &even), vec![Block(4), Block(5)]);
-        assert_eq!(chunk_pieces(1, 0, 2, &even), vec![Block(2), Block(3)]);
-        assert_eq!(chunk_pieces(1, 1, 2, &even), vec![Block(6), Block(7), Head]);
+        assert_eq!(chunk_pieces(2, &even), vec![Block(4), Block(5)]);
+        assert_eq!(chunk_pieces(1, &even), vec![Block(2), Block(3)]);
+        assert_eq!(chunk_pieces(3, &even), vec![Block(6), Block(7), Head]);
         // Uneven: pp 3 over 7 layers as [1, 4, 2]; an end chunk may hold no layer.
-        assert_eq!(chunk_pieces(0, 0, 3, &[1, 4, 2]), vec![Embedding, Block(0)]);
+        assert_eq!(chunk_pieces(0, &[1, 4, 2]), vec![Embedding, Block(0)]);
         assert_eq!(
-            chunk_pieces(1, 0, 3, &[1, 4, 2]),
+            chunk_pieces(1, &[1, 4, 2]),
             (1..5).map(Block).collect::<Vec<_>>()
         );
         assert_eq!(
-            chunk_pieces(2, 0, 3, &[1, 4, 2]),
+            chunk_pieces(2, &[1, 4, 2]),
             vec![Block(5), Block(6), Head]
         );
-        assert_eq!(chunk_pieces(1, 0, 2, &[3, 0]), vec![Head]);
+        assert_eq!(chunk_pieces(1, &[3, 0]), vec![Head]);
     }
 }

@@ -92,7 +92,7 @@ impl Trainer {
         self.consumed += self.recipe.train.global_batch as u64;
         self.stop = self.after_update(self.step, updated)?;
         let compute = self.compute_spread(self.step)?;
-        self.record(Measured {
+        let record = self.record(Measured {
             start,
             loss,
             lr,
@@ -104,7 +104,44 @@ impl Trainer {
             verdict,
             compute,
             attention_share,
-        })
+        })?;
+        if self.reorder_at == Some(self.step) {
+            self.reorder()?;
+        }
+        Ok(record)
+    }
+
+    /// Fits the schedule's order to the costs the step just measured (see `order.rs`).
+    fn reorder(&mut self) -> Result<()> {
+        let costs = super::order::measured(&self.ctx, &self.timing)?;
+        let before = super::order::simulated_bubble(&self.schedule, costs)?;
+        self.set_order(costs)?;
+        if self.ctx.is_main() {
+            let after = super::order::simulated_bubble(&self.schedule, costs)?;
+            let ms = |s: f64| 1e3 * s;
+            tracing::info!(
+                "{} ordered for the measured costs per chunk: forward {:.2} ms, B {:.2} ms, \
+                 W {:.2} ms (simulated bubble {before:.3} -> {after:.3})",
+                self.recipe.parallel.schedule_kind().recipe_name(),
+                ms(costs.forward),
+                ms(costs.backward),
+                ms(costs.weight)
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs the schedule in its order for `costs` from the next step on, and keeps the costs
+    /// for checkpoints.
+    pub(super) fn set_order(&mut self, costs: parallel::pipeline::SimCosts) -> Result<()> {
+        let kind = self.recipe.parallel.schedule_kind();
+        let schedule = super::order::ordered(kind, &self.schedule, costs)?;
+        let chunks = self.ctx.chunks(self.model.config().num_hidden_layers);
+        self.uses = super::zero::piece_uses(&schedule, self.ctx.coords.pp, &chunks);
+        self.schedule = schedule;
+        self.progress.schedule_costs = Some([costs.forward, costs.backward, costs.weight]);
+        self.reorder_at = None;
+        Ok(())
     }
 
     /// The share of the causal mask's (query, key) pairs the step's attention computes over the
@@ -156,11 +193,12 @@ impl Trainer {
             t.micro_batch,
             local_seq,
         );
-        // The traced step, and on a GPU each logged step (its compute time is compared across
-        // the ranks), run on the device's clock.
+        // The traced step, on a GPU each logged step (its compute time is compared across the
+        // ranks), and the step whose costs order the next ones, run on the device's clock.
         let next = self.step + 1;
         let logged_on_gpu = self.ctx.device.is_cuda() && self.is_logged(next);
-        if self.recipe.run.trace_step == Some(next) || logged_on_gpu {
+        let reorders = self.reorder_at == Some(next);
+        if self.recipe.run.trace_step == Some(next) || logged_on_gpu || reorders {
             exec = exec.timed_on_device(&self.ctx.device);
         }
         self.dp.start();
@@ -225,7 +263,7 @@ impl Trainer {
         let traced = if r.run.trace_step == Some(self.step) {
             let optimizer = (m.opt_start, m.start.elapsed().as_secs_f64());
             let path = r.run.dir.join("trace.json");
-            let (schedule, timing) = (&self.schedule, &self.timing);
+            let (schedule, timing) = (&self.schedule, (&self.timing[..], m.run.act_peak_bytes));
             metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?
         } else {
             None
@@ -276,6 +314,7 @@ impl Trainer {
                 .map(|s| s.bubble),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
+            act_peak_max_bytes: traced.map(|s| s.act_peak_max_bytes),
             skipped: match m.verdict {
                 Verdict::Update => None,
                 Verdict::Skip(why) => Some(why),

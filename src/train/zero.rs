@@ -182,7 +182,10 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     });
     let muon = muon.map(|w| (w, hidden.as_slice()));
     let optimizer = Optimizer::new(params, &layout, owned.clone(), optim, master, muon)?;
-    let tied_pipeline = recipe.model.tie_word_embeddings && ctx.groups.pp.size() > 1;
+    // A tied embedding whose two uses sit on different stages (the first and the last when
+    // looped; a V keeps both on the first) is summed over the pipeline's ends.
+    let pl = model.placement();
+    let tied_pipeline = recipe.model.tie_word_embeddings && !(pl.embedding && pl.head);
     let partial = model
         .params()
         .iter()

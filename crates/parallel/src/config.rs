@@ -32,15 +32,18 @@ pub struct ParallelConfig {
     /// Model chunks per pipeline rank (interleaved 1F1B when greater than 1).
     #[serde(default = "one")]
     pub virtual_stages: usize,
-    /// Layers of each pipeline chunk, in global chunk order (`pp × virtual_stages` entries:
-    /// stage 0's first chunk, stage 1's, …, then each stage's second chunk): uneven stages, e.g.
+    /// Layers of each pipeline chunk, in global chunk order (`pp × virtual_stages` entries, the
+    /// model's order: with interleaving stage 0's first chunk, stage 1's, …, then each stage's
+    /// second chunk; with zbv's V stage 0, 1, …, pp − 1, then back from pp − 1 to 0): uneven
+    /// stages, e.g.
     /// `[3, 5, 5, 3]` to make room for the embedding on the first and the head on the last
     /// (those two chunks may hold no layer; every other one at least one). Default: an equal
     /// share, `num_hidden_layers / (pp × virtual_stages)` each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline_layout: Option<Vec<usize>>,
     /// The pipeline schedule: `1f1b`, `interleaved` (needs `virtual_stages > 1`), `zb-h1`
-    /// (zero-bubble: split backwards, their weight gradients filling 1F1B's cool-down) or
+    /// (zero-bubble: split backwards, their weight gradients filling 1F1B's cool-down), `zbv`
+    /// (zero-bubble V: `virtual_stages: 2`, the chunks placed down and back up the stages) or
     /// `gpipe`. Default: `interleaved` with virtual stages, else `1f1b`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<ScheduleKind>,

@@ -174,6 +174,7 @@ fn broken_action_lists_are_caught() {
         v: 1,
         m: usize::MAX,
         actions: vec![Vec::new()],
+        placement: Default::default(),
     };
     assert!(matches!(
         validate(&huge),

@@ -166,17 +166,16 @@ pub fn check_fifo(sched: &Schedule) -> Result<(), SimError> {
 }
 
 /// Checks that a communication action goes to / comes from the stage holding the neighbouring
-/// global chunk, and returns its message key and whether it is a send.
+/// global chunk (never the stage itself: a neighbour on the same stage is handed over), and
+/// returns its message key and whether it is a send.
 fn route(
     sched: &Schedule,
     stage: usize,
     index: usize,
     action: Action,
 ) -> Result<(Key, bool), SimError> {
-    let pp = sched.pp;
     let g = sched.global_chunk(stage, action.chunk());
     let last = sched.num_chunks() - 1;
-    let (next, prev) = ((stage + 1) % pp, (stage + pp - 1) % pp);
     let micro = action.micro();
     let bad = |reason: String| SimError::Misrouted {
         stage,
@@ -201,7 +200,13 @@ fn route(
     if !needs_next && g == 0 {
         return Err(bad("global chunk 0 has no predecessor".into()));
     }
-    let expected = if needs_next { next } else { prev };
+    let neighbour = if needs_next { g + 1 } else { g - 1 };
+    let expected = sched.locate(neighbour).0;
+    if expected == stage {
+        return Err(bad(format!(
+            "global chunk {g}'s neighbour {neighbour} is on this stage: handed over, not sent"
+        )));
+    }
     if peer != expected {
         return Err(bad(format!(
             "global chunk {g}'s neighbour lives on stage {expected}, not {peer}"

@@ -8,7 +8,8 @@
 //! - [`one_f_one_b`]: Megatron's 1F1B (warm-up, steady 1F1B, cool-down);
 //! - [`interleaved`]: Megatron's interleaved 1F1B with `v` model chunks per stage;
 //! - [`zb_h1`]: zero-bubble ZB-H1, 1F1B with split backwards whose weight-gradient actions fill
-//!   the cool-down.
+//!   the cool-down;
+//! - [`zbv`]: zero-bubble V, two chunks per stage placed as a V ([`placement`]), split backwards.
 //!
 //! [`check::validate`] checks a schedule's structure and [`check::check_fifo`] the order of every
 //! channel's messages; [`sim::simulate`] executes a schedule without tensors, validating it and
@@ -28,13 +29,16 @@ pub mod afab;
 pub mod check;
 pub mod interleaved;
 pub mod one_f_one_b;
+pub mod placement;
 pub mod register;
 pub mod schedule;
 pub mod sim;
 pub mod trace;
 pub mod zb_h1;
+pub mod zbv;
 
 pub use check::{check_fifo, validate};
-pub use schedule::{build, Action, Schedule, ScheduleError, ScheduleKind};
+pub use placement::ChunkPlacement;
+pub use schedule::{build, build_for_costs, Action, Schedule, ScheduleError, ScheduleKind};
 pub use sim::{simulate, SimCosts, SimError, SimReport, Span};
 pub use trace::{chrome_trace, spans_from_timelines, TraceSpan};

@@ -3,7 +3,7 @@
 //! pipeline group, its ends (tied embeddings) and the directions to the next and the previous
 //! stage.
 
-use super::ScheduleKind;
+use super::{build, simulate, ScheduleKind, SimCosts};
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
 use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
@@ -19,10 +19,25 @@ impl Pipeline {
         bytes / bw + LATENCY_S
     }
 
-    /// Planner term: the bubble of 1F1B and interleaved 1F1B over `pp` stages of `v` chunks,
-    /// `(pp − 1)/v` of a mean stage's `mean_stage_s`.
-    pub fn bubble_s(pp: usize, v: usize, mean_stage_s: f64) -> f64 {
-        (pp as f64 - 1.0) / v as f64 * mean_stage_s
+    /// Planner term: the idle time per stage of schedule `kind` over `pp` stages of `v` chunks
+    /// and `m` micro-batches, a mean stage taking `stage_s` per micro-batch, `bwd_s` of it
+    /// backward. GPipe, 1F1B and interleaved 1F1B: `(pp − 1)/v` stages (their closed form). The
+    /// zero-bubble schedules: the schedule itself simulated (up to `4·pp` micro-batches; their
+    /// idle time does not grow past that) with the backward split evenly into B and W — the
+    /// input- and weight-gradient GEMMs have the same FLOPs; attention's backward, all in B,
+    /// makes W somewhat smaller in practice.
+    pub fn bubble_s(kind: ScheduleKind, (pp, v, m): (usize, usize, usize), (stage_s, bwd_s): (f64, f64)) -> f64 {
+        let closed = (pp as f64 - 1.0) / v as f64 * stage_s;
+        if !matches!(kind, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV) {
+            return closed;
+        }
+        let m_sim = m.clamp(1, 4 * pp);
+        let w = bwd_s / 2.0;
+        let costs = SimCosts::split_per_chunk(stage_s - bwd_s, bwd_s - w, w, v);
+        match build(kind, pp, v, m_sim).map(|s| simulate(&s, costs)) {
+            Ok(Ok(r)) => (r.makespan - m_sim as f64 * stage_s).max(0.0),
+            _ => closed,
+        }
     }
 }
 
@@ -81,6 +96,11 @@ impl Parallelism for Pipeline {
                  chunk per stage use 1f1b or zb-h1)"
                     .into(),
             ),
+            (ScheduleKind::ZeroBubbleV, 2) => {}
+            (ScheduleKind::ZeroBubbleV, v) => p.push(format!(
+                "parallel.schedule zbv runs two model chunks per stage (a V): it needs \
+                 parallel.virtual_stages: 2, not {v}"
+            )),
             (ScheduleKind::Interleaved, _) | (_, 1) => {}
             (kind, v) => p.push(format!(
                 "parallel.schedule {} runs one model chunk per stage; parallel.virtual_stages is \

@@ -23,7 +23,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::{afab, interleaved, one_f_one_b, zb_h1};
+use super::placement::ChunkPlacement;
+use super::sim::SimCosts;
+use super::{afab, interleaved, one_f_one_b, zb_h1, zbv};
 
 /// One step of a pipeline stage's program.
 ///
@@ -137,6 +139,8 @@ pub struct Schedule {
     pub m: usize,
     /// `actions[s]` is the execution order of stage `s`.
     pub actions: Vec<Vec<Action>>,
+    /// Which global chunks each stage holds.
+    pub placement: ChunkPlacement,
 }
 
 impl Schedule {
@@ -145,9 +149,15 @@ impl Schedule {
         self.pp * self.v
     }
 
-    /// Global chunk index of local chunk `chunk` on stage `stage`: `chunk * pp + stage`.
+    /// Global chunk index of local chunk `chunk` on stage `stage` (`chunk * pp + stage` when
+    /// looped).
     pub fn global_chunk(&self, stage: usize, chunk: usize) -> usize {
-        chunk * self.pp + stage
+        self.placement.global(self.pp, stage, chunk)
+    }
+
+    /// `(stage, local chunk)` of global chunk `global`.
+    pub fn locate(&self, global: usize) -> (usize, usize) {
+        self.placement.locate(self.pp, global)
     }
 
     /// Whether backwards are split: the weight gradients of every (chunk, micro-batch) are
@@ -179,6 +189,11 @@ pub enum ScheduleKind {
     /// gradients fill the cool-down (`v = 1` only).
     #[serde(rename = "zb-h1")]
     ZeroBubbleH1,
+    /// Zero-bubble V (Qi et al. 2024): two chunks per stage placed as a V
+    /// ([`ChunkPlacement::Vee`]), split backwards; close to no bubble at `m >= 2 pp` with
+    /// 1F1B's peak activation memory (`v = 2` only).
+    #[serde(rename = "zbv")]
+    ZeroBubbleV,
 }
 
 impl ScheduleKind {
@@ -195,6 +210,14 @@ impl ScheduleKind {
 }
 
 impl ScheduleKind {
+    /// Where its chunks sit: zig-zag for the V schedules, else looped.
+    pub fn placement(self) -> ChunkPlacement {
+        match self {
+            ScheduleKind::ZeroBubbleV => ChunkPlacement::Vee,
+            _ => ChunkPlacement::Looped,
+        }
+    }
+
     /// The name `parallel.schedule` takes.
     pub fn recipe_name(self) -> &'static str {
         match self {
@@ -202,6 +225,7 @@ impl ScheduleKind {
             ScheduleKind::OneFOneB => "1f1b",
             ScheduleKind::Interleaved => "interleaved",
             ScheduleKind::ZeroBubbleH1 => "zb-h1",
+            ScheduleKind::ZeroBubbleV => "zbv",
         }
     }
 }
@@ -213,6 +237,7 @@ impl fmt::Display for ScheduleKind {
             ScheduleKind::OneFOneB => "1F1B",
             ScheduleKind::Interleaved => "interleaved 1F1B",
             ScheduleKind::ZeroBubbleH1 => "zb-h1",
+            ScheduleKind::ZeroBubbleV => "zbv",
         })
     }
 }
@@ -232,6 +257,9 @@ pub enum ScheduleError {
     /// A non-interleaved schedule was asked for more than one chunk per rank.
     #[error("{kind} supports only one model chunk per pipeline rank (v = 1), got v = {v}")]
     VirtualNotSupported { kind: ScheduleKind, v: usize },
+    /// A V schedule was asked for another number of chunks per stage than two.
+    #[error("{kind} runs two model chunks per pipeline rank (v = 2), got v = {v}")]
+    TwoChunksPerStage { kind: ScheduleKind, v: usize },
     /// Virtual stages without pipeline parallelism.
     #[error("v = {v} virtual stages per rank need parallel.pp >= 2 (got pp = {pp})")]
     VirtualNeedsPipeline { v: usize, pp: usize },
@@ -259,8 +287,30 @@ pub fn build(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Result<Schedu
         ScheduleKind::OneFOneB => one_f_one_b::actions(pp, v, m)?,
         ScheduleKind::Interleaved => interleaved::actions(pp, v, m)?,
         ScheduleKind::ZeroBubbleH1 => zb_h1::actions(pp, v, m)?,
+        ScheduleKind::ZeroBubbleV => zbv::actions(pp, v, m)?,
     };
-    Ok(Schedule { pp, v, m, actions })
+    let placement = kind.placement();
+    Ok(Schedule {
+        pp,
+        v,
+        m,
+        actions,
+        placement,
+    })
+}
+
+/// [`build`], with the order of a cost-sensitive schedule (zbv's list scheduler) found for
+/// `costs` per chunk action instead of unit costs; every other kind is built as by [`build`].
+pub fn build_for_costs(
+    kind: ScheduleKind,
+    (pp, v, m): (usize, usize, usize),
+    costs: SimCosts,
+) -> Result<Schedule, ScheduleError> {
+    let mut schedule = build(kind, pp, v, m)?;
+    if kind == ScheduleKind::ZeroBubbleV {
+        schedule.actions = zbv::actions_for(pp, v, m, costs)?;
+    }
+    Ok(schedule)
 }
 
 /// Checks shared by every schedule: non-zero sizes and no overflow.
@@ -281,44 +331,69 @@ fn check_sizes(pp: usize, v: usize, m: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
-/// Appends the forward of local `chunk` on `micro` for `stage`, wrapped in its communication:
-/// receive the input activation (unless this is global chunk 0), compute, send the output
-/// activation (unless this is the last global chunk).
+/// The stage holding global chunk `global - 1` (`before`) or `global + 1`, when it exists and
+/// is not `stage` itself (a chunk's neighbour on the same stage is handed over, not sent).
+pub(crate) fn peer(
+    placement: ChunkPlacement,
+    (pp, v, stage): (usize, usize, usize),
+    global: usize,
+    before: bool,
+) -> Option<usize> {
+    let neighbour = if before {
+        global.checked_sub(1)?
+    } else {
+        Some(global + 1).filter(|&g| g < pp * v)?
+    };
+    Some(placement.locate(pp, neighbour).0).filter(|&s| s != stage)
+}
+
+/// Appends the forward of local `chunk` on `micro` for `stage` (looped placement), wrapped in
+/// its communication: receive the input activation (unless this is global chunk 0), compute,
+/// send the output activation (unless this is the last global chunk).
 pub(crate) fn push_forward(
     list: &mut Vec<Action>,
-    (pp, v, stage): (usize, usize, usize),
+    at: (usize, usize, usize),
     chunk: usize,
     micro: usize,
 ) {
-    let global = chunk * pp + stage;
-    if global > 0 {
-        let from = (stage + pp - 1) % pp;
+    push_forward_in(ChunkPlacement::Looped, list, at, chunk, micro);
+}
+
+/// [`push_forward`] for chunks placed as `placement` (nothing sent to or received from the
+/// stage itself).
+pub(crate) fn push_forward_in(
+    placement: ChunkPlacement,
+    list: &mut Vec<Action>,
+    at: (usize, usize, usize),
+    chunk: usize,
+    micro: usize,
+) {
+    let global = placement.global(at.0, at.2, chunk);
+    if let Some(from) = peer(placement, at, global, true) {
         list.push(Action::RecvActivation { chunk, micro, from });
     }
     list.push(Action::Forward { chunk, micro });
-    if global + 1 < pp * v {
-        let to = (stage + 1) % pp;
+    if let Some(to) = peer(placement, at, global, false) {
         list.push(Action::SendActivation { chunk, micro, to });
     }
 }
 
-/// Appends the backward of local `chunk` on `micro` for `stage`, wrapped in its communication:
-/// receive the output gradient (unless this is the last global chunk, which owns the loss),
-/// compute, send the input gradient (unless this is global chunk 0).
+/// Appends the backward of local `chunk` on `micro` for `stage` (looped placement), wrapped in
+/// its communication: receive the output gradient (unless this is the last global chunk, which
+/// owns the loss), compute, send the input gradient (unless this is global chunk 0).
 pub(crate) fn push_backward(
     list: &mut Vec<Action>,
-    (pp, v, stage): (usize, usize, usize),
+    at: (usize, usize, usize),
     chunk: usize,
     micro: usize,
 ) {
-    let global = chunk * pp + stage;
-    if global + 1 < pp * v {
-        let from = (stage + 1) % pp;
+    let global = ChunkPlacement::Looped.global(at.0, at.2, chunk);
+    let looped = ChunkPlacement::Looped;
+    if let Some(from) = peer(looped, at, global, false) {
         list.push(Action::RecvGrad { chunk, micro, from });
     }
     list.push(Action::Backward { chunk, micro });
-    if global > 0 {
-        let to = (stage + pp - 1) % pp;
+    if let Some(to) = peer(looped, at, global, true) {
         list.push(Action::SendGrad { chunk, micro, to });
     }
 }

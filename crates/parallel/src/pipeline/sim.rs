@@ -244,12 +244,33 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                         if !forward && !st.forwarded.contains(&(chunk, micro)) {
                             return Err(SimError::BackwardBeforeForward { stage, action });
                         }
-                        let input = if forward {
-                            (g > 0).then_some((Payload::Activation, g, micro))
+                        // The input: received, handed over by this stage's neighbouring
+                        // chunk, or none (the first chunk's forward, the last's backward).
+                        let neighbour = if forward {
+                            g.checked_sub(1)
                         } else {
-                            (g < last).then_some((Payload::Grad, g, micro))
+                            Some(g + 1).filter(|&n| n <= last)
                         };
-                        if input.is_some_and(|k| !st.received.contains(&k)) {
+                        let has_input = match neighbour.map(|n| sched.locate(n)) {
+                            None => true,
+                            Some((s, c)) if s == stage => {
+                                let done = if forward {
+                                    &st.forwarded
+                                } else {
+                                    &st.backwarded
+                                };
+                                done.contains(&(c, micro))
+                            }
+                            Some(_) => {
+                                let payload = if forward {
+                                    Payload::Activation
+                                } else {
+                                    Payload::Grad
+                                };
+                                st.received.contains(&(payload, g, micro))
+                            }
+                        };
+                        if !has_input {
                             return Err(SimError::InputNotReceived { stage, action });
                         }
                         let cost = match (forward, split) {

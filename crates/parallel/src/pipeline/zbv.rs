@@ -1,0 +1,243 @@
+//! ZBV, the zero-bubble V schedule (Qi et al., "Pipeline Parallelism with Controllable Memory",
+//! 2024; torchtitan's `ZBVZeroBubble`): two chunks per stage placed as a V
+//! ([`ChunkPlacement::Vee`]: stage `s` holds global chunks `s` and `2·pp − 1 − s`), and
+//! backwards split into B (input gradient) and W (weight gradients). The first stage both starts
+//! and ends every micro-batch, so each stage's warm-up and cool-down are short and the W actions
+//! fill what is left: close to no bubble once `m >= 2·pp`, within 1F1B's peak activations
+//! (`pp` micro-batches of a whole stage, i.e. `2·pp` chunk activations).
+//!
+//! The order is found by a list scheduler on unit costs (F = B = W per chunk), as the paper's
+//! heuristic does: every stage, whenever it is free, starts
+//!
+//! 1. a B whose output gradient is there (the critical path), the one waiting longest first;
+//! 2. else a forward whose input is there, the second chunk's first (it leads to the loss and
+//!    frees memory soonest), if fewer than `2·pp` chunk activations are held (forward done, W not
+//!    yet);
+//! 3. else the oldest W still owed;
+//!
+//! else it waits for the next message. Receives are placed in the order messages arrive, so every
+//! channel is read in the order it is written (tag-less channels need it: a stage's two chunks
+//! share channels with both neighbours). Like every schedule here the result is data, validated,
+//! simulated and FIFO-checked before training; with other costs it stays correct.
+
+use std::collections::VecDeque;
+
+use super::placement::ChunkPlacement;
+use super::schedule::{Action, ScheduleError, ScheduleKind};
+use super::sim::SimCosts;
+
+const NEVER: f64 = f64::INFINITY;
+
+/// Per-stage action lists of ZBV for `pp` stages and `m` micro-batches (`v` must be 2).
+pub(crate) fn actions(pp: usize, v: usize, m: usize) -> Result<Vec<Vec<Action>>, ScheduleError> {
+    if v != 2 {
+        return Err(ScheduleError::TwoChunksPerStage {
+            kind: ScheduleKind::ZeroBubbleV,
+            v,
+        });
+    }
+    if pp < 2 {
+        return Err(ScheduleError::VirtualNeedsPipeline { v, pp });
+    }
+    Ok(Scheduler::new(pp, m, SimCosts::default()).run())
+}
+
+/// ZBV's order found with `costs` instead of unit costs (`v` must be 2): the trainer measures
+/// its first step's forward, B and W actions and orders the following steps for them.
+pub(crate) fn actions_for(
+    pp: usize,
+    v: usize,
+    m: usize,
+    costs: SimCosts,
+) -> Result<Vec<Vec<Action>>, ScheduleError> {
+    actions(pp, v, m)?;
+    Ok(Scheduler::new(pp, m, costs).run())
+}
+
+/// What a free stage starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Compute {
+    Forward(usize),
+    Backward(usize),
+    Weight,
+}
+
+/// One stage of the list scheduler.
+struct Stage {
+    /// When it is next free.
+    clock: f64,
+    /// Per local chunk: the next micro-batch to forward and to back-propagate (B).
+    f: [usize; 2],
+    b: [usize; 2],
+    /// When each (chunk, micro-batch)'s input activation / output gradient is there.
+    act: [Vec<f64>; 2],
+    grad: [Vec<f64>; 2],
+    /// W actions owed, oldest first.
+    owed: VecDeque<(usize, usize)>,
+    /// Chunk activations held: forwards whose W has not run.
+    held: usize,
+    /// Messages sent here and not yet received: (arrival, sequence number, receive action).
+    inbox: Vec<(f64, usize, Action)>,
+    list: Vec<Action>,
+}
+
+struct Scheduler {
+    pp: usize,
+    m: usize,
+    costs: SimCosts,
+    stages: Vec<Stage>,
+    /// Sequence number of the next message (orders messages arriving at the same time).
+    sent: usize,
+}
+
+impl Scheduler {
+    fn new(pp: usize, m: usize, costs: SimCosts) -> Self {
+        let stages = (0..pp)
+            .map(|s| {
+                let mut act = [vec![NEVER; m], vec![NEVER; m]];
+                if s == 0 {
+                    act[0].fill(0.0); // global chunk 0 reads the data
+                }
+                Stage {
+                    clock: 0.0,
+                    f: [0; 2],
+                    b: [0; 2],
+                    act,
+                    grad: [vec![NEVER; m], vec![NEVER; m]],
+                    owed: VecDeque::new(),
+                    held: 0,
+                    inbox: Vec::new(),
+                    list: Vec::with_capacity(14 * m),
+                }
+            })
+            .collect();
+        Self {
+            pp,
+            m,
+            costs,
+            stages,
+            sent: 0,
+        }
+    }
+
+    /// The earliest time stage `s` can start something, and what it starts then.
+    fn next(&self, s: usize) -> Option<(f64, Compute)> {
+        let (st, m, cap) = (&self.stages[s], self.m, 2 * self.pp);
+        let at = |ready: f64| ready.max(st.clock);
+        // Candidates in priority order: B (the longest-waiting gradient first), F (second
+        // chunk first), W.
+        let mut b: Vec<(f64, Compute)> = (0..2)
+            .filter(|&c| st.b[c] < st.f[c])
+            .map(|c| (at(st.grad[c][st.b[c]]), Compute::Backward(c)))
+            .collect();
+        b.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let f = [1, 0]
+            .into_iter()
+            .filter(|&c| st.f[c] < m && st.held < cap)
+            .map(|c| (at(st.act[c][st.f[c]]), Compute::Forward(c)));
+        let w = (!st.owed.is_empty()).then_some((st.clock, Compute::Weight));
+        let all: Vec<(f64, Compute)> = b.into_iter().chain(f).chain(w).collect();
+        let t = all.iter().map(|x| x.0).fold(NEVER, f64::min);
+        // The first candidate (by priority) that can start at the earliest time.
+        all.into_iter().find(|x| x.0 <= t && t < NEVER)
+    }
+
+    fn run(mut self) -> Vec<Vec<Action>> {
+        // Decisions are taken in time order (ties to the lower stage): a decision at `t` can
+        // only deliver inputs at `t + COST` or later, so no earlier choice is ever revisited.
+        while let Some((t, s, what)) = (0..self.pp)
+            .filter_map(|s| self.next(s).map(|(t, what)| (t, s, what)))
+            .min_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)))
+        {
+            self.start(s, t, what);
+        }
+        debug_assert!(self.stages.iter().all(|st| st.b == [self.m; 2] && st.owed.is_empty()));
+        self.stages.into_iter().map(|st| st.list).collect()
+    }
+
+    /// Stage `s` starts `what` at `t`: the receives of what has arrived by then, the compute,
+    /// its send or hand-over.
+    fn start(&mut self, s: usize, t: f64, what: Compute) {
+        let cost = match what {
+            Compute::Forward(_) => self.costs.forward,
+            Compute::Backward(_) => self.costs.backward,
+            Compute::Weight => self.costs.weight,
+        };
+        let (pp, end) = (self.pp, t + cost.max(1e-9));
+        let vee = ChunkPlacement::Vee;
+        let st = &mut self.stages[s];
+        st.inbox.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+        let arrived = st.inbox.partition_point(|x| x.0 <= t);
+        st.list.extend(st.inbox.drain(..arrived).map(|x| x.2));
+        st.clock = end;
+        let (chunk, forward) = match what {
+            Compute::Weight => {
+                let (chunk, micro) = st.owed.pop_front().expect("a W is owed");
+                st.list.push(Action::Weight { chunk, micro });
+                st.held -= 1;
+                return;
+            }
+            Compute::Forward(c) => (c, true),
+            Compute::Backward(c) => (c, false),
+        };
+        let g = vee.global(pp, s, chunk);
+        let micro;
+        if forward {
+            micro = st.f[chunk];
+            st.f[chunk] += 1;
+            st.held += 1;
+            st.list.push(Action::Forward { chunk, micro });
+        } else {
+            micro = st.b[chunk];
+            st.b[chunk] += 1;
+            st.owed.push_back((chunk, micro));
+            st.list.push(Action::Backward { chunk, micro });
+        }
+        // Where the result goes: global chunk g + 1 (forward) or g − 1 (backward).
+        let target = if forward {
+            Some(g + 1).filter(|&n| n < 2 * pp)
+        } else {
+            g.checked_sub(1)
+        };
+        let Some(target) = target else {
+            if forward {
+                st.grad[chunk][micro] = end; // the loss: the last chunk's own gradient
+            }
+            return;
+        };
+        let (to, to_chunk) = vee.locate(pp, target);
+        match to == s {
+            true => {
+                // Handed over to this stage's other chunk.
+                let ready = if forward { &mut st.act } else { &mut st.grad };
+                ready[to_chunk][micro] = end;
+            }
+            false => {
+                st.list.push(if forward {
+                    Action::SendActivation { chunk, micro, to }
+                } else {
+                    Action::SendGrad { chunk, micro, to }
+                });
+                let (seq, from) = (self.sent, s);
+                self.sent += 1;
+                let dst = &mut self.stages[to];
+                let recv = if forward {
+                    dst.act[to_chunk][micro] = end;
+                    Action::RecvActivation {
+                        chunk: to_chunk,
+                        micro,
+                        from,
+                    }
+                } else {
+                    dst.grad[to_chunk][micro] = end;
+                    Action::RecvGrad {
+                        chunk: to_chunk,
+                        micro,
+                        from,
+                    }
+                };
+                dst.inbox.push((end, seq, recv));
+            }
+        }
+    }
+}
