@@ -40,21 +40,26 @@ fn check(base: &RunOutput, layout: &str) {
 #[test]
 fn zero_bubble_h1_trains_like_1f1b_and_one_rank() {
     let base = run("parallel.dp=1");
+    // Stages defer what fits in 1F1B's memory (`zb_h1_defers_what_fits_in_1f1b_memory`): the
+    // layouts below defer up to [0, 1, 2, 0] (pp 4), [0, 0, 1, 3] (pp 4 with the end stages
+    // holding only the embedding and the head) and [0, 1] (pp 2 as [3, 1]).
+    let short = "parallel.pp=2,parallel.pipeline_layout=[3, 1]";
     for layout in [
-        "parallel.pp=2",
-        "parallel.pp=4",
-        "parallel.pp=2,parallel.tp=2,parallel.sequence_parallel=true",
-        "parallel.pp=4,parallel.tp=2,parallel.sequence_parallel=true",
-        "parallel.pp=2,parallel.dp=2,parallel.zero=1,parallel.bucket_size=65536",
-        "parallel.pp=2,parallel.dp=2,parallel.zero=3",
-        "parallel.pp=2,parallel.cp=2",
-        "parallel.pp=4,parallel.pipeline_layout=[0, 2, 2, 0]",
-        "parallel.pp=2,train.recompute=full",
+        "parallel.pp=2".to_string(),
+        "parallel.pp=4".into(),
+        short.into(),
+        format!("{short},parallel.tp=2,parallel.sequence_parallel=true"),
+        "parallel.pp=4,parallel.tp=2,parallel.sequence_parallel=true".into(),
+        format!("{short},parallel.dp=2,parallel.zero=1,parallel.bucket_size=65536"),
+        format!("{short},parallel.dp=2,parallel.zero=3"),
+        format!("{short},parallel.cp=2"),
+        "parallel.pp=4,parallel.pipeline_layout=[0, 2, 2, 0]".into(),
+        format!("{short},train.recompute=full"),
     ] {
-        check(&base, layout);
+        check(&base, &layout);
     }
     let moe = run(MOE);
-    check(&moe, &format!("{MOE},parallel.pp=2,parallel.dp=2,parallel.ep=2"));
+    check(&moe, &format!("{MOE},{short},parallel.dp=2,parallel.ep=2"));
 }
 
 const ZBV: &str = "parallel.schedule=zbv,parallel.virtual_stages=2";
@@ -96,7 +101,11 @@ fn zbv_trains_like_the_layout_without_a_pipeline() {
         "parallel.pp=4,parallel.pipeline_layout=[0, 1, 1, 2, 2, 1, 1, 0]",
     );
     let moe = run(MOE);
-    check_v(&moe, &format!("{MOE},parallel.dp=2,parallel.ep=2"), "parallel.pp=2");
+    check_v(
+        &moe,
+        &format!("{MOE},parallel.dp=2,parallel.ep=2"),
+        "parallel.pp=2",
+    );
 }
 
 fn run_in(dir: &Path, extra: &[&str]) -> anyhow::Result<RunOutput> {
@@ -112,7 +121,10 @@ fn run_in(dir: &Path, extra: &[&str]) -> anyhow::Result<RunOutput> {
 #[test]
 fn zero_bubble_schedules_resume_bit_identically() {
     for (schedule, layout) in [
-        (ZB, "parallel.pp=2,parallel.dp=2,parallel.zero=3"),
+        (
+            ZB,
+            "parallel.pp=2,parallel.pipeline_layout=[3, 1],parallel.dp=2,parallel.zero=3",
+        ),
         (ZBV, "parallel.pp=2,parallel.dp=2,parallel.zero=3"),
     ] {
         let tmp = tempfile::tempdir().unwrap();
@@ -125,7 +137,11 @@ fn zero_bubble_schedules_resume_bit_identically() {
         assert_eq!(resumed.weights, full.weights, "{schedule}: final weights");
         // zbv's order was fitted to step 2's measured costs, which the checkpoint keeps for
         // the resumed run.
-        let trainer = ckpt::Checkpoint::open(&step3).unwrap().manifest().trainer.clone();
+        let trainer = ckpt::Checkpoint::open(&step3)
+            .unwrap()
+            .manifest()
+            .trainer
+            .clone();
         let costs = &trainer["schedule_costs"];
         if schedule == ZBV {
             let c: Vec<f64> = serde_json::from_value(costs.clone()).unwrap();
@@ -166,17 +182,36 @@ fn a_schedule_that_does_not_fit_the_layout_is_refused() {
     assert!(e.contains("zb-v") && e.contains("zbv"), "{e}");
 }
 
+/// zb-h1 defers on each stage as many weight actions as keep it within 1F1B's peak
+/// activations: on the tiny model at pp 2 the last stage, which holds the head's logits, defers
+/// none when it holds half the layers, and one when it holds a quarter of them.
+#[test]
+fn zb_h1_defers_what_fits_in_1f1b_memory() {
+    let recipe = |layout: &str| {
+        let o = vec![format!(
+            "train.global_batch=16,train.micro_batch=4,{ZB},{layout}"
+        )];
+        load(Path::new("recipes/tiny.yaml"), &o).unwrap()
+    };
+    let deferrals = |layout| pretrain::plan::memory::zb_h1_deferrals(&recipe(layout)).unwrap();
+    assert_eq!(deferrals("parallel.pp=2"), vec![0, 0]);
+    assert_eq!(
+        deferrals("parallel.pp=2,parallel.pipeline_layout=[3, 1]"),
+        vec![0, 1]
+    );
+}
+
 /// The traced step shows each stage's weight actions as `W` spans (category `weight`), in the
-/// order of the schedule: stage 1 of pp 2 runs micro-batch 0's W after micro-batch 1's B.
+/// order of the schedule: stage 1 of pp 2 (a quarter of the layers) runs micro-batch 0's W
+/// after micro-batch 1's B.
 #[test]
 fn the_trace_shows_weight_actions() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = run_in(
-        tmp.path(),
-        &["train.steps=2,parallel.pp=2,run.trace_step=2", ZB],
-    )
-    .unwrap();
-    assert!(out.records[1].bubble.is_some_and(|b| (0.0..1.0).contains(&b)));
+    let layout = "train.steps=2,parallel.pp=2,parallel.pipeline_layout=[3, 1],run.trace_step=2";
+    let out = run_in(tmp.path(), &[layout, ZB]).unwrap();
+    assert!(out.records[1]
+        .bubble
+        .is_some_and(|b| (0.0..1.0).contains(&b)));
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("trace.json")).unwrap())
             .unwrap();

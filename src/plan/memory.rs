@@ -26,7 +26,9 @@
 use model::llama::{BlockTape, EmbeddingTape, HeadTape};
 use model::segment::TapeShape;
 use model::{Inventory, Piece, Recompute, Recomputed};
-use parallel::pipeline::{build, Action};
+use parallel::pipeline::{
+    build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleKind,
+};
 use serde::Serialize;
 
 use crate::recipe::{DeviceKind, OptimizerName, Recipe};
@@ -97,93 +99,10 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     let (par, train, c) = (&r.parallel, &r.train, &r.model);
     let (pp, v, t) = (par.pp, par.virtual_stages, par.tp);
     let chunk_layers = par.chunk_layers(c.num_hidden_layers);
-    let m = r.grad_accum_steps();
-    let p = r.train.dtype.dtype().size_in_bytes() as u64;
-    let n = (train.micro_batch * train.seq_len / par.cp) as u64; // this rank's share
-    let shapes = TapeShape {
-        upcast: p != 4 && train.device == DeviceKind::Cpu,
-        n,
-        ns: if par.sequence_parallel {
-            n / t as u64
-        } else {
-            n
-        },
-        t: t as u64,
-        p,
-        h: c.hidden_size as u64,
-        ring: par.cp > 1,
-        recomputed: train.recomputed(),
-    };
-    // What `recompute: selective` leaves out of a block's tape is rebuilt inside its backward
-    // and held there, a temporary of that backward.
-    let whole = TapeShape {
-        recomputed: Recomputed::default(),
-        ..shapes
-    };
-    let rebuilt = |i: usize| BlockTape::bytes(c, &whole, i) - BlockTape::bytes(c, &shapes, i);
-    // Schedules repeat their steady state: the peak is reached within the first 2·pp
-    // micro-batches (a multiple of pp, as interleaving needs).
-    let m_sim = if m >= 2 * pp { 2 * pp } else { m };
-    let schedule = build(par.schedule_kind(), pp, v, m_sim)
-        .map_err(|e| format!("pipeline schedule: {e}"))?;
-    // A tape keeps its piece's input but not its output (the next piece's input, counted there).
-    let input = s_input(&shapes);
-    // A split backward's attention factors: the first norm's rows and the attention output
-    // (inputs), the q, k, v and o projections' upstream gradients.
-    let qkv = (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64;
-    let attention_factors = p * n * (2 * shapes.h + (c.q_dim() as u64 + qkv) / shapes.t);
-    let acts = |piece: Piece| -> PieceActs {
-        match piece {
-            Piece::Embedding => PieceActs {
-                tape: EmbeddingTape::bytes(&shapes),
-                input: 0,
-                temp: shapes.n * shapes.h * p,
-                factors: 0,
-            },
-            Piece::Block(i) if c.is_moe_layer(i) => {
-                let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
-                PieceActs {
-                    tape: BlockTape::bytes(c, &shapes, i),
-                    input,
-                    // The attention projections' factors, the experts' (rows of their input
-                    // and upstream gradient), and the gradients of the slots' rows.
-                    temp: p
-                        * (2 * n * shapes.h
-                            + 3 * rows
-                            + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
-                                / shapes.t)
-                        + rebuilt(i),
-                    factors: attention_factors
-                        + p * shapes.ns
-                            * c.moe().map_or(0, |m| {
-                                (m.top_k * (2 * c.hidden_size + 3 * m.expert_size)) as u64
-                            }),
-                }
-            }
-            Piece::Block(i) => PieceActs {
-                tape: BlockTape::bytes(c, &shapes, i),
-                input,
-                // The projections' upstream gradients, kept as weight-gradient factors until
-                // the block's gradients are accumulated, and one MLP-wide temporary.
-                temp: p
-                    * (2 * n * shapes.h
-                        + 3 * n * c.intermediate_size as u64 / shapes.t
-                        + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
-                            / shapes.t)
-                    + rebuilt(i),
-                // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
-                // gradients: q, k, v, o, gate, up, down.
-                factors: attention_factors
-                    + p * n * (2 * shapes.h + 3 * c.intermediate_size as u64 / shapes.t),
-            },
-            Piece::Head => PieceActs {
-                tape: HeadTape::bytes(c, &shapes),
-                input,
-                temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
-                factors: 0, // the head's weight gradient is not deferred
-            },
-        }
-    };
+    let model = Acts::new(r);
+    let p = model.shapes.p;
+    let schedule = walked_schedule(r)?;
+    let acts = |piece: Piece| model.of(piece);
     let mut out = Vec::with_capacity(pp);
     for stage in 0..pp {
         let chunks: Vec<Vec<Piece>> = (0..v)
@@ -325,6 +244,219 @@ fn fewest_hidden(
             .unwrap_or(0)
     };
     fewest(shards, &dense, &|i| (i, 0)) + fewest(expert_shards, &routed, &|j| (0, j))
+}
+
+/// The per-micro-batch activation bytes of each piece of a recipe's model on one rank.
+struct Acts<'a> {
+    c: &'a model::LlamaConfig,
+    shapes: TapeShape,
+    /// The same without `recompute: selective`'s leaving out.
+    whole: TapeShape,
+    /// A split backward's attention factors: the first norm's rows and the attention output
+    /// (inputs), the q, k, v and o projections' upstream gradients.
+    attention_factors: u64,
+}
+
+impl<'a> Acts<'a> {
+    fn new(r: &'a Recipe) -> Self {
+        let (par, train, c) = (&r.parallel, &r.train, &r.model);
+        let t = par.tp;
+        let p = train.dtype.dtype().size_in_bytes() as u64;
+        let n = (train.micro_batch * train.seq_len / par.cp) as u64; // this rank's share
+        let shapes = TapeShape {
+            upcast: p != 4 && train.device == DeviceKind::Cpu,
+            n,
+            ns: if par.sequence_parallel {
+                n / t as u64
+            } else {
+                n
+            },
+            t: t as u64,
+            p,
+            h: c.hidden_size as u64,
+            ring: par.cp > 1,
+            recomputed: train.recomputed(),
+        };
+        let whole = TapeShape {
+            recomputed: Recomputed::default(),
+            ..shapes
+        };
+        let qkv = (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64;
+        let attention_factors = p * n * (2 * shapes.h + (c.q_dim() as u64 + qkv) / shapes.t);
+        Self {
+            c,
+            shapes,
+            whole,
+            attention_factors,
+        }
+    }
+
+    /// What `piece` keeps per micro-batch.
+    fn of(&self, piece: Piece) -> PieceActs {
+        let (c, shapes) = (self.c, self.shapes);
+        let (n, p) = (shapes.n, shapes.p);
+        // What `recompute: selective` leaves out of a block's tape is rebuilt inside its
+        // backward and held there, a temporary of that backward.
+        let rebuilt =
+            |i: usize| BlockTape::bytes(c, &self.whole, i) - BlockTape::bytes(c, &shapes, i);
+        // A tape keeps its piece's input but not its output (the next piece's input, counted
+        // there).
+        let input = s_input(&shapes);
+        let attention_factors = self.attention_factors;
+        match piece {
+            Piece::Embedding => PieceActs {
+                tape: EmbeddingTape::bytes(&shapes),
+                input: 0,
+                temp: shapes.n * shapes.h * p,
+                factors: 0,
+            },
+            Piece::Block(i) if c.is_moe_layer(i) => {
+                let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
+                PieceActs {
+                    tape: BlockTape::bytes(c, &shapes, i),
+                    input,
+                    // The attention projections' factors, the experts' (rows of their input
+                    // and upstream gradient), and the gradients of the slots' rows.
+                    temp: p
+                        * (2 * n * shapes.h
+                            + 3 * rows
+                            + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
+                                / shapes.t)
+                        + rebuilt(i),
+                    factors: attention_factors
+                        + p * shapes.ns
+                            * c.moe().map_or(0, |m| {
+                                (m.top_k * (2 * c.hidden_size + 3 * m.expert_size)) as u64
+                            }),
+                }
+            }
+            Piece::Block(i) => PieceActs {
+                tape: BlockTape::bytes(c, &shapes, i),
+                input,
+                // The projections' upstream gradients, kept as weight-gradient factors until
+                // the block's gradients are accumulated, and one MLP-wide temporary.
+                temp: p
+                    * (2 * n * shapes.h
+                        + 3 * n * c.intermediate_size as u64 / shapes.t
+                        + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
+                            / shapes.t)
+                    + rebuilt(i),
+                // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
+                // gradients: q, k, v, o, gate, up, down.
+                factors: attention_factors
+                    + p * n * (2 * shapes.h + 3 * c.intermediate_size as u64 / shapes.t),
+            },
+            Piece::Head => PieceActs {
+                tape: HeadTape::bytes(c, &shapes),
+                input,
+                temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
+                factors: 0, // the head's weight gradient is not deferred
+            },
+        }
+    }
+}
+
+/// The schedule whose actions the memory walk follows (up to `2·pp` micro-batches: schedules
+/// repeat their steady state, and the peak is reached within them; a multiple of pp, as
+/// interleaving needs). The zero-bubble ones as training runs them: zb-h1's stages defer as
+/// many weight actions as [`zb_h1_deferrals`] allows, zbv's hold as many as [`zbv_caps`] allows.
+fn walked_schedule(r: &Recipe) -> Result<Schedule, String> {
+    let par = &r.parallel;
+    let (pp, v, m) = (par.pp, par.virtual_stages, r.grad_accum_steps());
+    let m_sim = if m >= 2 * pp { 2 * pp } else { m };
+    let schedule = match par.schedule_kind() {
+        ScheduleKind::ZeroBubbleH1 => build_zb_h1(pp, m_sim, &zb_h1_deferrals(r)?),
+        ScheduleKind::ZeroBubbleV => {
+            let caps = zbv_caps(r)?;
+            build_zbv(
+                pp,
+                m_sim,
+                &zbv::Fit {
+                    caps,
+                    ..zbv::Fit::unit(pp)
+                },
+            )
+        }
+        kind => build(kind, pp, v, m_sim),
+    };
+    schedule.map_err(|e| format!("pipeline schedule: {e}"))
+}
+
+/// How many weight actions each stage of a zb-h1 pipeline defers: the paper's `s` on stage `s`
+/// (for the least idle time) unless the factors held for them would take the stage's
+/// activations past 1F1B's peak (the most any stage holds under 1F1B) — then as many as fit.
+/// A stage holding more than the others (the head's logits on the last) defers fewer.
+pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, String> {
+    let (par, c) = (&r.parallel, &r.model);
+    let pp = par.pp;
+    let m_sim = r.grad_accum_steps().min(2 * pp);
+    let model = Acts::new(r);
+    let layers = par.chunk_layers(c.num_hidden_layers);
+    let budget = one_f_one_b_peak(r, &model, &layers, m_sim)?;
+    let walk = |s: usize, actions: &[Action]| {
+        let chunks = vec![chunk_pieces(s, &layers)];
+        walk_stage(r, &model, &chunks, actions)
+    };
+    Ok((0..pp)
+        .map(|s| {
+            (0..=zb_h1::deferred_weights(s, m_sim))
+                .rev()
+                .find(|&d| walk(s, &zb_h1::stage_actions(pp, s, m_sim, d)) <= budget)
+                .unwrap_or(0)
+        })
+        .collect())
+}
+
+/// How many chunk activations each stage of a zbv pipeline may hold: `2·pp` (1F1B's first
+/// stage holds `pp` micro-batches of both halves of its layers) unless that takes the stage past
+/// 1F1B's peak for stages of the same layers — the first stage, which holds the head's logits
+/// too, holds fewer. Lowered one at a time until every stage fits (at least 2 each).
+pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, String> {
+    let (par, c) = (&r.parallel, &r.model);
+    let pp = par.pp;
+    let m_sim = r.grad_accum_steps().min(3 * pp);
+    let model = Acts::new(r);
+    let layers = par.chunk_layers(c.num_hidden_layers);
+    let vee = ChunkPlacement::Vee;
+    let (down, up) = (
+        |s: usize| vee.global(pp, s, 0),
+        |s: usize| vee.global(pp, s, 1),
+    );
+    let per_stage: Vec<usize> = (0..pp).map(|s| layers[down(s)] + layers[up(s)]).collect();
+    let budget = one_f_one_b_peak(r, &model, &per_stage, m_sim)?;
+    let mut fit = zbv::Fit::unit(pp);
+    loop {
+        let schedule = build_zbv(pp, m_sim, &fit).map_err(|e| e.to_string())?;
+        let mut lowered = false;
+        for s in 0..pp {
+            let chunks = vec![chunk_pieces(down(s), &layers), chunk_pieces(up(s), &layers)];
+            if fit.caps[s] > 2 && walk_stage(r, &model, &chunks, &schedule.actions[s]) > budget {
+                fit.caps[s] -= 1;
+                lowered = true;
+            }
+        }
+        if !lowered {
+            return Ok(fit.caps);
+        }
+    }
+}
+
+/// The most activation bytes any stage holds under 1F1B with `layers[s]` layers on stage `s`.
+fn one_f_one_b_peak(r: &Recipe, model: &Acts, layers: &[usize], m: usize) -> Result<u64, String> {
+    let plain = build(ScheduleKind::OneFOneB, layers.len(), 1, m).map_err(|e| e.to_string())?;
+    Ok((0..layers.len())
+        .map(|s| walk_stage(r, model, &[chunk_pieces(s, layers)], &plain.actions[s]))
+        .max()
+        .unwrap_or(0))
+}
+
+/// The peak activation bytes of a stage holding `chunks` running `actions`.
+fn walk_stage(r: &Recipe, model: &Acts, chunks: &[Vec<Piece>], actions: &[Action]) -> u64 {
+    let acts: Vec<Vec<PieceActs>> = chunks
+        .iter()
+        .map(|c| c.iter().map(|&p| model.of(p)).collect())
+        .collect();
+    peak_activations(actions, chunks, &acts, r.train.recompute).0
 }
 
 fn s_input(s: &TapeShape) -> u64 {

@@ -98,6 +98,11 @@ pub struct StepRecord {
     /// Measured pipeline bubble fraction, on the step whose timeline was traced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bubble: Option<f64>,
+    /// The bubble fraction the schedule has in the simulator on the traced step's measured
+    /// costs (each kind of action's mean over the ranks): the schedule's own idle time, apart
+    /// from ranks slowing each other (CPU threads sharing cores) or from communication.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bubble_simulated: Option<f64>,
     /// Share of the data-parallel gradient buckets reduced before the rank's schedule ended
     /// (overlapped with its backward passes), on the traced step (with data parallelism).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -374,7 +379,10 @@ pub fn write_trace(
         .collect();
     let width = 2 * schedule.actions.iter().map(Vec::len).max().unwrap_or(0) + 3;
     let mut steps = gather(mine, width)?;
-    let act_peak_max = steps.iter_mut().map(|row| row.remove(0)).fold(0.0, f64::max);
+    let act_peak_max = steps
+        .iter_mut()
+        .map(|row| row.remove(0))
+        .fold(0.0, f64::max);
     // Bucket reductions: as many as the rank with the most buckets.
     let most = ctx.comm.all_reduce(
         &everyone,

@@ -11,12 +11,13 @@
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use parallel::pipeline::{
-    build_for_costs, check_fifo, simulate, validate, Action, Schedule, ScheduleKind, SimCosts,
+    build_zbv, check_fifo, simulate, validate, zbv, Action, Schedule, ScheduleKind, SimCosts,
 };
 use parallel::Group;
 
 use super::clock::Timed;
 use super::RankCtx;
+use crate::recipe::Recipe;
 
 /// Mean seconds of this rank's forward, B and W actions in `timing` (`None` for a kind it ran
 /// none of).
@@ -41,7 +42,7 @@ pub fn tuned(kind: ScheduleKind, pp: usize) -> bool {
 }
 
 /// The mean seconds of a chunk's forward, B and W over every rank's actions in `timing` (each
-/// rank's own). Every rank takes part and gets the same numbers: the ranks' means travel by an
+/// rank's own; W 0 where backwards are not split). Every rank takes part and gets the same numbers: the ranks' means travel by an
 /// all-gather (no arithmetic) and each rank averages them in the same order.
 pub fn measured(ctx: &RankCtx, timing: &[Timed]) -> Result<SimCosts> {
     let everyone = Group::new((0..ctx.mesh.world_size()).collect());
@@ -62,9 +63,11 @@ pub fn measured(ctx: &RankCtx, timing: &[Timed]) -> Result<SimCosts> {
     })
 }
 
-/// `current`'s kind and sizes ordered for `costs`, checked like every schedule before use.
-pub fn ordered(kind: ScheduleKind, current: &Schedule, costs: SimCosts) -> Result<Schedule> {
-    let schedule = build_for_costs(kind, (current.pp, current.v, current.m), costs)?;
+/// The zbv schedule of `recipe` at `current`'s sizes ordered for `costs` (within the caps the
+/// planner's memory model sets), checked like every schedule before use.
+pub fn ordered(recipe: &Recipe, current: &Schedule, costs: SimCosts) -> Result<Schedule> {
+    let caps = crate::plan::memory::zbv_caps(recipe).map_err(|e| anyhow::anyhow!("zbv: {e}"))?;
+    let schedule = build_zbv(current.pp, current.m, &zbv::Fit { costs, caps })?;
     validate(&schedule)?;
     check_fifo(&schedule)?;
     Ok(schedule)
@@ -93,7 +96,12 @@ mod tests {
             micro: 0,
             to: 1,
         };
-        let timing = [t(f, 0.0, 1.0), t(f, 1.0, 4.0), t(b, 4.0, 6.0), t(send, 6.0, 9.0)];
+        let timing = [
+            t(f, 0.0, 1.0),
+            t(f, 1.0, 4.0),
+            t(b, 4.0, 6.0),
+            t(send, 6.0, 9.0),
+        ];
         assert_eq!(mean_costs(&timing), [Some(2.0), Some(2.0), None]);
     }
 }

@@ -195,11 +195,47 @@ struct Live {
 }
 
 /// A block's weight gradients that a split backward left for its weight action: the GEMM
-/// factors (they hold the projections' inputs and upstream gradients) and their storages.
+/// factors (they hold the projections' inputs and upstream gradients) of `params`, and their
+/// storages.
 struct Deferred {
     piece: Piece,
+    params: Vec<usize>,
     grads: Vec<(usize, ParamGrad)>,
     held: segment::Held,
+}
+
+/// `grads` with the factors that are views into a larger buffer copied out (a buffer is kept
+/// when the deferred factors viewing it cover it, as gate and up's gradients cover theirs), so
+/// that waiting for the weight action does not keep the rest of that buffer alive.
+fn compact(grads: Vec<(usize, ParamGrad)>) -> Result<Vec<(usize, ParamGrad)>> {
+    let key = |t: &Tensor| segment::storages(&[t]).first().copied().unwrap_or((0, 0));
+    let own = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+    let mut viewed: HashMap<usize, usize> = HashMap::new(); // storage -> bytes its views cover
+    for (_, g) in &grads {
+        for t in g.tensors() {
+            *viewed.entry(key(t).0).or_default() += own(t);
+        }
+    }
+    let fit = |t: Tensor| -> Result<Tensor> {
+        let (k, whole) = key(&t);
+        match whole > viewed[&k] {
+            true => Ok(t.force_contiguous()?),
+            false => Ok(t),
+        }
+    };
+    grads
+        .into_iter()
+        .map(|(i, g)| match g {
+            ParamGrad::Product { g, x } => Ok((
+                i,
+                ParamGrad::Product {
+                    g: fit(g)?,
+                    x: fit(x)?,
+                },
+            )),
+            other => Ok((i, other)),
+        })
+        .collect()
 }
 
 /// What a step's walk of the schedule carries from action to action.
@@ -438,19 +474,36 @@ impl<'a> Executor<'a> {
             w.held.add(&b.recomputed);
             w.held.remove(&b.recomputed);
             if self.split && matches!(p, Piece::Block(_)) {
-                let tensors: Vec<&Tensor> = b.grads.iter().flat_map(|(_, g)| g.tensors()).collect();
+                // The projections' weight gradients wait for the weight action as GEMM factors;
+                // the norms' (reduced already, and views into their backward's buffers) are
+                // added now.
+                let (later, now): (Vec<_>, Vec<_>) = b
+                    .grads
+                    .into_iter()
+                    .partition(|(_, g)| matches!(g, ParamGrad::Product { .. }));
+                let later = compact(later)?;
+                let later_params: Vec<usize> = later.iter().map(|(i, _)| *i).collect();
+                let mut now_params = self.model.piece_params(p);
+                now_params.retain(|i| !later_params.contains(i));
+                let tensors: Vec<&Tensor> = later.iter().flat_map(|(_, g)| g.tensors()).collect();
                 let kept = segment::storages(&tensors);
-                w.held.add(&kept); // before the tape goes: the factors share its storages
+                // What stays of the tape: the factors (their inputs are its storages). The
+                // backward's own temporaries are not counted, split or not.
                 w.held.remove(&held);
+                w.held.add(&kept);
+                self.finish(p, micro, (&now_params, now), grads, hooks, &mut w.tracked)?;
                 hooks.after_backward(p, micro)?;
+                finality.accumulated(&now_params, hooks)?;
                 deferred.push(Deferred {
                     piece: p,
-                    grads: b.grads,
+                    params: later_params,
+                    grads: later,
                     held: kept,
                 });
             } else {
                 w.held.remove(&held);
-                let params = self.finish(p, micro, b.grads, grads, hooks, &mut w.tracked)?;
+                let params = self.model.piece_params(p);
+                self.finish(p, micro, (&params, b.grads), grads, hooks, &mut w.tracked)?;
                 hooks.after_backward(p, micro)?;
                 finality.accumulated(&params, hooks)?;
             }
@@ -501,28 +554,27 @@ impl<'a> Executor<'a> {
             .remove(&(chunk, micro))
             .with_context(|| format!("the weight action of {chunk}.{micro} before its backward"))?;
         for d in deferred {
-            let params = self.finish(d.piece, micro, d.grads, grads, hooks, &mut w.tracked)?;
-            finality.accumulated(&params, hooks)?;
+            let got = (&d.params[..], d.grads);
+            self.finish(d.piece, micro, got, grads, hooks, &mut w.tracked)?;
+            finality.accumulated(&d.params, hooks)?;
             w.held.remove(&d.held);
         }
         Ok(())
     }
 
-    /// Adds piece `p`'s gradients `got` into `grads` and lets the hooks take what is staged;
-    /// returns the piece's parameters (to count towards their finality).
+    /// Adds the gradients `got` of piece `p`'s parameters `params` into `grads` and lets the
+    /// hooks take what is staged.
     fn finish(
         &self,
         p: Piece,
         micro: usize,
-        got: Vec<(usize, ParamGrad)>,
+        (params, got): (&[usize], Vec<(usize, ParamGrad)>),
         grads: &GradBuffer,
         hooks: &mut dyn StepHooks,
         tracked: &mut usize,
-    ) -> Result<Vec<usize>> {
-        let params = self.model.piece_params(p);
-        self.accumulate(p, &params, got, grads, tracked)?;
-        hooks.after_accumulate(p, micro)?;
-        Ok(params)
+    ) -> Result<()> {
+        self.accumulate(p, params, got, grads, tracked)?;
+        hooks.after_accumulate(p, micro)
     }
 
     /// Adds piece `p`'s parameter gradients into `grads` (every parameter in `params` must have

@@ -246,10 +246,7 @@ mod tests {
         // 8 layers in 4 chunks (pp 2 × v 2: stage 0 holds global chunks 0 and 2 when looped, 0
         // and 3 as a V).
         let even = [2, 2, 2, 2];
-        assert_eq!(
-            chunk_pieces(0, &even),
-            vec![Embedding, Block(0), Block(1)]
-        );
+        assert_eq!(chunk_pieces(0, &even), vec![Embedding, Block(0), Block(1)]);
         assert_eq!(chunk_pieces(2, &even), vec![Block(4), Block(5)]);
         assert_eq!(chunk_pieces(1, &even), vec![Block(2), Block(3)]);
         assert_eq!(chunk_pieces(3, &even), vec![Block(6), Block(7), Head]);
@@ -259,10 +256,7 @@ mod tests {
             chunk_pieces(1, &[1, 4, 2]),
             (1..5).map(Block).collect::<Vec<_>>()
         );
-        assert_eq!(
-            chunk_pieces(2, &[1, 4, 2]),
-            vec![Block(5), Block(6), Head]
-        );
+        assert_eq!(chunk_pieces(2, &[1, 4, 2]), vec![Block(5), Block(6), Head]);
         assert_eq!(chunk_pieces(1, &[3, 0]), vec![Head]);
     }
 }

@@ -115,7 +115,14 @@ impl Trainer {
     fn reorder(&mut self) -> Result<()> {
         let costs = super::order::measured(&self.ctx, &self.timing)?;
         let before = super::order::simulated_bubble(&self.schedule, costs)?;
-        self.set_order(costs)?;
+        if let Err(e) = self.set_order(costs) {
+            // Every rank measured the same costs and fails alike: all keep the order they have.
+            if self.ctx.is_main() {
+                tracing::warn!("keeping the schedule's order: {e:#}");
+            }
+            self.reorder_at = None;
+            return Ok(());
+        }
         if self.ctx.is_main() {
             let after = super::order::simulated_bubble(&self.schedule, costs)?;
             let ms = |s: f64| 1e3 * s;
@@ -134,8 +141,7 @@ impl Trainer {
     /// Runs the schedule in its order for `costs` from the next step on, and keeps the costs
     /// for checkpoints.
     pub(super) fn set_order(&mut self, costs: parallel::pipeline::SimCosts) -> Result<()> {
-        let kind = self.recipe.parallel.schedule_kind();
-        let schedule = super::order::ordered(kind, &self.schedule, costs)?;
+        let schedule = super::order::ordered(&self.recipe, &self.schedule, costs)?;
         let chunks = self.ctx.chunks(self.model.config().num_hidden_layers);
         self.uses = super::zero::piece_uses(&schedule, self.ctx.coords.pp, &chunks);
         self.schedule = schedule;
@@ -260,13 +266,18 @@ impl Trainer {
     /// The step's record (and, for the traced step, its timeline), once the device is done.
     fn record(&mut self, m: Measured) -> Result<StepRecord> {
         let (r, ctx) = (&self.recipe, &self.ctx);
-        let traced = if r.run.trace_step == Some(self.step) {
+        let (traced, simulated) = if r.run.trace_step == Some(self.step) {
             let optimizer = (m.opt_start, m.start.elapsed().as_secs_f64());
             let path = r.run.dir.join("trace.json");
             let (schedule, timing) = (&self.schedule, (&self.timing[..], m.run.act_peak_bytes));
-            metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?
+            let traced =
+                metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?;
+            // The schedule's own bubble on the costs its actions measured (every rank's mean).
+            let costs = super::order::measured(ctx, &self.timing)?;
+            let simulated = super::order::simulated_bubble(&self.schedule, costs)?;
+            (traced, Some(simulated))
         } else {
-            None
+            (None, None)
         };
         let ring = (ctx.groups.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
         // The update's kernels may still be queued: the step ends when the device is done.
@@ -315,6 +326,7 @@ impl Trainer {
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
             act_peak_max_bytes: traced.map(|s| s.act_peak_max_bytes),
+            bubble_simulated: simulated.filter(|_| ctx.groups.pp.size() > 1),
             skipped: match m.verdict {
                 Verdict::Update => None,
                 Verdict::Skip(why) => Some(why),

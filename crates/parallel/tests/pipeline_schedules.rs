@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 
 use parallel::pipeline::{
-    build, build_for_costs, check_fifo, chrome_trace, interleaved, one_f_one_b, simulate,
-    spans_from_timelines,
-    Action, Schedule, ScheduleError, ScheduleKind, SimCosts, SimReport, TraceSpan,
+    build, build_zbv, check_fifo, chrome_trace, interleaved, one_f_one_b, simulate,
+    spans_from_timelines, zbv, Action, Schedule, ScheduleError, ScheduleKind, SimCosts, SimReport,
+    TraceSpan,
 };
 
 const KINDS: [ScheduleKind; 4] = [
@@ -357,7 +357,12 @@ fn compute_orders_match_megatron() {
 /// `pp` micro-batches (1F1B's stage 0), and defers `s` weight actions into its cool-down.
 #[test]
 fn zero_bubble_h1_makespan_matches_its_closed_form() {
-    let costs = [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (2.0, 1.0, 1.0), (1.0, 2.0, 0.5)];
+    let costs = [
+        (1.0, 1.0, 1.0),
+        (1.0, 1.3, 0.7),
+        (2.0, 1.0, 1.0),
+        (1.0, 2.0, 0.5),
+    ];
     let mut checked = 0;
     for pp in [1usize, 2, 3, 4, 8] {
         for m in [1usize, 2, 4, 8, 16] {
@@ -373,7 +378,10 @@ fn zero_bubble_h1_makespan_matches_its_closed_form() {
                 let (mf, ppf) = (m as f64, pp as f64);
                 let ctx = format!("pp {pp} m {m} f {f} b {b} w {w}");
                 assert!(close(o.makespan, (mf + ppf - 1.0) * (f + b + w)), "{ctx}");
-                assert!(z.makespan <= o.makespan + 1e-9, "{ctx}: never slower than 1F1B");
+                assert!(
+                    z.makespan <= o.makespan + 1e-9,
+                    "{ctx}: never slower than 1F1B"
+                );
                 if m >= pp {
                     let makespan = mf * (f + b + w) + (ppf - 1.0) * (f + b - w);
                     assert!(close(z.makespan, makespan), "{ctx}: {}", z.makespan);
@@ -420,6 +428,14 @@ fn zero_bubble_h1_orders() {
     );
 }
 
+/// zbv's order found for `costs`, within `2·pp` chunk activations per stage.
+fn fit(pp: usize, costs: SimCosts) -> zbv::Fit {
+    zbv::Fit {
+        costs,
+        ..zbv::Fit::unit(pp)
+    }
+}
+
 /// zbv: every size validates and runs over tag-less channels, each stage holding at most
 /// `2·pp` chunk activations (1F1B's first stage: `pp` micro-batches of both chunks). With a
 /// stage's forward, B and W costing `f`, `b`, `w` (a chunk half of each) and `b = w`, its only
@@ -437,7 +453,10 @@ fn zbv_keeps_1f1b_memory_and_leaves_only_the_forward_ramp_idle() {
             assert!(sched.splits_backward(), "{ctx}");
             assert_eq!(check_fifo(&sched), Ok(()), "{ctx}");
             let r = simulate(&sched, SimCosts::split_per_chunk(1.0, 1.0, 1.0, 2)).unwrap();
-            assert!(r.peak_in_flight.iter().all(|&p| p <= 2 * pp), "{ctx}: {r:?}");
+            assert!(
+                r.peak_in_flight.iter().all(|&p| p <= 2 * pp),
+                "{ctx}: {r:?}"
+            );
             if m >= pp {
                 let makespan = 3.0 * m as f64 + (pp as f64 - 1.0) / 2.0;
                 assert!(close(r.makespan, makespan), "{ctx}: {}", r.makespan);
@@ -445,14 +464,19 @@ fn zbv_keeps_1f1b_memory_and_leaves_only_the_forward_ramp_idle() {
             if m < 2 * pp {
                 continue;
             }
-            for (f, b, w) in [(1.0, 1.0, 0.5), (1.0, 1.3, 0.7), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0)] {
+            for (f, b, w) in [
+                (1.0, 1.0, 0.5),
+                (1.0, 1.3, 0.7),
+                (1.0, 1.5, 0.5),
+                (2.0, 1.0, 1.0),
+            ] {
                 let c = SimCosts {
                     forward: f,
                     backward: b,
                     weight: w,
                 };
                 let chunk = SimCosts::split_per_chunk(f, b, w, 2);
-                let fitted = build_for_costs(ScheduleKind::ZeroBubbleV, (pp, 2, m), chunk);
+                let fitted = build_zbv(pp, m, &fit(pp, chunk));
                 let v = simulate(&fitted.unwrap(), chunk).unwrap();
                 let h1 = build(ScheduleKind::ZeroBubbleH1, pp, 1, m).unwrap();
                 let h1 = simulate(&h1, c).unwrap();
@@ -497,4 +521,65 @@ fn zbv_places_chunks_as_a_v() {
             }
         }
     }
+}
+
+/// zbv's list scheduler finds an order for every size up to pp 16 and m 48 on unit costs, and
+/// for the costs it is fitted to in practice (B up to 3× W, forwards up to twice a B).
+#[test]
+fn zbv_orders_every_size() {
+    let fitted = [
+        (1.0, 1.0, 0.5),
+        (2.0, 1.0, 1.0),
+        (1.0, 1.5, 0.5),
+        (0.5, 1.0, 1.0),
+    ];
+    for pp in 2..=16 {
+        for m in 1..=48 {
+            let sched = build(ScheduleKind::ZeroBubbleV, pp, 2, m)
+                .unwrap_or_else(|e| panic!("pp {pp} m {m}: {e}"));
+            simulate(&sched, SimCosts::default()).unwrap();
+            for (f, b, w) in fitted {
+                let c = SimCosts::split_per_chunk(f, b, w, 2);
+                let s = build_zbv(pp, m, &fit(pp, c))
+                    .unwrap_or_else(|e| panic!("pp {pp} m {m} {f} {b} {w}: {e}"));
+                check_fifo(&s).unwrap();
+                simulate(&s, c).unwrap();
+            }
+        }
+    }
+}
+
+/// zbv under lowered caps (a stage whose activations weigh more holds fewer): every size still
+/// finds an order within them.
+#[test]
+fn zbv_orders_within_lowered_caps() {
+    for pp in 2..=8 {
+        for m in [1, pp, 2 * pp, 3 * pp + 1] {
+            for low in 2..=2 * pp {
+                for lowered in [
+                    vec![low; pp],
+                    (0..pp).map(|s| if s == 0 { low } else { 2 * pp }).collect(),
+                ] {
+                    let f = zbv::Fit {
+                        caps: lowered.clone(),
+                        ..zbv::Fit::unit(pp)
+                    };
+                    let s = build_zbv(pp, m, &f)
+                        .unwrap_or_else(|e| panic!("pp {pp} m {m} caps {lowered:?}: {e}"));
+                    let r = simulate(&s, SimCosts::default()).unwrap();
+                    for (st, (&peak, &cap)) in r.peak_in_flight.iter().zip(&lowered).enumerate() {
+                        assert!(
+                            peak <= cap,
+                            "pp {pp} m {m} caps {lowered:?}: stage {st} {peak}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let bad = zbv::Fit {
+        caps: vec![1, 4],
+        ..zbv::Fit::unit(2)
+    };
+    assert!(build_zbv(2, 4, &bad).is_err());
 }

@@ -39,6 +39,6 @@ pub mod zbv;
 
 pub use check::{check_fifo, validate};
 pub use placement::ChunkPlacement;
-pub use schedule::{build, build_for_costs, Action, Schedule, ScheduleError, ScheduleKind};
+pub use schedule::{build, build_zb_h1, build_zbv, Action, Schedule, ScheduleError, ScheduleKind};
 pub use sim::{simulate, SimCosts, SimError, SimReport, Span};
 pub use trace::{chrome_trace, spans_from_timelines, TraceSpan};

@@ -26,7 +26,11 @@ impl Pipeline {
     /// idle time does not grow past that) with the backward split evenly into B and W — the
     /// input- and weight-gradient GEMMs have the same FLOPs; attention's backward, all in B,
     /// makes W somewhat smaller in practice.
-    pub fn bubble_s(kind: ScheduleKind, (pp, v, m): (usize, usize, usize), (stage_s, bwd_s): (f64, f64)) -> f64 {
+    pub fn bubble_s(
+        kind: ScheduleKind,
+        (pp, v, m): (usize, usize, usize),
+        (stage_s, bwd_s): (f64, f64),
+    ) -> f64 {
         let closed = (pp as f64 - 1.0) / v as f64 * stage_s;
         if !matches!(kind, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV) {
             return closed;

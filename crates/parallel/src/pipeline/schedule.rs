@@ -24,7 +24,6 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::placement::ChunkPlacement;
-use super::sim::SimCosts;
 use super::{afab, interleaved, one_f_one_b, zb_h1, zbv};
 
 /// One step of a pipeline stage's program.
@@ -260,6 +259,18 @@ pub enum ScheduleError {
     /// A V schedule was asked for another number of chunks per stage than two.
     #[error("{kind} runs two model chunks per pipeline rank (v = 2), got v = {v}")]
     TwoChunksPerStage { kind: ScheduleKind, v: usize },
+    /// zb-h1's deferrals do not name one count per stage.
+    #[error("zb-h1 needs one count of deferred weight actions per stage ({pp}), got {got}")]
+    Deferrals { pp: usize, got: usize },
+    /// zbv's caps do not name one count of at least 2 per stage.
+    #[error("zbv needs a cap of at least 2 chunk activations per stage ({pp}), got {caps:?}")]
+    Caps { pp: usize, caps: Vec<usize> },
+    /// zbv's list scheduler filled every stage's memory before the step's work was done.
+    #[error(
+        "zbv found no order for pp = {pp} and m = {m} within 1F1B's activation memory; use \
+         zb-h1 or 1f1b"
+    )]
+    Stalled { pp: usize, m: usize },
     /// Virtual stages without pipeline parallelism.
     #[error("v = {v} virtual stages per rank need parallel.pp >= 2 (got pp = {pp})")]
     VirtualNeedsPipeline { v: usize, pp: usize },
@@ -299,17 +310,19 @@ pub fn build(kind: ScheduleKind, pp: usize, v: usize, m: usize) -> Result<Schedu
     })
 }
 
-/// [`build`], with the order of a cost-sensitive schedule (zbv's list scheduler) found for
-/// `costs` per chunk action instead of unit costs; every other kind is built as by [`build`].
-pub fn build_for_costs(
-    kind: ScheduleKind,
-    (pp, v, m): (usize, usize, usize),
-    costs: SimCosts,
-) -> Result<Schedule, ScheduleError> {
-    let mut schedule = build(kind, pp, v, m)?;
-    if kind == ScheduleKind::ZeroBubbleV {
-        schedule.actions = zbv::actions_for(pp, v, m, costs)?;
-    }
+/// zbv with its order found for `fit` (measured costs, per-stage caps) instead of unit costs
+/// and `2·pp` chunk activations per stage (see [`zbv::fitted`]).
+pub fn build_zbv(pp: usize, m: usize, fit: &zbv::Fit) -> Result<Schedule, ScheduleError> {
+    let mut schedule = build(ScheduleKind::ZeroBubbleV, pp, 2, m)?;
+    schedule.actions = zbv::fitted(pp, 2, m, fit)?;
+    Ok(schedule)
+}
+
+/// zb-h1 with stage `s` deferring `deferred[s]` weight actions instead of `s` (see
+/// [`zb_h1::actions_deferring`]).
+pub fn build_zb_h1(pp: usize, m: usize, deferred: &[usize]) -> Result<Schedule, ScheduleError> {
+    let mut schedule = build(ScheduleKind::ZeroBubbleH1, pp, 1, m)?;
+    schedule.actions = zb_h1::actions_deferring(pp, m, deferred)?;
     Ok(schedule)
 }
 

@@ -7,7 +7,10 @@
 //! right after the B of micro-batch `k`: stage 0 pairs each B with its W, and a later stage,
 //! which 1F1B leaves with `pp − s` micro-batches in flight, carries `s` W actions more, up to
 //! the first stage's `pp`, and runs them after its last B, while the last gradients travel to
-//! stage 0. A micro-batch holds its activations from its forward to its W.
+//! stage 0. A micro-batch holds its activations from its forward to its W (after its B, the
+//! factors of its weight gradients). When a stage's micro-batches hold more than the first
+//! stage's (the head's logits on the last stage), it may defer fewer
+//! ([`actions_deferring`]; the trainer asks the planner's memory model how many fit).
 //!
 //! # Closed form (checked by `tests/pipeline_schedules.rs`)
 //!
@@ -26,19 +29,38 @@ pub(crate) fn actions(pp: usize, v: usize, m: usize) -> Result<Vec<Vec<Action>>,
             v,
         });
     }
-    Ok((0..pp).map(|stage| stage_actions(pp, stage, m)).collect())
+    let delays: Vec<usize> = (0..pp).map(|s| deferred_weights(s, m)).collect();
+    actions_deferring(pp, m, &delays)
 }
 
-/// The W actions stage `stage` defers: the first B runs its W `delay` B actions later.
+/// [`actions`] with stage `s` deferring `deferred[s]` weight actions (at most `m`) instead of
+/// `s`: fewer keep a stage's activations lower at the cost of idle time in its cool-down.
+pub(crate) fn actions_deferring(
+    pp: usize,
+    m: usize,
+    deferred: &[usize],
+) -> Result<Vec<Vec<Action>>, ScheduleError> {
+    if deferred.len() != pp {
+        return Err(ScheduleError::Deferrals {
+            pp,
+            got: deferred.len(),
+        });
+    }
+    Ok((0..pp)
+        .map(|stage| stage_actions(pp, stage, m, deferred[stage]))
+        .collect())
+}
+
+/// The W actions stage `stage` defers by default: the paper's `stage` (at most `m`).
 pub fn deferred_weights(stage: usize, m: usize) -> usize {
     stage.min(m)
 }
 
-/// The action list of one stage.
-fn stage_actions(pp: usize, stage: usize, m: usize) -> Vec<Action> {
+/// The action list of stage `stage`, its W actions `delay` B actions late (at most `m`).
+pub fn stage_actions(pp: usize, stage: usize, m: usize, delay: usize) -> Vec<Action> {
     let at = (pp, 1, stage);
     let warmup = warmup_forwards(pp, stage, m);
-    let delay = deferred_weights(stage, m);
+    let delay = delay.min(m);
     let mut list = Vec::with_capacity(7 * m);
     let weight = |list: &mut Vec<Action>, micro| list.push(Action::Weight { chunk: 0, micro });
     for micro in 0..warmup {

@@ -11,8 +11,9 @@
 //!
 //! 1. a B whose output gradient is there (the critical path), the one waiting longest first;
 //! 2. else a forward whose input is there, the second chunk's first (it leads to the loss and
-//!    frees memory soonest), if fewer than `2·pp` chunk activations are held (forward done, W not
-//!    yet);
+//!    frees memory soonest), if fewer than the stage's cap of chunk activations are held
+//!    (forward done, W not yet; `2·pp` unless the stage weighs more, see [`Fit`]), a first
+//!    chunk's leaving one slot free;
 //! 3. else the oldest W still owed;
 //!
 //! else it waits for the next message. Receives are placed in the order messages arrive, so every
@@ -30,6 +31,37 @@ const NEVER: f64 = f64::INFINITY;
 
 /// Per-stage action lists of ZBV for `pp` stages and `m` micro-batches (`v` must be 2).
 pub(crate) fn actions(pp: usize, v: usize, m: usize) -> Result<Vec<Vec<Action>>, ScheduleError> {
+    fitted(pp, v, m, &Fit::unit(pp))
+}
+
+/// What zbv's order is found for: the costs of a chunk's forward, B and W, and per stage how
+/// many chunk activations it may hold (forwards whose W has not run).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    pub costs: SimCosts,
+    pub caps: Vec<usize>,
+}
+
+impl Fit {
+    /// Unit costs, and `2·pp` chunk activations on every stage: 1F1B's first stage holds `pp`
+    /// micro-batches of both halves of its layers.
+    pub fn unit(pp: usize) -> Self {
+        Self {
+            costs: SimCosts::default(),
+            caps: vec![2 * pp; pp],
+        }
+    }
+}
+
+/// ZBV's order found for `fit` (`v` must be 2, every cap at least 2): the trainer measures a
+/// step's forward, B and W actions and orders the following steps for them, and holds a stage
+/// whose activations weigh more than the others (the first, with the head) to fewer.
+pub(crate) fn fitted(
+    pp: usize,
+    v: usize,
+    m: usize,
+    fit: &Fit,
+) -> Result<Vec<Vec<Action>>, ScheduleError> {
     if v != 2 {
         return Err(ScheduleError::TwoChunksPerStage {
             kind: ScheduleKind::ZeroBubbleV,
@@ -39,19 +71,15 @@ pub(crate) fn actions(pp: usize, v: usize, m: usize) -> Result<Vec<Vec<Action>>,
     if pp < 2 {
         return Err(ScheduleError::VirtualNeedsPipeline { v, pp });
     }
-    Ok(Scheduler::new(pp, m, SimCosts::default()).run())
-}
-
-/// ZBV's order found with `costs` instead of unit costs (`v` must be 2): the trainer measures
-/// its first step's forward, B and W actions and orders the following steps for them.
-pub(crate) fn actions_for(
-    pp: usize,
-    v: usize,
-    m: usize,
-    costs: SimCosts,
-) -> Result<Vec<Vec<Action>>, ScheduleError> {
-    actions(pp, v, m)?;
-    Ok(Scheduler::new(pp, m, costs).run())
+    if fit.caps.len() != pp || fit.caps.iter().any(|&c| c < 2) {
+        return Err(ScheduleError::Caps {
+            pp,
+            caps: fit.caps.clone(),
+        });
+    }
+    Scheduler::new(pp, m, fit.clone())
+        .run()
+        .ok_or(ScheduleError::Stalled { pp, m })
 }
 
 /// What a free stage starts.
@@ -84,14 +112,14 @@ struct Stage {
 struct Scheduler {
     pp: usize,
     m: usize,
-    costs: SimCosts,
+    fit: Fit,
     stages: Vec<Stage>,
     /// Sequence number of the next message (orders messages arriving at the same time).
     sent: usize,
 }
 
 impl Scheduler {
-    fn new(pp: usize, m: usize, costs: SimCosts) -> Self {
+    fn new(pp: usize, m: usize, fit: Fit) -> Self {
         let stages = (0..pp)
             .map(|s| {
                 let mut act = [vec![NEVER; m], vec![NEVER; m]];
@@ -114,7 +142,7 @@ impl Scheduler {
         Self {
             pp,
             m,
-            costs,
+            fit,
             stages,
             sent: 0,
         }
@@ -122,7 +150,7 @@ impl Scheduler {
 
     /// The earliest time stage `s` can start something, and what it starts then.
     fn next(&self, s: usize) -> Option<(f64, Compute)> {
-        let (st, m, cap) = (&self.stages[s], self.m, 2 * self.pp);
+        let (st, m, cap) = (&self.stages[s], self.m, self.fit.caps[s]);
         let at = |ready: f64| ready.max(st.clock);
         // Candidates in priority order: B (the longest-waiting gradient first), F (second
         // chunk first), W.
@@ -131,9 +159,13 @@ impl Scheduler {
             .map(|c| (at(st.grad[c][st.b[c]]), Compute::Backward(c)))
             .collect();
         b.sort_by(|x, y| x.0.total_cmp(&y.0));
+        // Under a cap lowered below `2·pp`, a first-chunk forward (a new micro-batch) leaves a
+        // slot for a second-chunk one, so that the micro-batches held can always go on to the
+        // loss (at `2·pp` the second chunk's inputs arrive in time anyway).
+        let reserve = |c: usize| usize::from(c == 0 && cap < 2 * self.pp);
         let f = [1, 0]
             .into_iter()
-            .filter(|&c| st.f[c] < m && st.held < cap)
+            .filter(|&c| st.f[c] < m && st.held + reserve(c) < cap)
             .map(|c| (at(st.act[c][st.f[c]]), Compute::Forward(c)));
         let w = (!st.owed.is_empty()).then_some((st.clock, Compute::Weight));
         let all: Vec<(f64, Compute)> = b.into_iter().chain(f).chain(w).collect();
@@ -142,31 +174,37 @@ impl Scheduler {
         all.into_iter().find(|x| x.0 <= t && t < NEVER)
     }
 
-    fn run(mut self) -> Vec<Vec<Action>> {
+    /// The stages' action lists, or `None` if every stage's memory filled up before the work
+    /// was done (not seen for any size the tests cover; the caller reports it).
+    fn run(mut self) -> Option<Vec<Vec<Action>>> {
         // Decisions are taken in time order (ties to the lower stage): a decision at `t` can
-        // only deliver inputs at `t + COST` or later, so no earlier choice is ever revisited.
+        // only deliver inputs at its end or later, so no earlier choice is ever revisited.
         while let Some((t, s, what)) = (0..self.pp)
             .filter_map(|s| self.next(s).map(|(t, what)| (t, s, what)))
             .min_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)))
         {
             self.start(s, t, what);
         }
-        debug_assert!(self.stages.iter().all(|st| st.b == [self.m; 2] && st.owed.is_empty()));
-        self.stages.into_iter().map(|st| st.list).collect()
+        let done = |st: &Stage| st.b == [self.m; 2] && st.owed.is_empty();
+        self.stages
+            .iter()
+            .all(done)
+            .then(|| self.stages.into_iter().map(|st| st.list).collect())
     }
 
     /// Stage `s` starts `what` at `t`: the receives of what has arrived by then, the compute,
     /// its send or hand-over.
     fn start(&mut self, s: usize, t: f64, what: Compute) {
         let cost = match what {
-            Compute::Forward(_) => self.costs.forward,
-            Compute::Backward(_) => self.costs.backward,
-            Compute::Weight => self.costs.weight,
+            Compute::Forward(_) => self.fit.costs.forward,
+            Compute::Backward(_) => self.fit.costs.backward,
+            Compute::Weight => self.fit.costs.weight,
         };
         let (pp, end) = (self.pp, t + cost.max(1e-9));
         let vee = ChunkPlacement::Vee;
         let st = &mut self.stages[s];
-        st.inbox.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+        st.inbox
+            .sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
         let arrived = st.inbox.partition_point(|x| x.0 <= t);
         st.list.extend(st.inbox.drain(..arrived).map(|x| x.2));
         st.clock = end;
