@@ -13,6 +13,7 @@ pub mod report;
 pub mod search;
 pub mod time;
 
+use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
 pub use hardware::{GpuPreset, Hardware};
@@ -37,6 +38,8 @@ pub struct Layout {
     pub ep: usize,
     /// Model chunks per stage.
     pub virtual_stages: usize,
+    /// The pipeline schedule.
+    pub schedule: ScheduleKind,
     /// Sequence parallelism.
     pub sequence_parallel: bool,
     /// ZeRO stage.
@@ -60,6 +63,7 @@ impl Layout {
             pp: p.pp,
             ep: p.ep,
             virtual_stages: p.virtual_stages,
+            schedule: p.schedule_kind(),
             sequence_parallel: p.sequence_parallel,
             zero: p.zero,
             micro_batch: r.train.micro_batch,
@@ -73,9 +77,15 @@ impl Layout {
     pub fn apply(&self, r: &Recipe) -> Recipe {
         let mut r = r.clone();
         let p = &mut r.parallel;
-        if (p.pp, p.virtual_stages) != (self.pp, self.virtual_stages) {
+        let placement = |k: ScheduleKind| k.placement();
+        if (p.pp, p.virtual_stages) != (self.pp, self.virtual_stages)
+            || placement(p.schedule_kind()) != placement(self.schedule)
+        {
             p.pipeline_layout = None; // the recipe's chunks are not this layout's
         }
+        // The schedule is named only where it is not the default for its chunks.
+        let default = ScheduleKind::for_virtual_stages(self.virtual_stages);
+        p.schedule = (self.schedule != default).then_some(self.schedule);
         (p.dp, p.tp, p.cp) = (self.dp, self.tp, self.cp);
         (p.pp, p.virtual_stages, p.ep) = (self.pp, self.virtual_stages, self.ep);
         (p.sequence_parallel, p.zero) = (self.sequence_parallel, self.zero);
@@ -123,6 +133,12 @@ impl std::fmt::Display for Layout {
         write!(f, " pp{}", self.pp)?;
         if self.virtual_stages > 1 {
             write!(f, "x{}", self.virtual_stages)?;
+        }
+        if matches!(
+            self.schedule,
+            ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV
+        ) {
+            write!(f, " {}", self.schedule.recipe_name())?;
         }
         if self.ep > 1 {
             write!(f, " ep{}", self.ep)?;

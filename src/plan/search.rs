@@ -1,5 +1,6 @@
 //! Every valid layout of a recipe on a number of GPUs: tensor parallelism inside a node, any
-//! pipeline depth and interleaving the layer count allows, data parallelism over the rest
+//! pipeline depth and interleaving the layer count allows with each schedule that runs it
+//! (1F1B or zb-h1, interleaved or zbv with two chunks), data parallelism over the rest
 //! (split by expert parallelism for a mixture-of-experts model), with or without sequence
 //! parallelism, every ZeRO stage, every micro-batch size dividing the
 //! per-rank batch, with recompute none, selective (the recipe's modules) or full, with fp32 or
@@ -11,6 +12,7 @@
 
 use model::Recompute;
 use parallel::dp::ZeroStage;
+use parallel::pipeline::ScheduleKind;
 
 use super::{plan, Hardware, Layout, Plan};
 use crate::recipe::{Recipe, StateDtype};
@@ -84,6 +86,17 @@ pub struct Candidate {
     pub own: bool,
 }
 
+/// The schedules searched for `pp` stages of `v` chunks: 1F1B and zb-h1 with one chunk,
+/// interleaved 1F1B and zbv with two, interleaved with more.
+fn schedules(pp: usize, v: usize) -> Vec<ScheduleKind> {
+    match (pp, v) {
+        (1, _) => vec![ScheduleKind::OneFOneB],
+        (_, 1) => vec![ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1],
+        (_, 2) => vec![ScheduleKind::Interleaved, ScheduleKind::ZeroBubbleV],
+        _ => vec![ScheduleKind::Interleaved],
+    }
+}
+
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
     (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
@@ -117,7 +130,11 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                 .filter(|&e| experts.is_multiple_of(e))
                 .collect();
             for (&virtual_stages, &ep) in vs.iter().flat_map(|v| eps.iter().map(move |e| (v, e))) {
-                for sequence_parallel in [false, true].into_iter().filter(|&s| !s || tp > 1) {
+                for (schedule, sequence_parallel) in schedules(pp, virtual_stages)
+                    .into_iter()
+                    .flat_map(|k| [(k, false), (k, true)])
+                    .filter(|&(_, s)| !s || tp > 1)
+                {
                     let stages = ZeroStage::ALL.into_iter();
                     for zero in stages.filter(|z| !z.shards_optimizer() || dp * cp > 1) {
                         for micro_batch in divisors(per_rank) {
@@ -129,6 +146,7 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                                     pp,
                                     ep,
                                     virtual_stages,
+                                    schedule,
                                     sequence_parallel,
                                     zero,
                                     micro_batch,

@@ -48,6 +48,9 @@ struct Cost {
     bwd: f64,
     /// Of which tensor-parallel communication (forward + backward).
     tp: f64,
+    /// Of the backward, the weight-gradient GEMMs a zero-bubble schedule runs as its W actions
+    /// (a block's projections).
+    wgt: f64,
 }
 
 struct Model<'a> {
@@ -178,6 +181,7 @@ impl Model<'_> {
             fwd,
             bwd,
             tp: tp_all,
+            wgt: gemms,
         }
     }
 
@@ -194,6 +198,7 @@ impl Model<'_> {
             fwd: gemm + fwd_mem + tp,
             bwd: 2.0 * gemm + bwd_mem + tp,
             tp: 2.0 * tp,
+            wgt: 0.0, // the head's weight gradient is not deferred
         }
     }
 
@@ -205,6 +210,7 @@ impl Model<'_> {
             fwd: mem + tp,
             bwd: 2.0 * mem,
             tp,
+            wgt: 0.0,
         }
     }
 }
@@ -410,6 +416,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
                 cost.fwd += x.fwd;
                 cost.bwd += x.bwd;
                 cost.tp += x.tp;
+                cost.wgt += x.wgt;
             }
             // A chunk receives its input and sends its output (and the gradients back), unless
             // the neighbour is on this stage (a V's turn) or there is none.
@@ -429,9 +436,11 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         .map(|(i, x)| (i, stage_time(x)))
         .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
     let mean = per_stage.iter().map(stage_time).sum::<f64>() / pp as f64;
-    let mean_bwd = per_stage.iter().map(|(c, _)| c.bwd).sum::<f64>() / pp as f64;
+    let mean_of =
+        |f: &dyn Fn(&Cost) -> f64| per_stage.iter().map(|(c, _)| f(c)).sum::<f64>() / pp as f64;
+    let (bwd, wgt) = (mean_of(&|c| c.bwd), mean_of(&|c| c.wgt));
     let kind = par.schedule_kind();
-    let bubble_s = Pipeline::bubble_s(kind, (pp, v, m as usize), (mean, mean_bwd));
+    let bubble_s = Pipeline::bubble_s(kind, (pp, v, m as usize), (mean, bwd, wgt));
     let pipeline_s = m * worst + bubble_s;
 
     // Data parallelism on the slowest stage.

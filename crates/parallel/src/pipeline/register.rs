@@ -3,7 +3,7 @@
 //! pipeline group, its ends (tied embeddings) and the directions to the next and the previous
 //! stage.
 
-use super::{build, simulate, ScheduleKind, SimCosts};
+use super::{build, build_zbv, simulate, zbv, ScheduleKind, SimCosts};
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
 use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
@@ -21,24 +21,31 @@ impl Pipeline {
 
     /// Planner term: the idle time per stage of schedule `kind` over `pp` stages of `v` chunks
     /// and `m` micro-batches, a mean stage taking `stage_s` per micro-batch, `bwd_s` of it
-    /// backward. GPipe, 1F1B and interleaved 1F1B: `(pp − 1)/v` stages (their closed form). The
-    /// zero-bubble schedules: the schedule itself simulated (up to `4·pp` micro-batches; their
-    /// idle time does not grow past that) with the backward split evenly into B and W — the
-    /// input- and weight-gradient GEMMs have the same FLOPs; attention's backward, all in B,
-    /// makes W somewhat smaller in practice.
+    /// backward, of which `wgt_s` weight-gradient GEMMs. GPipe, 1F1B and interleaved 1F1B:
+    /// `(pp − 1)/v` stages (their closed form). The zero-bubble schedules: the schedule itself
+    /// simulated (up to `4·pp` micro-batches; their idle time does not grow past that) with
+    /// forward `stage_s − bwd_s`, B `bwd_s − wgt_s` and W `wgt_s` (zbv ordered for those
+    /// costs, as training orders it for measured ones).
     pub fn bubble_s(
         kind: ScheduleKind,
         (pp, v, m): (usize, usize, usize),
-        (stage_s, bwd_s): (f64, f64),
+        (stage_s, bwd_s, wgt_s): (f64, f64, f64),
     ) -> f64 {
         let closed = (pp as f64 - 1.0) / v as f64 * stage_s;
-        if !matches!(kind, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV) {
-            return closed;
-        }
         let m_sim = m.clamp(1, 4 * pp);
-        let w = bwd_s / 2.0;
-        let costs = SimCosts::split_per_chunk(stage_s - bwd_s, bwd_s - w, w, v);
-        match build(kind, pp, v, m_sim).map(|s| simulate(&s, costs)) {
+        let costs = SimCosts::split_per_chunk(stage_s - bwd_s, bwd_s - wgt_s, wgt_s, v);
+        let schedule = match kind {
+            ScheduleKind::ZeroBubbleH1 => build(kind, pp, v, m_sim),
+            ScheduleKind::ZeroBubbleV => {
+                let fit = zbv::Fit {
+                    costs,
+                    ..zbv::Fit::unit(pp)
+                };
+                build_zbv(pp, m_sim, &fit)
+            }
+            _ => return closed,
+        };
+        match schedule.map(|s| simulate(&s, costs)) {
             Ok(Ok(r)) => (r.makespan - m_sim as f64 * stage_s).max(0.0),
             _ => closed,
         }

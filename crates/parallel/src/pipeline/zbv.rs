@@ -148,30 +148,36 @@ impl Scheduler {
         }
     }
 
-    /// The earliest time stage `s` can start something, and what it starts then.
+    /// The earliest time stage `s` can start something, and what it starts then: of the
+    /// candidates that can start earliest, the first in priority order — B (the longest-waiting
+    /// gradient first), F (second chunk first), W.
     fn next(&self, s: usize) -> Option<(f64, Compute)> {
         let (st, m, cap) = (&self.stages[s], self.m, self.fit.caps[s]);
         let at = |ready: f64| ready.max(st.clock);
-        // Candidates in priority order: B (the longest-waiting gradient first), F (second
-        // chunk first), W.
-        let mut b: Vec<(f64, Compute)> = (0..2)
-            .filter(|&c| st.b[c] < st.f[c])
-            .map(|c| (at(st.grad[c][st.b[c]]), Compute::Backward(c)))
-            .collect();
-        b.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let mut best: Option<(f64, Compute)> = None;
+        let mut consider = |t: f64, what: Compute| {
+            if t < NEVER && best.is_none_or(|(bt, _)| t < bt) {
+                best = Some((t, what));
+            }
+        };
+        for c in 0..2 {
+            if st.b[c] < st.f[c] {
+                consider(at(st.grad[c][st.b[c]]), Compute::Backward(c));
+            }
+        }
         // Under a cap lowered below `2·pp`, a first-chunk forward (a new micro-batch) leaves a
         // slot for a second-chunk one, so that the micro-batches held can always go on to the
         // loss (at `2·pp` the second chunk's inputs arrive in time anyway).
         let reserve = |c: usize| usize::from(c == 0 && cap < 2 * self.pp);
-        let f = [1, 0]
-            .into_iter()
-            .filter(|&c| st.f[c] < m && st.held + reserve(c) < cap)
-            .map(|c| (at(st.act[c][st.f[c]]), Compute::Forward(c)));
-        let w = (!st.owed.is_empty()).then_some((st.clock, Compute::Weight));
-        let all: Vec<(f64, Compute)> = b.into_iter().chain(f).chain(w).collect();
-        let t = all.iter().map(|x| x.0).fold(NEVER, f64::min);
-        // The first candidate (by priority) that can start at the earliest time.
-        all.into_iter().find(|x| x.0 <= t && t < NEVER)
+        for c in [1, 0] {
+            if st.f[c] < m && st.held + reserve(c) < cap {
+                consider(at(st.act[c][st.f[c]]), Compute::Forward(c));
+            }
+        }
+        if !st.owed.is_empty() {
+            consider(st.clock, Compute::Weight);
+        }
+        best
     }
 
     /// The stages' action lists, or `None` if every stage's memory filled up before the work
@@ -179,11 +185,20 @@ impl Scheduler {
     fn run(mut self) -> Option<Vec<Vec<Action>>> {
         // Decisions are taken in time order (ties to the lower stage): a decision at `t` can
         // only deliver inputs at its end or later, so no earlier choice is ever revisited.
-        while let Some((t, s, what)) = (0..self.pp)
-            .filter_map(|s| self.next(s).map(|(t, what)| (t, s, what)))
-            .min_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)))
+        // Each stage's next start changes only when it starts something or a message reaches
+        // it.
+        let mut next: Vec<Option<(f64, Compute)>> = (0..self.pp).map(|s| self.next(s)).collect();
+        while let Some((s, (t, what))) = next
+            .iter()
+            .enumerate()
+            .filter_map(|(s, n)| n.map(|n| (s, n)))
+            .min_by(|x, y| x.1 .0.total_cmp(&y.1 .0).then(x.0.cmp(&y.0)))
         {
-            self.start(s, t, what);
+            let reached = self.start(s, t, what);
+            next[s] = self.next(s);
+            if let Some(r) = reached {
+                next[r] = self.next(r);
+            }
         }
         let done = |st: &Stage| st.b == [self.m; 2] && st.owed.is_empty();
         self.stages
@@ -193,8 +208,8 @@ impl Scheduler {
     }
 
     /// Stage `s` starts `what` at `t`: the receives of what has arrived by then, the compute,
-    /// its send or hand-over.
-    fn start(&mut self, s: usize, t: f64, what: Compute) {
+    /// its send or hand-over. Returns the stage a message went to.
+    fn start(&mut self, s: usize, t: f64, what: Compute) -> Option<usize> {
         let cost = match what {
             Compute::Forward(_) => self.fit.costs.forward,
             Compute::Backward(_) => self.fit.costs.backward,
@@ -213,7 +228,7 @@ impl Scheduler {
                 let (chunk, micro) = st.owed.pop_front().expect("a W is owed");
                 st.list.push(Action::Weight { chunk, micro });
                 st.held -= 1;
-                return;
+                return None;
             }
             Compute::Forward(c) => (c, true),
             Compute::Backward(c) => (c, false),
@@ -241,41 +256,39 @@ impl Scheduler {
             if forward {
                 st.grad[chunk][micro] = end; // the loss: the last chunk's own gradient
             }
-            return;
+            return None;
         };
         let (to, to_chunk) = vee.locate(pp, target);
-        match to == s {
-            true => {
-                // Handed over to this stage's other chunk.
-                let ready = if forward { &mut st.act } else { &mut st.grad };
-                ready[to_chunk][micro] = end;
-            }
-            false => {
-                st.list.push(if forward {
-                    Action::SendActivation { chunk, micro, to }
-                } else {
-                    Action::SendGrad { chunk, micro, to }
-                });
-                let (seq, from) = (self.sent, s);
-                self.sent += 1;
-                let dst = &mut self.stages[to];
-                let recv = if forward {
-                    dst.act[to_chunk][micro] = end;
-                    Action::RecvActivation {
-                        chunk: to_chunk,
-                        micro,
-                        from,
-                    }
-                } else {
-                    dst.grad[to_chunk][micro] = end;
-                    Action::RecvGrad {
-                        chunk: to_chunk,
-                        micro,
-                        from,
-                    }
-                };
-                dst.inbox.push((end, seq, recv));
-            }
+        if to == s {
+            // Handed over to this stage's other chunk.
+            let ready = if forward { &mut st.act } else { &mut st.grad };
+            ready[to_chunk][micro] = end;
+            return None;
         }
+        st.list.push(if forward {
+            Action::SendActivation { chunk, micro, to }
+        } else {
+            Action::SendGrad { chunk, micro, to }
+        });
+        let (seq, from) = (self.sent, s);
+        self.sent += 1;
+        let dst = &mut self.stages[to];
+        let recv = if forward {
+            dst.act[to_chunk][micro] = end;
+            Action::RecvActivation {
+                chunk: to_chunk,
+                micro,
+                from,
+            }
+        } else {
+            dst.grad[to_chunk][micro] = end;
+            Action::RecvGrad {
+                chunk: to_chunk,
+                micro,
+                from,
+            }
+        };
+        dst.inbox.push((end, seq, recv));
+        Some(to)
     }
 }
