@@ -342,9 +342,12 @@ impl<'a> Acts<'a> {
                             / shapes.t)
                     + rebuilt(i),
                 // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
-                // gradients: q, k, v, o, gate, up, down.
-                factors: attention_factors
-                    + p * n * (2 * shapes.h + 3 * c.intermediate_size as u64 / shapes.t),
+                // gradients: q, k, v, o, gate, up, down. Element for element the block's whole
+                // tape and input but the log-sum-exp (the residual's place taken by o's
+                // upstream gradient), whatever the recompute left out of the tape: the
+                // executor counts the same storages.
+                factors: BlockTape::bytes(c, &self.whole, i) + input
+                    - 4 * n * c.num_attention_heads as u64 / shapes.t,
             },
             Piece::Head => PieceActs {
                 tape: HeadTape::bytes(c, &shapes),
