@@ -23,15 +23,14 @@
 //! SwiGLU; `core_attn`: the attention output and its log-sum-exp), which its backward rebuilds
 //! and holds as a temporary.
 
-use model::llama::{BlockTape, EmbeddingTape, HeadTape};
-use model::segment::TapeShape;
-use model::{Inventory, Piece, Recompute, Recomputed};
+use model::{Inventory, Piece, Recompute};
 use parallel::pipeline::{
     build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleKind,
 };
 use serde::Serialize;
 
-use crate::recipe::{DeviceKind, OptimizerName, Recipe};
+use super::acts::{Acts, PieceActs};
+use crate::recipe::{OptimizerName, Recipe};
 use crate::train::metrics::StateBytes;
 use crate::train::rank::chunk_pieces;
 use crate::train::zero::state_layout;
@@ -77,20 +76,6 @@ pub struct StageMemory {
     /// Elements of its parameters.
     #[serde(skip)]
     pub param_elems: u64,
-}
-
-/// What one piece keeps per micro-batch, bytes.
-#[derive(Debug, Clone, Copy, Default)]
-struct PieceActs {
-    /// Its tape (recompute none), excluding its input.
-    tape: u64,
-    /// Its input, when nobody else keeps it.
-    input: u64,
-    /// Gradient temporaries of its backward.
-    temp: u64,
-    /// What a split backward (zero-bubble schedules) keeps of a block until its weight action:
-    /// the projections' inputs and upstream gradients, the factors of its weight gradients.
-    factors: u64,
 }
 
 /// Predicted memory of every pipeline stage of `r`'s layout (the first shard index of each
@@ -213,7 +198,6 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
     Ok(out)
 }
 
-/// Bytes of a piece's input `[n_s, h]`.
 /// The fewest hidden matrix elements (Muon's) a rank of one stage owns: the fewest of any
 /// shard index in the dense buckets plus the fewest of any expert shard index in the routed
 /// experts' buckets.
@@ -244,119 +228,6 @@ fn fewest_hidden(
             .unwrap_or(0)
     };
     fewest(shards, &dense, &|i| (i, 0)) + fewest(expert_shards, &routed, &|j| (0, j))
-}
-
-/// The per-micro-batch activation bytes of each piece of a recipe's model on one rank.
-struct Acts<'a> {
-    c: &'a model::LlamaConfig,
-    shapes: TapeShape,
-    /// The same without `recompute: selective`'s leaving out.
-    whole: TapeShape,
-    /// A split backward's attention factors: the first norm's rows and the attention output
-    /// (inputs), the q, k, v and o projections' upstream gradients.
-    attention_factors: u64,
-}
-
-impl<'a> Acts<'a> {
-    fn new(r: &'a Recipe) -> Self {
-        let (par, train, c) = (&r.parallel, &r.train, &r.model);
-        let t = par.tp;
-        let p = train.dtype.dtype().size_in_bytes() as u64;
-        let n = (train.micro_batch * train.seq_len / par.cp) as u64; // this rank's share
-        let shapes = TapeShape {
-            upcast: p != 4 && train.device == DeviceKind::Cpu,
-            n,
-            ns: if par.sequence_parallel {
-                n / t as u64
-            } else {
-                n
-            },
-            t: t as u64,
-            p,
-            h: c.hidden_size as u64,
-            ring: par.cp > 1,
-            recomputed: train.recomputed(),
-        };
-        let whole = TapeShape {
-            recomputed: Recomputed::default(),
-            ..shapes
-        };
-        let qkv = (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64;
-        let attention_factors = p * n * (2 * shapes.h + (c.q_dim() as u64 + qkv) / shapes.t);
-        Self {
-            c,
-            shapes,
-            whole,
-            attention_factors,
-        }
-    }
-
-    /// What `piece` keeps per micro-batch.
-    fn of(&self, piece: Piece) -> PieceActs {
-        let (c, shapes) = (self.c, self.shapes);
-        let (n, p) = (shapes.n, shapes.p);
-        // What `recompute: selective` leaves out of a block's tape is rebuilt inside its
-        // backward and held there, a temporary of that backward.
-        let rebuilt =
-            |i: usize| BlockTape::bytes(c, &self.whole, i) - BlockTape::bytes(c, &shapes, i);
-        // A tape keeps its piece's input but not its output (the next piece's input, counted
-        // there).
-        let input = s_input(&shapes);
-        let attention_factors = self.attention_factors;
-        match piece {
-            Piece::Embedding => PieceActs {
-                tape: EmbeddingTape::bytes(&shapes),
-                input: 0,
-                temp: shapes.n * shapes.h * p,
-                factors: 0,
-            },
-            Piece::Block(i) if c.is_moe_layer(i) => {
-                let rows = shapes.ns * c.moe().map_or(0, |m| (m.top_k * m.expert_size) as u64);
-                PieceActs {
-                    tape: BlockTape::bytes(c, &shapes, i),
-                    input,
-                    // The attention projections' factors, the experts' (rows of their input
-                    // and upstream gradient), and the gradients of the slots' rows.
-                    temp: p
-                        * (2 * n * shapes.h
-                            + 3 * rows
-                            + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
-                                / shapes.t)
-                        + rebuilt(i),
-                    factors: attention_factors
-                        + p * shapes.ns
-                            * c.moe().map_or(0, |m| {
-                                (m.top_k * (2 * c.hidden_size + 3 * m.expert_size)) as u64
-                            }),
-                }
-            }
-            Piece::Block(i) => PieceActs {
-                tape: BlockTape::bytes(c, &shapes, i),
-                input,
-                // The projections' upstream gradients, kept as weight-gradient factors until
-                // the block's gradients are accumulated, and one MLP-wide temporary.
-                temp: p
-                    * (2 * n * shapes.h
-                        + 3 * n * c.intermediate_size as u64 / shapes.t
-                        + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
-                            / shapes.t)
-                    + rebuilt(i),
-                // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
-                // gradients: q, k, v, o, gate, up, down. Element for element the block's whole
-                // tape and input but the log-sum-exp (the residual's place taken by o's
-                // upstream gradient), whatever the recompute left out of the tape: the
-                // executor counts the same storages.
-                factors: BlockTape::bytes(c, &self.whole, i) + input
-                    - 4 * n * c.num_attention_heads as u64 / shapes.t,
-            },
-            Piece::Head => PieceActs {
-                tape: HeadTape::bytes(c, &shapes),
-                input,
-                temp: 2 * 4 * n * c.vocab_size as u64 / shapes.t,
-                factors: 0, // the head's weight gradient is not deferred
-            },
-        }
-    }
 }
 
 /// The schedule whose actions the memory walk follows (up to `2·pp` micro-batches: schedules
@@ -460,10 +331,6 @@ fn walk_stage(r: &Recipe, model: &Acts, chunks: &[Vec<Piece>], actions: &[Action
         .map(|c| c.iter().map(|&p| model.of(p)).collect())
         .collect();
     peak_activations(actions, chunks, &acts, r.train.recompute).0
-}
-
-fn s_input(s: &TapeShape) -> u64 {
-    s.ns * s.h * s.p
 }
 
 /// Walks one stage's actions: a forward adds what each piece keeps, a backward first rebuilds a

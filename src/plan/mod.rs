@@ -7,6 +7,7 @@
 //! time from a roofline of every piece plus the collectives ([`time`]). `docs/PLANNER.md` has
 //! the formulas, their sources and the checks against our runs and published results.
 
+mod acts;
 pub mod hardware;
 pub mod memory;
 pub mod report;

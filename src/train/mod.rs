@@ -13,6 +13,7 @@ pub mod guard;
 pub mod hooks;
 pub mod lock;
 pub mod metrics;
+mod micro;
 pub mod order;
 pub mod pipeline;
 pub mod prefetch;
@@ -26,6 +27,7 @@ mod splits;
 mod step;
 pub mod stragglers;
 pub mod tensorboard;
+mod walk;
 pub mod zero;
 
 use std::sync::Arc;

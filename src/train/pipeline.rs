@@ -2,12 +2,15 @@
 //! not. A rank runs its action list of a pipeline [`Schedule`] — forward and backward of its model
 //! chunks per micro-batch, and the sends and receives of activations and gradients around them —
 //! over the segment mechanism, adding each piece's parameter gradients into the flat buffer right
-//! after that piece's backward. A rank without pipeline parallelism runs a one-stage schedule
+//! after that piece's backward (a zero-bubble schedule's split backward leaves a block's
+//! projection gradients to a later weight action). A rank without pipeline parallelism runs a
+//! one-stage schedule
 //! (forward then backward of each micro-batch), so there is one step path for every layout.
 //!
 //! [`Executor::step`] walks the schedule; what it keeps track of on the way is in small parts of
-//! their own: when a parameter's gradient is final ([`Finality`], which fires the data-parallel
-//! hook), which activations are held ([`Activations`]), and when each action ran
+//! their own (`walk.rs`): when a parameter's gradient is final (`Finality`, which fires the
+//! data-parallel hook), which activations are held (`Activations`), the weight gradients a
+//! split backward leaves for its weight action (`Deferred`), and when each action ran
 //! ([`super::clock::Timeline`]). The parallelisms that act around pieces hook in through
 //! [`StepHooks`] (`hooks.rs`). Point-to-point channels carry no tags; schedules are checked with
 //! `parallel::pipeline::check_fifo` before use. Also here: the forward-only pass of evaluation
@@ -18,9 +21,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Shape, Tensor};
-use data::Batch;
 use model::moe::LayerStats;
-use model::segment::{self, ParamGrad, SegmentRun};
+use model::segment::{self, ParamGrad};
 use model::{DocumentStarts, Llama, Piece, Recompute, Targets};
 use parallel::pipeline::{Action, Schedule};
 use parallel::Comm;
@@ -28,78 +30,10 @@ use parallel::Comm;
 pub use super::clock::Timed;
 use super::clock::Timeline;
 use super::hooks::StepHooks;
+pub use super::micro::{documents, MicroBatch, Staged};
+use super::walk::{compact, Deferred, Finality, Live, Walk};
 use super::RankCtx;
 use crate::optim::GradBuffer;
-
-/// The tensors of one micro-batch on the compute device.
-pub struct MicroBatch {
-    /// `[b, s]` u32 input ids.
-    pub tokens: Tensor,
-    /// Labels, mask and loss scale for the head.
-    pub targets: Targets,
-}
-
-impl MicroBatch {
-    /// Moves a data batch to `device`; `loss_scale` is 1 / counted tokens of the global batch,
-    /// `aux_scale` 1 / micro-batches of the global batch (see [`Targets`]).
-    pub fn new(b: &Batch, loss_scale: f64, aux_scale: f64, device: &Device) -> Result<Self> {
-        Ok(Staged::new(b, device)?.into_micro_batch(loss_scale, aux_scale))
-    }
-}
-
-/// A micro-batch already on the compute device whose loss scales are not known yet (they need
-/// the token count of the whole global batch, an all-reduce the training thread does). The data
-/// prefetch thread makes these, so the host-to-device copies of the next step's batches are
-/// enqueued while this step computes and never on the training thread's path.
-pub struct Staged {
-    /// `[b, s]` u32 input ids.
-    tokens: Tensor,
-    /// `[b·s]` u32 labels.
-    labels: Tensor,
-    /// `[b·s]` f32 loss mask.
-    loss_mask: Tensor,
-    /// The number of counted tokens (the loss mask's sum, read on the host before the copy).
-    pub counted: f64,
-    /// Where its documents start, when they are kept apart.
-    documents: Option<DocumentStarts>,
-}
-
-impl Staged {
-    /// Copies a data batch to `device`.
-    pub fn new(b: &Batch, device: &Device) -> Result<Self> {
-        let n = b.micro_batch * b.seq_len;
-        Ok(Self {
-            tokens: Tensor::from_slice(&b.tokens, (b.micro_batch, b.seq_len), device)?,
-            labels: Tensor::from_slice(&b.labels, n, device)?,
-            loss_mask: Tensor::from_slice(&b.loss_mask, n, device)?,
-            counted: b.loss_mask.iter().map(|&m| m as f64).sum(),
-            documents: documents(b)?,
-        })
-    }
-
-    /// The micro-batch with its loss scales (see [`MicroBatch::new`]).
-    pub fn into_micro_batch(self, loss_scale: f64, aux_scale: f64) -> MicroBatch {
-        MicroBatch {
-            tokens: self.tokens,
-            targets: Targets {
-                labels: self.labels,
-                loss_mask: self.loss_mask,
-                loss_scale,
-                aux_scale,
-                documents: self.documents,
-            },
-        }
-    }
-}
-
-/// The document starts a batch brings (whole sequences: `micro_batch` rows of their length).
-pub fn documents(b: &Batch) -> Result<Option<DocumentStarts>> {
-    let Some(starts) = &b.doc_starts else {
-        return Ok(None);
-    };
-    let whole = starts.len() / b.micro_batch.max(1);
-    Ok(Some(DocumentStarts::new(starts.clone(), whole)?))
-}
 
 /// What a rank's run of a step produced (its gradients are in the gradient buffer).
 pub struct StepRun {
@@ -107,152 +41,13 @@ pub struct StepRun {
     pub loss: f64,
     /// Every action with its start and end.
     pub timing: Vec<Timed>,
-    /// Peak bytes of activations kept for backward passes (see [`Activations`]).
+    /// Peak bytes of activations kept for backward passes (`walk.rs`'s `Activations`).
     pub act_peak_bytes: usize,
     /// What the MoE layers of this rank measured, one entry per layer and micro-batch.
     pub moe: Vec<LayerStats>,
     /// Tensors carrying an autograd graph among everything the step kept and produced (tapes,
     /// outputs, gradients): the pieces build none, so this is zero.
     pub tracked: usize,
-}
-
-/// The activation memory of a rank's step: the distinct storages kept by its segments between
-/// their forward and backward passes (tapes, or only inputs under recompute), plus the tape a
-/// recomputing backward rebuilds while it runs. Parameters are not counted; a storage shared by
-/// two segments (one's output is the next one's input) counts once.
-#[derive(Default)]
-struct Activations {
-    /// Bytes and holders of each live storage.
-    live: HashMap<usize, (usize, usize)>,
-    bytes: usize,
-    peak: usize,
-}
-
-impl Activations {
-    fn add(&mut self, held: &segment::Held) {
-        for &(key, bytes) in held {
-            let e = self.live.entry(key).or_insert((0, 0));
-            if bytes > e.0 {
-                self.bytes += bytes - e.0;
-                e.0 = bytes;
-            }
-            e.1 += 1;
-        }
-        self.peak = self.peak.max(self.bytes);
-    }
-
-    fn remove(&mut self, held: &segment::Held) {
-        for (key, _) in held {
-            if let Some(e) = self.live.get_mut(key) {
-                e.1 -= 1;
-                if e.1 == 0 {
-                    self.bytes -= e.0;
-                    self.live.remove(key);
-                }
-            }
-        }
-    }
-}
-
-/// When each parameter's gradient is final: before the step, every use of a parameter by a piece
-/// on this rank is counted once per micro-batch; each accumulation of a piece's gradients (in its
-/// backward, or in the weight action of a split backward) counts its parameters down, and a
-/// parameter is final at zero. This holds for any schedule, for parameters used by
-/// two pieces (the tied embedding) and for interleaved pipelines.
-struct Finality {
-    pending: Vec<usize>,
-}
-
-impl Finality {
-    fn new(model: &Llama, chunks: &[Vec<Piece>], micro_batches: usize) -> Self {
-        let mut pending = vec![0usize; model.params().len()];
-        for &p in chunks.iter().flatten() {
-            for i in model.piece_params(p) {
-                pending[i] += micro_batches;
-            }
-        }
-        Self { pending }
-    }
-
-    /// The gradients of a piece using `params` are accumulated: calls `hooks.param_final` for
-    /// each that no later accumulation adds to.
-    fn accumulated(&mut self, params: &[usize], hooks: &mut dyn StepHooks) -> Result<()> {
-        for &i in params {
-            self.pending[i] -= 1;
-            if self.pending[i] == 0 {
-                hooks.param_final(i)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// What a (chunk, micro-batch) keeps between its forward and its backward.
-struct Live {
-    runs: Vec<(SegmentRun, segment::Held)>,
-    output: Option<Tensor>,
-    input_grad: Option<Tensor>,
-}
-
-/// A block's weight gradients that a split backward left for its weight action: the GEMM
-/// factors (they hold the projections' inputs and upstream gradients) of `params`, and their
-/// storages.
-struct Deferred {
-    piece: Piece,
-    params: Vec<usize>,
-    grads: Vec<(usize, ParamGrad)>,
-    held: segment::Held,
-}
-
-/// `grads` with the factors that are views into a larger buffer copied out (a buffer is kept
-/// when the deferred factors viewing it cover it, as gate and up's gradients cover theirs), so
-/// that waiting for the weight action does not keep the rest of that buffer alive.
-fn compact(grads: Vec<(usize, ParamGrad)>) -> Result<Vec<(usize, ParamGrad)>> {
-    let key = |t: &Tensor| segment::storages(&[t]).first().copied().unwrap_or((0, 0));
-    let own = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-    let mut viewed: HashMap<usize, usize> = HashMap::new(); // storage -> bytes its views cover
-    for (_, g) in &grads {
-        for t in g.tensors() {
-            *viewed.entry(key(t).0).or_default() += own(t);
-        }
-    }
-    let fit = |t: Tensor| -> Result<Tensor> {
-        let (k, whole) = key(&t);
-        match whole > viewed[&k] {
-            true => Ok(t.force_contiguous()?),
-            false => Ok(t),
-        }
-    };
-    grads
-        .into_iter()
-        .map(|(i, g)| match g {
-            ParamGrad::Product { g, x } => Ok((
-                i,
-                ParamGrad::Product {
-                    g: fit(g)?,
-                    x: fit(x)?,
-                },
-            )),
-            other => Ok((i, other)),
-        })
-        .collect()
-}
-
-/// What a step's walk of the schedule carries from action to action.
-#[derive(Default)]
-struct Walk {
-    live: HashMap<(usize, usize), Live>,
-    /// Received activations and gradients, by (chunk, micro-batch).
-    acts: HashMap<(usize, usize), Tensor>,
-    dys: HashMap<(usize, usize), Tensor>,
-    /// Weight gradients waiting for their weight action, by (chunk, micro-batch).
-    deferred: HashMap<(usize, usize), Vec<Deferred>>,
-    /// The micro-batches' losses, summed where they are computed (f64, in schedule order) and
-    /// read once at the end: no host wait per micro-batch on a GPU.
-    loss: Option<Tensor>,
-    held: Activations,
-    moe: Vec<LayerStats>,
-    tracked: usize,
 }
 
 /// One rank's executor of a step's schedule.
