@@ -23,6 +23,11 @@
 #   muon      the tiny recipe (60 steps) with optimizer.name=muon (Newton-Schulz in bf16 on the
 #             GPU) in f32 and bf16 against the CPU (f32, f32 iteration), at dp 2 x tp 2 with
 #             ZeRO-1 against one rank, and 6 steps of bench-1b with Muon (opt= in its log)
+#   pipeline  the tiny recipe (60 steps) at pp 2 thread-ranks sharing the GPU with 1F1B, zb-h1
+#             (stages [3, 1]: the last defers a weight action) and zbv (v 2): zb-h1 against
+#             1F1B, zbv against one rank, the traced step's measured and simulated bubbles and
+#             activation peaks; and 6 steps of bench-1b at pp 2 with zbv, whose log gives the
+#             forward / B / W milliseconds per chunk its order was fitted to
 #   attention bench/attention_gpu.sh: attention forward + backward, ours (cudnn, own) against
 #             torch SDPA (flash, cudnn)
 #   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
@@ -44,7 +49,7 @@ cd "$(dirname "$0")/.."
 BIN=./pretrain
 if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents muon attention bench profile)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents muon pipeline attention bench profile)
 if [ "${BIN%.xz}" != "$BIN" ]; then
   xz -dkf "$BIN" && BIN=${BIN%.xz} && chmod +x "$BIN" || { echo "gpu_check.sh: cannot unpack $BIN" >&2; exit 1; }
 fi
@@ -280,6 +285,25 @@ for p in "${PARTS[@]}"; do
       rm -rf "$RUNS/muon-1b"
       part muon-1b "$BIN" --recipe recipes/bench-1b.yaml \
         --set "run.dir=$RUNS/muon-1b,train.steps=6,run.log_interval=1,optimizer.name=muon"
+      ;;
+    pipeline)
+      PP_SET="train.steps=60,train.eval_interval=30,run.trace_step=20,parallel.pp=2"
+      [ -f "$RUNS/tiny-cuda-f32/metrics.jsonl" ] || part tiny-cuda-f32 tiny_run tiny-cuda-f32 cuda f32
+      part pp-1f1b tiny_run pp-1f1b cuda f32 --set "$PP_SET,parallel.pipeline_layout=[3, 1]"
+      part pp-zb-h1 tiny_run pp-zb-h1 cuda f32 \
+        --set "$PP_SET,parallel.pipeline_layout=[3, 1],parallel.schedule=zb-h1"
+      part pp-zbv tiny_run pp-zbv cuda f32 \
+        --set "$PP_SET,parallel.virtual_stages=2,parallel.schedule=zbv"
+      part pp-zb-h1-curve compare pp-zb-h1 pp-1f1b 1e-5
+      part pp-zbv-curve compare pp-zbv tiny-cuda-f32 1e-3
+      for r in pp-1f1b pp-zb-h1 pp-zbv; do
+        "$PYTHON" -c "import json,sys; t=[json.loads(l) for l in open(sys.argv[1]) if '\"bubble\"' in l]
+print(sys.argv[2], {k: t[0].get(k) for k in ('bubble', 'bubble_simulated', 'act_peak_max_bytes')} if t else 'no traced step')" \
+          "$RUNS/$r/metrics.jsonl" "$r"
+      done
+      rm -rf "$RUNS/zbv-1b"
+      part zbv-1b "$BIN" --recipe recipes/bench-1b.yaml --set \
+        "run.dir=$RUNS/zbv-1b,train.steps=6,run.log_interval=1,parallel.pp=2,parallel.virtual_stages=2,parallel.schedule=zbv,parallel.pipeline_layout=[6, 5, 5, 6]"
       ;;
     attention)
       part attention env OUT="$OUT/attention" PYTHON="$PYTHON" bench/attention_gpu.sh "$BIN"
