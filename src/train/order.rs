@@ -42,8 +42,9 @@ pub fn tuned(kind: ScheduleKind, pp: usize) -> bool {
 }
 
 /// The mean seconds of a chunk's forward, B and W over every rank's actions in `timing` (each
-/// rank's own; W 0 where backwards are not split). Every rank takes part and gets the same numbers: the ranks' means travel by an
-/// all-gather (no arithmetic) and each rank averages them in the same order.
+/// rank's own; W 0 where backwards are not split). Every rank takes part and gets the same
+/// numbers: the ranks' means travel by an all-gather (no arithmetic) and each rank averages them
+/// in the same order.
 pub fn measured(ctx: &RankCtx, timing: &[Timed]) -> Result<SimCosts> {
     let everyone = Group::new((0..ctx.mesh.world_size()).collect());
     let mine: Vec<f64> = mean_costs(timing)

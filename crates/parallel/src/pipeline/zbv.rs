@@ -6,8 +6,9 @@
 //! fill what is left: close to no bubble once `m >= 2·pp`, within 1F1B's peak activations
 //! (`pp` micro-batches of a whole stage, i.e. `2·pp` chunk activations).
 //!
-//! The order is found by a list scheduler on unit costs (F = B = W per chunk), as the paper's
-//! heuristic does: every stage, whenever it is free, starts
+//! The order is found by a list scheduler, as the paper's heuristic does — on unit costs (F = B =
+//! W per chunk) at first, then on the costs training measures ([`Fit`]): every stage, whenever it
+//! is free, starts
 //!
 //! 1. a B whose output gradient is there (the critical path), the one waiting longest first;
 //! 2. else a forward whose input is there, the second chunk's first (it leads to the loss and
@@ -38,7 +39,9 @@ pub(crate) fn actions(pp: usize, v: usize, m: usize) -> Result<Vec<Vec<Action>>,
 /// many chunk activations it may hold (forwards whose W has not run).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fit {
+    /// A chunk's forward, B and W.
     pub costs: SimCosts,
+    /// Per stage, the chunk activations it may hold (at least 2).
     pub caps: Vec<usize>,
 }
 
