@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use std::ffi::OsString;
 
 use anyhow::{bail, Result};
+use parallel::pipeline::ScheduleKind;
 
 use super::{JobFailed, NodeLayout};
 use crate::plan::{search::candidates, GpuPreset, Layout};
@@ -76,7 +77,8 @@ impl Relayout {
         let mut s = format!(
             "parallel.dp={},parallel.tp={},parallel.cp={},parallel.pp={},parallel.ep={},\
              parallel.virtual_stages={},parallel.sequence_parallel={},parallel.zero={},\
-             train.micro_batch={},train.recompute={},optimizer.state_dtype={}",
+             parallel.schedule={},train.micro_batch={},train.recompute={},\
+             optimizer.state_dtype={}",
             l.dp,
             l.tp,
             l.cp,
@@ -85,6 +87,7 @@ impl Relayout {
             l.virtual_stages,
             l.sequence_parallel,
             l.zero,
+            l.schedule.recipe_name(),
             l.micro_batch,
             l.recompute,
             l.state_dtype
@@ -136,6 +139,8 @@ pub fn relayout(recipe: &Recipe, slots: usize, min: usize) -> Option<Relayout> {
                     && l.state_dtype == own.state_dtype
                     && (l.zero == own.zero || !own.zero.shards_optimizer())
                     && l.sequence_parallel == (own.sequence_parallel && l.tp > 1)
+                    // A zero-bubble schedule stays one (zb-h1 or zbv, as the chunks allow).
+                    && (l.pp == 1 || zero_bubble(l.schedule) == zero_bubble(own.schedule))
             })
             .map(|p| Relayout {
                 world: n,
@@ -143,6 +148,11 @@ pub fn relayout(recipe: &Recipe, slots: usize, min: usize) -> Option<Relayout> {
                 pipeline_layout: p.pipeline_layout.clone(),
             })
     })
+}
+
+/// Whether `kind` splits backwards.
+fn zero_bubble(kind: ScheduleKind) -> bool {
+    matches!(kind, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV)
 }
 
 /// The newest complete checkpoint's step under `root`, if any.
@@ -376,5 +386,15 @@ mod tests {
         assert_eq!(applied.parallel.world_size(), three.world);
         // Nothing below the minimum.
         assert!(relayout(&r, 1, 2).is_none());
+        // A zero-bubble job stays zero-bubble, with the schedule its new chunks allow.
+        let zbv = "parallel.dp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.schedule=zbv,\
+                   train.global_batch=16,train.micro_batch=4";
+        let r = crate::recipe::load(Path::new("recipes/tiny.yaml"), &[zbv.to_string()]).unwrap();
+        let three = relayout(&r, 3, 2).unwrap();
+        let l = &three.layout;
+        assert!(l.pp == 1 || zero_bubble(l.schedule), "{three:?}");
+        let set = [zbv.to_string(), three.overrides()];
+        let applied = crate::recipe::load(Path::new("recipes/tiny.yaml"), &set).unwrap();
+        assert_eq!(applied.parallel.schedule_kind(), l.schedule);
     }
 }
