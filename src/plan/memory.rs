@@ -232,26 +232,33 @@ fn fewest_hidden(
 
 /// The schedule whose actions the memory walk follows (up to `2·pp` micro-batches: schedules
 /// repeat their steady state, and the peak is reached within them; a multiple of pp, as
-/// interleaving needs). The zero-bubble ones as training runs them: zb-h1's stages defer as
-/// many weight actions as [`zb_h1_deferrals`] allows, zbv's hold as many as [`zbv_caps`] allows.
+/// interleaving needs).
 fn walked_schedule(r: &Recipe) -> Result<Schedule, String> {
+    let (pp, m) = (r.parallel.pp, r.grad_accum_steps());
+    schedule(r, if m >= 2 * pp { 2 * pp } else { m })
+}
+
+/// The schedule `r`'s steps run with `m` micro-batches, as training builds it: the zero-bubble
+/// ones within 1F1B's memory — zb-h1's stages defer as many weight actions as
+/// [`zb_h1_deferrals`] allows, zbv's hold as many as [`zbv_caps`] allows (in its order for unit
+/// costs; training re-orders it for measured ones).
+pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, String> {
     let par = &r.parallel;
-    let (pp, v, m) = (par.pp, par.virtual_stages, r.grad_accum_steps());
-    let m_sim = if m >= 2 * pp { 2 * pp } else { m };
+    let (pp, v) = (par.pp, par.virtual_stages);
     let schedule = match par.schedule_kind() {
-        ScheduleKind::ZeroBubbleH1 => build_zb_h1(pp, m_sim, &zb_h1_deferrals(r)?),
+        ScheduleKind::ZeroBubbleH1 => build_zb_h1(pp, m, &zb_h1_deferrals(r)?),
         ScheduleKind::ZeroBubbleV => {
             let caps = zbv_caps(r)?;
             build_zbv(
                 pp,
-                m_sim,
+                m,
                 &zbv::Fit {
                     caps,
                     ..zbv::Fit::unit(pp)
                 },
             )
         }
-        kind => build(kind, pp, v, m_sim),
+        kind => build(kind, pp, v, m),
     };
     schedule.map_err(|e| format!("pipeline schedule: {e}"))
 }

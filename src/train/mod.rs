@@ -36,7 +36,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use model::{llama::masked_mean, Llama};
 use parallel::dp::DataParallel;
-use parallel::pipeline::{check_fifo, validate, Schedule, ScheduleKind, SimCosts};
+use parallel::pipeline::{check_fifo, validate, Schedule, SimCosts};
 use parallel::{Comm, Group, ReduceOp};
 use tracing::info;
 
@@ -145,25 +145,8 @@ impl Trainer {
             dp,
             gather,
         } = zero::rank_state(&recipe, &ctx, &model)?;
-        let (v, m) = (ctx.virtual_stages, recipe.grad_accum_steps());
-        let (kind, pp) = (recipe.parallel.schedule_kind(), ctx.groups.pp.size());
-        let schedule = match kind {
-            ScheduleKind::ZeroBubbleH1 => {
-                let deferred = crate::plan::memory::zb_h1_deferrals(&recipe)
-                    .map_err(|e| anyhow::anyhow!("zb-h1: {e}"))?;
-                parallel::pipeline::build_zb_h1(pp, m, &deferred)?
-            }
-            ScheduleKind::ZeroBubbleV => {
-                let caps = crate::plan::memory::zbv_caps(&recipe)
-                    .map_err(|e| anyhow::anyhow!("zbv: {e}"))?;
-                let fit = parallel::pipeline::zbv::Fit {
-                    caps,
-                    ..parallel::pipeline::zbv::Fit::unit(pp)
-                };
-                parallel::pipeline::build_zbv(pp, m, &fit)?
-            }
-            kind => parallel::pipeline::build(kind, pp, v, m)?,
-        };
+        let m = recipe.grad_accum_steps();
+        let schedule = crate::plan::memory::schedule(&recipe, m).map_err(anyhow::Error::msg)?;
         validate(&schedule)?;
         check_fifo(&schedule)?;
         let uses = piece_uses(
