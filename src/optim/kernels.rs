@@ -259,8 +259,12 @@ pub fn sum_squares(buf: &Tensor) -> Result<f64> {
 /// `Σ x²` of a contiguous f32 buffer whose words hold elements of `elems` (f32, or bf16 two to
 /// a word), in f64.
 pub fn sum_squares_of(buf: &Tensor, elems: DType) -> Result<f64> {
-    buf.apply_op1_no_bwd(&SumSquares { elems })?
-        .to_scalar::<f64>()
+    sum_squares_tensor(buf, elems)?.to_scalar::<f64>()
+}
+
+/// [`sum_squares_of`] left on the buffer's device: a one-element f64 tensor (no host read).
+pub fn sum_squares_tensor(buf: &Tensor, elems: DType) -> Result<Tensor> {
+    buf.apply_op1_no_bwd(&SumSquares { elems })
 }
 
 /// One AdamW step in place over a flat state of f32 words — the master weights `[n]`, then

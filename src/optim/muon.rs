@@ -28,9 +28,10 @@ use parallel::dp::{FlatLayout, Matrix, MatrixGroups, ShardPos, WholeMatrices};
 use parallel::tp::Shard;
 use parallel::Comm;
 
-use super::kernels::sum_squares;
+use super::kernels::{sum_squares, sum_squares_tensor};
 use super::GradBuffer;
 use crate::recipe::{AdjustLr, MuonConfig};
+use product::addmm;
 
 /// Muon's state as checkpoints save it (host memory).
 #[derive(Debug, Clone, PartialEq)]
@@ -71,28 +72,30 @@ pub fn ns_cost(cfg: &MuonConfig, [a, b]: [usize; 2]) -> f64 {
 
 /// The Newton-Schulz orthogonalisation of `g` `[a, b]` in `dtype` (f32, or bf16 whose
 /// products accumulate in f32), as `torch.optim.Muon` computes it: a tall matrix is iterated
-/// transposed, divided by its Frobenius norm (at least `eps`), then `ns_steps` times `A = X Xᵀ`,
-/// `B = b A + c A A`, `X = a X + B X`. Returns f32.
+/// transposed, divided by its Frobenius norm (of `g`, at least `eps`), then `ns_steps` times `A = X Xᵀ`,
+/// `B = b A + c A A`, `X = a X + B X`, the last two each one product rounded once
+/// ([`product::addmm`]). Returns f32.
 pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tensor> {
     let [ca, cb, cc] = cfg.ns_coefficients;
     let (rows, cols) = g.dims2()?;
+    // ‖g‖ in f64 by the optimizer's two-stage reduction (candle's `sum_all` reduces in one
+    // block: 0.5 ms for a 2048 × 5632 matrix on an H100, 84 ms of a 1.1B model's step).
+    let g = g.to_dtype(DType::F32)?.contiguous()?;
+    let norm = sum_squares_tensor(&g.flatten_all()?, DType::F32)?
+        .sqrt()?
+        .maximum(cfg.eps)?
+        .to_dtype(DType::F32)?
+        .to_dtype(dtype)?;
     let mut x = g.to_dtype(dtype)?;
     let tall = rows > cols;
     if tall {
         x = x.t()?.contiguous()?;
     }
-    let norm = x
-        .to_dtype(DType::F32)?
-        .sqr()?
-        .sum_all()?
-        .sqrt()?
-        .maximum(cfg.eps)?
-        .to_dtype(dtype)?;
     x = x.broadcast_div(&norm)?;
     for _ in 0..cfg.ns_steps {
         let gram = x.matmul(&x.t()?)?; // [m, m]
-        let update = (gram.affine(cb, 0.0)? + gram.matmul(&gram)?.affine(cc, 0.0)?)?;
-        x = (x.affine(ca, 0.0)? + update.matmul(&x)?)?;
+        let update = addmm(&gram, &gram, &gram, cb, cc)?; // [m, m]
+        x = addmm(&x, &update, &x, ca, 1.0)?; // [m, n]
     }
     if tall {
         x = x.t()?.contiguous()?;
@@ -326,5 +329,6 @@ pub fn compute_dtype(device: &Device) -> DType {
     }
 }
 
+mod product;
 #[cfg(test)]
 mod tests;

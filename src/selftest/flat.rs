@@ -105,8 +105,8 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
         });
     }
     // Muon's iteration: bf16 with f32 accumulation on a GPU (as torch's Muon), f32 on the CPU;
-    // against f32 on the CPU, a wide and a tall matrix. bf16 rounds each of the 5 steps' products
-    // (measured with torch: ~1e-2 relative).
+    // against f32 on the CPU, a wide and a tall matrix. bf16 rounds each of the 5 steps'
+    // products once (`addmm`; torch's bf16 against its f32 steps: 1.3e-2 relative).
     let cfg = crate::recipe::MuonConfig::default();
     for shape in [[96, 160], [160, 96]] {
         let g = randn(&shape, 28)?.to_dtype(DType::F32)?;
@@ -120,7 +120,7 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
         checks.push(Check {
             name: format!("muon newton-schulz {}x{}", shape[0], shape[1]),
             error: rel_error(&on_device.to_device(&Device::Cpu)?, &want)?,
-            tolerance: if device.is_cuda() { 5e-2 } else { exact },
+            tolerance: if device.is_cuda() { 3e-2 } else { exact },
         });
     }
     Ok(checks)

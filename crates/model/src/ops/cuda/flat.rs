@@ -1,8 +1,8 @@
 //! Launchers of the optimizer's flat-buffer kernels (`kernels/flat.cu`), called from the root
 //! crate's `optim::kernels` ops: gradient accumulation into an f32 buffer (and a weight
-//! gradient's product accumulated by cuBLAS), the AdamW update over
-//! `[master | exp_avg | exp_avg_sq]` (moments f32 or bf16) and the sum of squares of an f32 or
-//! bf16 buffer (in f64).
+//! gradient's product accumulated by cuBLAS; Muon's scaled products, rounded as `torch.addmm`
+//! rounds them), the AdamW update over `[master | exp_avg | exp_avg_sq]` (moments f32 or bf16)
+//! and the sum of squares of an f32 or bf16 buffer (in f64).
 //!
 //! `adamw` performs exactly the f32 operations of the CPU `AdamWStep` (bitwise equal results);
 //! `sum_squares` is a deterministic two-stage reduction (a grid of [`SUM_BLOCKS`] or fewer
@@ -10,6 +10,7 @@
 //! norms on every run.
 
 use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::cublas::sys::cudaDataType_t;
 use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
@@ -83,7 +84,6 @@ pub fn add_product(
     (rows, out, inp): (usize, usize, usize),
 ) -> Result<()> {
     const OP: &str = "add-product";
-    use candle_core::cuda::cudarc::cublas::sys::cudaDataType_t;
     let dev = dst.device().clone();
     let (a, b) = range(OP, "buffer", dl)?;
     if b - a != out * inp {
@@ -132,49 +132,166 @@ fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::
     d: &mut candle_core::cuda::cudarc::driver::CudaViewMut<'_, f32>,
     (g, gl): (&CudaStorage, &Layout),
     (x, xl): (&CudaStorage, &Layout),
-    ty: candle_core::cuda::cudarc::cublas::sys::cudaDataType_t,
+    ty: cudaDataType_t,
     (rows, out, inp): (i32, i32, i32),
 ) -> Result<()> {
-    use candle_core::cuda::cudarc::cublas::{result, sys};
     use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
     const OP: &str = "add-product";
     let gv = view::<T>(OP, "g", g, gl)?; // [rows, out]
     let xv = view::<T>(OP, "x", x, xl)?; // [rows, in]
     let stream = dev.cuda_stream();
-    let blas = dev.cublas_handle();
     let (gp, _g_read) = gv.device_ptr(&stream);
     let (xp, _x_read) = xv.device_ptr(&stream);
     let (dp, _d_write) = d.device_ptr_mut(&stream);
-    let (alpha, beta) = (1f32, 1f32);
     // Column-major, cuBLAS's view of the row-major buffers: D'[in, out] (ld in) += X'[in, rows]
     // (ld in) · G'[out, rows]ᵀ (ld out), i.e. D[o, i] += Σ_r g[r, o] · x[r, i].
-    // SAFETY: the pointers are live device buffers of the stream the handle runs on, of
-    // rows·in, rows·out and out·in elements as the leading dimensions address; alpha and beta
-    // are host scalars (the handle's default pointer mode) read before the call returns.
+    let call = GemmCall {
+        transpose_b: true,
+        mnk: (inp, out, rows),
+        a: (xp, inp),
+        b: (gp, out),
+        d: (dp, inp),
+        types: (ty, cudaDataType_t::CUDA_R_32F),
+        scale: (1.0, 1.0),
+    };
+    // SAFETY: the pointers are live device buffers of the device's stream holding rows·in,
+    // rows·out and out·in elements, as the leading dimensions address them.
+    unsafe { gemm_call(dev, OP, call) }
+}
+
+/// `d ← beta · d + alpha · a · b` (row-major) for `d` `[m, n]`, `a` `[m, k]` and `b` `[k, n]`,
+/// all contiguous and all f32 or all bf16: one `cublasGemmEx` with f32 accumulation and f32
+/// scalars, so `d` is rounded once (as `torch.addmm` computes it; Muon's Newton-Schulz steps).
+pub fn scaled_product(
+    d: &mut CudaStorage,
+    dl: &Layout,
+    (a, al): (&CudaStorage, &Layout),
+    (b, bl): (&CudaStorage, &Layout),
+    (m, k, n): (usize, usize, usize),
+    (alpha, beta): (f32, f32),
+) -> Result<()> {
+    const OP: &str = "scaled-product";
+    let dev = d.device().clone();
+    let (start, end) = range(OP, "output", dl)?;
+    if end - start != m * n {
+        bail!("{OP}: output of {} elements for [{m}, {n}]", end - start)
+    }
+    if m * n == 0 {
+        return Ok(());
+    }
+    let dims = [m, k, n].map(i32::try_from);
+    let [Ok(mi), Ok(ki), Ok(ni)] = dims else {
+        bail!("{OP}: [{m}, {k}] x [{k}, {n}] exceeds cuBLAS's 32-bit dimensions")
+    };
+    let dtype = d.dtype();
+    if a.dtype() != dtype || b.dtype() != dtype {
+        bail!(
+            "{OP}: factors {:?} and {:?} for a {dtype:?} output",
+            a.dtype(),
+            b.dtype()
+        )
+    }
+    macro_rules! typed {
+        ($T:ty, $ty:expr) => {{
+            use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
+            let av = view::<$T>(OP, "a", a, al)?; // [m, k]
+            let bv = view::<$T>(OP, "b", b, bl)?; // [k, n]
+            if av.len() != m * k || bv.len() != k * n {
+                bail!(
+                    "{OP}: factors of {} and {} elements for [{m}, {k}] x [{k}, {n}]",
+                    av.len(),
+                    bv.len()
+                )
+            }
+            let data = d.as_cuda_slice_mut::<$T>()?;
+            let mut dv = data.slice_mut(start..end); // [m, n]
+            let stream = dev.cuda_stream();
+            let (ap, _a_read) = av.device_ptr(&stream);
+            let (bp, _b_read) = bv.device_ptr(&stream);
+            let (dp, _d_write) = dv.device_ptr_mut(&stream);
+            // Column-major: D'[n, m] (ld n) = B'[n, k] (ld n) · A'[k, m] (ld k).
+            let call = GemmCall {
+                transpose_b: false,
+                mnk: (ni, mi, ki),
+                a: (bp, ni),
+                b: (ap, ki),
+                d: (dp, ni),
+                types: ($ty, $ty),
+                scale: (alpha, beta),
+            };
+            // SAFETY: live device buffers of the device's stream of k·n, m·k and m·n elements
+            // (checked above), as the leading dimensions address them; `d` overlaps neither.
+            unsafe { gemm_call(&dev, OP, call) }
+        }};
+    }
+    match dtype {
+        DType::F32 => typed!(f32, cudaDataType_t::CUDA_R_32F),
+        DType::BF16 => typed!(half::bf16, cudaDataType_t::CUDA_R_16BF),
+        other => bail!("{OP}: no product for {other:?} (f32 or bf16)"),
+    }
+}
+
+/// One `cublasGemmEx` in cuBLAS's column-major view: `D[m, n] ← alpha · A[m, k] · op(B) + beta
+/// · D`, `op(B)` = `B[k, n]` or `B[n, k]ᵀ`; pointers with their leading dimensions, the
+/// factors' and the output's types, f32 accumulation and host f32 scalars.
+struct GemmCall {
+    transpose_b: bool,
+    mnk: (i32, i32, i32),
+    a: (u64, i32),
+    b: (u64, i32),
+    d: (u64, i32),
+    types: (cudaDataType_t, cudaDataType_t),
+    scale: (f32, f32),
+}
+
+/// Runs `call` on the device's stream with the cuBLAS handle candle made for it.
+///
+/// # Safety
+/// The pointers must be live device buffers of the device's stream, large enough for the
+/// dimensions and leading dimensions of `call`, `d` overlapping neither factor.
+unsafe fn gemm_call(dev: &CudaDevice, op: &str, call: GemmCall) -> Result<()> {
+    use candle_core::cuda::cudarc::cublas::{result, sys};
+    let GemmCall {
+        transpose_b,
+        mnk: (m, n, k),
+        a,
+        b,
+        d,
+        types,
+        scale: (alpha, beta),
+    } = call;
+    let op_b = if transpose_b {
+        sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        sys::cublasOperation_t::CUBLAS_OP_N
+    };
+    let blas = dev.cublas_handle();
+    // SAFETY: forwarded to the caller; alpha and beta are host scalars (the handle's default
+    // pointer mode) read before the call returns.
     unsafe {
         result::gemm_ex(
             *blas.handle(),
             sys::cublasOperation_t::CUBLAS_OP_N,
-            sys::cublasOperation_t::CUBLAS_OP_T,
-            inp,
-            out,
-            rows,
+            op_b,
+            m,
+            n,
+            k,
             (&alpha as *const f32).cast(),
-            xp as *const std::ffi::c_void,
-            ty,
-            inp,
-            gp as *const std::ffi::c_void,
-            ty,
-            out,
+            a.0 as *const std::ffi::c_void,
+            types.0,
+            a.1,
+            b.0 as *const std::ffi::c_void,
+            types.0,
+            b.1,
             (&beta as *const f32).cast(),
-            dp as *mut std::ffi::c_void,
-            sys::cudaDataType_t::CUDA_R_32F,
-            inp,
+            d.0 as *mut std::ffi::c_void,
+            types.1,
+            d.1,
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| candle_core::Error::Msg(format!("{OP}: cublasGemmEx: {e:?}")))
+    .map_err(|e| candle_core::Error::Msg(format!("{op}: cublasGemmEx: {e:?}")))
 }
 
 /// The step-wide scalars of one AdamW update, as the CPU `AdamWStep` computes them (f32).
