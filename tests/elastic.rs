@@ -4,6 +4,8 @@
 //! step is in metrics.jsonl once, the steps after the restart equal a run that made the same
 //! layout change by hand from the same checkpoint bit for bit, and the curve stays within 1e-3 of
 //! the uninterrupted run's. A hung rank is the one taken out; too few ranks left is an error.
+//! Across two "nodes" (two launchers on this machine): a node lost whole is left behind, and
+//! the job grows back when its launcher returns.
 
 use std::path::Path;
 use std::process::Command;
@@ -108,7 +110,8 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
     }
 }
 
-/// Below the minimum the job ends with an error naming it; `--elastic` across nodes is refused.
+/// Below the minimum, or with no restarts left, the job ends with an error naming it; a minimum
+/// above the job's ranks is refused before anything starts.
 #[test]
 fn too_few_ranks_left_is_an_error() {
     let tmp = tempfile::tempdir().unwrap();
@@ -121,28 +124,35 @@ fn too_few_ranks_left_is_an_error() {
         log.contains("rank 2 lost: 3 ranks left, below the --elastic minimum 4"),
         "{log}"
     );
+    // No restarts left.
+    let mut job = launcher(
+        &["--elastic", "2:4", "--max-restarts", "0"],
+        tmp.path(),
+        "/r,train.steps=50",
+    );
+    assert!(job.wait_for("step=2/"), "{}", job.log);
+    job.signal_rank(1, libc::SIGKILL);
+    let (status, log) = job.finish();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("rank 1 lost: --max-restarts 0 used up; not restarting again"),
+        "{log}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["--nproc-per-node", "2", "--nnodes", "2", "--master-addr"])
         .args([
-            "--nproc-per-node",
-            "2",
-            "--nnodes",
-            "2",
-            "--master-addr",
             "127.0.0.1",
-        ])
-        .args([
             "--elastic",
-            "2:4",
+            "5",
             "--recipe",
             "recipes/tiny.yaml",
-            "--set",
-            SET,
         ])
+        .args(["--set", SET])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && text.contains("use --elastic on one node"),
+        !out.status.success() && text.contains("--elastic minimum 5 exceeds the job's 4 ranks"),
         "{text}"
     );
 }
@@ -163,4 +173,137 @@ fn a_hung_rank_is_the_one_taken_out() {
         "{log}"
     );
     assert_eq!(records(tmp.path()).len(), 8, "{log}");
+}
+
+/// A launcher of "node" `node` of a 2 × 2-rank job meeting at `port`, with `elastic`.
+fn node_launcher(node: usize, port: u16, dir: &Path, set: &str) -> Job {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
+    cmd.args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank"])
+        .arg(node.to_string())
+        .args(["--master-addr", "127.0.0.1", "--master-port"])
+        .arg(port.to_string())
+        .args(["--elastic", "2:4", "--max-restarts", "2"])
+        .args(["--recipe", "recipes/tiny.yaml", "--set", set, "--set"])
+        .arg(format!("run.dir={}", dir.display()))
+        .env("PRETRAIN_JOB_TOKEN", "two-node-elastic-test")
+        // Steps of at least 100 ms: time for the returning node to join before the end.
+        .env("PRETRAIN_TEST_SLOW_RANK", "0:50");
+    Job::start(cmd)
+}
+
+/// Two "nodes" of a dp 2 × tp 2 job, two rank processes each, `--elastic 2:4`: node 1 dies
+/// whole (launcher and ranks SIGKILLed); node 0's launcher finds its heartbeat gone and goes on
+/// on its own 2 ranks from the newest checkpoint; node 1's launcher started again registers, the
+/// running round stops at the end of a step (saving), and the job grows back to 4 ranks. Every
+/// step is in metrics.jsonl once; then node 1's launcher is stopped (SIGTERM, a drained node):
+/// the job saves and finishes on node 0 (exit 0). Each round equals the same layout change made
+/// by hand from its checkpoint bit for bit, and the curve stays within 1e-3 of the uninterrupted
+/// run's.
+#[test]
+fn a_lost_node_is_left_behind_and_joins_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("nodes");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let set = format!("{SET},train.steps=40,checkpoint.keep=100");
+    let mut zero = node_launcher(0, port, &run, &set);
+    let one = node_launcher(1, port, &run, &set);
+    assert!(zero.wait_for("step=3/40"), "{}", zero.log);
+    one.kill_all();
+    let killed = Instant::now();
+    let (_, log_one) = one.finish();
+    assert!(
+        zero.wait_for("training resumed"),
+        "{}\nnode 1:\n{log_one}",
+        zero.log
+    );
+    eprintln!(
+        "resumed on node 0 alone {:.1} s after node 1 died",
+        killed.elapsed().as_secs_f64()
+    );
+    let one = node_launcher(1, port, &run, &set);
+    assert!(zero.wait_for("node 1 joined"), "{}", zero.log);
+    assert!(zero.wait_for("training resumed"), "{}", zero.log);
+    // Node 1 drained (SIGTERM to its launcher): the job saves and goes on without it.
+    one.signal(libc::SIGTERM);
+    let (status, log) = zero.finish();
+    let (status_one, log_one) = one.finish();
+    assert!(status.success(), "{log}\nnode 1:\n{log_one}");
+    assert_eq!(status_one.code(), Some(128 + libc::SIGTERM), "{log_one}");
+    for l in log.lines().filter(|l| l.contains("elastic")) {
+        eprintln!("node 0: {l}");
+    }
+    assert!(
+        log.contains("elastic restart 1/2: node 1 lost (its launcher stopped answering; ranks 2-3) (2 ranks left)"),
+        "{log}"
+    );
+    let base = load(Path::new("recipes/tiny.yaml"), std::slice::from_ref(&set)).unwrap();
+    let two = relayout(&base, 2, 2).unwrap();
+    assert!(
+        log.contains(&format!("restarting on {}", two.describe())),
+        "{log}"
+    );
+    assert!(
+        log.contains("elastic round 2: node 1 joined; restarting on 4 ranks: dp=2 tp=2"),
+        "{log}"
+    );
+    let got = records(&run);
+    assert_eq!(
+        got.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (1..=40).collect::<Vec<_>>(),
+        "every step once:\n{log}"
+    );
+    // Each round equals the same layout change made by hand from the checkpoint it resumed
+    // from, as thread ranks, bit for bit: 2 ranks from the restart to the growth, 4 after it.
+    let resumed: Vec<u64> = log
+        .lines()
+        .filter_map(|l| l.split("resuming from the checkpoint of step ").nth(1))
+        .map(|t| t.split_whitespace().next().unwrap().parse().unwrap())
+        .collect();
+    let [lost_at, grown_at, left_at] = resumed[..] else {
+        panic!("three resumptions expected:\n{log}")
+    };
+    assert!(
+        log.contains("elastic round 3: node 1 left; restarting on 2 ranks"),
+        "{log}"
+    );
+    let four = relayout(&base, 4, 2).unwrap();
+    let rounds = [
+        (&two, lost_at, grown_at),
+        (&four, grown_at, left_at),
+        (&two, left_at, 40),
+    ];
+    for (next, from, to) in rounds {
+        let ckpt = run.join(format!("checkpoints/step-{from:08}"));
+        let by_hand = load(
+            Path::new("recipes/tiny.yaml"),
+            &[
+                set.clone(),
+                next.overrides(),
+                format!("checkpoint.resume={}", ckpt.display()),
+            ],
+        )
+        .unwrap();
+        let hand: Vec<f64> = pretrain::train::train(by_hand, false)
+            .unwrap()
+            .records
+            .iter()
+            .map(|r| r.loss)
+            .collect();
+        let (a, b) = (from as usize, to as usize);
+        let elastic: Vec<f64> = got[a..b].iter().map(|r| r.1).collect();
+        assert_eq!(elastic, hand[..b - a], "steps {}..={to} by hand", from + 1);
+    }
+    let whole: Vec<f64> = pretrain::train::train(base, false)
+        .unwrap()
+        .records
+        .iter()
+        .map(|r| r.loss)
+        .collect();
+    for ((step, a), b) in got.iter().zip(&whole) {
+        assert!((a - b).abs() / b < 1e-3, "step {step}: {a} vs {b}");
+    }
 }

@@ -1,30 +1,35 @@
-//! Elastic restart of a node's job (`--elastic MIN[:MAX] --max-restarts K`). When a rank dies or
-//! hangs past `parallel.timeout_s`, the survivors stop (as in any job), and the launcher starts
-//! the job again on the ranks left: each rank that failed on its own is taken out of the node's
-//! slots (its GPU may be what failed), the planner picks the fastest valid layout of the same
-//! model, global batch and data order for the ranks now present (the recipe's own layout when it
-//! still has that many ranks; otherwise fewer ranks where no layout uses them all, down to MIN),
-//! and training resumes from the newest complete checkpoint (`checkpoint.resume=auto`; the data
-//! sampler is layout-free, and `metrics.jsonl` drops the records of the steps redone). The log
-//! says which rank was lost, the new layout, the checkpoint's step and how many steps are
-//! redone. Fewer than MIN slots, K restarts used, or no layout fitting: an error naming which.
+//! Elastic restart (`--elastic MIN[:MAX] --max-restarts K`), on one node or across nodes. When
+//! a rank dies or hangs past `parallel.timeout_s`, the survivors stop (as in any job); when a
+//! node dies whole, its launcher's heartbeat stops. Every launcher then meets the others for a
+//! new round at node 0's launcher (`rendezvous.rs`), which decides it (`coordinator.rs`): each
+//! rank that failed on its own is taken out of its node's slots (its GPU may be what failed),
+//! a lost node is left behind, the planner picks the fastest valid layout of the same model,
+//! global batch and data order for the ranks now present (the recipe's own layout when it
+//! still has that many ranks; otherwise fewer ranks where no layout uses them all, down to
+//! MIN), and training resumes from the newest complete checkpoint (`checkpoint.resume=auto`;
+//! the data sampler is layout-free, and `metrics.jsonl` drops the records of the steps redone).
+//! A launcher that comes back registers for the next round: node 0's stops the running round
+//! at the end of a step (its ranks save) and the job grows to take it, up to MAX ranks. A
+//! launcher stopped by SIGTERM/SIGINT leaves: the job saves and goes on without its node.
+//! Only failures count against K. The log says which ranks or nodes were lost, the new layout,
+//! the checkpoint's step and how many steps are redone. Fewer than MIN ranks, K restarts used,
+//! or no layout fitting: an error naming which, on every launcher.
 //!
-//! On CUDA each slot is a GPU: after a restart each rank sees only its slot's GPU
+//! On CUDA each slot is a GPU: after the first round each rank sees only its slot's GPU
 //! (`CUDA_VISIBLE_DEVICES`), so a GPU that failed is not used again.
 //!
-//! One node: the store lives in rank 0's process, so a job spanning nodes cannot outlive its
-//! rank 0; `--elastic` with `--nnodes` above 1 is refused.
-
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+//! Node 0's launcher cannot be lost: it serves the rendezvous, and rank 0 (whose store the
+//! ranks meet at) runs on its host. The run directory must be shared by the nodes (checkpoints
+//! and `metrics.jsonl`), as for any multi-node resume.
 
 use std::ffi::OsString;
+use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use parallel::pipeline::ScheduleKind;
 
+use super::coordinator::Coordinator;
+use super::rendezvous::{Agents, Member, Outcome, Plan, Report, POLL, RENDEZVOUS_TIMEOUT};
 use super::{JobFailed, NodeLayout};
 use crate::plan::{search::candidates, GpuPreset, Layout};
 use crate::recipe::{DeviceKind, Recipe};
@@ -155,24 +160,8 @@ fn zero_bubble(kind: ScheduleKind) -> bool {
     matches!(kind, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV)
 }
 
-/// The newest complete checkpoint's step under `root`, if any.
-pub fn checkpoint_step(root: &Path) -> Option<u64> {
-    let dir = ckpt::find_latest(root).ok()??;
-    ckpt::Checkpoint::open(&dir).ok().map(|c| c.manifest().step)
-}
-
-/// The last step `run_dir/metrics.jsonl` records.
-pub fn last_step(run_dir: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).ok()?;
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("loss").is_some())
-        .filter_map(|v| v.get("step")?.as_u64())
-        .max()
-}
-
-/// `super::spawn_node` with elastic restarts (see the module docs): `recipe` is the job's, `args` its
-/// command line; each restart adds the new layout and `checkpoint.resume=auto`.
+/// `super::spawn_node` with elastic restarts (see the module docs): `recipe` is the job's, `args`
+/// its command line; each round after the first adds its layout and `checkpoint.resume=auto`.
 pub fn spawn(
     layout: &NodeLayout,
     args: &[OsString],
@@ -180,129 +169,229 @@ pub fn spawn(
     grace: Duration,
     e: Elastic,
 ) -> Result<()> {
-    check(&e, layout.nproc_per_node, layout.nnodes)?;
+    check(&e, layout)?;
+    let (n, node) = (layout.nproc_per_node, layout.node_rank);
+    let addr = super::master_addr(layout)?;
     let flight = crate::train::flight::dir(recipe);
-    // The node's slots still in use (a GPU each on CUDA): the lost rank's slot is dropped, and
-    // a later round's local rank `i` runs on slot `free[i]`.
-    let mut free: Vec<usize> = (0..layout.nproc_per_node).collect();
+    let (mut agents, mut coordinator) = meet(layout, &addr, recipe, e)?;
+    // The node's slots still in use (a GPU each on CUDA): a rank that failed on its own loses
+    // its slot, and a later round's local rank `i` runs on slot `free[i]`.
+    let mut free: Vec<usize> = (0..n).collect();
     let gpus = recipe.train.device == DeviceKind::Cuda;
-    let mut round_args = args.to_vec();
-    let mut world = recipe.parallel.world_size();
-    let mut restart = 0;
-    let mut watcher: Option<Resumed> = None;
+    let outer = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let mut r = agents.first_round()?;
+    let mut ended = Instant::now();
     loop {
-        let round = NodeLayout {
-            nproc_per_node: world,
-            ..layout.clone()
+        agents.register(r, free.len())?;
+        let plan = match coordinator.as_mut() {
+            Some(c) => c.decide(&mut agents, r, ended)?,
+            None => agents.plan(r)?,
         };
-        // After a restart each CUDA rank sees only its slot's GPU.
-        let outer = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-        let devices = (gpus && restart > 0).then(|| visible_devices(&free, outer.as_deref()));
-        let outcome = super::spawn_round(&round, &round_args, world, grace, &flight, devices);
-        drop(watcher.take()); // the round's resume watcher
-        let err = match outcome {
-            Ok(()) => return Ok(()),
-            Err(err) => err,
-        };
-        let failed_at = std::time::Instant::now();
-        let Some(failed) = err.downcast_ref::<JobFailed>() else {
-            return Err(err); // a stop signal, or the launcher's own failure
-        };
-        if restart == e.max_restarts {
-            return Err(err.context(format!(
-                "--max-restarts {} used up; not restarting again",
-                e.max_restarts
-            )));
+        if let Some(err) = &plan.error {
+            bail!("{err}");
         }
-        let lost = failed.rank;
-        if lost < free.len() {
-            free.remove(lost); // one node: the rank is the round's local rank
-        }
-        let slots = free.len();
-        if slots < e.min {
-            return Err(err.context(format!(
-                "rank {lost} lost: {slots} ranks left, below the --elastic minimum {}",
-                e.min
-            )));
-        }
-        let Some(next) = relayout(recipe, slots, e.min) else {
-            return Err(err.context(format!(
-                "rank {lost} lost: no valid layout of the recipe fits {slots} down to {} ranks",
-                e.min
-            )));
-        };
-        let resumed = checkpoint_step(&recipe.checkpoint_root());
-        let reached = last_step(&recipe.run.dir).unwrap_or(0);
-        let from = resumed.unwrap_or(0);
-        tracing::warn!(
-            "elastic restart {}/{}: rank {lost} lost ({slots} ranks left: {}); restarting on \
-             {}; resuming from {} ({} steps redone)",
-            restart + 1,
-            e.max_restarts,
-            failed.message,
-            next.describe(),
-            match resumed {
-                Some(s) => format!("the checkpoint of step {s}"),
-                None => "the start (no checkpoint yet)".to_string(),
-            },
-            reached.saturating_sub(from)
-        );
-        world = next.world;
-        watcher = Some(Resumed::watch(&recipe.run.dir, from, failed_at));
-        round_args = args.to_vec();
-        round_args.extend([
-            "--set".into(),
-            next.overrides().into(),
-            "--set".into(),
-            "checkpoint.resume=auto".into(),
-        ]);
-        restart += 1;
-    }
-}
-
-/// Reports when a restarted round has trained its first step: a thread watching
-/// `metrics.jsonl`, which logs the time since the failure was detected (stopped when dropped).
-pub struct Resumed {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Resumed {
-    /// Watches `run_dir` for a step after `from` written after `failed_at`.
-    pub fn watch(run_dir: &Path, from: u64, failed_at: Instant) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (quit, dir) = (stop.clone(), run_dir.to_path_buf());
-        let thread = std::thread::spawn(move || {
-            let path = dir.join("metrics.jsonl");
-            while !quit.load(Ordering::Relaxed) {
-                let fresh = std::fs::metadata(&path)
-                    .and_then(|m| m.modified())
-                    .is_ok_and(|t| t.elapsed().is_ok_and(|e| e < failed_at.elapsed()));
-                if fresh && last_step(&dir).is_some_and(|s| s > from) {
-                    tracing::info!(
-                        "elastic restart: training resumed {:.1} s after the failure was \
-                         detected (step {} done)",
-                        failed_at.elapsed().as_secs_f64(),
-                        from + 1
-                    );
-                    return;
+        let report = match plan.member(node).filter(|m| m.nproc > 0).cloned() {
+            None => idle(&mut agents, &plan)?,
+            Some(me) => {
+                let round = super::Round {
+                    first_rank: me.first_rank,
+                    nproc: me.nproc,
+                    world: plan.world,
+                    addr: addr.clone(),
+                    port: plan.port,
+                    token: Some(plan.token.clone()),
+                    // After the first round each CUDA rank sees only its slot's GPU.
+                    devices: (gpus && r > 0)
+                        .then(|| visible_devices(&free[..me.nproc], outer.as_deref())),
+                };
+                let mut round_args = args.to_vec();
+                for o in plan
+                    .overrides
+                    .iter()
+                    .cloned()
+                    .chain((r > 0).then(|| "checkpoint.resume=auto".to_string()))
+                {
+                    round_args.extend(["--set".into(), o.into()]);
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                // The store is asked at most every POLL; a lost store is reported once (the
+                // ranks still stop as their own failure handling makes them).
+                let (mut last, mut warned) = (None::<Instant>, false);
+                let mut poll = || -> bool {
+                    if last.is_some_and(|t| t.elapsed() < POLL) {
+                        return false;
+                    }
+                    last = Some(Instant::now());
+                    let asked = match coordinator.as_mut() {
+                        Some(c) => c.should_grow(&mut agents, &plan),
+                        None => Ok(false),
+                    };
+                    match asked.and_then(|g| Ok(g || agents.stop_asked(plan.round)?)) {
+                        Ok(stop) => stop,
+                        Err(err) => {
+                            if !std::mem::replace(&mut warned, true) {
+                                tracing::warn!("elastic: the launchers' store: {err:#}");
+                            }
+                            false
+                        }
+                    }
+                };
+                let outcome = super::start_ranks(&round, &round_args, grace, &flight, &mut poll);
+                ended = Instant::now();
+                let report = judge(outcome, &me, &mut free)?;
+                if report.outcome == Outcome::Left {
+                    agents.report(r, &report)?;
+                    return Err(crate::train::signals::Interrupted {
+                        signal: crate::train::signals::pending().unwrap_or(libc::SIGTERM),
+                        step: None,
+                        checkpoint: None,
+                    }
+                    .into());
+                }
+                report
             }
-        });
-        Self {
-            stop,
-            thread: Some(thread),
+        };
+        if report.outcome == Outcome::Finished {
+            // Node 0's launcher may be gone already, its store with it: the job is done.
+            let _ = agents.report(r, &report);
+            return Ok(());
         }
+        agents.report(r, &report)?;
+        r += 1;
     }
 }
 
-impl Drop for Resumed {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+/// Connects this node's launcher to the rendezvous, serving it on node 0 (`--master-port`, a
+/// free loopback port on one node); node 0's launcher also coordinates.
+fn meet<'a>(
+    layout: &NodeLayout,
+    addr: &str,
+    recipe: &'a Recipe,
+    e: Elastic,
+) -> Result<(Agents, Option<Coordinator<'a>>)> {
+    let port = match (layout.master_port, layout.nnodes) {
+        (None | Some(0), 1) => 0,
+        (Some(0), _) => bail!("--master-port 0 cannot be used with several nodes"),
+        (Some(p), _) => p,
+        (None, _) => parallel::env::DEFAULT_PORT,
+    };
+    // Several nodes agree on a token without talking: PRETRAIN_JOB_TOKEN (or its file), else
+    // one derived from public values, with a warning; one node draws a secret.
+    let token = if layout.nnodes == 1 {
+        super::random_token()
+    } else {
+        let info = parallel::env::ProcessInfo {
+            rank: layout.node_rank,
+            world_size: layout.nnodes,
+            local_rank: 0,
+            master_addr: addr.to_string(),
+            master_port: port,
+            launcher: "pretrain --elastic",
+        };
+        match super::job_token(&|k| std::env::var(k).ok(), &info)? {
+            super::JobToken::Secret(t) => t,
+            super::JobToken::Derived(t) => {
+                if layout.node_rank == 0 {
+                    tracing::warn!(
+                        "no {} or {}: the launchers' token is derived from public values, so \
+                         any user who can reach {addr}:{port} can join this job; set a secret \
+                         token",
+                        super::TOKEN_VAR,
+                        super::TOKEN_FILE_VAR
+                    );
+                }
+                t
+            }
         }
+    };
+    if layout.node_rank != 0 {
+        let agents = Agents::connect(layout.node_rank, None, &format!("{addr}:{port}"), &token)?;
+        return Ok((agents, None));
+    }
+    let bind = super::store_bind(addr, port);
+    let server = parallel::store::StoreServer::start(&bind, &token, RENDEZVOUS_TIMEOUT)
+        .with_context(|| {
+            format!("--master-port {port}: serving the launchers' rendezvous on {bind}")
+        })?;
+    let at = format!("{addr}:{}", server.addr().port());
+    let agents = Agents::connect(0, Some(server), &at, &token)?;
+    let coordinator = Coordinator::new(
+        recipe,
+        e,
+        (layout.nnodes, layout.nproc_per_node),
+        super::store_bind(addr, 0),
+    );
+    Ok((agents, Some(coordinator)))
+}
+
+/// How this node's round ended, from its ranks' outcome: a rank that failed on its own is
+/// reported lost and its slot dropped from `free`.
+fn judge(outcome: Result<()>, me: &Member, free: &mut Vec<usize>) -> Result<Report> {
+    let err = match outcome {
+        Ok(()) => {
+            return Ok(Report {
+                outcome: Outcome::Finished,
+                lost: vec![],
+                message: String::new(),
+            })
+        }
+        Err(err) => err,
+    };
+    if let Some(f) = err.downcast_ref::<JobFailed>() {
+        let mine = me.first_rank..me.first_rank + me.nproc;
+        let lost = (f.own && mine.contains(&f.rank)).then_some(f.rank);
+        if let Some(rank) = lost {
+            free.remove(rank - me.first_rank);
+        }
+        return Ok(Report {
+            outcome: Outcome::Failed,
+            lost: lost.into_iter().collect(),
+            message: f.message.clone(),
+        });
+    }
+    if err
+        .downcast_ref::<crate::train::signals::Interrupted>()
+        .is_some()
+    {
+        // Stopped by a signal to this launcher: it leaves; else asked by the rendezvous, or
+        // following a node that left.
+        let outcome = if crate::train::signals::pending().is_some() {
+            Outcome::Left
+        } else {
+            Outcome::Stopped
+        };
+        return Ok(Report {
+            outcome,
+            lost: vec![],
+            message: err.to_string(),
+        });
+    }
+    Err(err) // the launcher's own failure
+}
+
+/// A node with no ranks in round `plan`: waits for node 0's report of the round; finished if
+/// the job did.
+fn idle(agents: &mut Agents, plan: &Plan) -> Result<Report> {
+    tracing::info!(
+        "elastic round {}: the layout for {} ranks leaves node {} idle; waiting for the next \
+         round",
+        plan.round,
+        plan.world,
+        agents.node
+    );
+    loop {
+        agents.beat()?;
+        if let Some(rep) = agents.report_of(plan.round, 0)? {
+            let outcome = match rep.outcome {
+                Outcome::Finished => Outcome::Finished,
+                _ => Outcome::Stopped,
+            };
+            return Ok(Report {
+                outcome,
+                lost: vec![],
+                message: String::new(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
@@ -321,27 +410,28 @@ pub fn visible_devices(free: &[usize], outer: Option<&str>) -> Vec<String> {
 }
 
 /// Refuses what elastic restarts cannot do.
-pub fn check(e: &Elastic, nproc_per_node: usize, nnodes: usize) -> Result<()> {
-    if nnodes > 1 {
+pub fn check(e: &Elastic, layout: &NodeLayout) -> Result<()> {
+    super::check_layout(layout)?;
+    let slots = layout.nproc_per_node * layout.nnodes;
+    if e.min > slots {
         bail!(
-            "--elastic with --nnodes {nnodes}: restarts across nodes need a rendezvous store \
-             outside rank 0, which this launcher does not run; use --elastic on one node"
+            "--elastic minimum {} exceeds the job's {slots} ranks (--nproc-per-node {} × \
+             --nnodes {})",
+            e.min,
+            layout.nproc_per_node,
+            layout.nnodes
         );
     }
-    if e.min > nproc_per_node {
-        bail!(
-            "--elastic minimum {} exceeds --nproc-per-node {nproc_per_node}",
-            e.min
-        );
-    }
-    if let Some(max) = e.max.filter(|&m| m < nproc_per_node) {
-        bail!("--elastic maximum {max} is below --nproc-per-node {nproc_per_node}");
+    if let Some(max) = e.max.filter(|&m| m < slots) {
+        bail!("--elastic maximum {max} is below the job's {slots} ranks at the start");
     }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     #[test]

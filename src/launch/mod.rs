@@ -34,8 +34,10 @@ use parallel::Comm;
 
 use crate::recipe::{DeviceKind, Recipe};
 
+mod coordinator;
 pub mod deadline;
 pub mod elastic;
+pub mod rendezvous;
 mod supervise;
 mod token;
 
@@ -98,42 +100,20 @@ pub fn spawn_node(
     grace: Duration,
     flight: &std::path::Path,
 ) -> Result<()> {
-    spawn_round(layout, args, world, grace, flight, None)
-}
-
-/// One round of a node's processes for a job of `world` ranks, supervised to the end; with
-/// `devices`, local rank `i` gets `CUDA_VISIBLE_DEVICES=devices[i]`.
-fn spawn_round(
-    layout: &NodeLayout,
-    args: &[OsString],
-    world: usize,
-    grace: Duration,
-    flight: &std::path::Path,
-    devices: Option<Vec<String>>,
-) -> Result<()> {
     let NodeLayout {
         nproc_per_node: n,
         nnodes,
         node_rank,
         ..
     } = *layout;
-    if n == 0 || nnodes == 0 {
-        bail!("--nproc-per-node and --nnodes must be at least 1");
-    }
-    if node_rank >= nnodes {
-        bail!("--node-rank {node_rank} is not below --nnodes {nnodes}");
-    }
+    check_layout(layout)?;
     if n.checked_mul(nnodes) != Some(world) {
         bail!(
             "--nproc-per-node {n} × --nnodes {nnodes} processes, but the recipe's layout \
              parallel.dp × parallel.tp × parallel.cp × parallel.pp has {world} ranks"
         );
     }
-    let addr = match (&layout.master_addr, nnodes) {
-        (Some(a), _) => a.clone(),
-        (None, 1) => "127.0.0.1".to_string(),
-        (None, _) => bail!("--master-addr is required with --nnodes {nnodes}"),
-    };
+    let addr = master_addr(layout)?;
     let port = match (layout.master_port, nnodes) {
         (None | Some(0), 1) => free_port()?,
         (Some(0), _) => {
@@ -160,13 +140,73 @@ fn spawn_round(
         _ if nnodes == 1 => Some(random_token()),
         _ => None,
     };
+    let round = Round {
+        first_rank: node_rank * n,
+        nproc: n,
+        world,
+        addr,
+        port,
+        token,
+        devices: None,
+    };
+    start_ranks(&round, args, grace, flight, &mut || false)
+}
+
+/// `--nproc-per-node`, `--nnodes` and `--node-rank` that make a job.
+fn check_layout(layout: &NodeLayout) -> Result<()> {
+    if layout.nproc_per_node == 0 || layout.nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be at least 1");
+    }
+    if layout.node_rank >= layout.nnodes {
+        bail!(
+            "--node-rank {} is not below --nnodes {}",
+            layout.node_rank,
+            layout.nnodes
+        );
+    }
+    Ok(())
+}
+
+/// The host of rank 0 (and of an elastic job's launcher store): `--master-addr`, or loopback
+/// on a single node.
+fn master_addr(layout: &NodeLayout) -> Result<String> {
+    match (&layout.master_addr, layout.nnodes) {
+        (Some(a), _) => Ok(a.clone()),
+        (None, 1) => Ok("127.0.0.1".to_string()),
+        (None, n) => bail!("--master-addr is required with --nnodes {n}"),
+    }
+}
+
+/// One round of this node's rank processes: global ranks `first_rank..first_rank + nproc` of a
+/// job of `world`, meeting at rank 0's store on `addr:port` with `token` (derived by the ranks
+/// when `None`); with `devices`, local rank `i` gets `CUDA_VISIBLE_DEVICES=devices[i]`.
+pub(crate) struct Round {
+    pub first_rank: usize,
+    pub nproc: usize,
+    pub world: usize,
+    pub addr: String,
+    pub port: u16,
+    pub token: Option<String>,
+    pub devices: Option<Vec<String>>,
+}
+
+/// Starts `round`'s rank processes running `args` and supervises them to the end; when `stop`
+/// returns true they are asked to finish their step, save and stop (SIGTERM).
+pub(crate) fn start_ranks(
+    round: &Round,
+    args: &[OsString],
+    grace: Duration,
+    flight: &std::path::Path,
+    stop: &mut dyn FnMut() -> bool,
+) -> Result<()> {
+    let (n, world) = (round.nproc, round.world);
     let exe = std::env::current_exe().context("locating the pretrain binary")?;
     crate::train::signals::install()?;
     crate::train::flight::install_usr1()?;
     let launcher_pid = std::process::id() as libc::pid_t;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);
     for local in 0..n {
-        let rank = node_rank * n + local;
+        let rank = round.first_rank + local;
         let mut cmd = Command::new(&exe);
         cmd.process_group(0);
         // SAFETY: only async-signal-safe calls (prctl, getppid) run between fork and exec.
@@ -185,15 +225,15 @@ fn spawn_round(
         cmd.args(args)
             .env("PRETRAIN_LAUNCHED", "1")
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", (n * nnodes).to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", &addr)
-            .env("MASTER_PORT", port.to_string());
-        if let Some(t) = &token {
+            .env("MASTER_ADDR", &round.addr)
+            .env("MASTER_PORT", round.port.to_string());
+        if let Some(t) = &round.token {
             cmd.env(TOKEN_VAR, t);
         }
-        if let Some(d) = devices.as_ref().and_then(|d| d.get(local)) {
+        if let Some(d) = round.devices.as_ref().and_then(|d| d.get(local)) {
             cmd.env("CUDA_VISIBLE_DEVICES", d);
         }
         let spawned = cmd.spawn();
@@ -208,7 +248,7 @@ fn spawn_round(
             }
         }
     }
-    supervise(children, grace, (flight, world))
+    supervise(children, grace, (flight, world), stop)
 }
 
 /// The port of this job's rendezvous store: `PRETRAIN_STORE_PORT` if set; under torchrun, whose

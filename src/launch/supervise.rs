@@ -13,11 +13,13 @@ use super::{PEER_FAILED_EXIT, TIMED_OUT_EXIT};
 /// them. The error names the root cause: the first failed rank that did not merely follow
 /// another's failure (exit status [`PEER_FAILED_EXIT`]). The flight records of the job's `world`
 /// ranks in `flight` say what the ranks were waiting in: logged at each SIGUSR1, and when the
-/// job fails with a rank waiting in some operation.
+/// job fails with a rank waiting in some operation. When `stop` returns true (an elastic job's
+/// membership changes) the ranks are asked to stop as a stop signal asks them (SIGTERM).
 pub(super) fn supervise(
     mut children: Vec<(usize, Child)>,
     grace: Duration,
     (flight, world): (&Path, usize),
+    stop: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
     let mut usr1 = crate::train::flight::usr1_count();
     // A rank that received a stop signal (through this launcher or directly) saves and exits
@@ -33,7 +35,8 @@ pub(super) fn supervise(
     let mut deadline: Option<Instant> = None;
     let mut forwarded: Option<i32> = None;
     while !children.is_empty() {
-        if let (None, Some(sig)) = (forwarded, crate::train::signals::pending()) {
+        let asked = crate::train::signals::pending().or_else(|| stop().then_some(libc::SIGTERM));
+        if let (None, Some(sig)) = (forwarded, asked) {
             tracing::warn!(
                 "{}: asking the ranks to finish their step, save and stop",
                 crate::train::signals::name(sig)
@@ -119,9 +122,13 @@ pub(super) fn supervise(
         }
     }
     let hung_root = root.is_some_and(|r| hung.iter().any(|h| h.0 == r.0));
+    // Whether the root failed (or hung) itself, or every rank here only followed a failure
+    // elsewhere (another node's rank, in a job across nodes).
+    let own = root.is_some_and(|(_, s)| hung_root || !secondary(s));
     match root {
         Some((rank, _)) if hung_root => Err(JobFailed {
             rank: *rank,
+            own,
             message: format!(
                 "rank {rank} hung: still running {:.0} s after the others stopped (they timed \
                  out waiting for it or followed), so it was killed",
@@ -131,11 +138,13 @@ pub(super) fn supervise(
         .into()),
         Some((rank, status)) if status.code().is_some() => Err(JobFailed {
             rank: *rank,
+            own,
             message: format!("rank {rank} failed ({status}); see its error above"),
         }
         .into()),
         Some((rank, status)) => Err(JobFailed {
             rank: *rank,
+            own,
             message: format!(
                 "rank {rank} was killed ({status}) without reporting an error (out of memory? \
                  see the kernel log)"
@@ -152,6 +161,9 @@ pub(super) fn supervise(
 pub struct JobFailed {
     /// The rank.
     pub rank: usize,
+    /// Whether it failed or hung itself; false when it only stopped because a rank elsewhere
+    /// failed (a peer's failure, or a timeout waiting for one).
+    pub own: bool,
     /// What happened to it.
     pub message: String,
 }

@@ -96,6 +96,16 @@ impl Job {
         unsafe { libc::kill(pid as i32, signal) };
     }
 
+    /// Kills the launcher and its rank processes at once (SIGKILL), as a node that dies.
+    pub fn kill_all(&self) {
+        let parent = self.child.id();
+        let children: Vec<u32> = (0..64).filter_map(|r| rank_pid(parent, r)).collect();
+        for pid in children.into_iter().chain([parent]) {
+            // SAFETY: kill(2) on the launcher this test started and its rank processes.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+
     /// Reads the rest of the output and waits for the launcher.
     pub fn finish(mut self) -> (ExitStatus, String) {
         while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(120)) {

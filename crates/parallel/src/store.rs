@@ -5,7 +5,8 @@
 //!
 //! Wire format (little-endian): a frame is `u32 length` + bytes. A client's first frame is the
 //! token. Requests: `b'S' u16 key_len key value` (set), `b'G' u16 key_len key` (get, waits until
-//! the key exists), `b'A' u16 key_len key i64` (add, returns the new value). Replies: `b'O'` +
+//! the key exists), `b'T' u16 key_len key` (try-get: `1` + the value, or `0` at once when the key
+//! is absent), `b'A' u16 key_len key i64` (add, returns the new value). Replies: `b'O'` +
 //! payload, or `b'E'` + a UTF-8 message.
 
 use std::collections::HashMap;
@@ -230,6 +231,10 @@ fn handle(req: &[u8], shared: &Shared, timeout: Duration) -> Vec<u8> {
                     .0;
             }
         }
+        b'T' => match map.get(key) {
+            Some(v) => [b"O\x01".as_slice(), v].concat(),
+            None => b"O\x00".to_vec(),
+        },
         b'A' => {
             let Ok(delta) = <[u8; 8]>::try_from(rest).map(i64::from_le_bytes) else {
                 return err("malformed add");
@@ -350,6 +355,15 @@ impl Store {
     /// The value of `key`, waiting until some process sets it (bounded by the server's timeout).
     pub fn get(&mut self, key: &str) -> Result<Vec<u8>, StoreError> {
         self.call(&format!("get {key:?}"), &Self::request(b'G', key, &[]))
+    }
+
+    /// The value of `key` if some process has set it, without waiting.
+    pub fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let v = self.call(&format!("try-get {key:?}"), &Self::request(b'T', key, &[]))?;
+        Ok(match v.split_first() {
+            Some((1, value)) => Some(value.to_vec()),
+            _ => None,
+        })
     }
 
     /// Adds `delta` to the integer at `key` (0 when absent) and returns the new value.

@@ -33,6 +33,13 @@ fn threads_exchange_values_and_meet_at_a_barrier() {
     });
     let mut st = Store::connect(&addr, TOKEN, Duration::from_secs(5)).unwrap();
     assert_eq!(st.add("end/count", 0).unwrap(), world as i64);
+    // try-get answers at once, whether the key is there or not (an empty value is a value).
+    let t = Instant::now();
+    assert_eq!(st.try_get("absent").unwrap(), None);
+    assert_eq!(st.try_get("id/2").unwrap(), Some(b"rank-2".to_vec()));
+    st.set("empty", b"").unwrap();
+    assert_eq!(st.try_get("empty").unwrap(), Some(vec![]));
+    assert!(t.elapsed() < Duration::from_secs(5));
 }
 
 #[test]
