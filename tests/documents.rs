@@ -222,3 +222,54 @@ fn the_flags_validate_on_every_device() {
         pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &[set.to_string()]).unwrap();
     }
 }
+
+/// The planner counts the attention a document mask keeps: `data::attention_share` over the
+/// run's samples (what `pretrain plan` measures) equals the share the trainer logs at its steps,
+/// and with it the predicted compute time drops and the TFLOP/s count only the work done.
+#[test]
+fn the_planner_counts_the_attention_the_mask_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = short_documents(dir.path());
+    let set = [
+        "train.steps=3,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,\
+         train.micro_batch=4"
+            .to_string(),
+        docs,
+    ];
+    let r = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &set).unwrap();
+    let logged: Vec<f64> = pretrain::train::train(r.clone(), false)
+        .unwrap()
+        .records
+        .iter()
+        .map(|s| s.attention_share.unwrap())
+        .collect();
+    let t = &r.train;
+    let data = data::GptData::open(
+        &r.data,
+        Path::new("."),
+        data::Split::Train,
+        t.seq_len,
+        t.seed,
+        (t.steps * t.global_batch) as u64,
+    )
+    .unwrap();
+    let measured = data::attention_share(&data, 4096).unwrap();
+    // Every step has the same number of causal pairs, so the run's share is their mean.
+    let mean = logged.iter().sum::<f64>() / logged.len() as f64;
+    assert!((measured - mean).abs() < 1e-12, "{measured} vs {logged:?}");
+    assert!(measured < 0.9, "short documents keep few pairs: {measured}");
+
+    let hw = pretrain::plan::GpuPreset::H100.hardware();
+    let causal = pretrain::plan::plan(&r, &hw).unwrap();
+    assert_eq!(causal.attention_share, 1.0, "unmeasured: planned as causal");
+    let mut rm = r.clone();
+    rm.data.attention_share = Some(measured);
+    let masked = pretrain::plan::plan(&rm, &hw).unwrap();
+    assert_eq!(masked.attention_share, measured);
+    assert!(masked.step_time.compute_s < causal.step_time.compute_s);
+    let s = t.seq_len;
+    let work = r.model.flops_per_token(s) - r.model.attention_flops_per_token(s) * (1.0 - measured);
+    let tokens = (t.global_batch * s) as f64;
+    let want = tokens * work / masked.step_time_s / 1e12;
+    assert!((masked.tflops_per_gpu - want).abs() < 1e-9 * want);
+}

@@ -179,8 +179,11 @@ pub struct Plan {
     pub step_time_s: f64,
     /// Training tokens per second over all GPUs.
     pub tokens_per_s: f64,
-    /// Model TFLOP/s per GPU (`LlamaConfig::flops_per_token`, recomputation not counted).
+    /// Model TFLOP/s per GPU (`LlamaConfig::flops_per_token`, recomputation not counted, the
+    /// attention a document mask skips not counted).
     pub tflops_per_gpu: f64,
+    /// The share of the causal attention pairs computed ([`time::attention_share`]).
+    pub attention_share: f64,
     /// Model FLOPs utilisation.
     pub mfu: f64,
     /// Pipeline bubble as a fraction of the pipeline phase.
@@ -235,8 +238,11 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
     let headroom_bytes = hw.headroom_bytes(&communicators);
     let world = r.parallel.world_size() as f64;
     let tokens = (r.train.global_batch * r.train.seq_len) as f64;
-    let tflops =
-        tokens * r.model.flops_per_token(r.train.seq_len) / step_time.step_s / world / 1e12;
+    // The work done: the attention a document mask skips is not counted (as the trainer's
+    // TFLOP/s and MFU do not count it).
+    let s = r.train.seq_len;
+    let skipped = r.model.attention_flops_per_token(s) * (1.0 - time::attention_share(r));
+    let tflops = tokens * (r.model.flops_per_token(s) - skipped) / step_time.step_s / world / 1e12;
     Ok(Plan {
         layout: Layout::of(r),
         memory_bytes: most.bytes,
@@ -248,6 +254,7 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
         step_time_s: step_time.step_s,
         tokens_per_s: tokens / step_time.step_s,
         tflops_per_gpu: tflops,
+        attention_share: time::attention_share(r),
         mfu: tflops / hw.peak_tflops,
         bubble,
         pipeline_layout: r.parallel.pipeline_layout.clone(),

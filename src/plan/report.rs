@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::{candidates, cheapest_fit, plan, GpuPreset, Hardware, MemoryBytes, Plan, GIB};
 use crate::cli::RecipeArgs;
-use crate::recipe::MAX_RANKS;
+use crate::recipe::{Recipe, MAX_RANKS};
 
 /// Arguments of `pretrain plan`.
 #[derive(Debug, Args)]
@@ -197,6 +197,12 @@ fn print_plan(p: &Plan, hw: &Hardware) {
         p.tflops_per_gpu,
         100.0 * p.mfu
     );
+    if p.attention_share < 1.0 {
+        println!(
+            "attention: the document mask keeps {:.1}% of the causal pairs (the work counted)",
+            100.0 * p.attention_share
+        );
+    }
     if let Some(b) = &p.balanced {
         let layers = b.pipeline_layout.as_deref().unwrap_or_default();
         println!(
@@ -209,9 +215,47 @@ fn print_plan(p: &Plan, hw: &Hardware) {
     }
 }
 
+/// Samples of the training data `pretrain plan` reads to measure the attention a document
+/// mask keeps (every sample of a shorter run).
+const ATTENTION_SAMPLES: u64 = 4096;
+
+/// `r` with `data.attention_share` measured on its training data when a document mask is on
+/// and the recipe does not give it; a recipe whose data cannot be opened here is planned with
+/// causal attention, and stderr says so.
+fn with_attention_share(mut r: Recipe) -> Recipe {
+    let d = &r.data;
+    if !d.reset_attention_mask || d.attention_share.is_some() {
+        return r;
+    }
+    let t = &r.train;
+    let measured = data::GptData::open(
+        d,
+        std::path::Path::new("."),
+        data::Split::Train,
+        t.seq_len,
+        t.seed,
+        (t.steps * t.global_batch) as u64,
+    )
+    .and_then(|g| data::attention_share(&g, ATTENTION_SAMPLES).map(|a| (a, g.num_samples())));
+    match measured {
+        Ok((a, n)) => {
+            eprintln!(
+                "data.attention_share: {a:.4}, measured on {} of the run's {n} training samples",
+                n.min(ATTENTION_SAMPLES)
+            );
+            r.data.attention_share = Some(a);
+        }
+        Err(e) => eprintln!(
+            "data.attention_share: cannot measure it ({e}); attention planned as causal (set \
+             it to plan with documents kept apart)"
+        ),
+    }
+    r
+}
+
 /// Runs `pretrain plan`.
 pub fn run(args: &PlanArgs) -> Result<()> {
-    let r = args.recipe.load()?;
+    let r = with_attention_share(args.recipe.load()?);
     let hw = args.hardware()?;
     let own = plan(&r, &hw).map_err(anyhow::Error::msg)?;
     let ranked = match args.gpus {

@@ -63,6 +63,8 @@ struct Model<'a> {
     ns: f64,
     b: f64,
     s: f64,
+    /// The share of the causal attention pairs computed (below 1 with a document mask).
+    attn_share: f64,
     t: f64,
     p: f64,
     /// Bandwidth of the tensor-parallel group, bytes/s.
@@ -141,9 +143,10 @@ impl Model<'_> {
             }
         };
         let gemms = self.gemm(n, (q + 2.0 * kv) / t, h) + self.gemm(n, h, q / t) + mlp_gemms;
-        // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads, split evenly over the
-        // context-parallel ranks by the load-balanced chunks.
-        let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp;
+        // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads (the share of it a
+        // document mask keeps), split evenly over the context-parallel ranks by the
+        // load-balanced chunks.
+        let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp * self.attn_share;
         let attn = attn_flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
         let kv_bytes = 2.0 * n * kv / t * p;
         let (ring_fwd, ring_bwd) = Context::ring_s(self.cp, kv_bytes, p, self.cp_bw, attn);
@@ -273,6 +276,16 @@ fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, shard_bw
     compute + gather + exchange
 }
 
+/// The share of the causal attention pairs `r`'s steps compute: `data.attention_share` with
+/// a document mask (measured by `pretrain plan` from the data when unset there; causal
+/// otherwise), 1 without.
+pub fn attention_share(r: &Recipe) -> f64 {
+    match (r.data.reset_attention_mask, r.data.attention_share) {
+        (true, Some(a)) => a,
+        _ => 1.0,
+    }
+}
+
 /// Bandwidth in bytes/s of a group of `size` ranks spaced `stride` apart.
 fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
     let gbps = if size * stride <= hw.gpus_per_node {
@@ -300,6 +313,7 @@ fn model_of<'a>(r: &'a Recipe, hw: &'a Hardware) -> Model<'a> {
         },
         b: tr.micro_batch as f64,
         s: tr.seq_len as f64,
+        attn_share: attention_share(r),
         t: tp as f64,
         p,
         tp_bw: group_bandwidth(hw, tp, 1),

@@ -62,6 +62,11 @@ pub struct DataConfig {
     /// `--reset-position-ids`.
     #[serde(default)]
     pub reset_position_ids: bool,
+    /// With `reset_attention_mask`: the share of the causal mask's (query, key) pairs the
+    /// document mask keeps, for the planner's step time and TFLOP/s. Unset (the default),
+    /// `pretrain plan` measures it on the training data; set it to plan without the data.
+    #[serde(default)]
+    pub attention_share: Option<f64>,
 }
 
 impl DataConfig {
@@ -102,6 +107,20 @@ impl DataConfig {
             return Err(DataError::config("data.tokenizer", "must not be empty"));
         }
         SplitWeights::parse(&self.split, "data.split")?;
+        if let Some(a) = self.attention_share {
+            if !(a.is_finite() && a > 0.0 && a <= 1.0) {
+                return Err(DataError::config(
+                    "data.attention_share",
+                    format!("must be in (0, 1], found {a}"),
+                ));
+            }
+            if !self.reset_attention_mask {
+                return Err(DataError::config(
+                    "data.attention_share",
+                    "applies only with data.reset_attention_mask: true",
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -121,6 +140,7 @@ mod tests {
             eod_mask_loss: false,
             reset_attention_mask: false,
             reset_position_ids: false,
+            attention_share: None,
         }
     }
 
@@ -170,5 +190,19 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("data.tokenizer:"));
+        let mut c = cfg();
+        c.attention_share = Some(0.5);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("only with data.reset_attention_mask"), "{e}");
+        c.reset_attention_mask = true;
+        assert!(c.validate().is_ok());
+        for bad in [0.0, 1.5, f64::NAN] {
+            c.attention_share = Some(bad);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(
+                e.starts_with("data.attention_share: must be in (0, 1]"),
+                "{e}"
+            );
+        }
     }
 }

@@ -26,7 +26,7 @@ pub use blend::BlendIndex;
 pub use config::{DataConfig, DatasetSpec};
 pub use error::{DataError, Result};
 pub use indexed::{DType, IndexedDatasetWriter};
-pub use loader::{document_starts, micro_batch_indices, Batch, GptData, Split};
+pub use loader::{attention_share, document_starts, micro_batch_indices, Batch, GptData, Split};
 pub use preprocess::{preprocess, PreprocessOptions, PreprocessSummary, WrittenDataset};
 pub use reader::IndexedDataset;
 pub use sample_index::SampleIndex;

@@ -77,6 +77,27 @@ pub fn document_starts(tokens: &[u32], seq_len: usize, eod: u32) -> Vec<u32> {
     starts
 }
 
+/// The share of the causal mask's (query, key) pairs a document mask keeps over `samples`
+/// global samples spread evenly over `data` (all of them when there are fewer): the pairs of a
+/// position are those from its document's start to itself.
+pub fn attention_share(data: &GptData, samples: u64) -> Result<f64> {
+    let n = data.num_samples();
+    let take = samples.min(n).max(1);
+    let (s, eod) = (data.seq_len(), data.eod_id());
+    let (mut kept, mut causal) = (0f64, 0f64);
+    for i in 0..take {
+        let sample = data.sample(i * n / take)?;
+        let starts = document_starts(&sample[..s], s, eod);
+        kept += starts
+            .iter()
+            .enumerate()
+            .map(|(p, &st)| (p as u64 + 1 - st as u64) as f64)
+            .sum::<f64>();
+        causal += (s * (s + 1) / 2) as f64;
+    }
+    Ok(if causal > 0.0 { kept / causal } else { 1.0 })
+}
+
 struct Part {
     dataset: IndexedDataset,
     index: SampleIndex,

@@ -54,6 +54,7 @@ impl Fixture {
             eod_mask_loss: false,
             reset_attention_mask: false,
             reset_position_ids: false,
+            attention_share: None,
         }
     }
 

@@ -65,6 +65,7 @@ fn bundled_corpus_end_to_end() {
         eod_mask_loss: false,
         reset_attention_mask: false,
         reset_position_ids: false,
+        attention_share: None,
     };
     let train = GptData::open(&cfg, tmp.path(), Split::Train, 256, 1234, 10_000).unwrap();
     let valid = GptData::open(&cfg, tmp.path(), Split::Valid, 256, 1234, 100).unwrap();
