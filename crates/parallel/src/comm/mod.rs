@@ -3,6 +3,8 @@
 
 pub(crate) mod collective;
 pub mod failure;
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) mod flat;
 pub mod flight;
 pub mod local;
 #[cfg(feature = "nccl")]

@@ -1,10 +1,7 @@
-//! Pure helpers of the `nccl` backend: which communicator serves a call, the store keys of its
-//! rendezvous, and the axis moves that turn NCCL's flat, member-major buffers into concatenations
-//! and chunks along any dimension.
+//! Pure helpers of the `nccl` backend: which communicator serves a call and the store keys of
+//! its rendezvous (the axis moves around its flat buffers are `comm::flat`).
 
 use std::fmt;
-
-use candle_core::{Result, Tensor};
 
 use crate::comm::Group;
 
@@ -110,57 +107,9 @@ impl AbortKeys {
     }
 }
 
-/// Axis order turning the gathered buffer `[n, d0, …, d(r-1)]` into
-/// `[d0, …, d(dim-1), n, d(dim), …]`, whose merge of `n` and `d(dim)` is the concatenation along
-/// `dim` in member order.
-pub(super) fn gather_order(rank: usize, dim: usize) -> Vec<usize> {
-    (1..=dim).chain([0]).chain(dim + 1..=rank).collect()
-}
-
-/// Axis order turning `[d0, …, d(dim-1), n, d(dim)/n, …]` into `[n, d0, …]`: member `i`'s chunk
-/// becomes the `i`-th contiguous block, as NCCL's reduce-scatter expects.
-pub(super) fn scatter_order(rank: usize, dim: usize) -> Vec<usize> {
-    [dim]
-        .into_iter()
-        .chain(0..dim)
-        .chain(dim + 1..=rank)
-        .collect()
-}
-
-/// The concatenation along `dim` of `n` members' tensors of shape `dims`, from NCCL's flat
-/// all-gather buffer (member-major).
-pub(super) fn gathered(flat: &Tensor, dims: &[usize], n: usize, dim: usize) -> Result<Tensor> {
-    let stacked: Vec<usize> = [n].into_iter().chain(dims.iter().copied()).collect();
-    let mut out = dims.to_vec();
-    out[dim] *= n;
-    let x = flat.reshape(stacked)?;
-    if dim == 0 {
-        return x.reshape(out);
-    }
-    x.permute(gather_order(dims.len(), dim))?
-        .contiguous()?
-        .reshape(out)
-}
-
-/// `t` rearranged so that its `n` chunks along `dim` are contiguous blocks in chunk order (the
-/// input layout of NCCL's reduce-scatter). `t.dims()[dim]` must be a multiple of `n`.
-pub(super) fn scatter_input(t: &Tensor, n: usize, dim: usize) -> Result<Tensor> {
-    let dims = t.dims();
-    if dim == 0 {
-        return t.contiguous();
-    }
-    let mut split = dims[..dim].to_vec();
-    split.extend([n, dims[dim] / n]);
-    split.extend(&dims[dim + 1..]);
-    t.reshape(split)?
-        .permute(scatter_order(dims.len(), dim))?
-        .contiguous()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, IndexOp};
 
     #[test]
     fn keys_name_the_group_or_direction() {
@@ -182,81 +131,5 @@ mod tests {
             "nccl/2/abort/count"
         );
         assert_eq!(instance_key(1), "nccl/instance/1");
-    }
-
-    #[test]
-    fn orders_are_inverse_permutations() {
-        assert_eq!(gather_order(2, 1), vec![1, 0, 2]);
-        assert_eq!(gather_order(3, 2), vec![1, 2, 0, 3]);
-        assert_eq!(scatter_order(3, 2), vec![2, 0, 1, 3]);
-        for rank in 1..5 {
-            for dim in 0..rank {
-                let (g, s) = (gather_order(rank, dim), scatter_order(rank, dim));
-                let composed: Vec<usize> = g.iter().map(|&i| s[i]).collect();
-                assert_eq!(
-                    composed,
-                    (0..=rank).collect::<Vec<_>>(),
-                    "rank {rank} dim {dim}"
-                );
-            }
-        }
-    }
-
-    fn member(i: usize, dims: &[usize]) -> Tensor {
-        let n: usize = dims.iter().product();
-        let base = (i * 1000) as f32;
-        Tensor::arange(base, base + n as f32, &Device::Cpu)
-            .and_then(|t| t.reshape(dims))
-            .expect("tensor")
-    }
-
-    /// NCCL's all-gather buffer is the members' flat tensors back to back.
-    #[test]
-    fn gathered_equals_concatenation() {
-        let dims = [2, 3, 4];
-        let members: Vec<Tensor> = (0..3).map(|i| member(i, &dims)).collect();
-        let flats: Vec<Tensor> = members
-            .iter()
-            .map(|t| t.flatten_all().expect("flat"))
-            .collect();
-        let flat = Tensor::cat(&flats, 0).expect("cat");
-        for dim in 0..dims.len() {
-            let got = gathered(&flat, &dims, 3, dim).expect("gathered");
-            let want = Tensor::cat(&members, dim).expect("cat");
-            let diff = (got - want).expect("sub").abs().expect("abs");
-            let diff = diff
-                .sum_all()
-                .expect("sum")
-                .to_scalar::<f32>()
-                .expect("scalar");
-            assert_eq!(diff, 0.0, "dim {dim}");
-        }
-    }
-
-    /// NCCL's reduce-scatter gives member `i` the `i`-th contiguous block of the (summed) input.
-    #[test]
-    fn scatter_blocks_are_chunks() {
-        let t = member(1, &[4, 6, 2]);
-        for dim in 0..3 {
-            let n = 2;
-            let arranged = scatter_input(&t, n, dim).expect("arranged").flatten_all();
-            let arranged = arranged.expect("flat");
-            let block = t.elem_count() / n;
-            for i in 0..n {
-                let mut dims = t.dims().to_vec();
-                dims[dim] /= n;
-                let got = arranged.i(i * block..(i + 1) * block).expect("block");
-                let got = got.reshape(dims).expect("reshape");
-                let want = t.narrow(dim, i * t.dims()[dim] / n, t.dims()[dim] / n);
-                let want = want.expect("narrow").to_dtype(DType::F32).expect("dtype");
-                let diff = (got - want).expect("sub").abs().expect("abs");
-                let diff = diff
-                    .sum_all()
-                    .expect("sum")
-                    .to_scalar::<f32>()
-                    .expect("scalar");
-                assert_eq!(diff, 0.0, "dim {dim} chunk {i}");
-            }
-        }
     }
 }

@@ -6,10 +6,11 @@ use std::time::Instant;
 use candle_core::cuda::cudarc::nccl::{result as nc, sys};
 use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 
-use super::layout::{gathered, scatter_input, CommKey};
+use super::layout::CommKey;
 use super::raw::{cuda_err, device_addr};
 use super::state::PendingOp;
 use super::{fresh, NcclComm, Order};
+use crate::comm::flat::{gathered, scatter_input};
 use crate::comm::{all_to_all_p2p, check_all_to_all, Group, ReduceOp};
 
 /// The collectives; `copy_single`: answer single-member groups with a copy, without NCCL.
