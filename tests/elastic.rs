@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use pretrain::launch::elastic::relayout;
+use pretrain::launch::elastic::{relayout, Relayout};
 use pretrain::recipe::load;
 
 mod common;
@@ -29,6 +29,38 @@ fn records(dir: &Path) -> Vec<(u64, f64)> {
         .filter(|v| v.get("loss").is_some())
         .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
         .collect()
+}
+
+/// The losses of `set` with the layout `next` resumed from `run`'s checkpoint of step `from`,
+/// trained in this process (thread ranks train like processes, bit for bit).
+fn by_hand(set: &str, next: &Relayout, run: &Path, from: u64) -> Vec<f64> {
+    let ckpt = run.join(format!("checkpoints/step-{from:08}"));
+    let recipe = load(
+        Path::new("recipes/tiny.yaml"),
+        &[
+            set.to_string(),
+            next.overrides(),
+            format!("checkpoint.resume={}", ckpt.display()),
+        ],
+    )
+    .unwrap();
+    losses(recipe)
+}
+
+fn losses(recipe: pretrain::recipe::Recipe) -> Vec<f64> {
+    pretrain::train::train(recipe, false)
+        .unwrap()
+        .records
+        .iter()
+        .map(|r| r.loss)
+        .collect()
+}
+
+/// Each step of `got` within 1e-3 of the uninterrupted run of `recipe`.
+fn near_uninterrupted(got: &[(u64, f64)], recipe: pretrain::recipe::Recipe) {
+    for ((step, a), b) in got.iter().zip(&losses(recipe)) {
+        assert!((a - b).abs() / b < 1e-3, "step {step}: {a} vs {b}");
+    }
 }
 
 /// The launcher of a 4-rank job of the tiny recipe with `elastic` and SET, into `dir`.
@@ -76,38 +108,13 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
         log.contains("resuming from the checkpoint of step 2"),
         "{log}"
     );
-    let ckpt = run.join("checkpoints/step-00000002");
-    let by_hand = load(
-        Path::new("recipes/tiny.yaml"),
-        &[
-            SET.to_string(),
-            next.overrides(),
-            format!("checkpoint.resume={}", ckpt.display()),
-        ],
-    )
-    .unwrap();
-    let hand: Vec<f64> = pretrain::train::train(by_hand, false)
-        .unwrap()
-        .records
-        .iter()
-        .map(|r| r.loss)
-        .collect();
     let after: Vec<f64> = got[2..].iter().map(|r| r.1).collect();
     assert_eq!(
-        after, hand,
+        after,
+        by_hand(SET, &next, &run, 2),
         "the steps after the restart vs the same change by hand"
     );
-
-    // Within 1e-3 of the uninterrupted run.
-    let whole: Vec<f64> = pretrain::train::train(recipe, false)
-        .unwrap()
-        .records
-        .iter()
-        .map(|r| r.loss)
-        .collect();
-    for ((step, a), b) in got.iter().zip(&whole) {
-        assert!((a - b).abs() / b < 1e-3, "step {step}: {a} vs {b}");
-    }
+    near_uninterrupted(&got, recipe);
 }
 
 /// Below the minimum, or with no restarts left, the job ends with an error naming it; a minimum
@@ -257,7 +264,8 @@ fn a_lost_node_is_left_behind_and_joins_again() {
         "every step once:\n{log}"
     );
     // Each round equals the same layout change made by hand from the checkpoint it resumed
-    // from, as thread ranks, bit for bit: 2 ranks from the restart to the growth, 4 after it.
+    // from, as thread ranks, bit for bit: 2 ranks from the restart to the growth, 4 until the
+    // drain, 2 after it.
     let resumed: Vec<u64> = log
         .lines()
         .filter_map(|l| l.split("resuming from the checkpoint of step ").nth(1))
@@ -277,33 +285,10 @@ fn a_lost_node_is_left_behind_and_joins_again() {
         (&two, left_at, 40),
     ];
     for (next, from, to) in rounds {
-        let ckpt = run.join(format!("checkpoints/step-{from:08}"));
-        let by_hand = load(
-            Path::new("recipes/tiny.yaml"),
-            &[
-                set.clone(),
-                next.overrides(),
-                format!("checkpoint.resume={}", ckpt.display()),
-            ],
-        )
-        .unwrap();
-        let hand: Vec<f64> = pretrain::train::train(by_hand, false)
-            .unwrap()
-            .records
-            .iter()
-            .map(|r| r.loss)
-            .collect();
+        let hand = by_hand(&set, next, &run, from);
         let (a, b) = (from as usize, to as usize);
         let elastic: Vec<f64> = got[a..b].iter().map(|r| r.1).collect();
         assert_eq!(elastic, hand[..b - a], "steps {}..={to} by hand", from + 1);
     }
-    let whole: Vec<f64> = pretrain::train::train(base, false)
-        .unwrap()
-        .records
-        .iter()
-        .map(|r| r.loss)
-        .collect();
-    for ((step, a), b) in got.iter().zip(&whole) {
-        assert!((a - b).abs() / b < 1e-3, "step {step}: {a} vs {b}");
-    }
+    near_uninterrupted(&got, base);
 }

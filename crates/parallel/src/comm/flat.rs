@@ -85,6 +85,15 @@ mod tests {
             .expect("tensor")
     }
 
+    /// `Σ |a − b|`.
+    fn abs_sum(a: Tensor, b: Tensor) -> f32 {
+        let diff = (a - b).expect("sub").abs().expect("abs");
+        diff.sum_all()
+            .expect("sum")
+            .to_scalar::<f32>()
+            .expect("scalar")
+    }
+
     /// NCCL's all-gather buffer is the members' flat tensors back to back (also with leading
     /// size-1 axes, where no copy is made).
     #[test]
@@ -99,13 +108,7 @@ mod tests {
             for dim in 0..dims.len() {
                 let got = gathered(&flat, &dims, 3, dim).expect("gathered");
                 let want = Tensor::cat(&members, dim).expect("cat");
-                let diff = (got - want).expect("sub").abs().expect("abs");
-                let diff = diff
-                    .sum_all()
-                    .expect("sum")
-                    .to_scalar::<f32>()
-                    .expect("scalar");
-                assert_eq!(diff, 0.0, "{dims:?} dim {dim}");
+                assert_eq!(abs_sum(got, want), 0.0, "{dims:?} dim {dim}");
             }
         }
     }
@@ -131,13 +134,12 @@ mod tests {
                 let got = got.reshape(dims).expect("reshape");
                 let want = t.narrow(dim, i * t.dims()[dim] / n, t.dims()[dim] / n);
                 let want = want.expect("narrow").to_dtype(DType::F32).expect("dtype");
-                let diff = (got - want).expect("sub").abs().expect("abs");
-                let diff = diff
-                    .sum_all()
-                    .expect("sum")
-                    .to_scalar::<f32>()
-                    .expect("scalar");
-                assert_eq!(diff, 0.0, "{:?} dim {dim} chunk {i}", t.dims());
+                assert_eq!(
+                    abs_sum(got, want),
+                    0.0,
+                    "{:?} dim {dim} chunk {i}",
+                    t.dims()
+                );
             }
         }
     }
