@@ -91,28 +91,20 @@ fn column_then_row_parallel_equals_the_plain_layers() {
         for sp in [false, true] {
             run_local(n, Duration::from_secs(30), |rank, comm| -> Result<_> {
                 let tp = tp_of(comm, n, sp);
-                let (f, s) = (F / n, S / n);
-                // With sequence parallelism each rank starts from its sequence shard.
-                let x = if sp {
-                    rand(1, &[B, S, H]).narrow(1, rank * s, s)?
-                } else {
-                    rand(1, &[B, S, H])
-                };
+                let f = F / n;
+                // With sequence parallelism each rank starts from its share of the tokens.
+                let x = tp.token_share(&rand(1, &[B, S, H]))?;
                 let w1 = rand(2, &[F, H]).narrow(0, rank * f, f)?; // column shard
                 let w2 = rand(3, &[H, F]).narrow(1, rank * f, f)?; // row shard
                 let h = tp.enter(&x)?; // [b, s, h]
                 let a = linear(&h, &w1); // [b, s, f/tp]
                 let out = tp.exit(&linear(&a, &w2))?;
                 let r = rand(4, &[B, S, H]);
-                let (y_ref, r, dx_ref) = if sp {
-                    (
-                        y.narrow(1, rank * s, s)?,
-                        r.narrow(1, rank * s, s)?,
-                        dx.narrow(1, rank * s, s)?,
-                    )
-                } else {
-                    (y.clone(), r, dx.clone())
-                };
+                let (y_ref, r, dx_ref) = (
+                    tp.token_share(&y)?,
+                    tp.token_share(&r)?,
+                    tp.token_share(&dx)?,
+                );
                 let what = |t: &str| format!("tp={n} sp={sp} rank {rank}: {t}");
                 close(&out, &y_ref, &what("output"));
                 // The backward of `Σ out · r`, through the conjugate collectives.
@@ -172,12 +164,7 @@ fn vocab_parallel_embedding_equals_the_plain_lookup() {
                 let rows = v / n;
                 let ws = rand(7, &[v, h]).narrow(0, rank * rows, rows)?;
                 let (out, saved) = tp.embedding(&ids, &ws, rank * rows, LOOKUP)?;
-                let (e_ref, r_ref) = if sp && n > 1 {
-                    let s = 4 / n;
-                    (e.narrow(1, rank * s, s)?, r.narrow(1, rank * s, s)?)
-                } else {
-                    (e.clone(), r.clone())
-                };
+                let (e_ref, r_ref) = (tp.token_share(&e)?, tp.token_share(&r)?);
                 close(&out, &e_ref, "embedding output");
                 close(
                     &tp.embedding_bwd(&saved, &r_ref, LOOKUP)?,

@@ -1,7 +1,7 @@
 //! The axis moves around flat collective buffers (NCCL's, member-major): the concatenation
 //! along any dimension from an all-gather's buffer, and the chunks along any dimension laid out
-//! as a reduce-scatter's input. Along a dimension with only size-1 axes before it (sequence
-//! parallelism's `[1, s, h]` along `s`: a micro-batch of one) both are free.
+//! as a reduce-scatter's input. Along dimension 0 (sequence parallelism's token rows) or a
+//! dimension with only size-1 axes before it both are free.
 
 use candle_core::{Result, Tensor};
 
@@ -29,8 +29,8 @@ pub(crate) fn gathered(flat: &Tensor, dims: &[usize], n: usize, dim: usize) -> R
     let mut out = dims.to_vec();
     out[dim] *= n;
     let x = flat.reshape(stacked)?;
-    // With only size-1 axes before `dim` (a micro-batch of one, [1, s, h] along s) the member
-    // blocks already lie in concatenation order: no copy.
+    // With only size-1 axes before `dim` (dim 0 among them) the member blocks already lie in
+    // concatenation order: no copy.
     if dims[..dim].iter().product::<usize>() == 1 {
         return x.reshape(out);
     }

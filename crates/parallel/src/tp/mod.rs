@@ -109,8 +109,17 @@ pub(crate) fn local_vocab_ids(
     Ok((local, mask))
 }
 
-/// The dimension of `[b, s, h]` activations that sequence parallelism splits.
-pub const SEQ_DIM: usize = 1;
+/// Sequence parallelism splits the tokens of a micro-batch `[b, s, h]` as one flat list of
+/// `b · s` rows: rank `i` holds rows `[i, i + 1) · b · s / tp`, seen as `[b, s / tp, h]`. The ops
+/// between regions (norms, residuals, routers) are per token, so which tokens a rank holds does
+/// not matter to them, and every collective of the split is one flat buffer in member order: no
+/// layout copy around it, whatever the micro-batch (Megatron gets the same from its `[s, b, h]`
+/// layout). Splitting each sequence instead would make the all-gather of `[b, s/tp, h]` along
+/// `s` a permute and a copy on every backend for `b > 1`.
+fn token_rows(x: &Tensor) -> Result<Tensor> {
+    let h = x.dim(x.rank() - 1)?;
+    x.reshape((x.elem_count() / h.max(1), h))
+}
 
 impl TensorParallel {
     /// The tensor-parallel setup of a rank of `comm` in `group`.
@@ -139,12 +148,14 @@ impl TensorParallel {
     }
 
     /// Entry of a column-parallel region: the full `[b, s, h]` input every rank multiplies by its
-    /// column shard, all-gathered along the sequence from `[b, s/tp, h]` with sequence
-    /// parallelism, else `x` itself.
+    /// column shard, all-gathered from the ranks' `[b, s/tp, h]` token shares ([`token_rows`])
+    /// with sequence parallelism, else `x` itself.
     pub fn enter(&self, x: &Tensor) -> Result<Tensor> {
         if self.sequence_parallel && self.size() > 1 {
             let g = &self.group;
-            g.comm.all_gather(&g.group, x, SEQ_DIM)
+            let (b, s, h) = x.dims3()?;
+            let rows = g.comm.all_gather(&g.group, &token_rows(x)?, 0)?; // [b·s·tp, h]
+            rows.reshape((b, s * self.size(), h))
         } else {
             Ok(x.clone())
         }
@@ -157,13 +168,17 @@ impl TensorParallel {
         let g = &self.group;
         match (self.size(), self.sequence_parallel) {
             (1, _) => Ok(dy.clone()),
-            (_, true) => g.comm.reduce_scatter(&g.group, dy, SEQ_DIM),
+            (tp, true) => {
+                let (b, s, h) = dy.dims3()?;
+                let rows = g.comm.reduce_scatter(&g.group, &token_rows(dy)?, 0)?; // [b·s/tp, h]
+                rows.reshape((b, s / tp, h))
+            }
             (_, false) => g.comm.all_reduce(&g.group, dy, ReduceOp::Sum),
         }
     }
 
     /// Exit of a row-parallel region: the sum of the ranks' partial `[b, s, h]` results
-    /// (reduce-scattered along the sequence to `[b, s/tp, h]` with sequence parallelism).
+    /// (reduce-scattered to the ranks' `[b, s/tp, h]` token shares with sequence parallelism).
     pub fn exit(&self, y: &Tensor) -> Result<Tensor> {
         // The same collectives as `enter_grad`: a row-parallel exit sums what a column-parallel
         // entry's backward sums.
@@ -171,9 +186,23 @@ impl TensorParallel {
     }
 
     /// The gradient of [`TensorParallel::exit`]'s input from its output's `dy`: all-gathered
-    /// along the sequence with sequence parallelism, else `dy` itself.
+    /// from the token shares with sequence parallelism, else `dy` itself.
     pub fn exit_grad(&self, dy: &Tensor) -> Result<Tensor> {
         self.enter(dy)
+    }
+
+    /// This rank's share of the tokens of a whole `[b, s, h]` tensor between regions (its rows
+    /// of the flat token list, [`token_rows`]), `[b, s/tp, h]`; `x` itself without sequence
+    /// parallelism.
+    pub fn token_share(&self, x: &Tensor) -> Result<Tensor> {
+        if !self.splits_sequence() {
+            return Ok(x.clone());
+        }
+        let (b, s, h) = x.dims3()?;
+        let (tp, rows) = (self.size(), b * s / self.size());
+        token_rows(x)?
+            .narrow(0, self.index() * rows, rows)?
+            .reshape((b, s / tp, h))
     }
 
     /// Whether each rank holds only its share of the tokens between regions (sequence
