@@ -75,14 +75,16 @@ pub struct LaunchArgs {
     /// This node's index in the job (with --nproc-per-node).
     #[arg(long, default_value_t = 0, requires = "nproc_per_node")]
     pub node_rank: usize,
-    /// Host of rank 0's rendezvous store (default 127.0.0.1 on one node).
+    /// Host of rank 0's rendezvous store, node 0 (default 127.0.0.1 on one node).
     #[arg(long, requires = "nproc_per_node")]
     pub master_addr: Option<String>,
-    /// Port of the rendezvous store (default: a free port on one node, 29500 otherwise).
+    /// Port of the rendezvous store (default: a free port on one node, 29500 otherwise); with
+    /// --elastic the launchers' store, and rank 0's takes a free port each round.
     #[arg(long, requires = "nproc_per_node")]
     pub master_port: Option<u16>,
-    /// Restart the job on the ranks left when one fails: MIN[:MAX] ranks (one node), from the
-    /// newest checkpoint, on a layout the planner picks for them.
+    /// Restart the job on the ranks left when a rank or a node fails, and grow it back when a
+    /// node's launcher returns: MIN[:MAX] ranks, from the newest checkpoint, on a layout the
+    /// planner picks for them (every node's launcher takes the same flags).
     #[arg(long, requires = "nproc_per_node", value_parser = crate::launch::elastic::parse_range)]
     pub elastic: Option<(usize, Option<usize>)>,
     /// Restarts allowed with --elastic.
