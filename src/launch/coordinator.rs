@@ -104,7 +104,12 @@ impl<'a> Coordinator<'a> {
                 self.e.min
             ));
         }
-        let next = relayout(self.recipe, total, self.e.min);
+        // The planner's search only when the job can go on.
+        let next = plan
+            .error
+            .is_none()
+            .then(|| relayout(self.recipe, total, self.e.min))
+            .flatten();
         if plan.error.is_none() && next.is_none() {
             plan.error = Some(format!(
                 "{what}: no valid layout of the recipe fits {total} down to {} ranks",

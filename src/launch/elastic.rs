@@ -268,14 +268,9 @@ fn meet<'a>(
     recipe: &'a Recipe,
     e: Elastic,
 ) -> Result<(Agents, Option<Coordinator<'a>>)> {
-    let port = match (layout.master_port, layout.nnodes) {
-        (None | Some(0), 1) => 0,
-        (Some(0), _) => bail!("--master-port 0 cannot be used with several nodes"),
-        (Some(p), _) => p,
-        (None, _) => parallel::env::DEFAULT_PORT,
-    };
-    // Several nodes agree on a token without talking: PRETRAIN_JOB_TOKEN (or its file), else
-    // one derived from public values, with a warning; one node draws a secret.
+    let port = super::agreed_port(layout)?.unwrap_or(0); // 0: the store binds any free port
+                                                         // Several nodes agree on a token without talking: PRETRAIN_JOB_TOKEN (or its file), else
+                                                         // one derived from public values, with a warning; one node draws a secret.
     let token = if layout.nnodes == 1 {
         super::random_token()
     } else {

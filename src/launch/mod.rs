@@ -114,13 +114,9 @@ pub fn spawn_node(
         );
     }
     let addr = master_addr(layout)?;
-    let port = match (layout.master_port, nnodes) {
-        (None | Some(0), 1) => free_port()?,
-        (Some(0), _) => {
-            bail!("--master-port 0 cannot be used with several nodes: they must agree on one port")
-        }
-        (Some(p), _) => p,
-        (None, _) => DEFAULT_PORT,
+    let port = match agreed_port(layout)? {
+        Some(p) => p,
+        None => free_port()?,
     };
     // The store runs on node 0: a port already taken there fails now, naming the flag, instead
     // of rank 0 failing while the other ranks wait out their timeout.
@@ -165,6 +161,19 @@ fn check_layout(layout: &NodeLayout) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The rendezvous port the nodes agree on: `--master-port`, else 29500 across nodes; `None`
+/// on one node without it (any free port will do).
+fn agreed_port(layout: &NodeLayout) -> Result<Option<u16>> {
+    Ok(match (layout.master_port, layout.nnodes) {
+        (None | Some(0), 1) => None,
+        (Some(0), _) => {
+            bail!("--master-port 0 cannot be used with several nodes: they must agree on one port")
+        }
+        (Some(p), _) => Some(p),
+        (None, _) => Some(DEFAULT_PORT),
+    })
 }
 
 /// The host of rank 0 (and of an elastic job's launcher store): `--master-addr`, or loopback
