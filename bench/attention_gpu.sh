@@ -5,6 +5,8 @@
 #   b 2, s 2048, 32/4 heads, d 64, causal   (the 1B recipes)
 #   b 1, s 4096, 32/8 heads, d 128, causal
 #   b 1, 8192 queries against 8192 keys, 32/8 heads, d 128, unmasked (a context-parallel ring block)
+# and ours alone (torch's SDPA has no document mask) with documents kept apart:
+#   b 2, s 2048, 32/4 heads, d 64, documents of 256 and of 64 positions (a ragged batch on cuDNN)
 #
 #   bench/attention_gpu.sh [PRETRAIN_BINARY]
 #
@@ -27,7 +29,15 @@ SHAPES=(
   "--batch 1 --seq 4096 --heads 32 --kv-heads 8 --head-dim 128"
   "--batch 1 --seq 8192 --keys 8192 --heads 32 --kv-heads 8 --head-dim 128 --unmasked"
 )
+DOC_SHAPES=(
+  "--batch 2 --seq 2048 --heads 32 --kv-heads 4 --head-dim 64 --documents 256"
+  "--batch 2 --seq 2048 --heads 32 --kv-heads 4 --head-dim 64 --documents 64"
+)
 rc=0
+for i in "${!DOC_SHAPES[@]}"; do
+  # shellcheck disable=SC2086
+  "$BIN" bench-attention --device cuda ${DOC_SHAPES[i]} --iters "$ITERS" --json "$OUT/docs-$i.json" || rc=1
+done
 for i in "${!SHAPES[@]}"; do
   # shellcheck disable=SC2086
   "$BIN" bench-attention --device cuda ${SHAPES[i]} --iters "$ITERS" --json "$OUT/ours-$i.json" || rc=1

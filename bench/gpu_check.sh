@@ -18,8 +18,9 @@
 #   long      tiny-long (cp 4: ring attention over thread-ranks sharing the GPU) on CUDA in f32
 #             and bf16 (the ring's blocks on cuDNN) against the CPU (f32)
 #   documents the tiny recipe (60 steps) on the plays' paragraphs as short documents with
-#             data.reset_attention_mask and data.reset_position_ids (the attention kernels'
-#             document floor) on CUDA in f32, bf16 and at cp 2, against the CPU (f32)
+#             data.reset_attention_mask and data.reset_position_ids on CUDA in f32 (the project's
+#             kernels' document floor), bf16 (cuDNN's ragged batch of the documents), bf16 on
+#             the project's kernels, and at cp 2, against the CPU (f32) and each other
 #   muon      the tiny recipe (60 steps) with optimizer.name=muon (Newton-Schulz in bf16 on the
 #             GPU) in f32 and bf16 against the CPU (f32, f32 iteration), at dp 2 x tp 2 with
 #             ZeRO-1 against one rank, and 6 steps of bench-1b with Muon (opt= in its log)
@@ -265,10 +266,12 @@ for p in "${PARTS[@]}"; do
     documents)
       part docs-cuda-f32 tiny_run docs-cuda-f32 cuda f32 --set "$DOCS_SET"
       part docs-cuda-bf16 tiny_run docs-cuda-bf16 cuda bf16 --set "$DOCS_SET"
+      part docs-cuda-bf16-own tiny_run docs-cuda-bf16-own cuda bf16 --set "$DOCS_SET,train.attention=own"
       part docs-cuda-cp2 tiny_run docs-cuda-cp2 cuda f32 --set "$DOCS_SET,parallel.cp=2"
       cpu_wait docs-cpu
       part docs-f32-curve compare docs-cuda-f32 docs-cpu 1e-2
       part docs-bf16-curve compare docs-cuda-bf16 docs-cpu 3e-2
+      part docs-bf16-cudnn-vs-own compare docs-cuda-bf16 docs-cuda-bf16-own 3e-2
       part docs-cp2-curve compare docs-cuda-cp2 docs-cuda-f32 1e-3
       ;;
     muon)

@@ -19,7 +19,7 @@ fn cpu_selftest_passes_every_check() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("all 113 checks passed"), "{stdout}");
+    assert!(stdout.contains("all 118 checks passed"), "{stdout}");
     let checks: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Forward and backward of the six ops (attention at three head dims, cross-entropy at two
@@ -28,8 +28,9 @@ fn cpu_selftest_passes_every_check() {
     // comparisons (bf16; dp2 x tp2, cp2 and MoE ep2 thread-ranks), two rank processes over tcp,
     // and the 1B decoder block's output, input gradient and nine weight gradients in f32 and
     // bf16, through its forward and hand-written backward; attention in bf16 against f64 (causal
-    // and a ring block, each also with documents kept apart).
-    assert_eq!(checks.len(), 113);
+    // and a ring block, each also with documents kept apart; causal documents twice: up to 400
+    // positions and many short ones at the 7B head shape).
+    assert_eq!(checks.len(), 118);
     for c in &checks {
         let (e, t) = (
             c["error"].as_f64().unwrap(),
@@ -73,8 +74,9 @@ fn cuda_selftest_on_a_cpu_build_is_a_clear_error() {
     assert!(err.contains("built without the `cuda` feature"), "{err}");
 }
 
-/// `pretrain bench-attention` times the project's kernels on the CPU (causal and a ring block)
-/// and refuses what it cannot run, by name.
+/// `pretrain bench-attention` times the project's kernels on the CPU (causal, a ring block, and
+/// documents kept apart, whose FLOPs count only the pairs the mask keeps) and refuses what it
+/// cannot run, by name.
 #[test]
 fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
     let dir = tempfile::tempdir().unwrap();
@@ -103,7 +105,11 @@ fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
             .output()
             .unwrap()
     };
-    for extra in [&[][..], &["--keys", "96", "--unmasked"][..]] {
+    for extra in [
+        &[][..],
+        &["--keys", "96", "--unmasked"][..],
+        &["--documents", "16"][..],
+    ] {
         let mut extra = extra.to_vec();
         extra.extend(["--json", json.to_str().unwrap()]);
         let out = bench(&extra);
@@ -115,6 +121,24 @@ fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
         for key in ["fwd_ms", "bwd_ms", "tflops"] {
             assert!(rows[0][key].as_f64().unwrap() > 0.0, "{key}: {rows:?}");
         }
+        let flops =
+            rows[0]["fwd_tflops"].as_f64().unwrap() * rows[0]["fwd_ms"].as_f64().unwrap() * 1e9;
+        // 4 · b · h · d per (query, key) pair: 64 · 64 / 2 causal pairs, or 4 documents of 16.
+        let pairs = if extra.contains(&"--documents") {
+            assert!(rows[0]["shape"]
+                .as_str()
+                .unwrap()
+                .contains("documents of 16"));
+            4.0 * 16.0 * 16.0 / 2.0
+        } else if extra.contains(&"--unmasked") {
+            64.0 * 96.0
+        } else {
+            64.0 * 64.0 / 2.0
+        };
+        assert!(
+            (flops / (4.0 * 4.0 * 32.0 * pairs) - 1.0).abs() < 1e-6,
+            "{extra:?}: {flops}"
+        );
     }
     for (extra, needle) in [
         (
@@ -125,6 +149,11 @@ fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
         (
             &["--backend", "flash"][..],
             "unknown attention backend `flash`",
+        ),
+        (&["--documents", "0"][..], "--documents must be positive"),
+        (
+            &["--documents", "8", "--unmasked"][..],
+            "cannot be used with",
         ),
     ] {
         let out = bench(extra);

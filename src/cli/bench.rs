@@ -5,6 +5,8 @@
 //!
 //! FLOPs are counted as the flash-attention papers do: the forward's two products
 //! `4 · b · hq · s · sk · d`, halved under the causal mask; the backward 2.5 times the forward.
+//! With `--documents n` (documents of `n` positions packed into each row, kept apart) only the
+//! work the mask leaves counts: `s²` becomes the sum of the documents' squared lengths.
 
 use std::time::Instant;
 
@@ -48,6 +50,10 @@ pub struct AttentionArgs {
     /// Every query sees every key (a ring block) instead of the causal mask.
     #[arg(long)]
     pub unmasked: bool,
+    /// Documents of this many positions packed into each row and kept apart (the causal
+    /// document mask of `data.reset_attention_mask`; the last one of a row may be shorter).
+    #[arg(long, conflicts_with = "unmasked")]
+    pub documents: Option<usize>,
     /// Timed calls per direction (after 3 warm-up calls).
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
@@ -71,12 +77,25 @@ pub struct AttentionTiming {
 
 /// The forward's FLOPs of `a` (the backward's are 2.5 times as many).
 fn forward_flops(a: &AttentionArgs, keys: usize) -> f64 {
-    let full = 4.0 * (a.batch * a.heads * a.seq * keys * a.head_dim) as f64;
+    let per_pair = 4.0 * (a.batch * a.heads * a.head_dim) as f64;
     if a.unmasked {
-        full
-    } else {
-        full / 2.0
+        return per_pair * (a.seq * keys) as f64;
     }
+    let pairs = match a.documents {
+        Some(n) => (0..a.seq)
+            .step_by(n)
+            .map(|at| (n.min(a.seq - at) as f64).powi(2))
+            .sum(),
+        None => (a.seq * a.seq) as f64,
+    };
+    per_pair * pairs / 2.0
+}
+
+/// With `--documents n`: each query row's first key (its document's start), `[b · s]`.
+fn document_floor(a: &AttentionArgs) -> Option<Vec<u32>> {
+    let n = a.documents?;
+    let row = (0..a.seq).map(|i| (i - i % n) as u32);
+    Some((0..a.batch).flat_map(|_| row.clone()).collect())
 }
 
 /// Runs the benchmark and prints a line per backend.
@@ -87,6 +106,9 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
     }
     if a.iters == 0 {
         bail!("--iters must be positive");
+    }
+    if a.documents == Some(0) {
+        bail!("--documents must be positive");
     }
     let device = crate::device::device_for(a.device, 0)?;
     let backends = if a.backend.is_empty() {
@@ -115,9 +137,14 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
         a.heads,
         a.kv_heads,
         a.head_dim,
-        if a.unmasked { "unmasked" } else { "causal" },
+        match a.documents {
+            _ if a.unmasked => "unmasked".to_string(),
+            Some(n) => format!("documents of {n}"),
+            None => "causal".to_string(),
+        },
         a.dtype
     );
+    let floor = document_floor(a);
     let flops = forward_flops(a, keys);
     let mut out = Vec::new();
     for backend in backends {
@@ -130,14 +157,14 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
             Ok(if a.unmasked {
                 (kern.block)(&q, &k, &v, scale, false, None)?
             } else {
-                (kern.causal)(&q, &k, &v, scale, None)?
+                (kern.causal)(&q, &k, &v, scale, floor.as_deref())?
             })
         };
         let bwd = |(o, l): &(Tensor, Tensor)| -> Result<()> {
             if a.unmasked {
                 (kern.block_bwd)(&q, &k, &v, o, &dout, l, scale, false, None)?;
             } else {
-                (kern.causal_bwd)(&q, &k, &v, (o, l), &dout, scale, None)?;
+                (kern.causal_bwd)(&q, &k, &v, (o, l), &dout, scale, floor.as_deref())?;
             }
             Ok(())
         };

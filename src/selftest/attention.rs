@@ -5,7 +5,9 @@
 //! unmasked blocks of context-parallel ring attention with twice as many keys as queries (512 and
 //! 4096 queries); the forward's output and log-sum-exp, the backward's dq, dk and dv (from the f64
 //! reference's output and log-sum-exp, as the ring passes the merged ones); and both with
-//! documents kept apart (a document floor: calls that cuDNN leaves to the project's kernels). On
+//! documents kept apart (a document floor: causal calls run on cuDNN as a ragged batch of the
+//! documents, ring blocks on the project's kernels), documents from 1 to 400 positions and, at
+//! the 7B shape, many short ones (a graph batch of 256). On
 //! the CPU the shapes are scaled down and only the project's kernels run (a `cudnn` backend has
 //! no CPU kernels).
 
@@ -24,25 +26,28 @@ struct Case {
     hkv: usize,
     d: usize,
     causal: bool,
-    /// Documents kept apart: see [`Case::floor`].
-    documents: bool,
+    /// Documents kept apart, of up to this many positions (0: none): see [`Case::floor`].
+    documents: usize,
 }
 
 impl Case {
     fn name(&self) -> String {
         let mask = if self.causal { "causal" } else { "unmasked" };
-        let docs = if self.documents { " documents" } else { "" };
+        let docs = match self.documents {
+            0 => String::new(),
+            n => format!(" documents<={n}"),
+        };
         format!(
             "attention {mask}{docs} b{} s{} sk{} h{}/{} d{}",
             self.b, self.s, self.sk, self.hq, self.hkv, self.d
         )
     }
 
-    /// With documents: each query row's first key. Causal: documents of 1 to 400 positions
-    /// (lengths cycling with the row); unmasked (a ring block): floors rising through the keys
-    /// and stopping short of the last, so every row sees a key.
+    /// With documents: each query row's first key. Causal: documents of 1 to
+    /// [`Case::documents`] positions (lengths cycling with the row); unmasked (a ring block):
+    /// floors rising through the keys and stopping short of the last, so every row sees a key.
     fn floor(&self) -> Option<Vec<u32>> {
-        if !self.documents {
+        if self.documents == 0 {
             return None;
         }
         let mut f = Vec::with_capacity(self.b * self.s);
@@ -50,7 +55,7 @@ impl Case {
             let mut start = 0;
             for i in 0..self.s {
                 if self.causal {
-                    if i >= start + 1 + (i * 37 + bi * 101) % 400 {
+                    if i >= start + 1 + (i * 37 + bi * 101) % self.documents {
                         start = i;
                     }
                     f.push(start as u32);
@@ -72,12 +77,9 @@ fn cases(gpu: bool) -> Vec<Case> {
         hkv,
         d,
         causal,
-        documents: false,
+        documents: 0,
     };
-    let documents = |c: Case| Case {
-        documents: true,
-        ..c
-    };
+    let documents = |c: Case, n| Case { documents: n, ..c };
     if gpu {
         vec![
             case(2, 1024, 1024, 32, 4, 64, true),
@@ -87,15 +89,18 @@ fn cases(gpu: bool) -> Vec<Case> {
             case(1, 4096, 4096, 4, 4, 128, true),
             // A context-parallel ring block at production size: 4096 queries after 8192 keys.
             case(1, 4096, 8192, 8, 2, 128, false),
-            documents(case(2, 1024, 1024, 32, 4, 64, true)),
-            documents(case(1, 512, 1024, 16, 8, 128, false)),
+            documents(case(2, 1024, 1024, 32, 4, 64, true), 400),
+            // Many short documents at the 7B shape (about 200: a ragged graph of 256 on cuDNN).
+            documents(case(1, 4096, 4096, 4, 4, 128, true), 40),
+            documents(case(1, 512, 1024, 16, 8, 128, false), 400),
         ]
     } else {
         vec![
             case(1, 96, 96, 8, 2, 64, true),
             case(1, 48, 96, 8, 2, 64, false),
-            documents(case(2, 96, 96, 8, 2, 64, true)),
-            documents(case(1, 48, 96, 8, 2, 64, false)),
+            documents(case(2, 96, 96, 8, 2, 64, true), 400),
+            documents(case(1, 96, 96, 4, 4, 64, true), 10),
+            documents(case(1, 48, 96, 8, 2, 64, false), 400),
         ]
     }
 }
@@ -168,7 +173,23 @@ pub fn check_attention(device: &Device) -> Result<Vec<Check>> {
         let merged = (&reference[0], &reference[1]);
         for &backend in &backends {
             let dtype = DType::BF16;
+            let runs = ops::cudnn_runs();
             let got = run(&case, backend, (dtype, device), Some(merged))?;
+            if backend == AttentionBackend::Cudnn {
+                // Causal calls and unmasked ones without documents run on cuDNN (forward and
+                // backward); a ring block with documents runs the project's kernels.
+                let want = if case.causal || case.documents == 0 {
+                    2
+                } else {
+                    0
+                };
+                let ran = ops::cudnn_runs() - runs;
+                checks.push(Check {
+                    name: format!("{} ran {ran} of {want} calls on cuDNN", case.name()),
+                    error: ran.abs_diff(want) as f64,
+                    tolerance: 0.0,
+                });
+            }
             for (what, (g, r)) in ["output", "lse", "dq", "dk", "dv"]
                 .iter()
                 .zip(got.iter().zip(&reference))

@@ -8,7 +8,10 @@
 // model's [b, s, h, d] activations are read and written in place; the softmax statistics (the
 // natural log-sum-exp of each row's scaled scores, what the context-parallel ring merges by) are
 // [b, hq, sq, 1] f32, contiguous. Grouped-query attention passes fewer key/value heads than query
-// heads. The shim keeps no state besides the library handle: the caller creates a cuDNN handle
+// heads. A ragged description (documents kept apart, `src/ops/sdpa_ragged.rs`) is a batch of
+// sequences packed one after another: each run reads their lengths (the padding mask) and their
+// element offsets in q/o, k/v and the statistics (written token-major, [tokens, hq]) from tables
+// on the device. The shim keeps no state besides the library handle: the caller creates a cuDNN handle
 // per CUDA context, builds a graph per description and direction, caches both (with the
 // workspace size) and serialises the calls that use one handle (they bind it to a stream).
 
@@ -41,13 +44,15 @@ struct PretrainSdpa {
     int32_t causal;         // 1: query i sees keys 0..=i (sq == skv)
     int32_t deterministic;  // backward: cuDNN's deterministic algorithm
     float scale;
+    int32_t ragged;  // 1: b sequences of at most sq (= skv) positions packed in `total` tokens
+    int64_t total;
 };
 
 }  // extern "C"
 
 namespace {
 
-enum Uid : int64_t { Q = 1, K, V, O, STATS, DO, DQ, DK, DV };
+enum Uid : int64_t { Q = 1, K, V, O, STATS, DO, DQ, DK, DV, SEQ_Q, SEQ_KV, OFF_Q, OFF_K, OFF_V, OFF_O, OFF_STATS };
 
 // Guards the library handle.
 std::mutex load_lock;
@@ -71,7 +76,13 @@ std::vector<int64_t> strides(const int64_t (&s)[4]) { return {s[0], s[1], s[2], 
 
 std::vector<int64_t> stats_dims(const PretrainSdpa &p) { return {p.b, p.hq, p.sq, 1}; }
 
-std::vector<int64_t> stats_strides(const PretrainSdpa &p) { return {p.hq * p.sq, p.sq, 1, 1}; }
+// Head-major per sequence; token-major ([tokens, hq]) in a ragged batch.
+std::vector<int64_t> stats_strides(const PretrainSdpa &p) {
+    if (p.ragged) {
+        return {p.hq * p.sq, 1, p.hq, 1};
+    }
+    return {p.hq * p.sq, p.sq, 1, 1};
+}
 
 std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph &g, const char *name, int64_t uid,
                                                     std::vector<int64_t> d, std::vector<int64_t> s) {
@@ -85,6 +96,24 @@ std::shared_ptr<fe::graph::Tensor_attributes> stats_input(fe::graph::Graph &g, c
                         .set_dim(stats_dims(p))
                         .set_stride(stats_strides(p))
                         .set_data_type(fe::DataType_t::FLOAT));
+}
+
+// The tables of a ragged batch: lengths [b] i32 (queries and keys alike) and offsets [b + 1] i64.
+struct Ragged {
+    std::shared_ptr<fe::graph::Tensor_attributes> seq_q, seq_kv, off_q, off_k, off_v, off_o, off_stats;
+};
+
+Ragged ragged_tables(fe::graph::Graph &g, const PretrainSdpa &p) {
+    auto table = [&](const char *name, int64_t uid, int64_t n, fe::DataType_t t) {
+        return g.tensor(
+            fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim({n, 1, 1, 1}).set_stride({1, 1, 1, 1}).set_data_type(t));
+    };
+    const auto i32 = fe::DataType_t::INT32;
+    const auto i64 = fe::DataType_t::INT64;
+    return {table("seq_q", SEQ_Q, p.b, i32),          table("seq_kv", SEQ_KV, p.b, i32),
+            table("off_q", OFF_Q, p.b + 1, i64),      table("off_k", OFF_K, p.b + 1, i64),
+            table("off_v", OFF_V, p.b + 1, i64),      table("off_o", OFF_O, p.b + 1, i64),
+            table("off_stats", OFF_STATS, p.b + 1, i64)};
 }
 
 fe::graph::Graph *new_graph() {
@@ -103,6 +132,14 @@ void forward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
     if (p.causal) {
         opts.set_causal_mask(true);
     }
+    Ragged r;
+    if (p.ragged) {
+        r = ragged_tables(g, p);
+        q->set_ragged_offset(r.off_q);
+        k->set_ragged_offset(r.off_k);
+        v->set_ragged_offset(r.off_v);
+        opts.set_padding_mask(true).set_seq_len_q(r.seq_q).set_seq_len_kv(r.seq_kv);
+    }
     auto [o, stats] = g.sdpa(q, k, v, opts);
     o->set_output(true).set_uid(O).set_dim(dims(p.b, p.hq, p.sq, p.d)).set_stride(strides(p.o_stride));
     stats->set_output(true)
@@ -110,6 +147,10 @@ void forward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
         .set_data_type(fe::DataType_t::FLOAT)
         .set_dim(stats_dims(p))
         .set_stride(stats_strides(p));
+    if (p.ragged) {
+        o->set_ragged_offset(r.off_o);
+        stats->set_ragged_offset(r.off_stats);
+    }
 }
 
 void backward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
@@ -126,10 +167,31 @@ void backward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
     if (p.causal) {
         opts.set_causal_mask(true);
     }
+    Ragged r;
+    if (p.ragged) {
+        r = ragged_tables(g, p);
+        q->set_ragged_offset(r.off_q);
+        k->set_ragged_offset(r.off_k);
+        v->set_ragged_offset(r.off_v);
+        o->set_ragged_offset(r.off_o);
+        d_o->set_ragged_offset(r.off_o);
+        stats->set_ragged_offset(r.off_stats);
+        // Bounds the workspace by the tokens actually packed instead of b · s.
+        opts.set_padding_mask(true)
+            .set_seq_len_q(r.seq_q)
+            .set_seq_len_kv(r.seq_kv)
+            .set_max_total_seq_len_q(p.total)
+            .set_max_total_seq_len_kv(p.total);
+    }
     auto [d_q, d_k, d_v] = g.sdpa_backward(q, k, v, o, d_o, stats, opts);
     d_q->set_output(true).set_uid(DQ).set_dim(dims(p.b, p.hq, p.sq, p.d)).set_stride(strides(p.q_stride));
     d_k->set_output(true).set_uid(DK).set_dim(dims(p.b, p.hkv, p.skv, p.d)).set_stride(strides(p.k_stride));
     d_v->set_output(true).set_uid(DV).set_dim(dims(p.b, p.hkv, p.skv, p.d)).set_stride(strides(p.v_stride));
+    if (p.ragged) {
+        d_q->set_ragged_offset(r.off_q);
+        d_k->set_ragged_offset(r.off_k);
+        d_v->set_ragged_offset(r.off_v);
+    }
 }
 
 // Runs `f`, turning any failure into status 1 and a message.
@@ -155,6 +217,23 @@ void bind(void *handle, void *stream) {
     if (st != CUDNN_STATUS_SUCCESS) {
         throw std::runtime_error("cudnnSetStream failed (cudnnStatus_t " + std::to_string(static_cast<int>(st)) + ")");
     }
+}
+
+// Adds a ragged batch's tables to `pack`: lengths [b] i32 and offsets [3, b + 1] i64 (q and o,
+// k and v, the statistics; see `RaggedTables` in `src/ops/sdpa_ragged.rs`). Nothing for a
+// plain call (`seq_len` null).
+void add_tables(std::unordered_map<int64_t, void *> &pack, int64_t b, const int32_t *seq_len, const int64_t *offsets) {
+    if (seq_len == nullptr) {
+        return;
+    }
+    auto at = [&](int64_t part) { return const_cast<int64_t *>(offsets + part * (b + 1)); };
+    pack[SEQ_Q] = const_cast<int32_t *>(seq_len);
+    pack[SEQ_KV] = const_cast<int32_t *>(seq_len);
+    pack[OFF_Q] = at(0);
+    pack[OFF_O] = at(0);
+    pack[OFF_K] = at(1);
+    pack[OFF_V] = at(1);
+    pack[OFF_STATS] = at(2);
 }
 
 void run(void *graph, void *handle, std::unordered_map<int64_t, void *> &pack, void *workspace, const char *what) {
@@ -218,9 +297,11 @@ int pretrain_sdpa_build(const PretrainSdpa *p, int32_t backward, void *handle, v
     });
 }
 
-// A forward graph's run on `stream`: `o` (bf16) and `stats` ([b, hq, sq] f32).
+// A forward graph's run on `stream`: `o` (bf16) and `stats` ([b, hq, sq] f32; ragged: [total,
+// hq]). A ragged graph of `b` sequences reads `seq_len` and `offsets`, a plain one none (null).
 int pretrain_sdpa_fwd(void *graph, void *handle, void *stream, const void *q, const void *k, const void *v, void *o,
-                      float *stats, void *workspace, char *msg, size_t len) {
+                      float *stats, int64_t b, const int32_t *seq_len, const int64_t *offsets, void *workspace,
+                      char *msg, size_t len) {
     return guarded(msg, len, [&] {
         bind(handle, stream);
         std::unordered_map<int64_t, void *> pack = {{Q, const_cast<void *>(q)},
@@ -228,15 +309,17 @@ int pretrain_sdpa_fwd(void *graph, void *handle, void *stream, const void *q, co
                                                     {V, const_cast<void *>(v)},
                                                     {O, o},
                                                     {STATS, stats}};
+        add_tables(pack, b, seq_len, offsets);
         run(graph, handle, pack, workspace, "the attention forward");
     });
 }
 
 // A backward graph's run on `stream` from the forward's `o` and `stats` and the output's
-// gradient `d_o`: `d_q`, `d_k`, `d_v` (bf16).
+// gradient `d_o`: `d_q`, `d_k`, `d_v` (bf16); the tables as for the forward.
 int pretrain_sdpa_bwd(void *graph, void *handle, void *stream, const void *q, const void *k, const void *v,
                       const void *o, const void *d_o, const float *stats, void *d_q, void *d_k, void *d_v,
-                      void *workspace, char *msg, size_t len) {
+                      int64_t b, const int32_t *seq_len, const int64_t *offsets, void *workspace, char *msg,
+                      size_t len) {
     return guarded(msg, len, [&] {
         bind(handle, stream);
         std::unordered_map<int64_t, void *> pack = {{Q, const_cast<void *>(q)},
@@ -248,6 +331,7 @@ int pretrain_sdpa_bwd(void *graph, void *handle, void *stream, const void *q, co
                                                     {DQ, d_q},
                                                     {DK, d_k},
                                                     {DV, d_v}};
+        add_tables(pack, b, seq_len, offsets);
         run(graph, handle, pack, workspace, "the attention backward");
     });
 }

@@ -235,9 +235,10 @@ impl CustomOp3 for Attention<'_> {
     ) -> Result<(CudaStorage, Shape)> {
         let dm = Dims::from_layouts(l1, l2, self.causal)?;
         let (q, k, v) = ((s1, l1), (s2, l2), (s3, l3));
-        // cuDNN takes no document floor: such calls run the project's kernels.
-        let cudnn = if self.floor.is_none() && self.backend.runs_cudnn(s1.dtype(), dm.d) {
-            super::cuda::cudnn::attention_fwd(q, k, v, dm, self.scale)?
+        // Documents kept apart run on cuDNN as a ragged batch when the floor splits the call
+        // into documents; other floors (ring blocks) run the project's kernels.
+        let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+            super::cuda::cudnn::attention_fwd(q, k, v, (dm, self.floor), self.scale)?
         } else {
             None
         };

@@ -318,9 +318,10 @@ impl CustomOp3 for AttentionBwd<'_> {
             (cuda("dout", &do_st)?, do_l),
             (cuda("lse", &lse_st)?, lse_l),
         );
-        // cuDNN takes no document floor: such calls run the project's kernels.
-        let cudnn = if self.floor.is_none() && self.backend.runs_cudnn(s1.dtype(), dm.d) {
-            super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, dm, self.scale)?
+        // As in the forward: documents as a ragged batch, other floors on the project's kernels.
+        let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
+            let mask = (dm, self.floor);
+            super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, mask, self.scale)?
         } else {
             None
         };

@@ -19,7 +19,8 @@
 //! One file per op: `add.rs`, `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+
 //! `attention_bwd.rs`, and `attention_dims.rs` for a call's sizes and mask), `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers
 //! live in `common.rs`; `sdpa.rs` holds the attention backend choice (the project's kernels or
-//! cuDNN's fused attention) and the cuDNN calls' descriptions.
+//! cuDNN's fused attention) and the cuDNN calls' descriptions, `sdpa_ragged.rs` the documents of
+//! a masked call as cuDNN's ragged batch.
 
 use candle_core::{Result, Tensor};
 pub use parallel::cp::Floor;
@@ -41,6 +42,7 @@ mod linear;
 mod rms_norm;
 mod rope;
 pub mod sdpa;
+mod sdpa_ragged;
 mod swiglu;
 
 /// `a + b` for tensors of one shape and dtype, each sum rounded once to the storage type (bit for
@@ -127,8 +129,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 ///
 /// `floor` keeps documents apart (`data.reset_attention_mask`): `[b · s]`, the first key each
 /// query row may see (its document's first position), `None` for plain causal attention. The
-/// kernels skip the keys below a block's floor (on CUDA the project's flash kernels; cuDNN
-/// takes no floor and leaves such calls to them).
+/// kernels skip the keys below a block's floor (on CUDA the project's flash kernels; cuDNN runs
+/// the documents as a ragged batch, `sdpa_ragged.rs`).
 pub fn causal_attention_saved(
     q: &Tensor,
     k: &Tensor,
@@ -216,6 +218,19 @@ pub fn attention_kernels(backend: AttentionBackend) -> Kernels {
             block: cudnn::attention_block,
             block_bwd: cudnn::attention_block_bwd,
         },
+    }
+}
+
+/// Attention calls (forward or backward) that ran on cuDNN in this process; 0 without the `cuda`
+/// feature.
+pub fn cudnn_runs() -> u64 {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::cudnn::runs()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
     }
 }
 

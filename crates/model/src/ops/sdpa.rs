@@ -6,7 +6,9 @@
 //! cuDNN's fused attention reads the model's `[b, s, h, d]` activations in place: it describes
 //! a tensor in the logical order `[b, h, s, d]` with element strides, which for a contiguous
 //! `[b, s, h, d]` buffer are `[s·h·d, d, h·d, 1]`. The backward writes dQ, dK and dV with the
-//! strides of Q, K and V into the parts of one flat buffer, as the project's kernels do.
+//! strides of Q, K and V into the parts of one flat buffer, as the project's kernels do. A
+//! causal call with documents kept apart runs as a ragged batch of its documents
+//! (`sdpa_ragged.rs`, [`SdpaDesc::documents`]).
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -15,6 +17,7 @@ use candle_core::{bail, DType, Result};
 use serde::{Deserialize, Serialize};
 
 use super::attention::Dims;
+use super::sdpa_ragged::Documents;
 
 /// Which kernels run attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -25,9 +28,10 @@ pub enum AttentionBackend {
     #[default]
     Own,
     /// cuDNN's fused attention (from `libcudnn.so.9`, loaded at start-up) for bf16 calls with
-    /// a head dim that is a multiple of 8 up to [`CUDNN_MAX_HEAD_DIM`]; other calls (f32, other
-    /// head dims, and shapes cuDNN cannot build a graph for, which are logged once) run the
-    /// project's kernels. Its backward runs cuDNN's deterministic algorithm, so resumed runs
+    /// a head dim that is a multiple of 8 up to [`CUDNN_MAX_HEAD_DIM`], causal calls with
+    /// documents kept apart included (as a ragged batch of the documents); other calls (f32,
+    /// other head dims, ring blocks with documents, and shapes cuDNN cannot build a graph for,
+    /// which are logged once) run the project's kernels. Its backward runs cuDNN's deterministic algorithm, so resumed runs
     /// stay bit-exact.
     Cudnn,
 }
@@ -94,6 +98,12 @@ pub struct SdpaDesc {
     /// 1: the backward runs cuDNN's deterministic algorithm.
     pub deterministic: i32,
     pub scale: f32,
+    /// 1: a ragged batch of documents (`sdpa_ragged.rs`): `b` is the graph's batch of documents,
+    /// `sq` = `skv` its span (the longest a document may be), the strides those of the packed
+    /// tokens, and a run reads each document's length and element offsets from its tables.
+    pub ragged: i32,
+    /// Ragged: tokens of the call (all documents together); 0 otherwise.
+    pub total: i64,
 }
 
 impl SdpaDesc {
@@ -135,12 +145,51 @@ impl SdpaDesc {
             causal: i32::from(dm.causal),
             deterministic: i32::from(deterministic),
             scale: scale32,
+            ragged: 0,
+            total: 0,
+        })
+    }
+
+    /// The causal call of `dm` split into `docs` (its floor's documents), as a ragged batch of
+    /// [`Documents::batch`] sequences of up to [`Documents::span`] positions over the same
+    /// buffers.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn documents(
+        dm: Dims,
+        scale: f64,
+        deterministic: bool,
+        docs: &Documents,
+    ) -> Result<Self> {
+        let whole = Self::new(dm, scale, deterministic)?;
+        if !dm.causal || docs.total() != dm.b * dm.s {
+            bail!(
+                "cuDNN attention: documents of {} tokens for a call of {} × {} positions",
+                docs.total(),
+                dm.b,
+                dm.s
+            )
+        }
+        let i = |x: usize| i64::try_from(x).ok().filter(|&v| v > 0);
+        let (Some(b), Some(span), Some(total)) = (i(docs.batch()), i(docs.span()), i(docs.total()))
+        else {
+            bail!(
+                "cuDNN attention: {} documents are out of range",
+                docs.count()
+            )
+        };
+        Ok(Self {
+            b,
+            sq: span,
+            skv: span,
+            ragged: 1,
+            total,
+            ..whole
         })
     }
 
     /// Every field as a number, the scale by its bits: what equality and hashing compare.
-    fn fields(&self) -> [i64; 25] {
-        let mut f = [0i64; 25];
+    fn fields(&self) -> [i64; 27] {
+        let mut f = [0i64; 27];
         f[..6].copy_from_slice(&[self.b, self.hq, self.hkv, self.sq, self.skv, self.d]);
         for (i, s) in [self.q_stride, self.k_stride, self.v_stride, self.o_stride]
             .iter()
@@ -151,16 +200,22 @@ impl SdpaDesc {
         f[22] = self.causal.into();
         f[23] = self.deterministic.into();
         f[24] = self.scale.to_bits().into();
+        f[25] = self.ragged.into();
+        f[26] = self.total;
         f
     }
 
     /// Elements of q (and out, dq) and of k (and v, dk, dv).
     pub fn sizes(&self) -> (usize, usize) {
-        let n = |x: [i64; 3]| x.iter().product::<i64>() as usize * self.d as usize;
-        (
-            n([self.b, self.sq, self.hq]),
-            n([self.b, self.skv, self.hkv]),
-        )
+        let tokens = |s: i64| {
+            if self.ragged != 0 {
+                self.total
+            } else {
+                self.b * s
+            }
+        };
+        let n = |t: i64, h: i64| (t * h * self.d) as usize;
+        (n(tokens(self.sq), self.hq), n(tokens(self.skv), self.hkv))
     }
 }
 
@@ -327,6 +382,38 @@ mod tests {
         assert_eq!(p.sizes(), (2 * 5 * 4 * 16, 2 * 7 * 2 * 16));
         assert_eq!((p.sq, p.skv, p.hq, p.hkv), (5, 7, 4, 2));
         assert_eq!((p.causal, p.deterministic, p.scale), (0, 1, 0.25));
+    }
+
+    /// A call with documents describes the same buffers as a ragged batch: the graph's batch is
+    /// the documents', the sizes still the call's, and the key differs from the plain call's.
+    #[test]
+    fn documents_describe_a_ragged_batch_over_the_same_buffers() {
+        let dm = dims(2, 8, 8, 4, 2, 16, true);
+        let floor: Vec<u32> = [0, 0, 0, 3, 4, 4, 4, 4, 0, 0, 0, 0, 0, 5, 5, 5].into();
+        let docs = Documents::from_floor(dm, Some(&floor)).unwrap();
+        let plain = SdpaDesc::new(dm, 0.25, true).unwrap();
+        let p = SdpaDesc::documents(dm, 0.25, true, &docs).unwrap();
+        assert_eq!((p.b, p.sq, p.skv, p.ragged, p.total), (8, 8, 8, 1, 16));
+        // The strides stay those of the packed [b, s, h, d] tokens whatever the span.
+        let long = dims(1, 256, 256, 4, 2, 16, true);
+        let floor: Vec<u32> = (0..256).map(|i| i - i % 50).collect();
+        let short = Documents::from_floor(long, Some(&floor)).unwrap();
+        let p64 = SdpaDesc::documents(long, 0.25, true, &short).unwrap();
+        let whole = SdpaDesc::new(long, 0.25, true).unwrap();
+        assert_eq!((p64.b, p64.sq, p64.skv), (8, 64, 64));
+        assert_eq!(p64.sizes(), whole.sizes());
+        assert_eq!(p64.q_stride, whole.q_stride);
+        assert_eq!(p.sizes(), plain.sizes());
+        assert_eq!((p.q_stride, p.k_stride), (plain.q_stride, plain.k_stride));
+        assert_ne!(p, plain);
+        assert_eq!((plain.ragged, plain.total), (0, 0));
+        let other = Documents::from_floor(dm, Some(&[0; 16])).unwrap();
+        assert_ne!(SdpaDesc::documents(dm, 0.25, true, &other).unwrap(), p);
+        let err = SdpaDesc::documents(dims(1, 12, 12, 4, 2, 16, true), 0.25, true, &docs);
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("documents of 16 tokens"));
     }
 
     #[test]

@@ -12,17 +12,19 @@
 //! project's kernels, as f32 and other head dims do; a failure to run a built graph is an error.
 
 use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{LazyLock, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaView, DevicePtr, DevicePtrMut};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, Layout, Result};
 use half::bf16;
 
 use super::{alloc, view};
-use crate::ops::attention::Dims;
+use crate::ops::attention::{Dims, Floor};
 use crate::ops::sdpa::{Direction, GraphCache, SdpaDesc};
+use crate::ops::sdpa_ragged::Documents;
 
 const OP: &str = "cuDNN attention";
 
@@ -47,6 +49,9 @@ extern "C" {
         v: *const c_void,
         o: *mut c_void,
         stats: *mut f32,
+        b: i64,
+        seq_len: *const i32,
+        offsets: *const i64,
         workspace: *mut c_void,
         msg: *mut c_char,
         len: usize,
@@ -64,6 +69,9 @@ extern "C" {
         d_q: *mut c_void,
         d_k: *mut c_void,
         d_v: *mut c_void,
+        b: i64,
+        seq_len: *const i32,
+        offsets: *const i64,
         workspace: *mut c_void,
         msg: *mut c_char,
         len: usize,
@@ -136,6 +144,15 @@ struct Graph {
 }
 
 static CACHE: LazyLock<Mutex<GraphCache<Ptr, Graph>>> = LazyLock::new(Mutex::default);
+
+/// Graph runs enqueued so far (forward and backward).
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// Attention calls (forward or backward) cuDNN has run in this process: what tells a caller that
+/// a call ran there rather than on the project's kernels.
+pub fn runs() -> u64 {
+    RUNS.load(Ordering::Relaxed)
+}
 
 /// What one run of a graph gets: the graph, its handle and stream, a workspace of the graph's
 /// size and a message buffer.
@@ -215,6 +232,7 @@ fn run_graph<R>(
         len,
     })?;
     status(rc, what, &msg)?;
+    RUNS.fetch_add(1, Ordering::Relaxed);
     Ok(Some(out))
 }
 
@@ -231,17 +249,83 @@ fn input<'a>(
     Ok(v)
 }
 
-/// The forward of `dm` on contiguous bf16 `q` `[b, s, hq, d]`, `k`, `v` `[b, sk, hkv, d]`: the
-/// output `[b, s, hq, d]` bf16 and the log-sum-exp of the scaled scores `[b, hq, s]` f32; `None`
-/// when cuDNN cannot run this shape.
+/// A call's description and, for documents kept apart, its documents: `None` when its floor is
+/// not a split into documents (a ring block), which the project's kernels run.
+fn describe(
+    dm: Dims,
+    floor: Floor<'_>,
+    scale: f64,
+) -> Result<Option<(SdpaDesc, Option<Documents>)>> {
+    Ok(match floor {
+        None => Some((SdpaDesc::new(dm, scale, true)?, None)),
+        Some(_) => match Documents::from_floor(dm, floor) {
+            Some(docs) => Some((SdpaDesc::documents(dm, scale, true, &docs)?, Some(docs))),
+            None => None,
+        },
+    })
+}
+
+/// A ragged call's tables on the device (`sdpa_ragged.rs`).
+struct Tables {
+    batch: i64,
+    seq_len: CudaSlice<i32>, // [batch]
+    offsets: CudaSlice<i64>, // [3, batch + 1]
+}
+
+impl Tables {
+    fn upload(dev: &CudaDevice, docs: Option<&Documents>, dm: Dims) -> Result<Option<Self>> {
+        let Some(docs) = docs else { return Ok(None) };
+        let t = docs.tables(dm.hq, dm.hkv, dm.d);
+        Ok(Some(Self {
+            batch: docs.batch() as i64,
+            seq_len: dev.clone_htod(&t.seq_len)?,
+            offsets: dev.clone_htod(&t.offsets)?,
+        }))
+    }
+}
+
+/// Runs `f` with the shim's view of `tables`: the graph's batch and the device pointers of the
+/// lengths and offsets, or `(0, null, null)` for a plain call.
+fn with_tables<R>(
+    tables: &Option<Tables>,
+    stream: &CudaStream,
+    f: impl FnOnce(i64, *const i32, *const i64) -> R,
+) -> R {
+    match tables {
+        Some(t) => {
+            let (sp, _s) = t.seq_len.device_ptr(stream);
+            let (op, _o) = t.offsets.device_ptr(stream);
+            f(t.batch, sp as *const i32, op as *const i64)
+        }
+        None => f(0, std::ptr::null(), std::ptr::null()),
+    }
+}
+
+/// `src` f32 `[a, m, n]` (its storage and layout) copied contiguous as `[a, n, m]`: the
+/// statistics between cuDNN's token-major `[b, s, hq]` of a ragged call and the `[b, hq, s]` of
+/// every other.
+fn swap_last((storage, layout): (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    let dev = storage.device();
+    // SAFETY: the copy below writes every element.
+    let dst = unsafe { alloc::<f32>(dev, layout.shape().elem_count()) }?;
+    let mut dst = CudaStorage::wrap_cuda_slice(dst, dev.clone());
+    storage.copy_strided_src(&mut dst, 0, &layout.transpose(1, 2)?)?;
+    Ok(dst)
+}
+
+/// The forward of `dm` on contiguous bf16 `q` `[b, s, hq, d]`, `k`, `v` `[b, sk, hkv, d]`, with
+/// documents kept apart when `floor` is given: the output `[b, s, hq, d]` bf16 and the
+/// log-sum-exp of the scaled scores `[b, hq, s]` f32; `None` when cuDNN cannot run this call.
 pub(crate) fn attention_fwd(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    dm: Dims,
+    (dm, floor): (Dims, Floor<'_>),
     scale: f64,
 ) -> Result<Option<(CudaStorage, CudaStorage)>> {
-    let desc = SdpaDesc::new(dm, scale, true)?;
+    let Some((desc, docs)) = describe(dm, floor, scale)? else {
+        return Ok(None);
+    };
     let (nq, nkv) = desc.sizes();
     let dev = q.0.device();
     let stream = dev.cuda_stream();
@@ -249,9 +333,11 @@ pub(crate) fn attention_fwd(
     let kv = input("k", k, nkv)?; // [b, sk, hkv, d]
     let vv = input("v", v, nkv)?; // [b, sk, hkv, d]
     let ran = run_graph(dev, &desc, Direction::Forward, "forward", |r| {
-        // SAFETY: the graph writes every element of the output and of the statistics.
+        let tables = Tables::upload(dev, docs.as_ref(), dm)?;
+        // SAFETY: the graph writes every element of the output and of the statistics (a ragged
+        // batch's documents cover every token).
         let mut out = unsafe { alloc::<bf16>(dev, nq) }?; // [b, s, hq, d]
-        let mut lse = unsafe { alloc::<f32>(dev, dm.b * dm.hq * dm.s) }?; // [b, hq, s]
+        let mut lse = unsafe { alloc::<f32>(dev, dm.b * dm.hq * dm.s) }?; // [b, hq, s] or [b, s, hq]
         let rc = {
             let (qp, _q) = qv.device_ptr(&stream);
             let (kp, _k) = kv.device_ptr(&stream);
@@ -260,9 +346,10 @@ pub(crate) fn attention_fwd(
             let (lp, _l) = lse.device_ptr_mut(&stream);
             // SAFETY: the graph was built for `desc`, whose sizes and strides describe these
             // buffers (checked lengths, contiguous [b, s, h, d]); the statistics buffer holds
-            // b·hq·s floats; everything lives on the stream's device and is used in stream
-            // order.
-            unsafe {
+            // b·hq·s floats; a ragged graph's tables hold its batch's lengths and offsets, which
+            // address whole documents inside these buffers; everything lives on the stream's
+            // device and is used in stream order.
+            with_tables(&tables, &stream, |batch, seq, off| unsafe {
                 pretrain_sdpa_fwd(
                     r.graph,
                     r.handle,
@@ -272,35 +359,42 @@ pub(crate) fn attention_fwd(
                     vp as *const c_void,
                     op as *mut c_void,
                     lp as *mut f32,
+                    batch,
+                    seq,
+                    off,
                     r.workspace,
                     r.msg,
                     r.len,
                 )
-            }
+            })
         };
         Ok((rc, (out, lse)))
     })?;
-    Ok(ran.map(|(out, lse)| {
-        (
-            CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            CudaStorage::wrap_cuda_slice(lse, dev.clone()),
-        )
-    }))
+    let Some((out, lse)) = ran else {
+        return Ok(None);
+    };
+    let mut lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
+    if docs.is_some() {
+        lse = swap_last((&lse, &Layout::contiguous((dm.b, dm.s, dm.hq))))?; // [b, hq, s]
+    }
+    Ok(Some((CudaStorage::wrap_cuda_slice(out, dev.clone()), lse)))
 }
 
-/// The backward of `dm` from the forward's `out` and log-sum-exp `lse` and the output gradient
-/// `dout` (bf16 `[b, s, hq, d]`; lse f32 `[b, hq, s]`): the flat `[nq + 2 nkv]` bf16
-/// concatenation of dQ `[b, s, hq, d]`, dK and dV `[b, sk, hkv, d]`; `None` when cuDNN cannot run
-/// this shape.
+/// The backward of `dm` (with documents kept apart when `floor` is given) from the forward's
+/// `out` and log-sum-exp `lse` and the output gradient `dout` (bf16 `[b, s, hq, d]`; lse f32
+/// `[b, hq, s]`): the flat `[nq + 2 nkv]` bf16 concatenation of dQ `[b, s, hq, d]`, dK and dV
+/// `[b, sk, hkv, d]`; `None` when cuDNN cannot run this call.
 pub(crate) fn attention_bwd(
     [q, k, v]: [(&CudaStorage, &Layout); 3],
     out: (&CudaStorage, &Layout),
     dout: (&CudaStorage, &Layout),
     lse: (&CudaStorage, &Layout),
-    dm: Dims,
+    (dm, floor): (Dims, Floor<'_>),
     scale: f64,
 ) -> Result<Option<CudaStorage>> {
-    let desc = SdpaDesc::new(dm, scale, true)?;
+    let Some((desc, docs)) = describe(dm, floor, scale)? else {
+        return Ok(None);
+    };
     let (nq, nkv) = desc.sizes();
     let dev = q.0.device();
     let stream = dev.cuda_stream();
@@ -309,11 +403,21 @@ pub(crate) fn attention_bwd(
     let vv = input("v", v, nkv)?;
     let ov = input("out", out, nq)?; // [b, s, hq, d]
     let dov = input("dout", dout, nq)?;
-    let lv = view::<f32>(OP, "lse", lse.0, lse.1)?; // [b, hq, s]
+    if lse.1.dims() != [dm.b, dm.hq, dm.s] {
+        bail!("{OP}: `lse` is {:?}, expected [b, hq, s]", lse.1.dims())
+    }
+    // A ragged graph reads the statistics token-major.
+    let token_major = docs.as_ref().map(|_| swap_last(lse)).transpose()?; // [b, s, hq]
+    let lse = match &token_major {
+        Some(t) => (t, &Layout::contiguous((dm.b, dm.s, dm.hq))),
+        None => lse,
+    };
+    let lv = view::<f32>(OP, "lse", lse.0, lse.1)?;
     if lv.len() != dm.b * dm.hq * dm.s {
         bail!("{OP}: `lse` has {} elements, expected b·hq·s", lv.len())
     }
     let ran = run_graph(dev, &desc, Direction::Backward, "backward", |r| {
+        let tables = Tables::upload(dev, docs.as_ref(), dm)?;
         // SAFETY: the graph writes every element of dQ, dK and dV.
         let mut grads = unsafe { alloc::<bf16>(dev, nq + 2 * nkv) }?; // [nq + 2 nkv]
         let rc = {
@@ -328,7 +432,7 @@ pub(crate) fn attention_bwd(
             // SAFETY: as for the forward; dQ, dK and dV are the disjoint parts [0, nq),
             // [nq, nq + nkv) and [nq + nkv, nq + 2 nkv) of `grads`, with the strides of q, k,
             // v.
-            unsafe {
+            with_tables(&tables, &stream, |batch, seq, off| unsafe {
                 pretrain_sdpa_bwd(
                     r.graph,
                     r.handle,
@@ -342,11 +446,14 @@ pub(crate) fn attention_bwd(
                     at(0),
                     at(nq),
                     at(nq + nkv),
+                    batch,
+                    seq,
+                    off,
                     r.workspace,
                     r.msg,
                     r.len,
                 )
-            }
+            })
         };
         Ok((rc, grads))
     })?;
