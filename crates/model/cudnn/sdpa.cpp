@@ -176,12 +176,14 @@ void backward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
         o->set_ragged_offset(r.off_o);
         d_o->set_ragged_offset(r.off_o);
         stats->set_ragged_offset(r.off_stats);
-        // Bounds the workspace by the tokens actually packed instead of b · s.
+        // Sizes the per-token workspace by the tokens packed (instead of b · s), with a tile of
+        // slack past the last document.
+        const int64_t max_total = (p.total + 127) / 128 * 128 + 128;
         opts.set_padding_mask(true)
             .set_seq_len_q(r.seq_q)
             .set_seq_len_kv(r.seq_kv)
-            .set_max_total_seq_len_q(p.total)
-            .set_max_total_seq_len_kv(p.total);
+            .set_max_total_seq_len_q(max_total)
+            .set_max_total_seq_len_kv(max_total);
     }
     auto [d_q, d_k, d_v] = g.sdpa_backward(q, k, v, o, d_o, stats, opts);
     d_q->set_output(true).set_uid(DQ).set_dim(dims(p.b, p.hq, p.sq, p.d)).set_stride(strides(p.q_stride));
@@ -219,14 +221,16 @@ void bind(void *handle, void *stream) {
     }
 }
 
-// Adds a ragged batch's tables to `pack`: lengths [b] i32 and offsets [3, b + 1] i64 (q and o,
-// k and v, the statistics; see `RaggedTables` in `src/ops/sdpa_ragged.rs`). Nothing for a
-// plain call (`seq_len` null).
+// Adds a ragged batch's tables to `pack`: lengths [b] i32 and offsets [3, row] i64 (q and o,
+// k and v, the statistics; b + 1 entries each, rows of b + 1 rounded up to even so that each
+// starts 16-byte aligned: `RaggedTables` and `offset_row` in `src/ops/sdpa_ragged.rs`).
+// Nothing for a plain call (`seq_len` null).
 void add_tables(std::unordered_map<int64_t, void *> &pack, int64_t b, const int32_t *seq_len, const int64_t *offsets) {
     if (seq_len == nullptr) {
         return;
     }
-    auto at = [&](int64_t part) { return const_cast<int64_t *>(offsets + part * (b + 1)); };
+    const int64_t row = (b + 2) / 2 * 2;
+    auto at = [&](int64_t part) { return const_cast<int64_t *>(offsets + part * row); };
     pack[SEQ_Q] = const_cast<int32_t *>(seq_len);
     pack[SEQ_KV] = const_cast<int32_t *>(seq_len);
     pack[OFF_Q] = at(0);

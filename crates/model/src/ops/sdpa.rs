@@ -177,10 +177,18 @@ impl SdpaDesc {
                 docs.count()
             )
         };
+        // The batch stride (which the offsets replace) as for sequences of the span.
+        let [_, h_q, s_q, one] = whole.q_stride;
+        let [_, h_k, s_k, _] = whole.k_stride;
+        let (q_stride, k_stride) = ([span * s_q, h_q, s_q, one], [span * s_k, h_k, s_k, one]);
         Ok(Self {
             b,
             sq: span,
             skv: span,
+            q_stride,
+            k_stride,
+            v_stride: k_stride,
+            o_stride: q_stride,
             ragged: 1,
             total,
             ..whole
@@ -394,7 +402,8 @@ mod tests {
         let plain = SdpaDesc::new(dm, 0.25, true).unwrap();
         let p = SdpaDesc::documents(dm, 0.25, true, &docs).unwrap();
         assert_eq!((p.b, p.sq, p.skv, p.ragged, p.total), (8, 8, 8, 1, 16));
-        // The strides stay those of the packed [b, s, h, d] tokens whatever the span.
+        // Within a sequence the strides stay those of the packed [b, s, h, d] tokens; the batch
+        // stride (replaced by the offsets) is the span's.
         let long = dims(1, 256, 256, 4, 2, 16, true);
         let floor: Vec<u32> = (0..256).map(|i| i - i % 50).collect();
         let short = Documents::from_floor(long, Some(&floor)).unwrap();
@@ -402,9 +411,14 @@ mod tests {
         let whole = SdpaDesc::new(long, 0.25, true).unwrap();
         assert_eq!((p64.b, p64.sq, p64.skv), (8, 64, 64));
         assert_eq!(p64.sizes(), whole.sizes());
-        assert_eq!(p64.q_stride, whole.q_stride);
+        assert_eq!(p64.q_stride[1..], whole.q_stride[1..]);
+        assert_eq!(
+            (p64.q_stride[0], p64.k_stride[0]),
+            (64 * 4 * 16, 64 * 2 * 16)
+        );
         assert_eq!(p.sizes(), plain.sizes());
         assert_eq!((p.q_stride, p.k_stride), (plain.q_stride, plain.k_stride));
+        assert_eq!((p.o_stride, p.v_stride), (plain.o_stride, plain.v_stride));
         assert_ne!(p, plain);
         assert_eq!((plain.ragged, plain.total), (0, 0));
         let other = Documents::from_floor(dm, Some(&[0; 16])).unwrap();

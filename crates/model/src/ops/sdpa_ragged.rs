@@ -13,6 +13,8 @@
 //! per tensor the exclusive prefix sums of the lengths in elements (`offsets`, i64, one more
 //! entry than documents): tokens × `hq·d` for q, out and their gradients, × `hkv·d` for k, v and
 //! theirs, × `hq` for the softmax statistics, which cuDNN then writes token-major (`[b, s, hq]`).
+//! The three offset rows lie in one buffer, each padded to an even length ([`offset_row`]) so
+//! that every row starts 16-byte aligned, the alignment cuDNN assumes of a tensor.
 //! A graph is built for the document count rounded up to a power of two (the entries past the
 //! documents have length 0) and for the longest document rounded up to a power of two from 64
 //! (cuDNN's tiles) up to the row: a handful of graphs serve every micro-batch, and short documents
@@ -87,11 +89,12 @@ impl Documents {
     }
 
     /// The tables of a run with `hq` query and `hkv` kv heads of `d`: per graph batch entry the
-    /// length (`[batch]`), and the offsets `[3, batch + 1]` of q/out, k/v and the statistics.
+    /// length (`[batch]`), and the offsets `[3, offset_row(batch)]` of q/out, k/v and the
+    /// statistics (`batch + 1` entries each, then the last repeated to the row's end).
     pub fn tables(&self, hq: usize, hkv: usize, d: usize) -> RaggedTables {
         let batch = self.batch();
         let mut seq_len = Vec::with_capacity(batch);
-        let mut tokens = Vec::with_capacity(batch + 1);
+        let mut tokens = Vec::with_capacity(offset_row(batch));
         let mut at = 0i64;
         tokens.push(0);
         for i in 0..batch {
@@ -100,6 +103,7 @@ impl Documents {
             at += i64::from(len);
             tokens.push(at);
         }
+        tokens.resize(offset_row(batch), at);
         let offsets = [hq * d, hkv * d, hq]
             .iter()
             .flat_map(|&per| tokens.iter().map(move |&t| t * per as i64))
@@ -108,12 +112,19 @@ impl Documents {
     }
 }
 
+/// Entries of one offset row of a graph batch of `batch`: `batch + 1` rounded up to even, so
+/// that rows of i64 start 16-byte aligned (`cudnn/sdpa.cpp` reads them at the same stride).
+pub fn offset_row(batch: usize) -> usize {
+    (batch + 1).next_multiple_of(2)
+}
+
 /// What a ragged graph run reads on the device (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RaggedTables {
     /// `[batch]` document lengths, 0 past the documents.
     pub seq_len: Vec<i32>,
-    /// `[3, batch + 1]` element offsets of each document in q/out, k/v and the statistics.
+    /// `[3, offset_row(batch)]` element offsets of each document in q/out, k/v and the
+    /// statistics.
     pub offsets: Vec<i64>,
 }
 
@@ -191,13 +202,16 @@ mod tests {
         let docs = Documents::from_floor(dims(2, 8), Some(&f)).unwrap();
         let t = docs.tables(4, 2, 8);
         assert_eq!(t.seq_len, vec![3, 1, 4, 5, 3, 0, 0, 0]);
-        let tokens = [0i64, 3, 4, 8, 13, 16, 16, 16, 16];
+        // 9 offsets per row, padded to 10 so that each row starts 16-byte aligned.
+        assert_eq!(offset_row(8), 10);
+        let tokens = [0i64, 3, 4, 8, 13, 16, 16, 16, 16, 16];
         let per = |n: i64| tokens.iter().map(|t| t * n).collect::<Vec<_>>();
-        assert_eq!(t.offsets[..9], per(32)[..]);
-        assert_eq!(t.offsets[9..18], per(16)[..]);
-        assert_eq!(t.offsets[18..], per(4)[..]);
+        assert_eq!(t.offsets[..10], per(32)[..]);
+        assert_eq!(t.offsets[10..20], per(16)[..]);
+        assert_eq!(t.offsets[20..], per(4)[..]);
         // Document j's first token is row-major position tokens[j] of the [b, s] call.
         assert_eq!(t.offsets[3] / 32, 8); // row 1, position 0
+        assert_eq!((offset_row(1), offset_row(2), offset_row(256)), (2, 4, 258));
     }
 
     #[test]

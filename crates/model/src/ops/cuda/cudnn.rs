@@ -104,10 +104,16 @@ fn status(rc: i32, what: &str, msg: &Message) -> Result<()> {
     Ok(())
 }
 
+/// The outcome of [`load`]: the library's version, or why it could not be opened.
+static LOADED: OnceLock<std::result::Result<u64, String>> = OnceLock::new();
+
+/// The first cuDNN whose fused attention takes a ragged batch with grouped-query heads and
+/// token-major statistics (9.6).
+const RAGGED_SINCE: u64 = 90600;
+
 /// Opens `libcudnn.so.9` once per process and returns its version (e.g. 91900); the error names
 /// the library and the ways to fix it.
 pub fn load() -> Result<u64> {
-    static LOADED: OnceLock<std::result::Result<u64, String>> = OnceLock::new();
     let loaded = LOADED.get_or_init(|| {
         let mut msg = Message::new();
         let (m, len) = msg.ptr();
@@ -250,18 +256,20 @@ fn input<'a>(
 }
 
 /// A call's description and, for documents kept apart, its documents: `None` when its floor is
-/// not a split into documents (a ring block), which the project's kernels run.
+/// not a split into documents (a ring block) or the loaded cuDNN predates ragged batches
+/// ([`RAGGED_SINCE`]), which the project's kernels run.
 fn describe(
     dm: Dims,
     floor: Floor<'_>,
     scale: f64,
 ) -> Result<Option<(SdpaDesc, Option<Documents>)>> {
-    Ok(match floor {
-        None => Some((SdpaDesc::new(dm, scale, true)?, None)),
-        Some(_) => match Documents::from_floor(dm, floor) {
-            Some(docs) => Some((SdpaDesc::documents(dm, scale, true, &docs)?, Some(docs))),
-            None => None,
-        },
+    if floor.is_none() {
+        return Ok(Some((SdpaDesc::new(dm, scale, true)?, None)));
+    }
+    let ragged = matches!(LOADED.get(), Some(Ok(v)) if *v >= RAGGED_SINCE);
+    Ok(match Documents::from_floor(dm, floor).filter(|_| ragged) {
+        Some(docs) => Some((SdpaDesc::documents(dm, scale, true, &docs)?, Some(docs))),
+        None => None,
     })
 }
 
@@ -406,18 +414,19 @@ pub(crate) fn attention_bwd(
     if lse.1.dims() != [dm.b, dm.hq, dm.s] {
         bail!("{OP}: `lse` is {:?}, expected [b, hq, s]", lse.1.dims())
     }
-    // A ragged graph reads the statistics token-major.
-    let token_major = docs.as_ref().map(|_| swap_last(lse)).transpose()?; // [b, s, hq]
-    let lse = match &token_major {
-        Some(t) => (t, &Layout::contiguous((dm.b, dm.s, dm.hq))),
-        None => lse,
-    };
-    let lv = view::<f32>(OP, "lse", lse.0, lse.1)?;
-    if lv.len() != dm.b * dm.hq * dm.s {
-        bail!("{OP}: `lse` has {} elements, expected b·hq·s", lv.len())
-    }
+    let token_layout = Layout::contiguous((dm.b, dm.s, dm.hq));
     let ran = run_graph(dev, &desc, Direction::Backward, "backward", |r| {
         let tables = Tables::upload(dev, docs.as_ref(), dm)?;
+        // A ragged graph reads the statistics token-major.
+        let token_major = docs.as_ref().map(|_| swap_last(lse)).transpose()?; // [b, s, hq]
+        let lse = match &token_major {
+            Some(t) => (t, &token_layout),
+            None => lse,
+        };
+        let lv = view::<f32>(OP, "lse", lse.0, lse.1)?;
+        if lv.len() != dm.b * dm.hq * dm.s {
+            bail!("{OP}: `lse` has {} elements, expected b·hq·s", lv.len())
+        }
         // SAFETY: the graph writes every element of dQ, dK and dV.
         let mut grads = unsafe { alloc::<bf16>(dev, nq + 2 * nkv) }?; // [nq + 2 nkv]
         let rc = {
