@@ -50,6 +50,7 @@ struct RankMemory {
     largest_piece: usize,
     state: pretrain::train::metrics::StateBytes,
     param_unit_peak: usize,
+    grad_unit_peak: usize,
 }
 
 fn memory(layout: &str) -> Vec<RankMemory> {
@@ -88,6 +89,7 @@ fn memory(layout: &str) -> Vec<RankMemory> {
             largest_piece,
             state: rec.state,
             param_unit_peak: rec.param_unit_peak_bytes,
+            grad_unit_peak: rec.grad_unit_peak_bytes,
         })
     })
     .unwrap_or_else(|e| panic!("{layout}: {e}: {:#}", e.error))
@@ -100,7 +102,8 @@ fn memory(layout: &str) -> Vec<RankMemory> {
 ///   stage 0: pΨ + 4T + 12T,   stage 1: pΨ + 4T + 12T/N,
 ///   stage 2: pΨ + (4 + 12)T/N,   stage 3: (p + 4 + 12)T/N.
 /// At stage 3 the full parameters live at once are at most two pieces' worth, with or without
-/// recompute (a piece's tape holds no parameter, so they are released after every use).
+/// recompute (a piece's tape holds no parameter, so they are released after every use); at
+/// stages 2 and 3 the staged full-size gradients at most a piece's plus the bound's in flight.
 #[test]
 fn bytes_per_rank_follow_the_zero_formulas() {
     for (dtype, p) in [("f32", 4), ("bf16", 2)] {
@@ -142,6 +145,19 @@ fn bytes_per_rank_follow_the_zero_formulas() {
                     );
                 } else {
                     assert_eq!(m.param_unit_peak, 0);
+                }
+                // Staged gradients: a piece's being accumulated and at most STAGED_IN_FLIGHT
+                // handed to the communication thread (one pipeline stage), as the planner counts.
+                let staged_bound = 4 * m.largest_piece * (1 + parallel::dp::STAGED_IN_FLIGHT);
+                if stage >= 2 {
+                    assert!(
+                        m.grad_unit_peak > 0 && m.grad_unit_peak <= staged_bound,
+                        "{layout} rank {r}: {} bytes staged, largest piece {} elements",
+                        m.grad_unit_peak,
+                        m.largest_piece
+                    );
+                } else {
+                    assert_eq!(m.grad_unit_peak, 0);
                 }
             }
             totals.push(ranks[0].state.total());

@@ -49,7 +49,10 @@ pub struct MemoryBytes {
     pub activations: u64,
     /// ZeRO-3: full parameters gathered at once.
     pub gathered_parameters: u64,
-    /// ZeRO-2/3: a piece's full-size fp32 gradients staged before their reduce-scatter.
+    /// ZeRO-2/3: full-size fp32 gradients staged for their reduce-scatter: a piece's being
+    /// accumulated and [`parallel::dp::STAGED_IN_FLIGHT`] pieces' handed to the communication
+    /// thread (its bound with one pipeline stage; with several the queue is unbounded and this is
+    /// what a network that keeps up with the backward holds).
     pub staged_gradients: u64,
     /// Temporaries of the largest backward (gradients of the logits or of a block's widest
     /// tensors) and one communication bucket.
@@ -154,7 +157,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
             0
         };
         let staged_gradients = if par.zero.shards_gradients() {
-            4 * largest
+            4 * largest * (1 + parallel::dp::STAGED_IN_FLIGHT as u64)
         } else {
             0
         };

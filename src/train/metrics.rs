@@ -66,8 +66,9 @@ pub struct StepRecord {
     /// Peak bytes of gathered full parameters live at once during the step (ZeRO-3: the pieces
     /// being computed and the next piece's, gathered ahead).
     pub param_unit_peak_bytes: usize,
-    /// Peak bytes of staged full-size gradients during the step (ZeRO-2/3: the buckets of the
-    /// piece whose backward just ran, until they are reduce-scattered).
+    /// Peak bytes of staged full-size gradients during the step (ZeRO-2/3): the most the buckets
+    /// being accumulated held at once plus the most the reduce-scatters queued or running on the
+    /// communication thread held at once (an upper bound of their sum at any instant).
     pub grad_unit_peak_bytes: usize,
     /// ZeRO-3: seconds the parameter all-gathers took on the communication thread.
     #[serde(skip_serializing_if = "Option::is_none")]

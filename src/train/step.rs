@@ -310,7 +310,8 @@ impl Trainer {
             act_peak_bytes: m.run.act_peak_bytes,
             graph_tensors: m.run.graph_tensors,
             param_unit_peak_bytes: g.peak_bytes,
-            grad_unit_peak_bytes: self.grads.take_staged_peak(),
+            grad_unit_peak_bytes: self.grads.take_staged_peak()
+                + self.dp.take_staged_in_flight_peak(),
             gather_s: zero3.then_some(g.gather_s),
             gather_hidden: (zero3 && g.gather_s > 0.0)
                 .then(|| 1.0 - (g.wait_s / g.gather_s).min(1.0)),

@@ -201,6 +201,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         replicate: ctx.groups.replicate.clone(),
         tp: ctx.groups.tp.clone(),
         pipeline_ends: ctx.groups.pipeline_ends.clone(),
+        pp: ctx.groups.pp.clone(),
     };
     let dp = DataParallel::new(
         ctx.comm.clone(),

@@ -10,7 +10,7 @@
 //! jobs' collectives match across ranks.
 
 use std::cell::Cell;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
 
 use candle_core::{Error, Result};
@@ -49,15 +49,35 @@ pub struct CommThread {
 #[must_use = "a ticket's result must be waited for"]
 pub struct Ticket<T> {
     result: Receiver<Result<T>>,
+    /// The result, once [`Ticket::is_done`] has seen it.
+    ready: Option<Result<T>>,
 }
 
 impl<T> Ticket<T> {
     /// Waits for the job and returns its result.
     pub fn wait(self) -> Result<T> {
-        self.result
-            .recv()
-            .map_err(|_| Error::Msg("communication thread stopped before the job ran".into()))?
+        match self.ready {
+            Some(r) => r,
+            None => self.result.recv().map_err(|_| stopped())?,
+        }
     }
+
+    /// Whether the job has run (or can no longer run), without waiting; the result is kept for
+    /// [`Ticket::wait`].
+    pub fn is_done(&mut self) -> bool {
+        if self.ready.is_none() {
+            match self.result.try_recv() {
+                Ok(r) => self.ready = Some(r),
+                Err(TryRecvError::Disconnected) => self.ready = Some(Err(stopped())),
+                Err(TryRecvError::Empty) => {}
+            }
+        }
+        self.ready.is_some()
+    }
+}
+
+fn stopped() -> Error {
+    Error::Msg("communication thread stopped before the job ran".into())
 }
 
 impl CommThread {
@@ -97,7 +117,10 @@ impl CommThread {
             .as_ref()
             .and_then(|q| q.send(run).ok())
             .ok_or_else(|| Error::Msg("communication thread stopped".into()))?;
-        Ok(Ticket { result })
+        Ok(Ticket {
+            result,
+            ready: None,
+        })
     }
 }
 
@@ -136,6 +159,26 @@ mod tests {
         assert_eq!(results, (0..20).map(|k| k * k).collect::<Vec<_>>());
         assert_eq!(*seen.lock().unwrap(), (0..20).collect::<Vec<_>>());
         assert!(failing.wait().unwrap_err().to_string().contains("boom"));
+    }
+
+    #[test]
+    fn a_ticket_tells_when_its_job_has_run_without_waiting() {
+        let t = CommThread::new("comm-test".into()).unwrap();
+        let (go, gate) = std::sync::mpsc::channel::<()>();
+        let mut blocked = t
+            .submit(move || {
+                gate.recv().unwrap();
+                Ok(7)
+            })
+            .unwrap();
+        let mut after = t.submit(|| Ok(8)).unwrap();
+        assert!(!blocked.is_done() && !after.is_done());
+        go.send(()).unwrap();
+        while !after.is_done() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(blocked.is_done(), "jobs run in order");
+        assert_eq!((blocked.wait().unwrap(), after.wait().unwrap()), (7, 8));
     }
 
     #[test]

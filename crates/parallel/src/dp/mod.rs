@@ -13,6 +13,8 @@
 //! - [`zero`]: ZeRO ownership (which flat ranges a rank's optimizer updates) and the gathering of
 //!   the updated shards;
 //! - [`stage`]: the ZeRO stage as a type, with the bytes of a rank's state at each stage;
+//! - [`staging`]: the ZeRO-2/3 reductions handed to the communication thread, and the bound on
+//!   the staging buffers they hold;
 //! - [`state`]: the layout of a rank's gradient and optimizer state at its stage;
 //! - [`norm`]: the global gradient norm, each element counted once over the job;
 //! - [`matrices`]: whole matrices for an optimizer that transforms each as one (Muon), from
@@ -30,6 +32,7 @@ pub mod norm;
 pub mod rank;
 pub mod register;
 pub mod stage;
+pub mod staging;
 pub mod state;
 pub mod sync;
 pub mod zero;
@@ -40,6 +43,7 @@ pub use matrices::{assign_owners, Matrix, MatrixGroups, WholeMatrices};
 pub use norm::{global_sum_squares, norm_runs, NormGroups};
 pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
 pub use stage::{StateBytes, ZeroStage};
+pub use staging::STAGED_IN_FLIGHT;
 pub use state::{unit_buckets, StateLayout};
 pub use sync::{BucketSpan, GradSync, Reduction};
 pub use zero::{gather_shards, owned_ranges, ShardPos};

@@ -16,7 +16,8 @@
 //! - stages 2 and 3: gradients live only as this rank's shards (`grads`, `[n_owned]` in owned
 //!   order). After every backward of a piece the executor hands over the full-size gradients of
 //!   the buckets it touched ([`DataParallel::reduce_scatter`]); the communication thread
-//!   reduce-scatters each over the shard group and adds this rank's part into its shard. With
+//!   reduce-scatters each over the shard group and adds this rank's part into its shard (with one
+//!   pipeline stage at most [`STAGED_IN_FLIGHT`] such staged buckets wait or run: `staging.rs`). With
 //!   hybrid sharding a bucket's shard is all-reduced over the replica group once all its
 //!   parameters are final. The partial sums of other ranks of the replica are added to the
 //!   shards at [`DataParallel::finish`], when every reduce-scatter is done.
@@ -35,6 +36,7 @@ use std::time::Instant;
 use candle_core::{Result, Tensor};
 
 use super::stage::ZeroStage;
+use super::staging::{StagedJobs, STAGED_IN_FLIGHT};
 use super::{BucketSpan, FlatLayout, GradSync, Reduction};
 use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, ReduceOp};
@@ -65,6 +67,9 @@ pub struct DpGroups {
     pub tp: Group,
     /// The first and last stage of the rank's pipeline.
     pub pipeline_ends: Group,
+    /// The rank's pipeline: with one stage, the staged reductions in flight are bounded
+    /// (`staging.rs`).
+    pub pp: Group,
 }
 
 /// One rank's data parallelism (see the module docs).
@@ -89,7 +94,7 @@ pub struct DataParallel {
     thread: Option<CommThread>,
     /// Stages 2, 3: parameters still to be reported final per bucket, and the jobs in flight.
     pending: Vec<usize>,
-    in_flight: Vec<Ticket<Option<BucketSpan>>>,
+    jobs: StagedJobs,
     /// Stage 3: this rank's parameter shards in the training dtype (owned order).
     param_shards: Option<Tensor>,
 }
@@ -159,6 +164,7 @@ impl DataParallel {
             (true, None) => candle_core::bail!("ZeRO-3 needs the initial parameter shards"),
             (false, _) => None,
         };
+        let groups_pp = groups.pp.size();
         Ok(Self {
             comm,
             reported: vec![false; partial.len()],
@@ -173,7 +179,7 @@ impl DataParallel {
             deferred: Vec::new(),
             sync,
             thread,
-            in_flight: Vec::new(),
+            jobs: StagedJobs::new((groups_pp == 1).then_some(STAGED_IN_FLIGHT)),
             param_shards,
         })
     }
@@ -204,6 +210,8 @@ impl DataParallel {
     /// bucket `b` by one piece's backward; it is reduce-scattered over the shard group on the
     /// communication thread and this rank's part is added into its shard of the bucket.
     pub fn reduce_scatter(&mut self, b: usize, full: Tensor) -> Result<()> {
+        let staged = full.elem_count() * full.dtype().size_in_bytes();
+        self.jobs.make_room()?;
         let (thread, shard) = (self.thread()?, self.shard_of(b)?);
         let (comm, group, grads) = (
             self.comm.clone(),
@@ -221,8 +229,21 @@ impl DataParallel {
                 end: Instant::now(),
             }))
         })?;
-        self.in_flight.push(ticket);
+        self.jobs.push(ticket, staged);
         Ok(())
+    }
+
+    /// Stages 2, 3: the most bytes of staged gradients that reduce-scatters queued or running
+    /// held at once since the last call (at most [`STAGED_IN_FLIGHT`] buckets with one pipeline
+    /// stage).
+    pub fn take_staged_in_flight_peak(&mut self) -> usize {
+        self.jobs.take_peak()
+    }
+
+    /// The bound on staged reductions in flight (`None`: unbounded, with several pipeline
+    /// stages; see `staging.rs`).
+    pub fn staged_limit(&self) -> Option<usize> {
+        self.jobs.limit()
     }
 
     /// Parameter `i`'s gradient is final on this rank (no backward of this step adds to it).
@@ -255,19 +276,7 @@ impl DataParallel {
             candle_core::bail!("data parallelism: parameter {i} was never reported final");
         }
         if self.zero.shards_gradients() {
-            let mut spans = Vec::with_capacity(self.in_flight.len());
-            let mut first_err = None;
-            for t in self.in_flight.drain(..) {
-                match t.wait() {
-                    Ok(span) => spans.extend(span),
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                    }
-                }
-            }
-            if let Some(e) = first_err {
-                return Err(e);
-            }
+            let spans = self.jobs.finish()?;
             // The other ranks' partial sums, on this rank's shards of those parameters.
             for (want, group) in [
                 (true, self.groups.pipeline_ends.clone()),
@@ -372,7 +381,7 @@ impl DataParallel {
             grads.slice_set(&sum, 0, shard.start)?;
             Ok(None)
         })?;
-        self.in_flight.push(ticket);
+        self.jobs.push(ticket, 0);
         Ok(())
     }
 
