@@ -214,6 +214,112 @@ mod tests {
         assert_eq!((offset_row(1), offset_row(2), offset_row(256)), (2, 4, 258));
     }
 
+    /// What cuDNN computes from a ragged description, emulated on the CPU from the description
+    /// and the tables alone: batch entry `j` is the sequence of `seq_len[j]` positions whose
+    /// element `(h, i, e)` lies at `offset[j] + h·stride[1] + i·stride[2] + e·stride[3]` (q and
+    /// out with the q offsets and strides, k and v with the kv ones), causal within itself,
+    /// query head `h` reading kv head `h / (hq / hkv)`; its statistics at
+    /// `stats_offset[j] + h + i·hq` (the strides `{hq·S, 1, hq, 1}` of `cudnn/sdpa.cpp`). The
+    /// output and the statistics, taken token-major back to `[b, hq, s]` as `cuda/cudnn.rs`
+    /// does, equal the project's kernels with the floor the documents came from.
+    #[test]
+    fn the_ragged_batch_computes_what_the_floor_masks() {
+        use candle_core::{Device, Tensor};
+
+        use crate::ops::sdpa::{AttentionBackend, SdpaDesc};
+
+        let (b, s, hq, hkv, d) = (2, 24, 4, 2, 8);
+        let dm = Dims {
+            b,
+            s,
+            sk: s,
+            hq,
+            hkv,
+            d,
+            causal: true,
+        };
+        let f = floor(&[&[0, 5, 6, 17], &[0, 1, 9]], s);
+        let docs = Documents::from_floor(dm, Some(&f)).unwrap();
+        let desc = SdpaDesc::documents(dm, 0.3, true, &docs).unwrap();
+        let t = docs.tables(hq, hkv, d);
+        let row = offset_row(desc.b as usize);
+        let rand = |n: usize, seed: u64| -> Vec<f64> {
+            (0..n)
+                .map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f64 / 500.0 - 1.0)
+                .collect()
+        };
+        let (q, k, v) = (
+            rand(b * s * hq * d, 1),
+            rand(b * s * hkv * d, 2),
+            rand(b * s * hkv * d, 3),
+        );
+        let mut out = vec![f64::NAN; q.len()];
+        let mut stats = vec![f64::NAN; b * s * hq];
+        let at = |off: i64, st: [i64; 4], h: usize, i: usize, e: usize| {
+            (off + h as i64 * st[1] + i as i64 * st[2] + e as i64 * st[3]) as usize
+        };
+        for j in 0..desc.b as usize {
+            let len = t.seq_len[j] as usize;
+            let (oq, ok) = (t.offsets[j], t.offsets[row + j]);
+            let os = t.offsets[2 * row + j];
+            for h in 0..hq {
+                let g = h / (hq / hkv);
+                for i in 0..len {
+                    let scores: Vec<f64> = (0..=i)
+                        .map(|kk| {
+                            let dot: f64 = (0..d)
+                                .map(|e| {
+                                    q[at(oq, desc.q_stride, h, i, e)]
+                                        * k[at(ok, desc.k_stride, g, kk, e)]
+                                })
+                                .sum();
+                            dot * f64::from(desc.scale)
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+                    stats[os as usize + h + i * hq] = m + sum.ln();
+                    for e in 0..d {
+                        let o: f64 = (0..=i)
+                            .map(|kk| {
+                                (scores[kk] - m).exp() / sum * v[at(ok, desc.v_stride, g, kk, e)]
+                            })
+                            .sum();
+                        out[at(oq, desc.o_stride, h, i, e)] = o;
+                    }
+                }
+            }
+        }
+        let dev = Device::Cpu;
+        let tensor = |x: &[f64], h: usize| Tensor::from_slice(x, (b, s, h, d), &dev).unwrap();
+        let (want_out, want_lse) = crate::ops::attention::causal_attention_saved(
+            (&tensor(&q, hq), &tensor(&k, hkv), &tensor(&v, hkv)),
+            f64::from(desc.scale),
+            Some(&f),
+            AttentionBackend::Own,
+        )
+        .unwrap();
+        let got_lse = Tensor::from_slice(&stats, (b, s, hq), &dev)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap(); // [b, hq, s]
+                       // The largest difference; NaN (an element never written) counts as infinitely far.
+        let max_diff = |a: &Tensor, w: &Tensor| {
+            let a = a.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let w = w.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let far = |m: f64, e: f64| if e.is_nan() { f64::INFINITY } else { m.max(e) };
+            a.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(0.0, far)
+        };
+        assert!(
+            max_diff(&tensor(&out, hq), &want_out) < 1e-12,
+            "every output written"
+        );
+        assert!(
+            max_diff(&got_lse, &want_lse) < 1e-12,
+            "every statistic written"
+        );
+    }
+
     #[test]
     fn floors_that_are_not_documents_stay_with_the_projects_kernels() {
         let d = dims(1, 6);
