@@ -99,8 +99,10 @@ std::shared_ptr<fe::graph::Tensor_attributes> stats_input(fe::graph::Graph &g, c
 }
 
 // The tables of a ragged batch: lengths [b] i32 (queries and keys alike) and offsets [b + 1] i64.
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
 struct Ragged {
-    std::shared_ptr<fe::graph::Tensor_attributes> seq_q, seq_kv, off_q, off_k, off_v, off_o, off_stats;
+    TensorPtr seq_q, seq_kv, off_q, off_k, off_v, off_o, off_stats;
 };
 
 Ragged ragged_tables(fe::graph::Graph &g, const PretrainSdpa &p) {
@@ -114,6 +116,16 @@ Ragged ragged_tables(fe::graph::Graph &g, const PretrainSdpa &p) {
             table("off_q", OFF_Q, p.b + 1, i64),      table("off_k", OFF_K, p.b + 1, i64),
             table("off_v", OFF_V, p.b + 1, i64),      table("off_o", OFF_O, p.b + 1, i64),
             table("off_stats", OFF_STATS, p.b + 1, i64)};
+}
+
+// A ragged description's tables, with the offsets of its inputs q, k and v set.
+Ragged ragged_inputs(fe::graph::Graph &g, const PretrainSdpa &p, const TensorPtr &q, const TensorPtr &k,
+                     const TensorPtr &v) {
+    Ragged r = ragged_tables(g, p);
+    q->set_ragged_offset(r.off_q);
+    k->set_ragged_offset(r.off_k);
+    v->set_ragged_offset(r.off_v);
+    return r;
 }
 
 fe::graph::Graph *new_graph() {
@@ -134,10 +146,7 @@ void forward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
     }
     Ragged r;
     if (p.ragged) {
-        r = ragged_tables(g, p);
-        q->set_ragged_offset(r.off_q);
-        k->set_ragged_offset(r.off_k);
-        v->set_ragged_offset(r.off_v);
+        r = ragged_inputs(g, p, q, k, v);
         opts.set_padding_mask(true).set_seq_len_q(r.seq_q).set_seq_len_kv(r.seq_kv);
     }
     auto [o, stats] = g.sdpa(q, k, v, opts);
@@ -169,10 +178,7 @@ void backward_graph(fe::graph::Graph &g, const PretrainSdpa &p) {
     }
     Ragged r;
     if (p.ragged) {
-        r = ragged_tables(g, p);
-        q->set_ragged_offset(r.off_q);
-        k->set_ragged_offset(r.off_k);
-        v->set_ragged_offset(r.off_v);
+        r = ragged_inputs(g, p, q, k, v);
         o->set_ragged_offset(r.off_o);
         d_o->set_ragged_offset(r.off_o);
         stats->set_ragged_offset(r.off_stats);
