@@ -7,8 +7,8 @@
 //! before it is done) and ends when its last kernel is done. The origin event is recorded when the
 //! executor starts, and is placed on the step's host time line at the moment it was recorded (the
 //! stream is idle then: the previous step ended with a wait for the device). Time the GPU spends
-//! idle between actions — waiting for the host, or for a peer's transfer, which the NCCL backend
-//! waits for on the host — shows as a gap. Nothing waits for the device inside the step, so the
+//! idle between actions — waiting for the host, or for a peer's transfer (the device stream
+//! waits for an NCCL operation's completion event) — shows as a gap. Nothing waits for the device inside the step, so the
 //! traced step overlaps host and device work like any other. On the CPU the marks are host times.
 
 use std::time::Instant;

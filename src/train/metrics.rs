@@ -77,12 +77,14 @@ pub struct StepRecord {
     /// waited for a gather / gather time).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gather_hidden: Option<f64>,
-    /// Context parallelism: seconds this rank spent in ring attention (compute and
-    /// communication, forward, backward and recompute).
+    /// Context parallelism on the CPU: seconds this rank spent in ring attention (compute and
+    /// communication, forward, backward and recompute). Not written on CUDA, where the calls
+    /// return once queued (a traced step, `run.trace_step`, times them on the device).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ring_s: Option<f64>,
     /// Of which the seconds the rank spent handing K/V blocks to the backend and waiting for its
-    /// neighbour's: the transfer time not hidden behind the blocks' compute.
+    /// neighbour's: the transfer time not hidden behind the blocks' compute (CPU only, as
+    /// `ring_s`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ring_exposed_s: Option<f64>,
     /// Mixture of experts: the router losses and how evenly each MoE layer spread its tokens.

@@ -279,7 +279,11 @@ impl Trainer {
         } else {
             (None, None)
         };
-        let ring = (ctx.groups.cp.size() > 1).then(|| self.model.placement().cp.stats().take());
+        // On the CPU the ring's calls run as they are made; on CUDA they return once queued, so
+        // the host's clock cannot time them (a traced step shows them on the device's clock).
+        let ring = (ctx.groups.cp.size() > 1)
+            .then(|| self.model.placement().cp.stats().take())
+            .filter(|_| !ctx.device.is_cuda());
         // The update's kernels may still be queued: the step ends when the device is done.
         crate::device::synchronize(&self.ctx.device)?;
         let secs = m.start.elapsed().as_secs_f64();

@@ -86,13 +86,19 @@ template <typename A> __device__ A block_max(A v, A* scratch) {
 // Exports a `template <typename T> __device__ void NAME##_impl(...)` body as kernels:
 // EXPORT3(NAME, PARAMS, ARGS) defines extern "C" NAME_f32 / NAME_f64 / NAME_bf16 whose parameter
 // list PARAMS may use `T` (bound to the storage type in a namespace of its own) and which call
-// NAME##_impl<T> ARGS.
-#define EXPORT_ONE(NAME, SUFFIX, TY, PARAMS, ARGS)                                   \
+// NAME##_impl<T> ARGS. EXPORT3_BOUNDED(NAME, THREADS, ...) also declares the most threads a
+// block is launched with, so the compiler keeps the registers a block of that size can have
+// (without it a kernel whose register count grows past 64 fails to launch with 1,024 threads).
+#define EXPORT_ONE_BOUNDED(NAME, SUFFIX, TY, BOUNDS, PARAMS, ARGS)                   \
   namespace NAME##_##SUFFIX##_ns {                                                  \
   typedef TY T;                                                                     \
-  extern "C" __global__ void NAME##_##SUFFIX PARAMS { NAME##_impl<T> ARGS; }         \
+  extern "C" __global__ void BOUNDS NAME##_##SUFFIX PARAMS { NAME##_impl<T> ARGS; }  \
   }
-#define EXPORT3(NAME, PARAMS, ARGS)                       \
-  EXPORT_ONE(NAME, f32, float, PARAMS, ARGS)              \
-  EXPORT_ONE(NAME, f64, double, PARAMS, ARGS)             \
-  EXPORT_ONE(NAME, bf16, __nv_bfloat16, PARAMS, ARGS)
+#define NO_BOUNDS
+#define EXPORT_ONE(NAME, SUFFIX, TY, PARAMS, ARGS) \
+  EXPORT_ONE_BOUNDED(NAME, SUFFIX, TY, NO_BOUNDS, PARAMS, ARGS)
+#define EXPORT3_BOUNDED(NAME, BOUNDS, PARAMS, ARGS)                \
+  EXPORT_ONE_BOUNDED(NAME, f32, float, BOUNDS, PARAMS, ARGS)       \
+  EXPORT_ONE_BOUNDED(NAME, f64, double, BOUNDS, PARAMS, ARGS)      \
+  EXPORT_ONE_BOUNDED(NAME, bf16, __nv_bfloat16, BOUNDS, PARAMS, ARGS)
+#define EXPORT3(NAME, PARAMS, ARGS) EXPORT3_BOUNDED(NAME, NO_BOUNDS, PARAMS, ARGS)

@@ -268,7 +268,8 @@ __device__ void cross_entropy_fwd_impl(const T* logits, const unsigned* targets,
   s = block_sum(s, scratch);
   if (threadIdx.x == 0) loss[row] = m + log_acc(s) - to_acc(lr[t]);
 }
-EXPORT3(cross_entropy_fwd,
+// Launched with blocks of 1,024 threads (CE_THREADS in src/ops/cuda/pointwise.rs).
+EXPORT3_BOUNDED(cross_entropy_fwd, __launch_bounds__(1024),
         (const T* logits, const unsigned* targets, Acc<T>::type* loss, int rows, int v),
         (logits, targets, loss, rows, v))
 
@@ -297,7 +298,7 @@ __device__ void cross_entropy_bwd_impl(const T* logits, const unsigned* targets,
     dr[j] = from_acc<T>(dj);
   }
 }
-EXPORT3(cross_entropy_bwd,
+EXPORT3_BOUNDED(cross_entropy_bwd, __launch_bounds__(1024),
         (const T* logits, const unsigned* targets, const Acc<T>::type* loss_grad, T* d, int rows,
          int v),
         (logits, targets, loss_grad, d, rows, v))

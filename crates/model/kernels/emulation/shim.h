@@ -48,6 +48,7 @@
 #define __host__
 #define __device__
 #define __global__
+#define __launch_bounds__(...)
 #define __forceinline__ inline
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))

@@ -38,7 +38,7 @@ pub struct RingStats {
     /// Time spent blocked in `recv` waiting for a neighbour's K/V (or dK/dV) block.
     pub wait_ns: AtomicU64,
     /// Time spent in `send` (handing a block to the backend: a copy on thread ranks, an enqueue
-    /// on NCCL).
+    /// on NCCL, where these host times say nothing of the device's and the trainer drops them).
     pub send_ns: AtomicU64,
     /// Time spent in the ring attention ops in all (compute and communication).
     pub total_ns: AtomicU64,
