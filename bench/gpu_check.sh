@@ -29,7 +29,8 @@
 #             activation peaks; and 6 steps of bench-1b at pp 2 with zbv, whose log gives the
 #             forward / B / W milliseconds per chunk its order was fitted to
 #   attention bench/attention_gpu.sh: attention forward + backward, ours (cudnn, own) against
-#             torch SDPA (flash, cudnn)
+#             torch SDPA (flash, cudnn), and ours alone with documents kept apart (cuDNN's
+#             ragged batch against the project's kernels)
 #   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
