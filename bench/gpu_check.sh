@@ -20,7 +20,8 @@
 #   documents the tiny recipe (60 steps) on the plays' paragraphs as short documents with
 #             data.reset_attention_mask and data.reset_position_ids on CUDA in f32 (the project's
 #             kernels' document floor), bf16 (cuDNN's ragged batch of the documents), bf16 on
-#             the project's kernels, and at cp 2, against the CPU (f32) and each other
+#             the project's kernels, and at cp 2, against the CPU (f32) and each other; and 8
+#             steps of bench-1b on those documents
 #   muon      the tiny recipe (60 steps) with optimizer.name=muon (Newton-Schulz in bf16 on the
 #             GPU) in f32 and bf16 against the CPU (f32, f32 iteration), at dp 2 x tp 2 with
 #             ZeRO-1 against one rank, and 6 steps of bench-1b with Muon (opt= in its log)
@@ -193,8 +194,9 @@ export -f tiny_run recipe_run compare compare_drift
 
 MOE_STEPS="train.steps=50,train.eval_interval=25"
 MUON_SET="train.steps=60,train.eval_interval=30,optimizer.name=muon"
-DOCS_SET="train.steps=60,train.eval_interval=30,data.datasets=[{prefix: $RUNS/docs/docs}],\
-data.reset_attention_mask=true,data.reset_position_ids=true"
+DOCS_DATA="data.datasets=[{prefix: $RUNS/docs/docs}],data.reset_attention_mask=true,\
+data.reset_position_ids=true"
+DOCS_SET="train.steps=60,train.eval_interval=30,$DOCS_DATA"
 for p in "${PARTS[@]}"; do
   case $p in
     tiny) cpu_ref tiny-cpu tiny ;;
@@ -274,6 +276,11 @@ for p in "${PARTS[@]}"; do
       part docs-bf16-curve compare docs-cuda-bf16 docs-cpu 3e-2
       part docs-bf16-cudnn-vs-own compare docs-cuda-bf16 docs-cuda-bf16-own 3e-2
       part docs-cp2-curve compare docs-cuda-cp2 docs-cuda-f32 1e-3
+      # The 1.1B model on the same documents (cuDNN's ragged batches at 2048 positions): its log's
+      # tflops= counts the attention the mask keeps (attention_share in metrics.jsonl).
+      rm -rf "$RUNS/docs-1b"
+      part docs-1b "$BIN" --recipe recipes/bench-1b.yaml \
+        --set "run.dir=$RUNS/docs-1b,train.steps=8,run.log_interval=1,$DOCS_DATA"
       ;;
     muon)
       part muon-cuda-f32 tiny_run muon-cuda-f32 cuda f32 --set "$MUON_SET"

@@ -16,9 +16,9 @@
 //! - stages 2 and 3: gradients live only as this rank's shards (`grads`, `[n_owned]` in owned
 //!   order). After every backward of a piece the executor hands over the full-size gradients of
 //!   the buckets it touched ([`DataParallel::reduce_scatter`]); the communication thread
-//!   reduce-scatters each over the shard group and adds this rank's part into its shard (with one
-//!   pipeline stage at most [`STAGED_IN_FLIGHT`] such staged buckets wait or run: `staging.rs`). With
-//!   hybrid sharding a bucket's shard is all-reduced over the replica group once all its
+//!   reduce-scatters each over the shard group and adds this rank's part into its shard (with
+//!   one pipeline stage at most [`STAGED_IN_FLIGHT`] such buckets wait or run: `staging.rs`).
+//!   With hybrid sharding a bucket's shard is all-reduced over the replica group once all its
 //!   parameters are final. The partial sums of other ranks of the replica are added to the
 //!   shards at [`DataParallel::finish`], when every reduce-scatter is done.
 //!
@@ -164,7 +164,8 @@ impl DataParallel {
             (true, None) => candle_core::bail!("ZeRO-3 needs the initial parameter shards"),
             (false, _) => None,
         };
-        let groups_pp = groups.pp.size();
+        // The bound on staged reductions is safe with one pipeline stage only (`staging.rs`).
+        let one_stage = groups.pp.size() == 1;
         Ok(Self {
             comm,
             reported: vec![false; partial.len()],
@@ -179,7 +180,7 @@ impl DataParallel {
             deferred: Vec::new(),
             sync,
             thread,
-            jobs: StagedJobs::new((groups_pp == 1).then_some(STAGED_IN_FLIGHT)),
+            jobs: StagedJobs::new(one_stage.then_some(STAGED_IN_FLIGHT)),
             param_shards,
         })
     }
@@ -238,12 +239,6 @@ impl DataParallel {
     /// stage).
     pub fn take_staged_in_flight_peak(&mut self) -> usize {
         self.jobs.take_peak()
-    }
-
-    /// The bound on staged reductions in flight (`None`: unbounded, with several pipeline
-    /// stages; see `staging.rs`).
-    pub fn staged_limit(&self) -> Option<usize> {
-        self.jobs.limit()
     }
 
     /// Parameter `i`'s gradient is final on this rank (no backward of this step adds to it).

@@ -60,11 +60,6 @@ impl StagedJobs {
         }
     }
 
-    /// The bound on staged jobs, if any.
-    pub fn limit(&self) -> Option<usize> {
-        self.limit
-    }
-
     /// Makes room for one more staged job: retires the jobs that have run and, under a bound,
     /// waits for the oldest ones until fewer than the bound hold staging. A job's failure is
     /// returned here (the step fails with it).

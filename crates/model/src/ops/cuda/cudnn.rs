@@ -4,7 +4,10 @@
 //!
 //! [`attention_fwd`] and [`attention_bwd`] take and return what the project's kernels do
 //! (`super::attention`): the output `[b, s, hq, d]` and the log-sum-exp `[b, hq, s]` f32 (cuDNN's
-//! softmax statistics are exactly that), and the flat `[nq + 2 nkv]` gradients. Handles (one per
+//! softmax statistics are exactly that), and the flat `[nq + 2 nkv]` gradients. A causal call
+//! with a document floor runs as a ragged batch of its documents (`sdpa_ragged.rs`): the call
+//! uploads the batch's tables, and the statistics, which cuDNN writes token-major for it, are
+//! transposed to and from `[b, hq, s]`. Handles (one per
 //! CUDA context) and graphs (one per [`SdpaDesc`] and direction) are made on first use and kept
 //! for the process's life in one [`GraphCache`]; its lock is held across binding the handle to the
 //! device's stream and enqueueing the graph ([`run_graph`]), which is all a call does on the host.
@@ -277,7 +280,7 @@ fn describe(
 struct Tables {
     batch: i64,
     seq_len: CudaSlice<i32>, // [batch]
-    offsets: CudaSlice<i64>, // [3, batch + 1]
+    offsets: CudaSlice<i64>, // [3, offset_row(batch)]
 }
 
 impl Tables {
