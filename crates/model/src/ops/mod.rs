@@ -19,8 +19,8 @@
 //! One file per op: `add.rs`, `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+
 //! `attention_bwd.rs`, and `attention_dims.rs` for a call's sizes and mask), `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers
 //! live in `common.rs`; `sdpa.rs` holds the attention backend choice (the project's kernels or
-//! cuDNN's fused attention) and the cuDNN calls' descriptions, `sdpa_ragged.rs` the documents of
-//! a masked call as cuDNN's ragged batch.
+//! cuDNN's fused attention) and the cuDNN calls' descriptions, `sdpa_cache.rs` the cache of built
+//! graphs, `sdpa_ragged.rs` the documents of a masked call as cuDNN's ragged batch.
 
 use candle_core::{Result, Tensor};
 pub use parallel::cp::Floor;
@@ -42,6 +42,7 @@ mod linear;
 mod rms_norm;
 mod rope;
 pub mod sdpa;
+pub mod sdpa_cache;
 mod sdpa_ragged;
 mod swiglu;
 

@@ -26,7 +26,8 @@ use half::bf16;
 
 use super::{alloc, view};
 use crate::ops::attention::{Dims, Floor};
-use crate::ops::sdpa::{Direction, GraphCache, SdpaDesc};
+use crate::ops::sdpa::SdpaDesc;
+use crate::ops::sdpa_cache::{Direction, GraphCache};
 use crate::ops::sdpa_ragged::Documents;
 
 const OP: &str = "cuDNN attention";
