@@ -2,9 +2,7 @@
 //! `--nproc-per-node`, torchrun or Slurm), recipe checking, tokenizer training, corpus
 //! preprocessing, Hugging Face export/import, evaluation and the device self-test.
 
-use std::ffi::OsString;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -14,7 +12,9 @@ use crate::recipe::{self, DeviceKind, Dtype, Recipe};
 
 mod bench;
 mod check;
+mod train;
 use check::check;
+use train::train;
 
 /// Megatron-style 3D-parallel Llama pretraining.
 #[derive(Debug, Parser)]
@@ -371,116 +371,6 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
-    let recipe = args.load()?;
-    if let Some(nproc_per_node) = launch.nproc_per_node {
-        let layout = crate::launch::NodeLayout {
-            nproc_per_node,
-            nnodes: launch.nnodes,
-            node_rank: launch.node_rank,
-            master_addr: launch.master_addr.clone(),
-            master_port: launch.master_port,
-        };
-        let mut child: Vec<OsString> = vec!["train".into(), "--recipe".into()];
-        child.push(args.recipe.clone().into());
-        for o in &args.overrides {
-            child.extend(["--set".into(), o.into()]);
-        }
-        let grace = Duration::from_secs_f64(recipe.parallel.timeout_s.min(10.0));
-        let world = recipe.parallel.world_size();
-        if let Some((min, max)) = launch.elastic {
-            let e = crate::launch::elastic::Elastic {
-                min,
-                max,
-                max_restarts: launch.max_restarts,
-            };
-            return crate::launch::elastic::spawn(&layout, &child, &recipe, grace, e);
-        }
-        let flight = crate::train::flight::dir(&recipe);
-        return crate::launch::spawn_node(&layout, &child, world, grace, &flight);
-    }
-    crate::train::signals::install()?;
-    let dir = recipe.run.dir.clone();
-    let info = parallel::env::from_env(&|k| std::env::var(k).ok())?;
-    let (out, main) = match info {
-        Some(info) if info.world_size > 1 => {
-            let deadline = crate::launch::deadline::for_timeout(recipe.parallel.timeout_s);
-            crate::launch::deadline::install(info.rank, deadline);
-            let job = crate::launch::join(&info, &recipe)?;
-            // A GPU per process; on the CPU the node's processes share its memory.
-            let here = if job.device.is_cuda() {
-                1
-            } else {
-                std::env::var("LOCAL_WORLD_SIZE")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(1)
-            };
-            if let Err(e) = crate::train::admit::admit(&recipe, here, &job.device) {
-                job.comm.abort(&format!("{e:#}"));
-                return Err(e.context(format!("rank {}", info.rank)));
-            }
-            // SIGUSR1 logs what every rank of this node is doing (the launcher, when there is
-            // one, says it for the node instead).
-            let flight_dir = crate::train::flight::dir(&recipe);
-            let world = info.world_size;
-            let launched = std::env::var_os("PRETRAIN_LAUNCHED").is_some();
-            let _watch = if launched {
-                crate::train::flight::install_usr1()?;
-                None
-            } else {
-                let d = flight_dir.clone();
-                Some(crate::train::flight::watch(move || {
-                    crate::train::flight::from_dir(&d, world)
-                })?)
-            };
-            let mine = crate::train::run_rank(
-                &recipe,
-                info.rank,
-                job.comm.clone(),
-                job.device.clone(),
-                true,
-            )
-            .with_context(|| format!("rank {}", info.rank));
-            let mine = match mine {
-                Ok(m) => m,
-                Err(e) => {
-                    // Without a launcher of ours, rank 0 says what the ranks it can read (its
-                    // node's, or all on a shared run.dir) were doing when a peer went missing.
-                    if info.rank == 0 && !launched && crate::train::flight::timed_out(&e) {
-                        let d = crate::train::flight::from_dir(&flight_dir, world);
-                        crate::train::flight::report(&d);
-                    }
-                    // From here the process ends within the deadline, however its teardown goes.
-                    parallel::comm::failure::report(info.rank, &format!("{e:#}"));
-                    stuck_for_tests();
-                    return Err(e);
-                }
-            };
-            (crate::train::collect(vec![mine]), info.rank == 0)
-        }
-        _ => (crate::train::train(recipe, true)?, true),
-    };
-    if !main {
-        return Ok(());
-    }
-    if let Some(last) = out.records.last() {
-        let val = out
-            .val_loss
-            .map_or(String::new(), |v| format!(", val_loss={v:.4}"));
-        info!(
-            "done: {} steps, final loss={:.4}{val}",
-            last.step, last.loss
-        );
-    }
-    info!(
-        "metrics: {}, plot: {}",
-        dir.join("metrics.jsonl").display(),
-        dir.join("loss.svg").display()
-    );
-    Ok(())
-}
-
 fn selftest(
     device: DeviceKind,
     recipe: &std::path::Path,
@@ -516,17 +406,6 @@ fn selftest(
     }
     println!("selftest on {device}: all {} checks passed", checks.len());
     Ok(())
-}
-
-/// Fault-injection point for tests: with `PRETRAIN_TEST_STUCK_AFTER_FAILURE` set, a rank process
-/// whose run failed hangs instead of returning, as a teardown stuck on a dead peer would (the
-/// exit deadline must end it).
-fn stuck_for_tests() {
-    if std::env::var_os("PRETRAIN_TEST_STUCK_AFTER_FAILURE").is_some() {
-        loop {
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        }
-    }
 }
 
 #[cfg(test)]
