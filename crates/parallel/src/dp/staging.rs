@@ -90,9 +90,10 @@ impl StagedJobs {
                 first_err.get_or_insert(e);
             }
         }
+        let done = std::mem::take(&mut self.done);
         match first_err {
             Some(e) => Err(e),
-            None => Ok(std::mem::take(&mut self.done)),
+            None => Ok(done),
         }
     }
 
@@ -104,19 +105,18 @@ impl StagedJobs {
     /// Retires the oldest job if it has run (or, with `wait`, once it has); with `wait` false,
     /// every leading job that has run. Jobs run in submission order.
     fn retire(&mut self, wait: bool) -> Result<()> {
-        loop {
-            let Some(front) = self.queue.front_mut() else {
-                return Ok(());
-            };
+        while let Some(front) = self.queue.front_mut() {
             if !wait && !front.ticket.is_done() {
-                return Ok(());
+                break;
             }
-            let job = self.queue.pop_front().expect("a front job");
-            self.done.extend(job.ticket.wait()?);
+            if let Some(job) = self.queue.pop_front() {
+                self.done.extend(job.ticket.wait()?);
+            }
             if wait {
-                return Ok(());
+                break;
             }
         }
+        Ok(())
     }
 }
 
