@@ -241,10 +241,19 @@ impl Hash for SdpaDesc {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn dims(b: usize, s: usize, sk: usize, hq: usize, hkv: usize, d: usize, causal: bool) -> Dims {
+    /// The sizes of a call (shared with the graph cache's tests).
+    pub(crate) fn dims(
+        b: usize,
+        s: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        causal: bool,
+    ) -> Dims {
         Dims {
             b,
             s,

@@ -94,18 +94,7 @@ mod tests {
 
     use super::*;
     use crate::ops::attention::Dims;
-
-    fn dims(b: usize, s: usize, sk: usize, hq: usize, hkv: usize, d: usize, causal: bool) -> Dims {
-        Dims {
-            b,
-            s,
-            sk,
-            hq,
-            hkv,
-            d,
-            causal,
-        }
-    }
+    use crate::ops::sdpa::tests::dims;
 
     /// A graph is built once per context, description and direction; everything that changes
     /// the graph changes the key.
