@@ -413,11 +413,21 @@ pub fn check_nccl(device: &Device) -> Result<Vec<Check>> {
         .to_dtype(DType::F32)?
         .to_device(device)?;
     let y = comm.self_check(&x)?;
-    Ok(vec![Check {
-        name: "nccl world=1 collectives return their input".into(),
-        error: rel_error(&y, &x)?,
-        tolerance: 0.0,
-    }])
+    // A non-blocking communicator's creation answers "in progress" (NCCL initialises it on a
+    // thread of its own); a blocking one would answer at once.
+    let deferred = comm.deferred_calls();
+    Ok(vec![
+        Check {
+            name: "nccl world=1 collectives return their input".into(),
+            error: rel_error(&y, &x)?,
+            tolerance: 0.0,
+        },
+        Check {
+            name: format!("nccl communicators are non-blocking ({deferred} calls settled)"),
+            error: if deferred > 0 { 0.0 } else { 1.0 },
+            tolerance: 0.0,
+        },
+    ])
 }
 
 /// Every check for `kind`; `recipe` is the tiny recipe (its data must be present).

@@ -6,6 +6,8 @@ pub mod failure;
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub(crate) mod flat;
 pub mod flight;
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) mod guard;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;

@@ -8,7 +8,10 @@
 //!   under `nccl/{k}/group/{ranks}/id` (`k` numbers the `NcclComm`s of the job, see
 //!   [`NcclComm::new`]); every member announces itself (`…/here/{rank}`, `…/count`), waits —
 //!   bounded, watching for failures — until all have, reads the id and joins with
-//!   `ncclCommInitRank` (on a helper thread, so the wait stays bounded). Members call a group's
+//!   `ncclCommInitRankConfig`. Communicators are non-blocking (`blocking = 0`): initialisation,
+//!   connection set-up and launches run on NCCL's threads while the calling thread polls, so
+//!   every wait stays bounded and an abort never interrupts a call inside NCCL (`raw.rs`,
+//!   `comm::guard`; `NCCL_COMM_BLOCKING=1` is refused). Members call a group's
 //!   collectives in the same order, so they create its communicator at matching calls.
 //!   Creation is serialised per rank. Point-to-point messages use one communicator per
 //!   *direction* (`nccl/{k}/p2p/{src}->{dst}`, NCCL rank 0 = sender), created by the sender's
@@ -67,8 +70,8 @@
 //!   recorded rank and reason become this rank's failure, its communicators are aborted, and
 //!   pending and later calls return `PeerFailed` naming that rank. An unreachable store counts
 //!   as the failure of rank 0, which serves it. The watchdog also fails the job when a send or
-//!   an NCCL host call (e.g. a connection setup to a dead peer) outlives the timeout, aborting
-//!   under the stuck call to make it return. Dropping an `NcclComm` waits for its sends and then
+//!   an NCCL call (e.g. one still settling a connection to a dead peer) outlives the timeout;
+//!   the abort ends the settling call at its next poll. Dropping an `NcclComm` waits for its sends and then
 //!   (unless the job failed) for every rank to drop theirs, so the store outlives all traffic.
 //! - **Results.** Identical on all members by construction (NCCL delivers one reduced buffer to
 //!   everyone), but not bit-identical to the `local` backend's member-order sums: NCCL's
@@ -140,6 +143,7 @@ impl NcclComm {
                 "nccl backend: no rank {rank} in a job of {world_size}"
             )));
         }
+        raw::check_nonblocking_env().map_err(|e| Error::msg(format!("nccl backend: {e}")))?;
         let k = store.add(&instance_key(rank), 1).map_err(Error::wrap)?;
         let prefix = instance_prefix(k - 1);
         let shared = Arc::new(Shared::new(
@@ -159,6 +163,14 @@ impl NcclComm {
     /// The first failure this rank knows of: the failed rank and its reason.
     pub fn failure(&self) -> Option<(usize, String)> {
         self.shared.failure()
+    }
+
+    /// How many NCCL calls of this rank (communicator initialisations included) NCCL answered
+    /// `ncclInProgress` and the backend settled: evidence that its communicators are
+    /// non-blocking.
+    pub fn deferred_calls(&self) -> u64 {
+        let comms = self.shared.comms.lock().unwrap_or_else(|e| e.into_inner());
+        comms.values().map(|c| c.deferred()).sum()
     }
 
     /// Waits (bounded by the timeout) until every send of this rank has been received and every
@@ -264,11 +276,11 @@ impl NcclComm {
         ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         let e = match sh.host_call(call.op, || comm.call(launch)) {
             Ok(()) => return Ok(()),
-            Err(Fault::Nccl {
+            Err(Fault::Failed {
                 usage: true,
                 message,
             }) => call.invalid(format!("NCCL: {message}")),
-            Err(Fault::Nccl { message, .. }) => {
+            Err(Fault::Failed { message, .. }) => {
                 sh.fail(sh.rank, format!("NCCL error in {}: {message}", call.op));
                 let (failed, reason) = sh.failure().unwrap_or((sh.rank, message));
                 call.peer_failed(failed, reason)

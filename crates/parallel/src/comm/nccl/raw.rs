@@ -1,22 +1,21 @@
-//! The raw CUDA and NCCL handles of the `nccl` backend: [`RawComm`] (one NCCL communicator, with
-//! an abort callable from any thread, and the [`CommStream`] its operations run on),
-//! communicator creation on a helper thread, and device addresses of candle tensors.
+//! The raw CUDA and NCCL handles of the `nccl` backend: [`RawComm`] (one non-blocking NCCL
+//! communicator, guarded by `comm::guard`, with the [`CommStream`] its operations run on),
+//! communicator creation, and device addresses of candle tensors.
 //!
 //! # Safety argument
 //!
-//! An `ncclComm_t` may be used from any thread but not by two threads at once. Every call on a
-//! [`RawComm`] (enqueueing an operation, polling its asynchronous error) runs with its `lock`
-//! held and only while `aborted` is false; `ncclCommAbort` runs exactly once (guarded by the
-//! `aborted` swap), normally with the lock held. Only when another thread has held the lock for
-//! longer than [`ABORT_GRACE`] (a call stuck inside NCCL, e.g. connecting to a dead peer) is the
-//! abort issued without the lock, which is how NCCL expects a blocked call to be interrupted (the
-//! PyTorch watchdog does the same); the stuck call then returns and nobody uses the handle again.
+//! An `ncclComm_t` may be used from any thread but not by two threads at once, and a
+//! non-blocking one not before its last call has settled. [`RawComm`] holds the handle in a
+//! [`Guarded`], which serialises every use (calls, status polls, the abort), settles each call
+//! NCCL answers `ncclInProgress` before the next may start, and makes `ncclCommAbort` the
+//! handle's single, last use, issued only between polls, never under a call in NCCL (see
+//! `comm::guard`). Communicators are made non-blocking (`ncclCommInitRankConfig`, `blocking =
+//! 0`), so no NCCL call holds the handle for long: connection set-up and initialisation run on
+//! NCCL's own threads while the guard polls. `NCCL_COMM_BLOCKING=1` would override that and is
+//! refused ([`check_nonblocking_env`]).
 
-use std::ffi::{c_char, c_void, CStr};
-use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, TryLockError};
-use std::time::{Duration, Instant};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::Arc;
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda::cudarc::driver::{
@@ -27,8 +26,8 @@ use candle_core::cuda::{CudaDevice, CudaStorageSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Error, Result, Shape, Storage, Tensor};
 
-/// How long an abort waits for an in-progress NCCL call to finish before aborting under it.
-pub(super) const ABORT_GRACE: Duration = Duration::from_millis(100);
+pub(super) use crate::comm::guard::Fault;
+use crate::comm::guard::{AsyncHandle, Guarded, Status};
 
 /// A CUDA driver error as a candle error.
 pub(super) fn cuda_err(what: &str, e: cu::DriverError) -> Error {
@@ -117,55 +116,65 @@ pub(super) fn describe(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String
     }
 }
 
-/// Why a call on a [`RawComm`] did not go through.
-pub(super) enum Fault {
-    /// The communicator was aborted (by this rank's failure handling).
-    Aborted,
-    /// NCCL refused the call; `usage` for invalid arguments or usage (a bug of the caller).
-    Nccl { usage: bool, message: String },
-}
-
-/// The communicator handle (see the module's safety argument).
+/// The communicator handle as the guard sees it.
 struct Handle(sys::ncclComm_t);
 
-// SAFETY: see the module documentation: uses are serialised by `RawComm::lock`, except the one
-// abort that NCCL allows to interrupt a stuck call.
+// SAFETY: see the module documentation: every use is serialised by the `Guarded` lock.
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
-/// One NCCL communicator of this rank, with the stream its operations run on.
+impl AsyncHandle for Handle {
+    fn status(&self) -> Status {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live handle (the guard calls this only before the abort), used under the
+        // guard's lock.
+        let rc = unsafe { sys::ncclCommGetAsyncError(self.0, &mut state) };
+        use sys::ncclResult_t::{ncclInProgress, ncclSuccess};
+        match (rc, state) {
+            (ncclSuccess, ncclSuccess) => Status::Ready,
+            (ncclSuccess, ncclInProgress) => Status::InProgress,
+            (ncclSuccess, code) | (code, _) => Status::Failed(describe(code, self.0)),
+        }
+    }
+
+    fn abort(&self) {
+        // SAFETY: the guard makes this the handle's single, last use. Pending operations end
+        // (their events complete); NCCL frees the communicator.
+        let _ = unsafe { nc::comm_abort(self.0) };
+    }
+}
+
+/// One NCCL communicator of this rank, with the stream its operations run on. Field order is
+/// drop order: the communicator is aborted (the guard's drop) before its stream is destroyed.
 pub(super) struct RawComm {
-    handle: Handle,
-    lock: Mutex<()>,
-    aborted: AtomicBool,
-    /// Dropped (destroyed) after `Drop::drop` has aborted the communicator.
+    comm: Guarded<Handle>,
     stream: CommStream,
 }
 
 impl RawComm {
-    /// Runs `f` on the handle, unless the communicator has been aborted.
+    /// Enqueues one operation (or one NCCL group): runs `f` on the handle, unless the
+    /// communicator has been aborted, and settles it if NCCL answers `ncclInProgress`, so that
+    /// on return the operation is on the communicator's stream.
     pub(super) fn call(
         &self,
         f: impl FnOnce(sys::ncclComm_t) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> std::result::Result<(), Fault> {
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        if self.aborted.load(Ordering::SeqCst) {
-            return Err(Fault::Aborted);
-        }
-        f(self.handle.0).map(|_| ()).map_err(|e| {
-            let usage = matches!(
-                e.0,
-                sys::ncclResult_t::ncclInvalidArgument | sys::ncclResult_t::ncclInvalidUsage
-            );
-            // A call that an abort interrupted must not touch the freed handle.
-            let comm = if self.is_aborted() {
-                std::ptr::null_mut()
-            } else {
-                self.handle.0
-            };
-            let message = describe(e.0, comm);
-            Fault::Nccl { usage, message }
+        self.comm.call(|h| match f(h.0) {
+            Ok(nc::NcclStatus::InProgress) => Ok(true),
+            Ok(_) => Ok(false),
+            Err(e) => Err(Fault::Failed {
+                usage: matches!(
+                    e.0,
+                    sys::ncclResult_t::ncclInvalidArgument | sys::ncclResult_t::ncclInvalidUsage
+                ),
+                message: describe(e.0, h.0),
+            }),
         })
+    }
+
+    /// Whether the communicator's initialisation has finished (`Ok(false)` while in progress).
+    pub(super) fn ready(&self) -> std::result::Result<bool, Fault> {
+        self.comm.ready()
     }
 
     /// The communicator's own stream: every operation on it is enqueued there (see the module
@@ -176,92 +185,83 @@ impl RawComm {
 
     /// Whether [`RawComm::abort`] has been called.
     pub(super) fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::SeqCst)
+        self.comm.is_aborted()
+    }
+
+    /// How many calls NCCL answered `ncclInProgress` (its initialisation included).
+    pub(super) fn deferred(&self) -> u64 {
+        self.comm.deferred()
     }
 
     /// The asynchronous error NCCL recorded for this communicator (a failed peer or network), if
-    /// any. Skips the check (returns `None`) while another thread is inside an NCCL call.
+    /// any. Skips the check (returns `None`) while another thread's call holds the handle.
     pub(super) fn async_error(&self) -> Option<String> {
-        let _guard = match self.lock.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return None,
-        };
-        if self.is_aborted() {
-            return None;
-        }
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: a live handle, used under the lock.
-        let rc = unsafe { sys::ncclCommGetAsyncError(self.handle.0, &mut state) };
-        use sys::ncclResult_t::{ncclInProgress, ncclSuccess};
-        match (rc, state) {
-            (ncclSuccess, ncclSuccess | ncclInProgress) => None,
-            (ncclSuccess, code) | (code, _) => Some(describe(code, self.handle.0)),
-        }
+        self.comm.failure()
     }
 
     /// Aborts the communicator: its pending operations end (their events complete) and every
     /// later call fails with [`Fault::Aborted`]. Idempotent; callable from any thread. The
     /// stream stays until the `RawComm` is dropped, as other threads may still hold it.
     pub(super) fn abort(&self) {
-        if self.aborted.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let grace = Instant::now() + ABORT_GRACE;
-        loop {
-            let guard = match self.lock.try_lock() {
-                Ok(g) => Some(g),
-                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-                Err(TryLockError::WouldBlock) if Instant::now() < grace => {
-                    std::thread::sleep(Duration::from_millis(1));
-                    continue;
-                }
-                // A call is stuck inside NCCL: abort under it to make it return.
-                Err(TryLockError::WouldBlock) => None,
-            };
-            // SAFETY: `aborted` was false until the swap above, so the handle is live and this
-            // is its only abort; see the module documentation for the lock-free case.
-            let _ = unsafe { nc::comm_abort(self.handle.0) };
-            drop(guard);
-            return;
-        }
+        self.comm.abort()
     }
 }
 
-impl Drop for RawComm {
-    fn drop(&mut self) {
-        // Aborting (rather than destroying) never waits for peers. All of this rank's operations
-        // have completed or failed by now. The stream is destroyed afterwards, with the fields.
-        self.abort();
+/// The configuration of every communicator: NCCL's defaults (`NCCL_CONFIG_INITIALIZER`: the
+/// magic, and "undefined" in every field) except `blocking = 0`. Laid out as cudarc's binding
+/// (NCCL 2.30.0's struct), so `version` says 2.30.0: NCCL copies `min(size, its own size)` bytes
+/// and resets the fields newer than `version` to its defaults, so older and newer libraries
+/// read it alike (the build ships NCCL 2.27).
+fn nonblocking_config() -> sys::ncclConfig_t {
+    const UNDEF: c_int = c_int::MIN;
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 2 * 10_000 + 30 * 100,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
     }
 }
 
-/// The outcome of a communicator creation on the helper thread.
-pub(super) type InitResult = std::result::Result<RawComm, String>;
+/// Refuses `NCCL_COMM_BLOCKING=1`, which would make every communicator blocking whatever its
+/// configuration: a call stuck in NCCL could then be ended only under it (see the module
+/// documentation).
+pub(super) fn check_nonblocking_env() -> std::result::Result<(), String> {
+    match std::env::var("NCCL_COMM_BLOCKING") {
+        Ok(v) if v.trim() == "1" => {
+            Err("NCCL_COMM_BLOCKING=1 makes NCCL calls block, and the nccl \
+             backend needs non-blocking communicators to bound its waits and abort cleanly: \
+             unset it"
+                .into())
+        }
+        _ => Ok(()),
+    }
+}
 
-/// Creates this rank's communicator (NCCL rank `index` of `size`) from the 128-byte unique `id`
-/// on a helper thread, so that the caller can bound its wait: `ncclCommInitRank` blocks until
-/// every member has called it. A communicator finished after the caller gave up (dropped the
-/// receiver) is aborted.
-pub(super) fn spawn_init(
-    ctx: Arc<CudaContext>,
+/// Starts creating this rank's communicator (NCCL rank `index` of `size`) from the 128-byte
+/// unique `id`, non-blocking: NCCL initialises it on a thread of its own, which waits until every
+/// member has joined; poll [`RawComm::ready`] (dropping the communicator meanwhile aborts it).
+pub(super) fn start_init(
+    ctx: &Arc<CudaContext>,
     id: [u8; 128],
     index: usize,
     size: usize,
-) -> Result<mpsc::Receiver<InitResult>> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("nccl-init".into())
-        .spawn(move || {
-            let made = init(&ctx, id, index, size);
-            // On a send failure the result is dropped here, which aborts the communicator.
-            let _ = tx.send(made);
-        })
-        .map_err(|e| Error::msg(format!("nccl backend: cannot spawn init thread: {e}")))?;
-    Ok(rx)
-}
-
-fn init(ctx: &Arc<CudaContext>, id: [u8; 128], index: usize, size: usize) -> InitResult {
+) -> std::result::Result<RawComm, String> {
     ctx.bind_to_thread()
         .map_err(|e| format!("CUDA bind: {e}"))?;
     // Made first, so that a failure leaves no communicator behind.
@@ -270,15 +270,22 @@ fn init(ctx: &Arc<CudaContext>, id: [u8; 128], index: usize, size: usize) -> Ini
         internal: id.map(|b| b as c_char),
     };
     let (nranks, rank) = (size as i32, index as i32);
-    let mut comm = MaybeUninit::<sys::ncclComm_t>::uninit();
-    // SAFETY: `comm` is a valid out-pointer; NCCL initialises it on success.
-    unsafe { nc::comm_init_rank(comm.as_mut_ptr(), nranks, id, rank) }
-        .map_err(|e| describe(e.0, std::ptr::null_mut()))?;
+    let mut config = nonblocking_config();
+    let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+    // SAFETY: `comm` and `config` are valid for the call; NCCL sets `comm` once it has made the
+    // communicator (also when its initialisation fails later), and leaves it null otherwise.
+    let started = unsafe { nc::comm_init_rank_config(&mut comm, nranks, id, rank, &mut config) };
+    if comm.is_null() {
+        let code = started
+            .err()
+            .map_or(sys::ncclResult_t::ncclInternalError, |e| e.0);
+        return Err(describe(code, std::ptr::null_mut()));
+    }
+    // From here the guard owns the handle: a failure below is reported by `ready`, and
+    // dropping the communicator aborts it.
+    let deferred = matches!(started, Ok(nc::NcclStatus::InProgress));
     Ok(RawComm {
-        // SAFETY: initialised by the successful call above.
-        handle: Handle(unsafe { comm.assume_init() }),
-        lock: Mutex::new(()),
-        aborted: AtomicBool::new(false),
+        comm: Guarded::new(Handle(comm), deferred),
         stream,
     })
 }

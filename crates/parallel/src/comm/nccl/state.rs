@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::TryRecvError;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -12,7 +11,7 @@ use candle_core::cuda::CudaDevice;
 use candle_core::Tensor;
 
 use super::layout::{AbortKeys, CommKey, RendezvousKeys};
-use super::raw::{new_unique_id, spawn_init, RawComm};
+use super::raw::{new_unique_id, start_init, Fault, RawComm};
 use crate::comm::CommError;
 use crate::store::{Store, StoreError};
 
@@ -44,7 +43,7 @@ pub(super) const GPU: Pace = Pace {
     first: Duration::from_micros(20),
     max: Duration::from_millis(1),
 };
-/// Waiting on the store or a helper thread: gentle on the store server.
+/// Waiting on the store or a communicator's initialisation: gentle on the store server.
 pub(super) const SLOW: Pace = Pace {
     spin: Duration::ZERO,
     first: Duration::from_millis(2),
@@ -260,7 +259,8 @@ impl Shared {
         self.check(call)
     }
 
-    /// Runs an NCCL host call, registered so that the watchdog aborts it if it blocks.
+    /// Runs an NCCL host call (its launch and settling), registered so that the watchdog fails
+    /// the job, aborting the communicators, if it outlives the timeout.
     pub(super) fn host_call<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
         let id = self.next_call.fetch_add(1, Ordering::Relaxed);
         lock(&self.host_calls).insert(id, (Instant::now(), op));
@@ -396,15 +396,21 @@ impl Shared {
         let id = self.store_op(call, |s| s.get(&keys.id))?;
         let id = <[u8; 128]>::try_from(id.as_slice())
             .map_err(|_| call.invalid(format!("malformed NCCL id of {key:?} in the store")))?;
-        let ctx = self.stream.context().clone();
-        let rx =
-            spawn_init(ctx, id, index, size).map_err(|e| nccl_failed("init", e.to_string()))?;
-        let made = self.poll(call, deadline, SLOW, |_| match rx.try_recv() {
-            Ok(made) => Ok(Some(made)),
-            Err(TryRecvError::Empty) => Ok(None),
-            Err(TryRecvError::Disconnected) => Ok(Some(Err("init thread died".into()))),
+        // Non-blocking: NCCL initialises the communicator on a thread of its own while this
+        // one polls, so the wait is bounded and an abort (a timeout, a peer's failure) can end
+        // it; the half-made communicator is aborted when dropped on an early return.
+        let comm = start_init(self.stream.context(), id, index, size)
+            .map_err(|m| nccl_failed("init", m))?;
+        let ready = self.poll(call, deadline, SLOW, |_| match comm.ready() {
+            Ok(true) => Ok(Some(Ok(()))),
+            Ok(false) => Ok(None),
+            Err(fault) => Ok(Some(Err(fault))),
         })?;
-        let comm = Arc::new(made.map_err(|m| nccl_failed("init", m))?);
+        ready.map_err(|fault| match fault {
+            Fault::Failed { message, .. } => nccl_failed("init", message),
+            Fault::Aborted => nccl_failed("init", "communicator aborted".into()),
+        })?;
+        let comm = Arc::new(comm);
         let mut comms = lock(&self.comms);
         if let Some((failed, reason)) = self.failure() {
             drop(comms);

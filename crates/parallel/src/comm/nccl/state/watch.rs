@@ -134,7 +134,7 @@ impl Shared {
                 let secs = self.timeout.as_secs_f64();
                 self.fail(
                     self.rank,
-                    format!("NCCL {op} call blocked for over {secs:.1}s"),
+                    format!("NCCL {op} call still in progress after {secs:.1}s"),
                 );
                 continue;
             }
