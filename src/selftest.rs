@@ -402,13 +402,13 @@ pub fn check_nccl(device: &Device) -> Result<Vec<Check>> {
     let timeout = std::time::Duration::from_secs(60);
     let server = StoreServer::start("127.0.0.1:0", "selftest", timeout)?;
     let store = Store::connect(&server.addr().to_string(), "selftest", timeout)?;
-    let comm = parallel::comm::nccl::NcclComm::new(
+    let comm = std::sync::Arc::new(parallel::comm::nccl::NcclComm::new(
         0,
         1,
         store,
         device.as_cuda_device()?.clone(),
         timeout,
-    )?;
+    )?);
     let x = randn(&[4096], 31)?
         .to_dtype(DType::F32)?
         .to_device(device)?;

@@ -4,8 +4,9 @@
 //! the activations' all-gathers and reduce-scatters, the vocabulary-parallel loss's all-reduces
 //! and the gradient norm's all cross processes, on communicators created before the first step.
 //! On a CUDA machine they talk over NCCL with one GPU each, in that layout and, as the GPUs allow,
-//! ZeRO-1 data parallelism, a two-stage pipeline and data × tensor parallelism (with one GPU the
-//! check is skipped, and the command says so: NCCL refuses two ranks on one device).
+//! ZeRO-1 and ZeRO-3 data parallelism (bucket all-reduces; staged reduce-scatters and gathers, all
+//! in place after hand-off marks), a two-stage pipeline and data × tensor parallelism (with one
+//! GPU the check is skipped, and the command says so: NCCL refuses two ranks on one device).
 
 use std::path::Path;
 use std::process::Command;
@@ -23,8 +24,9 @@ struct Layout {
 }
 
 /// The layouts checked: tensor parallelism with sequence parallelism everywhere; on CUDA, as the
-/// GPUs allow, ZeRO-1 data parallelism (bucketed all-reduces on the communication thread), a
-/// two-stage pipeline (point-to-point sends) and both together with tensor parallelism.
+/// GPUs allow, ZeRO-1 and ZeRO-3 data parallelism (the communication thread's in-place
+/// reductions and gathers), a two-stage pipeline (point-to-point sends) and data with tensor
+/// parallelism.
 fn layouts(kind: DeviceKind, gpus: usize) -> Vec<Layout> {
     let all = [
         Layout {
@@ -35,6 +37,11 @@ fn layouts(kind: DeviceKind, gpus: usize) -> Vec<Layout> {
         Layout {
             name: "dp2 ZeRO-1",
             set: "parallel.dp=2,parallel.zero=1",
+            procs: 2,
+        },
+        Layout {
+            name: "dp2 ZeRO-3",
+            set: "parallel.dp=2,parallel.zero=3",
             procs: 2,
         },
         Layout {
@@ -129,8 +136,8 @@ mod tests {
             .iter()
             .map(|l| l.name)
             .collect();
-        assert_eq!(two, ["tp2 SP", "dp2 ZeRO-1", "pp2"]);
-        assert_eq!(layouts(DeviceKind::Cuda, 8).len(), 4);
+        assert_eq!(two, ["tp2 SP", "dp2 ZeRO-1", "dp2 ZeRO-3", "pp2"]);
+        assert_eq!(layouts(DeviceKind::Cuda, 8).len(), 5);
         let recipe = Path::new("recipes/tiny.yaml");
         for l in layouts(DeviceKind::Cuda, 8) {
             let o = vec![tiny_overrides(3, "cpu", "f32"), l.set.to_string()];

@@ -8,6 +8,7 @@ pub(crate) mod flat;
 pub mod flight;
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub(crate) mod guard;
+pub mod in_place;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -18,6 +19,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Shape, Tensor};
+
+pub use in_place::HandOff;
 
 /// A set of ranks taking part in a collective, as sorted global ranks. Member `i` of the group is
 /// `ranks()[i]`; collectives order contributions by member index.
@@ -215,6 +218,43 @@ pub trait Comm: Send + Sync {
         recv: &[usize],
     ) -> Result<Tensor> {
         all_to_all_p2p(self, group, t, send, recv)
+    }
+    /// A mark of the device work the calling thread has queued so far, for in-place operations
+    /// it hands to the communication thread (see [`in_place`]). None by default.
+    fn hand_off(&self) -> Result<HandOff> {
+        Ok(HandOff::none())
+    }
+    /// [`Comm::all_reduce`] in place: `t` (contiguous) becomes the reduction. The operation
+    /// waits for the device work `after` marks (see [`in_place`]).
+    fn all_reduce_in_place(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        op: ReduceOp,
+        after: &HandOff,
+    ) -> Result<()> {
+        let _ = after;
+        in_place::through_copies::all_reduce(self, group, t, op)
+    }
+    /// [`Comm::reduce_scatter`] along dim 0 in place: `t` (contiguous) is cut into
+    /// `group.size()` chunks, and this rank's chunk (member `i`: chunk `i`) becomes the sum of
+    /// every member's chunk there; returned as a view of `t`. The other chunks are unspecified
+    /// afterwards. Waits for the device work `after` marks.
+    fn reduce_scatter_in_place(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        after: &HandOff,
+    ) -> Result<Tensor> {
+        let _ = after;
+        in_place::through_copies::reduce_scatter(self, group, t)
+    }
+    /// [`Comm::all_gather`] along dim 0 in place: `t` (contiguous) holds one chunk per member,
+    /// this rank's own contribution in its chunk; afterwards chunk `j` is member `j`'s. Waits for
+    /// the device work `after` marks.
+    fn all_gather_in_place(&self, group: &Group, t: &Tensor, after: &HandOff) -> Result<()> {
+        let _ = after;
+        in_place::through_copies::all_gather(self, group, t)
     }
     /// Sets up, in the given order, what the backend needs for the channels this rank takes part
     /// in (NCCL: one communicator each, whose creation waits for all its members). Every rank

@@ -39,7 +39,7 @@ use super::stage::ZeroStage;
 use super::staging::{StagedJobs, STAGED_IN_FLIGHT};
 use super::{BucketSpan, FlatLayout, GradSync, Reduction};
 use crate::comm::thread::{CommThread, Ticket};
-use crate::comm::{Comm, Group, ReduceOp};
+use crate::comm::{Comm, Group, HandOff, ReduceOp};
 
 /// Which other ranks hold partial sums of a parameter's gradient (besides data-parallel replicas).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -219,9 +219,11 @@ impl DataParallel {
             self.shard_group(b).clone(),
             self.grads.clone(),
         );
+        // `full` was made by the backward work queued so far: the reduction waits for that only.
+        let after = self.comm.hand_off()?;
         let ticket = thread.submit(move || {
             let start = Instant::now();
-            let part = comm.reduce_scatter(&group, &full, 0)?; // [len / n]
+            let part = comm.reduce_scatter_in_place(&group, &full, &after)?; // [len / n]
             let sum = (grads.narrow(0, shard.start, shard.len())? + part)?;
             grads.slice_set(&sum, 0, shard.start)?;
             Ok(Some(BucketSpan {
@@ -326,9 +328,16 @@ impl DataParallel {
         let shard = self.shard_of(b)?;
         let mine = shards.narrow(0, shard.start, shard.len())?;
         let (comm, group) = (self.comm.clone(), self.shard_group(b).clone());
+        // The whole bucket, this rank's shard in its place, gathered in place once that copy
+        // (and nothing queued after it) is done.
+        let len = self.layout.buckets[b].len;
+        let full = Tensor::zeros(len, mine.dtype(), mine.device())?; // [len]
+        let at = group.index_of(comm.rank()).unwrap_or(0) * shard.len();
+        full.slice_set(&mine, 0, at)?;
+        let after = comm.hand_off()?;
         self.thread()?.submit(move || {
             let start = Instant::now();
-            let full = comm.all_gather(&group, &mine, 0)?; // [len]
+            comm.all_gather_in_place(&group, &full, &after)?;
             Ok((full, start.elapsed().as_secs_f64()))
         })
     }
@@ -371,9 +380,11 @@ impl DataParallel {
             self.grads.clone(),
         );
         let ticket = self.thread()?.submit(move || {
+            // The shard was last written by this thread's reduce-scatters (on the device queue,
+            // after any mark the compute thread took): no mark, so the all-reduce waits for all
+            // the device work queued when it is issued.
             let part = grads.narrow(0, shard.start, shard.len())?;
-            let sum = comm.all_reduce(&group, &part, ReduceOp::Sum)?;
-            grads.slice_set(&sum, 0, shard.start)?;
+            comm.all_reduce_in_place(&group, &part, ReduceOp::Sum, &HandOff::none())?;
             Ok(None)
         })?;
         self.jobs.push(ticket, 0);

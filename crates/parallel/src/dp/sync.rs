@@ -8,6 +8,11 @@
 //! while the backward pass continues with earlier layers. `finish` waits for the outstanding
 //! buckets and reports when each one was reduced. Gradients are summed, not averaged: the loss is
 //! already normalised by the global batch's token count.
+//!
+//! Reductions run in place on the gradient buffer, ordered after the hand-off mark taken when the
+//! bucket completes (`comm::in_place`): on a GPU each waits for the backward work that made its
+//! gradients, not for the work queued by the time the communication thread reaches it, and no
+//! bucket is copied or given an output buffer.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -58,8 +63,6 @@ pub struct GradSync {
     flat: Tensor,
     comm: Arc<dyn Comm>,
     reduction: Reduction,
-    /// This rank's shard index (with [`Reduction::Shard`]) in the shard and expert shard groups.
-    shard_index: [usize; 2],
     /// Parameters still pending per bucket in the current step.
     pending: Vec<usize>,
     in_flight: Vec<Ticket<BucketSpan>>,
@@ -75,18 +78,18 @@ impl GradSync {
         comm: Arc<dyn Comm>,
         reduction: Reduction,
     ) -> Result<Self> {
-        let index = |g: &Group| {
-            g.index_of(comm.rank()).ok_or_else(|| {
-                candle_core::Error::Msg(format!(
+        // A bucket's reduce-scatter leaves this rank's member index's chunk in place: its shard.
+        if let Reduction::Shard { shard, expert, .. } = &reduction {
+            if let Some(g) = [shard, expert]
+                .into_iter()
+                .find(|g| g.index_of(comm.rank()).is_none())
+            {
+                candle_core::bail!(
                     "gradient sync: rank {} is not in its shard group {g:?}",
                     comm.rank()
-                ))
-            })
-        };
-        let shard_index = match &reduction {
-            Reduction::AllReduce { .. } => [0, 0],
-            Reduction::Shard { shard, expert, .. } => [index(shard)?, index(expert)?],
-        };
+                );
+            }
+        }
         let thread = CommThread::new(format!("dp-sync-{}", comm.rank()))?;
         Ok(Self {
             pending: vec![0; layout.buckets.len()],
@@ -94,7 +97,6 @@ impl GradSync {
             flat,
             comm,
             reduction,
-            shard_index,
             in_flight: Vec::new(),
             thread,
         })
@@ -116,32 +118,29 @@ impl GradSync {
         self.pending[b] -= 1;
         if self.pending[b] == 0 {
             let bucket = self.layout.buckets[b].clone();
-            let (flat, comm) = (self.flat.clone(), self.comm.clone());
-            let (reduction, me) = (self.reduction.clone(), self.shard_index);
+            // [len]: the bucket's gradients, reduced where they lie, once the backward work
+            // queued so far (which made them) is done, and not after later work.
+            let data = self.flat.narrow(0, bucket.start, bucket.len)?;
+            let after = self.comm.hand_off()?;
+            let (comm, reduction) = (self.comm.clone(), self.reduction.clone());
             let ticket = self.thread.submit(move || {
                 let start = Instant::now();
-                let data = flat.narrow(0, bucket.start, bucket.len)?.copy()?; // [len]
                 match &reduction {
                     Reduction::AllReduce { dp, expert } => {
                         let group = if bucket.expert { expert } else { dp };
-                        let sum = comm.all_reduce(group, &data, ReduceOp::Sum)?; // [len]
-                        flat.slice_set(&sum, 0, bucket.start)?;
+                        comm.all_reduce_in_place(group, &data, ReduceOp::Sum, &after)?;
                     }
                     Reduction::Shard {
                         shard,
                         replicate,
                         expert,
                     } => {
-                        let (group, me) = if bucket.expert {
-                            (expert, me[1])
-                        } else {
-                            (shard, me[0])
-                        };
-                        let mut part = comm.reduce_scatter(group, &data, 0)?; // [len / n]
+                        let group = if bucket.expert { expert } else { shard };
+                        // This rank's shard (`Bucket::shard` of its member index), in place.
+                        let part = comm.reduce_scatter_in_place(group, &data, &after)?; // [len / n]
                         if replicate.size() > 1 && !bucket.expert {
-                            part = comm.all_reduce(replicate, &part, ReduceOp::Sum)?;
+                            comm.all_reduce_in_place(replicate, &part, ReduceOp::Sum, &after)?;
                         }
-                        flat.slice_set(&part, 0, bucket.shard(me, group.size()).start)?;
                     }
                 }
                 Ok(BucketSpan {

@@ -25,7 +25,7 @@ use candle_core::{DType, Result, Shape, Tensor};
 pub use diagnose::{diagnose, read_dir, Diagnosis};
 pub use slots::{parse, OpRecord, RankRecord, SLOTS};
 
-use super::{Channel, Comm, CommError, Group, ReduceOp};
+use super::{Channel, Comm, CommError, Group, HandOff, ReduceOp};
 use slots::Ring;
 
 /// File name of rank `rank`'s record in a flight directory.
@@ -244,6 +244,37 @@ impl Comm for Recorded {
     ) -> Result<Tensor> {
         self.run("all_to_all", group_key(group), bytes(t), || {
             self.inner.all_to_all(group, t, send, recv)
+        })
+    }
+    fn hand_off(&self) -> Result<HandOff> {
+        self.inner.hand_off()
+    }
+    fn all_reduce_in_place(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        op: ReduceOp,
+        after: &HandOff,
+    ) -> Result<()> {
+        self.run("all_reduce", group_key(group), bytes(t), || {
+            self.inner.all_reduce_in_place(group, t, op, after)
+        })
+    }
+    fn reduce_scatter_in_place(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        after: &HandOff,
+    ) -> Result<Tensor> {
+        self.run("reduce_scatter", group_key(group), bytes(t), || {
+            self.inner.reduce_scatter_in_place(group, t, after)
+        })
+    }
+    fn all_gather_in_place(&self, group: &Group, t: &Tensor, after: &HandOff) -> Result<()> {
+        // Recorded as the bytes this rank contributes, as an out-of-place all-gather is.
+        let own = bytes(t) / group.size().max(1);
+        self.run("all_gather", group_key(group), own, || {
+            self.inner.all_gather_in_place(group, t, after)
         })
     }
     fn prepare(&self, channels: &[Channel]) -> Result<()> {

@@ -1,11 +1,13 @@
-//! The [`Comm`] interface of [`NcclComm`]: host tensors staged on the GPU, every collective,
-//! point-to-point transfer and barrier, communicator preparation, and abort.
+//! The [`Comm`] interface of [`NcclComm`]: host tensors staged on the GPU, every collective (in
+//! place too), point-to-point transfer and barrier, hand-off marks, communicator preparation,
+//! and abort.
 
 use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 
 use super::layout::CommKey;
 use super::NcclComm;
-use crate::comm::{Channel, Comm, Group, ReduceOp};
+use crate::comm::in_place::through_copies;
+use crate::comm::{Channel, Comm, Group, HandOff, ReduceOp};
 
 /// Runs `f` (operation `op` on `group`) on `t` where NCCL can reach it: a host tensor (small
 /// scalars the trainer reduces on the CPU) is staged on this rank's GPU and the result brought
@@ -95,6 +97,46 @@ impl Comm for NcclComm {
 
     fn barrier(&self, group: &Group) -> Result<()> {
         self.barrier_in(group, true)
+    }
+
+    /// A CUDA event recorded on the device stream now.
+    fn hand_off(&self) -> Result<HandOff> {
+        self.mark()
+    }
+
+    /// NCCL's in-place all-reduce for CUDA tensors (host tensors go through copies).
+    fn all_reduce_in_place(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        op: ReduceOp,
+        after: &HandOff,
+    ) -> Result<()> {
+        if !t.device().is_cuda() {
+            return through_copies::all_reduce(self, group, t, op);
+        }
+        self.all_reduce_in_place_in(group, t, op, after, true)
+    }
+
+    /// NCCL's in-place reduce-scatter for CUDA tensors (host tensors go through copies).
+    fn reduce_scatter_in_place(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        after: &HandOff,
+    ) -> Result<Tensor> {
+        if !t.device().is_cuda() {
+            return through_copies::reduce_scatter(self, group, t);
+        }
+        self.reduce_scatter_in_place_in(group, t, after, true)
+    }
+
+    /// NCCL's in-place all-gather for CUDA tensors (host tensors go through copies).
+    fn all_gather_in_place(&self, group: &Group, t: &Tensor, after: &HandOff) -> Result<()> {
+        if !t.device().is_cuda() {
+            return through_copies::all_gather(self, group, t);
+        }
+        self.all_gather_in_place_in(group, t, after, true)
     }
 
     /// Creates the communicator of every channel with this rank and another member, in order

@@ -27,7 +27,9 @@
 //!   made contiguous (copied) and the output allocated on the device's stream
 //!   ([`CudaDevice::cuda_stream`]), an event recorded there after that work, the communicator's
 //!   stream made to wait for it, the NCCL call enqueued on the communicator's stream and a
-//!   completion event recorded behind it. Collectives and receives return a fresh tensor of the
+//!   completion event recorded behind it. The in-place forms (`in_place.rs`) copy and allocate
+//!   nothing, so they wait instead for the hand-off mark of the thread that made their tensor
+//!   (an event it recorded on the device stream before handing the tensor over). Collectives and receives return a fresh tensor of the
 //!   input's dtype on the same device, detached from the autograd graph, ordered after the
 //!   operation in one of two ways ([`Order`]). Called from a compute thread, the device stream is
 //!   made to wait for the completion event and the call returns at once: the kernels queued
@@ -84,6 +86,7 @@
 //! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]).
 
 mod api;
+mod in_place;
 mod layout;
 mod ops;
 mod raw;
@@ -94,6 +97,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use candle_core::cuda::cudarc::driver::CudaEvent;
 use candle_core::cuda::cudarc::nccl::{result as nc, sys};
 use candle_core::cuda::CudaDevice;
 use candle_core::{DType, Device, Error, Result, Shape, Tensor};
@@ -101,7 +105,7 @@ use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 use super::{CommError, Group};
 use crate::store::Store;
 use layout::{instance_key, instance_prefix, CommKey};
-use raw::{alloc, cuda_err, device_addr, nccl_dtype, Fault, Launch, RawComm};
+use raw::{alloc, cuda_err, device_addr, nccl_dtype, Buffers, Fault, Launch, RawComm};
 use state::{Call, PendingOp, Shared, SLOW};
 
 /// One rank's [`Comm`](super::Comm) over NCCL (see the module documentation).
@@ -294,15 +298,18 @@ impl NcclComm {
         Err(Error::from(e))
     }
 
-    /// Orders `comm`'s stream after all work enqueued so far on the device's stream (the
-    /// operation's inputs and output buffer are made there): records an event on the device's
-    /// stream and makes the communicator's stream wait for it.
-    fn follow_device(&self, comm: &RawComm) -> Result<()> {
-        let ready = self
-            .shared
+    /// A mark of all work enqueued so far on the device's stream (an event recorded there).
+    fn device_mark(&self) -> Result<CudaEvent> {
+        self.shared
             .stream
             .record_event(None)
-            .map_err(|e| cuda_err("event", e))?;
+            .map_err(|e| cuda_err("event", e))
+    }
+
+    /// Orders `comm`'s stream after all work enqueued so far on the device's stream (the
+    /// operation's inputs and output buffer are made there).
+    fn follow_device(&self, comm: &RawComm) -> Result<()> {
+        let ready = self.device_mark()?;
         comm.stream()
             .wait(&ready)
             .map_err(|e| cuda_err("stream wait", e))
@@ -339,29 +346,55 @@ impl NcclComm {
         };
         let recv = device_addr(&out, stream)? as *mut _;
         self.follow_device(&comm)?;
+        let buffers = Buffers {
+            send,
+            recv,
+            dtype: nccl_type,
+        };
+        self.issue(call, key, &comm, order, input, buffers, launch)?;
+        Ok(out)
+    }
+
+    /// Enqueues `launch` on `comm`'s stream (already ordered after the operation's inputs) and
+    /// orders its completion as [`Order`] says; `keep` (the operation's input) lives until the
+    /// GPU is done with it.
+    #[allow(clippy::too_many_arguments)]
+    fn issue(
+        &self,
+        call: &Call,
+        key: CommKey,
+        comm: &RawComm,
+        order: Order,
+        keep: Option<Tensor>,
+        buffers: Buffers,
+        launch: impl FnOnce(&Launch) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
+    ) -> Result<()> {
+        let sh = &self.shared;
         let comm_stream = comm.stream();
-        let cu_stream = comm_stream.cu_stream() as sys::cudaStream_t;
-        self.enqueue(call, &comm, |c| {
+        let stream = comm_stream.cu_stream() as sys::cudaStream_t;
+        self.enqueue(call, comm, |c| {
             launch(&Launch {
                 comm: c,
-                send,
-                recv,
-                dtype: nccl_type,
-                stream: cu_stream,
+                send: buffers.send,
+                recv: buffers.recv,
+                dtype: buffers.dtype,
+                stream,
             })
         })?;
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
         if order.resolve() == Order::Host {
-            sh.wait_event(call, &done, &comm).map_err(Error::from)?;
-            drop(input); // The GPU is done with it.
-            return Ok(out);
+            sh.wait_event(call, &done, comm).map_err(Error::from)?;
+            drop(keep); // The GPU is done with it.
+            return Ok(());
         }
-        stream.wait(&done).map_err(|e| cuda_err("stream wait", e))?;
+        sh.stream
+            .wait(&done)
+            .map_err(|e| cuda_err("stream wait", e))?;
         // Freeing the input now is stream-ordered behind that wait: its memory is reused only
         // by work after the operation.
-        drop(input);
+        drop(keep);
         let pending = PendingOp {
             done,
             _data: None,
@@ -375,7 +408,7 @@ impl NcclComm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(pending);
-        Ok(out)
+        Ok(())
     }
 }
 

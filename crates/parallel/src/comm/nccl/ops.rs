@@ -1,6 +1,7 @@
 //! The operations of [`NcclComm`]: collectives (with or without the single-member shortcut),
 //! point-to-point transfers and the one-GPU self-check.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::cuda::cudarc::nccl::{result as nc, sys};
@@ -11,7 +12,8 @@ use super::raw::{cuda_err, device_addr};
 use super::state::PendingOp;
 use super::{fresh, NcclComm, Order};
 use crate::comm::flat::{gathered, scatter_input};
-use crate::comm::{all_to_all_p2p, check_all_to_all, Group, ReduceOp};
+use crate::comm::thread::CommThread;
+use crate::comm::{all_to_all_p2p, check_all_to_all, Group, HandOff, ReduceOp};
 
 /// The collectives; `copy_single`: answer single-member groups with a copy, without NCCL.
 impl NcclComm {
@@ -21,7 +23,11 @@ impl NcclComm {
     /// copy for single-member groups) — and returns the result, equal to `x` when NCCL works.
     /// For `pretrain selftest` on a single GPU: it exercises the store rendezvous, communicator
     /// creation, every collective's launch and the bounded waits (not send/recv: two GPUs).
-    pub fn self_check(&self, x: &Tensor) -> Result<Tensor> {
+    ///
+    /// Then the in-place forms on a copy of the result: from this thread with a hand-off mark,
+    /// and on a communication thread (as the data-parallel reductions run) with a mark taken
+    /// before the hand-over and without one.
+    pub fn self_check(self: &Arc<Self>, x: &Tensor) -> Result<Tensor> {
         let me = Group::new(vec![self.shared.rank]);
         let dim = x.rank().saturating_sub(1);
         let y = self.all_reduce_in(&me, x, ReduceOp::Sum, false)?;
@@ -30,7 +36,21 @@ impl NcclComm {
         let y = self.reduce_scatter_in(&me, &y, dim, false)?;
         let y = self.broadcast_in(&me, &y, self.shared.rank, false)?;
         self.barrier_in(&me, false)?;
-        Ok(y)
+        let z = y.flatten_all()?.copy()?;
+        let mark = self.mark()?;
+        self.all_reduce_in_place_in(&me, &z, ReduceOp::Sum, &mark, false)?;
+        let thread = CommThread::new(format!("nccl-self-check-{}", self.shared.rank))?;
+        let after = self.mark()?;
+        let (comm, group, w) = (self.clone(), me.clone(), z.clone());
+        let z = thread
+            .submit(move || {
+                let part = comm.reduce_scatter_in_place_in(&group, &w, &after, false)?;
+                comm.all_gather_in_place_in(&group, &part, &after, false)?;
+                comm.all_reduce_in_place_in(&group, &w, ReduceOp::Max, &HandOff::none(), false)?;
+                Ok(w)
+            })?
+            .wait()?;
+        z.reshape(y.shape())
     }
 
     pub(super) fn all_reduce_in(

@@ -332,6 +332,15 @@ impl Drop for CommStream {
     }
 }
 
+/// The buffers of one NCCL operation: device addresses (equal, or one inside the other, in
+/// place) and NCCL's element type.
+#[derive(Clone, Copy)]
+pub(super) struct Buffers {
+    pub send: *const c_void,
+    pub recv: *mut c_void,
+    pub dtype: sys::ncclDataType_t,
+}
+
 /// Raw pointers of one NCCL launch.
 pub(super) struct Launch {
     pub comm: sys::ncclComm_t,
