@@ -252,6 +252,19 @@ mod tests {
         (fake.clone(), Arc::new(Guarded::new(fake, false)))
     }
 
+    /// A call on another thread that the library keeps in progress (until the test says
+    /// otherwise), 20 ms into its settling.
+    fn call_in_progress(
+        fake: &Fake,
+        g: &Arc<Guarded<Arc<Fake>>>,
+    ) -> std::thread::JoinHandle<Result<(), Fault>> {
+        fake.set(Status::InProgress);
+        let g = g.clone();
+        let call = std::thread::spawn(move || g.call(|_| Ok(true)));
+        std::thread::sleep(Duration::from_millis(20));
+        call
+    }
+
     #[test]
     fn a_call_done_at_once_is_not_polled() {
         let (fake, g) = guarded();
@@ -316,12 +329,7 @@ mod tests {
     #[test]
     fn an_abort_ends_a_call_stuck_in_progress_and_is_the_last_use() {
         let (fake, g) = guarded();
-        fake.set(Status::InProgress);
-        let stuck = {
-            let g = g.clone();
-            std::thread::spawn(move || g.call(|_| Ok(true)))
-        };
-        std::thread::sleep(Duration::from_millis(20));
+        let stuck = call_in_progress(&fake, &g);
         // Were the abort to wait for the call to settle, this would end the wait (and the
         // checks below fail instead of hanging).
         let _rescue = {
@@ -350,12 +358,7 @@ mod tests {
     #[test]
     fn the_failure_check_skips_a_busy_handle() {
         let (fake, g) = guarded();
-        fake.set(Status::InProgress);
-        let busy = {
-            let g = g.clone();
-            std::thread::spawn(move || g.call(|_| Ok(true)))
-        };
-        std::thread::sleep(Duration::from_millis(20));
+        let busy = call_in_progress(&fake, &g);
         // The call holds the handle: the check does not wait for it (and cannot overlap it).
         let t0 = Instant::now();
         assert_eq!(g.failure(), None);

@@ -29,9 +29,9 @@
 //!   stream made to wait for it, the NCCL call enqueued on the communicator's stream and a
 //!   completion event recorded behind it. The in-place forms (`in_place.rs`) copy and allocate
 //!   nothing, so they wait instead for the hand-off mark of the thread that made their tensor
-//!   (an event it recorded on the device stream before handing the tensor over). Collectives and receives return a fresh tensor of the
-//!   input's dtype on the same device, detached from the autograd graph, ordered after the
-//!   operation in one of two ways ([`Order`]). Called from a compute thread, the device stream is
+//!   (an event it recorded on the device stream before handing the tensor over). Collectives
+//!   and receives return a fresh tensor of the input's dtype on the same device, detached from
+//!   the autograd graph, ordered after the operation in one of two ways ([`Order`]). Called from a compute thread, the device stream is
 //!   made to wait for the completion event and the call returns at once: the kernels queued
 //!   next use the result on the GPU when it is there, the host goes on queueing, and freeing the
 //!   input (stream-ordered on the device stream, behind that wait) cannot hand its memory to
@@ -73,8 +73,9 @@
 //!   pending and later calls return `PeerFailed` naming that rank. An unreachable store counts
 //!   as the failure of rank 0, which serves it. The watchdog also fails the job when a send or
 //!   an NCCL call (e.g. one still settling a connection to a dead peer) outlives the timeout;
-//!   the abort ends the settling call at its next poll. Dropping an `NcclComm` waits for its sends and then
-//!   (unless the job failed) for every rank to drop theirs, so the store outlives all traffic.
+//!   the abort ends the settling call at its next poll. Dropping an `NcclComm` waits for its
+//!   sends and then (unless the job failed) for every rank to drop theirs, so the store outlives
+//!   all traffic.
 //! - **Results.** Identical on all members by construction (NCCL delivers one reduced buffer to
 //!   everyone), but not bit-identical to the `local` backend's member-order sums: NCCL's
 //!   reduction order depends on its algorithm (ring, tree) and on the data size.
