@@ -177,6 +177,8 @@ def ours():
             # What the memory pool held at its largest; nvidia-smi's peak less this is the memory
             # outside the pool (context, kernels, library workspaces): the planner's context_gib.
             "pool_mib": max((r.get("device_pool_mib") or 0) for r in recs) or None,
+            # The same, measured by the process itself (the driver's used bytes less the pool's).
+            "outside_pool_mib": max((r.get("device_outside_pool_mib") or 0) for r in recs) or None,
             "per_step": [{k: r[k] for k in ("step", "loss", "step_time_s", "tokens_per_s", "tflops", "mfu")}
                          for r in recs]}
 
@@ -231,7 +233,9 @@ for m, x in ratios.items():
 if ok(o) and o.get("pool_mib") and o.get("peak_gpu_mem_mib"):
     print(f"this project's memory outside its pool: {o['peak_gpu_mem_mib'] - o['pool_mib']:.0f} MiB "
           f"(nvidia-smi peak {o['peak_gpu_mem_mib']:.0f} less the pool's {o['pool_mib']:.0f}; "
-          "`pretrain plan --context-gib`)")
+          "`pretrain plan --context-gib`)"
+          + (f"; {o['outside_pool_mib']:.0f} MiB as the process measures it (device_outside_pool_mib)"
+             if o.get("outside_pool_mib") else ""))
 print(f"written: {out}")
 for e in errors:
     print(f"gpu_step.sh: error: {e}", file=sys.stderr)

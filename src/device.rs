@@ -184,6 +184,16 @@ pub struct DeviceMemory {
     /// Bytes the pool holds from the driver: the most ever in use at once, since the pool keeps
     /// freed memory (start-up's peak included); what other processes cannot have.
     pub reserved: u64,
+    /// Device memory in use beyond what the pool holds: the CUDA context, loaded kernels,
+    /// library workspaces and NCCL's buffers (and other processes' memory on a shared GPU). What
+    /// the planner's headroom (`plan::Hardware::headroom_bytes`) stands for, measured.
+    pub outside_pool: u64,
+}
+
+/// [`DeviceMemory::outside_pool`] from the driver's `total` and `free` bytes and the pool's
+/// `reserved` bytes.
+pub fn outside_pool(total: u64, free: u64, reserved: u64) -> u64 {
+    total.saturating_sub(free).saturating_sub(reserved)
 }
 
 /// The memory in use on `device` through its memory pool (every tensor of the process), or `None`
@@ -228,6 +238,16 @@ pub fn reset_peak(device: &Device) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_outside_the_pool_is_what_the_driver_counts_beyond_it() {
+        let gib = 1u64 << 30;
+        // 80 GiB, 50 free, the pool holding 28: 2 GiB elsewhere (context, libraries, NCCL).
+        assert_eq!(outside_pool(80 * gib, 50 * gib, 28 * gib), 2 * gib);
+        // Read at different instants the figures may cross; never below zero.
+        assert_eq!(outside_pool(80 * gib, 60 * gib, 28 * gib), 0);
+        assert_eq!(outside_pool(80 * gib, 81 * gib, 0), 0);
+    }
 
     #[test]
     fn available_memory_is_read_from_meminfo() {
@@ -371,10 +391,14 @@ mod cuda {
 
     pub(super) fn memory(d: &CudaDevice) -> Result<DeviceMemory> {
         use sys::CUmemPool_attribute::*;
+        let reserved = attribute(d, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        d.cuda_stream().context().bind_to_thread()?;
+        let (free, total) = result::mem_get_info()?;
         Ok(DeviceMemory {
             current: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
             peak: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
-            reserved: attribute(d, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved,
+            outside_pool: super::outside_pool(total as u64, free as u64, reserved),
         })
     }
 

@@ -102,11 +102,25 @@ fn check_layout(kind: DeviceKind, recipe: &Path, one: &[f64], layout: &Layout) -
         bail!("{what} failed ({}):\n{}", out.status, tail.join("\n"));
     }
     let metrics = metrics.with_context(|| format!("reading the metrics.jsonl of {what}"))?;
-    let many: Vec<f64> = metrics
+    let records: Vec<serde_json::Value> = metrics
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let many: Vec<f64> = records
+        .iter()
         .filter_map(|v| v.get("loss")?.as_f64())
         .collect();
+    // With NCCL, what its communicators' buffers add to the context and libraries: the figure
+    // the planner's headroom stands for (`pretrain plan`, context_gib and nccl_gib).
+    let outside = records
+        .iter()
+        .filter_map(|v| v.get("device_outside_pool_mib")?.as_f64())
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    if let Some(mib) = outside {
+        eprintln!(
+            "selftest: {what}: {mib:.0} MiB of device memory in use outside the pool (rank 0)"
+        );
+    }
     if many.len() != one.len() {
         bail!(
             "{what} reported {} losses, one rank {}",

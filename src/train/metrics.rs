@@ -52,6 +52,10 @@ pub struct StepRecord {
     /// in use at once, start-up included: the pool keeps freed memory).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_pool_mib: Option<f64>,
+    /// On a GPU: device memory in use beyond what the pool holds at the step's end (context,
+    /// kernels, library workspaces, NCCL's buffers; other processes' on a shared GPU), MiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_outside_pool_mib: Option<f64>,
     /// This rank's persistent training state, from buffer sizes.
     #[serde(flatten)]
     pub state: StateBytes,
@@ -253,6 +257,7 @@ fn scalars(r: &StepRecord) -> Vec<(&'static str, f64)> {
         ("memory/device_mib", r.device_mem_mib),
         ("memory/device_peak_mib", r.device_peak_mib),
         ("memory/device_pool_mib", r.device_pool_mib),
+        ("memory/device_outside_pool_mib", r.device_outside_pool_mib),
     ];
     v.extend(optional.into_iter().filter_map(|(t, x)| x.map(|x| (t, x))));
     v

@@ -115,10 +115,14 @@ fn step_line(rec: &StepRecord, steps: usize) -> String {
         let exposed = rec.ring_exposed_s.unwrap_or(0.0);
         format!(" ring={:.0}ms ({:.0}ms exposed)", 1e3 * s, 1e3 * exposed)
     });
-    // On a GPU: the device memory allocated at the step's end, its peak, and what the pool holds.
+    // On a GPU: the device memory allocated at the step's end, its peak, what the pool holds,
+    // and what is in use outside it.
+    let outside = rec
+        .device_outside_pool_mib
+        .map_or(String::new(), |o| format!(", outside {o:.0}MiB"));
     let mem = match (rec.device_mem_mib, rec.device_peak_mib, rec.device_pool_mib) {
         (Some(now), Some(peak), Some(pool)) => {
-            format!("{now:.0}MiB (peak {peak:.0}MiB, pool {pool:.0}MiB)")
+            format!("{now:.0}MiB (peak {peak:.0}MiB, pool {pool:.0}MiB{outside})")
         }
         _ => format!("{:.0}MiB", rec.mem_mib),
     };

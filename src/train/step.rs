@@ -310,6 +310,7 @@ impl Trainer {
             device_mem_mib: device_mem.map(|d| d.current as f64 / MIB),
             device_peak_mib: device_mem.map(|d| d.peak as f64 / MIB),
             device_pool_mib: device_mem.map(|d| d.reserved as f64 / MIB),
+            device_outside_pool_mib: device_mem.map(|d| d.outside_pool as f64 / MIB),
             state: self.state_bytes(),
             act_peak_bytes: m.run.act_peak_bytes,
             graph_tensors: m.run.graph_tensors,
