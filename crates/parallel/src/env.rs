@@ -23,6 +23,32 @@ pub struct ProcessInfo {
     pub launcher: &'static str,
 }
 
+/// An integer variable as C libraries read it (NCCL's parameters: `strtoll(s, NULL, 0)`): an
+/// optional sign, then `0x` hex, leading-`0` octal or decimal; `None` unless the whole text
+/// (spaces around aside) is one.
+pub fn c_integer(s: &str) -> Option<i64> {
+    let s = s.trim();
+    let (negative, digits) = match s.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, s.strip_prefix('+').unwrap_or(s)),
+    };
+    let (radix, digits) = if let Some(hex) = digits
+        .strip_prefix("0x")
+        .or_else(|| digits.strip_prefix("0X"))
+    {
+        (16, hex)
+    } else if digits.len() > 1 && digits.starts_with('0') {
+        (8, &digits[1..])
+    } else {
+        (10, digits)
+    };
+    if digits.starts_with(['+', '-']) {
+        return None;
+    }
+    let v = i64::from_str_radix(digits, radix).ok()?;
+    Some(if negative { -v } else { v })
+}
+
 /// A launcher variable that is missing, malformed or inconsistent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EnvError {
@@ -129,6 +155,27 @@ pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<ProcessIn
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integers_read_as_c_libraries_read_them() {
+        for (text, want) in [
+            ("1", Some(1)),
+            (" 1 ", Some(1)),
+            ("01", Some(1)),
+            ("0x1", Some(1)),
+            ("+1", Some(1)),
+            ("0", Some(0)),
+            ("-2", Some(-2)),
+            ("010", Some(8)),
+            ("0X1f", Some(31)),
+            ("", None),
+            ("1a", None),
+            ("yes", None),
+            ("+-1", None),
+        ] {
+            assert_eq!(c_integer(text), want, "{text:?}");
+        }
+    }
     use std::collections::HashMap;
 
     fn parse(vars: &[(&str, &str)]) -> Result<Option<ProcessInfo>, EnvError> {

@@ -14,9 +14,9 @@
 //!
 //! With a non-blocking library no call holds the lock for long, so an abort is never issued
 //! under a call in progress (which a blocking communicator would need, and which races with
-//! that call). Were the library blocking after all (NCCL's `NCCL_COMM_BLOCKING=1` overrides the
-//! configuration), an abort waits for the call in hand, and the process's exit deadline
-//! (`comm::failure`) bounds that wait.
+//! that call). A blocking handle would make an abort wait for the call in hand, which only the
+//! process's exit deadline (`comm::failure`) bounds; the `nccl` backend refuses blocking
+//! communicators.
 //!
 //! Generic over the handle so that these rules are tested without a GPU.
 

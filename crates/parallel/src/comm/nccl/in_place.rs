@@ -100,8 +100,9 @@ impl NcclComm {
 
     /// Runs one in-place operation on `t` (send and receive buffers at the byte offsets
     /// `(send, recv)` into it) on `group`'s communicator stream, after `after` (or, without a
-    /// mark, after all work queued on the device stream), ordered before its users as
-    /// `Order::Stream` is.
+    /// mark, after all work queued on the device stream). Its completion is ordered as
+    /// `Order::Stream` says: the calling thread waits for it on a communication thread (where
+    /// the data-parallel reductions run), the device stream does on a compute thread.
     fn run_in_place(
         &self,
         call: &Call,
@@ -128,7 +129,7 @@ impl NcclComm {
                 .map_err(|e| cuda_err("stream wait", e))?,
             None => self.follow_device(&comm)?,
         }
-        self.issue(call, key, &comm, Order::Stream, None, buffers, launch)
+        self.issue(call, key, &comm, Order::Stream, &[t], buffers, launch)
     }
 }
 

@@ -269,22 +269,35 @@ impl NcclComm {
         })
     }
 
-    /// Enqueues `launch` on `comm`, turning NCCL's refusal into the call's error.
+    /// Enqueues `launch` on `comm`, turning NCCL's refusal into the call's error. Any refusal
+    /// fails the job: a non-blocking communicator keeps the error of a call it refused and
+    /// fails every later one, so even a caller's mistake (`CommError::Invalid`, which NCCL's
+    /// argument checks find only when the backend's own checks missed it) leaves it unusable.
+    /// On an error the buffers in `touched` are never freed (see [`keep_forever`]).
     fn enqueue(
         &self,
         call: &Call,
         comm: &RawComm,
+        touched: &[&Tensor],
         launch: impl FnOnce(sys::ncclComm_t) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<()> {
         let sh = &self.shared;
         let ctx = sh.stream.context();
         ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
-        let e = match sh.host_call(call.op, || comm.call(launch)) {
+        let outcome = sh.host_call(call.op, || comm.call(launch));
+        if outcome.is_err() {
+            keep_forever(touched);
+        }
+        let e = match outcome {
             Ok(()) => return Ok(()),
             Err(Fault::Failed {
                 usage: true,
                 message,
-            }) => call.invalid(format!("NCCL: {message}")),
+            }) => {
+                let e = call.invalid(format!("NCCL: {message}"));
+                sh.fail(sh.rank, e.to_string());
+                e
+            }
             Err(Fault::Failed { message, .. }) => {
                 sh.fail(sh.rank, format!("NCCL error in {}: {message}", call.op));
                 let (failed, reason) = sh.failure().unwrap_or((sh.rank, message));
@@ -352,13 +365,18 @@ impl NcclComm {
             recv,
             dtype: nccl_type,
         };
-        self.issue(call, key, &comm, order, input, buffers, launch)?;
+        let touched: Vec<&Tensor> = input.iter().chain([&out]).collect();
+        self.issue(call, key, &comm, order, &touched, buffers, launch)?;
         Ok(out)
     }
 
     /// Enqueues `launch` on `comm`'s stream (already ordered after the operation's inputs) and
-    /// orders its completion as [`Order`] says; `keep` (the operation's input) lives until the
-    /// GPU is done with it.
+    /// orders its completion as [`Order`] says. `touched` are the buffers the operation reads or
+    /// writes, which the caller keeps until this returns: with `Order::Host` the GPU is done
+    /// with them by then, and with `Order::Stream` freeing them afterwards is stream-ordered
+    /// behind the device stream's wait for the operation, so their memory is reused only by work
+    /// after it. On an error they are never freed, as an aborted operation's kernel may still
+    /// use them.
     #[allow(clippy::too_many_arguments)]
     fn issue(
         &self,
@@ -366,14 +384,14 @@ impl NcclComm {
         key: CommKey,
         comm: &RawComm,
         order: Order,
-        keep: Option<Tensor>,
+        touched: &[&Tensor],
         buffers: Buffers,
         launch: impl FnOnce(&Launch) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<()> {
         let sh = &self.shared;
         let comm_stream = comm.stream();
         let stream = comm_stream.cu_stream() as sys::cudaStream_t;
-        self.enqueue(call, comm, |c| {
+        self.enqueue(call, comm, touched, |c| {
             launch(&Launch {
                 comm: c,
                 send: buffers.send,
@@ -386,16 +404,16 @@ impl NcclComm {
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
         if order.resolve() == Order::Host {
-            sh.wait_event(call, &done, comm).map_err(Error::from)?;
-            drop(keep); // The GPU is done with it.
+            if let Err(e) = sh.wait_event(call, &done, comm) {
+                keep_forever(touched);
+                return Err(Error::from(e));
+            }
             return Ok(());
         }
-        sh.stream
-            .wait(&done)
-            .map_err(|e| cuda_err("stream wait", e))?;
-        // Freeing the input now is stream-ordered behind that wait: its memory is reused only
-        // by work after the operation.
-        drop(keep);
+        if let Err(e) = sh.stream.wait(&done) {
+            keep_forever(touched);
+            return Err(cuda_err("stream wait", e));
+        }
         let pending = PendingOp {
             done,
             _data: None,
@@ -410,6 +428,16 @@ impl NcclComm {
             .unwrap_or_else(|e| e.into_inner())
             .push_back(pending);
         Ok(())
+    }
+}
+
+/// Keeps the memory of `tensors` allocated for the rest of the process: after a failed or
+/// aborted NCCL call, a kernel NCCL launched may still read or write it (until the abort has
+/// ended it, or for good if the abort never returns), and freeing it would hand the memory to
+/// other work. Only a failing job gets here, so the leak is bounded by its exit.
+fn keep_forever(tensors: &[&Tensor]) {
+    for t in tensors {
+        std::mem::forget((*t).clone());
     }
 }
 

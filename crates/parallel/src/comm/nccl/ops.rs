@@ -312,7 +312,7 @@ impl NcclComm {
             data.elem_count(),
             comm_stream.cu_stream() as sys::cudaStream_t,
         );
-        self.enqueue(&call, &comm, |c| unsafe {
+        self.enqueue(&call, &comm, &[&data], |c| unsafe {
             // SAFETY: `data` holds `count` elements and is kept until the send completes.
             nc::send(addr, count, nccl_type, 1, c, cu_stream)
         })?;

@@ -12,7 +12,7 @@
 //! `comm::guard`). Communicators are made non-blocking (`ncclCommInitRankConfig`, `blocking =
 //! 0`), so no NCCL call holds the handle for long: connection set-up and initialisation run on
 //! NCCL's own threads while the guard polls. `NCCL_COMM_BLOCKING=1` would override that and is
-//! refused ([`check_nonblocking_env`]).
+//! refused ([`check_nonblocking_env`], and [`start_init`] for NCCL's configuration files).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
@@ -98,7 +98,8 @@ pub(super) fn alloc(device: &CudaDevice, shape: Shape, dtype: DType) -> Result<T
     ))
 }
 
-/// An NCCL error as text: the code, and NCCL's last error message when it has one.
+/// An NCCL error as text: the code, and NCCL's last error message when it has one (one string
+/// per process in NCCL: after several failures it may describe another communicator's).
 pub(super) fn describe(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
     // SAFETY: NCCL returns a NUL-terminated static or per-thread string (or null).
     let last = unsafe { sys::ncclGetLastError(comm) };
@@ -210,8 +211,8 @@ impl RawComm {
 /// The configuration of every communicator: NCCL's defaults (`NCCL_CONFIG_INITIALIZER`: the
 /// magic, and "undefined" in every field) except `blocking = 0`. Laid out as cudarc's binding
 /// (NCCL 2.30.0's struct), so `version` says 2.30.0: NCCL copies `min(size, its own size)` bytes
-/// and resets the fields newer than `version` to its defaults, so older and newer libraries
-/// read it alike (the build ships NCCL 2.27).
+/// (an older library reads the fields it knows; a newer one resets those newer than `version`
+/// to its defaults), so every library from 2.14 on reads it alike (the build ships 2.27).
 fn nonblocking_config() -> sys::ncclConfig_t {
     const UNDEF: c_int = c_int::MIN;
     sys::ncclConfig_t {
@@ -238,19 +239,22 @@ fn nonblocking_config() -> sys::ncclConfig_t {
     }
 }
 
-/// Refuses `NCCL_COMM_BLOCKING=1`, which would make every communicator blocking whatever its
-/// configuration: a call stuck in NCCL could then be ended only under it (see the module
-/// documentation).
+/// Why a blocking communicator is refused: a call stuck in NCCL could then be ended only by an
+/// abort under it (see the module documentation).
+const NEEDS_NONBLOCKING: &str = "the nccl backend needs non-blocking communicators to bound its \
+     waits and abort cleanly";
+
+/// Refuses `NCCL_COMM_BLOCKING` set to 1 (as NCCL reads it: a C integer, so `01` or `0x1`
+/// too), which makes every communicator blocking whatever its configuration. NCCL's
+/// configuration files can set it too; [`start_init`] catches those.
 pub(super) fn check_nonblocking_env() -> std::result::Result<(), String> {
-    match std::env::var("NCCL_COMM_BLOCKING") {
-        Ok(v) if v.trim() == "1" => {
-            Err("NCCL_COMM_BLOCKING=1 makes NCCL calls block, and the nccl \
-             backend needs non-blocking communicators to bound its waits and abort cleanly: \
-             unset it"
-                .into())
-        }
-        _ => Ok(()),
+    let value = std::env::var("NCCL_COMM_BLOCKING").unwrap_or_default();
+    if crate::env::c_integer(&value) == Some(1) {
+        return Err(format!(
+            "NCCL_COMM_BLOCKING={value} makes NCCL calls block, and {NEEDS_NONBLOCKING}: unset it"
+        ));
     }
+    Ok(())
 }
 
 /// Starts creating this rank's communicator (NCCL rank `index` of `size`) from the 128-byte
@@ -284,10 +288,20 @@ pub(super) fn start_init(
     // From here the guard owns the handle: a failure below is reported by `ready`, and
     // dropping the communicator aborts it.
     let deferred = matches!(started, Ok(nc::NcclStatus::InProgress));
-    Ok(RawComm {
+    let made = RawComm {
         comm: Guarded::new(Handle(comm), deferred),
         stream,
-    })
+    };
+    // A non-blocking initialisation runs on NCCL's thread, which takes far longer than the
+    // return from this call: one complete on return was blocking.
+    if matches!(started, Ok(nc::NcclStatus::Success)) {
+        return Err(format!(
+            "NCCL made the communicator blocking (NCCL_COMM_BLOCKING=1 in an NCCL \
+             configuration file: NCCL_CONF_FILE, ~/.nccl.conf or /etc/nccl.conf?), and \
+             {NEEDS_NONBLOCKING}"
+        ));
+    }
+    Ok(made)
 }
 
 /// NCCL's 128-byte unique id for a new communicator, as bytes for the store.

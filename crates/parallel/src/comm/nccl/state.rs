@@ -397,19 +397,25 @@ impl Shared {
         let id = <[u8; 128]>::try_from(id.as_slice())
             .map_err(|_| call.invalid(format!("malformed NCCL id of {key:?} in the store")))?;
         // Non-blocking: NCCL initialises the communicator on a thread of its own while this
-        // one polls, so the wait is bounded and an abort (a timeout, a peer's failure) can end
-        // it; the half-made communicator is aborted when dropped on an early return.
+        // one polls, so the wait is bounded and a timeout or a peer's failure ends it; the
+        // half-made communicator is then abandoned.
         let comm = start_init(self.stream.context(), id, index, size)
             .map_err(|m| nccl_failed("init", m))?;
         let ready = self.poll(call, deadline, SLOW, |_| match comm.ready() {
             Ok(true) => Ok(Some(Ok(()))),
             Ok(false) => Ok(None),
             Err(fault) => Ok(Some(Err(fault))),
-        })?;
-        ready.map_err(|fault| match fault {
-            Fault::Failed { message, .. } => nccl_failed("init", message),
-            Fault::Aborted => nccl_failed("init", "communicator aborted".into()),
-        })?;
+        });
+        let failed = match ready {
+            Ok(Ok(())) => None,
+            Ok(Err(Fault::Failed { message, .. })) => Some(nccl_failed("init", message)),
+            Ok(Err(Fault::Aborted)) => Some(nccl_failed("init", "communicator aborted".into())),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            abandon(comm);
+            return Err(e);
+        }
         let comm = Arc::new(comm);
         let mut comms = lock(&self.comms);
         if let Some((failed, reason)) = self.failure() {
@@ -420,4 +426,13 @@ impl Shared {
         comms.insert(key.clone(), comm.clone());
         Ok(comm)
     }
+}
+
+/// Aborts a communicator whose creation failed, on a thread of its own: the abort of one still
+/// initialising waits for NCCL's initialisation thread, without a deadline (the process's exit
+/// deadline bounds it), and the caller holds the creation lock. Without a thread, here.
+fn abandon(comm: RawComm) {
+    let _ = std::thread::Builder::new()
+        .name("nccl-abandon".into())
+        .spawn(move || drop(comm));
 }
