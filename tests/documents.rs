@@ -82,7 +82,7 @@ fn a_packed_sequence_equals_each_document_alone_in_f64() {
     let mut model = small::build(&c, DType::F64, 11);
     let (tokens, labels) = packed();
     let s = 32;
-    let starts = data::document_starts(&tokens, s, EOD);
+    let starts = data::document_starts(&tokens, s, data::Boundaries::eod(EOD));
     let docs = DocumentStarts::new(starts.clone(), s).unwrap();
     let t = Tensor::from_slice(&tokens, (2, s), &Device::Cpu).unwrap();
     let l = Tensor::from_slice(&labels, 2 * s, &Device::Cpu).unwrap();

@@ -242,7 +242,11 @@ fn write_export(
         std::fs::write(out.join(weights::INDEX), serde_json::to_vec_pretty(&index)?)?;
     }
     let tokenizer = data::load_tokenizer(ck.tokenizer_path())?;
-    let eod = data::eod_id(&tokenizer, &ck.tokenizer_path())?;
+    let eod = data::eod_id(
+        &tokenizer,
+        &ck.tokenizer_path(),
+        "the exported config's eos_token_id",
+    )?;
     let bos = c
         .bos_token_id
         .or_else(|| data::bos_id(&tokenizer, &ck.tokenizer_path()).ok())
@@ -484,6 +488,7 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
         trainer: serde_json::Value::Null,
         files: vec![],
         pieces: vec![],
+        tokenizer: None,
     };
     Ok(ckpt::finalize(
         root,

@@ -244,6 +244,7 @@ pub fn spawn(
                         signal: crate::train::signals::pending().unwrap_or(libc::SIGTERM),
                         step: None,
                         checkpoint: None,
+                        note: None,
                     }
                     .into());
                 }

@@ -99,6 +99,7 @@ pub(super) fn supervise(
                 signal,
                 step: None,
                 checkpoint: None,
+                note: None,
             }
             .into());
         }

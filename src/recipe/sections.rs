@@ -415,7 +415,8 @@ pub struct CheckpointConfig {
     #[serde(default, rename = "async")]
     pub async_save: bool,
     /// What a resume may change from the checkpoint's recipe: `seed` (the data order from there
-    /// on) and `data` (datasets, blend weights, split). Anything else is refused.
+    /// on), `data` (datasets, blend weights, split), `optimizer` (`optimizer.name`) and
+    /// `seq_len` (`train.seq_len`). Anything else is refused.
     #[serde(default)]
     pub accept_changes: Vec<ResumeChange>,
 }
@@ -430,6 +431,10 @@ pub enum ResumeChange {
     Data,
     /// `optimizer.name` (the other optimizer's state starts at zero).
     Optimizer,
+    /// `train.seq_len` (samples are counted in sequences, so the data position moves: a
+    /// context-length extension, say).
+    #[serde(rename = "seq_len")]
+    SeqLen,
 }
 
 fn default_keep() -> usize {

@@ -208,6 +208,7 @@ impl Trainer {
             trainer: serde_json::to_value(&self.progress)?,
             files: vec![],
             pieces: vec![],
+            tokenizer: None,
         })
     }
 
@@ -237,6 +238,28 @@ impl Trainer {
                     dir.display(),
                     serde_json::to_string(data)?,
                     serde_json::to_string(&ours)?
+                );
+            }
+        }
+        let stored_seq = stored
+            .get("train")
+            .and_then(|t| t.get("seq_len"))
+            .and_then(|s| s.as_u64());
+        if let Some(was) = stored_seq.filter(|&s| s != t.seq_len as u64) {
+            if !accept.contains(&ResumeChange::SeqLen) {
+                bail!(
+                    "{}: the checkpoint was trained with train.seq_len {was}, the recipe has {}: \
+                     samples are counted in sequences, so the data position would move (tokens \
+                     seen again or skipped). Use {was}, or accept the change with \
+                     checkpoint.accept_changes: [seq_len] (a context-length extension)",
+                    dir.display(),
+                    t.seq_len
+                );
+            }
+            if self.ctx.is_main() {
+                info!(
+                    "resume: train.seq_len changed from {was} to {} (accepted)",
+                    t.seq_len
                 );
             }
         }

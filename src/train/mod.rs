@@ -358,6 +358,7 @@ impl Trainer {
             signal,
             step: Some(self.step),
             checkpoint: saved,
+            note: None,
         };
         if self.ctx.is_main() {
             tracing::warn!("{stop}");

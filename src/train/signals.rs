@@ -60,9 +60,10 @@ pub fn name(sig: i32) -> &'static str {
         Some(s) => format!(" after step {s}"),
         None => String::new(),
     },
-    match .checkpoint {
-        Some(c) => format!("saved {}; continue with checkpoint.resume=auto", c.display()),
-        None => "every rank saved its state on the way out".to_string(),
+    match (.note, .checkpoint) {
+        (Some(note), _) => note.clone(),
+        (None, Some(c)) => format!("saved {}; continue with checkpoint.resume=auto", c.display()),
+        (None, None) => "every rank saved its state on the way out".to_string(),
     }
 )]
 pub struct Interrupted {
@@ -72,6 +73,8 @@ pub struct Interrupted {
     pub step: Option<usize>,
     /// The checkpoint saved on the way out (unknown to a launcher).
     pub checkpoint: Option<PathBuf>,
+    /// What the stopped command left, when it is not a training run's state.
+    pub note: Option<String>,
 }
 
 impl Interrupted {

@@ -244,4 +244,8 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
     /// Every piece of every tensor.
     pub pieces: Vec<PieceMeta>,
+    /// The tokenizer copy ([`TOKENIZER`]) with its size and checksum; absent in older
+    /// checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<FileEntry>,
 }

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
 use crate::format::{
-    Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, FORMAT, MANIFEST, TOKENIZER,
+    FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, FORMAT, MANIFEST, TOKENIZER,
 };
 use crate::write::{hex, safetensors_dtype};
 use crate::Result;
@@ -128,46 +128,54 @@ pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
     }
 }
 
+/// The file `f` of the step directory `dir`, opened once its size and SHA-256 are checked.
+fn verified(dir: &Path, f: &FileEntry) -> Result<(PathBuf, File)> {
+    let path = dir.join(&f.name);
+    let mut file = File::open(&path).map_err(|_| CkptError::MissingFile { path: path.clone() })?;
+    let len = file.metadata().map_err(CkptError::io(&path))?.len();
+    if len != f.bytes {
+        let (expected, found) = (format!("{} bytes", f.bytes), format!("{len} bytes"));
+        return Err(CkptError::Corrupt {
+            path,
+            what: "size",
+            expected,
+            found,
+        });
+    }
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(CkptError::io(&path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    let sum = hex(&hasher.finalize());
+    if sum != f.sha256 {
+        return Err(CkptError::Corrupt {
+            path,
+            what: "sha256",
+            expected: f.sha256.clone(),
+            found: sum,
+        });
+    }
+    Ok((path, file))
+}
+
 impl Checkpoint {
-    /// Opens the step directory `dir`, checking that the manifest exists and that every shard file
-    /// is present with the recorded size and SHA-256.
+    /// Opens the step directory `dir`, checking that the manifest exists and that every shard
+    /// file and the tokenizer copy are present with the recorded size and SHA-256.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest = read_manifest(dir)?;
         let mut files = HashMap::new();
         // Bytes of every stored tensor: (file, key) → length.
         let mut stored: HashMap<(String, String), usize> = HashMap::new();
+        if let Some(t) = &manifest.tokenizer {
+            verified(dir, t)?;
+        }
         for f in &manifest.files {
-            let path = dir.join(&f.name);
-            let mut file =
-                File::open(&path).map_err(|_| CkptError::MissingFile { path: path.clone() })?;
-            let len = file.metadata().map_err(CkptError::io(&path))?.len();
-            if len != f.bytes {
-                let (expected, found) = (format!("{} bytes", f.bytes), format!("{len} bytes"));
-                return Err(CkptError::Corrupt {
-                    path,
-                    what: "size",
-                    expected,
-                    found,
-                });
-            }
-            let mut hasher = Sha256::new();
-            let mut buf = vec![0u8; 1 << 20];
-            loop {
-                let n = file.read(&mut buf).map_err(CkptError::io(&path))?;
-                if n == 0 {
-                    break;
-                }
-                hasher.update(&buf[..n]);
-            }
-            let sum = hex(&hasher.finalize());
-            if sum != f.sha256 {
-                return Err(CkptError::Corrupt {
-                    path,
-                    what: "sha256",
-                    expected: f.sha256.clone(),
-                    found: sum,
-                });
-            }
+            let (path, file) = verified(dir, f)?;
             // SAFETY: the file is only read, and checkpoints are not modified once complete.
             let map = unsafe { Mmap::map(&file) }.map_err(CkptError::io(&path))?;
             let st = SafeTensors::deserialize(&map).map_err(|e| CkptError::Format {

@@ -174,7 +174,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 }
 
 /// Completes the checkpoint of `step` once all `world_size` ranks have written: collects their
-/// records into `manifest` (whose `files`/`pieces` are filled here), copies `tokenizer`, writes the
+/// records into `manifest` (whose `files`/`pieces`/`tokenizer` are filled here), copies `tokenizer`, writes the
 /// manifest last, renames the directory into place, points `latest` at it and keeps the newest
 /// `keep` checkpoints. Returns the step directory.
 pub fn finalize(
@@ -201,6 +201,12 @@ pub fn finalize(
     check_complete(&manifest.pieces, &tmp)?;
     let tok = tmp.join(TOKENIZER);
     fs::copy(tokenizer, &tok).map_err(CkptError::io(tokenizer))?;
+    let copied = fs::read(&tok).map_err(CkptError::io(&tok))?;
+    manifest.tokenizer = Some(FileEntry {
+        name: TOKENIZER.to_string(),
+        bytes: copied.len() as u64,
+        sha256: hex(&Sha256::digest(&copied)),
+    });
     let json = serde_json::to_vec_pretty(&manifest).expect("manifests serialise");
     write_synced(&tmp.join(MANIFEST), &json)?;
 

@@ -72,6 +72,7 @@ fn write(root: &Path, step: u64) -> PathBuf {
         trainer: serde_json::Value::Null,
         files: vec![],
         pieces: vec![],
+        tokenizer: None,
     };
     finalize(root, manifest, 2, &tok, 2).unwrap()
 }
@@ -143,6 +144,7 @@ fn bf16_moments_are_stored_as_bf16_and_old_manifests_read_as_f32() {
         trainer: serde_json::Value::Null,
         files: vec![],
         pieces: vec![],
+        tokenizer: None,
     };
     let dir = finalize(root, manifest, 1, &tok, 2).unwrap();
     let bytes = std::fs::metadata(dir.join("rank-00000.safetensors"))
@@ -221,6 +223,19 @@ fn truncated_corrupt_and_missing_files_are_named() {
     assert!(
         matches!(e, CkptError::MissingFile { .. })
             && e.to_string().contains("rank-00001.safetensors"),
+        "{e}"
+    );
+
+    // The tokenizer copy is checked too: a changed byte changes the ids the model was trained on.
+    let dir = write(tmp.path(), 2);
+    let tok = dir.join("tokenizer.json");
+    let mut text = std::fs::read(&tok).unwrap();
+    text[0] ^= 0x01;
+    std::fs::write(&tok, &text).unwrap();
+    let e = Checkpoint::open(&dir).err().unwrap();
+    assert!(
+        matches!(e, CkptError::Corrupt { what: "sha256", .. })
+            && e.to_string().contains("tokenizer.json"),
         "{e}"
     );
 }
@@ -378,6 +393,7 @@ fn an_incomplete_checkpoint_is_refused_when_written() {
         trainer: serde_json::Value::Null,
         files: vec![],
         pieces: vec![],
+        tokenizer: None,
     };
     let e = finalize(root, manifest, 2, &tok, 2)
         .unwrap_err()
@@ -419,6 +435,7 @@ fn tensors_carry_adamw_moments_or_muon_momentum() {
             trainer: serde_json::Value::Null,
             files: vec![],
             pieces: vec![],
+            tokenizer: None,
         };
         finalize(root, manifest, 1, &tok, 2)
             .map(|dir| {

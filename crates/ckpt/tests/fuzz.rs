@@ -35,6 +35,7 @@ fn valid_checkpoint(root: &Path) -> std::path::PathBuf {
         trainer: Value::Null,
         files: vec![],
         pieces: vec![],
+        tokenizer: None,
     };
     finalize(root, manifest, 1, &tok, 2).unwrap()
 }

@@ -22,7 +22,7 @@ fn default_split() -> String {
 pub struct DatasetSpec {
     /// Path prefix of a Megatron indexed dataset: `<prefix>.bin` and `<prefix>.idx` must exist
     /// (as written by `pretrain preprocess --output-prefix <prefix>`). Relative paths are
-    /// resolved against the recipe's directory.
+    /// resolved against the working directory (as Megatron-LM's `--data-path`).
     pub prefix: PathBuf,
     /// Relative sampling weight when several datasets are blended (positive; default 1.0).
     /// Weights are normalised over all datasets; a dataset with weight 3 next to one with
@@ -39,8 +39,8 @@ pub struct DataConfig {
     /// every global sample is drawn from one of them in proportion to the weights.
     pub datasets: Vec<DatasetSpec>,
     /// The `tokenizer.json` the datasets were preprocessed with; it provides the vocabulary
-    /// size and the `<|endoftext|>` (end-of-document) id. Relative paths are resolved against
-    /// the recipe's directory.
+    /// size and the end-of-document (and beginning-of-document) ids. Relative paths are resolved
+    /// against the working directory.
     pub tokenizer: PathBuf,
     /// Document-level train/valid split as comma-separated weights, e.g. `"98,2"` (default)
     /// or `"969,30,1"` (a third, test part is accepted and unused). Each dataset's documents
@@ -54,8 +54,9 @@ pub struct DataConfig {
     #[serde(default)]
     pub eod_mask_loss: bool,
     /// Keep the documents packed into a sequence apart: no position attends to an earlier
-    /// document (default false). A document starts at the sequence's start and after each
-    /// end-of-document token, as in Megatron-LM's `--reset-attention-mask`.
+    /// document (default false). A document starts at the sequence's start, after each
+    /// end-of-document token (as in Megatron-LM's `--reset-attention-mask`) and at each
+    /// beginning-of-document token (data preprocessed with `--add-bos` alone, Llama 3's form).
     #[serde(default)]
     pub reset_attention_mask: bool,
     /// Restart the RoPE positions at each document (default false), as Megatron-LM's

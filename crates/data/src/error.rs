@@ -116,12 +116,14 @@ pub enum DataError {
         message: String,
     },
     /// The tokenizer lacks the end-of-document token.
-    #[error("tokenizer {}: has no end-of-document token (looked for `{token}`)", path.display())]
+    #[error("tokenizer {}: has no end-of-document token (looked for `{token}`), needed by {needed_by}", path.display())]
     MissingEod {
         /// The tokenizer file.
         path: PathBuf,
         /// The tokens that were looked up.
         token: String,
+        /// What needs it.
+        needed_by: String,
     },
     /// A JSONL line is not valid JSON or lacks the text field.
     #[error("{}:{line}: {message}", path.display())]
@@ -156,6 +158,12 @@ pub enum DataError {
         field: String,
         /// What is wrong and what is expected.
         message: String,
+    },
+    /// Preprocessing stopped by a signal (SIGINT, SIGTERM) before it was done.
+    #[error("stopped by signal {signal} before the output was complete; nothing was written (an existing dataset of the prefix is kept)")]
+    Stopped {
+        /// The signal number.
+        signal: i32,
     },
     /// A sample, sequence or token range outside what exists.
     #[error("{what} {index} out of range (have {len})")]

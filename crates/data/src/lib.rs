@@ -26,12 +26,14 @@ pub use blend::BlendIndex;
 pub use config::{DataConfig, DatasetSpec};
 pub use error::{DataError, Result};
 pub use indexed::{DType, IndexedDatasetWriter};
-pub use loader::{attention_share, document_starts, micro_batch_indices, Batch, GptData, Split};
+pub use loader::{
+    attention_share, document_starts, micro_batch_indices, Batch, Boundaries, GptData, Split,
+};
 pub use preprocess::{preprocess, PreprocessOptions, PreprocessSummary, WrittenDataset};
 pub use reader::IndexedDataset;
 pub use sample_index::SampleIndex;
 pub use split::SplitWeights;
 pub use tokenizer::{
-    bos_id, eod_id, load_tokenizer, train_tokenizer, TokenizerTrainOptions, TokenizerTrainSummary,
-    BOS_TOKENS, EOD_TOKEN, EOD_TOKENS,
+    bos_id, eod_id, find_bos, find_eod, load_tokenizer, train_tokenizer, TokenizerTrainOptions,
+    TokenizerTrainSummary, BOS_TOKENS, EOD_TOKEN, EOD_TOKENS,
 };

@@ -14,7 +14,7 @@ use crate::reader::IndexedDataset;
 use crate::rng::mix_seed;
 use crate::sample_index::SampleIndex;
 use crate::split::SplitWeights;
-use crate::tokenizer::{eod_id, load_tokenizer};
+use crate::tokenizer::{find_bos, find_eod, load_tokenizer, missing_eod};
 
 /// Which document range of each dataset to read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -55,21 +55,54 @@ pub struct Batch {
     /// Columns.
     pub seq_len: usize,
     /// With `data.reset_attention_mask` or `data.reset_position_ids`: for every position of the
-    /// whole rows `[micro_batch, seq_len]`, the position its document starts at (0, or just
-    /// after an end-of-document token). Kept whole when a rank takes its context-parallel share
-    /// of the other fields.
+    /// whole rows `[micro_batch, seq_len]`, the position its document starts at (see
+    /// [`Boundaries`]). Kept whole when a rank takes its context-parallel share of the other
+    /// fields.
     pub doc_starts: Option<Vec<u32>>,
 }
 
-/// For each position of the rows of `tokens` (`seq_len` each), where its document starts: at 0
-/// and just after every `eod`.
-pub fn document_starts(tokens: &[u32], seq_len: usize, eod: u32) -> Vec<u32> {
+/// The special ids that mark where the documents packed into a sample begin and end.
+///
+/// A document starts at the row's start, just after each end-of-document id (Megatron-LM's
+/// rule), and at each beginning-of-document id: data preprocessed with `--add-bos` and
+/// `--append-eod false` (Llama 3's BOS-only form) is kept apart as well as data with both ids,
+/// where the two rules give the same starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Boundaries {
+    /// The end-of-document id, when the tokenizer has one.
+    pub eod: Option<u32>,
+    /// The beginning-of-document id, when the tokenizer has one distinct from `eod`.
+    pub bos: Option<u32>,
+}
+
+impl Boundaries {
+    /// Boundaries from the tokenizer's ids; a BOS equal to the EOD (one `<|endoftext|>` for
+    /// both, GPT-2 style) counts as an end only.
+    pub fn new(eod: Option<u32>, bos: Option<u32>) -> Self {
+        Boundaries {
+            eod,
+            bos: bos.filter(|&b| Some(b) != eod),
+        }
+    }
+
+    /// Only an end-of-document id.
+    pub fn eod(eod: u32) -> Self {
+        Boundaries::new(Some(eod), None)
+    }
+}
+
+/// For each position of the rows of `tokens` (`seq_len` each), where its document starts: at 0,
+/// at every beginning-of-document id and just after every end-of-document id of `marks`.
+pub fn document_starts(tokens: &[u32], seq_len: usize, marks: Boundaries) -> Vec<u32> {
     let mut starts = Vec::with_capacity(tokens.len());
     for row in tokens.chunks(seq_len.max(1)) {
         let mut start = 0u32;
         for (i, &t) in row.iter().enumerate() {
+            if Some(t) == marks.bos {
+                start = i as u32;
+            }
             starts.push(start);
-            if t == eod {
+            if Some(t) == marks.eod {
                 start = i as u32 + 1;
             }
         }
@@ -83,11 +116,11 @@ pub fn document_starts(tokens: &[u32], seq_len: usize, eod: u32) -> Vec<u32> {
 pub fn attention_share(data: &GptData, samples: u64) -> Result<f64> {
     let n = data.num_samples();
     let take = samples.min(n).max(1);
-    let (s, eod) = (data.seq_len(), data.eod_id());
+    let (s, marks) = (data.seq_len(), data.boundaries());
     let (mut kept, mut causal) = (0f64, 0f64);
     for i in 0..take {
         let sample = data.sample(i * n / take)?;
-        let starts = document_starts(&sample[..s], s, eod);
+        let starts = document_starts(&sample[..s], s, marks);
         kept += starts
             .iter()
             .enumerate()
@@ -109,19 +142,18 @@ pub struct GptData {
     blend: Option<BlendIndex>,
     seq_len: usize,
     num_samples: u64,
-    eod: u32,
+    marks: Boundaries,
     vocab_size: usize,
     eod_mask_loss: bool,
     /// Batches carry their document starts.
     documents: bool,
 }
 
+/// `p` against `base` (the working directory for recipes), made absolute so that messages name
+/// the file that was tried.
 fn resolve(base: &Path, p: &Path) -> PathBuf {
-    if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        base.join(p)
-    }
+    let joined = base.join(p);
+    std::path::absolute(&joined).unwrap_or(joined)
 }
 
 impl GptData {
@@ -143,7 +175,17 @@ impl GptData {
         }
         let tok_path = resolve(base_dir, &cfg.tokenizer);
         let tokenizer = load_tokenizer(&tok_path)?;
-        let eod = eod_id(&tokenizer, &tok_path)?;
+        let marks = Boundaries::new(find_eod(&tokenizer), find_bos(&tokenizer));
+        if cfg.eod_mask_loss && marks.eod.is_none() {
+            return Err(missing_eod(&tok_path, "data.eod_mask_loss"));
+        }
+        if cfg.keeps_documents_apart() && marks.eod.is_none() && marks.bos.is_none() {
+            return Err(missing_eod(
+                &tok_path,
+                "data.reset_attention_mask and data.reset_position_ids (it has no \
+                 beginning-of-document token either)",
+            ));
+        }
         let vocab_size = tokenizer.get_vocab_size(true);
         let weights = SplitWeights::parse(&cfg.split, "data.split")?;
 
@@ -217,7 +259,7 @@ impl GptData {
             blend,
             seq_len,
             num_samples,
-            eod,
+            marks,
             vocab_size,
             eod_mask_loss: cfg.eod_mask_loss,
             documents: cfg.keeps_documents_apart(),
@@ -268,7 +310,7 @@ impl GptData {
         let loss_mask = tokens
             .iter()
             .map(|&t| {
-                if self.eod_mask_loss && t == self.eod {
+                if self.eod_mask_loss && Some(t) == self.marks.eod {
                     0.0
                 } else {
                     1.0
@@ -277,7 +319,7 @@ impl GptData {
             .collect();
         let doc_starts = self
             .documents
-            .then(|| document_starts(&tokens, s, self.eod));
+            .then(|| document_starts(&tokens, s, self.marks));
         Ok(Batch {
             tokens,
             labels,
@@ -288,9 +330,14 @@ impl GptData {
         })
     }
 
-    /// Id of `<|endoftext|>` in the tokenizer.
-    pub fn eod_id(&self) -> u32 {
-        self.eod
+    /// The tokenizer's end-of-document id, if it has one.
+    pub fn eod_id(&self) -> Option<u32> {
+        self.marks.eod
+    }
+
+    /// The ids that mark documents in the samples.
+    pub fn boundaries(&self) -> Boundaries {
+        self.marks
     }
 
     /// Vocabulary size of the tokenizer, added tokens included.
@@ -336,4 +383,41 @@ pub fn micro_batch_indices(
     let hi = consumed + ((dp_rank + 1) * global_batch / dp_size) as u64;
     let all: Vec<u64> = (lo..hi).collect();
     all.chunks(micro_batch).map(<[u64]>::to_vec).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_start_after_an_end_and_at_a_beginning() {
+        // Two rows of 6; 9 ends a document, 7 begins one.
+        let tokens = [1, 9, 2, 3, 9, 4, 5, 6, 9, 9, 8, 1];
+        assert_eq!(
+            document_starts(&tokens, 6, Boundaries::eod(9)),
+            [0, 0, 2, 2, 2, 5, 0, 0, 0, 3, 4, 4]
+        );
+        // BOS-only data (`--add-bos --append-eod false`): a document starts at each BOS.
+        let bos_only = [7, 1, 2, 7, 3, 4, 5, 7, 7, 1, 7, 2];
+        let marks = Boundaries::new(Some(9), Some(7));
+        assert_eq!(
+            document_starts(&bos_only, 6, marks),
+            [0, 0, 0, 3, 3, 3, 0, 1, 2, 2, 4, 4]
+        );
+        assert_eq!(
+            document_starts(&bos_only, 6, Boundaries::new(None, Some(7))),
+            document_starts(&bos_only, 6, marks)
+        );
+        // Both ids around every document: BOS starts where the EOD before it ended one.
+        let both = [7, 1, 9, 7, 2, 9, 3, 9, 7, 4, 4, 9];
+        let eod_only = document_starts(&both, 6, Boundaries::eod(9));
+        assert_eq!(document_starts(&both, 6, marks), eod_only);
+        // One id for both (GPT-2's `<|endoftext|>`) counts as an end only.
+        assert_eq!(Boundaries::new(Some(9), Some(9)), Boundaries::eod(9));
+        assert_eq!(
+            document_starts(&tokens, 6, Boundaries::new(Some(9), Some(9))),
+            document_starts(&tokens, 6, Boundaries::eod(9))
+        );
+        assert_eq!(document_starts(&tokens, 6, Boundaries::default()), [0; 12]);
+    }
 }

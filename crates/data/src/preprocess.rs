@@ -52,6 +52,9 @@ pub struct PreprocessOptions {
     pub workers: Option<usize>,
     /// Show a progress bar (only ever drawn when stderr is a terminal).
     pub show_progress: bool,
+    /// Polled between documents: a signal number it returns (SIGINT, SIGTERM) stops the run
+    /// with [`DataError::Stopped`], its temporary files removed.
+    pub stop: Option<fn() -> Option<i32>>,
 }
 
 impl Default for PreprocessOptions {
@@ -67,6 +70,7 @@ impl Default for PreprocessOptions {
             shard_bytes: None,
             workers: None,
             show_progress: true,
+            stop: None,
         }
     }
 }
@@ -271,6 +275,7 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
         }
         _ => {}
     }
+    check_output(opts)?;
     let files = expand_inputs(&opts.inputs)?;
     let tokenizer = load_tokenizer(&opts.tokenizer)?;
     let specials = Specials {
@@ -280,7 +285,13 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
             .transpose()?,
         eod: opts
             .append_eod
-            .then(|| eod_id(&tokenizer, &opts.tokenizer))
+            .then(|| {
+                eod_id(
+                    &tokenizer,
+                    &opts.tokenizer,
+                    "--append-eod (or pass --append-eod false)",
+                )
+            })
             .transpose()?,
     };
     let dtype = DType::for_vocab_size(tokenizer.get_vocab_size(true));
@@ -330,6 +341,10 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
     for (f, file) in files.iter().enumerate() {
         bar.set_message(format!("file {}/{}", f + 1, files.len()));
         for doc in read_documents(file, &opts.json_key, opts.doc_separator.as_deref())? {
+            if let Some(signal) = opts.stop.and_then(|stop| stop()) {
+                // Dropping the output removes its temporary files; an existing dataset stays.
+                return Err(DataError::Stopped { signal });
+            }
             let doc = doc?;
             pending_bytes += doc.len();
             text_bytes += doc.len() as u64;
@@ -364,6 +379,47 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
         mb_per_s: text_bytes as f64 / 1e6 / seconds.max(1e-9),
         datasets,
     })
+}
+
+/// Checks, before any input is read, that the output can go where it is asked to: the prefix
+/// names a file (not a directory, as `out/` would), its directory exists or can be made, and no
+/// final `.bin`/`.idx` name (of the first shard, with shards) is taken by a directory.
+fn check_output(opts: &PreprocessOptions) -> Result<()> {
+    let prefix = &opts.output_prefix;
+    let text = prefix.as_os_str().to_string_lossy();
+    if prefix.file_name().is_none() || text.ends_with(std::path::MAIN_SEPARATOR) {
+        return Err(DataError::config(
+            "output_prefix",
+            format!(
+                "`{text}` names a directory, not a file prefix: write e.g. `{}`",
+                prefix.join("dataset").display()
+            ),
+        ));
+    }
+    if let Some(parent) = prefix.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| {
+            DataError::config(
+                "output_prefix",
+                format!(
+                    "cannot create the output directory {}: {e}",
+                    parent.display()
+                ),
+            )
+        })?;
+    }
+    let first = match opts.shard_bytes {
+        Some(_) => shard_prefix(prefix, 0),
+        None => prefix.clone(),
+    };
+    for path in [bin_path(&first), idx_path(&first)] {
+        if path.is_dir() {
+            return Err(DataError::config(
+                "output_prefix",
+                format!("{} is a directory; choose another prefix", path.display()),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn progress_bar(show: bool, input_bytes: u64) -> ProgressBar {

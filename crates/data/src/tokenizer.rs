@@ -160,7 +160,7 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
     Ok(TokenizerTrainSummary {
         output: opts.output.clone(),
         vocab_size: loaded.get_vocab_size(true),
-        eod_id: eod_id(&loaded, &opts.output)?,
+        eod_id: eod_id(&loaded, &opts.output, "a trained tokenizer")?,
     })
 }
 
@@ -205,19 +205,35 @@ fn first_of(tokenizer: &Tokenizer, names: &[&str]) -> Option<u32> {
     names.iter().find_map(|t| tokenizer.token_to_id(t))
 }
 
-/// The end-of-document id of `tokenizer` (loaded from `path`, used in the error): the first of
-/// [`EOD_TOKENS`] it has, so a tokenizer trained here and a hub tokenizer (Llama 3's
-/// `<|end_of_text|>`, Llama 2's `</s>`) both work.
-pub fn eod_id(tokenizer: &Tokenizer, path: &Path) -> Result<u32> {
-    first_of(tokenizer, &EOD_TOKENS).ok_or_else(|| DataError::MissingEod {
-        path: path.to_path_buf(),
-        token: EOD_TOKENS.join("`, `"),
-    })
+/// The end-of-document id of `tokenizer`: the first of [`EOD_TOKENS`] it has, so a tokenizer
+/// trained here and a hub tokenizer (Llama 3's `<|end_of_text|>`, Llama 2's `</s>`) both work.
+pub fn find_eod(tokenizer: &Tokenizer) -> Option<u32> {
+    first_of(tokenizer, &EOD_TOKENS)
 }
 
 /// The beginning-of-document id of `tokenizer`: the first of [`BOS_TOKENS`] it has.
+pub fn find_bos(tokenizer: &Tokenizer) -> Option<u32> {
+    first_of(tokenizer, &BOS_TOKENS)
+}
+
+/// [`find_eod`], or an error naming the tokenizer file `path` and what `needed_by` it.
+pub fn eod_id(tokenizer: &Tokenizer, path: &Path, needed_by: &str) -> Result<u32> {
+    find_eod(tokenizer).ok_or_else(|| missing_eod(path, needed_by))
+}
+
+/// The error of a tokenizer (file `path`) without an end-of-document token, which `needed_by`
+/// needs.
+pub fn missing_eod(path: &Path, needed_by: &str) -> DataError {
+    DataError::MissingEod {
+        path: path.to_path_buf(),
+        token: EOD_TOKENS.join("`, `"),
+        needed_by: needed_by.to_string(),
+    }
+}
+
+/// [`find_bos`], or an error naming the tokenizer file `path` (for `--add-bos`).
 pub fn bos_id(tokenizer: &Tokenizer, path: &Path) -> Result<u32> {
-    first_of(tokenizer, &BOS_TOKENS).ok_or_else(|| DataError::Tokenizer {
+    find_bos(tokenizer).ok_or_else(|| DataError::Tokenizer {
         path: path.to_path_buf(),
         message: format!(
             "has no beginning-of-document token (looked for `{}`), needed by --add-bos",

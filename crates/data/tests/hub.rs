@@ -77,5 +77,5 @@ fn a_llama3_style_tokenizer_gives_the_reference_ids() {
     }))
     .unwrap();
     let gpt = data::GptData::open(&cfg, dir.path(), data::Split::Train, 64, 1, 8).unwrap();
-    assert_eq!(gpt.eod_id(), 601);
+    assert_eq!(gpt.eod_id(), Some(601));
 }

@@ -242,6 +242,13 @@ fn hostile_inputs_are_refused_by_name_and_place() {
     );
     assert!(e.to_string().contains("full.parquet"), "{e}");
     refused(d, &tok, &p, "id", &["column `id` holds INT64"]);
+    refused(
+        d,
+        &tok,
+        &p,
+        "meta",
+        &["column `meta` is nested", "meta.text"],
+    );
     let mut with_null = refs.clone();
     with_null[123] = None;
     write_parquet(&d.join("null.parquet"), &with_null, 50, Compression::SNAPPY);

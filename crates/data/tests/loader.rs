@@ -96,7 +96,7 @@ fn batches_are_deterministic_per_seed() {
     let ga = global_batches(&a, 0, 8, 32, 4, 1);
     assert_eq!(ga, global_batches(&b, 0, 8, 32, 4, 1));
     assert_ne!(ga, global_batches(&c, 0, 8, 32, 4, 1));
-    assert_eq!(a.eod_id(), 0);
+    assert_eq!(a.eod_id(), Some(0));
     assert_eq!(a.vocab_size(), 400);
 }
 

@@ -195,3 +195,82 @@ fn a_failed_preprocess_keeps_the_existing_dataset() {
     assert!(left.is_empty(), "{left:?}");
     IndexedDataset::open(&prefix).unwrap();
 }
+
+fn sigterm() -> Option<i32> {
+    Some(15)
+}
+
+#[test]
+fn a_stopped_preprocess_writes_nothing_and_keeps_the_existing_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let prefix = dir.path().join("ds");
+    let o = opts(vec![input.display().to_string()], &tok, &prefix);
+    preprocess(&o).unwrap();
+    let before = std::fs::read(bin_path(&prefix)).unwrap();
+    let stopped = PreprocessOptions {
+        stop: Some(sigterm),
+        ..o
+    };
+    let e = preprocess(&stopped).unwrap_err();
+    assert!(matches!(e, DataError::Stopped { signal: 15 }), "{e}");
+    assert_eq!(std::fs::read(bin_path(&prefix)).unwrap(), before);
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// A prefix naming a directory, or a final name taken by a directory, is refused before any
+/// input is read (the input here is not even valid).
+#[test]
+fn output_problems_are_found_before_the_inputs_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "not json\n").unwrap();
+    let refused = |prefix: &Path, shards: bool| {
+        let mut o = opts(vec![bad.display().to_string()], &tok, prefix);
+        o.shard_bytes = shards.then_some(1 << 20);
+        preprocess(&o).unwrap_err().to_string()
+    };
+    let e = refused(&dir.path().join("out/"), false);
+    assert!(e.contains("names a directory, not a file prefix"), "{e}");
+    std::fs::create_dir_all(dir.path().join("d.bin")).unwrap();
+    let e = refused(&dir.path().join("d"), false);
+    assert!(e.contains("d.bin is a directory"), "{e}");
+    std::fs::create_dir_all(dir.path().join("s_00000.idx")).unwrap();
+    let e = refused(&dir.path().join("s"), true);
+    assert!(e.contains("s_00000.idx is a directory"), "{e}");
+    let file = dir.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    let e = refused(&file.join("x"), false);
+    assert!(e.contains("cannot create the output directory"), "{e}");
+}
+
+/// A UTF-8 byte-order mark opening a file is not part of its first document.
+#[test]
+fn a_byte_order_mark_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let tokens = |name: &str, bytes: &[u8]| {
+        let input = dir.path().join(name);
+        std::fs::write(&input, bytes).unwrap();
+        let prefix = dir.path().join(format!("{name}.out"));
+        preprocess(&opts(vec![input.display().to_string()], &tok, &prefix)).unwrap();
+        std::fs::read(bin_path(&prefix)).unwrap()
+    };
+    let jsonl = "{\"text\": \"bom\"}\r\n{\"text\": \"crlf\"}\r\n";
+    assert_eq!(
+        tokens("bom.jsonl", &[b"\xEF\xBB\xBF", jsonl.as_bytes()].concat()),
+        tokens("plain.jsonl", jsonl.as_bytes())
+    );
+    assert_eq!(
+        tokens("bom.txt", b"\xEF\xBB\xBFSome text."),
+        tokens("plain.txt", b"Some text.")
+    );
+}

@@ -70,7 +70,7 @@ fn bundled_corpus_end_to_end() {
     let train = GptData::open(&cfg, tmp.path(), Split::Train, 256, 1234, 10_000).unwrap();
     let valid = GptData::open(&cfg, tmp.path(), Split::Valid, 256, 1234, 100).unwrap();
     assert_eq!(train.vocab_size(), 4096);
-    assert_eq!(train.eod_id(), 0);
+    assert_eq!(train.eod_id(), Some(0));
     eprintln!(
         "samples per epoch at seq_len 256: train {:?}, valid {:?}",
         train.samples_per_epoch(),

@@ -4,7 +4,9 @@ mod common;
 
 use std::path::Path;
 
-use data::{eod_id, load_tokenizer, train_tokenizer, DataError, TokenizerTrainOptions, EOD_TOKEN};
+use data::{
+    eod_id, find_eod, load_tokenizer, train_tokenizer, DataError, TokenizerTrainOptions, EOD_TOKEN,
+};
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::Tokenizer;
@@ -34,7 +36,7 @@ fn training_is_deterministic_and_round_trips() {
     assert!(sa.to_string().contains("vocab size 500"));
 
     let tok = load_tokenizer(&a).unwrap();
-    assert_eq!(eod_id(&tok, &a).unwrap(), 0);
+    assert_eq!(find_eod(&tok), Some(0));
     let text = "To be, or not to be: that is the question.\n  Ünïcödé ✓\tend";
     let enc = tok.encode(text, false).unwrap();
     assert!(!enc.get_ids().contains(&0));
@@ -87,7 +89,7 @@ fn gpt2_hello_world() {
     let enc = tok.encode("Hello world", false).unwrap();
     assert_eq!(enc.get_ids(), &[15496, 995]);
     assert_eq!(tok.get_vocab_size(true), 50257);
-    assert_eq!(eod_id(&tok, &path).unwrap(), 50256);
+    assert_eq!(find_eod(&tok), Some(50256));
 }
 
 #[test]
@@ -123,7 +125,7 @@ fn missing_eod_is_reported() {
     let path = dir.path().join("no_eod.json");
     std::fs::write(&path, json.to_string()).unwrap();
     let tok = load_tokenizer(&path).unwrap();
-    let e = eod_id(&tok, &path).unwrap_err();
+    let e = eod_id(&tok, &path, "training").unwrap_err();
     assert!(matches!(e, DataError::MissingEod { .. }));
     assert!(e.to_string().contains(EOD_TOKEN) && e.to_string().contains("no_eod.json"));
 }

@@ -20,7 +20,7 @@ mod parquet;
 mod text;
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use crate::error::{DataError, Result};
@@ -83,7 +83,15 @@ pub fn expand_inputs(inputs: &[String]) -> Result<Vec<PathBuf>> {
         }
     }
     files.sort();
+    let listed = files.len();
     files.dedup();
+    if files.len() < listed {
+        tracing::warn!(
+            "{} input file(s) matched more than once are read once (to weight a dataset, give it \
+             a weight in the recipe's data.datasets)",
+            listed - files.len()
+        );
+    }
     for f in &files {
         input_kind(f)?;
     }
@@ -175,11 +183,26 @@ pub fn read_documents(
     }
     let file = File::open(path).map_err(|e| DataError::io(path, e))?;
     let stream = compressed::open(file, path, kind.compression)?;
-    let reader = BufReader::with_capacity(1 << 20, stream);
+    let mut reader = BufReader::with_capacity(1 << 20, stream);
+    let bom =
+        skip_bom(&mut reader).map_err(|e| DataError::corrupt(path, "byte 0", e.to_string()))?;
     Ok(match kind.format {
         Format::Jsonl => Box::new(text::JsonlDocs::new(reader, path, json_key)),
-        _ => Box::new(text::TextDocs::new(reader, path, separator)),
+        _ => Box::new(text::TextDocs::new(reader, path, separator, bom)),
     })
+}
+
+/// The UTF-8 byte-order mark some editors and exporters put first in a file.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Consumes a UTF-8 byte-order mark at the start of `reader` (as Python's `utf-8-sig` does);
+/// returns the bytes skipped (0 or 3).
+fn skip_bom(reader: &mut impl BufRead) -> std::io::Result<u64> {
+    if reader.fill_buf()?.starts_with(BOM) {
+        reader.consume(BOM.len());
+        return Ok(BOM.len() as u64);
+    }
+    Ok(0)
 }
 
 #[cfg(test)]

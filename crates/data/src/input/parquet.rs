@@ -58,16 +58,30 @@ impl ParquetDocs {
         let meta = file.metadata();
         let schema = meta.file_metadata().schema_descr();
         let names: Vec<String> = schema.columns().iter().map(|c| c.path().string()).collect();
-        let column = names
-            .iter()
-            .position(|n| n == key)
-            .ok_or_else(|| DataError::Input {
-                input: path.display().to_string(),
-                message: format!(
+        let column = names.iter().position(|n| n == key).ok_or_else(|| {
+            let inside = format!("{key}.");
+            let nested: Vec<&str> = names
+                .iter()
+                .filter(|n| n.starts_with(&inside))
+                .map(String::as_str)
+                .collect();
+            let message = if nested.is_empty() {
+                format!(
                     "no column `{key}` (--json-key); the columns are: {}",
                     names.join(", ")
-                ),
-            })?;
+                )
+            } else {
+                format!(
+                    "column `{key}` is nested (a list or struct, stored as {}), not one string \
+                     per row; --json-key can name a struct's string field as `a.b`",
+                    nested.join(", ")
+                )
+            };
+            DataError::Input {
+                input: path.display().to_string(),
+                message,
+            }
+        })?;
         let descr = schema.column(column);
         if descr.physical_type() != PhysicalType::BYTE_ARRAY || descr.max_rep_level() > 0 {
             return Err(DataError::Input {

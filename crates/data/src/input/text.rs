@@ -28,7 +28,9 @@ pub(super) struct TextDocs<R> {
 }
 
 impl<R: Read> TextDocs<R> {
-    pub(super) fn new(reader: R, path: &Path, separator: Option<&str>) -> Self {
+    /// Documents of `reader`, the stream of `path` from byte `offset` on (past a byte-order
+    /// mark), split at `separator`.
+    pub(super) fn new(reader: R, path: &Path, separator: Option<&str>, offset: u64) -> Self {
         TextDocs {
             reader,
             path: path.to_path_buf(),
@@ -36,7 +38,7 @@ impl<R: Read> TextDocs<R> {
                 .filter(|s| !s.is_empty())
                 .map(|s| s.as_bytes().to_vec()),
             buf: Vec::new(),
-            offset: 0,
+            offset,
             search: 0,
             ready: VecDeque::new(),
             eof: false,
@@ -250,7 +252,7 @@ mod tests {
                 Ok(n)
             }
         }
-        TextDocs::new(Dribble(text, read), Path::new("t.txt"), sep).collect()
+        TextDocs::new(Dribble(text, read), Path::new("t.txt"), sep, 0).collect()
     }
 
     /// The streamed split equals `str::split` with whitespace-only pieces dropped, for
