@@ -182,14 +182,31 @@ fn r3_13c_a_rank_stopped_directly_is_a_stop_not_a_failure() {
 fn one_live_run_per_directory_and_a_dead_runs_lock_is_taken_over() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
-    let mut first = start_until(pretrain(&dir, "train.steps=200"), "step=1/");
-    let o = output(pretrain(&dir, "train.steps=2"));
+    let mut first = start_until(pretrain(&dir, "train.steps=200,parallel.dp=2"), "step=1/");
+    let o = output(pretrain(&dir, "train.steps=2,parallel.dp=2"));
     let e = stderr(&o);
     assert!(!o.status.success());
     assert!(
         e.contains("is in use by another run") && e.contains(&format!("pid {}", first.id())),
         "{e}"
     );
+    // Refused as rank processes too (rank 0 at the lock, rank 1 at its flight record), and
+    // neither refusal wrote into the live run's flight records.
+    let mut cmd = pretrain(&dir, "train.steps=2,parallel.dp=2");
+    cmd.args(["--nproc-per-node", "2"]);
+    let o = output(cmd);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("in use by another run"),
+        "{}",
+        stderr(&o)
+    );
+    for rank in 0..2 {
+        let path = dir.join(format!("flight/rank-0000{rank}.flight"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(header["pid"], first.id(), "{}", path.display());
+    }
     // Sharing only the checkpoint directory is refused too.
     let o = output(pretrain(
         &tmp.path().join("other"),
@@ -389,6 +406,11 @@ fn resume_refuses_other_seeds_data_and_bad_newest_checkpoints() {
     assert!(e.contains("train.seed 1234, the recipe has 7"), "{e}");
     let e = stderr(&resume("data.split=90,10"));
     assert!(e.contains("trained on other data"), "{e}");
+    let e = stderr(&resume("train.seq_len=64"));
+    assert!(
+        e.contains("train.seq_len 128, the recipe has 64") && e.contains("[seq_len]"),
+        "{e}"
+    );
     let e = stderr(&resume("train.steps=3"));
     assert!(e.contains("beyond train.steps = 3"), "{e}");
 

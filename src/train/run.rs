@@ -12,6 +12,7 @@ use parallel::tp::Block;
 use parallel::Comm;
 
 use super::flight;
+use super::lock::RunLock;
 use super::metrics::StepRecord;
 use super::{RankCtx, Trainer};
 pub use crate::device::device_for;
@@ -83,17 +84,35 @@ pub fn run_rank(
     device: Device,
     write_outputs: bool,
 ) -> Result<RankOutput> {
-    let recorder = match flight::recorder(recipe, rank, write_outputs, false) {
-        Ok(r) => r,
+    let started = lock_dirs(recipe, rank, write_outputs).and_then(|locks| {
+        let recorder = flight::recorder(recipe, rank, write_outputs, false)?;
+        Ok((locks, recorder))
+    });
+    let (locks, recorder) = match started {
+        Ok(s) => s,
         Err(e) => {
             comm.abort(&format!("{e:#}"));
             return Err(e);
         }
     };
-    run_recorded(recipe, rank, comm, device, write_outputs, recorder)
+    let result = run_recorded(recipe, rank, comm, device, write_outputs, recorder);
+    drop(locks);
+    result
 }
 
-/// [`run_rank`] with the flight recorder `recorder`.
+/// One live run per directory: rank 0 of a run that writes files locks `run.dir` and the
+/// checkpoint directory (`super::lock`) before anything of the run is written there, its
+/// flight records included, and holds the locks until its run ends. (The other ranks' flight
+/// records are locked files of their own: a second run never writes over a live run's.)
+fn lock_dirs(recipe: &Recipe, rank: usize, write_outputs: bool) -> Result<Vec<RunLock>> {
+    if rank == 0 && (write_outputs || recipe.checkpoint.interval > 0) {
+        super::lock::lock_run(&recipe.run.dir, &recipe.checkpoint_root())
+    } else {
+        Ok(Vec::new())
+    }
+}
+
+/// [`run_rank`] with the flight recorder `recorder` (the directories already locked).
 fn run_recorded(
     recipe: &Recipe,
     rank: usize,
@@ -103,18 +122,6 @@ fn run_recorded(
     recorder: Arc<FlightRecorder>,
 ) -> Result<RankOutput> {
     let comm: Arc<dyn Comm> = Arc::new(Recorded::new(comm, recorder.clone()));
-    // One live run per directory: rank 0 holds the locks until this rank's run ends.
-    let locks = if rank == 0 && (write_outputs || recipe.checkpoint.interval > 0) {
-        match super::lock::lock_run(&recipe.run.dir, &recipe.checkpoint_root()) {
-            Ok(l) => l,
-            Err(e) => {
-                comm.abort(&format!("{e:#}"));
-                return Err(e);
-            }
-        }
-    } else {
-        Vec::new()
-    };
     let ctx = RankCtx::open(&recipe.parallel, rank, comm.clone(), device)
         .and_then(|ctx| Trainer::new(recipe.clone(), ctx, write_outputs));
     let mut trainer = match ctx {
@@ -127,9 +134,7 @@ fn run_recorded(
             return Err(e);
         }
     };
-    let result = trainer.run();
-    drop(locks);
-    match result {
+    match trainer.run() {
         Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
         // Every rank stopped at the same step after saving: nothing to abort.
         Err(e) if super::signals::interrupted(&e).is_some() => Err(e),
@@ -157,6 +162,7 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let device = device_for(recipe.train.device, 0)?;
     // Thread ranks share this process and its device.
     super::admit::admit(&recipe, world, &device)?;
+    let _locks = lock_dirs(&recipe, 0, write_outputs)?;
     let recorders = (0..world)
         .map(|r| flight::recorder(&recipe, r, write_outputs, true))
         .collect::<Result<Vec<_>>>()?;

@@ -60,7 +60,12 @@ pub struct RankRecord {
 
 enum Store {
     Memory(Vec<u8>),
-    File(MmapMut),
+    /// The mapping of a file this process holds locked (`flock`, through `_lock`) for as long
+    /// as it records.
+    File {
+        map: MmapMut,
+        _lock: std::fs::File,
+    },
 }
 
 /// The ring of one rank.
@@ -76,7 +81,7 @@ impl Ring {
     fn bytes(&mut self) -> &mut [u8] {
         match &mut self.store {
             Store::Memory(v) => v,
-            Store::File(m) => m,
+            Store::File { map, .. } => map,
         }
     }
 
@@ -104,7 +109,9 @@ impl Ring {
         Self::with(store, slots, rank, world)
     }
 
-    /// A ring of `slots` operations (1 to [`SLOTS`]) in the file `path` (created or truncated).
+    /// A ring of `slots` operations (1 to [`SLOTS`]) in the file `path` (created, or emptied
+    /// when an earlier run left it). The file stays locked (`flock`) while the ring lives: a
+    /// file locked by a live run is refused, not overwritten.
     pub(super) fn file(
         path: &Path,
         slots: usize,
@@ -116,13 +123,28 @@ impl Ring {
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(path)?;
+        match f.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ResourceBusy,
+                    format!(
+                        "{} is being recorded by another live run (same run.dir)",
+                        path.display()
+                    ),
+                ))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+        }
+        f.set_len(0)?;
         f.set_len(((slots + 1) * SLOT) as u64)?;
-        // SAFETY: the file is this rank's own, created just now; others only read it.
+        // SAFETY: the file is this rank's own (locked above); others only read it.
         let mut map = unsafe { MmapMut::map_mut(&f)? };
         map.fill(b' ');
-        Ok(Self::with(Store::File(map), slots, rank, world))
+        let store = Store::File { map, _lock: f };
+        Ok(Self::with(store, slots, rank, world))
     }
 
     /// Writes `text` (cut to fit) into slot `slot`, padded, newline-terminated.
@@ -233,5 +255,26 @@ mod tests {
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[SLOT + 10..2 * SLOT - 1].fill(b' ');
         assert_eq!(parse(&bytes).unwrap().ops.len(), SLOTS - 1);
+    }
+
+    /// A live ring's file is refused to a second recorder (another run on the same run.dir)
+    /// and left as it was; once the ring is gone, the file is taken and emptied.
+    #[test]
+    fn a_live_rings_file_is_not_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rank-00000.flight");
+        let mut live = Ring::file(&path, 8, 0, 2).unwrap();
+        live.push(&mut record(1));
+        let before = std::fs::read(&path).unwrap();
+        let e = Ring::file(&path, 8, 0, 2).err().unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::ResourceBusy);
+        assert!(e.to_string().contains("another live run"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        drop(live);
+        let _next = Ring::file(&path, 8, 0, 2).unwrap();
+        assert!(parse(&std::fs::read(&path).unwrap())
+            .unwrap()
+            .ops
+            .is_empty());
     }
 }
