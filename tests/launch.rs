@@ -220,6 +220,8 @@ fn a_rank_stopped_by_a_dead_peer_exits_with_the_follower_status() {
     let (status, err, _) = kill_a_peer(600, &[]);
     assert_eq!(status.code(), Some(3), "{err}");
     assert!(err.contains("rank 1 failed"), "{err}");
+    // The communication error names the rank once.
+    assert!(!err.contains("rank 0: rank 0:"), "{err}");
 }
 
 /// A rank process whose job failed ends within its exit deadline even when its own teardown
@@ -235,4 +237,118 @@ fn a_rank_stuck_after_the_job_failed_exits_at_the_deadline() {
     );
     // The deadline (3 s) after the failure, not the hang.
     assert!(elapsed < Duration::from_secs(30), "took {elapsed:?}");
+}
+
+/// A free loopback port (see `one_job`).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The launcher of "node" `node` of a 2-node job meeting at `port`: `nproc` ranks of the tiny
+/// recipe with `set` (and `run.dir=dir`); its output piped.
+fn node(nproc: usize, node: usize, port: u16, dir: &Path, set: &str) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["--nproc-per-node", &nproc.to_string(), "--nnodes", "2"])
+        .args([
+            "--node-rank",
+            &node.to_string(),
+            "--master-addr",
+            "127.0.0.1",
+        ])
+        .args(["--master-port", &port.to_string()])
+        .args(["--recipe", "recipes/tiny.yaml", "--set", set, "--set"])
+        .arg(format!("run.dir={}", dir.display()))
+        .env("PRETRAIN_JOB_TOKEN", "launches-test")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn output(c: std::process::Child) -> (std::process::ExitStatus, String) {
+    let out = c.wait_with_output().unwrap();
+    let log =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    (out.status, log)
+}
+
+/// Node 0 launched for 2 ranks per node (world 4), node 1 for 1 (world 2, its recipe's dp=2):
+/// both fail at once, each naming both launches, long before the 60 s timeout.
+#[test]
+fn launchers_that_disagree_fail_at_once_on_every_node() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let set = "train.steps=2,train.eval_interval=0,train.global_batch=16,train.micro_batch=2,\
+               parallel.timeout_s=60";
+    let t = Instant::now();
+    let zero = node(2, 0, port, dir.path(), &format!("{set},parallel.dp=4"));
+    let one = node(1, 1, port, dir.path(), &format!("{set},parallel.dp=2"));
+    let ((s0, log0), (s1, log1)) = (output(zero), output(one));
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(!s0.success() && !s1.success(), "{log0}\nnode 1:\n{log1}");
+    for log in [&log0, &log1] {
+        assert!(log.contains("the launches disagree: "), "{log}");
+        assert!(
+            log.contains("node 1 at 127.0.0.1 (launcher pid ")
+                && log.contains("with --nnodes 2 --nproc-per-node 1 runs 2 ranks")
+                && log.contains("with --nnodes 2 --nproc-per-node 2 runs 4 ranks"),
+            "{log}"
+        );
+        assert!(!log.contains("did not connect in time"), "{log}");
+    }
+    // Node 0's ranks only followed node 1's finding.
+    assert!(
+        log0.contains("the job cannot start (rank 1 found it)"),
+        "{log0}"
+    );
+}
+
+/// Two launchers given `--node-rank 1`: the second to check in is refused at once, naming the
+/// first; the job runs on the first and finishes.
+#[test]
+fn a_node_rank_given_twice_is_refused() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let set = "parallel.dp=2,train.steps=2,train.eval_interval=0,checkpoint.interval=0";
+    let zero = node(1, 0, port, dir.path(), set);
+    let a = node(1, 1, port, dir.path(), set);
+    let b = node(1, 1, port, dir.path(), set);
+    let (s0, log0) = output(zero);
+    let ones = [output(a), output(b)];
+    assert!(s0.success(), "{log0}");
+    let refused: Vec<_> = ones.iter().filter(|(s, _)| !s.success()).collect();
+    assert_eq!(refused.len(), 1, "{ones:?}");
+    let log = &refused[0].1;
+    assert!(
+        log.contains("--node-rank 1 is taken by another launcher: node 1 at 127.0.0.1"),
+        "{log}"
+    );
+}
+
+/// `--nproc-per-node` inside a torchrun rank (`RANK`, `WORLD_SIZE` set) starts nothing.
+#[test]
+fn a_torchrun_rank_starts_no_job_of_its_own() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["--nproc-per-node", "2", "--recipe", "recipes/tiny.yaml"])
+        .args(["--set", "parallel.dp=2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already is a rank of a job (RANK=0, WORLD_SIZE=2 set"),
+        "{err}"
+    );
 }

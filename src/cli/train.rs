@@ -5,7 +5,7 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use tracing::info;
 
 use super::{LaunchArgs, RecipeArgs};
@@ -13,6 +13,7 @@ use super::{LaunchArgs, RecipeArgs};
 pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
     let recipe = args.load()?;
     if let Some(nproc_per_node) = launch.nproc_per_node {
+        crate::launch::check_not_nested(&|k| std::env::var(k).ok())?;
         let layout = crate::launch::NodeLayout {
             nproc_per_node,
             nnodes: launch.nnodes,
@@ -80,7 +81,7 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
                 job.device.clone(),
                 true,
             )
-            .with_context(|| format!("rank {}", info.rank));
+            .map_err(|e| in_rank(e, info.rank));
             let mine = match mine {
                 Ok(m) => m,
                 Err(e) => {
@@ -118,6 +119,16 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
         dir.join("loss.svg").display()
     );
     Ok(())
+}
+
+/// `e` in the context `rank R`, unless its message already starts by naming this rank (a
+/// communication error of this rank's own call reads `rank R: all_reduce over …`).
+fn in_rank(e: anyhow::Error, rank: usize) -> anyhow::Error {
+    if e.to_string().starts_with(&format!("rank {rank}: ")) {
+        e
+    } else {
+        e.context(format!("rank {rank}"))
+    }
 }
 
 /// Fault-injection point for tests: with `PRETRAIN_TEST_STUCK_AFTER_FAILURE` set, a rank process

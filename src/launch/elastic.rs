@@ -194,6 +194,9 @@ pub fn spawn(
             None => idle(&mut agents, &plan)?,
             Some(me) => {
                 let round = super::Round {
+                    node,
+                    // Nodes may offer different slots: the plan, not --nnodes, places the ranks.
+                    nnodes: None,
                     first_rank: me.first_rank,
                     nproc: me.nproc,
                     world: plan.world,

@@ -9,7 +9,10 @@
 //!   `parallel::env`) joins its job: rank 0 serves the rendezvous store, every rank connects to it
 //!   and builds the communicator of its device — `tcp` for CPU ranks, NCCL for CUDA ranks (one GPU
 //!   per process: the local rank's among the GPUs it sees, or the only one it sees;
-//!   `device::gpu_ordinal`).
+//!   `device::gpu_ordinal`). Before that every rank checks in at the store: its launcher takes
+//!   its seat (`--node-rank`; first come, first served) and its launch (`--nnodes`,
+//!   `--nproc-per-node`, world, the recipe's layout) is compared with rank 0's, so that launchers
+//!   that disagree fail at once on every node, naming the difference.
 //!
 //! The job token keeps stray connections out of the store and the `tcp` mesh. It is
 //! `PRETRAIN_JOB_TOKEN`, or the contents of the owner-only file `PRETRAIN_JOB_TOKEN_FILE` names;
@@ -36,7 +39,7 @@ pub mod rendezvous;
 mod supervise;
 mod token;
 
-pub use join::{join, store_port, Job};
+pub use join::{join, store_port, Job, Refused};
 use supervise::supervise;
 pub use supervise::JobFailed;
 pub use token::{job_token, JobToken, TOKEN_FILE_VAR};
@@ -44,6 +47,16 @@ use token::{random_token, store_bind};
 
 /// Environment variable carrying the job token.
 pub const TOKEN_VAR: &str = "PRETRAIN_JOB_TOKEN";
+
+/// Set by our launcher for its ranks: its `--node-rank` (the seat its ranks take at check-in).
+pub const NODE_RANK_VAR: &str = "PRETRAIN_NODE_RANK";
+
+/// Set by our launcher for its ranks: its id, drawn once (its ranks hold its seat together).
+pub const LAUNCHER_ID_VAR: &str = "PRETRAIN_LAUNCHER_ID";
+
+/// Set by a non-elastic launcher of ours for its ranks: its `--nnodes` (with `LOCAL_WORLD_SIZE`,
+/// its `--nproc-per-node`), which every node's launcher must share.
+pub const NNODES_VAR: &str = "PRETRAIN_NNODES";
 
 /// Exit status of a rank that stopped because another rank failed: the launcher reports the
 /// rank that failed first on its own, not the ranks that followed it.
@@ -59,6 +72,26 @@ pub fn is_peer_failure(e: &anyhow::Error) -> bool {
     e.chain()
         .filter_map(parallel::CommError::find)
         .any(parallel::CommError::is_peer_failure)
+        || e.chain().any(|c| c.is::<Refused>())
+}
+
+/// Refuses `--nproc-per-node` in a process that already is one rank of a job (`RANK` or
+/// `WORLD_SIZE` set, as torchrun sets them): it would start a second job of its own. Slurm's
+/// variables are no such sign (`srun` starting one launcher per node is the usual way).
+pub fn check_not_nested(get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    let set: Vec<String> = ["RANK", "WORLD_SIZE"]
+        .into_iter()
+        .filter_map(|k| get(k).map(|v| format!("{k}={v}")))
+        .collect();
+    if !set.is_empty() {
+        bail!(
+            "--nproc-per-node starts this node's ranks, but this process already is a rank of a \
+             job ({} set, as torchrun sets them): under torchrun drop --nproc-per-node; else \
+             unset RANK and WORLD_SIZE",
+            set.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// Where this node's processes sit in the job (torchrun's launcher options).
@@ -74,6 +107,12 @@ pub struct NodeLayout {
     pub master_addr: Option<String>,
     /// Rendezvous port (default: a free port on a single node, 29500 otherwise).
     pub master_port: Option<u16>,
+}
+
+/// This launcher's id ([`LAUNCHER_ID_VAR`]).
+fn launcher_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(random_token)
 }
 
 /// A free TCP port on the loopback interface (for single-node jobs).
@@ -133,6 +172,8 @@ pub fn spawn_node(
         _ => None,
     };
     let round = Round {
+        node: node_rank,
+        nnodes: Some(nnodes),
         first_rank: node_rank * n,
         nproc: n,
         world,
@@ -182,10 +223,13 @@ fn master_addr(layout: &NodeLayout) -> Result<String> {
     }
 }
 
-/// One round of this node's rank processes: global ranks `first_rank..first_rank + nproc` of a
-/// job of `world`, meeting at rank 0's store on `addr:port` with `token` (derived by the ranks
-/// when `None`); with `devices`, local rank `i` gets `CUDA_VISIBLE_DEVICES=devices[i]`.
+/// One round of node `node`'s rank processes: global ranks `first_rank..first_rank + nproc` of
+/// a job of `world`, meeting at rank 0's store on `addr:port` with `token` (derived by the ranks
+/// when `None`); with `devices`, local rank `i` gets `CUDA_VISIBLE_DEVICES=devices[i]`. `nnodes`
+/// is set for a non-elastic job, whose nodes must all run `nproc` ranks.
 pub(crate) struct Round {
+    pub node: usize,
+    pub nnodes: Option<usize>,
     pub first_rank: usize,
     pub nproc: usize,
     pub world: usize,
@@ -234,7 +278,13 @@ pub(crate) fn start_ranks(
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", &round.addr)
-            .env("MASTER_PORT", round.port.to_string());
+            .env("MASTER_PORT", round.port.to_string())
+            .env(NODE_RANK_VAR, round.node.to_string())
+            .env(LAUNCHER_ID_VAR, launcher_id());
+        match round.nnodes {
+            Some(nnodes) => cmd.env(NNODES_VAR, nnodes.to_string()),
+            None => cmd.env_remove(NNODES_VAR),
+        };
         if let Some(t) = &round.token {
             cmd.env(TOKEN_VAR, t);
         }
@@ -328,6 +378,16 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_of_another_launcher_starts_no_job_of_its_own() {
+        let torchrun = |k: &str| matches!(k, "RANK" | "WORLD_SIZE").then(|| "1".to_string());
+        let e = check_not_nested(&torchrun).unwrap_err().to_string();
+        assert!(e.contains("RANK=1, WORLD_SIZE=1 set"), "{e}");
+        let slurm = |k: &str| (k == "SLURM_PROCID").then(|| "1".to_string());
+        check_not_nested(&slurm).unwrap();
+        check_not_nested(&|_| None).unwrap();
+    }
+
+    #[test]
     fn peer_failures_are_recognised_by_type_not_text() {
         let peer = parallel::CommError::PeerFailed {
             me: 0,
@@ -372,5 +432,12 @@ mod tests {
             !is_peer_failure(&itself),
             "a rank that failed itself is the root cause"
         );
+        // A rank told by another that the launches disagree only follows it.
+        let told = anyhow::Error::from(Refused {
+            by: 1,
+            message: "the launches disagree".into(),
+        })
+        .context("rank 0: joining the job");
+        assert!(is_peer_failure(&told), "{told:#}");
     }
 }

@@ -377,6 +377,17 @@ impl Store {
         ))
     }
 
+    /// First writer wins: `key` takes `value` unless another process claimed it first; returns
+    /// the value that holds, so every claimant learns the same winner (built on `add`, whose
+    /// count `{key}/claims` orders the claimants). A winner that dies between its `add` and its
+    /// `set` leaves the others waiting, bounded by the server's timeout.
+    pub fn claim(&mut self, key: &str, value: &[u8]) -> Result<Vec<u8>, StoreError> {
+        if self.add(&format!("{key}/claims"), 1)? == 1 {
+            self.set(key, value)?;
+        }
+        self.get(key)
+    }
+
     /// Returns once `world` processes have called `barrier(name, world)`.
     pub fn barrier(&mut self, name: &str, world: usize) -> Result<(), StoreError> {
         if self.add(&format!("{name}/count"), 1)? as usize == world {
