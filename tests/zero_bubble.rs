@@ -201,6 +201,40 @@ fn zb_h1_defers_what_fits_in_1f1b_memory() {
     );
 }
 
+/// zbv with empty first and last chunks (stage 0 holds little more than the embedding and the
+/// head, so only later stages' caps are lowered) finds an order for every step size, within its
+/// caps: the first stage used to fill its `2·pp` slots with first-chunk forwards while a lowered
+/// stage held back the second chunk's inputs (from `m = 2·pp + 1` on).
+#[test]
+fn zbv_orders_a_layout_with_empty_end_chunks() {
+    use parallel::pipeline;
+    use pretrain::plan::memory;
+    for layout in [
+        "parallel.pp=2,parallel.pipeline_layout=[0, 2, 2, 0]",
+        "parallel.pp=2,parallel.pipeline_layout=[0, 3, 1, 0]",
+        "parallel.pp=2,parallel.pipeline_layout=[0, 2, 1, 1]",
+        "parallel.pp=4,model.num_hidden_layers=8,parallel.pipeline_layout=[0, 1, 1, 2, 2, 1, 1, 0]",
+    ] {
+        for global_batch in [8, 16, 24, 32] {
+            let o = vec![format!(
+                "train.global_batch={global_batch},train.micro_batch=2,{ZBV},{layout}"
+            )];
+            let r = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+            let ctx = format!("{layout} global_batch {global_batch}");
+            let m = r.grad_accum_steps();
+            let caps = memory::zbv_caps(&r).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            let s = memory::schedule(&r, m).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            pipeline::validate(&s).unwrap();
+            pipeline::check_fifo(&s).unwrap();
+            let sim = pipeline::simulate(&s, pipeline::SimCosts::default()).unwrap();
+            for (st, (&peak, &cap)) in sim.peak_in_flight.iter().zip(&caps).enumerate() {
+                assert!(peak <= cap, "{ctx}: stage {st} holds {peak} > {cap}");
+            }
+            memory::stages(&r).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        }
+    }
+}
+
 /// The traced step shows each stage's weight actions as `W` spans (category `weight`), in the
 /// order of the schedule: stage 1 of pp 2 (a quarter of the layers) runs micro-batch 0's W
 /// after micro-batch 1's B.

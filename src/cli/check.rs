@@ -43,6 +43,9 @@ pub(super) fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
     if open_data {
         check_data(&r)?;
     }
+    // The memory model builds the step's pipeline schedule (zbv's order within its caps): a
+    // recipe whose schedule cannot be built is not valid.
+    let stages = crate::plan::memory::stages(&r).map_err(anyhow::Error::msg)?;
     println!("{}: valid", args.recipe.display());
     println!(
         "model: {:.3}B parameters ({} layers, hidden {}, {} heads / {} kv heads of {}, ffn {}, vocab {}, RoPE θ = {}{})",
@@ -105,7 +108,6 @@ pub(super) fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
         r.train.micro_batch,
         r.grad_accum_steps()
     );
-    let stages = crate::plan::memory::stages(&r).map_err(anyhow::Error::msg)?;
     if let Some(most) = stages.iter().max_by_key(|s| s.bytes.total) {
         for l in crate::plan::report::memory_lines(&most.bytes) {
             println!("{l}");

@@ -25,7 +25,8 @@
 
 use model::{Inventory, Piece, Recompute};
 use parallel::pipeline::{
-    build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleKind,
+    build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleError,
+    ScheduleKind,
 };
 use serde::Serialize;
 
@@ -295,11 +296,14 @@ pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, String> {
 /// How many chunk activations each stage of a zbv pipeline may hold: `2·pp` (1F1B's first
 /// stage holds `pp` micro-batches of both halves of its layers) unless that takes the stage past
 /// 1F1B's peak for stages of the same layers — the first stage, which holds the head's logits
-/// too, holds fewer. Lowered one at a time until every stage fits (at least 2 each).
+/// too, usually holds fewer; with an uneven `parallel.pipeline_layout` (e.g. empty first and
+/// last chunks) another stage may. Lowered one at a time until every stage fits (at least 2
+/// each). The caps are fitted on `min(m, 3·pp)` micro-batches of the step's `m`.
 pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, String> {
     let (par, c) = (&r.parallel, &r.model);
     let pp = par.pp;
-    let m_sim = r.grad_accum_steps().min(3 * pp);
+    let m = r.grad_accum_steps();
+    let m_sim = m.min(3 * pp);
     let model = Acts::new(r);
     let layers = par.chunk_layers(c.num_hidden_layers);
     let vee = ChunkPlacement::Vee;
@@ -311,7 +315,16 @@ pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, String> {
     let budget = one_f_one_b_peak(r, &model, &per_stage, m_sim)?;
     let mut fit = zbv::Fit::unit(pp);
     loop {
-        let schedule = build_zbv(pp, m_sim, &fit).map_err(|e| e.to_string())?;
+        let schedule = build_zbv(pp, m_sim, &fit).map_err(|e| match e {
+            // Name what the user set, not the shortened walk's size.
+            ScheduleError::Stalled { .. } => format!(
+                "zbv found no order for pp = {pp} and m = {m} (parallel.pipeline_layout \
+                 {layers:?}, per-stage caps {:?} fitted on {m_sim} micro-batches) within \
+                 1F1B's activation memory; use zb-h1 or 1f1b",
+                fit.caps
+            ),
+            e => e.to_string(),
+        })?;
         let mut lowered = false;
         for s in 0..pp {
             let chunks = vec![chunk_pieces(down(s), &layers), chunk_pieces(up(s), &layers)];

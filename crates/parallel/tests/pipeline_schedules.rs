@@ -550,7 +550,8 @@ fn zbv_orders_every_size() {
 }
 
 /// zbv under lowered caps (a stage whose activations weigh more holds fewer): every size still
-/// finds an order within them.
+/// finds an order within them — also when the first stage keeps `2·pp` and a later one is
+/// lowered (a layout with empty first and last chunks: pp 2, m 6, caps [4, 3] used to stall).
 #[test]
 fn zbv_orders_within_lowered_caps() {
     for pp in 2..=8 {
@@ -559,6 +560,10 @@ fn zbv_orders_within_lowered_caps() {
                 for lowered in [
                     vec![low; pp],
                     (0..pp).map(|s| if s == 0 { low } else { 2 * pp }).collect(),
+                    (0..pp).map(|s| if s == 0 { 2 * pp } else { low }).collect(),
+                    (0..pp)
+                        .map(|s| if s + 1 == pp { low } else { 2 * pp })
+                        .collect(),
                 ] {
                     let f = zbv::Fit {
                         caps: lowered.clone(),

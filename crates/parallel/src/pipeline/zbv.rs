@@ -14,7 +14,7 @@
 //! 2. else a forward whose input is there, the second chunk's first (it leads to the loss and
 //!    frees memory soonest), if fewer than the stage's cap of chunk activations are held
 //!    (forward done, W not yet; `2·pp` unless the stage weighs more, see [`Fit`]), a first
-//!    chunk's leaving one slot free;
+//!    chunk's leaving one slot free when any stage's cap is lowered;
 //! 3. else the oldest W still owed;
 //!
 //! else it waits for the next message. Receives are placed in the order messages arrive, so every
@@ -119,6 +119,8 @@ struct Scheduler {
     stages: Vec<Stage>,
     /// Sequence number of the next message (orders messages arriving at the same time).
     sent: usize,
+    /// Whether a first-chunk forward leaves a slot free (some stage's cap is below `2·pp`).
+    reserve: bool,
 }
 
 impl Scheduler {
@@ -142,12 +144,15 @@ impl Scheduler {
                 }
             })
             .collect();
+        // Set before `fit` moves in.
+        let reserve = fit.caps.iter().any(|&c| c < 2 * pp);
         Self {
             pp,
             m,
             fit,
             stages,
             sent: 0,
+            reserve,
         }
     }
 
@@ -168,10 +173,15 @@ impl Scheduler {
                 consider(at(st.grad[c][st.b[c]]), Compute::Backward(c));
             }
         }
-        // Under a cap lowered below `2·pp`, a first-chunk forward (a new micro-batch) leaves a
-        // slot for a second-chunk one, so that the micro-batches held can always go on to the
-        // loss (at `2·pp` the second chunk's inputs arrive in time anyway).
-        let reserve = |c: usize| usize::from(c == 0 && cap < 2 * self.pp);
+        // When any stage's cap is lowered below `2·pp`, a first-chunk forward (a new
+        // micro-batch) leaves a slot for a second-chunk one, so that the micro-batches held can
+        // always go on to the loss. It must hold on every stage, not only on the lowered ones: a
+        // stage at `2·pp` whose first-chunk inputs keep coming (stage 0 reads the data) would
+        // otherwise fill every slot with them while a lowered stage further down holds back the
+        // second chunk's inputs, and then neither can move (pp 2, m >= 5, caps [4, 3]: a layout
+        // whose first chunk is empty lowers only stage 1). With every cap at `2·pp` the second
+        // chunk's inputs arrive in time anyway, and the order is unchanged.
+        let reserve = |c: usize| usize::from(c == 0 && self.reserve);
         for c in [1, 0] {
             if st.f[c] < m && st.held + reserve(c) < cap {
                 consider(at(st.act[c][st.f[c]]), Compute::Forward(c));
