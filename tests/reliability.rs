@@ -508,3 +508,46 @@ fn non_finite_weights_are_never_resumed_evaluated_or_exported() {
         "{e}"
     );
 }
+
+/// Data whose every target is masked (`data.eod_mask_loss` over documents that are nothing but
+/// their end-of-document token) trains no update and reports no loss, instead of a perfect 0.
+#[test]
+fn steps_without_a_loss_target_are_skipped_and_have_no_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("empty.jsonl");
+    std::fs::write(&input, "{\"text\": \"\"}\n".repeat(3000)).unwrap();
+    let prefix = tmp.path().join("eod");
+    let o = common::cli::bin()
+        .args(["preprocess", "--input"])
+        .arg(&input)
+        .args([
+            "--tokenizer",
+            "data/shakespeare/tokenizer.json",
+            "--output-prefix",
+        ])
+        .arg(&prefix)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::cli::text(&o));
+    let dir = tmp.path().join("run");
+    let mut cmd = pretrain(
+        &dir,
+        "train.steps=2,train.eval_interval=2,data.eod_mask_loss=true,data.split=90,10",
+    );
+    cmd.args(["--set"])
+        .arg(format!("data.datasets=[{{prefix: {}}}]", prefix.display()));
+    let o = output(cmd);
+    let text = common::cli::text(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("step 1: no token of the global batch has a loss target")
+            && text.contains("loss=n/a")
+            && text.contains("(update skipped)")
+            && text.contains("val_loss=n/a"),
+        "{text}"
+    );
+    let records = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(records.lines().next().unwrap()).unwrap();
+    assert!(first["loss"].is_null(), "{first}");
+    assert!(first["skipped"].is_string(), "{first}");
+}

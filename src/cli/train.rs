@@ -105,12 +105,14 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
         return Ok(());
     }
     if let Some(last) = out.records.last() {
+        let text = crate::train::loss_text;
         let val = out
             .val_loss
-            .map_or(String::new(), |v| format!(", val_loss={v:.4}"));
+            .map_or(String::new(), |v| format!(", val_loss={}", text(v)));
         info!(
-            "done: {} steps, final loss={:.4}{val}",
-            last.step, last.loss
+            "done: {} steps, final loss={}{val}",
+            last.step,
+            text(last.loss)
         );
     }
     info!(

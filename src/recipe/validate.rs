@@ -65,14 +65,50 @@ impl Recipe {
             par.zero = ZeroStage::Off;
             par.zero_shard_size = None;
         }
-        if self.schedule.warmup_steps > self.train.steps {
-            w.push(format!(
-                "schedule.warmup_steps ({}) exceeds train.steps ({}): the learning rate never \
-                 reaches optimizer.lr",
-                self.schedule.warmup_steps, self.train.steps
-            ));
+        w.extend(self.schedule_warning());
+        let dense = self.model.num_local_experts.is_none_or(|e| e == 0);
+        let modules = self.train.recompute_modules.as_deref().unwrap_or_default();
+        if dense && modules.contains(&model::RecomputeModule::MoeAct) {
+            w.push(
+                "train.recompute_modules lists moe_act, which does nothing in a dense model \
+                 (model.num_local_experts is unset)"
+                    .into(),
+            );
         }
         w
+    }
+
+    /// A learning-rate schedule that cannot do what it says within `train.steps`: a warmup
+    /// longer than the run, or one that leaves a decaying curve (`cosine`, `wsd`) too few of the
+    /// steps it needs.
+    fn schedule_warning(&self) -> Option<String> {
+        let (s, steps) = (&self.schedule, self.train.steps);
+        let warmup = s.warmup_steps;
+        if warmup > steps {
+            return Some(format!(
+                "schedule.warmup_steps ({warmup}) exceeds train.steps ({steps}): the learning \
+                 rate never reaches optimizer.lr"
+            ));
+        }
+        match s.kind {
+            LrCurve::Cosine if steps - warmup < 2 => Some(format!(
+                "schedule.warmup_steps ({warmup}) fills the run of {steps} steps: the cosine \
+                 curve has no steps left to decay to schedule.min_lr"
+            )),
+            LrCurve::Wsd => {
+                let decay = ((steps as f64 * s.decay_fraction).round() as usize).max(1);
+                (warmup + decay > steps).then(|| {
+                    format!(
+                        "schedule.warmup_steps ({warmup}) runs into the decay window of \
+                         schedule.decay_fraction ({}: the last {decay} of {steps} steps): the \
+                         decay to schedule.min_lr takes only {} steps",
+                        s.decay_fraction,
+                        steps - warmup
+                    )
+                })
+            }
+            _ => None,
+        }
     }
 
     /// The non-finite and loss-spike policy.
@@ -262,6 +298,22 @@ impl Recipe {
         if self.run.log_interval == 0 {
             p.push("run.log_interval must be positive".into());
         }
+        if let Some(peak) = self
+            .run
+            .peak_tflops
+            .filter(|p| !(p.is_finite() && *p > 0.0))
+        {
+            p.push(format!(
+                "run.peak_tflops ({peak}) must be a positive finite number (one device's dense \
+                 peak in TFLOP/s)"
+            ));
+        }
+        if let Some(step) = self.run.trace_step.filter(|&s| s == 0 || s > t.steps) {
+            p.push(format!(
+                "run.trace_step ({step}) must name a step of the run, 1 to train.steps ({})",
+                t.steps
+            ));
+        }
         let f = self.run.straggler_factor;
         if !(f.is_finite() && f > 1.0) {
             p.push(format!(
@@ -333,5 +385,44 @@ impl Recipe {
                 s.decay_fraction
             ));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    fn warnings(set: &str) -> Vec<String> {
+        let mut r =
+            crate::recipe::load(Path::new("recipes/tiny.yaml"), &[set.to_string()]).unwrap();
+        r.scale_down()
+    }
+
+    #[test]
+    fn schedules_that_cannot_decay_in_the_run_are_said() {
+        let base = "train.steps=8,schedule.min_lr=0.0";
+        let said = |set: &str| warnings(&format!("{base},{set}")).join("; ");
+        assert!(said("schedule.warmup_steps=9").contains("exceeds train.steps (8)"));
+        let w = said("schedule.kind=cosine,schedule.warmup_steps=7");
+        assert!(w.contains("no steps left to decay"), "{w}");
+        assert_eq!(said("schedule.kind=cosine,schedule.warmup_steps=6"), "");
+        let w = said("schedule.kind=wsd,schedule.warmup_steps=6,schedule.decay_fraction=0.5");
+        assert!(
+            w.contains("the last 4 of 8 steps") && w.contains("takes only 2 steps"),
+            "{w}"
+        );
+        assert_eq!(
+            said("schedule.kind=wsd,schedule.warmup_steps=4,schedule.decay_fraction=0.5"),
+            ""
+        );
+        assert_eq!(said("schedule.kind=constant,schedule.warmup_steps=8"), "");
+    }
+
+    #[test]
+    fn moe_recompute_in_a_dense_model_is_said() {
+        let set = "train.recompute=selective,train.recompute_modules=[moe_act]";
+        assert!(warnings(set)
+            .join("; ")
+            .contains("moe_act, which does nothing"));
     }
 }

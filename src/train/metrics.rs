@@ -31,8 +31,9 @@ pub struct StepRecord {
     pub grad_norm: f64,
     /// Training throughput over all ranks.
     pub tokens_per_s: f64,
-    /// Achieved model TFLOP/s (see `LlamaConfig::flops_per_token`; with documents kept apart
-    /// by the attention mask, the attention work the mask leaves).
+    /// Achieved model TFLOP/s per rank (the job's over its ranks; see
+    /// `LlamaConfig::flops_per_token`; with documents kept apart by the attention mask, the
+    /// attention work the mask leaves).
     pub tflops: f64,
     /// With `data.reset_attention_mask`: the share of the causal attention pairs the step
     /// computed (the document mask keeps the rest out).
@@ -206,7 +207,10 @@ impl Metrics {
 
     /// Records a step.
     pub fn step(&mut self, r: &StepRecord) -> Result<()> {
-        self.train.push((r.step, r.loss));
+        // A step without a loss target has none to plot (NaN, `null` in the record).
+        if r.loss.is_finite() {
+            self.train.push((r.step, r.loss));
+        }
         if let Some(tb) = &mut self.tensorboard {
             tb.scalars(r.step, &scalars(r))?;
         }
@@ -215,7 +219,9 @@ impl Metrics {
 
     /// Records a validation.
     pub fn eval(&mut self, r: &EvalRecord) -> Result<()> {
-        self.valid.push((r.step, r.val_loss));
+        if r.val_loss.is_finite() {
+            self.valid.push((r.step, r.val_loss));
+        }
         if let Some(tb) = &mut self.tensorboard {
             tb.scalars(r.step, &[("valid/loss", r.val_loss)])?;
         }

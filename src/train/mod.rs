@@ -38,7 +38,7 @@ use model::{llama::masked_mean, Llama};
 use parallel::dp::DataParallel;
 use parallel::pipeline::{check_fifo, validate, Schedule, SimCosts};
 use parallel::{Comm, Group, ReduceOp};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::optim::{GradBuffer, Optimizer};
 use crate::recipe::{DeviceKind, Recipe, Resume};
@@ -47,6 +47,7 @@ use metrics::{EvalRecord, Metrics, StepRecord};
 use parallel::dp::{Gatherer, Pass};
 use pipeline::Timed;
 pub use rank::RankCtx;
+pub use report::loss_text;
 pub use run::{
     assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
 };
@@ -273,8 +274,12 @@ impl Trainer {
             all_reduce_f64(comm, &ctx.groups.pp, sum)?,
             all_reduce_f64(comm, &ctx.groups.pp, count)?,
         );
-        Ok(all_reduce_f64(comm, &ctx.groups.grad, sum)?
-            / all_reduce_f64(comm, &ctx.groups.grad, count)?.max(1.0))
+        let (sum, count) = (
+            all_reduce_f64(comm, &ctx.groups.grad, sum)?,
+            all_reduce_f64(comm, &ctx.groups.grad, count)?,
+        );
+        // No loss target at all: no loss (NaN, `null` in the record), not a perfect 0.
+        Ok(if count > 0.0 { sum / count } else { f64::NAN })
     }
 
     /// Trains for the recipe's steps; returns every step's record and the final validation loss.
@@ -318,7 +323,15 @@ impl Trainer {
     fn validate(&mut self, step: usize) -> Result<f64> {
         let val_loss = self.evaluate()?;
         if self.ctx.is_main() {
-            info!("step={step} val_loss={val_loss:.4}");
+            let text = report::loss_text(val_loss);
+            if val_loss.is_nan() {
+                warn!(
+                    "step={step} val_loss={text}: no token of the validation samples has a loss \
+                     target (data.eod_mask_loss masks them all)"
+                );
+            } else {
+                info!("step={step} val_loss={text}");
+            }
         }
         if let Some(m) = &mut self.metrics {
             m.eval(&EvalRecord { step, val_loss })?;

@@ -102,6 +102,15 @@ impl Trainer {
     }
 }
 
+/// A loss for the log: `n/a` when nothing had a loss target (NaN).
+pub fn loss_text(loss: f64) -> String {
+    if loss.is_nan() {
+        "n/a".into()
+    } else {
+        format!("{loss:.4}")
+    }
+}
+
 /// The log line of a step of `steps`.
 fn step_line(rec: &StepRecord, steps: usize) -> String {
     let mfu = rec
@@ -145,9 +154,10 @@ fn step_line(rec: &StepRecord, steps: usize) -> String {
         ""
     };
     let units = rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes;
+    let loss = loss_text(rec.loss);
     format!(
-        "step={}/{} loss={:.4} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB opt={:.1}ms{gathers}{ring}{moe}{skip}",
-        rec.step, steps, rec.loss, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
+        "step={}/{} loss={loss} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB opt={:.1}ms{gathers}{ring}{moe}{skip}",
+        rec.step, steps, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
         mib(rec.state.total()), mib(rec.act_peak_bytes), mib(units), 1e3 * rec.optimizer_s
     )
 }

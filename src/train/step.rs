@@ -60,7 +60,7 @@ impl Trainer {
         crate::device::reset_peak(&self.ctx.device);
         self.grads.zero()?;
         self.model.placement().cp.stats().take(); // count this step's ring only
-        let mbs = self.micro_batches()?;
+        let (mbs, targets) = self.micro_batches()?;
         let attention_share = self.attention_share(&mbs)?;
         let mut run = self.forward_backward(&mbs, start)?;
         self.inject_test_fault(self.step + 1)?;
@@ -76,7 +76,23 @@ impl Trainer {
             loss: run.loss,
             grad_sq,
         };
-        let verdict = self.judge(self.step + 1, loss, grad_norm, local)?;
+        // A global batch without a single loss target (`data.eod_mask_loss` on data of nothing
+        // but end-of-document tokens) has nothing to learn: its loss is 0/0. Every rank counted
+        // the same targets, so all skip alike, without the guard's collectives.
+        let (loss, verdict) = if targets == 0.0 {
+            let why = format!(
+                "step {}: no token of the global batch has a loss target (data.eod_mask_loss \
+                 masks them all); the update is skipped",
+                self.step + 1
+            );
+            if self.ctx.is_main() {
+                tracing::warn!("{why}");
+            }
+            (f64::NAN, Verdict::Skip(why))
+        } else {
+            let verdict = self.judge(self.step + 1, loss, grad_norm, local)?;
+            (loss, verdict)
+        };
         let r = &self.recipe;
         let lr = lr_at(&r.schedule, r.optimizer.lr, self.step, r.train.steps);
         let opt_start = start.elapsed().as_secs_f64();
@@ -171,19 +187,22 @@ impl Trainer {
     }
 
     /// This step's micro-batches (read and staged during the last step), with their loss scales
-    /// from the global batch's token count, and a request for the next step's.
-    fn micro_batches(&mut self) -> Result<Vec<MicroBatch>> {
+    /// from the global batch's token count, and a request for the next step's; with the global
+    /// batch's count of loss targets.
+    fn micro_batches(&mut self) -> Result<(Vec<MicroBatch>, f64)> {
         let (t, ctx) = (&self.recipe.train, &self.ctx);
         let next = (self.step + 1 < t.steps).then(|| self.consumed + t.global_batch as u64);
         let staged = self.data.prefetch.get(self.consumed, next)?;
         let local: f64 = staged.iter().map(|b| b.counted).sum();
         let grad = &ctx.groups.grad;
-        let scale = 1.0 / all_reduce_f64(ctx.comm.as_ref(), grad, local)?.max(1.0);
+        let targets = all_reduce_f64(ctx.comm.as_ref(), grad, local)?;
+        let scale = 1.0 / targets.max(1.0);
         let aux_scale = 1.0 / (staged.len() * grad.size()) as f64;
-        Ok(staged
+        let mbs = staged
             .into_iter()
             .map(|b| b.into_micro_batch(scale, aux_scale))
-            .collect())
+            .collect();
+        Ok((mbs, targets))
     }
 
     /// The schedule's forward and backward passes over `mbs`, with the data-parallel sync and
@@ -291,7 +310,9 @@ impl Trainer {
         let t = &r.train;
         let tokens = (t.global_batch * t.seq_len) as f64;
         let skipped = r.model.attention_flops_per_token(t.seq_len) * (1.0 - m.attention_share);
-        let tflops = tokens * (r.model.flops_per_token(t.seq_len) - skipped) / secs / 1e12;
+        // Per rank (one GPU each), as the planner and Megatron-LM report it.
+        let ranks = r.parallel.world_size() as f64;
+        let tflops = tokens * (r.model.flops_per_token(t.seq_len) - skipped) / secs / 1e12 / ranks;
         let g = m.run.gathered;
         let zero3 = self.gather.is_some();
         Ok(StepRecord {
@@ -302,10 +323,7 @@ impl Trainer {
             tokens_per_s: tokens / secs,
             tflops,
             attention_share: r.data.reset_attention_mask.then_some(m.attention_share),
-            mfu: r
-                .run
-                .peak_tflops
-                .map(|p| tflops / (p * r.parallel.world_size() as f64)),
+            mfu: r.run.peak_tflops.map(|p| tflops / p),
             mem_mib: peak_rss_mib(),
             device_mem_mib: device_mem.map(|d| d.current as f64 / MIB),
             device_peak_mib: device_mem.map(|d| d.peak as f64 / MIB),

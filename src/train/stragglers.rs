@@ -3,9 +3,12 @@
 //! slower than `run.straggler_factor` times the median is named in the log and in
 //! `metrics.jsonl`.
 //!
-//! Waits for peers inside a piece (tensor- and context-parallel collectives) count as compute,
-//! so the ranks of one tensor-parallel group look alike: a slow GPU shows against the other
-//! data-parallel replicas and pipeline stages.
+//! A rank is compared with the ranks of its own pipeline stage only: stages do different work
+//! (uneven layouts, zbv's first stage holding both the embedding and the head), so a stage's
+//! ranks are its data-, tensor- and context-parallel peers. Waits for peers inside a piece
+//! (tensor- and context-parallel collectives) count as compute, so the ranks of one
+//! tensor-parallel group look alike: a slow GPU shows against the other data-parallel replicas
+//! of its stage (a pipeline-only job has no peers to compare).
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
@@ -46,30 +49,44 @@ pub fn compute_seconds(timing: &[Timed]) -> f64 {
         .sum()
 }
 
-/// The spread of `seconds` (one entry per rank) and the ranks above `factor` × the median.
-pub fn spread(seconds: &[f64], factor: f64) -> ComputeSpread {
-    let mut sorted = seconds.to_vec();
+/// The median of `v` (0 when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut sorted = v.to_vec();
     sorted.sort_by(f64::total_cmp);
     let n = sorted.len();
-    let median = match n {
+    match n {
         0 => 0.0,
         _ if n % 2 == 1 => sorted[n / 2],
         _ => 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]),
+    }
+}
+
+/// The spread of `seconds` (one entry per rank, rank `r` in pipeline stage `stage[r]`) and the
+/// ranks above `factor` × the median of their stage.
+pub fn spread(seconds: &[f64], stage: &[usize], factor: f64) -> ComputeSpread {
+    let stage_median = |st: usize| {
+        let peers: Vec<f64> = (0..seconds.len())
+            .filter(|&r| stage[r] == st)
+            .map(|r| seconds[r])
+            .collect();
+        median(&peers)
     };
     let mut stragglers: Vec<Straggler> = seconds
         .iter()
         .enumerate()
-        .filter(|&(_, &s)| median > 0.0 && s > factor * median)
-        .map(|(rank, &s)| Straggler {
-            rank,
-            compute_s: s,
-            ratio: s / median,
+        .filter_map(|(rank, &s)| {
+            let m = stage_median(stage[rank]);
+            (m > 0.0 && s > factor * m).then(|| Straggler {
+                rank,
+                compute_s: s,
+                ratio: s / m,
+            })
         })
         .collect();
     stragglers.sort_by(|a, b| b.ratio.total_cmp(&a.ratio));
     ComputeSpread {
-        compute_median_s: median,
-        compute_max_s: sorted.last().copied().unwrap_or(0.0),
+        compute_median_s: median(seconds),
+        compute_max_s: seconds.iter().copied().fold(0.0, f64::max),
         stragglers,
     }
 }
@@ -97,7 +114,8 @@ impl Trainer {
                 .all_reduce(&self.world_group(), &t, ReduceOp::Sum)?
                 .to_vec1::<f64>()?;
         }
-        Ok(Some(spread(&v, self.recipe.run.straggler_factor)))
+        let stage: Vec<usize> = (0..world).map(|r| self.ctx.mesh.coords(r).pp).collect();
+        Ok(Some(spread(&v, &stage, self.recipe.run.straggler_factor)))
     }
 }
 
@@ -116,14 +134,30 @@ mod tests {
 
     #[test]
     fn the_slow_ranks_are_named_slowest_first() {
-        let s = spread(&[1.0, 1.1, 3.0, 0.9, 1.5], 1.2);
+        let one = [0; 5];
+        let s = spread(&[1.0, 1.1, 3.0, 0.9, 1.5], &one, 1.2);
         assert_eq!(s.compute_median_s, 1.1);
         assert_eq!(s.compute_max_s, 3.0);
         let ranks: Vec<usize> = s.stragglers.iter().map(|x| x.rank).collect();
         assert_eq!(ranks, [2, 4]);
-        assert!(spread(&[1.0, 1.0, 1.19], 1.2).stragglers.is_empty());
-        assert_eq!(spread(&[1.0, 2.0], 1.2).compute_median_s, 1.5);
-        assert_eq!(spread(&[1.0, 2.0], 1.2).stragglers[0].rank, 1);
-        assert!(spread(&[0.0, 0.0], 1.2).stragglers.is_empty());
+        assert!(spread(&[1.0, 1.0, 1.19], &one, 1.2).stragglers.is_empty());
+        assert_eq!(spread(&[1.0, 2.0], &one, 1.2).compute_median_s, 1.5);
+        assert_eq!(spread(&[1.0, 2.0], &one, 1.2).stragglers[0].rank, 1);
+        assert!(spread(&[0.0, 0.0], &one, 1.2).stragglers.is_empty());
+    }
+
+    /// Stages doing more work (zbv's first holds the embedding and the head) are no
+    /// stragglers; a slow rank is found among the replicas of its own stage.
+    #[test]
+    fn ranks_are_compared_within_their_pipeline_stage() {
+        // dp 3 × pp 2, rank r in stage r % 2: stage 0 takes 1.5x stage 1's time.
+        let stage = [0, 1, 0, 1, 0, 1];
+        let even = spread(&[1.5, 1.0, 1.5, 1.0, 1.5, 1.0], &stage, 1.2);
+        assert!(even.stragglers.is_empty());
+        let s = spread(&[1.5, 1.0, 1.5, 1.0, 1.5, 1.4], &stage, 1.2);
+        let named: Vec<(usize, f64)> = s.stragglers.iter().map(|x| (x.rank, x.ratio)).collect();
+        assert_eq!(named, [(5, 1.4)]);
+        // One rank per stage: no peers, nobody named.
+        assert!(spread(&[3.0, 1.0], &[0, 1], 1.2).stragglers.is_empty());
     }
 }
