@@ -126,15 +126,7 @@ fn r3_10_a_huge_document_is_tokenized_in_bounded_memory() {
     let doc: String = line.chars().cycle().take(n).collect();
     let input = tmp.path().join("big.txt");
     std::fs::write(&input, &doc).unwrap();
-    let child = bin()
-        .args(["preprocess", "--input"])
-        .arg(&input)
-        .args([
-            "--tokenizer",
-            "data/shakespeare/tokenizer.json",
-            "--output-prefix",
-        ])
-        .arg(tmp.path().join("big"))
+    let child = common::cli::preprocess(&input, &tmp.path().join("big"))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()

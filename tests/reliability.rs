@@ -517,17 +517,7 @@ fn steps_without_a_loss_target_are_skipped_and_have_no_loss() {
     let input = tmp.path().join("empty.jsonl");
     std::fs::write(&input, "{\"text\": \"\"}\n".repeat(3000)).unwrap();
     let prefix = tmp.path().join("eod");
-    let o = common::cli::bin()
-        .args(["preprocess", "--input"])
-        .arg(&input)
-        .args([
-            "--tokenizer",
-            "data/shakespeare/tokenizer.json",
-            "--output-prefix",
-        ])
-        .arg(&prefix)
-        .output()
-        .unwrap();
+    let o = common::cli::preprocess(&input, &prefix).output().unwrap();
     assert!(o.status.success(), "{}", common::cli::text(&o));
     let dir = tmp.path().join("run");
     let mut cmd = pretrain(

@@ -8,6 +8,17 @@ pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_pretrain"))
 }
 
+/// `pretrain preprocess` of `input` into `prefix` with the bundled tokenizer.
+pub fn preprocess(input: &Path, prefix: &Path) -> Command {
+    let mut cmd = bin();
+    cmd.args(["preprocess", "--input"])
+        .arg(input)
+        .args(["--tokenizer", "data/shakespeare/tokenizer.json"])
+        .arg("--output-prefix")
+        .arg(prefix);
+    cmd
+}
+
 /// The binary training the tiny recipe into `dir` with `--set {base},run.dir={dir},{set}`,
 /// logging at `info`.
 pub fn tiny(dir: &Path, base: &str, set: &str) -> Command {

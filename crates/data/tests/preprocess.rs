@@ -187,13 +187,18 @@ fn a_failed_preprocess_keeps_the_existing_dataset() {
         std::fs::read(idx_path(&prefix)).unwrap(),
     );
     assert!(before == after, "the earlier dataset was changed");
-    let left: Vec<String> = std::fs::read_dir(dir.path())
+    let left = temporary_files(dir.path());
+    assert!(left.is_empty(), "{left:?}");
+    IndexedDataset::open(&prefix).unwrap();
+}
+
+/// The temporary files (`*.tmp`) left in `dir`.
+fn temporary_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.ends_with(".tmp"))
-        .collect();
-    assert!(left.is_empty(), "{left:?}");
-    IndexedDataset::open(&prefix).unwrap();
+        .collect()
 }
 
 fn sigterm() -> Option<i32> {
@@ -217,11 +222,7 @@ fn a_stopped_preprocess_writes_nothing_and_keeps_the_existing_dataset() {
     let e = preprocess(&stopped).unwrap_err();
     assert!(matches!(e, DataError::Stopped { signal: 15 }), "{e}");
     assert_eq!(std::fs::read(bin_path(&prefix)).unwrap(), before);
-    let left: Vec<String> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".tmp"))
-        .collect();
+    let left = temporary_files(dir.path());
     assert!(left.is_empty(), "{left:?}");
 }
 
