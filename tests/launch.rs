@@ -335,7 +335,7 @@ fn a_node_rank_given_twice_is_refused() {
     );
 }
 
-/// `--nproc-per-node` inside a torchrun rank (`RANK`, `WORLD_SIZE` set) starts nothing.
+/// `--nproc-per-node` inside a torchrun rank starts nothing.
 #[test]
 fn a_torchrun_rank_starts_no_job_of_its_own() {
     let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
@@ -343,12 +343,13 @@ fn a_torchrun_rank_starts_no_job_of_its_own() {
         .args(["--set", "parallel.dp=2"])
         .env("RANK", "0")
         .env("WORLD_SIZE", "2")
+        .env("TORCHELASTIC_RUN_ID", "none")
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("already is a rank of a job (RANK=0, WORLD_SIZE=2 set"),
+        err.contains("already is a rank of a launched job (TORCHELASTIC_RUN_ID=none set"),
         "{err}"
     );
 }

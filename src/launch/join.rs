@@ -223,14 +223,14 @@ fn check_in(
     // `ID who`: the id tells launchers apart, the rest is for the message.
     let mine = format!("{} {}", me.id, me.by);
     let holder = store.claim(&seat.0, mine.as_bytes())?;
-    if holder != mine.as_bytes() {
+    let holder = String::from_utf8_lossy(&holder);
+    let (id, who) = holder.split_once(' ').unwrap_or((&holder, &holder));
+    if id != me.id {
         // The job that seat belongs to is left alone: only this launcher's ranks stop.
-        let holder = String::from_utf8_lossy(&holder);
         bail!(
-            "{} is taken by another launcher: {}; {} gives up (each node needs its own \
+            "{} is taken by another launcher: {who}; {} gives up (each node needs its own \
              --node-rank)",
             seat.1,
-            holder.split_once(' ').map_or(&*holder, |h| h.1),
             me.by
         );
     }

@@ -75,19 +75,20 @@ pub fn is_peer_failure(e: &anyhow::Error) -> bool {
         || e.chain().any(|c| c.is::<Refused>())
 }
 
-/// Refuses `--nproc-per-node` in a process that already is one rank of a job (`RANK` or
-/// `WORLD_SIZE` set, as torchrun sets them): it would start a second job of its own. Slurm's
-/// variables are no such sign (`srun` starting one launcher per node is the usual way).
+/// Refuses `--nproc-per-node` in a process that already is one rank of a job started by
+/// torchrun (its own `TORCHELASTIC_RUN_ID`, `GROUP_RANK`) or by our launcher
+/// (`PRETRAIN_LAUNCHED`): it would start a second job of its own. `RANK`/`WORLD_SIZE` alone are
+/// no such sign (batch scripts export them before `srun pretrain --nproc-per-node`; the ranks
+/// get their own), nor are Slurm's variables.
 pub fn check_not_nested(get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
-    let set: Vec<String> = ["RANK", "WORLD_SIZE"]
+    let set: Vec<String> = ["TORCHELASTIC_RUN_ID", "GROUP_RANK", "PRETRAIN_LAUNCHED"]
         .into_iter()
         .filter_map(|k| get(k).map(|v| format!("{k}={v}")))
         .collect();
     if !set.is_empty() {
         bail!(
             "--nproc-per-node starts this node's ranks, but this process already is a rank of a \
-             job ({} set, as torchrun sets them): under torchrun drop --nproc-per-node; else \
-             unset RANK and WORLD_SIZE",
+             launched job ({} set): under torchrun drop --nproc-per-node",
             set.join(", ")
         );
     }
@@ -379,11 +380,21 @@ mod tests {
 
     #[test]
     fn a_rank_of_another_launcher_starts_no_job_of_its_own() {
-        let torchrun = |k: &str| matches!(k, "RANK" | "WORLD_SIZE").then(|| "1".to_string());
+        let torchrun = |k: &str| {
+            matches!(
+                k,
+                "RANK" | "WORLD_SIZE" | "GROUP_RANK" | "TORCHELASTIC_RUN_ID"
+            )
+            .then(|| "1".to_string())
+        };
         let e = check_not_nested(&torchrun).unwrap_err().to_string();
-        assert!(e.contains("RANK=1, WORLD_SIZE=1 set"), "{e}");
-        let slurm = |k: &str| (k == "SLURM_PROCID").then(|| "1".to_string());
-        check_not_nested(&slurm).unwrap();
+        assert!(e.contains("TORCHELASTIC_RUN_ID=1, GROUP_RANK=1 set"), "{e}");
+        let ours = |k: &str| (k == "PRETRAIN_LAUNCHED").then(|| "1".to_string());
+        check_not_nested(&ours).unwrap_err();
+        // A batch script's exports and Slurm's own variables start nothing nested.
+        let exported =
+            |k: &str| matches!(k, "RANK" | "WORLD_SIZE" | "SLURM_PROCID").then(|| "0".to_string());
+        check_not_nested(&exported).unwrap();
         check_not_nested(&|_| None).unwrap();
     }
 

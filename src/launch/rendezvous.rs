@@ -7,8 +7,7 @@
 //! round (its ranks save a checkpoint at the end of a step) so the job grows to take it.
 //!
 //! Keys: `plan/R` (the plan of round R, JSON), `latest` (the newest planned round),
-//! `r/R/seat/N` (who registered node N for round R: the first launcher to claim it; another is
-//! refused), `r/R/count` and `r/R/node/K` (the K-th launcher registered for round R and its slots),
+//! `r/R/count` and `r/R/node/K` (the K-th launcher registered for round R and its slots),
 //! `r/R/report/N` (how node N's round R ended, JSON), `r/R/stop` (node 0 asks round R to stop),
 //! `beat/N` (node N's heartbeat counter: a launcher whose counter stands still for
 //! [`HEARTBEAT_TIMEOUT`] is gone, with its node).
@@ -106,9 +105,6 @@ pub struct Agents {
     _server: Option<StoreServer>,
     /// This launcher's node.
     pub node: usize,
-    /// `ID node N at HOST (launcher pid P)`: this launcher, as its seats hold it (the random
-    /// id tells launchers apart, the rest is for messages).
-    by: String,
     beats: i64,
     last_beat: Instant,
 }
@@ -124,16 +120,10 @@ impl Agents {
     ) -> Result<Self> {
         let store = Store::connect(addr, token, RENDEZVOUS_TIMEOUT)
             .with_context(|| format!("node {node}: joining the launchers' store at {addr}"))?;
-        let host = store.local_addr()?.ip();
         let mut a = Self {
             store,
             _server: server,
             node,
-            by: format!(
-                "{} node {node} at {host} (launcher pid {})",
-                super::random_token(),
-                std::process::id()
-            ),
             beats: 0,
             last_beat: Instant::now(),
         };
@@ -172,20 +162,8 @@ impl Agents {
         })
     }
 
-    /// Registers this node for round `r` with `slots` ranks; refused when another launcher
-    /// registered the same node first.
+    /// Registers this node for round `r` with `slots` ranks.
     pub fn register(&mut self, r: u64, slots: usize) -> Result<()> {
-        let seat = format!("r/{r}/seat/{}", self.node);
-        let holder = self.store.claim(&seat, self.by.as_bytes())?;
-        if holder != self.by.as_bytes() {
-            bail!(
-                "--node-rank {} is taken by another launcher: {}; {} gives up (each node needs \
-                 its own --node-rank)",
-                self.node,
-                who(&holder),
-                who(self.by.as_bytes())
-            );
-        }
         let k = self.store.add(&format!("r/{r}/count"), 1)? - 1;
         let me = (self.node, slots);
         self.set_json(&format!("r/{r}/node/{k}"), &me)
@@ -258,12 +236,6 @@ impl Agents {
     pub fn beats_of(&mut self, node: usize) -> Result<i64> {
         Ok(self.store.add(&format!("beat/{node}"), 0)?)
     }
-}
-
-/// The launcher a seat names, without its id.
-fn who(seat: &[u8]) -> String {
-    let s = String::from_utf8_lossy(seat);
-    s.split_once(' ').map_or(&*s, |w| w.1).to_string()
 }
 
 /// Watches heartbeats: which nodes still beat.
@@ -359,20 +331,5 @@ mod tests {
         let mut live = Liveness::default();
         assert!(live.alive(&mut zero, 1).unwrap());
         assert!(!live.alive(&mut zero, 5).unwrap(), "never beat");
-    }
-
-    #[test]
-    fn a_second_launcher_of_a_node_is_refused() {
-        let server = StoreServer::start("127.0.0.1:0", "t", Duration::from_secs(5)).unwrap();
-        let addr = server.addr().to_string();
-        let mut one = Agents::connect(1, None, &addr, "t").unwrap();
-        let mut again = Agents::connect(1, None, &addr, "t").unwrap();
-        one.register(0, 2).unwrap();
-        let e = again.register(0, 2).unwrap_err().to_string();
-        assert!(
-            e.contains("--node-rank 1 is taken by another launcher: node 1 at 127.0.0.1"),
-            "{e}"
-        );
-        assert_eq!(one.registered(0).unwrap(), [(1, 2)]);
     }
 }

@@ -24,7 +24,10 @@ pub fn dir(recipe: &Recipe) -> PathBuf {
 
 /// Rank `rank`'s recorder: in [`dir`] when the run writes outputs, else in memory. A rank
 /// process keeps its last [`SLOTS`] operations (512 KiB); the thread ranks of one process keep
-/// at most about 32 MiB together (64 operations each at the least).
+/// at most about 32 MiB together (64 operations each at the least). A record file another
+/// process holds (a second run on the same `run.dir`, which rank 0's run lock refuses, or a
+/// lock a dead node left on a network file system) is left alone: the rank records in memory
+/// and says so.
 pub fn recorder(
     recipe: &Recipe,
     rank: usize,
@@ -39,12 +42,19 @@ pub fn recorder(
     };
     Ok(Arc::new(if write_outputs {
         let d = dir(recipe);
-        FlightRecorder::in_dir(&d, slots, rank, world).with_context(|| {
-            format!(
-                "creating the flight record of rank {rank} in {}",
-                d.display()
-            )
-        })?
+        match FlightRecorder::in_dir(&d, slots, rank, world) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+                tracing::warn!("rank {rank}: {e}; its flight record is kept in memory");
+                FlightRecorder::in_memory(slots, rank, world)
+            }
+            Err(e) => {
+                return Err(anyhow::Error::from(e).context(format!(
+                    "creating the flight record of rank {rank} in {}",
+                    d.display()
+                )))
+            }
+        }
     } else {
         FlightRecorder::in_memory(slots, rank, world)
     }))
