@@ -419,6 +419,27 @@ mod tests {
     }
 
     #[test]
+    fn impossible_peaks_and_trace_steps_are_refused() {
+        let refused = |set: &str| {
+            let e = crate::recipe::load(Path::new("recipes/tiny.yaml"), &[set.to_string()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(set.split('=').next().unwrap()), "{e}");
+        };
+        for bad in [
+            "run.peak_tflops=0",
+            "run.peak_tflops=-5",
+            "run.peak_tflops=.inf",
+        ] {
+            refused(bad);
+        }
+        refused("run.trace_step=0");
+        refused("run.trace_step=201");
+        let ok = "run.peak_tflops=989,run.trace_step=200";
+        crate::recipe::load(Path::new("recipes/tiny.yaml"), &[ok.to_string()]).unwrap();
+    }
+
+    #[test]
     fn moe_recompute_in_a_dense_model_is_said() {
         let set = "train.recompute=selective,train.recompute_modules=[moe_act]";
         assert!(warnings(set)
