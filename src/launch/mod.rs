@@ -155,7 +155,8 @@ pub fn spawn_node(
         None => free_port()?,
     };
     // The store runs on node 0: a port already taken there fails now, naming the flag, instead
-    // of rank 0 failing while the other ranks wait out their timeout.
+    // of rank 0 failing while the other ranks wait out their timeout. (Another node's rank
+    // that connects to this instant's listener is reset and retries, see `Store::connect`.)
     if node_rank == 0 {
         let bind = store_bind(&addr, port);
         if let Err(e) = std::net::TcpListener::bind(&bind) {

@@ -69,6 +69,9 @@ pub fn job_token(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> Re
 /// The address rank 0's store listens on: the interface `master_addr` names when it is one of
 /// this host's (loopback for a single-node job on 127.0.0.1), every interface only when it is
 /// not (e.g. a name that resolves differently inside a container).
+///
+/// The interface is probed on a free port, never on `port` itself: a listener there, even for an
+/// instant, would take in ranks already retrying their connect and reset them when it closes.
 pub(super) fn store_bind(master_addr: &str, port: u16) -> String {
     let ip = (master_addr, port)
         .to_socket_addrs()
@@ -77,7 +80,7 @@ pub(super) fn store_bind(master_addr: &str, port: u16) -> String {
     match ip {
         // An address of another host (not bindable here) is served on every interface; one of
         // this host's is kept even when its port is taken, so the error names it.
-        Some(a) => match std::net::TcpListener::bind(a) {
+        Some(a) => match std::net::TcpListener::bind((a.ip(), 0)) {
             Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
                 format!("0.0.0.0:{port}")
             }
@@ -142,5 +145,47 @@ mod tests {
         assert_eq!(store_bind("localhost", 0), "127.0.0.1:0");
         // An address that is not this host's: every interface.
         assert_eq!(store_bind("192.0.2.1", 0), "0.0.0.0:0");
+    }
+
+    #[test]
+    fn probing_the_interface_leaves_the_store_port_alone() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::{Duration, Instant};
+        // A rank retrying its connect while rank 0 works out where to listen must be refused
+        // until the store listens, never taken in by a probe's listener that then closes (it
+        // would see its greeting reset). Probing the port itself let about 3 connects a second in.
+        let port = {
+            let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            free.local_addr().unwrap().port()
+        };
+        let (stop, started) = (AtomicBool::new(false), AtomicBool::new(false));
+        let taken_in = std::thread::scope(|s| {
+            let client = s.spawn(|| {
+                let target = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                let mut taken_in = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    started.store(true, Ordering::SeqCst);
+                    let c =
+                        std::net::TcpStream::connect_timeout(&target, Duration::from_millis(50));
+                    // A connect given the target port as its own connects to itself.
+                    let own = |c: &std::net::TcpStream| c.local_addr().ok() == c.peer_addr().ok();
+                    taken_in += c.is_ok_and(|c| !own(&c)) as usize;
+                }
+                taken_in
+            });
+            while !started.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(1) {
+                assert_eq!(store_bind("127.0.0.1", port), format!("127.0.0.1:{port}"));
+            }
+            stop.store(true, Ordering::SeqCst);
+            client.join().unwrap()
+        });
+        assert_eq!(
+            taken_in, 0,
+            "connects to port {port} taken in while probing"
+        );
     }
 }

@@ -178,6 +178,10 @@ fn serve(
         Ok(t) if t == token => {}
         _ => {
             let _ = write_frame(&mut s, b"Ewrong job token");
+            // Closing with the greeting's rest unread would reset the connection, and the
+            // client could lose the answer; read (a bounded amount of) it first.
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            let _ = std::io::copy(&mut (&mut s).take(MAX_FRAME as u64), &mut std::io::sink());
             return;
         }
     }
@@ -260,6 +264,9 @@ pub struct Store {
 
 impl Store {
     /// Connects to `addr`, retrying until `timeout` (rank 0 may start later), and presents `token`.
+    /// A connection lost before the store answers the greeting (a listener closing, a socket
+    /// given the store's port as its own and so connected to itself) is retried too; a refusal
+    /// (the wrong token) is not.
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<Self, StoreError> {
         let io = |op: &str, e: &dyn std::fmt::Display| StoreError::Io {
             addr: addr.into(),
@@ -277,35 +284,46 @@ impl Store {
         if targets.is_empty() {
             return Err(io("resolve", &"no address"));
         }
+        let gave_up = |e: &dyn std::fmt::Display| {
+            format!("{e} (gave up after {:.1}s)", timeout.as_secs_f64())
+        };
         let mut attempt = 0usize;
-        let stream = loop {
+        loop {
             let target = targets[attempt % targets.len()];
             attempt += 1;
-            match TcpStream::connect_timeout(&target, Duration::from_millis(500)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(io(
-                        "connect",
-                        &format!("{e} (gave up after {:.1}s)", timeout.as_secs_f64()),
-                    ))
+            let stream = match TcpStream::connect_timeout(&target, Duration::from_millis(500)) {
+                Ok(s) if s.local_addr().ok() != s.peer_addr().ok() => s,
+                Ok(_) => {
+                    std::thread::sleep(Duration::from_millis(100)); // connected to itself
+                    continue;
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                Err(e) if Instant::now() >= deadline => return Err(io("connect", &gave_up(&e))),
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            // Server-side waits are bounded by the server's timeout; allow for it plus slack.
+            stream
+                .set_read_timeout(Some(timeout + Duration::from_secs(5)))
+                .map_err(|e| io("configure", &e))?;
+            stream
+                .set_write_timeout(Some(timeout))
+                .map_err(|e| io("configure", &e))?;
+            stream.set_nodelay(true).map_err(|e| io("configure", &e))?;
+            let mut store = Self {
+                stream,
+                addr: addr.to_string(),
+            };
+            match store.call("hello", token.as_bytes()) {
+                Ok(_) => return Ok(store),
+                Err(StoreError::Io { message, .. }) if Instant::now() >= deadline => {
+                    return Err(io("hello", &gave_up(&message)))
+                }
+                Err(StoreError::Io { .. }) => std::thread::sleep(Duration::from_millis(100)),
+                Err(refused) => return Err(refused),
             }
-        };
-        // Server-side waits are bounded by the server's timeout; allow for it plus slack.
-        stream
-            .set_read_timeout(Some(timeout + Duration::from_secs(5)))
-            .map_err(|e| io("configure", &e))?;
-        stream
-            .set_write_timeout(Some(timeout))
-            .map_err(|e| io("configure", &e))?;
-        stream.set_nodelay(true).map_err(|e| io("configure", &e))?;
-        let mut store = Self {
-            stream,
-            addr: addr.to_string(),
-        };
-        store.call("hello", token.as_bytes())?;
-        Ok(store)
+        }
     }
 
     fn call(&mut self, op: &str, frame: &[u8]) -> Result<Vec<u8>, StoreError> {

@@ -52,6 +52,16 @@ fn errors_are_clear_and_bounded() {
         .unwrap()
         .to_string();
     assert!(e.contains("wrong job token") && e.contains(&addr), "{e}");
+    // A token longer than the job's is refused before its end is read; the answer still
+    // arrives (the server reads the rest before closing instead of resetting the connection).
+    let long = "x".repeat(64 << 10);
+    let start = Instant::now();
+    let e = Store::connect(&addr, &long, Duration::from_secs(5))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("wrong job token"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(3));
 
     let mut st = Store::connect(&addr, TOKEN, Duration::from_secs(5)).unwrap();
     let start = Instant::now();
@@ -73,6 +83,26 @@ fn errors_are_clear_and_bounded() {
         .to_string();
     assert!(e.contains("connect") && e.contains(&addr), "{e}");
     assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+/// A connection closed before the greeting is answered (another listener briefly on the port,
+/// a server going away) is retried until the store answers, within the connect timeout.
+#[test]
+fn a_connection_lost_before_the_greeting_is_retried() {
+    let early = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = early.local_addr().unwrap().to_string();
+    let client = {
+        let addr = addr.clone();
+        std::thread::spawn(move || Store::connect(&addr, TOKEN, Duration::from_secs(10)))
+    };
+    // Take the client's first connection in and close it unanswered, then serve the store.
+    let (taken, _) = early.accept().unwrap();
+    drop((taken, early));
+    let server = StoreServer::start(&addr, TOKEN, Duration::from_secs(10)).unwrap();
+    let mut st = client.join().unwrap().unwrap();
+    st.set("k", b"v").unwrap();
+    assert_eq!(st.get("k").unwrap(), b"v");
+    drop(server);
 }
 
 /// Child side of `processes_rendezvous_on_loopback` (runs only inside a spawned child).
