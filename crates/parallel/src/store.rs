@@ -256,6 +256,16 @@ fn handle(req: &[u8], shared: &Shared, timeout: Duration) -> Vec<u8> {
     }
 }
 
+/// Whether `e` is a connection closed under us (reset, aborted, ended early), as opposed to a
+/// peer that answered something else or did not answer in time.
+fn lost(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionReset | ConnectionAborted | UnexpectedEof | BrokenPipe
+    )
+}
+
 /// A connection to the store.
 pub struct Store {
     stream: TcpStream,
@@ -315,41 +325,44 @@ impl Store {
                 stream,
                 addr: addr.to_string(),
             };
-            match store.call("hello", token.as_bytes()) {
-                Ok(_) => return Ok(store),
-                Err(StoreError::Io { message, .. }) if Instant::now() >= deadline => {
-                    return Err(io("hello", &gave_up(&message)))
+            match store.exchange(token.as_bytes()) {
+                Ok(reply) => return store.answer("hello", &reply).map(|_| store),
+                // Lost before an answer: a listener closing, not a store that refused.
+                Err(e) if lost(&e) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100))
                 }
-                Err(StoreError::Io { .. }) => std::thread::sleep(Duration::from_millis(100)),
-                Err(refused) => return Err(refused),
+                Err(e) if lost(&e) => return Err(io("hello", &gave_up(&e))),
+                Err(e) => return Err(io("hello", &e)),
             }
         }
     }
 
     fn call(&mut self, op: &str, frame: &[u8]) -> Result<Vec<u8>, StoreError> {
-        let io = |e: std::io::Error| StoreError::Io {
-            addr: self.addr.clone(),
-            op: op.into(),
-            message: e.to_string(),
-        };
-        write_frame(&mut self.stream, frame).map_err(io)?;
-        let reply = read_frame(&mut self.stream).map_err(|e| StoreError::Io {
+        let reply = self.exchange(frame).map_err(|e| StoreError::Io {
             addr: self.addr.clone(),
             op: op.into(),
             message: e.to_string(),
         })?;
+        self.answer(op, &reply)
+    }
+
+    /// Sends one frame and reads the reply's.
+    fn exchange(&mut self, frame: &[u8]) -> std::io::Result<Vec<u8>> {
+        write_frame(&mut self.stream, frame)?;
+        read_frame(&mut self.stream)
+    }
+
+    /// The payload of an `O` reply, or the store's error.
+    fn answer(&self, op: &str, reply: &[u8]) -> Result<Vec<u8>, StoreError> {
+        let refused = |message: String| StoreError::Refused {
+            addr: self.addr.clone(),
+            op: op.into(),
+            message,
+        };
         match reply.split_first() {
             Some((b'O', rest)) => Ok(rest.to_vec()),
-            Some((_, msg)) => Err(StoreError::Refused {
-                addr: self.addr.clone(),
-                op: op.into(),
-                message: String::from_utf8_lossy(msg).into(),
-            }),
-            None => Err(StoreError::Refused {
-                addr: self.addr.clone(),
-                op: op.into(),
-                message: "empty reply".into(),
-            }),
+            Some((_, msg)) => Err(refused(String::from_utf8_lossy(msg).into())),
+            None => Err(refused("empty reply".into())),
         }
     }
 

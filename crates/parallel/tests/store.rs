@@ -103,6 +103,26 @@ fn a_connection_lost_before_the_greeting_is_retried() {
     st.set("k", b"v").unwrap();
     assert_eq!(st.get("k").unwrap(), b"v");
     drop(server);
+
+    // Another service on the port answers something else: that fails at once, not after the
+    // timeout.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = other.local_addr().unwrap().to_string();
+    let service = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut c, _) = other.accept().unwrap();
+        let _ = c.read(&mut [0u8; 64]);
+        let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        std::thread::sleep(Duration::from_secs(1));
+    });
+    let start = Instant::now();
+    let e = Store::connect(&addr, TOKEN, Duration::from_secs(30))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("hello") && e.contains("exceeds"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(10));
+    service.join().unwrap();
 }
 
 /// Child side of `processes_rendezvous_on_loopback` (runs only inside a spawned child).
