@@ -37,7 +37,7 @@ pub struct RecipeArgs {
     /// Recipe YAML file.
     #[arg(long)]
     pub recipe: PathBuf,
-    /// Override recipe keys: `--set train.lr=3e-4` or `--set parallel.tp=2,parallel.dp=2`; repeatable.
+    /// Override recipe keys: `--set optimizer.lr=3e-4` or `--set parallel.tp=2,parallel.dp=2`; repeatable.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
 }
@@ -130,7 +130,7 @@ pub enum Command {
         #[arg(long, default_value_t = crate::hf::DEFAULT_MAX_SHARD_BYTES)]
         max_shard_size: u64,
         /// Replace an earlier export in a non-empty output directory (its weight, config and
-        /// tokenizer files are removed first).
+        /// tokenizer files give way once the new export has passed the parity gate).
         #[arg(long)]
         overwrite: bool,
     },

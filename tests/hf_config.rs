@@ -285,10 +285,40 @@ fn bad_shard_layouts_and_non_finite_weights_are_refused_by_name() {
         e.contains("model.layers.1.mlp.up_proj.weight") && e.contains("non-finite"),
         "{e}"
     );
-    assert_eq!(
-        std::fs::read_dir(&out).unwrap().count(),
-        0,
-        "nothing left in {}",
-        out.display()
+    assert!(!out.exists(), "nothing left: {}", out.display());
+
+    // Over a good export with --overwrite, a failed one leaves the good one as it was.
+    let good = tmp.path().join("hf-good");
+    pretrain::hf::export(&step, &good, &ExportOptions::default()).unwrap();
+    let files = |d: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut v: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let name = e.file_name().to_string_lossy().into_owned();
+                (name, std::fs::read(e.path()).unwrap())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = files(&good);
+    let over = ExportOptions {
+        overwrite: true,
+        ..Default::default()
+    };
+    let e = format!(
+        "{:#}",
+        pretrain::hf::export(&poisoned, &good, &over).unwrap_err()
     );
+    assert!(e.contains("non-finite"), "{e}");
+    assert!(files(&good) == before, "the earlier export is kept whole");
+
+    // A checkpoint's own directory is never an export's (its tokenizer copy is checksummed).
+    let e = format!(
+        "{:#}",
+        pretrain::hf::export(&step, &step, &over).unwrap_err()
+    );
+    assert!(e.contains("is a checkpoint"), "{e}");
+    Checkpoint::open(&step).unwrap();
 }

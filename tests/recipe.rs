@@ -425,7 +425,7 @@ fn the_nonfinite_policy_is_checked() {
     assert_eq!(r.train.on_nonfinite, pretrain::recipe::OnNonFinite::Skip);
     assert_eq!(r.train.spike_factor, Some(3.0));
     assert_err(
-        &["checkpoint.accept_changes=[model]"],
+        &["checkpoint.accept_changes=[layout]"],
         "checkpoint.accept_changes",
     );
 }

@@ -78,6 +78,25 @@ fn losses(dir: &Path) -> BTreeMap<u64, f64> {
     out
 }
 
+/// A signal that arrives while the run validates stops it after the validation, not after the
+/// next step and its validation: a scheduler's grace period covers at most one validation.
+#[test]
+fn sigterm_during_a_validation_stops_after_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let set = "train.steps=6,train.eval_interval=1,train.eval_batches=200,checkpoint.interval=0";
+    let mut child = start_until(pretrain(&run, set), "step=1/");
+    signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+    let saved: Vec<_> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(saved, ["step-00000001"], "saved after step 1's validation");
+}
+
 fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
     let ck = Checkpoint::open(step_dir).unwrap();
     ck.tensors()
@@ -431,6 +450,49 @@ fn resume_refuses_other_seeds_data_and_bad_newest_checkpoints() {
     let o = resume("train.seed=7,checkpoint.accept_changes=[seed]");
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(losses(&dir).len(), 6);
+
+    // A tokenizer file of other contents (here under another path, its data: change accepted)
+    // is refused unless accepted; a byte-identical copy is not a change.
+    let tok = std::fs::read("data/shakespeare/tokenizer.json").unwrap();
+    let (same, other) = (tmp.path().join("same.json"), tmp.path().join("other.json"));
+    std::fs::write(&same, &tok).unwrap();
+    std::fs::write(&other, [tok.as_slice(), b"\n"].concat()).unwrap();
+    let more = "train.steps=7,train.seed=7";
+    let tokenizer = |path: &Path, accept: &str| {
+        resume(&format!(
+            "{more},data.tokenizer={},checkpoint.accept_changes=[{accept}]",
+            path.display()
+        ))
+    };
+    let e = stderr(&tokenizer(&other, "data"));
+    assert!(
+        e.contains("differs from the checkpoint's copy") && e.contains("[tokenizer]"),
+        "{e}"
+    );
+    // Model settings that keep every shape: named and refused unless accepted; changes of
+    // the optimizer's other settings are said.
+    let e = stderr(&resume(&format!("{more},model.rope_theta=20000")));
+    assert!(
+        e.contains("model.rope_theta: checkpoint 10000") && e.contains("[model]"),
+        "{e}"
+    );
+    let o = resume(&format!(
+        "{more},model.rope_theta=20000,optimizer.beta2=0.99,\
+         checkpoint.accept_changes=[model]"
+    ));
+    let log = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{log}");
+    assert!(
+        log.contains("resume: optimizer.beta2 changed from"),
+        "{log}"
+    );
+    assert!(
+        log.contains("model.rope_theta") && log.contains("(accepted)"),
+        "{log}"
+    );
+    let o = tokenizer(&same, "data,model");
+    let log = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && !log.contains("differs"), "{log}");
 }
 
 /// Rewrites the first master value of a checkpoint's shard as NaN and fixes the manifest's size

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use ckpt::stream::{write_streaming, TensorSpec};
 use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
@@ -19,6 +19,7 @@ use crate::recipe::{load_stored, Dtype, Recipe};
 use crate::train::checkpoint::tensor_block;
 
 pub mod config;
+pub mod output;
 mod rope;
 pub mod weights;
 
@@ -84,7 +85,7 @@ pub struct ExportOptions {
     pub dtype: Option<Dtype>,
     /// Largest weight file in bytes before sharding.
     pub max_shard_bytes: u64,
-    /// Replace an earlier export in the output directory (its files are removed first).
+    /// Replace an earlier export in the output directory (once the new one has passed).
     pub overwrite: bool,
 }
 
@@ -98,83 +99,28 @@ impl Default for ExportOptions {
     }
 }
 
-/// Files an export writes (weights match [`is_weight_file`]).
-const EXPORT_FILES: [&str; 5] = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    weights::INDEX,
-];
-
-fn is_weight_file(name: &str) -> bool {
-    name == weights::SINGLE || (name.starts_with("model-") && name.ends_with(".safetensors"))
-}
-
-/// Creates `out`, or empties an earlier export there when `overwrite`; refuses a non-empty
-/// directory otherwise, so that no stale shard or index survives next to the new files.
-fn prepare_output(out: &Path, overwrite: bool) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut entries: Vec<String> = std::fs::read_dir(out)
-        .with_context(|| format!("listing {}", out.display()))?
-        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
-        .collect::<std::io::Result<_>>()?;
-    entries.sort();
-    if entries.is_empty() {
-        return Ok(());
-    }
-    if !overwrite {
-        bail!(
-            "{} is not empty ({} entries: {}); pass --overwrite to replace an earlier export",
-            out.display(),
-            entries.len(),
-            entries
-                .iter()
-                .take(4)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-    }
-    remove_export(out, &entries)
-}
-
-fn remove_export(out: &Path, entries: &[String]) -> Result<()> {
-    for e in entries {
-        if EXPORT_FILES.contains(&e.as_str()) || is_weight_file(e) {
-            let p = out.join(e);
-            std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
-        }
-    }
-    Ok(())
-}
-
-/// Exports the checkpoint `dir` to `out`. On any failure, the parity gate's included, the files
-/// written so far are removed: a directory never holds an export that did not pass.
+/// Exports the checkpoint `dir` to `out`, staged ([`output`]): on any failure, the parity gate's
+/// included, `out` keeps what it held, an earlier export too; it never holds an export that did
+/// not pass.
 pub fn export(dir: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportSummary> {
     let ck = Checkpoint::open(dir)?;
     let recipe = checkpoint_recipe(&ck, &[])?;
     let (c, dtype) = (&recipe.model, opts.dtype.unwrap_or(recipe.train.dtype));
-    prepare_output(out, opts.overwrite)?;
-    let written = write_export(&ck, c, out, dtype, opts.max_shard_bytes)
-        .and_then(|(files, bytes)| Ok((parity_gate(&ck, c, out, dtype)?, files, bytes)));
+    let output = output::Output::prepare(out, opts.overwrite)?;
+    let stage = output.staging();
+    let written = write_export(&ck, c, stage, dtype, opts.max_shard_bytes)
+        .and_then(|(files, bytes)| Ok((parity_gate(&ck, c, stage, dtype)?, files, bytes)));
     match written {
-        Ok((parity, files, bytes)) => Ok(ExportSummary {
-            files,
-            bytes,
-            parity,
-        }),
+        Ok((parity, files, bytes)) => {
+            output.commit()?;
+            Ok(ExportSummary {
+                files,
+                bytes,
+                parity,
+            })
+        }
         Err(e) => {
-            let entries: Vec<String> = std::fs::read_dir(out)
-                .map(|d| {
-                    d.filter_map(|e| e.ok())
-                        .map(|e| e.file_name().to_string_lossy().into_owned())
-                        .collect()
-                })
-                .unwrap_or_default();
-            if let Err(c) = remove_export(out, &entries) {
-                tracing::warn!("cleaning up after a failed export: {c:#}");
-            }
+            output.abandon();
             Err(e.context(format!("exporting to {}", out.display())))
         }
     }

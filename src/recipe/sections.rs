@@ -414,9 +414,12 @@ pub struct CheckpointConfig {
     /// background thread while training goes on (at most one save in flight).
     #[serde(default, rename = "async")]
     pub async_save: bool,
-    /// What a resume may change from the checkpoint's recipe: `seed` (the data order from there
-    /// on), `data` (datasets, blend weights, split), `optimizer` (`optimizer.name`) and
-    /// `seq_len` (`train.seq_len`). Anything else is refused.
+    /// What a resume may change from the checkpoint's recipe that it otherwise refuses: `seed`
+    /// (the data order from there on), `data` (the `data:` section: datasets, blend weights,
+    /// split), `optimizer` (`optimizer.name`), `seq_len` (`train.seq_len`), `tokenizer` (the
+    /// tokenizer file's contents) and `model` (settings that keep every tensor's shape). A
+    /// model of other shapes is always refused; other changes of `train`, `optimizer` and
+    /// `schedule` are said in the log.
     #[serde(default)]
     pub accept_changes: Vec<ResumeChange>,
 }
@@ -435,6 +438,11 @@ pub enum ResumeChange {
     /// context-length extension, say).
     #[serde(rename = "seq_len")]
     SeqLen,
+    /// `data.tokenizer`'s contents (the token ids would stand for other text).
+    Tokenizer,
+    /// Model settings that keep every tensor's shape (`rope_theta`, `max_position_embeddings`,
+    /// `initializer_range`, router coefficients, ...).
+    Model,
 }
 
 fn default_keep() -> usize {

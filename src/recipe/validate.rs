@@ -240,6 +240,14 @@ impl Recipe {
                 t.steps, t.global_batch
             ));
         }
+        let eval_samples = (t.eval_batches as u128) * (t.global_batch as u128);
+        if eval_samples > MAX_SAMPLES as u128 {
+            p.push(format!(
+                "train.eval_batches × train.global_batch ({} × {} = {eval_samples}) exceeds the \
+                 {MAX_SAMPLES} samples a validation may draw",
+                t.eval_batches, t.global_batch
+            ));
+        }
         let tokens = (t.global_batch as u128) * (t.seq_len as u128);
         if tokens > MAX_TOKENS_PER_STEP as u128 {
             p.push(format!(
@@ -435,6 +443,7 @@ mod tests {
         }
         refused("run.trace_step=0");
         refused("run.trace_step=201");
+        refused("train.eval_batches=18446744073709551615");
         let ok = "run.peak_tflops=989,run.trace_step=200";
         crate::recipe::load(Path::new("recipes/tiny.yaml"), &[ok.to_string()]).unwrap();
     }

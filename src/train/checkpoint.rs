@@ -16,7 +16,6 @@ use tracing::info;
 use super::saver::SaveJob;
 use super::Trainer;
 use crate::optim::{AdamWState, MuonState};
-use crate::recipe::ResumeChange;
 
 /// The block of its tensor that parameter `p` holds on this rank, in checkpoint terms.
 pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
@@ -84,9 +83,15 @@ impl Trainer {
             self.saving = Some(job.spawn()?);
             return Ok(dir);
         }
-        job.write_share()?;
-        self.ctx.comm.barrier(&world)?;
-        job.finalize()?;
+        let main = self.ctx.is_main();
+        let written = job.write_share().and_then(|()| {
+            self.ctx.comm.barrier(&world)?;
+            job.finalize()
+        });
+        if written.is_err() && main {
+            super::saver::abandon(&self.checkpoint_root(), step);
+        }
+        written?;
         self.ctx.comm.barrier(&world)?;
         Ok(dir)
     }
@@ -212,125 +217,12 @@ impl Trainer {
         })
     }
 
-    /// Refuses a resume whose recipe changed the seed or the data from the checkpoint's (unless
-    /// `checkpoint.accept_changes` lists them), or that has nothing left to train.
-    fn check_resume_changes(&self, dir: &Path, m: &Manifest) -> Result<()> {
-        let (t, accept) = (&self.recipe.train, &self.recipe.checkpoint.accept_changes);
-        if m.seed != t.seed && !accept.contains(&ResumeChange::Seed) {
-            bail!(
-                "{}: the checkpoint was trained with train.seed {}, the recipe has {}: the data \
-                 order would change from here on. Use the same seed, or accept the change with \
-                 checkpoint.accept_changes: [seed]",
-                dir.display(),
-                m.seed,
-                t.seed
-            );
-        }
-        let stored: serde_yaml::Value = serde_yaml::from_str(&m.recipe)
-            .with_context(|| format!("{}: recipe of the manifest", dir.display()))?;
-        if let Some(data) = stored.get("data") {
-            let ours = serde_yaml::to_value(&self.recipe.data)?;
-            if *data != ours && !accept.contains(&ResumeChange::Data) {
-                bail!(
-                    "{}: the checkpoint was trained on other data (its data: section is {}; the \
-                     recipe's is {}). Restore it, or accept the change with \
-                     checkpoint.accept_changes: [data]",
-                    dir.display(),
-                    serde_json::to_string(data)?,
-                    serde_json::to_string(&ours)?
-                );
-            }
-        }
-        let stored_seq = stored
-            .get("train")
-            .and_then(|t| t.get("seq_len"))
-            .and_then(|s| s.as_u64());
-        if let Some(was) = stored_seq.filter(|&s| s != t.seq_len as u64) {
-            if !accept.contains(&ResumeChange::SeqLen) {
-                bail!(
-                    "{}: the checkpoint was trained with train.seq_len {was}, the recipe has {}: \
-                     samples are counted in sequences, so the data position would move (tokens \
-                     seen again or skipped). Use {was}, or accept the change with \
-                     checkpoint.accept_changes: [seq_len] (a context-length extension)",
-                    dir.display(),
-                    t.seq_len
-                );
-            }
-            if self.ctx.is_main() {
-                info!(
-                    "resume: train.seq_len changed from {was} to {} (accepted)",
-                    t.seq_len
-                );
-            }
-        }
-        let stored_optimizer = stored
-            .get("optimizer")
-            .and_then(|o| o.get("name"))
-            .and_then(|n| n.as_str())
-            .unwrap_or("adamw");
-        let ours = self.recipe.optimizer.name.to_string();
-        if stored_optimizer != ours {
-            if !accept.contains(&ResumeChange::Optimizer) {
-                bail!(
-                    "{}: the checkpoint was trained with optimizer.name {stored_optimizer}, the \
-                     recipe has {ours}: the hidden matrices' optimizer state would be lost. Use \
-                     {stored_optimizer}, or accept the change with \
-                     checkpoint.accept_changes: [optimizer] (the new optimizer's state starts at \
-                     zero)",
-                    dir.display()
-                );
-            }
-            if self.ctx.is_main() {
-                info!(
-                    "resume: optimizer.name changed from {stored_optimizer} to {ours} (accepted; \
-                     its state starts at zero for the matrices that change optimizer)"
-                );
-            }
-        }
-        // Keys a run may change on resume, said in the log: they change the run from here on.
-        if self.ctx.is_main() {
-            let ours = serde_yaml::to_value(&self.recipe)?;
-            for key in [
-                "train.steps",
-                "train.global_batch",
-                "train.dtype",
-                "optimizer.lr",
-                "optimizer.state_dtype",
-                "train.recompute",
-            ] {
-                let get = |v: &serde_yaml::Value| {
-                    key.split('.').try_fold(v, |v, k| v.get(k)).map(|v| {
-                        serde_yaml::to_string(v)
-                            .unwrap_or_default()
-                            .trim()
-                            .to_string()
-                    })
-                };
-                if let (Some(was), Some(now)) = (get(&stored), get(&ours)) {
-                    if was != now {
-                        info!("resume: {key} changed from {was} to {now} (accepted)");
-                    }
-                }
-            }
-        }
-        if m.step > t.steps as u64 {
-            bail!(
-                "{}: the checkpoint is at step {}, beyond train.steps = {}: nothing to train \
-                 (raise train.steps)",
-                dir.display(),
-                m.step,
-                t.steps
-            );
-        }
-        Ok(())
-    }
-
     /// Restores the state saved in step directory `dir`, whatever layout wrote it.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let ck = Checkpoint::open(dir)?;
         let m = ck.manifest();
         self.check_same_model(dir, m)?;
-        self.check_resume_changes(dir, m)?;
+        self.check_resume_changes(dir, &ck, m)?;
         let t = &self.recipe.train;
         let needed =
             m.consumed_samples + (t.steps as u64).saturating_sub(m.step) * t.global_batch as u64;
@@ -406,52 +298,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// Refuses a checkpoint of another model than the recipe's (token ids aside, which a recipe
-    /// leaving them unset inherits).
-    fn check_same_model(&mut self, dir: &Path, m: &ckpt::Manifest) -> Result<()> {
-        // Token ids are the exported config's metadata, not the model's math: a recipe that
-        // leaves them unset inherits the checkpoint's (e.g. those of an imported model).
-        let stored: model::LlamaConfig = serde_json::from_value(m.model.clone())
-            .with_context(|| format!("{}: model of the manifest", dir.display()))?;
-        let c = &mut self.recipe.model;
-        c.bos_token_id = c.bos_token_id.or(stored.bos_token_id);
-        c.eos_token_id = c.eos_token_id.clone().or(stored.eos_token_id.clone());
-        let (want, have) = (
-            serde_json::to_value(&self.recipe.model)?,
-            serde_json::to_value(&stored)?,
-        );
-        let keys: std::collections::BTreeSet<&String> = [&want, &have]
-            .into_iter()
-            .filter_map(|v| v.as_object())
-            .flat_map(|o| o.keys())
-            .filter(|k| !k.ends_with("token_id"))
-            .collect();
-        let null = serde_json::Value::Null;
-        let diff: Vec<String> = keys
-            .into_iter()
-            .filter(|k| want.get(k.as_str()) != have.get(k.as_str()))
-            .map(|k| {
-                format!(
-                    "model.{k}: checkpoint {}, recipe {}",
-                    have.get(k.as_str()).unwrap_or(&null),
-                    want.get(k.as_str()).unwrap_or(&null)
-                )
-            })
-            .collect();
-        if !diff.is_empty() {
-            bail!(
-                "{}: checkpoint of a different model ({})",
-                dir.display(),
-                diff.join("; ")
-            );
-        }
-        Ok(())
-    }
-
     /// This rank's flat ranges `owned` of the values of `kinds` from `ck` (in `dir`), `[kind 0 |
-    /// kind 1 | …]` as f32 (bf16 moments widened exactly), all finite. A kind the checkpoint
-    /// lacks for a tensor (the other optimizer's state, where `optimizer.name` changed and the
-    /// change is accepted) starts at zero.
+    /// kind 1 | …]` as f32 (bf16 moments widened exactly), all finite. A tensor's optimizer
+    /// state the checkpoint lacks whole (the other optimizer's, where `optimizer.name` changed
+    /// and the change is accepted) starts at zero; any other state missing is an error.
     fn read_owned_state(
         &self,
         dir: &Path,
@@ -460,6 +310,8 @@ impl Trainer {
         kinds: &[Kind],
     ) -> Result<Vec<f32>> {
         let layout = self.grads.layout().clone();
+        let optimizer_changed = super::resume::stored_optimizer(ck.manifest())
+            != self.recipe.optimizer.name.to_string();
         let n: usize = owned.iter().map(|r| r.len()).sum();
         let mut state = vec![0f32; kinds.len() * n];
         let params = self.model.params();
@@ -469,8 +321,22 @@ impl Trainer {
             for r in owned {
                 for (i, p) in params.iter().enumerate() {
                     let cut = intersect(&layout.range(i), r);
-                    if cut.is_empty() || (kind != Kind::Master && !ck.has(kind, &p.name)) {
+                    if cut.is_empty() {
                         continue;
+                    }
+                    if kind != Kind::Master && !ck.has(kind, &p.name) {
+                        let moments = kinds.iter().filter(|&&k| k != Kind::Master);
+                        let none = moments.clone().all(|&k| !ck.has(k, &p.name));
+                        if none && optimizer_changed {
+                            continue;
+                        }
+                        bail!(
+                            "{}: the checkpoint has no {} state of {}; it cannot be resumed \
+                             exactly (use an earlier checkpoint)",
+                            dir.display(),
+                            kind.as_str(),
+                            p.name
+                        );
                     }
                     if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(i) {
                         e.insert(ck.read_block(kind, tensor_block(p))?);

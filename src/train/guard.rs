@@ -216,13 +216,7 @@ impl Trainer {
     /// the stop signal any rank received (the same on every rank).
     pub(crate) fn after_update(&self, step: usize, updated: bool) -> Result<Option<i32>> {
         let bad = updated && !self.optimizer.state_sum_squares()?.is_finite();
-        let sig = signals::pending();
-        let flags = [
-            bad,
-            sig == Some(signals::STOP_SIGNALS[0]),
-            sig == Some(signals::STOP_SIGNALS[1]),
-        ];
-        let answers = self.ranks_where(&flags)?;
+        let answers = self.ranks_where(&signal_flags(bad))?;
         if !answers[0].is_empty() {
             bail!(
                 "step {step}: the update made parameters or optimizer moments non-finite on {}; \
@@ -230,12 +224,34 @@ impl Trainer {
                 self.describe(&answers[0])
             );
         }
-        Ok(signals::STOP_SIGNALS
-            .iter()
-            .zip(&answers[1..])
-            .find(|(_, r)| !r.is_empty())
-            .map(|(&s, _)| s))
+        Ok(agreed_signal(&answers[1..]))
     }
+
+    /// The stop signal some rank has received, agreed by every rank (one small collective):
+    /// asked again after a validation, which may take long enough for a scheduler's grace period.
+    pub(crate) fn stop_signal(&self) -> Result<Option<i32>> {
+        let answers = self.ranks_where(&signal_flags(false))?;
+        Ok(agreed_signal(&answers[1..]))
+    }
+}
+
+/// `[first, this rank received SIGTERM, … SIGINT]`.
+fn signal_flags(first: bool) -> [bool; 3] {
+    let sig = signals::pending();
+    [
+        first,
+        sig == Some(signals::STOP_SIGNALS[0]),
+        sig == Some(signals::STOP_SIGNALS[1]),
+    ]
+}
+
+/// The first stop signal any rank received, from the ranks that flagged each.
+fn agreed_signal(ranks: &[Vec<usize>]) -> Option<i32> {
+    signals::STOP_SIGNALS
+        .iter()
+        .zip(ranks)
+        .find(|(_, r)| !r.is_empty())
+        .map(|(&s, _)| s)
 }
 
 /// The spike rule: with `factor` k set and a full window of `recent` losses, a `loss` above k

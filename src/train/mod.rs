@@ -19,6 +19,7 @@ pub mod pipeline;
 pub mod prefetch;
 pub mod rank;
 mod report;
+mod resume;
 pub mod routing;
 mod run;
 mod saver;
@@ -299,12 +300,18 @@ impl Trainer {
             if let Some(m) = &mut self.metrics {
                 m.step(&rec)?;
             }
-            if eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps) {
-                last_eval = Some(self.validate(rec.step)?);
-            }
             // A stop signal during the last step changes nothing: the run is complete.
             if self.step == steps {
                 self.stop = None;
+            }
+            // A stopping run saves without validating first; a signal that arrives during a
+            // validation stops the run after it.
+            let due = eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps);
+            if due && self.stop.is_none() {
+                last_eval = Some(self.validate(rec.step)?);
+                if self.step < steps {
+                    self.stop = self.stop_signal()?;
+                }
             }
             let saved = self.save_if_due(rec.step)?;
             records.push(rec);

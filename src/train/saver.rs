@@ -130,6 +130,7 @@ impl SaveJob {
         std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
             .spawn(move || {
+                let (root, main) = (self.root.clone(), self.manifest.is_some());
                 let written = (|| {
                     self.write_share()?;
                     if self.manifest.is_some() {
@@ -137,10 +138,24 @@ impl SaveJob {
                     }
                     self.finalize()
                 })();
+                if written.is_err() && main {
+                    abandon(&root, step);
+                }
                 written.with_context(|| {
                     format!("writing the checkpoint of step {step} in the background")
                 })
             })
             .with_context(|| format!("starting the writer of checkpoint {step}"))
+    }
+}
+
+/// Rank 0, after a save failed: removes its temporary directory (best effort), so that a full
+/// disk gets its space back at once rather than at the next save that succeeds.
+pub fn abandon(root: &std::path::Path, step: u64) {
+    let tmp = root.join(format!("{}.tmp", ckpt::step_dir_name(step)));
+    if let Err(e) = std::fs::remove_dir_all(&tmp) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("removing {} after the failed save: {e}", tmp.display());
+        }
     }
 }

@@ -28,12 +28,19 @@ pub struct Checkpoint {
 
 fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    if !dir.is_dir() {
-        return Err(CkptError::NoCheckpoint {
-            dir: dir.to_path_buf(),
-        });
+    // Only a path that is not there is "missing"; one that cannot be read (permissions) says so.
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(CkptError::io(dir)(e));
+        }
+        _ => {
+            return Err(CkptError::NoCheckpoint {
+                dir: dir.to_path_buf(),
+            })
+        }
     }
-    if !path.exists() {
+    if !path.try_exists().map_err(CkptError::io(&path))? {
         return Err(CkptError::Incomplete {
             dir: dir.to_path_buf(),
             file: MANIFEST,
@@ -131,7 +138,10 @@ pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
 /// The file `f` of the step directory `dir`, opened once its size and SHA-256 are checked.
 fn verified(dir: &Path, f: &FileEntry) -> Result<(PathBuf, File)> {
     let path = dir.join(&f.name);
-    let mut file = File::open(&path).map_err(|_| CkptError::MissingFile { path: path.clone() })?;
+    let mut file = File::open(&path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => CkptError::MissingFile { path: path.clone() },
+        _ => CkptError::io(&path)(e),
+    })?;
     let len = file.metadata().map_err(CkptError::io(&path))?.len();
     if len != f.bytes {
         let (expected, found) = (format!("{} bytes", f.bytes), format!("{len} bytes"));
