@@ -179,6 +179,33 @@ fn resume_rejects_a_different_model() {
     );
 }
 
+/// A checkpoint whose manifest lacks part of a tensor's optimizer state (one moment of one
+/// tensor) is refused by name: the state never silently restarts at zero.
+#[test]
+fn resume_refuses_a_checkpoint_missing_optimizer_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    run(&tmp.path().join("a"), &["checkpoint.interval=6"]);
+    let step = tmp.path().join("a/checkpoints/step-00000006");
+    let path = step.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let pieces = m["pieces"].as_array_mut().unwrap();
+    let before = pieces.len();
+    pieces.retain(|p| !(p["name"] == "model.norm.weight" && p["kind"] == "exp_avg_sq"));
+    assert!(pieces.len() < before, "the manifest lists the moment");
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let o = vec![format!(
+        "train.steps=8,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4,run.dir={},checkpoint.resume={}",
+        tmp.path().join("b").display(),
+        step.display()
+    )];
+    let recipe = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    let e = format!("{:#}", train(recipe, false).err().unwrap());
+    assert!(
+        e.contains("no exp_avg_sq state of model.norm.weight"),
+        "{e}"
+    );
+}
+
 /// bf16 AdamW moments (`optimizer.state_dtype: bf16`): checkpoints store them as bf16, resuming
 /// is bit-identical, and a checkpoint resumes under the other moment dtype by conversion,
 /// continuing its curve.

@@ -198,6 +198,31 @@ fn bad_shard_layouts_and_non_finite_weights_are_refused_by_name() {
         "{e}"
     );
 
+    // Quantized weights are refused by their config, before any tensor is read.
+    let dir = tmp.path().join("quantized");
+    variant(&sharded, &dir, |m| {
+        m.insert(
+            "quantization_config".into(),
+            serde_json::json!({"quant_method": "gptq", "bits": 4}),
+        );
+    });
+    let e = import(&dir);
+    assert!(
+        e.contains("quantization_config") && e.contains("gptq"),
+        "{e}"
+    );
+
+    // A size the config leaves out is transformers' default, and said to be one.
+    let dir = tmp.path().join("no-hidden-size");
+    variant(&sharded, &dir, |m| {
+        m.remove("hidden_size");
+    });
+    let e = import(&dir);
+    assert!(
+        e.contains("hidden_size") && e.contains("leaves it unset (transformers' default 4096)"),
+        "{e}"
+    );
+
     // An index pointing outside the directory.
     let dir = tmp.path().join("escape");
     variant(&sharded, &dir, |_| {});

@@ -84,12 +84,25 @@ fn r3_3_plan_refuses_more_gpus_than_ranks_at_once() {
         .unwrap();
     assert!(!o.status.success());
     assert_says(&o, "exceeds 1048576");
+    // As many GPUs as a layout may have, but no layout of the recipe uses them all: said, with
+    // the constraints, and not an empty table.
     let o = bin()
         .args(["plan", "--recipe", "recipes/tiny.yaml", "--gpus", "1048576"])
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(
+        &o,
+        "no layout of recipes/tiny.yaml runs on exactly 1048576 GPUs",
+    );
     assert!(start.elapsed().as_secs() < 20, "{:?}", start.elapsed());
+    let o = bin()
+        .args(["plan", "--recipe", "recipes/tiny.yaml", "--gpus", "16"])
+        .args(["--gpus-per-node", "3"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(&o, "not a whole number of nodes of 3 GPUs");
 }
 
 /// R3-9 and R3-8: `import-hf` never writes into a root that holds checkpoints (by default it used

@@ -139,6 +139,17 @@ fn cli_reports_recipe_errors_without_panicking() {
         "the OS error is said once: {err}"
     );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("valid"));
+    // A validation split without documents is found by `check` too, as the run finds it.
+    let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+        .args(["check", "--recipe", "recipes/tiny.yaml", "--set"])
+        .arg("data.split=\"100,0\"")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("validation data") && err.contains("100,0"),
+        "{err}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
         .args(["check", "--recipe", "recipes/tiny.yaml"])
         .output()

@@ -7,18 +7,28 @@ use super::RecipeArgs;
 use crate::recipe::Recipe;
 
 /// Opens what a run opens first: the tokenizer and the training split of every dataset (token
-/// ids checked against the vocabulary).
+/// ids checked against the vocabulary), and the validation split when the run validates.
 fn check_data(r: &Recipe) -> Result<()> {
     let (t, m) = (&r.train, &r.model);
-    let data = data::GptData::open(
-        &r.data,
-        std::path::Path::new("."),
-        data::Split::Train,
-        t.seq_len,
-        t.seed,
-        (t.steps * t.global_batch) as u64,
-    )
-    .context("opening the training data (pretrain check --no-data skips it)")?;
+    let open = |split: data::Split, samples: usize| {
+        let what = match split {
+            data::Split::Train => "training",
+            _ => "validation",
+        };
+        let data = data::GptData::open(
+            &r.data,
+            std::path::Path::new("."),
+            split,
+            t.seq_len,
+            t.seed,
+            samples as u64,
+        );
+        data.with_context(|| format!("opening the {what} data (pretrain check --no-data skips it)"))
+    };
+    let data = open(data::Split::Train, t.steps * t.global_batch)?;
+    if t.eval_interval > 0 {
+        open(data::Split::Valid, t.eval_batches * t.global_batch)?;
+    }
     if data.vocab_size() > m.vocab_size {
         anyhow::bail!(
             "model.vocab_size ({}) is smaller than the tokenizer's vocabulary ({})",

@@ -175,6 +175,16 @@ fn token_id(x: &Value) -> Result<u32> {
 /// `model_type` must be `llama` or `mixtral` and `architectures`, when given, the matching
 /// `LlamaForCausalLM` or `MixtralForCausalLM` only. Returns whether it is Mixtral.
 fn check_architecture(v: &Value) -> Result<bool> {
+    if let Some(q) = key(v, "quantization_config") {
+        let method = q
+            .get("quant_method")
+            .and_then(|m| m.as_str())
+            .unwrap_or("?");
+        bail!(
+            "quantization_config: the weights are quantized ({method}); only full-precision \
+             weights (float32, bfloat16, float16) import"
+        );
+    }
     let archs: Vec<&str> = match key(v, "architectures") {
         None => vec![],
         Some(a) => a

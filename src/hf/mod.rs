@@ -331,8 +331,36 @@ fn differences(theirs: &LlamaConfig, ours: &LlamaConfig, cfg: &Path) -> Vec<Stri
         // Token ids the recipe leaves unset are taken from config.json.
         .filter(|((k, _), (_, o))| !(k.ends_with("token_id") && o.is_null()))
         .filter(|((_, t), (_, o))| !same(t, o))
-        .map(|((k, t), (_, o))| format!("{k}: {} has {t}, recipe model.{k} is {o}", cfg.display()))
+        .map(|((k, t), (_, o))| {
+            if unset(cfg, k) {
+                format!(
+                    "{k}: {} leaves it unset (transformers' default {t}), recipe model.{k} is {o}",
+                    cfg.display()
+                )
+            } else {
+                format!("{k}: {} has {t}, recipe model.{k} is {o}", cfg.display())
+            }
+        })
         .collect()
+}
+
+/// Whether `config.json` at `cfg` leaves the plain size key `k` out (its value is then
+/// transformers' default, not the file's).
+fn unset(cfg: &Path, k: &str) -> bool {
+    const PLAIN: [&str; 7] = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+    ];
+    let read = || -> Option<Value> { serde_json::from_slice(&std::fs::read(cfg).ok()?).ok() };
+    PLAIN.contains(&k)
+        && read().is_some_and(|v| {
+            v.get(k).is_none() && v.get("text_config").and_then(|t| t.get(k)).is_none()
+        })
 }
 
 /// Imports the Hugging Face Llama directory `model_dir` as a step-0 checkpoint of `recipe` under
@@ -372,8 +400,23 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
     let c = &recipe.model;
     let tokenizer = model_dir.join("tokenizer.json");
     let tokenizer = if tokenizer.exists() {
+        let same = std::fs::read(&tokenizer).ok() == std::fs::read(&recipe.data.tokenizer).ok();
+        if !same {
+            tracing::warn!(
+                "{} differs from the recipe's data.tokenizer {}: the checkpoint carries the \
+                 model's, and a resume with the recipe's is refused (tokenize the data with the \
+                 model's tokenizer and point data.tokenizer at it)",
+                tokenizer.display(),
+                recipe.data.tokenizer.display()
+            );
+        }
         tokenizer
     } else {
+        tracing::warn!(
+            "{} has no tokenizer.json: the checkpoint carries the recipe's data.tokenizer {}",
+            model_dir.display(),
+            recipe.data.tokenizer.display()
+        );
         recipe.data.tokenizer.clone()
     };
     // The tokenizer the checkpoint carries is parsed now, not when an export or an evaluation

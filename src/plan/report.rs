@@ -264,7 +264,26 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "--gpus {n} exceeds {MAX_RANKS}, the most ranks a recipe may have (parallel.dp × tp × \
              cp × pp)"
         ),
-        Some(n) => Some(candidates(&r, &hw, n)),
+        Some(n) if n > hw.gpus_per_node && !n.is_multiple_of(hw.gpus_per_node) => bail!(
+            "--gpus {n} is not a whole number of nodes of {} GPUs (--gpus-per-node)",
+            hw.gpus_per_node
+        ),
+        Some(n) => {
+            let c = candidates(&r, &hw, n);
+            if c.is_empty() {
+                bail!(
+                    "no layout of {} runs on exactly {n} GPUs: dp × tp × cp × pp must be {n}, \
+                     with cp = {} kept, tp at most {} (a node), pp at most the {} layers and dp \
+                     dividing train.global_batch = {} (and tp the heads, ep the experts)",
+                    args.recipe.recipe.display(),
+                    r.parallel.cp,
+                    hw.gpus_per_node,
+                    r.model.num_hidden_layers,
+                    r.train.global_batch
+                );
+            }
+            Some(c)
+        }
         None => None,
     };
     let fit = (!own.fits).then(|| cheapest_fit(&r, &hw)).flatten();

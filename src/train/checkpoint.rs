@@ -219,6 +219,13 @@ impl Trainer {
 
     /// Restores the state saved in step directory `dir`, whatever layout wrote it.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        if !dir.join(ckpt::MANIFEST).exists() && dir.join("latest").is_file() {
+            bail!(
+                "{} holds checkpoints (it has a `latest` file) but is not one: name a step \
+                 directory in it, or use checkpoint.resume=auto with checkpoint.dir set to it",
+                dir.display()
+            );
+        }
         let ck = Checkpoint::open(dir)?;
         let m = ck.manifest();
         self.check_same_model(dir, m)?;
@@ -301,7 +308,8 @@ impl Trainer {
     /// This rank's flat ranges `owned` of the values of `kinds` from `ck` (in `dir`), `[kind 0 |
     /// kind 1 | …]` as f32 (bf16 moments widened exactly), all finite. A tensor's optimizer
     /// state the checkpoint lacks whole (the other optimizer's, where `optimizer.name` changed
-    /// and the change is accepted) starts at zero; any other state missing is an error.
+    /// and the change is accepted, or any at step 0) starts at zero; any other state missing is
+    /// an error.
     fn read_owned_state(
         &self,
         dir: &Path,
@@ -310,8 +318,11 @@ impl Trainer {
         kinds: &[Kind],
     ) -> Result<Vec<f32>> {
         let layout = self.grads.layout().clone();
-        let optimizer_changed = super::resume::stored_optimizer(ck.manifest())
-            != self.recipe.optimizer.name.to_string();
+        // Missing state is zero where the optimizer changed (accepted) or nothing has been
+        // trained yet (an imported model's step 0: every moment is zero).
+        let zero_ok = ck.manifest().step == 0
+            || super::resume::stored_optimizer(ck.manifest())
+                != self.recipe.optimizer.name.to_string();
         let n: usize = owned.iter().map(|r| r.len()).sum();
         let mut state = vec![0f32; kinds.len() * n];
         let params = self.model.params();
@@ -327,7 +338,7 @@ impl Trainer {
                     if kind != Kind::Master && !ck.has(kind, &p.name) {
                         let moments = kinds.iter().filter(|&&k| k != Kind::Master);
                         let none = moments.clone().all(|&k| !ck.has(k, &p.name));
-                        if none && optimizer_changed {
+                        if none && zero_ok {
                             continue;
                         }
                         bail!(

@@ -50,6 +50,12 @@ impl RunLock {
     /// Locks `dir` (creating it) for this process, or fails naming the run that holds it.
     /// `what` says what the directory is in messages (`run.dir`, `checkpoint.dir`).
     pub fn acquire(dir: &Path, what: &str) -> Result<Self> {
+        if dir.exists() && !dir.is_dir() {
+            bail!(
+                "{what} {} is a file, not a directory; choose another {what}",
+                dir.display()
+            );
+        }
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating {what} {}", dir.display()))?;
         let path = dir.join(LOCK_FILE);
@@ -128,6 +134,15 @@ pub fn lock_run(run_dir: &Path, checkpoint_root: &Path) -> Result<Vec<RunLock>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_is_no_run_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("run");
+        std::fs::write(&file, "").unwrap();
+        let e = format!("{:#}", RunLock::acquire(&file, "run.dir").unwrap_err());
+        assert!(e.contains("is a file, not a directory"), "{e}");
+    }
 
     #[test]
     fn a_second_holder_is_refused_with_the_first_ones_name() {

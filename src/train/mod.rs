@@ -186,7 +186,15 @@ impl Trainer {
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
             Resume::Auto => {
-                ckpt::find_latest(&trainer.checkpoint_root()).context("checkpoint.resume=auto")?
+                let root = trainer.checkpoint_root();
+                let found = ckpt::find_latest(&root).context("checkpoint.resume=auto")?;
+                if found.is_none() && trainer.ctx.is_main() {
+                    info!(
+                        "checkpoint.resume=auto: no checkpoint in {}; starting from step 0",
+                        root.display()
+                    );
+                }
+                found
             }
             Resume::Path(p) => Some(p.clone()),
         };

@@ -74,6 +74,14 @@ impl Trainer {
                 t.steps
             );
         }
+        if m.step == t.steps as u64 && main {
+            warn!(
+                "{}: the checkpoint is at step {} = train.steps: nothing left to train (raise \
+                 train.steps to go on)",
+                dir.display(),
+                m.step
+            );
+        }
         if m.seed != t.seed && !accept.contains(&ResumeChange::Seed) {
             bail!(
                 "{}: the checkpoint was trained with train.seed {}, the recipe has {}: the data \

@@ -157,6 +157,14 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
 
     // Reload through the generic loader: proves the file is a valid HF tokenizer.json.
     let loaded = load_tokenizer(&opts.output)?;
+    let reached = loaded.get_vocab_size(true);
+    if reached < opts.vocab_size {
+        tracing::warn!(
+            "the corpus gave {reached} tokens of the {} asked: too little text to learn more \
+             merges (set model.vocab_size to at least {reached}, or train on more text)",
+            opts.vocab_size
+        );
+    }
     Ok(TokenizerTrainSummary {
         output: opts.output.clone(),
         vocab_size: loaded.get_vocab_size(true),
