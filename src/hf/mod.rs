@@ -478,6 +478,7 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
         files: vec![],
         pieces: vec![],
         tokenizer: None,
+        datasets: vec![],
     };
     Ok(ckpt::finalize(
         root,

@@ -416,7 +416,7 @@ pub struct CheckpointConfig {
     pub async_save: bool,
     /// What a resume may change from the checkpoint's recipe that it otherwise refuses: `seed`
     /// (the data order from there on), `data` (the `data:` section: datasets, blend weights,
-    /// split), `optimizer` (`optimizer.name`), `seq_len` (`train.seq_len`), `tokenizer` (the
+    /// split; or the datasets' files on disk), `optimizer` (`optimizer.name`), `seq_len` (`train.seq_len`), `tokenizer` (the
     /// tokenizer file's contents) and `model` (settings that keep every tensor's shape). A
     /// model of other shapes is always refused; other changes of `train`, `optimizer` and
     /// `schedule` are said in the log.

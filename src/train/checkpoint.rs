@@ -214,6 +214,7 @@ impl Trainer {
             files: vec![],
             pieces: vec![],
             tokenizer: None,
+            datasets: self.dataset_entries()?.to_vec(),
         })
     }
 

@@ -94,6 +94,8 @@ pub struct Trainer {
     saving: Option<std::thread::JoinHandle<Result<()>>>,
     /// The flight recorder of this rank's communicator, told the step.
     flight: Option<Arc<parallel::comm::flight::FlightRecorder>>,
+    /// The recipe's datasets as they are on disk (`resume.rs`), read once when first needed.
+    datasets: std::sync::OnceLock<Vec<ckpt::DatasetEntry>>,
 }
 
 fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
@@ -182,6 +184,7 @@ impl Trainer {
             stop: None,
             saving: None,
             flight: None,
+            datasets: std::sync::OnceLock::new(),
         };
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,

@@ -1,6 +1,7 @@
 //! What a resume may change from the checkpoint's recipe. Refused unless
-//! `checkpoint.accept_changes` lists them: another seed, `data:` section, sequence length,
-//! optimizer, tokenizer file (by content), or model settings that keep every tensor's shape.
+//! `checkpoint.accept_changes` lists them: another seed, `data:` section or datasets on disk
+//! (sizes and index checksum), sequence length, optimizer, tokenizer file (by content), or model
+//! settings that keep every tensor's shape.
 //! Another model (any tensor's shape) is always refused. Every other change of the `train`,
 //! `optimizer` and `schedule` sections is said in the log, as a warning where it changes the
 //! math of the run from here on.
@@ -8,7 +9,8 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use ckpt::{Checkpoint, Manifest};
+use ckpt::{Checkpoint, DatasetEntry, Manifest};
+use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use super::Trainer;
@@ -107,6 +109,9 @@ impl Trainer {
                 );
             }
         }
+        if stored.get("data") == Some(&serde_yaml::to_value(&self.recipe.data)?) {
+            self.check_datasets(dir, m)?;
+        }
         self.check_tokenizer(dir, ck)?;
         let stored_seq = stored
             .get("train")
@@ -173,6 +178,94 @@ impl Trainer {
                     );
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The recipe's datasets as they are on disk: sizes and the index's SHA-256 (hashed once).
+    pub(super) fn dataset_entries(&self) -> Result<&[DatasetEntry]> {
+        if let Some(d) = self.datasets.get() {
+            return Ok(d);
+        }
+        let mut entries = Vec::new();
+        for d in &self.recipe.data.datasets {
+            let file = |ext: &str| {
+                let mut p = d.prefix.clone().into_os_string();
+                p.push(ext);
+                std::path::PathBuf::from(p)
+            };
+            let (bin, idx) = (file(".bin"), file(".idx"));
+            let size = |p: &Path| {
+                std::fs::metadata(p)
+                    .map(|m| m.len())
+                    .with_context(|| format!("reading {}", p.display()))
+            };
+            let mut hasher = Sha256::new();
+            let mut f =
+                std::fs::File::open(&idx).with_context(|| format!("reading {}", idx.display()))?;
+            std::io::copy(&mut f, &mut hasher)
+                .with_context(|| format!("reading {}", idx.display()))?;
+            entries.push(DatasetEntry {
+                prefix: d.prefix.display().to_string(),
+                bin_bytes: size(&bin)?,
+                idx_bytes: size(&idx)?,
+                idx_sha256: hasher
+                    .finalize()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect(),
+            });
+        }
+        Ok(self.datasets.get_or_init(|| entries))
+    }
+
+    /// Refuses datasets whose files changed since the checkpoint was written, under the same
+    /// `data:` section (other data at the same paths), unless `accept_changes` lists `data`.
+    fn check_datasets(&self, dir: &Path, m: &Manifest) -> Result<()> {
+        if m.datasets.is_empty() {
+            return Ok(()); // an older checkpoint, or an import: nothing recorded
+        }
+        let ours = self.dataset_entries()?;
+        let changed: Vec<String> = m
+            .datasets
+            .iter()
+            .filter_map(|was| {
+                let now = ours.iter().find(|o| o.prefix == was.prefix)?;
+                (now != was).then(|| {
+                    let what = if (now.bin_bytes, now.idx_bytes) != (was.bin_bytes, was.idx_bytes) {
+                        format!(
+                            "{} + {} bytes then, {} + {} now",
+                            was.bin_bytes, was.idx_bytes, now.bin_bytes, now.idx_bytes
+                        )
+                    } else {
+                        "same sizes, other documents".to_string()
+                    };
+                    format!("{} ({what})", was.prefix)
+                })
+            })
+            .collect();
+        if changed.is_empty() {
+            return Ok(());
+        }
+        if !self
+            .recipe
+            .checkpoint
+            .accept_changes
+            .contains(&ResumeChange::Data)
+        {
+            bail!(
+                "{}: the datasets changed on disk since the checkpoint was written: {}. The \
+                 data position would point into other documents. Restore them, or accept the \
+                 change with checkpoint.accept_changes: [data]",
+                dir.display(),
+                changed.join("; ")
+            );
+        }
+        if self.ctx.is_main() {
+            warn!(
+                "resume: datasets changed on disk: {} (accepted)",
+                changed.join("; ")
+            );
         }
         Ok(())
     }

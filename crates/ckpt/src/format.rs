@@ -210,6 +210,20 @@ pub struct FileEntry {
     pub sha256: String,
 }
 
+/// A dataset the run trained on, as it was on disk: a resume compares it with the recipe's
+/// dataset of the same prefix, so other data under the same path is not taken silently.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetEntry {
+    /// The dataset's path prefix, as the recipe names it.
+    pub prefix: String,
+    /// Size of `<prefix>.bin` in bytes.
+    pub bin_bytes: u64,
+    /// Size of `<prefix>.idx` in bytes.
+    pub idx_bytes: u64,
+    /// Lower-case hex SHA-256 of `<prefix>.idx` (every document's length and offset).
+    pub idx_sha256: String,
+}
+
 /// A rank's sidecar: its file and its pieces.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RankRecord {
@@ -248,4 +262,7 @@ pub struct Manifest {
     /// checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<FileEntry>,
+    /// The datasets trained on; absent in older checkpoints and imports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub datasets: Vec<DatasetEntry>,
 }

@@ -30,7 +30,8 @@ mod write;
 
 pub use error::CkptError;
 pub use format::{
-    FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, Values, MANIFEST, TOKENIZER,
+    DatasetEntry, FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, Values, MANIFEST,
+    TOKENIZER,
 };
 pub use read::{find_latest, Checkpoint};
 pub use write::{finalize, prune, step_dir_name, RankWriter};

@@ -73,6 +73,7 @@ fn write(root: &Path, step: u64) -> PathBuf {
         files: vec![],
         pieces: vec![],
         tokenizer: None,
+        datasets: vec![],
     };
     finalize(root, manifest, 2, &tok, 2).unwrap()
 }
@@ -145,6 +146,7 @@ fn bf16_moments_are_stored_as_bf16_and_old_manifests_read_as_f32() {
         files: vec![],
         pieces: vec![],
         tokenizer: None,
+        datasets: vec![],
     };
     let dir = finalize(root, manifest, 1, &tok, 2).unwrap();
     let bytes = std::fs::metadata(dir.join("rank-00000.safetensors"))
@@ -394,6 +396,7 @@ fn an_incomplete_checkpoint_is_refused_when_written() {
         files: vec![],
         pieces: vec![],
         tokenizer: None,
+        datasets: vec![],
     };
     let e = finalize(root, manifest, 2, &tok, 2)
         .unwrap_err()
@@ -436,6 +439,7 @@ fn tensors_carry_adamw_moments_or_muon_momentum() {
             files: vec![],
             pieces: vec![],
             tokenizer: None,
+            datasets: vec![],
         };
         finalize(root, manifest, 1, &tok, 2)
             .map(|dir| {

@@ -36,6 +36,7 @@ fn valid_checkpoint(root: &Path) -> std::path::PathBuf {
         files: vec![],
         pieces: vec![],
         tokenizer: None,
+        datasets: vec![],
     };
     finalize(root, manifest, 1, &tok, 2).unwrap()
 }
