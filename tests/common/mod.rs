@@ -12,6 +12,7 @@ pub mod cli;
 pub mod hf;
 pub mod job;
 pub mod reference;
+pub mod short;
 pub mod small;
 
 /// Trains the tiny recipe for 3 steps (global batch 16, micro-batch 4) at `layout` (recipe

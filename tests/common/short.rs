@@ -1,0 +1,40 @@
+//! The binary's short runs of the tiny recipe (global batch 8, a log line per step, no
+//! validation) and what they leave: shared by the failure and resume tests.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Overrides of every short run.
+pub const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
+                    train.micro_batch=4,run.log_interval=1";
+
+/// The binary training the tiny recipe into `dir` with [`BASE`] and `set`.
+pub fn pretrain(dir: &Path, set: &str) -> Command {
+    super::cli::tiny(dir, BASE, set)
+}
+
+/// Runs `cmd` to its end.
+pub fn output(mut cmd: Command) -> Output {
+    cmd.output().unwrap()
+}
+
+/// Each step's loss in `metrics.jsonl`, asserting that no step appears twice.
+pub fn losses(dir: &Path) -> BTreeMap<u64, f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let mut out = BTreeMap::new();
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        let step = v["step"].as_u64().unwrap();
+        assert!(
+            out.insert(step, v["loss"].as_f64().unwrap()).is_none(),
+            "step {step} twice"
+        );
+    }
+    out
+}
+
+/// What a finished command wrote to stderr.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
