@@ -10,7 +10,6 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use ckpt::{Checkpoint, DatasetEntry, Manifest};
-use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use super::Trainer;
@@ -200,20 +199,15 @@ impl Trainer {
                     .map(|m| m.len())
                     .with_context(|| format!("reading {}", p.display()))
             };
-            let mut hasher = Sha256::new();
             let mut f =
                 std::fs::File::open(&idx).with_context(|| format!("reading {}", idx.display()))?;
-            std::io::copy(&mut f, &mut hasher)
-                .with_context(|| format!("reading {}", idx.display()))?;
+            let idx_sha256 =
+                ckpt::sha256_hex(&mut f).with_context(|| format!("reading {}", idx.display()))?;
             entries.push(DatasetEntry {
                 prefix: d.prefix.display().to_string(),
                 bin_bytes: size(&bin)?,
                 idx_bytes: size(&idx)?,
-                idx_sha256: hasher
-                    .finalize()
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect(),
+                idx_sha256,
             });
         }
         Ok(self.datasets.get_or_init(|| entries))

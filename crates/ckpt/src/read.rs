@@ -3,19 +3,17 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
 use memmap2::Mmap;
 use safetensors::SafeTensors;
-use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
 use crate::format::{
     FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, FORMAT, MANIFEST, TOKENIZER,
 };
-use crate::write::{hex, safetensors_dtype};
+use crate::write::{safetensors_dtype, sha256_hex};
 use crate::Result;
 
 /// An opened, verified checkpoint.
@@ -152,16 +150,7 @@ fn verified(dir: &Path, f: &FileEntry) -> Result<(PathBuf, File)> {
             found,
         });
     }
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(CkptError::io(&path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    let sum = hex(&hasher.finalize());
+    let sum = sha256_hex(&mut file).map_err(CkptError::io(&path))?;
     if sum != f.sha256 {
         return Err(CkptError::Corrupt {
             path,

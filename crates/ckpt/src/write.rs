@@ -173,6 +173,13 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Lower-case hex SHA-256 of everything `r` yields (as a manifest records a file's checksum).
+pub fn sha256_hex(r: &mut impl std::io::Read) -> std::io::Result<String> {
+    let mut hasher = Sha256::new();
+    std::io::copy(r, &mut hasher)?;
+    Ok(hex(&hasher.finalize()))
+}
+
 /// Completes the checkpoint of `step` once all `world_size` ranks have written: collects their
 /// records into `manifest` (whose `files`/`pieces`/`tokenizer` are filled here), copies `tokenizer`, writes the
 /// manifest last, renames the directory into place, points `latest` at it and keeps the newest
