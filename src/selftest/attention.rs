@@ -7,7 +7,8 @@
 //! reference's output and log-sum-exp, as the ring passes the merged ones); and both with
 //! documents kept apart (a document floor: causal calls run on cuDNN as a ragged batch of the
 //! documents, ring blocks on the project's kernels), documents from 1 to 400 positions and, at
-//! the 7B shape, many short ones (a graph batch of 256). On
+//! the 7B shape, many short ones (a graph batch of 256), and long ones beside short ones (a
+//! ragged backward past `RAGGED_DETERMINISTIC_WORKSPACE`: cuDNN's non-deterministic one). On
 //! the CPU the shapes are scaled down and only the project's kernels run (a `cudnn` backend has
 //! no CPU kernels).
 
@@ -44,19 +45,23 @@ impl Case {
     }
 
     /// With documents: each query row's first key. Causal: documents of 1 to
-    /// [`Case::documents`] positions (lengths cycling with the row); unmasked (a ring block):
-    /// floors rising through the keys and stopping short of the last, so every row sees a key.
+    /// [`Case::documents`] positions (the `k`-th of row `r` has `1 + (37 k + 101 r) mod n`, the
+    /// row's last cut short); unmasked (a ring block): floors rising through the keys and
+    /// stopping short of the last, so every row sees a key.
     fn floor(&self) -> Option<Vec<u32>> {
-        if self.documents == 0 {
+        let n = self.documents;
+        if n == 0 {
             return None;
         }
         let mut f = Vec::with_capacity(self.b * self.s);
         for bi in 0..self.b {
-            let mut start = 0;
+            let (mut start, mut k) = (0, 0);
+            let mut len = 1 + bi * 101 % n;
             for i in 0..self.s {
                 if self.causal {
-                    if i >= start + 1 + (i * 37 + bi * 101) % self.documents {
-                        start = i;
+                    if i >= start + len {
+                        (start, k) = (i, k + 1);
+                        len = 1 + (k * 37 + bi * 101) % n;
                     }
                     f.push(start as u32);
                 } else {
@@ -93,6 +98,10 @@ fn cases(gpu: bool) -> Vec<Case> {
             // Many short documents at the 7B shape (about 200: a ragged graph of 256 on cuDNN).
             documents(case(1, 4096, 4096, 4, 4, 128, true), 40),
             documents(case(1, 512, 1024, 16, 8, 128, false), 400),
+            // Documents of up to 371 positions: a ragged batch of 32 spanning 512, whose
+            // deterministic backward would need 512 MiB of workspace (the non-deterministic one
+            // runs).
+            documents(case(2, 2048, 2048, 32, 4, 64, true), 1024),
         ]
     } else {
         vec![

@@ -346,4 +346,7 @@ int pretrain_sdpa_bwd(void *graph, void *handle, void *stream, const void *q, co
     });
 }
 
+// Frees a graph of `pretrain_sdpa_build` that will not run (one replaced by a lighter graph).
+void pretrain_sdpa_free(void *graph) { delete static_cast<fe::graph::Graph *>(graph); }
+
 }  // extern "C"

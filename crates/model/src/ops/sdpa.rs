@@ -79,6 +79,14 @@ impl std::fmt::Display for AttentionBackend {
 /// One fused-attention call as `cudnn/sdpa.cpp` reads it (`struct PretrainSdpa`): sizes, the
 /// element strides of the `[b, h, s, d]` views of q (and out, dout, dq), k (dk) and v (dv), the
 /// mask and the scale. Equal descriptions share a built graph (the scale compared by its bits).
+/// Most workspace, bytes, that the backward of documents kept apart (a ragged call) may take on
+/// cuDNN's deterministic algorithm. That algorithm's workspace follows the padded batch, not the
+/// packed tokens: `batch · hq · span² · 2` bytes (cuDNN 9.19 on an H200: 2 GiB for 128 document
+/// slots of 512 positions and 32 heads, 8 GiB at 1024 positions, where the call's q is 16 MiB),
+/// which no memory plan holds. Past this limit the backward runs cuDNN's non-deterministic
+/// algorithm, whose gradients may differ in their last bits from run to run.
+pub const RAGGED_DETERMINISTIC_WORKSPACE: usize = 256 << 20;
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct SdpaDesc {
@@ -210,6 +218,17 @@ impl SdpaDesc {
         f[25] = self.ragged.into();
         f[26] = self.total;
         f
+    }
+
+    /// What to build instead of this backward when its graph needs `workspace` bytes: for a
+    /// ragged call on cuDNN's deterministic algorithm past [`RAGGED_DETERMINISTIC_WORKSPACE`],
+    /// the same call on the non-deterministic one; `None` keeps this description.
+    pub fn lighter_backward(&self, workspace: usize) -> Option<Self> {
+        (self.ragged != 0 && self.deterministic != 0 && workspace > RAGGED_DETERMINISTIC_WORKSPACE)
+            .then_some(Self {
+                deterministic: 0,
+                ..*self
+            })
     }
 
     /// Elements of q (and out, dq) and of k (and v, dk, dv).
@@ -357,6 +376,30 @@ pub(crate) mod tests {
             .unwrap_err()
             .to_string()
             .contains("documents of 16 tokens"));
+    }
+
+    /// Only a ragged backward on the deterministic algorithm whose workspace passes the limit is
+    /// rebuilt, as the same call on the non-deterministic algorithm.
+    #[test]
+    fn a_ragged_backward_past_the_workspace_limit_gives_up_determinism() {
+        let dm = dims(2, 8, 8, 4, 2, 16, true);
+        let floor: Vec<u32> = [0, 0, 0, 3, 4, 4, 4, 4, 0, 0, 0, 0, 0, 5, 5, 5].into();
+        let docs = Documents::from_floor(dm, Some(&floor)).unwrap();
+        let ragged = SdpaDesc::documents(dm, 0.25, true, &docs).unwrap();
+        let limit = RAGGED_DETERMINISTIC_WORKSPACE;
+        assert_eq!(ragged.lighter_backward(limit), None);
+        let lighter = ragged.lighter_backward(limit + 1).unwrap();
+        assert_eq!(lighter.deterministic, 0);
+        assert_eq!(
+            SdpaDesc {
+                deterministic: 1,
+                ..lighter
+            },
+            ragged
+        );
+        assert_eq!(lighter.lighter_backward(usize::MAX), None);
+        let plain = SdpaDesc::new(dm, 0.25, true).unwrap();
+        assert_eq!(plain.lighter_backward(usize::MAX), None);
     }
 
     #[test]

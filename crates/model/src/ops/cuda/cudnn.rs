@@ -7,7 +7,8 @@
 //! softmax statistics are exactly that), and the flat `[nq + 2 nkv]` gradients. A causal call
 //! with a document floor runs as a ragged batch of its documents (`sdpa_ragged.rs`): the call
 //! uploads the batch's tables, and the statistics, which cuDNN writes token-major for it, are
-//! transposed to and from `[b, hq, s]`. Handles (one per
+//! transposed to and from `[b, hq, s]`; its backward runs cuDNN's non-deterministic algorithm
+//! where the deterministic one's workspace passes `RAGGED_DETERMINISTIC_WORKSPACE`. Handles (one per
 //! CUDA context) and graphs (one per [`SdpaDesc`] and direction) are made on first use and kept
 //! for the process's life in one [`GraphCache`]; its lock is held across binding the handle to the
 //! device's stream and enqueueing the graph ([`run_graph`]), which is all a call does on the host.
@@ -44,6 +45,7 @@ extern "C" {
         msg: *mut c_char,
         len: usize,
     ) -> i32;
+    fn pretrain_sdpa_free(graph: *mut c_void);
     fn pretrain_sdpa_fwd(
         graph: *mut c_void,
         handle: *mut c_void,
@@ -202,18 +204,43 @@ fn run_graph<R>(
         Ok(Ptr(h))
     })?;
     let built = cache.graph(key, desc, dir, || {
-        let mut msg = Message::new();
-        let (m, len) = msg.ptr();
-        let (mut g, mut ws) = (std::ptr::null_mut(), 0i64);
-        let backward = i32::from(dir == Direction::Backward);
-        // SAFETY: `desc` is a valid `PretrainSdpa` (same layout, `#[repr(C)]`); `handle` was
-        // made by the shim in this context; `g`, `ws` receive the graph and its workspace size.
-        let rc = unsafe { pretrain_sdpa_build(desc, backward, handle.0, &mut g, &mut ws, m, len) };
-        status(rc, "building the graph", &msg)?;
-        Ok(Graph {
-            ptr: Ptr(g),
-            workspace: usize::try_from(ws).unwrap_or(0),
-        })
+        let graph = build(handle, desc, dir)?;
+        let Some(lighter) = (dir == Direction::Backward)
+            .then(|| desc.lighter_backward(graph.workspace))
+            .flatten()
+        else {
+            return Ok(graph);
+        };
+        let light = match build(handle, &lighter, dir) {
+            Ok(light) => light,
+            Err(e) => {
+                tracing::warn!(
+                    "cuDNN's non-deterministic attention backward cannot be built for {} \
+                     documents of up to {} positions ({e}); its deterministic one runs, with {} \
+                     MiB of workspace",
+                    desc.b,
+                    desc.sq,
+                    graph.workspace >> 20
+                );
+                return Ok(graph);
+            }
+        };
+        // SAFETY: `graph` came from the shim's build, never ran and is dropped here.
+        unsafe { pretrain_sdpa_free(graph.ptr.0) };
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::warn!(
+                "documents kept apart on cuDNN: its deterministic attention backward needs {} \
+                 MiB of workspace for {} documents of up to {} positions; these calls run its \
+                 non-deterministic backward ({} MiB), whose gradients may differ in the last \
+                 bits from run to run (train.attention=own keeps them deterministic)",
+                graph.workspace >> 20,
+                desc.b,
+                desc.sq,
+                light.workspace >> 20
+            )
+        });
+        Ok(light)
     });
     let graph = match built {
         Ok(g) => g,
@@ -257,6 +284,24 @@ fn input<'a>(
         bail!("{OP}: `{name}` has {} elements, expected {want}", v.len())
     }
     Ok(v)
+}
+
+/// Builds the graph of `desc` in direction `dir` with `handle` (made in the current context).
+fn build(handle: Ptr, desc: &SdpaDesc, dir: Direction) -> Result<Graph> {
+    let mut msg = Message::new();
+    let (m, len) = msg.ptr();
+    let (mut g, mut ws) = (std::ptr::null_mut(), 0i64);
+    let backward = i32::from(dir == Direction::Backward);
+    // SAFETY: `desc` is a valid `PretrainSdpa` (same layout, `#[repr(C)]`); `handle` was made by
+    // the shim in this context; `g`, `ws` receive the graph and its workspace size.
+    let rc = unsafe { pretrain_sdpa_build(desc, backward, handle.0, &mut g, &mut ws, m, len) };
+    status(rc, "building the graph", &msg)?;
+    let workspace = usize::try_from(ws).unwrap_or(0);
+    tracing::debug!("cuDNN attention {dir:?} graph of {desc:?}: workspace {workspace} bytes");
+    Ok(Graph {
+        ptr: Ptr(g),
+        workspace,
+    })
 }
 
 /// A call's description and, for documents kept apart, its documents: `None` when its floor is
