@@ -99,7 +99,7 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
             };
             (crate::train::collect(vec![mine]), info.rank == 0)
         }
-        _ => (crate::train::train(recipe, true)?, true),
+        _ => (crate::train::train_to_files(recipe)?, true),
     };
     if !main {
         return Ok(());

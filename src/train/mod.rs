@@ -50,7 +50,8 @@ use pipeline::Timed;
 pub use rank::RankCtx;
 pub use report::loss_text;
 pub use run::{
-    assemble, collect, device_for, root_cause, run_rank, train, RankOutput, RunOutput, WeightSlice,
+    assemble, collect, device_for, root_cause, run_rank, train, train_to_files, RankOutput,
+    RunOutput, WeightSlice,
 };
 use splits::RankData;
 use zero::piece_uses;

@@ -75,8 +75,9 @@ pub fn assemble(
 pub type RankOutput = (Vec<StepRecord>, Option<f64>, Vec<WeightSlice>);
 
 /// Runs rank `rank` of a training job to the end on `device`, communicating through `comm`,
-/// recorded by its flight recorder (`super::flight`). On failure the communicator is aborted
-/// first, so the peers stop promptly.
+/// recorded by its flight recorder (`super::flight`), for its files (metrics, plots,
+/// checkpoints): its weights are not copied off the device (the output's are empty). On failure
+/// the communicator is aborted first, so the peers stop promptly.
 pub fn run_rank(
     recipe: &Recipe,
     rank: usize,
@@ -95,7 +96,7 @@ pub fn run_rank(
             return Err(e);
         }
     };
-    let result = run_recorded(recipe, rank, comm, device, write_outputs, recorder);
+    let result = run_recorded(recipe, rank, comm, device, write_outputs, false, recorder);
     drop(locks);
     result
 }
@@ -112,13 +113,15 @@ fn lock_dirs(recipe: &Recipe, rank: usize, write_outputs: bool) -> Result<Vec<Ru
     }
 }
 
-/// [`run_rank`] with the flight recorder `recorder` (the directories already locked).
+/// [`run_rank`] with the flight recorder `recorder` (the directories already locked), returning
+/// the rank's parameter slices when `weights`.
 fn run_recorded(
     recipe: &Recipe,
     rank: usize,
     comm: Arc<dyn Comm>,
     device: Device,
     write_outputs: bool,
+    weights: bool,
     recorder: Arc<FlightRecorder>,
 ) -> Result<RankOutput> {
     let comm: Arc<dyn Comm> = Arc::new(Recorded::new(comm, recorder.clone()));
@@ -135,7 +138,8 @@ fn run_recorded(
         }
     };
     match trainer.run() {
-        Ok((records, val)) => Ok((records, val, trainer.weight_slices()?)),
+        Ok((records, val)) if weights => Ok((records, val, trainer.weight_slices()?)),
+        Ok((records, val)) => Ok((records, val, Vec::new())),
         // Every rank stopped at the same step after saving: nothing to abort.
         Err(e) if super::signals::interrupted(&e).is_some() => Err(e),
         Err(e) => {
@@ -151,6 +155,18 @@ fn run_recorded(
 /// as threads sharing the local communicator (and one device handle). Returns rank 0's records
 /// and the assembled final weights.
 pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
+    train_job(recipe, write_outputs, true)
+}
+
+/// [`train`] for the run's files only (metrics, plots, checkpoints): the final weights are not
+/// copied off the devices and assembled (the output's are empty), which for a large model takes
+/// seconds, host memory of the whole model in f32 and a device copy of the parameters.
+pub fn train_to_files(recipe: Recipe) -> Result<RunOutput> {
+    train_job(recipe, true, false)
+}
+
+/// [`train`], assembling the final weights when `weights`.
+fn train_job(recipe: Recipe, write_outputs: bool, weights: bool) -> Result<RunOutput> {
     let world = recipe.parallel.world_size();
     if world > MAX_THREAD_RANKS {
         bail!(
@@ -170,7 +186,15 @@ pub fn train(recipe: Recipe, write_outputs: bool) -> Result<RunOutput> {
     let _watch = flight::watch(move || flight::from_recorders(&seen, world))?;
     let results = run_local(world, timeout, |rank, comm: Arc<dyn Comm>| {
         let recorder = recorders[rank].clone();
-        run_recorded(&recipe, rank, comm, device.clone(), write_outputs, recorder)
+        run_recorded(
+            &recipe,
+            rank,
+            comm,
+            device.clone(),
+            write_outputs,
+            weights,
+            recorder,
+        )
     })
     .map_err(|f| {
         if flight::timed_out(&f.error) {
