@@ -56,7 +56,8 @@ for shape in dict.fromkeys(r["shape"] for r in rows):
     for r in these:
         ratio = r["tflops"] / best["tflops"] if best else float("nan")
         summary.append(dict(r, vs_best_torch=ratio))
-        print(f"{shape:48} {r['backend']:>12} {r['tflops']:7.1f} TFLOP/s  {ratio:5.2f}x of {best['backend'] if best else '-'}")
+        vs = f"{ratio:5.2f}x of {best['backend']}" if best else "(no torch peer for this shape)"
+        print(f"{shape:48} {r['backend']:>12} {r['tflops']:7.1f} TFLOP/s  {vs}")
 json.dump(summary, open(os.path.join(out, "attention_gpu.json"), "w"), indent=2)
 PY
 exit $rc
