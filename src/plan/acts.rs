@@ -33,6 +33,8 @@ pub(super) struct Acts<'a> {
     /// A split backward's attention factors: the first norm's rows and the attention output
     /// (inputs), the q, k, v and o projections' upstream gradients.
     attention_factors: u64,
+    /// The attention backward's workspace on cuDNN ([`cudnn_workspace`]).
+    attention_workspace: u64,
 }
 
 impl<'a> Acts<'a> {
@@ -66,6 +68,7 @@ impl<'a> Acts<'a> {
             shapes,
             whole,
             attention_factors,
+            attention_workspace: cudnn_workspace(r),
         }
     }
 
@@ -100,7 +103,8 @@ impl<'a> Acts<'a> {
                             + 3 * rows
                             + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                                 / shapes.t)
-                        + rebuilt(i),
+                        + rebuilt(i)
+                        + self.attention_workspace,
                     factors: attention_factors
                         + p * shapes.ns
                             * c.moe().map_or(0, |m| {
@@ -118,7 +122,8 @@ impl<'a> Acts<'a> {
                         + 3 * n * c.intermediate_size as u64 / shapes.t
                         + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                             / shapes.t)
-                    + rebuilt(i),
+                    + rebuilt(i)
+                    + self.attention_workspace,
                 // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
                 // gradients: q, k, v, o, gate, up, down. Element for element the block's whole
                 // tape and input but the log-sum-exp (the residual's place taken by o's
@@ -137,7 +142,75 @@ impl<'a> Acts<'a> {
     }
 }
 
+/// The workspace, bytes, of one attention backward on cuDNN on a rank of `r` (0 where the
+/// project's kernels run: the CPU, f32, `train.attention: own`, head dims cuDNN does not take).
+/// The deterministic algorithm keeps a partial f32 dQ per tile of 128 keys and one more, and the
+/// f32 statistics: `4 · b · hq/t · s · (d · (⌈s_k/128⌉ + 1) + 1)` for `b` sequences of `s` local
+/// positions (`seq_len / cp`, a ring block's queries and keys) — 570,949,888 bytes measured for 2
+/// × 2048 positions and 32 heads of 64 (cuDNN 9.19, H200), this formula's value to 256 bytes.
+/// It grows with the square of the sequence: 2.2 GB a call for 32 heads of 128 at 4096. With
+/// documents kept apart the call is a ragged batch whose backward stays within
+/// [`model::ops::sdpa::RAGGED_DETERMINISTIC_WORKSPACE`] (past it cuDNN's non-deterministic
+/// algorithm runs, with a workspace of about three f32 copies of the packed dQ).
+pub(super) fn cudnn_workspace(r: &Recipe) -> u64 {
+    let (c, train, par) = (&r.model, &r.train, &r.parallel);
+    let d = c.head_dim();
+    if train.device != DeviceKind::Cuda
+        || !train.attention_backend().runs_cudnn(train.dtype.dtype(), d)
+    {
+        return 0;
+    }
+    let (b, s) = (train.micro_batch as u64, (train.seq_len / par.cp) as u64);
+    let heads = (c.num_attention_heads / par.tp) as u64;
+    let dense = 4 * b * heads * s * (d as u64 * (s.div_ceil(128) + 1) + 1);
+    if r.data.reset_attention_mask {
+        let packed = 3 * 4 * b * s * heads * d as u64;
+        dense.min(packed.max(model::ops::sdpa::RAGGED_DETERMINISTIC_WORKSPACE as u64))
+    } else {
+        dense
+    }
+}
+
 /// Bytes of a piece's input `[n_s, h]`.
 fn s_input(s: &TapeShape) -> u64 {
     s.ns * s.h * s.p
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn bench_1b(set: &str) -> Recipe {
+        let mut overrides = vec!["train.device=cuda".to_string()];
+        overrides.extend((!set.is_empty()).then(|| set.to_string()));
+        crate::recipe::load(Path::new("recipes/bench-1b.yaml"), &overrides).unwrap()
+    }
+
+    /// The measured workspace of bench-1b's backward, a share of it per tensor-parallel rank, a
+    /// quarter per ring block at cp 2, and nothing where cuDNN does not run.
+    #[test]
+    fn the_cudnn_backward_workspace_is_counted_where_cudnn_runs() {
+        let measured = 570_949_888u64;
+        let w = cudnn_workspace(&bench_1b(""));
+        assert!(w <= measured && measured - w <= 256, "{w}");
+        assert_eq!(cudnn_workspace(&bench_1b("parallel.tp=2")), w / 2);
+        let ring = cudnn_workspace(&bench_1b("parallel.cp=2"));
+        assert_eq!(ring, 4 * 2 * 32 * 1024 * (64 * 9 + 1));
+        for off in ["train.attention=own", "train.dtype=f32", "train.device=cpu"] {
+            assert_eq!(cudnn_workspace(&bench_1b(off)), 0, "{off}");
+        }
+        let docs = cudnn_workspace(&bench_1b("data.reset_attention_mask=true"));
+        assert_eq!(
+            docs,
+            model::ops::sdpa::RAGGED_DETERMINISTIC_WORKSPACE as u64
+        );
+        let (cudnn, own) = (bench_1b(""), bench_1b("train.attention=own"));
+        let (acts, own) = (Acts::new(&cudnn), Acts::new(&own));
+        assert_eq!(
+            acts.of(Piece::Block(0)).temp,
+            own.of(Piece::Block(0)).temp + w
+        );
+    }
 }

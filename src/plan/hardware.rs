@@ -30,8 +30,11 @@ pub struct Hardware {
     /// Device memory per GPU, GiB.
     pub memory_gib: f64,
     /// Memory each process needs outside its memory pool, GiB: the CUDA context, the loaded
-    /// kernels and the cuBLAS and cuDNN workspaces (3.2 measured on an H100: nvidia-smi against
-    /// the pool, docs/perf.md, GPU 2026-11-26; assumed the same on the other presets).
+    /// kernels and the cuBLAS and cuDNN workspaces. Measured by the process itself
+    /// (`device_outside_pool_mib`, docs/perf.md, GPU 2026-11-27 on an H200): 1.16 for a rank of
+    /// the 1.1B model, 1.35 with NCCL's one-rank communicator open; 1.5 leaves a margin for more
+    /// kernel modules (MoE, Muon) and streams. (The 3.2 read from nvidia-smi before included a
+    /// copy of the weights that the end of a run made.) Assumed the same on the other presets.
     pub context_gib: f64,
     /// NCCL buffers of one collective communicator, GiB (public reports: 0.5-0.7 GB per group on
     /// A100, 1.6 GB for one all-reducing communicator; not measured here). A point-to-point
@@ -60,7 +63,7 @@ impl GpuPreset {
                 name: "a100-80g",
                 peak_tflops: 312.0,
                 memory_gib: 80.0,
-                context_gib: 3.2,
+                context_gib: 1.5,
                 nccl_gib: 1.0,
                 hbm_gbps: 2039.0,
                 intra_node_gbps: 300.0,
@@ -73,7 +76,7 @@ impl GpuPreset {
                 name: "h100",
                 peak_tflops: 989.0,
                 memory_gib: 80.0,
-                context_gib: 3.2,
+                context_gib: 1.5,
                 nccl_gib: 1.0,
                 hbm_gbps: 3350.0,
                 intra_node_gbps: 450.0,
@@ -86,7 +89,7 @@ impl GpuPreset {
                 name: "h200",
                 peak_tflops: 989.0,
                 memory_gib: 141.0,
-                context_gib: 3.2,
+                context_gib: 1.5,
                 nccl_gib: 1.0,
                 hbm_gbps: 4800.0,
                 intra_node_gbps: 450.0,
