@@ -56,8 +56,9 @@ pub struct MemoryBytes {
     /// what a network that keeps up with the backward holds).
     pub staged_gradients: u64,
     /// Temporaries of the largest backward (gradients of the logits or of a block's widest
-    /// tensors, on cuDNN with its attention backward's workspace) and one communication bucket (a reduction's result on the CPU backends; NCCL
-    /// reduces the buckets in place, so on a GPU this slightly over-counts).
+    /// tensors, on cuDNN with its attention backward's workspace) and one communication bucket
+    /// (a reduction's result on the CPU backends; NCCL reduces the buckets in place, so on a GPU
+    /// this slightly over-counts).
     pub temporaries: u64,
     /// All of the above.
     pub total: u64,

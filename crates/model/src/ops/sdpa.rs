@@ -76,9 +76,6 @@ impl std::fmt::Display for AttentionBackend {
     }
 }
 
-/// One fused-attention call as `cudnn/sdpa.cpp` reads it (`struct PretrainSdpa`): sizes, the
-/// element strides of the `[b, h, s, d]` views of q (and out, dout, dq), k (dk) and v (dv), the
-/// mask and the scale. Equal descriptions share a built graph (the scale compared by its bits).
 /// Most workspace, bytes, that the backward of documents kept apart (a ragged call) may take on
 /// cuDNN's deterministic algorithm. That algorithm's workspace follows the padded batch, not the
 /// packed tokens: `batch · hq · span² · 2` bytes (cuDNN 9.19 on an H200: 2 GiB for 128 document
@@ -87,6 +84,9 @@ impl std::fmt::Display for AttentionBackend {
 /// algorithm, whose gradients may differ in their last bits from run to run.
 pub const RAGGED_DETERMINISTIC_WORKSPACE: usize = 256 << 20;
 
+/// One fused-attention call as `cudnn/sdpa.cpp` reads it (`struct PretrainSdpa`): sizes, the
+/// element strides of the `[b, h, s, d]` views of q (and out, dout, dq), k (dk) and v (dv), the
+/// mask and the scale. Equal descriptions share a built graph (the scale compared by its bits).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct SdpaDesc {

@@ -8,8 +8,8 @@
 //! with a document floor runs as a ragged batch of its documents (`sdpa_ragged.rs`): the call
 //! uploads the batch's tables, and the statistics, which cuDNN writes token-major for it, are
 //! transposed to and from `[b, hq, s]`; its backward runs cuDNN's non-deterministic algorithm
-//! where the deterministic one's workspace passes `RAGGED_DETERMINISTIC_WORKSPACE`. Handles (one per
-//! CUDA context) and graphs (one per [`SdpaDesc`] and direction) are made on first use and kept
+//! where the deterministic one's workspace passes `RAGGED_DETERMINISTIC_WORKSPACE`. Handles (one
+//! per CUDA context) and graphs (one per [`SdpaDesc`] and direction) are made on first use and kept
 //! for the process's life in one [`GraphCache`]; its lock is held across binding the handle to the
 //! device's stream and enqueueing the graph ([`run_graph`]), which is all a call does on the host.
 //! A shape cuDNN cannot build a graph for (its engines' limits) is logged once and runs the
