@@ -131,6 +131,7 @@ pub fn load_stored(text: &str, origin: &Path, overrides: &[String]) -> Result<Re
 }
 
 fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe, RecipeError> {
+    let mut applied = Vec::new();
     for arg in overrides {
         for (key, raw) in split_overrides(arg)? {
             check_depth(&raw).map_err(|message| RecipeError::Override {
@@ -142,13 +143,27 @@ fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe,
                 arg: arg.clone(),
                 message,
             })?;
+            applied.push((key, raw));
         }
     }
-    let mut recipe: Recipe =
-        serde_path_to_error::deserialize(value).map_err(|e| RecipeError::Parse {
-            path: path.to_path_buf(),
-            message: format!("{}: {}", e.path(), e.inner()),
-        })?;
+    let mut recipe: Recipe = serde_path_to_error::deserialize(value).map_err(|e| {
+        let (at, message) = (e.path().to_string(), e.inner().to_string());
+        // A value that an override set is reported as the override's, the last one that set it.
+        match applied
+            .iter()
+            .rev()
+            .find(|(key, _)| sets(key, &at, &message))
+        {
+            Some((key, raw)) => RecipeError::Override {
+                arg: format!("{key}={raw}"),
+                message: format!("{at}: {message}"),
+            },
+            None => RecipeError::Parse {
+                path: path.to_path_buf(),
+                message: format!("{at}: {message}"),
+            },
+        }
+    })?;
     // Said once per job: by the process of rank 0 (or the only process).
     let first = ["RANK", "SLURM_PROCID"]
         .iter()
@@ -219,9 +234,28 @@ fn merge(base: &mut Value, over: Value) {
     }
 }
 
+/// Whether the override of `key` set what a deserialisation error at `at` (with `message`)
+/// names: the key itself (an unknown key's error is at the key), a part of it
+/// (`data.datasets[0].prefix` of `data.datasets`), or a section it made up (`bogus` of
+/// `bogus.x`, unknown).
+fn sets(key: &str, at: &str, message: &str) -> bool {
+    let below = |long: &str, short: &str, marks: &[char]| {
+        long.strip_prefix(short)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(marks))
+    };
+    below(at, key, &['.', '[']) || (below(key, at, &['.']) && message.starts_with("unknown field"))
+}
+
 /// Splits `a.b=1,c.d=x,y` into `[(a.b, 1), (c.d, "x,y")]`: a comma starts a new override only when
 /// what follows looks like `key.path=`.
 fn split_overrides(arg: &str) -> Result<Vec<(String, String)>, RecipeError> {
+    if arg.ends_with(',') {
+        return Err(RecipeError::Override {
+            arg: arg.into(),
+            message: "ends with a comma, which would become part of the last value; remove it"
+                .into(),
+        });
+    }
     let mut out: Vec<(String, String)> = Vec::new();
     for piece in arg.split(',') {
         let starts_override = piece.split_once('=').is_some_and(|(k, _)| {
@@ -285,11 +319,61 @@ mod tests {
         );
         let v = split_overrides("data.split=98,2").unwrap();
         assert_eq!(v, vec![("data.split".into(), "98,2".into())]);
+        let e = split_overrides("train.steps=100,").unwrap_err().to_string();
+        assert!(
+            e.contains("--set train.steps=100,: ends with a comma"),
+            "{e}"
+        );
         let e = split_overrides("nonsense").unwrap_err().to_string();
         assert!(
             e.contains("--set nonsense: expected key.path=value (e.g. train.steps=100)"),
             "{e}"
         );
+    }
+
+    /// A value an override set that does not deserialise is reported against the override,
+    /// one the file set against the file.
+    #[test]
+    fn type_errors_name_the_override_that_set_the_value() {
+        let file = Path::new("recipes/tiny.yaml");
+        let err = |set: &[&str]| {
+            let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+            load(file, &set).unwrap_err().to_string()
+        };
+        let e = err(&["train.steps=abc"]);
+        assert!(
+            e.starts_with("--set train.steps=abc: train.steps: invalid type"),
+            "{e}"
+        );
+        let e = err(&["train.steps=1", "train.steps=abc,optimizer.lr=1e-3"]);
+        assert!(e.starts_with("--set train.steps=abc: train.steps:"), "{e}");
+        let e = err(&["data.datasets=[{prefix: 3, weight: x}]"]);
+        assert!(
+            e.starts_with("--set data.datasets=[{prefix: 3, weight: x}]: data.datasets[0]"),
+            "{e}"
+        );
+        let e = err(&["train.stepz=5"]);
+        assert!(
+            e.starts_with("--set train.stepz=5: train.stepz: unknown field `stepz`"),
+            "{e}"
+        );
+        let e = err(&["bogus.x=1"]);
+        assert!(
+            e.starts_with("--set bogus.x=1: bogus: unknown field `bogus`"),
+            "{e}"
+        );
+        let e = err(&["stray=5"]);
+        assert!(
+            e.starts_with("--set stray=5: stray: unknown field `stray`"),
+            "{e}"
+        );
+        // Nothing set by an override: the file is named.
+        let text = std::fs::read_to_string(file).unwrap();
+        let bad = text.replacen("steps: 200", "steps: abc", 1);
+        let e = load_str(&bad, file, &["optimizer.lr=1e-3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("recipes/tiny.yaml: "), "{e}");
     }
 
     #[test]
