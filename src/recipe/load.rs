@@ -340,33 +340,33 @@ mod tests {
             let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
             load(file, &set).unwrap_err().to_string()
         };
-        let e = err(&["train.steps=abc"]);
-        assert!(
-            e.starts_with("--set train.steps=abc: train.steps: invalid type"),
-            "{e}"
-        );
-        let e = err(&["train.steps=1", "train.steps=abc,optimizer.lr=1e-3"]);
-        assert!(e.starts_with("--set train.steps=abc: train.steps:"), "{e}");
-        let e = err(&["data.datasets=[{prefix: 3, weight: x}]"]);
-        assert!(
-            e.starts_with("--set data.datasets=[{prefix: 3, weight: x}]: data.datasets[0]"),
-            "{e}"
-        );
-        let e = err(&["train.stepz=5"]);
-        assert!(
-            e.starts_with("--set train.stepz=5: train.stepz: unknown field `stepz`"),
-            "{e}"
-        );
-        let e = err(&["bogus.x=1"]);
-        assert!(
-            e.starts_with("--set bogus.x=1: bogus: unknown field `bogus`"),
-            "{e}"
-        );
-        let e = err(&["stray=5"]);
-        assert!(
-            e.starts_with("--set stray=5: stray: unknown field `stray`"),
-            "{e}"
-        );
+        let cases: [(&[&str], &str); 6] = [
+            (
+                &["train.steps=abc"],
+                "--set train.steps=abc: train.steps: invalid type",
+            ),
+            (
+                &["train.steps=1", "train.steps=abc,optimizer.lr=1e-3"],
+                "--set train.steps=abc: train.steps:",
+            ),
+            (
+                &["data.datasets=[{prefix: 3, weight: x}]"],
+                "--set data.datasets=[{prefix: 3, weight: x}]: data.datasets[0]",
+            ),
+            (
+                &["train.stepz=5"],
+                "--set train.stepz=5: train.stepz: unknown field `stepz`",
+            ),
+            (
+                &["bogus.x=1"],
+                "--set bogus.x=1: bogus: unknown field `bogus`",
+            ),
+            (&["stray=5"], "--set stray=5: stray: unknown field `stray`"),
+        ];
+        for (set, expected) in cases {
+            let e = err(set);
+            assert!(e.starts_with(expected), "{e}");
+        }
         // Nothing set by an override: the file is named.
         let text = std::fs::read_to_string(file).unwrap();
         let bad = text.replacen("steps: 200", "steps: abc", 1);
