@@ -146,12 +146,33 @@ fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// A new file at `path`, for writing: a leftover of a process of this id that died is removed
+/// first, and a file or link planted there since is refused (`O_CREAT | O_EXCL` never follows a
+/// link), so neither another run's file nor a link's target is ever written through.
+pub(crate) fn create_fresh(path: &Path) -> Result<File> {
+    let _ = std::fs::remove_file(path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| DataError::io(path, e))
+}
+
+/// The temporary name a file (`P.bin`, `P.idx`, a tokenizer) is written under by this process: `.P.bin.<pid>.tmp`
+/// beside it, so runs writing the same prefix never share a file.
+pub(crate) fn temporary(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let name = name.unwrap_or_default();
+    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+}
+
 /// Streams documents into `P.bin` and writes `P.idx` on [`finish`](Self::finish).
 ///
 /// Only `uint16` and `int32` token dtypes can be written (the ones Megatron's preprocessing
 /// produces); each added document becomes one sequence. Both files are written under temporary
-/// names (`P.bin.tmp`, `P.idx.tmp`) and renamed into place by `finish`: a writer that fails or is
-/// dropped removes its temporary file and leaves an existing dataset of the same prefix intact.
+/// names of this process (`.P.bin.<pid>.tmp`, `.P.idx.<pid>.tmp`) and renamed into place by
+/// `finish`: a writer that fails or is dropped removes its temporary file and leaves an existing
+/// dataset of the same prefix intact.
 pub struct IndexedDatasetWriter {
     bin: BufWriter<File>,
     /// The temporary `.bin` being written.
@@ -182,8 +203,8 @@ impl IndexedDatasetWriter {
         if let Some(parent) = bin_path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| DataError::io(parent, e))?;
         }
-        let bin_tmp = with_suffix(prefix, ".bin.tmp");
-        let file = File::create(&bin_tmp).map_err(|e| DataError::io(&bin_tmp, e))?;
+        let bin_tmp = temporary(&bin_path);
+        let file = create_fresh(&bin_tmp)?;
         Ok(IndexedDatasetWriter {
             bin: BufWriter::with_capacity(1 << 20, file),
             bin_tmp,
@@ -257,7 +278,7 @@ impl IndexedDatasetWriter {
             .map_err(|e| DataError::io(&self.bin_tmp, e))?;
         let doc_indices: Vec<i64> = (0..=self.lengths.len() as i64).collect();
         let index = encode_index(self.dtype, &self.lengths, &doc_indices);
-        let idx_tmp = with_suffix(&self.idx_path, ".tmp");
+        let idx_tmp = temporary(&self.idx_path);
         let sealed = SealedDataset {
             bin_tmp: self.bin_tmp.clone(),
             idx_tmp,
@@ -267,7 +288,10 @@ impl IndexedDatasetWriter {
             committed: false,
         };
         self.finished = true; // the sealed dataset owns the temporary files now
-        std::fs::write(&sealed.idx_tmp, index).map_err(|e| DataError::io(&sealed.idx_tmp, e))?;
+        create_fresh(&sealed.idx_tmp)?
+            .write_all(&index)
+            .and_then(|_| File::open(&sealed.idx_tmp)?.sync_all())
+            .map_err(|e| DataError::io(&sealed.idx_tmp, e))?;
         Ok(sealed)
     }
 }
@@ -293,14 +317,77 @@ pub struct SealedDataset {
 
 impl SealedDataset {
     /// Renames `P.bin` and `P.idx` into place; returns the `.bin` bytes.
-    pub fn commit(mut self) -> Result<u64> {
-        std::fs::rename(&self.bin_tmp, &self.bin_path)
-            .map_err(|e| DataError::io(&self.bin_path, e))?;
-        std::fs::rename(&self.idx_tmp, &self.idx_path)
-            .map_err(|e| DataError::io(&self.idx_path, e))?;
-        self.committed = true;
-        Ok(self.bytes)
+    pub fn commit(self) -> Result<u64> {
+        commit_all(vec![self])
     }
+}
+
+/// Renames every sealed dataset into place, all or none: the files they replace are first moved
+/// aside (`.P.bin.<pid>.old`), and if any rename fails, the ones made are undone and the old
+/// files put back, so a failure leaves the earlier datasets as they were. Returns the `.bin`
+/// bytes written.
+pub fn commit_all(mut sealed: Vec<SealedDataset>) -> Result<u64> {
+    let moves: Vec<(PathBuf, PathBuf)> = sealed
+        .iter()
+        .flat_map(|d| {
+            [
+                (d.bin_tmp.clone(), d.bin_path.clone()),
+                (d.idx_tmp.clone(), d.idx_path.clone()),
+            ]
+        })
+        .collect();
+    for (_, to) in &moves {
+        if to.is_dir() {
+            return Err(DataError::io(
+                to,
+                std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory"),
+            ));
+        }
+    }
+    let aside = |to: &Path| {
+        let name = to.file_name().map(|n| n.to_string_lossy().into_owned());
+        to.with_file_name(format!(
+            ".{}.{}.old",
+            name.unwrap_or_default(),
+            std::process::id()
+        ))
+    };
+    // (final name, where its old file went) for every name that held one.
+    let mut moved_aside: Vec<(PathBuf, PathBuf)> = Vec::new();
+    let mut placed: Vec<&PathBuf> = Vec::new();
+    let mut step = || -> Result<()> {
+        for (_, to) in &moves {
+            if std::fs::symlink_metadata(to).is_ok() {
+                let old = aside(to);
+                std::fs::rename(to, &old).map_err(|e| DataError::io(to, e))?;
+                moved_aside.push((to.clone(), old));
+            }
+        }
+        for (from, to) in &moves {
+            std::fs::rename(from, to).map_err(|e| DataError::io(to, e))?;
+            placed.push(to);
+        }
+        Ok(())
+    };
+    let done = step();
+    if let Err(e) = done {
+        for to in placed {
+            let _ = std::fs::remove_file(to);
+        }
+        for (to, old) in moved_aside {
+            let _ = std::fs::rename(old, to);
+        }
+        return Err(e);
+    }
+    for (_, old) in moved_aside {
+        let _ = std::fs::remove_file(old);
+    }
+    let mut bytes = 0;
+    for d in &mut sealed {
+        d.committed = true;
+        bytes += d.bytes;
+    }
+    Ok(bytes)
 }
 
 impl Drop for SealedDataset {

@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 
 use crate::error::{DataError, Result};
-use crate::indexed::{bin_path, idx_path, DType, IndexedDatasetWriter, SealedDataset};
+use crate::indexed::{bin_path, commit_all, idx_path, DType, IndexedDatasetWriter, SealedDataset};
 use crate::input::{expand_inputs, read_documents};
 use crate::tokenizer::{bos_id, eod_id, load_tokenizer};
 
@@ -231,11 +231,8 @@ impl Output<'_> {
     /// prefix numbered past the new last one (left by an earlier, longer run).
     fn commit(mut self) -> Result<(u64, Vec<WrittenDataset>)> {
         self.seal()?;
-        let (mut bytes, mut written) = (0, Vec::new());
-        for (sealed, dataset) in self.sealed.drain(..) {
-            bytes += sealed.commit()?;
-            written.push(dataset);
-        }
+        let (sealed, written): (Vec<_>, Vec<_>) = self.sealed.drain(..).unzip();
+        let bytes = commit_all(sealed)?;
         if self.opts.shard_bytes.is_some() {
             for i in written.len().. {
                 let stale = self.prefix(i);
@@ -323,11 +320,20 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
     let (mut documents, mut tokens, mut text_bytes) = (0u64, 0u64, 0u64);
     let mut pending: Vec<(usize, String)> = Vec::new();
     let mut pending_bytes = 0usize;
+    // A signal stops the run between documents, in a batch being tokenized too, and before the
+    // output is renamed into place: dropping the output removes its temporary files.
+    let stopped = || match opts.stop.and_then(|stop| stop()) {
+        Some(signal) => Err(DataError::Stopped { signal }),
+        None => Ok(()),
+    };
     let mut flush = |pending: &mut Vec<(usize, String)>, out: &mut Output| -> Result<()> {
         let encoded = pool.install(|| {
             pending
                 .par_iter()
-                .map(|(f, doc)| encode(&tokenizer, doc, specials, &files[*f], &opts.tokenizer))
+                .map(|(f, doc)| {
+                    stopped()?;
+                    encode(&tokenizer, doc, specials, &files[*f], &opts.tokenizer)
+                })
                 .collect::<Result<Vec<Vec<u32>>>>()
         })?;
         for ids in &encoded {
@@ -341,10 +347,7 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
     for (f, file) in files.iter().enumerate() {
         bar.set_message(format!("file {}/{}", f + 1, files.len()));
         for doc in read_documents(file, &opts.json_key, opts.doc_separator.as_deref())? {
-            if let Some(signal) = opts.stop.and_then(|stop| stop()) {
-                // Dropping the output removes its temporary files; an existing dataset stays.
-                return Err(DataError::Stopped { signal });
-            }
+            stopped()?;
             let doc = doc?;
             pending_bytes += doc.len();
             text_bytes += doc.len() as u64;
@@ -357,6 +360,7 @@ pub fn preprocess(opts: &PreprocessOptions) -> Result<PreprocessSummary> {
         bar.inc(std::fs::metadata(file).map_or(0, |m| m.len()));
     }
     flush(&mut pending, &mut out)?;
+    stopped()?;
     if documents == 0 {
         // Dropping the writer removes its temporary files; an existing dataset stays.
         return Err(DataError::EmptyDataset {
@@ -407,6 +411,16 @@ fn check_output(opts: &PreprocessOptions) -> Result<()> {
             )
         })?;
     }
+    // An unwritable directory is found now, not after the first batch is tokenized.
+    let dir = prefix.parent().filter(|p| !p.as_os_str().is_empty());
+    let probe = crate::indexed::temporary(&dir.unwrap_or(Path::new(".")).join("write-check"));
+    crate::indexed::create_fresh(&probe).map_err(|e| {
+        DataError::config(
+            "output_prefix",
+            format!("cannot write in the output directory: {e}"),
+        )
+    })?;
+    let _ = std::fs::remove_file(&probe);
     let first = match opts.shard_bytes {
         Some(_) => shard_prefix(prefix, 0),
         None => prefix.clone(),

@@ -197,7 +197,7 @@ fn temporary_files(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".tmp"))
+        .filter(|n| n.ends_with(".tmp") || n.ends_with(".old"))
         .collect()
 }
 
@@ -223,6 +223,89 @@ fn a_stopped_preprocess_writes_nothing_and_keeps_the_existing_dataset() {
     assert!(matches!(e, DataError::Stopped { signal: 15 }), "{e}");
     assert_eq!(std::fs::read(bin_path(&prefix)).unwrap(), before);
     let left = temporary_files(dir.path());
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// Calls of [`late_sigint`] so far.
+static POLLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// SIGINT from the fifth poll on: with two documents in one batch, after every document was
+/// read and tokenized, just before the output would be renamed into place.
+fn late_sigint() -> Option<i32> {
+    let n = POLLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    (n >= 4).then_some(2)
+}
+
+/// A signal that comes while the last batch is tokenized stops the run before its output
+/// replaces the existing dataset.
+#[test]
+fn a_signal_during_the_last_batch_still_stops_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let prefix = dir.path().join("ds");
+    let o = opts(vec![input.display().to_string()], &tok, &prefix);
+    preprocess(&o).unwrap();
+    let before = std::fs::read(bin_path(&prefix)).unwrap();
+    std::fs::write(&input, "{\"text\": \"three\"}\n{\"text\": \"four\"}\n").unwrap();
+    let stopped = PreprocessOptions {
+        stop: Some(late_sigint),
+        ..o
+    };
+    let e = preprocess(&stopped).unwrap_err();
+    assert!(matches!(e, DataError::Stopped { signal: 2 }), "{e}");
+    assert!(POLLS.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+    assert_eq!(std::fs::read(bin_path(&prefix)).unwrap(), before);
+    let left = temporary_files(dir.path());
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// A sharded run whose renaming into place fails part way (a later shard's name is taken by a
+/// directory) puts every shard of the earlier run back as it was.
+#[test]
+fn a_sharded_run_that_fails_to_commit_keeps_every_earlier_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let input = dir.path().join("in.jsonl");
+    let docs: String = (0..40)
+        .map(|i| format!("{{\"text\": \"document {i} of the first run\"}}\n"))
+        .collect();
+    std::fs::write(&input, docs).unwrap();
+    let prefix = dir.path().join("out/ds");
+    let mut o = opts(vec![input.display().to_string()], &tok, &prefix);
+    o.shard_bytes = Some(64);
+    let first = preprocess(&o).unwrap();
+    assert!(first.datasets.len() >= 4, "{}", first.datasets.len());
+    let files = |n: usize| -> Vec<Vec<u8>> {
+        (0..n)
+            .flat_map(|i| {
+                let p = data::preprocess::shard_prefix(&prefix, i);
+                [bin_path(&p), idx_path(&p)]
+            })
+            .map(|p| std::fs::read(p).unwrap())
+            .collect()
+    };
+    let before = files(first.datasets.len());
+    // A second run of more shards, one of whose names past the first run's is a directory.
+    let docs: String = (0..80)
+        .map(|i| format!("{{\"text\": \"document {i} of the second run\"}}\n"))
+        .collect();
+    std::fs::write(&input, docs).unwrap();
+    let taken = bin_path(&data::preprocess::shard_prefix(
+        &prefix,
+        first.datasets.len() + 1,
+    ));
+    std::fs::create_dir_all(&taken).unwrap();
+    let e = preprocess(&o).unwrap_err().to_string();
+    assert!(e.contains("is a directory"), "{e}");
+    assert_eq!(files(first.datasets.len()), before);
+    let later = data::preprocess::shard_prefix(&prefix, first.datasets.len());
+    assert!(
+        !bin_path(&later).exists(),
+        "a shard of the failed run was left"
+    );
+    let left = temporary_files(&dir.path().join("out"));
     assert!(left.is_empty(), "{left:?}");
 }
 
