@@ -38,8 +38,7 @@ impl BlendIndex {
                 format!("must be a positive finite number, found {}", weights[i]),
             ));
         }
-        let sum: f64 = weights.iter().sum();
-        let w: Vec<f64> = weights.iter().map(|x| x / sum).collect();
+        let w = crate::split::normalised(weights);
         let n = weights.len();
         let len = usize::try_from(num_samples)
             .map_err(|_| DataError::config("num_samples", "too large for this platform"))?;

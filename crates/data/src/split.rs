@@ -37,14 +37,13 @@ impl SplitWeights {
             }
             weights[i] = w;
         }
-        let sum: f64 = weights.iter().sum();
-        if sum <= 0.0 {
+        if weights.iter().sum::<f64>() <= 0.0 {
             return Err(DataError::config(field, format!("`{s}` sums to 0")));
         }
-        for w in &mut weights {
-            *w /= sum;
-        }
-        Ok(SplitWeights { weights })
+        let w = normalised(&weights);
+        Ok(SplitWeights {
+            weights: [w[0], w[1], w[2]],
+        })
     }
 
     /// Normalised weights (train, valid, test).
@@ -76,6 +75,20 @@ impl SplitWeights {
     }
 }
 
+/// `weights` (finite, not negative, not all 0) divided by their sum, as Megatron normalises
+/// them; weights whose sum overflows are first divided by the largest, so `[1e308, 1e308, 1]`
+/// keeps its proportions instead of becoming all zeros.
+pub(crate) fn normalised(weights: &[f64]) -> Vec<f64> {
+    let sum: f64 = weights.iter().sum();
+    if sum.is_finite() {
+        return weights.iter().map(|w| w / sum).collect();
+    }
+    let max = weights.iter().copied().fold(0.0, f64::max);
+    let scaled: Vec<f64> = weights.iter().map(|w| w / max).collect();
+    let sum: f64 = scaled.iter().sum();
+    scaled.iter().map(|w| w / sum).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +107,10 @@ mod tests {
         assert_eq!(r("100", 5), [0..5, 5..5, 5..5]);
         // Half-to-even rounding gives 2 + 2; the missing document shifts every later boundary.
         assert_eq!(r("1,1", 5), [0..3, 3..5, 5..5]);
+        // Weights whose sum overflows keep their proportions.
+        assert_eq!(r("1e308,1e308", 100), [0..50, 50..100, 100..100]);
+        assert_eq!(normalised(&[1e308, 1e308, 0.0]), [0.5, 0.5, 0.0]);
+        assert_eq!(normalised(&[3.0, 1.0]), [0.75, 0.25]);
     }
 
     #[test]
