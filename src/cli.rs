@@ -284,9 +284,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 tokenizer: a.tokenizer,
                 output_prefix: a.output_prefix,
                 json_key: a.json_key,
-                doc_separator: a
-                    .doc_separator
-                    .map(|s| s.replace("\\n", "\n").replace("\\t", "\t")),
+                doc_separator: a.doc_separator.as_deref().map(unescape).transpose()?,
                 append_eod: a.append_eod,
                 add_bos: a.add_bos,
                 shard_bytes: a.shard_size,
@@ -428,6 +426,34 @@ fn selftest(
     Ok(())
 }
 
+/// `--doc-separator`'s text with `\n`, `\r`, `\t` and `\\` read as the characters they name;
+/// an empty separator is refused (it would split nothing).
+fn unescape(text: &str) -> Result<String> {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('r') => out.push('\r'),
+            Some('t') => out.push('\t'),
+            Some('\\') => out.push('\\'),
+            Some(other) => {
+                out.push('\\');
+                out.push(other);
+            }
+            None => out.push('\\'),
+        }
+    }
+    if out.is_empty() {
+        anyhow::bail!("--doc-separator: empty (leave it out to make each text file one document)");
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -439,5 +465,13 @@ mod tests {
         assert!(log_colours(true, Some(OsStr::new(""))));
         assert!(!log_colours(true, Some(OsStr::new("1"))));
         assert!(!log_colours(false, None));
+    }
+
+    #[test]
+    fn doc_separators_name_control_characters() {
+        assert_eq!(super::unescape("\\r\\n\\r\\n").unwrap(), "\r\n\r\n");
+        assert_eq!(super::unescape("\\n\\t|\\\\n").unwrap(), "\n\t|\\n");
+        assert_eq!(super::unescape("a\\").unwrap(), "a\\");
+        assert!(super::unescape("").is_err());
     }
 }
