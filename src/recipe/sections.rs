@@ -374,7 +374,8 @@ fn default_decay_fraction() -> f64 {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase", from = "String")]
 pub enum Resume {
-    /// Start from the seeded initialisation.
+    /// Start from the seeded initialisation (refused where the checkpoint directory already
+    /// holds checkpoints, which this run would save over).
     #[default]
     None,
     /// The newest complete checkpoint in the checkpoint directory, if any.

@@ -108,6 +108,22 @@ fn all_reduce_f64(comm: &dyn Comm, group: &Group, v: f64) -> Result<f64> {
         .to_vec1::<f64>()?[0])
 }
 
+/// A run from step 0 (`checkpoint.resume=none`) would save over the checkpoints of an earlier
+/// run in `root`, and `latest` would name its own: refused before anything is written.
+fn refuse_earlier_checkpoints(root: &std::path::Path) -> Result<()> {
+    if let Some(newest) = ckpt::saved_steps(root)?.last() {
+        bail!(
+            "checkpoint.resume=none, but {} holds checkpoints of an earlier run (the newest of \
+             step {newest}), which this run would save over: continue them with --set \
+             checkpoint.resume=auto, or start over in another run.dir (or checkpoint.dir), or \
+             remove {}",
+            root.display(),
+            root.display()
+        );
+    }
+    Ok(())
+}
+
 impl Trainer {
     /// Tells `recorder` (the flight recorder of this rank's communicator) each step.
     pub fn set_flight(&mut self, recorder: Arc<parallel::comm::flight::FlightRecorder>) {
@@ -125,6 +141,9 @@ impl Trainer {
                 recipe.train.device,
                 device.location()
             );
+        }
+        if write_outputs && recipe.checkpoint.resume == Resume::None {
+            refuse_earlier_checkpoints(&recipe.checkpoint_root())?;
         }
         let t = &recipe.train;
         let data = RankData::open(&recipe, &ctx)?;

@@ -33,7 +33,7 @@ pub use format::{
     DatasetEntry, FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, Values, MANIFEST,
     TOKENIZER,
 };
-pub use read::{find_latest, Checkpoint};
+pub use read::{find_latest, saved_steps, Checkpoint};
 pub use write::{finalize, prune, sha256_hex, step_dir_name, RankWriter};
 
 /// Result type of this crate.

@@ -39,6 +39,25 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         }
     }
     if !path.try_exists().map_err(CkptError::io(&path))? {
+        let mismatch = |message: String| CkptError::Mismatch {
+            dir: dir.to_path_buf(),
+            message,
+        };
+        // Two directories often given for a step directory, named for what they are.
+        if let Some(newest) = saved_steps(dir)?.last() {
+            return Err(mismatch(format!(
+                "a checkpoint root, not a step directory: name one of its step directories (the \
+                 newest is {})",
+                dir.join(crate::step_dir_name(*newest)).display()
+            )));
+        }
+        if dir.join("config.json").is_file() {
+            return Err(mismatch(
+                "a Hugging Face model directory, not a checkpoint: make one of it with \
+                 `pretrain import-hf`"
+                    .into(),
+            ));
+        }
         return Err(CkptError::Incomplete {
             dir: dir.to_path_buf(),
             file: MANIFEST,
@@ -74,6 +93,25 @@ fn step_of(dir: &Path) -> Option<u64> {
         .strip_prefix("step-")?
         .parse::<u64>()
         .ok()
+}
+
+/// The steps of the complete checkpoints under `root` (step directories with a manifest), in
+/// order; empty when there are none or no `root`.
+pub fn saved_steps(root: &Path) -> Result<Vec<u64>> {
+    let entries = match fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(CkptError::io(root)(e)),
+    };
+    let mut steps = Vec::new();
+    for e in entries {
+        let path = e.map_err(CkptError::io(root))?.path();
+        if let Some(step) = step_of(&path).filter(|_| path.join(MANIFEST).exists()) {
+            steps.push(step);
+        }
+    }
+    steps.sort_unstable();
+    Ok(steps)
 }
 
 /// The newest checkpoint under `root`: the one `latest` names (the last one saved), or without a
