@@ -258,29 +258,57 @@ fn split_overrides(arg: &str) -> Result<Vec<(String, String)>, RecipeError> {
     }
     let mut out: Vec<(String, String)> = Vec::new();
     for piece in arg.split(',') {
-        let starts_override = piece.split_once('=').is_some_and(|(k, _)| {
-            !k.is_empty()
-                && k.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
-        });
-        match (starts_override, out.last_mut()) {
-            (true, _) => {
-                let (k, v) = piece.split_once('=').expect("checked above");
+        // `a=1, b.c=2` sets two keys: the space after the comma is not part of a key.
+        let key = piece.split_once('=').map(|(k, _)| k.trim());
+        match (key.filter(|k| key_problem(k).is_none()), out.last_mut()) {
+            (Some(k), _) => {
+                let (_, v) = piece.split_once('=').expect("checked above");
                 out.push((k.to_string(), v.to_string()));
             }
-            (false, Some(last)) => {
+            (None, Some(last)) => {
                 last.1.push(',');
                 last.1.push_str(piece);
             }
-            (false, None) => {
+            (None, None) => {
+                let message = match key {
+                    Some(k) => format!("the key `{k}` {}", key_problem(k).expect("refused above")),
+                    None => "expected key.path=value (e.g. train.steps=100)".into(),
+                };
                 return Err(RecipeError::Override {
                     arg: arg.into(),
-                    message: "expected key.path=value (e.g. train.steps=100)".into(),
-                })
+                    message,
+                });
             }
         }
     }
     Ok(out)
+}
+
+/// Why `key` (trimmed) cannot be a dotted recipe key, if it cannot.
+fn key_problem(key: &str) -> Option<String> {
+    if key.is_empty() {
+        return Some("is empty: expected key.path=value (e.g. train.steps=100)".into());
+    }
+    if key.contains('[') {
+        return Some(
+            "indexes a list, which overrides cannot: set the whole list (e.g. \
+             data.datasets=[{prefix: data/a, weight: 1}])"
+                .into(),
+        );
+    }
+    if key.split('.').any(str::is_empty) {
+        return Some("has an empty part between dots".into());
+    }
+    let bad = key
+        .chars()
+        .find(|&c| !(c.is_ascii_alphanumeric() || c == '_' || c == '.'))?;
+    let what = match bad {
+        c if c.is_whitespace() => "whitespace inside it".to_string(),
+        c => format!("`{c}`"),
+    };
+    Some(format!(
+        "has {what}, which no recipe key has (keys are ASCII letters, digits, `_` and dots)"
+    ))
 }
 
 /// Sets the dotted `key` in `root` to `value`, creating missing mappings.
@@ -329,6 +357,33 @@ mod tests {
             e.contains("--set nonsense: expected key.path=value (e.g. train.steps=100)"),
             "{e}"
         );
+        // A space after a comma does not hide the next override inside the value before it.
+        let v = split_overrides("checkpoint.dir=/tmp/x, train.steps=1").unwrap();
+        assert_eq!(
+            v,
+            vec![
+                ("checkpoint.dir".into(), "/tmp/x".into()),
+                ("train.steps".into(), "1".into())
+            ]
+        );
+        let v = split_overrides("data.split=98, 2").unwrap();
+        assert_eq!(v, vec![("data.split".into(), "98, 2".into())]);
+        for (arg, says) in [
+            (
+                "train.st\u{e9}ps=3",
+                "the key `train.st\u{e9}ps` has `\u{e9}`",
+            ),
+            (
+                "parallel.p p=2",
+                "the key `parallel.p p` has whitespace inside it",
+            ),
+            ("data.datasets[0].prefix=x", "indexes a list"),
+            ("train..steps=3", "has an empty part between dots"),
+            ("=3", "the key `` is empty"),
+        ] {
+            let e = split_overrides(arg).unwrap_err().to_string();
+            assert!(e.contains(says), "{arg}: {e}");
+        }
     }
 
     /// A value an override set that does not deserialise is reported against the override,
