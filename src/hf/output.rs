@@ -65,6 +65,7 @@ impl Output {
                     .iter()
                     .take(4)
                     .cloned()
+                    .chain((entries.len() > 4).then(|| "…".to_string()))
                     .collect::<Vec<_>>()
                     .join(", ")
             );

@@ -148,6 +148,13 @@ impl<'a> Coordinator<'a> {
                     reached.saturating_sub(from)
                 );
                 self.watcher = Some(Resumed::watch(&self.recipe.run.dir, from, ended));
+            } else if !own {
+                tracing::warn!(
+                    "elastic: the recipe's layout takes {} ranks, {total} started; running on {} \
+                     instead",
+                    self.recipe.parallel.world_size(),
+                    next.describe()
+                );
             }
         }
         agents.publish(&plan)?;

@@ -108,8 +108,14 @@ impl Relayout {
     pub fn describe(&self) -> String {
         let l = &self.layout;
         let mut s = format!(
-            "{} ranks: dp={} tp={} cp={} pp={} ep={}",
-            self.world, l.dp, l.tp, l.cp, l.pp, l.ep
+            "{} ranks: dp={} tp={} cp={} pp={} ep={} zero={}",
+            self.world,
+            l.dp,
+            l.tp,
+            l.cp,
+            l.pp,
+            l.ep,
+            l.zero.number()
         );
         if let Some(p) = &self.pipeline_layout {
             s.push_str(&format!(" pipeline_layout={p:?}"));

@@ -264,7 +264,8 @@ impl Recipe {
             let m = t.global_batch / per_step;
             if m % par.pp != 0 {
                 p.push(format!(
-                    "interleaved pipeline: micro-batches per step ({m} = train.global_batch / (train.micro_batch × parallel.dp)) must be a multiple of parallel.pp ({})",
+                    "{} pipeline: micro-batches per step ({m} = train.global_batch / (train.micro_batch × parallel.dp)) must be a multiple of parallel.pp ({})",
+                    if par.schedule_kind() == parallel::pipeline::ScheduleKind::ZeroBubbleV { "zbv" } else { "interleaved" },
                     par.pp
                 ));
             }
@@ -376,6 +377,14 @@ impl Recipe {
                     "optimizer.muon.ns_coefficients ({:?}) must be finite",
                     m.ns_coefficients
                 ));
+            } else if let Some((x, y)) = ns_growth(m.ns_coefficients) {
+                p.push(format!(
+                    "optimizer.muon.ns_coefficients ({:?}): each step maps a singular value x in \
+                     [0, 1] to a·x + b·x³ + c·x⁵, which gives {y:.3e} at x = {x:.3}; the iteration \
+                     diverges past |4| (the default, Keller Jordan's (3.4445, -4.775, 2.0315), \
+                     stays within 1.2)",
+                    m.ns_coefficients
+                ));
             }
             if m.eps.is_nan() || m.eps <= 0.0 {
                 p.push(format!("optimizer.muon.eps ({}) must be positive", m.eps));
@@ -394,6 +403,16 @@ impl Recipe {
             ));
         }
     }
+}
+
+/// Where the Newton–Schulz step `a·x + b·x³ + c·x⁵` takes a singular value `x` of `[0, 1]` (the
+/// orthogonalised matrix is first scaled to a spectral norm of at most 1) past 4 in magnitude,
+/// from which the iteration diverges: the first such `x` of 1001 and its image.
+fn ns_growth([a, b, c]: [f64; 3]) -> Option<(f64, f64)> {
+    (0..=1000).map(|i| i as f64 / 1000.0).find_map(|x| {
+        let y = x * (a + x * x * (b + c * x * x));
+        (y.abs() > 4.0).then_some((x, y))
+    })
 }
 
 #[cfg(test)]
@@ -454,5 +473,20 @@ mod tests {
         assert!(warnings(set)
             .join("; ")
             .contains("moe_act, which does nothing"));
+    }
+
+    #[test]
+    fn newton_schulz_coefficients_that_diverge_are_refused() {
+        assert_eq!(super::ns_growth([3.4445, -4.775, 2.0315]), None);
+        assert_eq!(super::ns_growth([8.28721, -23.5959, 17.3004]), None);
+        assert_eq!(super::ns_growth([2.0, -1.5, 0.5]), None);
+        let (x, y) = super::ns_growth([1e300, 1.0, 1.0]).unwrap();
+        assert!(x > 0.0 && y > 4.0, "{x} {y}");
+        let r = crate::recipe::load(
+            Path::new("recipes/tiny.yaml"),
+            &["optimizer.name=muon,optimizer.muon.ns_coefficients=[1e300,1,1]".to_string()],
+        );
+        let e = format!("{:#}", r.unwrap_err());
+        assert!(e.contains("optimizer.muon.ns_coefficients"), "{e}");
     }
 }
