@@ -1,5 +1,5 @@
 //! Regression tests of the 2026-11-26 reliability probe's defects (R3-n, each named in its
-//! test), through the binary.
+//! test), and of the 2026-11-27 probe's in what runs write and read, through the binary.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -392,4 +392,69 @@ fn r3_13i_a_taken_master_port_is_refused_at_once() {
         "{t}"
     );
     assert!(start.elapsed().as_secs() < 10, "{:?}", start.elapsed());
+}
+
+/// A run from step 0 into a run directory that holds another run's checkpoints is refused
+/// before it writes anything (it replaced their `latest`, saved over their steps and cut their
+/// metrics short); `checkpoint.resume=auto` continues them.
+#[test]
+fn a_fresh_run_never_saves_over_an_earlier_runs_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let o = train(&dir, "train.steps=4,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
+    let before = (
+        read("metrics.jsonl"),
+        read("recipe.yaml"),
+        read("checkpoints/latest"),
+        read("checkpoints/step-00000002/manifest.json"),
+    );
+    let o = train(&dir, "train.steps=2,checkpoint.interval=2,train.seed=99");
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(
+        &o,
+        "holds checkpoints of an earlier run (the newest of step 4)",
+    );
+    assert_says(&o, "checkpoint.resume=auto");
+    let after = (
+        read("metrics.jsonl"),
+        read("recipe.yaml"),
+        read("checkpoints/latest"),
+        read("checkpoints/step-00000002/manifest.json"),
+    );
+    assert!(before == after, "the earlier run's files changed");
+
+    let o = train(
+        &dir,
+        "train.steps=6,checkpoint.interval=2,checkpoint.resume=auto",
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_says(&o, "step=6/6");
+}
+
+/// A checkpoint root given where a step directory belongs is named as such, with its newest
+/// step directory (it was "incomplete checkpoint (no manifest.json)").
+#[test]
+fn a_checkpoint_root_given_for_a_step_directory_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let o = train(&dir, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let input = tmp.path().join("text.txt");
+    std::fs::write(
+        &input,
+        "To be, or not to be, that is the question. ".repeat(200),
+    )
+    .unwrap();
+    let o = bin()
+        .args(["eval", "--checkpoint"])
+        .arg(dir.join("checkpoints"))
+        .arg("--input")
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(&o, "a checkpoint root, not a step directory");
+    assert_says(&o, "step-00000002");
 }

@@ -11,6 +11,7 @@
 
 pub mod blend;
 pub mod config;
+pub mod encode;
 pub mod error;
 pub mod indexed;
 pub mod input;
