@@ -49,7 +49,13 @@ pub fn expand_inputs(inputs: &[String]) -> Result<Vec<PathBuf>> {
                 Ok(m) if m.is_file() => None,
                 Ok(m) if m.is_dir() => Some("a directory, not a file (use a glob: DIR/*.txt)"),
                 Ok(_) => Some("not a regular file (a device, FIFO or socket)"),
-                Err(_) => Some("no such file"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("no such file"),
+                Err(e) => {
+                    return Err(DataError::Input {
+                        input: input.clone(),
+                        message: format!("cannot read it: {e}"),
+                    })
+                }
             };
             if let Some(message) = problem {
                 return Err(DataError::Input {
@@ -84,7 +90,9 @@ pub fn expand_inputs(inputs: &[String]) -> Result<Vec<PathBuf>> {
     }
     files.sort();
     let listed = files.len();
-    files.dedup();
+    // One file under two names (`a.jsonl`, `./a.jsonl`, a link) is one file.
+    let mut seen = std::collections::HashSet::new();
+    files.retain(|f| seen.insert(std::fs::canonicalize(f).unwrap_or_else(|_| f.clone())));
     if files.len() < listed {
         tracing::warn!(
             "{} input file(s) matched more than once are read once (to weight a dataset, give it \
@@ -208,6 +216,19 @@ fn skip_bom(reader: &mut impl BufRead) -> std::io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One file named twice (another spelling of its path, a link to it) is read once.
+    #[test]
+    fn a_file_under_two_names_is_read_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.jsonl");
+        std::fs::write(&a, "{\"text\": \"x\"}\n").unwrap();
+        let link = dir.path().join("b.jsonl");
+        std::os::unix::fs::symlink(&a, &link).unwrap();
+        let other = dir.path().join(".").join("a.jsonl");
+        let names = [&a, &other, &link].map(|p| p.display().to_string());
+        assert_eq!(expand_inputs(&names).unwrap(), [a]);
+    }
 
     #[test]
     fn names_give_the_form() {
