@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
     /// Opening or reading failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     /// A FIFO, device, directory or socket.
     #[error("not a regular file")]
