@@ -263,9 +263,12 @@ impl Recipe {
         } else if par.virtual_stages > 1 && par.pp > 0 {
             let m = t.global_batch / per_step;
             if m % par.pp != 0 {
+                let schedule = match par.schedule_kind() {
+                    parallel::pipeline::ScheduleKind::ZeroBubbleV => "zbv",
+                    _ => "interleaved",
+                };
                 p.push(format!(
-                    "{} pipeline: micro-batches per step ({m} = train.global_batch / (train.micro_batch × parallel.dp)) must be a multiple of parallel.pp ({})",
-                    if par.schedule_kind() == parallel::pipeline::ScheduleKind::ZeroBubbleV { "zbv" } else { "interleaved" },
+                    "{schedule} pipeline: micro-batches per step ({m} = train.global_batch / (train.micro_batch × parallel.dp)) must be a multiple of parallel.pp ({})",
                     par.pp
                 ));
             }

@@ -158,8 +158,8 @@ pub(crate) fn create_fresh(path: &Path) -> Result<File> {
         .map_err(|e| DataError::io(path, e))
 }
 
-/// The temporary name a file (`P.bin`, `P.idx`, a tokenizer) is written under by this process: `.P.bin.<pid>.tmp`
-/// beside it, so runs writing the same prefix never share a file.
+/// The temporary name a file (`P.bin`, `P.idx`, a tokenizer) is written under by this
+/// process, `.P.bin.<pid>.tmp` beside it: runs writing the same prefix never share a file.
 pub(crate) fn temporary(path: &Path) -> PathBuf {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
     let name = name.unwrap_or_default();
@@ -288,9 +288,9 @@ impl IndexedDatasetWriter {
             committed: false,
         };
         self.finished = true; // the sealed dataset owns the temporary files now
-        create_fresh(&sealed.idx_tmp)?
-            .write_all(&index)
-            .and_then(|_| File::open(&sealed.idx_tmp)?.sync_all())
+        let mut idx = create_fresh(&sealed.idx_tmp)?;
+        idx.write_all(&index)
+            .and_then(|_| idx.sync_all())
             .map_err(|e| DataError::io(&sealed.idx_tmp, e))?;
         Ok(sealed)
     }
