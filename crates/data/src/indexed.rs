@@ -161,9 +161,14 @@ pub(crate) fn create_fresh(path: &Path) -> Result<File> {
 /// The temporary name a file (`P.bin`, `P.idx`, a tokenizer) is written under by this
 /// process, `.P.bin.<pid>.tmp` beside it: runs writing the same prefix never share a file.
 pub(crate) fn temporary(path: &Path) -> PathBuf {
+    of_this_process(path, "tmp")
+}
+
+/// `.NAME.<pid>.<ending>` beside `path` (named `NAME`).
+fn of_this_process(path: &Path, ending: &str) -> PathBuf {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
     let name = name.unwrap_or_default();
-    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+    path.with_file_name(format!(".{name}.{}.{ending}", std::process::id()))
 }
 
 /// Streams documents into `P.bin` and writes `P.idx` on [`finish`](Self::finish).
@@ -344,21 +349,13 @@ pub fn commit_all(mut sealed: Vec<SealedDataset>) -> Result<u64> {
             ));
         }
     }
-    let aside = |to: &Path| {
-        let name = to.file_name().map(|n| n.to_string_lossy().into_owned());
-        to.with_file_name(format!(
-            ".{}.{}.old",
-            name.unwrap_or_default(),
-            std::process::id()
-        ))
-    };
     // (final name, where its old file went) for every name that held one.
     let mut moved_aside: Vec<(PathBuf, PathBuf)> = Vec::new();
     let mut placed: Vec<&PathBuf> = Vec::new();
     let mut step = || -> Result<()> {
         for (_, to) in &moves {
             if std::fs::symlink_metadata(to).is_ok() {
-                let old = aside(to);
+                let old = of_this_process(to, "old");
                 std::fs::rename(to, &old).map_err(|e| DataError::io(to, e))?;
                 moved_aside.push((to.clone(), old));
             }

@@ -201,19 +201,30 @@ fn temporary_files(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// A dataset `ds` of two documents preprocessed from `in.jsonl` in a new directory: the
+/// directory, the input and the options that made it.
+fn two_documents() -> (tempfile::TempDir, std::path::PathBuf, PreprocessOptions) {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = common::small_tokenizer(dir.path());
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let o = opts(
+        vec![input.display().to_string()],
+        &tok,
+        &dir.path().join("ds"),
+    );
+    preprocess(&o).unwrap();
+    (dir, input, o)
+}
+
 fn sigterm() -> Option<i32> {
     Some(15)
 }
 
 #[test]
 fn a_stopped_preprocess_writes_nothing_and_keeps_the_existing_dataset() {
-    let dir = tempfile::tempdir().unwrap();
-    let tok = common::small_tokenizer(dir.path());
-    let input = dir.path().join("in.jsonl");
-    std::fs::write(&input, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
-    let prefix = dir.path().join("ds");
-    let o = opts(vec![input.display().to_string()], &tok, &prefix);
-    preprocess(&o).unwrap();
+    let (dir, _, o) = two_documents();
+    let prefix = o.output_prefix.clone();
     let before = std::fs::read(bin_path(&prefix)).unwrap();
     let stopped = PreprocessOptions {
         stop: Some(sigterm),
@@ -240,13 +251,8 @@ fn late_sigint() -> Option<i32> {
 /// replaces the existing dataset.
 #[test]
 fn a_signal_during_the_last_batch_still_stops_the_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let tok = common::small_tokenizer(dir.path());
-    let input = dir.path().join("in.jsonl");
-    std::fs::write(&input, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
-    let prefix = dir.path().join("ds");
-    let o = opts(vec![input.display().to_string()], &tok, &prefix);
-    preprocess(&o).unwrap();
+    let (dir, input, o) = two_documents();
+    let prefix = o.output_prefix.clone();
     let before = std::fs::read(bin_path(&prefix)).unwrap();
     std::fs::write(&input, "{\"text\": \"three\"}\n{\"text\": \"four\"}\n").unwrap();
     let stopped = PreprocessOptions {
