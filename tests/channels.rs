@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Result, Shape, Tensor};
 use parallel::comm::local::run_local;
+use parallel::comm::Transfer;
 use parallel::{Channel, Comm, Group, ReduceOp};
 use pretrain::train::rank::job_channels;
 use pretrain::train::{RankCtx, Trainer};
@@ -73,6 +74,10 @@ impl Comm for Recording {
     fn barrier(&self, g: &Group) -> Result<()> {
         self.group(g);
         self.inner.barrier(g)
+    }
+    fn send_recv(&self, g: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
+        self.note(Channel::Ring(g.clone()));
+        self.inner.send_recv(g, t, dst, src)
     }
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)

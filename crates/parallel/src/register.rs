@@ -80,20 +80,23 @@ pub fn channels(rank: usize, groups: &RankGroups) -> Vec<Channel> {
 /// The communicators one rank holds on NCCL, by kind: what `Comm::prepare` creates for it from
 /// the job's channels (one per group of two or more ranks it collects over, the world's
 /// included; one per all-to-all group; one per point-to-point direction it sends or receives
-/// on). Each holds GPU buffers outside the memory pool, which the planner's headroom counts.
+/// on; one per ring it passes blocks around). Each holds GPU buffers outside the memory pool,
+/// which the planner's headroom counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Communicators {
     /// Collective groups.
     pub groups: usize,
     /// All-to-all groups (expert parallelism).
     pub all_to_all: usize,
+    /// Rings (context parallelism): two directions each.
+    pub rings: usize,
     /// Point-to-point directions (pipeline neighbours).
     pub p2p: usize,
 }
 
 /// The [`Communicators`] of `rank` in layout `cfg`: the distinct channels that include it among
 /// its own and those of the ranks that may send to it (a receiver's direction is listed by its
-/// sender: point-to-point directions run along the context- and pipeline-parallel groups only;
+/// sender: point-to-point directions run along the pipeline-parallel groups only;
 /// every member lists a group it collects over). The ranks looked at are bounded by `cp + pp`,
 /// so that planning thousands of ranks stays fast.
 pub fn communicators(
@@ -126,6 +129,7 @@ pub fn communicators(
             match ch {
                 Channel::Group(g) if g.size() > 1 => n.groups += 1,
                 Channel::AllToAll(g) if g.size() > 1 => n.all_to_all += 1,
+                Channel::Ring(g) if g.size() > 1 => n.rings += 1,
                 Channel::P2p { src, dst } if src != dst => n.p2p += 1,
                 _ => {}
             }
@@ -152,6 +156,7 @@ pub fn most_communicators(cfg: &ParallelConfig) -> Result<Communicators, crate::
         let c = communicators(cfg, r)?;
         most.groups = most.groups.max(c.groups);
         most.all_to_all = most.all_to_all.max(c.all_to_all);
+        most.rings = most.rings.max(c.rings);
         most.p2p = most.p2p.max(c.p2p);
     }
     Ok(most)
@@ -235,6 +240,7 @@ mod tests {
                     match ch {
                         Channel::Group(g) if g.size() > 1 => want.groups += 1,
                         Channel::AllToAll(g) if g.size() > 1 => want.all_to_all += 1,
+                        Channel::Ring(g) if g.size() > 1 => want.rings += 1,
                         Channel::P2p { src, dst } if src != dst => want.p2p += 1,
                         _ => {}
                     }
@@ -247,6 +253,7 @@ mod tests {
                 );
                 most.groups = most.groups.max(want.groups);
                 most.all_to_all = most.all_to_all.max(want.all_to_all);
+                most.rings = most.rings.max(want.rings);
                 most.p2p = most.p2p.max(want.p2p);
             }
             assert_eq!(most_communicators(&c).unwrap(), most, "{}", c.describe());

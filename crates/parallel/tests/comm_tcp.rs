@@ -69,14 +69,21 @@ fn program(rank: usize, comm: &dyn Comm) -> Vec<Vec<u32>> {
         out.push(bits(&comm.all_reduce(&evens, &x, ReduceOp::Sum).unwrap()));
     }
     comm.barrier(&all).unwrap();
-    // A ring of point-to-point messages, two per neighbour, received in order.
+    // A ring of grouped hops, two per neighbour, waited for in order.
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    comm.send(&x, next).unwrap();
-    comm.send(&(&x * 2.0).unwrap(), next).unwrap();
-    let a = comm.recv(prev, x.shape(), DType::F32).unwrap();
-    let b = comm.recv(prev, x.shape(), DType::F32).unwrap();
-    out.push(bits(&a));
-    out.push(bits(&b));
+    let a = comm.send_recv(&all, &x, next, prev).unwrap();
+    let b = comm
+        .send_recv(&all, &(&x * 2.0).unwrap(), next, prev)
+        .unwrap();
+    out.push(bits(&a.wait().unwrap()));
+    out.push(bits(&b.wait().unwrap()));
+    // A chain of point-to-point messages (no cycle: every first send meets its receive).
+    if rank + 1 < n {
+        comm.send(&x, rank + 1).unwrap();
+    }
+    if rank > 0 {
+        out.push(bits(&comm.recv(rank - 1, x.shape(), DType::F32).unwrap()));
+    }
     // All-to-all with uneven splits, some empty: rank r sends (r + 2j) % 3 rows to rank j.
     let count = |from: usize, to: usize| (from + 2 * to) % 3;
     let send: Vec<usize> = (0..n).map(|j| count(rank, j)).collect();

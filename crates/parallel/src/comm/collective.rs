@@ -29,6 +29,16 @@ impl Kind {
     }
 }
 
+/// Whether NCCL can move tensors of `dtype` (u8, u32, i32, i64, f16, bf16, f32, f64): every
+/// backend refuses the others, as the `nccl` one must.
+pub(crate) fn nccl_dtype(dtype: candle_core::DType) -> bool {
+    use candle_core::DType as D;
+    matches!(
+        dtype,
+        D::U8 | D::U32 | D::I32 | D::I64 | D::F16 | D::BF16 | D::F32 | D::F64
+    )
+}
+
 /// A new tensor with `t`'s values (never sharing `t`'s storage).
 pub(crate) fn fresh(t: &Tensor) -> Result<Tensor> {
     if t.is_contiguous() {

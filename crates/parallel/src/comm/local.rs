@@ -19,29 +19,54 @@
 //!   pending and later calls return [`CommError::PeerFailed`]. A wait that outlives the timeout
 //!   fails the slot with [`CommError::Timeout`] naming the members that never arrived.
 //! - **Memory.** A slot is removed once each member has collected its outcome.
+//! - **NCCL's rules.** Point-to-point directions connect at both ends' first calls, channels are
+//!   created by `prepare` with all their members, two threads of a rank never use one channel at
+//!   once, and only NCCL's dtypes travel (submodule `rules`): what would hang or go wrong on GPUs
+//!   fails here.
+//! - **Messages.** A `send` (and each part of `send_recv` and `all_to_all`) copies its tensor
+//!   into the receiver's queue for this sender and channel (NCCL: one communicator per direction,
+//!   one per group), which the receiver reads in order.
 //!
 //! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]; its
 //! message names the calling rank, the operation, the group and the failed or missing ranks).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Error, Result, Shape, Tensor};
 
-use super::collective::{fresh, Kind};
-use super::{Comm, CommError, Group, ReduceOp};
+use super::collective::{fresh, nccl_dtype, Kind};
+use super::{
+    check_all_to_all, check_send_recv, rows_exchange, Channel, Comm, CommError, Group, ReduceOp,
+    Transfer,
+};
 use rendezvous::GroupState;
+use rules::{End, Rules};
 
 mod rendezvous;
+mod rules;
 mod threads;
 
 pub use threads::{run_local, RankFailed, ThreadError};
 
-/// Messages to one rank, one FIFO per sender.
+/// Messages to one rank, one lane per sender and channel.
+#[derive(Default)]
 struct Mailbox {
-    queues: Mutex<Vec<VecDeque<Tensor>>>,
+    lanes: Mutex<HashMap<(usize, Channel), Lane>>,
     cv: Condvar,
+}
+
+/// The messages of one sender on one channel: the `k`-th receive takes the `k`-th message (as
+/// NCCL matches a pair's operations), whatever order the receives are waited in.
+#[derive(Default)]
+struct Lane {
+    /// Messages posted so far.
+    sent: u64,
+    /// Receives posted so far.
+    taken: u64,
+    /// Posted messages not yet received, by number.
+    waiting: HashMap<u64, Tensor>,
 }
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it (the state stays
@@ -59,6 +84,7 @@ pub struct LocalWorld {
     groups: Mutex<HashMap<Group, Arc<GroupState>>>,
     /// Indexed by destination rank.
     mailboxes: Vec<Mailbox>,
+    rules: Rules,
 }
 
 impl LocalWorld {
@@ -71,12 +97,8 @@ impl LocalWorld {
             timeout,
             failure: OnceLock::new(),
             groups: Mutex::new(HashMap::new()),
-            mailboxes: (0..world_size)
-                .map(|_| Mailbox {
-                    queues: Mutex::new(vec![VecDeque::new(); world_size]),
-                    cv: Condvar::new(),
-                })
-                .collect(),
+            mailboxes: (0..world_size).map(|_| Mailbox::default()).collect(),
+            rules: Rules::default(),
         });
         (0..world_size)
             .map(|rank| {
@@ -86,6 +108,61 @@ impl LocalWorld {
                 })
             })
             .collect()
+    }
+
+    /// Queues a copy of `t` for rank `dst` from `src` on `channel` (`dst` exists).
+    fn post(&self, src: usize, dst: usize, channel: Channel, t: &Tensor) -> Result<()> {
+        // A copy, so that later in-place updates of `t` by the sender are not seen by `dst`.
+        let t = fresh(&t.detach())?;
+        let mailbox = &self.mailboxes[dst];
+        let mut lanes = lock(&mailbox.lanes);
+        let lane = lanes.entry((src, channel)).or_default();
+        lane.waiting.insert(lane.sent, t);
+        lane.sent += 1;
+        mailbox.cv.notify_all();
+        Ok(())
+    }
+
+    /// Posts a receive of rank `me` from `src` on `channel`: the number of the message it takes.
+    fn reserve(&self, me: usize, src: usize, channel: Channel) -> u64 {
+        let mut lanes = lock(&self.mailboxes[me].lanes);
+        let lane = lanes.entry((src, channel)).or_default();
+        lane.taken += 1;
+        lane.taken - 1
+    }
+
+    /// Message `number` that `call.me` receives from `src` on `channel`, which must have
+    /// `shape` and `dtype`; waits until `deadline`.
+    fn take(
+        &self,
+        call: &Call<'_>,
+        (src, channel, number): (usize, Channel, u64),
+        (shape, dtype): (&Shape, DType),
+        deadline: Instant,
+    ) -> Result<Tensor> {
+        let mailbox = &self.mailboxes[call.me];
+        let key = (src, channel);
+        let mut lanes = lock(&mailbox.lanes);
+        loop {
+            let arrived = lanes.get_mut(&key).and_then(|l| l.waiting.remove(&number));
+            if let Some(t) = arrived {
+                if t.shape() == shape && t.dtype() == dtype {
+                    return Ok(t);
+                }
+                let (got, got_dtype) = (t.shape(), t.dtype());
+                let msg = format!(
+                    "expected {shape:?} {dtype:?} from rank {src}, got {got:?} {got_dtype:?}"
+                );
+                return Err(Error::from(call.invalid(msg)));
+            }
+            if let Some(e) = call.peer_failed() {
+                return Err(Error::from(e));
+            }
+            lanes = match wait_until(&mailbox.cv, lanes, deadline) {
+                Some(guard) => guard,
+                None => return Err(Error::from(call.timeout(vec![src]))),
+            };
+        }
     }
 
     fn group_state(&self, group: &Group) -> Arc<GroupState> {
@@ -182,7 +259,12 @@ impl LocalComm {
     /// Point-to-point messages sent but not yet received in the whole job. For leak tests.
     #[doc(hidden)]
     pub fn pending_messages(&self) -> usize {
-        let count = |m: &Mailbox| lock(&m.queues).iter().map(VecDeque::len).sum::<usize>();
+        let count = |m: &Mailbox| {
+            lock(&m.lanes)
+                .values()
+                .map(|l| l.waiting.len())
+                .sum::<usize>()
+        };
         self.world.mailboxes.iter().map(count).sum()
     }
 
@@ -225,10 +307,41 @@ impl LocalComm {
         if let Some(e) = call.peer_failed() {
             return Err(e);
         }
+        if let Some(t) = t {
+            self.check_dtype(&call, t.dtype())?;
+        }
+        let _inside;
+        if group.size() > 1 {
+            let channel = Channel::Group(group.clone());
+            _inside = Some(self.world.rules.enter(&call, self.rank, &channel)?);
+        }
         let deadline = Instant::now() + self.world.timeout;
         self.world
             .group_state(group)
             .run(&call, group, me, kind, t, deadline)
+    }
+
+    /// Refuses a dtype NCCL cannot move.
+    fn check_dtype(&self, call: &Call<'_>, dtype: DType) -> std::result::Result<(), CommError> {
+        match nccl_dtype(dtype) {
+            true => Ok(()),
+            false => Err(call.invalid(format!("dtype {dtype:?} is not supported by NCCL"))),
+        }
+    }
+
+    /// Checks a point-to-point call's peer: another rank of the job.
+    fn check_peer(&self, call: &Call<'_>, peer: usize) -> std::result::Result<(), CommError> {
+        let n = self.world.world_size;
+        if peer >= n {
+            return Err(call.invalid(format!("no rank {peer} in a job of {n} ranks")));
+        }
+        if peer == self.rank {
+            return Err(call.invalid("a rank cannot send to itself (NCCL refuses it)".into()));
+        }
+        match call.peer_failed() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
@@ -265,53 +378,125 @@ impl Comm for LocalComm {
     fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
         let pair = [self.rank, dst];
         let call = self.call("send", &pair);
-        let Some(mailbox) = self.world.mailboxes.get(dst) else {
-            let n = self.world.world_size;
-            return Err(Error::from(
-                call.invalid(format!("no rank {dst} in a job of {n} ranks")),
-            ));
+        self.check_peer(&call, dst)?;
+        self.check_dtype(&call, t.dtype())?;
+        let channel = Channel::P2p {
+            src: self.rank,
+            dst,
         };
-        if let Some(e) = call.peer_failed() {
-            return Err(Error::from(e));
-        }
-        // A copy, so that later in-place updates of `t` by the sender are not seen by `dst`.
-        let t = fresh(&t.detach())?;
-        lock(&mailbox.queues)[self.rank].push_back(t);
-        mailbox.cv.notify_all();
-        Ok(())
+        let rules = &self.world.rules;
+        let _inside = rules.enter(&call, self.rank, &channel)?;
+        let deadline = Instant::now() + self.world.timeout;
+        rules.connect(&call, (self.rank, dst), End::Send, true, deadline)?;
+        self.world.post(self.rank, dst, channel, t)
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
         let pair = [src, self.rank];
         let call = self.call("recv", &pair);
-        if src >= self.world.world_size {
-            let n = self.world.world_size;
-            return Err(Error::from(
-                call.invalid(format!("no rank {src} in a job of {n} ranks")),
-            ));
-        }
+        self.check_peer(&call, src)?;
+        self.check_dtype(&call, dtype)?;
+        let channel = Channel::P2p {
+            src,
+            dst: self.rank,
+        };
+        let rules = &self.world.rules;
+        let _inside = rules.enter(&call, self.rank, &channel)?;
         let deadline = Instant::now() + self.world.timeout;
-        let mailbox = &self.world.mailboxes[self.rank];
-        let mut queues = lock(&mailbox.queues);
-        loop {
-            if let Some(t) = queues[src].pop_front() {
-                if t.shape() == shape && t.dtype() == dtype {
-                    return Ok(t);
-                }
-                let (got, got_dtype) = (t.shape(), t.dtype());
-                let msg = format!(
-                    "expected {shape:?} {dtype:?} from rank {src}, got {got:?} {got_dtype:?}"
-                );
-                return Err(Error::from(call.invalid(msg)));
-            }
-            if let Some(e) = call.peer_failed() {
-                return Err(Error::from(e));
-            }
-            queues = match wait_until(&mailbox.cv, queues, deadline) {
-                Some(guard) => guard,
-                None => return Err(Error::from(call.timeout(vec![src]))),
-            };
+        // The data's arrival implies the connection: no separate wait for it.
+        rules.connect(&call, (src, self.rank), End::Recv, false, deadline)?;
+        let number = self.world.reserve(self.rank, src, channel.clone());
+        let lane = (src, channel, number);
+        self.world.take(&call, lane, (shape, dtype), deadline)
+    }
+
+    /// Posts the send at once and receives when waited for; grouped, so neither direction waits
+    /// to connect.
+    fn send_recv(&self, group: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
+        let call = self.call("send_recv", group.ranks());
+        check_send_recv(self.rank, group, dst, src)?;
+        self.check_dtype(&call, t.dtype())?;
+        if let Some(e) = call.peer_failed() {
+            return Err(Error::from(e));
         }
+        let channel = Channel::Ring(group.clone());
+        let _inside = self.world.rules.enter(&call, self.rank, &channel)?;
+        self.world.post(self.rank, dst, channel.clone(), t)?;
+        let number = self.world.reserve(self.rank, src, channel.clone());
+        let (world, me, group) = (self.world.clone(), self.rank, group.clone());
+        let (shape, dtype) = (t.shape().clone(), t.dtype());
+        Ok(Transfer::new(move || {
+            let call = Call {
+                me,
+                op: "send_recv",
+                group: group.ranks(),
+                world: &world,
+            };
+            let deadline = Instant::now() + world.timeout;
+            world.take(&call, (src, channel, number), (&shape, dtype), deadline)
+        }))
+    }
+
+    /// NCCL's grouped form: every part is queued, then every part received; no direction waits
+    /// to connect.
+    fn all_to_all(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<Tensor> {
+        let call = self.call("all_to_all", group.ranks());
+        let mine = check_all_to_all(self.rank, group, t.dim(0)?, send, recv)?;
+        self.check_dtype(&call, t.dtype())?;
+        if let Some(e) = call.peer_failed() {
+            return Err(Error::from(e));
+        }
+        let channel = Channel::AllToAll(group.clone());
+        let _inside = match group.size() {
+            1 => None,
+            _ => Some(self.world.rules.enter(&call, self.rank, &channel)?),
+        };
+        let deadline = Instant::now() + self.world.timeout;
+        let world = &self.world;
+        rows_exchange(
+            group,
+            t,
+            (send, recv, mine),
+            |part, dst| world.post(self.rank, dst, channel.clone(), part),
+            |src, shape| {
+                let number = world.reserve(self.rank, src, channel.clone());
+                let lane = (src, channel.clone(), number);
+                world.take(&call, lane, (shape, t.dtype()), deadline)
+            },
+        )
+    }
+
+    /// Creates (waits for every member of) each channel with this rank and another member, in
+    /// order; a point-to-point direction is also connected, both ends waiting for each other
+    /// (see `rules`).
+    fn prepare(&self, channels: &[Channel]) -> Result<()> {
+        let me = self.rank;
+        let rules = &self.world.rules;
+        rules.mark_prepared(me, None);
+        for channel in channels.iter().filter(|c| c.includes(me)) {
+            let deadline = Instant::now() + self.world.timeout;
+            match channel {
+                Channel::Group(g) | Channel::AllToAll(g) | Channel::Ring(g) if g.size() > 1 => {
+                    let call = self.call("prepare", g.ranks());
+                    rules.create(&call, me, channel, deadline)?;
+                }
+                &Channel::P2p { src, dst } if src != dst => {
+                    let pair = [src, dst];
+                    let call = self.call("prepare", &pair);
+                    rules.mark_prepared(me, Some(channel));
+                    let end = if me == src { End::Send } else { End::Recv };
+                    rules.connect(&call, (src, dst), end, true, deadline)?;
+                }
+                _ => rules.mark_prepared(me, Some(channel)),
+            }
+        }
+        Ok(())
     }
 
     fn abort(&self, reason: &str) {
@@ -321,8 +506,9 @@ impl Comm for LocalComm {
         // check and its wait.
         let groups: Vec<_> = lock(&self.world.groups).values().cloned().collect();
         groups.iter().for_each(|g| g.wake_all());
+        self.world.rules.wake_all();
         for m in &self.world.mailboxes {
-            let _guard = lock(&m.queues);
+            let _guard = lock(&m.lanes);
             m.cv.notify_all();
         }
     }

@@ -14,6 +14,7 @@ pub mod local;
 pub mod nccl;
 pub mod tcp;
 pub mod thread;
+mod transfer;
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Shape, Tensor};
 
 pub use in_place::HandOff;
+pub use transfer::Transfer;
 
 /// A set of ranks taking part in a collective, as sorted global ranks. Member `i` of the group is
 /// `ranks()[i]`; collectives order contributions by member index.
@@ -69,6 +71,8 @@ pub enum Channel {
     Group(Group),
     /// All-to-all exchanges over the group ([`Comm::all_to_all`]).
     AllToAll(Group),
+    /// A ring's grouped hops over the group ([`Comm::send_recv`]).
+    Ring(Group),
     /// Point-to-point messages from `src` to `dst`.
     P2p {
         /// Sender.
@@ -82,7 +86,9 @@ impl Channel {
     /// Whether global rank `rank` takes part.
     pub fn includes(&self, rank: usize) -> bool {
         match self {
-            Channel::Group(g) | Channel::AllToAll(g) => g.index_of(rank).is_some(),
+            Channel::Group(g) | Channel::AllToAll(g) | Channel::Ring(g) => {
+                g.index_of(rank).is_some()
+            }
             Channel::P2p { src, dst } => *src == rank || *dst == rank,
         }
     }
@@ -204,6 +210,17 @@ pub trait Comm: Send + Sync {
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor>;
     /// Returns once every member has called it.
     fn barrier(&self, group: &Group) -> Result<()>;
+    /// Sends `t` to member `dst` of `group` and receives a tensor of `t`'s shape and dtype from
+    /// member `src` (global ranks, neither of them this rank), as one grouped operation on the
+    /// group's ring channel ([`Channel::Ring`]): NCCL runs both in one
+    /// `ncclGroupStart`/`ncclGroupEnd` on a communicator of their own, so the two directions
+    /// connect together and a ring of these cannot deadlock (a plain `send` waits for its
+    /// peer's first `recv`, see [`local`]). Returns at
+    /// once; [`Transfer::wait`] gives the received tensor, so the transfer overlaps the work
+    /// queued before the wait. `t` must not be updated in place before then. Members of the
+    /// group that exchange this way do so at the same points of their sequences of calls on
+    /// it. (No default: a wrapper that fell back to `send` and `recv` would lose the grouping.)
+    fn send_recv(&self, group: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer>;
     /// All-to-all with variable splits along dim 0: `t`'s rows are cut into `send[j]` rows for
     /// member `j` (in member order); the result is the rows each member `j` sent to this rank
     /// (`recv[j]` of them) concatenated in member order. `send` and `recv` have one entry per
@@ -270,6 +287,32 @@ pub trait Comm: Send + Sync {
     fn abort(&self, reason: &str);
 }
 
+/// Checks a [`Comm::send_recv`] call by rank `me`: both peers are other members of `group`.
+pub(crate) fn check_send_recv(
+    me: usize,
+    group: &Group,
+    dst: usize,
+    src: usize,
+) -> std::result::Result<(), CommError> {
+    let invalid = |message: String| CommError::Invalid {
+        me,
+        op: "send_recv",
+        group: group.ranks().to_vec(),
+        message,
+    };
+    if group.index_of(me).is_none() {
+        return Err(invalid("this rank is not a member".into()));
+    }
+    for (what, peer) in [("destination", dst), ("source", src)] {
+        if peer == me || group.index_of(peer).is_none() {
+            return Err(invalid(format!(
+                "{what} rank {peer} is not another member of the group"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Checks an all-to-all call (see [`Comm::all_to_all`]) by rank `me` on `rows` rows; returns
 /// this rank's member index.
 pub(crate) fn check_all_to_all(
@@ -311,8 +354,9 @@ pub(crate) fn check_all_to_all(
 }
 
 /// [`Comm::all_to_all`] as point-to-point transfers: every chunk is sent (sends do not wait for
-/// their receive), then every chunk received, so no order of members can deadlock; empty chunks
-/// are not transferred and this rank's own chunk is not copied through the backend.
+/// their receive), then every chunk received, so no order of members can deadlock once the
+/// directions are connected; empty chunks are not transferred and this rank's own chunk is not
+/// copied through the backend.
 pub fn all_to_all_p2p<C: Comm + ?Sized>(
     comm: &C,
     group: &Group,
@@ -321,6 +365,26 @@ pub fn all_to_all_p2p<C: Comm + ?Sized>(
     recv: &[usize],
 ) -> Result<Tensor> {
     let mine = check_all_to_all(comm.rank(), group, t.dim(0)?, send, recv)?;
+    rows_exchange(
+        group,
+        t,
+        (send, recv, mine),
+        |part, dst| comm.send(part, dst),
+        |src, shape| comm.recv(src, shape, t.dtype()),
+    )
+}
+
+/// The exchange of an all-to-all (checked: `mine` is this rank's member index): `post(part, dst)`
+/// for each non-empty chunk of `t`'s rows for another member, in member order, then
+/// `take(src, shape)` for each non-empty chunk another member sent here; the result is the
+/// received chunks (this rank's own in its place) concatenated in member order.
+pub(crate) fn rows_exchange(
+    group: &Group,
+    t: &Tensor,
+    (send, recv, mine): (&[usize], &[usize], usize),
+    mut post: impl FnMut(&Tensor, usize) -> Result<()>,
+    mut take: impl FnMut(usize, &Shape) -> Result<Tensor>,
+) -> Result<Tensor> {
     let mut at = 0;
     let mut own = None;
     for (j, &count) in send.iter().enumerate() {
@@ -329,7 +393,7 @@ pub fn all_to_all_p2p<C: Comm + ?Sized>(
         if j == mine {
             own = Some(chunk);
         } else if count > 0 {
-            comm.send(&chunk.contiguous()?, group.ranks()[j])?;
+            post(&chunk.contiguous()?, group.ranks()[j])?;
         }
     }
     let mut dims = t.dims().to_vec();
@@ -343,7 +407,7 @@ pub fn all_to_all_p2p<C: Comm + ?Sized>(
         } else {
             dims[0] = count;
             let shape = Shape::from(dims.clone());
-            parts.push(comm.recv(group.ranks()[j], &shape, t.dtype())?);
+            parts.push(take(group.ranks()[j], &shape)?);
         }
     }
     if parts.is_empty() {

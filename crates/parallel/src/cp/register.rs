@@ -1,10 +1,10 @@
 //! Context parallelism's registration: each sequence splits into `2·cp` equal chunks, attention
-//! runs as a ring (one group, and a direction to the next rank of the ring); MoE layers are not
-//! split over it.
+//! runs as a ring over one group (its hops are grouped sends and receives on a ring channel of
+//! their own); MoE layers are not split over it.
 
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
-use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
+use crate::register::{Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Context parallelism.
@@ -54,10 +54,8 @@ impl Parallelism for Context {
         p
     }
 
-    fn channels(&self, rank: usize, g: &RankGroups) -> Vec<Channel> {
-        let mut out = vec![Channel::Group(g.cp.clone())];
-        out.extend(next_in(rank, &g.cp, 1));
-        out
+    fn channels(&self, _rank: usize, g: &RankGroups) -> Vec<Channel> {
+        vec![Channel::Ring(g.cp.clone())]
     }
 
     fn describe(&self, c: &ParallelConfig) -> String {

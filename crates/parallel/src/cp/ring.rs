@@ -12,9 +12,12 @@
 //! | `src < r` | all `2c` | first half (chunk `src`) | none: both query chunks come later; the second key chunk `2P−1−src` comes after both |
 //! | `src > r` | second half (chunk `2P−1−r`) | all `2c` | none: chunk `r` precedes both key chunks, chunk `2P−1−r` follows both |
 //!
-//! so every step after the first costs the same (`2c × c` scores) on every rank. The block is sent
-//! on to the next rank before the step computes, so the transfer overlaps the computation; the
-//! partial outputs are merged by their log-sum-exp in the accumulation dtype (f32, f64 for f64).
+//! so every step after the first costs the same (`2c × c` scores) on every rank. Each hop is one
+//! grouped send to the next rank and receive from the previous one ([`Comm::send_recv`], one NCCL
+//! group on the ring's communicator, so the ring connects without the cycle a send-then-receive
+//! ring has), posted before the step's block computes and waited for only when the next step
+//! needs it: the transfer overlaps the computation. The partial outputs are merged by their
+//! log-sum-exp in the accumulation dtype (f32, f64 for f64).
 //!
 //! With documents kept apart ([`super::DocumentStarts`]) every block gets the floor of its keys
 //! (the first key each query may see), and a block that no query may see is skipped: its K/V
@@ -23,7 +26,12 @@
 //! Backward: K/V rotate again, each step computing the block's gradients with the *merged*
 //! output and log-sum-exp (so its probabilities are its share of the final softmax); `dQ`
 //! accumulates locally, the `dK`/`dV` accumulator of a block travels with it and, after `P`
-//! moves, arrives back at its owner. With GQA only the `hkv` K/V heads travel.
+//! moves, arrives back at its owner. The accumulator arriving at a step is waited for only after
+//! that step's block gradients are computed, so its transfer overlaps them too. It travels in the
+//! accumulation dtype (f32 for bf16 K and V): sent in bf16 instead, each hop would round the
+//! running sum once more, and at cp 4 dK's error against f64 grew from 1.1× one rank's to 2.6×
+//! (`tests/cp_ring.rs`), for a third fewer bytes in a transfer that is hidden behind the block's
+//! gradients anyway. With GQA only the `hkv` K/V heads travel.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,7 +39,7 @@ use std::time::Instant;
 use candle_core::{Result, Tensor};
 
 use super::{local_chunks, DocumentStarts, Floor, RingStats};
-use crate::comm::{Comm, Group};
+use crate::comm::{Comm, Group, Transfer};
 
 /// Causal attention over the whole sequence: `(q, k, v, scale, floor) → (out, lse)`, the output
 /// in the kernel's dtype and the log-sum-exp in the accumulation dtype.
@@ -103,22 +111,23 @@ impl Ring {
         (ranks[(r + 1) % p], ranks[(r + p - 1) % p])
     }
 
-    fn send_next(&self, t: &Tensor) -> Result<()> {
+    /// Posts one hop: `t` to the next rank, the previous rank's tensor of the same shape back.
+    fn pass(&self, t: &Tensor) -> Result<Transfer> {
         let bytes = t.elem_count() * t.dtype().size_in_bytes();
         self.stats
             .sent_bytes
             .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         let t0 = Instant::now();
-        let sent = self.comm.send(t, self.neighbours().0);
+        let (next, prev) = self.neighbours();
+        let posted = self.comm.send_recv(&self.group, t, next, prev);
         add_ns(&self.stats.send_ns, t0);
-        sent
+        posted
     }
 
-    fn recv_prev(&self, like: &Tensor) -> Result<Tensor> {
+    /// The tensor a hop brought (waiting for it on the host, or ordering the device after it).
+    fn arrive(&self, hop: Transfer) -> Result<Tensor> {
         let t0 = Instant::now();
-        let t = self
-            .comm
-            .recv(self.neighbours().1, like.shape(), like.dtype());
+        let t = hop.wait();
         add_ns(&self.stats.wait_ns, t0);
         t
     }
@@ -211,18 +220,20 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, T
     let (p, r, scale) = (ring.size(), ring.index, ring.scale);
     let block = ring.kernels.block;
     let c = q.dim(1)? / 2;
-    let mut cur = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
-    if p > 1 {
-        ring.send_next(&cur)?;
-    }
+    let own = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
+                                          // Step 1's block travels while the own block computes.
+    let mut hop = if p > 1 { Some(ring.pass(&own)?) } else { None };
     // The own block: causal over the local rows.
     let floor = ring.floor(r, c)?;
     // [b, 2c, hq, d], [b, hq, 2c]
     let (mut out, mut lse) = block(q, k, v, scale, true, floor.as_deref())?;
     for i in 1..p {
-        cur = ring.recv_prev(&cur)?;
+        let Some(arriving) = hop.take() else {
+            candle_core::bail!("ring attention: no block in flight at step {i}")
+        };
+        let cur = ring.arrive(arriving)?;
         if i + 1 < p {
-            ring.send_next(&cur)?;
+            hop = Some(ring.pass(&cur)?);
         }
         let (kb, vb) = (cur.get(0)?, cur.get(1)?); // [b, 2c, hkv, d]
         let src = ring.src(i);
@@ -251,6 +262,16 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, T
     Ok((out, lse))
 }
 
+/// Which rows of a block's `dK`/`dV` accumulator a step's gradients add to.
+enum Rows {
+    /// None: the block was skipped.
+    None,
+    /// All `2c` (the own block, and blocks the second query chunk sees whole).
+    All(Tensor),
+    /// The first chunk's `c` (blocks whose first chunk every local query sees).
+    First(Tensor),
+}
+
 /// The ring backward: `(dq, dk, dv)` in the dtypes of `q`, `k`, `v`.
 fn backward(
     ring: &Ring,
@@ -264,29 +285,36 @@ fn backward(
     let (acc, c) = (lse.dtype(), q.dim(1)? / 2);
     let mut cur = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
     let mut dq = q.zeros_like()?.to_dtype(acc)?; // [b, 2c, hq, d]
-    let mut dkv = cur.zeros_like()?.to_dtype(acc)?; // [2, b, 2c, hkv, d], travels with `cur`
     let second = |t: &Tensor, dim: usize| t.narrow(dim, c, c);
+    // The accumulator of the block held, on its way from the previous rank (none at step 0).
+    let mut accumulator: Option<Transfer> = None;
     for i in 0..p {
-        if i + 1 < p {
-            ring.send_next(&cur)?;
-        }
+        // The next step's block travels while this one's gradients compute.
+        let hop = if i + 1 < p {
+            Some(ring.pass(&cur)?)
+        } else {
+            None
+        };
         let (kb, vb) = (cur.get(0)?, cur.get(1)?);
         let src = ring.src(i);
         let floor = ring.floor(src, c)?;
         let fl = floor.as_deref();
-        if i == 0 {
+        let rows = if i == 0 {
             let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, true, fl)?;
             dq = (dq + dqb)?;
-            dkv = (dkv + Tensor::stack(&[dkb, dvb], 0)?)?;
+            Rows::All(Tensor::stack(&[dkb, dvb], 0)?)
         } else if src < r {
-            if !ring.skips(&floor, c) {
+            if ring.skips(&floor, c) {
+                Rows::None
+            } else {
                 let (kb, vb) = (kb.narrow(1, 0, c)?, vb.narrow(1, 0, c)?);
                 let (dqb, dkb, dvb) = bwd(q, &kb, &vb, out, dout, lse, scale, false, fl)?;
                 dq = (dq + dqb)?;
-                let add = Tensor::stack(&[dkb, dvb], 0)?; // [2, b, c, hkv, d]
-                dkv = update_rows(&dkv, 2, 0..c, |d| d + add)?;
+                Rows::First(Tensor::stack(&[dkb, dvb], 0)?) // [2, b, c, hkv, d]
             }
-        } else if !ring.skips(&floor, 2 * c) {
+        } else if ring.skips(&floor, 2 * c) {
+            Rows::None
+        } else {
             let (qh, oh, dh, lh) = (
                 second(q, 1)?,
                 second(out, 1)?,
@@ -295,15 +323,28 @@ fn backward(
             );
             let (dqb, dkb, dvb) = bwd(&qh, &kb, &vb, &oh, &dh, &lh, scale, false, fl)?;
             dq = update_rows(&dq, 1, c..2 * c, |d| d + dqb)?;
-            dkv = (dkv + Tensor::stack(&[dkb, dvb], 0)?)?;
-        }
+            Rows::All(Tensor::stack(&[dkb, dvb], 0)?)
+        };
+        // [2, b, 2c, hkv, d] in the accumulation dtype
+        let mut dkv = match accumulator.take() {
+            Some(arriving) => ring.arrive(arriving)?.to_dtype(acc)?,
+            None => cur.zeros_like()?.to_dtype(acc)?,
+        };
+        dkv = match rows {
+            Rows::None => dkv,
+            Rows::All(add) => (dkv + add)?,
+            Rows::First(add) => update_rows(&dkv, 2, 0..c, |d| d + add)?,
+        };
         // The accumulator moves on with its block; after `p` moves it is back with its owner.
-        ring.send_next(&dkv)?;
-        if i + 1 < p {
-            cur = ring.recv_prev(&cur)?;
+        accumulator = Some(ring.pass(&dkv)?);
+        if let Some(arriving) = hop {
+            cur = ring.arrive(arriving)?;
         }
-        dkv = ring.recv_prev(&dkv)?;
     }
+    let Some(own) = accumulator else {
+        candle_core::bail!("ring attention: no dK/dV accumulator came back")
+    };
+    let dkv = ring.arrive(own)?;
     Ok((
         dq.to_dtype(q.dtype())?,
         dkv.get(0)?.to_dtype(k.dtype())?,

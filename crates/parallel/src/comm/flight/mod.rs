@@ -25,7 +25,7 @@ use candle_core::{DType, Result, Shape, Tensor};
 pub use diagnose::{diagnose, read_dir, Diagnosis};
 pub use slots::{parse, OpRecord, RankRecord, SLOTS};
 
-use super::{Channel, Comm, CommError, Group, HandOff, ReduceOp};
+use super::{Channel, Comm, CommError, Group, HandOff, ReduceOp, Transfer};
 use slots::Ring;
 
 /// File name of rank `rank`'s record in a flight directory.
@@ -234,6 +234,12 @@ impl Comm for Recorded {
     }
     fn barrier(&self, group: &Group) -> Result<()> {
         self.run("barrier", group_key(group), 0, || self.inner.barrier(group))
+    }
+    /// Recorded as posted (the wait is the caller's).
+    fn send_recv(&self, group: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
+        self.run("send_recv", group_key(group), bytes(t), || {
+            self.inner.send_recv(group, t, dst, src)
+        })
     }
     fn all_to_all(
         &self,

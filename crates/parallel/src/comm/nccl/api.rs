@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 use super::layout::CommKey;
 use super::NcclComm;
 use crate::comm::in_place::through_copies;
-use crate::comm::{Channel, Comm, Group, HandOff, ReduceOp};
+use crate::comm::{Channel, Comm, Group, HandOff, ReduceOp, Transfer};
 
 /// Runs `f` (operation `op` on `group`) on `t` where NCCL can reach it: a host tensor (small
 /// scalars the trainer reduces on the CPU) is staged on this rank's GPU and the result brought
@@ -99,6 +99,16 @@ impl Comm for NcclComm {
         self.barrier_in(group, true)
     }
 
+    /// One NCCL group on the group's communicator; host tensors are staged on the GPU.
+    fn send_recv(&self, group: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
+        if t.device().is_cuda() {
+            self.send_recv_in(group, t, dst, src)
+        } else {
+            let t = t.to_device(&Device::Cuda(self.shared.device.clone()))?;
+            self.send_recv_in(group, &t, dst, src)
+        }
+    }
+
     /// A CUDA event recorded on the device stream now.
     fn hand_off(&self) -> Result<HandOff> {
         self.mark()
@@ -140,13 +150,15 @@ impl Comm for NcclComm {
     }
 
     /// Creates the communicator of every channel with this rank and another member, in order
-    /// (single-member groups never use one).
+    /// (single-member groups never use one), and connects each point-to-point direction (see
+    /// [`NcclComm::connect`]).
     fn prepare(&self, channels: &[Channel]) -> Result<()> {
         let me = self.shared.rank;
         for channel in channels.iter().filter(|c| c.includes(me)) {
             let key = match channel {
                 Channel::Group(g) if g.size() > 1 => CommKey::Group(g.clone()),
                 Channel::AllToAll(g) if g.size() > 1 => CommKey::AllToAll(g.clone()),
+                Channel::Ring(g) if g.size() > 1 => CommKey::Ring(g.clone()),
                 Channel::P2p { src, dst } if src != dst => CommKey::P2p {
                     src: *src,
                     dst: *dst,
@@ -157,7 +169,10 @@ impl Comm for NcclComm {
             let others = members.iter().copied().filter(|&r| r != me).collect();
             let call = self.call("prepare", members, others);
             self.start(&call)?;
-            self.shared.comm(&call, &key).map_err(Error::from)?;
+            let comm = self.shared.comm(&call, &key).map_err(Error::from)?;
+            if let CommKey::P2p { src, .. } = key {
+                self.connect(&call, &comm, src == me)?;
+            }
         }
         Ok(())
     }

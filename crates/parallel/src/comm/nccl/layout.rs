@@ -15,6 +15,10 @@ pub(super) enum CommKey {
     /// time on another thread, and one communicator's operations must be issued in the same
     /// order on every member.
     AllToAll(Group),
+    /// A ring's grouped hops over the group (context parallelism), on a communicator of their
+    /// own for the same reason: with one data-parallel replica the ring's ranks are the
+    /// gradient reduction's, which runs at the same time on the communication thread.
+    Ring(Group),
     /// Messages from `src` to `dst` only (NCCL rank 0 is `src`, 1 is `dst`). Each direction has its
     /// own communicator so that a send never queues behind a receive of the other direction.
     P2p { src: usize, dst: usize },
@@ -24,13 +28,14 @@ impl CommKey {
     /// Global ranks of the members, in NCCL rank order.
     pub(super) fn members(&self) -> Vec<usize> {
         match self {
-            CommKey::Group(g) | CommKey::AllToAll(g) => g.ranks().to_vec(),
+            CommKey::Group(g) | CommKey::AllToAll(g) | CommKey::Ring(g) => g.ranks().to_vec(),
             CommKey::P2p { src, dst } => vec![*src, *dst],
         }
     }
 
     /// Store key prefix of this communicator's rendezvous, under the instance prefix `prefix`:
-    /// `{prefix}/group/0,2,4`, `{prefix}/all-to-all/0,2` or `{prefix}/p2p/3->5`.
+    /// `{prefix}/group/0,2,4`, `{prefix}/all-to-all/0,2`, `{prefix}/ring/0,1` or
+    /// `{prefix}/p2p/3->5`.
     pub(super) fn store_base(&self, prefix: &str) -> String {
         let list = |g: &Group| {
             let ranks: Vec<String> = g.ranks().iter().map(|r| r.to_string()).collect();
@@ -39,6 +44,7 @@ impl CommKey {
         match self {
             CommKey::Group(g) => format!("{prefix}/group/{}", list(g)),
             CommKey::AllToAll(g) => format!("{prefix}/all-to-all/{}", list(g)),
+            CommKey::Ring(g) => format!("{prefix}/ring/{}", list(g)),
             CommKey::P2p { src, dst } => format!("{prefix}/p2p/{src}->{dst}"),
         }
     }
@@ -49,6 +55,7 @@ impl fmt::Debug for CommKey {
         match self {
             CommKey::Group(g) => write!(f, "group {g:?}"),
             CommKey::AllToAll(g) => write!(f, "all-to-all group {g:?}"),
+            CommKey::Ring(g) => write!(f, "ring {g:?}"),
             CommKey::P2p { src, dst } => write!(f, "messages {src}->{dst}"),
         }
     }

@@ -48,10 +48,15 @@
 //!   their direction communicator's stream, ordered the same way; `send` returns at once (no
 //!   wait for the matching `recv`, as the `local` backend and the pipeline schedules assume).
 //!   The copy is held until the send completes (polled on later calls and by the watchdog, like
-//!   every pending operation; a later call looks at the oldest ones, the watchdog at all). The
-//!   one wait a send can have: the first send on a direction joins its communicator, which waits
-//!   for the receiver's first `recv` from this rank. A communicator's stream is destroyed when
-//!   the communicator is dropped (after its abort).
+//!   every pending operation; a later call looks at the oldest ones, the watchdog at all). NCCL
+//!   connects a direction at its first send and receive, each waiting for the other, so
+//!   `prepare` connects every direction it creates (one byte, waited for): otherwise a first
+//!   send would wait on the host for the receiver's first `recv`, which deadlocks any cycle of
+//!   ranks that send before they receive. `send_recv` (a ring's hop) is one NCCL group of a send
+//!   and a receive on the group's communicator, which connects both together; the device stream
+//!   waits for it only when the returned transfer is waited for, so the kernels queued between
+//!   overlap it. A communicator's stream is destroyed when the communicator is dropped (after
+//!   its abort).
 //! - **Bounded waits.** A host-ordered caller polls a CUDA event recorded behind the
 //!   operation: spinning for 1 ms, then sleeping 20 µs doubling to 1 ms, up to the timeout;
 //!   every 200 ms it also checks NCCL's asynchronous error. A timeout records this rank's failure
@@ -416,7 +421,7 @@ impl NcclComm {
         }
         let pending = PendingOp {
             done,
-            _data: None,
+            _data: Vec::new(),
             key,
             op: call.op,
             group: call.group.clone(),

@@ -8,12 +8,14 @@ use candle_core::cuda::cudarc::nccl::{result as nc, sys};
 use candle_core::{DType, Device, Error, Result, Shape, Tensor};
 
 use super::layout::CommKey;
-use super::raw::{cuda_err, device_addr};
-use super::state::PendingOp;
-use super::{fresh, NcclComm, Order};
+use super::raw::{alloc, cuda_err, device_addr, RawComm};
+use super::state::{Call, PendingOp};
+use super::{fresh, keep_forever, NcclComm, Order};
 use crate::comm::flat::{gathered, scatter_input};
 use crate::comm::thread::CommThread;
-use crate::comm::{all_to_all_p2p, check_all_to_all, Group, HandOff, ReduceOp};
+use crate::comm::{
+    all_to_all_p2p, check_all_to_all, check_send_recv, Group, HandOff, ReduceOp, Transfer,
+};
 
 /// The collectives; `copy_single`: answer single-member groups with a copy, without NCCL.
 impl NcclComm {
@@ -321,7 +323,7 @@ impl NcclComm {
             .map_err(|e| cuda_err("event", e))?;
         let pending = PendingOp {
             done,
-            _data: Some(data),
+            _data: vec![data],
             key,
             op: "send",
             group: vec![sh.rank, dst],
@@ -361,5 +363,113 @@ impl NcclComm {
                 nc::recv(l.recv, count, l.dtype, 0, l.comm, l.stream)
             },
         )
+    }
+}
+
+/// The grouped transfer of a ring and the connection of a point-to-point direction.
+impl NcclComm {
+    /// [`Comm::send_recv`](crate::comm::Comm::send_recv): one NCCL group of a send to `dst` and
+    /// a receive from `src` on the group's ring communicator (so both connect together), ordered after
+    /// the device stream's work so far. The device stream is not made to wait here: the returned
+    /// transfer does that when waited for, so the kernels queued in between overlap it. The
+    /// pending list holds both buffers until the operation is done, also when the transfer is
+    /// dropped unwaited.
+    pub(super) fn send_recv_in(
+        &self,
+        group: &Group,
+        t: &Tensor,
+        dst: usize,
+        src: usize,
+    ) -> Result<Transfer> {
+        let sh = &self.shared;
+        let call = self.begin("send_recv", group)?;
+        check_send_recv(sh.rank, group, dst, src).map_err(Error::from)?;
+        let nccl_type = self.check_tensor(&call, t)?;
+        let member = |r: usize| group.index_of(r).map_or(0, |i| i as i32);
+        let (to, from) = (member(dst), member(src));
+        let key = CommKey::Ring(group.clone());
+        let comm = sh.comm(&call, &key).map_err(Error::from)?;
+        let data = t.contiguous()?;
+        let out = alloc(&sh.device, t.shape().clone(), t.dtype())?;
+        let send = device_addr(&data, &sh.stream)? as *const std::ffi::c_void;
+        let recv = device_addr(&out, &sh.stream)? as *mut std::ffi::c_void;
+        self.follow_device(&comm)?;
+        let comm_stream = comm.stream();
+        let cu_stream = comm_stream.cu_stream() as sys::cudaStream_t;
+        let n = data.elem_count();
+        self.enqueue(&call, &comm, &[&data, &out], |c| {
+            nc::group_start()?;
+            // SAFETY: both buffers hold `n` elements of `nccl_type` on this device and are kept
+            // (by the pending list) until the operation is done.
+            let r = unsafe { nc::send(send, n, nccl_type, to, c, cu_stream) }
+                .and_then(|_| unsafe { nc::recv(recv, n, nccl_type, from, c, cu_stream) });
+            // The group is always closed, also after a failed enqueue.
+            let end = nc::group_end();
+            r.and(end)
+        })?;
+        let event = || {
+            comm_stream
+                .record_event(None)
+                .map_err(|e| cuda_err("event", e))
+        };
+        let (done, arrived) = (event()?, event()?);
+        let mut peers = vec![dst, src];
+        peers.dedup();
+        let pending = PendingOp {
+            done,
+            _data: vec![data, out.clone()],
+            key,
+            op: "send_recv",
+            group: call.group.clone(),
+            peers,
+            since: Instant::now(),
+        };
+        sh.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(pending);
+        let shared = sh.clone();
+        Ok(Transfer::new(move || {
+            if let Some((failed, reason)) = shared.failure() {
+                return Err(Error::from(call.peer_failed(failed, reason)));
+            }
+            let ctx = shared.stream.context();
+            ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+            shared
+                .stream
+                .wait(&arrived)
+                .map_err(|e| cuda_err("stream wait", e))?;
+            Ok(out)
+        }))
+    }
+
+    /// Connects a point-to-point direction now, as `prepare` does after creating its
+    /// communicator: NCCL connects a direction at its first send and receive, each waiting for
+    /// the other, so one byte goes from the sender (`sender`: this rank) to the receiver and the
+    /// host waits for it. Every rank walks the same channel list, so both ends get here; no step
+    /// then connects (or allocates the connection's buffers).
+    pub(super) fn connect(&self, call: &Call, comm: &RawComm, sender: bool) -> Result<()> {
+        let sh = &self.shared;
+        let byte = Tensor::zeros(1, DType::U8, &Device::Cuda(sh.device.clone()))?;
+        let addr = device_addr(&byte, &sh.stream)?;
+        self.follow_device(comm)?;
+        let comm_stream = comm.stream();
+        let cu_stream = comm_stream.cu_stream() as sys::cudaStream_t;
+        let u8_type = sys::ncclDataType_t::ncclUint8;
+        self.enqueue(call, comm, &[&byte], |c| unsafe {
+            // SAFETY: `byte` holds one u8 on this device and is kept until the wait below.
+            if sender {
+                nc::send(addr as *const _, 1, u8_type, 1, c, cu_stream)
+            } else {
+                nc::recv(addr as *mut _, 1, u8_type, 0, c, cu_stream)
+            }
+        })?;
+        let done = comm_stream
+            .record_event(None)
+            .map_err(|e| cuda_err("event", e))?;
+        sh.wait_event(call, &done, comm).map_err(|e| {
+            keep_forever(&[&byte]);
+            Error::from(e)
+        })
     }
 }

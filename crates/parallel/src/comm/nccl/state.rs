@@ -104,8 +104,8 @@ impl Call {
 /// timeout or its communicator reports an asynchronous error.
 pub(super) struct PendingOp {
     pub done: CudaEvent,
-    /// Kept alive (never read) until `done`: a send's copy.
-    pub _data: Option<Tensor>,
+    /// Kept alive (never read) until `done`: a send's copy, a grouped transfer's buffers.
+    pub _data: Vec<Tensor>,
     /// Its communicator's key (for NCCL's asynchronous errors; holding the communicator itself
     /// would keep it from being aborted before the pending operations go).
     pub key: CommKey,

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Error, Result, Shape, Tensor};
 
 use super::collective::Kind;
-use super::{Comm, CommError, Group, ReduceOp};
+use super::{check_send_recv, Comm, CommError, Group, ReduceOp, Transfer};
 use crate::store::Store;
 use handshake::{accept_higher, connect_until};
 use wire::{decode, encode, read_frame, signature, write_frame, FrameKind};
@@ -317,6 +317,13 @@ impl Comm for TcpComm {
             (FrameKind::Data, 0, 0, seq),
             &encode(&t.detach())?,
         )
+    }
+
+    /// A `send`, then a `recv`: sends never wait for their receiver here.
+    fn send_recv(&self, group: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
+        check_send_recv(self.rank, group, dst, src)?;
+        self.send(t, dst)?;
+        Ok(Transfer::ready(self.recv(src, t.shape(), t.dtype())?))
     }
 
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
