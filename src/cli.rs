@@ -11,7 +11,9 @@ use tracing::info;
 use crate::recipe::{self, DeviceKind, Dtype, Recipe};
 
 mod bench;
+mod bench_comm;
 mod check;
+mod gpus;
 mod train;
 use check::check;
 use train::train;
@@ -65,6 +67,12 @@ pub struct TrainArgs {
 /// `SLURM_PROCID`/... from the environment.
 #[derive(Debug, Args, Clone, Default)]
 pub struct LaunchArgs {
+    /// Train on this many devices instead of the recipe's layout: the model, sequence, global
+    /// batch and optimizer stay, the layout becomes the planner's best for N devices of the kind
+    /// found here (GPUs: their model and memory; on the CPU, N thread ranks). On CUDA one rank
+    /// process per GPU; with --nproc-per-node, the job's devices (nproc-per-node × nnodes).
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
     /// Start this many rank processes on this node (one per GPU on CUDA) instead of running the
     /// ranks as threads of this process.
     #[arg(long)]
@@ -178,6 +186,9 @@ pub enum Command {
     },
     /// Time one attention call, forward and backward, on each attention backend (TFLOP/s).
     BenchAttention(bench::AttentionArgs),
+    /// Host time per communication call over the job's backend (NCCL, tcp processes): an
+    /// all-reduce from the compute thread, one in place from a communication thread, a ring hop.
+    BenchComm(bench_comm::CommArgs),
 }
 
 /// Tokenizer subcommands.
@@ -385,6 +396,7 @@ pub fn run(cli: Cli) -> Result<()> {
             }),
         ) => selftest(device, &recipe, json.as_deref()),
         (None, Some(Command::BenchAttention(args))) => bench::bench_attention(&args).map(drop),
+        (None, Some(Command::BenchComm(args))) => bench_comm::bench_comm(&args),
         _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),
     }
 }

@@ -160,6 +160,59 @@ pub fn zeros_f32(what: &str, n: usize, device: &Device) -> candle_core::Result<T
     Tensor::from_vec(v, n, device)
 }
 
+/// The problems, each naming its tensor and a remedy, of the tensors of one rank of `recipe`'s
+/// layout whose element counts candle's CUDA kernels bound ([`CUDA_MAX_ELEMENTS`]), from the
+/// elements of the rank's flat layout (`flat`, padding included) and those whose optimizer state
+/// it owns (`owned`): the flat gradient buffer, the flat parameters AdamW reads at ZeRO 0-2, the
+/// optimizer state's words (counted as AdamW's for every owned element, which bounds Muon's
+/// too), the logits and the MLP activations of a micro-batch. The trainer checks its rank with
+/// this at start-up and the planner every layout it ranks, so nothing ranked is refused.
+pub fn element_problems(recipe: &crate::recipe::Recipe, flat: u64, owned: u64) -> Vec<String> {
+    let (t, p, m) = (&recipe.train, &recipe.parallel, &recipe.model);
+    let rows = (t.micro_batch * t.seq_len / p.cp.max(1)) as u64;
+    let tp = p.tp.max(1) as u64;
+    let moments = match recipe.optimizer.state_dtype {
+        crate::recipe::StateDtype::Fp32 => 3,
+        crate::recipe::StateDtype::Bf16 => 2,
+    };
+    let sharded = p.zero.shards_gradients();
+    let mut counts = vec![
+        ("the gradient buffer", if sharded { owned } else { flat }),
+        ("the optimizer state", moments * owned),
+        (
+            "the logits of a micro-batch",
+            rows * m.vocab_size as u64 / tp,
+        ),
+        (
+            "the MLP activations of a micro-batch",
+            rows * m.intermediate_size as u64 / tp,
+        ),
+    ];
+    if !p.zero.shards_parameters() {
+        counts.push(("the flat parameters", flat));
+    }
+    let limit = CUDA_MAX_ELEMENTS as u64;
+    counts
+        .into_iter()
+        .filter(|&(_, n)| n > limit)
+        .filter_map(|(what, n)| check_elements_within(what, n as usize, limit as usize).err())
+        .map(|e| e.to_string())
+        .collect()
+}
+
+/// Elements `r` of the 1-D f32 tensor `t`, on the host, copying only them: candle copies a
+/// CUDA tensor's whole storage to the host even for a narrow view of it, so on a GPU the range
+/// is first copied into a tensor of its own (a device-to-device copy of just those elements).
+pub fn read_f32(t: &Tensor, r: std::ops::Range<usize>) -> candle_core::Result<Vec<f32>> {
+    let view = t.narrow(0, r.start, r.len())?;
+    if t.device().is_cpu() {
+        return view.to_vec1();
+    }
+    let part = Tensor::zeros(r.len(), candle_core::DType::F32, t.device())?;
+    part.slice_set(&view, 0, 0)?;
+    part.to_vec1()
+}
+
 /// [`check_elements`] against `limit`.
 pub fn check_elements_within(what: &str, n: usize, limit: usize) -> candle_core::Result<()> {
     if n > limit {
@@ -217,6 +270,26 @@ pub fn capacity(device: &Device) -> Option<u64> {
     let _ = device;
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     mem_available(&meminfo)
+}
+
+/// What the driver says of this node's GPUs, without creating a context on any: the first
+/// visible one's name and total memory, and how many are visible.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuFacts {
+    /// The device's name (`NVIDIA H100 80GB HBM3`).
+    pub name: String,
+    /// Its memory, bytes (what CUDA reports: about 79.6 GiB on an H100 80GB).
+    pub total: u64,
+    /// GPUs visible to this process.
+    pub count: usize,
+}
+
+/// [`GpuFacts`] of this node, or `None` without a GPU (or a build without CUDA).
+pub fn gpu_facts() -> Option<GpuFacts> {
+    #[cfg(feature = "cuda")]
+    return cuda::facts().ok();
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// `MemAvailable` of a `/proc/meminfo` text, bytes.
@@ -399,6 +472,22 @@ mod cuda {
             peak: attribute(d, CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
             reserved,
             outside_pool: super::outside_pool(total as u64, free as u64, reserved),
+        })
+    }
+
+    pub(super) fn facts() -> Result<super::GpuFacts> {
+        result::init()?;
+        let count = result::device::get_count()?;
+        if count < 1 {
+            bail!("no CUDA device visible");
+        }
+        let dev = result::device::get(0)?;
+        // SAFETY: `dev` was returned by `get`.
+        let total = unsafe { result::device::total_mem(dev)? };
+        Ok(super::GpuFacts {
+            name: result::device::get_name(dev)?,
+            total: total as u64,
+            count: count as usize,
         })
     }
 

@@ -102,7 +102,7 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
     // restart resumed from, as thread ranks (which train like processes, bit for bit).
     let base = vec![SET.to_string()];
     let recipe = load(Path::new("recipes/tiny.yaml"), &base).unwrap();
-    let next = relayout(&recipe, 3, 2).unwrap();
+    let next = relayout(&recipe, &[3], 2).unwrap();
     assert!(log.contains(&next.describe()), "{log}");
     assert!(
         log.contains("resuming from the checkpoint of step 2"),
@@ -248,7 +248,7 @@ fn a_lost_node_is_left_behind_and_joins_again() {
         "{log}"
     );
     let base = load(Path::new("recipes/tiny.yaml"), std::slice::from_ref(&set)).unwrap();
-    let two = relayout(&base, 2, 2).unwrap();
+    let two = relayout(&base, &[2], 2).unwrap();
     assert!(
         log.contains(&format!("restarting on {}", two.describe())),
         "{log}"
@@ -278,7 +278,7 @@ fn a_lost_node_is_left_behind_and_joins_again() {
         log.contains("elastic round 3: node 1 left; restarting on 2 ranks"),
         "{log}"
     );
-    let four = relayout(&base, 4, 2).unwrap();
+    let four = relayout(&base, &[2, 2], 2).unwrap();
     let rounds = [
         (&two, lost_at, grown_at),
         (&four, grown_at, left_at),

@@ -223,3 +223,68 @@ fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
         "{rows:?}"
     );
 }
+
+/// `--gpus N` keeps the recipe's model, batch and optimizer and takes the planner's layout for N
+/// devices (thread ranks here): that layout trains like one rank; the binary says what the recipe
+/// asked and what runs instead, records the layout it ran in `recipe.yaml`, and for a count no
+/// layout uses names the fewest devices that would do.
+#[test]
+fn training_on_n_devices_takes_the_planners_layout_and_trains_like_one_rank() {
+    use pretrain::plan::choose::{choose, Keep};
+    use pretrain::plan::Hardware;
+    let o = vec!["train.steps=3,schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=16,train.micro_batch=4".to_string()];
+    let recipe = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+    let hw = Hardware::found(&recipe, 4);
+    let choice = choose(&recipe, &[4], 4, &hw, Keep::Run).expect("a layout for 4 ranks");
+    assert_eq!(choice.world, 4);
+    let layout = choice.overrides();
+    assert_equivalent(
+        &layout,
+        compare(&layout, &run("parallel.dp=1"), &run(&layout)),
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let set = format!("{},run.dir={}", o[0], tmp.path().display());
+    let out = common::cli::bin()
+        .args([
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--gpus",
+            "4",
+            "--set",
+            &set,
+        ])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let text = common::cli::text(&out);
+    assert!(out.status.success(), "{text}");
+    let said = format!(
+        "--gpus 4: the recipe asks for dp1 tp1 pp1 z0 mb4 on 1 ranks; running {} on 4 ranks instead",
+        choice.layout
+    );
+    assert!(text.contains(&said), "{said}\n{text}");
+    let ran = std::fs::read_to_string(tmp.path().join("recipe.yaml")).unwrap();
+    let ran: pretrain::recipe::Recipe = serde_yaml::from_str(&ran).unwrap();
+    assert_eq!(pretrain::plan::Layout::of(&ran), choice.layout);
+
+    // Five ranks split the tiny model no way (a batch of 16, 4 layers, 8 heads).
+    let out = common::cli::bin()
+        .args([
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--gpus",
+            "5",
+            "--set",
+            &set,
+        ])
+        .output()
+        .unwrap();
+    let text = common::cli::text(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("--gpus 5: no layout of recipes/tiny.yaml uses 5 devices"),
+        "{text}"
+    );
+    assert!(text.contains("the fewest that fit: --gpus 6"), "{text}");
+}

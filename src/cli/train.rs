@@ -12,6 +12,11 @@ use super::{LaunchArgs, RecipeArgs};
 
 pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
     let recipe = args.load()?;
+    let (args, launch, recipe) = match launch.gpus {
+        Some(n) => super::gpus::resolve(args, launch, &recipe, n)?,
+        None => (args.clone(), launch.clone(), recipe),
+    };
+    let (args, launch) = (&args, &launch);
     if let Some(nproc_per_node) = launch.nproc_per_node {
         crate::launch::check_not_nested(&|k| std::env::var(k).ok())?;
         let layout = crate::launch::NodeLayout {

@@ -108,17 +108,22 @@ impl<'a> Coordinator<'a> {
         let next = plan
             .error
             .is_none()
-            .then(|| relayout(self.recipe, total, self.e.min))
+            .then(|| {
+                let slots: Vec<usize> = nodes.iter().map(|n| n.1).collect();
+                relayout(self.recipe, &slots, self.e.min)
+            })
             .flatten();
         if plan.error.is_none() && next.is_none() {
             plan.error = Some(format!(
-                "{what}: no valid layout of the recipe fits {total} down to {} ranks",
-                self.e.min
+                "{what}: no valid layout of the recipe fits {total} down to {} ranks with its \
+                 tensor- and context-parallel groups inside nodes of {:?} slots",
+                self.e.min,
+                nodes.iter().map(|n| n.1).collect::<Vec<_>>()
             ));
         }
         if let (None, Some(next)) = (&plan.error, next) {
             plan.world = next.world;
-            plan.members = assign(&nodes, next.world);
+            plan.members = assign(&nodes, next.world, next.layout.tp * next.layout.cp);
             plan.port = std::net::TcpListener::bind(&self.store_bind)
                 .and_then(|l| l.local_addr())
                 .map(|a| a.port())?;
@@ -266,14 +271,22 @@ impl<'a> Coordinator<'a> {
         if waiting.is_empty() {
             return Ok(false);
         }
-        let have: usize = plan.members.iter().map(|m| m.slots).sum();
-        let more: usize = waiting
+        // The slots of every node, node order, the members' and the waiting ones', capped at MAX.
+        let mut nodes: Vec<(usize, usize)> =
+            plan.members.iter().map(|m| (m.node, m.slots)).collect();
+        nodes.extend(waiting.iter().filter(|w| plan.member(w.0).is_none()));
+        nodes.sort_unstable();
+        let mut left = self.max_ranks;
+        let slots: Vec<usize> = nodes
             .iter()
-            .filter(|w| plan.member(w.0).is_none())
-            .map(|w| w.1)
-            .sum();
-        let total = (have + more).min(self.max_ranks);
-        let grows = relayout(self.recipe, total, self.e.min).is_some_and(|n| n.world > plan.world);
+            .map(|&(_, s)| {
+                let s = s.min(left);
+                left -= s;
+                s
+            })
+            .collect();
+        let total: usize = slots.iter().sum();
+        let grows = relayout(self.recipe, &slots, self.e.min).is_some_and(|n| n.world > plan.world);
         if grows {
             let nodes: Vec<String> = waiting.iter().map(|w| w.0.to_string()).collect();
             tracing::warn!(

@@ -26,12 +26,12 @@ use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use parallel::pipeline::ScheduleKind;
 
 use super::coordinator::Coordinator;
 use super::rendezvous::{Agents, Member, Outcome, Plan, Report, POLL, RENDEZVOUS_TIMEOUT};
 use super::{JobFailed, NodeLayout};
-use crate::plan::{search::candidates, GpuPreset, Layout};
+use crate::plan::choose::{choose, Choice, Keep};
+use crate::plan::Hardware;
 use crate::recipe::{DeviceKind, Recipe};
 
 /// `--elastic MIN[:MAX]`: the fewest ranks a job may continue on, the most it starts with.
@@ -64,106 +64,19 @@ pub fn parse_range(s: &str) -> Result<(usize, Option<usize>), String> {
     Ok((min, max))
 }
 
-/// A layout of the job for a number of ranks, as `--set` overrides.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Relayout {
-    /// Ranks it uses.
-    pub world: usize,
-    /// The layout.
-    pub layout: Layout,
-    /// `parallel.pipeline_layout` when its stages are uneven.
-    pub pipeline_layout: Option<Vec<usize>>,
-}
+/// A layout of the job for the ranks a round has (see [`relayout`]).
+pub type Relayout = Choice;
 
-impl Relayout {
-    /// The overrides that give `recipe` this layout.
-    pub fn overrides(&self) -> String {
-        let l = &self.layout;
-        let mut s = format!(
-            "parallel.dp={},parallel.tp={},parallel.cp={},parallel.pp={},parallel.ep={},\
-             parallel.virtual_stages={},parallel.sequence_parallel={},parallel.zero={},\
-             parallel.schedule={},train.micro_batch={},train.recompute={},\
-             optimizer.state_dtype={}",
-            l.dp,
-            l.tp,
-            l.cp,
-            l.pp,
-            l.ep,
-            l.virtual_stages,
-            l.sequence_parallel,
-            l.zero,
-            l.schedule.recipe_name(),
-            l.micro_batch,
-            l.recompute,
-            l.state_dtype
-        );
-        match &self.pipeline_layout {
-            Some(p) => s.push_str(&format!(",parallel.pipeline_layout={p:?}")),
-            None => s.push_str(",parallel.pipeline_layout=null"),
-        }
-        s
-    }
-
-    /// `dp=2 tp=2 pp=1 …` for the log.
-    pub fn describe(&self) -> String {
-        let l = &self.layout;
-        let mut s = format!(
-            "{} ranks: dp={} tp={} cp={} pp={} ep={} zero={}",
-            self.world,
-            l.dp,
-            l.tp,
-            l.cp,
-            l.pp,
-            l.ep,
-            l.zero.number()
-        );
-        if let Some(p) = &self.pipeline_layout {
-            s.push_str(&format!(" pipeline_layout={p:?}"));
-        }
-        s
-    }
-}
-
-/// The layout `recipe` continues on with `slots` ranks available (at least `min` used): its own
-/// when it has exactly `slots` ranks, else the planner's fastest fitting candidate (on the H100
-/// preset; for a CPU recipe only the ranking matters) that keeps the recipe's micro-batch,
-/// recompute and moments, with all `slots` ranks or, where none is valid, fewer.
-pub fn relayout(recipe: &Recipe, slots: usize, min: usize) -> Option<Relayout> {
-    let own = Layout::of(recipe);
-    if recipe.parallel.world_size() == slots {
-        return Some(Relayout {
-            world: slots,
-            layout: own,
-            pipeline_layout: recipe.parallel.pipeline_layout.clone(),
-        });
-    }
-    let hw = GpuPreset::H100.hardware();
-    (min..=slots).rev().find_map(|n| {
-        candidates(recipe, &hw, n)
-            .into_iter()
-            .map(|c| c.plan)
-            .filter(|p| p.fits)
-            .find(|p| {
-                let l = &p.layout;
-                l.micro_batch == own.micro_batch
-                    && l.recompute == own.recompute
-                    && l.state_dtype == own.state_dtype
-                    && (l.zero == own.zero || !own.zero.shards_optimizer())
-                    && l.sequence_parallel == (own.sequence_parallel && l.tp > 1)
-                    // A zero-bubble schedule stays one (zb-h1 or zbv, as the chunks allow).
-                    && (l.pp == 1 || zero_bubble(l.schedule) == zero_bubble(own.schedule))
-            })
-            .map(|p| Relayout {
-                world: n,
-                layout: p.layout,
-                pipeline_layout: p.pipeline_layout.clone(),
-            })
-    })
-}
-
-/// Whether `kind` splits backwards.
-fn zero_bubble(kind: ScheduleKind) -> bool {
-    matches!(kind, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV)
+/// The layout `recipe` continues on with `nodes` (slots per node, node 0 first; at least `min`
+/// ranks used): its own when it takes exactly all the slots and fits them node by node, else the
+/// planner's fastest fitting candidate (on the GPUs found here; for a CPU recipe only the ranking
+/// matters) that keeps the recipe's micro-batch, recompute, moments, ZeRO stage, sequence
+/// parallelism and zero-bubble schedule, with as many ranks as can be placed with every
+/// tensor- and context-parallel group inside one node (`plan::choose`, which `--gpus` shares).
+pub fn relayout(recipe: &Recipe, nodes: &[usize], min: usize) -> Option<Relayout> {
+    let per_node = nodes.iter().copied().max().unwrap_or(1);
+    let hw = Hardware::found(recipe, per_node);
+    choose(recipe, nodes, min, &hw, Keep::Levers)
 }
 
 /// `super::spawn_node` with elastic restarts (see the module docs): `recipe` is the job's, `args`
@@ -312,7 +225,7 @@ fn meet<'a>(
         let agents = Agents::connect(layout.node_rank, None, &format!("{addr}:{port}"), &token)?;
         return Ok((agents, None));
     }
-    let bind = super::store_bind(addr, port);
+    let bind = super::store_bind(addr, port, layout.nnodes > 1);
     let server = parallel::store::StoreServer::start(&bind, &token, RENDEZVOUS_TIMEOUT)
         .with_context(|| {
             format!("--master-port {port}: serving the launchers' rendezvous on {bind}")
@@ -323,7 +236,7 @@ fn meet<'a>(
         recipe,
         e,
         (layout.nnodes, layout.nproc_per_node),
-        super::store_bind(addr, 0),
+        super::store_bind(addr, 0, layout.nnodes > 1),
     );
     Ok((agents, Some(coordinator)))
 }
@@ -466,10 +379,10 @@ mod tests {
         ];
         let r = crate::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
         // Its own on 4.
-        let four = relayout(&r, 4, 2).unwrap();
+        let four = relayout(&r, &[4], 2).unwrap();
         assert_eq!((four.world, four.layout.dp, four.layout.tp), (4, 2, 2));
         // On 3 ranks some valid layout uses all 3 (pipeline stages, balanced) or, else, fewer.
-        let three = relayout(&r, 3, 2).unwrap();
+        let three = relayout(&r, &[3], 2).unwrap();
         assert!(three.world <= 3 && three.world >= 2, "{three:?}");
         let l = &three.layout;
         assert_eq!(l.dp * l.tp * l.cp * l.pp, three.world);
@@ -480,16 +393,64 @@ mod tests {
         .unwrap();
         assert_eq!(applied.parallel.world_size(), three.world);
         // Nothing below the minimum.
-        assert!(relayout(&r, 1, 2).is_none());
+        assert!(relayout(&r, &[1], 2).is_none());
         // A zero-bubble job stays zero-bubble, with the schedule its new chunks allow.
         let zbv = "parallel.dp=2,parallel.pp=2,parallel.virtual_stages=2,parallel.schedule=zbv,\
                    train.global_batch=16,train.micro_batch=4";
         let r = crate::recipe::load(Path::new("recipes/tiny.yaml"), &[zbv.to_string()]).unwrap();
-        let three = relayout(&r, 3, 2).unwrap();
+        let three = relayout(&r, &[3], 2).unwrap();
         let l = &three.layout;
-        assert!(l.pp == 1 || zero_bubble(l.schedule), "{three:?}");
+        use parallel::pipeline::ScheduleKind as K;
+        let zero_bubble = matches!(l.schedule, K::ZeroBubbleH1 | K::ZeroBubbleV);
+        assert!(l.pp == 1 || zero_bubble, "{three:?}");
         let set = [zbv.to_string(), three.overrides()];
         let applied = crate::recipe::load(Path::new("recipes/tiny.yaml"), &set).unwrap();
         assert_eq!(applied.parallel.schedule_kind(), l.schedule);
+    }
+
+    /// After a GPU is lost, the layout and the placement keep every tensor- and
+    /// context-parallel group on one node (greedy placement split them: ranks shifted by one on
+    /// every node after the degraded one).
+    #[test]
+    fn a_lost_gpu_never_splits_a_tensor_parallel_group_across_nodes() {
+        use crate::launch::rendezvous::assign;
+        use parallel::mesh::{Axis, Mesh};
+        let o = vec![
+            // Context parallelism is kept by every layout: units of at least 2 ranks.
+            "parallel.dp=4,parallel.cp=2,train.global_batch=32,train.micro_batch=2".to_string(),
+        ];
+        let r = crate::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+        for nodes in [vec![4, 3, 4], vec![3, 4, 4], vec![4, 4, 3], vec![2, 1, 4]] {
+            let next = relayout(&r, &nodes, 2).unwrap();
+            let applied = crate::recipe::load(
+                Path::new("recipes/tiny.yaml"),
+                &[o[0].clone(), next.overrides()],
+            )
+            .unwrap();
+            let mesh = Mesh::from_config(&applied.parallel).unwrap();
+            let slots: Vec<(usize, usize)> = nodes.iter().copied().enumerate().collect();
+            let members = assign(&slots, next.world, next.layout.tp * next.layout.cp);
+            let node_of = |rank: usize| {
+                let on = |m: &&Member| (m.first_rank..m.first_rank + m.nproc).contains(&rank);
+                members.iter().find(on).map(|m| m.node)
+            };
+            assert_eq!(
+                members.iter().map(|m| m.nproc).sum::<usize>(),
+                next.world,
+                "{nodes:?}: every rank placed"
+            );
+            for rank in 0..next.world {
+                for axis in [Axis::Tp, Axis::Cp] {
+                    let g = mesh.group(axis, rank);
+                    let homes: Vec<_> = g.ranks().iter().map(|&q| node_of(q)).collect();
+                    assert!(
+                        homes.iter().all(|h| *h == homes[0]),
+                        "{nodes:?} {}: {axis:?} group {:?} on nodes {homes:?}",
+                        next.describe(),
+                        g.ranks()
+                    );
+                }
+            }
+        }
     }
 }

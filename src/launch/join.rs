@@ -87,7 +87,12 @@ pub fn join(info: &ProcessInfo, recipe: &Recipe) -> Result<Job> {
     };
     let port = store_port(&|k| std::env::var(k).ok(), info)?;
     let server = if info.rank == 0 {
-        let bind = store_bind(&info.master_addr, port);
+        // Ranks beyond this node's (or an unknown count of them) are on other nodes.
+        let local = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        let spans_nodes = local.is_none_or(|n: usize| n < info.world_size);
+        let bind = store_bind(&info.master_addr, port, spans_nodes);
         let s = StoreServer::start(&bind, &token, timeout)
             .with_context(|| format!("rank 0: serving the rendezvous store on {bind}"))?;
         Some(s)

@@ -158,7 +158,7 @@ pub fn spawn_node(
     // of rank 0 failing while the other ranks wait out their timeout. (Another node's rank
     // that connects to this instant's listener is reset and retries, see `Store::connect`.)
     if node_rank == 0 {
-        let bind = store_bind(&addr, port);
+        let bind = store_bind(&addr, port, layout.nnodes > 1);
         if let Err(e) = std::net::TcpListener::bind(&bind) {
             bail!(
                 "--master-port {port}: cannot serve the rendezvous store on {bind} ({e}); choose \

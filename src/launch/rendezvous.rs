@@ -259,13 +259,16 @@ impl Liveness {
 }
 
 /// The members of a round over `nodes` (node, slots) in node order, giving ranks to the first
-/// nodes' slots until `world` are placed.
-pub fn assign(nodes: &[(usize, usize)], world: usize) -> Vec<Member> {
+/// nodes' slots until `world` are placed, in whole units of `unit` consecutive ranks (the
+/// layout's `tp · cp`, so that no tensor- or context-parallel group spans two nodes): a node's
+/// slots beyond a whole number of units stay idle.
+pub fn assign(nodes: &[(usize, usize)], world: usize, unit: usize) -> Vec<Member> {
+    let unit = unit.max(1);
     let mut next = 0;
     nodes
         .iter()
         .map(|&(node, slots)| {
-            let nproc = slots.min(world - next);
+            let nproc = (slots / unit * unit).min(world - next);
             let m = Member {
                 node,
                 slots,
@@ -284,12 +287,21 @@ mod tests {
 
     #[test]
     fn ranks_fill_the_first_nodes_slots() {
-        let m = assign(&[(0, 2), (1, 2), (3, 1)], 4);
+        let m = assign(&[(0, 2), (1, 2), (3, 1)], 4, 1);
         let got: Vec<_> = m.iter().map(|m| (m.node, m.first_rank, m.nproc)).collect();
         assert_eq!(got, [(0, 0, 2), (1, 2, 2), (3, 4, 0)]);
-        let m = assign(&[(0, 1), (2, 2)], 3);
+        let m = assign(&[(0, 1), (2, 2)], 3, 1);
         let got: Vec<_> = m.iter().map(|m| (m.node, m.first_rank, m.nproc)).collect();
         assert_eq!(got, [(0, 0, 1), (2, 1, 2)]);
+    }
+
+    #[test]
+    fn ranks_go_to_nodes_in_whole_tensor_parallel_units() {
+        // A node that lost one of its 4 GPUs keeps 2 ranks of tp 2; the third slot stays idle,
+        // where filling it would split the group {2, 3} across nodes.
+        let m = assign(&[(0, 3), (1, 4)], 6, 2);
+        let got: Vec<_> = m.iter().map(|m| (m.node, m.first_rank, m.nproc)).collect();
+        assert_eq!(got, [(0, 0, 2), (1, 2, 4)]);
     }
 
     #[test]
@@ -308,7 +320,7 @@ mod tests {
             port: 1234,
             token: "x".into(),
             overrides: None,
-            members: assign(&[(0, 2), (1, 2)], 4),
+            members: assign(&[(0, 2), (1, 2)], 4, 1),
             failures: 0,
             error: None,
         };

@@ -68,15 +68,41 @@ pub fn job_token(get: &dyn Fn(&str) -> Option<String>, info: &ProcessInfo) -> Re
 
 /// The address rank 0's store listens on: the interface `master_addr` names when it is one of
 /// this host's (loopback for a single-node job on 127.0.0.1), every interface only when it is
-/// not (e.g. a name that resolves differently inside a container).
+/// not (e.g. a name that resolves differently inside a container), or when the job `spans_nodes`
+/// and `master_addr` is a host name that resolves to loopback here (Debian and Ubuntu map the
+/// host's own name to 127.0.1.1): other nodes could never reach a loopback listener, and the
+/// job's token keeps strangers out of the open one. An IP address given as such is kept.
 ///
 /// The interface is probed on a free port, never on `port` itself: a listener there, even for an
 /// instant, would take in ranks already retrying their connect and reset them when it closes.
-pub(super) fn store_bind(master_addr: &str, port: u16) -> String {
-    let ip = (master_addr, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.find(|a| a.is_ipv4()));
+pub(super) fn store_bind(master_addr: &str, port: u16, spans_nodes: bool) -> String {
+    let resolve = |name: &str| -> Vec<std::net::SocketAddr> {
+        (name, port)
+            .to_socket_addrs()
+            .map(|a| a.collect())
+            .unwrap_or_default()
+    };
+    store_bind_with(master_addr, port, spans_nodes, &resolve)
+}
+
+/// [`store_bind`] with the name resolution given.
+fn store_bind_with(
+    master_addr: &str,
+    port: u16,
+    spans_nodes: bool,
+    resolve: &dyn Fn(&str) -> Vec<std::net::SocketAddr>,
+) -> String {
+    let ip = resolve(master_addr).into_iter().find(|a| a.is_ipv4());
+    let named = master_addr.parse::<std::net::IpAddr>().is_err();
+    if let Some(a) = ip.filter(|a| spans_nodes && named && a.ip().is_loopback()) {
+        tracing::warn!(
+            "the rendezvous address {master_addr} resolves to {} here, which other nodes cannot \
+             reach: serving the store on every interface (give --master-addr / MASTER_ADDR as \
+             an address the other nodes reach to avoid this)",
+            a.ip()
+        );
+        return format!("0.0.0.0:{port}");
+    }
     match ip {
         // An address of another host (not bindable here) is served on every interface; one of
         // this host's is kept even when its port is taken, so the error names it.
@@ -141,10 +167,29 @@ mod tests {
 
     #[test]
     fn the_store_listens_on_the_master_interface() {
-        assert_eq!(store_bind("127.0.0.1", 0), "127.0.0.1:0");
-        assert_eq!(store_bind("localhost", 0), "127.0.0.1:0");
+        assert_eq!(store_bind("127.0.0.1", 0, false), "127.0.0.1:0");
+        assert_eq!(store_bind("localhost", 0, false), "127.0.0.1:0");
         // An address that is not this host's: every interface.
-        assert_eq!(store_bind("192.0.2.1", 0), "0.0.0.0:0");
+        assert_eq!(store_bind("192.0.2.1", 0, true), "0.0.0.0:0");
+        // Two launchers on one machine given the loopback address itself keep it.
+        assert_eq!(store_bind("127.0.0.1", 0, true), "127.0.0.1:0");
+    }
+
+    #[test]
+    fn a_host_name_that_resolves_to_loopback_serves_other_nodes_on_every_interface() {
+        // `/etc/hosts` of Debian and Ubuntu: `127.0.1.1 node0`.
+        let hosts = |name: &str| match name {
+            "node0" => vec![std::net::SocketAddr::from(([127, 0, 1, 1], 29500))],
+            _ => vec![],
+        };
+        assert_eq!(
+            store_bind_with("node0", 29500, true, &hosts),
+            "0.0.0.0:29500"
+        );
+        assert_eq!(
+            store_bind_with("node0", 29500, false, &hosts),
+            "127.0.1.1:29500"
+        );
     }
 
     #[test]
@@ -178,7 +223,10 @@ mod tests {
             }
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(1) {
-                assert_eq!(store_bind("127.0.0.1", port), format!("127.0.0.1:{port}"));
+                assert_eq!(
+                    store_bind("127.0.0.1", port, false),
+                    format!("127.0.0.1:{port}")
+                );
             }
             stop.store(true, Ordering::SeqCst);
             client.join().unwrap()

@@ -27,7 +27,9 @@ pub struct Hardware {
     pub name: &'static str,
     /// Peak dense bf16 TFLOP/s per GPU.
     pub peak_tflops: f64,
-    /// Device memory per GPU, GiB.
+    /// Device memory per GPU, GiB: what CUDA reports as the device's total (less than the
+    /// marketing figure: 79.6 of an H100 80GB, 140.4 of an H200 141GB), or what the device read
+    /// says ([`Hardware::found`]).
     pub memory_gib: f64,
     /// Memory each process needs outside its memory pool, GiB: the CUDA context, the loaded
     /// kernels and the cuBLAS and cuDNN workspaces. Measured by the process itself
@@ -75,7 +77,8 @@ impl GpuPreset {
             GpuPreset::H100 => Hardware {
                 name: "h100",
                 peak_tflops: 989.0,
-                memory_gib: 80.0,
+                // 81,559 MiB.
+                memory_gib: 79.6,
                 context_gib: 1.5,
                 nccl_gib: 1.0,
                 hbm_gbps: 3350.0,
@@ -88,7 +91,8 @@ impl GpuPreset {
             GpuPreset::H200 => Hardware {
                 name: "h200",
                 peak_tflops: 989.0,
-                memory_gib: 141.0,
+                // 143,771 MiB (docs/perf.md, the H200 of 2026-11-27).
+                memory_gib: 140.4,
                 context_gib: 1.5,
                 nccl_gib: 1.0,
                 hbm_gbps: 4800.0,
@@ -103,10 +107,55 @@ impl GpuPreset {
 }
 
 impl Hardware {
+    /// Whether this is a GPU (not the CPU [`Hardware::found`] describes for thread ranks).
+    pub fn is_gpu(&self) -> bool {
+        self.name != "cpu"
+    }
+
+    /// The hardware a job of `recipe` finds here, `per_node` ranks to a node: on CUDA the preset
+    /// of the first GPU's model (an unknown model is planned as an H100) with the memory the
+    /// device reports; on the CPU the H100's rates (only the ranking of layouts matters there)
+    /// with the host's available memory shared by the node's `per_node` thread or process ranks.
+    pub fn found(recipe: &crate::recipe::Recipe, per_node: usize) -> Hardware {
+        let per_node = per_node.max(1);
+        if recipe.train.device == crate::recipe::DeviceKind::Cuda {
+            if let Some(f) = crate::device::gpu_facts() {
+                return Self::of_gpu(&f.name, f.total);
+            }
+            return GpuPreset::H100.hardware();
+        }
+        let available = crate::device::capacity(&candle_core::Device::Cpu).unwrap_or(0);
+        Hardware {
+            name: "cpu",
+            memory_gib: available as f64 / super::GIB / per_node as f64,
+            context_gib: 0.0,
+            nccl_gib: 0.0,
+            gpus_per_node: per_node,
+            ..GpuPreset::H100.hardware()
+        }
+    }
+
+    /// The preset of a GPU named `name` (as the driver names it) with `total` bytes.
+    pub fn of_gpu(name: &str, total: u64) -> Hardware {
+        let upper = name.to_uppercase();
+        let preset = if upper.contains("H200") {
+            GpuPreset::H200
+        } else if upper.contains("A100") {
+            GpuPreset::A100_80g
+        } else {
+            GpuPreset::H100
+        };
+        Hardware {
+            memory_gib: total as f64 / super::GIB,
+            ..preset.hardware()
+        }
+    }
+
     /// Bytes a rank holding `comms` NCCL communicators needs outside its memory pool.
     pub fn headroom_bytes(&self, comms: &parallel::register::Communicators) -> u64 {
         let nccl = comms.groups as f64
             + 0.5 * comms.p2p as f64
+            + comms.rings as f64
             + ALL_TO_ALL_COMMUNICATORS * comms.all_to_all as f64;
         ((self.context_gib + self.nccl_gib * nccl) * super::GIB) as u64
     }

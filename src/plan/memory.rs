@@ -24,6 +24,7 @@
 //! and holds as a temporary.
 
 use model::{Inventory, Piece, Recompute};
+use parallel::dp::ZeroStage;
 use parallel::pipeline::{
     build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleError,
     ScheduleKind,
@@ -173,7 +174,17 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         let bucket = if par.zero.shards_gradients() {
             0
         } else {
-            4 * par.bucket_size as u64
+            (4 * par.bucket_size as u64).min(4 * numels.iter().sum::<usize>() as u64)
+        };
+        // ZeRO 1-2 publish the updated weights one bucket at a time, in the parameters' dtype:
+        // the gathered bucket and this rank's cast shard of it (after the step's other
+        // temporaries are gone, hence the larger of the two).
+        let publish = if matches!(par.zero, ZeroStage::Optimizer | ZeroStage::Gradients) {
+            let shards = par.shard_size().max(1) as u64;
+            let largest = state.layout.buckets.iter().map(|b| b.len as u64).max();
+            p * largest.unwrap_or(0) * (shards + 1) / shards
+        } else {
+            0
         };
         let mut bytes = MemoryBytes {
             parameters: param_bytes as u64,
@@ -182,7 +193,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
             activations,
             gathered_parameters,
             staged_gradients,
-            temporaries: temp + bucket.min(4 * numels.iter().sum::<usize>() as u64),
+            temporaries: temp + bucket.max(publish),
             total: 0,
         };
         bytes.total = bytes.parameters

@@ -8,6 +8,7 @@
 //! the formulas, their sources and the checks against our runs and published results.
 
 mod acts;
+pub mod choose;
 pub mod hardware;
 pub mod memory;
 pub mod report;
@@ -171,8 +172,13 @@ pub struct Plan {
     /// What a rank needs outside its memory pool: context, libraries, NCCL buffers
     /// ([`Hardware::headroom_bytes`]).
     pub headroom_bytes: u64,
-    /// Whether the most loaded rank, with the headroom, fits the GPU's memory.
+    /// Whether the most loaded rank, with the headroom, fits the GPU's memory, and no tensor of
+    /// any rank passes what the GPU's kernels can index ([`Plan::refused`]).
     pub fits: bool,
+    /// Why the trainer would refuse the layout on the GPU (`device::element_problems` of its
+    /// most loaded stage); empty when it admits it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<String>,
     /// Step time, by part.
     pub step_time: StepTime,
     /// Predicted seconds per step.
@@ -236,6 +242,17 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
     let communicators =
         parallel::register::most_communicators(&r.parallel).map_err(|e| e.to_string())?;
     let headroom_bytes = hw.headroom_bytes(&communicators);
+    // The trainer's start-up limits, on every stage (its flat layout and owned elements).
+    let mut refused: Vec<String> = Vec::new();
+    if hw.is_gpu() {
+        for s in &stages {
+            for p in crate::device::element_problems(r, s.flat_elems, s.owned_elems) {
+                if !refused.contains(&p) {
+                    refused.push(p);
+                }
+            }
+        }
+    }
     let world = r.parallel.world_size() as f64;
     let tokens = (r.train.global_batch * r.train.seq_len) as f64;
     // The work done: the attention a document mask skips is not counted (as the trainer's
@@ -248,7 +265,9 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
         memory_bytes: most.bytes,
         communicators,
         headroom_bytes,
-        fits: (most.bytes.total + headroom_bytes) as f64 <= hw.memory_gib * GIB,
+        fits: (most.bytes.total + headroom_bytes) as f64 <= hw.memory_gib * GIB
+            && refused.is_empty(),
+        refused,
         stages,
         step_time,
         step_time_s: step_time.step_s,

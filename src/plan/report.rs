@@ -165,11 +165,12 @@ fn print_plan(p: &Plan, hw: &Hardware) {
     let c = &p.communicators;
     println!(
         "  outside the memory pool: {:.2} GiB (context and libraries {:.2}; NCCL {} collective, \
-         {} all-to-all, {} point-to-point communicators)",
+         {} all-to-all, {} ring, {} point-to-point communicators)",
         gib(p.headroom_bytes),
         hw.context_gib,
         c.groups,
         c.all_to_all,
+        c.rings,
         c.p2p
     );
     println!(
@@ -178,6 +179,9 @@ fn print_plan(p: &Plan, hw: &Hardware) {
         hw.memory_gib,
         if p.fits { "yes" } else { "NO" }
     );
+    for why in &p.refused {
+        println!("  refused at start-up: {why}");
+    }
     let t = &p.step_time;
     println!(
         "step {:.3} s = compute {:.3} + TP {:.3} + PP {:.3} + bubble {:.3} ({:.1}%) + DP exposed {:.3} (of {:.3}) + optimizer {:.3}",

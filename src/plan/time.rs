@@ -286,9 +286,14 @@ pub fn attention_share(r: &Recipe) -> f64 {
     }
 }
 
-/// Bandwidth in bytes/s of a group of `size` ranks spaced `stride` apart.
+/// Bandwidth in bytes/s of a group of `size` ranks spaced `stride` apart: the groups of a layout
+/// tile the ranks in aligned blocks of `size · stride`, which lie inside nodes of
+/// `gpus_per_node` only when a block divides a node; otherwise some group spans two nodes and,
+/// its collectives running at its slowest link's pace, all are priced at the network's rate.
 fn group_bandwidth(hw: &Hardware, size: usize, stride: usize) -> f64 {
-    let gbps = if size * stride <= hw.gpus_per_node {
+    let block = size * stride;
+    let gbps = if size <= 1 || (block <= hw.gpus_per_node && hw.gpus_per_node.is_multiple_of(block))
+    {
         hw.intra_node_gbps
     } else {
         hw.inter_node_gbps

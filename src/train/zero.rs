@@ -8,7 +8,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use model::{Inventory, Llama, ParamKind, Piece};
 use parallel::dp::{
-    gather_shards, DataParallel, DpGroups, FlatLayout, Gatherer, MatrixGroups, Partial, Pass,
+    publish_shards, DataParallel, DpGroups, FlatLayout, Gatherer, MatrixGroups, Partial, Pass,
     ShardPos, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
@@ -158,6 +158,14 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         (shard_index, expert_index),
     );
     let device = &ctx.device;
+    if device.is_cuda() {
+        // The planner ranks only layouts this admits (the same function).
+        let owned_elems: usize = owned.iter().map(|r| r.len()).sum();
+        let flat = layout.total as u64;
+        if let Some(p) = crate::device::element_problems(recipe, flat, owned_elems as u64).first() {
+            anyhow::bail!("rank {}: {p}", ctx.rank);
+        }
+    }
     let grads = if zero.shards_gradients() {
         GradBuffer::sharded(layout.clone(), owned.clone(), device)?
     } else {
@@ -268,9 +276,16 @@ pub fn publish(
     match dp.zero() {
         ZeroStage::Off => write_params(model.params(), dp.layout(), &master)?,
         ZeroStage::Optimizer | ZeroStage::Gradients => {
-            let (comm, expert) = (ctx.comm.as_ref(), &ctx.groups.expert_grad);
-            let full = gather_shards(dp.layout(), &master, comm, &ctx.groups.shard, expert)?;
-            write_params(model.params(), dp.layout(), &full)?;
+            let params = model.params();
+            let groups = (
+                ctx.comm.as_ref(),
+                &ctx.groups.shard,
+                &ctx.groups.expert_grad,
+            );
+            let dtype = params.get(0).dtype;
+            publish_shards(dp.layout(), &master, dtype, groups, |i, values| {
+                params.get(i).set(values)
+            })?;
         }
         ZeroStage::Parameters => dp.set_param_shards(&master)?,
     }

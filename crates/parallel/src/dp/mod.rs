@@ -46,4 +46,4 @@ pub use stage::{StateBytes, ZeroStage};
 pub use staging::STAGED_IN_FLIGHT;
 pub use state::{unit_buckets, StateLayout};
 pub use sync::{BucketSpan, GradSync, Reduction};
-pub use zero::{gather_shards, owned_ranges, ShardPos};
+pub use zero::{owned_ranges, publish_shards, ShardPos};

@@ -1,11 +1,12 @@
 //! ZeRO stage 1 (Rajbhandari et al. 2020): each data-parallel rank owns the optimizer state of
 //! one shard of every gradient bucket. The gradient sync reduce-scatters each bucket so that a
 //! rank holds the sum of its own shard ([`super::GradSync`]); the optimizer updates the owned
-//! ranges only; [`gather_shards`] all-gathers the updated master weights bucket by bucket.
+//! ranges only; [`publish_shards`] all-gathers the updated weights bucket by bucket, in the
+//! parameters' dtype.
 
 use std::ops::Range;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::{Bucket, FlatLayout};
 use crate::comm::{Comm, Group};
@@ -52,25 +53,33 @@ pub fn owned_ranges(layout: &FlatLayout, sharded: bool, pos: ShardPos) -> Vec<Ra
     }
 }
 
-/// Reassembles the whole flat buffer `[layout.total]` from the shards of every rank of the shard
-/// group `shard` (expert buckets: of the expert shard group `expert_shard`). `own` holds this
-/// rank's shards of all buckets back to back.
-pub fn gather_shards(
+/// Hands every parameter its updated values, gathered bucket by bucket from the shards of every
+/// rank of the shard group `shard` (expert buckets: of the expert shard group `expert_shard`).
+/// `own` holds this rank's master shards of all buckets back to back (f32); each is cast to the
+/// parameters' `dtype` first (bf16 on GPUs: half the bytes of gathering f32 masters, and the
+/// same values, as the cast is element-wise), all-gathered, and each parameter of the bucket
+/// passed to `write(i, values)` (`values`: `[numel]` in `dtype`). One bucket is gathered at a
+/// time, never the whole flat buffer: the transient is a bucket, not the model.
+pub fn publish_shards(
     layout: &FlatLayout,
     own: &Tensor,
-    comm: &dyn Comm,
-    shard: &Group,
-    expert_shard: &Group,
-) -> Result<Tensor> {
-    let mut parts = Vec::with_capacity(layout.buckets.len());
+    dtype: DType,
+    (comm, shard, expert_shard): (&dyn Comm, &Group, &Group),
+    mut write: impl FnMut(usize, &Tensor) -> Result<()>,
+) -> Result<()> {
     let mut offset = 0;
     for b in &layout.buckets {
         let group = if b.expert { expert_shard } else { shard };
         let n = b.len / group.size();
-        parts.push(comm.all_gather(group, &own.narrow(0, offset, n)?, 0)?); // [len]
+        let part = own.narrow(0, offset, n)?.to_dtype(dtype)?; // [len / shards]
         offset += n;
+        let whole = comm.all_gather(group, &part, 0)?; // [len]
+        for i in b.params.clone() {
+            let r = layout.range(i);
+            write(i, &whole.narrow(0, r.start - b.start, r.len())?)?;
+        }
     }
-    Tensor::cat(&parts, 0)
+    Ok(())
 }
 
 #[cfg(test)]
