@@ -9,13 +9,14 @@
 use std::ops::Range;
 
 use candle_core::{DType, Device, Result, Tensor};
-use ckpt::{PieceDtype, Values};
+use ckpt::{Kind, PieceDtype, Values};
 use half::bf16;
 use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
 use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWStep};
 use super::{FlatLayout, GradBuffer};
+use crate::device::read_f32;
 use crate::recipe::OptimizerConfig;
 
 /// The optimizer's complete state, as saved in checkpoints (host memory).
@@ -212,6 +213,29 @@ impl AdamW {
         let words = self.state.elem_count();
         let moments = self.state.narrow(0, self.n, words - self.n)?;
         Ok(sum_squares(&self.master()?)? + sum_squares_of(&moments, self.moments)?)
+    }
+
+    /// A host copy of `kind` (master weights or a moment, the moment in the state dtype) at the
+    /// owned elements `own` (of `[n]`), read from the state alone: what a checkpoint streams.
+    pub fn read(&self, kind: Kind, own: Range<usize>) -> Result<Values> {
+        let n = self.n;
+        let at = |base: usize| base + own.start..base + own.end;
+        let moment = match kind {
+            Kind::ExpAvg => 0,
+            Kind::ExpAvgSq => 1,
+            _ => return Ok(Values::F32(read_f32(&self.state, own)?)),
+        };
+        if self.moments != DType::BF16 {
+            return Ok(Values::F32(read_f32(&self.state, at(n + moment * n))?));
+        }
+        // The n words after the master weights hold the 2 n bf16 moments: read the words that
+        // cover the range and cut it out.
+        let (first, last) = (moment * n + own.start, moment * n + own.end);
+        let words = read_f32(&self.state, n + first / 2..n + last.div_ceil(2))?;
+        let halves = bytemuck::cast_slice::<f32, bf16>(&words);
+        Ok(Values::Bf16(
+            halves[first % 2..first % 2 + own.len()].to_vec(),
+        ))
     }
 
     /// A host copy of the state for checkpointing, the moments in the state dtype.

@@ -293,6 +293,16 @@ impl Muon {
         sum_squares(&self.state)
     }
 
+    /// A host copy of `kind` (master weights or momentum) at the owned elements `own` (of
+    /// `[k]`), read from the state alone: what a checkpoint streams.
+    pub fn read(&self, kind: ckpt::Kind, own: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let base = match kind {
+            ckpt::Kind::Momentum => self.k,
+            _ => 0,
+        };
+        crate::device::read_f32(&self.state, base + own.start..base + own.end)
+    }
+
     /// A host copy of the state.
     pub fn state(&self) -> Result<MuonState> {
         let mut words = self.state.to_vec1::<f32>()?;

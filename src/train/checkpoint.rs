@@ -4,6 +4,7 @@
 //! any layout, and under either moment dtype.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -25,6 +26,14 @@ pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
         offset: &p.block.offset,
         shape: &p.block.shape,
     }
+}
+
+/// Where a piece of a rank's checkpoint share lives: in Muon's state or AdamW's, its kind, and
+/// its elements there.
+pub(super) struct Source {
+    muon: bool,
+    kind: Kind,
+    own: Range<usize>,
 }
 
 impl Trainer {
@@ -56,8 +65,10 @@ impl Trainer {
         }
         // Every rank's previous save is complete (rank 0's pruning included) before any starts.
         self.ctx.comm.barrier(&world)?;
+        let now = self.recipe.checkpoint.async_save;
+        let (writer, sources) = self.snapshot(&root, step, now)?;
         let mut job = SaveJob {
-            writer: Some(self.snapshot(&root, step)?),
+            writer: Some(writer),
             root,
             step,
             rank: self.ctx.rank,
@@ -84,12 +95,25 @@ impl Trainer {
             return Ok(dir);
         }
         let main = self.ctx.is_main();
-        let written = job.write_share().and_then(|()| {
+        let fill = |i: usize, _: &ckpt::PieceMeta| -> Result<Values, ckpt::SourceError> {
+            Ok(self.read_piece(&sources[i])?)
+        };
+        let written = job.write_share_with(fill).and_then(|()| {
             self.ctx.comm.barrier(&world)?;
             job.finalize()
         });
-        if written.is_err() && main {
-            super::saver::abandon(&self.checkpoint_root(), step);
+        if let Err(e) = &written {
+            // Rank 0's own failure (a full disk) frees the temporary directory at once; the
+            // failure is published first, so that the ranks still writing into it, which then
+            // fail too, are not taken for the cause. After another rank's failure the directory
+            // stays (those ranks may still be writing; the next save of this step removes it).
+            let peer = e
+                .chain()
+                .any(|c| parallel::CommError::find(c).is_some_and(|c| c.is_peer_failure()));
+            if main && !peer {
+                self.ctx.comm.abort(&format!("{e:#}"));
+                super::saver::abandon(&self.checkpoint_root(), step);
+            }
         }
         written?;
         self.ctx.comm.barrier(&world)?;
@@ -108,9 +132,14 @@ impl Trainer {
         }
     }
 
-    /// This rank's share of the checkpoint of `step`: host copies of the owned optimizer state.
-    fn snapshot(&self, root: &Path, step: u64) -> Result<RankWriter> {
+    /// This rank's share of the checkpoint of `step`, the owned optimizer state's pieces with
+    /// where each comes from. `now`: read every piece into host memory here (an asynchronous
+    /// save, written while training changes the state: one host copy of the share, built piece
+    /// by piece); otherwise the pieces are declared and read from the state while the file is
+    /// written ([`Trainer::read_piece`]), one at a time.
+    fn snapshot(&self, root: &Path, step: u64, now: bool) -> Result<(RankWriter, Vec<Source>)> {
         let mut writer = RankWriter::new(root, step, self.ctx.rank)?;
+        let mut sources = Vec::new();
         // Data- and context-parallel replicas hold identical state: without ZeRO only the first
         // rank of the gradient group writes it. With sharding the first shard group writes
         // (replica groups hold the same shards).
@@ -123,62 +152,71 @@ impl Trainer {
             first(&self.ctx.groups.grad),
             first(&self.ctx.groups.expert_grad),
         );
-        if sharded || first_replica || first_expert_replica {
-            let expert = self.model.inventory().expert_flags();
-            let writes = |i: usize| {
-                sharded
-                    || if expert[i] {
-                        first_expert_replica
-                    } else {
-                        first_replica
-                    }
-            };
-            let adamw = self.optimizer.adamw();
-            let state = adamw.state()?; // host copies of [owned] each
-            self.write_part(
-                &mut writer,
-                adamw.owned(),
-                &writes,
-                &|kind, own| match kind {
-                    Kind::ExpAvg => state.exp_avg.slice(own),
-                    Kind::ExpAvgSq => state.exp_avg_sq.slice(own),
-                    _ => Values::F32(state.master[own].to_vec()),
-                },
-            );
-            if let Some(muon) = self.optimizer.muon() {
-                let state = muon.state()?;
-                self.write_part(&mut writer, muon.owned(), &writes, &|kind, own| {
-                    Values::F32(match kind {
-                        Kind::Momentum => state.momentum[own].to_vec(),
-                        _ => state.master[own].to_vec(),
-                    })
-                });
+        if !(sharded || first_replica || first_expert_replica) {
+            return Ok((writer, sources));
+        }
+        let expert = self.model.inventory().expert_flags();
+        let writes = |i: usize| {
+            sharded
+                || if expert[i] {
+                    first_expert_replica
+                } else {
+                    first_replica
+                }
+        };
+        let parts = [
+            Some((false, self.optimizer.adamw().owned())),
+            self.optimizer.muon().map(|m| (true, m.owned())),
+        ];
+        for (muon, owned) in parts.into_iter().flatten() {
+            for (kind, i, local, own) in self.pieces(owned, &writes, muon) {
+                let block = tensor_block(self.model.params().get(i));
+                let source = Source { muon, kind, own };
+                if now {
+                    writer.add(kind, block, local, self.read_piece(&source)?);
+                } else {
+                    let dtype = match kind {
+                        Kind::ExpAvg | Kind::ExpAvgSq => self.optimizer.adamw().moment_dtype(),
+                        _ => ckpt::PieceDtype::F32,
+                    };
+                    let index = writer.declare(kind, block, local, dtype);
+                    debug_assert_eq!(index, sources.len());
+                    sources.push(source);
+                }
             }
         }
-        Ok(writer)
+        Ok((writer, sources))
     }
 
-    /// Adds the pieces of one optimizer part over its flat ranges `owned` (AdamW's kinds, or
-    /// Muon's) to `writer`, for the parameters this rank writes (`writes`, and owned copies):
-    /// `values(kind, range)` gives a kind's values at a range of the part's state.
-    fn write_part(
+    /// The values of a piece of this rank's share, read from its optimizer state.
+    pub(super) fn read_piece(&self, s: &Source) -> Result<Values> {
+        Ok(if s.muon {
+            let muon = self.optimizer.muon().context("a Muon piece without Muon")?;
+            Values::F32(muon.read(s.kind, s.own.clone())?)
+        } else {
+            self.optimizer.adamw().read(s.kind, s.own.clone())?
+        })
+    }
+
+    /// The pieces of one optimizer part (AdamW's kinds, or Muon's for its hidden matrices: `muon`)
+    /// over its flat ranges `owned`, for the parameters this rank writes (`writes`, and owned
+    /// copies): each kind, its parameter's index, the elements of its block it holds and where
+    /// they are in the part's state.
+    fn pieces(
         &self,
-        writer: &mut RankWriter,
-        owned: &[std::ops::Range<usize>],
+        owned: &[Range<usize>],
         writes: &dyn Fn(usize) -> bool,
-        values: &dyn Fn(Kind, std::ops::Range<usize>) -> Values,
-    ) {
+        muon: bool,
+    ) -> Vec<(Kind, usize, Range<usize>, Range<usize>)> {
         let layout = self.grads.layout();
         let hidden = self.model.inventory().hidden_matrices();
+        let mut out = Vec::new();
         for (i, p) in self.model.params().iter().enumerate() {
-            if !self.owns_copy(p) || !writes(i) {
+            let with_muon = self.optimizer.muon().is_some() && hidden[i];
+            if !self.owns_copy(p) || !writes(i) || with_muon != muon {
                 continue; // replicas and the tied copy are written by their owner
             }
-            let kinds: &[Kind] = if self.optimizer.muon().is_some() && hidden[i] {
-                &Kind::MUON
-            } else {
-                &Kind::ADAMW
-            };
+            let kinds: &[Kind] = if muon { &Kind::MUON } else { &Kind::ADAMW };
             let mut base = 0;
             for r in owned {
                 let cut = intersect(&layout.range(i), r);
@@ -186,17 +224,13 @@ impl Trainer {
                     let local = cut.start - layout.offsets[i]..cut.end - layout.offsets[i];
                     let own = base + cut.start - r.start..base + cut.end - r.start;
                     for &kind in kinds {
-                        writer.add(
-                            kind,
-                            tensor_block(p),
-                            local.clone(),
-                            values(kind, own.clone()),
-                        );
+                        out.push((kind, i, local.clone(), own.clone()));
                     }
                 }
                 base += r.len();
             }
         }
+        out
     }
 
     /// Rank 0's manifest of the checkpoint of `step` (files and pieces are filled when it is

@@ -48,8 +48,17 @@ impl SaveJob {
         self.root.join(ckpt::step_dir_name(self.step))
     }
 
-    /// Writes this rank's share.
+    /// Writes this rank's share (every piece holding its values).
     pub fn write_share(&mut self) -> Result<()> {
+        self.write_share_with(|_, m| Err(format!("{}: no values", m.key).into()))
+    }
+
+    /// Writes this rank's share, reading each declared piece through `fill` (see
+    /// [`RankWriter::write_with`]).
+    pub fn write_share_with(
+        &mut self,
+        fill: impl FnMut(usize, &ckpt::PieceMeta) -> Result<ckpt::Values, ckpt::SourceError>,
+    ) -> Result<()> {
         // Fault-injection point for tests: `PRETRAIN_TEST_SHARE_DELAY_MS=RANK:MS` makes rank
         // RANK's share late, so rank 0 must really wait for the last record.
         let delay = std::env::var("PRETRAIN_TEST_SHARE_DELAY_MS")
@@ -63,7 +72,7 @@ impl SaveJob {
             std::thread::sleep(Duration::from_millis(ms));
         }
         if let Some(w) = self.writer.take() {
-            w.write()?;
+            w.write_with(fill)?;
         }
         Ok(())
     }

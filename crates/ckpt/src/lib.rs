@@ -34,7 +34,7 @@ pub use format::{
     TOKENIZER,
 };
 pub use read::{find_latest, saved_steps, Checkpoint};
-pub use write::{finalize, prune, sha256_hex, step_dir_name, RankWriter};
+pub use write::{finalize, prune, sha256_hex, step_dir_name, RankWriter, SourceError};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, CkptError>;

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::TensorView;
+use safetensors::tensor::{Metadata, TensorInfo};
 use sha2::{Digest, Sha256};
 
 use crate::error::CkptError;
@@ -32,11 +32,16 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(CkptError::io(path))
 }
 
-/// One rank's share of a checkpoint.
+/// A source's error for a piece whose values are read while the file is written.
+pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One rank's share of a checkpoint: its pieces, each with its values or declared to be read
+/// when the file is written ([`RankWriter::write_with`]), so that a save never holds the rank's
+/// whole state on the host.
 pub struct RankWriter {
     dir: PathBuf,
     rank: usize,
-    pieces: Vec<(PieceMeta, Values)>,
+    pieces: Vec<(PieceMeta, Option<Values>)>,
 }
 
 impl RankWriter {
@@ -56,6 +61,25 @@ impl RankWriter {
         format!("rank-{:05}.safetensors", self.rank)
     }
 
+    fn meta(
+        &self,
+        kind: Kind,
+        block: TensorBlock<'_>,
+        range: Range<usize>,
+        dtype: PieceDtype,
+    ) -> PieceMeta {
+        PieceMeta {
+            name: block.name.to_string(),
+            kind,
+            global_shape: block.global_shape.to_vec(),
+            block: block.spans(),
+            range: (range.start, range.end),
+            dtype,
+            key: format!("{}/{}/{}", kind.as_str(), block.name, range.start),
+            file: self.file_name(),
+        }
+    }
+
     /// Adds elements `range` (row-major) of the block `block` (of a tensor of `block.name`),
     /// stored in the type of `data` (f32 values or bf16); `data` must hold the range's length.
     pub fn add(
@@ -67,49 +91,122 @@ impl RankWriter {
     ) {
         let data = data.into();
         debug_assert_eq!(data.len(), range.len());
-        let key = format!("{}/{}/{}", kind.as_str(), block.name, range.start);
-        let meta = PieceMeta {
-            name: block.name.to_string(),
-            kind,
-            global_shape: block.global_shape.to_vec(),
-            block: block.spans(),
-            range: (range.start, range.end),
-            dtype: data.dtype(),
-            key,
-            file: self.file_name(),
-        };
-        self.pieces.push((meta, data));
+        let meta = self.meta(kind, block, range, data.dtype());
+        self.pieces.push((meta, Some(data)));
     }
 
-    /// Writes the rank's safetensors file and its sidecar record.
+    /// Declares a piece like [`RankWriter::add`] whose values, of type `dtype`, the `fill` of
+    /// [`RankWriter::write_with`] gives when the file is written; returns its index there.
+    pub fn declare(
+        &mut self,
+        kind: Kind,
+        block: TensorBlock<'_>,
+        range: Range<usize>,
+        dtype: PieceDtype,
+    ) -> usize {
+        let meta = self.meta(kind, block, range, dtype);
+        self.pieces.push((meta, None));
+        self.pieces.len() - 1
+    }
+
+    /// Writes the rank's safetensors file and its sidecar record (every piece must have its
+    /// values: see [`RankWriter::write_with`] for declared ones).
     pub fn write(self) -> Result<()> {
+        self.write_with(|_, m| Err(format!("{}: declared without a source", m.key).into()))
+    }
+
+    /// Writes the rank's safetensors file and its sidecar record, taking each declared piece's
+    /// values from `fill(index, meta)` (its index from [`RankWriter::declare`]) as the file
+    /// reaches it: the host holds one piece's values at a time (and a 1 MiB write buffer),
+    /// hashing the bytes as they go. The file is what `safetensors::serialize` makes of the
+    /// pieces, byte for byte: pieces sorted by dtype (f32 first), then by key; the header
+    /// padded with spaces to a multiple of 8 bytes.
+    pub fn write_with(
+        self,
+        mut fill: impl FnMut(usize, &PieceMeta) -> std::result::Result<Values, SourceError>,
+    ) -> Result<()> {
         let path = self.dir.join(self.file_name());
-        let bytes: Vec<Vec<u8>> = self.pieces.iter().map(|(_, d)| d.le_bytes()).collect();
-        let views = self
-            .pieces
-            .iter()
-            .zip(&bytes)
-            .map(|((m, d), b)| {
-                Ok((
-                    m.key.clone(),
-                    TensorView::new(safetensors_dtype(d.dtype()), vec![d.len()], b)?,
-                ))
-            })
-            .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
-            .map_err(|e| CkptError::Format {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
-        let data = safetensors::serialize(views, None).map_err(|e| CkptError::Format {
+        let format_error = |message: String| CkptError::Format {
             path: path.clone(),
-            message: e.to_string(),
-        })?;
-        write_synced(&path, &data)?;
+            message,
+        };
+        let mut order: Vec<usize> = (0..self.pieces.len()).collect();
+        let dtype = |i: usize| safetensors_dtype(self.pieces[i].0.dtype);
+        order.sort_by(|&a, &b| {
+            let key = |i: usize| &self.pieces[i].0.key;
+            dtype(b).cmp(&dtype(a)).then(key(a).cmp(key(b)))
+        });
+        let mut offset = 0;
+        let infos = order
+            .iter()
+            .map(|&i| {
+                let m = &self.pieces[i].0;
+                let n = (m.range.1 - m.range.0) * m.dtype.width();
+                let info = TensorInfo {
+                    dtype: dtype(i),
+                    shape: vec![m.range.1 - m.range.0],
+                    data_offsets: (offset, offset + n),
+                };
+                offset += n;
+                (m.key.clone(), info)
+            })
+            .collect();
+        let metadata = Metadata::new(None, infos).map_err(|e| format_error(e.to_string()))?;
+        let mut header = serde_json::to_string(&metadata)
+            .map_err(|e| format_error(e.to_string()))?
+            .into_bytes();
+        header.resize(header.len().next_multiple_of(8), b' ');
+        let file = File::create(&path).map_err(CkptError::io(&path))?;
+        let mut out = Hashing {
+            inner: std::io::BufWriter::with_capacity(1 << 20, file),
+            hash: Sha256::new(),
+            bytes: 0,
+        };
+        let io = CkptError::io(&path);
+        let written = (|| -> std::io::Result<()> {
+            out.write_all(&(header.len() as u64).to_le_bytes())?;
+            out.write_all(&header)
+        })();
+        written.map_err(io)?;
+        for &i in &order {
+            let (meta, values) = &self.pieces[i];
+            let filled;
+            let values = match values {
+                Some(v) => v,
+                None => {
+                    filled = fill(i, meta).map_err(|e| CkptError::Mismatch {
+                        dir: self.dir.clone(),
+                        message: format!("reading {}: {e}", meta.key),
+                    })?;
+                    &filled
+                }
+            };
+            let want = meta.range.1 - meta.range.0;
+            if values.len() != want || values.dtype() != meta.dtype {
+                return Err(CkptError::Mismatch {
+                    dir: self.dir.clone(),
+                    message: format!(
+                        "{}: {} {:?} values for a piece of {want} {:?}",
+                        meta.key,
+                        values.len(),
+                        values.dtype(),
+                        meta.dtype
+                    ),
+                });
+            }
+            out.write_all(&values.le_bytes())
+                .map_err(CkptError::io(&path))?;
+        }
+        let Hashing { inner, hash, bytes } = out;
+        let file = inner
+            .into_inner()
+            .map_err(|e| CkptError::io(&path)(e.into_error()))?;
+        file.sync_all().map_err(CkptError::io(&path))?;
         let record = RankRecord {
             file: FileEntry {
                 name: self.file_name(),
-                bytes: data.len() as u64,
-                sha256: hex(&Sha256::digest(&data)),
+                bytes,
+                sha256: hex(&hash.finalize()),
             },
             pieces: self.pieces.into_iter().map(|(m, _)| m).collect(),
         };
@@ -119,6 +216,26 @@ impl RankWriter {
         let json = serde_json::to_vec(&record).expect("records serialise");
         write_synced(&tmp, &json)?;
         fs::rename(&tmp, &side).map_err(CkptError::io(&side))
+    }
+}
+
+/// A writer that hashes and counts what goes through it.
+struct Hashing<W> {
+    inner: W,
+    hash: Sha256,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
     }
 }
 
