@@ -82,6 +82,10 @@ pub fn process_defaults() {
     }
     if cfg!(feature = "cuda") {
         defaults.push(("CUDA_MODULE_LOADING", "EAGER".to_string()));
+        // More hardware queues than the default 8: a rank's streams (compute, one per NCCL
+        // communicator) then rarely share one, where a kernel queued behind another stream's
+        // waiting NCCL kernel would wait for it too.
+        defaults.push(("CUDA_DEVICE_MAX_CONNECTIONS", "32".to_string()));
     }
     if cfg!(feature = "nccl") {
         defaults.push(("NCCL_RUNTIME_CONNECT", "0".to_string()));

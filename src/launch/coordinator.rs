@@ -436,3 +436,37 @@ impl Drop for Resumed {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallel::store::StoreServer;
+
+    /// Two launchers as two nodes, node 1 with one slot fewer (a lost GPU): node 0's launcher
+    /// lays the cp 2 job out so that no context-parallel ring spans the nodes, leaving node 0's
+    /// odd slot idle (greedy placement gave node 0 ranks 0-2 and split the ring {2, 3}).
+    #[test]
+    fn a_degraded_node_gets_whole_rings_and_leaves_its_odd_slot_idle() {
+        let o = vec!["parallel.dp=2,parallel.cp=2,train.global_batch=16".to_string()];
+        let recipe = crate::recipe::load(std::path::Path::new("recipes/tiny.yaml"), &o).unwrap();
+        let server = StoreServer::start("127.0.0.1:0", "t", Duration::from_secs(10)).unwrap();
+        let addr = server.addr().to_string();
+        let mut zero = Agents::connect(0, Some(server), &addr, "t").unwrap();
+        let mut one = Agents::connect(1, None, &addr, "t").unwrap();
+        zero.register(0, 3).unwrap();
+        one.register(0, 2).unwrap();
+        let e = Elastic {
+            min: 2,
+            max: None,
+            max_restarts: 3,
+        };
+        let mut c = Coordinator::new(&recipe, e, (2, 3), "127.0.0.1:0".into());
+        let plan = c.decide(&mut zero, 0, Instant::now()).unwrap();
+        let got: Vec<_> = plan
+            .members
+            .iter()
+            .map(|m| (m.node, m.first_rank, m.nproc))
+            .collect();
+        assert_eq!((plan.world, got), (4, vec![(0, 0, 2), (1, 2, 2)]));
+    }
+}

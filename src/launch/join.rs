@@ -93,7 +93,7 @@ pub fn join(info: &ProcessInfo, recipe: &Recipe) -> Result<Job> {
             .and_then(|v| v.parse().ok());
         let spans_nodes = local.is_none_or(|n: usize| n < info.world_size);
         let bind = store_bind(&info.master_addr, port, spans_nodes);
-        let s = StoreServer::start(&bind, &token, timeout)
+        let s = StoreServer::start_for(&bind, &token, timeout, info.world_size)
             .with_context(|| format!("rank 0: serving the rendezvous store on {bind}"))?;
         Some(s)
     } else {

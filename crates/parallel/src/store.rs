@@ -39,7 +39,8 @@ pub enum StoreError {
     },
 }
 
-/// Connections the server serves at once; more are closed unanswered (a job needs one per rank).
+/// Connections the server serves at once by default; more are closed unanswered (a job needs one
+/// per rank: [`StoreServer::start_for`] raises it for a job of more ranks).
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Connections that have not yet presented the token, at once: each holds a thread for up to
 /// the greeting's timeout, so strangers are held to this many threads; a rank refused meanwhile
@@ -96,6 +97,20 @@ impl StoreServer {
     /// Listens on `bind` (e.g. `0.0.0.0:29500`, or port 0 for any free port) for clients presenting
     /// `token`; a `get` waits at most `timeout` for its key.
     pub fn start(bind: &str, token: &str, timeout: Duration) -> std::io::Result<Self> {
+        Self::start_for(bind, token, timeout, 0)
+    }
+
+    /// [`StoreServer::start`] for `clients` connections at once (a job's ranks): it serves at
+    /// least twice that, plus the connections still greeting, so that ranks reconnecting while
+    /// their old connection is still counted are served too (128 nodes of 8 GPUs are 1,024
+    /// ranks, the default cap exactly).
+    pub fn start_for(
+        bind: &str,
+        token: &str,
+        timeout: Duration,
+        clients: usize,
+    ) -> std::io::Result<Self> {
+        let max_connections = MAX_CONNECTIONS.max(2 * clients + MAX_PENDING);
         let listener = TcpListener::bind(bind)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -116,7 +131,7 @@ impl StoreServer {
                     let Ok(stream) = conn else { continue };
                     // Strangers cannot exhaust the server: past either cap, connections are
                     // closed.
-                    if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS
+                    if active.load(Ordering::SeqCst) >= max_connections
                         || pending.load(Ordering::SeqCst) >= MAX_PENDING
                     {
                         continue;

@@ -109,6 +109,7 @@ impl Shared {
     pub(in crate::comm::nccl) fn watch(&self) {
         let _ = self.stream.context().bind_to_thread();
         let mut polled = Instant::now();
+        let active_poll = store_poll(self.world_size);
         loop {
             {
                 let stop = lock(&self.stop);
@@ -139,7 +140,9 @@ impl Shared {
                 continue;
             }
             let busy = !lock(&self.pending).is_empty() || !lock(&self.host_calls).is_empty();
-            if busy || self.idle() < ACTIVE_WINDOW || polled.elapsed() >= IDLE_POLL {
+            let active = busy || self.idle() < ACTIVE_WINDOW;
+            let since = polled.elapsed();
+            if (active && since >= active_poll) || since >= IDLE_POLL {
                 polled = Instant::now();
                 if let Some((rank, reason)) = self.poll_store() {
                     self.fail(rank, reason);
