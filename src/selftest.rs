@@ -336,7 +336,7 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     let one = losses(tiny(recipe, 3, dev, "f32", "")?)?;
     let four = losses(tiny(recipe, 3, dev, "f32", "parallel.dp=2,parallel.tp=2")?)?;
     let ring = losses(tiny(recipe, 3, dev, "f32", "parallel.cp=2")?)?;
-    let moe = "model.num_local_experts=4,model.num_experts_per_tok=2";
+    let moe = processes::MOE;
     let moe_one = losses(tiny(recipe, 3, dev, "f32", moe)?)?;
     let moe_ep = losses(tiny(
         recipe,
@@ -384,7 +384,14 @@ pub fn check_training(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
             tolerance: muon_tolerance,
         },
     ];
-    let across = processes::check_processes(kind, recipe, &one)?;
+    let one_of = |model: &str| -> Result<Vec<f64>> {
+        match model {
+            "" => Ok(one.clone()),
+            m if m == moe => Ok(moe_one.clone()),
+            m => losses(tiny(recipe, 3, dev, "f32", m)?),
+        }
+    };
+    let across = processes::check_processes(kind, recipe, &one_of)?;
     if across.is_empty() {
         eprintln!(
             "selftest: one GPU, so no NCCL check across processes (it needs two; NCCL refuses \

@@ -335,15 +335,18 @@ fn a_save_holds_a_bounded_window_of_the_state_on_the_host() {
         tmp.path().display()
     )];
     let recipe = load(Path::new("recipes/tiny.yaml"), &o).unwrap();
-    let comm = parallel::comm::local::LocalWorld::new(1, std::time::Duration::from_secs(60));
-    let ctx = RankCtx::open(
-        &recipe.parallel,
-        0,
-        comm[0].clone(),
-        candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let mut trainer = Trainer::new(recipe.clone(), ctx, false).unwrap();
+    // One rank on this thread (the counting follows this thread's allocations).
+    let open = || {
+        let comm = parallel::comm::local::LocalWorld::new(1, std::time::Duration::from_secs(60));
+        let ctx = RankCtx::open(
+            &recipe.parallel,
+            0,
+            comm[0].clone(),
+            candle_core::Device::Cpu,
+        );
+        Trainer::new(recipe.clone(), ctx.unwrap(), false).unwrap()
+    };
+    let mut trainer = open();
     trainer.train_step().unwrap();
     let state = trainer.train_step().unwrap().state.optimizer_bytes;
     counting::start();
@@ -362,15 +365,7 @@ fn a_save_holds_a_bounded_window_of_the_state_on_the_host() {
     );
     assert!(peak < 4.0 * largest, "{peak} bytes held while saving");
     // The streamed files resume the run exactly where it was.
-    let comm = parallel::comm::local::LocalWorld::new(1, std::time::Duration::from_secs(60));
-    let ctx = RankCtx::open(
-        &recipe.parallel,
-        0,
-        comm[0].clone(),
-        candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let mut again = Trainer::new(recipe, ctx, false).unwrap();
+    let mut again = open();
     again.load_checkpoint(&dir).unwrap();
     let (a, b) = (trainer.train_step().unwrap(), again.train_step().unwrap());
     assert_eq!(a.loss.to_bits(), b.loss.to_bits());

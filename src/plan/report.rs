@@ -174,7 +174,7 @@ fn print_plan(p: &Plan, hw: &Hardware) {
         c.p2p
     );
     println!(
-        "fits {} ({:.0} GiB): {}",
+        "fits {} ({:.1} GiB): {}",
         hw.name,
         hw.memory_gib,
         if p.fits { "yes" } else { "NO" }
@@ -332,7 +332,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let fitting = c.iter().filter(|c| c.plan.fits).count();
         println!();
         println!(
-            "{} valid layouts for {n} GPUs, {fitting} fit {:.0} GiB; the best ten by throughput (* = the recipe's):",
+            "{} valid layouts for {n} GPUs, {fitting} fit {:.1} GiB; the best ten by throughput (* = the recipe's):",
             c.len(),
             hw.memory_gib
         );
