@@ -15,8 +15,9 @@
 #   RECIPE=recipes/bench-1b.yaml
 #   OUT=.                               gpu_step.json is written here; runs and logs go to
 #   OUT_DIR=$OUT/gpu_step (or runs/gpu_step when OUT is unset)
-# Prints the medians (tokens/s, TFLOP/s, MFU, step time, peak GPU memory from nvidia-smi) of each
-# side and the ratio ours / PyTorch, and writes them to $OUT/gpu_step.json. Exits non-zero, naming
+# Prints the medians (tokens/s, TFLOP/s, MFU with causal attention counted once and, as most
+# published tables count it, as if full; step time, peak GPU memory from nvidia-smi) of each side
+# and the ratio ours / PyTorch, and writes them to $OUT/gpu_step.json. Exits non-zero, naming
 # the side, when either side fails (the other side still runs, so its numbers are kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -206,6 +207,12 @@ if ok(o) and fpt and abs(o["flops_per_token"] / fpt - 1) > 1e-6:
                   "(different model config, or the FLOP formula port is out of date)")
 ratios = {m: o["tokens_per_s"] / r["tokens_per_s"] for m, r in t.items() if ok(o) and ok(r)}
 first = next((r for r in t.values() if ok(r)), {})
+# MFU in the count most published tables use (causal attention counted as if full, 12 L s h per
+# token) beside ours (causal attention counted once, 6 L s h), both from PyTorch's numbers.
+full = first.get("flops_per_token_full_attention")
+for r in [o] + list(t.values()):
+    if ok(r) and full and fpt and r.get("mfu") is not None:
+        r["mfu_full_attention"] = r["mfu"] * full / fpt
 summary = {"gpu": gpu, "peak_tflops": peak, "recipe": recipe, "steps": steps, "warmup": warmup,
            "median_of_steps": [warmup + 1, steps], "tokens_per_step": first.get("tokens_per_step"),
            "params": first.get("params"), "flops_per_token": fpt, "ours": o,
@@ -218,7 +225,8 @@ print(f"\nGPU benchmark on {gpu}, {recipe}: "
       + (f"{first['params']:,} parameters, {first['grad_accum']} x {first['micro_batch']} x "
          f"{first['seq_len']} tokens per step, " if first else "")
       + f"median of steps {warmup + 1}-{steps}, MFU against {peak:g} TFLOP/s")
-print(f"{'':34} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'step ms':>9} {'GPU mem MiB':>12}")
+print(f"{'':34} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'MFU full':>9} {'step ms':>9} "
+      f"{'GPU mem MiB':>12}")
 rows = ([("this project", o)] if o is not None else []) + \
        [(f"PyTorch {m} ({r.get('version', '?')})", r) for m, r in t.items()]
 for name, r in rows:
@@ -226,8 +234,9 @@ for name, r in rows:
         print(f"{name:34} FAILED: {r['error']}")
         continue
     mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+    mfu_full = None if r.get("mfu_full_attention") is None else 100 * r["mfu_full_attention"]
     print(f"{name:34} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.1f} {fmt(mfu, '>6.1f')}% "
-          f"{r['step_ms']:>9.1f} {fmt(r.get('peak_gpu_mem_mib'), '>12.0f')}")
+          f"{fmt(mfu_full, '>8.1f')}% {r['step_ms']:>9.1f} {fmt(r.get('peak_gpu_mem_mib'), '>12.0f')}")
 for m, x in ratios.items():
     print(f"ratio ours / PyTorch {m} (tokens/s): {x:.3f}x")
 if ok(o) and o.get("pool_mib") and o.get("peak_gpu_mem_mib"):
