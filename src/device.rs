@@ -200,19 +200,6 @@ pub fn element_problems(recipe: &crate::recipe::Recipe, flat: u64, owned: u64) -
         .collect()
 }
 
-/// Elements `r` of the 1-D f32 tensor `t`, on the host, copying only them: candle copies a
-/// CUDA tensor's whole storage to the host even for a narrow view of it, so on a GPU the range
-/// is first copied into a tensor of its own (a device-to-device copy of just those elements).
-pub fn read_f32(t: &Tensor, r: std::ops::Range<usize>) -> candle_core::Result<Vec<f32>> {
-    let view = t.narrow(0, r.start, r.len())?;
-    if t.device().is_cpu() {
-        return view.to_vec1();
-    }
-    let part = Tensor::zeros(r.len(), candle_core::DType::F32, t.device())?;
-    part.slice_set(&view, 0, 0)?;
-    part.to_vec1()
-}
-
 /// [`check_elements`] against `limit`.
 pub fn check_elements_within(what: &str, n: usize, limit: usize) -> candle_core::Result<()> {
     if n > limit {

@@ -39,6 +39,18 @@ pub(super) fn resolve(
         ),
         Some(p) => p,
         None => {
+            let launched = parallel::env::from_env(&|k| std::env::var(k).ok())?;
+            if let Some(info) = launched.filter(|i| i.world_size > 1) {
+                // A rank of a job torchrun or Slurm started: every rank chooses alike.
+                if info.world_size != n {
+                    bail!(
+                        "--gpus {n} in a job of {} processes (WORLD_SIZE): give --gpus {}",
+                        info.world_size,
+                        info.world_size
+                    );
+                }
+                return finish(args, launch.clone(), recipe, n, n);
+            }
             if recipe.train.device == DeviceKind::Cuda && n > 1 {
                 // A rank process per GPU, as --nproc-per-node N starts them.
                 launch.nproc_per_node = Some(n);
@@ -46,6 +58,17 @@ pub(super) fn resolve(
             n
         }
     };
+    finish(args, launch, recipe, n, per_node)
+}
+
+/// [`resolve`] once the devices are known: `n` of them, `per_node` to a node.
+fn finish(
+    args: &RecipeArgs,
+    launch: LaunchArgs,
+    recipe: &Recipe,
+    n: usize,
+    per_node: usize,
+) -> Result<(RecipeArgs, LaunchArgs, Recipe)> {
     let hw = Hardware::found(recipe, per_node);
     let nodes = nodes_of(n, per_node);
     let Some(choice) = choose(recipe, &nodes, n, &hw, Keep::Run) else {

@@ -15,8 +15,8 @@ use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
 use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWStep};
+use super::{read_f32, write_f32};
 use super::{FlatLayout, GradBuffer};
-use crate::device::read_f32;
 use crate::recipe::OptimizerConfig;
 
 /// The optimizer's complete state, as saved in checkpoints (host memory).
@@ -236,6 +236,43 @@ impl AdamW {
         Ok(Values::Bf16(
             halves[first % 2..first % 2 + own.len()].to_vec(),
         ))
+    }
+
+    /// Writes `values` of `kind` (master weights or a moment, in either dtype: converted to the
+    /// state's, f32 to bf16 rounding to nearest) at the owned elements `own`, in place: what a
+    /// resume streams into the state, one piece at a time.
+    pub fn write(&mut self, kind: Kind, own: Range<usize>, values: &Values) -> Result<()> {
+        if values.len() != own.len() {
+            candle_core::bail!(
+                "adamw: {} values for the {} owned elements {own:?}",
+                values.len(),
+                own.len()
+            );
+        }
+        let n = self.n;
+        let moment = match kind {
+            Kind::ExpAvg => 0,
+            Kind::ExpAvgSq => 1,
+            _ => return write_f32(&self.state, own.start, &values.to_f32()),
+        };
+        if self.moments != DType::BF16 {
+            return write_f32(&self.state, n + moment * n + own.start, &values.to_f32());
+        }
+        // The bf16 moments share f32 words: the words covering the range are read, their halves
+        // replaced, and written back.
+        let (first, last) = (moment * n + own.start, moment * n + own.end);
+        let words = n + first / 2..n + last.div_ceil(2);
+        let mut held = read_f32(&self.state, words.clone())?;
+        let halves = bytemuck::cast_slice_mut::<f32, bf16>(&mut held);
+        if let Values::Bf16(v) = values.to_dtype(PieceDtype::Bf16) {
+            halves[first % 2..first % 2 + own.len()].copy_from_slice(&v);
+        }
+        write_f32(&self.state, words.start, &held)
+    }
+
+    /// Sets the count of updates taken (a resume's).
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
     }
 
     /// A host copy of the state for checkpointing, the moments in the state dtype.

@@ -119,3 +119,26 @@ pub fn write_params(params: &ParamSet, layout: &FlatLayout, flat: &Tensor) -> Re
     }
     Ok(())
 }
+
+/// Elements `r` of the 1-D f32 tensor `t`, on the host, copying only them: candle copies a
+/// CUDA tensor's whole storage to the host even for a narrow view of it, so on a GPU the range
+/// is first copied into a tensor of its own (a device-to-device copy of just those elements).
+pub fn read_f32(t: &Tensor, r: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    let view = t.narrow(0, r.start, r.len())?;
+    if t.device().is_cpu() {
+        return view.to_vec1();
+    }
+    let part = Tensor::zeros(r.len(), candle_core::DType::F32, t.device())?;
+    part.slice_set(&view, 0, 0)?;
+    part.to_vec1()
+}
+
+/// Writes `values` into the 1-D f32 tensor `t` from element `at`, in place (one host-to-device
+/// copy of just those values on a GPU).
+pub fn write_f32(t: &Tensor, at: usize, values: &[f32]) -> Result<()> {
+    if values.is_empty() {
+        return Ok(());
+    }
+    let part = Tensor::from_slice(values, values.len(), t.device())?;
+    t.slice_set(&part, 0, at)
+}

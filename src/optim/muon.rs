@@ -300,7 +300,29 @@ impl Muon {
             ckpt::Kind::Momentum => self.k,
             _ => 0,
         };
-        crate::device::read_f32(&self.state, base + own.start..base + own.end)
+        super::read_f32(&self.state, base + own.start..base + own.end)
+    }
+
+    /// Writes `values` of `kind` (master weights or momentum) at the owned elements `own`, in
+    /// place: what a resume streams into the state.
+    pub fn write(
+        &mut self,
+        kind: ckpt::Kind,
+        own: std::ops::Range<usize>,
+        values: &[f32],
+    ) -> Result<()> {
+        if values.len() != own.len() {
+            candle_core::bail!(
+                "muon: {} values for the {} owned elements",
+                values.len(),
+                own.len()
+            );
+        }
+        let base = match kind {
+            ckpt::Kind::Momentum => self.k,
+            _ => 0,
+        };
+        super::write_f32(&self.state, base + own.start, values)
     }
 
     /// A host copy of the state.

@@ -130,17 +130,20 @@ impl Choice {
         s
     }
 
-    /// Why it runs: the memory of its most loaded rank against the device's and its predicted
-    /// step, on `hw`.
+    /// Why it runs: the memory of its most loaded rank against the device's and, on GPUs, its
+    /// predicted step, on `hw` (the CPU's ranking uses GPU rates, so no time is claimed there).
     pub fn reason(&self, hw: &Hardware) -> String {
         let p = &self.plan;
-        format!(
-            "{:.2} GiB per rank of {:.1} ({}), {:.3} s per step predicted",
+        let memory = format!(
+            "{:.2} GiB per rank of {:.1} ({})",
             (p.memory_bytes.total + p.headroom_bytes) as f64 / GIB,
             hw.memory_gib,
-            hw.name,
-            p.step_time_s
-        )
+            hw.name
+        );
+        match hw.is_gpu() {
+            true => format!("{memory}, {:.3} s per step predicted", p.step_time_s),
+            false => memory,
+        }
     }
 }
 

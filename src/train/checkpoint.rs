@@ -3,7 +3,6 @@
 //! dtype), step and samples consumed. Pieces carry global coordinates, so a checkpoint loads at
 //! any layout, and under either moment dtype.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -16,7 +15,6 @@ use tracing::info;
 
 use super::saver::SaveJob;
 use super::Trainer;
-use crate::optim::{AdamWState, MuonState};
 
 /// The block of its tensor that parameter `p` holds on this rank, in checkpoint terms.
 pub fn tensor_block(p: &model::Parameter) -> TensorBlock<'_> {
@@ -280,8 +278,6 @@ impl Trainer {
                 self.data.train.num_samples()
             );
         }
-        let owned = self.optimizer.adamw().owned().to_vec();
-        let state = self.read_owned_state(dir, &ck, &owned, &Kind::ADAMW)?;
         // Checkpoints written before the loop state was saved: every step was an update.
         let progress: super::guard::LoopState = if m.trainer.is_null() {
             super::guard::LoopState {
@@ -292,7 +288,6 @@ impl Trainer {
             serde_json::from_value(m.trainer.clone())
                 .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
         };
-        let n = state.len() / 3;
         let (stored, ours) = (ck.dtype(Kind::ExpAvg), self.optimizer.moment_dtype());
         if stored != ours && self.ctx.is_main() {
             info!(
@@ -307,22 +302,10 @@ impl Trainer {
                 }
             );
         }
-        let values = |k: usize| Values::F32(state[k * n..(k + 1) * n].to_vec());
-        self.optimizer.adamw_mut().load_state(&AdamWState {
-            step: progress.updates,
-            master: state[..n].to_vec(),
-            exp_avg: values(1),
-            exp_avg_sq: values(2),
-        })?;
-        if let Some(owned) = self.optimizer.muon().map(|m| m.owned().to_vec()) {
-            let state = self.read_owned_state(dir, &ck, &owned, &Kind::MUON)?;
-            let (master, momentum) = state.split_at(state.len() / 2);
-            if let Some(muon) = self.optimizer.muon_mut() {
-                muon.load_state(&MuonState {
-                    master: master.to_vec(),
-                    momentum: momentum.to_vec(),
-                })?;
-            }
+        self.load_owned_state(dir, &ck, false, &Kind::ADAMW)?;
+        self.optimizer.adamw_mut().set_step(progress.updates);
+        if self.optimizer.muon().is_some() {
+            self.load_owned_state(dir, &ck, true, &Kind::MUON)?;
         }
         self.progress = progress;
         self.model.set_expert_bias(&self.progress.expert_bias);
@@ -340,42 +323,71 @@ impl Trainer {
         Ok(())
     }
 
-    /// This rank's flat ranges `owned` of the values of `kinds` from `ck` (in `dir`), `[kind 0 |
-    /// kind 1 | …]` as f32 (bf16 moments widened exactly), all finite. A tensor's optimizer
-    /// state the checkpoint lacks whole (the other optimizer's, where `optimizer.name` changed
-    /// and the change is accepted, or any at step 0) starts at zero; any other state missing is
-    /// an error.
-    fn read_owned_state(
-        &self,
+    /// Streams this rank's owned optimizer state of `kinds` (AdamW's, or Muon's: `muon`) from
+    /// `ck` (in `dir`) into the optimizer in place, one parameter's block at a time (bf16 moments
+    /// widened exactly, then converted to the state's dtype); the padding of the owned ranges is
+    /// zeroed. So a resume holds about one tensor on the host and never a second copy of the
+    /// state on the device. A tensor's optimizer state the checkpoint lacks whole (the other
+    /// optimizer's, where `optimizer.name` changed and the change is accepted, or any at step 0)
+    /// starts at zero; any other state missing, or a value that is not finite, is an error.
+    fn load_owned_state(
+        &mut self,
         dir: &Path,
         ck: &Checkpoint,
-        owned: &[std::ops::Range<usize>],
+        muon: bool,
         kinds: &[Kind],
-    ) -> Result<Vec<f32>> {
+    ) -> Result<()> {
         let layout = self.grads.layout().clone();
         // Missing state is zero where the optimizer changed (accepted) or nothing has been
         // trained yet (an imported model's step 0: every moment is zero).
         let zero_ok = ck.manifest().step == 0
             || super::resume::stored_optimizer(ck.manifest())
                 != self.recipe.optimizer.name.to_string();
-        let n: usize = owned.iter().map(|r| r.len()).sum();
-        let mut state = vec![0f32; kinds.len() * n];
-        let params = self.model.params();
-        for (k, &kind) in kinds.iter().enumerate() {
-            let mut cache: HashMap<usize, Vec<f32>> = HashMap::new();
-            let mut base = 0;
-            for r in owned {
-                for (i, p) in params.iter().enumerate() {
+        let owned: Vec<Range<usize>> = match (muon, self.optimizer.muon()) {
+            (true, Some(m)) => m.owned().to_vec(),
+            (true, None) => bail!("loading Muon's state without Muon"),
+            (false, _) => self.optimizer.adamw().owned().to_vec(),
+        };
+        // Each owned range's start in the part's state (its ranges back to back).
+        let bases: Vec<usize> = owned
+            .iter()
+            .scan(0, |at, r| {
+                let b = *at;
+                *at += r.len();
+                Some(b)
+            })
+            .collect();
+        let write =
+            |optimizer: &mut crate::optim::Optimizer, kind, own, values: Vec<f32>| match optimizer
+                .muon_mut()
+                .filter(|_| muon)
+            {
+                Some(m) => m.write(kind, own, &values),
+                None => optimizer.adamw_mut().write(kind, own, &Values::F32(values)),
+            };
+        // The flat cuts of each owned range that parameters hold (the rest is padding).
+        let mut covered: Vec<Vec<Range<usize>>> = vec![Vec::new(); owned.len()];
+        for (i, p) in self.model.params().iter().enumerate() {
+            // This parameter's owned cuts: elements of its block and where they sit in the state.
+            let cuts: Vec<(Range<usize>, Range<usize>)> = (owned.iter().zip(&bases))
+                .enumerate()
+                .filter_map(|(j, (r, &base))| {
                     let cut = intersect(&layout.range(i), r);
                     if cut.is_empty() {
-                        continue;
+                        return None;
                     }
-                    if kind != Kind::Master && !ck.has(kind, &p.name) {
-                        let moments = kinds.iter().filter(|&&k| k != Kind::Master);
-                        let none = moments.clone().all(|&k| !ck.has(k, &p.name));
-                        if none && zero_ok {
-                            continue;
-                        }
+                    covered[j].push(cut.clone());
+                    let local = cut.start - layout.offsets[i]..cut.end - layout.offsets[i];
+                    Some((local, base + cut.start - r.start..base + cut.end - r.start))
+                })
+                .collect();
+            if cuts.is_empty() {
+                continue;
+            }
+            for &kind in kinds {
+                let block = if kind != Kind::Master && !ck.has(kind, &p.name) {
+                    let moments = kinds.iter().filter(|&&k| k != Kind::Master);
+                    if !(moments.clone().all(|&k| !ck.has(k, &p.name)) && zero_ok) {
                         bail!(
                             "{}: the checkpoint has no {} state of {}; it cannot be resumed \
                              exactly (use an earlier checkpoint)",
@@ -384,27 +396,47 @@ impl Trainer {
                             p.name
                         );
                     }
-                    if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(i) {
-                        e.insert(ck.read_block(kind, tensor_block(p))?);
+                    None
+                } else {
+                    Some(ck.read_block(kind, tensor_block(p))?)
+                };
+                for (local, own) in &cuts {
+                    let values = match &block {
+                        Some(b) => b[local.clone()].to_vec(),
+                        None => vec![0.0; own.len()],
+                    };
+                    if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
+                        bail!(
+                            "{}: the checkpoint holds a non-finite {} value ({}) at element {} of \
+                             this rank's state; it cannot be resumed (use an earlier checkpoint)",
+                            dir.display(),
+                            kind.as_str(),
+                            values[bad],
+                            own.start + bad
+                        );
                     }
-                    let block = &cache[&i];
-                    let (a, b) = (cut.start - layout.offsets[i], cut.end - layout.offsets[i]);
-                    let dst = k * n + base + cut.start - r.start;
-                    state[dst..dst + (b - a)].copy_from_slice(&block[a..b]);
+                    write(&mut self.optimizer, kind, own.clone(), values)?;
                 }
-                base += r.len();
             }
         }
-        if let Some(bad) = state.iter().position(|v| !v.is_finite()) {
-            let (k, at) = (bad / n.max(1), bad % n.max(1));
-            bail!(
-                "{}: the checkpoint holds a non-finite {} value ({}) at element {at} of this rank's \
-                 state; it cannot be resumed (use an earlier checkpoint)",
-                dir.display(),
-                kinds[k].as_str(),
-                state[bad]
-            );
+        // The padding between and after the parameters of each owned range is zero.
+        for ((r, &base), cuts) in owned.iter().zip(&bases).zip(&mut covered) {
+            cuts.sort_by_key(|c| c.start);
+            let mut at = r.start;
+            let ends = cuts
+                .iter()
+                .map(|c| (c.start, c.end))
+                .chain([(r.end, r.end)]);
+            for (start, end) in ends {
+                if start > at {
+                    let pad = base + at - r.start..base + start - r.start;
+                    for &kind in kinds {
+                        write(&mut self.optimizer, kind, pad.clone(), vec![0.0; pad.len()])?;
+                    }
+                }
+                at = at.max(end);
+            }
         }
-        Ok(state)
+        Ok(())
     }
 }

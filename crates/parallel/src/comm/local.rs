@@ -24,8 +24,9 @@
 //!   once, and only NCCL's dtypes travel (submodule `rules`): what would hang or go wrong on GPUs
 //!   fails here.
 //! - **Messages.** A `send` (and each part of `send_recv` and `all_to_all`) copies its tensor
-//!   into the receiver's queue for this sender and channel (NCCL: one communicator per direction,
-//!   one per group), which the receiver reads in order.
+//!   into the receiver's lane for this sender and channel (NCCL: one communicator per direction,
+//!   one per all-to-all group and ring); the receiver's k-th receive there takes the k-th
+//!   message.
 //!
 //! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]; its
 //! message names the calling rank, the operation, the group and the failed or missing ranks).

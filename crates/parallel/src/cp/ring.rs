@@ -220,8 +220,9 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, T
     let (p, r, scale) = (ring.size(), ring.index, ring.scale);
     let block = ring.kernels.block;
     let c = q.dim(1)? / 2;
-    let own = Tensor::stack(&[k, v], 0)?; // [2, b, 2c, hkv, d]
-                                          // Step 1's block travels while the own block computes.
+    // [2, b, 2c, hkv, d]
+    let own = Tensor::stack(&[k, v], 0)?;
+    // Step 1's block travels while the own block computes.
     let mut hop = if p > 1 { Some(ring.pass(&own)?) } else { None };
     // The own block: causal over the local rows.
     let floor = ring.floor(r, c)?;
