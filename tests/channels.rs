@@ -75,6 +75,10 @@ impl Comm for Recording {
         self.group(g);
         self.inner.barrier(g)
     }
+    fn barrier_within(&self, g: &Group, timeout: Duration) -> Result<()> {
+        self.group(g);
+        self.inner.barrier_within(g, timeout)
+    }
     fn send_recv(&self, g: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
         self.note(Channel::Ring(g.clone()));
         self.inner.send_recv(g, t, dst, src)

@@ -234,6 +234,18 @@ fn schedule_must_fit_the_run() {
 }
 
 #[test]
+fn timeouts_are_bounded() {
+    assert_err(
+        &["parallel.timeout_s=0"],
+        "parallel.timeout_s (0) must be positive and at most 1e7 seconds",
+    );
+    assert_err(
+        &["checkpoint.timeout_s=-1"],
+        "checkpoint.timeout_s (-1) must be positive and at most 1e7 seconds",
+    );
+}
+
+#[test]
 fn optimizer_hyperparameters_are_checked() {
     assert_err(&["optimizer.lr=0"], "optimizer.lr (0) must be positive");
     // Finite in f64 but not as the f32 the update computes in; and infinity by name.

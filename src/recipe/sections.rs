@@ -423,6 +423,11 @@ pub struct CheckpointConfig {
     /// `schedule` are said in the log.
     #[serde(default)]
     pub accept_changes: Vec<ResumeChange>,
+    /// How long the ranks of a save wait for each other (its barriers, and rank 0 for the others'
+    /// shares when saving in the background), seconds: separate from `parallel.timeout_s`
+    /// because a shared file system with many writers can take far longer than any collective.
+    #[serde(default = "default_save_timeout")]
+    pub timeout_s: f64,
 }
 
 /// A recipe change a resume accepts when asked to ([`CheckpointConfig::accept_changes`]).
@@ -450,6 +455,10 @@ fn default_keep() -> usize {
     3
 }
 
+fn default_save_timeout() -> f64 {
+    1800.0
+}
+
 impl Default for CheckpointConfig {
     fn default() -> Self {
         Self {
@@ -459,6 +468,7 @@ impl Default for CheckpointConfig {
             dir: None,
             accept_changes: Vec::new(),
             async_save: false,
+            timeout_s: default_save_timeout(),
         }
     }
 }

@@ -194,6 +194,12 @@ impl Recipe {
                 par.timeout_s
             ));
         }
+        let save = self.checkpoint.timeout_s;
+        if !(save > 0.0 && save <= 1e7) {
+            p.push(format!(
+                "checkpoint.timeout_s ({save}) must be positive and at most 1e7 seconds"
+            ));
+        }
         if self.train.backward.is_some() {
             p.push(
                 "train.backward was removed: every model piece runs one forward and its \

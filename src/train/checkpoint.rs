@@ -52,6 +52,7 @@ impl Trainer {
         let start = Instant::now();
         let (root, step) = (self.checkpoint_root(), self.step as u64);
         let world = self.world();
+        let save_wait = std::time::Duration::from_secs_f64(self.recipe.checkpoint.timeout_s);
         if self.ctx.is_main() {
             std::fs::create_dir_all(&root)
                 .with_context(|| format!("creating {}", root.display()))?;
@@ -62,7 +63,7 @@ impl Trainer {
             }
         }
         // Every rank's previous save is complete (rank 0's pruning included) before any starts.
-        self.ctx.comm.barrier(&world)?;
+        self.ctx.comm.barrier_within(&world, save_wait)?;
         let now = self.recipe.checkpoint.async_save;
         let (writer, sources) = self.snapshot(&root, step, now)?;
         let mut job = SaveJob {
@@ -78,7 +79,7 @@ impl Trainer {
                 .transpose()?,
             tokenizer: self.recipe.data.tokenizer.clone(),
             keep: self.recipe.checkpoint.keep,
-            timeout: std::time::Duration::from_secs_f64(self.recipe.parallel.timeout_s),
+            timeout: save_wait,
             start,
         };
         let dir = job.dir();
@@ -97,7 +98,7 @@ impl Trainer {
             Ok(self.read_piece(&sources[i])?)
         };
         let written = job.write_share_with(fill).and_then(|()| {
-            self.ctx.comm.barrier(&world)?;
+            self.ctx.comm.barrier_within(&world, save_wait)?;
             job.finalize()
         });
         if let Err(e) = &written {
@@ -114,7 +115,7 @@ impl Trainer {
             }
         }
         written?;
-        self.ctx.comm.barrier(&world)?;
+        self.ctx.comm.barrier_within(&world, save_wait)?;
         Ok(dir)
     }
 

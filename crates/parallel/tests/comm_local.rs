@@ -630,3 +630,28 @@ fn all_to_all_delivers_uneven_chunks() {
     }
     assert!(out[1].is_none());
 }
+
+/// A barrier given its own time (a checkpoint's) waits that long, past the job's timeout, for a
+/// slow rank; one that runs out names its own seconds and the rank that never came.
+#[test]
+fn a_barrier_waits_its_own_time() {
+    let g = world(2);
+    let out = with_world(2, Duration::from_millis(200), |r, c| {
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(600));
+        }
+        c.barrier_within(&g, Duration::from_secs(10))
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let out = with_world(2, T, |r, c| match r {
+        0 => c
+            .barrier_within(&g, Duration::from_millis(300))
+            .map_err(|e| e.to_string()),
+        _ => Ok(()),
+    });
+    let e = out[0].as_ref().unwrap_err();
+    assert!(
+        e.contains("barrier over ranks [0, 1] timed out after 0.3s waiting for ranks [1]"),
+        "{e}"
+    );
+}

@@ -187,6 +187,8 @@ struct Call<'a> {
     op: &'static str,
     group: &'a [usize],
     world: &'a LocalWorld,
+    /// How long the call waits (the job's timeout, or a barrier's own).
+    timeout: Duration,
 }
 
 impl Call<'_> {
@@ -202,7 +204,7 @@ impl Call<'_> {
 
     fn timeout(&self, missing: Vec<usize>) -> CommError {
         let (me, op, group) = (self.me, self.op, self.group.to_vec());
-        let secs = self.world.timeout.as_secs_f64();
+        let secs = self.timeout.as_secs_f64();
         CommError::Timeout {
             me,
             op,
@@ -275,25 +277,35 @@ impl LocalComm {
             op,
             group,
             world: &self.world,
+            timeout: self.world.timeout,
         }
     }
 
     /// Runs a collective that returns a tensor.
     fn tensor_op(&self, group: &Group, kind: Kind, t: &Tensor) -> Result<Tensor> {
-        match self.collective(group, kind, Some(t)).map_err(Error::from)? {
+        let timeout = self.world.timeout;
+        match self
+            .collective(group, kind, Some(t), timeout)
+            .map_err(Error::from)?
+        {
             Some(t) => Ok(t),
             None => Err(Error::msg(format!("{}: internal: no result", kind.name()))),
         }
     }
 
-    /// Runs one collective; returns this member's result (`None` for a barrier).
+    /// Runs one collective, waiting up to `timeout`; returns this member's result (`None` for a
+    /// barrier).
     fn collective(
         &self,
         group: &Group,
         kind: Kind,
         t: Option<&Tensor>,
+        timeout: Duration,
     ) -> std::result::Result<Option<Tensor>, CommError> {
-        let call = self.call(kind.name(), group.ranks());
+        let call = Call {
+            timeout,
+            ..self.call(kind.name(), group.ranks())
+        };
         let Some(me) = group.index_of(self.rank) else {
             return Err(call.invalid(format!("rank {} is not a member of the group", self.rank)));
         };
@@ -316,7 +328,7 @@ impl LocalComm {
             let channel = Channel::Group(group.clone());
             _inside = Some(self.world.rules.enter(&call, self.rank, &channel)?);
         }
-        let deadline = Instant::now() + self.world.timeout;
+        let deadline = Instant::now() + timeout;
         self.world
             .group_state(group)
             .run(&call, group, me, kind, t, deadline)
@@ -372,7 +384,11 @@ impl Comm for LocalComm {
     }
 
     fn barrier(&self, group: &Group) -> Result<()> {
-        let out = self.collective(group, Kind::Barrier, None);
+        self.barrier_within(group, self.world.timeout)
+    }
+
+    fn barrier_within(&self, group: &Group, timeout: Duration) -> Result<()> {
+        let out = self.collective(group, Kind::Barrier, None, timeout);
         out.map(|_| ()).map_err(Error::from)
     }
 
@@ -432,6 +448,7 @@ impl Comm for LocalComm {
                 op: "send_recv",
                 group: group.ranks(),
                 world: &world,
+                timeout: world.timeout,
             };
             let deadline = Instant::now() + world.timeout;
             world.take(&call, (src, channel, number), (&shape, dtype), deadline)

@@ -210,6 +210,10 @@ pub trait Comm: Send + Sync {
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor>;
     /// Returns once every member has called it.
     fn barrier(&self, group: &Group) -> Result<()>;
+    /// [`Comm::barrier`] waiting up to `timeout` rather than the backend's timeout: a
+    /// checkpoint's barriers wait for the slowest rank's writes, which a shared file system at
+    /// many writers can make far slower than any collective.
+    fn barrier_within(&self, group: &Group, timeout: std::time::Duration) -> Result<()>;
     /// Sends `t` to member `dst` of `group` and receives a tensor of `t`'s shape and dtype from
     /// member `src` (global ranks, neither of them this rank), as one grouped operation on the
     /// group's ring channel ([`Channel::Ring`]): NCCL runs both in one

@@ -235,6 +235,11 @@ impl Comm for Recorded {
     fn barrier(&self, group: &Group) -> Result<()> {
         self.run("barrier", group_key(group), 0, || self.inner.barrier(group))
     }
+    fn barrier_within(&self, group: &Group, timeout: std::time::Duration) -> Result<()> {
+        self.run("barrier", group_key(group), 0, || {
+            self.inner.barrier_within(group, timeout)
+        })
+    }
     /// Recorded as posted (the wait is the caller's).
     fn send_recv(&self, group: &Group, t: &Tensor, dst: usize, src: usize) -> Result<Transfer> {
         self.run("send_recv", group_key(group), bytes(t), || {

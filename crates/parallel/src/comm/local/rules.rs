@@ -135,7 +135,7 @@ impl Rules {
                         me: call.me,
                         op,
                         group: call.group.to_vec(),
-                        secs: call.world.timeout.as_secs_f64(),
+                        secs: call.timeout.as_secs_f64(),
                         missing: vec![peer],
                     });
                 }

@@ -96,7 +96,11 @@ impl Comm for NcclComm {
     }
 
     fn barrier(&self, group: &Group) -> Result<()> {
-        self.barrier_in(group, true)
+        self.barrier_in(group, true, self.shared.timeout)
+    }
+
+    fn barrier_within(&self, group: &Group, timeout: std::time::Duration) -> Result<()> {
+        self.barrier_in(group, true, timeout)
     }
 
     /// One NCCL group on the group's communicator; host tensors are staged on the GPU.

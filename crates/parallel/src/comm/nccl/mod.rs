@@ -408,8 +408,13 @@ impl NcclComm {
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
-        if order.resolve() == Order::Host {
-            if let Err(e) = sh.wait_event(call, &done, comm) {
+        let wait = match order.resolve() {
+            Order::Stream => None,
+            Order::Host => Some(sh.timeout),
+            Order::Wait(timeout) => Some(timeout),
+        };
+        if let Some(timeout) = wait {
+            if let Err(e) = sh.wait_event(call, &done, comm, timeout) {
                 keep_forever(touched);
                 return Err(Error::from(e));
             }
@@ -458,12 +463,15 @@ pub(super) enum Order {
     /// shared device stream wait there would stall the compute queued behind it until the
     /// collective finished, the overlap that thread exists for).
     Host,
+    /// As `Host`, waiting up to the given time rather than the communicator's timeout (a
+    /// checkpoint's barriers).
+    Wait(Duration),
 }
 
 impl Order {
-    /// `Host` on a communication thread, else `self`.
+    /// `Host` on a communication thread (a `Wait` keeps its time), else `self`.
     fn resolve(self) -> Self {
-        if crate::comm::thread::on_comm_thread() {
+        if crate::comm::thread::on_comm_thread() && self == Order::Stream {
             Order::Host
         } else {
             self

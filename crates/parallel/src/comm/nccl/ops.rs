@@ -37,7 +37,7 @@ impl NcclComm {
         let y = self.all_gather_in(&me, &y, dim, false)?;
         let y = self.reduce_scatter_in(&me, &y, dim, false)?;
         let y = self.broadcast_in(&me, &y, self.shared.rank, false)?;
-        self.barrier_in(&me, false)?;
+        self.barrier_in(&me, false, self.shared.timeout)?;
         let z = y.flatten_all()?.copy()?;
         let mark = self.mark()?;
         self.all_reduce_in_place_in(&me, &z, ReduceOp::Sum, &mark, false)?;
@@ -196,7 +196,13 @@ impl NcclComm {
         )
     }
 
-    pub(super) fn barrier_in(&self, group: &Group, copy_single: bool) -> Result<()> {
+    /// A barrier over `group`, waited for on the host up to `timeout`.
+    pub(super) fn barrier_in(
+        &self,
+        group: &Group,
+        copy_single: bool,
+        timeout: std::time::Duration,
+    ) -> Result<()> {
         let call = self.begin("barrier", group)?;
         if copy_single && group.size() == 1 {
             return Ok(());
@@ -209,7 +215,7 @@ impl NcclComm {
             Some(&one),
             (1,).into(),
             DType::F32,
-            Order::Host,
+            Order::Wait(timeout),
             |l| unsafe {
                 // SAFETY: one f32 in each buffer.
                 let sum = sys::ncclRedOp_t::ncclSum;
@@ -467,7 +473,7 @@ impl NcclComm {
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
-        sh.wait_event(call, &done, comm).map_err(|e| {
+        sh.wait_event(call, &done, comm, sh.timeout).map_err(|e| {
             keep_forever(&[&byte]);
             Error::from(e)
         })

@@ -299,6 +299,17 @@ impl Shared {
         call: &Call,
         deadline: Instant,
         pace: Pace,
+        ready: impl FnMut(bool) -> Result<Option<T>, CommError>,
+    ) -> Result<T, CommError> {
+        self.poll_within(call, (deadline, self.timeout), pace, ready)
+    }
+
+    /// [`Shared::poll`] whose deadline stands for a wait of `after` (named by its timeout).
+    pub(super) fn poll_within<T>(
+        &self,
+        call: &Call,
+        (deadline, after): (Instant, Duration),
+        pace: Pace,
         mut ready: impl FnMut(bool) -> Result<Option<T>, CommError>,
     ) -> Result<T, CommError> {
         let start = Instant::now();
@@ -315,7 +326,7 @@ impl Shared {
             }
             self.check(call)?;
             if now >= deadline {
-                let e = call.timeout(self.timeout, call.missing.clone());
+                let e = call.timeout(after, call.missing.clone());
                 self.fail(self.rank, e.to_string());
                 return Err(e);
             }
@@ -328,16 +339,18 @@ impl Shared {
         }
     }
 
-    /// Waits until the GPU has passed `done` (recorded after an operation on `comm`).
+    /// Waits until the GPU has passed `done` (recorded after an operation on `comm`), up to
+    /// `timeout`.
     pub(super) fn wait_event(
         &self,
         call: &Call,
         done: &CudaEvent,
         comm: &RawComm,
+        timeout: Duration,
     ) -> Result<(), CommError> {
         let me = self.rank;
-        let deadline = Instant::now() + self.timeout;
-        self.poll(call, deadline, GPU, |slow| {
+        let deadline = Instant::now() + timeout;
+        self.poll_within(call, (deadline, timeout), GPU, |slow| {
             let failed = |reason: String| {
                 self.fail(me, reason.clone());
                 let (failed, reason) = self.failure().unwrap_or((me, reason));

@@ -2,7 +2,7 @@
 //! (every member's contribution sent to every other, the result computed in member order with
 //! the `local` backend's code).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::{Error, Result, Tensor};
 
@@ -19,7 +19,18 @@ impl TcpComm {
         group: &[usize],
         keys: &[Key],
     ) -> Result<Vec<(u8, Vec<u8>)>> {
-        let deadline = Instant::now() + self.timeout;
+        self.wait_within(op, group, keys, self.timeout)
+    }
+
+    /// [`TcpComm::wait`] bounded by `timeout`.
+    pub(super) fn wait_within(
+        &self,
+        op: &'static str,
+        group: &[usize],
+        keys: &[Key],
+        timeout: Duration,
+    ) -> Result<Vec<(u8, Vec<u8>)>> {
+        let deadline = Instant::now() + timeout;
         let mut inbox = lock(&self.shared.inbox);
         loop {
             let peer_failed = |failed: usize, reason: String| {
@@ -47,7 +58,7 @@ impl TcpComm {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let secs = self.timeout.as_secs_f64();
+                let secs = timeout.as_secs_f64();
                 return Err(self.err(op, group, |me, op, group| CommError::Timeout {
                     me,
                     op,
@@ -71,6 +82,17 @@ impl TcpComm {
         group: &Group,
         kind: Kind,
         t: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        self.collective_within(group, kind, t, self.timeout)
+    }
+
+    /// [`TcpComm::collective`], waiting for the peers up to `timeout`.
+    pub(super) fn collective_within(
+        &self,
+        group: &Group,
+        kind: Kind,
+        t: Option<&Tensor>,
+        timeout: Duration,
     ) -> Result<Option<Tensor>> {
         let (op, ranks) = (kind.name(), group.ranks());
         let Some(me) = group.index_of(self.rank) else {
@@ -106,7 +128,7 @@ impl TcpComm {
             }
         }
         let keys: Vec<Key> = expect.iter().map(|&r| (r, gid, seq)).collect();
-        let got = self.wait(op, ranks, &keys)?;
+        let got = self.wait_within(op, ranks, &keys, timeout)?;
         let mut inputs: Vec<Option<Tensor>> = vec![None; ranks.len()];
         for (&src, (their_code, their)) in expect.iter().zip(got) {
             let mismatch = |what: String| {

@@ -357,6 +357,11 @@ impl Comm for TcpComm {
         self.collective(group, Kind::Barrier, None).map(|_| ())
     }
 
+    fn barrier_within(&self, group: &Group, timeout: Duration) -> Result<()> {
+        self.collective_within(group, Kind::Barrier, None, timeout)
+            .map(|_| ())
+    }
+
     /// Records the job's failure (this rank's, unless a failure is already known) and forwards
     /// the recorded one to every peer, so the rank that failed first is the one every rank names.
     fn abort(&self, reason: &str) {
