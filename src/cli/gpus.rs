@@ -41,7 +41,8 @@ pub(super) fn resolve(
         None => {
             let launched = parallel::env::from_env(&|k| std::env::var(k).ok())?;
             if let Some(info) = launched.filter(|i| i.world_size > 1) {
-                // A rank of a job torchrun or Slurm started: every rank chooses alike.
+                // A rank of a job torchrun or Slurm started: every rank chooses alike, for the
+                // job's nodes of LOCAL_WORLD_SIZE ranks.
                 if info.world_size != n {
                     bail!(
                         "--gpus {n} in a job of {} processes (WORLD_SIZE): give --gpus {}",
@@ -49,7 +50,9 @@ pub(super) fn resolve(
                         info.world_size
                     );
                 }
-                return finish(args, launch.clone(), recipe, n, n);
+                let local = std::env::var("LOCAL_WORLD_SIZE").ok();
+                let per_node = local.and_then(|v| v.trim().parse().ok()).unwrap_or(n);
+                return finish(args, launch.clone(), recipe, n, per_node);
             }
             if recipe.train.device == DeviceKind::Cuda && n > 1 {
                 // A rank process per GPU, as --nproc-per-node N starts them.
