@@ -188,17 +188,13 @@ impl Recipe {
         };
         // Each parallelism's own checks (`crates/parallel/src/*/register.rs`).
         p.extend(parallel::register::problems(par, &dims));
-        if !(par.timeout_s > 0.0 && par.timeout_s <= 1e7) {
-            p.push(format!(
-                "parallel.timeout_s ({}) must be positive and at most 1e7 seconds",
-                par.timeout_s
-            ));
-        }
-        let save = self.checkpoint.timeout_s;
-        if !(save > 0.0 && save <= 1e7) {
-            p.push(format!(
-                "checkpoint.timeout_s ({save}) must be positive and at most 1e7 seconds"
-            ));
+        let (run, save) = (par.timeout_s, self.checkpoint.timeout_s);
+        for (key, secs) in [("parallel.timeout_s", run), ("checkpoint.timeout_s", save)] {
+            if !(secs > 0.0 && secs <= 1e7) {
+                p.push(format!(
+                    "{key} ({secs}) must be positive and at most 1e7 seconds"
+                ));
+            }
         }
         if self.train.backward.is_some() {
             p.push(
