@@ -19,7 +19,8 @@ use super::{read_f32, write_f32};
 use super::{FlatLayout, GradBuffer};
 use crate::recipe::OptimizerConfig;
 
-/// The optimizer's complete state, as saved in checkpoints (host memory).
+/// The optimizer's complete state in host memory (the tests' view; checkpoints stream it).
+#[cfg(test)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamWState {
     /// Steps taken so far.
@@ -275,31 +276,23 @@ impl AdamW {
         self.step = step;
     }
 
-    /// A host copy of the state for checkpointing, the moments in the state dtype.
+    /// A host copy of the whole state, the moments in the state dtype (the tests' view of it:
+    /// checkpoints move it a range at a time, [`AdamW::read`]).
+    #[cfg(test)]
     pub fn state(&self) -> Result<AdamWState> {
-        let words = self.state.to_vec1::<f32>()?;
-        let (master, tail) = words.split_at(self.n);
-        let (exp_avg, exp_avg_sq) = match self.moments {
-            DType::BF16 => {
-                let (m, v) = bytemuck::cast_slice::<f32, bf16>(tail).split_at(self.n);
-                (Values::Bf16(m.to_vec()), Values::Bf16(v.to_vec()))
-            }
-            _ => {
-                let (m, v) = tail.split_at(self.n);
-                (Values::F32(m.to_vec()), Values::F32(v.to_vec()))
-            }
-        };
+        let all = 0..self.n;
         Ok(AdamWState {
             step: self.step,
-            master: master.to_vec(),
-            exp_avg,
-            exp_avg_sq,
+            master: self.read(Kind::Master, all.clone())?.to_f32(),
+            exp_avg: self.read(Kind::ExpAvg, all.clone())?,
+            exp_avg_sq: self.read(Kind::ExpAvgSq, all)?,
         })
     }
 
-    /// Restores a saved state (lengths must match this optimizer's owned ranges) on this
-    /// optimizer's device, its moments converted to the state dtype (f32 to bf16 rounds to
-    /// nearest, bf16 to f32 is exact).
+    /// Restores a whole state (lengths must match this optimizer's owned ranges), its moments
+    /// converted to the state dtype (f32 to bf16 rounds to nearest, bf16 to f32 is exact),
+    /// through [`AdamW::write`] as a resume does.
+    #[cfg(test)]
     pub fn load_state(&mut self, s: &AdamWState) -> Result<()> {
         let lens = [s.master.len(), s.exp_avg.len(), s.exp_avg_sq.len()];
         if lens != [self.n; 3] {
@@ -308,24 +301,10 @@ impl AdamW {
                 self.n
             );
         }
-        let want = piece_dtype(self.moments);
-        let (m, v) = (s.exp_avg.to_dtype(want), s.exp_avg_sq.to_dtype(want));
-        let mut words = s.master.clone();
-        match (m, v) {
-            (Values::Bf16(m), Values::Bf16(v)) => {
-                // n words hold the 2 n bf16 values (f32 words are aligned for bf16 views).
-                words.resize(2 * self.n, 0.0);
-                let packed = bytemuck::cast_slice_mut::<f32, bf16>(&mut words[self.n..]);
-                packed[..self.n].copy_from_slice(&m);
-                packed[self.n..].copy_from_slice(&v);
-            }
-            (m, v) => {
-                words.extend(m.to_f32());
-                words.extend(v.to_f32());
-            }
-        }
-        let len = words.len();
-        self.state = Tensor::from_vec(words, len, self.state.device())?;
+        let all = 0..self.n;
+        self.write(Kind::Master, all.clone(), &Values::F32(s.master.clone()))?;
+        self.write(Kind::ExpAvg, all.clone(), &s.exp_avg)?;
+        self.write(Kind::ExpAvgSq, all, &s.exp_avg_sq)?;
         self.step = s.step;
         Ok(())
     }

@@ -9,9 +9,11 @@ pub mod kernels;
 pub mod muon;
 mod optimizer;
 
-pub use adamw::{AdamW, AdamWState};
+pub use adamw::AdamW;
+#[cfg(test)]
+pub use adamw::AdamWState;
 pub use grads::GradBuffer;
-pub use muon::{Muon, MuonState};
+pub use muon::Muon;
 pub use optimizer::Optimizer;
 pub use parallel::dp::FlatLayout;
 

@@ -33,15 +33,6 @@ use super::GradBuffer;
 use crate::recipe::{AdjustLr, MuonConfig};
 use product::addmm;
 
-/// Muon's state as checkpoints save it (host memory).
-#[derive(Debug, Clone, PartialEq)]
-pub struct MuonState {
-    /// fp32 master weights of the owned elements `[k]`.
-    pub master: Vec<f32>,
-    /// Momentum buffer `[k]`.
-    pub momentum: Vec<f32>,
-}
-
 /// `torch.lerp(start, end, weight)` with its two-sided formula (f32 weight): `start + w (end −
 /// start)` for `|w| < 0.5`, else `end − (end − start)(1 − w)`.
 pub fn lerp(start: &Tensor, end: &Tensor, weight: f64) -> Result<Tensor> {
@@ -323,32 +314,6 @@ impl Muon {
             _ => 0,
         };
         super::write_f32(&self.state, base + own.start, values)
-    }
-
-    /// A host copy of the state.
-    pub fn state(&self) -> Result<MuonState> {
-        let mut words = self.state.to_vec1::<f32>()?;
-        let momentum = words.split_off(self.k);
-        Ok(MuonState {
-            master: words,
-            momentum,
-        })
-    }
-
-    /// Restores a saved state (its lengths must be this part's).
-    pub fn load_state(&mut self, s: &MuonState) -> Result<()> {
-        if [s.master.len(), s.momentum.len()] != [self.k; 2] {
-            candle_core::bail!(
-                "Muon state has {} master weights and {} momenta, this rank needs {} of each",
-                s.master.len(),
-                s.momentum.len(),
-                self.k
-            );
-        }
-        let mut words = s.master.clone();
-        words.extend_from_slice(&s.momentum);
-        self.state = Tensor::from_vec(words, 2 * self.k, self.state.device())?;
-        Ok(())
     }
 }
 
