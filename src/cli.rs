@@ -301,27 +301,25 @@ pub fn run(cli: Cli) -> Result<()> {
                 shard_bytes: a.shard_size,
                 workers: a.workers,
                 show_progress: true,
-                stop: Some(crate::train::signals::pending),
+                stop: Some(crate::job::signals::pending),
             };
             // Ctrl-C and SIGTERM stop between documents, leaving no temporary files behind.
-            crate::train::signals::install()?;
+            crate::job::signals::install()?;
             match data::preprocess(&opts) {
                 Ok(summary) => {
                     info!("{summary}");
                     Ok(())
                 }
-                Err(data::DataError::Stopped { signal }) => {
-                    Err(crate::train::signals::Interrupted {
-                        signal,
-                        step: None,
-                        checkpoint: None,
-                        note: Some(format!(
-                            "preprocess wrote nothing to {} (an existing dataset there is kept)",
-                            opts.output_prefix.display()
-                        )),
-                    }
-                    .into())
+                Err(data::DataError::Stopped { signal }) => Err(crate::job::signals::Interrupted {
+                    signal,
+                    step: None,
+                    checkpoint: None,
+                    note: Some(format!(
+                        "preprocess wrote nothing to {} (an existing dataset there is kept)",
+                        opts.output_prefix.display()
+                    )),
                 }
+                .into()),
                 Err(e) => Err(e.into()),
             }
         }

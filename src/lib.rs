@@ -5,8 +5,10 @@
 pub mod cli;
 pub mod device;
 pub mod eval;
+pub mod faults;
 pub mod files;
 pub mod hf;
+pub mod job;
 pub mod launch;
 pub mod lr;
 pub mod optim;

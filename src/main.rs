@@ -11,6 +11,7 @@ static GLOBAL: pretrain::Allocator = pretrain::Allocator {};
 
 fn main() -> std::process::ExitCode {
     pretrain::process_defaults();
+    pretrain::faults::Faults::load();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let colour = pretrain::cli::log_colours(
         std::io::stdout().is_terminal(),
@@ -24,14 +25,14 @@ fn main() -> std::process::ExitCode {
     match pretrain::cli::run(pretrain::cli::Cli::parse()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            if let Some(stop) = pretrain::train::signals::interrupted(&e) {
+            if let Some(stop) = pretrain::job::signals::interrupted(&e) {
                 eprintln!("{stop}");
                 return std::process::ExitCode::from(stop.exit_code());
             }
             eprintln!("error: {e:#}");
             if pretrain::launch::is_peer_failure(&e) {
                 std::process::ExitCode::from(pretrain::launch::PEER_FAILED_EXIT)
-            } else if pretrain::train::flight::timed_out(&e) {
+            } else if pretrain::job::flight::timed_out(&e) {
                 std::process::ExitCode::from(pretrain::launch::TIMED_OUT_EXIT)
             } else {
                 std::process::ExitCode::FAILURE

@@ -349,7 +349,7 @@ fn saves_and_resumes_hold_a_bounded_window_of_the_state_on_the_host() {
     };
     let mut trainer = open();
     trainer.train_step().unwrap();
-    let state = trainer.train_step().unwrap().state.optimizer_bytes;
+    let state = trainer.train_step().unwrap().memory.state.optimizer_bytes;
     counting::start();
     let dir = trainer.save_checkpoint().unwrap();
     let peak = counting::stop() as f64;

@@ -241,7 +241,7 @@ fn the_planner_counts_the_attention_the_mask_keeps() {
         .unwrap()
         .records
         .iter()
-        .map(|s| s.attention_share.unwrap())
+        .map(|s| s.rate.attention_share.unwrap())
         .collect();
     let t = &r.train;
     let data = data::GptData::open(

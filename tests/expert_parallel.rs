@@ -50,7 +50,7 @@ fn expert_parallel_layouts_equal_the_single_rank_run() {
                     &mut dense
                 } += w.len();
             }
-            let bytes = |r: &pretrain::train::RunOutput| r.records[0].state.param_bytes;
+            let bytes = |r: &pretrain::train::RunOutput| r.records[0].memory.state.param_bytes;
             let elem = bytes(&base) / (dense + experts);
             assert_eq!(bytes(&other), elem * (dense + experts / ep), "{layout}");
         }

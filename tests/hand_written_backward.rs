@@ -149,7 +149,7 @@ fn the_training_step_equals_autograd_in_f32() {
 }
 
 /// No layout's training step builds an autograd graph: every tensor its pieces keep, hand on
-/// and return carries none (`StepRecord::graph_tensors`).
+/// and return carries none (`StepMemory::graph_tensors`).
 #[test]
 fn no_step_builds_an_autograd_graph() {
     for layout in [
@@ -162,7 +162,7 @@ fn no_step_builds_an_autograd_graph() {
     ] {
         let out = run(layout);
         for r in &out.records {
-            assert_eq!(r.graph_tensors, 0, "{layout}: step {}", r.step);
+            assert_eq!(r.memory.graph_tensors, 0, "{layout}: step {}", r.step);
         }
     }
 }

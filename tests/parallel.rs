@@ -171,14 +171,16 @@ fn a_pipeline_run_writes_a_perfetto_trace_with_every_rank() {
     )];
     let out = train(load(Path::new("recipes/tiny.yaml"), &o).unwrap(), false).unwrap();
     let bubble = out.records[1]
+        .time
         .bubble
         .expect("the traced step reports its bubble");
     assert!((0.0..1.0).contains(&bubble), "{bubble}");
     let overlap = out.records[1]
+        .time
         .sync_overlap
         .expect("with dp = 2 the traced step reports its gradient sync");
     assert!((0.0..=1.0).contains(&overlap), "{overlap}");
-    assert!(out.records[1].sync_exposed_s.is_some_and(|s| s >= 0.0));
+    assert!(out.records[1].time.sync_exposed_s.is_some_and(|s| s >= 0.0));
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("trace.json")).unwrap())
             .unwrap();

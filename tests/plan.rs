@@ -25,8 +25,8 @@ fn measure(recipe: &pretrain::recipe::Recipe) -> Vec<Measured> {
         let rec = trainer.train_step()?;
         Ok::<_, anyhow::Error>(Measured {
             stage,
-            state: rec.state,
-            act_peak: rec.act_peak_bytes,
+            state: rec.memory.state,
+            act_peak: rec.memory.act_peak_bytes,
         })
     })
     .unwrap_or_else(|e| panic!("{e}: {:#}", e.error))

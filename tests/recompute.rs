@@ -16,7 +16,7 @@ fn with(layout: &str, recompute: &str) -> pretrain::train::RunOutput {
 fn peak(r: &pretrain::train::RunOutput) -> usize {
     r.records
         .iter()
-        .map(|r| r.act_peak_bytes)
+        .map(|r| r.memory.act_peak_bytes)
         .max()
         .unwrap_or(0)
 }

@@ -87,9 +87,9 @@ fn memory(layout: &str) -> Vec<RankMemory> {
             total: layout.total,
             buckets: layout.buckets.len(),
             largest_piece,
-            state: rec.state,
-            param_unit_peak: rec.param_unit_peak_bytes,
-            grad_unit_peak: rec.grad_unit_peak_bytes,
+            state: rec.memory.state,
+            param_unit_peak: rec.memory.param_unit_peak_bytes,
+            grad_unit_peak: rec.memory.grad_unit_peak_bytes,
         })
     })
     .unwrap_or_else(|e| panic!("{layout}: {e}: {:#}", e.error))

@@ -244,6 +244,7 @@ fn the_trace_shows_weight_actions() {
     let layout = "train.steps=2,parallel.pp=2,parallel.pipeline_layout=[3, 1],run.trace_step=2";
     let out = run_in(tmp.path(), &[layout, ZB]).unwrap();
     assert!(out.records[1]
+        .time
         .bubble
         .is_some_and(|b| (0.0..1.0).contains(&b)));
     let trace: serde_json::Value =

@@ -79,7 +79,7 @@ pub fn bench_comm(a: &CommArgs) -> Result<()> {
         child.extend(["--calls".into(), a.calls.to_string().into()]);
         child.extend(["--elements".into(), a.elements.to_string().into()]);
         let grace = Duration::from_secs_f64(recipe.parallel.timeout_s.min(10.0));
-        let flight = crate::train::flight::dir(&recipe);
+        let flight = crate::job::flight::dir(&recipe);
         let world = recipe.parallel.world_size();
         return crate::launch::spawn_node(&layout, &child, world, grace, &flight);
     }

@@ -41,10 +41,10 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
             };
             return crate::launch::elastic::spawn(&layout, &child, &recipe, grace, e);
         }
-        let flight = crate::train::flight::dir(&recipe);
+        let flight = crate::job::flight::dir(&recipe);
         return crate::launch::spawn_node(&layout, &child, world, grace, &flight);
     }
-    crate::train::signals::install()?;
+    crate::job::signals::install()?;
     let dir = recipe.run.dir.clone();
     let info = parallel::env::from_env(&|k| std::env::var(k).ok())?;
     let (out, main) = match info {
@@ -67,16 +67,16 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
             }
             // SIGUSR1 logs what every rank of this node is doing (the launcher, when there is
             // one, says it for the node instead).
-            let flight_dir = crate::train::flight::dir(&recipe);
+            let flight_dir = crate::job::flight::dir(&recipe);
             let world = info.world_size;
             let launched = std::env::var_os("PRETRAIN_LAUNCHED").is_some();
             let _watch = if launched {
-                crate::train::flight::install_usr1()?;
+                crate::job::flight::install_usr1()?;
                 None
             } else {
                 let d = flight_dir.clone();
-                Some(crate::train::flight::watch(move || {
-                    crate::train::flight::from_dir(&d, world)
+                Some(crate::job::flight::watch(move || {
+                    crate::job::flight::from_dir(&d, world)
                 })?)
             };
             let mine = crate::train::run_rank(
@@ -92,9 +92,9 @@ pub(super) fn train(args: &RecipeArgs, launch: &LaunchArgs) -> Result<()> {
                 Err(e) => {
                     // Without a launcher of ours, rank 0 says what the ranks it can read (its
                     // node's, or all on a shared run.dir) were doing when a peer went missing.
-                    if info.rank == 0 && !launched && crate::train::flight::timed_out(&e) {
-                        let d = crate::train::flight::from_dir(&flight_dir, world);
-                        crate::train::flight::report(&d);
+                    if info.rank == 0 && !launched && crate::job::flight::timed_out(&e) {
+                        let d = crate::job::flight::from_dir(&flight_dir, world);
+                        crate::job::flight::report(&d);
                     }
                     // From here the process ends within the deadline, however its teardown goes.
                     parallel::comm::failure::report(info.rank, &format!("{e:#}"));
@@ -138,11 +138,10 @@ fn in_rank(e: anyhow::Error, rank: usize) -> anyhow::Error {
     }
 }
 
-/// Fault-injection point for tests: with `PRETRAIN_TEST_STUCK_AFTER_FAILURE` set, a rank process
-/// whose run failed hangs instead of returning, as a teardown stuck on a dead peer would (the
-/// exit deadline must end it).
+/// An injected fault (`crate::faults`): a rank process whose run failed hangs instead of
+/// returning, as a teardown stuck on a dead peer would (the exit deadline must end it).
 fn stuck_for_tests() {
-    if std::env::var_os("PRETRAIN_TEST_STUCK_AFTER_FAILURE").is_some() {
+    if crate::faults::faults().stuck_after_failure {
         loop {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }

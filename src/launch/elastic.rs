@@ -91,7 +91,7 @@ pub fn spawn(
     check(&e, layout)?;
     let (n, node) = (layout.nproc_per_node, layout.node_rank);
     let addr = super::master_addr(layout)?;
-    let flight = crate::train::flight::dir(recipe);
+    let flight = crate::job::flight::dir(recipe);
     let (mut agents, mut coordinator) = meet(layout, &addr, recipe, e)?;
     // The node's slots still in use (a GPU each on CUDA): a rank that failed on its own loses
     // its slot, and a later round's local rank `i` runs on slot `free[i]`.
@@ -162,8 +162,8 @@ pub fn spawn(
                 let report = judge(outcome, &me, &mut free)?;
                 if report.outcome == Outcome::Left {
                     agents.report(r, &report)?;
-                    return Err(crate::train::signals::Interrupted {
-                        signal: crate::train::signals::pending().unwrap_or(libc::SIGTERM),
+                    return Err(crate::job::signals::Interrupted {
+                        signal: crate::job::signals::pending().unwrap_or(libc::SIGTERM),
                         step: None,
                         checkpoint: None,
                         note: None,
@@ -267,12 +267,12 @@ fn judge(outcome: Result<()>, me: &Member, free: &mut Vec<usize>) -> Result<Repo
         });
     }
     if err
-        .downcast_ref::<crate::train::signals::Interrupted>()
+        .downcast_ref::<crate::job::signals::Interrupted>()
         .is_some()
     {
         // Stopped by a signal to this launcher: it leaves; else asked by the rendezvous, or
         // following a node that left.
-        let outcome = if crate::train::signals::pending().is_some() {
+        let outcome = if crate::job::signals::pending().is_some() {
             Outcome::Left
         } else {
             Outcome::Stopped

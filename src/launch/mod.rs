@@ -252,8 +252,8 @@ pub(crate) fn start_ranks(
 ) -> Result<()> {
     let (n, world) = (round.nproc, round.world);
     let exe = std::env::current_exe().context("locating the pretrain binary")?;
-    crate::train::signals::install()?;
-    crate::train::flight::install_usr1()?;
+    crate::job::signals::install()?;
+    crate::job::flight::install_usr1()?;
     let launcher_pid = std::process::id() as libc::pid_t;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);
     for local in 0..n {

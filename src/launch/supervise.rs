@@ -21,11 +21,11 @@ pub(super) fn supervise(
     (flight, world): (&Path, usize),
     stop: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
-    let mut usr1 = crate::train::flight::usr1_count();
+    let mut usr1 = crate::job::flight::usr1_count();
     // A rank that received a stop signal (through this launcher or directly) saves and exits
     // with 128 + the signal, and so do the others: the stop is agreed job-wide after a step.
     let stopped = |s: &ExitStatus| {
-        crate::train::signals::STOP_SIGNALS
+        crate::job::signals::STOP_SIGNALS
             .iter()
             .find(|&&sig| s.code() == Some(128 + sig))
             .copied()
@@ -35,11 +35,11 @@ pub(super) fn supervise(
     let mut deadline: Option<Instant> = None;
     let mut forwarded: Option<i32> = None;
     while !children.is_empty() {
-        let asked = crate::train::signals::pending().or_else(|| stop().then_some(libc::SIGTERM));
+        let asked = crate::job::signals::pending().or_else(|| stop().then_some(libc::SIGTERM));
         if let (None, Some(sig)) = (forwarded, asked) {
             tracing::warn!(
                 "{}: asking the ranks to finish their step, save and stop",
-                crate::train::signals::name(sig)
+                crate::job::signals::name(sig)
             );
             for (_, c) in &children {
                 // SAFETY: kill(2) on a child this process started and has not reaped.
@@ -47,9 +47,9 @@ pub(super) fn supervise(
             }
             forwarded = Some(sig);
         }
-        if crate::train::flight::usr1_count() != usr1 {
-            usr1 = crate::train::flight::usr1_count();
-            crate::train::flight::report(&crate::train::flight::from_dir(flight, world));
+        if crate::job::flight::usr1_count() != usr1 {
+            usr1 = crate::job::flight::usr1_count();
+            crate::job::flight::report(&crate::job::flight::from_dir(flight, world));
         }
         let mut i = 0;
         while i < children.len() {
@@ -95,7 +95,7 @@ pub(super) fn supervise(
     let signal = forwarded.or_else(|| failures.first().and_then(|(_, s)| stopped(s)));
     if let Some(signal) = signal {
         if hung.is_empty() && failures.iter().all(|(_, s)| stopped(s).is_some()) {
-            return Err(crate::train::signals::Interrupted {
+            return Err(crate::job::signals::Interrupted {
                 signal,
                 step: None,
                 checkpoint: None,
@@ -117,9 +117,9 @@ pub(super) fn supervise(
     if root.is_some() {
         // What the ranks were waiting in when the job stopped (a rank that hung or was killed
         // left its record too).
-        let d = crate::train::flight::from_dir(flight, world);
+        let d = crate::job::flight::from_dir(flight, world);
         if d.waits > 0 {
-            crate::train::flight::report(&d);
+            crate::job::flight::report(&d);
         }
     }
     let hung_root = root.is_some_and(|r| hung.iter().any(|h| h.0 == r.0));

@@ -54,13 +54,6 @@ pub fn lr_ratio(adjust: AdjustLr, [a, b]: [usize; 2]) -> f64 {
     }
 }
 
-/// Multiply-adds of the Newton-Schulz iteration on a matrix of shape `[a, b]` (what the owners'
-/// work is balanced by): per step `X Xᵀ`, `A A` and `B X` on the wide orientation.
-pub fn ns_cost(cfg: &MuonConfig, [a, b]: [usize; 2]) -> f64 {
-    let (m, n) = (a.min(b) as f64, a.max(b) as f64);
-    cfg.ns_steps as f64 * (2.0 * m * m * n + m * m * m)
-}
-
 /// The Newton-Schulz orthogonalisation of `g` `[a, b]` in `dtype` (f32, or bf16 whose
 /// products accumulate in f32), as `torch.optim.Muon` computes it: a tall matrix is iterated
 /// transposed, divided by its Frobenius norm (of `g`, at least `eps`), then `ns_steps` times `A = X Xᵀ`,
@@ -96,7 +89,7 @@ pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tenso
 
 /// The exchange assembling the hidden matrices (`hidden[i]`) of `params`, laid out by `layout`
 /// at `place` (sharded or not, and where) over `groups`; `expert[i]` for a routed expert's
-/// matrix sharded over the expert shard group. Owners are balanced by [`ns_cost`].
+/// matrix sharded over the expert shard group. Owners are balanced by [`MuonConfig::ns_cost`].
 pub fn exchange(
     comm: Arc<dyn Comm>,
     layout: &FlatLayout,
@@ -122,7 +115,7 @@ pub fn exchange(
         .collect();
     let cfg = cfg.clone();
     WholeMatrices::new(comm, layout.clone(), place, groups, matrices, move |s| {
-        ns_cost(&cfg, s)
+        cfg.ns_cost(s)
     })
 }
 

@@ -33,9 +33,9 @@ use serde::Serialize;
 
 use super::acts::{Acts, PieceActs};
 use crate::recipe::{OptimizerName, Recipe};
-use crate::train::metrics::StateBytes;
-use crate::train::rank::chunk_pieces;
-use crate::train::zero::state_layout;
+use model::placement::chunk_pieces;
+use model::placement::state_layout;
+use parallel::dp::StateBytes;
 
 /// Predicted bytes of the most loaded rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]

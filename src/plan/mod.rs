@@ -2,7 +2,7 @@
 //! ranking of every valid layout for a number of GPUs.
 //!
 //! A plan is a pure function of the recipe and the [`Hardware`]: the state bytes come from the
-//! flat layout the trainer builds ([`crate::train::zero::StateLayout`]), the activations from
+//! flat layout the trainer builds (`parallel::dp::StateLayout`), the activations from
 //! what each piece's tape keeps walked through the stage's pipeline schedule ([`memory`]), the
 //! time from a roofline of every piece plus the collectives ([`time`]). `docs/PLANNER.md` has
 //! the formulas, their sources and the checks against our runs and published results.
@@ -12,6 +12,7 @@ pub mod choose;
 pub mod hardware;
 pub mod memory;
 pub mod report;
+mod roofline;
 pub mod search;
 pub mod time;
 

@@ -2,6 +2,7 @@
 //! of every inconsistency before anything is allocated.
 
 mod load;
+mod optimizer;
 mod sections;
 mod validate;
 
@@ -11,10 +12,10 @@ use parallel::ParallelConfig;
 use serde::{Deserialize, Serialize};
 
 pub use load::{load, load_stored, load_str, RecipeError};
+pub use optimizer::{AdjustLr, MuonConfig, OptimizerConfig, OptimizerName, StateDtype};
 pub use sections::{
-    AdjustLr, CheckpointConfig, DeviceKind, Dtype, LrCurve, MuonConfig, OnNonFinite,
-    OptimizerConfig, OptimizerName, Resume, ResumeChange, RunConfig, ScheduleConfig, StateDtype,
-    TrainConfig, SPIKE_WINDOW,
+    CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, Resume, ResumeChange, RunConfig,
+    ScheduleConfig, TrainConfig, SPIKE_WINDOW,
 };
 pub use validate::MAX_RANKS;
 

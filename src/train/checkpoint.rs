@@ -90,7 +90,7 @@ impl Trainer {
                     start.elapsed().as_secs_f64()
                 );
             }
-            self.saving = Some(job.spawn()?);
+            self.saves.saving = Some(job.spawn()?);
             return Ok(dir);
         }
         let main = self.ctx.is_main();
@@ -122,7 +122,7 @@ impl Trainer {
     /// Waits for the checkpoint being written in the background, if any; its failure is this
     /// run's.
     pub fn wait_for_save(&mut self) -> Result<()> {
-        match self.saving.take() {
+        match self.saves.saving.take() {
             None => Ok(()),
             // The writer's error names the step it was saving.
             Some(h) => h
@@ -164,8 +164,8 @@ impl Trainer {
                 }
         };
         let parts = [
-            Some((false, self.optimizer.adamw().owned())),
-            self.optimizer.muon().map(|m| (true, m.owned())),
+            Some((false, self.state.optimizer.adamw().owned())),
+            self.state.optimizer.muon().map(|m| (true, m.owned())),
         ];
         for (muon, owned) in parts.into_iter().flatten() {
             for (kind, i, local, own) in self.pieces(owned, &writes, muon) {
@@ -175,7 +175,9 @@ impl Trainer {
                     writer.add(kind, block, local, self.read_piece(&source)?);
                 } else {
                     let dtype = match kind {
-                        Kind::ExpAvg | Kind::ExpAvgSq => self.optimizer.adamw().moment_dtype(),
+                        Kind::ExpAvg | Kind::ExpAvgSq => {
+                            self.state.optimizer.adamw().moment_dtype()
+                        }
                         _ => ckpt::PieceDtype::F32,
                     };
                     let index = writer.declare(kind, block, local, dtype);
@@ -190,10 +192,14 @@ impl Trainer {
     /// The values of a piece of this rank's share, read from its optimizer state.
     pub(super) fn read_piece(&self, s: &Source) -> Result<Values> {
         Ok(if s.muon {
-            let muon = self.optimizer.muon().context("a Muon piece without Muon")?;
+            let muon = self
+                .state
+                .optimizer
+                .muon()
+                .context("a Muon piece without Muon")?;
             Values::F32(muon.read(s.kind, s.own.clone())?)
         } else {
-            self.optimizer.adamw().read(s.kind, s.own.clone())?
+            self.state.optimizer.adamw().read(s.kind, s.own.clone())?
         })
     }
 
@@ -207,11 +213,11 @@ impl Trainer {
         writes: &dyn Fn(usize) -> bool,
         muon: bool,
     ) -> Vec<(Kind, usize, Range<usize>, Range<usize>)> {
-        let layout = self.grads.layout();
+        let layout = self.state.grads.layout();
         let hidden = self.model.inventory().hidden_matrices();
         let mut out = Vec::new();
         for (i, p) in self.model.params().iter().enumerate() {
-            let with_muon = self.optimizer.muon().is_some() && hidden[i];
+            let with_muon = self.state.optimizer.muon().is_some() && hidden[i];
             if !self.owns_copy(p) || !writes(i) || with_muon != muon {
                 continue; // replicas and the tied copy are written by their owner
             }
@@ -289,7 +295,7 @@ impl Trainer {
             serde_json::from_value(m.trainer.clone())
                 .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
         };
-        let (stored, ours) = (ck.dtype(Kind::ExpAvg), self.optimizer.moment_dtype());
+        let (stored, ours) = (ck.dtype(Kind::ExpAvg), self.state.optimizer.moment_dtype());
         if stored != ours && self.ctx.is_main() {
             info!(
                 "the checkpoint's AdamW moments are {} and optimizer.state_dtype is {}: \
@@ -304,13 +310,18 @@ impl Trainer {
             );
         }
         self.load_owned_state(dir, &ck, false, &Kind::ADAMW)?;
-        self.optimizer.adamw_mut().set_step(progress.updates);
-        if self.optimizer.muon().is_some() {
+        self.state.optimizer.adamw_mut().set_step(progress.updates);
+        if self.state.optimizer.muon().is_some() {
             self.load_owned_state(dir, &ck, true, &Kind::MUON)?;
         }
         self.progress = progress;
         self.model.set_expert_bias(&self.progress.expert_bias);
-        super::zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+        super::zero::publish(
+            &self.state.optimizer,
+            &mut self.state.dp,
+            &self.model,
+            &self.ctx,
+        )?;
         self.step = m.step as usize;
         self.consumed = m.consumed_samples;
         if self.ctx.is_main() {
@@ -338,16 +349,16 @@ impl Trainer {
         muon: bool,
         kinds: &[Kind],
     ) -> Result<()> {
-        let layout = self.grads.layout().clone();
+        let layout = self.state.grads.layout().clone();
         // Missing state is zero where the optimizer changed (accepted) or nothing has been
         // trained yet (an imported model's step 0: every moment is zero).
         let zero_ok = ck.manifest().step == 0
             || super::resume::stored_optimizer(ck.manifest())
                 != self.recipe.optimizer.name.to_string();
-        let owned: Vec<Range<usize>> = match (muon, self.optimizer.muon()) {
+        let owned: Vec<Range<usize>> = match (muon, self.state.optimizer.muon()) {
             (true, Some(m)) => m.owned().to_vec(),
             (true, None) => bail!("loading Muon's state without Muon"),
-            (false, _) => self.optimizer.adamw().owned().to_vec(),
+            (false, _) => self.state.optimizer.adamw().owned().to_vec(),
         };
         // Each owned range's start in the part's state (its ranges back to back).
         let bases: Vec<usize> = owned
@@ -416,7 +427,7 @@ impl Trainer {
                             own.start + bad
                         );
                     }
-                    write(&mut self.optimizer, kind, own.clone(), values)?;
+                    write(&mut self.state.optimizer, kind, own.clone(), values)?;
                 }
             }
         }
@@ -432,7 +443,12 @@ impl Trainer {
                 if start > at {
                     let pad = base + at - r.start..base + start - r.start;
                     for &kind in kinds {
-                        write(&mut self.optimizer, kind, pad.clone(), vec![0.0; pad.len()])?;
+                        write(
+                            &mut self.state.optimizer,
+                            kind,
+                            pad.clone(),
+                            vec![0.0; pad.len()],
+                        )?;
                     }
                 }
                 at = at.max(end);

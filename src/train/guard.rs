@@ -21,7 +21,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tracing::warn;
 
-use super::{signals, Trainer};
+use super::Trainer;
+use crate::job::signals;
 use crate::recipe::{OnNonFinite, SPIKE_WINDOW};
 
 /// The training loop's state beyond the optimizer's, saved in checkpoints.
@@ -60,37 +61,12 @@ pub struct LocalNumbers {
     pub grad_sq: f64,
 }
 
-/// Fault-injection point for tests: `PRETRAIN_TEST_NAN_GRADS=STEP:RANK` makes rank `RANK`'s
-/// gradients NaN at step `STEP` (1-based), as an overflow in its backward would.
-fn nan_grads_at() -> Option<(usize, usize)> {
-    let v = std::env::var("PRETRAIN_TEST_NAN_GRADS").ok()?;
-    let (step, rank) = v.split_once(':')?;
-    Some((step.trim().parse().ok()?, rank.trim().parse().ok()?))
-}
-
-/// Fault-injection point for tests: `PRETRAIN_TEST_LOSS_JUMP=STEP:FACTOR` multiplies the job's
-/// loss as the guard sees it at step `STEP` by `FACTOR` on every rank, as a loss spike would.
-fn loss_jump_at(step: usize) -> f64 {
-    let Ok(v) = std::env::var("PRETRAIN_TEST_LOSS_JUMP") else {
-        return 1.0;
-    };
-    let parsed = v.split_once(':').and_then(|(s, f)| {
-        Some((
-            s.trim().parse::<usize>().ok()?,
-            f.trim().parse::<f64>().ok()?,
-        ))
-    });
-    match parsed {
-        Some((at, factor)) if at == step => factor,
-        _ => 1.0,
-    }
-}
-
 impl Trainer {
-    /// Applies the test fault of `PRETRAIN_TEST_NAN_GRADS` when it names this step and rank.
+    /// Makes this rank's gradients NaN, as an overflow in its backward would, when the injected
+    /// faults ([`crate::faults`]) name this step and rank.
     pub(crate) fn inject_test_fault(&self, step: usize) -> Result<()> {
-        if nan_grads_at() == Some((step, self.ctx.rank)) {
-            let flat = self.grads.flat();
+        if crate::faults::faults().nan_grads == Some((step, self.ctx.rank)) {
+            let flat = self.state.grads.flat();
             let nan = Tensor::full(f32::NAN, flat.elem_count(), flat.device())?;
             flat.slice_set(&nan, 0, 0)?;
         }
@@ -150,7 +126,7 @@ impl Trainer {
         grad_norm: f64,
         local: LocalNumbers,
     ) -> Result<Verdict> {
-        let loss = loss * loss_jump_at(step);
+        let loss = loss * crate::faults::faults().loss_factor(step);
         let t = &self.recipe.train;
         // One decision for the whole job: whether any rank saw a non-finite loss or gradient is
         // asked of every rank every step. The job-wide numbers are not enough: without ZeRO the
@@ -215,7 +191,7 @@ impl Trainer {
     /// After step `step`'s update: halts if it made any rank's parameters non-finite, and returns
     /// the stop signal any rank received (the same on every rank).
     pub(crate) fn after_update(&self, step: usize, updated: bool) -> Result<Option<i32>> {
-        let bad = updated && !self.optimizer.state_sum_squares()?.is_finite();
+        let bad = updated && !self.state.optimizer.state_sum_squares()?.is_finite();
         let answers = self.ranks_where(&signal_flags(bad))?;
         if !answers[0].is_empty() {
             bail!(

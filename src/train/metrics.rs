@@ -18,7 +18,7 @@ use super::pipeline::Timed;
 use super::RankCtx;
 pub use parallel::dp::StateBytes;
 
-/// What one optimizer step measured.
+/// What one optimizer step measured: one line of `metrics.jsonl`, its groups flattened into it.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepRecord {
     /// 1-based step number.
@@ -29,6 +29,32 @@ pub struct StepRecord {
     pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// How fast the step ran.
+    #[serde(flatten)]
+    pub rate: StepRate,
+    /// What the step held in memory.
+    #[serde(flatten)]
+    pub memory: StepMemory,
+    /// Where the step's time went.
+    #[serde(flatten)]
+    pub time: StepTimes,
+    /// Mixture of experts: the router losses and how evenly each MoE layer spread its tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<super::routing::StepRouting>,
+    /// Global samples consumed after this step.
+    pub consumed_samples: u64,
+    /// Why the step's update was discarded (`train.on_nonfinite: skip`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+    /// On logged steps: the ranks' compute times and the stragglers among them
+    /// (`compute_median_s`, `compute_max_s`, `stragglers`).
+    #[serde(flatten)]
+    pub compute: Option<super::stragglers::ComputeSpread>,
+}
+
+/// A step's throughput.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRate {
     /// Training throughput over all ranks.
     pub tokens_per_s: f64,
     /// Achieved model TFLOP/s per rank (the job's over its ranks; see
@@ -41,6 +67,11 @@ pub struct StepRecord {
     pub attention_share: Option<f64>,
     /// Model FLOPs utilisation, when the device peak is known.
     pub mfu: Option<f64>,
+}
+
+/// A step's memory: the process's, the device's and this rank's training state and peaks.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMemory {
     /// Peak resident memory of the process, MiB.
     pub mem_mib: f64,
     /// On a GPU: device memory this process had allocated at the end of the step, MiB.
@@ -75,6 +106,21 @@ pub struct StepRecord {
     /// being accumulated held at once plus the most the reduce-scatters queued or running on the
     /// communication thread held at once (an upper bound of their sum at any instant).
     pub grad_unit_peak_bytes: usize,
+    /// The most activation bytes any rank kept during the traced step (the largest
+    /// `act_peak_bytes` over the ranks; with pipelines, usually the first stage's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub act_peak_max_bytes: Option<usize>,
+}
+
+/// A step's time and the shares of its communication hidden behind compute.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepTimes {
+    /// Wall time of the step, seconds.
+    pub step_time_s: f64,
+    /// Seconds of the optimizer update (with Muon, its matrix exchange and iterations) and the
+    /// parameters made from it; 0 when the update was skipped. On a GPU timed on logged steps
+    /// only (the device is waited for there), else the host's share.
+    pub optimizer_s: f64,
     /// ZeRO-3: seconds the parameter all-gathers took on the communication thread.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gather_s: Option<f64>,
@@ -92,17 +138,6 @@ pub struct StepRecord {
     /// `ring_s`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ring_exposed_s: Option<f64>,
-    /// Mixture of experts: the router losses and how evenly each MoE layer spread its tokens.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub moe: Option<super::routing::StepRouting>,
-    /// Global samples consumed after this step.
-    pub consumed_samples: u64,
-    /// Wall time of the step, seconds.
-    pub step_time_s: f64,
-    /// Seconds of the optimizer update (with Muon, its matrix exchange and iterations) and the
-    /// parameters made from it; 0 when the update was skipped. On a GPU timed on logged steps
-    /// only (the device is waited for there), else the host's share.
-    pub optimizer_s: f64,
     /// Measured pipeline bubble fraction, on the step whose timeline was traced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bubble: Option<f64>,
@@ -118,17 +153,6 @@ pub struct StepRecord {
     /// Seconds the traced step waited after the schedule for the rest of the gradient sync.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_exposed_s: Option<f64>,
-    /// The most activation bytes any rank kept during the traced step (the largest
-    /// `act_peak_bytes` over the ranks; with pipelines, usually the first stage's).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub act_peak_max_bytes: Option<usize>,
-    /// Why the step's update was discarded (`train.on_nonfinite: skip`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub skipped: Option<String>,
-    /// On logged steps: the ranks' compute times and the stragglers among them
-    /// (`compute_median_s`, `compute_max_s`, `stragglers`).
-    #[serde(flatten)]
-    pub compute: Option<super::stragglers::ComputeSpread>,
 }
 
 /// A validation result.
@@ -251,19 +275,22 @@ fn scalars(r: &StepRecord) -> Vec<(&'static str, f64)> {
         ("train/loss", r.loss),
         ("train/lr", r.lr),
         ("train/grad_norm", r.grad_norm),
-        ("throughput/tokens_per_s", r.tokens_per_s),
-        ("throughput/tflops", r.tflops),
-        ("throughput/step_time_s", r.step_time_s),
-        ("memory/process_peak_mib", r.mem_mib),
-        ("memory/state_mib", mib(r.state.total())),
-        ("memory/activations_peak_mib", mib(r.act_peak_bytes)),
+        ("throughput/tokens_per_s", r.rate.tokens_per_s),
+        ("throughput/tflops", r.rate.tflops),
+        ("throughput/step_time_s", r.time.step_time_s),
+        ("memory/process_peak_mib", r.memory.mem_mib),
+        ("memory/state_mib", mib(r.memory.state.total())),
+        ("memory/activations_peak_mib", mib(r.memory.act_peak_bytes)),
     ];
     let optional = [
-        ("throughput/mfu", r.mfu),
-        ("memory/device_mib", r.device_mem_mib),
-        ("memory/device_peak_mib", r.device_peak_mib),
-        ("memory/device_pool_mib", r.device_pool_mib),
-        ("memory/device_outside_pool_mib", r.device_outside_pool_mib),
+        ("throughput/mfu", r.rate.mfu),
+        ("memory/device_mib", r.memory.device_mem_mib),
+        ("memory/device_peak_mib", r.memory.device_peak_mib),
+        ("memory/device_pool_mib", r.memory.device_pool_mib),
+        (
+            "memory/device_outside_pool_mib",
+            r.memory.device_outside_pool_mib,
+        ),
     ];
     v.extend(optional.into_iter().filter_map(|(t, x)| x.map(|x| (t, x))));
     v

@@ -8,7 +8,6 @@
 pub mod admit;
 pub mod checkpoint;
 pub mod clock;
-pub mod flight;
 pub mod guard;
 pub mod hooks;
 pub mod lock;
@@ -23,7 +22,6 @@ mod resume;
 pub mod routing;
 mod run;
 mod saver;
-pub mod signals;
 mod splits;
 mod step;
 pub mod stragglers;
@@ -36,16 +34,14 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use model::{llama::masked_mean, Llama};
-use parallel::dp::DataParallel;
 use parallel::pipeline::{check_fifo, validate, Schedule, SimCosts};
 use parallel::{Comm, Group, ReduceOp};
 use tracing::{info, warn};
 
-use crate::optim::{GradBuffer, Optimizer};
 use crate::recipe::{DeviceKind, Recipe, Resume};
 use hooks::StepSync;
 use metrics::{EvalRecord, Metrics, StepRecord};
-use parallel::dp::{Gatherer, Pass};
+use parallel::dp::Pass;
 use pipeline::Timed;
 pub use rank::RankCtx;
 pub use report::loss_text;
@@ -61,40 +57,56 @@ pub struct Trainer {
     recipe: Recipe,
     ctx: RankCtx,
     model: Llama,
-    grads: GradBuffer,
-    optimizer: Optimizer,
-    /// Completes gradients as they become final (partial sums, data-parallel sync) and holds the
-    /// ZeRO-3 parameter shards.
-    dp: DataParallel,
-    /// ZeRO-3: installs the parameters of the pieces being computed.
-    gather: Option<Gatherer<model::Piece>>,
-    /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
-    uses: Vec<(model::Piece, usize, Pass)>,
+    /// Gradients, optimizer, gradient completion and (ZeRO-3) the parameter gatherer.
+    state: zero::RankState,
     /// The training and validation splits, and the prefetch thread.
     data: RankData,
-    metrics: Option<Metrics>,
+    /// What a step runs, in which order.
+    plan: StepPlan,
     /// Optimizer steps done.
     step: usize,
     /// Global samples consumed (the data loader's whole state).
     consumed: u64,
+    /// The step guard's memory (skips, recent losses), saved in checkpoints.
+    progress: guard::LoopState,
+    /// A stop signal every rank saw by the end of the last step.
+    stop: Option<i32>,
+    /// Where the run's numbers go.
+    observe: Observers,
+    /// Checkpoints being written and what they record of the data.
+    saves: Saves,
+}
+
+/// The schedule of a rank's step and what follows from it.
+struct StepPlan {
     /// The schedule of a step (one stage without pipeline parallelism).
     schedule: Schedule,
+    /// The pieces this rank computes in a step, in order (what ZeRO-3 gathers ahead).
+    uses: Vec<(model::Piece, usize, Pass)>,
     /// The step after which the schedule's order is fitted to that step's measured costs (zbv;
     /// see `order.rs`), until it is.
     reorder_at: Option<usize>,
+}
+
+/// The run's outputs of numbers: the metrics log, the flight recorder and the last step's
+/// timings for the timeline trace.
+#[derive(Default)]
+struct Observers {
+    metrics: Option<Metrics>,
+    /// The flight recorder of this rank's communicator, told the step.
+    flight: Option<Arc<parallel::comm::flight::FlightRecorder>>,
     /// The timed actions of the last step, for the timeline trace.
     timing: Vec<Timed>,
     /// When the last step's data-parallel bucket reductions ran: (bucket, seconds since the step
     /// began).
     sync_timing: Vec<(usize, std::ops::Range<f64>)>,
-    /// The step guard's memory (skips, recent losses), saved in checkpoints.
-    progress: guard::LoopState,
-    /// A stop signal every rank saw by the end of the last step.
-    stop: Option<i32>,
+}
+
+/// Checkpoint saving's own state.
+#[derive(Default)]
+struct Saves {
     /// The checkpoint being written in the background (`checkpoint.async`).
     saving: Option<std::thread::JoinHandle<Result<()>>>,
-    /// The flight recorder of this rank's communicator, told the step.
-    flight: Option<Arc<parallel::comm::flight::FlightRecorder>>,
     /// The recipe's datasets as they are on disk (`resume.rs`), read once when first needed.
     datasets: std::sync::OnceLock<Vec<ckpt::DatasetEntry>>,
 }
@@ -127,7 +139,7 @@ fn refuse_earlier_checkpoints(root: &std::path::Path) -> Result<()> {
 impl Trainer {
     /// Tells `recorder` (the flight recorder of this rank's communicator) each step.
     pub fn set_flight(&mut self, recorder: Arc<parallel::comm::flight::FlightRecorder>) {
-        self.flight = Some(recorder);
+        self.observe.flight = Some(recorder);
     }
 
     /// Opens the data, builds this rank's part of the model and its optimizer. `write_outputs` is
@@ -149,12 +161,7 @@ impl Trainer {
         // (Tensors bounded by candle's 32-bit CUDA indexing are checked with the state layout,
         // `zero::rank_state`.)
         let model = zero::rank_model(&recipe, &ctx)?;
-        let zero::RankState {
-            grads,
-            optimizer,
-            dp,
-            gather,
-        } = zero::rank_state(&recipe, &ctx, &model)?;
+        let state = zero::rank_state(&recipe, &ctx, &model)?;
         let m = recipe.grad_accum_steps();
         let schedule = crate::plan::memory::schedule(&recipe, m).map_err(anyhow::Error::msg)?;
         validate(&schedule)?;
@@ -173,24 +180,19 @@ impl Trainer {
             recipe,
             ctx,
             model,
-            grads,
-            optimizer,
-            dp,
-            gather,
-            uses,
+            state,
             data,
-            metrics: None,
+            plan: StepPlan {
+                schedule,
+                uses,
+                reorder_at: None,
+            },
             step: 0,
             consumed: 0,
-            reorder_at: None,
-            schedule,
-            timing: Vec::new(),
-            sync_timing: Vec::new(),
             progress: guard::LoopState::default(),
             stop: None,
-            saving: None,
-            flight: None,
-            datasets: std::sync::OnceLock::new(),
+            observe: Observers::default(),
+            saves: Saves::default(),
         };
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
@@ -212,18 +214,21 @@ impl Trainer {
                 .load_checkpoint(&dir)
                 .with_context(|| format!("resuming from {}", dir.display()))?;
         }
-        if order::tuned(trainer.recipe.parallel.schedule_kind(), trainer.schedule.pp) {
+        if order::tuned(
+            trainer.recipe.parallel.schedule_kind(),
+            trainer.plan.schedule.pp,
+        ) {
             match trainer.progress.schedule_costs {
                 Some([forward, backward, weight]) => trainer.set_order(SimCosts {
                     forward,
                     backward,
                     weight,
                 })?,
-                None => trainer.reorder_at = Some(trainer.step + 2),
+                None => trainer.plan.reorder_at = Some(trainer.step + 2),
             }
         }
         if write {
-            trainer.metrics = Some(Metrics::open(
+            trainer.observe.metrics = Some(Metrics::open(
                 &trainer.recipe.run.dir,
                 trainer.step,
                 trainer.recipe.run.tensorboard,
@@ -239,7 +244,7 @@ impl Trainer {
 
     /// Where this rank's parameters, gradients and optimizer state live in flat buffers.
     pub fn layout(&self) -> &parallel::dp::FlatLayout {
-        self.dp.layout()
+        self.state.dp.layout()
     }
 
     /// Mean loss over the validation micro-batches (the same samples every time), split across
@@ -267,19 +272,19 @@ impl Trainer {
             let labels = Tensor::from_slice(&b.labels, b.labels.len(), &self.ctx.device)?;
             let mask = Tensor::from_slice(&b.loss_mask, b.loss_mask.len(), &self.ctx.device)?;
             let n: f64 = b.loss_mask.iter().map(|&m| m as f64).sum();
-            if let Some(g) = &mut self.gather {
+            if let Some(g) = &mut self.state.gather {
                 g.start(forwards.clone());
             }
             let mut hooks = StepSync {
                 model: &self.model,
-                grads: &self.grads,
-                dp: &mut self.dp,
-                gather: self.gather.as_mut(),
+                grads: &self.state.grads,
+                dp: &mut self.state.dp,
+                gather: self.state.gather.as_mut(),
             };
             let docs = pipeline::documents(&b)?;
             let inputs = (&tokens, &labels, docs.as_ref());
             let losses = pipeline::forward_losses(&self.model, ctx, inputs, &mut hooks)?;
-            if let Some(g) = &mut self.gather {
+            if let Some(g) = &mut self.state.gather {
                 g.finish(self.model.params())?;
             }
             if let Some(l) = losses {
@@ -314,7 +319,7 @@ impl Trainer {
             if main {
                 self.log_step(&rec);
             }
-            if let Some(m) = &mut self.metrics {
+            if let Some(m) = &mut self.observe.metrics {
                 m.step(&rec)?;
             }
             // A stop signal during the last step changes nothing: the run is complete.
@@ -337,7 +342,7 @@ impl Trainer {
             }
         }
         self.wait_for_save()?;
-        if let Some(m) = &self.metrics {
+        if let Some(m) = &self.observe.metrics {
             m.plot()?;
         }
         Ok((records, last_eval))
@@ -357,7 +362,7 @@ impl Trainer {
                 info!("step={step} val_loss={text}");
             }
         }
-        if let Some(m) = &mut self.metrics {
+        if let Some(m) = &mut self.observe.metrics {
             m.eval(&EvalRecord { step, val_loss })?;
             m.plot()?;
         }
@@ -386,12 +391,12 @@ impl Trainer {
         &mut self,
         signal: i32,
         saved: Option<std::path::PathBuf>,
-    ) -> Result<signals::Interrupted> {
+    ) -> Result<crate::job::signals::Interrupted> {
         self.wait_for_save()?;
-        if let Some(m) = &self.metrics {
+        if let Some(m) = &self.observe.metrics {
             m.plot()?;
         }
-        let stop = signals::Interrupted {
+        let stop = crate::job::signals::Interrupted {
             signal,
             step: Some(self.step),
             checkpoint: saved,
@@ -406,8 +411,8 @@ impl Trainer {
     /// This rank's parameter slices: `(name, global shape, slice, values)`.
     pub fn weight_slices(&self) -> Result<Vec<WeightSlice>> {
         // One copy to the host: a narrowed device tensor would copy its whole buffer each time.
-        let whole = zero::whole_params(&self.dp, &self.model)?.to_device(&Device::Cpu)?; // [layout.total] f32
-        let layout = self.dp.layout();
+        let whole = zero::whole_params(&self.state.dp, &self.model)?.to_device(&Device::Cpu)?; // [layout.total] f32
+        let layout = self.state.dp.layout();
         self.model
             .params()
             .iter()

@@ -71,7 +71,7 @@ pub struct Executor<'a> {
     split: bool,
     /// Time every action on this device's timeline (see [`Executor::timed_on_device`]).
     device_timed: Option<&'a Device>,
-    /// Tests: a pause in each forward action of this rank (`PRETRAIN_TEST_SLOW_RANK`).
+    /// Tests: a pause in each forward action of this rank (an injected fault, `crate::faults`).
     slow: Option<std::time::Duration>,
 }
 
@@ -99,7 +99,7 @@ impl<'a> Executor<'a> {
             recompute,
             split: schedule.splits_backward(),
             device_timed: None,
-            slow: super::stragglers::test_slowdown(ctx.rank),
+            slow: crate::faults::faults().slowdown(ctx.rank),
         }
     }
 

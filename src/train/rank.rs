@@ -1,11 +1,12 @@
 //! `RankCtx`: one rank's place in the job — its mesh coordinates, communicator and process groups
-//! — and the layer placement that follows from it ([`chunk_pieces`]).
+//! — and the layer placement that follows from it (`model::placement::chunk_pieces`).
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use candle_core::Device;
 use data::Batch;
+use model::placement::chunk_pieces;
 use model::{Piece, Placement};
 use parallel::cp::{local_chunks, ContextParallel};
 use parallel::ep::ExpertParallel;
@@ -212,51 +213,4 @@ fn local_rows<T: Copy>(v: &[T], seq_len: usize, chunks: &[std::ops::Range<usize>
                 .flat_map(move |c| row[c.clone()].iter().copied())
         })
         .collect()
-}
-
-/// The pieces of global chunk `g`, where global chunk `k` holds `layers[k]` consecutive layers
-/// (`layers` has `pp · v` entries), with the embedding if it is the first global chunk and the
-/// head if it is the last. Which stage holds it is the schedule's
-/// [`ChunkPlacement`](parallel::pipeline::ChunkPlacement).
-pub fn chunk_pieces(g: usize, layers: &[usize]) -> Vec<Piece> {
-    let first: usize = layers[..g].iter().sum();
-    let mut pieces = Vec::new();
-    if g == 0 {
-        pieces.push(Piece::Embedding);
-    }
-    pieces.extend((first..first + layers[g]).map(Piece::Block));
-    if g + 1 == layers.len() {
-        pieces.push(Piece::Head);
-    }
-    pieces
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_hold_consecutive_layers_with_embedding_first_and_head_last() {
-        use Piece::{Block, Embedding, Head};
-        // One stage, one chunk: the whole model.
-        assert_eq!(
-            chunk_pieces(0, &[3]),
-            vec![Embedding, Block(0), Block(1), Block(2), Head]
-        );
-        // 8 layers in 4 chunks (pp 2 × v 2: stage 0 holds global chunks 0 and 2 when looped, 0
-        // and 3 as a V).
-        let even = [2, 2, 2, 2];
-        assert_eq!(chunk_pieces(0, &even), vec![Embedding, Block(0), Block(1)]);
-        assert_eq!(chunk_pieces(2, &even), vec![Block(4), Block(5)]);
-        assert_eq!(chunk_pieces(1, &even), vec![Block(2), Block(3)]);
-        assert_eq!(chunk_pieces(3, &even), vec![Block(6), Block(7), Head]);
-        // Uneven: pp 3 over 7 layers as [1, 4, 2]; an end chunk may hold no layer.
-        assert_eq!(chunk_pieces(0, &[1, 4, 2]), vec![Embedding, Block(0)]);
-        assert_eq!(
-            chunk_pieces(1, &[1, 4, 2]),
-            (1..5).map(Block).collect::<Vec<_>>()
-        );
-        assert_eq!(chunk_pieces(2, &[1, 4, 2]), vec![Block(5), Block(6), Head]);
-        assert_eq!(chunk_pieces(1, &[3, 0]), vec![Head]);
-    }
 }

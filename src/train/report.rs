@@ -56,7 +56,7 @@ impl Trainer {
             let path = r.run.dir.join("trace.json");
             info!("step={} timeline: {}", rec.step, path.display());
         }
-        if let Some(b) = rec.bubble {
+        if let Some(b) = rec.time.bubble {
             let (p, v, m) = (
                 self.ctx.groups.pp.size() as f64,
                 self.ctx.virtual_stages as f64,
@@ -91,7 +91,7 @@ impl Trainer {
                 named.join(", ")
             );
         }
-        if let (Some(o), Some(t)) = (rec.sync_overlap, rec.sync_exposed_s) {
+        if let (Some(o), Some(t)) = (rec.time.sync_overlap, rec.time.sync_exposed_s) {
             info!(
                 "step={} data-parallel gradient sync: {:.0}% of the buckets reduced during the backward passes; the step waited {:.1} ms for the rest",
                 rec.step,
@@ -114,26 +114,32 @@ pub fn loss_text(loss: f64) -> String {
 /// The log line of a step of `steps`.
 fn step_line(rec: &StepRecord, steps: usize) -> String {
     let mfu = rec
+        .rate
         .mfu
         .map_or("n/a".to_string(), |m| format!("{:.1}%", 100.0 * m));
-    let gathers = rec.gather_s.map_or(String::new(), |s| {
-        let hidden = rec.gather_hidden.unwrap_or(0.0);
+    let gathers = rec.time.gather_s.map_or(String::new(), |s| {
+        let hidden = rec.time.gather_hidden.unwrap_or(0.0);
         format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)
     });
-    let ring = rec.ring_s.map_or(String::new(), |s| {
-        let exposed = rec.ring_exposed_s.unwrap_or(0.0);
+    let ring = rec.time.ring_s.map_or(String::new(), |s| {
+        let exposed = rec.time.ring_exposed_s.unwrap_or(0.0);
         format!(" ring={:.0}ms ({:.0}ms exposed)", 1e3 * s, 1e3 * exposed)
     });
     // On a GPU: the device memory allocated at the step's end, its peak, what the pool holds,
     // and what is in use outside it.
     let outside = rec
+        .memory
         .device_outside_pool_mib
         .map_or(String::new(), |o| format!(", outside {o:.0}MiB"));
-    let mem = match (rec.device_mem_mib, rec.device_peak_mib, rec.device_pool_mib) {
+    let mem = match (
+        rec.memory.device_mem_mib,
+        rec.memory.device_peak_mib,
+        rec.memory.device_pool_mib,
+    ) {
         (Some(now), Some(peak), Some(pool)) => {
             format!("{now:.0}MiB (peak {peak:.0}MiB, pool {pool:.0}MiB{outside})")
         }
-        _ => format!("{:.0}MiB", rec.mem_mib),
+        _ => format!("{:.0}MiB", rec.memory.mem_mib),
     };
     let moe = rec.moe.as_ref().map_or(String::new(), |m| {
         let bias = m
@@ -153,11 +159,11 @@ fn step_line(rec: &StepRecord, steps: usize) -> String {
     } else {
         ""
     };
-    let units = rec.param_unit_peak_bytes + rec.grad_unit_peak_bytes;
+    let units = rec.memory.param_unit_peak_bytes + rec.memory.grad_unit_peak_bytes;
     let loss = loss_text(rec.loss);
     format!(
         "step={}/{} loss={loss} lr={:.3e} grad_norm={:.3} tok/s={:.0} tflops={:.3} mfu={} mem={mem} state={:.1}MiB acts={:.1}MiB units={:.1}MiB opt={:.1}ms{gathers}{ring}{moe}{skip}",
-        rec.step, steps, rec.lr, rec.grad_norm, rec.tokens_per_s, rec.tflops, mfu,
-        mib(rec.state.total()), mib(rec.act_peak_bytes), mib(units), 1e3 * rec.optimizer_s
+        rec.step, steps, rec.lr, rec.grad_norm, rec.rate.tokens_per_s, rec.rate.tflops, mfu,
+        mib(rec.memory.state.total()), mib(rec.memory.act_peak_bytes), mib(units), 1e3 * rec.time.optimizer_s
     )
 }

@@ -183,7 +183,7 @@ impl Trainer {
 
     /// The recipe's datasets as they are on disk: sizes and the index's SHA-256 (hashed once).
     pub(super) fn dataset_entries(&self) -> Result<&[DatasetEntry]> {
-        if let Some(d) = self.datasets.get() {
+        if let Some(d) = self.saves.datasets.get() {
             return Ok(d);
         }
         let mut entries = Vec::new();
@@ -210,7 +210,7 @@ impl Trainer {
                 idx_sha256,
             });
         }
-        Ok(self.datasets.get_or_init(|| entries))
+        Ok(self.saves.datasets.get_or_init(|| entries))
     }
 
     /// Refuses datasets whose files changed since the checkpoint was written, under the same

@@ -11,11 +11,11 @@ use parallel::comm::local::{run_local, RankFailed};
 use parallel::tp::Block;
 use parallel::Comm;
 
-use super::flight;
 use super::lock::RunLock;
 use super::metrics::StepRecord;
 use super::{RankCtx, Trainer};
 pub use crate::device::device_for;
+use crate::job::flight;
 use crate::recipe::Recipe;
 
 /// Most ranks a job runs as threads of one process.
@@ -141,7 +141,7 @@ fn run_recorded(
         Ok((records, val)) if weights => Ok((records, val, trainer.weight_slices()?)),
         Ok((records, val)) => Ok((records, val, Vec::new())),
         // Every rank stopped at the same step after saving: nothing to abort.
-        Err(e) if super::signals::interrupted(&e).is_some() => Err(e),
+        Err(e) if crate::job::signals::interrupted(&e).is_some() => Err(e),
         Err(e) => {
             // Stop the peers before this rank's trainer (and its gradient-sync thread, which may
             // wait on them) is dropped.

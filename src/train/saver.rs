@@ -59,17 +59,10 @@ impl SaveJob {
         &mut self,
         fill: impl FnMut(usize, &ckpt::PieceMeta) -> Result<ckpt::Values, ckpt::SourceError>,
     ) -> Result<()> {
-        // Fault-injection point for tests: `PRETRAIN_TEST_SHARE_DELAY_MS=RANK:MS` makes rank
-        // RANK's share late, so rank 0 must really wait for the last record.
-        let delay = std::env::var("PRETRAIN_TEST_SHARE_DELAY_MS")
-            .ok()
-            .and_then(|v| {
-                let (rank, ms) = v.split_once(':')?;
-                (rank.trim().parse::<usize>().ok()? == self.rank)
-                    .then(|| ms.trim().parse::<u64>().ok())?
-            });
-        if let Some(ms) = delay {
-            std::thread::sleep(Duration::from_millis(ms));
+        // An injected fault (`crate::faults`) may make this share late, so rank 0 must really
+        // wait for the last record.
+        if let Some(delay) = crate::faults::faults().share_delay(self.rank) {
+            std::thread::sleep(delay);
         }
         if let Some(w) = self.writer.take() {
             w.write_with(fill)?;
@@ -83,14 +76,12 @@ impl SaveJob {
             return Ok(());
         };
         let step = self.step;
-        // Fault-injection point for crash-consistency tests: hold the save between the shard
-        // files and the manifest so a test can kill the process right there.
-        if let Some(ms) = std::env::var("PRETRAIN_TEST_SAVE_PAUSE_MS")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-        {
+        // An injected fault (`crate::faults`) for crash-consistency tests: hold the save between
+        // the shard files and the manifest so a test can kill the process right there.
+        if let Some(pause) = crate::faults::faults().save_pause {
+            let ms = pause.as_millis();
             info!("checkpoint step {step}: shards written, pausing {ms} ms before the manifest");
-            std::thread::sleep(Duration::from_millis(ms));
+            std::thread::sleep(pause);
         }
         let dir = ckpt::finalize(
             &self.root,

@@ -54,11 +54,11 @@ impl Trainer {
     /// the global loss and gradient norm, the step guard's verdict, the update, the record.
     pub fn train_step(&mut self) -> Result<StepRecord> {
         let start = Instant::now();
-        if let Some(f) = &self.flight {
+        if let Some(f) = &self.observe.flight {
             f.set_step(self.step as u64 + 1);
         }
         crate::device::reset_peak(&self.ctx.device);
-        self.grads.zero()?;
+        self.state.grads.zero()?;
         self.model.placement().cp.stats().take(); // count this step's ring only
         let (mbs, targets) = self.micro_batches()?;
         let attention_share = self.attention_share(&mbs)?;
@@ -121,7 +121,7 @@ impl Trainer {
             compute,
             attention_share,
         })?;
-        if self.reorder_at == Some(self.step) {
+        if self.plan.reorder_at == Some(self.step) {
             self.reorder()?;
         }
         Ok(record)
@@ -129,18 +129,18 @@ impl Trainer {
 
     /// Fits the schedule's order to the costs the step just measured (see `order.rs`).
     fn reorder(&mut self) -> Result<()> {
-        let costs = super::order::measured(&self.ctx, &self.timing)?;
-        let before = super::order::simulated_bubble(&self.schedule, costs)?;
+        let costs = super::order::measured(&self.ctx, &self.observe.timing)?;
+        let before = super::order::simulated_bubble(&self.plan.schedule, costs)?;
         if let Err(e) = self.set_order(costs) {
             // Every rank measured the same costs and fails alike: all keep the order they have.
             if self.ctx.is_main() {
                 tracing::warn!("keeping the schedule's order: {e:#}");
             }
-            self.reorder_at = None;
+            self.plan.reorder_at = None;
             return Ok(());
         }
         if self.ctx.is_main() {
-            let after = super::order::simulated_bubble(&self.schedule, costs)?;
+            let after = super::order::simulated_bubble(&self.plan.schedule, costs)?;
             let ms = |s: f64| 1e3 * s;
             tracing::info!(
                 "{} ordered for the measured costs per chunk: forward {:.2} ms, B {:.2} ms, \
@@ -157,12 +157,12 @@ impl Trainer {
     /// Runs the schedule in its order for `costs` from the next step on, and keeps the costs
     /// for checkpoints.
     pub(super) fn set_order(&mut self, costs: parallel::pipeline::SimCosts) -> Result<()> {
-        let schedule = super::order::ordered(&self.recipe, &self.schedule, costs)?;
+        let schedule = super::order::ordered(&self.recipe, &self.plan.schedule, costs)?;
         let chunks = self.ctx.chunks(self.model.config().num_hidden_layers);
-        self.uses = super::zero::piece_uses(&schedule, self.ctx.coords.pp, &chunks);
-        self.schedule = schedule;
+        self.plan.uses = super::zero::piece_uses(&schedule, self.ctx.coords.pp, &chunks);
+        self.plan.schedule = schedule;
         self.progress.schedule_costs = Some([costs.forward, costs.backward, costs.weight]);
-        self.reorder_at = None;
+        self.plan.reorder_at = None;
         Ok(())
     }
 
@@ -213,7 +213,7 @@ impl Trainer {
         let mut exec = Executor::new(
             &self.model,
             ctx,
-            &self.schedule,
+            &self.plan.schedule,
             t.recompute,
             t.micro_batch,
             local_seq,
@@ -222,36 +222,37 @@ impl Trainer {
         // ranks), and the step whose costs order the next ones, run on the device's clock.
         let next = self.step + 1;
         let logged_on_gpu = self.ctx.device.is_cuda() && self.is_logged(next);
-        let reorders = self.reorder_at == Some(next);
+        let reorders = self.plan.reorder_at == Some(next);
         if self.recipe.run.trace_step == Some(next) || logged_on_gpu || reorders {
             exec = exec.timed_on_device(&self.ctx.device);
         }
-        self.dp.start();
-        if let Some(g) = &mut self.gather {
-            g.start(self.uses.clone());
+        self.state.dp.start();
+        if let Some(g) = &mut self.state.gather {
+            g.start(self.plan.uses.clone());
         }
         let mut hooks = StepSync {
             model: &self.model,
-            grads: &self.grads,
-            dp: &mut self.dp,
-            gather: self.gather.as_mut(),
+            grads: &self.state.grads,
+            dp: &mut self.state.dp,
+            gather: self.state.gather.as_mut(),
         };
-        let run = exec.step(mbs, &self.grads, &mut hooks, start)?;
+        let run = exec.step(mbs, &self.state.grads, &mut hooks, start)?;
         let mut gathered = GatherStats::default();
-        if let Some(g) = &mut self.gather {
+        if let Some(g) = &mut self.state.gather {
             g.finish(self.model.params())?;
             gathered = g.stats();
         }
         let reduced = self
+            .state
             .dp
             .finish()
             .context("synchronising gradients across data-parallel ranks")?;
         let since_start = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
-        self.sync_timing = reduced
+        self.observe.sync_timing = reduced
             .iter()
             .map(|b| (b.bucket, since_start(b.start)..since_start(b.end)))
             .collect();
-        self.timing = run.timing;
+        self.observe.timing = run.timing;
         Ok(PassStats {
             loss: run.loss,
             act_peak_bytes: run.act_peak_bytes,
@@ -270,8 +271,13 @@ impl Trainer {
         } else {
             1.0
         };
-        self.optimizer.step(&self.grads, lr, scale)?;
-        zero::publish(&self.optimizer, &mut self.dp, &self.model, &self.ctx)?;
+        self.state.optimizer.step(&self.state.grads, lr, scale)?;
+        zero::publish(
+            &self.state.optimizer,
+            &mut self.state.dp,
+            &self.model,
+            &self.ctx,
+        )?;
         self.progress.updates += 1;
         let rate = (self.model.config().moe()).map_or(0.0, |m| m.bias_update_rate);
         if let Some(r) = routing.filter(|_| rate > 0.0) {
@@ -288,12 +294,21 @@ impl Trainer {
         let (traced, simulated) = if r.run.trace_step == Some(self.step) {
             let optimizer = (m.opt_start, m.start.elapsed().as_secs_f64());
             let path = r.run.dir.join("trace.json");
-            let (schedule, timing) = (&self.schedule, (&self.timing[..], m.run.act_peak_bytes));
-            let traced =
-                metrics::write_trace(ctx, schedule, timing, optimizer, &self.sync_timing, &path)?;
+            let (schedule, timing) = (
+                &self.plan.schedule,
+                (&self.observe.timing[..], m.run.act_peak_bytes),
+            );
+            let traced = metrics::write_trace(
+                ctx,
+                schedule,
+                timing,
+                optimizer,
+                &self.observe.sync_timing,
+                &path,
+            )?;
             // The schedule's own bubble on the costs its actions measured (every rank's mean).
-            let costs = super::order::measured(ctx, &self.timing)?;
-            let simulated = super::order::simulated_bubble(&self.schedule, costs)?;
+            let costs = super::order::measured(ctx, &self.observe.timing)?;
+            let simulated = super::order::simulated_bubble(&self.plan.schedule, costs)?;
             (traced, Some(simulated))
         } else {
             (None, None)
@@ -314,16 +329,14 @@ impl Trainer {
         let ranks = r.parallel.world_size() as f64;
         let tflops = tokens * (r.model.flops_per_token(t.seq_len) - skipped) / secs / 1e12 / ranks;
         let g = m.run.gathered;
-        let zero3 = self.gather.is_some();
-        Ok(StepRecord {
-            step: self.step,
-            loss: m.loss,
-            lr: m.lr,
-            grad_norm: m.grad_norm,
+        let zero3 = self.state.gather.is_some();
+        let rate = metrics::StepRate {
             tokens_per_s: tokens / secs,
             tflops,
             attention_share: r.data.reset_attention_mask.then_some(m.attention_share),
             mfu: r.run.peak_tflops.map(|p| tflops / p),
+        };
+        let memory = metrics::StepMemory {
             mem_mib: peak_rss_mib(),
             device_mem_mib: device_mem.map(|d| d.current as f64 / MIB),
             device_peak_mib: device_mem.map(|d| d.peak as f64 / MIB),
@@ -333,24 +346,34 @@ impl Trainer {
             act_peak_bytes: m.run.act_peak_bytes,
             graph_tensors: m.run.graph_tensors,
             param_unit_peak_bytes: g.peak_bytes,
-            grad_unit_peak_bytes: self.grads.take_staged_peak()
-                + self.dp.take_staged_in_flight_peak(),
+            grad_unit_peak_bytes: self.state.grads.take_staged_peak()
+                + self.state.dp.take_staged_in_flight_peak(),
+            act_peak_max_bytes: traced.map(|s| s.act_peak_max_bytes),
+        };
+        let pipelined = ctx.groups.pp.size() > 1;
+        let time = metrics::StepTimes {
+            step_time_s: secs,
+            optimizer_s: m.optimizer_s,
             gather_s: zero3.then_some(g.gather_s),
             gather_hidden: (zero3 && g.gather_s > 0.0)
                 .then(|| 1.0 - (g.wait_s / g.gather_s).min(1.0)),
             ring_s: ring.map(|r| r.total_s),
             ring_exposed_s: ring.map(|r| r.wait_s + r.send_s),
-            moe: m.routing,
-            consumed_samples: self.consumed,
-            step_time_s: secs,
-            optimizer_s: m.optimizer_s,
-            bubble: traced
-                .filter(|_| ctx.groups.pp.size() > 1)
-                .map(|s| s.bubble),
+            bubble: traced.filter(|_| pipelined).map(|s| s.bubble),
+            bubble_simulated: simulated.filter(|_| pipelined),
             sync_overlap: traced.and_then(|s| s.sync_overlap),
             sync_exposed_s: traced.and_then(|s| s.sync_exposed_s),
-            act_peak_max_bytes: traced.map(|s| s.act_peak_max_bytes),
-            bubble_simulated: simulated.filter(|_| ctx.groups.pp.size() > 1),
+        };
+        Ok(StepRecord {
+            step: self.step,
+            loss: m.loss,
+            lr: m.lr,
+            grad_norm: m.grad_norm,
+            rate,
+            memory,
+            time,
+            moe: m.routing,
+            consumed_samples: self.consumed,
             skipped: match m.verdict {
                 Verdict::Update => None,
                 Verdict::Skip(why) => Some(why),
@@ -361,7 +384,7 @@ impl Trainer {
 
     /// Bytes of this rank's persistent training state.
     pub fn state_bytes(&self) -> StateBytes {
-        let param_bytes = match self.dp.param_shards() {
+        let param_bytes = match self.state.dp.param_shards() {
             Some(s) => s.elem_count() * s.dtype().size_in_bytes(),
             None => self
                 .model
@@ -372,8 +395,8 @@ impl Trainer {
         };
         StateBytes {
             param_bytes,
-            grad_bytes: self.grads.bytes(),
-            optimizer_bytes: self.optimizer.state_bytes(),
+            grad_bytes: self.state.grads.bytes(),
+            optimizer_bytes: self.state.optimizer.state_bytes(),
         }
     }
 
@@ -394,12 +417,12 @@ impl Trainer {
         let counts: Vec<bool> = model.params().iter().map(|p| self.owns_copy(p)).collect();
         let expert = model.inventory().expert_flags();
         let split = ctx.groups.ep.size() > 1;
-        let owned = self.optimizer.owned();
-        let runs = norm_runs(self.grads.layout(), &counts, &expert, owned, split);
+        let owned = self.state.optimizer.owned();
+        let runs = norm_runs(self.state.grads.layout(), &counts, &expert, owned, split);
         let mut local = [0.0; 2];
         for (sum, runs) in local.iter_mut().zip(runs) {
             for r in runs {
-                *sum += self.grads.sum_squares(r)?;
+                *sum += self.state.grads.sum_squares(r)?;
             }
         }
         let g = &ctx.groups;

@@ -105,7 +105,7 @@ impl Trainer {
         }
         let world = self.ctx.mesh.world_size();
         let mut v = vec![0f64; world];
-        v[self.ctx.rank] = compute_seconds(&self.timing);
+        v[self.ctx.rank] = compute_seconds(&self.observe.timing);
         if world > 1 {
             let t = Tensor::from_vec(v, world, &Device::Cpu)?;
             v = self
@@ -117,15 +117,6 @@ impl Trainer {
         let stage: Vec<usize> = (0..world).map(|r| self.ctx.mesh.coords(r).pp).collect();
         Ok(Some(spread(&v, &stage, self.recipe.run.straggler_factor)))
     }
-}
-
-/// Tests: `PRETRAIN_TEST_SLOW_RANK=R:MS` makes rank `R` pause `MS` milliseconds in each of its
-/// forward actions (on the CPU, where actions are timed on the host clock).
-pub(super) fn test_slowdown(rank: usize) -> Option<std::time::Duration> {
-    let spec = std::env::var("PRETRAIN_TEST_SLOW_RANK").ok()?;
-    let (r, ms) = spec.split_once(':')?;
-    (r.parse::<usize>().ok()? == rank)
-        .then(|| std::time::Duration::from_millis(ms.parse().unwrap_or(0)))
 }
 
 #[cfg(test)]

@@ -6,43 +6,18 @@
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
-use model::{Inventory, Llama, ParamKind, Piece};
+use model::placement::state_layout;
+use model::{Llama, ParamKind, Piece};
 use parallel::dp::{
     publish_shards, DataParallel, DpGroups, FlatLayout, Gatherer, MatrixGroups, Partial, Pass,
     ShardPos, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
-use parallel::ParallelConfig;
 
 use super::RankCtx;
 use crate::optim::{flatten_params, initial_owned, write_params, GradBuffer, Optimizer};
 use crate::recipe::{OptimizerName, Recipe};
-
-/// The parameters each piece in `chunks` reads, in execution order (what ZeRO-2/3 buckets
-/// follow).
-pub fn piece_params(inventory: &Inventory, chunks: &[Vec<Piece>]) -> Vec<Vec<usize>> {
-    chunks
-        .iter()
-        .flatten()
-        .map(|&p| inventory.piece_params(p))
-        .collect()
-}
-
-/// The state layout of a rank at shard index `shard_index` (`expert_index` in its expert
-/// gradient group) holding the part `inventory` describes (local sizes `numels`) in pipeline
-/// chunks `chunks`.
-pub fn state_layout(
-    par: &ParallelConfig,
-    inventory: &Inventory,
-    numels: &[usize],
-    chunks: &[Vec<Piece>],
-    (shard_index, expert_index): (usize, usize),
-) -> StateLayout {
-    let pieces = piece_params(inventory, chunks);
-    let expert = inventory.expert_flags();
-    StateLayout::new(par, numels, &pieces, &expert, shard_index, expert_index)
-}
 
 /// The buckets holding piece `p`'s parameters, ascending.
 pub fn piece_buckets(model: &Llama, layout: &FlatLayout, p: Piece) -> Vec<usize> {

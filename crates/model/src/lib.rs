@@ -9,6 +9,7 @@ pub mod moe;
 mod moe_config;
 pub mod ops;
 pub mod params;
+pub mod placement;
 pub mod segment;
 
 pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
