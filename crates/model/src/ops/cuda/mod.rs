@@ -12,6 +12,7 @@
 pub mod attention;
 mod attention_tc;
 pub mod cudnn;
+mod cudnn_ragged;
 pub mod flat;
 pub mod pointwise;
 
