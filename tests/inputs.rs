@@ -1,11 +1,10 @@
-//! Regression tests of the 2026-11-26 reliability probe's defects about inputs (R3-n, each
-//! named in its test), through the binary: files read whole or listed as inputs are regular
+//! Inputs, through the binary: files read whole or listed as inputs are regular
 //! files under a cap, tokenizing is bounded in memory, and no command overwrites its input.
 
 mod common;
 use common::cli::{assert_says, bin};
 
-/// R3-12: a FIFO given as the recipe is refused at once (opening it used to wait for a writer
+/// A FIFO given as the recipe is refused at once (opening it used to wait for a writer
 /// forever).
 #[test]
 fn r3_12_a_fifo_recipe_is_refused_without_blocking() {
@@ -23,7 +22,7 @@ fn r3_12_a_fifo_recipe_is_refused_without_blocking() {
     assert_says(&o, "not a regular file");
 }
 
-/// R3-7 and R3-13 (d): inputs read whole or listed by name are regular files: a `config.json`,
+/// Inputs read whole or listed by name are regular files: a `config.json`,
 /// tokenizer or corpus that is `/dev/zero` (or a directory) is refused by name instead of read
 /// until memory runs out.
 #[test]
@@ -74,7 +73,7 @@ fn r3_7_device_files_are_refused_as_inputs() {
     assert_says(&o, "not a regular file");
 }
 
-/// R3-11: `preprocess --workers` beyond a few per core is refused (it used to start threads
+/// `preprocess --workers` beyond a few per core is refused (it used to start threads
 /// until the machine ran out).
 #[test]
 fn r3_11_preprocess_workers_are_bounded() {
@@ -95,7 +94,7 @@ fn r3_11_preprocess_workers_are_bounded() {
     assert_says(&o, "cores of this machine");
 }
 
-/// R3-15: `tokenizer train` refuses to write its tokenizer over one of its inputs.
+/// `tokenizer train` refuses to write its tokenizer over one of its inputs.
 #[test]
 fn r3_15_tokenizer_train_never_overwrites_its_input() {
     let tmp = tempfile::tempdir().unwrap();
@@ -114,7 +113,7 @@ fn r3_15_tokenizer_train_never_overwrites_its_input() {
     assert_eq!(std::fs::read(&corpus).unwrap(), before);
 }
 
-/// R3-10: a one-line document of 10 MB is tokenized in bounded memory (it took about 140 times
+/// A one-line document of 10 MB is tokenized in bounded memory (it took about 140 times
 /// its size: 1.4 GB; a 100 MB document aborted). The peak is the child's `VmHWM`, read until it
 /// exits.
 #[test]

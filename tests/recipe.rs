@@ -193,7 +193,7 @@ fn parallel_options_need_their_axis() {
         &["parallel.zero=4,parallel.dp=2"],
         "parallel.zero (4) must be 0, 1, 2 or 3",
     );
-    // R3-1: a shard size of 1 used to pass and fail at step 1 with an internal error.
+    // A shard size of 1 used to pass and fail at step 1 with an internal error.
     for zero in 1..=3 {
         assert_err(
             &[&format!(

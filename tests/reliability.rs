@@ -139,7 +139,7 @@ fn the_launcher_forwards_sigterm_and_its_ranks_never_outlive_it() {
     }
 }
 
-/// R3-13 (c): a rank that received SIGTERM directly (not through the launcher) stops the job
+/// A rank that received SIGTERM directly (not through the launcher) stops the job
 /// after a step like a forwarded one: every rank saves and exits 143, and the launcher reports a
 /// stop, not a failed rank.
 #[test]
@@ -324,7 +324,7 @@ fn nonfinite_gradients_on_a_first_stage_get_the_same_verdict_everywhere() {
     );
 }
 
-/// R3-6: without ZeRO a data-parallel replica whose gradients go bad after the all-reduce is the
+/// Without ZeRO a data-parallel replica whose gradients go bad after the all-reduce is the
 /// only one to see it; the guard still decides once for the whole job (the ranks used to call
 /// different collectives and fail with "does not match", a hang on NCCL).
 #[test]

@@ -290,7 +290,7 @@ fn incomplete_directories_are_never_chosen() {
     assert_eq!(find_latest(&tmp.path().join("nothing-here")).unwrap(), None);
 }
 
-/// R3-13 (a, b): a `latest` that is empty or names no directory is blamed as such (it used to be
+/// A `latest` that is empty or names no directory is blamed as such (it used to be
 /// reported as an incomplete checkpoint to move aside), and a checkpoint path that does not exist
 /// says so.
 #[test]

@@ -110,7 +110,7 @@ mod tests {
     use super::*;
     use crate::tokenizer::load_tokenizer;
 
-    /// R3-10: long documents are encoded in pieces whose ids are the whole text's (the pieces
+    /// Long documents are encoded in pieces whose ids are the whole text's (the pieces
     /// end before a space that follows a non-space), each at most the limit.
     #[test]
     fn pieces_encode_to_the_whole_texts_ids() {

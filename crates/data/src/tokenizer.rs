@@ -368,7 +368,7 @@ impl Iterator for TrainingText {
 mod tests {
     use super::*;
 
-    /// R3-10: training on lines cut into pieces gives byte for byte the tokenizer the tokenizers
+    /// Training on lines cut into pieces gives byte for byte the tokenizer the tokenizers
     /// crate trains from the whole lines: the play as one line of about 100 kB, cut into pieces
     /// of at most 64 bytes before a space that follows a non-space.
     #[test]

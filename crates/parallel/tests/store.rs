@@ -186,7 +186,7 @@ fn threads() -> usize {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
-/// R3-14: silent connections that never present the token hold at most
+/// Silent connections that never present the token hold at most
 /// `MAX_PENDING` server threads (each used to get one, up to 1024), and a rank still joins once
 /// they are gone.
 #[test]

@@ -1,5 +1,7 @@
-//! Regression tests of the 2026-11-26 reliability probe's defects (R3-n, each named in its
-//! test), and of the 2026-11-27 probe's in what runs write and read, through the binary.
+//! What runs refuse or report instead of losing data, hanging or misleading, through the
+//! binary: run files planted as links, stale locks, impossible `plan --gpus`, imports into
+//! checkpoint roots, jobs over the machine's memory, failed background saves, halts on
+//! non-finite steps, inputs of the wrong kind and taken ports.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -22,7 +24,7 @@ fn train(dir: &Path, set: &str) -> Output {
     training(dir, set).output().unwrap()
 }
 
-/// R3-5: files of the run directory planted as symbolic links are never written through: a
+/// Files of the run directory planted as symbolic links are never written through: a
 /// linked `run.lock` is refused (its target neither shown nor truncated), linked `recipe.yaml`
 /// and `loss.svg` are replaced, their targets untouched.
 #[test]
@@ -52,7 +54,7 @@ fn r3_5_run_files_are_not_written_through_links() {
     }
 }
 
-/// R3-13 (g): a lock file left with bytes that are not UTF-8 is taken over, its text shown
+/// A lock file left with bytes that are not UTF-8 is taken over, its text shown
 /// bounded and printable.
 #[test]
 fn r3_13g_a_garbled_stale_lock_is_taken_over() {
@@ -72,7 +74,7 @@ fn r3_13g_a_garbled_stale_lock_is_taken_over() {
     assert!(line.contains("??pid?x") && line.len() < 600, "{line}");
 }
 
-/// R3-3: `plan --gpus` beyond the most ranks a recipe may have is refused at once (it used to
+/// `plan --gpus` beyond the most ranks a recipe may have is refused at once (it used to
 /// enumerate layouts for minutes).
 #[test]
 fn r3_3_plan_refuses_more_gpus_than_ranks_at_once() {
@@ -105,7 +107,7 @@ fn r3_3_plan_refuses_more_gpus_than_ranks_at_once() {
     assert_says(&o, "not a whole number of nodes of 3 GPUs");
 }
 
-/// R3-9 and R3-8: `import-hf` never writes into a root that holds checkpoints (by default it used
+/// `import-hf` never writes into a root that holds checkpoints (by default it used
 /// to write into the run's own, move `latest` to step 0, and the next `resume: auto` restarted
 /// the run over its steps); its default is `<run.dir>/hf-import`; the tokenizer it copies is
 /// parsed at import.
@@ -153,7 +155,7 @@ fn r3_9_import_never_writes_into_a_runs_checkpoints() {
     assert_says(&o, "not a valid tokenizer.json");
 }
 
-/// R3-2: a job whose planned memory exceeds the machine's is refused before it allocates
+/// A job whose planned memory exceeds the machine's is refused before it allocates
 /// anything (it used to abort in an allocation or bring on the kernel's OOM killer); `check`
 /// warns about it.
 #[test]
@@ -202,7 +204,7 @@ fn r3_2_jobs_larger_than_the_machine_are_refused_before_allocating() {
     assert!(start.elapsed().as_secs() < 5, "{:?}", start.elapsed());
 }
 
-/// R3-4: a background checkpoint write that fails is reported as the save of its own step (it
+/// A background checkpoint write that fails is reported as the save of its own step (it
 /// was reported as the save of the step that found it out). The failure is a file-size limit
 /// (`RLIMIT_FSIZE`, with SIGXFSZ ignored so that the write fails with EFBIG), which the rank's
 /// shard of the tiny model exceeds and the small run files do not.
@@ -259,7 +261,7 @@ fn r3_resume_logs_each_changed_key() {
     assert!(!t.contains("resume: train.dtype"), "{t}");
 }
 
-/// R3-13 (f): halting on a non-finite step names the checkpoint it leaves untouched, or says
+/// Halting on a non-finite step names the checkpoint it leaves untouched, or says
 /// that none was written (it claimed "the last checkpoint is untouched" with none).
 #[test]
 fn r3_13f_a_halt_says_which_checkpoint_is_untouched() {
@@ -277,7 +279,7 @@ fn r3_13f_a_halt_says_which_checkpoint_is_untouched() {
     assert_says(&o, "step-00000001, is untouched");
 }
 
-/// R3-13 (e, h): a `model.safetensors` that is a directory is named as such (it was "No such
+/// A `model.safetensors` that is a directory is named as such (it was "No such
 /// device"); `selftest` refuses a missing recipe or a directory as `--json` before running any
 /// check; `plan` refuses hardware numbers that describe no machine.
 #[test]
@@ -372,7 +374,7 @@ fn asynchronous_saves_wait_for_the_last_ranks_share() {
     }
 }
 
-/// R3-13 (i): a `--master-port` already taken on a one-node job is refused by the launcher at
+/// A `--master-port` already taken on a one-node job is refused by the launcher at
 /// once, naming the flag and the loopback address (it named 0.0.0.0, and the job waited out its
 /// timeout after rank 0 failed).
 #[test]
