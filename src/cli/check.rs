@@ -55,7 +55,7 @@ pub(super) fn check(args: &RecipeArgs, open_data: bool) -> Result<()> {
     }
     // The memory model builds the step's pipeline schedule (zbv's order within its caps): a
     // recipe whose schedule cannot be built is not valid.
-    let stages = crate::plan::memory::stages(&r).map_err(anyhow::Error::msg)?;
+    let stages = crate::plan::memory::stages(&r)?;
     println!("{}: valid", args.recipe.display());
     println!(
         "model: {:.3}B parameters ({} layers, hidden {}, {} heads / {} kv heads of {}, ffn {}, vocab {}, RoPE θ = {}{})",

@@ -23,8 +23,9 @@
 //! SwiGLU; `core_attn`: the attention output and its log-sum-exp), which its backward rebuilds
 //! and holds as a temporary.
 
+use model::placement::{chunk_pieces, state_layout};
 use model::{Inventory, Piece, Recompute};
-use parallel::dp::ZeroStage;
+use parallel::dp::{StateBytes, ZeroStage};
 use parallel::pipeline::{
     build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleError,
     ScheduleKind,
@@ -32,10 +33,8 @@ use parallel::pipeline::{
 use serde::Serialize;
 
 use super::acts::{Acts, PieceActs};
+use super::PlanError;
 use crate::recipe::{OptimizerName, Recipe};
-use model::placement::chunk_pieces;
-use model::placement::state_layout;
-use parallel::dp::StateBytes;
 
 /// Predicted bytes of the most loaded rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -87,7 +86,7 @@ pub struct StageMemory {
 
 /// Predicted memory of every pipeline stage of `r`'s layout (the first shard index of each
 /// stage: shards are equal in size).
-pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
+pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
     let (par, train, c) = (&r.parallel, &r.train, &r.model);
     let (pp, v, t) = (par.pp, par.virtual_stages, par.tp);
     let chunk_layers = par.chunk_layers(c.num_hidden_layers);
@@ -114,8 +113,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, String> {
         let (embedding, head) = (holds(Piece::Embedding), holds(Piece::Head));
         let inventory = Inventory::with_experts(c, &layers, embedding, head, 0..experts);
         let numels = inventory
-            .local_numels(t)
-            .map_err(|e| format!("parallel.tp: {e}"))?;
+            .local_numels(t)?;
         let state = state_layout(par, &inventory, &numels, &chunks, (0, 0));
         let moments = r.optimizer.state_dtype.dtype();
         let StateBytes {
@@ -250,7 +248,7 @@ fn fewest_hidden(
 /// The schedule whose actions the memory walk follows (up to `2·pp` micro-batches: schedules
 /// repeat their steady state, and the peak is reached within them; a multiple of pp, as
 /// interleaving needs).
-fn walked_schedule(r: &Recipe) -> Result<Schedule, String> {
+fn walked_schedule(r: &Recipe) -> Result<Schedule, PlanError> {
     let (pp, m) = (r.parallel.pp, r.grad_accum_steps());
     schedule(r, if m >= 2 * pp { 2 * pp } else { m })
 }
@@ -259,7 +257,7 @@ fn walked_schedule(r: &Recipe) -> Result<Schedule, String> {
 /// ones within 1F1B's memory — zb-h1's stages defer as many weight actions as
 /// [`zb_h1_deferrals`] allows, zbv's hold as many as [`zbv_caps`] allows (in its order for unit
 /// costs; training re-orders it for measured ones).
-pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, String> {
+pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
     let par = &r.parallel;
     let (pp, v) = (par.pp, par.virtual_stages);
     let schedule = match par.schedule_kind() {
@@ -277,14 +275,14 @@ pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, String> {
         }
         kind => build(kind, pp, v, m),
     };
-    schedule.map_err(|e| format!("pipeline schedule: {e}"))
+    schedule.map_err(PlanError::Schedule)
 }
 
 /// How many weight actions each stage of a zb-h1 pipeline defers: the paper's `s` on stage `s`
 /// (for the least idle time) unless the factors held for them would take the stage's
 /// activations past 1F1B's peak (the most any stage holds under 1F1B) — then as many as fit.
 /// A stage holding more than the others (the head's logits on the last) defers fewer.
-pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, String> {
+pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     let (par, c) = (&r.parallel, &r.model);
     let pp = par.pp;
     let m_sim = r.grad_accum_steps().min(2 * pp);
@@ -311,7 +309,7 @@ pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, String> {
 /// too, usually holds fewer; with an uneven `parallel.pipeline_layout` (e.g. empty first and
 /// last chunks) another stage may. Lowered one at a time until every stage fits (at least 2
 /// each). The caps are fitted on `min(m, 3·pp)` micro-batches of the step's `m`.
-pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, String> {
+pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     let (par, c) = (&r.parallel, &r.model);
     let pp = par.pp;
     let m = r.grad_accum_steps();
@@ -329,13 +327,14 @@ pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, String> {
     loop {
         let schedule = build_zbv(pp, m_sim, &fit).map_err(|e| match e {
             // Name what the user set, not the shortened walk's size.
-            ScheduleError::Stalled { .. } => format!(
-                "zbv found no order for pp = {pp} and m = {m} (parallel.pipeline_layout \
-                 {layers:?}, per-stage caps {:?} fitted on {m_sim} micro-batches) within \
-                 1F1B's activation memory; use zb-h1 or 1f1b",
-                fit.caps
-            ),
-            e => e.to_string(),
+            ScheduleError::Stalled { .. } => PlanError::ZbvStalled {
+                pp,
+                m,
+                layers: layers.clone(),
+                caps: fit.caps.clone(),
+                m_sim,
+            },
+            e => PlanError::Budget(e),
         })?;
         let mut lowered = false;
         for s in 0..pp {
@@ -352,8 +351,13 @@ pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, String> {
 }
 
 /// The most activation bytes any stage holds under 1F1B with `layers[s]` layers on stage `s`.
-fn one_f_one_b_peak(r: &Recipe, model: &Acts, layers: &[usize], m: usize) -> Result<u64, String> {
-    let plain = build(ScheduleKind::OneFOneB, layers.len(), 1, m).map_err(|e| e.to_string())?;
+fn one_f_one_b_peak(
+    r: &Recipe,
+    model: &Acts,
+    layers: &[usize],
+    m: usize,
+) -> Result<u64, PlanError> {
+    let plain = build(ScheduleKind::OneFOneB, layers.len(), 1, m).map_err(PlanError::Budget)?;
     Ok((0..layers.len())
         .map(|s| walk_stage(r, model, &[chunk_pieces(s, layers)], &plain.actions[s]))
         .max()

@@ -9,6 +9,7 @@
 
 mod acts;
 pub mod choose;
+mod error;
 pub mod hardware;
 pub mod memory;
 pub mod report;
@@ -19,6 +20,7 @@ pub mod time;
 use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
+pub use error::PlanError;
 pub use hardware::{GpuPreset, Hardware};
 pub use memory::{MemoryBytes, StageMemory};
 pub use search::{candidates, cheapest_fit, Candidate};
@@ -207,7 +209,7 @@ pub struct Plan {
 
 /// Plans `r`'s own layout on `hw` (the recipe must be valid), with the plan of its stages
 /// balanced when that is faster ([`Plan::balanced`]).
-pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
+pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, PlanError> {
     let mut own = plan_layout(r, hw)?;
     let layers = r.model.num_hidden_layers;
     if let Some(l) = time::balanced_layout(r, hw).filter(|l| *l != r.parallel.chunk_layers(layers))
@@ -225,12 +227,12 @@ pub fn plan(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
 }
 
 /// Plans `r`'s layout as it is.
-fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
+fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, PlanError> {
     let stages = memory::stages(r)?;
     let most = stages
         .iter()
         .max_by_key(|s| s.bytes.total)
-        .ok_or("a layout has at least one pipeline stage")?;
+        .ok_or(PlanError::NoStage)?;
     let state: Vec<time::StageState> = stages
         .iter()
         .map(|s| time::StageState {
@@ -240,8 +242,7 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, String> {
         })
         .collect();
     let (step_time, bubble) = time::step_time(r, hw, &state);
-    let communicators =
-        parallel::register::most_communicators(&r.parallel).map_err(|e| e.to_string())?;
+    let communicators = parallel::register::most_communicators(&r.parallel)?;
     let headroom_bytes = hw.headroom_bytes(&communicators);
     // The trainer's start-up limits, on every stage (its flat layout and owned elements).
     let mut refused: Vec<String> = Vec::new();

@@ -261,7 +261,7 @@ fn with_attention_share(mut r: Recipe) -> Recipe {
 pub fn run(args: &PlanArgs) -> Result<()> {
     let r = with_attention_share(args.recipe.load()?);
     let hw = args.hardware()?;
-    let own = plan(&r, &hw).map_err(anyhow::Error::msg)?;
+    let own = plan(&r, &hw)?;
     let ranked = match args.gpus {
         Some(0) => bail!("--gpus must be at least 1"),
         Some(n) if n > MAX_RANKS => bail!(

@@ -4,6 +4,7 @@
 //! `docs/PLANNER.md`. Each parallelism's communication terms come from its folder of
 //! `crates/parallel/src/` (`register.rs`); this file combines them with the compute.
 
+use model::placement::chunk_pieces;
 use model::Piece;
 use parallel::dp::register::{Data, SyncSizes};
 use parallel::pipeline::register::Pipeline;
@@ -13,7 +14,6 @@ use serde::Serialize;
 use super::hardware::Hardware;
 use super::roofline::{exposed, group_bandwidth, model_of, Cost, Model};
 use crate::recipe::{OptimizerName, Recipe};
-use model::placement::chunk_pieces;
 
 /// Predicted seconds of one optimizer step, by part.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]

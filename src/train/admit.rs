@@ -86,7 +86,7 @@ pub fn assess(recipe: &Recipe, ranks: usize, device: &Device) -> Result<Option<A
     let Some(have) = crate::device::capacity(device) else {
         return Ok(None);
     };
-    let stages = crate::plan::memory::stages(recipe).map_err(anyhow::Error::msg)?;
+    let stages = crate::plan::memory::stages(recipe)?;
     let per_rank = stages.iter().map(|s| s.bytes.total).max().unwrap_or(0);
     let headroom = if device.is_cuda() {
         // Thread ranks sharing one GPU talk through host memory; one rank per process uses NCCL.

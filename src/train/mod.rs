@@ -163,7 +163,7 @@ impl Trainer {
         let model = zero::rank_model(&recipe, &ctx)?;
         let state = zero::rank_state(&recipe, &ctx, &model)?;
         let m = recipe.grad_accum_steps();
-        let schedule = crate::plan::memory::schedule(&recipe, m).map_err(anyhow::Error::msg)?;
+        let schedule = crate::plan::memory::schedule(&recipe, m)?;
         validate(&schedule)?;
         check_fifo(&schedule)?;
         let uses = piece_uses(
