@@ -420,7 +420,7 @@ pub fn forward_losses(
     hooks: &mut dyn StepHooks,
 ) -> Result<Option<Tensor>> {
     let (pp, stage) = (ctx.groups.pp.size(), ctx.coords.pp);
-    let place = ctx.chunk_placement;
+    let place = ctx.chunk_placement();
     let ranks = ctx.groups.pp.ranks();
     let (b, s) = tokens.dims2()?;
     let cfg = model.config();

@@ -30,14 +30,8 @@ pub struct RankCtx {
     /// by the data-parallel index ([`RankCtx::data_index`]), gradients reduced over `grad`
     /// (`dp × cp`).
     pub groups: RankGroups,
-    /// Model chunks per pipeline stage.
-    pub virtual_stages: usize,
-    /// `parallel.pipeline_layout`: layers per global chunk, or none (an equal share each).
-    pub pipeline_layout: Option<Vec<usize>>,
-    /// Which global chunks each stage holds (a V for the zbv schedule).
-    pub chunk_placement: ChunkPlacement,
-    /// Sequence parallelism on.
-    pub sequence_parallel: bool,
+    /// The job's layout (`parallel:`): chunks per stage, their layers, sequence parallelism.
+    pub parallel: ParallelConfig,
     /// The device this rank computes on (thread-ranks sharing a GPU share one device handle).
     pub device: Device,
 }
@@ -50,12 +44,9 @@ impl RankCtx {
             rank,
             coords: mesh.coords(rank),
             groups: mesh.rank_groups(rank, cfg.shard_size()),
-            virtual_stages: cfg.virtual_stages,
-            pipeline_layout: cfg.pipeline_layout.clone(),
-            chunk_placement: cfg.schedule_kind().placement(),
+            parallel: cfg.clone(),
             mesh,
             comm,
-            sequence_parallel: cfg.sequence_parallel,
             device: Device::Cpu,
         })
     }
@@ -89,10 +80,15 @@ impl RankCtx {
         self
     }
 
+    /// Which global chunks each stage holds (a V for the zbv schedule).
+    pub fn chunk_placement(&self) -> ChunkPlacement {
+        self.parallel.schedule_kind().placement()
+    }
+
     /// Tensor-parallel setup for the model (a one-rank group without tensor parallelism).
     pub fn tensor_parallel(&self) -> TensorParallel {
         let tp = self.groups.tp.clone();
-        TensorParallel::new(self.comm.clone(), tp, self.sequence_parallel)
+        TensorParallel::new(self.comm.clone(), tp, self.parallel.sequence_parallel)
     }
 
     /// Context-parallel setup for the model (a one-rank group without context parallelism).
@@ -120,7 +116,7 @@ impl RankCtx {
     /// Shape of the activations between pieces for a micro-batch of `b` sequences of `s` local
     /// tokens: `[b, s / tp, h]` with sequence parallelism, else `[b, s, h]`.
     pub fn activation_shape(&self, b: usize, s: usize, h: usize) -> candle_core::Shape {
-        let split = if self.sequence_parallel {
+        let split = if self.parallel.sequence_parallel {
             self.groups.tp.size()
         } else {
             1
@@ -131,11 +127,16 @@ impl RankCtx {
     /// The pieces of each of this rank's local pipeline chunks, in local chunk order (one chunk
     /// without virtual stages; everything on a rank without pipeline parallelism).
     pub fn chunks(&self, num_layers: usize) -> Vec<Vec<Piece>> {
-        let (pp, v, stage) = (self.groups.pp.size(), self.virtual_stages, self.coords.pp);
-        let layout = self.pipeline_layout.as_deref();
+        let (pp, v, stage) = (
+            self.groups.pp.size(),
+            self.parallel.virtual_stages,
+            self.coords.pp,
+        );
+        let layout = self.parallel.pipeline_layout.as_deref();
         let layers = parallel::config::chunk_layers(layout, pp * v, num_layers);
+        let place = self.chunk_placement();
         (0..v)
-            .map(|c| chunk_pieces(self.chunk_placement.global(pp, stage, c), &layers))
+            .map(|c| chunk_pieces(place.global(pp, stage, c), &layers))
             .collect()
     }
 

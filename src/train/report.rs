@@ -59,7 +59,7 @@ impl Trainer {
         if let Some(b) = rec.time.bubble {
             let (p, v, m) = (
                 self.ctx.groups.pp.size() as f64,
-                self.ctx.virtual_stages as f64,
+                self.ctx.parallel.virtual_stages as f64,
                 r.grad_accum_steps() as f64,
             );
             info!(

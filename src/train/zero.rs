@@ -173,7 +173,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         .params()
         .iter()
         .map(|p| Partial {
-            over_tp: ctx.sequence_parallel && p.shard == Shard::Replicated,
+            over_tp: ctx.parallel.sequence_parallel && p.shard == Shard::Replicated,
             over_pipeline_ends: tied_pipeline && p.kind == ParamKind::Embedding,
         })
         .collect();
