@@ -1,12 +1,23 @@
-//! `docs/ARCHITECTURE.md` stays true: its map lists every module folder of the workspace, every
-//! file or folder path it cites exists, and every type, variant, function, field or module it
-//! names in code spans (`Llama::forward`, `parallel::dp::ZeroStage`, ...) is defined in the
-//! sources.
+//! The architecture's pages stay true and the code keeps its shape. `docs/ARCHITECTURE.md`'s map
+//! lists every module folder of the workspace, and the files each folder's row names are in that
+//! folder; on it and on every design page (`docs/design/`) each file or folder path cited exists
+//! and every type, variant, function, field or module named in code spans (`Llama::forward`,
+//! `parallel::dp::ZeroStage`, ...) is defined in the sources. The file index is checked against
+//! the files' headers (`architecture/index.rs`), the code's dependencies, struct sizes, fault
+//! injection and file sizes against their rules (`architecture/code.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
+#[path = "architecture/code.rs"]
+mod code;
+#[path = "architecture/index.rs"]
+mod index;
+
 const DOC: &str = "docs/ARCHITECTURE.md";
+
+/// The design pages: every Markdown file of this folder.
+const DESIGN: &str = "docs/design/";
 
 /// Names from outside the workspace the page cites: candle's types and error variant, std's,
 /// primitives, and crate names.
@@ -271,20 +282,28 @@ fn unmapped<'a>(files: &'a [String], spans: &[String]) -> Vec<&'a str> {
         .collect()
 }
 
-#[test]
-fn the_map_lists_every_module_folder_and_cites_only_what_exists() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let doc = std::fs::read_to_string(root.join(DOC)).unwrap();
-    let files = tree(root);
+/// The map's rows (`| `folder/` | ... |`): each folder with the file names (no `/`) its row
+/// cites.
+fn map_rows(doc: &str) -> Vec<(String, Vec<String>)> {
+    doc.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("| `")?;
+            let (folder, row) = rest.split_once("` |")?;
+            folder.ends_with('/').then(|| {
+                let named = spans(row)
+                    .into_iter()
+                    .filter(|s| !s.contains('/') && s.ends_with(".rs"))
+                    .collect();
+                (folder.to_string(), named)
+            })
+        })
+        .collect()
+}
+
+/// What a page cites that does not exist: paths, and names the sources do not define.
+fn unfounded(text: &str, files: &[String], defined: &Defined) -> Vec<String> {
     let mut problems = Vec::new();
-
-    // Every folder of Rust modules is on the map.
-    let all = spans(&doc);
-    for dir in unmapped(&files, &all) {
-        problems.push(format!("module folder `{dir}` is not on the map"));
-    }
-
-    // Every cited path exists.
+    let all = spans(text);
     for span in all.iter().filter(|s| is_path(s)) {
         for p in expand(span) {
             if !files.iter().any(|f| matches(&p, f)) {
@@ -292,9 +311,6 @@ fn the_map_lists_every_module_folder_and_cites_only_what_exists() {
             }
         }
     }
-
-    // Every cited item is defined.
-    let defined = defined(root, &files);
     for span in all.iter().filter(|s| is_code(s)) {
         for path in expand(span.split('(').next().unwrap_or("")) {
             let names = cited_names(&path);
@@ -303,7 +319,51 @@ fn the_map_lists_every_module_folder_and_cites_only_what_exists() {
             }
         }
     }
+    problems
+}
+
+#[test]
+fn the_map_lists_every_module_folder_and_cites_only_what_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join(DOC)).unwrap();
+    let files = tree(root);
+    let mut problems = Vec::new();
+
+    // Every folder of Rust modules is on the map.
+    for dir in unmapped(&files, &spans(&doc)) {
+        problems.push(format!("module folder `{dir}` is not on the map"));
+    }
+    // A row names files of its own folder.
+    for (folder, named) in map_rows(&doc) {
+        for f in named {
+            if !files.contains(&format!("{folder}{f}")) {
+                problems.push(format!(
+                    "the row of `{folder}` names `{f}`, not in that folder"
+                ));
+            }
+        }
+    }
+    let defined = defined(root, &files);
+    problems.extend(unfounded(&doc, &files, &defined));
     assert!(problems.is_empty(), "{DOC}:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_design_pages_cite_only_what_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files = tree(root);
+    let defined = defined(root, &files);
+    let mut problems = Vec::new();
+    let pages = files
+        .iter()
+        .filter(|f| f.starts_with(DESIGN) && f.ends_with(".md"));
+    for page in pages {
+        let text = std::fs::read_to_string(root.join(page)).unwrap();
+        for p in unfounded(&text, &files, &defined) {
+            problems.push(format!("{page}: {p}"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
 /// The checks fail where they should: a folder missing from a map, a path or a name that does
@@ -344,4 +404,12 @@ fn the_checks_catch_a_missing_folder_path_and_name() {
     assert!(is_path("crates/model/src/llama/") && is_path("tests/moe.rs"));
     assert!(!is_path("max/mean") && !is_path("/proc/cpuinfo") && !is_path("runs x/"));
     assert!(is_code("Executor::step") && is_code("ZeroStage") && !is_code("dp"));
+    let rows = map_rows("| `src/train/` | the loop (`mod.rs`), `zero.rs` and `tests/x.rs` |");
+    assert_eq!(
+        rows,
+        [(
+            "src/train/".to_string(),
+            vec!["mod.rs".into(), "zero.rs".into()]
+        )]
+    );
 }
