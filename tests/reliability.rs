@@ -143,7 +143,7 @@ fn the_launcher_forwards_sigterm_and_its_ranks_never_outlive_it() {
 /// after a step like a forwarded one: every rank saves and exits 143, and the launcher reports a
 /// stop, not a failed rank.
 #[test]
-fn r3_13c_a_rank_stopped_directly_is_a_stop_not_a_failure() {
+fn a_rank_stopped_directly_is_a_stop_not_a_failure() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
     let mut cmd = pretrain(&dir, "train.steps=200,parallel.dp=2");
@@ -328,7 +328,7 @@ fn nonfinite_gradients_on_a_first_stage_get_the_same_verdict_everywhere() {
 /// only one to see it; the guard still decides once for the whole job (the ranks used to call
 /// different collectives and fail with "does not match", a hang on NCCL).
 #[test]
-fn r3_6_one_replicas_nonfinite_gradients_get_one_job_wide_verdict() {
+fn one_replicas_nonfinite_gradients_get_one_job_wide_verdict() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |name: &str, set: &str| {
         let mut cmd = pretrain(

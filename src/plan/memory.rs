@@ -112,8 +112,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
         let holds = |p: Piece| chunks.iter().flatten().any(|&q| q == p);
         let (embedding, head) = (holds(Piece::Embedding), holds(Piece::Head));
         let inventory = Inventory::with_experts(c, &layers, embedding, head, 0..experts);
-        let numels = inventory
-            .local_numels(t)?;
+        let numels = inventory.local_numels(t)?;
         let state = state_layout(par, &inventory, &numels, &chunks, (0, 0));
         let moments = r.optimizer.state_dtype.dtype();
         let StateBytes {

@@ -190,7 +190,7 @@ fn threads() -> usize {
 /// `MAX_PENDING` server threads (each used to get one, up to 1024), and a rank still joins once
 /// they are gone.
 #[test]
-fn r3_14_silent_connections_hold_a_bounded_number_of_threads() {
+fn silent_connections_hold_a_bounded_number_of_threads() {
     use parallel::store::MAX_PENDING;
     let server = StoreServer::start("127.0.0.1:0", TOKEN, Duration::from_secs(5)).unwrap();
     let before = threads();
