@@ -48,6 +48,9 @@ pub fn eval(
     overrides: &[String],
     logits_out: Option<&Path>,
 ) -> Result<EvalResult> {
+    if let Some(out) = logits_out {
+        crate::files::refuse_output_over_input(out, &[input], "--logits-out")?;
+    }
     let ck = Checkpoint::open(dir)?;
     let recipe = checkpoint_recipe(&ck, overrides)?;
     let p = &recipe.parallel;
@@ -168,8 +171,12 @@ pub fn eval(
                         dtype: "F32",
                         shape: vec![s, cfg.vocab_size],
                     }];
-                    write_streaming(path, &spec, &BTreeMap::new(), |_| {
-                        Ok(logits.iter().flat_map(|x| x.to_le_bytes()).collect())
+                    // Beside the name and renamed over it: a link there is not written through.
+                    crate::files::replace_with(path, |tmp| {
+                        write_streaming(tmp, &spec, &BTreeMap::new(), |_| {
+                            Ok(logits.iter().flat_map(|x| x.to_le_bytes()).collect())
+                        })?;
+                        Ok(())
                     })?;
                 }
                 let mut v = Tensor::new(&[sum, count], &candle_core::Device::Cpu)?;

@@ -13,6 +13,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
@@ -65,41 +66,87 @@ pub fn read_text_capped(path: &Path, cap: u64) -> Result<String> {
 
 /// Writes `bytes` as `path`, replacing whatever is there (a link included) by rename.
 pub fn write_replacing(path: &Path, bytes: &[u8]) -> Result<()> {
+    replace_with(path, |tmp| {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(tmp)
+            .and_then(|mut f| f.write_all(bytes))
+            .map_err(anyhow::Error::from)
+    })
+}
+
+/// Makes `path` by `write`, which creates and fills the fresh temporary name beside it that it
+/// is given; that is then renamed over `path`. A link or FIFO planted at `path` is replaced,
+/// never written through, and a failed write leaves whatever was there.
+pub fn replace_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     let _ = std::fs::remove_file(&tmp); // a leftover of a run with this pid that died
-    let written = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)
-        .and_then(|mut f| f.write_all(bytes));
-    let done = written.and_then(|_| std::fs::rename(&tmp, path));
+    let done = write(&tmp).and_then(|_| std::fs::rename(&tmp, path).map_err(Into::into));
     if done.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     done.with_context(|| format!("writing {}", path.display()))
 }
 
-/// Opens `path` with `options` without following a link, and checks it is a regular file.
+/// Refuses an output `output` that is one of `inputs` (the same file by any spelling or link):
+/// writing it would replace what the command reads.
+pub fn refuse_output_over_input(output: &Path, inputs: &[&Path], flag: &str) -> Result<()> {
+    let Ok(out) = std::fs::canonicalize(output) else {
+        return Ok(()); // not there yet: no input can be it
+    };
+    if inputs
+        .iter()
+        .any(|i| std::fs::canonicalize(i).is_ok_and(|i| i == out))
+    {
+        bail!(
+            "{flag} {} is also an input: writing it would replace what the command reads",
+            output.display()
+        );
+    }
+    Ok(())
+}
+
+/// Opens `path` with `options` without following a link, and checks it is a regular file. The
+/// open never blocks: a FIFO planted in the file's place (whose open would wait for a peer) is
+/// refused at once, as a device or a directory is.
 pub fn open_regular(path: &Path, options: &mut OpenOptions, what: &str) -> Result<File> {
-    let file = match options.custom_flags(libc::O_NOFOLLOW).open(path) {
+    let not_regular = || {
+        anyhow::anyhow!(
+            "{what} {} is not a regular file; remove it or choose another directory",
+            path.display()
+        )
+    };
+    let file = match options
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
         Ok(f) => f,
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => bail!(
             "{what} {} is a symbolic link; a run writes only regular files it owns: remove the \
              link",
             path.display()
         ),
+        // A write-only open of a FIFO without a reader, or of a device without its driver.
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Err(not_regular()),
         Err(e) => return Err(e).with_context(|| format!("opening {what} {}", path.display())),
     };
     let meta = file
         .metadata()
         .with_context(|| format!("reading {what} {}", path.display()))?;
     if !meta.is_file() {
-        bail!(
-            "{what} {} is not a regular file; remove it or choose another directory",
-            path.display()
-        );
+        return Err(not_regular());
+    }
+    // Regular files ignore O_NONBLOCK; cleared all the same, so the handle is an ordinary one.
+    // SAFETY: F_GETFL and F_SETFL on a descriptor this function owns.
+    unsafe {
+        let fd = file.as_raw_fd();
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
     }
     Ok(file)
 }

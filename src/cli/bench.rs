@@ -98,6 +98,69 @@ fn document_floor(a: &AttentionArgs) -> Option<Vec<u32>> {
     Some((0..a.batch).flat_map(|_| row.clone()).collect())
 }
 
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Refuses sizes no call has: zeros, heads that do not group, element counts past `usize`.
+fn check_sizes(a: &AttentionArgs, keys: usize) -> Result<()> {
+    let sizes = [
+        ("--batch", a.batch),
+        ("--seq", a.seq),
+        ("--keys", keys),
+        ("--heads", a.heads),
+        ("--kv-heads", a.kv_heads),
+        ("--head-dim", a.head_dim),
+    ];
+    if let Some((flag, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+        bail!("{flag} must be at least 1");
+    }
+    if !a.heads.is_multiple_of(a.kv_heads) {
+        bail!(
+            "--heads {} is not a multiple of --kv-heads {}: query heads share key/value heads in \
+             equal groups",
+            a.heads,
+            a.kv_heads
+        );
+    }
+    if call_bytes(a, keys).is_none() {
+        bail!(
+            "--batch {} × --seq {} × --heads {} × --head-dim {} elements overflow",
+            a.batch,
+            a.seq.max(keys),
+            a.heads,
+            a.head_dim
+        );
+    }
+    Ok(())
+}
+
+/// About the bytes a timed call holds: q, k, v and the output gradient made in f32, the output
+/// and the three input gradients; `None` when the counts overflow.
+fn call_bytes(a: &AttentionArgs, keys: usize) -> Option<u64> {
+    let elems = |pos: usize, heads: usize| {
+        a.batch
+            .checked_mul(pos)?
+            .checked_mul(heads)?
+            .checked_mul(a.head_dim)
+    };
+    let (q, k) = (elems(a.seq, a.heads)?, elems(keys, a.kv_heads)?);
+    // q, dout, out, dq (queries) and k, v, dk, dv (keys), 4 bytes each.
+    let all = q.checked_mul(4)?.checked_add(k.checked_mul(4)?)?;
+    (all as u64).checked_mul(4)
+}
+
+/// The `--json` path can be written: not a directory, in a folder that exists (checked before
+/// the timing, not after it).
+fn check_output(path: &std::path::Path) -> Result<()> {
+    if path.is_dir() {
+        bail!("--json {} is a directory", path.display());
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(dir) = parent.filter(|d| !d.is_dir()) {
+        bail!("--json {}: no folder {}", path.display(), dir.display());
+    }
+    Ok(())
+}
+
 /// Runs the benchmark and prints a line per backend.
 pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
     let keys = a.keys.unwrap_or(a.seq);
@@ -110,7 +173,19 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
     if a.documents == Some(0) {
         bail!("--documents must be positive");
     }
+    check_sizes(a, keys)?;
+    if let Some(path) = &a.json {
+        check_output(path)?;
+    }
     let device = crate::device::device_for(a.device, 0)?;
+    let bytes = call_bytes(a, keys).unwrap_or(u64::MAX);
+    if let Some(free) = crate::device::capacity(&device).filter(|&free| bytes > free) {
+        bail!(
+            "the call's tensors take about {:.1} GiB, more than the {:.1} GiB free on the device",
+            bytes as f64 / GIB,
+            free as f64 / GIB
+        );
+    }
     let backends = if a.backend.is_empty() {
         let mut b = vec![AttentionBackend::Own];
         if device.is_cuda() {
@@ -201,7 +276,7 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
         out.push(t);
     }
     if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
+        crate::files::write_replacing(path, serde_json::to_string_pretty(&out)?.as_bytes())?;
     }
     Ok(out)
 }

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use ckpt::stream::{write_streaming, TensorSpec};
 use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
@@ -208,7 +208,10 @@ fn write_export(
         out.join("generation_config.json"),
         serde_json::to_vec_pretty(&generation)?,
     )?;
-    std::fs::copy(ck.tokenizer_path(), out.join("tokenizer.json"))?;
+    let (src, dst) = (ck.tokenizer_path(), out.join("tokenizer.json"));
+    let tokenizer_bytes =
+        std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
+    std::fs::write(&dst, tokenizer_bytes).with_context(|| format!("writing {}", dst.display()))?;
     let token = |id: u32| {
         tokenizer
             .id_to_token(id)

@@ -32,7 +32,7 @@ use super::rendezvous::{Agents, Member, Outcome, Plan, Report, POLL, RENDEZVOUS_
 use super::{JobFailed, NodeLayout};
 use crate::plan::choose::{choose, Choice, Keep};
 use crate::plan::Hardware;
-use crate::recipe::{DeviceKind, Recipe};
+use crate::recipe::{DeviceKind, Recipe, MAX_RANKS};
 
 /// `--elastic MIN[:MAX]`: the fewest ranks a job may continue on, the most it starts with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -327,10 +327,25 @@ pub fn visible_devices(free: &[usize], outer: Option<&str>) -> Vec<String> {
         .collect()
 }
 
-/// Refuses what elastic restarts cannot do.
+/// Refuses what elastic restarts cannot do, and more rank processes than a node runs: at most
+/// 4 per core of this machine, and [`MAX_RANKS`] in the job.
 pub fn check(e: &Elastic, layout: &NodeLayout) -> Result<()> {
     super::check_layout(layout)?;
-    let slots = layout.nproc_per_node * layout.nnodes;
+    let n = layout.nproc_per_node;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n > 4 * cores {
+        bail!(
+            "--nproc-per-node {n} is more rank processes than this node runs: at most 4 × its \
+             {cores} cores"
+        );
+    }
+    let Some(slots) = n.checked_mul(layout.nnodes).filter(|&s| s <= MAX_RANKS) else {
+        bail!(
+            "--nproc-per-node {n} × --nnodes {} exceeds {MAX_RANKS}, the most ranks a job may \
+             have",
+            layout.nnodes
+        );
+    };
     if e.min > slots {
         bail!(
             "--elastic minimum {} exceeds the job's {slots} ranks (--nproc-per-node {} × \

@@ -173,7 +173,9 @@ pub fn choose(
             });
         }
     }
-    (min.max(1)..=total).rev().find_map(|n| {
+    // Rank counts beyond what any layout of the recipe uses have no candidates: not walked.
+    let most = total.min(most_ranks(recipe, hw));
+    (min.max(1)..=most).rev().find_map(|n| {
         candidates(recipe, hw, n)
             .into_iter()
             .map(|c| c.plan)
@@ -187,6 +189,19 @@ pub fn choose(
             })
             .next()
     })
+}
+
+/// An upper bound of the ranks any layout of `recipe` uses on `hw`: a replica per sample, tensor
+/// parallelism up to the heads and a node, the recipe's context parallelism, a stage per layer.
+fn most_ranks(recipe: &Recipe, hw: &Hardware) -> usize {
+    let c = &recipe.model;
+    let tp = c.num_attention_heads.min(hw.gpus_per_node).max(1);
+    recipe
+        .train
+        .global_batch
+        .saturating_mul(tp)
+        .saturating_mul(recipe.parallel.cp.max(1))
+        .saturating_mul(c.num_hidden_layers.max(1))
 }
 
 /// Slots per node for `n` devices on nodes of `per_node`: full nodes, the rest on the last.

@@ -299,8 +299,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     };
     let text = serde_json::to_string(&json)?;
     if let Some(path) = &args.json_out {
-        std::fs::write(path, &text)
-            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        crate::files::write_replacing(path, text.as_bytes())?;
     }
     if args.json {
         println!("{text}");

@@ -4,7 +4,7 @@
 //! ([`write_trace`]), and process memory readings.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -184,7 +184,10 @@ impl Metrics {
         let path = dir.join("metrics.jsonl");
         let (mut train, mut valid) = (vec![], vec![]);
         if path.exists() {
-            let text = std::fs::read_to_string(&path)
+            // Opened as it is appended to: never through a link, never blocking on a FIFO.
+            let mut text = String::new();
+            crate::files::open_regular(&path, File::options().read(true), "the metrics log")?
+                .read_to_string(&mut text)
                 .with_context(|| format!("reading {}", path.display()))?;
             let mut kept = String::new();
             let mut dropped = 0usize;
@@ -485,8 +488,9 @@ pub fn write_trace(
         t if t < world => format!("rank {t}"),
         t => format!("rank {} dp sync", t - world),
     };
-    std::fs::write(path, chrome_trace(&spans, &name))
-        .with_context(|| format!("writing {}", path.display()))?;
+    // Replaced by rename, as the run's other outputs: a FIFO or link planted there is not
+    // written through.
+    crate::files::write_replacing(path, chrome_trace(&spans, &name).as_bytes())?;
     Ok(Some(TraceSummary {
         bubble: bubbles.iter().sum::<f64>() / world as f64,
         sync_overlap: (buckets > 0).then(|| hidden as f64 / buckets as f64),

@@ -16,6 +16,41 @@ use crate::format::{
 use crate::write::{safetensors_dtype, sha256_hex};
 use crate::Result;
 
+/// Opens `path` for reading without blocking: a FIFO planted in its place (whose open or read
+/// would wait for a writer) is refused at once, as a device, a socket or a directory is.
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, device, socket or directory)",
+        ));
+    }
+    // SAFETY: F_GETFL and F_SETFL on a descriptor this function owns (regular files ignore
+    // O_NONBLOCK; cleared so the handle is an ordinary one).
+    unsafe {
+        let fd = file.as_raw_fd();
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
+    Ok(file)
+}
+
+/// The whole of the regular file `path` (see [`open_regular`]).
+pub(crate) fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path)?.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// An opened, verified checkpoint.
 pub struct Checkpoint {
     dir: PathBuf,
@@ -63,7 +98,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
             file: MANIFEST,
         });
     }
-    let text = fs::read(&path).map_err(CkptError::io(&path))?;
+    let text = read_regular(&path).map_err(CkptError::io(&path))?;
     let m: Manifest = serde_json::from_slice(&text).map_err(|e| CkptError::Format {
         path: path.clone(),
         message: e.to_string(),
@@ -129,7 +164,14 @@ pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
     };
     let latest = root.join("latest");
     if latest.exists() {
-        let name = fs::read_to_string(&latest).map_err(CkptError::io(&latest))?;
+        let name = read_regular(&latest)
+            .and_then(|b| {
+                String::from_utf8(b).map_err(|_| {
+                    let bad = "stream did not contain valid UTF-8";
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, bad)
+                })
+            })
+            .map_err(CkptError::io(&latest))?;
         let name = name.trim();
         // The fault is `latest`'s when it names nothing usable as a step directory.
         let bad_latest = |why: String| CkptError::Mismatch {
@@ -174,7 +216,7 @@ pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
 /// The file `f` of the step directory `dir`, opened once its size and SHA-256 are checked.
 fn verified(dir: &Path, f: &FileEntry) -> Result<(PathBuf, File)> {
     let path = dir.join(&f.name);
-    let mut file = File::open(&path).map_err(|e| match e.kind() {
+    let mut file = open_regular(&path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => CkptError::MissingFile { path: path.clone() },
         _ => CkptError::io(&path)(e),
     })?;

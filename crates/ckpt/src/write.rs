@@ -324,8 +324,10 @@ pub fn finalize(
     }
     check_complete(&manifest.pieces, &tmp)?;
     let tok = tmp.join(TOKENIZER);
-    fs::copy(tokenizer, &tok).map_err(CkptError::io(tokenizer))?;
-    let copied = fs::read(&tok).map_err(CkptError::io(&tok))?;
+    // Read, then written: a failure names the file it happened to (the destination on a full
+    // disk, not the source).
+    let copied = fs::read(tokenizer).map_err(CkptError::io(tokenizer))?;
+    write_synced(&tok, &copied)?;
     manifest.tokenizer = Some(FileEntry {
         name: TOKENIZER.to_string(),
         bytes: copied.len() as u64,

@@ -9,6 +9,41 @@ use memmap2::Mmap;
 use crate::error::{DataError, Result};
 use crate::indexed::{bin_path, idx_path, DType, IDX_HEADER_LEN, IDX_MAGIC, IDX_VERSION};
 
+/// Opens `path` for reading without blocking: a FIFO planted in its place (whose open or read
+/// would wait for a writer) is refused at once, as a device, a socket or a directory is.
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, device, socket or directory)",
+        ));
+    }
+    // SAFETY: F_GETFL and F_SETFL on a descriptor this function owns (regular files ignore
+    // O_NONBLOCK; cleared so the handle is an ordinary one).
+    unsafe {
+        let fd = file.as_raw_fd();
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
+    Ok(file)
+}
+
+/// The whole of the regular file `path` (see [`open_regular`]).
+pub(crate) fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path)?.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// An opened indexed dataset. Tokens stay in the memory-mapped `.bin`; only the index
 /// arrays (lengths, pointers, document indices) are held in memory.
 pub struct IndexedDataset {
@@ -89,7 +124,7 @@ impl IndexedDataset {
     pub fn open(prefix: impl AsRef<Path>) -> Result<Self> {
         let prefix = prefix.as_ref().to_path_buf();
         let idx = idx_path(&prefix);
-        let idx_bytes = std::fs::read(&idx).map_err(|e| DataError::io(&idx, e))?;
+        let idx_bytes = read_regular(&idx).map_err(|e| DataError::io(&idx, e))?;
         let mut cur = Cursor {
             bytes: &idx_bytes,
             pos: 0,
@@ -211,7 +246,7 @@ impl IndexedDataset {
         }
 
         let bin_path = bin_path(&prefix);
-        let file = File::open(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
+        let file = open_regular(&bin_path).map_err(|e| DataError::io(&bin_path, e))?;
         let bin_len = file
             .metadata()
             .map_err(|e| DataError::io(&bin_path, e))?

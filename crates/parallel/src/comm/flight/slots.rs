@@ -110,7 +110,7 @@ impl Ring {
     }
 
     /// A ring of `slots` operations (1 to [`SLOTS`]) in the file `path` (created, or emptied
-    /// when an earlier run left it). The file stays locked (`flock`) while the ring lives: a
+    /// when an earlier run left it; a link, FIFO or other non-regular file there is refused). The file stays locked (`flock`) while the ring lives: a
     /// file locked by a live run is refused, not overwritten.
     pub(super) fn file(
         path: &Path,
@@ -118,13 +118,41 @@ impl Ring {
         rank: usize,
         world: usize,
     ) -> std::io::Result<Self> {
+        use std::io::{Error, ErrorKind};
+        use std::os::unix::fs::OpenOptionsExt;
         let slots = slots.clamp(1, SLOTS);
-        let f = std::fs::OpenOptions::new()
+        // Never through a link another user planted, never blocking on a FIFO; named in errors.
+        let named = |e: Error| Error::new(e.kind(), format!("{}: {e}", path.display()));
+        let f = match std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(path)?;
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+        {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "{} is a symbolic link; a run writes only regular files it owns: remove \
+                         the link",
+                        path.display()
+                    ),
+                ))
+            }
+            Err(e) => return Err(named(e)),
+        };
+        if !f.metadata().map_err(named)?.is_file() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "{} is not a regular file; remove it or choose another directory",
+                    path.display()
+                ),
+            ));
+        }
         match f.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -136,12 +164,12 @@ impl Ring {
                     ),
                 ))
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+            Err(std::fs::TryLockError::Error(e)) => return Err(named(e)),
         }
-        f.set_len(0)?;
-        f.set_len(((slots + 1) * SLOT) as u64)?;
+        f.set_len(0).map_err(named)?;
+        f.set_len(((slots + 1) * SLOT) as u64).map_err(named)?;
         // SAFETY: the file is this rank's own (locked above); others only read it.
-        let mut map = unsafe { MmapMut::map_mut(&f)? };
+        let mut map = unsafe { MmapMut::map_mut(&f) }.map_err(named)?;
         map.fill(b' ');
         let store = Store::File { map, _lock: f };
         Ok(Self::with(store, slots, rank, world))

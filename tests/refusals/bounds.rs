@@ -1,0 +1,124 @@
+//! Sizes and outputs checked before any work: more rank processes than a node runs, attention
+//! calls no device holds, and outputs that would replace a command's input or write through a
+//! link.
+
+use super::{assert_says, bin, text, train};
+
+#[test]
+fn an_elastic_job_refuses_more_rank_processes_than_a_node_runs() {
+    for n in ["18446744073709551615", "4294967296", "100000"] {
+        let o = bin()
+            .args(["--nproc-per-node", n, "--elastic", "1", "--recipe"])
+            .args(["recipes/tiny.yaml", "--set", "parallel.dp=2"])
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{}", text(&o));
+        assert!(!text(&o).contains("panicked"), "{}", text(&o));
+        assert_says(
+            &o,
+            &format!("--nproc-per-node {n} is more rank processes than this node runs"),
+        );
+    }
+}
+
+#[test]
+fn bench_attention_refuses_sizes_no_call_has() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().display().to_string();
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--batch", "18446744073709551615", "--seq", "64"],
+            "overflow",
+        ),
+        (
+            &["--seq", "64", "--heads", "0"],
+            "--heads must be at least 1",
+        ),
+        (
+            &["--seq", "64", "--heads", "3", "--kv-heads", "2"],
+            "is not a multiple of --kv-heads 2",
+        ),
+        (
+            &[
+                "--batch",
+                "4294967296",
+                "--seq",
+                "4294967296",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+            ],
+            "overflow",
+        ),
+        (&["--seq", "1000000000"], "GiB free on the device"),
+        (&["--seq", "64", "--json", &dir], "is a directory"),
+    ];
+    for (args, says) in cases {
+        let o = bin()
+            .args(["bench-attention", "--device", "cpu", "--iters", "1"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?}: {}", text(&o));
+        assert!(!text(&o).contains("panicked"), "{}", text(&o));
+        assert_says(&o, says);
+        assert!(
+            !text(&o).contains("forward"),
+            "{args:?} was timed: {}",
+            text(&o)
+        );
+    }
+}
+
+#[test]
+fn outputs_never_replace_an_input_or_write_through_a_link() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let o = train(&run, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let ck = run.join("checkpoints/step-00000002");
+    let corpus = tmp.path().join("corpus.txt");
+    std::fs::write(
+        &corpus,
+        "To be, or not to be, that is the question.\n".repeat(40),
+    )
+    .unwrap();
+    let eval = |out: &std::path::Path| {
+        bin()
+            .args(["eval", "--checkpoint"])
+            .arg(&ck)
+            .arg("--input")
+            .arg(&corpus)
+            .arg("--logits-out")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let kept = std::fs::read(&corpus).unwrap();
+    let o = eval(&corpus);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(&o, "is also an input");
+    assert_eq!(std::fs::read(&corpus).unwrap(), kept);
+
+    // Outputs planted as links are replaced, their targets untouched.
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, "precious data").unwrap();
+    let link = tmp.path().join("logits.safetensors");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let o = eval(&link);
+    assert!(o.status.success(), "{}", text(&o));
+    let plan_out = tmp.path().join("plan.json");
+    std::os::unix::fs::symlink(&victim, &plan_out).unwrap();
+    let o = bin()
+        .args(["plan", "--recipe", "recipes/tiny.yaml", "--json-out"])
+        .arg(&plan_out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious data");
+    for out in [&link, &plan_out] {
+        let meta = std::fs::symlink_metadata(out).unwrap();
+        assert!(meta.is_file(), "{out:?} was replaced by a regular file");
+    }
+}
