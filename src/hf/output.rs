@@ -2,6 +2,8 @@
 //! directory ([`STAGING`]); only once the parity gate has passed does an earlier export there give
 //! way (with `--overwrite`) and the new files move into place, each by a rename. A failed export,
 //! whatever the cause (a non-finite weight, the gate, a full disk), leaves the directory as it was.
+//! One export at a time writes a directory: it holds an exclusive lock (`flock`) on the directory
+//! itself throughout, and a second export into the same directory is refused.
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +35,8 @@ pub struct Output {
     earlier: Vec<String>,
     /// Whether `dir` was made for this export (and is removed again if it fails).
     created: bool,
+    /// The lock on the directory, held until the export ends.
+    _lock: std::fs::File,
 }
 
 impl Output {
@@ -49,6 +53,7 @@ impl Output {
                 ckpt::MANIFEST
             );
         }
+        let lock = lock(dir)?;
         let mut entries: Vec<String> = std::fs::read_dir(dir)
             .with_context(|| format!("listing {}", dir.display()))?
             .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
@@ -83,6 +88,7 @@ impl Output {
             staging,
             earlier: entries,
             created,
+            _lock: lock,
         })
     }
 
@@ -120,6 +126,23 @@ impl Output {
         }
         if self.created {
             let _ = std::fs::remove_dir(&self.dir);
+        }
+    }
+}
+
+/// Takes the export lock of `dir` (an exclusive `flock` on the directory), refusing when another
+/// export holds it.
+fn lock(dir: &Path) -> Result<std::fs::File> {
+    let file = std::fs::File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "{} is being written by another export-hf; wait for it to end, or export to another \
+             directory",
+            dir.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking {}", dir.display()))
         }
     }
 }

@@ -122,3 +122,57 @@ fn outputs_never_replace_an_input_or_write_through_a_link() {
         assert!(meta.is_file(), "{out:?} was replaced by a regular file");
     }
 }
+
+#[test]
+fn one_export_at_a_time_writes_a_directory_and_the_earlier_export_survives() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let o = train(&run, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let ck = run.join("checkpoints/step-00000002");
+    let out = tmp.path().join("hf");
+    let export = || {
+        let mut cmd = bin();
+        cmd.args(["export-hf", "--overwrite", "--checkpoint"])
+            .arg(&ck)
+            .arg("--output")
+            .arg(&out);
+        cmd
+    };
+    let o = export().output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let earlier = std::fs::read(out.join("model.safetensors")).unwrap();
+
+    // While another export holds the directory, a second one is refused and changes nothing.
+    let held = std::fs::File::open(&out).unwrap();
+    held.lock().unwrap();
+    let o = export().output().unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(&o, "is being written by another export-hf");
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        earlier
+    );
+    held.unlock().unwrap();
+
+    // Two at once: each finishes or is refused; the directory holds one whole export.
+    let start = || {
+        let piped = || std::process::Stdio::piped();
+        export().stdout(piped()).stderr(piped()).spawn().unwrap()
+    };
+    let (a, b) = (start(), start());
+    let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    assert!(
+        outs.iter().any(|o| o.status.success()),
+        "{}",
+        text(&outs[0])
+    );
+    for o in outs.iter().filter(|o| !o.status.success()) {
+        assert_says(o, "is being written by another export-hf");
+    }
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        earlier
+    );
+    assert!(out.join("config.json").is_file() && !out.join(".export-hf.partial").exists());
+}
