@@ -113,6 +113,29 @@ fn tokenizer_train_never_overwrites_its_input() {
     assert_eq!(std::fs::read(&corpus).unwrap(), before);
 }
 
+/// A `tokenizer.json` over 128 MiB is refused before it is loaded, with the reason (loading one
+/// takes about 11 times its size: a 1 GB one, under the former 1 GiB cap, aborted at 5.3 GB).
+#[test]
+fn a_tokenizer_too_large_to_load_is_refused_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let big = tmp.path().join("tokenizer.json");
+    let f = std::fs::File::create(&big).unwrap();
+    f.set_len((128 << 20) + 1).unwrap(); // sparse: no disk taken
+    let input = tmp.path().join("in.txt");
+    std::fs::write(&input, "To be, or not to be.\n").unwrap();
+    let o = bin()
+        .args(["preprocess", "--input"])
+        .arg(&input)
+        .arg("--tokenizer")
+        .arg(&big)
+        .arg("--output-prefix")
+        .arg(tmp.path().join("out"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert_says(&o, "more than the 128 MiB a tokenizer.json may have");
+}
+
 /// A one-line document of 10 MB is tokenized in bounded memory (it took about 140 times
 /// its size: 1.4 GB; a 100 MB document aborted). The peak is the child's `VmHWM`, read until it
 /// exits.
