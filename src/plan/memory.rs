@@ -23,6 +23,9 @@
 //! SwiGLU; `core_attn`: the attention output and its log-sum-exp), which its backward rebuilds
 //! and holds as a temporary.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 use model::placement::{chunk_pieces, state_layout};
 use model::{Inventory, Piece, Recompute};
 use parallel::dp::{StateBytes, ZeroStage};
@@ -282,6 +285,10 @@ pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
 /// activations past 1F1B's peak (the most any stage holds under 1F1B) — then as many as fit.
 /// A stage holding more than the others (the head's logits on the last) defers fewer.
 pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
+    memo("zb-h1", r, fit_zb_h1_deferrals)
+}
+
+fn fit_zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     let (par, c) = (&r.parallel, &r.model);
     let pp = par.pp;
     let m_sim = r.grad_accum_steps().min(2 * pp);
@@ -309,6 +316,10 @@ pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
 /// last chunks) another stage may. Lowered one at a time until every stage fits (at least 2
 /// each). The caps are fitted on `min(m, 3·pp)` micro-batches of the step's `m`.
 pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
+    memo("zbv", r, fit_zbv_caps)
+}
+
+fn fit_zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     let (par, c) = (&r.parallel, &r.model);
     let pp = par.pp;
     let m = r.grad_accum_steps();
@@ -347,6 +358,34 @@ pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
             return Ok(fit.caps);
         }
     }
+}
+
+/// `fit(r)`, remembered for recipes that differ only in what activations do not depend on (the
+/// ZeRO stage, the moments' dtype): the layout search plans each schedule for every stage and both
+/// moment dtypes, and fitting a zero-bubble schedule is most of a plan's time.
+fn memo(
+    kind: &str,
+    r: &Recipe,
+    fit: fn(&Recipe) -> Result<Vec<usize>, PlanError>,
+) -> Result<Vec<usize>, PlanError> {
+    type Fitted = HashMap<String, Vec<usize>>;
+    static FITTED: OnceLock<Mutex<Fitted>> = OnceLock::new();
+    let mut key = r.clone();
+    key.parallel.zero = ZeroStage::default();
+    key.optimizer.state_dtype = Default::default();
+    let key = format!("{kind} {}", serde_json::to_string(&key).unwrap_or_default());
+    let fitted = FITTED.get_or_init(Default::default);
+    if let Some(v) = fitted.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        return Ok(v);
+    }
+    let v = fit(r)?;
+    if let Ok(mut m) = fitted.lock() {
+        if m.len() >= 4096 {
+            m.clear();
+        }
+        m.insert(key, v.clone());
+    }
+    Ok(v)
 }
 
 /// The most activation bytes any stage holds under 1F1B with `layers[s]` layers on stage `s`.

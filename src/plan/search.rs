@@ -13,6 +13,7 @@
 use model::Recompute;
 use parallel::dp::ZeroStage;
 use parallel::pipeline::ScheduleKind;
+use rayon::prelude::*;
 
 use super::{plan, Hardware, Layout, Plan};
 use crate::recipe::{Recipe, StateDtype};
@@ -108,9 +109,9 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
     let own = Layout::of(r);
     let (layers, cp) = (r.model.num_hidden_layers, r.parallel.cp);
     let experts = r.model.num_local_experts.unwrap_or(1);
-    let mut out = Vec::new();
+    let mut layouts = Vec::new();
     if !gpus.is_multiple_of(cp) {
-        return out;
+        return Vec::new();
     }
     for tp in divisors(gpus / cp).filter(|&t| t <= hw.gpus_per_node) {
         for pp in divisors(gpus / (tp * cp)).filter(|&p| p <= layers) {
@@ -153,10 +154,7 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                                     recompute,
                                     state_dtype: StateDtype::Fp32,
                                 };
-                                if let Some(plan) = planned_moments(r, hw, layout) {
-                                    let own = plan.layout == own;
-                                    out.push(Candidate { plan, own });
-                                }
+                                layouts.push(layout);
                             }
                         }
                     }
@@ -164,6 +162,15 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
             }
         }
     }
+    // Planned on every core, in the order listed (the sort below is stable).
+    let mut out: Vec<Candidate> = layouts
+        .into_par_iter()
+        .filter_map(|layout| planned_moments(r, hw, layout))
+        .map(|plan| Candidate {
+            own: plan.layout == own,
+            plan,
+        })
+        .collect();
     // The recipe's own layout on these GPUs is ranked with its moments' dtype as it is.
     if own.dp * own.tp * own.cp * own.pp == gpus && !out.iter().any(|c| c.own) {
         if let Some(plan) = planned(r, hw, own) {

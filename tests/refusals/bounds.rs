@@ -176,3 +176,23 @@ fn one_export_at_a_time_writes_a_directory_and_the_earlier_export_survives() {
     );
     assert!(out.join("config.json").is_file() && !out.join(".export-hf.partial").exists());
 }
+
+/// The planner's search takes time in proportion to the layers: a model deeper than any trained
+/// decoder is refused by name before it (100,000 layers searched for minutes).
+#[test]
+fn plan_refuses_models_deeper_than_the_layer_bound() {
+    let o = bin()
+        .args([
+            "plan",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--gpus",
+            "1024",
+            "--set",
+        ])
+        .arg("model.num_hidden_layers=100000")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(&o, "model.num_hidden_layers (100000) exceeds 1024");
+}

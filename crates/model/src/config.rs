@@ -7,6 +7,10 @@ pub use crate::moe_config::MoeConfig;
 /// Largest parameter count a model may have (far beyond any trained model; only sizes that
 /// cannot exist are refused).
 pub const MAX_PARAMS: f64 = 1e13;
+/// Largest `num_hidden_layers`: 1024. The deepest trained decoders have a few hundred layers
+/// (DeepNet's 1,000-layer model is within); the planner's layout search and the pipeline
+/// schedules take time in proportion to the layers.
+pub const MAX_LAYERS: usize = 1024;
 /// Largest `max_position_embeddings` (the rotary tables are sized by it): 4 Mi positions.
 pub const MAX_POSITIONS: usize = 1 << 22;
 
@@ -276,6 +280,12 @@ impl LlamaConfig {
                  model.vocab_size ({}), model.hidden_size ({}), model.intermediate_size ({}) and \
                  model.num_hidden_layers ({})",
                 self.vocab_size, self.hidden_size, self.intermediate_size, self.num_hidden_layers
+            ));
+        }
+        if self.num_hidden_layers > MAX_LAYERS {
+            return Err(format!(
+                "model.num_hidden_layers ({}) exceeds {MAX_LAYERS}",
+                self.num_hidden_layers
             ));
         }
         if self.head_dim == Some(0) {
