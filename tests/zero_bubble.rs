@@ -270,3 +270,43 @@ fn the_trace_shows_weight_actions() {
         .iter()
         .any(|e| e["cat"] == "weight" && e["ph"] == "X"));
 }
+
+/// Where 1F1B's activation memory lets zbv's stages hold few chunks (a model whose head's
+/// logits outweigh its layers: the first stage keeps them too), zbv idles more than 1F1B. The
+/// planner prices zbv with those limits, so it never ranks it above 1F1B there, and training
+/// says so once it has measured the costs.
+#[test]
+fn zbv_held_back_by_memory_is_priced_as_such_and_named_in_the_log() {
+    use pretrain::plan::{plan, GpuPreset};
+    let base = "model.num_hidden_layers=8,train.micro_batch=4,parallel.pp=2";
+    let hw = GpuPreset::H100.hardware();
+    let at = |schedule: &str| {
+        let r = load(
+            Path::new("recipes/tiny.yaml"),
+            &[format!("{base},{schedule}")],
+        )
+        .unwrap();
+        plan(&r, &hw).unwrap()
+    };
+    let (zbv, plain) = (at(ZBV), at("parallel.schedule=1f1b"));
+    assert!(
+        zbv.step_time_s > plain.step_time_s,
+        "zbv {} s, 1F1B {} s",
+        zbv.step_time_s,
+        plain.step_time_s
+    );
+    let o = common::cli::bin()
+        .args(["--recipe", "recipes/tiny.yaml", "--set"])
+        .arg(format!(
+            "{base},{ZBV},train.steps=3,train.eval_interval=0,run.dir={}",
+            tempfile::tempdir().unwrap().path().display()
+        ))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::cli::text(&o));
+    common::cli::assert_says(&o, "is above 1F1B's");
+    common::cli::assert_says(
+        &o,
+        "parallel.schedule 1f1b or zb-h1 runs this layout faster",
+    );
+}

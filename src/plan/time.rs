@@ -231,12 +231,14 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         |f: &dyn Fn(&Cost) -> f64| per_stage.iter().map(|(c, _)| f(c)).sum::<f64>() / pp as f64;
     let (bwd, wgt) = (mean_of(&|c| c.bwd), mean_of(&|c| c.wgt));
     let kind = par.schedule_kind();
-    // zb-h1 as training runs it: each stage deferring what fits in 1F1B's memory.
-    let deferred = match kind {
+    // The zero-bubble schedules as training runs them: zb-h1's stages deferring, zbv's holding,
+    // what fits in 1F1B's memory.
+    let limits = match kind {
         ScheduleKind::ZeroBubbleH1 => super::memory::zb_h1_deferrals(r).unwrap_or_default(),
+        ScheduleKind::ZeroBubbleV => super::memory::zbv_caps(r).unwrap_or_default(),
         _ => Vec::new(),
     };
-    let bubble_s = Pipeline::bubble_s(kind, (pp, v, m as usize), (mean, bwd, wgt), &deferred);
+    let bubble_s = Pipeline::bubble_s(kind, (pp, v, m as usize), (mean, bwd, wgt), &limits);
     let pipeline_s = m * worst + bubble_s;
 
     // Data parallelism on the slowest stage.

@@ -11,7 +11,7 @@
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use parallel::pipeline::{
-    build_zbv, check_fifo, simulate, validate, zbv, Action, Schedule, ScheduleKind, SimCosts,
+    build, build_zbv, check_fifo, simulate, validate, zbv, Action, Schedule, ScheduleKind, SimCosts,
 };
 use parallel::Group;
 
@@ -72,6 +72,17 @@ pub fn ordered(recipe: &Recipe, current: &Schedule, costs: SimCosts) -> Result<S
     validate(&schedule)?;
     check_fifo(&schedule)?;
     Ok(schedule)
+}
+
+/// The bubble fraction 1F1B has on `pp` stages of `m` micro-batches where each stage's two
+/// chunks cost `chunk` each (zbv's measured costs): the schedule zbv must not lose to.
+pub fn one_f_one_b_bubble(pp: usize, m: usize, chunk: SimCosts) -> Result<f64> {
+    let stage = SimCosts {
+        forward: 2.0 * chunk.forward,
+        backward: 2.0 * (chunk.backward + chunk.weight),
+        weight: 0.0,
+    };
+    simulated_bubble(&build(ScheduleKind::OneFOneB, pp, 1, m)?, stage)
 }
 
 /// The bubble fraction `schedule` has in the simulator on `costs`.

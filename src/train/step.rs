@@ -150,6 +150,19 @@ impl Trainer {
                 ms(costs.backward),
                 ms(costs.weight)
             );
+            let (pp, m) = (self.plan.schedule.pp, self.plan.schedule.m);
+            let plain = super::order::one_f_one_b_bubble(pp, m, costs)?;
+            if after > plain + 0.01 {
+                let caps = crate::plan::memory::zbv_caps(&self.recipe)?;
+                tracing::warn!(
+                    "zbv's simulated bubble {after:.3} is above 1F1B's {plain:.3} on these costs: \
+                     within 1F1B's activation memory its stages may hold {caps:?} chunk \
+                     activations (of {} each could), which holds micro-batches back (the first \
+                     stage keeps the head's logits too); parallel.schedule 1f1b or zb-h1 runs \
+                     this layout faster",
+                    2 * pp
+                );
+            }
         }
         Ok(())
     }

@@ -25,28 +25,33 @@ impl Pipeline {
     /// `(pp − 1)/v` stages (their closed form). The zero-bubble schedules: the schedule itself
     /// simulated (up to `4·pp` micro-batches; their idle time does not grow past that) with
     /// forward `stage_s − bwd_s`, B `bwd_s − wgt_s` and W `wgt_s` (zbv ordered for those
-    /// costs, as training orders it for measured ones; zb-h1's stages deferring `deferred`
-    /// weight actions, the paper's `s` on stage `s` when empty).
+    /// costs, as training orders it for measured ones, each stage holding at most `limits[s]`
+    /// chunk activations, `2·pp` when empty; zb-h1's stages deferring `limits[s]` weight
+    /// actions, the paper's `s` on stage `s` when empty). The limits are what the memory model
+    /// allows within 1F1B's activations: a zbv stage allowed few holds micro-batches back.
     pub fn bubble_s(
         kind: ScheduleKind,
         (pp, v, m): (usize, usize, usize),
         (stage_s, bwd_s, wgt_s): (f64, f64, f64),
-        deferred: &[usize],
+        limits: &[usize],
     ) -> f64 {
         let closed = (pp as f64 - 1.0) / v as f64 * stage_s;
         let m_sim = m.clamp(1, 4 * pp);
         let costs = SimCosts::split_per_chunk(stage_s - bwd_s, bwd_s - wgt_s, wgt_s, v);
         let schedule = match kind {
-            ScheduleKind::ZeroBubbleH1 if deferred.len() == pp => {
-                let deferred: Vec<usize> = deferred.iter().map(|&d| d.min(m_sim)).collect();
+            ScheduleKind::ZeroBubbleH1 if limits.len() == pp => {
+                let deferred: Vec<usize> = limits.iter().map(|&d| d.min(m_sim)).collect();
                 build_zb_h1(pp, m_sim, &deferred)
             }
             ScheduleKind::ZeroBubbleH1 => build(kind, pp, v, m_sim),
             ScheduleKind::ZeroBubbleV => {
-                let fit = zbv::Fit {
+                let mut fit = zbv::Fit {
                     costs,
                     ..zbv::Fit::unit(pp)
                 };
+                if limits.len() == pp {
+                    fit.caps = limits.to_vec();
+                }
                 build_zbv(pp, m_sim, &fit)
             }
             _ => return closed,
