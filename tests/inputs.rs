@@ -22,6 +22,19 @@ fn a_fifo_recipe_is_refused_without_blocking() {
     assert_says(&o, "not a regular file");
 }
 
+/// A recipe given as a pipe (`--recipe /dev/stdin`, or process substitution's `/dev/fd/N`)
+/// is named as one, not as a missing file.
+#[test]
+fn a_recipe_on_a_pipe_is_named_as_one() {
+    let o = bin()
+        .args(["check", "--no-data", "--recipe", "/dev/stdin"])
+        .stdin(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert_says(&o, "process substitution and /dev/stdin are not read");
+}
+
 /// Inputs read whole or listed by name are regular files: a `config.json`,
 /// tokenizer or corpus that is `/dev/zero` (or a directory) is refused by name instead of read
 /// until memory runs out.
@@ -111,6 +124,31 @@ fn tokenizer_train_never_overwrites_its_input() {
     assert!(!o.status.success());
     assert_says(&o, "is also an input");
     assert_eq!(std::fs::read(&corpus).unwrap(), before);
+}
+
+/// `tokenizer train` reads plain text: a compressed or Parquet input is named as such (it was
+/// refused as "not UTF-8 text").
+#[test]
+fn tokenizer_train_names_compressed_and_parquet_inputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, says) in [
+        ("corpus.txt.gz", "is gzip-compressed"),
+        ("corpus.jsonl.zst", "is zstd-compressed"),
+        ("corpus.parquet", "is a Parquet file"),
+    ] {
+        let input = tmp.path().join(name);
+        std::fs::write(&input, [0x1f, 0x8b, 0, 0]).unwrap();
+        let o = bin()
+            .args(["tokenizer", "train", "--input"])
+            .arg(&input)
+            .args(["--vocab-size", "300", "--output"])
+            .arg(tmp.path().join("tok.json"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        assert_says(&o, says);
+        assert_says(&o, "tokenizer training reads plain text");
+    }
 }
 
 /// A `tokenizer.json` over 128 MiB is refused before it is loaded, with the reason (loading one

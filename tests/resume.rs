@@ -182,3 +182,46 @@ fn resume_refuses_the_same_sizes_with_other_documents() {
     ));
     assert!(e.contains("same sizes, other documents"), "{e}");
 }
+
+/// A manifest whose trainer state no run writes (more updates than steps, schedule costs that
+/// are no durations) is refused by name on resume: it used to halt later blaming the learning
+/// rate, blame the layout, or silently restart AdamW's bias correction.
+#[test]
+fn resume_refuses_a_trainer_state_no_run_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let o = output(pretrain(&run, "train.steps=2,checkpoint.interval=2"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let manifest = run.join("checkpoints/step-00000002/manifest.json");
+    let kept = std::fs::read_to_string(&manifest).unwrap();
+    for (field, value, says) in [
+        (
+            "updates",
+            serde_json::json!(u64::MAX),
+            "updates 18446744073709551615 exceeds",
+        ),
+        (
+            "skipped_in_a_row",
+            serde_json::json!(2),
+            "skipped_in_a_row 2 exceeds",
+        ),
+        (
+            "schedule_costs",
+            serde_json::json!([1e308, 1.0, 1.0]),
+            "schedule_costs",
+        ),
+    ] {
+        let mut m: serde_json::Value = serde_json::from_str(&kept).unwrap();
+        m["trainer"][field] = value;
+        std::fs::write(&manifest, serde_json::to_string(&m).unwrap()).unwrap();
+        let e = stderr(&output(pretrain(
+            &run,
+            "train.steps=4,checkpoint.interval=2,checkpoint.resume=auto",
+        )));
+        assert!(
+            e.contains("not one a run writes") && e.contains(says),
+            "{field}: {e}"
+        );
+    }
+    std::fs::write(&manifest, kept).unwrap();
+}

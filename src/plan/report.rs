@@ -63,7 +63,7 @@ impl PlanArgs {
         let set = |field: &str, v: Option<f64>, slot: &mut f64| -> Result<()> {
             if let Some(v) = v {
                 if !(v.is_finite() && (1e-3..=1e9).contains(&v)) {
-                    bail!("--{field} must be a number between 0.001 and 1e9, got {v}");
+                    bail!("--{field} must be a number between 0.001 and 1e9, got {v:.3e}");
                 }
                 *slot = v;
             }
@@ -77,7 +77,7 @@ impl PlanArgs {
         ] {
             if let Some(v) = v {
                 if !(v.is_finite() && (0.0..=1e6).contains(&v)) {
-                    bail!("--{field} must be a number between 0 and 1e6, got {v}");
+                    bail!("--{field} must be a number between 0 and 1e6, got {v:.3e}");
                 }
                 *slot = v;
             }

@@ -186,6 +186,16 @@ fn finish(mut value: Value, path: &Path, overrides: &[String]) -> Result<Recipe,
 
 /// Parses one YAML file and merges it over the file named by its `inherit:` key (relative to it).
 fn read_with_inherit(path: &Path, chain: &mut Vec<PathBuf>) -> Result<Value, RecipeError> {
+    // A pipe (process substitution, /dev/stdin) has no path to canonicalize: named as what it
+    // is rather than "No such file".
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return Err(RecipeError::Parse {
+            path: path.into(),
+            message: "not a regular file (a pipe, device or directory: process substitution and \
+                      /dev/stdin are not read; write the recipe to a file)"
+                .into(),
+        });
+    }
     let canonical = path.canonicalize().map_err(|error| RecipeError::Io {
         path: path.into(),
         error,

@@ -292,8 +292,18 @@ impl Trainer {
                 ..Default::default()
             }
         } else {
-            serde_json::from_value(m.trainer.clone())
-                .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?
+            let state: super::guard::LoopState = serde_json::from_value(m.trainer.clone())
+                .with_context(|| format!("{}: trainer state of the manifest", dir.display()))?;
+            let problems = state.problems(m.step);
+            if !problems.is_empty() {
+                bail!(
+                    "{}: the manifest's trainer state is not one a run writes (was it edited?): \
+                     {}",
+                    dir.join(ckpt::MANIFEST).display(),
+                    problems.join("; ")
+                );
+            }
+            state
         };
         let (stored, ours) = (ck.dtype(Kind::ExpAvg), self.state.optimizer.moment_dtype());
         if stored != ours && self.ctx.is_main() {

@@ -44,6 +44,45 @@ pub struct LoopState {
     pub schedule_costs: Option<[f64; 3]>,
 }
 
+impl LoopState {
+    /// What in this state (read from the manifest of a checkpoint of step `step`) no run can
+    /// have written: more updates than steps, more skips in a row than skips, a spike window
+    /// beyond its length or with non-finite losses, schedule costs that are no durations.
+    pub fn problems(&self, step: u64) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.updates > step {
+            p.push(format!("updates {} exceeds the step {step}", self.updates));
+        } else if self.skipped_in_a_row as u64 > step - self.updates {
+            p.push(format!(
+                "skipped_in_a_row {} exceeds the {} steps skipped (step {step} − updates {})",
+                self.skipped_in_a_row,
+                step - self.updates,
+                self.updates
+            ));
+        }
+        if self.recent_losses.len() > SPIKE_WINDOW {
+            p.push(format!(
+                "recent_losses holds {} losses, more than the window of {SPIKE_WINDOW}",
+                self.recent_losses.len()
+            ));
+        }
+        if self.recent_losses.iter().any(|l| !l.is_finite()) {
+            p.push("recent_losses holds a non-finite loss".to_string());
+        }
+        if let Some(c) = self.schedule_costs {
+            if c.iter()
+                .any(|x| !(x.is_finite() && (0.0..=3600.0).contains(x)))
+            {
+                p.push(format!(
+                    "schedule_costs {c:?} are not seconds of a chunk's forward, B and W (each \
+                     between 0 and 3600)"
+                ));
+            }
+        }
+        p
+    }
+}
+
 /// What a step does with its update.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {

@@ -196,3 +196,21 @@ fn plan_refuses_models_deeper_than_the_layer_bound() {
     assert!(!o.status.success(), "{}", text(&o));
     assert_says(&o, "model.num_hidden_layers (100000) exceeds 1024");
 }
+
+/// A hardware number out of range is echoed in scientific notation, not as 300 digits.
+#[test]
+fn plan_echoes_an_absurd_hardware_number_briefly() {
+    let o = bin()
+        .args([
+            "plan",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--peak-tflops",
+            "1e-300",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_says(&o, "got 1.000e-300");
+    assert!(text(&o).len() < 400, "{}", text(&o));
+}

@@ -110,6 +110,26 @@ pub fn train_tokenizer(opts: &TokenizerTrainOptions) -> Result<TokenizerTrainSum
                 format!("{} is not a regular file", p.display()),
             ));
         }
+        // Compressed and Parquet inputs are what `preprocess` reads, not training's text lines.
+        if let Ok(kind) = crate::input::input_kind(p) {
+            use crate::input::{Compression, Format};
+            let form = match (kind.format, kind.compression) {
+                (Format::Parquet, _) => Some("a Parquet file"),
+                (_, Compression::Gzip) => Some("gzip-compressed"),
+                (_, Compression::Zstd) => Some("zstd-compressed"),
+                _ => None,
+            };
+            if let Some(form) = form {
+                return Err(DataError::config(
+                    "inputs",
+                    format!(
+                        "{} is {form}: tokenizer training reads plain text, so decompress it (or \
+                         extract its text) first",
+                        p.display()
+                    ),
+                ));
+            }
+        }
         if output.is_some() && std::fs::canonicalize(p).ok() == output {
             return Err(DataError::config(
                 "output",
