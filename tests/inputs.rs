@@ -151,6 +151,22 @@ fn tokenizer_train_names_compressed_and_parquet_inputs() {
     }
 }
 
+/// A document with a run of over 1 MiB that holds no word boundary (no space, no letter before
+/// punctuation) has no cut that keeps the whole text's ids: refused with where the run is,
+/// where it used to be cut mid-token (900,002 ids for `the` × 900,000 against 900,000).
+#[test]
+fn a_document_without_a_safe_cut_is_refused_not_encoded_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("the.txt");
+    std::fs::write(&input, "the".repeat(900_000)).unwrap();
+    let o = common::cli::preprocess(&input, &tmp.path().join("the"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert_says(&o, "bytes 0..1048576 of the document hold no space");
+    assert_says(&o, "the.txt");
+}
+
 /// A `tokenizer.json` over 128 MiB is refused before it is loaded, with the reason (loading one
 /// takes about 11 times its size: a 1 GB one, under the former 1 GiB cap, aborted at 5.3 GB).
 #[test]

@@ -14,8 +14,19 @@ pub const ENCODE_PIECE_BYTES: usize = 1 << 20;
 /// into `"a"` and `" b"`) where there is one. That is a boundary of every pre-token of the
 /// byte-level (GPT-2 style) and Metaspace (SentencePiece style) pre-tokenizers, so the pieces'
 /// ids are the whole text's. A piece without such a space is cut after its last letter followed
-/// by punctuation (a byte-level word boundary, [`word_end`]), else at a character boundary.
+/// by punctuation (a byte-level word boundary, [`word_end`]), else at a character boundary,
+/// which [`encode_long`] refuses: there the pieces' ids could differ from the whole text's.
 pub fn encode_pieces(text: &str, max: usize) -> Vec<&str> {
+    cuts(text, max)
+        .into_iter()
+        .map(|(piece, _)| piece)
+        .collect()
+}
+
+/// [`encode_pieces`] with, for each piece, whether it ends at a boundary of every pre-token
+/// (a space after a non-space, a letter before punctuation, or the text's end) rather than at a
+/// bare character boundary inside a run that has neither.
+fn cuts(text: &str, max: usize) -> Vec<(&str, bool)> {
     let max = max.max(1);
     let bytes = text.as_bytes();
     let mut out = Vec::new();
@@ -29,23 +40,23 @@ pub fn encode_pieces(text: &str, max: usize) -> Vec<&str> {
             .rev()
             .find(|&p| bytes[p] == b' ' && !bytes[p - 1].is_ascii_whitespace())
             .or_else(|| word_end(&text[start..end]).map(|p| start + p));
-        let end = match cut {
-            Some(p) => p,
-            None if end > start => end,
+        let (end, safe) = match cut {
+            Some(p) => (p, true),
+            None if end > start => (end, false),
             None => {
                 // One character longer than `max`: keep it whole.
                 let mut e = start + 1;
                 while !text.is_char_boundary(e) {
                     e += 1;
                 }
-                e
+                (e, false)
             }
         };
-        out.push(&text[start..end]);
+        out.push((&text[start..end], safe));
         start = end;
     }
     if start < text.len() || out.is_empty() {
-        out.push(&text[start..]);
+        out.push((&text[start..], true));
     }
     out
 }
@@ -74,7 +85,23 @@ pub fn encode_long(tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<
 
 /// [`encode_long`] with pieces of at most `max` bytes.
 fn encode_in_pieces(tokenizer: &Tokenizer, text: &str, max: usize) -> tokenizers::Result<Vec<u32>> {
-    let pieces = encode_pieces(text, max);
+    let cuts = cuts(text, max);
+    // A cut inside a run without any word boundary could change the ids around it: refused
+    // rather than encoded differently from the whole text.
+    let mut at = 0;
+    for (piece, safe) in &cuts {
+        if !safe {
+            return Err(format!(
+                "bytes {at}..{} of the document hold no space and no letter followed by \
+                 punctuation, so no cut into pieces of at most {max} bytes keeps the whole \
+                 text's ids; split the document there",
+                at + piece.len()
+            )
+            .into());
+        }
+        at += piece.len();
+    }
+    let pieces: Vec<&str> = cuts.into_iter().map(|(piece, _)| piece).collect();
     let drop_space = pieces.len() > 1 && marks_every_input(tokenizer)?;
     let mut ids = Vec::new();
     for (i, piece) in pieces.into_iter().enumerate() {
