@@ -319,6 +319,31 @@ fn hostile_inputs_are_refused_by_name_and_place() {
         "text",
         &["cut.jsonl.zst", "zstd stream damaged or truncated"],
     );
+    // Placed where the decoder was, not at the stream's start: a stream cut inside its first
+    // block, which fails in the decoder's first call.
+    let big: String = (0..50_000u64)
+        .map(|i| format!("{} ", i.wrapping_mul(2_654_435_761) % 1_000_003))
+        .collect();
+    let long = zstd::encode_all(big.as_bytes(), 3).unwrap();
+    let cut = 10_000;
+    std::fs::write(d.join("cut.txt.zst"), &long[..cut]).unwrap();
+    let e = refused(
+        d,
+        &tok,
+        &d.join("cut.txt.zst"),
+        "text",
+        &["cut.txt.zst", "zstd stream damaged or truncated"],
+    );
+    let near: u64 = e
+        .to_string()
+        .split("near compressed byte ")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .expect("a compressed byte is named");
+    assert!(
+        long.len() > 2 * cut && near + 4096 >= cut as u64,
+        "near byte {near}, cut at {cut}"
+    );
     let zeros = vec![b' '; 256 << 20];
     std::fs::write(d.join("bomb.jsonl.gz"), gzip(&zeros)).unwrap();
     refused(

@@ -47,8 +47,10 @@ struct Guarded {
 
 impl Read for Guarded {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        // Read after the decoder's call: the bytes it took for this output (or this error).
+        let result = self.decoder.read(buf);
         let taken = self.taken.load(Ordering::Relaxed);
-        match self.decoder.read(buf) {
+        match result {
             Ok(n) => {
                 self.out += n as u64;
                 if self.out > MAX_EXPANSION * taken.max(EXPANSION_FLOOR) {
