@@ -1,7 +1,7 @@
 //! The planner against our own runs: for the tiny recipe at many layouts, the predicted bytes of
 //! parameters, gradients and optimizer state equal every rank's measured ones exactly, and the
-//! predicted peak activations are within 10% of the peak the step executor measured (distinct
-//! storages kept for backward passes, see `train/pipeline.rs`).
+//! predicted peak activations equal the peak the step executor measured (distinct storages kept
+//! for backward passes, see `train/pipeline.rs`), within 10% under tensor or expert parallelism.
 
 use std::path::Path;
 use std::time::Duration;
@@ -33,7 +33,7 @@ fn measure(recipe: &pretrain::recipe::Recipe) -> Vec<Measured> {
 }
 
 #[test]
-fn predicted_state_is_exact_and_activations_within_ten_percent() {
+fn predicted_state_is_exact_and_activations_exact_but_under_tp_or_ep() {
     let layouts = [
         "parallel.dp=1",
         "train.recompute=full",
@@ -100,6 +100,7 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
         let layout = format!("{path} {layout}");
         let predicted = memory::stages(&recipe).unwrap();
         let measured = measure(&recipe);
+        let exact = recipe.parallel.tp == 1 && recipe.parallel.ep == 1;
         // Muon's state differs between shards (their shares of hidden matrices): the prediction
         // is the most loaded rank's, which some rank of each stage has.
         let mut most = vec![0u64; predicted.len()];
@@ -133,9 +134,13 @@ fn predicted_state_is_exact_and_activations_within_ten_percent() {
                 m.act_peak,
                 100.0 * err
             );
+            // Exact where every rank's tape is the model's own; within 10% under tensor
+            // parallelism (ranks differ in what they keep of replicated inputs) and expert
+            // parallelism (each rank keeps the tokens routed to its experts).
+            let bound = if exact { 0.0 } else { 0.10 };
             assert!(
-                err.abs() <= 0.10,
-                "{layout} rank {rank}: predicted activations {} vs measured {} ({:+.1}%)",
+                err.abs() <= bound,
+                "{layout} rank {rank}: predicted activations {} vs measured {} ({:+.2}%)",
                 want.activations,
                 m.act_peak,
                 100.0 * err
