@@ -26,6 +26,10 @@ fn a_stopped_rank_is_named_with_the_operation_it_never_entered() {
              checkpoint.interval=0,run.log_interval=1,parallel.timeout_s={timeout_s},run.dir={}",
         dir.path().display()
     ));
+    // Rank 3 is made the slowest (a pause in each forward action), so the others wait for it
+    // and SIGSTOP finds it computing, not inside a collective it has entered (which the
+    // records would show as entered: a stop there names it waiting, not missing).
+    cmd.env("PRETRAIN_TEST_SLOW_RANK", "3:300");
     let mut job = Job::start(cmd);
     assert!(job.wait_for("step=2/"), "{}", job.log);
     // SIGUSR1: the launcher reports what the ranks do; the job goes on.
