@@ -5,9 +5,9 @@
 //! step.
 
 use model::{LlamaConfig, Recompute, Recomputed};
-use parallel::cp::register::Context;
-use parallel::ep::register::Expert;
-use parallel::tp::register::Tensor;
+use parallel::cp::register::Cp;
+use parallel::ep::register::Ep;
+use parallel::tp::register::Tp;
 
 use super::hardware::Hardware;
 use super::time::attention_share;
@@ -76,7 +76,7 @@ impl Model<'_> {
 
     /// A collective of the tensor-parallel group moving `factor × bytes` per GPU.
     pub(super) fn tp_collective(&self, factor: f64, bytes: f64) -> f64 {
-        Tensor::collective_s(self.t, factor, bytes, self.tp_bw)
+        Tp::collective_s(self.t, factor, bytes, self.tp_bw)
     }
 
     /// A decoder block; `moe`: with a mixture-of-experts feed-forward part (the router, and
@@ -102,7 +102,7 @@ impl Model<'_> {
                     n * m.top_k as f64,
                     m.expert_size as f64,
                 );
-                a2a = Expert::exchange_s(self.ep, rows * h * p, self.ep_bw);
+                a2a = Ep::exchange_s(self.ep, rows * h * p, self.ep_bw);
                 let gemms =
                     self.gemm(n, e, h) + self.gemm(rows, 2.0 * fe, h) + self.gemm(rows, h, fe);
                 (gemms, rows * (3.0 * fe + 5.0 * h))
@@ -120,11 +120,11 @@ impl Model<'_> {
         let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp * self.attn_share;
         let attn = attn_flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
         let kv_bytes = 2.0 * n * kv / t * p;
-        let (ring_fwd, ring_bwd) = Context::ring_s(self.cp, kv_bytes, p, self.cp_bw, attn);
+        let (ring_fwd, ring_bwd) = Cp::ring_s(self.cp, kv_bytes, p, self.cp_bw, attn);
         let tp_copies = if t > 1.0 { 8.0 * n * h } else { 0.0 };
         let mem_bytes = p * (10.0 * self.ns * h + 2.0 * n * (q + kv) / t + mlp_bytes + tp_copies);
         let mem = self.memory(mem_bytes);
-        let tp = Tensor::block_s(t, n * h * p, self.tp_bw);
+        let tp = Tp::block_s(t, n * h * p, self.tp_bw);
         let fwd = gemms + attn + mem + tp + ring_fwd + a2a;
         let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp + ring_bwd + a2a;
         let mut tp_all = 2.0 * tp;

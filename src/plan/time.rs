@@ -6,8 +6,8 @@
 
 use model::placement::chunk_pieces;
 use model::Piece;
-use parallel::dp::register::{Data, SyncSizes};
-use parallel::pipeline::register::Pipeline;
+use parallel::dp::register::{Dp, SyncSizes};
+use parallel::pipeline::register::Pp;
 use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
@@ -186,7 +186,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     let (head, embedding) = (model.head(), model.embedding());
     // Pipeline neighbours are tp · cp · dp ranks apart.
     let pp_bw = group_bandwidth(hw, 2, tp * dp);
-    let p2p = Pipeline::transfer_s(model.ns * c.hidden_size as f64 * p, pp_bw);
+    let p2p = Pp::transfer_s(model.ns * c.hidden_size as f64 * p, pp_bw);
     let mut per_stage = Vec::with_capacity(pp);
     let mut stage_layers: Vec<Vec<usize>> = vec![Vec::new(); pp];
     for (stage, layers) in stage_layers.iter_mut().enumerate() {
@@ -238,7 +238,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         ScheduleKind::ZeroBubbleV => super::memory::zbv_caps(r).unwrap_or_default(),
         _ => Vec::new(),
     };
-    let bubble_s = Pipeline::bubble_s(kind, (pp, v, m as usize), (mean, bwd, wgt), &limits);
+    let bubble_s = Pp::bubble_s(kind, (pp, v, m as usize), (mean, bwd, wgt), &limits);
     let pipeline_s = m * worst + bubble_s;
 
     // Data parallelism on the slowest stage.
@@ -252,7 +252,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         grad_bw: group_bandwidth(hw, dp, tp),
         shard_bw: group_bandwidth(hw, par.shard_size(), tp),
     };
-    let sync = Data::sync_s(par.zero, sizes);
+    let sync = Dp::sync_s(par.zero, sizes);
     // Stages 0 and 1 reduce behind the last backward; 2 and 3 every micro-batch's, so all but
     // the last piece's reduce-scatter can hide behind the schedule's compute.
     let window = if sync.per_micro {

@@ -47,11 +47,11 @@ pub trait Parallelism: Sync {
 
 /// Every parallelism, in the order of the layout line and of a rank's channel list.
 pub const ALL: [&dyn Parallelism; 5] = [
-    &crate::dp::register::Data,
-    &crate::tp::register::Tensor,
-    &crate::cp::register::Context,
-    &crate::pipeline::register::Pipeline,
-    &crate::ep::register::Expert,
+    &crate::dp::register::Dp,
+    &crate::tp::register::Tp,
+    &crate::cp::register::Cp,
+    &crate::pipeline::register::Pp,
+    &crate::ep::register::Ep,
 ];
 
 /// Latency of one collective (or one step of one), seconds: the planner's terms.

@@ -8,9 +8,9 @@ use crate::register::{Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Context parallelism.
-pub struct Context;
+pub struct Cp;
 
-impl Context {
+impl Cp {
     /// Planner term: the ring's exposed seconds per decoder block, forward and backward, over
     /// `cp` ranks: `cp − 1` K/V blocks of `kv_bytes` each (in the backward with their f32 dK/dV
     /// accumulators, `(p + 4)/p` as many bytes for `p` bytes per element), each sent while the
@@ -30,7 +30,7 @@ impl Context {
     }
 }
 
-impl Parallelism for Context {
+impl Parallelism for Cp {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
         let mut p = Vec::new();
         if c.cp > 1 && !d.seq_len.is_multiple_of(2 * c.cp) {

@@ -8,7 +8,7 @@ use crate::register::{ring_s, Dims, Parallelism};
 use crate::ParallelConfig;
 
 /// Data parallelism and ZeRO.
-pub struct Data;
+pub struct Dp;
 
 /// The planner's seconds of a step's data-parallel synchronisation at one stage.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -41,7 +41,7 @@ pub struct SyncSizes {
     pub shard_bw: f64,
 }
 
-impl Data {
+impl Dp {
     /// Planner term: a step's gradient synchronisation at ZeRO stage `zero` — stage 0 all-reduces
     /// the gradients; stage 1 reduce-scatters them (all-reducing across replica groups) and
     /// gathers the updated parameters; stages 2 and 3 reduce-scatter every micro-batch's, and
@@ -86,7 +86,7 @@ impl Data {
     }
 }
 
-impl Parallelism for Data {
+impl Parallelism for Dp {
     fn problems(&self, c: &ParallelConfig, _: &Dims) -> Vec<String> {
         let mut p = Vec::new();
         if let Some(n) = c.zero_shard_size {

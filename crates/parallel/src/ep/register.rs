@@ -7,9 +7,9 @@ use crate::register::{Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Expert parallelism.
-pub struct Expert;
+pub struct Ep;
 
-impl Expert {
+impl Ep {
     /// Planner term: a MoE layer's two exchanges (dispatch and combine) in one direction, of
     /// `row_bytes` of routed rows over `ep` ranks, `(ep − 1)/ep` of them to other ranks, at `bw`
     /// bytes/s.
@@ -22,7 +22,7 @@ impl Expert {
     }
 }
 
-impl Parallelism for Expert {
+impl Parallelism for Ep {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
         let mut p = Vec::new();
         let Some(experts) = d.experts else {

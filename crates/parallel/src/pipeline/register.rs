@@ -10,9 +10,9 @@ use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Pipeline parallelism, interleaved with virtual stages.
-pub struct Pipeline;
+pub struct Pp;
 
-impl Pipeline {
+impl Pp {
     /// Planner term: one transfer of `bytes` (an activation or its gradient) to a neighbouring
     /// stage at `bw` bytes/s.
     pub fn transfer_s(bytes: f64, bw: f64) -> f64 {
@@ -90,7 +90,7 @@ fn layout_problems(l: &[usize], chunks: usize, layers: usize) -> Vec<String> {
     p
 }
 
-impl Parallelism for Pipeline {
+impl Parallelism for Pp {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
         let mut p = Vec::new();
         match c.pp.checked_mul(c.virtual_stages) {

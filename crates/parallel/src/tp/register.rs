@@ -7,9 +7,9 @@ use crate::register::{Dims, Parallelism, LATENCY_S};
 use crate::ParallelConfig;
 
 /// Tensor (and sequence) parallelism.
-pub struct Tensor;
+pub struct Tp;
 
-impl Tensor {
+impl Tp {
     /// Planner term: seconds of a collective of `t` tensor-parallel ranks moving `factor × bytes`
     /// per rank at `bw` bytes/s, with a latency per step of its tree (`⌈log₂ t⌉`).
     pub fn collective_s(t: f64, factor: f64, bytes: f64, bw: f64) -> f64 {
@@ -27,7 +27,7 @@ impl Tensor {
     }
 }
 
-impl Parallelism for Tensor {
+impl Parallelism for Tp {
     fn problems(&self, c: &ParallelConfig, d: &Dims) -> Vec<String> {
         let mut p = Vec::new();
         if !d.heads.is_multiple_of(c.tp) || !d.kv_heads.is_multiple_of(c.tp) {
