@@ -260,6 +260,13 @@ fn walked_schedule(r: &Recipe) -> Result<Schedule, PlanError> {
 /// [`zb_h1_deferrals`] allows, zbv's hold as many as [`zbv_caps`] allows (in its order for unit
 /// costs; training re-orders it for measured ones).
 pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
+    static BUILT: Memo<Schedule> = OnceLock::new();
+    memo(&BUILT, &format!("schedule m {m}"), r, |r| {
+        build_schedule(r, m)
+    })
+}
+
+fn build_schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
     let par = &r.parallel;
     let (pp, v) = (par.pp, par.virtual_stages);
     let schedule = match par.schedule_kind() {
@@ -285,7 +292,8 @@ pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
 /// activations past 1F1B's peak (the most any stage holds under 1F1B) — then as many as fit.
 /// A stage holding more than the others (the head's logits on the last) defers fewer.
 pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
-    memo("zb-h1", r, fit_zb_h1_deferrals)
+    static FITTED: Memo<Vec<usize>> = OnceLock::new();
+    memo(&FITTED, "zb-h1", r, fit_zb_h1_deferrals)
 }
 
 fn fit_zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
@@ -316,7 +324,8 @@ fn fit_zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
 /// last chunks) another stage may. Lowered one at a time until every stage fits (at least 2
 /// each). The caps are fitted on `min(m, 3·pp)` micro-batches of the step's `m`.
 pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
-    memo("zbv", r, fit_zbv_caps)
+    static FITTED: Memo<Vec<usize>> = OnceLock::new();
+    memo(&FITTED, "zbv", r, fit_zbv_caps)
 }
 
 fn fit_zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
@@ -360,27 +369,33 @@ fn fit_zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     }
 }
 
-/// `fit(r)`, remembered for recipes that differ only in what activations do not depend on (the
-/// ZeRO stage, the moments' dtype): the layout search plans each schedule for every stage and both
-/// moment dtypes, and fitting a zero-bubble schedule is most of a plan's time.
-fn memo(
+/// Results remembered by [`memo`], at most [`MEMO_ENTRIES`] of a kind.
+type Memo<T> = OnceLock<Mutex<HashMap<String, T>>>;
+
+/// Entries a [`Memo`] keeps before it starts over.
+const MEMO_ENTRIES: usize = 1024;
+
+/// `fit(r)`, remembered in `cache` for recipes that differ only in what activations and
+/// schedules do not depend on (the ZeRO stage, the moments' dtype): the layout search plans each
+/// layout for every stage and both moment dtypes, and building and fitting the zero-bubble
+/// schedules was most of a plan's time.
+fn memo<T: Clone>(
+    cache: &'static Memo<T>,
     kind: &str,
     r: &Recipe,
-    fit: fn(&Recipe) -> Result<Vec<usize>, PlanError>,
-) -> Result<Vec<usize>, PlanError> {
-    type Fitted = HashMap<String, Vec<usize>>;
-    static FITTED: OnceLock<Mutex<Fitted>> = OnceLock::new();
+    fit: impl FnOnce(&Recipe) -> Result<T, PlanError>,
+) -> Result<T, PlanError> {
     let mut key = r.clone();
     key.parallel.zero = ZeroStage::default();
     key.optimizer.state_dtype = Default::default();
     let key = format!("{kind} {}", serde_json::to_string(&key).unwrap_or_default());
-    let fitted = FITTED.get_or_init(Default::default);
-    if let Some(v) = fitted.lock().ok().and_then(|m| m.get(&key).cloned()) {
+    let cache = cache.get_or_init(Default::default);
+    if let Some(v) = cache.lock().ok().and_then(|m| m.get(&key).cloned()) {
         return Ok(v);
     }
     let v = fit(r)?;
-    if let Ok(mut m) = fitted.lock() {
-        if m.len() >= 4096 {
+    if let Ok(mut m) = cache.lock() {
+        if m.len() >= MEMO_ENTRIES {
             m.clear();
         }
         m.insert(key, v.clone());

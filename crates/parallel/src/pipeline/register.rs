@@ -3,7 +3,7 @@
 //! pipeline group, its ends (tied embeddings) and the directions to the next and the previous
 //! stage.
 
-use super::{build, build_zb_h1, build_zbv, simulate, zbv, ScheduleKind, SimCosts};
+use super::{build, build_zb_h1, build_zbv, sim::simulate_built, zbv, ScheduleKind, SimCosts};
 use crate::comm::Channel;
 use crate::mesh::RankGroups;
 use crate::register::{next_in, Dims, Parallelism, LATENCY_S};
@@ -56,7 +56,7 @@ impl Pp {
             }
             _ => return closed,
         };
-        match schedule.map(|s| simulate(&s, costs)) {
+        match schedule.map(|s| simulate_built(&s, costs)) {
             Ok(Ok(r)) => (r.makespan - m_sim as f64 * stage_s).max(0.0),
             _ => closed,
         }

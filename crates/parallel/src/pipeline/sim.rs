@@ -196,6 +196,20 @@ pub fn simulate(schedule: &Schedule, costs: SimCosts) -> Result<SimReport, SimEr
     execute(schedule, costs)
 }
 
+/// [`simulate`] of a schedule a builder of this module has just made, without validating it
+/// again (every builder's output validates: `tests/pipeline_schedules.rs`): the planner
+/// simulates thousands of them, and validation is half of a simulation's time.
+pub fn simulate_built(schedule: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
+    if ![costs.forward, costs.backward, costs.weight]
+        .iter()
+        .all(|c| c.is_finite() && *c >= 0.0)
+    {
+        return simulate(schedule, costs); // the same error
+    }
+    debug_assert!(validate(schedule).is_ok());
+    execute(schedule, costs)
+}
+
 /// Per-stage execution state.
 #[derive(Default)]
 struct StageState {
