@@ -13,7 +13,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
@@ -139,15 +138,7 @@ pub fn open_regular(path: &Path, options: &mut OpenOptions, what: &str) -> Resul
     if !meta.is_file() {
         return Err(not_regular());
     }
-    // Regular files ignore O_NONBLOCK; cleared all the same, so the handle is an ordinary one.
-    // SAFETY: F_GETFL and F_SETFL on a descriptor this function owns.
-    unsafe {
-        let fd = file.as_raw_fd();
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags >= 0 {
-            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
-        }
-    }
+    // A regular file ignores O_NONBLOCK: the handle reads and writes as any other.
     Ok(file)
 }
 

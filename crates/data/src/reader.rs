@@ -10,9 +10,9 @@ use crate::error::{DataError, Result};
 use crate::indexed::{bin_path, idx_path, DType, IDX_HEADER_LEN, IDX_MAGIC, IDX_VERSION};
 
 /// Opens `path` for reading without blocking: a FIFO planted in its place (whose open or read
-/// would wait for a writer) is refused at once, as a device, a socket or a directory is.
+/// would wait for a writer) is refused at once, as a device, a socket or a directory is. (A
+/// regular file ignores `O_NONBLOCK`, so the handle reads as any other.)
 pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     let file = File::options()
         .read(true)
@@ -23,15 +23,6 @@ pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
             std::io::ErrorKind::InvalidInput,
             "not a regular file (a FIFO, device, socket or directory)",
         ));
-    }
-    // SAFETY: F_GETFL and F_SETFL on a descriptor this function owns (regular files ignore
-    // O_NONBLOCK; cleared so the handle is an ordinary one).
-    unsafe {
-        let fd = file.as_raw_fd();
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags >= 0 {
-            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
-        }
     }
     Ok(file)
 }
