@@ -388,7 +388,9 @@ fn memo<T: Clone>(
     let mut key = r.clone();
     key.parallel.zero = ZeroStage::default();
     key.optimizer.state_dtype = Default::default();
-    let key = format!("{kind} {}", serde_json::to_string(&key).unwrap_or_default());
+    let Ok(key) = serde_json::to_string(&key).map(|k| format!("{kind} {k}")) else {
+        return fit(r); // a recipe without a key is fitted each time
+    };
     let cache = cache.get_or_init(Default::default);
     if let Some(v) = cache.lock().ok().and_then(|m| m.get(&key).cloned()) {
         return Ok(v);
