@@ -96,6 +96,21 @@ fn resume_refuses_other_seeds_data_and_bad_newest_checkpoints() {
     assert!(o.status.success() && !log.contains("differs"), "{log}");
 }
 
+/// Copies the dataset `from` (its `.bin` and `.idx`) to the prefix `to`.
+fn place_dataset(from: &Path, to: &Path) {
+    for ext in ["bin", "idx"] {
+        std::fs::copy(from.with_extension(ext), to.with_extension(ext)).unwrap();
+    }
+}
+
+/// A short run in `run` with `set`, training on the dataset at prefix `ds`.
+fn train_on(run: &Path, ds: &Path, set: &str) -> std::process::Output {
+    let mut cmd = pretrain(run, set);
+    cmd.arg("--set")
+        .arg(format!("data.datasets=[{{prefix: {}}}]", ds.display()));
+    output(cmd)
+}
+
 /// Other documents under the same dataset path (the `data:` section unchanged) are refused on
 /// resume unless accepted: a checkpoint records each dataset's sizes and index checksum.
 #[test]
@@ -111,17 +126,8 @@ fn resume_refuses_other_data_at_the_same_path() {
         &hamlet,
     ));
     assert!(o.status.success(), "{}", stderr(&o));
-    let place = |from: &Path| {
-        for ext in ["bin", "idx"] {
-            std::fs::copy(from.with_extension(ext), ds.with_extension(ext)).unwrap();
-        }
-    };
-    let train = |set: &str| {
-        let mut cmd = pretrain(&run, set);
-        cmd.arg("--set")
-            .arg(format!("data.datasets=[{{prefix: {}}}]", ds.display()));
-        output(cmd)
-    };
+    let place = |from: &Path| place_dataset(from, &ds);
+    let train = |set: &str| train_on(&run, &ds, set);
     place(Path::new("data/shakespeare/shakespeare"));
     let o = train("train.steps=2,checkpoint.interval=2");
     assert!(o.status.success(), "{}", stderr(&o));
@@ -162,17 +168,8 @@ fn resume_refuses_the_same_sizes_with_other_documents() {
     for ext in ["bin", "idx"] {
         assert_eq!(len(&prefixes[0], ext), len(&prefixes[1], ext), "{ext}");
     }
-    let place = |from: &Path| {
-        for ext in ["bin", "idx"] {
-            std::fs::copy(from.with_extension(ext), ds.with_extension(ext)).unwrap();
-        }
-    };
-    let train = |set: &str| {
-        let mut cmd = pretrain(&run, set);
-        cmd.arg("--set")
-            .arg(format!("data.datasets=[{{prefix: {}}}]", ds.display()));
-        output(cmd)
-    };
+    let place = |from: &Path| place_dataset(from, &ds);
+    let train = |set: &str| train_on(&run, &ds, set);
     place(&prefixes[0]);
     let o = train("train.steps=2,checkpoint.interval=2");
     assert!(o.status.success(), "{}", stderr(&o));
