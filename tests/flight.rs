@@ -92,7 +92,9 @@ fn thread_ranks_report_the_rank_that_did_not_arrive() {
 }
 
 /// Without a launcher of ours (torchrun- or Slurm-style processes), rank 0 reports from the
-/// records it can read when it times out: here rank 1 is stopped, and rank 0 names it.
+/// records it can read when it times out: here rank 1 is stopped, and rank 0 names it. Rank 1
+/// is made the slower one, so the stop finds it computing rather than inside a collective it
+/// has entered (which the records would show as entered, not missing).
 #[test]
 fn rank_zero_reports_under_another_launcher() {
     let dir = tempfile::tempdir().unwrap();
@@ -113,7 +115,8 @@ fn rank_zero_reports_under_another_launcher() {
             .env("WORLD_SIZE", "2")
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            .env("PRETRAIN_JOB_TOKEN", "flight-test");
+            .env("PRETRAIN_JOB_TOKEN", "flight-test")
+            .env("PRETRAIN_TEST_SLOW_RANK", "1:300");
         cmd
     };
     let mut first = Job::start(rank(0));
