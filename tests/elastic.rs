@@ -5,7 +5,7 @@
 //! layout change by hand from the same checkpoint bit for bit, and the curve stays within 1e-3 of
 //! the uninterrupted run's. A hung rank is the one taken out; too few ranks left is an error.
 //! Across two "nodes" (two launchers on this machine): a node lost whole is left behind, and
-//! the job grows back when its launcher returns.
+//! the job grows back when its launcher returns; a node that loses one slot goes on across both.
 
 use std::path::Path;
 use std::process::Command;
@@ -291,4 +291,66 @@ fn a_lost_node_is_left_behind_and_joins_again() {
         assert_eq!(elastic, hand[..b - a], "steps {}..={to} by hand", from + 1);
     }
     near_uninterrupted(&got, base);
+}
+
+/// Two "nodes" of a dp 2 × tp 2 job, two rank processes each: one rank of node 1 is SIGKILLed
+/// (a GPU lost, its node's launcher alive), so the nodes offer 2 and 1 slots. The restart takes
+/// the planner's layout for those slots (on this recipe pp 3 over all three; a layout with
+/// groups of 2 would leave node 1's odd slot idle, never split a group across the launchers),
+/// both launchers finish, every step is in metrics.jsonl once, and the steps after the restart
+/// equal the same layout change made by hand from the checkpoint bit for bit.
+#[test]
+fn a_node_that_loses_one_slot_keeps_tensor_parallel_groups_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("slot");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let set = format!("{SET},train.steps=12,checkpoint.keep=100");
+    let mut zero = node_launcher(0, port, &run, &set);
+    let one = node_launcher(1, port, &run, &set);
+    assert!(zero.wait_for("step=3/12"), "{}", zero.log);
+    one.signal_rank(3, libc::SIGKILL);
+    let (status, log) = zero.finish();
+    let (status_one, log_one) = one.finish();
+    assert!(status.success(), "{log}\nnode 1:\n{log_one}");
+    assert!(status_one.success(), "{log_one}");
+    let base = load(Path::new("recipes/tiny.yaml"), std::slice::from_ref(&set)).unwrap();
+    let next = relayout(&base, &[2, 1], 2).unwrap();
+    assert!(
+        log.contains("elastic restart 1/2: rank 3 lost (3 ranks left: ")
+            && log.contains(&format!("restarting on {}", next.describe())),
+        "{log}"
+    );
+    for l in log
+        .lines()
+        .chain(log_one.lines())
+        .filter(|l| l.contains("elastic"))
+    {
+        eprintln!("{l}");
+    }
+    // With groups of 2 (tp or cp), node 1's one slot cannot hold a whole group: it idles.
+    if next.layout.tp * next.layout.cp > 1 {
+        assert!(
+            log_one.contains("leaves node 1 idle"),
+            "a tp 2 layout on 2 + 1 slots runs on node 0 alone:\n{log_one}"
+        );
+    }
+    let got = records(&run);
+    assert_eq!(
+        got.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (1..=12).collect::<Vec<_>>(),
+        "every step once:\n{log}"
+    );
+    let from: u64 = log
+        .split("resuming from the checkpoint of step ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("a resumption expected:\n{log}"));
+    let hand = by_hand(&set, &next, &run, from);
+    let elastic: Vec<f64> = got[from as usize..].iter().map(|r| r.1).collect();
+    assert_eq!(elastic, hand, "steps {}..=12 by hand", from + 1);
 }
