@@ -37,8 +37,8 @@
 #             bench/gpu_step.sh against PyTorch eager and torch.compile (tokens/s, MFU in both
 #             attention counts, memory against the plan), then 6 steps saving at step 3 and a
 #             resume from it that must repeat steps 4-6 bit for bit; not in the default list
-#             (about 10 minutes; the trainer refuses the one-GPU layout while its flat buffers
-#             pass 2^32 elements, which the plan and ours' log then say)
+#             (about 10 minutes; its flat buffers hold 6.7e9 elements, past candle's 32-bit
+#             kernels, so this is the first run of the span-by-span whole-buffer operations)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
 #             to the binary) beside the binary or at CUPTI_TRACE_SO; compiled here as a fallback,

@@ -1,6 +1,6 @@
 //! The compute device of a run: opening it ([`device_for`]), waiting for its queued work
-//! ([`synchronize`]), its memory in use ([`memory`]) and the largest tensor its kernels can index
-//! ([`check_elements`]).
+//! ([`synchronize`]), its memory in use ([`memory`]) and the largest activations its kernels can
+//! index ([`element_problems`]).
 //!
 //! Opening a CUDA device does, in this order, everything that must not happen inside a step:
 //! the driver's CUDA version and the GPU's compute capability are checked against what the
@@ -120,19 +120,12 @@ pub fn synchronize(device: &Device) -> Result<()> {
     Ok(())
 }
 
-/// Most elements a tensor may have on a CUDA device: candle's CUDA kernels (copies, fills, casts,
-/// element-wise ops) index elements with 32-bit unsigned integers, so a larger tensor would be
-/// processed only in part, silently. (The project's own kernels index with 64 bits.)
-pub const CUDA_MAX_ELEMENTS: usize = u32::MAX as usize;
-
-/// Errors, naming `what` and a remedy, if a tensor of `n` elements cannot live on `device` (see
-/// [`CUDA_MAX_ELEMENTS`]); any size is fine on the CPU.
-pub fn check_elements(what: &str, n: usize, device: &Device) -> candle_core::Result<()> {
-    if device.is_cuda() {
-        check_elements_within(what, n, CUDA_MAX_ELEMENTS)?;
-    }
-    Ok(())
-}
+/// Most elements a tensor that candle's CUDA kernels process whole may have: they walk their
+/// elements with a 32-bit grid-stride index, so a larger tensor would be processed in part or
+/// the walk would never end. The flat buffers (gradients, optimizer state, parameters) are
+/// processed in spans of this size (`optim::spans`) or by the project's own kernels, which
+/// index with 64 bits; activations are not.
+pub const CUDA_MAX_ELEMENTS: usize = crate::optim::spans::SPAN;
 
 /// A zero tensor `[n]` of f32 on `device` for the large buffer `what` (gradients, optimizer
 /// state), allocated fallibly: where the memory cannot be had, an error naming the buffer and its
@@ -161,24 +154,15 @@ pub fn zeros_f32(what: &str, n: usize, device: &Device) -> candle_core::Result<T
 }
 
 /// The problems, each naming its tensor and a remedy, of the tensors of one rank of `recipe`'s
-/// layout whose element counts candle's CUDA kernels bound ([`CUDA_MAX_ELEMENTS`]), from the
-/// elements of the rank's flat layout (`flat`, padding included) and those whose optimizer state
-/// it owns (`owned`): the flat gradient buffer, the flat parameters AdamW reads at ZeRO 0-2, the
-/// optimizer state's words (counted as AdamW's for every owned element, which bounds Muon's
-/// too), the logits and the MLP activations of a micro-batch. The trainer checks its rank with
-/// this at start-up and the planner every layout it ranks, so nothing ranked is refused.
-pub fn element_problems(recipe: &crate::recipe::Recipe, flat: u64, owned: u64) -> Vec<String> {
+/// layout that candle's CUDA kernels process whole and whose element counts they bound
+/// ([`CUDA_MAX_ELEMENTS`]): the logits and the MLP activations of a micro-batch. (The flat
+/// buffers have no bound: they are processed in spans.) The trainer checks its rank with this at
+/// start-up and the planner every layout it ranks, so nothing ranked is refused.
+pub fn element_problems(recipe: &crate::recipe::Recipe) -> Vec<String> {
     let (t, p, m) = (&recipe.train, &recipe.parallel, &recipe.model);
     let rows = (t.micro_batch * t.seq_len / p.cp.max(1)) as u64;
     let tp = p.tp.max(1) as u64;
-    let moments = match recipe.optimizer.state_dtype {
-        crate::recipe::StateDtype::Fp32 => 3,
-        crate::recipe::StateDtype::Bf16 => 2,
-    };
-    let sharded = p.zero.shards_gradients();
-    let mut counts = vec![
-        ("the gradient buffer", if sharded { owned } else { flat }),
-        ("the optimizer state", moments * owned),
+    let counts = [
         (
             "the logits of a micro-batch",
             rows * m.vocab_size as u64 / tp,
@@ -188,9 +172,6 @@ pub fn element_problems(recipe: &crate::recipe::Recipe, flat: u64, owned: u64) -
             rows * m.intermediate_size as u64 / tp,
         ),
     ];
-    if !p.zero.shards_parameters() {
-        counts.push(("the flat parameters", flat));
-    }
     let limit = CUDA_MAX_ELEMENTS as u64;
     counts
         .into_iter()
@@ -200,15 +181,13 @@ pub fn element_problems(recipe: &crate::recipe::Recipe, flat: u64, owned: u64) -
         .collect()
 }
 
-/// [`check_elements`] against `limit`.
+/// Errors, naming `what` and a remedy, if a tensor of `n` elements exceeds `limit`.
 pub fn check_elements_within(what: &str, n: usize, limit: usize) -> candle_core::Result<()> {
     if n > limit {
         candle_core::bail!(
             "{what} would have {n} elements on this rank, more than the {limit} that CUDA kernels \
-             indexing with 32 bits can address; spread it over more ranks (parameters and \
-             optimizer state: ZeRO, parallel.zero >= 1 with data parallelism, or more tensor or \
-             pipeline parallelism; activations: a smaller train.micro_batch, or more tensor or \
-             context parallelism)"
+             indexing with 32 bits can address; spread it over more ranks: a smaller \
+             train.micro_batch, or more tensor or context parallelism"
         );
     }
     Ok(())
@@ -348,15 +327,15 @@ mod tests {
     #[test]
     fn tensors_past_the_index_limit_are_refused_by_name() {
         assert!(check_elements_within("x", 10, 10).is_ok());
-        let e = check_elements_within("the AdamW state", 11, 10)
+        let e = check_elements_within("the logits of a micro-batch", 11, 10)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("the AdamW state would have 11 elements"), "{e}");
+        assert!(
+            e.contains("the logits of a micro-batch would have 11 elements"),
+            "{e}"
+        );
         assert!(e.contains("more than the 10"), "{e}");
-        assert!(e.contains("parallel.zero"), "{e}");
         assert!(e.contains("train.micro_batch"), "{e}");
-        // Any size on the CPU.
-        assert!(check_elements("x", usize::MAX, &Device::Cpu).is_ok());
     }
 }
 

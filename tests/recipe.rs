@@ -211,6 +211,10 @@ fn parallel_options_need_their_axis() {
         "parallel.zero_shard_size needs parallel.zero >= 1",
     );
     assert_err(&["parallel.dp=0"], "parallel.dp must be at least 1");
+    assert_err(
+        &["parallel.bucket_size=1073741825"],
+        "parallel.bucket_size (1073741825) exceeds 1073741824 elements",
+    );
 }
 
 #[test]

@@ -71,7 +71,6 @@ impl AdamW {
             .iter()
             .next()
             .map_or(Device::Cpu, |p| p.device.clone());
-        crate::device::check_elements("the flat parameters", layout.total, &device)?;
         let n: usize = owned.iter().map(|r| r.len()).sum();
         let state = Self::zero_state(n, cfg, &device)?;
         super::copy_owned(params, layout, &owned, &state)?;
@@ -97,7 +96,8 @@ impl AdamW {
         }
         let state = Self::zero_state(owned_len, cfg, master.device())?;
         if owned_len > 0 {
-            state.slice_set(&master.flatten_all()?.to_dtype(DType::F32)?, 0, 0)?;
+            let master = super::spans::cast(&master.flatten_all()?, DType::F32)?;
+            super::spans::copy_into(&state, 0, &master)?;
         }
         Self::with_state(params, layout, owned, state, cfg)
     }
@@ -110,11 +110,6 @@ impl AdamW {
             // A rank whose owned elements all belong to Muon: no device allocation of size 0.
             return Tensor::zeros(0, DType::F32, &Device::Cpu);
         }
-        crate::device::check_elements(
-            "the AdamW state (master weights and two moments)",
-            words,
-            device,
-        )?;
         crate::device::zeros_f32(
             "the AdamW state (master weights and two moments)",
             words,

@@ -31,7 +31,6 @@ pub struct GradBuffer {
 impl GradBuffer {
     /// A zeroed whole buffer for `layout`.
     pub fn new(layout: FlatLayout, device: &Device) -> Result<Self> {
-        crate::device::check_elements("the gradient buffer", layout.total, device)?;
         Ok(Self {
             flat: crate::device::zeros_f32("the gradient buffer", layout.total, device)?,
             layout,
@@ -48,7 +47,6 @@ impl GradBuffer {
             at.push(n);
             n += r.len();
         }
-        crate::device::check_elements("the gradient buffer", n, device)?;
         Ok(Self {
             flat: crate::device::zeros_f32("the gradient buffer", n, device)?,
             layout,
@@ -65,7 +63,7 @@ impl GradBuffer {
     /// Clears all gradients (start of a step).
     pub fn zero(&self) -> Result<()> {
         self.staging().0.clear();
-        self.flat.zero_set()
+        super::spans::zero(&self.flat)
     }
 
     /// Bytes of the persistent buffer.

@@ -8,6 +8,7 @@ mod grads;
 pub mod kernels;
 pub mod muon;
 mod optimizer;
+pub mod spans;
 
 pub use adamw::AdamW;
 #[cfg(test)]

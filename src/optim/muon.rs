@@ -29,7 +29,7 @@ use parallel::tp::Shard;
 use parallel::Comm;
 
 use super::kernels::{sum_squares, sum_squares_tensor};
-use super::GradBuffer;
+use super::{spans, GradBuffer};
 use crate::recipe::{AdjustLr, MuonConfig};
 use product::addmm;
 
@@ -151,13 +151,12 @@ impl Muon {
     ) -> Result<Self> {
         let k: usize = owned.iter().map(|r| r.len()).sum();
         let words = 2 * k;
-        crate::device::check_elements("the Muon state (master weights, momentum)", words, device)?;
         // No hidden matrix here (a stage of only the embedding or the head): nothing to allocate
         // on the device.
         let at = if k == 0 { &Device::Cpu } else { device };
         let state = crate::device::zeros_f32("the Muon state", words, at)?;
         if k > 0 {
-            state.slice_set(&master.to_dtype(DType::F32)?, 0, 0)?;
+            spans::copy_into(&state, 0, &spans::cast(master, DType::F32)?)?;
         }
         let mut at = 0;
         let spread = spread
@@ -195,13 +194,16 @@ impl Muon {
         let (buf, u) = if k == 0 {
             (None, Tensor::zeros(n, DType::F32, &device)?)
         } else {
+            // Element-wise over `[k]`, span by span (`spans`: buffers past candle's kernels).
             let mut g = grads.owned(&self.owned)?; // [k]
             if grad_scale != 1.0 {
-                g = g.affine(grad_scale, 0.0)?;
+                g = spans::map([&g], |[g], _| g.affine(grad_scale, 0.0))?;
             }
-            let buf = lerp(&self.state.narrow(0, k, k)?, &g, 1.0 - self.cfg.momentum)?;
+            let mu = self.cfg.momentum;
+            let momentum = self.state.narrow(0, k, k)?;
+            let buf = spans::map([&momentum, &g], |[m, g], _| lerp(&m, &g, 1.0 - mu))?;
             let u = if self.cfg.nesterov {
-                lerp(&g, &buf, self.cfg.momentum)?
+                spans::map([&g, &buf], |[g, b], _| lerp(&g, &b, mu))?
             } else {
                 buf.clone()
             };
@@ -220,9 +222,10 @@ impl Muon {
         };
         let step = self.gather(&o)?;
         let master = self.state.narrow(0, 0, k)?;
-        let decayed = master.affine(1.0 - lr * self.weight_decay, 0.0)?;
-        self.state.slice_set(&(decayed + step)?, 0, 0)?;
-        self.state.slice_set(&buf, 0, k)?;
+        let keep = 1.0 - lr * self.weight_decay;
+        let master = spans::map([&master, &step], |[m, s], _| m.affine(keep, 0.0)? + s)?;
+        spans::copy_into(&self.state, 0, &master)?;
+        spans::copy_into(&self.state, k, &buf)?;
         Ok(())
     }
 

@@ -178,8 +178,8 @@ pub struct Plan {
     /// Whether the most loaded rank, with the headroom, fits the GPU's memory, and no tensor of
     /// any rank passes what the GPU's kernels can index ([`Plan::refused`]).
     pub fits: bool,
-    /// Why the trainer would refuse the layout on the GPU (`device::element_problems` of its
-    /// most loaded stage); empty when it admits it.
+    /// Why the trainer would refuse the layout on the GPU (`device::element_problems`); empty
+    /// when it admits it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub refused: Vec<String>,
     /// Step time, by part.
@@ -244,17 +244,12 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, PlanError> {
     let (step_time, bubble) = time::step_time(r, hw, &state);
     let communicators = parallel::register::most_communicators(&r.parallel)?;
     let headroom_bytes = hw.headroom_bytes(&communicators);
-    // The trainer's start-up limits, on every stage (its flat layout and owned elements).
-    let mut refused: Vec<String> = Vec::new();
-    if hw.is_gpu() {
-        for s in &stages {
-            for p in crate::device::element_problems(r, s.flat_elems, s.owned_elems) {
-                if !refused.contains(&p) {
-                    refused.push(p);
-                }
-            }
-        }
-    }
+    // The trainer's start-up limits (the activations candle's kernels process whole).
+    let refused = if hw.is_gpu() {
+        crate::device::element_problems(r)
+    } else {
+        Vec::new()
+    };
     let world = r.parallel.world_size() as f64;
     let tokens = (r.train.global_batch * r.train.seq_len) as f64;
     // The work done: the attention a document mask skips is not counted (as the trainer's

@@ -106,8 +106,10 @@ impl Trainer {
     pub(crate) fn inject_test_fault(&self, step: usize) -> Result<()> {
         if crate::faults::faults().nan_grads == Some((step, self.ctx.rank)) {
             let flat = self.state.grads.flat();
-            let nan = Tensor::full(f32::NAN, flat.elem_count(), flat.device())?;
-            flat.slice_set(&nan, 0, 0)?;
+            for r in crate::optim::spans::spans(flat.elem_count(), crate::optim::spans::SPAN) {
+                let nan = Tensor::full(f32::NAN, r.len(), flat.device())?;
+                flat.slice_set(&nan, 0, r.start)?;
+            }
         }
         Ok(())
     }

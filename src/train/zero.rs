@@ -135,9 +135,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let device = &ctx.device;
     if device.is_cuda() {
         // The planner ranks only layouts this admits (the same function).
-        let owned_elems: usize = owned.iter().map(|r| r.len()).sum();
-        let flat = layout.total as u64;
-        if let Some(p) = crate::device::element_problems(recipe, flat, owned_elems as u64).first() {
+        if let Some(p) = crate::device::element_problems(recipe).first() {
             anyhow::bail!("rank {}: {p}", ctx.rank);
         }
     }
@@ -150,7 +148,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let (master, shards) = if zero.shards_parameters() {
         let seed = recipe.train.seed;
         let master = initial_owned(params, &layout, &owned, seed, device)?;
-        let shards = master.to_dtype(params.get(0).dtype)?;
+        let shards = crate::optim::spans::cast(&master, params.get(0).dtype)?;
         (Some(master), Some(shards))
     } else {
         (None, None)
@@ -262,7 +260,10 @@ pub fn publish(
                 params.get(i).set(values)
             })?;
         }
-        ZeroStage::Parameters => dp.set_param_shards(&master)?,
+        ZeroStage::Parameters => {
+            let dtype = dp.param_shards().map_or(DType::F32, |s| s.dtype());
+            dp.set_param_shards(&crate::optim::spans::cast(&master, dtype)?)?
+        }
     }
     Ok(())
 }

@@ -82,6 +82,11 @@ pub struct ParallelConfig {
 /// Default [`ParallelConfig::bucket_size`]: 4 Mi elements (16 MiB of fp32 gradients).
 pub const DEFAULT_BUCKET_SIZE: usize = 1 << 22;
 
+/// Most [`ParallelConfig::bucket_size`]: 1 Gi elements. A bucket (this many elements, plus at
+/// most one parameter) is cast, added and copied whole by candle's CUDA kernels, whose 32-bit
+/// index covers 2^31 elements.
+pub const MAX_BUCKET_SIZE: usize = 1 << 30;
+
 fn default_bucket_size() -> usize {
     DEFAULT_BUCKET_SIZE
 }

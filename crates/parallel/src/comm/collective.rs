@@ -39,13 +39,10 @@ pub(crate) fn nccl_dtype(dtype: candle_core::DType) -> bool {
     )
 }
 
-/// A new tensor with `t`'s values (never sharing `t`'s storage).
+/// A new tensor with `t`'s values (never sharing `t`'s storage), holding just them: candle's
+/// `copy` would clone the whole storage a view lies in (a flat buffer, for a bucket's view).
 pub(crate) fn fresh(t: &Tensor) -> Result<Tensor> {
-    if t.is_contiguous() {
-        t.copy()
-    } else {
-        t.contiguous()
-    }
+    t.force_contiguous()
 }
 
 /// Element-wise reduction of `inputs` in member order: `((x0 op x1) op x2) …`.
@@ -112,5 +109,28 @@ pub(crate) fn compute(
             Some(i) => Ok(shared(fresh(&inputs[i])?)),
             None => Err(Error::msg(format!("broadcast root {root} is not a member"))),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Storage};
+
+    /// A copy of a view holds the view's values and nothing of the buffer around it.
+    #[test]
+    fn a_fresh_copy_of_a_view_holds_just_the_view() {
+        let flat = Tensor::arange(0f32, 1000.0, &Device::Cpu).unwrap();
+        let view = flat.narrow(0, 600, 10).unwrap();
+        let copy = fresh(&view).unwrap();
+        assert_eq!(
+            copy.to_vec1::<f32>().unwrap(),
+            view.to_vec1::<f32>().unwrap()
+        );
+        let (storage, _) = copy.storage_and_layout();
+        let Storage::Cpu(candle_core::CpuStorage::F32(v)) = &*storage else {
+            panic!("an f32 CPU storage")
+        };
+        assert_eq!(v.len(), 10);
     }
 }

@@ -308,13 +308,23 @@ impl DataParallel {
         self.param_shards.as_ref()
     }
 
-    /// Stage 3: replaces the parameter shards with `owned` (`[n_owned]`, e.g. the optimizer's
-    /// updated master weights), cast to the training dtype.
+    /// Stage 3: replaces the parameter shards with `owned` (`[n_owned]` in the training dtype,
+    /// e.g. the optimizer's updated master weights, cast by the caller, which can cast a shard of
+    /// any size).
     pub fn set_param_shards(&mut self, owned: &Tensor) -> Result<()> {
         let Some(shards) = &mut self.param_shards else {
             candle_core::bail!("data parallelism: parameter shards exist only at ZeRO stage 3");
         };
-        *shards = owned.to_dtype(shards.dtype())?;
+        if (owned.dtype(), owned.elem_count()) != (shards.dtype(), shards.elem_count()) {
+            candle_core::bail!(
+                "data parallelism: new parameter shards of {} {:?} elements for {} {:?} ones",
+                owned.elem_count(),
+                owned.dtype(),
+                shards.elem_count(),
+                shards.dtype()
+            );
+        }
+        *shards = owned.clone();
         Ok(())
     }
 

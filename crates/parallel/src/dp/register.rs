@@ -89,6 +89,14 @@ impl Dp {
 impl Parallelism for Dp {
     fn problems(&self, c: &ParallelConfig, _: &Dims) -> Vec<String> {
         let mut p = Vec::new();
+        if c.bucket_size > crate::config::MAX_BUCKET_SIZE {
+            p.push(format!(
+                "parallel.bucket_size ({}) exceeds {} elements: a bucket is processed whole by \
+                 CUDA kernels indexing with 32 bits",
+                c.bucket_size,
+                crate::config::MAX_BUCKET_SIZE
+            ));
+        }
         if let Some(n) = c.zero_shard_size {
             if !c.zero.shards_optimizer() {
                 p.push("parallel.zero_shard_size needs parallel.zero >= 1".into());

@@ -120,14 +120,10 @@ pub struct NcclComm {
     watchdog: Option<JoinHandle<()>>,
 }
 
-/// A copy of `t` in fresh storage, detached from the autograd graph.
+/// A copy of `t`'s values in fresh storage of their size, detached from the autograd graph
+/// (candle's `copy` would clone the whole storage a view lies in).
 fn fresh(t: &Tensor) -> Result<Tensor> {
-    let t = t.detach();
-    if t.is_contiguous() {
-        t.copy()
-    } else {
-        t.contiguous()
-    }
+    t.detach().force_contiguous()
 }
 
 impl NcclComm {
