@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use ckpt::stream::{write_streaming, TensorSpec};
 use ckpt::{Checkpoint, Kind, Manifest, RankWriter, TensorBlock};
 use half::bf16;
@@ -20,6 +20,7 @@ use crate::train::checkpoint::tensor_block;
 
 pub mod config;
 pub mod output;
+mod parity;
 mod rope;
 pub mod weights;
 
@@ -109,7 +110,7 @@ pub fn export(dir: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportSumm
     let output = output::Output::prepare(out, opts.overwrite)?;
     let stage = output.staging();
     let written = write_export(&ck, c, stage, dtype, opts.max_shard_bytes)
-        .and_then(|(files, bytes)| Ok((parity_gate(&ck, c, stage, dtype)?, files, bytes)));
+        .and_then(|(files, bytes)| Ok((parity::gate(&ck, c, stage, dtype)?, files, bytes)));
     match written {
         Ok((parity, files, bytes)) => {
             output.commit()?;
@@ -229,55 +230,6 @@ fn write_export(
         serde_json::to_vec_pretty(&tok_config)?,
     )?;
     Ok(((0..n).map(name_of).collect(), bytes))
-}
-
-/// The exported files, loaded back, give the checkpoint's logits (with the checkpoint's weights
-/// rounded to the export dtype) within 1e-5 relative; returns the difference. One model is alive
-/// at a time.
-fn parity_gate(ck: &Checkpoint, c: &LlamaConfig, out: &Path, dtype: Dtype) -> Result<f64> {
-    let round = |v: Vec<f32>| match dtype {
-        Dtype::F32 => v,
-        Dtype::Bf16 => v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect(),
-    };
-    let tokens = parity_tokens(c)?;
-    let expected = {
-        let m = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
-        m.load_weights(|p| -> Result<Vec<f32>> {
-            Ok(round(ck.read_block(Kind::Master, tensor_block(p))?))
-        })?;
-        m.logits(&tokens)?
-    };
-    let got = {
-        let hf = HfWeights::open(out)?;
-        let m = Llama::new(c, Placement::whole(c), 0, DType::F32, &Device::Cpu)?;
-        m.load_weights(|p| hf.get(&p.name, &p.global_shape))?;
-        m.logits(&tokens)?
-    };
-    let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12) as f64;
-    let parity = (&expected - &got)?.abs()?.max_all()?.to_scalar::<f32>()? as f64 / scale;
-    // A maximum may pass over NaN; the sums cannot.
-    let finite = |t: &Tensor| -> Result<bool> {
-        Ok(t.to_dtype(candle_core::DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?
-            .is_finite())
-    };
-    if !finite(&expected)? || !finite(&got)? {
-        bail!("export parity gate failed: the logits of the checkpoint or of the exported model are not finite");
-    }
-    if parity.is_nan() || parity > 1e-5 {
-        bail!("export parity gate failed: logits of the exported model differ from the checkpoint's by {parity:.3e} (relative)");
-    }
-    Ok(parity)
-}
-
-/// Two fixed sequences of up to 32 tokens for the parity gate.
-fn parity_tokens(c: &LlamaConfig) -> Result<Tensor> {
-    let s = c.max_position_embeddings.min(32);
-    let ids: Vec<u32> = (0..2 * s as u32)
-        .map(|i| (i.wrapping_mul(2654435761) >> 7) % c.vocab_size as u32)
-        .collect();
-    Ok(Tensor::from_vec(ids, (2, s), &Device::Cpu)?)
 }
 
 /// Whether two JSON values are equal, numbers within 1e-12 relative (a decimal round trip).

@@ -32,6 +32,7 @@ use crate::segment::{storages, Held, ParamGrad};
 mod block;
 mod embedding;
 mod head;
+mod logits;
 pub(crate) use block::projection_bwd;
 pub use block::BlockTape;
 pub use embedding::EmbeddingTape;
@@ -392,19 +393,6 @@ impl Llama {
             Piece::Block(i) => self.block(i, x, None, documents)?.0,
             Piece::Head => self.head_losses(x, labels)?.0,
         })
-    }
-
-    /// Full logits `[b * s, v]` (f32) of a whole model on one rank (evaluation, export parity).
-    pub fn logits(&self, tokens: &Tensor) -> Result<Tensor> {
-        let p = &self.placement;
-        if p.tp.size() > 1 || p.cp.size() > 1 || p.ep.size() > 1 || !p.embedding || !p.head {
-            candle_core::bail!("full logits need the whole model on one rank");
-        }
-        let mut x = self.embed(tokens)?.0;
-        for &i in &p.layers {
-            x = self.block(i, &x, None, None)?.0;
-        }
-        self.head_logits(&x)?.1.to_dtype(DType::F32)
     }
 
     /// What MoE layer `layer` (parameters `m`)'s forward needs: the settings (dropless in
