@@ -23,19 +23,18 @@
 //! SwiGLU; `core_attn`: the attention output and its log-sum-exp), which its backward rebuilds
 //! and holds as a temporary.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use model::placement::{chunk_pieces, state_layout};
 use model::{Inventory, Piece, Recompute};
 use parallel::dp::{StateBytes, ZeroStage};
 use parallel::pipeline::{
-    build, build_zb_h1, build_zbv, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleError,
-    ScheduleKind,
+    build, build_zb_h1, zb_h1, zbv, Action, ChunkPlacement, Schedule, ScheduleError, ScheduleKind,
 };
 use serde::Serialize;
 
 use super::acts::{Acts, PieceActs};
+use super::memo::{memo, Memo};
 use super::PlanError;
 use crate::recipe::{OptimizerName, Recipe};
 
@@ -97,6 +96,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
     let p = model.shapes.p;
     let schedule = walked_schedule(r)?;
     let acts = |piece: Piece| model.of(piece);
+    let model_key = format!("{c:?} tp {t}");
     let mut out = Vec::with_capacity(pp);
     for stage in 0..pp {
         let chunks: Vec<Vec<Piece>> = (0..v)
@@ -114,20 +114,21 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
         let experts = c.moe().map_or(0, |m| m.num_experts / par.ep.max(1));
         let holds = |p: Piece| chunks.iter().flatten().any(|&q| q == p);
         let (embedding, head) = (holds(Piece::Embedding), holds(Piece::Head));
-        let inventory = Inventory::with_experts(c, &layers, embedding, head, 0..experts);
-        let numels = inventory.local_numels(t)?;
-        let state = state_layout(par, &inventory, &numels, &chunks, (0, 0));
+        let held =
+            super::memo::stage_parameters(&model_key, c, (&layers, embedding, head, experts), t)?;
+        let (inventory, numels) = (&held.0, &held.1);
+        let state = state_layout(par, inventory, numels, &chunks, (0, 0));
         let moments = r.optimizer.state_dtype.dtype();
         let StateBytes {
             param_bytes,
             grad_bytes,
             mut optimizer_bytes,
-        } = state.bytes(par, &numels, r.train.dtype.dtype(), moments);
+        } = state.bytes(par, numels, r.train.dtype.dtype(), moments);
         if r.optimizer.name == OptimizerName::Muon {
             // Muon keeps a master weight and an f32 momentum (8 bytes) per hidden matrix element
             // instead of AdamW's master and two moments. Shards are equal in size but not in
             // their share of hidden matrices: the most loaded rank is the one with the fewest.
-            let hidden = fewest_hidden(par, &inventory, &numels, &chunks);
+            let hidden = fewest_hidden(par, inventory, numels, &chunks);
             let adamw = 4 + 2 * moments.size_in_bytes();
             optimizer_bytes = optimizer_bytes - adamw * hidden + 8 * hidden;
         }
@@ -261,30 +262,23 @@ fn walked_schedule(r: &Recipe) -> Result<Schedule, PlanError> {
 /// costs; training re-orders it for measured ones).
 pub fn schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
     static BUILT: Memo<Schedule> = OnceLock::new();
-    memo(&BUILT, &format!("schedule m {m}"), r, |r| {
-        build_schedule(r, m)
-    })
-}
-
-fn build_schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
     let par = &r.parallel;
-    let (pp, v) = (par.pp, par.virtual_stages);
-    let schedule = match par.schedule_kind() {
-        ScheduleKind::ZeroBubbleH1 => build_zb_h1(pp, m, &zb_h1_deferrals(r)?),
-        ScheduleKind::ZeroBubbleV => {
-            let caps = zbv_caps(r)?;
-            build_zbv(
-                pp,
-                m,
-                &zbv::Fit {
-                    caps,
-                    ..zbv::Fit::unit(pp)
-                },
-            )
-        }
-        kind => build(kind, pp, v, m),
+    let (kind, pp, v) = (par.schedule_kind(), par.pp, par.virtual_stages);
+    // What the schedule is built from: its kind and sizes, and the zero-bubble fits.
+    let fitted = match kind {
+        ScheduleKind::ZeroBubbleH1 => zb_h1_deferrals(r)?,
+        ScheduleKind::ZeroBubbleV => zbv_caps(r)?,
+        _ => Vec::new(),
     };
-    schedule.map_err(PlanError::Schedule)
+    let key = format!("{kind:?} pp {pp} v {v} m {m} {fitted:?}");
+    memo(&BUILT, Some(key), || {
+        let schedule = match kind {
+            ScheduleKind::ZeroBubbleH1 => build_zb_h1(pp, m, &fitted),
+            ScheduleKind::ZeroBubbleV => super::memo::unit_zbv(pp, m, &fitted),
+            kind => build(kind, pp, v, m),
+        };
+        schedule.map_err(PlanError::Schedule)
+    })
 }
 
 /// How many weight actions each stage of a zb-h1 pipeline defers: the paper's `s` on stage `s`
@@ -293,7 +287,10 @@ fn build_schedule(r: &Recipe, m: usize) -> Result<Schedule, PlanError> {
 /// A stage holding more than the others (the head's logits on the last) defers fewer.
 pub fn zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     static FITTED: Memo<Vec<usize>> = OnceLock::new();
-    memo(&FITTED, "zb-h1", r, fit_zb_h1_deferrals)
+    let m_sim = r.grad_accum_steps().min(2 * r.parallel.pp);
+    memo(&FITTED, fit_key("zb-h1", r, m_sim), || {
+        fit_zb_h1_deferrals(r)
+    })
 }
 
 fn fit_zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
@@ -325,7 +322,8 @@ fn fit_zb_h1_deferrals(r: &Recipe) -> Result<Vec<usize>, PlanError> {
 /// each). The caps are fitted on `min(m, 3·pp)` micro-batches of the step's `m`.
 pub fn zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     static FITTED: Memo<Vec<usize>> = OnceLock::new();
-    memo(&FITTED, "zbv", r, fit_zbv_caps)
+    let m_sim = r.grad_accum_steps().min(3 * r.parallel.pp);
+    memo(&FITTED, fit_key("zbv", r, m_sim), || fit_zbv_caps(r))
 }
 
 fn fit_zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
@@ -344,7 +342,7 @@ fn fit_zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     let budget = one_f_one_b_peak(r, &model, &per_stage, m_sim)?;
     let mut fit = zbv::Fit::unit(pp);
     loop {
-        let schedule = build_zbv(pp, m_sim, &fit).map_err(|e| match e {
+        let schedule = super::memo::unit_zbv(pp, m_sim, &fit.caps).map_err(|e| match e {
             // Name what the user set, not the shortened walk's size.
             ScheduleError::Stalled { .. } => PlanError::ZbvStalled {
                 pp,
@@ -369,40 +367,21 @@ fn fit_zbv_caps(r: &Recipe) -> Result<Vec<usize>, PlanError> {
     }
 }
 
-/// Results remembered by [`memo`], at most [`MEMO_ENTRIES`] of a kind.
-type Memo<T> = OnceLock<Mutex<HashMap<String, T>>>;
-
-/// Entries a [`Memo`] keeps before it starts over.
-const MEMO_ENTRIES: usize = 1024;
-
-/// `fit(r)`, remembered in `cache` for recipes that differ only in what activations and
-/// schedules do not depend on (the ZeRO stage, the moments' dtype): the layout search plans each
-/// layout for every stage and both moment dtypes, and building and fitting the zero-bubble
-/// schedules was most of a plan's time.
-fn memo<T: Clone>(
-    cache: &'static Memo<T>,
-    kind: &str,
-    r: &Recipe,
-    fit: impl FnOnce(&Recipe) -> Result<T, PlanError>,
-) -> Result<T, PlanError> {
+/// The key of a zero-bubble fit (`kind`) of `r` on `m_sim` micro-batches: the recipe with what
+/// activations and the fitted walk do not depend on made equal (the ZeRO stage, the moments'
+/// dtype, the data-parallel size and the global batch but for the walk's micro-batches). The
+/// layout search plans each layout for every stage, both moment dtypes and every data-parallel
+/// size, and fitting the zero-bubble schedules was most of a plan's time. `None` when the recipe
+/// cannot be written (it is then fitted each time).
+fn fit_key(kind: &str, r: &Recipe, m_sim: usize) -> Option<String> {
     let mut key = r.clone();
     key.parallel.zero = ZeroStage::default();
     key.optimizer.state_dtype = Default::default();
-    let Ok(key) = serde_json::to_string(&key).map(|k| format!("{kind} {k}")) else {
-        return fit(r); // a recipe without a key is fitted each time
-    };
-    let cache = cache.get_or_init(Default::default);
-    if let Some(v) = cache.lock().ok().and_then(|m| m.get(&key).cloned()) {
-        return Ok(v);
-    }
-    let v = fit(r)?;
-    if let Ok(mut m) = cache.lock() {
-        if m.len() >= MEMO_ENTRIES {
-            m.clear();
-        }
-        m.insert(key, v.clone());
-    }
-    Ok(v)
+    key.parallel.dp = 1;
+    key.train.global_batch = m_sim * key.train.micro_batch;
+    serde_json::to_string(&key)
+        .ok()
+        .map(|k| format!("{kind} {k}"))
 }
 
 /// The most activation bytes any stage holds under 1F1B with `layers[s]` layers on stage `s`.

@@ -11,6 +11,7 @@ mod acts;
 pub mod choose;
 mod error;
 pub mod hardware;
+mod memo;
 pub mod memory;
 pub mod report;
 mod roofline;
@@ -242,7 +243,7 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, PlanError> {
         })
         .collect();
     let (step_time, bubble) = time::step_time(r, hw, &state);
-    let communicators = parallel::register::most_communicators(&r.parallel)?;
+    let communicators = memo::most_communicators(&r.parallel)?;
     let headroom_bytes = hw.headroom_bytes(&communicators);
     // The trainer's start-up limits (the activations candle's kernels process whole).
     let refused = if hw.is_gpu() {

@@ -291,19 +291,22 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         None => None,
     };
     let fit = (!own.fits).then(|| cheapest_fit(&r, &hw)).flatten();
-    let json = PlanJson {
-        hardware: &hw,
-        plan: &own,
-        candidates: ranked.as_ref().map(|c| c.iter().map(|c| &c.plan).collect()),
-        cheapest_fit: fit.as_ref(),
-    };
-    let text = serde_json::to_string(&json)?;
-    if let Some(path) = &args.json_out {
-        crate::files::write_replacing(path, text.as_bytes())?;
-    }
-    if args.json {
-        println!("{text}");
-        return Ok(());
+    // Every candidate's plan in JSON is large (thousands at 64 GPUs): written only when asked.
+    if args.json || args.json_out.is_some() {
+        let json = PlanJson {
+            hardware: &hw,
+            plan: &own,
+            candidates: ranked.as_ref().map(|c| c.iter().map(|c| &c.plan).collect()),
+            cheapest_fit: fit.as_ref(),
+        };
+        let text = serde_json::to_string(&json)?;
+        if let Some(path) = &args.json_out {
+            crate::files::write_replacing(path, text.as_bytes())?;
+        }
+        if args.json {
+            println!("{text}");
+            return Ok(());
+        }
     }
     println!(
         "{} on {} ({} GPUs/node):",

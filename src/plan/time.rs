@@ -12,6 +12,7 @@ use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
 use super::hardware::Hardware;
+use super::memo::{memo, Memo};
 use super::roofline::{exposed, group_bandwidth, model_of, Cost, Model};
 use crate::recipe::{OptimizerName, Recipe};
 
@@ -238,7 +239,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         ScheduleKind::ZeroBubbleV => super::memory::zbv_caps(r).unwrap_or_default(),
         _ => Vec::new(),
     };
-    let bubble_s = Pp::bubble_s(kind, (pp, v, m as usize), (mean, bwd, wgt), &limits);
+    let bubble_s = bubble(kind, (pp, v, m as usize), (mean, bwd, wgt), &limits);
     let pipeline_s = m * worst + bubble_s;
 
     // Data parallelism on the slowest stage.
@@ -286,4 +287,19 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
         step_s,
     };
     (time, bubble_s / pipeline_s)
+}
+
+/// [`Pp::bubble_s`], remembered: the layout search prices each layout for every ZeRO stage and
+/// both moment dtypes, whose stage costs are often the same.
+fn bubble(
+    kind: ScheduleKind,
+    sizes: (usize, usize, usize),
+    costs: (f64, f64, f64),
+    limits: &[usize],
+) -> f64 {
+    static SIMULATED: Memo<f64> = std::sync::OnceLock::new();
+    let bits = (costs.0.to_bits(), costs.1.to_bits(), costs.2.to_bits());
+    let key = format!("{kind:?} {sizes:?} {bits:?} {limits:?}");
+    let simulate = || Ok::<_, std::convert::Infallible>(Pp::bubble_s(kind, sizes, costs, limits));
+    memo(&SIMULATED, Some(key), simulate).unwrap_or_else(|never| match never {})
 }

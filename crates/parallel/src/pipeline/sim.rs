@@ -18,8 +18,6 @@
 //! its forward, a weight action before its backward, a compute before its input arrived, a send before the compute producing it, and
 //! deadlock.
 
-use std::collections::{HashMap, HashSet};
-
 use super::check::{validate, Key, Payload};
 use super::schedule::{Action, Schedule};
 
@@ -211,7 +209,6 @@ pub fn simulate_built(schedule: &Schedule, costs: SimCosts) -> Result<SimReport,
 }
 
 /// Per-stage execution state.
-#[derive(Default)]
 struct StageState {
     pc: usize,
     clock: f64,
@@ -219,9 +216,71 @@ struct StageState {
     peak: usize,
     compute: f64,
     spans: Vec<Span>,
-    forwarded: HashSet<(usize, usize)>,
-    backwarded: HashSet<(usize, usize)>,
-    received: HashSet<Key>,
+    /// Local (chunk, micro-batch) pairs forwarded and back-propagated.
+    forwarded: Table<bool>,
+    backwarded: Table<bool>,
+    /// Messages received, by [`Key`].
+    received: Table<bool>,
+}
+
+impl StageState {
+    fn new(sched: &Schedule) -> Self {
+        let (local, keys) = (sched.v * sched.m, 2 * sched.num_chunks() * sched.m);
+        Self {
+            pc: 0,
+            clock: 0.0,
+            in_flight: 0,
+            peak: 0,
+            compute: 0.0,
+            spans: Vec::new(),
+            forwarded: Table::new(local, false),
+            backwarded: Table::new(local, false),
+            received: Table::new(keys, false),
+        }
+    }
+}
+
+/// A dense table over small indices (the simulator looks up and marks tens of thousands of
+/// (chunk, micro-batch) pairs per schedule): an index past its end reads as the default and
+/// is not stored, so a malformed schedule fails its checks instead of panicking.
+struct Table<T> {
+    cells: Vec<T>,
+    default: T,
+}
+
+impl<T: Copy> Table<T> {
+    fn new(n: usize, default: T) -> Self {
+        Self {
+            cells: vec![default; n],
+            default,
+        }
+    }
+
+    fn get(&self, i: Option<usize>) -> T {
+        i.and_then(|i| self.cells.get(i).copied())
+            .unwrap_or(self.default)
+    }
+
+    fn set(&mut self, i: Option<usize>, v: T) {
+        if let Some(c) = i.and_then(|i| self.cells.get_mut(i)) {
+            *c = v;
+        }
+    }
+}
+
+/// Where a local (chunk, micro-batch) pair of `sched` sits in a [`Table`].
+fn local(sched: &Schedule, (chunk, micro): (usize, usize)) -> Option<usize> {
+    (chunk < sched.v && micro < sched.m).then(|| chunk * sched.m + micro)
+}
+
+/// Where a message [`Key`] of `sched` sits in a [`Table`].
+fn message(sched: &Schedule, (payload, g, micro): Key) -> Option<usize> {
+    let p = match payload {
+        Payload::Activation => 0,
+        Payload::Grad => 1,
+    };
+    let n = sched.num_chunks();
+    (g < n && micro < sched.m).then(|| (p * n + g) * sched.m + micro)
 }
 
 /// Executes the action lists round-robin, each stage as far as it can go, until all finish or
@@ -229,8 +288,10 @@ struct StageState {
 fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
     let last = sched.num_chunks() - 1;
     let split = sched.splits_backward();
-    let mut states: Vec<StageState> = (0..sched.pp).map(|_| StageState::default()).collect();
-    let mut posted: HashMap<Key, f64> = HashMap::new();
+    let mut states: Vec<StageState> = (0..sched.pp).map(|_| StageState::new(sched)).collect();
+    // When each message was sent (NaN: not sent, or already received).
+    let mut posted = Table::new(2 * sched.num_chunks() * sched.m, f64::NAN);
+    let at = |pair| local(sched, pair);
     loop {
         let mut progressed = false;
         for (stage, st) in states.iter_mut().enumerate() {
@@ -240,7 +301,7 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                 let g = sched.global_chunk(stage, chunk);
                 match action {
                     Action::Weight { .. } => {
-                        if !st.backwarded.contains(&(chunk, micro)) {
+                        if !st.backwarded.get(at((chunk, micro))) {
                             return Err(SimError::WeightBeforeBackward { stage, action });
                         }
                         let start = st.clock;
@@ -255,7 +316,7 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                     }
                     Action::Forward { .. } | Action::Backward { .. } => {
                         let forward = matches!(action, Action::Forward { .. });
-                        if !forward && !st.forwarded.contains(&(chunk, micro)) {
+                        if !forward && !st.forwarded.get(at((chunk, micro))) {
                             return Err(SimError::BackwardBeforeForward { stage, action });
                         }
                         // The input: received, handed over by this stage's neighbouring
@@ -273,7 +334,7 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                                 } else {
                                     &st.backwarded
                                 };
-                                done.contains(&(c, micro))
+                                done.get(at((c, micro)))
                             }
                             Some(_) => {
                                 let payload = if forward {
@@ -281,7 +342,7 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                                 } else {
                                     Payload::Grad
                                 };
-                                st.received.contains(&(payload, g, micro))
+                                st.received.get(message(sched, (payload, g, micro)))
                             }
                         };
                         if !has_input {
@@ -301,11 +362,11 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                             action,
                         });
                         if forward {
-                            st.forwarded.insert((chunk, micro));
+                            st.forwarded.set(at((chunk, micro)), true);
                             st.in_flight += 1;
                             st.peak = st.peak.max(st.in_flight);
                         } else {
-                            st.backwarded.insert((chunk, micro));
+                            st.backwarded.set(at((chunk, micro)), true);
                             if !split {
                                 st.in_flight -= 1;
                             }
@@ -318,22 +379,24 @@ fn execute(sched: &Schedule, costs: SimCosts) -> Result<SimReport, SimError> {
                             }
                             _ => (&st.backwarded, (Payload::Grad, g - 1, micro)),
                         };
-                        if !done.contains(&(chunk, micro)) {
+                        if !done.get(at((chunk, micro))) {
                             return Err(SimError::SendBeforeCompute { stage, action });
                         }
-                        posted.insert(key, st.clock);
+                        posted.set(message(sched, key), st.clock);
                     }
                     Action::RecvActivation { .. } | Action::RecvGrad { .. } => {
                         let payload = match action {
                             Action::RecvActivation { .. } => Payload::Activation,
                             _ => Payload::Grad,
                         };
-                        let key = (payload, g, micro);
-                        let Some(sent_at) = posted.remove(&key) else {
+                        let key = message(sched, (payload, g, micro));
+                        let sent_at = posted.get(key);
+                        if sent_at.is_nan() {
                             break; // blocked until the matching send happens
-                        };
+                        }
+                        posted.set(key, f64::NAN);
                         st.clock = st.clock.max(sent_at);
-                        st.received.insert(key);
+                        st.received.set(key, true);
                     }
                 }
                 st.pc += 1;
