@@ -1,8 +1,8 @@
 //! Results the layout search remembers: it plans thousands of candidates that share their
-//! schedules, zero-bubble fits, simulated bubbles, communicator counts and stages' parameters (a layout is planned
-//! for every ZeRO stage, both moment dtypes and every data-parallel size), and computing those
-//! again was most of a plan's time. Each kind keeps at most [`MEMO_ENTRIES`] results and starts
-//! over when full; errors are never remembered.
+//! schedules, zero-bubble fits, simulated bubbles, communicator counts and stages' parameters
+//! (a layout is planned for every ZeRO stage, both moment dtypes and every data-parallel size),
+//! and computing those again was most of a plan's time. Each kind keeps at most
+//! [`MEMO_ENTRIES`] results and starts over when full; errors are never remembered.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
