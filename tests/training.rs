@@ -62,7 +62,7 @@ fn cli_trains_and_writes_run_outputs() {
     let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
         .args(["--recipe", "recipes/tiny.yaml", "--set"])
         .arg(format!(
-            "train.steps=4,schedule.warmup_steps=1,train.eval_interval=2,train.eval_batches=1,run.log_interval=1,run.dir={}",
+            "train.steps=4,schedule.warmup_steps=1,train.eval_interval=2,train.eval_batches=1,run.log_interval=1,run.peak_tflops=0.5,run.dir={}",
             dir.path().display()
         ))
         .output()
@@ -91,6 +91,22 @@ fn cli_trains_and_writes_run_outputs() {
     );
     let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     assert!(first["loss"].as_f64().unwrap() > 7.0);
+    // MFU in both counts: causal attention once, and PaLM's over every (query, key) pair.
+    let r = pretrain::recipe::load(std::path::Path::new("recipes/tiny.yaml"), &[]).unwrap();
+    let (causal, attention) = (
+        r.model.flops_per_token(r.train.seq_len),
+        r.model.attention_flops_per_token(r.train.seq_len),
+    );
+    let (mfu, full) = (
+        first["mfu"].as_f64().unwrap(),
+        first["mfu_full_attention"].as_f64().unwrap(),
+    );
+    let ratio = (causal + attention) / causal;
+    assert!(
+        (full / mfu - ratio).abs() < 1e-9 * ratio,
+        "{mfu} {full} {ratio}"
+    );
+    assert!(log.contains("mfu_full_attention="), "{log}");
     let svg = std::fs::read_to_string(dir.path().join("loss.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("polyline"));
     assert!(dir.path().join("recipe.yaml").exists());

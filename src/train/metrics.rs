@@ -65,8 +65,12 @@ pub struct StepRate {
     /// computed (the document mask keeps the rest out).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention_share: Option<f64>,
-    /// Model FLOPs utilisation, when the device peak is known.
+    /// Model FLOPs utilisation, when the device peak is known: of [`StepRate::tflops`] (causal
+    /// attention counted once, the work a causal kernel does).
     pub mfu: Option<f64>,
+    /// The same in the count most published tables use (PaLM's `6N + 12 L s q` per token:
+    /// attention counted over every (query, key) pair, as if the mask were full).
+    pub mfu_full_attention: Option<f64>,
 }
 
 /// A step's memory: the process's, the device's and this rank's training state and peaks.
@@ -287,6 +291,7 @@ fn scalars(r: &StepRecord) -> Vec<(&'static str, f64)> {
     ];
     let optional = [
         ("throughput/mfu", r.rate.mfu),
+        ("throughput/mfu_full_attention", r.rate.mfu_full_attention),
         ("memory/device_mib", r.memory.device_mem_mib),
         ("memory/device_peak_mib", r.memory.device_peak_mib),
         ("memory/device_pool_mib", r.memory.device_pool_mib),

@@ -113,10 +113,12 @@ pub fn loss_text(loss: f64) -> String {
 
 /// The log line of a step of `steps`.
 fn step_line(rec: &StepRecord, steps: usize) -> String {
-    let mfu = rec
-        .rate
-        .mfu
-        .map_or("n/a".to_string(), |m| format!("{:.1}%", 100.0 * m));
+    // Both counts where the peak is known: causal attention once, and over every pair.
+    let mfu = match (rec.rate.mfu, rec.rate.mfu_full_attention) {
+        (Some(m), Some(f)) => format!("{:.1}% mfu_full_attention={:.1}%", 100.0 * m, 100.0 * f),
+        (Some(m), None) => format!("{:.1}%", 100.0 * m),
+        _ => "n/a".to_string(),
+    };
     let gathers = rec.time.gather_s.map_or(String::new(), |s| {
         let hidden = rec.time.gather_hidden.unwrap_or(0.0);
         format!(" gathers={:.0}ms ({:.0}% hidden)", 1e3 * s, 100.0 * hidden)

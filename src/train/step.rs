@@ -341,6 +341,10 @@ impl Trainer {
         // Per rank (one GPU each), as the planner and Megatron-LM report it.
         let ranks = r.parallel.world_size() as f64;
         let tflops = tokens * (r.model.flops_per_token(t.seq_len) - skipped) / secs / 1e12 / ranks;
+        // PaLM's count, as most tables report MFU: attention over every (query, key) pair.
+        let full =
+            r.model.flops_per_token(t.seq_len) + r.model.attention_flops_per_token(t.seq_len);
+        let tflops_full = tokens * full / secs / 1e12 / ranks;
         let g = m.run.gathered;
         let zero3 = self.state.gather.is_some();
         let rate = metrics::StepRate {
@@ -348,6 +352,7 @@ impl Trainer {
             tflops,
             attention_share: r.data.reset_attention_mask.then_some(m.attention_share),
             mfu: r.run.peak_tflops.map(|p| tflops / p),
+            mfu_full_attention: r.run.peak_tflops.map(|p| tflops_full / p),
         };
         let memory = metrics::StepMemory {
             mem_mib: peak_rss_mib(),
