@@ -47,7 +47,10 @@ fn by_hand(set: &str, next: &Relayout, run: &Path, from: u64) -> Vec<f64> {
     losses(recipe)
 }
 
-fn losses(recipe: pretrain::recipe::Recipe) -> Vec<f64> {
+fn losses(mut recipe: pretrain::recipe::Recipe) -> Vec<f64> {
+    // A run directory of its own: the tests of this file run these side by side.
+    let dir = tempfile::tempdir().unwrap();
+    recipe.run.dir = dir.path().join("run");
     pretrain::train::train(recipe, false)
         .unwrap()
         .records

@@ -15,6 +15,7 @@ pub mod metrics;
 mod micro;
 pub mod order;
 pub mod pipeline;
+mod plot;
 pub mod prefetch;
 pub mod rank;
 mod report;
