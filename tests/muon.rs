@@ -1,6 +1,7 @@
 //! `optimizer.name: muon` under every layout: the Newton-Schulz iteration runs on each whole
-//! matrix whatever shards it, so tensor parallelism, ZeRO 1 and 3, pipelines and expert
-//! parallelism train like one rank (the tolerances of tests/parallel.rs); resume is bit-identical
+//! matrix whatever shards it, on one rank of the group that holds it (replicated or sharded), so
+//! data and tensor parallelism, ZeRO 0, 1 and 3, pipelines and expert parallelism train like
+//! one rank (the tolerances of tests/parallel.rs); resume is bit-identical
 //! and continues at another layout; switching optimizer on resume needs
 //! `checkpoint.accept_changes: [optimizer]`.
 
@@ -28,6 +29,9 @@ fn muon_layouts_equal_the_single_rank_run() {
     assert!(moved > 1e-3, "muon and adamw end {moved:.2e} apart");
     for layout in [
         "parallel.tp=2",
+        // Replicated state (ZeRO 0): each matrix orthogonalised by one rank and broadcast.
+        "parallel.dp=2",
+        "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true",
         "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero=1",
         "parallel.dp=2,parallel.tp=2,parallel.sequence_parallel=true,parallel.zero=3",
         // Owners spread over four shards, with small buckets that cut through matrices.

@@ -460,3 +460,31 @@ fn the_planners_best_7b_layouts_pass_the_trainers_start_up_checks() {
         p.refused
     );
 }
+
+/// Muon's orthogonalisations are spread over the data-parallel ranks whether its state is
+/// replicated (ZeRO 0: each matrix on one rank, broadcast) or sharded: the planner's optimizer
+/// term for the 1.1B model on H100s falls with the ranks at either stage.
+#[test]
+fn muons_planned_cost_divides_over_data_parallel_ranks() {
+    use pretrain::plan::GpuPreset;
+    let hw = GpuPreset::H100.hardware();
+    let optimizer_s = |set: &str| {
+        let r = pretrain::recipe::load(
+            Path::new("recipes/bench-1b.yaml"),
+            &[format!("optimizer.name=muon,{set}")],
+        )
+        .unwrap();
+        pretrain::plan::plan(&r, &hw).unwrap().step_time.optimizer_s
+    };
+    let one = optimizer_s("parallel.dp=1,train.global_batch=8");
+    for zero in [0, 1] {
+        let eight = optimizer_s(&format!(
+            "parallel.dp=8,parallel.zero={zero},train.global_batch=64"
+        ));
+        eprintln!("zero {zero}: {one:.4} s on one rank, {eight:.4} s at dp 8");
+        assert!(
+            eight < one / 3.0,
+            "zero {zero}: {eight} s at dp 8 against {one} s alone"
+        );
+    }
+}

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 use model::ParamSet;
-use parallel::dp::{FlatLayout, Matrix, MatrixGroups, ShardPos, WholeMatrices};
+use parallel::dp::{FlatLayout, Matrix, MatrixGroups, ShardPos, Spread, WholeMatrices};
 use parallel::tp::Shard;
 use parallel::Comm;
 
@@ -93,7 +93,7 @@ pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tenso
 pub fn exchange(
     comm: Arc<dyn Comm>,
     layout: &FlatLayout,
-    place: (bool, ShardPos),
+    place: (Spread, ShardPos),
     groups: MatrixGroups,
     (params, hidden, expert): (&ParamSet, &[bool], &[bool]),
     cfg: &MuonConfig,

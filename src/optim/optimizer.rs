@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use ckpt::PieceDtype;
 use model::ParamSet;
 use parallel::comm::local::LocalWorld;
-use parallel::dp::{intersect, MatrixGroups, ShardPos, WholeMatrices};
+use parallel::dp::{intersect, MatrixGroups, ShardPos, Spread, WholeMatrices};
 use parallel::Group;
 
 use super::muon::Muon;
@@ -182,7 +182,7 @@ impl Optimizer {
         let whole = super::muon::exchange(
             comm,
             layout,
-            (false, ShardPos::uniform(0, 1)),
+            (Spread::Alone, ShardPos::uniform(0, 1)),
             groups,
             (params, hidden, &no_experts),
             &cfg.muon,

@@ -48,12 +48,22 @@ pub struct StageState {
     pub params: f64,
 }
 
+/// The ranks Muon's matrices are spread over (each orthogonalised by one of them): the shard
+/// group with ZeRO sharding, the gradient group without (its state is replicated there).
+fn muon_owners(par: &parallel::ParallelConfig) -> usize {
+    if par.zero.shards_optimizer() {
+        par.shard_size()
+    } else {
+        par.grad_ranks()
+    }
+}
+
 /// Muon's own seconds on a rank of a stage holding decoder blocks `layers` (its elementwise
 /// work is counted with AdamW's): the Newton-Schulz iterations of the whole matrices it owns
-/// (the stage's matrices spread evenly over the shard group; every rank iterates all of them
-/// without sharding), the tensor-parallel all-gathers that assemble them, and with sharding
-/// the exchange over the shard group (each bucket all-gathered in, and broadcast back, in f32).
-fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, shard_bw: f64) -> f64 {
+/// (the stage's matrices spread evenly over [`muon_owners`]), the tensor-parallel all-gathers
+/// that assemble them, and the exchange over the owners' group at `spread_bw` (in f32: with
+/// sharding each bucket all-gathered in and broadcast back, without only broadcast back).
+fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, spread_bw: f64) -> f64 {
     let (c, par) = (&r.model, &r.parallel);
     let (h, q) = (c.hidden_size, c.q_dim());
     let kv = c.num_key_value_heads * c.head_dim();
@@ -74,9 +84,9 @@ fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, shard_bw
     let cfg = &r.optimizer.muon;
     let flops: f64 = shapes.iter().map(|&s| 2.0 * cfg.ns_cost(s)).sum();
     let elems: f64 = shapes.iter().map(|s| (s[0] * s[1]) as f64).sum();
-    let sharded = par.zero.shards_optimizer() && par.shard_size() > 1;
-    let owners = if sharded {
-        par.shard_size() as f64
+    let owners = muon_owners(par) as f64;
+    let passes = if par.zero.shards_optimizer() {
+        2.0
     } else {
         1.0
     };
@@ -84,8 +94,8 @@ fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, shard_bw
     let compute = flops / owners / (hw.peak_tflops * 1e12 * hw.gemm_efficiency);
     let t = par.tp as f64;
     let gather = model.tp_collective((t - 1.0) / t, 4.0 * elems / owners);
-    let exchange = if sharded {
-        2.0 * 4.0 * st.params * (owners - 1.0) / owners / shard_bw
+    let exchange = if owners > 1.0 {
+        passes * 4.0 * st.params * (owners - 1.0) / owners / spread_bw
     } else {
         0.0
     };
@@ -271,8 +281,8 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     let state = 4.0 + 2.0 * moment;
     let mut optimizer_s = model.memory(st.owned * (4.0 + 2.0 * state + p + 4.0));
     if r.optimizer.name == OptimizerName::Muon {
-        let shard_bw = group_bandwidth(hw, par.shard_size(), tp);
-        optimizer_s += muon_s(r, &model, &stage_layers[slowest], st, shard_bw);
+        let spread_bw = group_bandwidth(hw, muon_owners(par), tp);
+        optimizer_s += muon_s(r, &model, &stage_layers[slowest], st, spread_bw);
     }
     let (cost, pp_s) = per_stage[slowest];
     let step_s = pipeline_s + dp_exposed_s + optimizer_s;

@@ -10,10 +10,11 @@ use model::placement::state_layout;
 use model::{Llama, ParamKind, Piece};
 use parallel::dp::{
     publish_shards, DataParallel, DpGroups, FlatLayout, Gatherer, MatrixGroups, Partial, Pass,
-    ShardPos, StateLayout, WholeMatrices, ZeroStage,
+    ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
+use parallel::Group;
 
 use super::RankCtx;
 use crate::optim::{flatten_params, initial_owned, write_params, GradBuffer, Optimizer};
@@ -206,7 +207,9 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
 }
 
 /// The hidden matrices of `model` on rank `ctx` (at `pos` in its shard groups), assembled whole
-/// for Muon across tensor parallelism and ZeRO shards (see `parallel::dp::matrices`).
+/// for Muon across tensor parallelism and ZeRO shards (see `parallel::dp::matrices`). Without
+/// sharding the state is replicated over the gradient groups, and the matrices are spread over
+/// them instead: each is orthogonalised by one rank of the group and broadcast.
 fn whole_matrices(
     recipe: &Recipe,
     ctx: &RankCtx,
@@ -221,15 +224,28 @@ fn whole_matrices(
     let expert: Vec<bool> = (inventory.expert_flags().into_iter())
         .map(|e| e && par.ep > 1)
         .collect();
+    let (g, eg) = (&ctx.groups.grad, &ctx.groups.expert_grad);
+    let (spread, shard, pos) = if par.zero.shards_optimizer() {
+        (Spread::Sharded, ctx.groups.shard.clone(), pos)
+    } else if g.size() > 1 || eg.size() > 1 {
+        let index = |group: &Group| group.index_of(ctx.rank).unwrap_or(0);
+        let pos = ShardPos {
+            dense: (index(g), g.size()),
+            expert: (index(eg), eg.size()),
+        };
+        (Spread::Replicated, g.clone(), pos)
+    } else {
+        (Spread::Alone, ctx.groups.shard.clone(), pos)
+    };
     let groups = MatrixGroups {
-        shard: ctx.groups.shard.clone(),
-        expert_shard: ctx.groups.expert_grad.clone(),
+        shard,
+        expert_shard: eg.clone(),
         tp: ctx.groups.tp.clone(),
     };
     crate::optim::muon::exchange(
         ctx.comm.clone(),
         layout,
-        (par.zero.shards_optimizer(), pos),
+        (spread, pos),
         groups,
         (model.params(), &hidden, &expert),
         &recipe.optimizer.muon,

@@ -17,10 +17,14 @@
 //! 3. each owner broadcasts its results to the shard group, and every member keeps the part
 //!    of the bucket it owns.
 //!
-//! Without sharding every rank applies `f` to every matrix it holds (the optimizer is
-//! replicated, as its state is). Memory: two buckets' values at a time, and one whole matrix.
-//! Traffic per member and step, sharded: the bucket once in (step 1) and once out (step 3),
-//! about twice ZeRO's parameter all-gather in f32.
+//! Without sharding (ZeRO stage 0) every rank holds every matrix, and the work is still spread
+//! ([`Spread::Replicated`]): over the gradient group, each owner transforms its matrices and
+//! broadcasts the results (step 1 is not needed), so `f`'s cost divides by the group's size as
+//! it does with sharding; the results are those each rank would compute itself, as every rank
+//! holds the same values. A rank alone ([`Spread::Alone`]) applies `f` to every matrix.
+//! Memory: two buckets' values at a time, and one whole matrix. Traffic per member and step,
+//! sharded: the bucket once in (step 1) and once out (step 3), about twice ZeRO's parameter
+//! all-gather in f32; replicated, once out.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -53,6 +57,20 @@ impl Matrix {
         }
         s
     }
+}
+
+/// How the matrices' optimizer state lies over the shard groups of [`MatrixGroups`], and so who
+/// transforms each matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spread {
+    /// This rank transforms every matrix it holds (no group to share the work with).
+    Alone,
+    /// Every member holds every matrix (ZeRO stage 0); each matrix is transformed by its owner
+    /// and broadcast to the others.
+    Replicated,
+    /// Each member holds its shard of every bucket (ZeRO stage 1 and above); the buckets are
+    /// gathered, each matrix transformed by its owner and broadcast.
+    Sharded,
 }
 
 /// The groups the matrices are spread over.
@@ -90,7 +108,7 @@ pub fn assign_owners(cost: &[f64], size: usize) -> Vec<usize> {
 pub struct WholeMatrices {
     comm: Arc<dyn Comm>,
     layout: FlatLayout,
-    sharded: bool,
+    spread: Spread,
     pos: ShardPos,
     groups: MatrixGroups,
     matrices: Vec<Matrix>,
@@ -101,12 +119,13 @@ pub struct WholeMatrices {
 }
 
 impl WholeMatrices {
-    /// `matrices` of a rank at `pos` whose state is laid out by `layout`, sharded (ZeRO stage
-    /// 1 and above) or not; `cost` gives the work of transforming a whole matrix of a shape.
+    /// `matrices` of a rank at `pos` in its shard groups whose state is laid out by `layout`
+    /// and lies over the groups as `spread` says; `cost` gives the work of transforming a whole
+    /// matrix of a shape.
     pub fn new(
         comm: Arc<dyn Comm>,
         layout: FlatLayout,
-        (sharded, pos): (bool, ShardPos),
+        (spread, pos): (Spread, ShardPos),
         groups: MatrixGroups,
         matrices: Vec<Matrix>,
         cost: impl Fn([usize; 2]) -> f64,
@@ -136,7 +155,7 @@ impl WholeMatrices {
         Self {
             comm,
             layout,
-            sharded,
+            spread,
             pos,
             groups,
             matrices,
@@ -148,7 +167,7 @@ impl WholeMatrices {
     /// Whether this rank transforms matrix `m` (of [`WholeMatrices::matrices`]).
     fn transforms(&self, m: usize) -> bool {
         let (index, size) = self.shard_pos(self.matrices[m].expert);
-        !self.sharded || size == 1 || self.owner[m] == index
+        self.spread == Spread::Alone || size == 1 || self.owner[m] == index
     }
 
     /// `(index, size)` in the shard group of dense or expert buckets.
@@ -177,7 +196,7 @@ impl WholeMatrices {
     /// This rank's range of bucket `b` (its shard, or the whole bucket without sharding).
     fn own_range(&self, b: usize) -> Range<usize> {
         let bucket = &self.layout.buckets[b];
-        if self.sharded {
+        if self.spread == Spread::Sharded {
             self.pos.shard(bucket)
         } else {
             bucket.start..bucket.start + bucket.len
@@ -210,9 +229,9 @@ impl WholeMatrices {
             } else {
                 &self.groups.shard
             };
-            let split = self.sharded && group.size() > 1;
+            let shared = self.spread != Spread::Alone && group.size() > 1;
             let mine = u.narrow(0, at, n)?;
-            let whole = if split {
+            let whole = if shared && self.spread == Spread::Sharded {
                 self.comm.all_gather(group, &mine, 0)? // [bucket.len]
             } else {
                 mine
@@ -223,7 +242,7 @@ impl WholeMatrices {
                     results[k] = Some(self.transform(m, &whole, bucket.start, f)?);
                 }
             }
-            if split {
+            if shared {
                 self.share(mats, &mut results, group, device)?;
             }
             // The bucket's results in flat order, then this rank's part of them.
@@ -346,6 +365,66 @@ mod tests {
         assert_eq!(assign_owners(&[5.0, 1.0], 1), vec![0, 0]);
         // Equal jobs go round the members.
         assert_eq!(assign_owners(&[1.0; 4], 3), vec![0, 1, 2, 0]);
+    }
+
+    /// `f` (doubling, counted) over four matrices of a layout cut into small buckets, by a rank
+    /// of `size` at `rank` spreading them as `spread` says: the results and the calls made.
+    fn mapped(comm: Arc<dyn Comm>, spread: Spread, size: usize) -> (Vec<f32>, usize) {
+        let numels = [12, 20, 6, 30];
+        let shapes = [[3, 4], [4, 5], [2, 3], [5, 6]];
+        let layout = FlatLayout::new(&numels, 16, 1);
+        let matrices = (0..4)
+            .map(|i| Matrix {
+                param: i,
+                shape: shapes[i],
+                tp_dim: None,
+                expert: false,
+            })
+            .collect();
+        let rank = comm.rank();
+        let all = Group::new((0..size).collect());
+        let groups = MatrixGroups {
+            shard: all.clone(),
+            expert_shard: all,
+            tp: Group::new(vec![rank]),
+        };
+        let pos = (spread, ShardPos::uniform(rank, size));
+        let total = layout.total;
+        let whole = WholeMatrices::new(comm, layout, pos, groups, matrices, |s| {
+            (s[0] * s[1]) as f64
+        });
+        let u = Tensor::arange(0f32, total as f32, &candle_core::Device::Cpu).unwrap();
+        let mut calls = 0;
+        let out = whole
+            .map(&u, &mut |m: &Tensor| {
+                calls += 1;
+                m.affine(2.0, 0.0)
+            })
+            .unwrap();
+        (out.to_vec1().unwrap(), calls)
+    }
+
+    /// Without sharding (ZeRO stage 0) the matrices are still spread: each is transformed by one
+    /// rank of the group, and every rank ends with what a rank alone computes.
+    #[test]
+    fn replicated_matrices_are_transformed_once_and_shared() {
+        use crate::comm::local::LocalWorld;
+        let timeout = std::time::Duration::from_secs(30);
+        let alone = mapped(LocalWorld::new(1, timeout).remove(0), Spread::Alone, 1);
+        assert_eq!(alone.1, 4);
+        let handles: Vec<_> = LocalWorld::new(2, timeout)
+            .into_iter()
+            .map(|c| std::thread::spawn(move || mapped(c, Spread::Replicated, 2)))
+            .collect();
+        let got: Vec<(Vec<f32>, usize)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for (out, calls) in &got {
+            assert_eq!(out, &alone.0);
+            assert!(
+                *calls > 0 && *calls < 4,
+                "{calls} of 4 matrices on one rank"
+            );
+        }
+        assert_eq!(got[0].1 + got[1].1, 4, "each matrix transformed once");
     }
 
     #[test]

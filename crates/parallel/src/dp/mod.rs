@@ -39,7 +39,7 @@ pub mod zero;
 
 pub use gather::{GatherStats, Gatherer, ParamSlots, Pass};
 pub use layout::{intersect, Bucket, FlatLayout};
-pub use matrices::{assign_owners, Matrix, MatrixGroups, WholeMatrices};
+pub use matrices::{assign_owners, Matrix, MatrixGroups, Spread, WholeMatrices};
 pub use norm::{global_sum_squares, norm_runs, NormGroups};
 pub use rank::{gather_owned, DataParallel, DpGroups, Partial};
 pub use stage::{StateBytes, ZeroStage};
