@@ -139,6 +139,46 @@ fn the_launcher_forwards_sigterm_and_its_ranks_never_outlive_it() {
     }
 }
 
+/// A step blocked where it cannot end (here a forward paused for a minute): the first SIGTERM
+/// waits for the step; a second one soon after changes nothing (a scheduler and a launcher
+/// delivering the same stop); one `REPEAT_AFTER` later ends the run at once with 143 and no
+/// checkpoint — one process, and a launcher, which ends its rank.
+#[test]
+fn a_second_sigterm_ends_a_blocked_run_at_once() {
+    let after = pretrain::job::signals::REPEAT_AFTER;
+    for launched in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
+        let mut cmd = pretrain(&dir, "train.steps=4,checkpoint.interval=0");
+        cmd.env("PRETRAIN_TEST_SLOW_RANK", "0:60000");
+        if launched {
+            cmd.args(["--nproc-per-node", "1"]);
+        }
+        let mut child = start_until(cmd, "model:");
+        let start = Instant::now();
+        signal(&child, libc::SIGTERM);
+        std::thread::sleep(Duration::from_millis(200));
+        signal(&child, libc::SIGTERM);
+        std::thread::sleep(after + Duration::from_secs(1));
+        assert!(child.try_wait().unwrap().is_none(), "still in its step");
+        signal(&child, libc::SIGTERM);
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(!dir.join("checkpoints/latest").exists(), "nothing saved");
+        let needle = format!("run.dir={}", dir.display());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !processes_mentioning(&needle).is_empty() {
+            assert!(Instant::now() < deadline, "a rank outlived its launcher");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// A rank that received SIGTERM directly (not through the launcher) stops the job
 /// after a step like a forwarded one: every rank saves and exits 143, and the launcher reports a
 /// stop, not a failed rank.

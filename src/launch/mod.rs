@@ -252,7 +252,7 @@ pub(crate) fn start_ranks(
 ) -> Result<()> {
     let (n, world) = (round.nproc, round.world);
     let exe = std::env::current_exe().context("locating the pretrain binary")?;
-    crate::job::signals::install()?;
+    crate::job::signals::install_for_launcher()?;
     crate::job::flight::install_usr1()?;
     let launcher_pid = std::process::id() as libc::pid_t;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);

@@ -47,6 +47,29 @@ pub(super) fn supervise(
             }
             forwarded = Some(sig);
         }
+        // A second signal well after the first: the ranks may be blocked where their step
+        // cannot end; they are ended at once, as the signal would end a rank process itself.
+        if let Some(sig) = crate::job::signals::repeated() {
+            tracing::warn!(
+                "{} again: ending the ranks at once, without a checkpoint",
+                crate::job::signals::name(sig)
+            );
+            for (_, c) in &mut children {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return Err(crate::job::signals::Interrupted {
+                signal: sig,
+                step: None,
+                checkpoint: None,
+                note: Some(
+                    "the ranks were ended by a second signal; the last checkpoint saved stays \
+                     loadable"
+                        .into(),
+                ),
+            }
+            .into());
+        }
         if crate::job::flight::usr1_count() != usr1 {
             usr1 = crate::job::flight::usr1_count();
             crate::job::flight::report(&crate::job::flight::from_dir(flight, world));
