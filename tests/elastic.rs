@@ -31,6 +31,15 @@ fn records(dir: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// Asserts that `got` holds steps 1 to `steps`, each once (`log`: the job's, for the message).
+fn every_step_once(got: &[(u64, f64)], steps: u64, log: &str) {
+    assert_eq!(
+        got.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (1..=steps).collect::<Vec<_>>(),
+        "every step once:\n{log}"
+    );
+}
+
 /// The losses of `set` with the layout `next` resumed from `run`'s checkpoint of step `from`,
 /// trained in this process (thread ranks train like processes, bit for bit).
 fn by_hand(set: &str, next: &Relayout, run: &Path, from: u64) -> Vec<f64> {
@@ -95,11 +104,7 @@ fn a_lost_rank_restarts_the_job_on_the_ranks_left() {
     assert!(log.contains("training resumed"), "{log}");
     assert!(took < Duration::from_secs(120), "{log}");
     let got = records(&run);
-    assert_eq!(
-        got.iter().map(|r| r.0).collect::<Vec<_>>(),
-        (1..=8).collect::<Vec<_>>(),
-        "every step once:\n{log}"
-    );
+    every_step_once(&got, 8, &log);
 
     // The same change by hand: the layout the planner picks for 3 ranks, from the checkpoint the
     // restart resumed from, as thread ranks (which train like processes, bit for bit).
@@ -185,6 +190,20 @@ fn a_hung_rank_is_the_one_taken_out() {
     assert_eq!(records(tmp.path()).len(), 8, "{log}");
 }
 
+/// The recipe overrides of a two-node job of `steps` steps into `run`, the free port it meets
+/// at, and its two launchers, started (node 0 first).
+fn two_nodes(run: &Path, steps: usize) -> (String, u16, Job, Job) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let set = format!("{SET},train.steps={steps},checkpoint.keep=100");
+    let zero = node_launcher(0, port, run, &set);
+    let one = node_launcher(1, port, run, &set);
+    (set, port, zero, one)
+}
+
 /// A launcher of "node" `node` of a 2 × 2-rank job meeting at `port`, with `elastic`.
 fn node_launcher(node: usize, port: u16, dir: &Path, set: &str) -> Job {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pretrain"));
@@ -213,14 +232,7 @@ fn node_launcher(node: usize, port: u16, dir: &Path, set: &str) -> Job {
 fn a_lost_node_is_left_behind_and_joins_again() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("nodes");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let set = format!("{SET},train.steps=40,checkpoint.keep=100");
-    let mut zero = node_launcher(0, port, &run, &set);
-    let one = node_launcher(1, port, &run, &set);
+    let (set, port, mut zero, one) = two_nodes(&run, 40);
     assert!(zero.wait_for("step=3/40"), "{}", zero.log);
     one.kill_all();
     let killed = Instant::now();
@@ -261,11 +273,7 @@ fn a_lost_node_is_left_behind_and_joins_again() {
         "{log}"
     );
     let got = records(&run);
-    assert_eq!(
-        got.iter().map(|r| r.0).collect::<Vec<_>>(),
-        (1..=40).collect::<Vec<_>>(),
-        "every step once:\n{log}"
-    );
+    every_step_once(&got, 40, &log);
     // Each round equals the same layout change made by hand from the checkpoint it resumed
     // from, as thread ranks, bit for bit: 2 ranks from the restart to the growth, 4 until the
     // drain, 2 after it.
@@ -306,14 +314,7 @@ fn a_lost_node_is_left_behind_and_joins_again() {
 fn a_node_that_loses_one_slot_keeps_tensor_parallel_groups_whole() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("slot");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let set = format!("{SET},train.steps=12,checkpoint.keep=100");
-    let mut zero = node_launcher(0, port, &run, &set);
-    let one = node_launcher(1, port, &run, &set);
+    let (set, _, mut zero, one) = two_nodes(&run, 12);
     assert!(zero.wait_for("step=3/12"), "{}", zero.log);
     one.signal_rank(3, libc::SIGKILL);
     let (status, log) = zero.finish();
@@ -342,11 +343,7 @@ fn a_node_that_loses_one_slot_keeps_tensor_parallel_groups_whole() {
         );
     }
     let got = records(&run);
-    assert_eq!(
-        got.iter().map(|r| r.0).collect::<Vec<_>>(),
-        (1..=12).collect::<Vec<_>>(),
-        "every step once:\n{log}"
-    );
+    every_step_once(&got, 12, &log);
     let from: u64 = log
         .split("resuming from the checkpoint of step ")
         .nth(1)
