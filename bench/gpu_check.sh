@@ -32,7 +32,8 @@
 #   attention bench/attention_gpu.sh: attention forward + backward, ours (cudnn, own) against
 #             torch SDPA (flash, cudnn), and ours alone with documents kept apart (cuDNN's
 #             ragged batch against the project's kernels)
-#   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU)
+#   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU), then
+#             ours alone with train.deterministic=false (cuDNN's non-deterministic backward)
 #   7b        Llama-2-7B's shape on one GPU (recipes/bench-7b.yaml): the plan, then
 #             bench/gpu_step.sh against PyTorch eager and torch.compile (tokens/s, MFU in both
 #             attention counts, memory against the plan), then 6 steps saving at step 3 and a
@@ -329,6 +330,10 @@ print(sys.argv[2], {k: t[0].get(k) for k in ('bubble', 'bubble_simulated', 'act_
     bench)
       part bench env OUT="$OUT" OUT_DIR="$RUNS/gpu_step" PYTHON="$PYTHON" bench/gpu_step.sh "$BIN"
       pkill -f bench/torch_llama.py 2>/dev/null || true # a timed-out side must not hold the GPU
+      # cuDNN's non-deterministic attention backward (train.deterministic: false), ours alone.
+      part bench-nondeterministic env OUT="$OUT/nondeterministic" \
+        OUT_DIR="$RUNS/gpu_step-nondeterministic" PYTHON="$PYTHON" ONLY=ours \
+        bench/gpu_step.sh "$BIN" --set train.deterministic=false
       ;;
     7b)
       "$BIN" plan --recipe recipes/bench-7b.yaml --gpu "${GPU_PRESET:-h200}" | tee "$OUT/plan-7b.txt"

@@ -34,12 +34,12 @@ pub fn prepare_attention(backend: AttentionBackend) -> Result<String> {
     #[cfg(feature = "cuda")]
     {
         let v = model::ops::cuda::cudnn::load()?;
-        Ok(format!(
-            "cudnn {}.{}.{}",
-            v / 10_000,
-            v / 100 % 100,
-            v % 100
-        ))
+        let (major, minor, patch) = (v / 10_000, v / 100 % 100, v % 100);
+        let backward = match backend.deterministic() {
+            true => "",
+            false => ", non-deterministic backward (train.deterministic: false)",
+        };
+        Ok(format!("cudnn {major}.{minor}.{patch}{backward}"))
     }
     #[cfg(not(feature = "cuda"))]
     anyhow::bail!(

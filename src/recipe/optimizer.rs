@@ -118,7 +118,7 @@ impl Default for MuonConfig {
 fn default_muon_momentum() -> f64 {
     0.95
 }
-fn default_true() -> bool {
+pub(super) fn default_true() -> bool {
     true
 }
 fn default_ns_steps() -> usize {

@@ -117,17 +117,49 @@ pub struct TrainConfig {
     /// [`SPIKE_WINDOW`] steps is a loss spike, handled as `on_nonfinite` says; unset disables it.
     #[serde(default)]
     pub spike_factor: Option<f64>,
+    /// Every run of the same recipe and data sums in the same order, so a resumed run equals
+    /// the uninterrupted one bit for bit (the default). `false` lets cuDNN's attention backward
+    /// accumulate with atomics (faster, less workspace; PyTorch's default), giving that up; it
+    /// changes nothing else (every other kernel here is deterministic either way).
+    #[serde(default = "super::optimizer::default_true")]
+    pub deterministic: bool,
 }
 
 impl TrainConfig {
     /// The attention backend: `train.attention`, else cuDNN's on CUDA and the project's kernels
     /// on the CPU (where `cudnn` is refused by the recipe's validation).
+    /// With `deterministic: false`, cuDNN's is its non-deterministic backward.
     pub fn attention_backend(&self) -> AttentionBackend {
-        match (self.attention, self.device) {
+        let backend = match (self.attention, self.device) {
             (Some(b), _) => b,
             (None, DeviceKind::Cuda) => AttentionBackend::Cudnn,
             (None, DeviceKind::Cpu) => AttentionBackend::Own,
+        };
+        match backend {
+            AttentionBackend::Cudnn if !self.deterministic => {
+                AttentionBackend::CudnnNondeterministic
+            }
+            b => b,
         }
+    }
+
+    /// What is wrong with `attention` and `deterministic` together with `device`.
+    pub fn attention_problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.attention == Some(AttentionBackend::Cudnn) && self.device == DeviceKind::Cpu {
+            p.push(
+                "train.attention is cudnn, which needs train.device cuda (on the CPU the \
+                 project's kernels run: `own`, or leave train.attention unset)"
+                    .into(),
+            );
+        } else if !self.deterministic && self.attention_backend() == AttentionBackend::Own {
+            p.push(
+                "train.deterministic is false, which changes only cuDNN's attention backward \
+                 (train.attention: cudnn, on CUDA); the project's kernels are deterministic"
+                    .into(),
+            );
+        }
+        p
     }
 
     /// What blocks leave out of their tapes: `recompute_modules` (or the default set) under

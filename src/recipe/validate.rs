@@ -3,8 +3,8 @@
 //! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
-use super::{DeviceKind, LrCurve, OptimizerName, Recipe};
-use model::{AttentionBackend, Recompute};
+use super::{LrCurve, OptimizerName, Recipe};
+use model::Recompute;
 use parallel::dp::ZeroStage;
 use parallel::register::Dims;
 
@@ -287,13 +287,7 @@ impl Recipe {
                 t.grad_clip
             ));
         }
-        if t.attention == Some(AttentionBackend::Cudnn) && t.device == DeviceKind::Cpu {
-            p.push(
-                "train.attention is cudnn, which needs train.device cuda (on the CPU the \
-                 project's kernels run: `own`, or leave train.attention unset)"
-                    .into(),
-            );
-        }
+        p.extend(t.attention_problems());
         match (&t.recompute_modules, t.recompute) {
             (Some(m), Recompute::Selective) if m.is_empty() => p.push(
                 "train.recompute_modules is empty: name what `recompute: selective` recomputes \

@@ -16,7 +16,7 @@ use super::Trainer;
 use crate::recipe::ResumeChange;
 
 /// Keys whose change leaves the math of the steps as it was (said at info level).
-const BENIGN: [&str; 11] = [
+const BENIGN: [&str; 12] = [
     "train.steps",
     "train.micro_batch",
     "train.recompute",
@@ -27,6 +27,7 @@ const BENIGN: [&str; 11] = [
     "train.max_skips",
     "train.spike_factor",
     "train.attention",
+    "train.deterministic",
     "optimizer.state_dtype",
 ];
 

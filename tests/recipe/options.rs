@@ -90,6 +90,32 @@ fn the_attention_backend_defaults_by_device_and_cudnn_needs_cuda() {
         "train.attention is cudnn, which needs train.device cuda",
     );
     assert_err(&["train.attention=flash"], "train.attention");
+    // Deterministic unless asked: `false` takes cuDNN's non-deterministic backward, and is
+    // refused where it would change nothing (the project's kernels), naming why.
+    assert!(cuda.deterministic && cuda.attention_backend().deterministic());
+    let fast = read(&["train.device=cuda,train.deterministic=false"]);
+    assert_eq!(
+        fast.attention_backend(),
+        AttentionBackend::CudnnNondeterministic
+    );
+    assert!(!fast.attention_backend().deterministic());
+    assert!(fast
+        .attention_backend()
+        .runs_cudnn(candle_core::DType::BF16, 64));
+    for own in [
+        "train.deterministic=false",
+        "train.device=cuda,train.attention=own,train.deterministic=false",
+    ] {
+        assert_err(
+            &[own],
+            "train.deterministic is false, which changes only cuDNN's",
+        );
+    }
+    // Not a name a recipe can give.
+    assert_err(
+        &["train.attention=cudnnnondeterministic"],
+        "train.attention",
+    );
 }
 
 #[test]

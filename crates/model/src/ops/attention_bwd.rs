@@ -321,7 +321,8 @@ impl CustomOp3 for AttentionBwd<'_> {
         // As in the forward: documents as a ragged batch, other floors on the project's kernels.
         let cudnn = if self.backend.runs_cudnn(s1.dtype(), dm.d) {
             let mask = (dm, self.floor);
-            super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, mask, self.scale)?
+            let deterministic = self.backend.deterministic();
+            super::cuda::cudnn::attention_bwd(qkv, out, dout, lse, mask, self.scale, deterministic)?
         } else {
             None
         };

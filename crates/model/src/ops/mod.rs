@@ -214,10 +214,16 @@ pub fn attention_kernels(backend: AttentionBackend) -> Kernels {
             block_bwd: attention_block_bwd,
         },
         AttentionBackend::Cudnn => Kernels {
-            causal: cudnn::causal_attention_saved,
-            causal_bwd: cudnn::causal_attention_bwd,
-            block: cudnn::attention_block,
-            block_bwd: cudnn::attention_block_bwd,
+            causal: cudnn::causal_attention_saved::<true>,
+            causal_bwd: cudnn::causal_attention_bwd::<true>,
+            block: cudnn::attention_block::<true>,
+            block_bwd: cudnn::attention_block_bwd::<true>,
+        },
+        AttentionBackend::CudnnNondeterministic => Kernels {
+            causal: cudnn::causal_attention_saved::<false>,
+            causal_bwd: cudnn::causal_attention_bwd::<false>,
+            block: cudnn::attention_block::<false>,
+            block_bwd: cudnn::attention_block_bwd::<false>,
         },
     }
 }
@@ -235,27 +241,35 @@ pub fn cudnn_runs() -> u64 {
     }
 }
 
-/// The attention entry points with the [`AttentionBackend::Cudnn`] backend: the calls it routes
-/// there (CUDA, bf16, a head dim cuDNN takes) run cuDNN's fused attention, every other call the
-/// same kernels as the functions of the same names above, with the same arguments and results.
+/// The attention entry points with the cuDNN backend: the calls it routes there (CUDA, bf16, a
+/// head dim cuDNN takes) run cuDNN's fused attention, every other call the same kernels as the
+/// functions of the same names above, with the same arguments and results. `DETERMINISTIC`
+/// picks cuDNN's backward algorithm ([`AttentionBackend::deterministic`]).
 pub mod cudnn {
     use super::{attention, AttentionBackend, Floor, Result, Tensor};
 
-    const CUDNN: AttentionBackend = AttentionBackend::Cudnn;
+    /// The backend of the entry points below.
+    const fn backend(deterministic: bool) -> AttentionBackend {
+        if deterministic {
+            AttentionBackend::Cudnn
+        } else {
+            AttentionBackend::CudnnNondeterministic
+        }
+    }
 
     /// [`super::causal_attention_saved`] on the cuDNN backend.
-    pub fn causal_attention_saved(
+    pub fn causal_attention_saved<const DETERMINISTIC: bool>(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         scale: f64,
         floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor)> {
-        attention::causal_attention_saved((q, k, v), scale, floor, CUDNN)
+        attention::causal_attention_saved((q, k, v), scale, floor, backend(DETERMINISTIC))
     }
 
     /// [`super::causal_attention_bwd`] on the cuDNN backend.
-    pub fn causal_attention_bwd(
+    pub fn causal_attention_bwd<const DETERMINISTIC: bool>(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -264,11 +278,18 @@ pub mod cudnn {
         scale: f64,
         floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        attention::causal_attention_bwd((q, k, v), saved, dout, scale, floor, CUDNN)
+        attention::causal_attention_bwd(
+            (q, k, v),
+            saved,
+            dout,
+            scale,
+            floor,
+            backend(DETERMINISTIC),
+        )
     }
 
     /// [`super::attention_block`] on the cuDNN backend.
-    pub fn attention_block(
+    pub fn attention_block<const DETERMINISTIC: bool>(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -276,12 +297,12 @@ pub mod cudnn {
         causal: bool,
         floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor)> {
-        attention::attention_block((q, k, v), scale, (causal, floor), CUDNN)
+        attention::attention_block((q, k, v), scale, (causal, floor), backend(DETERMINISTIC))
     }
 
     /// [`super::attention_block_bwd`] on the cuDNN backend.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_block_bwd(
+    pub fn attention_block_bwd<const DETERMINISTIC: bool>(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -293,7 +314,14 @@ pub mod cudnn {
         floor: Floor<'_>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let mask = (causal, floor);
-        attention::attention_block_bwd((q, k, v), (out, lse), dout, scale, mask, CUDNN)
+        attention::attention_block_bwd(
+            (q, k, v),
+            (out, lse),
+            dout,
+            scale,
+            mask,
+            backend(DETERMINISTIC),
+        )
     }
 }
 

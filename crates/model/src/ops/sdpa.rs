@@ -30,9 +30,15 @@ pub enum AttentionBackend {
     /// a head dim that is a multiple of 8 up to [`CUDNN_MAX_HEAD_DIM`], causal calls with
     /// documents kept apart included (as a ragged batch of the documents); other calls (f32,
     /// other head dims, ring blocks with documents, and shapes cuDNN cannot build a graph for,
-    /// which are logged once) run the project's kernels. Its backward runs cuDNN's deterministic algorithm, so resumed runs
-    /// stay bit-exact.
+    /// which are logged once) run the project's kernels. Its backward runs cuDNN's
+    /// deterministic algorithm, so resumed runs stay bit-exact.
     Cudnn,
+    /// [`AttentionBackend::Cudnn`] with cuDNN's non-deterministic backward (dQ accumulated with
+    /// atomics in one kernel, PyTorch's default), which is faster and needs less workspace but
+    /// sums in a different order from run to run: a resumed run is no longer bit-exact. Not a
+    /// recipe name: `train.attention: cudnn` with `train.deterministic: false`.
+    #[serde(skip)]
+    CudnnNondeterministic,
 }
 
 /// The largest head dim routed to cuDNN (its fused attention's forward and backward limit on
@@ -42,7 +48,7 @@ pub const CUDNN_MAX_HEAD_DIM: usize = 128;
 impl AttentionBackend {
     /// Whether a call on storage `dtype` with head dim `d` runs on cuDNN under this backend.
     pub fn runs_cudnn(self, dtype: DType, d: usize) -> bool {
-        self == AttentionBackend::Cudnn
+        self != AttentionBackend::Own
             && dtype == DType::BF16
             && d > 0
             && d.is_multiple_of(8)
@@ -54,7 +60,14 @@ impl AttentionBackend {
         match self {
             AttentionBackend::Own => "own",
             AttentionBackend::Cudnn => "cudnn",
+            AttentionBackend::CudnnNondeterministic => "cudnn (non-deterministic backward)",
         }
+    }
+
+    /// Whether the backward sums in the same order every run (all but
+    /// [`AttentionBackend::CudnnNondeterministic`]).
+    pub fn deterministic(self) -> bool {
+        self != AttentionBackend::CudnnNondeterministic
     }
 }
 

@@ -312,13 +312,17 @@ fn describe(
     dm: Dims,
     floor: Floor<'_>,
     scale: f64,
+    deterministic: bool,
 ) -> Result<Option<(SdpaDesc, Option<Documents>)>> {
     if floor.is_none() {
-        return Ok(Some((SdpaDesc::new(dm, scale, true)?, None)));
+        return Ok(Some((SdpaDesc::new(dm, scale, deterministic)?, None)));
     }
     let ragged = matches!(LOADED.get(), Some(Ok(v)) if *v >= RAGGED_SINCE);
     Ok(match Documents::from_floor(dm, floor).filter(|_| ragged) {
-        Some(docs) => Some((SdpaDesc::documents(dm, scale, true, &docs)?, Some(docs))),
+        Some(docs) => {
+            let desc = SdpaDesc::documents(dm, scale, deterministic, &docs)?;
+            Some((desc, Some(docs)))
+        }
         None => None,
     })
 }
@@ -333,7 +337,7 @@ pub(crate) fn attention_fwd(
     (dm, floor): (Dims, Floor<'_>),
     scale: f64,
 ) -> Result<Option<(CudaStorage, CudaStorage)>> {
-    let Some((desc, docs)) = describe(dm, floor, scale)? else {
+    let Some((desc, docs)) = describe(dm, floor, scale, true)? else {
         return Ok(None);
     };
     let (nq, nkv) = desc.sizes();
@@ -393,7 +397,9 @@ pub(crate) fn attention_fwd(
 /// The backward of `dm` (with documents kept apart when `floor` is given) from the forward's
 /// `out` and log-sum-exp `lse` and the output gradient `dout` (bf16 `[b, s, hq, d]`; lse f32
 /// `[b, hq, s]`): the flat `[nq + 2 nkv]` bf16 concatenation of dQ `[b, s, hq, d]`, dK and dV
-/// `[b, sk, hkv, d]`; `None` when cuDNN cannot run this call.
+/// `[b, sk, hkv, d]`; `None` when cuDNN cannot run this call. On cuDNN's deterministic
+/// algorithm, or (`deterministic` false) its faster one that accumulates dQ with atomics.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_bwd(
     [q, k, v]: [(&CudaStorage, &Layout); 3],
     out: (&CudaStorage, &Layout),
@@ -401,8 +407,9 @@ pub(crate) fn attention_bwd(
     lse: (&CudaStorage, &Layout),
     (dm, floor): (Dims, Floor<'_>),
     scale: f64,
+    deterministic: bool,
 ) -> Result<Option<CudaStorage>> {
-    let Some((desc, docs)) = describe(dm, floor, scale)? else {
+    let Some((desc, docs)) = describe(dm, floor, scale, deterministic)? else {
         return Ok(None);
     };
     let (nq, nkv) = desc.sizes();
