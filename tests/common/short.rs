@@ -2,8 +2,9 @@
 //! validation) and what they leave: shared by the failure and resume tests.
 
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
 /// Overrides of every short run.
 pub const BASE: &str = "schedule.warmup_steps=1,train.eval_interval=0,train.global_batch=8,\
@@ -37,4 +38,23 @@ pub fn losses(dir: &Path) -> BTreeMap<u64, f64> {
 /// What a finished command wrote to stderr.
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Starts `cmd` and returns it once a log line contains `line` (the lines are drained after).
+pub fn start_until(mut cmd: Command, line: &str) -> Child {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        match out.next() {
+            Some(l) if l.as_ref().unwrap().contains(line) => break,
+            Some(_) => {}
+            None => panic!("the run ended before logging {line:?}"),
+        }
+    }
+    std::thread::spawn(move || out.for_each(drop));
+    child
 }
