@@ -6,6 +6,7 @@
 //! `run.rs` runs whole jobs ([`train`], [`run_rank`]).
 
 pub mod admit;
+mod ahead;
 pub mod checkpoint;
 pub mod clock;
 pub mod guard;

@@ -131,7 +131,11 @@ impl<'a> Executor<'a> {
         }
         let mut finality = Finality::new(self.model, &self.chunks, mbs.len());
         let mut timeline = Timeline::new(self.device_timed, clock)?;
-        let mut w = Walk::default();
+        let device = self.model.params().iter().next().map(|p| p.device.clone());
+        let mut w = Walk {
+            ahead: super::ahead::RunAhead::on(&device.unwrap_or(Device::Cpu)),
+            ..Walk::default()
+        };
         for &action in &self.schedule.actions[self.stage] {
             let begin = timeline.mark()?;
             match action {
@@ -145,7 +149,9 @@ impl<'a> Executor<'a> {
                     if let Some(pause) = self.slow {
                         std::thread::sleep(pause);
                     }
+                    w.ahead.before_forward()?;
                     self.forward(chunk, micro, &mbs[micro], hooks, &mut w)?;
+                    w.ahead.after_forward()?;
                 }
                 Action::SendActivation { chunk, micro, to } => {
                     let out = w

@@ -160,4 +160,6 @@ pub(super) struct Walk {
     pub(super) held: Activations,
     pub(super) moe: Vec<LayerStats>,
     pub(super) tracked: usize,
+    /// How far the host has run ahead of the device ([`super::ahead`]).
+    pub(super) ahead: super::ahead::RunAhead,
 }

@@ -169,25 +169,33 @@ fn the_cudnn_backend_runs_the_projects_kernels_on_the_cpu() -> Result<()> {
         let t = inputs(&mut rng, (2, 9, 4, 2, 8), dtype);
         let (q, k, v) = (&t[0], &t[1], &t[2]);
         let own = ops::causal_attention_saved(q, k, v, 0.3, None)?;
-        let cud = cudnn::causal_attention_saved(q, k, v, 0.3, None)?;
+        let cud = cudnn::causal_attention_saved::<true>(q, k, v, 0.3, None)?;
         same(&own.0, &cud.0)?;
         same(&own.1, &cud.1)?;
         let dout = rng.tensor(q.dims(), 1.0, dtype);
         let a = ops::causal_attention_bwd(q, k, v, (&own.0, &own.1), &dout, 0.3, None)?;
-        let b = cudnn::causal_attention_bwd(q, k, v, (&own.0, &own.1), &dout, 0.3, None)?;
-        for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+        let b = cudnn::causal_attention_bwd::<true>(q, k, v, (&own.0, &own.1), &dout, 0.3, None)?;
+        // The non-deterministic backward is cuDNN's only: on the CPU the same kernels run.
+        let c = cudnn::causal_attention_bwd::<false>(q, k, v, (&own.0, &own.1), &dout, 0.3, None)?;
+        for (x, y) in [
+            (&a.0, &b.0),
+            (&a.1, &b.1),
+            (&a.2, &b.2),
+            (&a.0, &c.0),
+            (&a.2, &c.2),
+        ] {
             same(x, y)?;
         }
         for sk in [5, 13] {
             let k = rng.tensor((2, sk, 2, 8), 1.0, dtype);
             let v = rng.tensor((2, sk, 2, 8), 1.0, dtype);
             let own = ops::attention_block(q, &k, &v, 0.3, false, None)?;
-            let cud = cudnn::attention_block(q, &k, &v, 0.3, false, None)?;
+            let cud = cudnn::attention_block::<true>(q, &k, &v, 0.3, false, None)?;
             same(&own.0, &cud.0)?;
             same(&own.1, &cud.1)?;
             let (o, l) = (&own.0, &own.1);
             let a = ops::attention_block_bwd(q, &k, &v, o, &dout, l, 0.3, false, None)?;
-            let b = cudnn::attention_block_bwd(q, &k, &v, o, &dout, l, 0.3, false, None)?;
+            let b = cudnn::attention_block_bwd::<true>(q, &k, &v, o, &dout, l, 0.3, false, None)?;
             for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
                 same(x, y)?;
             }
