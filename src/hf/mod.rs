@@ -325,14 +325,7 @@ fn unset(cfg: &Path, k: &str) -> bool {
 pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf> {
     // A root with checkpoints belongs to a run: importing there would point `latest` at step 0
     // and the run's next `resume: auto` would restart from the import over its own steps.
-    let held = std::fs::read_dir(root).ok().and_then(|mut d| {
-        d.find_map(|e| {
-            let name = e.ok()?.file_name().to_string_lossy().into_owned();
-            let step = name.starts_with("step-") && !name.ends_with(".tmp");
-            (name == "latest" || step).then_some(name)
-        })
-    });
-    if let Some(existing) = held {
+    if let Some(existing) = ckpt::checkpoint_entry(root) {
         bail!(
             "{} already holds checkpoints ({existing}); import into a fresh directory \
              (--output DIR)",

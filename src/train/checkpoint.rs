@@ -56,7 +56,7 @@ impl Trainer {
         if self.ctx.is_main() {
             std::fs::create_dir_all(&root)
                 .with_context(|| format!("creating {}", root.display()))?;
-            let stale = root.join(format!("{}.tmp", ckpt::step_dir_name(step)));
+            let stale = ckpt::tmp_dir(&root, step);
             if stale.exists() {
                 std::fs::remove_dir_all(&stale)
                     .with_context(|| format!("removing {}", stale.display()))?;
@@ -259,7 +259,7 @@ impl Trainer {
 
     /// Restores the state saved in step directory `dir`, whatever layout wrote it.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
-        if !dir.join(ckpt::MANIFEST).exists() && dir.join("latest").is_file() {
+        if !dir.join(ckpt::MANIFEST).exists() && dir.join(ckpt::LATEST).is_file() {
             bail!(
                 "{} holds checkpoints (it has a `latest` file) but is not one: name a step \
                  directory in it, or use checkpoint.resume=auto with checkpoint.dir set to it",

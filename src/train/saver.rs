@@ -101,9 +101,7 @@ impl SaveJob {
     /// Rank 0 of an asynchronous save: waits until every rank's record is in the temporary
     /// directory.
     fn wait_for_shares(&self) -> Result<()> {
-        let tmp = self
-            .root
-            .join(format!("{}.tmp", ckpt::step_dir_name(self.step)));
+        let tmp = ckpt::tmp_dir(&self.root, self.step);
         let deadline = Instant::now() + self.timeout;
         loop {
             let missing: Vec<usize> = (0..self.world_size)
@@ -152,7 +150,7 @@ impl SaveJob {
 /// Rank 0, after a save failed: removes its temporary directory (best effort), so that a full
 /// disk gets its space back at once rather than at the next save that succeeds.
 pub fn abandon(root: &std::path::Path, step: u64) {
-    let tmp = root.join(format!("{}.tmp", ckpt::step_dir_name(step)));
+    let tmp = ckpt::tmp_dir(root, step);
     if let Err(e) = std::fs::remove_dir_all(&tmp) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!("removing {} after the failed save: {e}", tmp.display());

@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 pub const MANIFEST: &str = "manifest.json";
 /// File name of the tokenizer copy inside a step directory.
 pub const TOKENIZER: &str = "tokenizer.json";
+/// File name, in a checkpoint root, of the pointer to the newest complete step directory.
+pub const LATEST: &str = "latest";
 /// Format identifier stored in every manifest.
 pub const FORMAT: &str = "pretrain-checkpoint-v1";
 

@@ -30,11 +30,11 @@ mod write;
 
 pub use error::CkptError;
 pub use format::{
-    DatasetEntry, FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, Values, MANIFEST,
-    TOKENIZER,
+    DatasetEntry, FileEntry, Kind, Manifest, PieceDtype, PieceMeta, TensorBlock, Values, LATEST,
+    MANIFEST, TOKENIZER,
 };
-pub use read::{find_latest, saved_steps, Checkpoint};
-pub use write::{finalize, prune, sha256_hex, step_dir_name, RankWriter, SourceError};
+pub use read::{checkpoint_entry, find_latest, saved_steps, Checkpoint};
+pub use write::{finalize, prune, sha256_hex, step_dir_name, tmp_dir, RankWriter, SourceError};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, CkptError>;

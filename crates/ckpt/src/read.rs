@@ -112,6 +112,14 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
+/// The first entry making `root` a root of checkpoints (`latest`, a step directory), if any.
+pub fn checkpoint_entry(root: &Path) -> Option<String> {
+    std::fs::read_dir(root).ok()?.flatten().find_map(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        (name == crate::format::LATEST || step_of(&e.path()).is_some()).then_some(name)
+    })
+}
+
 /// The step a directory's name (`step-N`) gives, if it has that form.
 fn step_of(dir: &Path) -> Option<u64> {
     dir.file_name()?
@@ -153,7 +161,7 @@ pub fn find_latest(root: &Path) -> Result<Option<PathBuf>> {
              one, or set checkpoint.resume to a step directory"
         ),
     };
-    let latest = root.join("latest");
+    let latest = root.join(crate::format::LATEST);
     if latest.exists() {
         let name = read_regular(&latest)
             .and_then(|b| {

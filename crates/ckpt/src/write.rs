@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use crate::error::CkptError;
 use crate::format::{
     FileEntry, Kind, Manifest, PieceDtype, PieceMeta, RankRecord, TensorBlock, Values, FORMAT,
-    MANIFEST, TOKENIZER,
+    LATEST, MANIFEST, TOKENIZER,
 };
 use crate::Result;
 
@@ -21,7 +21,9 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
-fn tmp_dir(root: &Path, step: u64) -> PathBuf {
+/// The directory a save of `step` under `root` is written into before it is renamed into place
+/// (`step-N.tmp`, never a candidate for a resume).
+pub fn tmp_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("{}.tmp", step_dir_name(step)))
 }
 
@@ -343,7 +345,7 @@ pub fn finalize(
     fs::rename(&tmp, &dir).map_err(CkptError::io(&tmp))?;
     let latest_tmp = root.join("latest.tmp");
     write_synced(&latest_tmp, step_dir_name(manifest.step).as_bytes())?;
-    fs::rename(&latest_tmp, root.join("latest")).map_err(CkptError::io(root.join("latest")))?;
+    fs::rename(&latest_tmp, root.join(LATEST)).map_err(CkptError::io(root.join(LATEST)))?;
     File::open(root)
         .and_then(|d| d.sync_all())
         .map_err(CkptError::io(root))?;

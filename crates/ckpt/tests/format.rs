@@ -37,6 +37,12 @@ fn value(name: &str, r: usize, c: usize) -> f32 {
 /// Writes step `step` as two ranks: rank r holds columns 3r..3r+3 of "w" (a tensor-parallel split
 /// along dim 1), cut into two ZeRO-style element ranges; rank 0 alone holds "n".
 fn write(root: &Path, step: u64) -> PathBuf {
+    let (manifest, tok) = write_ranks(root, step);
+    finalize(root, manifest, 2, &tok, 2).unwrap()
+}
+
+/// The ranks' part of [`write`]: the manifest to finalize and the tokenizer file.
+fn write_ranks(root: &Path, step: u64) -> (Manifest, PathBuf) {
     let tok = root.join("tok.json");
     std::fs::write(&tok, "{}").unwrap();
     for rank in 0..2 {
@@ -75,7 +81,24 @@ fn write(root: &Path, step: u64) -> PathBuf {
         tokenizer: None,
         datasets: vec![],
     };
-    finalize(root, manifest, 2, &tok, 2).unwrap()
+    (manifest, tok)
+}
+
+/// A failure writing the checkpoint's copy of the tokenizer (a full disk, here a directory in
+/// its place) names the copy, not the tokenizer it was read from; nothing is published.
+#[test]
+fn a_failed_tokenizer_copy_names_the_copy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let (manifest, tok) = write_ranks(root, 4);
+    let copy = root.join("step-00000004.tmp").join("tokenizer.json");
+    std::fs::create_dir(&copy).unwrap();
+    let e = finalize(root, manifest, 2, &tok, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&copy.display().to_string()), "{e}");
+    assert!(!e.contains("tok.json"), "{e}");
+    assert!(!root.join("step-00000004").exists() && !root.join("latest").exists());
 }
 
 #[test]
