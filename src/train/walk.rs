@@ -163,3 +163,39 @@ pub(super) struct Walk {
     /// How far the host has run ahead of the device ([`super::ahead`]).
     pub(super) ahead: super::ahead::RunAhead,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records which parameters became final.
+    struct Finals(Vec<usize>);
+
+    impl StepHooks for Finals {
+        fn param_final(&mut self, param: usize) -> Result<()> {
+            self.0.push(param);
+            Ok(())
+        }
+    }
+
+    /// A parameter is final at its last announced accumulation, once; one more accumulation
+    /// than announced is an error naming the parameter, not a count wrapping below zero.
+    #[test]
+    fn a_gradient_is_final_at_its_last_accumulation_and_never_past_it() {
+        let mut finality = Finality {
+            pending: vec![1, 2],
+        };
+        let mut finals = Finals(Vec::new());
+        finality.accumulated(&[0, 1], &mut finals).unwrap();
+        assert_eq!(finals.0, [0]);
+        finality.accumulated(&[1], &mut finals).unwrap();
+        assert_eq!(finals.0, [0, 1]);
+        let e = finality.accumulated(&[1], &mut finals).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("parameter 1: accumulated more often"),
+            "{e}"
+        );
+        assert_eq!(finals.0, [0, 1]);
+    }
+}
