@@ -9,7 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use ckpt::{Checkpoint, Kind};
+mod common;
+use common::short::masters;
 
 const STEPS: usize = 8;
 
@@ -52,14 +53,6 @@ fn losses(dir: &Path) -> BTreeMap<u64, f64> {
     text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter_map(|v| Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?)))
-        .collect()
-}
-
-fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
-    let ck = Checkpoint::open(step_dir).unwrap();
-    ck.tensors()
-        .iter()
-        .map(|(name, shape)| ck.read_tensor(name, Kind::Master, shape).unwrap())
         .collect()
 }
 

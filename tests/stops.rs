@@ -3,14 +3,13 @@
 //! a second signal well after the first ends a run blocked in its step at once.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use ckpt::{Checkpoint, Kind};
+use ckpt::Checkpoint;
 
 mod common;
-use common::short::{losses, output, pretrain, start_until, stderr};
+use common::short::{losses, masters, output, pretrain, start_until, stderr, step_dirs};
 
 fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) on a child of this process that has not been reaped.
@@ -44,20 +43,8 @@ fn sigterm_during_a_validation_stops_after_it() {
     signal(&child, libc::SIGTERM);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
-    let saved: Vec<_> = std::fs::read_dir(run.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
+    let saved = step_dirs(&run);
     assert_eq!(saved, ["step-00000001"], "saved after step 1's validation");
-}
-
-fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
-    let ck = Checkpoint::open(step_dir).unwrap();
-    ck.tensors()
-        .iter()
-        .map(|(name, shape)| ck.read_tensor(name, Kind::Master, shape).unwrap())
-        .collect()
 }
 
 #[test]
@@ -75,11 +62,7 @@ fn sigterm_saves_once_and_resume_auto_continues_bit_identically() {
     signal(&child, libc::SIGTERM);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
-    let saved: Vec<_> = std::fs::read_dir(stopped.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
+    let saved = step_dirs(&stopped);
     assert_eq!(saved.len(), 1, "one checkpoint on the way out: {saved:?}");
 
     let o = output(pretrain(&stopped, &format!("{set},checkpoint.interval=8")));

@@ -58,3 +58,21 @@ pub fn start_until(mut cmd: Command, line: &str) -> Child {
     std::thread::spawn(move || out.for_each(drop));
     child
 }
+
+/// Every tensor's master weights in the checkpoint `step_dir`, in the manifest's order.
+pub fn masters(step_dir: &Path) -> Vec<Vec<f32>> {
+    let ck = ckpt::Checkpoint::open(step_dir).unwrap();
+    ck.tensors()
+        .iter()
+        .map(|(name, shape)| ck.read_tensor(name, ckpt::Kind::Master, shape).unwrap())
+        .collect()
+}
+
+/// The names of the step directories (`step-…`) under `run`'s `checkpoints`.
+pub fn step_dirs(run: &Path) -> Vec<String> {
+    std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect()
+}
