@@ -14,10 +14,10 @@ use half::bf16;
 use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
-use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWStep};
+use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWPart, AdamWStep};
 use super::{read_f32, write_f32};
 use super::{FlatLayout, GradBuffer};
-use crate::recipe::OptimizerConfig;
+use crate::recipe::{Offload, OptimizerConfig};
 
 /// The optimizer's complete state in host memory (the tests' view; checkpoints stream it).
 #[cfg(test)]
@@ -67,10 +67,13 @@ impl AdamW {
         owned: Vec<Range<usize>>,
         cfg: &OptimizerConfig,
     ) -> Result<Self> {
-        let device = params
-            .iter()
-            .next()
-            .map_or(Device::Cpu, |p| p.device.clone());
+        let device = match cfg.offload {
+            Offload::Cpu => Device::Cpu,
+            Offload::None => params
+                .iter()
+                .next()
+                .map_or(Device::Cpu, |p| p.device.clone()),
+        };
         let n: usize = owned.iter().map(|r| r.len()).sum();
         let state = Self::zero_state(n, cfg, &device)?;
         super::copy_owned(params, layout, &owned, &state)?;
@@ -94,9 +97,14 @@ impl AdamW {
                 master.elem_count()
             );
         }
-        let state = Self::zero_state(owned_len, cfg, master.device())?;
+        let device = match cfg.offload {
+            Offload::Cpu => Device::Cpu,
+            Offload::None => master.device().clone(),
+        };
+        let state = Self::zero_state(owned_len, cfg, &device)?;
         if owned_len > 0 {
             let master = super::spans::cast(&master.flatten_all()?, DType::F32)?;
+            let master = master.to_device(&device)?;
             super::spans::copy_into(&state, 0, &master)?;
         }
         Self::with_state(params, layout, owned, state, cfg)
@@ -172,11 +180,17 @@ impl AdamW {
     /// Applies one update with learning rate `lr`, scaling gradients by `grad_scale` (clipping).
     /// The new master weights are in [`AdamW::master`].
     pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
-        self.step += 1;
-        if self.n == 0 {
-            return Ok(());
+        match self.begin(lr, grad_scale) {
+            Some(op) => self.state.inplace_op2(&grads.owned(&self.owned)?, &op),
+            None => Ok(()),
         }
-        let op = AdamWStep {
+    }
+
+    /// Counts one update and returns its kernel for [`AdamW::apply_part`] (`None` when the rank
+    /// owns nothing).
+    pub fn begin(&mut self, lr: f64, grad_scale: f64) -> Option<AdamWStep> {
+        self.step += 1;
+        (self.n > 0).then(|| AdamWStep {
             lr,
             beta1: self.cfg.beta1,
             beta2: self.cfg.beta2,
@@ -185,8 +199,19 @@ impl AdamW {
             grad_scale,
             decay: self.decay.clone(),
             moments: self.moments,
-        };
-        self.state.inplace_op2(&grads.owned(&self.owned)?, &op)
+        })
+    }
+
+    /// Applies the update `op` (of [`AdamW::begin`]) to the owned elements `at..at + len` from
+    /// their gradients `grad` `[len]` (f32, on the state's device, the host): the offloaded
+    /// update, a part at a time. The parts of one step may come in any order, each once.
+    pub fn apply_part(&self, op: &AdamWStep, at: usize, grad: &Tensor) -> Result<()> {
+        self.state.inplace_op2(grad, &AdamWPart { step: op, at })
+    }
+
+    /// The device the state lives on (the host when offloaded).
+    pub fn device(&self) -> &Device {
+        self.state.device()
     }
 
     /// Bytes of state, as allocated: an fp32 master weight and two moments in the state dtype

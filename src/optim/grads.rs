@@ -161,6 +161,13 @@ impl GradBuffer {
         Tensor::cat(&parts, 0)
     }
 
+    /// The gradients of the flat range `r`, copied to the host (just them); sharded, `r` must
+    /// lie in an owned range.
+    pub fn to_host(&self, r: &Range<usize>) -> Result<Vec<f32>> {
+        let start = self.local_start(r)?;
+        super::read_f32(&self.flat, start..start + r.len())
+    }
+
     /// Where flat range `r` starts in this buffer; sharded, it must lie in an owned range.
     fn local_start(&self, r: &Range<usize>) -> Result<usize> {
         match &self.owned {

@@ -1,6 +1,6 @@
 //! In-place kernels over flat fp32 buffers: gradient accumulation (of a gradient, or of a
 //! projection's weight gradient as one GEMM into the buffer), the AdamW update (fp32 master
-//! weights, fp32 or bf16 moments) and the sum of squares for the global gradient norm and the
+//! weights, fp32 or bf16 moments, in `adamw.rs`) and the sum of squares for the global gradient norm and the
 //! optimizer state's finiteness. Each is a candle op with a CPU version here
 //! (rayon) and, with the `cuda` feature, a CUDA version launching the kernels of
 //! `model::ops::cuda::flat`. The CUDA AdamW performs the same f32 operations in the same order
@@ -16,6 +16,9 @@ use candle_core::{
 use half::bf16;
 #[cfg(feature = "cuda")]
 use model::ops::cuda::flat;
+
+mod adamw;
+pub use adamw::{state_words, AdamWPart, AdamWStep};
 use rayon::prelude::*;
 
 /// Elements per parallel chunk of the element-wise kernels.
@@ -265,191 +268,4 @@ pub fn sum_squares_of(buf: &Tensor, elems: DType) -> Result<f64> {
 /// [`sum_squares_of`] left on the buffer's device: a one-element f64 tensor (no host read).
 pub fn sum_squares_tensor(buf: &Tensor, elems: DType) -> Result<Tensor> {
     buf.apply_op1_no_bwd(&SumSquares { elems })
-}
-
-/// One AdamW step in place over a flat state of f32 words — the master weights `[n]`, then
-/// `exp_avg` and `exp_avg_sq` `[n]` each in `moments` (f32: `3 n` words; bf16: two to a word,
-/// `2 n` words) — and gradients `[n]` f32. The update is computed in f32 and the moments are
-/// stored rounded to nearest.
-pub struct AdamWStep {
-    /// Learning rate of this step.
-    pub lr: f64,
-    /// First-moment decay.
-    pub beta1: f64,
-    /// Second-moment decay.
-    pub beta2: f64,
-    /// Denominator epsilon.
-    pub eps: f64,
-    /// 1-based step number (bias correction).
-    pub step: u64,
-    /// Factor applied to every gradient first (global-norm clipping).
-    pub grad_scale: f64,
-    /// `(start, len, weight_decay)` ranges covering `[0, n)`.
-    pub decay: Vec<(usize, usize, f64)>,
-    /// Element type of the moments: f32 or bf16.
-    pub moments: DType,
-}
-
-/// An element type the AdamW moments are kept in: read as f32, stored rounded to nearest.
-trait Moment: Copy + Send + Sync + bytemuck::Pod {
-    fn get(self) -> f32;
-    fn put(x: f32) -> Self;
-}
-
-impl Moment for f32 {
-    fn get(self) -> f32 {
-        self
-    }
-    fn put(x: f32) -> Self {
-        x
-    }
-}
-
-impl Moment for bf16 {
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-}
-
-/// State words per element: one for the master weight and the moments' share.
-pub fn state_words(n: usize, moments: DType) -> Result<usize> {
-    match moments {
-        DType::F32 => Ok(3 * n),
-        DType::BF16 => Ok(2 * n),
-        d => bail!("adamw: moments of dtype {d:?} (f32 or bf16 are supported)"),
-    }
-}
-
-/// The step-wide f32 scalars of an AdamW update, shared by the CPU and CUDA kernels.
-struct StepScalars {
-    b1: f32,
-    b2: f32,
-    /// `lr / (1 - beta1^step)`.
-    step_size: f32,
-    /// `1 / sqrt(1 - beta2^step)`.
-    inv_sqrt_bc2: f32,
-    eps: f32,
-    /// Gradient scale.
-    gs: f32,
-}
-
-impl AdamWStep {
-    /// The step's scalars, computed in f64 and rounded to f32.
-    fn scalars(&self) -> StepScalars {
-        let bc1 = 1.0 - self.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - self.beta2.powi(self.step as i32);
-        StepScalars {
-            b1: self.beta1 as f32,
-            b2: self.beta2 as f32,
-            step_size: (self.lr / bc1) as f32,
-            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-            eps: self.eps as f32,
-            gs: self.grad_scale as f32,
-        }
-    }
-
-    /// The decoupled weight-decay factor `1 - lr · wd` of a range.
-    fn keep(&self, wd: f64) -> f32 {
-        (1.0 - self.lr * wd) as f32
-    }
-
-    /// The update of `master` `[n]` and the moments `[2 n]` (`exp_avg | exp_avg_sq`) from
-    /// `grad` `[n]`, with the CUDA kernel's f32 operations in its order.
-    fn update<M: Moment>(&self, master: &mut [f32], moments: &mut [M], grad: &[f32]) {
-        let n = master.len();
-        let (m, v) = moments.split_at_mut(n);
-        let StepScalars {
-            b1,
-            b2,
-            step_size,
-            inv_sqrt_bc2,
-            eps,
-            gs,
-        } = self.scalars();
-        for &(start, len, wd) in &self.decay {
-            let keep = self.keep(wd);
-            let r = start..start + len;
-            master[r.clone()]
-                .par_chunks_mut(CHUNK)
-                .zip(m[r.clone()].par_chunks_mut(CHUNK))
-                .zip(v[r.clone()].par_chunks_mut(CHUNK))
-                .zip(grad[r].par_chunks(CHUNK))
-                .for_each(|(((p, m), v), g)| {
-                    for i in 0..p.len() {
-                        let g = g[i] * gs;
-                        let mi = b1 * m[i].get() + (1.0 - b1) * g;
-                        let vi = b2 * v[i].get() + (1.0 - b2) * g * g;
-                        (m[i], v[i]) = (M::put(mi), M::put(vi));
-                        let denom = vi.sqrt() * inv_sqrt_bc2 + eps;
-                        p[i] = p[i] * keep - step_size * mi / denom;
-                    }
-                });
-        }
-    }
-
-    /// Errors unless every decay range lies within `[0, n)`.
-    fn check_ranges(&self, n: usize) -> Result<()> {
-        for &(start, len, _) in &self.decay {
-            if start.checked_add(len).is_none_or(|end| end > n) {
-                bail!("adamw: decay range {start}..{start}+{len} exceeds the {n} elements")
-            }
-        }
-        Ok(())
-    }
-}
-
-impl InplaceOp2 for AdamWStep {
-    fn name(&self) -> &'static str {
-        "adamw"
-    }
-
-    fn cpu_fwd(&self, st: &mut CpuStorage, sl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
-        let state = f32_slice_mut(st, sl, "adamw state")?;
-        let grad = f32_slice(g, gl, "adamw gradient")?;
-        let n = grad.len();
-        let words = state_words(n, self.moments)?;
-        if state.len() != words {
-            bail!(
-                "adamw: state has {} words, expected {words} for {n} elements with {:?} moments",
-                state.len(),
-                self.moments
-            );
-        }
-        self.check_ranges(n)?;
-        let (master, rest) = state.split_at_mut(n);
-        match self.moments {
-            DType::BF16 => self.update(master, bytemuck::cast_slice_mut::<f32, bf16>(rest), grad),
-            _ => self.update(master, rest, grad),
-        }
-        Ok(())
-    }
-
-    /// The same update on CUDA, one launch per run of ranges with equal decay.
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        st: &mut CudaStorage,
-        sl: &Layout,
-        g: &CudaStorage,
-        gl: &Layout,
-    ) -> Result<()> {
-        let s = self.scalars();
-        let scalars = flat::AdamWScalars {
-            beta1: s.b1,
-            beta2: s.b2,
-            step_size: s.step_size,
-            inv_sqrt_bc2: s.inv_sqrt_bc2,
-            eps: s.eps,
-            grad_scale: s.gs,
-        };
-        let ranges: Vec<(usize, usize, f32)> = self
-            .decay
-            .iter()
-            .map(|&(start, len, wd)| (start, len, self.keep(wd)))
-            .collect();
-        flat::adamw(st, sl, g, gl, &scalars, &ranges, self.moments)
-    }
 }

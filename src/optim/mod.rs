@@ -1,12 +1,14 @@
 //! The optimizer side of a step: persistent flat fp32 gradient buffers, AdamW with fp32 master
 //! weights and moments over the flat ranges a rank owns (everything, or its ZeRO-1 shards),
 //! weight-decay masks and global-norm clipping; Muon for the hidden matrices
-//! (`optimizer.name: muon`), and the rank's [`Optimizer`] holding either.
+//! (`optimizer.name: muon`), and the rank's [`Optimizer`] holding either; AdamW's state in
+//! host memory with `optimizer.offload: cpu` (`offload.rs`).
 
 mod adamw;
 mod grads;
 pub mod kernels;
 pub mod muon;
+pub mod offload;
 mod optimizer;
 pub mod spans;
 
@@ -86,7 +88,7 @@ pub fn initial_owned(
 }
 
 /// Copies the parameters' values at the flat ranges `owned` of `layout` into the front of
-/// `dst` (f32), the ranges back to back, one parameter slice at a time (start-up holds one
+/// `dst` (f32, on their device or the host), the ranges back to back, one parameter slice at a time (start-up holds one
 /// parameter's f32 copy at most; padding is left as it is).
 pub(crate) fn copy_owned(
     params: &ParamSet,
@@ -106,7 +108,8 @@ pub(crate) fn copy_owned(
                 .tensor()?
                 .flatten_all()?
                 .narrow(0, cut.start - slot.start, cut.len())?
-                .to_dtype(DType::F32)?;
+                .to_dtype(DType::F32)?
+                .to_device(dst.device())?; // to the host when the state is offloaded
             dst.slice_set(&part, 0, base + cut.start - r.start)?;
         }
         base += r.len();

@@ -15,8 +15,9 @@ use parallel::dp::{intersect, MatrixGroups, ShardPos, Spread, WholeMatrices};
 use parallel::Group;
 
 use super::muon::Muon;
+use super::offload::{HostUpdate, Part as OffloadPart};
 use super::{copy_owned, AdamW, FlatLayout, GradBuffer};
-use crate::recipe::{OptimizerConfig, OptimizerName};
+use crate::recipe::{Offload, OptimizerConfig, OptimizerName};
 
 /// Which part updates a run of owned elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +97,8 @@ pub struct Optimizer {
     adamw: AdamW,
     muon: Option<Muon>,
     runs: Vec<Run>,
+    /// With `optimizer.offload: cpu`: AdamW's update on the host.
+    host: Option<HostUpdate>,
 }
 
 impl Optimizer {
@@ -116,13 +119,21 @@ impl Optimizer {
                 Some(m) => AdamW::with_masters(params, layout, owned.clone(), m, cfg)?,
                 None => AdamW::new(params, layout, owned.clone(), cfg)?,
             };
+            let host = match cfg.offload {
+                Offload::Cpu => Some(HostUpdate::new(cfg.offload_threads, layout, &owned)?),
+                Offload::None => None,
+            };
             return Ok(Self {
                 owned,
                 adamw,
                 muon: None,
                 runs: vec![(Part::AdamW, 0, n)],
+                host,
             });
         };
+        if cfg.offload != Offload::None {
+            candle_core::bail!("optimizer.offload: cpu offloads AdamW only, not Muon");
+        }
         let s = split(layout, &owned, hidden);
         let device = params
             .iter()
@@ -156,6 +167,7 @@ impl Optimizer {
             adamw,
             muon: Some(muon),
             runs: s.runs,
+            host: None,
         })
     }
 
@@ -218,11 +230,37 @@ impl Optimizer {
     /// One update with learning rate `lr`, gradients scaled by `grad_scale` (clipping). With
     /// Muon every rank of the shard and tensor-parallel groups takes part.
     pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
+        self.step_parts(grads, lr, grad_scale, |_, _| Ok(()))
+    }
+
+    /// [`Optimizer::step`], handing each updated part of an offloaded state on as it is done:
+    /// `ready(part, masters)` with the part's new master weights (host, f32), while the host
+    /// updates the next (see `offload.rs`). Without offload, nothing is handed on.
+    pub fn step_parts(
+        &mut self,
+        grads: &GradBuffer,
+        lr: f64,
+        grad_scale: f64,
+        ready: impl FnMut(&OffloadPart, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(host) = &self.host {
+            return host.step(&mut self.adamw, grads, (lr, grad_scale), ready);
+        }
         self.adamw.step(grads, lr, grad_scale)?;
         if let Some(m) = &mut self.muon {
             m.step(grads, lr, grad_scale)?;
         }
         Ok(())
+    }
+
+    /// Whether the state lives in host memory (`optimizer.offload: cpu`).
+    pub fn offloaded(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The host threads an offloaded update runs on.
+    pub fn offload_threads(&self) -> Option<usize> {
+        self.host.as_ref().map(|h| h.threads())
     }
 
     /// The owned master weights in owned order `[n]`.

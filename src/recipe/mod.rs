@@ -12,7 +12,7 @@ use parallel::ParallelConfig;
 use serde::{Deserialize, Serialize};
 
 pub use load::{load, load_stored, load_str, RecipeError};
-pub use optimizer::{AdjustLr, MuonConfig, OptimizerConfig, OptimizerName, StateDtype};
+pub use optimizer::{AdjustLr, MuonConfig, Offload, OptimizerConfig, OptimizerName, StateDtype};
 pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, Resume, ResumeChange, RunConfig,
     ScheduleConfig, TrainConfig, SPIKE_WINDOW,

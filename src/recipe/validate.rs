@@ -3,7 +3,7 @@
 //! Options that do nothing at the recipe's scale (sequence parallelism at tp = 1, ZeRO at dp = 1,
 //! a warmup longer than the run) are warnings, as in Megatron-LM, and are switched off.
 
-use super::{LrCurve, OptimizerName, Recipe};
+use super::{LrCurve, Recipe};
 use model::Recompute;
 use parallel::dp::ZeroStage;
 use parallel::register::Dims;
@@ -333,85 +333,6 @@ impl Recipe {
             p.push("checkpoint.keep must be at least 1".into());
         }
     }
-
-    fn check_optimizer(&self, p: &mut Vec<String>) {
-        let (o, s) = (&self.optimizer, &self.schedule);
-        if !(o.lr > 0.0 && o.lr <= f32::MAX as f64) {
-            p.push(format!(
-                "optimizer.lr ({}) must be positive and finite as an f32 (at most {:e})",
-                o.lr,
-                f32::MAX
-            ));
-        }
-        for (field, b) in [("beta1", o.beta1), ("beta2", o.beta2)] {
-            if !(0.0..1.0).contains(&b) {
-                p.push(format!("optimizer.{field} ({b}) must be in [0, 1)"));
-            }
-        }
-        if o.eps.is_nan() || o.eps <= 0.0 {
-            p.push(format!("optimizer.eps ({}) must be positive", o.eps));
-        }
-        if o.weight_decay.is_nan() || o.weight_decay < 0.0 {
-            p.push(format!(
-                "optimizer.weight_decay ({}) must be non-negative",
-                o.weight_decay
-            ));
-        }
-        if o.name == OptimizerName::Muon {
-            let m = &o.muon;
-            if !(0.0..1.0).contains(&m.momentum) {
-                p.push(format!(
-                    "optimizer.muon.momentum ({}) must be in [0, 1)",
-                    m.momentum
-                ));
-            }
-            if !(1..100).contains(&m.ns_steps) {
-                p.push(format!(
-                    "optimizer.muon.ns_steps ({}) must be in 1..=99",
-                    m.ns_steps
-                ));
-            }
-            if m.ns_coefficients.iter().any(|c| !c.is_finite()) {
-                p.push(format!(
-                    "optimizer.muon.ns_coefficients ({:?}) must be finite",
-                    m.ns_coefficients
-                ));
-            } else if let Some((x, y)) = ns_growth(m.ns_coefficients) {
-                p.push(format!(
-                    "optimizer.muon.ns_coefficients ({:?}): each step maps a singular value x in \
-                     [0, 1] to a·x + b·x³ + c·x⁵, which gives {y:.3e} at x = {x:.3}; the iteration \
-                     diverges past |4| (the default, Keller Jordan's (3.4445, -4.775, 2.0315), \
-                     stays within 1.2)",
-                    m.ns_coefficients
-                ));
-            }
-            if m.eps.is_nan() || m.eps <= 0.0 {
-                p.push(format!("optimizer.muon.eps ({}) must be positive", m.eps));
-            }
-        }
-        if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
-            p.push(format!(
-                "schedule.min_lr ({}) must be in [0, optimizer.lr = {}]",
-                s.min_lr, o.lr
-            ));
-        }
-        if s.kind == LrCurve::Wsd && !(s.decay_fraction > 0.0 && s.decay_fraction <= 1.0) {
-            p.push(format!(
-                "schedule.decay_fraction ({}) must be in (0, 1]",
-                s.decay_fraction
-            ));
-        }
-    }
-}
-
-/// Where the Newton–Schulz step `a·x + b·x³ + c·x⁵` takes a singular value `x` of `[0, 1]` (the
-/// orthogonalised matrix is first scaled to a spectral norm of at most 1) past 4 in magnitude,
-/// from which the iteration diverges: the first such `x` of 1001 and its image.
-fn ns_growth([a, b, c]: [f64; 3]) -> Option<(f64, f64)> {
-    (0..=1000).map(|i| i as f64 / 1000.0).find_map(|x| {
-        let y = x * (a + x * x * (b + c * x * x));
-        (y.abs() > 4.0).then_some((x, y))
-    })
 }
 
 #[cfg(test)]
@@ -476,10 +397,16 @@ mod tests {
 
     #[test]
     fn newton_schulz_coefficients_that_diverge_are_refused() {
-        assert_eq!(super::ns_growth([3.4445, -4.775, 2.0315]), None);
-        assert_eq!(super::ns_growth([8.28721, -23.5959, 17.3004]), None);
-        assert_eq!(super::ns_growth([2.0, -1.5, 0.5]), None);
-        let (x, y) = super::ns_growth([1e300, 1.0, 1.0]).unwrap();
+        assert_eq!(
+            crate::recipe::optimizer::ns_growth([3.4445, -4.775, 2.0315]),
+            None
+        );
+        assert_eq!(
+            crate::recipe::optimizer::ns_growth([8.28721, -23.5959, 17.3004]),
+            None
+        );
+        assert_eq!(crate::recipe::optimizer::ns_growth([2.0, -1.5, 0.5]), None);
+        let (x, y) = crate::recipe::optimizer::ns_growth([1e300, 1.0, 1.0]).unwrap();
         assert!(x > 0.0 && y > 4.0, "{x} {y}");
         let r = crate::recipe::load(
             Path::new("recipes/tiny.yaml"),

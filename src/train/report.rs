@@ -27,8 +27,11 @@ impl Trainer {
             r.train.seq_len / r.parallel.cp
         );
         let b = self.state_bytes();
+        let host = (self.state.optimizer.offload_threads()).map_or(String::new(), |t| {
+            format!(" in host memory, updated on {t} threads")
+        });
         info!(
-            "rank 0 state: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB",
+            "rank 0 state: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB{host}",
             mib(b.param_bytes),
             mib(b.grad_bytes),
             mib(b.optimizer_bytes)

@@ -16,7 +16,7 @@ use super::Trainer;
 use crate::recipe::ResumeChange;
 
 /// Keys whose change leaves the math of the steps as it was (said at info level).
-const BENIGN: [&str; 12] = [
+const BENIGN: [&str; 14] = [
     "train.steps",
     "train.micro_batch",
     "train.recompute",
@@ -29,6 +29,8 @@ const BENIGN: [&str; 12] = [
     "train.attention",
     "train.deterministic",
     "optimizer.state_dtype",
+    "optimizer.offload",
+    "optimizer.offload_threads",
 ];
 
 /// `section.key` paths of the leaves under `sections` of a recipe as YAML, with their values.

@@ -284,12 +284,13 @@ impl Trainer {
         } else {
             1.0
         };
-        self.state.optimizer.step(&self.state.grads, lr, scale)?;
-        zero::publish(
-            &self.state.optimizer,
-            &mut self.state.dp,
-            &self.model,
-            &self.ctx,
+        let state = &mut self.state;
+        zero::update(
+            &mut state.optimizer,
+            &state.grads,
+            (lr, scale),
+            &mut state.dp,
+            (&self.model, &self.ctx),
         )?;
         self.progress.updates += 1;
         let rate = (self.model.config().moe()).map_or(0.0, |m| m.bias_update_rate);

@@ -5,12 +5,12 @@
 //! `crates/parallel/src/dp/` (`state.rs`, `gather.rs`).
 
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use model::placement::state_layout;
 use model::{Llama, ParamKind, Piece};
 use parallel::dp::{
-    publish_shards, DataParallel, DpGroups, FlatLayout, Gatherer, MatrixGroups, Partial, Pass,
-    ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
+    moved, publish_bucket, publish_shards, DataParallel, DpGroups, FlatLayout, Gatherer,
+    MatrixGroups, Partial, Pass, ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
@@ -18,7 +18,7 @@ use parallel::Group;
 
 use super::RankCtx;
 use crate::optim::{flatten_params, initial_owned, write_params, GradBuffer, Optimizer};
-use crate::recipe::{OptimizerName, Recipe};
+use crate::recipe::{Offload, OptimizerName, Recipe};
 
 /// The buckets holding piece `p`'s parameters, ascending.
 pub fn piece_buckets(model: &Llama, layout: &FlatLayout, p: Piece) -> Vec<usize> {
@@ -148,9 +148,14 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let (params, optim) = (model.params(), &recipe.optimizer);
     let (master, shards) = if zero.shards_parameters() {
         let seed = recipe.train.seed;
-        let master = initial_owned(params, &layout, &owned, seed, device)?;
+        // Offloaded, the masters are made where they live.
+        let at = match optim.offload {
+            Offload::Cpu => &Device::Cpu,
+            Offload::None => device,
+        };
+        let master = initial_owned(params, &layout, &owned, seed, at)?;
         let shards = crate::optim::spans::cast(&master, params.get(0).dtype)?;
-        (Some(master), Some(shards))
+        (Some(master), Some(moved(&shards, device)?))
     } else {
         (None, None)
     };
@@ -252,6 +257,46 @@ fn whole_matrices(
     )
 }
 
+/// The optimizer's update at learning rate `lr`, gradients scaled by `scale` (clipping), and the
+/// parameters made from it ([`publish`]). Offloaded, each bucket's part is handed on as soon as
+/// the host has updated it and published while the host updates the next (at stage 3 the
+/// shards are set once every part is updated).
+pub fn update(
+    optimizer: &mut Optimizer,
+    grads: &GradBuffer,
+    (lr, scale): (f64, f64),
+    dp: &mut DataParallel,
+    (model, ctx): (&Llama, &RankCtx),
+) -> Result<()> {
+    if !optimizer.offloaded() || dp.zero() == ZeroStage::Parameters {
+        optimizer.step(grads, lr, scale)?;
+        return publish(optimizer, dp, model, ctx);
+    }
+    let (layout, params) = (dp.layout(), model.params());
+    let to = (params.get(0).dtype, &ctx.device);
+    let groups = (
+        ctx.comm.as_ref(),
+        &ctx.groups.shard,
+        &ctx.groups.expert_grad,
+    );
+    let sharded = dp.zero().shards_optimizer();
+    optimizer.step_parts(grads, lr, scale, |part, masters| {
+        if sharded {
+            // This rank's shard of the bucket: gathered from the shard group.
+            let write = |i: usize, values: &Tensor| params.get(i).set(values);
+            return publish_bucket(layout, part.bucket, masters, to, groups, write);
+        }
+        for i in layout.buckets[part.bucket].params.clone() {
+            let r = layout.range(i);
+            params
+                .get(i)
+                .set(&masters.narrow(0, r.start - part.flat.start, r.len())?)?;
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
 /// Makes the optimizer's owned master weights the parameters (after a step or a checkpoint
 /// load): written whole (stage 0), gathered from the shard group (1, 2), or kept as this rank's
 /// shards (3).
@@ -271,14 +316,15 @@ pub fn publish(
                 &ctx.groups.shard,
                 &ctx.groups.expert_grad,
             );
-            let dtype = params.get(0).dtype;
-            publish_shards(dp.layout(), &master, dtype, groups, |i, values| {
+            let to = (params.get(0).dtype, &ctx.device);
+            publish_shards(dp.layout(), &master, to, groups, |i, values| {
                 params.get(i).set(values)
             })?;
         }
         ZeroStage::Parameters => {
             let dtype = dp.param_shards().map_or(DType::F32, |s| s.dtype());
-            dp.set_param_shards(&crate::optim::spans::cast(&master, dtype)?)?
+            let shards = crate::optim::spans::cast(&master, dtype)?;
+            dp.set_param_shards(&moved(&shards, &ctx.device)?)?
         }
     }
     Ok(())

@@ -142,10 +142,12 @@ impl Parameter {
     /// Overwrites the installed tensor's values in place with `t` (same number of elements;
     /// cast to the parameter's dtype).
     pub fn set(&self, t: &Tensor) -> Result<()> {
+        // Cast where the values are (on the host when the optimizer state is offloaded: half the
+        // bytes to copy), then moved to the parameter's device.
         let t = t
             .reshape(self.block.shape.as_slice())?
             .to_dtype(self.dtype)?;
-        self.var()?.set(&t)
+        self.var()?.set(&parallel::dp::moved(&t, &self.device)?)
     }
 }
 

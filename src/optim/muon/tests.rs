@@ -57,6 +57,8 @@ fn config(case: &serde_json::Value) -> OptimizerConfig {
                 _ => AdjustLr::MatchRmsAdamw,
             },
         },
+        offload: Default::default(),
+        offload_threads: 0,
     }
 }
 

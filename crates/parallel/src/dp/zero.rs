@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use super::{Bucket, FlatLayout};
 use crate::comm::{Comm, Group};
@@ -55,31 +55,63 @@ pub fn owned_ranges(layout: &FlatLayout, sharded: bool, pos: ShardPos) -> Vec<Ra
 
 /// Hands every parameter its updated values, gathered bucket by bucket from the shards of every
 /// rank of the shard group `shard` (expert buckets: of the expert shard group `expert_shard`).
-/// `own` holds this rank's master shards of all buckets back to back (f32); each is cast to the
-/// parameters' `dtype` first (bf16 on GPUs: half the bytes of gathering f32 masters, and the
-/// same values, as the cast is element-wise), all-gathered, and each parameter of the bucket
-/// passed to `write(i, values)` (`values`: `[numel]` in `dtype`). One bucket is gathered at a
-/// time, never the whole flat buffer: the transient is a bucket, not the model.
+/// `own` holds this rank's master shards of all buckets back to back (f32, on the parameters'
+/// device or, offloaded, the host); each is cast to the parameters' `dtype` first (bf16 on GPUs:
+/// half the bytes of gathering f32 masters, and the same values, as the cast is element-wise),
+/// moved to `device`, all-gathered, and each parameter of the bucket passed to
+/// `write(i, values)` (`values`: `[numel]` in `dtype`). One bucket is gathered at a time, never
+/// the whole flat buffer: the transient is a bucket, not the model.
 pub fn publish_shards(
     layout: &FlatLayout,
     own: &Tensor,
-    dtype: DType,
-    (comm, shard, expert_shard): (&dyn Comm, &Group, &Group),
+    to: (DType, &Device),
+    groups: (&dyn Comm, &Group, &Group),
     mut write: impl FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<()> {
     let mut offset = 0;
-    for b in &layout.buckets {
-        let group = if b.expert { expert_shard } else { shard };
-        let n = b.len / group.size();
-        let part = own.narrow(0, offset, n)?.to_dtype(dtype)?; // [len / shards]
+    for (b, bucket) in layout.buckets.iter().enumerate() {
+        let group = if bucket.expert { groups.2 } else { groups.1 };
+        let n = bucket.len / group.size();
+        publish_bucket(
+            layout,
+            b,
+            &own.narrow(0, offset, n)?,
+            to,
+            groups,
+            &mut write,
+        )?;
         offset += n;
-        let whole = comm.all_gather(group, &part, 0)?; // [len]
-        for i in b.params.clone() {
-            let r = layout.range(i);
-            write(i, &whole.narrow(0, r.start - b.start, r.len())?)?;
-        }
     }
     Ok(())
+}
+
+/// [`publish_shards`] of bucket `b` alone, from this rank's master shard `part` of it.
+pub fn publish_bucket(
+    layout: &FlatLayout,
+    b: usize,
+    part: &Tensor,
+    (dtype, device): (DType, &Device),
+    (comm, shard, expert_shard): (&dyn Comm, &Group, &Group),
+    mut write: impl FnMut(usize, &Tensor) -> Result<()>,
+) -> Result<()> {
+    let bucket = &layout.buckets[b];
+    let group = if bucket.expert { expert_shard } else { shard };
+    let part = moved(&part.to_dtype(dtype)?, device)?; // [len / shards]
+    let whole = comm.all_gather(group, &part, 0)?; // [len]
+    for i in bucket.params.clone() {
+        let r = layout.range(i);
+        write(i, &whole.narrow(0, r.start - bucket.start, r.len())?)?;
+    }
+    Ok(())
+}
+
+/// `t`'s values on `device`, copying only them: candle moves the whole storage a view lies in
+/// (an offloaded optimizer's flat state, for a bucket's view of it).
+pub fn moved(t: &Tensor, device: &Device) -> Result<Tensor> {
+    if t.device().same_device(device) {
+        return Ok(t.clone());
+    }
+    t.force_contiguous()?.to_device(device)
 }
 
 #[cfg(test)]
