@@ -40,6 +40,9 @@
 #             resume from it that must repeat steps 4-6 bit for bit; not in the default list
 #             (about 10 minutes; its flat buffers hold 6.7e9 elements, past candle's 32-bit
 #             kernels, so this is the first run of the span-by-span whole-buffer operations)
+#   offload   the 7B of recipes/bench-7b.yaml with optimizer.offload: cpu at 256K tokens a step
+#             (4 steps): the GPU's peak at most 60 GiB and the update at most 15% of the step;
+#             not in the default list (about 5 minutes)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
 #             to the binary) beside the binary or at CUPTI_TRACE_SO; compiled here as a fallback,
@@ -254,6 +257,10 @@ for p in "${PARTS[@]}"; do
       part selective-curve compare tiny-cuda-selective tiny-cuda-bf16 0
       part moments-bf16 tiny_run tiny-cuda-moments cuda bf16 --set optimizer.state_dtype=bf16
       part moments-curve compare tiny-cuda-moments tiny-cuda-bf16 2e-2
+      # AdamW on the host runs the CPU kernel, which performs the CUDA kernel's f32 operations
+      # in its order: the curve must not move.
+      part offload-bf16 tiny_run tiny-cuda-offload cuda bf16 --set optimizer.offload=cpu
+      part offload-curve compare tiny-cuda-offload tiny-cuda-bf16 0
       ;;
     moe)
       # A routing decision that flips with summation order or rounding sends the runs down
@@ -351,6 +358,25 @@ a, b = read(sys.argv[1]), read(sys.argv[2])
 same = [s for s in (4, 5, 6) if s in a and s in b and a[s] == b[s]]
 print("steps 4-6 uninterrupted", [a.get(s) for s in (4, 5, 6)], "resumed", [b.get(s) for s in (4, 5, 6)])
 sys.exit(0 if len(same) == 3 else "the resumed steps differ")
+PY
+      ;;
+    offload)
+      # The 7B with AdamW's state on the host at 256K tokens a step: at most 60 GiB of the GPU
+      # and the update (copies down, host AdamW, copies up) at most 15% of the step.
+      SET="optimizer.offload=cpu,train.global_batch=64,train.steps=4"
+      "$BIN" plan --recipe recipes/bench-7b.yaml --gpu "${GPU_PRESET:-h200}" --set "$SET" \
+        | tee "$OUT/plan-7b-offload.txt"
+      rm -rf "$RUNS/7b-offload"
+      part 7b-offload "$BIN" --recipe recipes/bench-7b.yaml --set "run.dir=$RUNS/7b-offload,$SET"
+      part 7b-offload-check "$PYTHON" - "$RUNS/7b-offload/metrics.jsonl" <<'PY'
+import json, sys
+recs = [r for r in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in r][1:]
+peak = max(r.get("device_peak_mib", 0) for r in recs) / 1024
+share = max(r["optimizer_s"] / r["step_time_s"] for r in recs)
+print(f"GPU peak {peak:.1f} GiB; update {share:.1%} of the step;",
+      [(r["step"], round(r["step_time_s"], 2), round(r["optimizer_s"], 2)) for r in recs])
+sys.exit("; ".join([f"GPU peak {peak:.1f} GiB > 60"] * (peak > 60)
+                   + [f"update {share:.1%} > 15%"] * (share > 0.15)) or 0)
 PY
       ;;
     profile)

@@ -99,3 +99,93 @@ fn offload_refuses_muon() {
         stderr(&o)
     );
 }
+
+/// The planner: a 7B fits one H100 80GB only with its optimizer on the host, in at most 60 GiB
+/// of the GPU, and names the host memory it takes; a host too small for fp32 moments takes bf16
+/// ones, and one too small for either fits nothing.
+#[test]
+fn the_planner_fits_a_7b_on_one_h100_with_the_optimizer_on_the_host() {
+    use pretrain::plan::{candidates, GpuPreset, GIB};
+    use pretrain::recipe::{Offload, StateDtype};
+
+    let r = pretrain::recipe::load(Path::new("recipes/7b.yaml"), &[]).unwrap();
+    let mut hw = GpuPreset::H100.hardware();
+    let fitting = |hw: &pretrain::plan::Hardware| -> Vec<pretrain::plan::Plan> {
+        candidates(&r, hw, 1)
+            .into_iter()
+            .map(|c| c.plan)
+            .filter(|p| p.fits)
+            .collect()
+    };
+    let fit = fitting(&hw);
+    assert!(!fit.is_empty(), "no 7B layout fits one H100");
+    assert!(fit.iter().all(|p| p.layout.offload == Offload::Cpu));
+    let best = &fit[0];
+    let gpu = (best.memory_bytes.total + best.headroom_bytes) as f64 / GIB;
+    assert!(gpu <= 60.0, "{}: {gpu:.1} GiB of the GPU", best.layout);
+    // fp32 masters and moments: 12 bytes a parameter, and a few buckets on their way.
+    let params = r.model.num_params() as f64;
+    let host = best.memory_bytes.host as f64;
+    assert_eq!(best.memory_bytes.optimizer, 0);
+    assert!(
+        host > 12.0 * params && host < 12.0 * params + 2.0 * GIB,
+        "{host}"
+    );
+    // The update and its copies, at 256K tokens a step, take at most 15% of it.
+    let share = best.step_time.optimizer_s / (best.step_time_s / 16.0);
+    assert!(
+        share < 0.15,
+        "offloaded update: {share:.3} of a 256K-token step"
+    );
+
+    hw.host.memory_gib = 64.0;
+    let fit = fitting(&hw);
+    assert!(!fit.is_empty());
+    assert!(fit
+        .iter()
+        .all(|p| p.layout.state_dtype == StateDtype::Bf16 && p.layout.offload == Offload::Cpu));
+    hw.host.memory_gib = 16.0;
+    assert!(fitting(&hw).is_empty());
+}
+
+/// The planner's host bytes hold what an offloaded rank measures of its optimizer state, and
+/// none of it is counted on the device.
+#[test]
+fn planned_host_memory_holds_the_measured_offloaded_state() {
+    use pretrain::train::{RankCtx, Trainer};
+    use std::time::Duration;
+
+    for layout in [
+        "parallel.dp=1",
+        "parallel.dp=2,parallel.zero=1,optimizer.state_dtype=bf16",
+        "parallel.dp=2,parallel.zero=3,parallel.pp=2",
+    ] {
+        let o = vec![
+            "train.steps=1,schedule.warmup_steps=1,train.eval_interval=0,\
+             train.global_batch=16,train.micro_batch=4,optimizer.offload=cpu"
+                .to_string(),
+            layout.to_string(),
+        ];
+        let recipe = pretrain::recipe::load(Path::new("recipes/tiny.yaml"), &o).unwrap();
+        let predicted = pretrain::plan::memory::stages(&recipe).unwrap();
+        let world = recipe.parallel.world_size();
+        let measured =
+            parallel::comm::local::run_local(world, Duration::from_secs(120), |rank, comm| {
+                let ctx = RankCtx::open(&recipe.parallel, rank, comm, candle_core::Device::Cpu)?;
+                let stage = ctx.coords.pp;
+                let mut trainer = Trainer::new(recipe.clone(), ctx, false)?;
+                let rec = trainer.train_step()?;
+                Ok::<_, anyhow::Error>((stage, rec.memory.state.optimizer_bytes as u64))
+            })
+            .unwrap_or_else(|e| panic!("{e}: {:#}", e.error));
+        for (stage, bytes) in measured {
+            let want = &predicted[stage].bytes;
+            assert_eq!(want.optimizer, 0, "{layout}");
+            assert!(
+                bytes > 0 && bytes <= want.host && want.host < 2 * bytes + (1 << 20),
+                "{layout} stage {stage}: measured {bytes} bytes of state, planned {} on the host",
+                want.host
+            );
+        }
+    }
+}

@@ -55,6 +55,22 @@ pub struct Hardware {
     pub gemm_efficiency: f64,
     /// Fraction of peak the fused causal attention reaches (forward and backward).
     pub attention_efficiency: f64,
+    /// The host side, for optimizer offload.
+    pub host: Host,
+}
+
+/// What the planner assumes of a node's host, for `optimizer.offload: cpu`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Host {
+    /// Host memory per node, GiB.
+    pub memory_gib: f64,
+    /// Per-GPU copy bandwidth between host and device, one direction, GB/s: the offloaded
+    /// state is pageable memory, which copies at about half a PCIe link's pinned rate (gen4 x16
+    /// about 25 GB/s pinned, gen5 about 50).
+    pub pcie_gbps: f64,
+    /// Host memory bandwidth of a node that the offloaded AdamW update reaches, GB/s, shared by
+    /// the node's ranks (two sockets of DDR4-3200 or DDR5-4800 at about 60% of their peak).
+    pub memory_gbps: f64,
 }
 
 impl GpuPreset {
@@ -73,6 +89,12 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.62,
                 attention_efficiency: 0.20,
+                // DGX A100: 2 TB, PCIe gen4, two EPYC 7742 (2 × 205 GB/s peak).
+                host: Host {
+                    memory_gib: 1907.0,
+                    pcie_gbps: 12.0,
+                    memory_gbps: 240.0,
+                },
             },
             GpuPreset::H100 => Hardware {
                 name: "h100",
@@ -87,6 +109,12 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.55,
                 attention_efficiency: 0.20,
+                // DGX H100: 2 TB, PCIe gen5, two Xeon 8480C (2 × 307 GB/s peak).
+                host: Host {
+                    memory_gib: 1907.0,
+                    pcie_gbps: 22.0,
+                    memory_gbps: 370.0,
+                },
             },
             GpuPreset::H200 => Hardware {
                 name: "h200",
@@ -101,6 +129,12 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.57,
                 attention_efficiency: 0.20,
+                // DGX H200: as DGX H100.
+                host: Host {
+                    memory_gib: 1907.0,
+                    pcie_gbps: 22.0,
+                    memory_gbps: 370.0,
+                },
             },
         }
     }
@@ -119,10 +153,14 @@ impl Hardware {
     pub fn found(recipe: &crate::recipe::Recipe, per_node: usize) -> Hardware {
         let per_node = per_node.max(1);
         if recipe.train.device == crate::recipe::DeviceKind::Cuda {
-            if let Some(f) = crate::device::gpu_facts() {
-                return Self::of_gpu(&f.name, f.total);
+            let mut hw = match crate::device::gpu_facts() {
+                Some(f) => Self::of_gpu(&f.name, f.total),
+                None => GpuPreset::H100.hardware(),
+            };
+            if let Some(total) = host_memory_bytes() {
+                hw.host.memory_gib = total as f64 / super::GIB;
             }
-            return GpuPreset::H100.hardware();
+            return hw;
         }
         let available = crate::device::capacity(&candle_core::Device::Cpu).unwrap_or(0);
         Hardware {
@@ -151,6 +189,14 @@ impl Hardware {
         }
     }
 
+    /// Whether the host memory of a node holds `bytes` per rank for its ranks (a node runs
+    /// `gpus_per_node` of them, or the whole job when it is smaller); on the CPU the ranks'
+    /// device memory is host memory and [`Hardware::memory_gib`] already their share of it.
+    pub fn host_holds(&self, bytes: u64, world: usize) -> bool {
+        let ranks = self.gpus_per_node.min(world).max(1) as f64;
+        !self.is_gpu() || bytes as f64 * ranks <= self.host.memory_gib * super::GIB
+    }
+
     /// Bytes a rank holding `comms` NCCL communicators needs outside its memory pool.
     pub fn headroom_bytes(&self, comms: &parallel::register::Communicators) -> u64 {
         let nccl = comms.groups as f64
@@ -159,4 +205,12 @@ impl Hardware {
             + ALL_TO_ALL_COMMUNICATORS * comms.all_to_all as f64;
         ((self.context_gib + self.nccl_gib * nccl) * super::GIB) as u64
     }
+}
+
+/// This machine's host memory (`MemTotal` of `/proc/meminfo`), bytes.
+fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

@@ -36,7 +36,7 @@ use serde::Serialize;
 use super::acts::{Acts, PieceActs};
 use super::memo::{memo, Memo};
 use super::PlanError;
-use crate::recipe::{OptimizerName, Recipe};
+use crate::recipe::{Offload, OptimizerName, Recipe};
 
 /// Predicted bytes of the most loaded rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -62,8 +62,11 @@ pub struct MemoryBytes {
     /// (a reduction's result on the CPU backends; NCCL reduces the buckets in place, so on a GPU
     /// this slightly over-counts).
     pub temporaries: u64,
-    /// All of the above.
+    /// All of the above: the device's bytes.
     pub total: u64,
+    /// In host memory, with `optimizer.offload: cpu`: the master weights and moments, and the
+    /// parts of gradients and parameters on their way (not in `total`).
+    pub host: u64,
 }
 
 /// The memory of one pipeline stage (its ranks are alike).
@@ -187,6 +190,24 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
         } else {
             0
         };
+        // Offloaded: the state on the host, with up to three parts (one a bucket) of f32
+        // gradients (one being updated, one queued, one being copied) and a part's cast
+        // parameters; on the device a part's gradients on their way to the host and its
+        // parameters back.
+        let (optimizer_bytes, host, offload_temp) = if r.optimizer.offload == Offload::Cpu {
+            let shards = if par.zero.shards_optimizer() {
+                par.shard_size().max(1) as u64
+            } else {
+                1
+            };
+            let buckets = &state.layout.buckets;
+            let part = buckets.iter().map(|b| b.len as u64).max().unwrap_or(0) / shards;
+            let in_flight = buckets.len().min(3) as u64;
+            let host = optimizer_bytes as u64 + (in_flight * 4 + p) * part;
+            (0, host, (4 + p) * part)
+        } else {
+            (optimizer_bytes, 0, 0)
+        };
         let mut bytes = MemoryBytes {
             parameters: param_bytes as u64,
             gradients: grad_bytes as u64,
@@ -194,8 +215,9 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
             activations,
             gathered_parameters,
             staged_gradients,
-            temporaries: temp + bucket.max(publish),
+            temporaries: temp + bucket.max(publish).max(offload_temp),
             total: 0,
+            host,
         };
         bytes.total = bytes.parameters
             + bytes.gradients

@@ -22,12 +22,12 @@ use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
 pub use error::PlanError;
-pub use hardware::{GpuPreset, Hardware};
+pub use hardware::{GpuPreset, Hardware, Host};
 pub use memory::{MemoryBytes, StageMemory};
 pub use search::{candidates, cheapest_fit, Candidate};
 pub use time::StepTime;
 
-use crate::recipe::{Recipe, StateDtype};
+use crate::recipe::{Offload, Recipe, StateDtype};
 
 /// A layout: the recipe keys the planner varies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -56,9 +56,16 @@ pub struct Layout {
     pub recompute: model::Recompute,
     /// Element type of the AdamW moments.
     pub state_dtype: StateDtype,
+    /// Where AdamW's state lives.
+    pub offload: Offload,
 }
 
 impl Layout {
+    /// Its ranks.
+    pub fn world(&self) -> usize {
+        self.dp * self.tp * self.cp * self.pp
+    }
+
     /// The layout of a recipe.
     pub fn of(r: &Recipe) -> Self {
         let p = &r.parallel;
@@ -75,6 +82,7 @@ impl Layout {
             micro_batch: r.train.micro_batch,
             recompute: r.train.recompute,
             state_dtype: r.optimizer.state_dtype,
+            offload: r.optimizer.offload,
         }
     }
 
@@ -107,11 +115,12 @@ impl Layout {
             r.train.recompute_modules = None; // they name what only `selective` recomputes
         }
         r.optimizer.state_dtype = self.state_dtype;
+        r.optimizer.offload = self.offload;
         r
     }
 
     /// The `--set` flags that turn this layout into `to`, naming the memory levers that differ
-    /// (ZeRO stage, recompute, the moments' dtype).
+    /// (ZeRO stage, recompute, the moments' dtype, offload).
     pub fn lever_flags(&self, to: &Layout) -> String {
         let mut out = Vec::new();
         if self.zero != to.zero {
@@ -122,6 +131,9 @@ impl Layout {
         }
         if self.state_dtype != to.state_dtype {
             out.push(format!("--set optimizer.state_dtype={}", to.state_dtype));
+        }
+        if self.offload != to.offload {
+            out.push(format!("--set optimizer.offload={}", to.offload));
         }
         out.join(" ")
     }
@@ -158,6 +170,9 @@ impl std::fmt::Display for Layout {
         if self.state_dtype == StateDtype::Bf16 {
             f.write_str(" m:bf16")?;
         }
+        if self.offload == Offload::Cpu {
+            f.write_str(" off:cpu")?;
+        }
         Ok(())
     }
 }
@@ -176,8 +191,9 @@ pub struct Plan {
     /// What a rank needs outside its memory pool: context, libraries, NCCL buffers
     /// ([`Hardware::headroom_bytes`]).
     pub headroom_bytes: u64,
-    /// Whether the most loaded rank, with the headroom, fits the GPU's memory, and no tensor of
-    /// any rank passes what the GPU's kernels can index ([`Plan::refused`]).
+    /// Whether the most loaded rank, with the headroom, fits the GPU's memory, its offloaded
+    /// state the node's host memory ([`Hardware::host_holds`]), and no tensor of any rank passes
+    /// what the GPU's kernels can index ([`Plan::refused`]).
     pub fits: bool,
     /// Why the trainer would refuse the layout on the GPU (`device::element_problems`); empty
     /// when it admits it.
@@ -251,6 +267,8 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, PlanError> {
     } else {
         Vec::new()
     };
+    // On the CPU the offloaded state shares the ranks' memory.
+    let device = most.bytes.total + if hw.is_gpu() { 0 } else { most.bytes.host };
     let world = r.parallel.world_size() as f64;
     let tokens = (r.train.global_batch * r.train.seq_len) as f64;
     // The work done: the attention a document mask skips is not counted (as the trainer's
@@ -263,7 +281,8 @@ fn plan_layout(r: &Recipe, hw: &Hardware) -> Result<Plan, PlanError> {
         memory_bytes: most.bytes,
         communicators,
         headroom_bytes,
-        fits: (most.bytes.total + headroom_bytes) as f64 <= hw.memory_gib * GIB
+        fits: (device + headroom_bytes) as f64 <= hw.memory_gib * GIB
+            && hw.host_holds(most.bytes.host, r.parallel.world_size())
             && refused.is_empty(),
         refused,
         stages,

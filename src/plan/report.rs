@@ -46,6 +46,15 @@ pub struct PlanArgs {
     /// Per-GPU collective bandwidth across nodes, gigabytes per second.
     #[arg(long)]
     pub inter_node_gbps: Option<f64>,
+    /// Host memory per node, GiB (what an offloaded optimizer state fills).
+    #[arg(long)]
+    pub host_memory_gib: Option<f64>,
+    /// Per-GPU host-device copy bandwidth, one direction, gigabytes per second.
+    #[arg(long)]
+    pub pcie_gbps: Option<f64>,
+    /// Host memory bandwidth per node an offloaded AdamW update reaches, gigabytes per second.
+    #[arg(long)]
+    pub host_memory_gbps: Option<f64>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -93,6 +102,18 @@ impl PlanArgs {
             self.inter_node_gbps,
             &mut hw.inter_node_gbps,
         )?;
+        let host = &mut hw.host;
+        set(
+            "host-memory-gib",
+            self.host_memory_gib,
+            &mut host.memory_gib,
+        )?;
+        set("pcie-gbps", self.pcie_gbps, &mut host.pcie_gbps)?;
+        set(
+            "host-memory-gbps",
+            self.host_memory_gbps,
+            &mut host.memory_gbps,
+        )?;
         if let Some(g) = self.gpus_per_node {
             if g == 0 {
                 bail!("--gpus-per-node must be at least 1");
@@ -112,7 +133,7 @@ struct PlanJson<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     candidates: Option<Vec<&'a Plan>>,
     /// When the recipe's layout does not fit: its fastest variant that does, varying only the
-    /// memory levers (ZeRO stage, recompute, moments' dtype).
+    /// memory levers (ZeRO stage, recompute, moments' dtype, offload).
     #[serde(skip_serializing_if = "Option::is_none")]
     cheapest_fit: Option<&'a Plan>,
 }
@@ -137,6 +158,12 @@ pub fn memory_lines(m: &MemoryBytes) -> Vec<String> {
         gib(extra),
         gib(m.temporaries)
     ));
+    if m.host > 0 {
+        out.push(format!(
+            "  in host memory (optimizer.offload: cpu): {:.2} GiB per rank",
+            gib(m.host)
+        ));
+    }
     out
 }
 
@@ -173,8 +200,18 @@ fn print_plan(p: &Plan, hw: &Hardware) {
         c.rings,
         c.p2p
     );
+    let host = if p.memory_bytes.host > 0 && hw.is_gpu() {
+        let ranks = hw.gpus_per_node.min(p.layout.world()) as u64;
+        format!(
+            "; host memory {:.1} GiB of the node's {:.0} ({ranks} ranks)",
+            gib(ranks * p.memory_bytes.host),
+            hw.host.memory_gib
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "fits {} ({:.1} GiB): {}",
+        "fits {} ({:.1} GiB): {}{host}",
         hw.name,
         hw.memory_gib,
         if p.fits { "yes" } else { "NO" }

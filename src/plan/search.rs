@@ -4,10 +4,11 @@
 //! (split by expert parallelism for a mixture-of-experts model), with or without sequence
 //! parallelism, every ZeRO stage, every micro-batch size dividing the
 //! per-rank batch, with recompute none, selective (the recipe's modules) or full, with fp32 or
-//! bf16 AdamW moments. The recipe's own
-//! validation decides what is valid; each candidate is planned and those that fit are ranked by
-//! throughput. bf16 moments are a lever, not a preference: a layout is planned with them only
-//! where it does not fit with fp32 moments. [`cheapest_fit`] varies only the memory levers of the
+//! bf16 AdamW moments, with AdamW's state on the device or offloaded to the host. The recipe's
+//! own validation decides what is valid; each candidate is planned and those that fit are
+//! ranked by throughput. bf16 moments and offload are levers, not preferences: a layout is
+//! planned with them only where it does not fit without (offload still wins where it lets a
+//! faster layout fit, e.g. without recompute). [`cheapest_fit`] varies only the memory levers of the
 //! recipe's own layout.
 
 use model::Recompute;
@@ -16,7 +17,7 @@ use parallel::pipeline::ScheduleKind;
 use rayon::prelude::*;
 
 use super::{plan, Hardware, Layout, Plan};
-use crate::recipe::{Recipe, StateDtype};
+use crate::recipe::{Offload, OptimizerName, Recipe, StateDtype};
 
 /// The recompute modes searched.
 const RECOMPUTE: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
@@ -40,18 +41,28 @@ fn planned(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
     })
 }
 
-/// The plan of `layout` with fp32 moments, or with bf16 ones where only those fit.
+/// The plan of `layout` with fp32 moments on the device, or else with the first of bf16
+/// moments, an offloaded state, and both, that fits (offload only for AdamW); the fp32 plan
+/// when none does.
 fn planned_moments(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
-    let with = |state_dtype| Layout {
+    let with = |state_dtype, offload| Layout {
         state_dtype,
+        offload,
         ..layout
     };
-    let fp32 = planned(r, hw, with(StateDtype::Fp32))?;
+    let fp32 = planned(r, hw, with(StateDtype::Fp32, Offload::None))?;
     if fp32.fits {
         return Some(fp32);
     }
-    planned(r, hw, with(StateDtype::Bf16))
-        .filter(|p| p.fits)
+    let mut levers = vec![(StateDtype::Bf16, Offload::None)];
+    if r.optimizer.name == OptimizerName::AdamW {
+        levers.push((StateDtype::Fp32, Offload::Cpu));
+        levers.push((StateDtype::Bf16, Offload::Cpu));
+    }
+    levers
+        .into_iter()
+        .filter_map(|(d, o)| planned(r, hw, with(d, o)))
+        .find(|p| p.fits)
         .or(Some(fp32))
 }
 
@@ -153,6 +164,7 @@ pub fn candidates(r: &Recipe, hw: &Hardware, gpus: usize) -> Vec<Candidate> {
                                     micro_batch,
                                     recompute,
                                     state_dtype: StateDtype::Fp32,
+                                    offload: Offload::None,
                                 };
                                 layouts.push(layout);
                             }

@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::hardware::Hardware;
 use super::memo::{memo, Memo};
 use super::roofline::{exposed, group_bandwidth, model_of, Cost, Model};
-use crate::recipe::{OptimizerName, Recipe};
+use crate::recipe::{Offload, OptimizerName, Recipe};
 
 /// Predicted seconds of one optimizer step, by part.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -32,7 +32,8 @@ pub struct StepTime {
     pub dp_comm_s: f64,
     /// Their part not hidden behind the backward passes.
     pub dp_exposed_s: f64,
-    /// AdamW update and gradient norm (with Muon, its iterations and exchange too).
+    /// AdamW update and gradient norm (with Muon, its iterations and exchange too; offloaded,
+    /// the copies to and from the host and the update there, pipelined).
     pub optimizer_s: f64,
     /// The step.
     pub step_s: f64,
@@ -46,6 +47,28 @@ pub struct StageState {
     pub owned: f64,
     /// Elements of the stage's parameters.
     pub params: f64,
+}
+
+/// Seconds of an offloaded AdamW update not hidden by anything (the norm before it is on the
+/// device): each part's gradients copied to the host (4 bytes an owned element), updated there
+/// (the copy's gradient written and read, the `state` bytes read and written, the cast
+/// parameter written: the node's host bandwidth shared by its ranks), its parameters (`p`
+/// bytes) copied back. The three are pipelined over the parts (one per bucket): the slowest's
+/// time plus one part of each other.
+fn offload_s(r: &Recipe, hw: &Hardware, st: &StageState, (p, state): (f64, f64)) -> f64 {
+    let host = &hw.host;
+    let ranks = hw.gpus_per_node.min(r.parallel.world_size()).max(1) as f64;
+    let link = host.pcie_gbps * 1e9;
+    let stages = [
+        4.0 * st.owned / link,
+        st.owned * (8.0 + 2.0 * state + p) / (host.memory_gbps * 1e9 / ranks),
+        p * st.owned / link,
+    ];
+    let parts = (st.total / r.parallel.bucket_size.max(1) as f64)
+        .ceil()
+        .max(1.0);
+    let slowest = stages.iter().copied().fold(0.0, f64::max);
+    slowest + (stages.iter().sum::<f64>() - slowest) / parts
 }
 
 /// The ranks Muon's matrices are spread over (each orthogonalised by one of them): the shard
@@ -279,7 +302,10 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     // written, the parameter written and the gradient read again by the norm.
     let moment = r.optimizer.state_dtype.dtype().size_in_bytes() as f64;
     let state = 4.0 + 2.0 * moment;
-    let mut optimizer_s = model.memory(st.owned * (4.0 + 2.0 * state + p + 4.0));
+    let mut optimizer_s = match r.optimizer.offload {
+        Offload::None => model.memory(st.owned * (4.0 + 2.0 * state + p + 4.0)),
+        Offload::Cpu => model.memory(st.owned * 4.0) + offload_s(r, hw, st, (p, state)),
+    };
     if r.optimizer.name == OptimizerName::Muon {
         let spread_bw = group_bandwidth(hw, muon_owners(par), tp);
         optimizer_s += muon_s(r, &model, &stage_layers[slowest], st, spread_bw);

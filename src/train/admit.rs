@@ -87,7 +87,12 @@ pub fn assess(recipe: &Recipe, ranks: usize, device: &Device) -> Result<Option<A
         return Ok(None);
     };
     let stages = crate::plan::memory::stages(recipe)?;
-    let per_rank = stages.iter().map(|s| s.bytes.total).max().unwrap_or(0);
+    // On the CPU an offloaded state shares the ranks' memory (on a GPU, see `admit`).
+    let on_host = |b: &crate::plan::MemoryBytes| if device.is_cuda() { 0 } else { b.host };
+    let per_rank = (stages.iter())
+        .map(|s| s.bytes.total + on_host(&s.bytes))
+        .max()
+        .unwrap_or(0);
     let headroom = if device.is_cuda() {
         // Thread ranks sharing one GPU talk through host memory; one rank per process uses NCCL.
         let comms = if ranks < recipe.parallel.world_size() {
@@ -116,6 +121,24 @@ pub fn admit(recipe: &Recipe, ranks: usize, device: &Device) -> Result<()> {
     if let Some(a) = assess(recipe, ranks, device)? {
         if !a.fits() {
             bail!("{}", a.describe(recipe, device));
+        }
+    }
+    let stages = crate::plan::memory::stages(recipe)?;
+    let host = stages.iter().map(|s| s.bytes.host).max().unwrap_or(0);
+    let available = crate::device::capacity(&Device::Cpu);
+    if let Some(have) = available.filter(|_| device.is_cuda() && host > 0) {
+        let need = host.saturating_mul(ranks as u64);
+        let gib = |b: u64| b as f64 / GIB;
+        if need > have {
+            bail!(
+                "optimizer.offload: cpu keeps {:.1} GiB of optimizer state per rank in host \
+                 memory, {:.1} GiB for this process's {ranks} ranks; the host has {:.1} GiB \
+                 available (optimizer.state_dtype: bf16 takes a third less; more ranks shard it \
+                 with parallel.zero)",
+                gib(host),
+                gib(need),
+                gib(have)
+            );
         }
     }
     Ok(())
