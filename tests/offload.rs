@@ -1,7 +1,8 @@
 //! CPU optimizer offload (`optimizer.offload: cpu`) trains exactly as the state on the device
 //! does: the same losses, gradient norms and master weights bit for bit at every ZeRO stage
-//! and with bf16 moments, and a resume crosses it both ways. On the CPU the "host" state is a
-//! separate buffer the gradients are copied into and the parameters copied out of, as on a GPU.
+//! and with bf16 moments, and a resume crosses it both ways, at the same layout and resharded.
+//! On the CPU the "host" state is a separate buffer the gradients are copied into and the
+//! parameters copied out of, as on a GPU. The planner fits a 7B on one H100 this way.
 
 mod common;
 
@@ -83,6 +84,23 @@ fn a_resume_crosses_offload_both_ways() {
         );
         assert_eq!(curve(&device)[3..], curve(&dir)[..], "offload {then}");
     }
+    // Resharded: each checkpoint resumed on one rank, with and without offload, alike.
+    let one = |from: &Path, offload: &str| {
+        let dir = tmp.path().join(format!("one-{offload}"));
+        let step3 = from.join("checkpoints/step-00000003");
+        let set = format!(
+            "train.steps=6,checkpoint.interval=3,parallel.dp=1,optimizer.offload={offload},\
+             checkpoint.resume={}",
+            step3.display()
+        );
+        let o = output(pretrain(&dir, &set));
+        assert!(o.status.success(), "{}", stderr(&o));
+        (curve(&dir), masters(&dir.join("checkpoints/step-00000006")))
+    };
+    assert!(
+        one(&device, "none") == one(&host, "cpu"),
+        "resharded to one rank"
+    );
 }
 
 #[test]
