@@ -169,7 +169,7 @@ impl GradBuffer {
     }
 
     /// Where flat range `r` starts in this buffer; sharded, it must lie in an owned range.
-    fn local_start(&self, r: &Range<usize>) -> Result<usize> {
+    pub fn local_start(&self, r: &Range<usize>) -> Result<usize> {
         match &self.owned {
             None => Ok(r.start),
             Some((owned, at)) => {

@@ -34,7 +34,8 @@ use crate::recipe::{AdjustLr, MuonConfig};
 use product::addmm;
 
 /// `torch.lerp(start, end, weight)` with its two-sided formula (f32 weight): `start + w (end −
-/// start)` for `|w| < 0.5`, else `end − (end − start)(1 − w)`.
+/// start)` for `|w| < 0.5`, else `end − (end − start)(1 − w)`, as candle ops (the reference of
+/// the fused passes, `fused.rs`).
 pub fn lerp(start: &Tensor, end: &Tensor, weight: f64) -> Result<Tensor> {
     let w = weight as f32;
     let diff = (end - start)?;
@@ -186,29 +187,32 @@ impl Muon {
 
     /// One update at learning rate `lr` with gradients scaled by `grad_scale`. Every rank of
     /// the shard and tensor-parallel groups takes part (the matrices are assembled across them).
+    /// The element-wise work is three passes over the flat buffers (`fused.rs`).
     pub fn step(&mut self, grads: &GradBuffer, lr: f64, grad_scale: f64) -> Result<()> {
         let k = self.k;
         let (n, device) = (self.spread.0, grads.flat().device().clone());
-        // A rank owning no hidden matrix element still takes part in assembling (and, as an
-        // owner, orthogonalising) the matrices of its groups.
-        let (buf, u) = if k == 0 {
-            (None, Tensor::zeros(n, DType::F32, &device)?)
-        } else {
-            // Element-wise over `[k]`, span by span (`spans`: buffers past candle's kernels).
-            let mut g = grads.owned(&self.owned)?; // [k]
-            if grad_scale != 1.0 {
-                g = spans::map([&g], |[g], _| g.affine(grad_scale, 0.0))?;
-            }
+        let runs = self.runs(grads)?;
+        let scale = (grad_scale != 1.0).then_some(grad_scale as f32);
+        // The direction among all `n` owned elements, zero outside the hidden matrices. A rank
+        // owning no hidden matrix element still takes part in assembling (and, as an owner,
+        // orthogonalising) the matrices of its groups.
+        let u = crate::device::zeros_f32("Muon's direction", n, &device)?; // [n]
+        if k > 0 {
             let mu = self.cfg.momentum;
-            let momentum = self.state.narrow(0, k, k)?;
-            let buf = spans::map([&momentum, &g], |[m, g], _| lerp(&m, &g, 1.0 - mu))?;
-            let u = if self.cfg.nesterov {
-                spans::map([&g, &buf], |[g, b], _| lerp(&g, &b, mu))?
-            } else {
-                buf.clone()
+            let lerp = fused::Lerp::new(1.0 - mu);
+            let momentum = fused::Momentum {
+                runs: &runs,
+                scale,
+                lerp,
             };
-            (Some(buf), self.scatter(&u)?)
-        };
+            self.state.inplace_op2(grads.flat(), &momentum)?; // buf, in the state
+            let direction = fused::Direction {
+                runs: &runs,
+                scale,
+                nesterov: self.cfg.nesterov.then(|| fused::Lerp::new(mu)),
+            };
+            u.inplace_op3(grads.flat(), &self.state, &direction)?;
+        }
         let (cfg, compute) = (&self.cfg, self.compute);
         let mut orthogonalise = |m: &Tensor| -> Result<Tensor> {
             let shape = [m.dim(0)?, m.dim(1)?];
@@ -217,52 +221,27 @@ impl Muon {
             o.affine(-lr * lr_ratio(cfg.adjust_lr, shape), 0.0)
         };
         let o = self.whole.map(&u, &mut orthogonalise)?; // [n]
-        let Some(buf) = buf else {
+        if k == 0 {
             return Ok(());
-        };
-        let step = self.gather(&o)?;
-        let master = self.state.narrow(0, 0, k)?;
-        let keep = 1.0 - lr * self.weight_decay;
-        let master = spans::map([&master, &step], |[m, s], _| m.affine(keep, 0.0)? + s)?;
-        spans::copy_into(&self.state, 0, &master)?;
-        spans::copy_into(&self.state, k, &buf)?;
-        Ok(())
+        }
+        let keep = (1.0 - lr * self.weight_decay) as f32;
+        let apply = fused::Apply { runs: &runs, keep };
+        self.state.inplace_op2(&o.contiguous()?, &apply)
     }
 
-    /// `[k]` values of this part placed among all `n` owned elements (zero elsewhere).
-    fn scatter(&self, x: &Tensor) -> Result<Tensor> {
-        let (n, spread) = (&self.spread.0, &self.spread.1);
-        let zeros = |len: usize| Tensor::zeros(len, DType::F32, x.device());
-        let mut parts = Vec::with_capacity(2 * spread.len() + 1);
-        let mut at = 0;
-        for &(offset, here, len) in spread {
-            if offset > at {
-                parts.push(zeros(offset - at)?);
-            }
-            parts.push(x.narrow(0, here, len)?);
-            at = offset + len;
-        }
-        if *n > at {
-            parts.push(zeros(n - at)?);
-        }
-        if parts.is_empty() {
-            return zeros(0);
-        }
-        Tensor::cat(&parts, 0)
-    }
-
-    /// This part's `[k]` values out of all `n` owned elements.
-    fn gather(&self, x: &Tensor) -> Result<Tensor> {
-        let parts = self
-            .spread
-            .1
-            .iter()
-            .map(|&(offset, _, len)| x.narrow(0, offset, len))
-            .collect::<Result<Vec<_>>>()?;
-        if parts.is_empty() {
-            return Tensor::zeros(0, DType::F32, x.device());
-        }
-        Tensor::cat(&parts, 0)
+    /// The runs of this part's elements: where their gradients lie in `grads`, where they sit
+    /// here and among the rank's owned elements.
+    fn runs(&self, grads: &GradBuffer) -> Result<Vec<fused::Run>> {
+        (self.owned.iter().zip(&self.spread.1))
+            .map(|(r, &(at, here, len))| {
+                Ok(fused::Run {
+                    grad: grads.local_start(r)?,
+                    here,
+                    at,
+                    len,
+                })
+            })
+            .collect()
     }
 
     /// The owned master weights `[k]`.
@@ -322,6 +301,7 @@ pub fn compute_dtype(device: &Device) -> DType {
     }
 }
 
+pub mod fused;
 mod product;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,7 @@
 // Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the AdamW
-// update (adamw_f32, adamw_bf16: the moments' type) and the sum of squares for the global
-// gradient norm and the state's finiteness check (sum_squares_*).
+// update (adamw_f32, adamw_bf16: the moments' type), Muon's element-wise passes (muon_*) and
+// the sum of squares for the global gradient norm and the state's finiteness check
+// (sum_squares_*).
 //
 // add_into and adamw are elementwise with grid-stride loops over 64-bit indices (any 1-D grid).
 // adamw uses the explicitly rounded intrinsics (__fmul_rn, ...), which nvcc never contracts into
@@ -55,6 +56,52 @@ __device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u6
 #define ADAMW_ARGS (state, grad, n, start, len, b1, b2, step_size, inv_sqrt_bc2, eps, gs, keep)
 EXPORT_ONE(adamw, f32, float, ADAMW_PARAMS, ADAMW_ARGS)
 EXPORT_ONE(adamw, bf16, __nv_bfloat16, ADAMW_PARAMS, ADAMW_ARGS)
+
+// Muon's element-wise passes over one run of len elements (src/optim/muon/fused.rs performs
+// the same f32 operations on the CPU, in this order, with the same results bit for bit).
+// lerp(s, e) is torch.lerp's two-sided form at a weight fixed on the host: low (|w| < 0.5):
+// s + ((e - s) c + 0) with c = w, else e - ((e - s) c + 0) with c = 1 - w. The gradient is read
+// as g gs + 0 when scaled (clipping), as g otherwise.
+__device__ __forceinline__ float muon_grad(float g, int scaled, float gs) {
+  return scaled ? __fadd_rn(__fmul_rn(g, gs), 0.0f) : g;
+}
+__device__ __forceinline__ float muon_lerp(float s, float e, int low, float c) {
+  const float d = __fadd_rn(__fmul_rn(__fsub_rn(e, s), c), 0.0f);
+  return low ? __fadd_rn(s, d) : __fsub_rn(e, d);
+}
+
+// One run of a Muon state [master | buf] of 2 k floats: its elements here..here + len, their
+// gradients grad[g..g + len], their places in the rank's owned elements u[at..at + len].
+
+// The momentum: buf[here + i] = lerp(buf[here + i], g'[g + i]) for i < len.
+extern "C" __global__ void muon_momentum(float* state, const float* grad, u64 k, u64 here, u64 g,
+                                         u64 len, int scaled, float gs, int low, float c) {
+  float* buf = state + k + here;
+  const float* gr = grad + g;
+  for (u64 i = global_id(); i < len; i += grid_stride())
+    buf[i] = muon_lerp(buf[i], muon_grad(gr[i], scaled, gs), low, c);
+}
+
+// The direction: u[at + i] = lerp(g'[g + i], buf[here + i]) with Nesterov, buf[here + i]
+// without, for i < len.
+extern "C" __global__ void muon_direction(float* u, const float* grad, const float* state, u64 k,
+                                          u64 here, u64 g, u64 at, u64 len, int scaled, float gs,
+                                          int nesterov, int low, float c) {
+  const float* buf = state + k + here;
+  const float* gr = grad + g;
+  float* out = u + at;
+  for (u64 i = global_id(); i < len; i += grid_stride())
+    out[i] = nesterov ? muon_lerp(muon_grad(gr[i], scaled, gs), buf[i], low, c) : buf[i];
+}
+
+// The update: master[here + i] = (master[here + i] keep + 0) + o[at + i] for i < len.
+extern "C" __global__ void muon_apply(float* state, const float* o, u64 here, u64 at, u64 len,
+                                      float keep) {
+  float* master = state + here;
+  const float* up = o + at;
+  for (u64 i = global_id(); i < len; i += grid_stride())
+    master[i] = __fadd_rn(__fadd_rn(__fmul_rn(master[i], keep), 0.0f), up[i]);
+}
 
 // Stage 1 of Σ x²: block b writes partial[b] = Σ x[i]² (in f64) over the indices i this grid
 // assigns to it (grid-stride). x: [n] f32 or bf16 (the optimizer's bf16 moments); partial:

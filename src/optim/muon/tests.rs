@@ -262,3 +262,137 @@ fn bf16_iteration_stays_near_f32() {
         assert!(rel < 2.5e-2, "{shape:?}: {rel:.2e}");
     }
 }
+
+/// The fused passes equal the chain of candle ops they replace bit for bit: the momentum, the
+/// direction placed among the owned elements (with and without Nesterov, scaled and not, both
+/// branches of the two-sided lerp) and the update, over runs with gaps, on values that include
+/// signed zeros.
+#[test]
+fn fused_passes_equal_the_candle_op_chain_bit_for_bit() {
+    use super::fused::{Apply, Direction, Lerp, Momentum, Run};
+    let dev = Device::Cpu;
+    let values = |n: usize, seed: u64| -> Vec<f32> {
+        let t = normal_matrix([1, n], seed).flatten_all().unwrap();
+        let mut v = t.to_vec1::<f32>().unwrap();
+        for (i, x) in v.iter_mut().enumerate() {
+            match i % 17 {
+                0 => *x = 0.0,
+                5 => *x = -0.0,
+                _ => {}
+            }
+        }
+        v
+    };
+    let t = |v: &[f32]| Tensor::new(v, &dev).unwrap();
+    let bits = |x: &Tensor| -> Vec<u32> {
+        let v = x.to_vec1::<f32>().unwrap();
+        v.iter().map(|f| f.to_bits()).collect()
+    };
+    // 40 gradients, Muon's k = 30 elements in three runs, n = 50 owned elements.
+    let runs = [
+        Run {
+            grad: 2,
+            here: 0,
+            at: 1,
+            len: 10,
+        },
+        Run {
+            grad: 15,
+            here: 10,
+            at: 20,
+            len: 12,
+        },
+        Run {
+            grad: 30,
+            here: 22,
+            at: 40,
+            len: 8,
+        },
+    ];
+    let (k, n) = (30, 50);
+    for (mu, nesterov, scale) in [
+        (0.95, true, None),
+        (0.3, true, Some(0.37)),
+        (0.6, false, Some(2.0)),
+    ] {
+        let (g, master, buf, o) = (values(40, 1), values(k, 2), values(k, 3), values(n, 4));
+        // The candle ops.
+        let gk: Vec<f32> = runs
+            .iter()
+            .flat_map(|r| g[r.grad..r.grad + r.len].to_vec())
+            .collect();
+        let mut gk = t(&gk);
+        if let Some(s) = scale {
+            gk = gk.affine(s as f64, 0.0).unwrap();
+        }
+        let want_buf = lerp(&t(&buf), &gk, 1.0 - mu).unwrap();
+        let uk = if nesterov {
+            lerp(&gk, &want_buf, mu).unwrap()
+        } else {
+            want_buf.clone()
+        };
+        let mut want_u = vec![0f32; n];
+        let uk = uk.to_vec1::<f32>().unwrap();
+        for r in &runs {
+            want_u[r.at..r.at + r.len].copy_from_slice(&uk[r.here..r.here + r.len]);
+        }
+        let ok: Vec<f32> = runs
+            .iter()
+            .flat_map(|r| o[r.at..r.at + r.len].to_vec())
+            .collect();
+        let keep = 1.0 - 0.01 * 0.1;
+        let want_master = (t(&master).affine(keep, 0.0).unwrap() + t(&ok)).unwrap();
+        // The fused passes.
+        let state = t(&[master.clone(), buf.clone()].concat());
+        let momentum = Momentum {
+            runs: &runs,
+            scale,
+            lerp: Lerp::new(1.0 - mu),
+        };
+        state.inplace_op2(&t(&g), &momentum).unwrap();
+        let u = Tensor::zeros(n, DType::F32, &dev).unwrap();
+        let nesterov = nesterov.then(|| Lerp::new(mu));
+        let direction = Direction {
+            runs: &runs,
+            scale,
+            nesterov,
+        };
+        u.inplace_op3(&t(&g), &state, &direction).unwrap();
+        state
+            .inplace_op2(
+                &t(&o),
+                &Apply {
+                    runs: &runs,
+                    keep: keep as f32,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            bits(&state.narrow(0, k, k).unwrap()),
+            bits(&want_buf),
+            "momentum, mu {mu}"
+        );
+        assert_eq!(bits(&u), bits(&t(&want_u)), "direction, mu {mu}");
+        assert_eq!(
+            bits(&state.narrow(0, 0, k).unwrap()),
+            bits(&want_master),
+            "master, mu {mu}"
+        );
+    }
+    // A run past its buffers is an error, not a write out of bounds.
+    let state = Tensor::zeros(2 * k, DType::F32, &dev).unwrap();
+    let bad = [Run {
+        grad: 35,
+        here: 0,
+        at: 0,
+        len: 10,
+    }];
+    let momentum = Momentum {
+        runs: &bad,
+        scale: None,
+        lerp: Lerp::new(0.05),
+    };
+    assert!(state
+        .inplace_op2(&Tensor::zeros(40, DType::F32, &dev).unwrap(), &momentum)
+        .is_err());
+}

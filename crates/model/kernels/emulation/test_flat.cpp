@@ -1,5 +1,6 @@
 // Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), adamw (f32 and
-// bf16 moments) over two decay ranges and the two-stage sum_squares (f32 and bf16), with the launch shapes and argument order of
+// bf16 moments) over two decay ranges, Muon's passes (muon_*) and the two-stage sum_squares
+// (f32 and bf16), with the launch shapes and argument order of
 // src/ops/cuda/flat.rs, compared with double-precision references (and adamw also bitwise with
 // the CPU AdamWStep's f32 arithmetic, which the kernel promises to reproduce exactly).
 #include "shim.h"
@@ -46,7 +47,7 @@ template <typename T> void check_add_into(size_t n, uint64_t seed) {
 // bf16 ones packed two to a word) with gradients grad, two decay ranges [0, 250) and [250, 500)
 // and the elements [500, n) outside every range.
 template <typename M> void check_adamw(size_t n, uint64_t seed) {
-  // AdamWStep::scalars and ::keep (src/optim/kernels.rs): computed in f64, rounded to f32.
+  // AdamWStep::scalars and ::keep (src/optim/kernels/adamw.rs): computed in f64, rounded to f32.
   const double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_scale = 0.7;
   const int step = 3;
   const double bc1 = 1.0 - std::pow(beta1, step), bc2 = 1.0 - std::pow(beta2, step);
@@ -177,6 +178,84 @@ template <typename T> void check_sum_squares(size_t n, uint64_t seed, bool rust_
   compare(tag + " total", {out[0]}, {(double)total}, tol<double>());
 }
 
+// Muon's passes (ops/cuda/muon.rs; src/optim/muon/fused.rs on the CPU): three runs of a state
+// [master | buf] of k = 30 over 40 gradients and a direction of n = 50 owned elements, bitwise
+// against the f32 operations of fused.rs written out here (torch.lerp's two-sided form, each
+// product rounded, candle's `+ 0`), for both branches of the lerp, with and without Nesterov and
+// clipping's scale, on values that include signed zeros; nothing outside the runs is written.
+void check_muon(uint64_t seed) {
+  struct Run {
+    size_t g, here, at, len;
+  };
+  const Run runs[3] = {{2, 0, 1, 10}, {15, 10, 20, 12}, {30, 22, 40, 8}};
+  const size_t k = 30, n = 50, ng = 40;
+  struct Case {
+    double mu;
+    int nesterov, scaled;
+    float gs;
+  };
+  const Case cases[3] = {{0.95, 1, 0, 1.0f}, {0.3, 1, 1, 0.37f}, {0.6, 0, 1, 2.0f}};
+  // fused.rs `Lerp::new(weight)`: w = weight as f32; |w| < 0.5 keeps w, else 1 - w in f32.
+  auto lerp_of = [](double weight, int& low, float& c) {
+    const float w = (float)weight;
+    low = std::fabs(w) < 0.5f;
+    c = low ? w : 1.0f - w;
+  };
+  auto lerp = [](float s, float e, int low, float c) {
+    const float d = (e - s) * c + 0.0f;
+    return low ? s + d : e - d;
+  };
+  for (const Case& cs : cases) {
+    Rng rng(seed);
+    Buffer<float> grad(ng, "grad"), state(2 * k, "state"), u(n, "u"), o(n, "o");
+    fill_normal(grad, rng);
+    fill_normal(state, rng);
+    fill_normal(o, rng);
+    grad[2] = 0.0f;
+    grad[16] = -0.0f;
+    state[k + 3] = -0.0f;
+    for (size_t i = 0; i < n; ++i) u[i] = 0.0f;
+    int blow, ulow;
+    float bc, uc;
+    lerp_of(1.0 - cs.mu, blow, bc);
+    lerp_of(cs.mu, ulow, uc);
+    const float keep = (float)(1.0 - 0.01 * 0.1);
+    // The reference.
+    std::vector<float> st(state.data(), state.data() + 2 * k), ud(n, 0.0f);
+    auto rd = [&](float g) { return cs.scaled ? g * cs.gs + 0.0f : g; };
+    for (const Run& r : runs)
+      for (size_t i = 0; i < r.len; ++i) {
+        float& b = st[k + r.here + i];
+        const float g = rd(grad[r.g + i]);
+        b = lerp(b, g, blow, bc);
+        ud[r.at + i] = cs.nesterov ? lerp(g, b, ulow, uc) : b;
+        float& w = st[r.here + i];
+        w = (w * keep + 0.0f) + o[r.at + i];
+      }
+    // The kernels, one launch per run (muon.rs), elementwise(len) and a small grid.
+    bool ok = true;
+    for (const Run& r : runs)
+      ok = ok && run("muon_momentum", elementwise(r.len), [&] {
+             muon_momentum(state.data(), grad.data(), (u64)k, (u64)r.here, (u64)r.g, (u64)r.len,
+                           cs.scaled, cs.gs, blow, bc);
+           });
+    for (const Run& r : runs)
+      ok = ok && run("muon_direction", grid(2, 64, 0), [&] {
+             muon_direction(u.data(), grad.data(), state.data(), (u64)k, (u64)r.here, (u64)r.g,
+                            (u64)r.at, (u64)r.len, cs.scaled, cs.gs, cs.nesterov, ulow, uc);
+           });
+    for (const Run& r : runs)
+      ok = ok && run("muon_apply", elementwise(r.len), [&] {
+             muon_apply(state.data(), o.data(), (u64)r.here, (u64)r.at, (u64)r.len, keep);
+           });
+    if (!ok) continue;
+    const std::string tag = format("muon mu=%.2f nesterov=%d scaled=%d", cs.mu, cs.nesterov,
+                                   cs.scaled);
+    expect(same_bits(state, st, 0, 2 * k), tag + ": master and momentum bitwise as fused.rs");
+    expect(same_bits(u, ud, 0, n), tag + ": the direction bitwise, zero outside the runs");
+  }
+}
+
 }  // namespace
 
 void flat_checks() {
@@ -190,4 +269,5 @@ void flat_checks() {
   check_sum_squares<float>(70000, 7, true);  // 274 partials: stage 2's threads stride
   check_sum_squares<float>(1000, 8, false);
   check_sum_squares<__nv_bfloat16>(2000, 10, true);  // the optimizer's packed bf16 moments
+  check_muon(11);
 }

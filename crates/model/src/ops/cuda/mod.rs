@@ -14,6 +14,7 @@ mod attention_tc;
 pub mod cudnn;
 mod cudnn_ragged;
 pub mod flat;
+pub mod muon;
 pub mod pointwise;
 
 use std::collections::HashMap;
