@@ -61,7 +61,50 @@ pub fn lr_ratio(adjust: AdjustLr, [a, b]: [usize; 2]) -> f64 {
 /// `B = b A + c A A`, `X = a X + B X`, the last two each one product rounded once
 /// ([`product::addmm`]). Returns f32.
 pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tensor> {
-    let [ca, cb, cc] = cfg.ns_coefficients;
+    let tall = g.dim(0)? > g.dim(1)?;
+    finished(&iterate(prepared(g, cfg, dtype)?, cfg)?, tall)
+}
+
+/// Most elements of a batch of matrices iterated together (256 MiB in f32): enough for the
+/// small matrices that leave a GPU idle alone (a 1B model's 22 k or v projections, 16 of its
+/// q), while the iteration's temporaries stay a few batches' size; a larger group of one shape
+/// is iterated in several batches.
+const BATCH_ELEMENTS: usize = 1 << 26;
+
+/// [`newton_schulz`] of every matrix of `gs`, those of one shape iterated together in batches
+/// (`[B, m, n]`: each step's products one strided-batched GEMM on a GPU, where small matrices
+/// alone leave it idle; on the CPU each product the unbatched one, so the results are the same
+/// bit for bit); in order, f32.
+pub fn newton_schulz_batch(gs: &[Tensor], cfg: &MuonConfig, dtype: DType) -> Result<Vec<Tensor>> {
+    let mut shapes: std::collections::BTreeMap<(usize, usize), Vec<usize>> = Default::default();
+    for (i, g) in gs.iter().enumerate() {
+        shapes.entry(g.dims2()?).or_default().push(i);
+    }
+    let mut out: Vec<Option<Tensor>> = vec![None; gs.len()];
+    for ((rows, cols), same) in shapes {
+        let per_batch = (BATCH_ELEMENTS / (rows * cols).max(1)).max(1);
+        for batch in same.chunks(per_batch) {
+            if let [i] = batch {
+                out[*i] = Some(newton_schulz(&gs[*i], cfg, dtype)?);
+                continue;
+            }
+            let xs = (batch.iter())
+                .map(|&i| prepared(&gs[i], cfg, dtype))
+                .collect::<Result<Vec<_>>>()?;
+            let x = Tensor::stack(&xs, 0)?; // [B, m, n]
+            drop(xs);
+            let x = iterate(x, cfg)?;
+            for (j, &i) in batch.iter().enumerate() {
+                out[i] = Some(finished(&x.get(j)?, rows > cols)?);
+            }
+        }
+    }
+    Ok(out.into_iter().flatten().collect())
+}
+
+/// `g` in `dtype`, wide (a tall matrix transposed), divided by its Frobenius norm (at least
+/// `eps`): the iteration's start `[m, n]`, `m ≤ n`.
+fn prepared(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tensor> {
     let (rows, cols) = g.dims2()?;
     // ‖g‖ in f64 by the optimizer's two-stage reduction (candle's `sum_all` reduces in one
     // block: 0.5 ms for a 2048 × 5632 matrix on an H100, 84 ms of a 1.1B model's step).
@@ -72,19 +115,30 @@ pub fn newton_schulz(g: &Tensor, cfg: &MuonConfig, dtype: DType) -> Result<Tenso
         .to_dtype(DType::F32)?
         .to_dtype(dtype)?;
     let mut x = g.to_dtype(dtype)?;
-    let tall = rows > cols;
-    if tall {
+    if rows > cols {
         x = x.t()?.contiguous()?;
     }
-    x = x.broadcast_div(&norm)?;
+    x.broadcast_div(&norm)
+}
+
+/// The `ns_steps` quintic steps on `x` `[(B,) m, n]`.
+fn iterate(mut x: Tensor, cfg: &MuonConfig) -> Result<Tensor> {
+    let [ca, cb, cc] = cfg.ns_coefficients;
     for _ in 0..cfg.ns_steps {
-        let gram = x.matmul(&x.t()?)?; // [m, m]
-        let update = addmm(&gram, &gram, &gram, cb, cc)?; // [m, m]
-        x = addmm(&x, &update, &x, ca, 1.0)?; // [m, n]
+        let gram = x.matmul(&x.t()?)?; // [(B,) m, m]
+        let update = addmm(&gram, &gram, &gram, cb, cc)?; // [(B,) m, m]
+        x = addmm(&x, &update, &x, ca, 1.0)?; // [(B,) m, n]
     }
-    if tall {
-        x = x.t()?.contiguous()?;
-    }
+    Ok(x)
+}
+
+/// An iterated `x` `[m, n]` back in its matrix's orientation, f32.
+fn finished(x: &Tensor, tall: bool) -> Result<Tensor> {
+    let x = if tall {
+        x.t()?.contiguous()?
+    } else {
+        x.clone()
+    };
     x.to_dtype(DType::F32)
 }
 
@@ -214,11 +268,16 @@ impl Muon {
             u.inplace_op3(grads.flat(), &self.state, &direction)?;
         }
         let (cfg, compute) = (&self.cfg, self.compute);
-        let mut orthogonalise = |m: &Tensor| -> Result<Tensor> {
-            let shape = [m.dim(0)?, m.dim(1)?];
-            let o = newton_schulz(m, cfg, compute)?;
-            // `W += (−lr · ratio) O`, the product rounded once as torch's `add_(alpha=)` does.
-            o.affine(-lr * lr_ratio(cfg.adjust_lr, shape), 0.0)
+        let mut orthogonalise = |ms: &[Tensor]| -> Result<Vec<Tensor>> {
+            let os = newton_schulz_batch(ms, cfg, compute)?;
+            (os.iter().zip(ms))
+                .map(|(o, m)| {
+                    // `W += (−lr · ratio) O`, the product rounded once as torch's
+                    // `add_(alpha=)` does.
+                    let shape = [m.dim(0)?, m.dim(1)?];
+                    o.affine(-lr * lr_ratio(cfg.adjust_lr, shape), 0.0)
+                })
+                .collect()
         };
         let o = self.whole.map(&u, &mut orthogonalise)?; // [n]
         if k == 0 {

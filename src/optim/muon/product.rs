@@ -6,7 +6,8 @@
 //! near 1.3e-2 (torch, 96 × 160).
 //!
 //! CPU: f32 through the `gemm` crate (bf16 widened to f32, the result rounded once); CUDA: one
-//! `cublasGemmEx` (`model::ops::cuda::flat::scaled_product`).
+//! `cublasGemmEx`, or for a batch one `cublasGemmStridedBatchedEx`
+//! (`model::ops::cuda::flat::scaled_product`).
 
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "cuda")]
@@ -17,10 +18,25 @@ use half::bf16;
 use model::ops::cuda::flat;
 
 /// `beta · c + alpha · (a · b)` for `a` `[m, k]`, `b` `[k, n]` and `c` `[m, n]` of one dtype
-/// (f32 or bf16); a new tensor.
+/// (f32 or bf16), or for a batch of them (`[B, m, k]`, `[B, k, n]`, `[B, m, n]`: one
+/// strided-batched GEMM on a GPU, each product as the unbatched one on the CPU); a new tensor.
 pub fn addmm(c: &Tensor, a: &Tensor, b: &Tensor, beta: f64, alpha: f64) -> Result<Tensor> {
-    let ((m, k), (kb, n)) = (a.dims2()?, b.dims2()?);
-    if kb != k || c.dims2()? != (m, n) || a.dtype() != c.dtype() || b.dtype() != c.dtype() {
+    let dims = |t: &Tensor| -> Option<(usize, usize, usize)> {
+        match *t.dims() {
+            [r, c] => Some((1, r, c)),
+            [b, r, c] => Some((b, r, c)),
+            _ => None,
+        }
+    };
+    let same_rank = a.rank() == b.rank() && b.rank() == c.rank();
+    let fits = match (dims(a), dims(b), dims(c)) {
+        (Some((ba, m, k)), Some((bb, kb, n)), Some((bc, cm, cn))) if same_rank => {
+            (ba == bb && bb == bc && kb == k && (cm, cn) == (m, n)).then_some((ba, (m, k, n)))
+        }
+        _ => None,
+    };
+    let Some((batch, mkn)) = fits.filter(|_| a.dtype() == c.dtype() && b.dtype() == c.dtype())
+    else {
         bail!(
             "addmm: a {:?} {:?}, b {:?} {:?} and c {:?} {:?} do not make one product",
             a.dims(),
@@ -30,10 +46,11 @@ pub fn addmm(c: &Tensor, a: &Tensor, b: &Tensor, beta: f64, alpha: f64) -> Resul
             c.dims(),
             c.dtype()
         )
-    }
-    let out = c.copy()?; // [m, n], its own storage
+    };
+    let out = c.copy()?; // [(B,) m, n], its own storage
     let op = ScaledProduct {
-        mkn: (m, k, n),
+        batch,
+        mkn,
         alpha: alpha as f32,
         beta: beta as f32,
     };
@@ -41,8 +58,9 @@ pub fn addmm(c: &Tensor, a: &Tensor, b: &Tensor, beta: f64, alpha: f64) -> Resul
     Ok(out)
 }
 
-/// `dst ← beta · dst + alpha · a · b` in place over `dst` `[m, n]`.
+/// `dst ← beta · dst + alpha · a · b` in place over `dst` `[B, m, n]`.
 struct ScaledProduct {
+    batch: usize,
     mkn: (usize, usize, usize),
     alpha: f32,
     beta: f32,
@@ -74,36 +92,38 @@ impl InplaceOp3 for ScaledProduct {
         b: &CpuStorage,
         bl: &Layout,
     ) -> Result<()> {
-        let (m, k, n) = self.mkn;
+        let ((m, k, n), batch) = (self.mkn, self.batch);
         let Some((start, end)) = dl.contiguous_offsets() else {
             bail!("addmm: the output must be contiguous")
         };
-        let (av, bv) = (widened(a, al)?, widened(b, bl)?); // [m, k], [k, n]
-        let mut dv = widened(dst, dl)?; // [m, n]
-        if av.len() != m * k || bv.len() != k * n || dv.len() != m * n {
+        let (av, bv) = (widened(a, al)?, widened(b, bl)?); // [B, m, k], [B, k, n]
+        let mut dv = widened(dst, dl)?; // [B, m, n]
+        if av.len() != batch * m * k || bv.len() != batch * k * n || dv.len() != batch * m * n {
             bail!(
-                "addmm: operands of {}, {} and {} elements for [{m}, {k}] x [{k}, {n}]",
+                "addmm: operands of {}, {} and {} elements for {batch} × [{m}, {k}] x [{k}, {n}]",
                 av.len(),
                 bv.len(),
                 dv.len()
             )
         }
-        if m * n > 0 {
-            // SAFETY: row-major [m, n], [m, k] and [k, n] views of vectors of exactly those
-            // lengths (checked above); `dv` is its own allocation.
+        for i in (0..batch).filter(|_| m * n > 0) {
+            let (a, b) = (&av[i * m * k..], &bv[i * k * n..]);
+            let d = &mut dv[i * m * n..(i + 1) * m * n];
+            // SAFETY: row-major [m, n], [m, k] and [k, n] views of slices at least that long
+            // (checked above); `dv` is its own allocation.
             unsafe {
                 gemm::gemm(
                     m,
                     n,
                     k,
-                    dv.as_mut_ptr(),
+                    d.as_mut_ptr(),
                     1,
                     n as isize,
                     true,
-                    av.as_ptr(),
+                    a.as_ptr(),
                     1,
                     k as isize,
-                    bv.as_ptr(),
+                    b.as_ptr(),
                     1,
                     n as isize,
                     self.beta,
@@ -137,6 +157,7 @@ impl InplaceOp3 for ScaledProduct {
         b: &CudaStorage,
         bl: &Layout,
     ) -> Result<()> {
-        flat::scaled_product(dst, dl, (a, al), (b, bl), self.mkn, (self.alpha, self.beta))
+        let scale = (self.alpha, self.beta);
+        flat::scaled_product(dst, dl, (a, al), (b, bl), (self.batch, self.mkn), scale)
     }
 }

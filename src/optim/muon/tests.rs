@@ -396,3 +396,25 @@ fn fused_passes_equal_the_candle_op_chain_bit_for_bit() {
         .inplace_op2(&Tensor::zeros(40, DType::F32, &dev).unwrap(), &momentum)
         .is_err());
 }
+
+/// Matrices of one shape iterated together equal each iterated alone, bit for bit on the CPU,
+/// whatever the mix of shapes and orientations; the results come back in order.
+#[test]
+fn batched_newton_schulz_equals_one_matrix_at_a_time() {
+    let cfg = MuonConfig::default();
+    let shapes = [[6, 10], [10, 6], [6, 10], [4, 4], [10, 6], [6, 10], [3, 7]];
+    let ms: Vec<Tensor> = (shapes.iter().enumerate())
+        .map(|(i, &s)| normal_matrix(s, 40 + i as u64))
+        .collect();
+    let batched = newton_schulz_batch(&ms, &cfg, DType::F32).unwrap();
+    assert_eq!(batched.len(), ms.len());
+    for (i, (m, b)) in ms.iter().zip(&batched).enumerate() {
+        let alone = newton_schulz(m, &cfg, DType::F32).unwrap();
+        assert_eq!(b.dims(), m.dims(), "matrix {i}");
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        assert_eq!(bits(b), bits(&alone), "matrix {i} {:?}", shapes[i]);
+    }
+}

@@ -7,22 +7,24 @@
 //! is the same flat layout on every tensor-parallel rank), and by ZeRO into flat shards of
 //! each bucket over the shard group (routed experts' buckets: the expert shard group). Each
 //! matrix has one owner in its shard group, chosen so the owners' work is balanced
-//! ([`assign_owners`], longest job first by the cost of `f`). Bucket by bucket:
+//! ([`assign_owners`], longest job first by the cost of `f`). In three phases:
 //!
-//! 1. the shard group all-gathers the bucket's values (skipped without sharding), so every
-//!    member holds its tensor-parallel block of each matrix in the bucket;
-//! 2. each owner all-gathers its matrices' blocks over the tensor-parallel group (members of
-//!    one tensor-parallel group are at the same shard index, so own the same matrices), applies
-//!    `f` to the whole matrix and keeps its own block of the result;
-//! 3. each owner broadcasts its results to the shard group, and every member keeps the part
-//!    of the bucket it owns.
+//! 1. bucket by bucket, the shard group all-gathers the bucket's values (skipped without
+//!    sharding), so every member holds its tensor-parallel block of each matrix in the bucket,
+//!    and each owner all-gathers its matrices' blocks over the tensor-parallel group (members
+//!    of one tensor-parallel group are at the same shard index, so own the same matrices);
+//! 2. `f` gets all of an owner's whole matrices at once (so an optimizer can batch those of one
+//!    shape), and the owner keeps its own block of each result;
+//! 3. bucket by bucket, each owner broadcasts its results to the shard group, and every member
+//!    keeps the part of the bucket it owns.
 //!
 //! Without sharding (ZeRO stage 0) every rank holds every matrix, and the work is still spread
 //! ([`Spread::Replicated`]): over the gradient group, each owner transforms its matrices and
 //! broadcasts the results (step 1 is not needed), so `f`'s cost divides by the group's size as
 //! it does with sharding; the results are those each rank would compute itself, as every rank
 //! holds the same values. A rank alone ([`Spread::Alone`]) applies `f` to every matrix.
-//! Memory: two buckets' values at a time, and one whole matrix. Traffic per member and step,
+//! Memory: the whole matrices an owner transforms (its share of them), their results, and a
+//! bucket's values at a time besides the output. Traffic per member and step,
 //! sharded: the bucket once in (step 1) and once out (step 3), about twice ZeRO's parameter
 //! all-gather in f32; replicated, once out.
 
@@ -205,45 +207,83 @@ impl WholeMatrices {
 
     /// `f` of every whole matrix, cut to this rank's elements: `u` holds a value for every
     /// element this rank owns (its owned flat ranges back to back, f32); the result has the
-    /// same layout, zero outside the matrices. Every member of the shard groups and of the
-    /// tensor-parallel group calls it together.
-    pub fn map(&self, u: &Tensor, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    /// same layout, zero outside the matrices. `f` gets every matrix this rank transforms at
+    /// once, whole, and returns their results in that order (an optimizer batches those of one
+    /// shape). Every member of the shard groups and of the tensor-parallel group calls it
+    /// together.
+    pub fn map(
+        &self,
+        u: &Tensor,
+        f: &mut dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let device = u.device();
         let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
-        let mut out = Vec::with_capacity(self.layout.buckets.len());
+        // 1. The matrices this rank transforms, whole, bucket by bucket.
+        let (mut inputs, mut which) = (Vec::new(), Vec::new());
         let mut at = 0;
+        for (b, mats) in self.by_bucket.iter().enumerate() {
+            let n = self.own_range(b).len();
+            if n == 0 || mats.is_empty() {
+                at += n; // an empty bucket (on every rank), or one without matrices
+                continue;
+            }
+            let bucket = &self.layout.buckets[b];
+            let gathered = self.spread == Spread::Sharded && self.group(b).size() > 1;
+            let mine = u.narrow(0, at, n)?;
+            let whole = if gathered {
+                self.comm.all_gather(self.group(b), &mine, 0)? // [bucket.len]
+            } else {
+                mine
+            };
+            for (k, &m) in mats.iter().enumerate() {
+                if self.transforms(m) {
+                    // A copy of its own when it lies in a gathered bucket, which is freed.
+                    inputs.push(self.assemble(m, &whole, bucket.start, gathered)?);
+                    which.push((b, k));
+                }
+            }
+            at += n;
+        }
+        if at != u.elem_count() {
+            candle_core::bail!(
+                "whole matrices: {} owned values given, the layout owns {at}",
+                u.elem_count()
+            );
+        }
+        // 2. `f` of them all.
+        let outputs = if inputs.is_empty() {
+            Vec::new()
+        } else {
+            f(&inputs)?
+        };
+        if outputs.len() != inputs.len() {
+            candle_core::bail!(
+                "whole matrices: {} results for {} matrices",
+                outputs.len(),
+                inputs.len()
+            );
+        }
+        drop(inputs);
+        let mut results: Vec<Vec<Option<Tensor>>> =
+            self.by_bucket.iter().map(|m| vec![None; m.len()]).collect();
+        for ((b, k), o) in which.into_iter().zip(outputs) {
+            results[b][k] = Some(self.cut(self.by_bucket[b][k], &o)?);
+        }
+        // 3. Bucket by bucket: the owners' results shared, this rank's part kept.
+        let mut out = Vec::with_capacity(self.layout.buckets.len());
         for (b, mats) in self.by_bucket.iter().enumerate() {
             let own = self.own_range(b);
             let n = own.len();
             if n == 0 {
-                continue; // an empty bucket, on every rank
+                continue;
             }
             if mats.is_empty() {
                 out.push(zeros(n)?);
-                at += n;
                 continue;
             }
             let bucket = &self.layout.buckets[b];
-            let group = if bucket.expert {
-                &self.groups.expert_shard
-            } else {
-                &self.groups.shard
-            };
-            let shared = self.spread != Spread::Alone && group.size() > 1;
-            let mine = u.narrow(0, at, n)?;
-            let whole = if shared && self.spread == Spread::Sharded {
-                self.comm.all_gather(group, &mine, 0)? // [bucket.len]
-            } else {
-                mine
-            };
-            let mut results: Vec<Option<Tensor>> = vec![None; mats.len()];
-            for (k, &m) in mats.iter().enumerate() {
-                if self.transforms(m) {
-                    results[k] = Some(self.transform(m, &whole, bucket.start, f)?);
-                }
-            }
-            if shared {
-                self.share(mats, &mut results, group, device)?;
+            if self.spread != Spread::Alone && self.group(b).size() > 1 {
+                self.share(mats, &mut results[b], self.group(b), device)?;
             }
             // The bucket's results in flat order, then this rank's part of them.
             let mut parts = Vec::with_capacity(2 * mats.len() + 1);
@@ -253,7 +293,7 @@ impl WholeMatrices {
                 if r.start > pos {
                     parts.push(zeros(r.start - pos)?);
                 }
-                let result = results[k].take().ok_or_else(|| {
+                let result = results[b][k].take().ok_or_else(|| {
                     candle_core::Error::Msg(format!(
                         "whole matrices: no result for parameter {} (owner {})",
                         self.matrices[m].param, self.owner[m]
@@ -266,13 +306,10 @@ impl WholeMatrices {
                 parts.push(zeros(bucket.start + bucket.len - pos)?);
             }
             let o = Tensor::cat(&parts, 0)?; // [bucket.len]
-            out.push(o.narrow(0, own.start - bucket.start, n)?);
-            at += n;
-        }
-        if at != u.elem_count() {
-            candle_core::bail!(
-                "whole matrices: {} owned values given, the layout owns {at}",
-                u.elem_count()
+                                             // Its own storage: a view would keep the whole bucket alive until the end.
+            out.push(
+                o.narrow(0, own.start - bucket.start, n)?
+                    .force_contiguous()?,
             );
         }
         if out.is_empty() {
@@ -281,29 +318,42 @@ impl WholeMatrices {
         Tensor::cat(&out, 0)
     }
 
-    /// `f` of matrix `m`, whose block here is in `whole` (a bucket's values from flat element
-    /// `start`), cut back to this rank's block, flat.
-    fn transform(
-        &self,
-        m: usize,
-        whole: &Tensor,
-        start: usize,
-        f: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+    /// The group bucket `b` is sharded (or its work spread) over.
+    fn group(&self, b: usize) -> &Group {
+        if self.layout.buckets[b].expert {
+            &self.groups.expert_shard
+        } else {
+            &self.groups.shard
+        }
+    }
+
+    /// Matrix `m` whole, from its block here in `whole` (a bucket's values from flat element
+    /// `start`): the tensor-parallel group's blocks all-gathered, or the block itself (a copy of
+    /// its own when `copy`).
+    fn assemble(&self, m: usize, whole: &Tensor, start: usize, copy: bool) -> Result<Tensor> {
         let mat = self.matrices[m];
         let r = self.layout.range(mat.param);
         let block = whole
             .narrow(0, r.start - start, r.len())?
             .reshape((mat.shape[0], mat.shape[1]))?; // [rows, cols]
         let tp = &self.groups.tp;
+        match mat.tp_dim {
+            Some(d) if tp.size() > 1 => self.comm.all_gather(tp, &block, d), // the whole matrix
+            _ if copy => block.force_contiguous(),
+            _ => Ok(block),
+        }
+    }
+
+    /// The result `o` of matrix `m` cut back to this rank's tensor-parallel block, flat.
+    fn cut(&self, m: usize, o: &Tensor) -> Result<Tensor> {
+        let mat = self.matrices[m];
+        let tp = &self.groups.tp;
         let o = match mat.tp_dim {
             Some(d) if tp.size() > 1 => {
-                let full = self.comm.all_gather(tp, &block, d)?; // the whole matrix
-                let o = f(&full)?;
                 let i = tp.index_of(self.comm.rank()).unwrap_or(0);
                 o.narrow(d, i * mat.shape[d], mat.shape[d])?
             }
-            _ => f(&block)?,
+            _ => o.clone(),
         };
         o.flatten_all()?.contiguous()
     }
@@ -396,9 +446,9 @@ mod tests {
         let u = Tensor::arange(0f32, total as f32, &candle_core::Device::Cpu).unwrap();
         let mut calls = 0;
         let out = whole
-            .map(&u, &mut |m: &Tensor| {
-                calls += 1;
-                m.affine(2.0, 0.0)
+            .map(&u, &mut |ms: &[Tensor]| {
+                calls += ms.len();
+                ms.iter().map(|m| m.affine(2.0, 0.0)).collect()
             })
             .unwrap();
         (out.to_vec1().unwrap(), calls)

@@ -1,7 +1,7 @@
 //! Launchers of the optimizer's flat-buffer kernels (`kernels/flat.cu`), called from the root
 //! crate's `optim::kernels` ops: gradient accumulation into an f32 buffer (and a weight
 //! gradient's product accumulated by cuBLAS; Muon's scaled products, rounded as `torch.addmm`
-//! rounds them), the AdamW update over `[master | exp_avg | exp_avg_sq]` (moments f32 or bf16)
+//! rounds them, one or a batch at a time), the AdamW update over `[master | exp_avg | exp_avg_sq]` (moments f32 or bf16)
 //! and the sum of squares of an f32 or bf16 buffer (in f64).
 //!
 //! `adamw` performs exactly the f32 operations of the CPU `AdamWStep` (bitwise equal results);
@@ -153,6 +153,7 @@ fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::
         d: (dp, inp),
         types: (ty, cudaDataType_t::CUDA_R_32F),
         scale: (1.0, 1.0),
+        batch: (1, [0; 3]),
     };
     // SAFETY: the pointers are live device buffers of the device's stream holding rows·in,
     // rows·out and out·in elements, as the leading dimensions address them.
@@ -160,28 +161,32 @@ fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::
 }
 
 /// `d ← beta · d + alpha · a · b` (row-major) for `d` `[m, n]`, `a` `[m, k]` and `b` `[k, n]`,
-/// all contiguous and all f32 or all bf16: one `cublasGemmEx` with f32 accumulation and f32
-/// scalars, so `d` is rounded once (as `torch.addmm` computes it; Muon's Newton-Schulz steps).
+/// or `batch` of them back to back, all contiguous and all f32 or all bf16: one `cublasGemmEx`
+/// (a batch: one `cublasGemmStridedBatchedEx`) with f32 accumulation and f32 scalars, so `d` is
+/// rounded once (as `torch.addmm` computes it; Muon's Newton-Schulz steps).
 pub fn scaled_product(
     d: &mut CudaStorage,
     dl: &Layout,
     (a, al): (&CudaStorage, &Layout),
     (b, bl): (&CudaStorage, &Layout),
-    (m, k, n): (usize, usize, usize),
+    (batch, (m, k, n)): (usize, (usize, usize, usize)),
     (alpha, beta): (f32, f32),
 ) -> Result<()> {
     const OP: &str = "scaled-product";
     let dev = d.device().clone();
     let (start, end) = range(OP, "output", dl)?;
-    if end - start != m * n {
-        bail!("{OP}: output of {} elements for [{m}, {n}]", end - start)
+    if end - start != batch * m * n {
+        bail!(
+            "{OP}: output of {} elements for {batch} × [{m}, {n}]",
+            end - start
+        )
     }
-    if m * n == 0 {
+    if batch * m * n == 0 {
         return Ok(());
     }
-    let dims = [m, k, n].map(i32::try_from);
-    let [Ok(mi), Ok(ki), Ok(ni)] = dims else {
-        bail!("{OP}: [{m}, {k}] x [{k}, {n}] exceeds cuBLAS's 32-bit dimensions")
+    let dims = [m, k, n, batch].map(i32::try_from);
+    let [Ok(mi), Ok(ki), Ok(ni), Ok(bi)] = dims else {
+        bail!("{OP}: {batch} × [{m}, {k}] x [{k}, {n}] exceeds cuBLAS's 32-bit dimensions")
     };
     let dtype = d.dtype();
     if a.dtype() != dtype || b.dtype() != dtype {
@@ -194,11 +199,11 @@ pub fn scaled_product(
     macro_rules! typed {
         ($T:ty, $ty:expr) => {{
             use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
-            let av = view::<$T>(OP, "a", a, al)?; // [m, k]
-            let bv = view::<$T>(OP, "b", b, bl)?; // [k, n]
-            if av.len() != m * k || bv.len() != k * n {
+            let av = view::<$T>(OP, "a", a, al)?; // [B, m, k]
+            let bv = view::<$T>(OP, "b", b, bl)?; // [B, k, n]
+            if av.len() != batch * m * k || bv.len() != batch * k * n {
                 bail!(
-                    "{OP}: factors of {} and {} elements for [{m}, {k}] x [{k}, {n}]",
+                    "{OP}: factors of {} and {} elements for {batch} × [{m}, {k}] x [{k}, {n}]",
                     av.len(),
                     bv.len()
                 )
@@ -218,9 +223,11 @@ pub fn scaled_product(
                 d: (dp, ni),
                 types: ($ty, $ty),
                 scale: (alpha, beta),
+                batch: (bi, [k * n, m * k, m * n].map(|s| s as i64)),
             };
-            // SAFETY: live device buffers of the device's stream of k·n, m·k and m·n elements
-            // (checked above), as the leading dimensions address them; `d` overlaps neither.
+            // SAFETY: live device buffers of the device's stream of B·k·n, B·m·k and B·m·n
+            // elements (checked above), as the leading dimensions and strides address them;
+            // `d` overlaps neither.
             unsafe { gemm_call(&dev, OP, call) }
         }};
     }
@@ -233,7 +240,8 @@ pub fn scaled_product(
 
 /// One `cublasGemmEx` in cuBLAS's column-major view: `D[m, n] ← alpha · A[m, k] · op(B) + beta
 /// · D`, `op(B)` = `B[k, n]` or `B[n, k]ᵀ`; pointers with their leading dimensions, the
-/// factors' and the output's types, f32 accumulation and host f32 scalars.
+/// factors' and the output's types, f32 accumulation and host f32 scalars; with a batch of more
+/// than one, `cublasGemmStridedBatchedEx` with the strides of `A`, `B` and `D`.
 struct GemmCall {
     transpose_b: bool,
     mnk: (i32, i32, i32),
@@ -242,6 +250,7 @@ struct GemmCall {
     d: (u64, i32),
     types: (cudaDataType_t, cudaDataType_t),
     scale: (f32, f32),
+    batch: (i32, [i64; 3]),
 }
 
 /// Runs `call` on the device's stream with the cuBLAS handle candle made for it.
@@ -259,6 +268,7 @@ unsafe fn gemm_call(dev: &CudaDevice, op: &str, call: GemmCall) -> Result<()> {
         d,
         types,
         scale: (alpha, beta),
+        batch: (count, [stride_a, stride_b, stride_d]),
     } = call;
     let op_b = if transpose_b {
         sys::cublasOperation_t::CUBLAS_OP_T
@@ -266,6 +276,37 @@ unsafe fn gemm_call(dev: &CudaDevice, op: &str, call: GemmCall) -> Result<()> {
         sys::cublasOperation_t::CUBLAS_OP_N
     };
     let blas = dev.cublas_handle();
+    if count > 1 {
+        // SAFETY: as below, for `count` products `stride_*` elements apart.
+        return unsafe {
+            result::gemm_strided_batched_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                op_b,
+                m,
+                n,
+                k,
+                (&alpha as *const f32).cast(),
+                a.0 as *const std::ffi::c_void,
+                types.0,
+                a.1,
+                stride_a,
+                b.0 as *const std::ffi::c_void,
+                types.0,
+                b.1,
+                stride_b,
+                (&beta as *const f32).cast(),
+                d.0 as *mut std::ffi::c_void,
+                types.1,
+                d.1,
+                stride_d,
+                count,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("{op}: cublasGemmStridedBatchedEx: {e:?}")));
+    }
     // SAFETY: forwarded to the caller; alpha and beta are host scalars (the handle's default
     // pointer mode) read before the call returns.
     unsafe {
