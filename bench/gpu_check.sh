@@ -24,7 +24,8 @@
 #             steps of bench-1b on those documents
 #   muon      the tiny recipe (60 steps) with optimizer.name=muon (Newton-Schulz in bf16 on the
 #             GPU) in f32 and bf16 against the CPU (f32, f32 iteration), at dp 2 x tp 2 with
-#             ZeRO-1 against one rank, and 6 steps of bench-1b with Muon (opt= in its log)
+#             ZeRO-1 against one rank, and 6 steps of bench-1b with Muon and with AdamW: Muon's
+#             optimizer at most 50 ms, its step at most 1.2x AdamW's, its peak at most +2 GiB
 #   pipeline  the tiny recipe (60 steps) at pp 2 thread-ranks sharing the GPU with 1F1B, zb-h1
 #             (stages [3, 1]: the last defers a weight action) and zbv (v 2) against 1F1B, the traced step's measured and simulated bubbles and
 #             activation peaks; and 6 steps of bench-1b at pp 2 with zbv, whose log gives the
@@ -306,9 +307,27 @@ for p in "${PARTS[@]}"; do
       part muon-f32-curve compare muon-cuda-f32 muon-cpu 3e-2
       part muon-bf16-curve compare muon-cuda-bf16 muon-cpu 3e-2
       part muon-dp2tp2-curve compare muon-cuda-dp2tp2 muon-cuda-f32 5e-3
-      rm -rf "$RUNS/muon-1b"
+      rm -rf "$RUNS/muon-1b" "$RUNS/adamw-1b"
       part muon-1b "$BIN" --recipe recipes/bench-1b.yaml \
         --set "run.dir=$RUNS/muon-1b,train.steps=6,run.log_interval=1,optimizer.name=muon"
+      part adamw-1b "$BIN" --recipe recipes/bench-1b.yaml \
+        --set "run.dir=$RUNS/adamw-1b,train.steps=6,run.log_interval=1"
+      # Muon's targets on bench-1b: its optimizer at most 50 ms, the step at most 1.2x AdamW's,
+      # the device's peak at most AdamW's + 2 GiB (steps 3-6, medians).
+      part muon-1b-cost "$PYTHON" - "$RUNS/muon-1b/metrics.jsonl" "$RUNS/adamw-1b/metrics.jsonl" <<'PY'
+import json, statistics, sys
+def read(p):
+    recs = [r for r in map(json.loads, open(p)) if "tokens_per_s" in r and r["step"] >= 3]
+    med = lambda k: statistics.median(r[k] for r in recs)
+    return med("step_time_s"), med("optimizer_s"), max(r.get("device_peak_mib", 0) for r in recs)
+(ms, mo, mp), (as_, ao, ap) = read(sys.argv[1]), read(sys.argv[2])
+print(f"muon: step {ms*1e3:.1f} ms, optimizer {mo*1e3:.1f} ms, peak {mp/1024:.1f} GiB; "
+      f"adamw: step {as_*1e3:.1f} ms, optimizer {ao*1e3:.1f} ms, peak {ap/1024:.1f} GiB; "
+      f"step ratio {ms/as_:.3f}")
+bad = ([f"optimizer {mo*1e3:.1f} ms > 50"] * (mo > 0.05) + [f"step {ms/as_:.3f}x > 1.2x"] * (ms > 1.2 * as_)
+       + [f"peak +{(mp-ap)/1024:.1f} GiB > 2"] * (mp - ap > 2048))
+sys.exit("; ".join(bad) or 0)
+PY
       ;;
     pipeline)
       PP_SET="train.steps=60,train.eval_interval=30,run.trace_step=20,parallel.pp=2"
