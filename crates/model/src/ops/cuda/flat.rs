@@ -24,12 +24,12 @@ pub const SUM_BLOCKS: usize = 1024;
 const SUM_THREADS: u32 = 256;
 
 /// Kernel `name` of the flat module.
-fn kernel(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+pub(super) fn kernel(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     load(dev, Module::Flat, name)
 }
 
 /// `[start, end)` of a contiguous layout; errors naming `op` and the argument otherwise.
-fn range(op: &str, name: &str, l: &Layout) -> Result<(usize, usize)> {
+pub(super) fn range(op: &str, name: &str, l: &Layout) -> Result<(usize, usize)> {
     match l.contiguous_offsets() {
         Some(r) => Ok(r),
         None => bail!("{op}: `{name}` must be contiguous (layout {l:?})"),

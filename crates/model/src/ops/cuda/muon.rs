@@ -6,24 +6,12 @@
 //! rank's owned elements (`at`) and its length.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaFunction, PushKernelArg};
-use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::cuda::cudarc::driver::PushKernelArg;
+use candle_core::cuda::{CudaStorage, WrapErr};
 use candle_core::{bail, Layout, Result};
 
-use super::{elementwise, load, view, Module};
-
-/// Kernel `name` of the flat module.
-fn kernel(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    load(dev, Module::Flat, name)
-}
-
-/// `[start, end)` of a contiguous layout.
-fn range(op: &str, name: &str, l: &Layout) -> Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => bail!("{op}: `{name}` must be contiguous (layout {l:?})"),
-    }
-}
+use super::flat::{kernel, range};
+use super::{elementwise, view};
 
 /// Errors unless `start + len <= size` for every `(start, len)`.
 fn check(
