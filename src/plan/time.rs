@@ -83,9 +83,10 @@ fn muon_owners(par: &parallel::ParallelConfig) -> usize {
 
 /// Muon's own seconds on a rank of a stage holding decoder blocks `layers` (its elementwise
 /// work is counted with AdamW's): the Newton-Schulz iterations of the whole matrices it owns
-/// (the stage's matrices spread evenly over [`muon_owners`]), the tensor-parallel all-gathers
-/// that assemble them, and the exchange over the owners' group at `spread_bw` (in f32: with
-/// sharding each bucket all-gathered in and broadcast back, without only broadcast back).
+/// (the stage's matrices spread evenly over [`muon_owners`], then over the tensor-parallel
+/// peers), the tensor-parallel all-gathers that assemble them and broadcasts that return the
+/// results, and the exchange over the owners' group at `spread_bw` (in f32: with sharding each
+/// bucket all-gathered in and broadcast back, without only broadcast back).
 fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, spread_bw: f64) -> f64 {
     let (c, par) = (&r.model, &r.parallel);
     let (h, q) = (c.hidden_size, c.q_dim());
@@ -114,9 +115,10 @@ fn muon_s(r: &Recipe, model: &Model, layers: &[usize], st: &StageState, spread_b
         1.0
     };
     let hw = model.hw;
-    let compute = flops / owners / (hw.peak_tflops * 1e12 * hw.gemm_efficiency);
     let t = par.tp as f64;
-    let gather = model.tp_collective((t - 1.0) / t, 4.0 * elems / owners);
+    // Tensor-parallel peers split their owner's iterations and broadcast the results back.
+    let compute = flops / owners / t / (hw.peak_tflops * 1e12 * hw.gemm_efficiency);
+    let gather = 2.0 * model.tp_collective((t - 1.0) / t, 4.0 * elems / owners);
     let exchange = if owners > 1.0 {
         passes * 4.0 * st.params * (owners - 1.0) / owners / spread_bw
     } else {

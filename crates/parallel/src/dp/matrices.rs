@@ -14,7 +14,9 @@
 //!    and each owner all-gathers its matrices' blocks over the tensor-parallel group (members
 //!    of one tensor-parallel group are at the same shard index, so own the same matrices);
 //! 2. `f` gets all of an owner's whole matrices at once (so an optimizer can batch those of one
-//!    shape), and the owner keeps its own block of each result;
+//!    shape); a matrix tensor parallelism cuts is iterated by one of the owner's peers (the
+//!    peers' work balanced as the owners' is) and broadcast to the others, and each keeps its
+//!    own block of each result;
 //! 3. bucket by bucket, each owner broadcasts its results to the shard group, and every member
 //!    keeps the part of the bucket it owns.
 //!
@@ -116,6 +118,9 @@ pub struct WholeMatrices {
     matrices: Vec<Matrix>,
     /// Owner (shard index) of each matrix.
     owner: Vec<usize>,
+    /// Of a matrix tensor parallelism cuts, the peer (index in the tensor-parallel group) that
+    /// iterates it for its owner's peers.
+    tp_owner: Vec<usize>,
     /// The matrices of each bucket, in flat order.
     by_bucket: Vec<Vec<usize>>,
 }
@@ -147,6 +152,27 @@ impl WholeMatrices {
                 owner[i] = o;
             }
         }
+        // An owner's matrices that tensor parallelism cuts are spread over its peers, balanced
+        // alike.
+        let mut tp_owner = vec![0; matrices.len()];
+        let cut = |i: usize| tp > 1 && matrices[i].tp_dim.is_some();
+        let mut groups_of: std::collections::BTreeMap<(bool, usize), Vec<usize>> =
+            Default::default();
+        for i in (0..matrices.len()).filter(|&i| cut(i)) {
+            groups_of
+                .entry((matrices[i].expert, owner[i]))
+                .or_default()
+                .push(i);
+        }
+        for ix in groups_of.values() {
+            let costs: Vec<f64> = ix
+                .iter()
+                .map(|&i| cost(matrices[i].whole_shape(tp)))
+                .collect();
+            for (&i, o) in ix.iter().zip(assign_owners(&costs, tp)) {
+                tp_owner[i] = o;
+            }
+        }
         let mut by_bucket = vec![Vec::new(); layout.buckets.len()];
         for (m, mat) in matrices.iter().enumerate() {
             by_bucket[layout.bucket_of(mat.param)].push(m);
@@ -162,8 +188,22 @@ impl WholeMatrices {
             groups,
             matrices,
             owner,
+            tp_owner,
             by_bucket,
         }
+    }
+
+    /// Whether tensor parallelism cuts matrix `m`.
+    fn tp_cut(&self, m: usize) -> bool {
+        self.groups.tp.size() > 1 && self.matrices[m].tp_dim.is_some()
+    }
+
+    /// Whether this rank iterates matrix `m` itself: it transforms `m` and, when tensor
+    /// parallelism cuts `m`, is the peer that iterates it for the others.
+    fn iterates(&self, m: usize) -> bool {
+        let tp = &self.groups.tp;
+        let here = tp.index_of(self.comm.rank()).unwrap_or(0);
+        self.transforms(m) && (!self.tp_cut(m) || self.tp_owner[m] == here)
     }
 
     /// Whether this rank transforms matrix `m` (of [`WholeMatrices::matrices`]).
@@ -238,8 +278,11 @@ impl WholeMatrices {
             for (k, &m) in mats.iter().enumerate() {
                 if self.transforms(m) {
                     // A copy of its own when it lies in a gathered bucket, which is freed.
-                    inputs.push(self.assemble(m, &whole, bucket.start, gathered)?);
-                    which.push((b, k));
+                    let input = self.assemble(m, &whole, bucket.start, gathered)?;
+                    if self.iterates(m) {
+                        inputs.push(input);
+                        which.push((b, k));
+                    }
                 }
             }
             at += n;
@@ -267,7 +310,33 @@ impl WholeMatrices {
         let mut results: Vec<Vec<Option<Tensor>>> =
             self.by_bucket.iter().map(|m| vec![None; m.len()]).collect();
         for ((b, k), o) in which.into_iter().zip(outputs) {
-            results[b][k] = Some(self.cut(self.by_bucket[b][k], &o)?);
+            results[b][k] = Some(o);
+        }
+        // The results of matrices tensor parallelism cuts, from the peer that iterated each to
+        // the others; every transformed matrix cut back to this rank's block.
+        for (b, mats) in self.by_bucket.iter().enumerate() {
+            for (k, &m) in mats.iter().enumerate() {
+                if !self.transforms(m) {
+                    continue;
+                }
+                if self.tp_cut(m) {
+                    let tp = &self.groups.tp;
+                    let [rows, cols] = self.matrices[m].whole_shape(tp.size());
+                    let sent = match results[b][k].take() {
+                        Some(o) => o,
+                        None => Tensor::zeros((rows, cols), DType::F32, device)?,
+                    };
+                    let root = tp.ranks()[self.tp_owner[m]];
+                    results[b][k] = Some(self.comm.broadcast(tp, &sent, root)?);
+                }
+                let whole = results[b][k].take().ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "whole matrices: no result for parameter {}",
+                        self.matrices[m].param
+                    ))
+                })?;
+                results[b][k] = Some(self.cut(m, &whole)?);
+            }
         }
         // 3. Bucket by bucket: the owners' results shared, this rank's part kept.
         let mut out = Vec::with_capacity(self.layout.buckets.len());
@@ -402,91 +471,4 @@ impl WholeMatrices {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn owners_take_the_longest_jobs_first() {
-        assert_eq!(
-            assign_owners(&[1.0, 8.0, 3.0, 3.0, 2.0], 2),
-            vec![0, 0, 1, 1, 1]
-        );
-        // One member owns everything.
-        assert_eq!(assign_owners(&[5.0, 1.0], 1), vec![0, 0]);
-        // Equal jobs go round the members.
-        assert_eq!(assign_owners(&[1.0; 4], 3), vec![0, 1, 2, 0]);
-    }
-
-    /// `f` (doubling, counted) over four matrices of a layout cut into small buckets, by a rank
-    /// of `size` at `rank` spreading them as `spread` says: the results and the calls made.
-    fn mapped(comm: Arc<dyn Comm>, spread: Spread, size: usize) -> (Vec<f32>, usize) {
-        let numels = [12, 20, 6, 30];
-        let shapes = [[3, 4], [4, 5], [2, 3], [5, 6]];
-        let layout = FlatLayout::new(&numels, 16, 1);
-        let matrices = (0..4)
-            .map(|i| Matrix {
-                param: i,
-                shape: shapes[i],
-                tp_dim: None,
-                expert: false,
-            })
-            .collect();
-        let rank = comm.rank();
-        let all = Group::new((0..size).collect());
-        let groups = MatrixGroups {
-            shard: all.clone(),
-            expert_shard: all,
-            tp: Group::new(vec![rank]),
-        };
-        let pos = (spread, ShardPos::uniform(rank, size));
-        let total = layout.total;
-        let whole = WholeMatrices::new(comm, layout, pos, groups, matrices, |s| {
-            (s[0] * s[1]) as f64
-        });
-        let u = Tensor::arange(0f32, total as f32, &candle_core::Device::Cpu).unwrap();
-        let mut calls = 0;
-        let out = whole
-            .map(&u, &mut |ms: &[Tensor]| {
-                calls += ms.len();
-                ms.iter().map(|m| m.affine(2.0, 0.0)).collect()
-            })
-            .unwrap();
-        (out.to_vec1().unwrap(), calls)
-    }
-
-    /// Without sharding (ZeRO stage 0) the matrices are still spread: each is transformed by one
-    /// rank of the group, and every rank ends with what a rank alone computes.
-    #[test]
-    fn replicated_matrices_are_transformed_once_and_shared() {
-        use crate::comm::local::LocalWorld;
-        let timeout = std::time::Duration::from_secs(30);
-        let alone = mapped(LocalWorld::new(1, timeout).remove(0), Spread::Alone, 1);
-        assert_eq!(alone.1, 4);
-        let handles: Vec<_> = LocalWorld::new(2, timeout)
-            .into_iter()
-            .map(|c| std::thread::spawn(move || mapped(c, Spread::Replicated, 2)))
-            .collect();
-        let got: Vec<(Vec<f32>, usize)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        for (out, calls) in &got {
-            assert_eq!(out, &alone.0);
-            assert!(
-                *calls > 0 && *calls < 4,
-                "{calls} of 4 matrices on one rank"
-            );
-        }
-        assert_eq!(got[0].1 + got[1].1, 4, "each matrix transformed once");
-    }
-
-    #[test]
-    fn whole_shapes_follow_the_cut() {
-        let m = Matrix {
-            param: 0,
-            shape: [4, 6],
-            tp_dim: Some(1),
-            expert: false,
-        };
-        assert_eq!(m.whole_shape(2), [4, 12]);
-        let held = Matrix { tp_dim: None, ..m };
-        assert_eq!(held.whole_shape(2), [4, 6]);
-    }
-}
+mod tests;
