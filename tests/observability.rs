@@ -286,3 +286,59 @@ fn tensorboard_events_hold_the_logged_values() {
         .collect();
     assert_eq!(steps, [5, 6]);
 }
+
+/// A mixture-of-experts run's TensorBoard events hold the router's health as `metrics.jsonl`
+/// records it: the means over layers and each layer's balance (coefficient of variation, the
+/// busiest and idlest experts against the mean, its balancing loss, with a capacity the
+/// dropped share).
+#[test]
+fn tensorboard_holds_each_moe_layers_balance() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("moe");
+    let mut cmd = common::cli::bin();
+    cmd.args(["--recipe", "recipes/tiny-moe.yaml", "--set"])
+        .arg(format!(
+            "{BASE},train.steps=2,train.eval_interval=0,run.tensorboard=true,\
+         model.moe_expert_capacity_factor=1.0,run.dir={}",
+            run.display()
+        ));
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let events = events_of(&run).remove(0);
+    let recs = records(&run);
+    assert!(!recs.is_empty());
+    for r in recs.iter().filter(|r| r["loss"].is_number()) {
+        let step = r["step"].as_i64().unwrap();
+        let e = events
+            .iter()
+            .find(|e| e.step == step && e.scalars.contains_key("train/loss"))
+            .unwrap_or_else(|| panic!("no event of step {step}"));
+        let moe = &r["moe"];
+        let cv = moe["cv"].as_f64().unwrap();
+        assert!(cv > 0.0, "a random router is not balanced exactly: cv {cv}");
+        assert_eq!(e.scalars["moe/cv"], cv as f32, "step {step}");
+        assert_eq!(
+            e.scalars["moe/dropped"],
+            moe["dropped"].as_f64().unwrap() as f32
+        );
+        let layers = moe["layers"].as_array().unwrap();
+        assert!(!layers.is_empty());
+        for l in layers {
+            let tag = |what: &str| format!("moe/layer_{}/{what}", l["layer"]);
+            for what in [
+                "cv",
+                "max_over_mean",
+                "min_over_mean",
+                "load_balancing",
+                "dropped",
+            ] {
+                assert_eq!(
+                    e.scalars[&tag(what)],
+                    l[what].as_f64().unwrap() as f32,
+                    "step {step} {}",
+                    tag(what)
+                );
+            }
+        }
+    }
+}

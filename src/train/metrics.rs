@@ -243,7 +243,12 @@ impl Metrics {
             self.train.push((r.step, r.loss));
         }
         if let Some(tb) = &mut self.tensorboard {
-            tb.scalars(r.step, &scalars(r))?;
+            let mut all: Vec<(String, f64)> = (scalars(r).into_iter())
+                .map(|(t, x)| (t.to_string(), x))
+                .collect();
+            all.extend(r.moe.as_ref().map_or(Vec::new(), super::routing::scalars));
+            let tags: Vec<(&str, f64)> = all.iter().map(|(t, x)| (t.as_str(), *x)).collect();
+            tb.scalars(r.step, &tags)?;
         }
         self.line(r)
     }

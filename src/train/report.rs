@@ -155,8 +155,8 @@ fn step_line(rec: &StepRecord, steps: usize) -> String {
             None => bias,
         };
         format!(
-            " moe_lb={:.3} moe_z={:.3} max/mean={:.2}{bias}",
-            m.load_balancing, m.z_loss, m.max_over_mean
+            " moe_lb={:.3} moe_z={:.3} max/mean={:.2} cv={:.2}{bias}",
+            m.load_balancing, m.z_loss, m.max_over_mean, m.cv
         )
     });
     let skip = if rec.skipped.is_some() {

@@ -27,6 +27,9 @@ pub struct LayerRouting {
     pub max_over_mean: f64,
     /// Tokens of the idlest expert over the mean (0: an expert got no token in the step).
     pub min_over_mean: f64,
+    /// The experts' loads' coefficient of variation: their standard deviation over their mean
+    /// (0 balanced; `sqrt(E − 1)` when one expert takes every token).
+    pub cv: f64,
     /// With an expert capacity: the share of routed `(token, slot)` pairs it dropped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped: Option<f64>,
@@ -44,6 +47,8 @@ pub struct StepRouting {
     pub z_loss: f64,
     /// The largest `max_over_mean` of the layers.
     pub max_over_mean: f64,
+    /// The largest `cv` of the layers.
+    pub cv: f64,
     /// With an expert capacity: the mean over layers of the share of pairs dropped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped: Option<f64>,
@@ -92,42 +97,71 @@ pub fn gather(
             sums = ctx.comm.all_reduce(group, &t, ReduceOp::Sum)?.to_vec1()?;
         }
     }
-    let rows: Vec<LayerRouting> = layers
-        .iter()
-        .zip(sums.chunks_exact(width))
-        .map(|(&layer, row)| {
-            let forwards = row[0].max(1.0);
-            let tokens = &row[4..];
-            let routed = tokens.iter().sum::<f64>();
-            let mean = tokens.iter().sum::<f64>() / e as f64;
-            let (max, min) = tokens
-                .iter()
-                .fold((0f64, f64::INFINITY), |(a, b), &t| (a.max(t), b.min(t)));
-            let ratio = |x: f64| if mean > 0.0 { x / mean } else { 0.0 };
-            LayerRouting {
-                layer,
-                load_balancing: row[1] / forwards,
-                z_loss: row[2] / forwards,
-                max_over_mean: ratio(max),
-                min_over_mean: ratio(min),
-                dropped: moe
-                    .capacity_factor
-                    .map(|_| if routed > 0.0 { row[3] / routed } else { 0.0 }),
-                tokens_per_expert: tokens.to_vec(),
-            }
-        })
+    let capacity = moe.capacity_factor.is_some();
+    let rows: Vec<LayerRouting> = (layers.iter().zip(sums.chunks_exact(width)))
+        .map(|(&layer, row)| layer_routing(layer, row, capacity))
         .collect();
     let n = rows.len().max(1) as f64;
     Ok(Some(StepRouting {
         load_balancing: rows.iter().map(|r| r.load_balancing).sum::<f64>() / n,
         z_loss: rows.iter().map(|r| r.z_loss).sum::<f64>() / n,
         max_over_mean: rows.iter().map(|r| r.max_over_mean).fold(0.0, f64::max),
+        cv: rows.iter().map(|r| r.cv).fold(0.0, f64::max),
         dropped: moe
             .capacity_factor
             .map(|_| rows.iter().filter_map(|r| r.dropped).sum::<f64>() / n),
         layers: rows,
         bias_max_abs: None,
     }))
+}
+
+/// Layer `layer`'s routing from its summed row: forwards, Σ load-balancing loss, Σ z-loss,
+/// dropped pairs, then the tokens of each expert; `capacity`: whether experts have one.
+fn layer_routing(layer: usize, row: &[f64], capacity: bool) -> LayerRouting {
+    let forwards = row[0].max(1.0);
+    let tokens = &row[4..];
+    let routed = tokens.iter().sum::<f64>();
+    let mean = routed / tokens.len().max(1) as f64;
+    let (max, min) = tokens
+        .iter()
+        .fold((0f64, f64::INFINITY), |(a, b), &t| (a.max(t), b.min(t)));
+    let ratio = |x: f64| if mean > 0.0 { x / mean } else { 0.0 };
+    let variance =
+        tokens.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / tokens.len().max(1) as f64;
+    LayerRouting {
+        layer,
+        load_balancing: row[1] / forwards,
+        z_loss: row[2] / forwards,
+        max_over_mean: ratio(max),
+        min_over_mean: ratio(min),
+        cv: ratio(variance.sqrt()),
+        dropped: capacity.then(|| if routed > 0.0 { row[3] / routed } else { 0.0 }),
+        tokens_per_expert: tokens.to_vec(),
+    }
+}
+
+/// The TensorBoard scalars of a step's routing: the means over layers, and each layer's
+/// balance (`moe/layer_<l>/…`).
+pub fn scalars(r: &StepRouting) -> Vec<(String, f64)> {
+    let mut v = vec![
+        ("moe/load_balancing".to_string(), r.load_balancing),
+        ("moe/z_loss".to_string(), r.z_loss),
+        ("moe/max_over_mean".to_string(), r.max_over_mean),
+        ("moe/cv".to_string(), r.cv),
+    ];
+    v.extend(r.dropped.map(|d| ("moe/dropped".to_string(), d)));
+    v.extend(r.bias_max_abs.map(|b| ("moe/bias_max_abs".to_string(), b)));
+    for l in &r.layers {
+        let tag = |what: &str| format!("moe/layer_{}/{what}", l.layer);
+        v.extend([
+            (tag("cv"), l.cv),
+            (tag("max_over_mean"), l.max_over_mean),
+            (tag("min_over_mean"), l.min_over_mean),
+            (tag("load_balancing"), l.load_balancing),
+        ]);
+        v.extend(l.dropped.map(|d| (tag("dropped"), d)));
+    }
+    v
 }
 
 /// Auxiliary-loss-free balancing: moves each MoE layer's expert selection biases in `bias` by
@@ -166,6 +200,7 @@ mod tests {
             z_loss: 0.0,
             max_over_mean: 0.0,
             min_over_mean: 0.0,
+            cv: 0.0,
             dropped: None,
             tokens_per_expert: loads.to_vec(),
         };
@@ -173,6 +208,7 @@ mod tests {
             load_balancing: 0.0,
             z_loss: 0.0,
             max_over_mean: 0.0,
+            cv: 0.0,
             dropped: None,
             layers: vec![
                 layer(1, &[6.0, 2.0, 4.0, 4.0]),
@@ -185,5 +221,25 @@ mod tests {
         assert_eq!(bias[&1], vec![-0.25, 0.25, 0.0, 0.0]); // mean 4: over, under, at, at
         assert_eq!(bias[&3], vec![0.75, -0.25, 0.0, -0.25]);
         assert_eq!(max, 0.75);
+    }
+
+    /// A layer's balance from its summed loads: the ratios to the mean, the coefficient of
+    /// variation, the dropped share of the routed pairs.
+    #[test]
+    fn a_layers_balance_is_read_from_its_loads() {
+        // Two forwards, losses summed, 4 dropped pairs, loads 6, 2, 4, 4 (mean 4, sd sqrt 2).
+        let l = layer_routing(5, &[2.0, 0.5, 0.25, 4.0, 6.0, 2.0, 4.0, 4.0], true);
+        assert_eq!((l.layer, l.load_balancing, l.z_loss), (5, 0.25, 0.125));
+        assert_eq!((l.max_over_mean, l.min_over_mean), (1.5, 0.5));
+        assert!((l.cv - 2f64.sqrt() / 4.0).abs() < 1e-12, "{}", l.cv);
+        assert_eq!(l.dropped, Some(0.25));
+        // One expert takes everything: sqrt(E - 1); no tokens at all: zeros, not NaN.
+        let all = layer_routing(0, &[1.0, 0.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.0], false);
+        assert!((all.cv - 3f64.sqrt()).abs() < 1e-12 && all.dropped.is_none());
+        let none = layer_routing(0, &[1.0, 0.0, 0.0, 0.0, 0.0, 0.0], true);
+        assert_eq!(
+            (none.cv, none.max_over_mean, none.dropped),
+            (0.0, 0.0, Some(0.0))
+        );
     }
 }
