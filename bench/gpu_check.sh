@@ -41,6 +41,9 @@
 #             resume from it that must repeat steps 4-6 bit for bit; not in the default list
 #             (about 10 minutes; its flat buffers hold 6.7e9 elements, past candle's 32-bit
 #             kernels, so this is the first run of the span-by-span whole-buffer operations)
+#   moe-bench recipes/bench-moe.yaml (Mixtral-style, 8 experts, top-2) by bench/gpu_step.sh
+#             against bench/torch_llama.py's eager MoE: MFU on the active parameters at least
+#             40%, at least 2x PyTorch; not in the default list (about 4 minutes)
 #   offload   the 7B of recipes/bench-7b.yaml with optimizer.offload: cpu at 256K tokens a step
 #             (4 steps): the GPU's peak at most 60 GiB and the update at most 15% of the step;
 #             not in the default list (about 5 minutes)
@@ -377,6 +380,22 @@ a, b = read(sys.argv[1]), read(sys.argv[2])
 same = [s for s in (4, 5, 6) if s in a and s in b and a[s] == b[s]]
 print("steps 4-6 uninterrupted", [a.get(s) for s in (4, 5, 6)], "resumed", [b.get(s) for s in (4, 5, 6)])
 sys.exit(0 if len(same) == 3 else "the resumed steps differ")
+PY
+      ;;
+    moe-bench)
+      # The Mixtral-style bench-moe against the eager PyTorch peer: at least 40% MFU on the
+      # active parameters and 2x PyTorch's tokens/s.
+      "$BIN" plan --recipe recipes/bench-moe.yaml --gpu "${GPU_PRESET:-h200}" | tee "$OUT/plan-moe.txt"
+      part moe-bench env OUT="$OUT/moe" OUT_DIR="$RUNS/gpu_step-moe" PYTHON="$PYTHON" \
+        RECIPE=recipes/bench-moe.yaml STEPS=12 WARMUP=3 bench/gpu_step.sh "$BIN"
+      pkill -f bench/torch_llama.py 2>/dev/null || true
+      part moe-bench-targets "$PYTHON" - "$OUT/moe/gpu_step.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+mfu = s["ours"].get("mfu") or 0.0
+ratio = min(s["ratio_ours_over_torch_tokens_per_s"].values(), default=0.0)
+print(f"bench-moe: MFU {mfu:.1%} on the active parameters, {ratio:.2f}x PyTorch eager")
+sys.exit("; ".join([f"MFU {mfu:.1%} < 40%"] * (mfu < 0.40) + [f"{ratio:.2f}x < 2x"] * (ratio < 2.0)) or 0)
 PY
       ;;
     offload)

@@ -1,6 +1,8 @@
 """PyTorch reference for the step benchmarks: the same Llama (RMSNorm, rotate-half RoPE,
-grouped-query attention through SDPA, SwiGLU, tied or untied embeddings), the same batch shape and
-the same synthetic token stream as the benches (benches/common/mod.rs). Prints one JSON line on stdout.
+grouped-query attention through SDPA, SwiGLU, tied or untied embeddings; with
+`model.num_local_experts`, Mixtral-style MoE layers as transformers computes them eagerly), the
+same batch shape and the same synthetic token stream as the benches (benches/common/mod.rs).
+Prints one JSON line on stdout.
 
 CPU (bench/cpu_step.sh), f32 eager, forward and full step timed separately, median of STEPS steps
 after 2 warm-up steps:
@@ -52,8 +54,60 @@ def rms_norm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def moe_settings(c):
+    """The mixture-of-experts settings as LlamaConfig::moe resolves them, or None (dense)."""
+    if c.get("num_local_experts") is None:
+        return None
+    return {"experts": c["num_local_experts"], "k": c.get("num_experts_per_tok", 2),
+            "aux": c.get("router_aux_loss_coef", 0.02), "z": c.get("router_z_loss_coef", 0.0),
+            "norm_topk": c.get("norm_topk_prob", True),
+            "size": c.get("moe_intermediate_size") or c["intermediate_size"],
+            "dense": set(c.get("mlp_only_layers", []))}
+
+
+class Moe(torch.nn.Module):
+    """A Mixtral-style sparse MLP as transformers' eager MixtralSparseMoeBlock computes it: an f32
+    router, softmax, top-k (renormalised), each expert's SwiGLU over the tokens routed to it, and
+    the load-balancing (Switch/Mixtral) and z losses our layer adds to the objective."""
+
+    def __init__(self, h, m):
+        super().__init__()
+        self.m = m
+        e, f = m["experts"], m["size"]
+        self.router = torch.nn.Linear(h, e, bias=False)
+        self.gate = torch.nn.ModuleList(torch.nn.Linear(h, f, bias=False) for _ in range(e))
+        self.up = torch.nn.ModuleList(torch.nn.Linear(h, f, bias=False) for _ in range(e))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(f, h, bias=False) for _ in range(e))
+        self.aux = None
+
+    def forward(self, x):
+        shape, m = x.shape, self.m
+        x = x.reshape(-1, shape[-1])  # [n, h]
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())  # [n, E] in f32
+        probs = logits.softmax(-1)
+        w, idx = probs.topk(m["k"], dim=-1)  # [n, k]
+        if m["norm_topk"]:
+            w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(m["experts"]):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xe = x[tok]
+            ye = self.down[e](F.silu(self.gate[e](xe)) * self.up[e](xe))
+            out.index_add_(0, tok, (ye * w[tok, slot, None]).to(out.dtype))
+        n, experts = x.shape[0], m["experts"]
+        share = torch.zeros(experts, device=x.device).index_add_(
+            0, idx.reshape(-1), torch.ones(idx.numel(), device=x.device)) / (n * m["k"])
+        balance = experts * (share * probs.mean(0)).sum() * m["k"]
+        z = logits.logsumexp(-1).pow(2).mean()
+        self.aux = m["aux"] * balance + m["z"] * z
+        return out.reshape(shape)
+
+
 class Block(torch.nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, layer=0):
         super().__init__()
         h, f = c["hidden_size"], c["intermediate_size"]
         self.nh, self.nkv = c["num_attention_heads"], c["num_key_value_heads"]
@@ -65,9 +119,12 @@ class Block(torch.nn.Module):
         self.k = torch.nn.Linear(h, self.nkv * self.d, bias=False)
         self.v = torch.nn.Linear(h, self.nkv * self.d, bias=False)
         self.o = torch.nn.Linear(h, h, bias=False)
-        self.gate = torch.nn.Linear(h, f, bias=False)
-        self.up = torch.nn.Linear(h, f, bias=False)
-        self.down = torch.nn.Linear(f, h, bias=False)
+        m = moe_settings(c)
+        self.moe = Moe(h, m) if m is not None and layer not in m["dense"] else None
+        if self.moe is None:
+            self.gate = torch.nn.Linear(h, f, bias=False)
+            self.up = torch.nn.Linear(h, f, bias=False)
+            self.down = torch.nn.Linear(f, h, bias=False)
 
     def norm(self, x, w):
         return rms_norm(x, w, self.eps)
@@ -90,6 +147,8 @@ class Block(torch.nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         h = self.norm(x, self.ln2)
+        if self.moe is not None:
+            return x + self.moe(h)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
@@ -98,7 +157,7 @@ class Llama(torch.nn.Module):
         super().__init__()
         v, h = c["vocab_size"], c["hidden_size"]
         self.embed = torch.nn.Embedding(v, h)
-        self.blocks = torch.nn.ModuleList(Block(c) for _ in range(c["num_hidden_layers"]))
+        self.blocks = torch.nn.ModuleList(Block(c, i) for i in range(c["num_hidden_layers"]))
         self.norm = torch.nn.Parameter(torch.ones(h))
         self.head = torch.nn.Linear(h, v, bias=False)
         if c.get("tie_word_embeddings", False):
@@ -129,7 +188,12 @@ class Llama(torch.nn.Module):
                 x = blk(x, self.cos[:s], self.sin[:s])
         x = rms_norm(x, self.norm, self.eps)
         logits = self.head(x).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        # The MoE layers' balancing and z losses (none in a dense model).
+        for blk in self.blocks:
+            if blk.moe is not None and blk.moe.aux is not None:
+                loss = loss + blk.moe.aux
+        return loss
 
 
 # ---- recipes: the same reading as src/recipe/load.rs ----------------------------------------------
@@ -199,18 +263,29 @@ def load_recipe(path, overrides=()):
 
 # ---- FLOPs: LlamaConfig::num_params and ::flops_per_token of crates/model/src/config.rs ------------
 
-def num_params(c):
+def num_params(c, active=False):
+    """LlamaConfig::count_params: every expert counted, or (`active`) the k a token uses."""
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
-    per_layer = 2 * h + h * h * 2 + 2 * h * kv + 3 * h * f
+    layers = c["num_hidden_layers"]
+    attention = 2 * h + h * h * 2 + 2 * h * kv
+    m = moe_settings(c)
+    if m is None:
+        mlp = layers * 3 * h * f
+    else:
+        moe_layers = sum(1 for i in range(layers) if i not in m["dense"])
+        experts = m["k"] if active else m["experts"]
+        mlp = moe_layers * (m["experts"] * h + experts * 3 * h * m["size"]) \
+            + (layers - moe_layers) * 3 * h * f
     head = 0 if c.get("tie_word_embeddings", False) else v * h
-    return v * h + c["num_hidden_layers"] * per_layer + h + head
+    return v * h + layers * attention + mlp + h + head
 
 
 def flops_per_token(c, seq_len):
-    """6 N + 6 L s h, N = the matrices (embedding lookup excluded, output projection included)."""
+    """6 N + 6 L s h, N = the matrices a token uses (embedding lookup excluded, output projection
+    included, k experts and the router of a MoE layer)."""
     h, v, layers = float(c["hidden_size"]), float(c["vocab_size"]), c["num_hidden_layers"]
-    matrices = (float(num_params(c))
+    matrices = (float(num_params(c, active=True))
                 - v * h * (0.0 if c.get("tie_word_embeddings", False) else 1.0)
                 - (2 * layers + 1) * h)
     attention = 6.0 * layers * float(seq_len) * h
