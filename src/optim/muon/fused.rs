@@ -93,6 +93,19 @@ fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'a mu
     }
 }
 
+/// `dst[i] ← f(dst[i], src[i])` for every element of `dst` (`src` at least as long), in
+/// parallel chunks.
+fn update_with(dst: &mut [f32], src: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let src = &src[..dst.len()];
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| {
+            for (d, &s) in d.iter_mut().zip(s) {
+                *d = f(*d, s);
+            }
+        });
+}
+
 /// Errors unless every run lies inside buffers of `grads`, `k` and `n` elements.
 fn check(runs: &[Run], grads: usize, k: usize, n: usize) -> Result<()> {
     for r in runs {
@@ -130,15 +143,8 @@ impl InplaceOp2 for Momentum<'_> {
         check(self.runs, grads.len(), k, usize::MAX)?;
         let buf = &mut state[k..];
         for r in self.runs {
-            let b = &mut buf[r.here..r.here + r.len];
-            let g = &grads[r.grad..r.grad + r.len];
-            b.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(b, g)| {
-                    for (b, &g) in b.iter_mut().zip(g) {
-                        *b = self.lerp.at(*b, read(g, self.scale));
-                    }
-                });
+            let (b, g) = (&mut buf[r.here..r.here + r.len], &grads[r.grad..]);
+            update_with(b, g, |b, g| self.lerp.at(b, read(g, self.scale)));
         }
         Ok(())
     }
@@ -251,13 +257,7 @@ impl InplaceOp2 for Apply<'_> {
         check(self.runs, usize::MAX, k, o.len())?;
         for r in self.runs {
             let w = &mut state[r.here..r.here + r.len];
-            w.par_chunks_mut(CHUNK)
-                .zip(o[r.at..r.at + r.len].par_chunks(CHUNK))
-                .for_each(|(w, o)| {
-                    for (w, &o) in w.iter_mut().zip(o) {
-                        *w = (*w * self.keep + 0.0) + o;
-                    }
-                });
+            update_with(w, &o[r.at..], |w, o| (w * self.keep + 0.0) + o);
         }
         Ok(())
     }
