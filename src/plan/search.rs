@@ -54,14 +54,21 @@ fn planned_moments(r: &Recipe, hw: &Hardware, layout: Layout) -> Option<Plan> {
     if fp32.fits {
         return Some(fp32);
     }
-    let mut levers = vec![(StateDtype::Bf16, Offload::None)];
-    if r.optimizer.name == OptimizerName::AdamW {
-        levers.push((StateDtype::Fp32, Offload::Cpu));
-        levers.push((StateDtype::Bf16, Offload::Cpu));
+    let bf16 = planned(r, hw, with(StateDtype::Bf16, Offload::None));
+    if let Some(p) = bf16.as_ref().filter(|p| p.fits) {
+        return Some(p.clone());
     }
-    levers
+    // Offload moves the optimizer column to the host and adds to the rest: where the rest alone
+    // does not fit the device, it cannot help (most layouts of a search; planning them twice
+    // more would double its time).
+    let m = &fp32.memory_bytes;
+    let rest = (m.total - m.optimizer + fp32.headroom_bytes) as f64;
+    if r.optimizer.name != OptimizerName::AdamW || rest > hw.memory_gib * super::GIB {
+        return Some(fp32);
+    }
+    [StateDtype::Fp32, StateDtype::Bf16]
         .into_iter()
-        .filter_map(|(d, o)| planned(r, hw, with(d, o)))
+        .filter_map(|d| planned(r, hw, with(d, Offload::Cpu)))
         .find(|p| p.fits)
         .or(Some(fp32))
 }
