@@ -8,9 +8,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use candle_core::{DType, Result, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 use parallel::comm::local::run_local;
-use parallel::comm::Transfer;
+use parallel::comm::{Result, Transfer};
 use parallel::{Channel, Comm, Group, ReduceOp};
 use pretrain::train::rank::job_channels;
 use pretrain::train::{RankCtx, Trainer};

@@ -368,11 +368,13 @@ fn check_failure_propagates(panic: bool) {
                 .map(|_| ())
         };
         let e = res.unwrap_err();
-        // The failure is typed: found through candle's error by type, not by its text.
-        let typed = CommError::find(&e).is_some_and(CommError::is_peer_failure);
+        // The failure is typed, and stays typed inside the candle error model code returns.
+        let typed = e.is_peer_failure();
+        let e = candle_core::Error::from(e);
+        let found = CommError::find(&e).is_some_and(CommError::is_peer_failure);
         seen.lock()
             .unwrap()
-            .push((r, e.to_string(), start.elapsed(), typed));
+            .push((r, e.to_string(), start.elapsed(), typed && found));
         Err(e)
     })
     .unwrap_err();

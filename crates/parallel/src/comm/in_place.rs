@@ -23,7 +23,9 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use candle_core::{Result, Tensor};
+use candle_core::Tensor;
+
+use crate::comm::Result;
 
 use super::{Comm, CommError, Group, ReduceOp};
 
@@ -65,7 +67,7 @@ pub mod through_copies {
             return Ok(());
         }
         let sum = comm.all_reduce(group, t, op)?;
-        t.slice_set(&sum, 0, 0)
+        Ok(t.slice_set(&sum, 0, 0)?)
     }
 
     /// [`Comm::reduce_scatter_in_place`].
@@ -75,7 +77,7 @@ pub mod through_copies {
             let part = comm.reduce_scatter(group, t, 0)?;
             t.slice_set(&part, 0, me * chunk)?;
         }
-        t.narrow(0, me * chunk, chunk)
+        Ok(t.narrow(0, me * chunk, chunk)?)
     }
 
     /// [`Comm::all_gather_in_place`].
@@ -86,7 +88,7 @@ pub mod through_copies {
         }
         let own = t.narrow(0, me * chunk, chunk)?;
         let all = comm.all_gather(group, &own, 0)?;
-        t.slice_set(&all, 0, 0)
+        Ok(t.slice_set(&all, 0, 0)?)
     }
 }
 
@@ -106,7 +108,7 @@ pub fn chunk_of<C: Comm + ?Sized>(
         message,
     };
     let Some(index) = group.index_of(me) else {
-        return Err(invalid("this rank is not a member".into()).into());
+        return Err(invalid("this rank is not a member".into()));
     };
     let n = group.size();
     let rows = t.dims().first().copied().unwrap_or(0);
@@ -115,7 +117,7 @@ pub fn chunk_of<C: Comm + ?Sized>(
             "in place needs a contiguous tensor cut evenly along dim 0 into {n} chunks, not {:?}",
             t.shape()
         );
-        return Err(invalid(msg).into());
+        return Err(invalid(msg));
     }
     Ok((index, rows / n))
 }

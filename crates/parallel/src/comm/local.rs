@@ -28,14 +28,16 @@
 //!   one per all-to-all group and ring); the receiver's k-th receive there takes the k-th
 //!   message.
 //!
-//! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]; its
-//! message names the calling rank, the operation, the group and the failed or missing ranks).
+//! Calls fail with a [`CommError`] whose message names the calling rank, the operation, the
+//! group and the failed or missing ranks.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Error, Result, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
+
+use crate::comm::Result;
 
 use super::collective::{nccl_dtype, Kind};
 use super::{
@@ -212,12 +214,11 @@ impl LocalComm {
     /// Runs a collective that returns a tensor.
     fn tensor_op(&self, group: &Group, kind: Kind, t: &Tensor) -> Result<Tensor> {
         let timeout = self.world.timeout;
-        match self
-            .collective(group, kind, Some(t), timeout)
-            .map_err(Error::from)?
-        {
+        match self.collective(group, kind, Some(t), timeout)? {
             Some(t) => Ok(t),
-            None => Err(Error::msg(format!("{}: internal: no result", kind.name()))),
+            None => Err(self
+                .call(kind.name(), group.ranks())
+                .invalid("internal: no result".into())),
         }
     }
 
@@ -229,7 +230,7 @@ impl LocalComm {
         kind: Kind,
         t: Option<&Tensor>,
         timeout: Duration,
-    ) -> std::result::Result<Option<Tensor>, CommError> {
+    ) -> Result<Option<Tensor>> {
         let call = Call {
             timeout,
             ..self.call(kind.name(), group.ranks())
@@ -263,7 +264,7 @@ impl LocalComm {
     }
 
     /// Refuses a dtype NCCL cannot move.
-    fn check_dtype(&self, call: &Call<'_>, dtype: DType) -> std::result::Result<(), CommError> {
+    fn check_dtype(&self, call: &Call<'_>, dtype: DType) -> Result<()> {
         match nccl_dtype(dtype) {
             true => Ok(()),
             false => Err(call.invalid(format!("dtype {dtype:?} is not supported by NCCL"))),
@@ -271,7 +272,7 @@ impl LocalComm {
     }
 
     /// Checks a point-to-point call's peer: another rank of the job.
-    fn check_peer(&self, call: &Call<'_>, peer: usize) -> std::result::Result<(), CommError> {
+    fn check_peer(&self, call: &Call<'_>, peer: usize) -> Result<()> {
         let n = self.world.world_size;
         if peer >= n {
             return Err(call.invalid(format!("no rank {peer} in a job of {n} ranks")));
@@ -317,7 +318,7 @@ impl Comm for LocalComm {
 
     fn barrier_within(&self, group: &Group, timeout: Duration) -> Result<()> {
         let out = self.collective(group, Kind::Barrier, None, timeout);
-        out.map(|_| ()).map_err(Error::from)
+        out.map(|_| ())
     }
 
     fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
@@ -362,7 +363,7 @@ impl Comm for LocalComm {
         check_send_recv(self.rank, group, dst, src)?;
         self.check_dtype(&call, t.dtype())?;
         if let Some(e) = call.peer_failed() {
-            return Err(Error::from(e));
+            return Err(e);
         }
         let channel = Channel::Ring(group.clone());
         let _inside = self.world.rules.enter(&call, self.rank, &channel)?;
@@ -396,7 +397,7 @@ impl Comm for LocalComm {
         let mine = check_all_to_all(self.rank, group, t.dim(0)?, send, recv)?;
         self.check_dtype(&call, t.dtype())?;
         if let Some(e) = call.peer_failed() {
-            return Err(Error::from(e));
+            return Err(e);
         }
         let channel = Channel::AllToAll(group.clone());
         let _inside = match group.size() {

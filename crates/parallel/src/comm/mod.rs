@@ -19,7 +19,7 @@ mod transfer;
 use std::fmt;
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 
 pub use in_place::HandOff;
 pub use transfer::Transfer;
@@ -103,8 +103,11 @@ pub enum ReduceOp {
     Max,
 }
 
-/// Why a communication operation failed; converted into a candle error so it flows through
-/// model code with `?`.
+/// What every [`Comm`] call returns.
+pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// Why a communication operation failed. [`Comm`] returns it as is; model code, whose results
+/// are candle's, converts it once with `?` (see the `From` impl below).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CommError {
     /// Another rank failed (its error or panic); pending and later operations end with this.
@@ -133,6 +136,20 @@ pub enum CommError {
         group: Vec<usize>,
         message: String,
     },
+    /// A tensor operation of the call failed on this rank (a copy, an allocation, the device).
+    #[error("{0}")]
+    Tensor(Arc<candle_core::Error>),
+}
+
+/// A tensor operation's failure inside a communication call; a [`CommError`] carried inside the
+/// candle error (a callback's, a nested call's) comes back as itself.
+impl From<candle_core::Error> for CommError {
+    fn from(e: candle_core::Error) -> Self {
+        match CommError::find(&e) {
+            Some(c) => c.clone(),
+            None => CommError::Tensor(Arc::new(e)),
+        }
+    }
 }
 
 impl CommError {
@@ -171,15 +188,21 @@ impl CommError {
     }
 }
 
-/// A communication failure as a candle error, so that it flows through model code (and the
-/// backward of tensor-parallel ops) with `?`. Communication is I/O: the error travels as
-/// `candle_core::Error::Io` holding the typed [`CommError`], which [`CommError::find`] recovers.
+/// A communication failure as a candle error, for model code (whose results are candle's) to
+/// return with `?`: the one conversion at the boundary. A tensor operation's own failure is
+/// given back as it was; the others travel as `candle_core::Error::Io`, the one candle variant
+/// whose payload is a `std::error::Error` that can be downcast, so [`CommError::find`] recovers
+/// the typed error further up (a launcher telling a peer's failure from a rank's own).
 impl From<CommError> for candle_core::Error {
     fn from(e: CommError) -> Self {
         let kind = match e {
             CommError::PeerFailed { .. } => std::io::ErrorKind::ConnectionAborted,
             CommError::Timeout { .. } => std::io::ErrorKind::TimedOut,
             CommError::Invalid { .. } => std::io::ErrorKind::InvalidInput,
+            CommError::Tensor(inner) => {
+                return Arc::try_unwrap(inner)
+                    .unwrap_or_else(|shared| candle_core::Error::Msg(shared.to_string()))
+            }
         };
         candle_core::Error::Io(std::io::Error::new(kind, e))
     }
@@ -292,12 +315,7 @@ pub trait Comm: Send + Sync {
 }
 
 /// Checks a [`Comm::send_recv`] call by rank `me`: both peers are other members of `group`.
-pub(crate) fn check_send_recv(
-    me: usize,
-    group: &Group,
-    dst: usize,
-    src: usize,
-) -> std::result::Result<(), CommError> {
+pub(crate) fn check_send_recv(me: usize, group: &Group, dst: usize, src: usize) -> Result<()> {
     let invalid = |message: String| CommError::Invalid {
         me,
         op: "send_recv",
@@ -325,7 +343,7 @@ pub(crate) fn check_all_to_all(
     rows: usize,
     send: &[usize],
     recv: &[usize],
-) -> std::result::Result<usize, CommError> {
+) -> Result<usize> {
     let invalid = |message: String| CommError::Invalid {
         me,
         op: "all_to_all",
@@ -415,12 +433,12 @@ pub(crate) fn rows_exchange(
         }
     }
     if parts.is_empty() {
-        return t.narrow(0, 0, 0)?.contiguous();
+        return Ok(t.narrow(0, 0, 0)?.contiguous()?);
     }
     let device = t.device();
     let parts = parts
         .iter()
         .map(|p| p.to_device(device))
-        .collect::<Result<Vec<_>>>()?;
-    Tensor::cat(&parts, 0)
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&parts, 0)?)
 }

@@ -2,7 +2,9 @@
 //! and receive whose received tensor is taken only when the caller needs it, so that the transfer
 //! runs while the work queued before that point computes.
 
-use candle_core::{Result, Tensor};
+use candle_core::Tensor;
+
+use crate::comm::Result;
 
 type Wait = Box<dyn FnOnce() -> Result<Tensor> + Send>;
 

@@ -121,7 +121,7 @@ impl Ring {
         let (next, prev) = self.neighbours();
         let posted = self.comm.send_recv(&self.group, t, next, prev);
         add_ns(&self.stats.send_ns, t0);
-        posted
+        Ok(posted?)
     }
 
     /// The tensor a hop brought (waiting for it on the host, or ordering the device after it).
@@ -129,7 +129,7 @@ impl Ring {
         let t0 = Instant::now();
         let t = hop.wait();
         add_ns(&self.stats.wait_ns, t0);
-        t
+        Ok(t?)
     }
 
     /// Source cp index of the block held at step `i`.

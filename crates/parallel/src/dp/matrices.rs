@@ -407,7 +407,7 @@ impl WholeMatrices {
             .reshape((mat.shape[0], mat.shape[1]))?; // [rows, cols]
         let tp = &self.groups.tp;
         match mat.tp_dim {
-            Some(d) if tp.size() > 1 => self.comm.all_gather(tp, &block, d), // the whole matrix
+            Some(d) if tp.size() > 1 => Ok(self.comm.all_gather(tp, &block, d)?), // the whole matrix
             _ if copy => block.force_contiguous(),
             _ => Ok(block),
         }

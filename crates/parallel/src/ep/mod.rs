@@ -116,7 +116,7 @@ impl ExpertParallel {
         };
         let index = Tensor::from_vec(received_order(grouped), grouped.len(), dx_local.device())?;
         let g = dx_local.index_select(&index, 0)?; // [m, h], (source, expert) order
-        comm.all_to_all(&self.group, &g, &d.recv, &d.send)
+        Ok(comm.all_to_all(&self.group, &g, &d.recv, &d.send)?)
     }
 
     /// Sends the rows of `x` (`[n·k, h]`, grouped by global expert, `counts[e]` rows for expert
@@ -208,7 +208,7 @@ impl ExpertParallel {
         };
         let index = Tensor::from_vec(received_order(grouped), grouped.len(), y.device())?;
         let y = y.index_select(&index, 0)?; // [m, h], (source, expert) order
-        comm.all_to_all(&self.group, &y, &d.recv, &d.send)
+        Ok(comm.all_to_all(&self.group, &y, &d.recv, &d.send)?)
     }
 }
 

@@ -173,7 +173,7 @@ impl TensorParallel {
                 let rows = g.comm.reduce_scatter(&g.group, &token_rows(dy)?, 0)?; // [b·s/tp, h]
                 rows.reshape((b, s / tp, h))
             }
-            (_, false) => g.comm.all_reduce(&g.group, dy, ReduceOp::Sum),
+            (_, false) => Ok(g.comm.all_reduce(&g.group, dy, ReduceOp::Sum)?),
         }
     }
 

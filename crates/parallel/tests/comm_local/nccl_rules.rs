@@ -150,7 +150,7 @@ fn a_barrier_waits_its_own_time() {
         if r == 1 {
             std::thread::sleep(Duration::from_millis(600));
         }
-        c.barrier_within(&g, Duration::from_secs(10))
+        Ok(c.barrier_within(&g, Duration::from_secs(10))?)
     });
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     let out = with_world(2, T, |r, c| match r {

@@ -20,7 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use candle_core::{DType, Result, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
+
+use crate::comm::Result;
 
 pub use diagnose::{diagnose, read_dir, Diagnosis};
 pub use slots::{parse, OpRecord, RankRecord, SLOTS};
@@ -179,11 +181,11 @@ impl Recorded {
     ) -> Result<T> {
         let s = self.recorder.start(op, key, bytes);
         let out = f();
-        let failure = out.as_ref().err().map(|e| match CommError::find(e) {
-            Some(CommError::Timeout { .. }) => "timeout",
-            Some(CommError::PeerFailed { .. }) => "peer",
-            Some(CommError::Invalid { .. }) => "invalid",
-            None => "error",
+        let failure = out.as_ref().err().map(|e| match e {
+            CommError::Timeout { .. } => "timeout",
+            CommError::PeerFailed { .. } => "peer",
+            CommError::Invalid { .. } => "invalid",
+            CommError::Tensor(_) => "error",
         });
         self.recorder.end(s, failure);
         out

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use candle_core::{DType, Error, Result, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
+
+use crate::comm::Result;
 
 use super::{lock, wait_until, Call, LocalWorld};
 use crate::comm::collective::fresh;
@@ -74,14 +76,14 @@ impl LocalWorld {
                 let msg = format!(
                     "expected {shape:?} {dtype:?} from rank {src}, got {got:?} {got_dtype:?}"
                 );
-                return Err(Error::from(call.invalid(msg)));
+                return Err(call.invalid(msg));
             }
             if let Some(e) = call.peer_failed() {
-                return Err(Error::from(e));
+                return Err(e);
             }
             lanes = match wait_until(&mailbox.cv, lanes, deadline) {
                 Some(guard) => guard,
-                None => return Err(Error::from(call.timeout(vec![src]))),
+                None => return Err(call.timeout(vec![src])),
             };
         }
     }

@@ -10,7 +10,7 @@ use candle_core::{DType, DeviceLocation, Shape, Tensor};
 
 use super::{lock, wait_until, Call};
 use crate::comm::collective::{compute, Kind};
-use crate::comm::{CommError, Group};
+use crate::comm::{Group, Result};
 
 /// What one member brings to a collective; all members' signatures must be equal.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,7 +111,7 @@ impl GroupState {
         kind: Kind,
         t: Option<&Tensor>,
         deadline: Instant,
-    ) -> std::result::Result<Option<Tensor>, CommError> {
+    ) -> Result<Option<Tensor>> {
         let n = group.size();
         let sig = Signature {
             kind,

@@ -2,7 +2,9 @@
 //! place too), point-to-point transfer and barrier, hand-off marks, communicator preparation,
 //! and abort.
 
-use candle_core::{DType, Device, Error, Result, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::comm::Result;
 
 use super::layout::CommKey;
 use super::NcclComm;
@@ -28,7 +30,7 @@ fn staged(
     let out = f(&t.to_device(&gpu)?)?.to_device(t.device())?;
     if let Some((failed, reason)) = comm.shared.failure() {
         let call = comm.call(op, group.ranks().to_vec(), vec![]);
-        return Err(Error::from(call.peer_failed(failed, reason)));
+        return Err(call.peer_failed(failed, reason));
     }
     Ok(out)
 }
@@ -173,7 +175,7 @@ impl Comm for NcclComm {
             let others = members.iter().copied().filter(|&r| r != me).collect();
             let call = self.call("prepare", members, others);
             self.start(&call)?;
-            let comm = self.shared.comm(&call, &key).map_err(Error::from)?;
+            let comm = self.shared.comm(&call, &key)?;
             if let CommKey::P2p { src, .. } = key {
                 self.connect(&call, &comm, src == me)?;
             }

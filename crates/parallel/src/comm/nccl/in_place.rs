@@ -7,7 +7,9 @@
 
 use candle_core::cuda::cudarc::driver::CudaEvent;
 use candle_core::cuda::cudarc::nccl::{result as nc, sys};
-use candle_core::{Error, Result, Tensor};
+use candle_core::Tensor;
+
+use crate::comm::Result;
 
 use super::layout::CommKey;
 use super::raw::{cuda_err, device_addr, Buffers, Launch};
@@ -60,7 +62,7 @@ impl NcclComm {
         let call = self.begin("reduce_scatter", group)?;
         let (me, chunk) = chunk_of(self, "reduce_scatter", group, t)?;
         if copy_single && group.size() == 1 {
-            return t.narrow(0, 0, chunk);
+            return Ok(t.narrow(0, 0, chunk)?);
         }
         let count = t.elem_count() / group.size();
         let at = me * count * t.dtype().size_in_bytes();
@@ -71,7 +73,7 @@ impl NcclComm {
             let sum = sys::ncclRedOp_t::ncclSum;
             nc::reduce_scatter(l.send, l.recv, count, l.dtype, sum, l.comm, l.stream)
         })?;
-        t.narrow(0, me * chunk, chunk)
+        Ok(t.narrow(0, me * chunk, chunk)?)
     }
 
     /// [`Comm::all_gather_in_place`](crate::comm::Comm::all_gather_in_place) of a CUDA tensor
@@ -115,7 +117,7 @@ impl NcclComm {
         let sh = &self.shared;
         let dtype = self.check_tensor(call, t)?;
         let key = CommKey::Group(group.clone());
-        let comm = sh.comm(call, &key).map_err(Error::from)?;
+        let comm = sh.comm(call, &key)?;
         let base = device_addr(t, &sh.stream)? as usize;
         let buffers = Buffers {
             send: (base + send) as *const _,
@@ -139,5 +141,5 @@ fn contiguous(call: &Call, t: &Tensor) -> Result<()> {
         return Ok(());
     }
     let msg = format!("in place needs a contiguous tensor, not {:?}", t.layout());
-    Err(Error::from(call.invalid(msg)))
+    Err(call.invalid(msg))
 }

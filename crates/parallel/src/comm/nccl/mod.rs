@@ -89,7 +89,8 @@
 //!   that a `recv` matches its `send`: a mismatch is undefined (typically a timeout). Sending to
 //!   oneself is not supported. Single-member groups never touch NCCL (results are copies).
 //!
-//! Errors reach callers as candle errors holding the [`CommError`] (see [`CommError::find`]).
+//! Calls fail with a [`CommError`]; a CUDA or NCCL failure inside a call is its `Invalid` or
+//! `Tensor` variant.
 
 mod api;
 mod in_place;
@@ -106,7 +107,9 @@ use std::time::{Duration, Instant};
 use candle_core::cuda::cudarc::driver::CudaEvent;
 use candle_core::cuda::cudarc::nccl::{result as nc, sys};
 use candle_core::cuda::CudaDevice;
-use candle_core::{DType, Device, Error, Result, Shape, Tensor};
+use candle_core::{DType, Device, Error, Shape, Tensor};
+
+use crate::comm::Result;
 
 use super::{CommError, Group};
 use crate::store::Store;
@@ -123,7 +126,7 @@ pub struct NcclComm {
 /// A copy of `t`'s values in fresh storage of their size, detached from the autograd graph
 /// (candle's `copy` would clone the whole storage a view lies in).
 fn fresh(t: &Tensor) -> Result<Tensor> {
-    t.detach().force_contiguous()
+    Ok(t.detach().force_contiguous()?)
 }
 
 impl NcclComm {
@@ -143,7 +146,7 @@ impl NcclComm {
         mut store: Store,
         device: CudaDevice,
         timeout: Duration,
-    ) -> Result<Self> {
+    ) -> candle_core::Result<Self> {
         if rank >= world_size {
             return Err(Error::msg(format!(
                 "nccl backend: no rank {rank} in a job of {world_size}"
@@ -204,7 +207,7 @@ impl NcclComm {
                 .map_or(true, |s| s.is_empty())
                 .then_some(()))
         });
-        out.map_err(Error::from)
+        out
     }
 
     fn call(&self, op: &'static str, group: Vec<usize>, missing: Vec<usize>) -> Call {
@@ -224,13 +227,11 @@ impl NcclComm {
         let call = self.call(op, group.ranks().to_vec(), missing);
         if group.index_of(me).is_none() {
             let msg = format!("rank {me} is not a member of the group");
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         }
         let n = self.shared.world_size;
         if let Some(&r) = group.ranks().last().filter(|&&r| r >= n) {
-            return Err(Error::from(
-                call.invalid(format!("no rank {r} in a job of {n} ranks")),
-            ));
+            return Err(call.invalid(format!("no rank {r} in a job of {n} ranks")));
         }
         self.start(&call)?;
         Ok(call)
@@ -239,7 +240,7 @@ impl NcclComm {
     /// Fails `call` if the job has failed or a pending operation went wrong; marks activity.
     fn start(&self, call: &Call) -> Result<()> {
         let sh = &self.shared;
-        sh.resume(call).map_err(Error::from)?;
+        sh.resume(call)?;
         if let Some(f) = sh.reap_pending(false) {
             sh.fail(sh.rank, f.reason.clone());
             let e = if f.timed_out {
@@ -253,7 +254,7 @@ impl NcclComm {
             } else {
                 call.peer_failed(sh.rank, f.reason)
             };
-            return Err(Error::from(e));
+            return Err(e);
         }
         Ok(())
     }
@@ -263,11 +264,10 @@ impl NcclComm {
         let ours = Device::Cuda(self.shared.device.clone());
         if !t.device().same_device(&ours) {
             let msg = format!("tensor on {:?}, expected this rank's {ours:?}", t.device());
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         }
-        nccl_dtype(t.dtype()).ok_or_else(|| {
-            Error::from(call.invalid(format!("dtype {:?} is not supported by NCCL", t.dtype())))
-        })
+        nccl_dtype(t.dtype())
+            .ok_or_else(|| call.invalid(format!("dtype {:?} is not supported by NCCL", t.dtype())))
     }
 
     /// Enqueues `launch` on `comm`, turning NCCL's refusal into the call's error. Any refusal
@@ -310,24 +310,26 @@ impl NcclComm {
                 call.peer_failed(failed, reason)
             }
         };
-        Err(Error::from(e))
+        Err(e)
     }
 
     /// A mark of all work enqueued so far on the device's stream (an event recorded there).
     fn device_mark(&self) -> Result<CudaEvent> {
-        self.shared
+        Ok(self
+            .shared
             .stream
             .record_event(None)
-            .map_err(|e| cuda_err("event", e))
+            .map_err(|e| cuda_err("event", e))?)
     }
 
     /// Orders `comm`'s stream after all work enqueued so far on the device's stream (the
     /// operation's inputs and output buffer are made there).
     fn follow_device(&self, comm: &RawComm) -> Result<()> {
         let ready = self.device_mark()?;
-        comm.stream()
+        Ok(comm
+            .stream()
             .wait(&ready)
-            .map_err(|e| cuda_err("stream wait", e))
+            .map_err(|e| cuda_err("stream wait", e))?)
     }
 
     /// Runs one operation on `key`'s communicator stream, after the device stream's work:
@@ -351,7 +353,7 @@ impl NcclComm {
         let nccl_type = nccl_dtype(dtype).ok_or_else(|| {
             Error::from(call.invalid(format!("dtype {dtype:?} is not supported by NCCL")))
         })?;
-        let comm = sh.comm(call, &key).map_err(Error::from)?;
+        let comm = sh.comm(call, &key)?;
         let stream = &sh.stream;
         let input = input.map(Tensor::contiguous).transpose()?;
         let out = alloc(&sh.device, shape, dtype)?;
@@ -412,13 +414,13 @@ impl NcclComm {
         if let Some(timeout) = wait {
             if let Err(e) = sh.wait_event(call, &done, comm, timeout) {
                 keep_forever(touched);
-                return Err(Error::from(e));
+                return Err(e);
             }
             return Ok(());
         }
         if let Err(e) = sh.stream.wait(&done) {
             keep_forever(touched);
-            return Err(cuda_err("stream wait", e));
+            return Err(cuda_err("stream wait", e).into());
         }
         let pending = PendingOp {
             done,

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::cuda::cudarc::nccl::{result as nc, sys};
-use candle_core::{DType, Device, Error, Result, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::comm::Result;
 
 use super::layout::CommKey;
 use super::raw::{alloc, cuda_err, device_addr, RawComm};
@@ -52,7 +54,7 @@ impl NcclComm {
                 Ok(w)
             })?
             .wait()?;
-        z.reshape(y.shape())
+        Ok(z.reshape(y.shape())?)
     }
 
     pub(super) fn all_reduce_in(
@@ -96,7 +98,7 @@ impl NcclComm {
         let call = self.begin("all_gather", group)?;
         if dim >= t.rank() {
             let msg = format!("dim {dim} out of range for shape {:?}", t.shape());
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         }
         if copy_single && group.size() == 1 {
             return fresh(t);
@@ -116,7 +118,7 @@ impl NcclComm {
                 nc::all_gather(l.send, l.recv, count, l.dtype, l.comm, l.stream)
             },
         )?;
-        gathered(&flat, t.dims(), n, dim)
+        Ok(gathered(&flat, t.dims(), n, dim)?)
     }
 
     pub(super) fn reduce_scatter_in(
@@ -130,7 +132,7 @@ impl NcclComm {
         let n = group.size();
         if dim >= t.rank() || !t.dims()[dim].is_multiple_of(n) {
             let msg = format!("cannot cut {:?} along dim {dim} into {n} chunks", t.shape());
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         }
         if copy_single && n == 1 {
             return fresh(t);
@@ -166,7 +168,7 @@ impl NcclComm {
         let call = self.begin("broadcast", group)?;
         let Some(root_index) = group.index_of(root) else {
             let msg = format!("root {root} is not a member of the group");
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         };
         if copy_single && group.size() == 1 {
             return fresh(t);
@@ -237,7 +239,7 @@ impl NcclComm {
     ) -> Result<Tensor> {
         let call = self.begin("all_to_all", group)?;
         let rows = t.dim(0)?;
-        check_all_to_all(self.shared.rank, group, rows, send, recv).map_err(Error::from)?;
+        check_all_to_all(self.shared.rank, group, rows, send, recv)?;
         let received: usize = recv.iter().sum();
         if group.size() == 1 {
             return all_to_all_p2p(self, group, t, send, recv);
@@ -295,7 +297,7 @@ impl NcclComm {
                 r.and(end)
             },
         )?;
-        out.narrow(0, 0, received)
+        Ok(out.narrow(0, 0, received)?)
     }
 
     /// [`Comm::send`](crate::comm::Comm::send).
@@ -304,12 +306,12 @@ impl NcclComm {
         let call = self.call("send", vec![sh.rank, dst], vec![dst]);
         if dst >= sh.world_size || dst == sh.rank {
             let msg = format!("cannot send to rank {dst} (job of {} ranks)", sh.world_size);
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         }
         self.start(&call)?;
         let nccl_type = self.check_tensor(&call, t)?;
         let key = CommKey::P2p { src: sh.rank, dst };
-        let comm = sh.comm(&call, &key).map_err(Error::from)?;
+        let comm = sh.comm(&call, &key)?;
         // A copy (on the device's stream), so that later in-place updates of `t` are not seen by
         // `dst`; the send runs on the direction communicator's stream, after the copy.
         let data = fresh(t)?;
@@ -352,7 +354,7 @@ impl NcclComm {
                 "cannot receive from rank {src} (job of {} ranks)",
                 sh.world_size
             );
-            return Err(Error::from(call.invalid(msg)));
+            return Err(call.invalid(msg));
         }
         self.start(&call)?;
         let key = CommKey::P2p { src, dst: sh.rank };
@@ -389,12 +391,12 @@ impl NcclComm {
     ) -> Result<Transfer> {
         let sh = &self.shared;
         let call = self.begin("send_recv", group)?;
-        check_send_recv(sh.rank, group, dst, src).map_err(Error::from)?;
+        check_send_recv(sh.rank, group, dst, src)?;
         let nccl_type = self.check_tensor(&call, t)?;
         let member = |r: usize| group.index_of(r).map_or(0, |i| i as i32);
         let (to, from) = (member(dst), member(src));
         let key = CommKey::Ring(group.clone());
-        let comm = sh.comm(&call, &key).map_err(Error::from)?;
+        let comm = sh.comm(&call, &key)?;
         let data = t.contiguous()?;
         let out = alloc(&sh.device, t.shape().clone(), t.dtype())?;
         let send = device_addr(&data, &sh.stream)? as *const std::ffi::c_void;
@@ -437,7 +439,7 @@ impl NcclComm {
         let shared = sh.clone();
         Ok(Transfer::new(move || {
             if let Some((failed, reason)) = shared.failure() {
-                return Err(Error::from(call.peer_failed(failed, reason)));
+                return Err(call.peer_failed(failed, reason));
             }
             let ctx = shared.stream.context();
             ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
@@ -473,9 +475,7 @@ impl NcclComm {
         let done = comm_stream
             .record_event(None)
             .map_err(|e| cuda_err("event", e))?;
-        sh.wait_event(call, &done, comm, sh.timeout).map_err(|e| {
-            keep_forever(&[&byte]);
-            Error::from(e)
-        })
+        sh.wait_event(call, &done, comm, sh.timeout)
+            .inspect_err(|_| keep_forever(&[&byte]))
     }
 }

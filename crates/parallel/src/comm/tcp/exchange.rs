@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{Error, Result, Tensor};
+use candle_core::Tensor;
+
+use crate::comm::Result;
 
 use super::wire::{decode, encode, signature, FrameKind};
 use super::{code, group_id, lock, Key, TcpComm};
@@ -170,6 +172,6 @@ impl TcpComm {
 
     pub(super) fn tensor_op(&self, group: &Group, kind: Kind, t: &Tensor) -> Result<Tensor> {
         self.collective(group, kind, Some(t))?
-            .ok_or_else(|| Error::msg(format!("{}: internal: no result", kind.name())))
+            .ok_or_else(|| self.invalid(kind.name(), group.ranks(), "internal: no result".into()))
     }
 }

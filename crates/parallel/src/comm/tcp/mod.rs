@@ -31,7 +31,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Error, Result, Shape, Tensor};
+use candle_core::{DType, Error, Shape, Tensor};
+
+use crate::comm::Result;
 
 use super::collective::Kind;
 use super::{check_send_recv, Comm, CommError, Group, ReduceOp, Transfer};
@@ -113,7 +115,7 @@ impl TcpComm {
         store: &mut Store,
         token: &str,
         timeout: Duration,
-    ) -> Result<Arc<Self>> {
+    ) -> candle_core::Result<Arc<Self>> {
         let fail = |m: String| Error::msg(format!("rank {rank}: tcp backend: {m}"));
         let host = store.local_addr().map_err(|e| fail(e.to_string()))?.ip();
         let listener = TcpListener::bind(SocketAddr::new(host, 0))
@@ -186,11 +188,11 @@ impl TcpComm {
         op: &'static str,
         group: &[usize],
         e: impl Fn(usize, &'static str, Vec<usize>) -> CommError,
-    ) -> Error {
-        Error::from(e(self.rank, op, group.to_vec()))
+    ) -> CommError {
+        e(self.rank, op, group.to_vec())
     }
 
-    fn invalid(&self, op: &'static str, group: &[usize], message: String) -> Error {
+    fn invalid(&self, op: &'static str, group: &[usize], message: String) -> CommError {
         self.err(op, group, |me, op, group| CommError::Invalid {
             me,
             op,
@@ -340,7 +342,7 @@ impl Comm for TcpComm {
         let payload = &got[0].1;
         match signature(payload) {
             Some((d, s, _)) if d == dtype && &s == shape => {
-                decode(payload, &candle_core::Device::Cpu)
+                Ok(decode(payload, &candle_core::Device::Cpu)?)
             }
             other => Err(self.invalid(
                 "recv",
