@@ -144,7 +144,7 @@ fn finished(x: &Tensor, tall: bool) -> Result<Tensor> {
 
 /// The exchange assembling the hidden matrices (`hidden[i]`) of `params`, laid out by `layout`
 /// at `place` (sharded or not, and where) over `groups`; `expert[i]` for a routed expert's
-/// matrix sharded over the expert shard group. Owners are balanced by [`MuonConfig::ns_cost`].
+/// matrix sharded over the expert gradient group. Owners are balanced by [`MuonConfig::ns_cost`].
 pub fn exchange(
     comm: Arc<dyn Comm>,
     layout: &FlatLayout,

@@ -187,7 +187,7 @@ impl Optimizer {
         let one = Group::new(vec![0]);
         let groups = MatrixGroups {
             shard: one.clone(),
-            expert_shard: one.clone(),
+            expert_grad: one.clone(),
             tp: one,
         };
         let no_experts = vec![false; hidden.len()];

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use model::moe::LayerStats;
-use parallel::dp::{global_sum_squares, norm_runs, GatherStats, NormGroups};
+use parallel::dp::{global_sum_squares, norm_runs, GatherStats};
 use parallel::tp::Shard;
 
 use super::guard::{LocalNumbers, Verdict};
@@ -445,14 +445,8 @@ impl Trainer {
             }
         }
         let g = &ctx.groups;
-        let groups = NormGroups {
-            tp: &g.tp,
-            pp: &g.pp,
-            ep: &g.ep,
-            shard: &g.shard,
-        };
         let zero = self.recipe.parallel.zero;
-        let sq = global_sum_squares(ctx.comm.as_ref(), groups, zero, local)?;
+        let sq = global_sum_squares(ctx.comm.as_ref(), g, zero, local)?;
         Ok((sq.sqrt(), local[0] + local[1]))
     }
 }

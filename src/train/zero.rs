@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor};
 use model::placement::state_layout;
 use model::{Llama, ParamKind, Piece};
 use parallel::dp::{
-    moved, publish_bucket, publish_shards, DataParallel, DpGroups, FlatLayout, Gatherer,
-    MatrixGroups, Partial, Pass, ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
+    moved, publish_bucket, publish_shards, DataParallel, FlatLayout, Gatherer, MatrixGroups,
+    Partial, Pass, ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
@@ -181,19 +181,10 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
             over_pipeline_ends: tied_pipeline && p.kind == ParamKind::Embedding,
         })
         .collect();
-    let groups = DpGroups {
-        dp: ctx.groups.grad.clone(),
-        shard: ctx.groups.shard.clone(),
-        expert: ctx.groups.expert_grad.clone(),
-        replicate: ctx.groups.replicate.clone(),
-        tp: ctx.groups.tp.clone(),
-        pipeline_ends: ctx.groups.pipeline_ends.clone(),
-        pp: ctx.groups.pp.clone(),
-    };
     let dp = DataParallel::new(
         ctx.comm.clone(),
         layout.clone(),
-        groups,
+        ctx.groups.clone(),
         zero,
         partial,
         grads.flat().clone(),
@@ -225,7 +216,7 @@ fn whole_matrices(
     let par = &recipe.parallel;
     let inventory = model.inventory();
     let hidden = inventory.hidden_matrices();
-    // Routed experts' matrices are sharded over the expert shard group when split off.
+    // Routed experts' matrices are sharded over the expert gradient group when split off.
     let expert: Vec<bool> = (inventory.expert_flags().into_iter())
         .map(|e| e && par.ep > 1)
         .collect();
@@ -244,7 +235,7 @@ fn whole_matrices(
     };
     let groups = MatrixGroups {
         shard,
-        expert_shard: eg.clone(),
+        expert_grad: eg.clone(),
         tp: ctx.groups.tp.clone(),
     };
     crate::optim::muon::exchange(

@@ -368,13 +368,11 @@ fn check_failure_propagates(panic: bool) {
                 .map(|_| ())
         };
         let e = res.unwrap_err();
-        // The failure is typed, and stays typed inside the candle error model code returns.
-        let typed = e.is_peer_failure();
-        let e = candle_core::Error::from(e);
-        let found = CommError::find(&e).is_some_and(CommError::is_peer_failure);
-        seen.lock()
-            .unwrap()
-            .push((r, e.to_string(), start.elapsed(), typed && found));
+        // Typed, and still typed inside the candle error model code returns.
+        let (typed, e) = (e.is_peer_failure(), candle_core::Error::from(e));
+        let typed = typed && CommError::find(&e).is_some_and(CommError::is_peer_failure);
+        let mut seen = seen.lock().unwrap();
+        seen.push((r, e.to_string(), start.elapsed(), typed));
         Err(e)
     })
     .unwrap_err();

@@ -5,7 +5,7 @@
 //!
 //! A matrix is cut twice: by tensor parallelism into blocks along one dimension (its layout
 //! is the same flat layout on every tensor-parallel rank), and by ZeRO into flat shards of
-//! each bucket over the shard group (routed experts' buckets: the expert shard group). Each
+//! each bucket over the shard group (routed experts' buckets: the expert gradient group). Each
 //! matrix has one owner in its shard group, chosen so the owners' work is balanced
 //! ([`assign_owners`], longest job first by the cost of `f`). In three phases:
 //!
@@ -48,7 +48,7 @@ pub struct Matrix {
     pub shape: [usize; 2],
     /// The dimension tensor-parallel ranks cut it along.
     pub tp_dim: Option<usize>,
-    /// A routed expert's (sharded over the expert shard group).
+    /// A routed expert's (sharded over the expert gradient group).
     pub expert: bool,
 }
 
@@ -80,10 +80,11 @@ pub enum Spread {
 /// The groups the matrices are spread over.
 #[derive(Debug, Clone)]
 pub struct MatrixGroups {
-    /// Shard group of the dense buckets.
+    /// The group the dense buckets' matrices are spread over: the ZeRO shard group when the
+    /// state is sharded, else the gradient group.
     pub shard: Group,
-    /// Shard group of the routed experts' buckets.
-    pub expert_shard: Group,
+    /// The expert gradient group, over which the routed experts' buckets are spread.
+    pub expert_grad: Group,
     /// Tensor-parallel group.
     pub tp: Group,
 }
@@ -390,7 +391,7 @@ impl WholeMatrices {
     /// The group bucket `b` is sharded (or its work spread) over.
     fn group(&self, b: usize) -> &Group {
         if self.layout.buckets[b].expert {
-            &self.groups.expert_shard
+            &self.groups.expert_grad
         } else {
             &self.groups.shard
         }

@@ -14,6 +14,7 @@ use candle_core::{Device, Result, Tensor};
 
 use super::{intersect, FlatLayout, ZeroStage};
 use crate::comm::{Comm, Group, ReduceOp};
+use crate::mesh::RankGroups;
 
 /// The flat runs to sum squares over: `[others, experts]`, each a list of maximal contiguous
 /// ranges within `owned` of the parameters whose copy `counts` (with `split_experts`, routed
@@ -41,23 +42,12 @@ pub fn norm_runs(
     runs
 }
 
-/// The groups the norm's sums run over.
-pub struct NormGroups<'a> {
-    /// Tensor-parallel group.
-    pub tp: &'a Group,
-    /// Pipeline group.
-    pub pp: &'a Group,
-    /// Expert-parallel group.
-    pub ep: &'a Group,
-    /// ZeRO shard group.
-    pub shard: &'a Group,
-}
-
 /// The job's sum of squares from this rank's `[others, experts]` sums over [`norm_runs`] at
-/// ZeRO stage `zero` (every rank calls it alike).
+/// ZeRO stage `zero` (every rank calls it alike; the sums run over `g`'s expert-parallel,
+/// tensor-parallel, pipeline and shard groups).
 pub fn global_sum_squares(
     comm: &dyn Comm,
-    g: NormGroups,
+    g: &RankGroups,
     zero: ZeroStage,
     [others, experts]: [f64; 2],
 ) -> Result<f64> {
@@ -75,15 +65,15 @@ pub fn global_sum_squares(
         sq += experts;
     } else {
         // Without sharding each expert-parallel rank holds its own experts whole.
-        sq += sum(g.ep, experts)?;
+        sq += sum(&g.ep, experts)?;
     }
-    sq = sum(g.tp, sq)?;
-    sq = sum(g.pp, sq)?;
+    sq = sum(&g.tp, sq)?;
+    sq = sum(&g.pp, sq)?;
     if zero.shards_optimizer() {
         // Shards of one shard group; replica groups hold the same shards. Expert shards are cut
         // over the expert gradient group, whose members, with the other expert-parallel indices,
         // make up the gradient group: each element is still counted once.
-        sq = sum(g.shard, sq)?;
+        sq = sum(&g.shard, sq)?;
     }
     Ok(sq)
 }

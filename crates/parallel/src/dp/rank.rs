@@ -40,6 +40,7 @@ use super::staging::{StagedJobs, STAGED_IN_FLIGHT};
 use super::{BucketSpan, FlatLayout, GradSync, Reduction};
 use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, HandOff, ReduceOp};
+use crate::mesh::RankGroups;
 
 /// Which other ranks hold partial sums of a parameter's gradient (besides data-parallel replicas).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -50,33 +51,11 @@ pub struct Partial {
     pub over_pipeline_ends: bool,
 }
 
-/// The groups a rank's gradients are summed over.
-#[derive(Debug, Clone)]
-pub struct DpGroups {
-    /// The data-parallel group.
-    pub dp: Group,
-    /// The ZeRO shard group (the whole data-parallel group unless sharding is hybrid).
-    pub shard: Group,
-    /// The expert gradient group: the data-parallel ranks holding this rank's experts, over
-    /// which expert buckets are reduced and sharded (the data-parallel group without expert
-    /// parallelism; hybrid sharding takes no expert buckets).
-    pub expert: Group,
-    /// The ranks holding the same shard in the other shard groups (hybrid sharding).
-    pub replicate: Group,
-    /// The tensor-parallel group.
-    pub tp: Group,
-    /// The first and last stage of the rank's pipeline.
-    pub pipeline_ends: Group,
-    /// The rank's pipeline: with one stage, the staged reductions in flight are bounded
-    /// (`staging.rs`).
-    pub pp: Group,
-}
-
 /// One rank's data parallelism (see the module docs).
 pub struct DataParallel {
     comm: Arc<dyn Comm>,
     layout: FlatLayout,
-    groups: DpGroups,
+    groups: RankGroups,
     zero: ZeroStage,
     partial: Vec<Partial>,
     /// This rank's gradients: the whole flat buffer (stages 0, 1) or its shards (stages 2, 3).
@@ -100,7 +79,8 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    /// The data parallelism of a rank at ZeRO stage `zero` whose gradients are `grads` (shared
+    /// The data parallelism of a rank with `groups` at ZeRO stage `zero` whose gradients are
+    /// `grads` (shared
     /// with the caller: `[layout.total]` f32 at stages 0 and 1, `[n_owned]` f32 at 2 and 3), owning
     /// the flat ranges `owned`, where parameter `i`'s other partial sums are `partial[i]`. At stage
     /// 3 `param_shards` are the rank's initial shards of the parameters (`[n_owned]`, the owned
@@ -109,7 +89,7 @@ impl DataParallel {
     pub fn new(
         comm: Arc<dyn Comm>,
         layout: FlatLayout,
-        groups: DpGroups,
+        groups: RankGroups,
         zero: ZeroStage,
         partial: Vec<Partial>,
         grads: Tensor,
@@ -138,17 +118,17 @@ impl DataParallel {
             at += r.len();
         }
         let (sync, thread) = match zero {
-            ZeroStage::Off | ZeroStage::Optimizer if groups.dp.size() > 1 => {
+            ZeroStage::Off | ZeroStage::Optimizer if groups.grad.size() > 1 => {
                 let reduction = if zero == ZeroStage::Off {
                     Reduction::AllReduce {
-                        dp: groups.dp.clone(),
-                        expert: groups.expert.clone(),
+                        grad: groups.grad.clone(),
+                        expert_grad: groups.expert_grad.clone(),
                     }
                 } else {
                     Reduction::Shard {
                         shard: groups.shard.clone(),
                         replicate: groups.replicate.clone(),
-                        expert: groups.expert.clone(),
+                        expert_grad: groups.expert_grad.clone(),
                     }
                 };
                 let s = GradSync::new(layout.clone(), grads.clone(), comm.clone(), reduction)?;
@@ -375,7 +355,7 @@ impl DataParallel {
     /// expert gradient group.
     fn shard_group(&self, b: usize) -> &Group {
         if self.layout.buckets[b].expert {
-            &self.groups.expert
+            &self.groups.expert_grad
         } else {
             &self.groups.shard
         }

@@ -24,15 +24,15 @@ use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, ReduceOp};
 
 /// How a complete bucket is reduced across data-parallel ranks. Expert buckets (see
-/// [`FlatLayout::grouped`]) use `expert` in place of `dp` or `shard`.
+/// [`FlatLayout::grouped`]) use `expert_grad` in place of `grad` or `shard`.
 #[derive(Debug, Clone)]
 pub enum Reduction {
-    /// All-reduce over the data-parallel group: every rank gets the whole sum.
+    /// All-reduce over the gradient group: every rank gets the whole sum.
     AllReduce {
-        /// The data-parallel group.
-        dp: Group,
+        /// The gradient group.
+        grad: Group,
         /// The expert gradient group.
-        expert: Group,
+        expert_grad: Group,
     },
     /// Reduce-scatter over the shard group, so each rank keeps the sum of its shard of the
     /// bucket; then, with hybrid sharding, an all-reduce of that shard over the replica group.
@@ -41,8 +41,9 @@ pub enum Reduction {
         shard: Group,
         /// The ranks holding the same shard in other shard groups.
         replicate: Group,
-        /// The ranks sharing the experts' state (expert buckets are not replicated).
-        expert: Group,
+        /// The expert gradient group, which shares the experts' state (expert buckets are not
+        /// replicated).
+        expert_grad: Group,
     },
 }
 
@@ -79,8 +80,11 @@ impl GradSync {
         reduction: Reduction,
     ) -> Result<Self> {
         // A bucket's reduce-scatter leaves this rank's member index's chunk in place: its shard.
-        if let Reduction::Shard { shard, expert, .. } = &reduction {
-            if let Some(g) = [shard, expert]
+        if let Reduction::Shard {
+            shard, expert_grad, ..
+        } = &reduction
+        {
+            if let Some(g) = [shard, expert_grad]
                 .into_iter()
                 .find(|g| g.index_of(comm.rank()).is_none())
             {
@@ -126,16 +130,16 @@ impl GradSync {
             let ticket = self.thread.submit(move || {
                 let start = Instant::now();
                 match &reduction {
-                    Reduction::AllReduce { dp, expert } => {
-                        let group = if bucket.expert { expert } else { dp };
+                    Reduction::AllReduce { grad, expert_grad } => {
+                        let group = if bucket.expert { expert_grad } else { grad };
                         comm.all_reduce_in_place(group, &data, ReduceOp::Sum, &after)?;
                     }
                     Reduction::Shard {
                         shard,
                         replicate,
-                        expert,
+                        expert_grad,
                     } => {
-                        let group = if bucket.expert { expert } else { shard };
+                        let group = if bucket.expert { expert_grad } else { shard };
                         // This rank's shard (`Bucket::shard` of its member index), in place.
                         let part = comm.reduce_scatter_in_place(group, &data, &after)?; // [len / n]
                         if replicate.size() > 1 && !bucket.expert {

@@ -12,13 +12,13 @@ use super::{Bucket, FlatLayout};
 use crate::comm::{Comm, Group};
 
 /// A rank's place in the groups its buckets are sharded over: `(index, size)` in the shard
-/// group (other buckets) and in the expert shard group (expert buckets, see
+/// group (other buckets) and in the expert gradient group (expert buckets, see
 /// [`FlatLayout::grouped`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardPos {
     /// Index and size in the shard group.
     pub dense: (usize, usize),
-    /// Index and size in the expert shard group.
+    /// Index and size in the expert gradient group.
     pub expert: (usize, usize),
 }
 
@@ -54,7 +54,7 @@ pub fn owned_ranges(layout: &FlatLayout, sharded: bool, pos: ShardPos) -> Vec<Ra
 }
 
 /// Hands every parameter its updated values, gathered bucket by bucket from the shards of every
-/// rank of the shard group `shard` (expert buckets: of the expert shard group `expert_shard`).
+/// rank of the shard group `shard` (expert buckets: of the expert gradient group `expert_grad`).
 /// `own` holds this rank's master shards of all buckets back to back (f32, on the parameters'
 /// device or, offloaded, the host); each is cast to the parameters' `dtype` first (bf16 on GPUs:
 /// half the bytes of gathering f32 masters, and the same values, as the cast is element-wise),
@@ -91,11 +91,11 @@ pub fn publish_bucket(
     b: usize,
     part: &Tensor,
     (dtype, device): (DType, &Device),
-    (comm, shard, expert_shard): (&dyn Comm, &Group, &Group),
+    (comm, shard, expert_grad): (&dyn Comm, &Group, &Group),
     mut write: impl FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<()> {
     let bucket = &layout.buckets[b];
-    let group = if bucket.expert { expert_shard } else { shard };
+    let group = if bucket.expert { expert_grad } else { shard };
     let part = moved(&part.to_dtype(dtype)?, device)?; // [len / shards]
     let whole = comm.all_gather(group, &part, 0)?; // [len]
     for i in bucket.params.clone() {
@@ -124,7 +124,7 @@ mod tests {
         let at = ShardPos::uniform;
         assert_eq!(owned_ranges(&l, true, at(3, 4)), vec![6..8, 17..20]);
         assert_eq!(owned_ranges(&l, true, at(0, 4)), vec![0..2, 8..11]);
-        // Expert buckets are cut by the expert shard group.
+        // Expert buckets are cut by the expert gradient group.
         let g = FlatLayout::grouped(&[5, 3, 7, 2], &[false, true, true, false], 100, [4, 2]);
         let pos = ShardPos {
             dense: (3, 4),

@@ -33,7 +33,7 @@ fn mapped(comm: Arc<dyn Comm>, spread: Spread, size: usize) -> (Vec<f32>, usize)
     let all = Group::new((0..size).collect());
     let groups = MatrixGroups {
         shard: all.clone(),
-        expert_shard: all,
+        expert_grad: all,
         tp: Group::new(vec![rank]),
     };
     let pos = (spread, ShardPos::uniform(rank, size));
@@ -98,7 +98,7 @@ fn tensor_parallel_peers_split_the_iterations() {
         let me = Group::new(vec![rank]);
         let groups = MatrixGroups {
             shard: me.clone(),
-            expert_shard: me,
+            expert_grad: me,
             tp: Group::new(vec![0, 1]),
         };
         let pos = (Spread::Alone, ShardPos::uniform(0, 1));
