@@ -26,8 +26,16 @@ fn context_parallel_layouts_equal_the_single_rank_run() {
         "parallel.cp=2,parallel.pp=2",
         "parallel.cp=2,parallel.pp=2,parallel.virtual_stages=2,train.recompute=full",
     ] {
-        results.insert(layout, compare(layout, &base, &run(layout)));
+        let out = run(layout);
+        // The ring reports each step's time to the rank's stats sink, drained once per step.
+        let ring: Vec<_> = out.records.iter().map(|r| r.time.ring_s).collect();
+        assert!(
+            ring.iter().all(|t| t.is_some_and(|t| t > 0.0)),
+            "{layout}: {ring:?}"
+        );
+        results.insert(layout, compare(layout, &base, &out));
     }
+    assert!(base.records.iter().all(|r| r.time.ring_s.is_none()));
     for (layout, result) in results {
         assert_equivalent(layout, result);
     }

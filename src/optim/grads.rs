@@ -10,9 +10,10 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
+use parallel::stats::StepStats;
 
 use super::{kernels, FlatLayout};
 
@@ -23,9 +24,10 @@ pub struct GradBuffer {
     layout: FlatLayout,
     /// Sharded: the owned flat ranges and where each starts in `flat`.
     owned: Option<(Vec<Range<usize>>, Vec<usize>)>,
-    /// Sharded: full-size gradients of the buckets a piece's backward touched, by bucket, and
-    /// the most bytes staged at once since [`GradBuffer::take_staged_peak`].
-    staged: Mutex<(BTreeMap<usize, Tensor>, usize)>,
+    /// Sharded: full-size gradients of the buckets a piece's backward touched, by bucket.
+    staged: Mutex<BTreeMap<usize, Tensor>>,
+    /// Sharded: where the bytes staged at once are reported.
+    stats: Option<Arc<StepStats>>,
 }
 
 impl GradBuffer {
@@ -35,12 +37,19 @@ impl GradBuffer {
             flat: crate::device::zeros_f32("the gradient buffer", layout.total, device)?,
             layout,
             owned: None,
-            staged: Mutex::new((BTreeMap::new(), 0)),
+            staged: Mutex::new(BTreeMap::new()),
+            stats: None,
         })
     }
 
-    /// A zeroed sharded buffer: only the flat ranges `owned` of `layout` are kept.
-    pub fn sharded(layout: FlatLayout, owned: Vec<Range<usize>>, device: &Device) -> Result<Self> {
+    /// A zeroed sharded buffer: only the flat ranges `owned` of `layout` are kept; the bytes of
+    /// full-size gradients staged at once are reported to `stats`.
+    pub fn sharded(
+        layout: FlatLayout,
+        owned: Vec<Range<usize>>,
+        device: &Device,
+        stats: Arc<StepStats>,
+    ) -> Result<Self> {
         let mut at = Vec::with_capacity(owned.len());
         let mut n = 0;
         for r in &owned {
@@ -51,7 +60,8 @@ impl GradBuffer {
             flat: crate::device::zeros_f32("the gradient buffer", n, device)?,
             layout,
             owned: Some((owned, at)),
-            staged: Mutex::new((BTreeMap::new(), 0)),
+            staged: Mutex::new(BTreeMap::new()),
+            stats: Some(stats),
         })
     }
 
@@ -62,18 +72,13 @@ impl GradBuffer {
 
     /// Clears all gradients (start of a step).
     pub fn zero(&self) -> Result<()> {
-        self.staging().0.clear();
+        self.staging().clear();
         super::spans::zero(&self.flat)
     }
 
     /// Bytes of the persistent buffer.
     pub fn bytes(&self) -> usize {
         self.flat.elem_count() * std::mem::size_of::<f32>()
-    }
-
-    /// Sharded: the most bytes of full-size gradients staged at once since the last call.
-    pub fn take_staged_peak(&self) -> usize {
-        std::mem::take(&mut self.staging().1)
     }
 
     /// Adds `grad` into parameter `i`'s gradient (sharded: into its bucket's staging buffer).
@@ -97,15 +102,15 @@ impl GradBuffer {
         }
         let b = self.layout.bucket_of(i);
         let bucket = &self.layout.buckets[b];
-        let mut staging = self.staging();
-        let (staged, peak) = &mut *staging;
+        let mut staged = self.staging();
         let full = match staged.get(&b) {
             Some(t) => t.clone(),
             None => {
                 let t = Tensor::zeros(bucket.len, DType::F32, self.flat.device())?;
                 staged.insert(b, t.clone());
-                let bytes: usize = staged.values().map(|t| t.elem_count() * 4).sum();
-                *peak = (*peak).max(bytes);
+                if let Some(stats) = &self.stats {
+                    stats.grads_staged(staged.values().map(|t| t.elem_count() * 4).sum());
+                }
                 t
             }
         };
@@ -115,10 +120,10 @@ impl GradBuffer {
     /// Sharded: takes the staged full-size gradients of the buckets touched since the last call,
     /// in bucket order.
     pub fn take_staged(&self) -> Vec<(usize, Tensor)> {
-        std::mem::take(&mut self.staging().0).into_iter().collect()
+        std::mem::take(&mut *self.staging()).into_iter().collect()
     }
 
-    fn staging(&self) -> std::sync::MutexGuard<'_, (BTreeMap<usize, Tensor>, usize)> {
+    fn staging(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Tensor>> {
         // A poisoned lock only means another thread panicked mid-update; the map stays usable.
         self.staged.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -230,7 +235,7 @@ mod tests {
         let layout = FlatLayout::with_buckets(&[3, 2, 1], &[0..1, 1..3], 2);
         assert_eq!(layout.total, 4 + 4);
         let owned = vec![2..4, 6..8];
-        let g = GradBuffer::sharded(layout, owned.clone(), &Device::Cpu).unwrap();
+        let g = GradBuffer::sharded(layout, owned.clone(), &Device::Cpu, Arc::default()).unwrap();
         assert_eq!(g.flat().elem_count(), 4);
         let ones = |n| Tensor::ones(n, DType::F32, &Device::Cpu).unwrap();
         g.accumulate(1, &ones(2)).unwrap();
@@ -312,7 +317,7 @@ mod tests {
             .iter()
             .map(|b| b.start..b.start + b.len / 2)
             .collect();
-        let g = GradBuffer::sharded(layout, owned, &dev).unwrap();
+        let g = GradBuffer::sharded(layout, owned, &dev, Arc::default()).unwrap();
         g.accumulate_product(0, &ones(2, 3), &ones(2, 5)).unwrap();
         let staged = g.take_staged();
         let v = staged[0].1.to_vec1::<f32>().unwrap();

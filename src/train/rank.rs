@@ -12,6 +12,7 @@ use parallel::cp::{local_chunks, ContextParallel};
 use parallel::ep::ExpertParallel;
 use parallel::mesh::{Axis, Coords, Mesh, RankGroups};
 use parallel::pipeline::ChunkPlacement;
+use parallel::stats::StepStats;
 use parallel::tp::TensorParallel;
 use parallel::{register, Channel, Comm, Group, ParallelConfig};
 
@@ -34,6 +35,9 @@ pub struct RankCtx {
     pub parallel: ParallelConfig,
     /// The device this rank computes on (thread-ranks sharing a GPU share one device handle).
     pub device: Device,
+    /// The one sink the step's parallel parts report measurements to (the ring, the staged
+    /// gradients, the reductions in flight), drained once per step.
+    pub stats: Arc<StepStats>,
 }
 
 impl RankCtx {
@@ -48,6 +52,7 @@ impl RankCtx {
             mesh,
             comm,
             device: Device::Cpu,
+            stats: Arc::default(),
         })
     }
 
@@ -95,7 +100,11 @@ impl RankCtx {
     pub fn context_parallel(&self) -> ContextParallel {
         match self.groups.cp.size() {
             1 => ContextParallel::single(),
-            _ => ContextParallel::new(self.comm.clone(), self.groups.cp.clone()),
+            _ => ContextParallel::new(
+                self.comm.clone(),
+                self.groups.cp.clone(),
+                self.stats.clone(),
+            ),
         }
     }
 

@@ -59,7 +59,7 @@ impl Trainer {
         }
         crate::device::reset_peak(&self.ctx.device);
         self.state.grads.zero()?;
-        self.model.placement().cp.stats().take(); // count this step's ring only
+        self.ctx.stats.take(); // count this step's measurements only
         let (mbs, targets) = self.micro_batches()?;
         let attention_share = self.attention_share(&mbs)?;
         let mut run = self.forward_backward(&mbs, start)?;
@@ -329,9 +329,8 @@ impl Trainer {
         };
         // On the CPU the ring's calls run as they are made; on CUDA they return once queued, so
         // the host's clock cannot time them (a traced step shows them on the device's clock).
-        let ring = (ctx.groups.cp.size() > 1)
-            .then(|| self.model.placement().cp.stats().take())
-            .filter(|_| !ctx.device.is_cuda());
+        let counts = ctx.stats.take(); // the step's measurements, read once
+        let ring = Some(counts.ring).filter(|_| ctx.groups.cp.size() > 1 && !ctx.device.is_cuda());
         // The update's kernels may still be queued: the step ends when the device is done.
         crate::device::synchronize(&self.ctx.device)?;
         let secs = m.start.elapsed().as_secs_f64();
@@ -365,8 +364,7 @@ impl Trainer {
             act_peak_bytes: m.run.act_peak_bytes,
             graph_tensors: m.run.graph_tensors,
             param_unit_peak_bytes: g.peak_bytes,
-            grad_unit_peak_bytes: self.state.grads.take_staged_peak()
-                + self.state.dp.take_staged_in_flight_peak(),
+            grad_unit_peak_bytes: counts.grads_staged_peak + counts.reductions_staged_peak,
             act_peak_max_bytes: traced.map(|s| s.act_peak_max_bytes),
         };
         let pipelined = ctx.groups.pp.size() > 1;

@@ -141,7 +141,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         }
     }
     let grads = if zero.shards_gradients() {
-        GradBuffer::sharded(layout.clone(), owned.clone(), device)?
+        GradBuffer::sharded(layout.clone(), owned.clone(), device, ctx.stats.clone())?
     } else {
         GradBuffer::new(layout.clone(), device)?
     };
@@ -182,7 +182,7 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
         })
         .collect();
     let dp = DataParallel::new(
-        ctx.comm.clone(),
+        (ctx.comm.clone(), ctx.stats.clone()),
         layout.clone(),
         ctx.groups.clone(),
         zero,

@@ -12,6 +12,7 @@ pub mod ep;
 pub mod mesh;
 pub mod pipeline;
 pub mod register;
+pub mod stats;
 pub mod store;
 pub mod tp;
 

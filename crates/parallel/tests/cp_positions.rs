@@ -22,7 +22,7 @@ fn rope_rows_are_the_tables_rows_at_each_ranks_positions() {
         let all = run_local(cp, Duration::from_secs(30), |rank, comm| -> Result<_> {
             let c = match cp {
                 1 => ContextParallel::single(),
-                _ => ContextParallel::new(comm, Group::new((0..cp).collect())),
+                _ => ContextParallel::new(comm, Group::new((0..cp).collect()), Default::default()),
             };
             let pos = c.positions(seq)?;
             let (rc, rs) = c.rope_rows(&cos, &sin, seq)?;

@@ -27,12 +27,13 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor};
 
 use crate::comm::{Comm, Group};
+use crate::stats::StepStats;
 
 pub use documents::{DocumentStarts, Floor};
 pub use ring::Kernels;
 
-/// Nanosecond counters of the ring's communication, shared by the clones of one
-/// [`ContextParallel`].
+/// Nanosecond counters of the ring's communication: part of the rank's
+/// [`StepStats`](crate::stats::StepStats), shared by the clones of one [`ContextParallel`].
 #[derive(Debug, Default)]
 pub struct RingStats {
     /// Time spent blocked in `recv` waiting for a neighbour's K/V (or dK/dV) block.
@@ -86,8 +87,8 @@ pub struct ContextParallel {
     group: Group,
     /// This rank's index in `group`.
     index: usize,
-    /// Communication counters.
-    stats: Arc<RingStats>,
+    /// The rank's counters, which the ring reports to.
+    stats: Arc<StepStats>,
 }
 
 impl std::fmt::Debug for ContextParallel {
@@ -97,11 +98,12 @@ impl std::fmt::Debug for ContextParallel {
 }
 
 impl ContextParallel {
-    /// The context-parallel group `group` of this rank of `comm`.
+    /// The context-parallel group `group` of this rank of `comm`, reporting the ring's
+    /// communication to `stats`.
     ///
     /// # Panics
     /// If the rank is not in `group` (a programming error).
-    pub fn new(comm: Arc<dyn Comm>, group: Group) -> Self {
+    pub fn new(comm: Arc<dyn Comm>, group: Group, stats: Arc<StepStats>) -> Self {
         let index = group
             .index_of(comm.rank())
             .expect("a rank belongs to its own context-parallel group");
@@ -109,7 +111,7 @@ impl ContextParallel {
             comm: Some(comm),
             group,
             index,
-            stats: Arc::default(),
+            stats,
         }
     }
 
@@ -131,11 +133,6 @@ impl ContextParallel {
     /// This rank's index in the group.
     pub fn index(&self) -> usize {
         self.index
-    }
-
-    /// The ring's communication counters.
-    pub fn stats(&self) -> &RingStats {
-        &self.stats
     }
 
     /// The rows of a full sequence of `seq_len` this rank holds, as two ranges of global positions

@@ -38,8 +38,9 @@ use std::time::Instant;
 
 use candle_core::{Result, Tensor};
 
-use super::{local_chunks, DocumentStarts, Floor, RingStats};
+use super::{local_chunks, DocumentStarts, Floor};
 use crate::comm::{Comm, Group, Transfer};
+use crate::stats::StepStats;
 
 /// Causal attention over the whole sequence: `(q, k, v, scale, floor) → (out, lse)`, the output
 /// in the kernel's dtype and the log-sum-exp in the accumulation dtype.
@@ -93,7 +94,7 @@ pub(super) struct Ring {
     pub index: usize,
     pub kernels: Kernels,
     pub scale: f64,
-    pub stats: Arc<RingStats>,
+    pub stats: Arc<StepStats>,
     /// Documents kept apart, or none.
     pub docs: Option<DocumentStarts>,
 }
@@ -115,12 +116,13 @@ impl Ring {
     fn pass(&self, t: &Tensor) -> Result<Transfer> {
         let bytes = t.elem_count() * t.dtype().size_in_bytes();
         self.stats
+            .ring
             .sent_bytes
             .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
         let t0 = Instant::now();
         let (next, prev) = self.neighbours();
         let posted = self.comm.send_recv(&self.group, t, next, prev);
-        add_ns(&self.stats.send_ns, t0);
+        add_ns(&self.stats.ring.send_ns, t0);
         Ok(posted?)
     }
 
@@ -128,7 +130,7 @@ impl Ring {
     fn arrive(&self, hop: Transfer) -> Result<Tensor> {
         let t0 = Instant::now();
         let t = hop.wait();
-        add_ns(&self.stats.wait_ns, t0);
+        add_ns(&self.stats.ring.wait_ns, t0);
         Ok(t?)
     }
 
@@ -168,7 +170,7 @@ impl Ring {
             .as_ref()
             .is_some_and(|f| f.iter().all(|&x| x as usize >= keys));
         if skip {
-            let skipped = &self.stats.skipped_blocks;
+            let skipped = &self.stats.ring.skipped_blocks;
             skipped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         skip
@@ -378,7 +380,7 @@ pub(super) fn attention(
     let t0 = Instant::now();
     let (out, lse) = forward(ring, q, k, v)?;
     let out = out.to_dtype(q.dtype())?;
-    add_ns(&ring.stats.total_ns, t0);
+    add_ns(&ring.stats.ring.total_ns, t0);
     Ok((out, lse))
 }
 
@@ -392,6 +394,6 @@ pub(super) fn attention_bwd(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let t0 = Instant::now();
     let grads = backward(ring, qkv, out, lse, dout);
-    add_ns(&ring.stats.total_ns, t0);
+    add_ns(&ring.stats.ring.total_ns, t0);
     grads
 }

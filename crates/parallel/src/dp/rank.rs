@@ -41,6 +41,7 @@ use super::{BucketSpan, FlatLayout, GradSync, Reduction};
 use crate::comm::thread::{CommThread, Ticket};
 use crate::comm::{Comm, Group, HandOff, ReduceOp};
 use crate::mesh::RankGroups;
+use crate::stats::StepStats;
 
 /// Which other ranks hold partial sums of a parameter's gradient (besides data-parallel replicas).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -84,10 +85,12 @@ impl DataParallel {
     /// with the caller: `[layout.total]` f32 at stages 0 and 1, `[n_owned]` f32 at 2 and 3), owning
     /// the flat ranges `owned`, where parameter `i`'s other partial sums are `partial[i]`. At stage
     /// 3 `param_shards` are the rank's initial shards of the parameters (`[n_owned]`, the owned
-    /// ranges one after the other, in the parameters' dtype).
+    /// ranges one after the other, in the parameters' dtype). At stages 2 and 3 the staging that
+    /// reduce-scatters queued or running hold (at most [`STAGED_IN_FLIGHT`] buckets with one
+    /// pipeline stage) is reported to `stats`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        comm: Arc<dyn Comm>,
+        (comm, stats): (Arc<dyn Comm>, Arc<StepStats>),
         layout: FlatLayout,
         groups: RankGroups,
         zero: ZeroStage,
@@ -160,7 +163,7 @@ impl DataParallel {
             deferred: Vec::new(),
             sync,
             thread,
-            jobs: StagedJobs::new(one_stage.then_some(STAGED_IN_FLIGHT)),
+            jobs: StagedJobs::new(one_stage.then_some(STAGED_IN_FLIGHT), stats),
             param_shards,
         })
     }
@@ -214,13 +217,6 @@ impl DataParallel {
         })?;
         self.jobs.push(ticket, staged);
         Ok(())
-    }
-
-    /// Stages 2, 3: the most bytes of staged gradients that reduce-scatters queued or running
-    /// held at once since the last call (at most [`STAGED_IN_FLIGHT`] buckets with one pipeline
-    /// stage).
-    pub fn take_staged_in_flight_peak(&mut self) -> usize {
-        self.jobs.take_peak()
     }
 
     /// Parameter `i`'s gradient is final on this rank (no backward of this step adds to it).

@@ -21,11 +21,13 @@
 //! one stage; with several the queue is unbounded (and `pretrain plan` says so).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use candle_core::Result;
 
 use super::BucketSpan;
 use crate::comm::thread::Ticket;
+use crate::stats::StepStats;
 
 /// Staged reductions a rank with one pipeline stage may have queued or running at once.
 pub const STAGED_IN_FLIGHT: usize = 2;
@@ -44,19 +46,19 @@ pub struct StagedJobs {
     limit: Option<usize>,
     /// Spans of jobs already retired this step.
     done: Vec<BucketSpan>,
-    /// The most staging bytes held by queued or running jobs since the last
-    /// [`StagedJobs::take_peak`].
-    peak: usize,
+    /// Where the staging bytes held by queued or running jobs are reported.
+    stats: Arc<StepStats>,
 }
 
 impl StagedJobs {
-    /// Jobs with at most `limit` staged ones at once (`None`: unbounded).
-    pub fn new(limit: Option<usize>) -> Self {
+    /// Jobs with at most `limit` staged ones at once (`None`: unbounded), reporting the staging
+    /// they hold to `stats`.
+    pub fn new(limit: Option<usize>, stats: Arc<StepStats>) -> Self {
         Self {
             queue: VecDeque::new(),
             limit,
             done: Vec::new(),
-            peak: 0,
+            stats,
         }
     }
 
@@ -78,7 +80,7 @@ impl StagedJobs {
     pub fn push(&mut self, ticket: Ticket<Option<BucketSpan>>, staged: usize) {
         self.queue.push_back(Job { ticket, staged });
         let held = self.queue.iter().map(|j| j.staged).sum();
-        self.peak = self.peak.max(held);
+        self.stats.reductions_staged(held);
     }
 
     /// Waits for every job and returns the spans of this step's reductions, the first failure
@@ -95,11 +97,6 @@ impl StagedJobs {
             Some(e) => Err(e),
             None => Ok(done),
         }
-    }
-
-    /// The most staging bytes queued or running jobs held at once since the last call.
-    pub fn take_peak(&mut self) -> usize {
-        std::mem::take(&mut self.peak)
     }
 
     /// Retires the oldest job if it has run (or, with `wait`, once it has); with `wait` false,
@@ -124,11 +121,16 @@ impl StagedJobs {
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::mpsc::{channel, Receiver};
-    use std::sync::{Arc, Mutex};
+    use std::sync::Mutex;
     use std::time::{Duration, Instant};
 
     use super::*;
     use crate::comm::thread::CommThread;
+
+    /// The most staging bytes the jobs reported holding at once since the last call.
+    fn peak(jobs: &StagedJobs) -> usize {
+        jobs.stats.take().reductions_staged_peak
+    }
 
     /// A job for bucket `b` that runs once `gate` lets it.
     fn gated(
@@ -156,7 +158,7 @@ mod tests {
         let t = CommThread::new("staging-test".into()).unwrap();
         let (open, gate) = channel::<()>();
         let gate = Arc::new(Mutex::new(gate));
-        let mut jobs = StagedJobs::new(Some(2));
+        let mut jobs = StagedJobs::new(Some(2), Arc::default());
         for b in 0..2 {
             jobs.make_room().unwrap(); // room: fewer than 2 staged
             jobs.push(gated(&t, b, &gate), 100);
@@ -179,7 +181,7 @@ mod tests {
             "returned before a staged job ran"
         );
         jobs.push(gated(&t, 2, &gate), 100);
-        assert_eq!(jobs.take_peak(), 200);
+        assert_eq!(peak(&jobs), 200);
         let spans = jobs.finish().unwrap();
         assert_eq!(
             spans.iter().map(|s| s.bucket).collect::<Vec<_>>(),
@@ -195,12 +197,12 @@ mod tests {
         let t = CommThread::new("staging-test".into()).unwrap();
         let (open, gate) = channel::<()>();
         let gate = Arc::new(Mutex::new(gate));
-        let mut jobs = StagedJobs::new(None);
+        let mut jobs = StagedJobs::new(None, Arc::default());
         for b in 0..5 {
             jobs.make_room().unwrap();
             jobs.push(gated(&t, b, &gate), 10);
         }
-        assert_eq!(jobs.take_peak(), 50);
+        assert_eq!(peak(&jobs), 50);
         for _ in 0..5 {
             open.send(()).unwrap();
         }
@@ -211,9 +213,9 @@ mod tests {
             jobs.make_room().unwrap();
             last = jobs.queue.len();
         }
-        jobs.take_peak();
+        peak(&jobs);
         jobs.push(gated(&t, 5, &gate), 10);
-        assert_eq!(jobs.take_peak(), 10, "retired jobs hold nothing");
+        assert_eq!(peak(&jobs), 10, "retired jobs hold nothing");
         open.send(()).unwrap();
         assert_eq!(jobs.finish().unwrap().len(), 6);
     }
@@ -223,7 +225,7 @@ mod tests {
     #[test]
     fn a_failed_job_fails_the_step() {
         let t = CommThread::new("staging-test".into()).unwrap();
-        let mut jobs = StagedJobs::new(Some(1));
+        let mut jobs = StagedJobs::new(Some(1), Arc::default());
         jobs.push(
             t.submit(|| -> Result<Option<BucketSpan>> { candle_core::bail!("link down") })
                 .unwrap(),
