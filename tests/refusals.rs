@@ -204,26 +204,17 @@ fn jobs_larger_than_the_machine_are_refused_before_allocating() {
     assert!(start.elapsed().as_secs() < 5, "{:?}", start.elapsed());
 }
 
-/// A background checkpoint write that fails is reported as the save of its own step (it
-/// was reported as the save of the step that found it out). The failure is a file-size limit
-/// (`RLIMIT_FSIZE`, with SIGXFSZ ignored so that the write fails with EFBIG), which the rank's
-/// shard of the tiny model exceeds and the small run files do not.
-#[test]
-fn a_failed_background_save_names_its_step() {
+/// Makes `cmd`'s writes past `bytes` into one file fail with EFBIG (`RLIMIT_FSIZE`, with SIGXFSZ
+/// ignored so that the process is not killed), as a full disk fails them.
+fn limit_file_size(cmd: &mut Command, bytes: u64) {
     use std::os::unix::process::CommandExt;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    let mut cmd = training(
-        &dir,
-        "train.steps=4,checkpoint.interval=2,checkpoint.async=true",
-    );
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
             let limit = libc::rlimit {
-                rlim_cur: 1 << 20,
-                rlim_max: 1 << 20,
+                rlim_cur: bytes,
+                rlim_max: bytes,
             };
             if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
                 return Err(std::io::Error::last_os_error());
@@ -231,6 +222,46 @@ fn a_failed_background_save_names_its_step() {
             Ok(())
         });
     }
+}
+
+/// A write that fails while a checkpoint copies its tokenizer names the copy, not the source it
+/// was read from: the tokenizer is padded (JSON whitespace) past a file-size limit that the
+/// rank's shard stays under, so the copy is the one write that fails.
+#[test]
+fn a_failed_tokenizer_copy_names_the_copy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = tmp.path().join("tokenizer.json");
+    let mut padded = std::fs::read("data/shakespeare/tokenizer.json").unwrap();
+    padded.resize(padded.len() + (48 << 20), b' ');
+    std::fs::write(&source, &padded).unwrap();
+    let dir = tmp.path().join("run");
+    let set = format!("train.steps=2,checkpoint.interval=2,data.tokenizer={source:?}");
+    let mut cmd = training(&dir, &set);
+    limit_file_size(&mut cmd, 40 << 20);
+    let o = cmd.output().unwrap();
+    assert!(!o.status.success());
+    let t = text(&o);
+    let copy = Path::new("checkpoints/step-00000002.tmp").join("tokenizer.json");
+    assert!(
+        t.contains(&*copy.to_string_lossy()) && !t.contains(&*source.to_string_lossy()),
+        "{t}"
+    );
+    assert!(!dir.join("checkpoints/step-00000002").exists(), "{t}");
+}
+
+/// A background checkpoint write that fails is reported as the save of its own step (it
+/// was reported as the save of the step that found it out). The failure is a file-size limit
+/// (`RLIMIT_FSIZE`, with SIGXFSZ ignored so that the write fails with EFBIG), which the rank's
+/// shard of the tiny model exceeds and the small run files do not.
+#[test]
+fn a_failed_background_save_names_its_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let mut cmd = training(
+        &dir,
+        "train.steps=4,checkpoint.interval=2,checkpoint.async=true",
+    );
+    limit_file_size(&mut cmd, 1 << 20);
     let o = cmd.output().unwrap();
     assert!(!o.status.success());
     let t = text(&o);
