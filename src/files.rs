@@ -63,6 +63,19 @@ pub fn read_text_capped(path: &Path, cap: u64) -> Result<String> {
     String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
 }
 
+/// An output path given by `flag` can be written: not a directory, in a folder that exists
+/// (checked before the work, not after it).
+pub fn check_output(flag: &str, path: &Path) -> Result<()> {
+    if path.is_dir() {
+        anyhow::bail!("{flag} {} is a directory", path.display());
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(dir) = parent.filter(|d| !d.is_dir()) {
+        anyhow::bail!("{flag} {}: no folder {}", path.display(), dir.display());
+    }
+    Ok(())
+}
+
 /// Writes `bytes` as `path`, replacing whatever is there (a link included) by rename.
 pub fn write_replacing(path: &Path, bytes: &[u8]) -> Result<()> {
     replace_with(path, |tmp| {

@@ -1,6 +1,6 @@
 //! `pretrain selftest` on the CPU: every check runs and passes (the same checks a GPU machine runs
 //! with `--device cuda`), and asking for CUDA from a CPU build is a clear error; `pretrain
-//! bench-attention` on the CPU.
+//! bench-attention` and `pretrain bench-gemm` on the CPU.
 
 use std::process::Command;
 
@@ -161,4 +161,77 @@ fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{extra:?}: {err}");
     }
+}
+
+/// `pretrain bench-gemm` measures each projection's three products on the CPU and writes a table
+/// that `pretrain plan --gemm-table` prices the step from: a table of very slow GEMMs lengthens
+/// the planned step, and a damaged one is refused naming the file and the entry.
+#[test]
+fn gemm_bench_writes_the_table_the_planner_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let table = dir.path().join("gemm.json");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let tiny = ["--recipe", "recipes/tiny.yaml"];
+    let t = table.to_str().unwrap();
+    let bench = [
+        &tiny[..],
+        &["--tp", "1", "--micro-batch", "4", "--iters", "2"],
+    ]
+    .concat();
+    let (ok, text) = run(&[&["bench-gemm"], &bench[..], &["--json-out", t]].concat());
+    assert!(ok, "{text}");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&table).unwrap()).unwrap();
+    let gemms = json["gemms"].as_array().unwrap();
+    // q, k/v, o, head, gate/up, down: forward, input and weight gradient each (shapes that
+    // coincide are measured once).
+    assert!(gemms.len() >= 12 && gemms.len() <= 18, "{text}");
+    assert!(gemms.iter().all(|g| g["tflops"].as_f64().unwrap() > 0.0));
+    assert!(text.contains("gate/up tp1 mb4 dw"), "{text}");
+
+    let step = |extra: &[&str]| {
+        let plan = [
+            "plan",
+            "--recipe",
+            "recipes/tiny.yaml",
+            "--set",
+            "train.micro_batch=4",
+        ];
+        let (ok, text) = run(&[&plan[..], extra].concat());
+        assert!(ok, "{text}");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("step "))
+            .unwrap()
+            .to_string();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    let preset = step(&[]);
+    for g in json["gemms"].as_array_mut().unwrap() {
+        g["tflops"] = serde_json::json!(1e-3);
+    }
+    std::fs::write(&table, json.to_string()).unwrap();
+    let slow = step(&["--gemm-table", t]);
+    assert!(slow > 100.0 * preset, "{slow} against {preset}");
+
+    json["gemms"][2]["tflops"] = serde_json::json!(-1.0);
+    std::fs::write(&table, json.to_string()).unwrap();
+    let plan = ["plan", "--recipe", "recipes/tiny.yaml", "--gemm-table", t];
+    let (ok, text) = run(&plan);
+    assert!(
+        !ok && text.contains("gemm.json") && text.contains("gemms[2]: tflops"),
+        "{text}"
+    );
 }

@@ -148,19 +148,6 @@ fn call_bytes(a: &AttentionArgs, keys: usize) -> Option<u64> {
     (all as u64).checked_mul(4)
 }
 
-/// The `--json` path can be written: not a directory, in a folder that exists (checked before
-/// the timing, not after it).
-fn check_output(path: &std::path::Path) -> Result<()> {
-    if path.is_dir() {
-        bail!("--json {} is a directory", path.display());
-    }
-    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
-    if let Some(dir) = parent.filter(|d| !d.is_dir()) {
-        bail!("--json {}: no folder {}", path.display(), dir.display());
-    }
-    Ok(())
-}
-
 /// Runs the benchmark and prints a line per backend.
 pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
     let keys = a.keys.unwrap_or(a.seq);
@@ -175,7 +162,7 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
     }
     check_sizes(a, keys)?;
     if let Some(path) = &a.json {
-        check_output(path)?;
+        crate::files::check_output("--json", path)?;
     }
     let device = crate::device::device_for(a.device, 0)?;
     let bytes = call_bytes(a, keys).unwrap_or(u64::MAX);

@@ -37,4 +37,10 @@ pub enum PlanError {
     /// The ranks make no mesh.
     #[error(transparent)]
     Mesh(#[from] MeshError),
+    /// A GEMM rate table that cannot be read or holds impossible values.
+    #[error("GEMM table {path}: {message}")]
+    GemmTable {
+        path: std::path::PathBuf,
+        message: String,
+    },
 }

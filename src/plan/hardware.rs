@@ -51,8 +51,12 @@ pub struct Hardware {
     pub inter_node_gbps: f64,
     /// GPUs per node.
     pub gpus_per_node: usize,
-    /// Fraction of peak a large bf16 GEMM reaches inside a training step.
+    /// Fraction of peak a large bf16 GEMM reaches inside a training step (the GEMMs' rate
+    /// where [`Hardware::gemm`] has none nearby).
     pub gemm_efficiency: f64,
+    /// Measured GEMM rates by shape (`pretrain bench-gemm`), if given.
+    #[serde(skip)]
+    pub gemm: Option<&'static super::GemmTable>,
     /// Fraction of peak the fused causal attention reaches (forward and backward).
     pub attention_efficiency: f64,
     /// The host side, for optimizer offload.
@@ -89,6 +93,7 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.62,
                 attention_efficiency: 0.20,
+                gemm: None,
                 // DGX A100: 2 TB, PCIe gen4, two EPYC 7742 (2 × 205 GB/s peak).
                 host: Host {
                     memory_gib: 1907.0,
@@ -109,6 +114,7 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.55,
                 attention_efficiency: 0.20,
+                gemm: None,
                 // DGX H100: 2 TB, PCIe gen5, two Xeon 8480C (2 × 307 GB/s peak).
                 host: Host {
                     memory_gib: 1907.0,
@@ -129,6 +135,7 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.57,
                 attention_efficiency: 0.20,
+                gemm: None,
                 // DGX H200: as DGX H100.
                 host: Host {
                     memory_gib: 1907.0,

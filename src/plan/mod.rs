@@ -10,6 +10,7 @@
 mod acts;
 pub mod choose;
 mod error;
+pub mod gemm;
 pub mod hardware;
 mod memo;
 pub mod memory;
@@ -22,6 +23,7 @@ use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
 pub use error::PlanError;
+pub use gemm::GemmTable;
 pub use hardware::{GpuPreset, Hardware, Host};
 pub use memory::{MemoryBytes, StageMemory};
 pub use search::{candidates, cheapest_fit, Candidate};

@@ -55,6 +55,10 @@ pub struct PlanArgs {
     /// Host memory bandwidth per node an offloaded AdamW update reaches, gigabytes per second.
     #[arg(long)]
     pub host_memory_gbps: Option<f64>,
+    /// GEMM rates measured by shape (`pretrain bench-gemm --json-out`), used in place of the
+    /// preset's fraction of peak for the shapes it holds or lies near.
+    #[arg(long)]
+    pub gemm_table: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -119,6 +123,9 @@ impl PlanArgs {
                 bail!("--gpus-per-node must be at least 1");
             }
             hw.gpus_per_node = g;
+        }
+        if let Some(path) = &self.gemm_table {
+            hw.gemm = Some(super::GemmTable::load(path)?.leak());
         }
         Ok(hw)
     }

@@ -49,6 +49,36 @@ pub(super) struct Model<'a> {
     pub(super) ep_bw: f64,
 }
 
+/// Seconds of a piece's projections: forward, input-gradient and weight-gradient GEMMs.
+#[derive(Debug, Clone, Copy, Default)]
+struct Products {
+    fwd: f64,
+    dx: f64,
+    dw: f64,
+}
+
+impl std::ops::Add for Products {
+    type Output = Products;
+    fn add(self, o: Products) -> Products {
+        Products {
+            fwd: self.fwd + o.fwd,
+            dx: self.dx + o.dx,
+            dw: self.dw + o.dw,
+        }
+    }
+}
+
+impl std::ops::Mul<Products> for f64 {
+    type Output = Products;
+    fn mul(self, p: Products) -> Products {
+        Products {
+            fwd: self * p.fwd,
+            dx: self * p.dx,
+            dw: self * p.dw,
+        }
+    }
+}
+
 /// Fraction of HBM bandwidth memory-bound kernels reach.
 pub(super) const HBM_EFFICIENCY: f64 = 0.8;
 /// Share of an overlapped collective's time that still lengthens the step: its kernels take
@@ -63,11 +93,26 @@ pub(super) fn exposed(total: f64, window: f64) -> f64 {
 }
 
 impl Model<'_> {
-    /// A GEMM `[m, k] × [k, n]` on the roofline: at the GEMM fraction of peak, or at HBM speed
-    /// when it moves more bytes than that compute takes.
+    /// A GEMM `[m, k] × [k, n]`: at the rate measured for its shape ([`Hardware::gemm`]), or on
+    /// the roofline, at the GEMM fraction of peak or at HBM speed when it moves more bytes than
+    /// that compute takes.
     pub(super) fn gemm(&self, m: f64, n: f64, k: f64) -> f64 {
-        let compute = 2.0 * m * n * k / (self.hw.peak_tflops * 1e12 * self.hw.gemm_efficiency);
+        let flops = 2.0 * m * n * k;
+        if let Some(tflops) = self.hw.gemm.and_then(|t| t.rate(m, n, k)) {
+            return flops / (tflops * 1e12);
+        }
+        let compute = flops / (self.hw.peak_tflops * 1e12 * self.hw.gemm_efficiency);
         compute.max(self.memory(self.p * (m * k + k * n + m * n)))
+    }
+
+    /// A projection of `rows` rows from `inp` to `out` features: its forward `x · wᵀ`, input
+    /// gradient `g · w` and weight gradient `gᵀ · x`, each priced at its own shape.
+    fn projection(&self, rows: f64, out: f64, inp: f64) -> Products {
+        Products {
+            fwd: self.gemm(rows, out, inp),
+            dx: self.gemm(rows, inp, out),
+            dw: self.gemm(out, inp, rows),
+        }
     }
 
     pub(super) fn memory(&self, bytes: f64) -> f64 {
@@ -79,9 +124,10 @@ impl Model<'_> {
         Tp::collective_s(self.t, factor, bytes, self.tp_bw)
     }
 
-    /// A decoder block; `moe`: with a mixture-of-experts feed-forward part (the router, and
-    /// each token's `k` experts as GEMMs over `n · k` rows: the grouped rows of an expert run as
-    /// one GEMM, so the sum over experts is one GEMM's worth of rows).
+    /// A decoder block, its projections priced one by one as they run (q, k, v, o; gate, up,
+    /// down); `moe`: with a mixture-of-experts feed-forward part (the router, and each token's
+    /// `k` experts: this rank's experts each run their share of the `n · k` rows as one GEMM
+    /// per projection).
     /// `recomputed`: what `recompute: selective` rebuilds in the backward.
     pub(super) fn block(&self, recompute: Recompute, recomputed: Recomputed, moe: bool) -> Cost {
         let c = self.c;
@@ -94,7 +140,7 @@ impl Model<'_> {
         // parallelism a rank computes as many rows on average, its experts' rows from the
         // whole group, after an all-to-all that sends (ep − 1) / ep of them away and back.
         let mut a2a = 0.0;
-        let (mlp_gemms, mlp_bytes) = match c.moe().filter(|_| moe) {
+        let (mlp, mlp_bytes) = match c.moe().filter(|_| moe) {
             Some(m) => {
                 let n = self.ns;
                 let (e, rows, fe) = (
@@ -103,17 +149,26 @@ impl Model<'_> {
                     m.expert_size as f64,
                 );
                 a2a = Ep::exchange_s(self.ep, rows * h * p, self.ep_bw);
-                let gemms =
-                    self.gemm(n, e, h) + self.gemm(rows, 2.0 * fe, h) + self.gemm(rows, h, fe);
-                (gemms, rows * (3.0 * fe + 5.0 * h))
+                let local = e / self.ep;
+                let per = rows / local; // rows of one local expert, on average
+                let expert = 2.0 * self.projection(per, fe, h) + self.projection(per, h, fe);
+                (
+                    self.projection(n, e, h) + local * expert,
+                    rows * (3.0 * fe + 5.0 * h),
+                )
             }
             None => {
                 let f = c.intermediate_size as f64;
-                let gemms = self.gemm(n, 2.0 * f / t, h) + self.gemm(n, h, f / t);
-                (gemms, 3.0 * n * f / t)
+                let mlp = 2.0 * self.projection(n, f / t, h) + self.projection(n, h, f / t);
+                (mlp, 3.0 * n * f / t)
             }
         };
-        let gemms = self.gemm(n, (q + 2.0 * kv) / t, h) + self.gemm(n, h, q / t) + mlp_gemms;
+        let (qo, kv_proj) = (
+            self.projection(n, q / t, h) + self.projection(n, h, q / t),
+            self.projection(n, kv / t, h),
+        );
+        let products = qo + 2.0 * kv_proj + mlp;
+        let gemms = products.fwd;
         // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads (the share of it a
         // document mask keeps), split evenly over the context-parallel ranks by the
         // load-balanced chunks.
@@ -126,7 +181,7 @@ impl Model<'_> {
         let mem = self.memory(mem_bytes);
         let tp = Tp::block_s(t, n * h * p, self.tp_bw);
         let fwd = gemms + attn + mem + tp + ring_fwd + a2a;
-        let mut bwd = 2.0 * gemms + 2.5 * attn + 2.0 * mem + tp + ring_bwd + a2a;
+        let mut bwd = products.dx + products.dw + 2.5 * attn + 2.0 * mem + tp + ring_bwd + a2a;
         let mut tp_all = 2.0 * tp;
         if recompute == Recompute::Full {
             bwd += fwd;
@@ -156,7 +211,7 @@ impl Model<'_> {
             fwd,
             bwd,
             tp: tp_all,
-            wgt: gemms,
+            wgt: products.dw,
         }
     }
 
@@ -164,14 +219,14 @@ impl Model<'_> {
         let c = self.c;
         let (n, t, p) = (self.n, self.t, self.p);
         let (h, v) = (c.hidden_size as f64, c.vocab_size as f64);
-        let gemm = self.gemm(n, v / t, h);
+        let gemm = self.projection(n, v / t, h);
         let logits = n * v / t;
         let fwd_mem = self.memory(logits * (p + 3.0 * 4.0) + 2.0 * self.ns * h * p);
         let bwd_mem = self.memory(logits * (3.0 * 4.0 + p) + 2.0 * self.ns * h * p);
         let tp = self.tp_collective((self.t - 1.0) / self.t, n * h * p);
         Cost {
-            fwd: gemm + fwd_mem + tp,
-            bwd: 2.0 * gemm + bwd_mem + tp,
+            fwd: gemm.fwd + fwd_mem + tp,
+            bwd: gemm.dx + gemm.dw + bwd_mem + tp,
             tp: 2.0 * tp,
             wgt: 0.0, // the head's weight gradient is not deferred
         }
@@ -231,5 +286,79 @@ pub(super) fn model_of<'a>(r: &'a Recipe, hw: &'a Hardware) -> Model<'a> {
         // Expert-parallel ranks are adjacent data-parallel ranks, tp · cp apart.
         ep: par.ep as f64,
         ep_bw: group_bandwidth(hw, par.ep, tp * cp),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::gemm::{GemmRate, GemmTable};
+    use crate::plan::GpuPreset;
+
+    /// Every product a dense block and the head run at `r`'s layout (forward, input and weight
+    /// gradient of q, k, v, o, gate, up, down and the head), at `tflops`.
+    fn table_of(r: &Recipe, tflops: f64) -> GemmTable {
+        let c = &r.model;
+        let n = (r.train.micro_batch * r.train.seq_len) as u64;
+        let (h, q, kv, f, v) = (
+            c.hidden_size as u64,
+            c.q_dim() as u64,
+            (c.num_key_value_heads * c.head_dim()) as u64,
+            c.intermediate_size as u64,
+            c.vocab_size as u64,
+        );
+        let mut gemms = Vec::new();
+        for (out, inp) in [(q, h), (kv, h), (h, q), (f, h), (h, f), (v, h)] {
+            for (m, nn, k) in [(n, out, inp), (n, inp, out), (out, inp, n)] {
+                gemms.push(GemmRate {
+                    m,
+                    n: nn,
+                    k,
+                    tflops,
+                    what: String::new(),
+                });
+            }
+        }
+        GemmTable {
+            device: "test".into(),
+            dtype: "bf16".into(),
+            gemms,
+        }
+    }
+
+    /// A table holding every shape a block prices, at the preset's own GEMM rate, prices the
+    /// block as the preset does (the 1B's GEMMs are compute-bound); at twice the rate its GEMMs
+    /// take half the time, the rest unchanged.
+    #[test]
+    fn measured_rates_price_each_projection_at_its_shape() {
+        let r = crate::recipe::load(std::path::Path::new("recipes/bench-1b.yaml"), &[]).unwrap();
+        let preset = GpuPreset::H100.hardware();
+        let rate = preset.peak_tflops * preset.gemm_efficiency;
+        let cost = |table: Option<GemmTable>| {
+            let hw = Hardware {
+                gemm: table.map(GemmTable::leak),
+                ..preset
+            };
+            let m = model_of(&r, &hw);
+            let (b, head) = (
+                m.block(Recompute::None, Recomputed::default(), false),
+                m.head(),
+            );
+            (b.fwd, b.bwd, b.wgt, head.fwd, head.bwd)
+        };
+        let base = cost(None);
+        let same = cost(Some(table_of(&r, rate)));
+        let fast = cost(Some(table_of(&r, 2.0 * rate)));
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(1e-30);
+        assert!(close(base.0, same.0) && close(base.1, same.1) && close(base.2, same.2));
+        assert!(close(base.3, same.3) && close(base.4, same.4));
+        // The weight-gradient GEMMs are all of `wgt`: twice the rate halves them.
+        assert!(close(fast.2, base.2 / 2.0), "{fast:?} {base:?}");
+        // The forward keeps its attention and memory-bound time.
+        let gemms_fwd = base.0 - fast.0;
+        assert!(
+            gemms_fwd > 0.0 && close(base.2 / 2.0, gemms_fwd),
+            "{fast:?} {base:?}"
+        );
     }
 }

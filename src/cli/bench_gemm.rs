@@ -1,0 +1,217 @@
+//! `pretrain bench-gemm`: the rate of every GEMM a recipe's layouts run, on the recipe's device
+//! and dtype, through the step's own calls: each projection's forward (`x · wᵀ`), input
+//! gradient (`g · w`) and weight gradient (`gᵀ · x` accumulated into an f32 buffer), over
+//! tensor-parallel sizes and micro-batches. `--json-out` writes the table `pretrain plan
+//! --gemm-table` prices GEMMs from (`plan::gemm`).
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use model::ops;
+
+use crate::cli::RecipeArgs;
+use crate::plan::gemm::{GemmRate, GemmTable};
+use crate::recipe::Recipe;
+
+/// Arguments of `pretrain bench-gemm`.
+#[derive(Debug, Args)]
+pub struct GemmArgs {
+    /// The recipe (its model, sequence length, dtype and device).
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
+    /// Tensor-parallel sizes to sweep (default: 1, 2, 4 and 8, those that split the heads).
+    #[arg(long, value_delimiter = ',')]
+    pub tp: Vec<usize>,
+    /// Micro-batch sizes to sweep (default: 1, 2, 4 and 8).
+    #[arg(long, value_delimiter = ',')]
+    pub micro_batch: Vec<usize>,
+    /// Timed calls per GEMM (after two warm-up calls).
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
+    /// Also write the table as JSON (what `pretrain plan --gemm-table` reads).
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+/// A projection of `rows` rows from `inp` to `out` features, named.
+struct Projection {
+    what: String,
+    rows: usize,
+    out: usize,
+    inp: usize,
+}
+
+/// The projections of `r`'s model at tensor-parallel size `tp` and micro-batch `mb` (one of each
+/// kind: k and v share a shape, as do gate and up).
+fn projections(r: &Recipe, tp: usize, mb: usize) -> Vec<Projection> {
+    let c = &r.model;
+    let rows = mb * r.train.seq_len / r.parallel.cp;
+    let (h, q, kv) = (
+        c.hidden_size,
+        c.q_dim(),
+        c.num_key_value_heads * c.head_dim(),
+    );
+    let at = format!("tp{tp} mb{mb}");
+    let p = |what: &str, rows: usize, out: usize, inp: usize| Projection {
+        what: format!("{what} {at}"),
+        rows,
+        out,
+        inp,
+    };
+    let mut all = vec![
+        p("q", rows, q / tp, h),
+        p("k/v", rows, kv / tp, h),
+        p("o", rows, h, q / tp),
+        p("head", rows, c.vocab_size / tp, h),
+    ];
+    match c.moe() {
+        Some(m) => {
+            // Experts are not split over tensor-parallel ranks; each routes the tokens it holds.
+            let held = if r.parallel.sequence_parallel {
+                rows / tp
+            } else {
+                rows
+            };
+            let per = (held * m.top_k * r.parallel.ep / m.num_experts).max(1);
+            all.push(p("router", held, m.num_experts, h));
+            all.push(p("expert gate/up", per, m.expert_size, h));
+            all.push(p("expert down", per, h, m.expert_size));
+        }
+        None => {
+            all.push(p("gate/up", rows, c.intermediate_size / tp, h));
+            all.push(p("down", rows, h, c.intermediate_size / tp));
+        }
+    }
+    all.retain(|p| p.rows > 0 && p.out > 0 && p.inp > 0);
+    all
+}
+
+/// Seconds per call of `f`, over `iters` calls after two warm-up calls.
+fn timed(device: &Device, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    crate::device::synchronize(device)?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    crate::device::synchronize(device)?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// The three products of `p`, measured: `(m, n, k, seconds, direction)` each.
+fn measure(p: &Projection, dtype: DType, device: &Device, iters: usize) -> Result<[GemmRate; 3]> {
+    let randn = |shape: (usize, usize)| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?)
+    };
+    let (x, w, g) = (
+        randn((p.rows, p.inp))?,
+        randn((p.out, p.inp))?,
+        randn((p.rows, p.out))?,
+    );
+    let dst = Tensor::zeros(p.out * p.inp, DType::F32, device)?;
+    let fwd = timed(device, iters, &|| Ok(ops::linear(&x, &w).map(drop)?))?;
+    let dx = timed(device, iters, &|| {
+        Ok(ops::linear_dx(&w, &g, x.shape()).map(drop)?)
+    })?;
+    let dw = timed(device, iters, &|| {
+        Ok(crate::optim::kernels::add_product_into(&dst, &g, &x)?)
+    })?;
+    let flops = 2.0 * (p.rows * p.out * p.inp) as f64;
+    let rate = |(m, n, k): (usize, usize, usize), secs: f64, dir: &str| GemmRate {
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        tflops: flops / secs / 1e12,
+        what: format!("{} {dir}", p.what),
+    };
+    Ok([
+        rate((p.rows, p.out, p.inp), fwd, "fwd"),
+        rate((p.rows, p.inp, p.out), dx, "dx"),
+        rate((p.out, p.inp, p.rows), dw, "dw"),
+    ])
+}
+
+/// Runs the sweep, prints a line per GEMM and returns the table.
+pub fn bench_gemm(a: &GemmArgs) -> Result<GemmTable> {
+    let r = a.recipe.load()?;
+    if a.iters == 0 {
+        bail!("--iters must be positive");
+    }
+    if let Some(path) = &a.json_out {
+        crate::files::check_output("--json-out", path)?;
+    }
+    let heads = (r.model.num_attention_heads, r.model.num_key_value_heads);
+    let tps = match a.tp.as_slice() {
+        [] => [1, 2, 4, 8]
+            .into_iter()
+            .filter(|t| heads.0 % t == 0 && heads.1 % t == 0)
+            .collect(),
+        given => given.to_vec(),
+    };
+    let mbs = match a.micro_batch.as_slice() {
+        [] => vec![1, 2, 4, 8],
+        given => given.to_vec(),
+    };
+    if let Some(t) = tps
+        .iter()
+        .find(|&&t| t == 0 || heads.0 % t != 0 || heads.1 % t != 0)
+    {
+        bail!(
+            "--tp {t} does not split the {} query and {} key/value heads",
+            heads.0,
+            heads.1
+        );
+    }
+    if mbs.contains(&0) {
+        bail!("--micro-batch sizes must be at least 1");
+    }
+    let device = crate::device::device_for(r.train.device, 0)?;
+    let dtype = r.train.dtype.dtype();
+    let free = crate::device::capacity(&device);
+    let mut seen = HashSet::new();
+    let mut gemms = Vec::new();
+    for &tp in &tps {
+        for &mb in &mbs {
+            for p in projections(&r, tp, mb) {
+                let elems = p.rows * p.inp + p.out * p.inp + 2 * p.rows * p.out + p.rows * p.inp;
+                let bytes = (elems * dtype.size_in_bytes() + 4 * p.out * p.inp) as u64;
+                if free.is_some_and(|f| bytes > f / 2) {
+                    println!(
+                        "{}: skipped, {:.1} GiB of operands",
+                        p.what,
+                        bytes as f64 / GIB
+                    );
+                    continue;
+                }
+                for g in measure(&p, dtype, &device, a.iters)? {
+                    if seen.insert((g.m, g.n, g.k)) {
+                        println!(
+                            "{:<28} [{} × {}] · [{} × {}]  {:9.2} TFLOP/s",
+                            g.what, g.m, g.k, g.k, g.n, g.tflops
+                        );
+                        gemms.push(g);
+                    }
+                }
+            }
+        }
+    }
+    let table = GemmTable {
+        device: crate::device::gpu_facts()
+            .filter(|_| device.is_cuda())
+            .map_or_else(|| "cpu".to_string(), |f| f.name),
+        dtype: format!("{:?}", dtype).to_lowercase(),
+        gemms,
+    };
+    if let Some(path) = &a.json_out {
+        crate::files::write_replacing(path, serde_json::to_string_pretty(&table)?.as_bytes())?;
+    }
+    Ok(table)
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
