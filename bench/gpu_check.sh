@@ -35,10 +35,10 @@
 #             ragged batch against the project's kernels)
 #   bench     bench/gpu_step.sh: the 1.1B model, ours against PyTorch eager (tokens/s, MFU), then
 #             ours alone with train.deterministic=false (cuDNN's non-deterministic backward)
-#   gemm      pretrain bench-gemm on bench-1b and bench-7b (every projection's forward, input and
-#             weight gradient at tp 1-8 and micro-batches 1-8): the GEMM rate tables for
-#             `pretrain plan --gemm-table` (keep them: $OUT/gemm/), then the 1.1B plan priced
-#             from them, to set beside the step `bench` measured
+#   rates     pretrain bench-rates on bench-1b and bench-7b (every projection's forward, input and
+#             weight gradient at tp 1-8 and micro-batches 1-8, the causal attention, element-wise
+#             bandwidth): the tables for `pretrain plan --rates` (keep them: $OUT/rates/), then
+#             the 1.1B plan priced from them, to set beside the step `bench` measured
 #   7b        Llama-2-7B's shape on one GPU (recipes/bench-7b.yaml): the plan, then
 #             bench/gpu_step.sh against PyTorch eager and torch.compile (tokens/s, MFU in both
 #             attention counts, memory against the plan), then 6 steps saving at step 3 and a
@@ -69,7 +69,7 @@ cd "$(dirname "$0")/.."
 BIN=./pretrain
 if [ $# -gt 0 ] && [ -e "$1" ]; then BIN=$1; shift; fi
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents muon pipeline attention bench gemm profile)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(selftest tiny ranks zero3 levers moe long documents muon pipeline attention bench rates profile)
 if [ "${BIN%.xz}" != "$BIN" ]; then
   xz -dkf "$BIN" && BIN=${BIN%.xz} && chmod +x "$BIN" || { echo "gpu_check.sh: cannot unpack $BIN" >&2; exit 1; }
 fi
@@ -368,13 +368,13 @@ print(sys.argv[2], {k: t[0].get(k) for k in ('bubble', 'bubble_simulated', 'act_
         OUT_DIR="$RUNS/gpu_step-nondeterministic" PYTHON="$PYTHON" ONLY=ours \
         bench/gpu_step.sh "$BIN" --set train.deterministic=false
       ;;
-    gemm)
-      mkdir -p "$OUT/gemm"
+    rates)
+      mkdir -p "$OUT/rates"
       for r in bench-1b bench-7b; do
-        part "gemm-$r" "$BIN" bench-gemm --recipe "recipes/$r.yaml" --json-out "$OUT/gemm/$r.json"
+        part "rates-$r" "$BIN" bench-rates --recipe "recipes/$r.yaml" --json-out "$OUT/rates/$r.json"
       done
       "$BIN" plan --recipe recipes/bench-1b.yaml --gpu "${GPU_PRESET:-h200}" \
-        --gemm-table "$OUT/gemm/bench-1b.json" | tee "$OUT/plan-1b-measured-gemms.txt"
+        --rates "$OUT/rates/bench-1b.json" | tee "$OUT/plan-1b-measured-rates.txt"
       ;;
     7b)
       "$BIN" plan --recipe recipes/bench-7b.yaml --gpu "${GPU_PRESET:-h200}" | tee "$OUT/plan-7b.txt"

@@ -12,7 +12,7 @@ use crate::recipe::{self, DeviceKind, Dtype, Recipe};
 
 mod bench;
 mod bench_comm;
-mod bench_gemm;
+mod bench_rates;
 mod check;
 mod gpus;
 mod train;
@@ -187,9 +187,9 @@ pub enum Command {
     },
     /// Time one attention call, forward and backward, on each attention backend (TFLOP/s).
     BenchAttention(bench::AttentionArgs),
-    /// The rate of every GEMM a recipe's layouts run, by shape (TFLOP/s), as the table
-    /// `pretrain plan --gemm-table` reads.
-    BenchGemm(bench_gemm::GemmArgs),
+    /// What a recipe's step runs, timed on its device: every GEMM by shape, the causal
+    /// attention, element-wise bandwidth; the table `pretrain plan --rates` reads.
+    BenchRates(bench_rates::RatesArgs),
     /// Host time per communication call over the job's backend (NCCL, tcp processes): an
     /// all-reduce from the compute thread, one in place from a communication thread, a ring hop.
     BenchComm(bench_comm::CommArgs),
@@ -399,7 +399,7 @@ pub fn run(cli: Cli) -> Result<()> {
         ) => selftest(device, &recipe, json.as_deref()),
         (None, Some(Command::BenchAttention(args))) => bench::bench_attention(&args).map(drop),
         (None, Some(Command::BenchComm(args))) => bench_comm::bench_comm(&args),
-        (None, Some(Command::BenchGemm(args))) => bench_gemm::bench_gemm(&args).map(drop),
+        (None, Some(Command::BenchRates(args))) => bench_rates::bench_rates(&args).map(drop),
         _ => anyhow::bail!("give --recipe FILE to train, or a subcommand (see --help)"),
     }
 }

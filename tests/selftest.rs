@@ -1,6 +1,6 @@
 //! `pretrain selftest` on the CPU: every check runs and passes (the same checks a GPU machine runs
 //! with `--device cuda`), and asking for CUDA from a CPU build is a clear error; `pretrain
-//! bench-attention` and `pretrain bench-gemm` on the CPU.
+//! bench-attention` and `pretrain bench-rates` on the CPU.
 
 use std::process::Command;
 
@@ -163,13 +163,14 @@ fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
     }
 }
 
-/// `pretrain bench-gemm` measures each projection's three products on the CPU and writes a table
-/// that `pretrain plan --gemm-table` prices the step from: a table of very slow GEMMs lengthens
-/// the planned step, and a damaged one is refused naming the file and the entry.
+/// `pretrain bench-rates` measures each projection's three products, the attention and the
+/// element-wise bandwidth on the CPU and writes a table that `pretrain plan --rates` prices the
+/// step from: a table of very slow GEMMs lengthens the planned step, and a damaged one is
+/// refused naming the file and the entry.
 #[test]
-fn gemm_bench_writes_the_table_the_planner_reads() {
+fn rates_bench_writes_the_table_the_planner_reads() {
     let dir = tempfile::tempdir().unwrap();
-    let table = dir.path().join("gemm.json");
+    let table = dir.path().join("rates.json");
     let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_pretrain"))
             .args(args)
@@ -186,7 +187,7 @@ fn gemm_bench_writes_the_table_the_planner_reads() {
         &["--tp", "1", "--micro-batch", "4", "--iters", "2"],
     ]
     .concat();
-    let (ok, text) = run(&[&["bench-gemm"], &bench[..], &["--json-out", t]].concat());
+    let (ok, text) = run(&[&["bench-rates"], &bench[..], &["--json-out", t]].concat());
     assert!(ok, "{text}");
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&table).unwrap()).unwrap();
@@ -196,6 +197,10 @@ fn gemm_bench_writes_the_table_the_planner_reads() {
     assert!(gemms.len() >= 12 && gemms.len() <= 18, "{text}");
     assert!(gemms.iter().all(|g| g["tflops"].as_f64().unwrap() > 0.0));
     assert!(text.contains("gate/up tp1 mb4 dw"), "{text}");
+    let attention = &json["attention"][0];
+    assert_eq!(attention["head_dim"], 16, "{text}");
+    assert!(attention["fwd_tflops"].as_f64().unwrap() > 0.0, "{text}");
+    assert!(json["bandwidth_gbps"].as_f64().unwrap() > 0.0, "{text}");
 
     let step = |extra: &[&str]| {
         let plan = [
@@ -223,15 +228,15 @@ fn gemm_bench_writes_the_table_the_planner_reads() {
         g["tflops"] = serde_json::json!(1e-3);
     }
     std::fs::write(&table, json.to_string()).unwrap();
-    let slow = step(&["--gemm-table", t]);
+    let slow = step(&["--rates", t]);
     assert!(slow > 100.0 * preset, "{slow} against {preset}");
 
     json["gemms"][2]["tflops"] = serde_json::json!(-1.0);
     std::fs::write(&table, json.to_string()).unwrap();
-    let plan = ["plan", "--recipe", "recipes/tiny.yaml", "--gemm-table", t];
+    let plan = ["plan", "--recipe", "recipes/tiny.yaml", "--rates", t];
     let (ok, text) = run(&plan);
     assert!(
-        !ok && text.contains("gemm.json") && text.contains("gemms[2]: tflops"),
+        !ok && text.contains("rates.json") && text.contains("gemms[2]: tflops"),
         "{text}"
     );
 }

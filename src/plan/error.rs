@@ -37,9 +37,9 @@ pub enum PlanError {
     /// The ranks make no mesh.
     #[error(transparent)]
     Mesh(#[from] MeshError),
-    /// A GEMM rate table that cannot be read or holds impossible values.
-    #[error("GEMM table {path}: {message}")]
-    GemmTable {
+    /// A table of measured rates that cannot be read or holds impossible values.
+    #[error("rates table {path}: {message}")]
+    Rates {
         path: std::path::PathBuf,
         message: String,
     },

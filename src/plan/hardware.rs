@@ -51,13 +51,14 @@ pub struct Hardware {
     pub inter_node_gbps: f64,
     /// GPUs per node.
     pub gpus_per_node: usize,
-    /// Fraction of peak a large bf16 GEMM reaches inside a training step (the GEMMs' rate
-    /// where [`Hardware::gemm`] has none nearby).
+    /// Fraction of peak a large bf16 GEMM reaches inside a training step (where
+    /// [`Hardware::rates`] has no GEMM near the shape).
     pub gemm_efficiency: f64,
-    /// Measured GEMM rates by shape (`pretrain bench-gemm`), if given.
+    /// Rates measured on the device (`pretrain bench-rates`), if given.
     #[serde(skip)]
-    pub gemm: Option<&'static super::GemmTable>,
-    /// Fraction of peak the fused causal attention reaches (forward and backward).
+    pub rates: Option<&'static super::Rates>,
+    /// Fraction of peak the fused causal attention reaches (forward and backward; where
+    /// [`Hardware::rates`] has no measurement at the head dim and length).
     pub attention_efficiency: f64,
     /// The host side, for optimizer offload.
     pub host: Host,
@@ -93,7 +94,7 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.62,
                 attention_efficiency: 0.20,
-                gemm: None,
+                rates: None,
                 // DGX A100: 2 TB, PCIe gen4, two EPYC 7742 (2 × 205 GB/s peak).
                 host: Host {
                     memory_gib: 1907.0,
@@ -114,7 +115,7 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.55,
                 attention_efficiency: 0.20,
-                gemm: None,
+                rates: None,
                 // DGX H100: 2 TB, PCIe gen5, two Xeon 8480C (2 × 307 GB/s peak).
                 host: Host {
                     memory_gib: 1907.0,
@@ -135,7 +136,7 @@ impl GpuPreset {
                 gpus_per_node: 8,
                 gemm_efficiency: 0.57,
                 attention_efficiency: 0.20,
-                gemm: None,
+                rates: None,
                 // DGX H200: as DGX H100.
                 host: Host {
                     memory_gib: 1907.0,

@@ -10,10 +10,10 @@
 mod acts;
 pub mod choose;
 mod error;
-pub mod gemm;
 pub mod hardware;
 mod memo;
 pub mod memory;
+pub mod rates;
 pub mod report;
 mod roofline;
 pub mod search;
@@ -23,9 +23,9 @@ use parallel::pipeline::ScheduleKind;
 use serde::Serialize;
 
 pub use error::PlanError;
-pub use gemm::GemmTable;
 pub use hardware::{GpuPreset, Hardware, Host};
 pub use memory::{MemoryBytes, StageMemory};
+pub use rates::Rates;
 pub use search::{candidates, cheapest_fit, Candidate};
 pub use time::StepTime;
 

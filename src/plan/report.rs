@@ -55,10 +55,11 @@ pub struct PlanArgs {
     /// Host memory bandwidth per node an offloaded AdamW update reaches, gigabytes per second.
     #[arg(long)]
     pub host_memory_gbps: Option<f64>,
-    /// GEMM rates measured by shape (`pretrain bench-gemm --json-out`), used in place of the
-    /// preset's fraction of peak for the shapes it holds or lies near.
+    /// Rates measured on the device (`pretrain bench-rates --json-out`): GEMMs by shape,
+    /// attention by head dim and length, element-wise bandwidth, used in place of the preset's
+    /// fractions of peak where they hold the shape or one near it.
     #[arg(long)]
-    pub gemm_table: Option<PathBuf>,
+    pub rates: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -124,8 +125,8 @@ impl PlanArgs {
             }
             hw.gpus_per_node = g;
         }
-        if let Some(path) = &self.gemm_table {
-            hw.gemm = Some(super::GemmTable::load(path)?.leak());
+        if let Some(path) = &self.rates {
+            hw.rates = Some(super::Rates::load(path)?.leak());
         }
         Ok(hw)
     }

@@ -93,12 +93,12 @@ pub(super) fn exposed(total: f64, window: f64) -> f64 {
 }
 
 impl Model<'_> {
-    /// A GEMM `[m, k] × [k, n]`: at the rate measured for its shape ([`Hardware::gemm`]), or on
-    /// the roofline, at the GEMM fraction of peak or at HBM speed when it moves more bytes than
-    /// that compute takes.
+    /// A GEMM `[m, k] × [k, n]`: at the rate measured for its shape ([`Hardware::rates`]), or
+    /// on the roofline, at the GEMM fraction of peak or at HBM speed when it moves more bytes
+    /// than that compute takes.
     pub(super) fn gemm(&self, m: f64, n: f64, k: f64) -> f64 {
         let flops = 2.0 * m * n * k;
-        if let Some(tflops) = self.hw.gemm.and_then(|t| t.rate(m, n, k)) {
+        if let Some(tflops) = self.hw.rates.and_then(|t| t.gemm(m, n, k)) {
             return flops / (tflops * 1e12);
         }
         let compute = flops / (self.hw.peak_tflops * 1e12 * self.hw.gemm_efficiency);
@@ -115,8 +115,26 @@ impl Model<'_> {
         }
     }
 
+    /// Memory-bound work moving `bytes`: at the measured element-wise bandwidth, or at the
+    /// fraction [`HBM_EFFICIENCY`] of the preset's.
     pub(super) fn memory(&self, bytes: f64) -> f64 {
-        bytes / (self.hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+        match self.hw.rates.and_then(|r| r.bandwidth_gbps) {
+            Some(gbps) => bytes / (gbps * 1e9),
+            None => bytes / (self.hw.hbm_gbps * 1e9 * HBM_EFFICIENCY),
+        }
+    }
+
+    /// The causal attention's forward and backward seconds for `flops` forward FLOPs (the
+    /// backward does 2.5 times as many): at the rates measured at the model's head dim and the
+    /// sequence length, or at the preset's fraction of peak.
+    fn attention(&self, flops: f64) -> (f64, f64) {
+        match (self.hw.rates).and_then(|r| r.attention(self.c.head_dim(), self.s)) {
+            Some((fwd, bwd)) => (flops / (fwd * 1e12), 2.5 * flops / (bwd * 1e12)),
+            None => {
+                let fwd = flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
+                (fwd, 2.5 * fwd)
+            }
+        }
     }
 
     /// A collective of the tensor-parallel group moving `factor × bytes` per GPU.
@@ -173,7 +191,7 @@ impl Model<'_> {
         // document mask keeps), split evenly over the context-parallel ranks by the
         // load-balanced chunks.
         let attn_flops = 2.0 * self.b * self.s * self.s * q / t / self.cp * self.attn_share;
-        let attn = attn_flops / (self.hw.peak_tflops * 1e12 * self.hw.attention_efficiency);
+        let (attn, attn_bwd) = self.attention(attn_flops);
         let kv_bytes = 2.0 * n * kv / t * p;
         let (ring_fwd, ring_bwd) = Cp::ring_s(self.cp, kv_bytes, p, self.cp_bw, attn);
         let tp_copies = if t > 1.0 { 8.0 * n * h } else { 0.0 };
@@ -181,7 +199,7 @@ impl Model<'_> {
         let mem = self.memory(mem_bytes);
         let tp = Tp::block_s(t, n * h * p, self.tp_bw);
         let fwd = gemms + attn + mem + tp + ring_fwd + a2a;
-        let mut bwd = products.dx + products.dw + 2.5 * attn + 2.0 * mem + tp + ring_bwd + a2a;
+        let mut bwd = products.dx + products.dw + attn_bwd + 2.0 * mem + tp + ring_bwd + a2a;
         let mut tp_all = 2.0 * tp;
         if recompute == Recompute::Full {
             bwd += fwd;
@@ -292,12 +310,12 @@ pub(super) fn model_of<'a>(r: &'a Recipe, hw: &'a Hardware) -> Model<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::gemm::{GemmRate, GemmTable};
+    use crate::plan::rates::{GemmRate, Rates};
     use crate::plan::GpuPreset;
 
     /// Every product a dense block and the head run at `r`'s layout (forward, input and weight
     /// gradient of q, k, v, o, gate, up, down and the head), at `tflops`.
-    fn table_of(r: &Recipe, tflops: f64) -> GemmTable {
+    fn table_of(r: &Recipe, tflops: f64) -> Rates {
         let c = &r.model;
         let n = (r.train.micro_batch * r.train.seq_len) as u64;
         let (h, q, kv, f, v) = (
@@ -319,10 +337,12 @@ mod tests {
                 });
             }
         }
-        GemmTable {
+        Rates {
             device: "test".into(),
             dtype: "bf16".into(),
             gemms,
+            attention: Vec::new(),
+            bandwidth_gbps: None,
         }
     }
 
@@ -334,9 +354,9 @@ mod tests {
         let r = crate::recipe::load(std::path::Path::new("recipes/bench-1b.yaml"), &[]).unwrap();
         let preset = GpuPreset::H100.hardware();
         let rate = preset.peak_tflops * preset.gemm_efficiency;
-        let cost = |table: Option<GemmTable>| {
+        let cost = |table: Option<Rates>| {
             let hw = Hardware {
-                gemm: table.map(GemmTable::leak),
+                rates: table.map(Rates::leak),
                 ..preset
             };
             let m = model_of(&r, &hw);
@@ -359,6 +379,49 @@ mod tests {
         assert!(
             gemms_fwd > 0.0 && close(base.2 / 2.0, gemms_fwd),
             "{fast:?} {base:?}"
+        );
+    }
+
+    /// Attention at the rate measured for its head dim and length, element-wise work at the
+    /// measured bandwidth: at the preset's own rates the block costs the same; at twice the
+    /// attention rate its forward loses half the attention's time.
+    #[test]
+    fn measured_attention_and_bandwidth_replace_the_presets_fractions() {
+        use crate::plan::rates::AttentionRate;
+        let r = crate::recipe::load(std::path::Path::new("recipes/bench-1b.yaml"), &[]).unwrap();
+        let preset = GpuPreset::H100.hardware();
+        let attention = preset.peak_tflops * preset.attention_efficiency;
+        let bandwidth = preset.hbm_gbps * HBM_EFFICIENCY;
+        let block = |scale: f64| {
+            let mut rates = table_of(&r, preset.peak_tflops * preset.gemm_efficiency);
+            rates.attention = vec![AttentionRate {
+                head_dim: r.model.head_dim() as u64,
+                seq: r.train.seq_len as u64,
+                fwd_tflops: scale * attention,
+                bwd_tflops: scale * attention,
+                what: String::new(),
+            }];
+            rates.bandwidth_gbps = Some(bandwidth);
+            let hw = Hardware {
+                rates: Some(rates.leak()),
+                ..preset
+            };
+            model_of(&r, &hw).block(Recompute::None, Recomputed::default(), false)
+        };
+        let base = model_of(&r, &preset).block(Recompute::None, Recomputed::default(), false);
+        let (same, fast) = (block(1.0), block(2.0));
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs();
+        assert!(
+            close(base.fwd, same.fwd) && close(base.bwd, same.bwd),
+            "{base:?} {same:?}"
+        );
+        let c = &r.model;
+        let (b, s) = (r.train.micro_batch as f64, r.train.seq_len as f64);
+        let attn = 2.0 * b * s * s * c.q_dim() as f64 / (attention * 1e12);
+        assert!(close(base.fwd - fast.fwd, attn / 2.0), "{base:?} {fast:?}");
+        assert!(
+            close(base.bwd - fast.bwd, 2.5 * attn / 2.0),
+            "{base:?} {fast:?}"
         );
     }
 }

@@ -1,8 +1,14 @@
-//! `pretrain bench-gemm`: the rate of every GEMM a recipe's layouts run, on the recipe's device
-//! and dtype, through the step's own calls: each projection's forward (`x · wᵀ`), input
-//! gradient (`g · w`) and weight gradient (`gᵀ · x` accumulated into an f32 buffer), over
-//! tensor-parallel sizes and micro-batches. `--json-out` writes the table `pretrain plan
-//! --gemm-table` prices GEMMs from (`plan::gemm`).
+//! `pretrain bench-rates`: what a recipe's step runs, timed on the recipe's device and dtype
+//! through the step's own calls, as the table `pretrain plan --rates` prices steps from
+//! (`plan::rates`):
+//!
+//! - every GEMM of its layouts: each projection's forward (`x · wᵀ`), input gradient (`g · w`)
+//!   and weight gradient (`gᵀ · x` accumulated into an f32 buffer), over tensor-parallel sizes
+//!   and micro-batches;
+//! - the causal attention's forward and backward on the recipe's backend at its sequence length
+//!   (FLOPs counted as `pretrain bench-attention` counts them);
+//! - the bandwidth of an element-wise kernel (the residual addition) on tensors of the size of a
+//!   micro-batch's MLP activations.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -14,12 +20,12 @@ use clap::Args;
 use model::ops;
 
 use crate::cli::RecipeArgs;
-use crate::plan::gemm::{GemmRate, GemmTable};
+use crate::plan::rates::{AttentionRate, GemmRate, Rates};
 use crate::recipe::Recipe;
 
-/// Arguments of `pretrain bench-gemm`.
+/// Arguments of `pretrain bench-rates`.
 #[derive(Debug, Args)]
-pub struct GemmArgs {
+pub struct RatesArgs {
     /// The recipe (its model, sequence length, dtype and device).
     #[command(flatten)]
     pub recipe: RecipeArgs,
@@ -29,10 +35,10 @@ pub struct GemmArgs {
     /// Micro-batch sizes to sweep (default: 1, 2, 4 and 8).
     #[arg(long, value_delimiter = ',')]
     pub micro_batch: Vec<usize>,
-    /// Timed calls per GEMM (after two warm-up calls).
+    /// Timed calls per measurement (after two warm-up calls).
     #[arg(long, default_value_t = 10)]
     pub iters: usize,
-    /// Also write the table as JSON (what `pretrain plan --gemm-table` reads).
+    /// Also write the table as JSON (what `pretrain plan --rates` reads).
     #[arg(long)]
     pub json_out: Option<PathBuf>,
 }
@@ -137,8 +143,56 @@ fn measure(p: &Projection, dtype: DType, device: &Device, iters: usize) -> Resul
     ])
 }
 
-/// Runs the sweep, prints a line per GEMM and returns the table.
-pub fn bench_gemm(a: &GemmArgs) -> Result<GemmTable> {
+/// The causal attention's forward and backward at `r`'s model and sequence length on `r`'s
+/// backend, micro-batch `mb`, all heads.
+fn attention(r: &Recipe, mb: usize, device: &Device, iters: usize) -> Result<AttentionRate> {
+    let c = &r.model;
+    let (s, d) = (r.train.seq_len, c.head_dim());
+    let dtype = r.train.dtype.dtype();
+    let randn = |heads: usize| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1f32, (mb, s, heads, d), device)?.to_dtype(dtype)?)
+    };
+    let (q, k, v) = (
+        randn(c.num_attention_heads)?,
+        randn(c.num_key_value_heads)?,
+        randn(c.num_key_value_heads)?,
+    );
+    let dout = randn(c.num_attention_heads)?;
+    let backend = r.train.attention_backend();
+    crate::device::prepare_attention(backend)?;
+    let kern = ops::attention_kernels(backend);
+    let scale = 1.0 / (d as f64).sqrt();
+    let (o, l) = (kern.causal)(&q, &k, &v, scale, None)?;
+    let fwd = timed(device, iters, &|| {
+        Ok((kern.causal)(&q, &k, &v, scale, None).map(drop)?)
+    })?;
+    let bwd = timed(device, iters, &|| {
+        Ok((kern.causal_bwd)(&q, &k, &v, (&o, &l), &dout, scale, None).map(drop)?)
+    })?;
+    // Causal: half of QKᵀ and PV's 4 · b · heads · s² · d.
+    let flops = 2.0 * (mb * c.num_attention_heads * d) as f64 * (s * s) as f64;
+    Ok(AttentionRate {
+        head_dim: d as u64,
+        seq: s as u64,
+        fwd_tflops: flops / fwd / 1e12,
+        bwd_tflops: 2.5 * flops / bwd / 1e12,
+        what: format!(
+            "{backend} b{mb} s{s} h{}/{} d{d}",
+            c.num_attention_heads, c.num_key_value_heads
+        ),
+    })
+}
+
+/// GB/s of the residual addition on `[rows, f]` tensors (two read, one written).
+fn bandwidth(shape: (usize, usize), dtype: DType, device: &Device, iters: usize) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?;
+    let secs = timed(device, iters, &|| Ok(ops::add(&a, &b).map(drop)?))?;
+    Ok(3.0 * (shape.0 * shape.1 * dtype.size_in_bytes()) as f64 / secs / 1e9)
+}
+
+/// Runs the sweep, prints a line per measurement and returns the table.
+pub fn bench_rates(a: &RatesArgs) -> Result<Rates> {
     let r = a.recipe.load()?;
     if a.iters == 0 {
         bail!("--iters must be positive");
@@ -201,12 +255,24 @@ pub fn bench_gemm(a: &GemmArgs) -> Result<GemmTable> {
             }
         }
     }
-    let table = GemmTable {
+    let mb = r.train.micro_batch;
+    let attention = attention(&r, mb, &device, a.iters)?;
+    println!(
+        "attention {:<18} forward {:9.2} TFLOP/s, backward {:9.2} TFLOP/s",
+        attention.what, attention.fwd_tflops, attention.bwd_tflops
+    );
+    let rows = mb * r.train.seq_len;
+    let width = r.model.intermediate_size.max(r.model.hidden_size);
+    let bandwidth_gbps = bandwidth((rows, width), dtype, &device, a.iters)?;
+    println!("element-wise [{rows} × {width}] {bandwidth_gbps:9.1} GB/s");
+    let table = Rates {
         device: crate::device::gpu_facts()
             .filter(|_| device.is_cuda())
             .map_or_else(|| "cpu".to_string(), |f| f.name),
         dtype: format!("{:?}", dtype).to_lowercase(),
         gemms,
+        attention: vec![attention],
+        bandwidth_gbps: Some(bandwidth_gbps),
     };
     if let Some(path) = &a.json_out {
         crate::files::write_replacing(path, serde_json::to_string_pretty(&table)?.as_bytes())?;
