@@ -145,6 +145,35 @@ fn op_cases() -> Result<Vec<OpCase>> {
             grads: vec![0, 1],
             f: |x| model::ops::rms_norm(&x[0], &x[1], 1e-5),
         },
+        // The residual addition fused with RMSNorm, and RMSNorm's backward with the residual
+        // gradient added (the block's calls; no graph: forward values only).
+        OpCase {
+            name: "add_rms_norm",
+            inputs: vec![
+                randn(&[b * s, h], 27)?,
+                randn(&[b * s, h], 28)?,
+                (randn(&[h], 29)? + 1.0)?,
+            ],
+            grads: vec![],
+            f: |x| {
+                let (sum, y) = model::ops::add_rms_norm(&x[0], &x[1], &x[2], 1e-5)?;
+                Tensor::cat(&[sum, y], 0)
+            },
+        },
+        OpCase {
+            name: "rms_norm_bwd_add",
+            inputs: vec![
+                randn(&[b * s, h], 30)?,
+                (randn(&[h], 31)? + 1.0)?,
+                randn(&[b * s, h], 32)?,
+                randn(&[b * s, h], 33)?,
+            ],
+            grads: vec![],
+            f: |x| {
+                let (dx, dw) = model::ops::rms_norm_bwd_add(&x[0], &x[1], 1e-5, &x[2], &x[3])?;
+                Tensor::cat(&[dx.flatten_all()?, dw], 0)
+            },
+        },
         OpCase {
             name: "rope",
             inputs: vec![randn(&[b, s, hq, d], 3)?, angles.cos()?, angles.sin()?],

@@ -1,11 +1,13 @@
-// Pointwise kernels of the op library, forward and backward: RMSNorm, RoPE, SwiGLU,
+// Pointwise kernels of the op library, forward and backward: RMSNorm (alone and fused with the
+// residual addition), RoPE, SwiGLU,
 // cross-entropy, the embedding's backward and the addition of two tensors. Every kernel is a template on the storage type T (float, double, bf16) exported
 // as NAME_f32 / NAME_f64 / NAME_bf16; loads convert to Acc<T> (f32, f64 for double), all
 // arithmetic and sums run there, stores round back to T. The formulas (and their evaluation
 // order) follow the CPU kernels in src/ops/*.rs.
 //
 // Launch shapes (chosen by src/ops/cuda/pointwise.rs):
-//   row kernels (rms_norm*, cross_entropy*): one block per row (rms_norm_bwd: per block of rows),
+//   row kernels (rms_norm*, add_rms_norm_fwd, cross_entropy*): one block per row (rms_norm_bwd*:
+//     per block of rows),
 //     blockDim.x a multiple of 32 and at most 1024, any grid at least as large as needed;
 //   element kernels (rope, swiglu*, add): any 1-D grid, grid-stride loops over 64-bit indices
 //     (swiglu* and add over 16-byte packs of elements where aligned, see Pack).
@@ -78,13 +80,43 @@ __device__ void rms_norm_fwd_impl(const T* x, const T* w, T* y, int rows, int h,
 EXPORT3(rms_norm_fwd, (const T* x, const T* w, T* y, int rows, int h, double eps),
         (x, w, y, rows, h, eps))
 
+// The residual addition and RMSNorm in one pass: s = x + o, rounded to T as `add` stores it,
+// then y = s * r * w with r from the stored s, as rms_norm_fwd computes it from s. x, o, s, y:
+// [rows, h]; w: [h]. One block per row; each thread reads back only the elements of s it
+// wrote, so the row needs no barrier between the two passes beyond block_sum's.
+template <typename T>
+__device__ void add_rms_norm_fwd_impl(const T* x, const T* o, const T* w, T* s, T* y, int rows,
+                                      int h, double eps) {
+  typedef typename Acc<T>::type A;
+  __shared__ A scratch[32];
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const size_t off = (size_t)row * h;
+  A ss = 0;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    const T sum = from_acc<T>(to_acc(x[off + j]) + to_acc(o[off + j]));
+    s[off + j] = sum;
+    const A v = to_acc(sum);
+    ss += v * v;
+  }
+  ss = block_sum(ss, scratch);
+  const A r = (A)1 / sqrt_acc(ss / (A)h + (A)eps);
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    y[off + j] = from_acc<T>(to_acc(s[off + j]) * r * to_acc(w[j]));
+  }
+}
+EXPORT3(add_rms_norm_fwd,
+        (const T* x, const T* o, const T* w, T* s, T* y, int rows, int h, double eps),
+        (x, o, w, s, y, rows, h, eps))
+
 // Backward, stage 1. x, g, dx: [rows, h]; w: [h]; partial: [gridDim.x, h] in Acc<T>.
 // Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block) in order. Per row, with
 // a = Σ_k g_k w_k x_k: dx_j = r g_j w_j - x_j r³ a / h; the block's dweight partial
 // partial[b, j] = Σ_rows g_j x_j r. Thread t owns columns j ≡ t (mod blockDim.x) of the partial
-// row, so it accumulates them in global memory without races, in row order.
+// row, so it accumulates them in global memory without races, in row order. With a residual
+// gradient res ([rows, h], or null), dx_j is rounded to T and added to res_j (as `add` would).
 template <typename T>
-__device__ void rms_norm_bwd_impl(const T* x, const T* w, const T* g, T* dx,
+__device__ void rms_norm_bwd_rows(const T* x, const T* w, const T* g, const T* res, T* dx,
                                   typename Acc<T>::type* partial, int rows, int h,
                                   int rows_per_block, double eps) {
   typedef typename Acc<T>::type A;
@@ -108,17 +140,35 @@ __device__ void rms_norm_bwd_impl(const T* x, const T* w, const T* g, T* dx,
     a = block_sum(a, scratch);
     const A r = (A)1 / sqrt_acc(ss / (A)h + (A)eps);
     const A c = r * r * r * a / (A)h;
+    const T* rr = res ? res + (size_t)row * h : nullptr;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
       const A xv = to_acc(xr[j]), gv = to_acc(gr[j]);
-      dxr[j] = from_acc<T>(r * gv * to_acc(w[j]) - xv * c);
+      const T d = from_acc<T>(r * gv * to_acc(w[j]) - xv * c);
+      dxr[j] = rr ? from_acc<T>(to_acc(rr[j]) + to_acc(d)) : d;
       p[j] += gv * xv * r;
     }
   }
+}
+template <typename T>
+__device__ void rms_norm_bwd_impl(const T* x, const T* w, const T* g, T* dx,
+                                  typename Acc<T>::type* partial, int rows, int h,
+                                  int rows_per_block, double eps) {
+  rms_norm_bwd_rows<T>(x, w, g, nullptr, dx, partial, rows, h, rows_per_block, eps);
 }
 EXPORT3(rms_norm_bwd,
         (const T* x, const T* w, const T* g, T* dx, Acc<T>::type* partial, int rows, int h,
          int rows_per_block, double eps),
         (x, w, g, dx, partial, rows, h, rows_per_block, eps))
+template <typename T>
+__device__ void rms_norm_bwd_add_impl(const T* x, const T* w, const T* g, const T* res, T* dx,
+                                      typename Acc<T>::type* partial, int rows, int h,
+                                      int rows_per_block, double eps) {
+  rms_norm_bwd_rows<T>(x, w, g, res, dx, partial, rows, h, rows_per_block, eps);
+}
+EXPORT3(rms_norm_bwd_add,
+        (const T* x, const T* w, const T* g, const T* res, T* dx, Acc<T>::type* partial,
+         int rows, int h, int rows_per_block, double eps),
+        (x, w, g, res, dx, partial, rows, h, rows_per_block, eps))
 
 // Backward, stage 2: dw[j] = Σ_b partial[b, j]. partial: [blocks, h]; dw: [h]. Each block of
 // DW_THREADS threads owns DW_COLS consecutive columns: thread t handles column t % DW_COLS and

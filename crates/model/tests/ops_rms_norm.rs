@@ -116,3 +116,63 @@ fn bad_inputs_are_errors() {
         "`x` must have at least one dimension, got a scalar",
     );
 }
+
+/// The fused residual forms give the separate ops' results bit for bit: `add_rms_norm` equals
+/// `add` then `rms_norm`, `rms_norm_bwd_add` equals `rms_norm_bwd` then `add` (the residual
+/// first), in f32, f64 and bf16 (computed through f32 on the CPU), over rows longer than a
+/// task's chunk and a short last chunk; shapes that disagree are refused by name.
+#[test]
+fn the_fused_residual_forms_equal_the_separate_ops_bit_for_bit() {
+    use model::ops::{add, add_rms_norm, rms_norm_bwd, rms_norm_bwd_add};
+    let mut rng = Rng::new(7);
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let v = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+        v.to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        for dims in [(3usize, 300, 48), (2, 4, 300)] {
+            let h = dims.2;
+            let (x, o, g, res) = (
+                rng.tensor(dims, 1.0, dtype),
+                rng.tensor(dims, 1.0, dtype),
+                rng.tensor(dims, 1.0, dtype),
+                rng.tensor(dims, 1.0, dtype),
+            );
+            let w = (rng.tensor(h, 0.5, dtype) + 1.0).unwrap();
+            let (s, y) = add_rms_norm(&x, &o, &w, EPS).unwrap();
+            let s_ref = add(&x, &o).unwrap();
+            let y_ref = rms_norm(&s_ref, &w, EPS).unwrap();
+            let what = format!("{dtype:?} {dims:?}");
+            assert_eq!(
+                (s.dims3().unwrap(), y.dims3().unwrap()),
+                (dims, dims),
+                "{what}"
+            );
+            assert_eq!(bits(&s), bits(&s_ref), "{what}: the sum");
+            assert_eq!(bits(&y), bits(&y_ref), "{what}: its norm");
+
+            let (dx, dw) = rms_norm_bwd_add(&s, &w, EPS, &g, &res).unwrap();
+            let (dx_ref, dw_ref) = rms_norm_bwd(&s, &w, EPS, &g).unwrap();
+            let dx_ref = add(&res, &dx_ref).unwrap();
+            assert_eq!(bits(&dx), bits(&dx_ref), "{what}: dx");
+            assert_eq!(bits(&dw), bits(&dw_ref), "{what}: dweight");
+        }
+    }
+    let (x, w) = (
+        rng.tensor((2, 8), 1.0, DType::F32),
+        rng.tensor(8, 1.0, DType::F32),
+    );
+    let short = rng.tensor((2, 4), 1.0, DType::F32);
+    expect_err(
+        add_rms_norm(&x, &x.narrow(1, 0, 4).unwrap(), &w, EPS),
+        "`o` is [2, 4]",
+    );
+    expect_err(
+        rms_norm_bwd_add(&x, &w, EPS, &x, &short),
+        "residual gradient is [2, 4]",
+    );
+}

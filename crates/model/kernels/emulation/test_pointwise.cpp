@@ -1,8 +1,9 @@
 // Emulation driver of kernels/pointwise.cu: runs every exported kernel (rms_norm_fwd,
-// rms_norm_bwd + rms_norm_dw, rope forward and inverse, swiglu_fwd, swiglu_bwd, add,
+// rms_norm_bwd + rms_norm_dw, add_rms_norm_fwd and rms_norm_bwd_add against add with the unfused
+// kernels, rope forward and inverse, swiglu_fwd, swiglu_bwd, add,
 // cross_entropy_fwd, cross_entropy_bwd, embedding_count + embedding_offsets + embedding_order +
 // embedding_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
-// src/ops/cuda/pointwise.rs, and compares the results with double-precision references.
+// src/ops/cuda/pointwise.rs and norm.rs, and compares the results with double-precision references.
 #include "shim.h"
 // The kernels under test, unchanged.
 #include "../pointwise.cu"
@@ -12,7 +13,7 @@ using namespace harness;
 
 namespace {
 
-// src/ops/cuda/pointwise.rs: ROW_THREADS, CE_THREADS and RMS_DW_BLOCKS.
+// src/ops/cuda/pointwise.rs: ROW_THREADS and CE_THREADS; src/ops/cuda/norm.rs: RMS_DW_BLOCKS.
 constexpr unsigned ROW_THREADS = 256;
 constexpr unsigned CE_THREADS = 1024;
 constexpr size_t RMS_DW_BLOCKS = 1024;
@@ -54,7 +55,7 @@ template <typename T> void rms_norm(size_t rows, size_t h, bool forward, uint64_
   }
 
   if (forward) {
-    // pointwise.rs `rms_norm_fwd`: grid(rows, ROW_THREADS, 0), launched only when rows > 0.
+    // norm.rs `rms_norm_fwd`: grid(rows, ROW_THREADS, 0), launched only when rows > 0.
     Buffer<T> y(rows * h, "y");
     if (rows > 0 && !run(format("rms_norm_fwd_%s", type_name<T>()), grid(rows, ROW_THREADS, 0), [&] {
           KERNEL(T, rms_norm_fwd)(x.data(), w.data(), y.data(), (int)rows, (int)h, eps);
@@ -63,7 +64,7 @@ template <typename T> void rms_norm(size_t rows, size_t h, bool forward, uint64_
     compare("rms_norm_fwd " + tag + " y", read(y), ry, tol<T>());
   }
 
-  // pointwise.rs `rms_norm_bwd`: stage 1 grid(blocks, ROW_THREADS, 0) (only when rows > 0)
+  // norm.rs `rms_norm_bwd`: stage 1 grid(blocks, ROW_THREADS, 0) (only when rows > 0)
   // writes dx into out[0, rows h) and the [blocks, h] partials; stage 2 elementwise(h) sums them
   // into out[rows h, rows h + h).
   Buffer<T> out(rows * h + h, "dx|dweight");
@@ -73,7 +74,7 @@ template <typename T> void rms_norm(size_t rows, size_t h, bool forward, uint64_
                                 (int)rows, (int)h, (int)rpb, eps);
       }))
     return;
-  // pointwise.rs `rms_norm_bwd` stage 2: grid(⌈h / DW_COLS⌉, DW_THREADS, 0).
+  // norm.rs `rms_norm_bwd` stage 2: grid(⌈h / DW_COLS⌉, DW_THREADS, 0).
   const Shape dw_shape = grid((h + DW_COLS - 1) / DW_COLS, DW_THREADS, 0);
   if (!run(format("rms_norm_dw_%s", type_name<T>()), dw_shape, [&] {
         KERNEL(T, rms_norm_dw)(partial.data(), out.data() + rows * h, (int)blocks, (int)h);
@@ -196,6 +197,71 @@ template <typename T> void add(size_t n, size_t skip, uint64_t seed) {
         }))
       compare(tag, read(out, skip, n), want, 0.0);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The residual addition fused with RMSNorm, forward (add_rms_norm_fwd: s = x + o, y = norm(s))
+// and backward (rms_norm_bwd_add: dx = res + the norm's dx), bit for bit the unfused kernels:
+// `add` then rms_norm_fwd, rms_norm_bwd then `add`, with the launch shapes of pointwise.rs.
+template <typename T> void add_rms_norm(size_t rows, size_t h, uint64_t seed) {
+  typedef typename Acc<T>::type A;
+  const double eps = 1e-5;
+  const std::string tag = format("%s rows=%zu h=%zu", type_name<T>(), rows, h);
+  const size_t n = rows * h;
+  const int rows_i = (int)rows, h_i = (int)h;
+  Rng rng(seed);
+  Buffer<T> x(n, "x"), o(n, "o"), w(h, "weight"), g(n, "grad"), res(n, "residual");
+  fill_normal(x, rng);
+  fill_normal(o, rng);
+  fill_normal(w, rng, 1.0, 0.3);
+  fill_normal(g, rng);
+  fill_normal(res, rng);
+  const Shape rows_shape = grid(rows, ROW_THREADS, 0);
+
+  // Unfused: add (as pointwise.rs launches it), then rms_norm_fwd on the sum.
+  Buffer<T> s(n, "s"), y(n, "y");
+  if (!run(format("add_%s", type_name<T>()), packed<T>(n), [&] {
+        KERNEL(T, add)(x.data(), o.data(), s.data(), (u64)n);
+      }) ||
+      !run(format("rms_norm_fwd_%s", type_name<T>()), rows_shape, [&] {
+        KERNEL(T, rms_norm_fwd)(s.data(), w.data(), y.data(), rows_i, h_i, eps);
+      }))
+    return;
+  // Fused: norm.rs `add_rms_norm_fwd` (s and y here the two halves of one buffer).
+  Buffer<T> both(2 * n, "s|y");
+  if (!run(format("add_rms_norm_fwd_%s", type_name<T>()), rows_shape, [&] {
+        KERNEL(T, add_rms_norm_fwd)(x.data(), o.data(), w.data(), both.data(), both.data() + n,
+                                    rows_i, h_i, eps);
+      }))
+    return;
+  compare("add_rms_norm_fwd " + tag + " s", read(both, 0, n), read(s), 0.0);
+  compare("add_rms_norm_fwd " + tag + " y", read(both, n, n), read(y), 0.0);
+
+  // Backward: rms_norm_bwd's dx then add(res, dx), against rms_norm_bwd_add.
+  const size_t rpb = std::max<size_t>((rows + RMS_DW_BLOCKS - 1) / RMS_DW_BLOCKS, 1);
+  const size_t blocks = (rows + rpb - 1) / rpb;
+  const Shape bwd_shape = grid(blocks, ROW_THREADS, 0);
+  Buffer<T> dx(n, "dx"), sum(n, "res + dx"), fused(n, "fused dx");
+  Buffer<A> partial(blocks * h, "partial"), fused_partial(blocks * h, "fused partial");
+  if (!run(format("rms_norm_bwd_%s", type_name<T>()), bwd_shape, [&] {
+        KERNEL(T, rms_norm_bwd)(s.data(), w.data(), g.data(), dx.data(), partial.data(), rows_i,
+                                h_i, (int)rpb, eps);
+      }) ||
+      !run(format("add_%s", type_name<T>()), packed<T>(n), [&] {
+        KERNEL(T, add)(res.data(), dx.data(), sum.data(), (u64)n);
+      }) ||
+      !run(format("rms_norm_bwd_add_%s", type_name<T>()), bwd_shape, [&] {
+        KERNEL(T, rms_norm_bwd_add)(s.data(), w.data(), g.data(), res.data(), fused.data(),
+                                    fused_partial.data(), rows_i, h_i, (int)rpb, eps);
+      }))
+    return;
+  compare("rms_norm_bwd_add " + tag + " dx", read(fused), read(sum), 0.0);
+  std::vector<double> a(blocks * h), b(blocks * h);
+  for (size_t i = 0; i < blocks * h; ++i) {
+    a[i] = fused_partial[i];
+    b[i] = partial[i];
+  }
+  compare("rms_norm_bwd_add " + tag + " dweight partials", a, b, 0.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -327,6 +393,8 @@ template <typename T> void all(uint64_t seed) {
   rms_norm<T>(1025, 4, false, seed + 3);   // > RMS_DW_BLOCKS rows: 2 rows per block, 513 partials
   rms_norm<T>(0, 5, true, seed + 4);       // no rows: dweight = 0 (stage 2 only)
   rms_norm<T>(2100, 70, false, seed + 9); // 700 partials over 8 slices, h not a multiple of 32
+  add_rms_norm<T>(3, 300, seed + 10);      // h > ROW_THREADS: strided columns
+  add_rms_norm<T>(1030, 36, seed + 11);    // > RMS_DW_BLOCKS rows, a short row
   rope<T>(2, 5, 3, 12, seed + 5);
   swiglu<T>(1000, 0, seed + 6);  // whole packs
   swiglu<T>(1003, 0, seed + 14); // whole packs and a tail of 3 (bf16), 3 (f32), 1 (f64)

@@ -237,9 +237,8 @@ impl Llama {
         )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
-        let x1 = ops::add(&x, &tp.exit(&o)?)?;
-
-        let normed = ops::rms_norm(&x1, &w.norm2, c.rms_norm_eps)?; // [b, s(/tp), h]
+                                                             // x1 = x + o and its norm in one pass; [b, s(/tp), h] each.
+        let (x1, normed) = ops::add_rms_norm(&x, &tp.exit(&o)?, &w.norm2, c.rms_norm_eps)?;
         let (y, mlp, stats) = match &blk.mlp {
             MlpParams::Dense {
                 gate_proj,
@@ -348,7 +347,8 @@ impl Llama {
                 let (dh2_gate, d_gate) = projection_bwd(&h2, &self.w(*gate_proj)?, &dgate)?;
                 let dh2 = ops::add(&dh2_up, &dh2_gate)?;
                 grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
-                ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &tp.enter_grad(&dh2)?)?
+                let dh2 = tp.enter_grad(&dh2)?;
+                ops::rms_norm_bwd_add(&x1, &w.norm2, c.rms_norm_eps, &dh2, &dy)?
             }
             (MlpTape::Moe(mut tape), MlpParams::Moe(m)) => {
                 if tape.forgot_input() {
@@ -370,11 +370,10 @@ impl Llama {
                     }
                 }
                 let dh2 = g.dx.reshape(x1.shape())?; // [b, s(/tp), h]
-                ops::rms_norm_bwd(&x1, &w.norm2, c.rms_norm_eps, &dh2)?
+                ops::rms_norm_bwd_add(&x1, &w.norm2, c.rms_norm_eps, &dh2, &dy)?
             }
             _ => return Err(self.missing(&format!("the feed-forward part of layer {layer}"))),
-        };
-        let dx1 = ops::add(&dy, &dx1)?; // [b, s(/tp), h]
+        }; // dx1: [b, s(/tp), h], the residual's gradient added
 
         // Attention: x1 = x + exit(attn(rope(h qᵀ), rope(h kᵀ), h vᵀ) oᵀ), h = enter(norm(x)).
         let h = match h {
@@ -403,8 +402,8 @@ impl Llama {
         let (dh_k, d_k) = projection_bwd(&h, &w.k, &dk)?;
         let (dh_q, d_q) = projection_bwd(&h, &w.q, &dq)?;
         let dh = ops::add(&ops::add(&dh_v, &dh_k)?, &dh_q)?;
-        let (dx, d_norm1) = ops::rms_norm_bwd(&x, &w.norm1, c.rms_norm_eps, &tp.enter_grad(&dh)?)?;
-        let dx = ops::add(&dx1, &dx)?;
+        let dh = tp.enter_grad(&dh)?;
+        let (dx, d_norm1) = ops::rms_norm_bwd_add(&x, &w.norm1, c.rms_norm_eps, &dh, &dx1)?;
         grads.extend([
             (blk.input_layernorm, ParamGrad::Tensor(d_norm1)),
             (blk.q_proj, d_q),

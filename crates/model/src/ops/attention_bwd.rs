@@ -186,21 +186,15 @@ fn attention_bwd<T: Float>(x: Inputs<'_, T>, dm: Dims, floor: Floor<'_>, scale: 
     out
 }
 
-/// The CPU storage and layout of a tensor held by the op.
+/// The CPU storage of a tensor held by the op.
 fn cpu<'a>(name: &str, storage: &'a Storage) -> Result<&'a CpuStorage> {
-    match storage {
-        Storage::Cpu(s) => Ok(s),
-        _ => bail!("{OP}: backward expects `{name}` on the cpu"),
-    }
+    super::common::held_cpu(OP, name, storage)
 }
 
 /// The CUDA storage of a tensor held by the op.
 #[cfg(feature = "cuda")]
 fn cuda<'a>(name: &str, storage: &'a Storage) -> Result<&'a CudaStorage> {
-    match storage {
-        Storage::Cuda(s) => Ok(s),
-        _ => bail!("{OP}: backward expects `{name}` on the CUDA device of `q`"),
-    }
+    super::common::held_cuda(OP, name, storage)
 }
 
 impl AttentionBwd<'_> {

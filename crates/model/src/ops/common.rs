@@ -202,6 +202,31 @@ pub(crate) fn kernel_dtype(op: &str, name: &str, t: &Tensor) -> Result<DType> {
     }
 }
 
+/// The CPU storage of a tensor an op holds besides its inputs (`name`, for the error).
+pub(crate) fn held_cpu<'a>(
+    op: &str,
+    name: &str,
+    storage: &'a candle_core::Storage,
+) -> Result<&'a CpuStorage> {
+    match storage {
+        candle_core::Storage::Cpu(s) => Ok(s),
+        _ => bail!("{op}: `{name}` is not on the cpu, as the op's inputs are"),
+    }
+}
+
+/// The CUDA storage of a tensor an op holds besides its inputs (`name`, for the error).
+#[cfg(feature = "cuda")]
+pub(crate) fn held_cuda<'a>(
+    op: &str,
+    name: &str,
+    storage: &'a candle_core::Storage,
+) -> Result<&'a candle_core::CudaStorage> {
+    match storage {
+        candle_core::Storage::Cuda(s) => Ok(s),
+        _ => bail!("{op}: `{name}` is not on the CUDA device of the op's inputs"),
+    }
+}
+
 /// `t` converted to `dtype` (a no-op when it already has it) and made contiguous.
 pub(crate) fn prepare(t: &Tensor, dtype: DType) -> Result<Tensor> {
     t.to_dtype(dtype)?.contiguous()

@@ -86,6 +86,25 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     rms_norm::rms_norm(x, weight, eps)
 }
 
+/// The residual addition and the RMSNorm of its result in one pass: `(s, rms_norm(s, weight))`
+/// for `s = x + o`, bit for bit [`add`] then [`rms_norm`] (on CUDA one kernel reading `x` and
+/// `o` once). Without a graph.
+pub fn add_rms_norm(x: &Tensor, o: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    rms_norm::add_rms_norm(x, o, weight, eps)
+}
+
+/// [`rms_norm_bwd`] with the residual stream's gradient `residual` added to `dx` as it is written:
+/// `(residual + dx, dweight)`, bit for bit [`rms_norm_bwd`] then [`add`].
+pub fn rms_norm_bwd_add(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+    residual: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    rms_norm::rms_norm_bwd_add(x, weight, eps, dy, residual)
+}
+
 /// Gradients `(dx, dweight)` of [`rms_norm`] for the upstream gradient `dy`, without a graph (the
 /// op's backward kernel, the same computation as autograd's, in the dtypes of `x` and `weight`).
 pub fn rms_norm_bwd(

@@ -15,6 +15,7 @@ pub mod cudnn;
 mod cudnn_ragged;
 pub mod flat;
 pub mod muon;
+pub mod norm;
 pub mod pointwise;
 
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
-//! Launchers of the pointwise kernels (`kernels/pointwise.cu`): RMSNorm, RoPE, SwiGLU and
-//! cross-entropy, forward and backward, on contiguous f32, f64 or bf16 CUDA storage. The op
+//! Launchers of the pointwise kernels (`kernels/pointwise.cu`): RoPE, SwiGLU, the addition,
+//! cross-entropy and the embedding's backward (RMSNorm's are in `norm.rs`), forward and backward, on contiguous f32, f64 or bf16 CUDA storage. The op
 //! files call these from their `cuda_fwd`; shapes have been checked by the op wrappers, and every
 //! launcher re-checks the buffer lengths its kernel indexes with before launching.
 //!
@@ -28,121 +28,17 @@ pub const ROW_THREADS: u32 = 256;
 /// Threads per block of the cross-entropy row kernels (rows are whole vocabularies).
 pub const CE_THREADS: u32 = 1024; // = __launch_bounds__ of the cross-entropy kernels
 
-/// At most this many blocks (each a run of rows) produce `dweight` partials in the RMSNorm
-/// backward; the partial buffer is `[blocks, h]` in the accumulation type.
-const RMS_DW_BLOCKS: usize = 1024;
-
-/// Columns per block and threads per block of `rms_norm_dw` (`DW_COLS`, `DW_THREADS` in
-/// `kernels/pointwise.cu`).
-const DW_COLS: usize = 32;
-const DW_THREADS: u32 = 256;
-
 /// Kernel `<base>_<dtype>` of the pointwise module (`op` names the op in errors).
-fn kernel(dev: &CudaDevice, op: &str, base: &str, dtype: DType) -> Result<CudaFunction> {
+pub(super) fn kernel(dev: &CudaDevice, op: &str, base: &str, dtype: DType) -> Result<CudaFunction> {
     load(dev, Module::Pointwise, &kernel_name(op, base, dtype)?)
 }
 
 /// Errors unless `len == want`, naming `op` and the argument.
-fn check_len(op: &str, name: &str, len: usize, want: usize) -> Result<()> {
+pub(super) fn check_len(op: &str, name: &str, len: usize, want: usize) -> Result<()> {
     if len != want {
         bail!("{op}: `{name}` has {len} elements, expected {want}")
     }
     Ok(())
-}
-
-/// RMSNorm forward: `x` `[rows, h]` (any leading shape), `w` `[h]`; returns `y` like `x`.
-pub fn rms_norm_fwd(
-    x: &CudaStorage,
-    xl: &Layout,
-    w: &CudaStorage,
-    wl: &Layout,
-    eps: f64,
-) -> Result<CudaStorage> {
-    const OP: &str = "rms_norm";
-    let dev = x.device();
-    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
-    if h == 0 || nx % h != 0 {
-        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
-    }
-    let rows = nx / h;
-    let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "h", h)?);
-    crate::with_cuda_dtype!(OP, x.dtype(), T => {
-        let xv = view::<T>(OP, "x", x, xl)?; // [rows, h]
-        let wv = view::<T>(OP, "weight", w, wl)?; // [h]
-        // SAFETY: block `r` writes every element of row `r`, for all `rows` rows.
-        let mut y = unsafe { alloc::<T>(dev, nx) }?; // [rows, h]
-        if rows > 0 {
-            let f = kernel(dev, OP, "rms_norm_fwd", x.dtype())?;
-            let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&f);
-            b.arg(&xv).arg(&wv).arg(&mut y).arg(&rows_i).arg(&h_i).arg(&eps);
-            // SAFETY: matches `rms_norm_fwd_<T>(const T*, const T*, T*, int, int, double)`;
-            // `x` and `y` hold rows × h elements, `w` h, and block `r < rows` touches row `r`.
-            unsafe { b.launch(grid(rows, ROW_THREADS, 0)) }.w()?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-    })
-}
-
-/// RMSNorm backward on `(x [rows, h], w [h], grad [rows, h])`: returns the flat
-/// `[rows * h + h]` concatenation of `dx` and `dweight`, like the CPU `RmsNormBwd`.
-/// `dweight` is summed deterministically: runs of rows write partials, then a second kernel
-/// sums the partials in run order.
-#[allow(clippy::too_many_arguments)]
-pub fn rms_norm_bwd(
-    x: &CudaStorage,
-    xl: &Layout,
-    w: &CudaStorage,
-    wl: &Layout,
-    g: &CudaStorage,
-    gl: &Layout,
-    eps: f64,
-) -> Result<CudaStorage> {
-    const OP: &str = "rms_norm";
-    let dev = x.device();
-    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
-    if h == 0 || nx % h != 0 {
-        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
-    }
-    check_len(OP, "grad", gl.shape().elem_count(), nx)?;
-    let rows = nx / h;
-    let rows_per_block = rows.div_ceil(RMS_DW_BLOCKS).max(1);
-    let blocks = rows.div_ceil(rows_per_block);
-    let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "h", h)?);
-    let (rpb_i, blocks_i) = (
-        to_i32(OP, "rows", rows_per_block)?,
-        to_i32(OP, "rows", blocks)?,
-    );
-    crate::with_cuda_dtype!(OP, x.dtype(), T => {
-        let xv = view::<T>(OP, "x", x, xl)?; // [rows, h]
-        let wv = view::<T>(OP, "weight", w, wl)?; // [h]
-        let gv = view::<T>(OP, "grad", g, gl)?; // [rows, h]
-        // SAFETY: stage 1 writes dx (the first rows × h elements), stage 2 dweight (the last h).
-        let mut out = unsafe { alloc::<T>(dev, nx + h) }?; // [rows * h + h]
-        // SAFETY: block `b < blocks` zeroes, then accumulates, its partial row `b`.
-        let mut partial = unsafe { alloc::<<T as KernelFloat>::Acc>(dev, blocks * h) }?; // [blocks, h]
-        let stream = dev.cuda_stream();
-        if rows > 0 {
-            let f = kernel(dev, OP, "rms_norm_bwd", x.dtype())?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&xv).arg(&wv).arg(&gv).arg(&mut out).arg(&mut partial);
-            b.arg(&rows_i).arg(&h_i).arg(&rpb_i).arg(&eps);
-            // SAFETY: matches `rms_norm_bwd_<T>(const T*, const T*, const T*, T*, Acc*, int,
-            // int, int, double)`; block `b < blocks` touches rows [b rpb, min((b + 1) rpb, rows))
-            // of x, grad and out (rows × h each) and row `b` of `partial` ([blocks, h]).
-            unsafe { b.launch(grid(blocks, ROW_THREADS, 0)) }.w()?;
-        }
-        let mut dw = out.slice_mut(nx..); // [h]
-        let f = kernel(dev, OP, "rms_norm_dw", x.dtype())?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&partial).arg(&mut dw).arg(&blocks_i).arg(&h_i);
-        // SAFETY: matches `rms_norm_dw_<T>(const Acc*, T*, int, int)`; block `c` of
-        // ⌈h / 32⌉ (DW_THREADS = 256 threads, as the kernel requires) reads columns
-        // 32c..32c+32 (< h) of the `[blocks, h]` partials (all written by stage 1) and writes
-        // those of `dw`.
-        unsafe { b.launch(grid(h.div_ceil(DW_COLS), DW_THREADS, 0)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    })
 }
 
 /// RoPE on `x` `[b, s, heads, d]` with `cos`, `sin` `[s, d / 2]` in the dtype of `x`; the
