@@ -202,22 +202,36 @@ EXPORT3(rms_norm_dw, (const Acc<T>::type* partial, T* dw, int blocks, int h),
 // RoPE (rotate-half): y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin on the halves of each head
 // vector; `inverse` != 0 negates sin (the backward pass).
 
-// x, y: [b, s, heads, 2 * half]; cos, sin: [s, half]; pairs = b * s * heads * half.
-template <typename T>
-__device__ void rope_impl(const T* x, const T* cos, const T* sin, T* y, u64 pairs, int seq,
-                          int heads, int half, int inverse) {
+// x, y: [b, s, heads, 2 * half]; cos, sin: [s, half]; pairs = b * s * heads * half. The pair
+// index and the divisions that locate it run in I: 32-bit unsigned arithmetic (a few
+// instructions a division, against tens for 64-bit) whenever the indices fit, as they do for
+// every activation candle's 32-bit kernels can make; 64-bit otherwise.
+template <typename T, typename I>
+__device__ void rope_pairs(const T* x, const T* cos, const T* sin, T* y, I pairs, I seq, I heads,
+                           I half, int inverse) {
   typedef typename Acc<T>::type A;
-  for (u64 p = global_id(); p < pairs; p += grid_stride()) {
-    const u64 j = p % (u64)half;
-    const u64 t = p / (u64)half;  // (batch, position, head)
-    const u64 pos = (t / (u64)heads) % (u64)seq;
-    const u64 i1 = t * 2 * (u64)half + j, i2 = i1 + (u64)half;
+  const I stride = (I)grid_stride();
+  for (I p = (I)global_id(); p < pairs; p += stride) {
+    const I j = p % half;
+    const I t = p / half;  // (batch, position, head)
+    const I pos = (t / heads) % seq;
+    const I i1 = t * 2 * half + j, i2 = i1 + half;
     const A x1 = to_acc(x[i1]), x2 = to_acc(x[i2]);
     const A c = to_acc(cos[pos * half + j]);
     const A s = inverse ? -to_acc(sin[pos * half + j]) : to_acc(sin[pos * half + j]);
     y[i1] = from_acc<T>(x1 * c - x2 * s);
     y[i2] = from_acc<T>(x2 * c + x1 * s);
   }
+}
+template <typename T>
+__device__ void rope_impl(const T* x, const T* cos, const T* sin, T* y, u64 pairs, int seq,
+                          int heads, int half, int inverse) {
+  // 32-bit when every element index (below 2 · pairs) plus a grid stride stays below 2^32.
+  if (2 * pairs + grid_stride() <= 0xffffffffull)
+    rope_pairs<T, unsigned>(x, cos, sin, y, (unsigned)pairs, (unsigned)seq, (unsigned)heads,
+                            (unsigned)half, inverse);
+  else
+    rope_pairs<T, u64>(x, cos, sin, y, pairs, (u64)seq, (u64)heads, (u64)half, inverse);
 }
 EXPORT3(rope,
         (const T* x, const T* cos, const T* sin, T* y, u64 pairs, int seq, int heads, int half,
