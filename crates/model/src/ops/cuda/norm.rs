@@ -20,6 +20,15 @@ const RMS_DW_BLOCKS: usize = 1024;
 const DW_COLS: usize = 32;
 const DW_THREADS: u32 = 256;
 
+/// `x`'s elements and `weight`'s `h`, once `x` is checked to be made of rows of `h`.
+fn rows_of(op: &str, xl: &Layout, wl: &Layout) -> Result<(usize, usize)> {
+    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
+    if h == 0 || nx % h != 0 {
+        bail!("{op}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
+    }
+    Ok((nx, h))
+}
+
 /// RMSNorm forward: `x` `[rows, h]` (any leading shape), `w` `[h]`; returns `y` like `x`.
 pub fn rms_norm_fwd(
     x: &CudaStorage,
@@ -30,10 +39,7 @@ pub fn rms_norm_fwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "rms_norm";
     let dev = x.device();
-    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
-    if h == 0 || nx % h != 0 {
-        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
-    }
+    let (nx, h) = rows_of(OP, xl, wl)?;
     let rows = nx / h;
     let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "h", h)?);
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
@@ -64,10 +70,7 @@ pub fn add_rms_norm_fwd(
 ) -> Result<(CudaStorage, CudaStorage)> {
     const OP: &str = "add_rms_norm";
     let dev = x.device();
-    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
-    if h == 0 || nx % h != 0 {
-        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
-    }
+    let (nx, h) = rows_of(OP, xl, wl)?;
     check_len(OP, "o", ol.shape().elem_count(), nx)?;
     let rows = nx / h;
     let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "h", h)?);
@@ -108,10 +111,7 @@ pub fn rms_norm_bwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "rms_norm";
     let dev = x.device();
-    let (nx, h) = (xl.shape().elem_count(), wl.shape().elem_count());
-    if h == 0 || nx % h != 0 {
-        bail!("{OP}: `x` ({nx} elements) is not made of rows of `weight` ({h} elements)")
-    }
+    let (nx, h) = rows_of(OP, xl, wl)?;
     check_len(OP, "grad", gl.shape().elem_count(), nx)?;
     if let Some((_, rl)) = residual {
         check_len(OP, "residual", rl.shape().elem_count(), nx)?;
