@@ -110,7 +110,8 @@ fn timed(device: &Device, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<f6
     Ok(t0.elapsed().as_secs_f64() / iters as f64)
 }
 
-/// The three products of `p`, measured: `(m, n, k, seconds, direction)` each.
+/// The rates of `p`'s three products, as the step runs them: forward, input gradient, weight
+/// gradient.
 fn measure(p: &Projection, dtype: DType, device: &Device, iters: usize) -> Result<[GemmRate; 3]> {
     let randn = |shape: (usize, usize)| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?)
