@@ -237,7 +237,8 @@ impl Llama {
         )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
         let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
-                                                             // x1 = x + o and its norm in one pass; [b, s(/tp), h] each.
+
+        // x1 = x + o and its norm in one pass; [b, s(/tp), h] each.
         let (x1, normed) = ops::add_rms_norm(&x, &tp.exit(&o)?, &w.norm2, c.rms_norm_eps)?;
         let (y, mlp, stats) = match &blk.mlp {
             MlpParams::Dense {
