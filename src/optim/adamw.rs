@@ -14,7 +14,7 @@ use half::bf16;
 use model::{ParamKind, ParamSet};
 use parallel::dp::intersect;
 
-use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWPart, AdamWStep};
+use super::kernels::{state_words, sum_squares, sum_squares_of, AdamWPart, AdamWStep, NonFinite};
 use super::{read_f32, write_f32};
 use super::{FlatLayout, GradBuffer};
 use crate::recipe::{Offload, OptimizerConfig};
@@ -54,6 +54,8 @@ pub struct AdamW {
     moments: DType,
     /// f32 words: master `[n]`, then exp_avg and exp_avg_sq `[n]` each in `moments`.
     state: Tensor,
+    /// Set by an update that stored a non-finite value (on the state's device).
+    nonfinite: NonFinite,
 }
 
 impl AdamW {
@@ -168,6 +170,7 @@ impl AdamW {
             decay,
             step: 0,
             moments,
+            nonfinite: NonFinite::on(state.device())?,
             state,
         })
     }
@@ -199,7 +202,15 @@ impl AdamW {
             grad_scale,
             decay: self.decay.clone(),
             moments: self.moments,
+            nonfinite: self.nonfinite.clone(),
         })
+    }
+
+    /// Whether an update since the last call stored a non-finite master weight or moment (every
+    /// update rewrites every owned value, so the state is finite exactly when none did); one
+    /// word read instead of a pass over the state.
+    pub fn take_nonfinite(&self) -> Result<bool> {
+        self.nonfinite.take()
     }
 
     /// Applies the update `op` (of [`AdamW::begin`]) to the owned elements `at..at + len` from

@@ -18,7 +18,7 @@ use half::bf16;
 use model::ops::cuda::flat;
 
 mod adamw;
-pub use adamw::{state_words, AdamWPart, AdamWStep};
+pub use adamw::{state_words, AdamWPart, AdamWStep, NonFinite};
 use rayon::prelude::*;
 
 /// Elements per parallel chunk of the element-wise kernels.

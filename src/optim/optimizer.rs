@@ -297,6 +297,17 @@ impl Optimizer {
         Ok(self.adamw.state_sum_squares()? + muon)
     }
 
+    /// Whether the updates since the last call left any value of the state non-finite: AdamW's
+    /// updates flag what they store (one word read), Muon's state is summed.
+    pub fn updated_nonfinite(&self) -> Result<bool> {
+        let adamw = self.adamw.take_nonfinite()?;
+        let muon = match &self.muon {
+            Some(m) => !m.state_sum_squares()?.is_finite(),
+            None => false,
+        };
+        Ok(adamw || muon)
+    }
+
     /// The type of AdamW's moments, as checkpoints store them.
     pub fn moment_dtype(&self) -> PieceDtype {
         self.adamw.moment_dtype()

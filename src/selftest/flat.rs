@@ -6,7 +6,9 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
 use super::{op_tolerance, randn, rel_error, Check};
-use crate::optim::kernels::{add_into, add_product_into, sum_squares, sum_squares_of, AdamWStep};
+use crate::optim::kernels::{
+    add_into, add_product_into, sum_squares, sum_squares_of, AdamWStep, NonFinite,
+};
 
 /// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
 pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
@@ -41,8 +43,12 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
                 grad_scale: 0.5,
                 decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
                 moments: dtype,
+                nonfinite: NonFinite::on(dev)?,
             };
             st.inplace_op2(&grad.to_device(dev)?, &op)?;
+            if op.nonfinite.take()? {
+                anyhow::bail!("adamw on {dev:?}: a finite update set the non-finite flag");
+            }
             states.push(st);
         }
         let packed = sum_squares_of(&states[1].narrow(0, n, n)?, DType::BF16)?;

@@ -6,8 +6,10 @@
 //!   already reduced over the job, so every rank sees the same values and decides alike; the
 //!   message names the ranks and pipeline stages whose own loss or gradients were non-finite.
 //! - After the update: the optimizer's state (fp32 masters, of which the parameters are copies,
-//!   and the moments) must be finite, or the run halts before anything is saved. The same world-wide reduction carries the stop signals
-//!   (`signals.rs`), so all ranks agree on stopping at the same step.
+//!   and the moments) must be finite, or the run halts before anything is saved. AdamW's update
+//!   flags a non-finite value as it stores it (one word read, no pass over the state); Muon's
+//!   state is summed. The same world-wide reduction carries the stop signals (`signals.rs`), so
+//!   all ranks agree on stopping at the same step.
 //!
 //! [`LoopState`] is what the guard remembers across steps; checkpoints carry it, so a resumed
 //! run decides as the uninterrupted one would.
@@ -232,7 +234,8 @@ impl Trainer {
     /// After step `step`'s update: halts if it made any rank's parameters non-finite, and returns
     /// the stop signal any rank received (the same on every rank).
     pub(crate) fn after_update(&self, step: usize, updated: bool) -> Result<Option<i32>> {
-        let bad = updated && !self.state.optimizer.state_sum_squares()?.is_finite();
+        // Read even after a skipped update, so that the flag is clear for the next one.
+        let bad = self.state.optimizer.updated_nonfinite()? && updated;
         let answers = self.ranks_where(&signal_flags(bad))?;
         if !answers[0].is_empty() {
             bail!(

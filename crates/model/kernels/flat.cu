@@ -1,7 +1,7 @@
 // Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the AdamW
-// update (adamw_f32, adamw_bf16: the moments' type), Muon's element-wise passes (muon_*) and
-// the sum of squares for the global gradient norm and the state's finiteness check
-// (sum_squares_*).
+// update (adamw_f32, adamw_bf16: the moments' type; it also flags a non-finite stored value),
+// Muon's element-wise passes (muon_*) and the sum of squares for the global gradient norm and
+// Muon's finiteness check (sum_squares_*).
 //
 // add_into and adamw are elementwise with grid-stride loops over 64-bit indices (any 1-D grid).
 // adamw uses the explicitly rounded intrinsics (__fmul_rn, ...), which nvcc never contracts into
@@ -30,11 +30,13 @@ EXPORT3(add_into, (float* dst, const T* src, u64 n), (dst, src, n))
 // 3 n floats, or n floats then 2 n bf16s); grad: [n] f32. Per element, in f32 as the CPU:
 //   g = grad * gs; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
 //   p = p keep - step_size m / (sqrt(v) inv_sqrt_bc2 + eps);
-// the moments are stored rounded to M (nearest even), the update uses their f32 values.
+// the moments are stored rounded to M (nearest even), the update uses their f32 values. Any
+// stored value that is not finite sets *bad to 1 (the state's finiteness check, without a pass
+// over the state; x - x is 0 exactly for finite x).
 template <typename M>
 __device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u64 len, float b1,
                            float b2, float step_size, float inv_sqrt_bc2, float eps, float gs,
-                           float keep) {
+                           float keep, unsigned* bad) {
   float* master = state;
   M* exp_avg = (M*)(state + n);
   M* exp_avg_sq = exp_avg + n;
@@ -44,16 +46,23 @@ __device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u6
     const float g = __fmul_rn(grad[k], gs);
     const float m = __fadd_rn(__fmul_rn(b1, to_f32(exp_avg[k])), __fmul_rn(c1, g));
     const float v = __fadd_rn(__fmul_rn(b2, to_f32(exp_avg_sq[k])), __fmul_rn(__fmul_rn(c2, g), g));
-    exp_avg[k] = from_acc<M>(m);
-    exp_avg_sq[k] = from_acc<M>(v);
+    const M sm = from_acc<M>(m), sv = from_acc<M>(v);
+    exp_avg[k] = sm;
+    exp_avg_sq[k] = sv;
     const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_sqrt_bc2), eps);
-    master[k] = __fsub_rn(__fmul_rn(master[k], keep), __fdiv_rn(__fmul_rn(step_size, m), denom));
+    const float p =
+        __fsub_rn(__fmul_rn(master[k], keep), __fdiv_rn(__fmul_rn(step_size, m), denom));
+    master[k] = p;
+    const float fm = to_f32(sm), fv = to_f32(sv);
+    if (!(__fsub_rn(p, p) == 0.0f && __fsub_rn(fm, fm) == 0.0f && __fsub_rn(fv, fv) == 0.0f))
+      *bad = 1u;
   }
 }
 #define ADAMW_PARAMS                                                                             \
   (float* state, const float* grad, u64 n, u64 start, u64 len, float b1, float b2,              \
-   float step_size, float inv_sqrt_bc2, float eps, float gs, float keep)
-#define ADAMW_ARGS (state, grad, n, start, len, b1, b2, step_size, inv_sqrt_bc2, eps, gs, keep)
+   float step_size, float inv_sqrt_bc2, float eps, float gs, float keep, unsigned* bad)
+#define ADAMW_ARGS \
+  (state, grad, n, start, len, b1, b2, step_size, inv_sqrt_bc2, eps, gs, keep, bad)
 EXPORT_ONE(adamw, f32, float, ADAMW_PARAMS, ADAMW_ARGS)
 EXPORT_ONE(adamw, bf16, __nv_bfloat16, ADAMW_PARAMS, ADAMW_ARGS)
 

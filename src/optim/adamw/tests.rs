@@ -352,3 +352,44 @@ fn an_update_by_parts_equals_the_whole_update_bit_for_bit() {
         assert!(parts.apply_part(&op, 30, &part).is_err());
     }
 }
+
+/// The update flags what it stores: a finite step leaves the flag clear; a gradient that
+/// overflows the second moment sets it, whole or a part at a time (the offloaded update), in
+/// both moment dtypes, and reading the flag clears it. The flag agrees with a sum over the state.
+#[test]
+fn an_update_that_stores_a_non_finite_value_is_flagged_once() {
+    for dtype in [StateDtype::Fp32, StateDtype::Bf16] {
+        let n = 10;
+        let (_, layout, mut a) = matrix(n, dtype);
+        let g = GradBuffer::new(layout, &Device::Cpu).unwrap();
+        let finite: Vec<f32> = (0..n).map(|i| i as f32 * 0.1 - 0.4).collect();
+        g.accumulate(0, &Tensor::new(finite.as_slice(), &Device::Cpu).unwrap())
+            .unwrap();
+        a.step(&g, 0.1, 1.0).unwrap();
+        assert!(!a.take_nonfinite().unwrap(), "{dtype:?}");
+        assert!(a.state_sum_squares().unwrap().is_finite());
+
+        // 3e30² overflows f32: an infinite second moment, a NaN master weight.
+        let mut huge = finite.clone();
+        huge[7] = 3e30;
+        let grad = Tensor::new(huge.as_slice(), &Device::Cpu).unwrap();
+        let op = a.begin(0.1, 1.0).unwrap();
+        a.apply_part(&op, 0, &grad.narrow(0, 0, 5).unwrap())
+            .unwrap();
+        assert!(
+            !a.take_nonfinite().unwrap(),
+            "{dtype:?}: the first part is finite"
+        );
+        a.apply_part(&op, 5, &grad.narrow(0, 5, 5).unwrap())
+            .unwrap();
+        assert!(
+            a.take_nonfinite().unwrap(),
+            "{dtype:?}: the second part is not"
+        );
+        assert!(
+            !a.take_nonfinite().unwrap(),
+            "{dtype:?}: reading clears the flag"
+        );
+        assert!(!a.state_sum_squares().unwrap().is_finite());
+    }
+}

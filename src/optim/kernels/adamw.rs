@@ -1,10 +1,14 @@
 //! The AdamW update in place over a flat state (fp32 master weights, fp32 or bf16 moments):
 //! the whole owned range at once on the device, or a part at a time on the host
-//! ([`AdamWPart`], the offloaded update).
+//! ([`AdamWPart`], the offloaded update). The update flags a stored value that is not finite
+//! ([`NonFinite`]), so the check after a step reads one word instead of the whole state.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result};
+use candle_core::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result, Tensor};
 use half::bf16;
 #[cfg(feature = "cuda")]
 use model::ops::cuda::flat;
@@ -33,6 +37,52 @@ pub struct AdamWStep {
     pub decay: Vec<(usize, usize, f64)>,
     /// Element type of the moments: f32 or bf16.
     pub moments: DType,
+    /// Where the update reports a non-finite stored value.
+    pub nonfinite: NonFinite,
+}
+
+/// Where an AdamW update reports that it stored a value that is not finite (a master weight or
+/// a moment): a flag on the host for the CPU update (whole, or a part at a time), a `u32` word
+/// on the state's CUDA device for the kernel. Clones share the flag.
+#[derive(Debug, Clone)]
+pub enum NonFinite {
+    /// Set by the CPU update.
+    Host(Arc<AtomicBool>),
+    /// `[1]` u32 on the device, set to 1 by the CUDA kernel.
+    Device(Tensor),
+}
+
+impl NonFinite {
+    /// A clear flag for an update on `device`.
+    pub fn on(device: &Device) -> Result<Self> {
+        Ok(match device.is_cuda() {
+            true => NonFinite::Device(Tensor::zeros(1, DType::U32, device)?),
+            false => NonFinite::Host(Arc::default()),
+        })
+    }
+
+    /// Whether an update stored a non-finite value since the last call; clears the flag. On
+    /// CUDA this reads one word, once the device's queued work is done.
+    pub fn take(&self) -> Result<bool> {
+        match self {
+            NonFinite::Host(flag) => Ok(flag.swap(false, Ordering::Relaxed)),
+            NonFinite::Device(word) => {
+                let set = word.to_vec1::<u32>()?[0] != 0;
+                if set {
+                    word.zero_set()?;
+                }
+                Ok(set)
+            }
+        }
+    }
+
+    /// The host flag, for the CPU update (an error for a device flag).
+    fn host(&self) -> Result<&AtomicBool> {
+        match self {
+            NonFinite::Host(flag) => Ok(flag),
+            NonFinite::Device(_) => bail!("adamw: a CPU update given a device's non-finite flag"),
+        }
+    }
 }
 
 /// An element type the AdamW moments are kept in: read as f32, stored rounded to nearest.
@@ -110,7 +160,8 @@ impl AdamWStep {
         (m, v): (&mut [M], &mut [M]),
         grad: &[f32],
         at: usize,
-    ) {
+    ) -> Result<()> {
+        let nonfinite = self.nonfinite.host()?;
         let StepScalars {
             b1,
             b2,
@@ -133,6 +184,7 @@ impl AdamWStep {
                 .zip(v[r].par_chunks_mut(CHUNK))
                 .zip(grad[g].par_chunks(CHUNK))
                 .for_each(|(((p, m), v), g)| {
+                    let mut finite = true;
                     for i in 0..p.len() {
                         let g = g[i] * gs;
                         let mi = b1 * m[i].get() + (1.0 - b1) * g;
@@ -140,9 +192,15 @@ impl AdamWStep {
                         (m[i], v[i]) = (M::put(mi), M::put(vi));
                         let denom = vi.sqrt() * inv_sqrt_bc2 + eps;
                         p[i] = p[i] * keep - step_size * mi / denom;
+                        finite &=
+                            p[i].is_finite() & m[i].get().is_finite() & v[i].get().is_finite();
+                    }
+                    if !finite {
+                        nonfinite.store(true, Ordering::Relaxed);
                     }
                 });
         }
+        Ok(())
     }
 
     /// Errors unless every decay range lies within `[0, n)`.
@@ -190,7 +248,14 @@ impl InplaceOp2 for AdamWStep {
             .iter()
             .map(|&(start, len, wd)| (start, len, self.keep(wd)))
             .collect();
-        flat::adamw(st, sl, g, gl, &scalars, &ranges, self.moments)
+        let NonFinite::Device(word) = &self.nonfinite else {
+            bail!("adamw: a CUDA update given a host's non-finite flag");
+        };
+        let (flag, fl) = word.storage_and_layout();
+        let candle_core::Storage::Cuda(flag) = &*flag else {
+            bail!("adamw: the non-finite flag is not on the CUDA device of the state");
+        };
+        flat::adamw(st, sl, g, gl, &scalars, &ranges, self.moments, (flag, fl))
     }
 }
 
@@ -235,7 +300,6 @@ impl AdamWPart<'_> {
                 op.update(master, (m, v), grad, self.at)
             }
         }
-        Ok(())
     }
 }
 

@@ -115,14 +115,18 @@ template <typename M> void check_adamw(size_t n, uint64_t seed) {
   for (int small = 0; small < 2; ++small) {
     Buffer<float> state(words, "state");
     std::memcpy(state.data(), init.data(), words * sizeof(float));
+    Buffer<unsigned> bad(1, "non-finite flag");
+    bad[0] = 0;
     bool ok = true;
     for (const Range& r : ranges)
       ok = ok && run(format("adamw_%s", type_name<M>()), small ? grid(2, 64, 0) : elementwise(r.len), [&] {
              pick<M>(adamw_f32_ns::adamw_f32, adamw_f32_ns::adamw_f32, adamw_bf16_ns::adamw_bf16)(
                  state.data(), grad.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
-                 inv_sqrt_bc2, epsf, gs, r.keep);
+                 inv_sqrt_bc2, epsf, gs, r.keep, bad.data());
            });
     if (!ok) continue;
+    expect(bad[0] == 0, format("adamw %s: a finite update leaves the non-finite flag clear",
+                               type_name<M>()));
     const std::string tag =
         format("adamw %s moments n=%zu, ranges [0,250) keep %.4f, [250,500) keep 1, grid %s",
                type_name<M>(), n, ranges[0].keep, small ? "2x64" : "elementwise(len)");
@@ -139,6 +143,26 @@ template <typename M> void check_adamw(size_t n, uint64_t seed) {
     }
     expect(same_bits(state, cpu, 0, words),
            tag + " bitwise equal to the CPU AdamWStep (untouched outside the ranges)");
+  }
+
+  // A gradient that overflows (an infinite second moment, a NaN master weight) sets the flag; as
+  // does a huge one whose square alone overflows the moment.
+  for (const float poison : {INFINITY, 3e30f}) {
+    Buffer<float> state(words, "state");
+    std::memcpy(state.data(), init.data(), words * sizeof(float));
+    Buffer<float> g(n, "grad");
+    for (size_t i = 0; i < n; ++i) g[i] = grad[i];
+    g[137] = poison;
+    Buffer<unsigned> bad(1, "non-finite flag");
+    bad[0] = 0;
+    const Range& r = ranges[0];
+    if (run(format("adamw_%s", type_name<M>()), elementwise(r.len), [&] {
+          pick<M>(adamw_f32_ns::adamw_f32, adamw_f32_ns::adamw_f32, adamw_bf16_ns::adamw_bf16)(
+              state.data(), g.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
+              inv_sqrt_bc2, epsf, gs, r.keep, bad.data());
+        }))
+      expect(bad[0] == 1u, format("adamw %s: a gradient of %g sets the non-finite flag",
+                                  type_name<M>(), (double)poison));
   }
 }
 

@@ -357,6 +357,8 @@ pub struct AdamWScalars {
 /// words that follow) with gradients `grad` `[n]` f32. `ranges` are `(start, len, keep)` in
 /// `[0, n)`, `keep` the decoupled weight-decay factor `1 - lr · wd` of the range; elements
 /// outside every range are left unchanged. Adjacent ranges with equal `keep` share one launch.
+/// A stored value that is not finite sets the `u32` word `bad` to 1 (it is never cleared here).
+#[allow(clippy::too_many_arguments)]
 pub fn adamw(
     state: &mut CudaStorage,
     sl: &Layout,
@@ -365,8 +367,16 @@ pub fn adamw(
     s: &AdamWScalars,
     ranges: &[(usize, usize, f32)],
     moments: DType,
+    (bad, bl): (&CudaStorage, &Layout),
 ) -> Result<()> {
     const OP: &str = "adamw";
+    let bad = view::<u32>(OP, "non-finite flag", bad, bl)?; // [1]
+    if bad.len() != 1 {
+        bail!(
+            "{OP}: the non-finite flag has {} words, expected 1",
+            bad.len()
+        )
+    }
     let dev = state.device().clone();
     let (a, b) = range(OP, "state", sl)?;
     let g = view::<f32>(OP, "gradient", grad, gl)?; // [n]
@@ -417,11 +427,13 @@ pub fn adamw(
             .arg(&s.beta2)
             .arg(&s.step_size)
             .arg(&s.inv_sqrt_bc2);
-        builder.arg(&s.eps).arg(&s.grad_scale).arg(&keep);
-        // SAFETY: matches `adamw_{f32,bf16}(float*, const float*, u64, u64, u64, float × 7)`;
-        // the kernel touches indices start + i < start + len <= n of grad ([n]), of the master
-        // weights (the first n words) and of the two [n] moment arrays after them, which end
-        // at word n + 2 n · size(moments) / 4 = `words` (checked above).
+        builder.arg(&s.eps).arg(&s.grad_scale).arg(&keep).arg(&bad);
+        // SAFETY: matches `adamw_{f32,bf16}(float*, const float*, u64, u64, u64, float × 7,
+        // unsigned*)`; the kernel touches indices start + i < start + len <= n of grad ([n]),
+        // of the master weights (the first n words) and of the two [n] moment arrays after
+        // them, which end at word n + 2 n · size(moments) / 4 = `words` (checked above), and
+        // may write 1 into the flag's one word: device memory the host never reads while the
+        // kernel runs (it reads the word once the update is done).
         unsafe { builder.launch(elementwise(len)) }.w()?;
     }
     Ok(())
