@@ -98,8 +98,6 @@ fn document_floor(a: &AttentionArgs) -> Option<Vec<u32>> {
     Some((0..a.batch).flat_map(|_| row.clone()).collect())
 }
 
-const GIB: f64 = (1u64 << 30) as f64;
-
 /// Refuses sizes no call has: zeros, heads that do not group, element counts past `usize`.
 fn check_sizes(a: &AttentionArgs, keys: usize) -> Result<()> {
     let sizes = [
@@ -169,8 +167,8 @@ pub fn bench_attention(a: &AttentionArgs) -> Result<Vec<AttentionTiming>> {
     if let Some(free) = crate::device::capacity(&device).filter(|&free| bytes > free) {
         bail!(
             "the call's tensors take about {:.1} GiB, more than the {:.1} GiB free on the device",
-            bytes as f64 / GIB,
-            free as f64 / GIB
+            bytes as f64 / crate::plan::GIB,
+            free as f64 / crate::plan::GIB
         );
     }
     let backends = if a.backend.is_empty() {

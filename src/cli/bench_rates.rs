@@ -240,7 +240,7 @@ pub fn bench_rates(a: &RatesArgs) -> Result<Rates> {
                     println!(
                         "{}: skipped, {:.1} GiB of operands",
                         p.what,
-                        bytes as f64 / GIB
+                        bytes as f64 / crate::plan::GIB
                     );
                     continue;
                 }
@@ -280,5 +280,3 @@ pub fn bench_rates(a: &RatesArgs) -> Result<Rates> {
     }
     Ok(table)
 }
-
-const GIB: f64 = (1u64 << 30) as f64;
