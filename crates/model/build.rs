@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The kernel sources, one PTX module each.
-const MODULES: [&str; 4] = ["pointwise", "attention", "attention_tc", "flat"];
+const MODULES: [&str; 5] = ["pointwise", "attention", "attention_tc", "flat", "fp8"];
 
 fn main() {
     println!("cargo:rerun-if-changed=kernels");

@@ -1,12 +1,12 @@
 // CPU emulation tests of the project's CUDA kernels: runs the drivers test_pointwise.cpp,
-// test_flat.cpp and test_attention.cpp, which #include the real kernels/*.cu files on top of
+// test_flat.cpp, test_attention.cpp and test_fp8.cpp, which #include the real kernels/*.cu files on top of
 // shim.h (host stand-ins for the CUDA built-ins, runtime in shim.cpp) and compare every exported
 // kernel with a double-precision reference, one line per check, after test_shim.cpp has checked
 // the emulation's own failure detectors. Exits non-zero if any check fails.
 //
 // `cargo test -p model --test cuda_emulation` builds and runs it; by hand (from crates/model):
 //   c++ -std=c++17 -O1 -pthread -I kernels/emulation kernels/emulation/*.cpp -o /tmp/kernel-emu
-//   /tmp/kernel-emu [shim] [pointwise] [flat] [attention]      (default: all)
+//   /tmp/kernel-emu [shim] [pointwise] [flat] [attention] [fp8]      (default: all)
 // Environment: EMU_SEED=<n> picks other schedules; EMU_UCONTEXT=1 forces the portable (slow)
 // ucontext thread switch.
 #include <chrono>
@@ -19,6 +19,7 @@ void shim_checks();
 void pointwise_checks();
 void flat_checks();
 void attention_checks();
+void fp8_checks();
 
 int main(int argc, char** argv) {
   struct Suite {
@@ -28,12 +29,13 @@ int main(int argc, char** argv) {
   const Suite suites[] = {{"shim", shim_checks},
                           {"pointwise", pointwise_checks},
                           {"flat", flat_checks},
-                          {"attention", attention_checks}};
+                          {"attention", attention_checks},
+                          {"fp8", fp8_checks}};
   for (int i = 1; i < argc; ++i) {
     bool known = false;
     for (const Suite& s : suites) known = known || std::strcmp(argv[i], s.name) == 0;
     if (!known) {
-      std::fprintf(stderr, "unknown suite `%s` (shim, pointwise, flat, attention)\n", argv[i]);
+      std::fprintf(stderr, "unknown suite `%s` (shim, pointwise, flat, attention, fp8)\n", argv[i]);
       return 2;
     }
   }

@@ -138,6 +138,21 @@ inline unsigned atomicAdd(unsigned* p, unsigned val) {
   *p = old + val;
   return old;
 }
+inline unsigned atomicMax(unsigned* p, unsigned val) {
+  const unsigned old = *p;
+  *p = old > val ? old : val;
+  return old;
+}
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Runtime (shim.cpp).

@@ -17,15 +17,20 @@
 //! hand-written passes call. Autograd over these ops is the tests' reference for those passes.
 //!
 //! One file per op: `add.rs`, `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+
-//! `attention_bwd.rs`, and `attention_dims.rs` for a call's sizes and mask), `swiglu.rs`, `cross_entropy.rs`, `embedding.rs`; shared kernel helpers
-//! live in `common.rs`; `sdpa.rs` holds the attention backend choice (the project's kernels or
-//! cuDNN's fused attention) and the cuDNN calls' descriptions, `sdpa_cache.rs` the cache of built
-//! graphs, `sdpa_ragged.rs` the documents of a masked call as cuDNN's ragged batch.
+//! `attention_bwd.rs`, and `attention_dims.rs` for a call's sizes and mask), `swiglu.rs`,
+//! `cross_entropy.rs`, `embedding.rs`, `fp8.rs` (rounding to FP8 by block: the emulated FP8
+//! path's op, without a backward); shared kernel helpers live in `common.rs`; `sdpa.rs` holds the
+//! attention backend choice (the project's kernels or cuDNN's fused attention) and the cuDNN
+//! calls' descriptions, `sdpa_cache.rs` the cache of built graphs, `sdpa_ragged.rs` the documents
+//! of a masked call as cuDNN's ragged batch.
 
 use candle_core::{Result, Tensor};
 pub use parallel::cp::Floor;
 use parallel::cp::Kernels;
 
+pub use fp8::{
+    fp8_dtype_supported, fp8_round, fp8_scale, Fp8Blocks, Fp8Format, Fp8Quant, FP8_BLOCK,
+};
 pub use sdpa::{AttentionBackend, CUDNN_MAX_HEAD_DIM};
 
 #[cfg(feature = "cuda")]
@@ -38,6 +43,7 @@ mod attention_dims;
 mod common;
 mod cross_entropy;
 mod embedding;
+mod fp8;
 mod linear;
 mod rms_norm;
 mod rope;

@@ -14,6 +14,7 @@ mod attention_tc;
 pub mod cudnn;
 mod cudnn_ragged;
 pub mod flat;
+pub mod fp8;
 pub mod muon;
 pub mod norm;
 pub mod pointwise;
@@ -39,6 +40,8 @@ pub enum Module {
     AttentionTc,
     /// `kernels/flat.cu`: gradient accumulation, AdamW and sum of squares over flat buffers.
     Flat,
+    /// `kernels/fp8.cu`: FP8 rounding by block (amax, cast).
+    Fp8,
 }
 
 /// The GPU architecture the kernels were compiled for (`CUDA_COMPUTE_CAP` of the build, e.g. 90:
@@ -61,11 +64,12 @@ const fn parse_u32(s: &str) -> u32 {
 
 impl Module {
     /// Every module.
-    pub const ALL: [Module; 4] = [
+    pub const ALL: [Module; 5] = [
         Module::Pointwise,
         Module::Attention,
         Module::AttentionTc,
         Module::Flat,
+        Module::Fp8,
     ];
 
     /// The module's name (in error messages).
@@ -75,6 +79,7 @@ impl Module {
             Module::Attention => "pretrain-attention",
             Module::AttentionTc => "pretrain-attention-tc",
             Module::Flat => "pretrain-flat",
+            Module::Fp8 => "pretrain-fp8",
         }
     }
 
@@ -87,6 +92,7 @@ impl Module {
                 include_bytes!(concat!(env!("OUT_DIR"), "/attention_tc.fatbin"))
             }
             Module::Flat => include_bytes!(concat!(env!("OUT_DIR"), "/flat.fatbin")),
+            Module::Fp8 => include_bytes!(concat!(env!("OUT_DIR"), "/fp8.fatbin")),
         }
     }
 }

@@ -1,0 +1,67 @@
+//! Launcher of the FP8 rounding kernels of `kernels/fp8.cu` on contiguous f32, f64 or bf16
+//! CUDA storage: each block's amax (`fp8_amax`, into a zeroed word per block), then every
+//! element's rounded value (`fp8_cast`). The scales stay on the device: nothing is read back.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::PushKernelArg;
+use candle_core::cuda::{CudaStorage, WrapErr};
+use candle_core::{bail, Layout, Result};
+
+use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
+use crate::ops::Fp8Quant;
+
+/// Threads per CUDA block of `fp8_amax` (`AMAX_THREADS` in the emulation driver).
+const AMAX_THREADS: u32 = 256;
+
+/// A scaling block of more than this many elements is shared by several CUDA blocks of
+/// `fp8_amax` (`SPLIT_ELEMS` in the emulation driver), at most [`MAX_SPLITS`].
+const SPLIT_ELEMS: usize = 4096;
+const MAX_SPLITS: usize = 1024;
+
+/// `x` (`(rows, cols)` of its layout) rounded to FP8 as `q` says, in `x`'s dtype
+/// (`ops::fp8_round`).
+pub fn fp8_round(
+    x: &CudaStorage,
+    xl: &Layout,
+    (rows, cols): (usize, usize),
+    q: Fp8Quant,
+) -> Result<CudaStorage> {
+    const OP: &str = "fp8_round";
+    let dev = x.device();
+    let n = rows * cols;
+    let (br, bc) = q.blocks.dims(rows, cols);
+    let blocks = rows.div_ceil(br) * cols.div_ceil(bc);
+    let splits = (br * bc).div_ceil(SPLIT_ELEMS).clamp(1, MAX_SPLITS);
+    if blocks.saturating_mul(splits) > i32::MAX as usize {
+        bail!("{OP}: {rows} x {cols} elements in {br} x {bc} blocks need too many CUDA blocks")
+    }
+    let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
+    let (splits_u, fmt) = (splits as u32, q.format.code());
+    crate::with_cuda_dtype!(OP, x.dtype(), T => {
+        let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
+        // SAFETY: fp8_cast writes every one of the n elements.
+        let mut y = unsafe { alloc::<T>(dev, n) }?; // [rows, cols]
+        if n > 0 {
+            let mut amax = zeros::<u32>(dev, blocks)?; // [blocks], f32 bits
+            let stream = dev.cuda_stream();
+            let dtype = x.dtype();
+            let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_amax", dtype)?)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&mut amax).arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u);
+            b.arg(&splits_u);
+            // SAFETY: matches `fp8_amax_<T>(const T*, unsigned*, u64 x4, unsigned)`; CUDA block
+            // k reads elements of scaling block k / splits < blocks only, and `amax` holds one
+            // word per scaling block.
+            unsafe { b.launch(grid(blocks * splits, AMAX_THREADS, 0)) }.w()?;
+            let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
+            let no_codes = 0u64; // a null `codes`: only the values are written
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&amax).arg(&no_codes).arg(&mut y);
+            b.arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
+            // SAFETY: matches `fp8_cast_<T>(const T*, const unsigned*, unsigned char*, T*,
+            // u64 x4, int)`; the grid-stride loop touches elements below n = rows × cols.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
