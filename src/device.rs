@@ -48,6 +48,19 @@ pub fn prepare_attention(backend: AttentionBackend) -> Result<String> {
     )
 }
 
+/// Refuses FP8 on a GPU without FP8 tensor cores (the CPU runs the emulated path).
+pub fn check_fp8(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let (major, minor) = d.cuda_stream().context().compute_capability()?;
+        if let Some(p) = crate::recipe::fp8_device_problem((major * 10 + minor) as u32) {
+            anyhow::bail!(p);
+        }
+    }
+    let _ = device;
+    Ok(())
+}
+
 /// The number of CUDA devices this machine shows (0 in a build without the `cuda` feature).
 pub fn gpu_count() -> Result<usize> {
     #[cfg(feature = "cuda")]

@@ -28,6 +28,8 @@
 //! 8. **Attention backends.** The project's attention kernels and, on CUDA, cuDNN's fused
 //!    attention, in bf16 against f64 on the CPU: causal calls and an unmasked ring block, forward
 //!    and backward (`selftest/attention.rs`).
+//! 9. **FP8 rounding.** Rounding to E4M3 and E5M2 by block on the device against the CPU, bit for
+//!    bit, and a linear of rounded bf16 operands against f64 (`selftest/fp8.rs`).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -39,6 +41,7 @@ use candle_core::{DType, Device, Tensor, Var};
 mod attention;
 mod block;
 mod flat;
+mod fp8;
 mod processes;
 
 use crate::recipe::{self, DeviceKind, Recipe};
@@ -46,6 +49,7 @@ use crate::train::{device_for, train};
 pub use attention::check_attention;
 pub use block::check_block;
 pub use flat::check_flat_kernels;
+pub use fp8::check_fp8;
 
 /// One check's outcome.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -479,5 +483,6 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     let seq = if device.is_cuda() { 2048 } else { 128 };
     checks.extend(check_block(&device, seq)?);
     checks.extend(check_attention(&device)?);
+    checks.extend(check_fp8(&device)?);
     Ok(checks)
 }

@@ -35,6 +35,8 @@ pub(super) struct Acts<'a> {
     attention_factors: u64,
     /// The attention backward's workspace on cuDNN ([`cudnn_workspace`]).
     attention_workspace: u64,
+    /// The blocks whose linears run in FP8 (`train.fp8`).
+    fp8: Option<model::Fp8Linears>,
 }
 
 impl<'a> Acts<'a> {
@@ -69,7 +71,28 @@ impl<'a> Acts<'a> {
             whole,
             attention_factors,
             attention_workspace: cudnn_workspace(r),
+            fp8: train.fp8.linears(c.num_hidden_layers),
         }
+    }
+
+    /// The emulated FP8 path's copies in block `i`'s backward (`train.fp8`): each linear's
+    /// input rounded along the tokens and its upstream gradient rounded, kept as its weight
+    /// gradient's factors (q, k and v each round the norm's rows); a MoE block's experts stay
+    /// in the model dtype.
+    fn fp8_temp(&self, i: usize) -> u64 {
+        if !self.fp8.as_ref().is_some_and(|f| f.layers.contains(&i)) {
+            return 0;
+        }
+        let (c, s) = (self.c, &self.shapes);
+        let (n, t, h) = (s.n, s.t, s.h);
+        let q = c.q_dim() as u64 / t;
+        let kv = (c.num_key_value_heads * c.head_dim()) as u64 / t;
+        let f = c.intermediate_size as u64 / t;
+        let (inputs, grads) = match c.is_moe_layer(i) {
+            true => (3 * h + q, q + 2 * kv + h),
+            false => (5 * h + q + f, q + 2 * kv + 2 * h + 2 * f),
+        };
+        s.p * n * (inputs + grads)
     }
 
     /// What `piece` keeps per micro-batch.
@@ -104,7 +127,8 @@ impl<'a> Acts<'a> {
                             + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                                 / shapes.t)
                         + rebuilt(i)
-                        + self.attention_workspace,
+                        + self.attention_workspace
+                        + self.fp8_temp(i),
                     factors: attention_factors
                         + p * shapes.ns
                             * c.moe().map_or(0, |m| {
@@ -123,7 +147,8 @@ impl<'a> Acts<'a> {
                         + n * (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as u64
                             / shapes.t)
                     + rebuilt(i)
-                    + self.attention_workspace,
+                    + self.attention_workspace
+                    + self.fp8_temp(i),
                 // Inputs: two norms' rows, the attention output, the SwiGLU; upstream
                 // gradients: q, k, v, o, gate, up, down. Element for element the block's whole
                 // tape and input but the log-sum-exp (the residual's place taken by o's

@@ -149,15 +149,8 @@ pub fn balanced_layout(r: &Recipe, hw: &Hardware) -> Option<Vec<usize>> {
         return None;
     }
     let model = model_of(r, hw);
-    let tr = &r.train;
     let time = |x: Cost| x.fwd + x.bwd;
-    let (dense, moe) = (
-        time(model.block(tr.recompute, tr.recomputed(), false)),
-        time(model.block(tr.recompute, tr.recomputed(), true)),
-    );
-    let cost: Vec<f64> = (0..layers)
-        .map(|i| if c.is_moe_layer(i) { moe } else { dense })
-        .collect();
+    let cost: Vec<f64> = model.layers(r).into_iter().map(time).collect();
     let (head, embedding) = (time(model.head()), time(model.embedding()));
     // Layers per chunk under `cap`, filling each chunk in order as far as it goes; `None` when
     // the cap cannot be met.
@@ -207,7 +200,7 @@ pub fn balanced_layout(r: &Recipe, hw: &Hardware) -> Option<Vec<usize>> {
 
 /// The predicted time of one step of `r` on `hw`, with each stage's state sizes.
 pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, f64) {
-    let (par, tr, c) = (&r.parallel, &r.train, &r.model);
+    let (par, c) = (&r.parallel, &r.model);
     let (pp, v, tp) = (par.pp, par.virtual_stages, par.tp);
     let chunk_layers = par.chunk_layers(c.num_hidden_layers);
     let place = par.schedule_kind().placement();
@@ -215,10 +208,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
     let m = r.grad_accum_steps() as f64;
     let p = r.train.dtype.dtype().size_in_bytes() as f64;
     let model = model_of(r, hw);
-    let (dense, moe) = (
-        model.block(tr.recompute, tr.recomputed(), false),
-        model.block(tr.recompute, tr.recomputed(), true),
-    );
+    let blocks = model.layers(r);
     let (head, embedding) = (model.head(), model.embedding());
     // Pipeline neighbours are tp · cp · dp ranks apart.
     let pp_bw = group_bandwidth(hw, 2, tp * dp);
@@ -236,8 +226,7 @@ pub fn step_time(r: &Recipe, hw: &Hardware, state: &[StageState]) -> (StepTime, 
                 }
                 let x = match piece {
                     Piece::Embedding => embedding,
-                    Piece::Block(i) if c.is_moe_layer(i) => moe,
-                    Piece::Block(_) => dense,
+                    Piece::Block(i) => blocks[i],
                     Piece::Head => head,
                 };
                 cost.fwd += x.fwd;

@@ -1,6 +1,7 @@
 //! Typed training recipes: YAML files with `inherit:`, `--set a.b=value` overrides and validation
 //! of every inconsistency before anything is allocated.
 
+mod fp8;
 mod load;
 mod optimizer;
 mod sections;
@@ -11,6 +12,7 @@ use model::LlamaConfig;
 use parallel::ParallelConfig;
 use serde::{Deserialize, Serialize};
 
+pub use fp8::{device_problem as fp8_device_problem, Fp8Config, Fp8Mode};
 pub use load::{load, load_stored, load_str, RecipeError};
 pub use optimizer::{AdjustLr, MuonConfig, Offload, OptimizerConfig, OptimizerName, StateDtype};
 pub use sections::{

@@ -123,6 +123,9 @@ pub struct TrainConfig {
     /// changes nothing else (every other kernel here is deterministic either way).
     #[serde(default = "super::optimizer::default_true")]
     pub deterministic: bool,
+    /// The blocks' linears in FP8 (`src/recipe/fp8.rs`); off by default.
+    #[serde(default, skip_serializing_if = "super::Fp8Config::is_off")]
+    pub fp8: super::Fp8Config,
 }
 
 impl TrainConfig {

@@ -26,6 +26,9 @@ impl Trainer {
             r.train.micro_batch,
             r.train.seq_len / r.parallel.cp
         );
+        if let Some(fp8) = r.train.fp8.describe(c.num_hidden_layers) {
+            info!("{fp8}");
+        }
         let b = self.state_bytes();
         let host = (self.state.optimizer.offload_threads()).map_or(String::new(), |t| {
             format!(" in host memory, updated on {t} threads")

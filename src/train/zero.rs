@@ -109,6 +109,10 @@ pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     crate::device::prepare_attention(backend)?;
     model.set_attention_backend(backend);
     model.set_recomputed(t.recomputed());
+    model.set_fp8(t.fp8.linears(c.num_hidden_layers));
+    if !t.fp8.is_off() {
+        crate::device::check_fp8(device)?;
+    }
     model.set_documents(model::DocumentUse {
         mask: recipe.data.reset_attention_mask,
         positions: recipe.data.reset_position_ids,

@@ -31,11 +31,13 @@ use crate::segment::{storages, Held, ParamGrad};
 
 mod block;
 mod embedding;
+mod fp8;
 mod head;
 mod logits;
 pub(crate) use block::projection_bwd;
 pub use block::BlockTape;
 pub use embedding::EmbeddingTape;
+pub use fp8::{Fp8Linears, Fp8Scaling};
 pub use head::HeadTape;
 
 /// A piece of the model run as one segment.
@@ -133,6 +135,8 @@ pub struct Llama {
     /// How blocks use a micro-batch's document starts (not at all unless
     /// [`Llama::set_documents`] says).
     documents: DocumentUse,
+    /// Which blocks run their linears in FP8 (none unless [`Llama::set_fp8`] says).
+    fp8: Option<fp8::Fp8Linears>,
 }
 
 /// What a piece's forward keeps for its backward pass.
@@ -246,6 +250,7 @@ impl Llama {
             attention: AttentionBackend::Own,
             recomputed: crate::Recomputed::default(),
             documents: DocumentUse::default(),
+            fp8: None,
         })
     }
 

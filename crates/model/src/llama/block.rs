@@ -24,7 +24,7 @@ use super::Llama;
 use crate::config::LlamaConfig;
 use crate::inventory::{BlockParams, MlpParams};
 use crate::moe::{self, LayerStats, MoeTape};
-use crate::ops::{self, linear, linear_to};
+use crate::ops::{self, linear_to};
 use crate::segment::{ParamGrad, TapeShape};
 
 /// What a decoder block's forward keeps for its backward pass (model dtype unless said
@@ -140,6 +140,35 @@ pub(crate) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tens
 }
 
 impl Llama {
+    /// `x · wᵀ` in `shape` (`x` holds rows of `w`'s `in`), in FP8 where the model runs layer
+    /// `layer`'s linears so.
+    fn project(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        w: &Tensor,
+        shape: impl Into<candle_core::Shape>,
+    ) -> Result<Tensor> {
+        match self.fp8_scaling(layer) {
+            Some(s) => super::fp8::linear_to(x, w, shape, s),
+            None => linear_to(x, w, shape),
+        }
+    }
+
+    /// The backward of [`Llama::project`].
+    fn project_bwd(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Tensor, ParamGrad)> {
+        match self.fp8_scaling(layer) {
+            Some(s) => super::fp8::projection_bwd(x, w, g, s),
+            None => projection_bwd(x, w, g),
+        }
+    }
+
     fn block_weights(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
         let blk = self
             .inventory
@@ -225,9 +254,9 @@ impl Llama {
         let (b, s, _) = h.dims3()?;
         let mask = self.document_mask(docs, (b, s))?;
         let (cos, sin, scale) = self.rope_and_scale((b, s), docs)?;
-        let q = linear_to(&h, &w.q, (b, s, hq, d))?; // [b, s, hq/tp, d]
-        let k = linear_to(&h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
-        let v = linear_to(&h, &w.v, (b, s, hkv, d))?;
+        let q = self.project(layer, &h, &w.q, (b, s, hq, d))?; // [b, s, hq/tp, d]
+        let k = self.project(layer, &h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
+        let v = self.project(layer, &h, &w.v, (b, s, hkv, d))?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
         let (attn, lse) = self.placement.cp.attention(
             (&q, &k, &v),
@@ -236,7 +265,7 @@ impl Llama {
             mask,
         )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
-        let o = linear_to(&a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
+        let o = self.project(layer, &a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
 
         // x1 = x + o and its norm in one pass; [b, s(/tp), h] each.
         let (x1, normed) = ops::add_rms_norm(&x, &tp.exit(&o)?, &w.norm2, c.rms_norm_eps)?;
@@ -247,10 +276,13 @@ impl Llama {
                 down_proj,
             } => {
                 let h2 = tp.enter(&normed)?; // [b, s, h]
-                let gate = linear(&h2, &self.w(*gate_proj)?)?; // [b, s, f/tp]
-                let up = linear(&h2, &self.w(*up_proj)?)?;
+                let (gw, uw) = (self.w(*gate_proj)?, self.w(*up_proj)?);
+                let f = (b, s, gw.dim(0)?);
+                let gate = self.project(layer, &h2, &gw, f)?; // [b, s, f/tp]
+                let up = self.project(layer, &h2, &uw, f)?;
                 let act = ops::swiglu(&gate, &up)?;
-                let down = linear(&act, &self.w(*down_proj)?)?;
+                let down =
+                    self.project(layer, &act, &self.w(*down_proj)?, (b, s, c.hidden_size))?;
                 let y = ops::add(&x1, &tp.exit(&down)?)?;
                 let r = &self.recomputed;
                 let tape = MlpTape::Dense {
@@ -342,10 +374,11 @@ impl Llama {
                     None => ops::swiglu(&gate, &up)?,
                 };
                 let dd = tp.exit_grad(&dy)?; // [b, s, h]
-                let (dact, d_down) = projection_bwd(&act, &self.w(*down_proj)?, &dd)?; // [b, s, f/tp]
+                let (dact, d_down) = self.project_bwd(layer, &act, &self.w(*down_proj)?, &dd)?; // [b, s, f/tp]
                 let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
-                let (dh2_up, d_up) = projection_bwd(&h2, &self.w(*up_proj)?, &dup)?; // [b, s, h] partial
-                let (dh2_gate, d_gate) = projection_bwd(&h2, &self.w(*gate_proj)?, &dgate)?;
+                let (dh2_up, d_up) = self.project_bwd(layer, &h2, &self.w(*up_proj)?, &dup)?; // [b, s, h] partial
+                let (dh2_gate, d_gate) =
+                    self.project_bwd(layer, &h2, &self.w(*gate_proj)?, &dgate)?;
                 let dh2 = ops::add(&dh2_up, &dh2_gate)?;
                 grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
                 let dh2 = tp.enter_grad(&dh2)?;
@@ -392,16 +425,16 @@ impl Llama {
         };
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
-        let (da, d_o) = projection_bwd(&a, &w.o, &dout)?; // [b, s, hq/tp, d]
+        let (da, d_o) = self.project_bwd(layer, &a, &w.o, &dout)?; // [b, s, hq/tp, d]
         let saved = (&attn, &lse);
         let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), saved, &da, scale, kernels, mask)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,
         );
-        let (dh_v, d_v) = projection_bwd(&h, &w.v, &dv)?; // [b, s, h] partial
-        let (dh_k, d_k) = projection_bwd(&h, &w.k, &dk)?;
-        let (dh_q, d_q) = projection_bwd(&h, &w.q, &dq)?;
+        let (dh_v, d_v) = self.project_bwd(layer, &h, &w.v, &dv)?; // [b, s, h] partial
+        let (dh_k, d_k) = self.project_bwd(layer, &h, &w.k, &dk)?;
+        let (dh_q, d_q) = self.project_bwd(layer, &h, &w.q, &dq)?;
         let dh = ops::add(&ops::add(&dh_v, &dh_k)?, &dh_q)?;
         let dh = tp.enter_grad(&dh)?;
         let (dx, d_norm1) = ops::rms_norm_bwd_add(&x, &w.norm1, c.rms_norm_eps, &dh, &dx1)?;

@@ -1,0 +1,194 @@
+//! The block's seven linears (q, k, v, o, gate, up, down) in FP8, emulated: each GEMM's operands
+//! are rounded to FP8 as an FP8 GEMM would read them ([`ops::fp8_round`]), then multiplied by the
+//! ordinary GEMM. The numerics are FP8 training's (recipes as Transformer Engine's and
+//! DeepSeek-V3's); the speed is not: the rounding passes come on top of bf16 GEMMs.
+//!
+//! Per linear `y = x · wᵀ`:
+//! - forward: `x` and `w` in E4M3;
+//! - input gradient `dx = g · w`: `g` in E5M2 (its range needs the wider exponent), `w` as in
+//!   the forward;
+//! - weight gradient `dw = gᵀ · x`: `g` in E5M2 and `x` in E4M3, both scaled along the tokens
+//!   (the GEMM's contraction), accumulated in f32 by the gradient buffer as ever.
+//!
+//! Scaling ([`Fp8Scaling`]): `tensorwise` gives each operand one scale from its current amax;
+//! `blockwise` scales activations and gradients per 1 × 128 run along the contraction (128 × 1
+//! for the weight gradient's operands) and weights per 128 × 128 tile. The embedding, the head,
+//! norms, attention, the router and the experts stay in the model dtype, and so do master
+//! weights, optimizer states and checkpoints.
+//!
+//! Tensor parallelism rounds each rank's shard: a sharded weight's tensorwise scale is its
+//! shard's, so tensorwise results differ from one rank's by rounding; with `blockwise` and shards
+//! that are whole multiples of 128, every block is the single rank's.
+
+use std::ops::Range;
+
+use candle_core::{Result, Tensor};
+
+use crate::ops::{self, Fp8Blocks, Fp8Format, Fp8Quant};
+use crate::segment::ParamGrad;
+
+/// How FP8 linears scale their operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Scaling {
+    /// One scale per tensor, from its current amax.
+    Tensorwise,
+    /// 1 × 128 for activations and gradients, 128 × 128 for weights.
+    Blockwise,
+}
+
+/// Which blocks run their linears in FP8, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fp8Linears {
+    pub scaling: Fp8Scaling,
+    /// Global layer indices (the first and last blocks are usually left out).
+    pub layers: Range<usize>,
+}
+
+impl super::Llama {
+    /// Runs the linears of the blocks `fp8` names in FP8; a new model runs none.
+    pub fn set_fp8(&mut self, fp8: Option<Fp8Linears>) {
+        self.fp8 = fp8;
+    }
+
+    /// How layer `layer`'s linears scale FP8 operands; `None`: they run in the model dtype.
+    pub fn fp8_scaling(&self, layer: usize) -> Option<Fp8Scaling> {
+        self.fp8
+            .as_ref()
+            .filter(|f| f.layers.contains(&layer))
+            .map(|f| f.scaling)
+    }
+}
+
+/// An operand's role in a linear's three GEMMs.
+#[derive(Clone, Copy)]
+enum Operand {
+    /// `x` `[rows, in]` in the forward: contraction along `in`.
+    Input,
+    /// `w` `[out, in]`, in the forward and the input gradient.
+    Weight,
+    /// `g` `[rows, out]` in the input gradient: contraction along `out`.
+    Grad,
+    /// `g` `[rows, out]` in the weight gradient: contraction along the rows.
+    GradByToken,
+    /// `x` `[rows, in]` in the weight gradient: contraction along the rows.
+    InputByToken,
+}
+
+impl Fp8Scaling {
+    fn quant(self, operand: Operand) -> Fp8Quant {
+        let format = match operand {
+            Operand::Grad | Operand::GradByToken => Fp8Format::E5M2,
+            _ => Fp8Format::E4M3,
+        };
+        let blocks = match (self, operand) {
+            (Fp8Scaling::Tensorwise, _) => Fp8Blocks::Tensor,
+            (Fp8Scaling::Blockwise, Operand::Input | Operand::Grad) => Fp8Blocks::Rows,
+            (Fp8Scaling::Blockwise, Operand::Weight) => Fp8Blocks::Tiles,
+            (Fp8Scaling::Blockwise, Operand::GradByToken | Operand::InputByToken) => {
+                Fp8Blocks::Cols
+            }
+        };
+        Fp8Quant { format, blocks }
+    }
+
+    /// `t` read as rows of its `cols` features, rounded as `operand` is, in `t`'s shape.
+    fn round(self, t: &Tensor, cols: usize, operand: Operand) -> Result<Tensor> {
+        let rows = t.elem_count() / cols.max(1);
+        let r = ops::fp8_round(&t.reshape((rows, cols))?, self.quant(operand))?; // [rows, cols]
+        r.reshape(t.shape())
+    }
+}
+
+/// [`ops::linear_to`] with both operands rounded to FP8 (`x` holds rows of `w`'s `in`).
+pub(crate) fn linear_to(
+    x: &Tensor,
+    w: &Tensor,
+    shape: impl Into<candle_core::Shape>,
+    s: Fp8Scaling,
+) -> Result<Tensor> {
+    let n_in = w.dim(1)?;
+    let xq = s.round(x, n_in, Operand::Input)?; // x's shape
+    let wq = s.round(w, n_in, Operand::Weight)?; // [out, in]
+    ops::linear_to(&xq, &wq, shape)
+}
+
+/// The backward of [`linear_to`]: `dx = fp8(g) · fp8(w)` in `x`'s shape and the weight
+/// gradient's factors, each rounded along the tokens.
+pub(crate) fn projection_bwd(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    s: Fp8Scaling,
+) -> Result<(Tensor, ParamGrad)> {
+    let (n_out, n_in) = w.dims2()?;
+    let wq = s.round(w, n_in, Operand::Weight)?; // [out, in]
+    let gq = s.round(g, n_out, Operand::Grad)?; // g's shape
+    let dx = ops::linear_dx(&wq, &gq, x.shape())?; // x's shape
+    let (g2, x2) = ops::linear_factors(x, w, g)?; // [rows, out], [rows, in]
+    let g2 = match s {
+        // One tensor scale serves both GEMMs.
+        Fp8Scaling::Tensorwise => gq.reshape(g2.shape())?,
+        Fp8Scaling::Blockwise => s.round(&g2, n_out, Operand::GradByToken)?,
+    };
+    let x2 = s.round(&x2, n_in, Operand::InputByToken)?;
+    Ok((dx, ParamGrad::Product { g: g2, x: x2 }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// The FP8 linear's forward and backward equal the plain linear's on operands rounded by
+    /// hand, and stay within FP8's rounding of the plain results.
+    #[test]
+    fn fp8_linears_multiply_rounded_operands() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 130, 256), &dev)?; // [b, s, in]
+        let w = Tensor::randn(0f32, 0.05, (384, 256), &dev)?; // [out, in]
+        let g = Tensor::randn(0f32, 1e-3, (2, 130, 384), &dev)?; // [b, s, out]
+        for s in [Fp8Scaling::Tensorwise, Fp8Scaling::Blockwise] {
+            let y = linear_to(&x, &w, (2, 130, 384), s)?;
+            let by_hand = ops::linear(
+                &s.round(&x, 256, Operand::Input)?,
+                &s.round(&w, 256, Operand::Weight)?,
+            )?;
+            assert_eq!(
+                y.flatten_all()?.to_vec1::<f32>()?,
+                by_hand.flatten_all()?.to_vec1::<f32>()?
+            );
+            let exact = ops::linear(&x, &w)?;
+            let rel = ((&y - &exact)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+                / exact.sqr()?.sum_all()?.to_scalar::<f32>()?)
+            .sqrt();
+            assert!(rel < 0.05, "{s:?}: forward off by {rel}");
+            let (dx, dw) = projection_bwd(&x, &w, &g, s)?;
+            let ParamGrad::Product { g: g2, x: x2 } = dw else {
+                panic!("a product")
+            };
+            let (dw, dw_exact) = (
+                g2.t()?.matmul(&x2)?,
+                g.reshape((260, 384))?
+                    .t()?
+                    .matmul(&x.reshape((260, 256))?)?,
+            );
+            let dx_exact = ops::linear_dx(&w, &g, x.shape())?;
+            for (got, want, what) in [(&dx, &dx_exact, "dx"), (&dw, &dw_exact, "dw")] {
+                let rel = ((got - want)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+                    / want.sqr()?.sum_all()?.to_scalar::<f32>()?)
+                .sqrt();
+                assert!(rel < 0.1, "{s:?}: {what} off by {rel}");
+            }
+            assert_eq!(dx.dims(), x.dims());
+        }
+        // bf16 operands work alike.
+        let y = linear_to(
+            &x.to_dtype(DType::BF16)?,
+            &w.to_dtype(DType::BF16)?,
+            (2, 130, 384),
+            Fp8Scaling::Blockwise,
+        )?;
+        assert_eq!(y.dtype(), DType::BF16);
+        Ok(())
+    }
+}

@@ -1,0 +1,160 @@
+//! `train.fp8:` — which blocks run their linears in FP8, and how they scale it.
+//!
+//! The FP8 path is emulated everywhere today (`crates/model/src/llama/fp8.rs`): each GEMM's
+//! operands are rounded to FP8 as an FP8 GEMM reads them, then multiplied by the ordinary bf16
+//! (or f32) GEMM. It trains with FP8's numerics, on the CPU and on any GPU, without FP8's speed;
+//! the start-up line says so.
+
+use serde::{Deserialize, Serialize};
+
+/// How FP8 linears scale their operands (`train.fp8.scaling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8Mode {
+    /// No FP8: every linear in the model dtype.
+    #[default]
+    None,
+    /// One scale per operand from its current amax (Transformer Engine's current scaling,
+    /// torchao's tensorwise).
+    Tensorwise,
+    /// DeepSeek-V3's blocks: 1 × 128 for activations and gradients, 128 × 128 for weights.
+    Blockwise,
+}
+
+/// `train.fp8:`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp8Config {
+    /// `none` (the default), `tensorwise` or `blockwise`.
+    #[serde(default)]
+    pub scaling: Fp8Mode,
+    /// The first this many blocks keep their linears in the model dtype (default 1: the first
+    /// block's inputs are the embeddings', where FP8's range is tightest).
+    #[serde(default = "one")]
+    pub bf16_first: usize,
+    /// The last this many blocks keep their linears in the model dtype (default 1).
+    #[serde(default = "one")]
+    pub bf16_last: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl Default for Fp8Config {
+    fn default() -> Self {
+        Fp8Config {
+            scaling: Fp8Mode::None,
+            bf16_first: 1,
+            bf16_last: 1,
+        }
+    }
+}
+
+impl Fp8Config {
+    /// FP8 off (the key is then left out of a written recipe).
+    pub fn is_off(&self) -> bool {
+        self.scaling == Fp8Mode::None
+    }
+
+    /// The model's FP8 linears for a model of `layers` blocks; `None` when FP8 is off.
+    pub fn linears(&self, layers: usize) -> Option<model::Fp8Linears> {
+        let scaling = match self.scaling {
+            Fp8Mode::None => return None,
+            Fp8Mode::Tensorwise => model::Fp8Scaling::Tensorwise,
+            Fp8Mode::Blockwise => model::Fp8Scaling::Blockwise,
+        };
+        let end = layers.saturating_sub(self.bf16_last);
+        Some(model::Fp8Linears {
+            scaling,
+            layers: self.bf16_first.min(end)..end,
+        })
+    }
+
+    /// What is wrong with the section for a model of `layers` blocks.
+    pub fn problems(&self, layers: usize) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.is_off() {
+            return p;
+        }
+        if self.bf16_first.saturating_add(self.bf16_last) >= layers {
+            p.push(format!(
+                "train.fp8 keeps every block in the model dtype: train.fp8.bf16_first + \
+                 bf16_last ({} + {}) leave none of the model's {layers} layers to FP8; lower \
+                 them, or set train.fp8.scaling: none",
+                self.bf16_first, self.bf16_last
+            ));
+        }
+        p
+    }
+
+    /// The start-up line's words for the section (`None` when FP8 is off).
+    pub fn describe(&self, layers: usize) -> Option<String> {
+        let l = self.linears(layers)?;
+        let scaling = match self.scaling {
+            Fp8Mode::Tensorwise => "tensorwise",
+            _ => "blockwise (1x128 activations and gradients, 128x128 weights)",
+        };
+        Some(format!(
+            "fp8 {scaling} on the linears of layers {}..{} of {layers}, emulated: operands \
+             rounded to E4M3 (gradients E5M2), products by the model dtype's GEMMs (FP8's \
+             numerics, not its speed)",
+            l.layers.start, l.layers.end
+        ))
+    }
+}
+
+/// The refusal of FP8 on a GPU older than Ada/Hopper (compute capability `cap`, e.g. 80 for
+/// 8.0): FP8 tensor cores start at sm_89.
+pub fn device_problem(cap: u32) -> Option<String> {
+    (cap < 89).then(|| {
+        format!(
+            "train.fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, \
+             Hopper, Blackwell); this one is {}.{}. Set train.fp8.scaling: none",
+            cap / 10,
+            cap % 10
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn the_first_and_last_blocks_stay_out_of_fp8_by_default() {
+        let c = Fp8Config {
+            scaling: Fp8Mode::Blockwise,
+            ..Fp8Config::default()
+        };
+        let l = c.linears(4).unwrap();
+        assert_eq!((l.scaling, l.layers), (model::Fp8Scaling::Blockwise, 1..3));
+        assert!(Fp8Config::default().linears(4).is_none());
+        let all = Fp8Config {
+            bf16_first: 0,
+            bf16_last: 0,
+            ..c
+        };
+        assert_eq!(all.linears(4).unwrap().layers, 0..4);
+        assert!(c.problems(4).is_empty());
+        assert!(c.problems(2)[0].contains("none of the model's 2 layers"));
+    }
+
+    #[test]
+    fn recipes_name_fp8_problems_and_old_gpus_are_refused() {
+        let load = |set: &str| crate::recipe::load(Path::new("recipes/tiny.yaml"), &[set.into()]);
+        let r = load("train.fp8.scaling=tensorwise").unwrap();
+        assert_eq!(r.train.fp8.scaling, Fp8Mode::Tensorwise);
+        let e = format!("{:#}", load("train.fp8.scaling=fp4").unwrap_err());
+        assert!(e.contains("fp4"), "{e}");
+        let e = format!(
+            "{:#}",
+            load("train.fp8.scaling=blockwise,train.fp8.bf16_first=2,train.fp8.bf16_last=2")
+                .unwrap_err()
+        );
+        assert!(e.contains("train.fp8.bf16_first"), "{e}");
+        assert!(device_problem(80).unwrap().contains("8.0"));
+        assert!(device_problem(89).is_none() && device_problem(90).is_none());
+    }
+}

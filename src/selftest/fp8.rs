@@ -1,0 +1,83 @@
+//! Check 9 of `pretrain selftest`: FP8 rounding by block on the device against the CPU, bit for bit (f32 and bf16,
+//! both formats, the four block shapes), and a linear of rounded operands against f64.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use model::ops::{fp8_round, linear, Fp8Blocks, Fp8Format, Fp8Quant};
+
+use super::{op_tolerance, randn, rel_error, Check};
+
+/// The share of elements of `a` and `b` whose bits differ.
+fn differing(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        let v = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        Ok(v.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    let (a, b) = (bits(a)?, bits(b)?);
+    let bad = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+    Ok(bad as f64 / a.len().max(1) as f64)
+}
+
+/// Check 9 on `device`.
+pub fn check_fp8(device: &Device) -> Result<Vec<Check>> {
+    let mut checks = Vec::new();
+    // [300, 260]: edge blocks cut short both ways; a few outliers.
+    let spikes = (randn(&[300, 260], 31)?
+        .abs()?
+        .ge(2.8)?
+        .to_dtype(DType::F32)?
+        * 400.0)?;
+    let x = (randn(&[300, 260], 30)?.to_dtype(DType::F32)? * (spikes + 1.0)?)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let x = x.to_dtype(dtype)?;
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for blocks in [
+                Fp8Blocks::Tensor,
+                Fp8Blocks::Rows,
+                Fp8Blocks::Cols,
+                Fp8Blocks::Tiles,
+            ] {
+                let q = Fp8Quant { format, blocks };
+                let got = fp8_round(&x.to_device(device)?, q)?;
+                checks.push(Check {
+                    name: format!("fp8_round {dtype:?} {format:?} {blocks:?}"),
+                    error: differing(&got, &fp8_round(&x, q)?)?,
+                    tolerance: 0.0,
+                });
+            }
+        }
+    }
+    // The emulated FP8 linear: bf16 operands rounded (1 x 128 activations, 128 x 128 weights)
+    // and multiplied on the device, against f64 from the CPU's rounded operands.
+    let a = randn(&[256, 384], 32)?.to_dtype(DType::BF16)?;
+    let w = (randn(&[320, 384], 33)? * 0.05)?.to_dtype(DType::BF16)?;
+    let (qa, qw) = (
+        Fp8Quant {
+            format: Fp8Format::E4M3,
+            blocks: Fp8Blocks::Rows,
+        },
+        Fp8Quant {
+            format: Fp8Format::E4M3,
+            blocks: Fp8Blocks::Tiles,
+        },
+    );
+    let on_device = linear(
+        &fp8_round(&a.to_device(device)?, qa)?,
+        &fp8_round(&w.to_device(device)?, qw)?,
+    )?;
+    let f64s = |t: Tensor| t.to_dtype(DType::F64);
+    let want = f64s(fp8_round(&a, qa)?)?.matmul(&f64s(fp8_round(&w, qw)?)?.t()?)?;
+    checks.push(Check {
+        name: "fp8 linear (emulated, bf16) against f64".into(),
+        error: rel_error(
+            &on_device.to_device(&Device::Cpu)?.to_dtype(DType::F64)?,
+            &want,
+        )?,
+        tolerance: op_tolerance(DType::BF16),
+    });
+    Ok(checks)
+}
