@@ -51,11 +51,14 @@
 #   offload   the 7B of recipes/bench-7b.yaml with optimizer.offload: cpu at 256K tokens a step
 #             (4 steps): the GPU's peak at most 60 GiB and the update at most 15% of the step;
 #             not in the default list (about 5 minutes)
-#   fp8       train.fp8 (emulated: operands rounded to FP8, bf16 GEMMs): the tiny recipe (60
-#             steps) with tensorwise scaling on CUDA in f32 against the CPU; then a 116M model
-#             (hidden 768, 12 layers, ffn 3072) on the bundled corpus for 1000 steps in bf16,
-#             tensorwise and blockwise: the FP8 runs' last-10-step mean loss and last
-#             validation loss within 0.25% of bf16's; not in the default list (about 5 minutes)
+#   fp8       train.fp8: the tiny recipe (60 steps) with tensorwise scaling on CUDA in f32
+#             (emulated: operands rounded, bf16 GEMMs) against the CPU, and in bf16 with FP8
+#             GEMMs (train.fp8.gemm: cublaslt) against the emulated path; a 116M model (hidden
+#             768, 12 layers, ffn 3072) on the bundled corpus for 1000 steps in bf16, emulated
+#             tensorwise and blockwise, and cuBLASLt tensorwise: each FP8 run's last-10-step mean
+#             loss and last validation loss within 0.25% of bf16's; then 8 steps of bench-1b in
+#             bf16 and with FP8 GEMMs: tokens/s at least 1.15x bf16's; not in the default list
+#             (about 7 minutes)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
 #             to the binary) beside the binary or at CUPTI_TRACE_SO; compiled here as a fallback,
@@ -217,6 +220,7 @@ export -f tiny_run recipe_run compare compare_drift
 
 MOE_STEPS="train.steps=50,train.eval_interval=25"
 FP8_TINY="train.steps=60,train.eval_interval=30,train.fp8.scaling=tensorwise"
+FP8_LT="train.fp8.gemm=cublaslt"
 FP8_116M="model.hidden_size=768,model.intermediate_size=3072,model.num_hidden_layers=12,\
 model.num_attention_heads=12,model.num_key_value_heads=12,model.max_position_embeddings=512,\
 train.seq_len=512,train.global_batch=32,train.micro_batch=32,train.steps=1000,\
@@ -447,12 +451,37 @@ PY
       # last-bit difference across a rounding boundary into 1/16 of an element: early steps
       # agree closely, later ones drift as MoE runs do.
       part fp8-tiny-curve compare_drift fp8-cuda-f32 fp8-cpu 10 1e-4 2e-2
+      # FP8 GEMMs multiply exactly the emulated path's operand values; they sum in another
+      # order (and the forward accumulates fast).
+      part fp8-tiny-emulated tiny_run fp8-tiny-emulated cuda bf16 --set "$FP8_TINY"
+      part fp8-tiny-cublaslt tiny_run fp8-tiny-cublaslt cuda bf16 --set "$FP8_TINY,$FP8_LT"
+      part fp8-tiny-cublaslt-curve compare_drift fp8-tiny-cublaslt fp8-tiny-emulated 10 1e-2 3e-2
       part fp8-116m-bf16 tiny_run fp8-116m-bf16 cuda bf16 --set "$FP8_116M"
-      for mode in tensorwise blockwise; do
-        part "fp8-116m-$mode" tiny_run "fp8-116m-$mode" cuda bf16 \
-          --set "$FP8_116M,train.fp8.scaling=$mode"
+      for mode in tensorwise blockwise cublaslt; do
+        case $mode in
+          cublaslt) set_mode="train.fp8.scaling=tensorwise,$FP8_LT" ;;
+          *) set_mode="train.fp8.scaling=$mode" ;;
+        esac
+        part "fp8-116m-$mode" tiny_run "fp8-116m-$mode" cuda bf16 --set "$FP8_116M,$set_mode"
         part "fp8-116m-$mode-quality" compare_drift "fp8-116m-$mode" fp8-116m-bf16 10 5e-2 2.5e-3
       done
+      for mode in bf16 cublaslt; do
+        set_mode="train.steps=8"
+        [ $mode = cublaslt ] && set_mode="$set_mode,train.fp8.scaling=tensorwise,$FP8_LT"
+        rm -rf "$RUNS/fp8-bench-$mode"
+        part "fp8-bench-$mode" "$BIN" --recipe recipes/bench-1b.yaml \
+          --set "run.dir=$RUNS/fp8-bench-$mode,$set_mode"
+      done
+      part fp8-bench-speed "$PYTHON" - "$RUNS/fp8-bench-bf16/metrics.jsonl" \
+        "$RUNS/fp8-bench-cublaslt/metrics.jsonl" <<'PY'
+import json, sys
+def rate(p):
+    recs = [r for r in map(json.loads, open(p)) if "tokens_per_s" in r][2:]
+    return sum(r["tokens_per_s"] for r in recs) / len(recs)
+bf16, fp8 = rate(sys.argv[1]), rate(sys.argv[2])
+print(f"bench-1b: bf16 {bf16:.0f} tokens/s, FP8 GEMMs {fp8:.0f} tokens/s: {fp8 / bf16:.2f}x")
+sys.exit(0 if fp8 >= 1.15 * bf16 else f"FP8 GEMMs {fp8 / bf16:.2f}x bf16, below 1.15x")
+PY
       ;;
     profile)
       SO=${CUPTI_TRACE_SO:-$(dirname "$BIN")/cupti_trace.so}

@@ -80,8 +80,9 @@ fn fp8_layouts_equal_the_single_rank_fp8_run() {
 }
 
 /// The planner prices what runs: the emulated path's rounding passes, at memory speed, on the
-/// layers `train.fp8` covers (so FP8 is slower than the model dtype's GEMMs alone, and the
-/// `--gpus` search never picks it for speed: it is the recipe's choice).
+/// layers `train.fp8` covers (so emulated FP8 is slower than the model dtype's GEMMs alone), or
+/// with FP8 GEMMs the quantizing passes and faster GEMMs. The `--gpus` search keeps the recipe's
+/// choice and never turns FP8 on.
 #[test]
 fn the_planner_prices_the_rounding_on_the_layers_in_fp8() {
     use pretrain::plan::{plan, GpuPreset};
@@ -103,6 +104,9 @@ fn the_planner_prices_the_rounding_on_the_layers_in_fp8() {
     // bench-1b has 22 layers: 20 of them in FP8 add 20/22 of what all 22 add.
     let share = (tensorwise - plain) / (all - plain);
     assert!((share - 20.0 / 22.0).abs() < 1e-9, "{share}");
+    // FP8 GEMMs: the linears' GEMMs faster, the operands quantized to codes.
+    let lt = compute("train.fp8.scaling=tensorwise,train.fp8.gemm=cublaslt");
+    assert!(lt < plain && lt < tensorwise, "{lt} {plain}");
 }
 
 /// Rounding is deterministic and keeps no state: a run in FP8 resumed from its checkpoint
@@ -135,4 +139,31 @@ fn an_fp8_run_resumes_bit_identically() {
     let switched = run_in("d", &[TENSORWISE, &plain3]);
     assert!(switched.records.iter().all(|r| r.loss.is_finite()));
     assert_ne!(losses(&switched), losses(&plain)[3..].to_vec());
+}
+
+/// `train.fp8.gemm: cublaslt` multiplies FP8 codes on CUDA; on the CPU its products multiply
+/// the codes' values, which are exactly what the emulated tensorwise path multiplies: the two
+/// give the same loss and gradients bit for bit through the step executor and the gradient
+/// buffer (the weight gradient's factors travel unrounded and are rounded by the buffer).
+#[test]
+fn the_fp8_gemm_path_multiplies_what_the_emulated_path_multiplies() {
+    use candle_core::DType;
+    use common::small;
+    use model::{Fp8Gemm, Fp8Linears, Fp8Scaling, Recompute};
+    let c = small::config(false);
+    let batches = [small::batch(2, 0), small::batch(2, 40)];
+    let run = |gemm: Option<Fp8Gemm>| {
+        let mut m = small::build(&c, DType::F32, 7);
+        m.set_fp8(gemm.map(|gemm| Fp8Linears {
+            scaling: Fp8Scaling::Tensorwise,
+            gemm,
+            layers: 0..3,
+        }));
+        small::step(&m, &batches, Recompute::None)
+    };
+    let (emulated, gemm) = (run(Some(Fp8Gemm::Emulated)), run(Some(Fp8Gemm::CublasLt)));
+    assert_eq!(emulated.loss.to_bits(), gemm.loss.to_bits());
+    assert_eq!(emulated.grads, gemm.grads);
+    let plain = run(None);
+    assert_ne!(plain.grads, gemm.grads, "FP8 changed nothing");
 }

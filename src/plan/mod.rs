@@ -10,6 +10,7 @@
 mod acts;
 pub mod choose;
 mod error;
+mod fp8;
 pub mod hardware;
 mod memo;
 pub mod memory;

@@ -63,10 +63,10 @@ pub(super) struct Model<'a> {
 
 /// Seconds of a piece's projections: forward, input-gradient and weight-gradient GEMMs.
 #[derive(Debug, Clone, Copy, Default)]
-struct Products {
-    fwd: f64,
-    dx: f64,
-    dw: f64,
+pub(super) struct Products {
+    pub(super) fwd: f64,
+    pub(super) dx: f64,
+    pub(super) dw: f64,
 }
 
 impl std::ops::Add for Products {
@@ -119,7 +119,7 @@ impl Model<'_> {
 
     /// A projection of `rows` rows from `inp` to `out` features: its forward `x · wᵀ`, input
     /// gradient `g · w` and weight gradient `gᵀ · x`, each priced at its own shape.
-    fn projection(&self, rows: f64, out: f64, inp: f64) -> Products {
+    pub(super) fn projection(&self, rows: f64, out: f64, inp: f64) -> Products {
         Products {
             fwd: self.gemm(rows, out, inp),
             dx: self.gemm(rows, inp, out),
@@ -245,52 +245,20 @@ impl Model<'_> {
         }
     }
 
-    /// What the emulated FP8 path (`train.fp8`) adds to a block: its linears' operands rounded
-    /// (each read twice, for its amax and its cast, and written once), at memory speed.
-    /// Forward: every input and weight; backward: the weight again, the upstream gradient
-    /// (twice under `blockwise`: once per GEMM's blocks) and the input along the tokens. A MoE
-    /// block's experts stay in the model dtype: only its attention's four linears.
-    pub(super) fn fp8_rounding(&self, moe: bool, blockwise: bool) -> Cost {
-        let (c, n, t) = (self.c, self.n, self.t);
-        let h = c.hidden_size as f64;
-        let (q, kv) = (
-            c.q_dim() as f64 / t,
-            (c.num_key_value_heads * c.head_dim()) as f64 / t,
-        );
-        let f = c.intermediate_size as f64 / t;
-        let mut linears = vec![(q, h), (kv, h), (kv, h), (h, q)]; // (out, in) on this rank
-        if !moe {
-            linears.extend([(f, h), (f, h), (h, f)]);
-        }
-        let grads = if blockwise { 2.0 } else { 1.0 };
-        let (mut fwd, mut bwd) = (0.0, 0.0);
-        for (out, inp) in linears {
-            fwd += n * inp + out * inp;
-            bwd += out * inp + grads * n * out + n * inp;
-        }
-        Cost {
-            fwd: self.memory(3.0 * self.p * fwd),
-            bwd: self.memory(3.0 * self.p * bwd),
-            tp: 0.0,
-            wgt: 0.0,
-        }
-    }
-
     /// Each layer's block: [`Model::block`] at the recipe's recompute, plus the FP8 rounding
     /// where `train.fp8` covers the layer.
     pub(super) fn layers(&self, r: &Recipe) -> Vec<Cost> {
         let (tr, c) = (&r.train, self.c);
         let [dense, moe] = [false, true].map(|m| self.block(tr.recompute, tr.recomputed(), m));
         let fp8 = tr.fp8.linears(c.num_hidden_layers);
-        let rounding = fp8.as_ref().map(|f| {
-            let blockwise = f.scaling == model::Fp8Scaling::Blockwise;
-            [false, true].map(|m| self.fp8_rounding(m, blockwise))
-        });
+        let change = fp8
+            .as_ref()
+            .map(|f| [false, true].map(|m| self.fp8_change(m, f)));
         (0..c.num_hidden_layers)
             .map(|i| {
                 let m = c.is_moe_layer(i);
                 let block = if m { moe } else { dense };
-                match (&fp8, rounding) {
+                match (&fp8, change) {
                     (Some(f), Some(add)) if f.layers.contains(&i) => block + add[m as usize],
                     _ => block,
                 }

@@ -21,6 +21,17 @@ pub enum Fp8Mode {
     Blockwise,
 }
 
+/// What multiplies the rounded operands (`train.fp8.gemm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8GemmKind {
+    /// The model dtype's GEMMs on the rounded values: FP8's numerics on any device.
+    #[default]
+    Emulated,
+    /// FP8 GEMMs through cuBLASLt on the codes (CUDA, bf16, tensorwise scaling).
+    Cublaslt,
+}
+
 /// `train.fp8:`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -28,6 +39,9 @@ pub struct Fp8Config {
     /// `none` (the default), `tensorwise` or `blockwise`.
     #[serde(default)]
     pub scaling: Fp8Mode,
+    /// `emulated` (the default) or `cublaslt`.
+    #[serde(default)]
+    pub gemm: Fp8GemmKind,
     /// The first this many blocks keep their linears in the model dtype (default 1: the first
     /// block's inputs are the embeddings', where FP8's range is tightest).
     #[serde(default = "one")]
@@ -45,6 +59,7 @@ impl Default for Fp8Config {
     fn default() -> Self {
         Fp8Config {
             scaling: Fp8Mode::None,
+            gemm: Fp8GemmKind::Emulated,
             bf16_first: 1,
             bf16_last: 1,
         }
@@ -65,15 +80,21 @@ impl Fp8Config {
             Fp8Mode::Blockwise => model::Fp8Scaling::Blockwise,
         };
         let end = layers.saturating_sub(self.bf16_last);
+        let gemm = match self.gemm {
+            Fp8GemmKind::Emulated => model::Fp8Gemm::Emulated,
+            Fp8GemmKind::Cublaslt => model::Fp8Gemm::CublasLt,
+        };
         Some(model::Fp8Linears {
             scaling,
+            gemm,
             layers: self.bf16_first.min(end)..end,
         })
     }
 
-    /// What is wrong with the section for a model of `layers` blocks.
-    pub fn problems(&self, layers: usize) -> Vec<String> {
+    /// What is wrong with the section in `r`.
+    pub fn problems(&self, r: &super::Recipe) -> Vec<String> {
         let mut p = Vec::new();
+        let layers = r.model.num_hidden_layers;
         if self.is_off() {
             return p;
         }
@@ -85,6 +106,9 @@ impl Fp8Config {
                 self.bf16_first, self.bf16_last
             ));
         }
+        if self.gemm == Fp8GemmKind::Cublaslt {
+            p.extend(cublaslt_problems(self.scaling, r));
+        }
         p
     }
 
@@ -95,13 +119,65 @@ impl Fp8Config {
             Fp8Mode::Tensorwise => "tensorwise",
             _ => "blockwise (1x128 activations and gradients, 128x128 weights)",
         };
+        let how = match self.gemm {
+            Fp8GemmKind::Emulated => {
+                "emulated: operands rounded to E4M3 (gradients E5M2), products by the model \
+                 dtype's GEMMs (FP8's numerics, not its speed)"
+            }
+            Fp8GemmKind::Cublaslt => {
+                "FP8 GEMMs through cuBLASLt on E4M3 codes (gradients E5M2), fast accumulation \
+                 in the forward only"
+            }
+        };
         Some(format!(
-            "fp8 {scaling} on the linears of layers {}..{} of {layers}, emulated: operands \
-             rounded to E4M3 (gradients E5M2), products by the model dtype's GEMMs (FP8's \
-             numerics, not its speed)",
+            "fp8 {scaling} on the linears of layers {}..{} of {layers}, {how}",
             l.layers.start, l.layers.end
         ))
     }
+}
+
+/// What `train.fp8.gemm: cublaslt` needs: tensorwise scaling, bf16 on CUDA, and every FP8
+/// GEMM dimension a multiple of 16 (cuBLASLt's FP8 kernels read 16-byte rows).
+fn cublaslt_problems(scaling: Fp8Mode, r: &super::Recipe) -> Vec<String> {
+    let mut p = Vec::new();
+    let (t, m) = (&r.train, &r.model);
+    if scaling != Fp8Mode::Tensorwise {
+        p.push(
+            "train.fp8.gemm: cublaslt runs tensorwise scaling only (blockwise runs emulated: \
+             train.fp8.gemm: emulated)"
+                .into(),
+        );
+    }
+    if t.device != super::DeviceKind::Cuda || t.dtype != super::Dtype::Bf16 {
+        p.push(format!(
+            "train.fp8.gemm: cublaslt needs train.device: cuda and train.dtype: bf16 (the \
+             recipe has {:?} and {:?}); elsewhere train.fp8.gemm: emulated gives the same \
+             numerics",
+            t.device, t.dtype
+        ));
+    }
+    let (tp, cp) = (r.parallel.tp.max(1), r.parallel.cp.max(1));
+    let kv = m.num_key_value_heads * m.head_dim();
+    for (what, n) in [
+        ("model.hidden_size", m.hidden_size),
+        ("the query width / parallel.tp", m.q_dim() / tp),
+        ("the key-value width / parallel.tp", kv / tp),
+        (
+            "model.intermediate_size / parallel.tp",
+            m.intermediate_size / tp,
+        ),
+        (
+            "train.micro_batch × train.seq_len / parallel.cp",
+            t.micro_batch * t.seq_len / cp,
+        ),
+    ] {
+        if n % 16 != 0 {
+            p.push(format!(
+                "train.fp8.gemm: cublaslt needs {what} ({n}) to be a multiple of 16"
+            ));
+        }
+    }
+    p
 }
 
 /// The refusal of FP8 on a GPU older than Ada/Hopper (compute capability `cap`, e.g. 80 for
@@ -137,8 +213,7 @@ mod tests {
             ..c
         };
         assert_eq!(all.linears(4).unwrap().layers, 0..4);
-        assert!(c.problems(4).is_empty());
-        assert!(c.problems(2)[0].contains("none of the model's 2 layers"));
+        assert_eq!(all.linears(4).unwrap().gemm, model::Fp8Gemm::Emulated);
     }
 
     #[test]
@@ -154,6 +229,24 @@ mod tests {
                 .unwrap_err()
         );
         assert!(e.contains("train.fp8.bf16_first"), "{e}");
+        let e = format!(
+            "{:#}",
+            load("train.fp8.scaling=blockwise,train.fp8.gemm=cublaslt").unwrap_err()
+        );
+        assert!(
+            e.contains("tensorwise scaling only") && e.contains("train.device: cuda"),
+            "{e}"
+        );
+        let e =
+            format!(
+            "{:#}",
+            load("train.fp8.scaling=tensorwise,train.fp8.gemm=cublaslt,model.intermediate_size=392")
+                .unwrap_err()
+        );
+        assert!(
+            e.contains("model.intermediate_size / parallel.tp (392)"),
+            "{e}"
+        );
         assert!(device_problem(80).unwrap().contains("8.0"));
         assert!(device_problem(89).is_none() && device_problem(90).is_none());
     }

@@ -12,7 +12,7 @@ use model::LlamaConfig;
 use parallel::ParallelConfig;
 use serde::{Deserialize, Serialize};
 
-pub use fp8::{device_problem as fp8_device_problem, Fp8Config, Fp8Mode};
+pub use fp8::{device_problem as fp8_device_problem, Fp8Config, Fp8GemmKind, Fp8Mode};
 pub use load::{load, load_stored, load_str, RecipeError};
 pub use optimizer::{AdjustLr, MuonConfig, Offload, OptimizerConfig, OptimizerName, StateDtype};
 pub use sections::{

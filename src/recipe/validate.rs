@@ -288,7 +288,7 @@ impl Recipe {
             ));
         }
         p.extend(t.attention_problems());
-        p.extend(t.fp8.problems(self.model.num_hidden_layers));
+        p.extend(t.fp8.problems(self));
         match (&t.recompute_modules, t.recompute) {
             (Some(m), Recompute::Selective) if m.is_empty() => p.push(
                 "train.recompute_modules is empty: name what `recompute: selective` recomputes \

@@ -1,9 +1,13 @@
-//! Check 9 of `pretrain selftest`: FP8 rounding by block on the device against the CPU, bit for bit (f32 and bf16,
-//! both formats, the four block shapes), and a linear of rounded operands against f64.
+//! Check 9 of `pretrain selftest`: FP8 rounding by block on the device against the CPU, bit for
+//! bit (f32 and bf16, both formats, the four block shapes), a linear of rounded operands, and
+//! the three FP8 GEMMs of a linear (cuBLASLt on CUDA) against f64.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use model::ops::{fp8_round, linear, Fp8Blocks, Fp8Format, Fp8Quant};
+use model::ops::{
+    fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_product_factors, fp8_round, linear,
+    Fp8Blocks, Fp8Format, Fp8Quant,
+};
 
 use super::{op_tolerance, randn, rel_error, Check};
 
@@ -78,6 +82,62 @@ pub fn check_fp8(device: &Device) -> Result<Vec<Check>> {
             &want,
         )?,
         tolerance: op_tolerance(DType::BF16),
+    });
+    checks.extend(check_fp8_gemms(device)?);
+    Ok(checks)
+}
+
+/// The three FP8 GEMMs of a tensorwise linear (cuBLASLt on CUDA; the rounded values multiplied
+/// on the CPU) against f64 products of the CPU's rounded operands: the forward and the input
+/// gradient rounded once to bf16, the weight gradient accumulated in f32 onto a prior.
+fn check_fp8_gemms(device: &Device) -> Result<Vec<Check>> {
+    let (rows, out, inp) = (256, 192, 320);
+    let x = randn(&[rows, inp], 34)?.to_dtype(DType::BF16)?;
+    let w = (randn(&[out, inp], 35)? * 0.05)?.to_dtype(DType::BF16)?;
+    let g = (randn(&[rows, out], 36)? * 1e-3)?.to_dtype(DType::BF16)?;
+    let on = |t: &Tensor| t.to_device(device);
+    let f64s = |t: Tensor| t.to_dtype(DType::F64);
+    let back =
+        |t: Tensor| -> Result<Tensor> { Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?) };
+    let tensor = |format| Fp8Quant {
+        format,
+        blocks: Fp8Blocks::Tensor,
+    };
+    let xq = f64s(fp8_round(&x, tensor(Fp8Format::E4M3))?)?;
+    let wq = f64s(fp8_round(&w, tensor(Fp8Format::E4M3))?)?;
+    let gq = f64s(fp8_round(&g, tensor(Fp8Format::E5M2))?)?;
+    let mut checks = Vec::new();
+    // bf16 outputs (2^-9) after FP8 products summed in f32 (the forward's fast accumulation).
+    let y = back(fp8_linear(&on(&x)?, &on(&w)?, (rows, out))?)?;
+    checks.push(Check {
+        name: "fp8 GEMM forward (tensorwise) against f64".into(),
+        error: rel_error(&y, &xq.matmul(&wq.t()?)?)?,
+        tolerance: 1e-2,
+    });
+    let dx = back(fp8_linear_dx(&on(&w)?, &on(&g)?, x.shape())?)?;
+    checks.push(Check {
+        name: "fp8 GEMM input gradient against f64".into(),
+        error: rel_error(&dx, &gq.matmul(&wq)?)?,
+        tolerance: 1e-2,
+    });
+    let prior = (randn(&[out * inp], 37)? * 1e-3)?.to_dtype(DType::F32)?;
+    let want = (f64s(prior.clone())? + gq.t()?.matmul(&xq)?.flatten_all()?)?;
+    let dst = on(&prior.copy()?)?;
+    if device.is_cuda() {
+        fp8_add_product_into(&dst, &on(&g)?, &on(&x)?)?;
+    } else {
+        let (gr, xr) = fp8_product_factors(&g, &x)?;
+        crate::optim::kernels::add_product_into(&dst, &gr, &xr)?;
+    }
+    checks.push(Check {
+        name: "fp8 GEMM weight gradient (into f32) against f64".into(),
+        error: rel_error(&back(dst)?, &want)?,
+        // f32 sums on a GPU; bf16 factors on the CPU round their product to bf16 first.
+        tolerance: if device.is_cuda() {
+            1e-4
+        } else {
+            op_tolerance(DType::BF16)
+        },
     });
     Ok(checks)
 }

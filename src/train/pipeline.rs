@@ -278,10 +278,9 @@ impl<'a> Executor<'a> {
                 // The projections' weight gradients wait for the weight action as GEMM factors;
                 // the norms' (reduced already, and views into their backward's buffers) are
                 // added now.
-                let (later, now): (Vec<_>, Vec<_>) = b
-                    .grads
-                    .into_iter()
-                    .partition(|(_, g)| matches!(g, ParamGrad::Product { .. }));
+                let (later, now): (Vec<_>, Vec<_>) = b.grads.into_iter().partition(|(_, g)| {
+                    matches!(g, ParamGrad::Product { .. } | ParamGrad::Fp8Product { .. })
+                });
                 let later = compact(later)?;
                 let later_params: Vec<usize> = later.iter().map(|(i, _)| *i).collect();
                 let mut now_params = self.model.piece_params(p);
@@ -402,6 +401,7 @@ impl<'a> Executor<'a> {
             match g {
                 ParamGrad::Tensor(g) => grads.accumulate(i, &g),
                 ParamGrad::Product { g, x } => grads.accumulate_product(i, &g, &x),
+                ParamGrad::Fp8Product { g, x } => grads.accumulate_fp8_product(i, &g, &x),
             }
             .with_context(|| format!("accumulating the gradient of {}", param.name))?;
         }

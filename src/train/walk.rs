@@ -140,6 +140,13 @@ pub(super) fn compact(grads: Vec<(usize, ParamGrad)>) -> Result<Vec<(usize, Para
                     x: fit(x)?,
                 },
             )),
+            ParamGrad::Fp8Product { g, x } => Ok((
+                i,
+                ParamGrad::Fp8Product {
+                    g: fit(g)?,
+                    x: fit(x)?,
+                },
+            )),
             other => Ok((i, other)),
         })
         .collect()

@@ -1,7 +1,8 @@
 // FP8 rounding by block (the conventions are src/ops/fp8.rs's): a tensor read as [rows, cols]
 // is cut into blocks of br x bc elements (edge blocks cut short); fp8_amax writes each block's
-// largest magnitude, fp8_cast each element's code fp8(x s) and/or its value code / s in the
-// storage type, s the block's power-of-two scale. Formats: 0 is E4M3, 1 is E5M2, converted by
+// largest magnitude, fp8_cast each element's code fp8(x s) (as laid out, or transposed) and/or
+// its value code / s in the storage type, s the block's power-of-two scale, and fp8_inv_scales
+// each block's 1 / s. Formats: 0 is E4M3, 1 is E5M2, converted by
 // cuda_fp8.h round-to-nearest-even with SATFINITE (hardware on sm_89 and newer). Every product
 // by s or 1 / s is exact, so the values equal the CPU's bit for bit.
 #include "common.cuh"
@@ -79,11 +80,14 @@ EXPORT3(fp8_amax,
         (const T* x, unsigned* amax, u64 rows, u64 cols, u64 br, u64 bc, unsigned splits),
         (x, amax, rows, cols, br, bc, splits))
 
-// codes[i] = fp8(x[i] s) and y[i] = value(codes[i]) / s in the storage type, s the scale of
-// element i's block (from amax); either output may be null. Grid-stride over 64-bit indices.
+// codes[i] = fp8(x[i] s) (row-major [rows, cols]), codes_t the same codes transposed
+// ([cols, rows]: an FP8 GEMM's operand whose contraction runs along the rows), and y[i] =
+// value(codes[i]) / s in the storage type, s the scale of element i's block (from amax); any
+// output may be null. Grid-stride over 64-bit indices.
 template <typename T>
-__device__ void fp8_cast_impl(const T* x, const unsigned* amax, unsigned char* codes, T* y,
-                              u64 rows, u64 cols, u64 br, u64 bc, int fmt) {
+__device__ void fp8_cast_impl(const T* x, const unsigned* amax, unsigned char* codes,
+                              unsigned char* codes_t, T* y, u64 rows, u64 cols, u64 br, u64 bc,
+                              int fmt) {
   const u64 n = rows * cols, nbc = (cols + bc - 1) / bc;
   const float max = fp8_max(fmt);
   for (u64 i = fp8_global_id(); i < n; i += fp8_grid_stride()) {
@@ -91,10 +95,19 @@ __device__ void fp8_cast_impl(const T* x, const unsigned* amax, unsigned char* c
     const float s = fp8_block_scale(amax[r / br * nbc + c / bc], max);
     const unsigned char q = fp8_encode(__fmul_rn(fp8_in(x[i]), s), fmt);
     if (codes) codes[i] = q;
+    if (codes_t) codes_t[c * rows + r] = q;
     if (y) y[i] = fp8_out<T>(__fmul_rn(fp8_decode(q, fmt), __fdiv_rn(1.0f, s)));
   }
 }
 EXPORT3(fp8_cast,
-        (const T* x, const unsigned* amax, unsigned char* codes, T* y, u64 rows, u64 cols, u64 br,
-         u64 bc, int fmt),
-        (x, amax, codes, y, rows, cols, br, bc, fmt))
+        (const T* x, const unsigned* amax, unsigned char* codes, unsigned char* codes_t, T* y,
+         u64 rows, u64 cols, u64 br, u64 bc, int fmt),
+        (x, amax, codes, codes_t, y, rows, cols, br, bc, fmt))
+
+// inv[b] = 1 / s for each of n blocks' scales s (from amax): the dequantization factor an FP8
+// GEMM multiplies its product by (cuBLASLt's A_SCALE / B_SCALE), exact (s is a power of two).
+extern "C" __global__ void fp8_inv_scales(const unsigned* amax, float* inv, u64 n, int fmt) {
+  const float max = fp8_max(fmt);
+  for (u64 b = fp8_global_id(); b < n; b += fp8_grid_stride())
+    inv[b] = __fdiv_rn(1.0f, fp8_block_scale(amax[b], max));
+}

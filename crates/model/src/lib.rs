@@ -14,7 +14,9 @@ pub mod segment;
 
 pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
 pub use inventory::{Inventory, ParamDecl};
-pub use llama::{DocumentUse, Fp8Linears, Fp8Scaling, Llama, Piece, Placement, Tape, Targets};
+pub use llama::{
+    DocumentUse, Fp8Gemm, Fp8Linears, Fp8Scaling, Llama, Piece, Placement, Tape, Targets,
+};
 pub use ops::AttentionBackend;
 pub use parallel::cp::DocumentStarts;
 pub use params::{ParamKind, ParamSet, ParamSpec, Parameter};

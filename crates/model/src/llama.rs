@@ -37,7 +37,7 @@ mod logits;
 pub(crate) use block::projection_bwd;
 pub use block::BlockTape;
 pub use embedding::EmbeddingTape;
-pub use fp8::{Fp8Linears, Fp8Scaling};
+pub use fp8::{Fp8Gemm, Fp8Linears, Fp8Scaling};
 pub use head::HeadTape;
 
 /// A piece of the model run as one segment.

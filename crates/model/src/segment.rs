@@ -220,6 +220,15 @@ pub enum ParamGrad {
         /// `[rows, in]`.
         x: Tensor,
     },
+    /// The weight gradient of a linear with FP8 GEMMs: the same factors, which the gradient
+    /// buffer multiplies as an FP8 GEMM (`g` in E5M2, `x` in E4M3, tensorwise; on the CPU their
+    /// rounded values, [`crate::ops::fp8_product_factors`]).
+    Fp8Product {
+        /// `[rows, out]`.
+        g: Tensor,
+        /// `[rows, in]`.
+        x: Tensor,
+    },
 }
 
 impl ParamGrad {
@@ -228,6 +237,10 @@ impl ParamGrad {
         match self {
             ParamGrad::Tensor(t) => Ok(t),
             ParamGrad::Product { g, x } => g.t()?.matmul(&x),
+            ParamGrad::Fp8Product { g, x } => {
+                let (g, x) = crate::ops::fp8_product_factors(&g, &x)?;
+                g.t()?.matmul(&x)
+            }
         }
     }
 
@@ -235,7 +248,7 @@ impl ParamGrad {
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
             ParamGrad::Tensor(t) => vec![t],
-            ParamGrad::Product { g, x } => vec![g, x],
+            ParamGrad::Product { g, x } | ParamGrad::Fp8Product { g, x } => vec![g, x],
         }
     }
 }

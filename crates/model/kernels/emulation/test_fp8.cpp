@@ -1,6 +1,6 @@
 // Emulation driver of kernels/fp8.cu: the stand-in conversion of cuda_fp8.h against a search
-// over every code (nearest finite value, ties to the even code, saturating), then fp8_amax and
-// fp8_cast for f32, f64 and bf16 storage, both formats and the four block shapes of
+// over every code (nearest finite value, ties to the even code, saturating), then fp8_amax,
+// fp8_cast (codes, transposed codes, values) and fp8_inv_scales for f32, f64 and bf16 storage, both formats and the four block shapes of
 // src/ops/fp8.rs, with the launch shapes of src/ops/cuda/fp8.rs, compared bit for bit with a
 // reference that finds each element's block by its coordinates and its scale by halving.
 #include "shim.h"
@@ -118,24 +118,39 @@ template <typename T> void check_cast(size_t rows, size_t cols, Blocks bl, int f
   const unsigned splits = (unsigned)std::min<size_t>((br * bc + SPLIT_ELEMS - 1) / SPLIT_ELEMS, 1024);
   Buffer<unsigned> am(nb, "amax");
   for (size_t b = 0; b < nb; ++b) am[b] = 0;
-  Buffer<unsigned char> codes(n, "codes");
+  Buffer<unsigned char> codes(n, "codes"), codes_t(n, "codes_t");
   Buffer<T> y(n, "y");
+  Buffer<float> inv(nb, "inv");
   const std::string tag = format("fp8 %s %s %zux%zu blocks %s", type_name<T>(),
                                  fmt == 0 ? "E4M3" : "E5M2", rows, cols, bl.name);
   bool ok = run(format("fp8_amax_%s", type_name<T>()), grid(nb * splits, AMAX_THREADS, 0), [&] {
     KERNEL(T, fp8_amax)(x.data(), am.data(), (u64)rows, (u64)cols, (u64)br, (u64)bc, splits);
   });
   ok = ok && run(format("fp8_cast_%s", type_name<T>()), elementwise(n), [&] {
-         KERNEL(T, fp8_cast)(x.data(), am.data(), codes.data(), y.data(), (u64)rows, (u64)cols,
-                             (u64)br, (u64)bc, fmt);
+         KERNEL(T, fp8_cast)(x.data(), am.data(), codes.data(), codes_t.data(), y.data(),
+                             (u64)rows, (u64)cols, (u64)br, (u64)bc, fmt);
+       });
+  ok = ok && run("fp8_inv_scales", elementwise(nb), [&] {
+         fp8_inv_scales(am.data(), inv.data(), (u64)nb, fmt);
        });
   if (!ok) return;
-  bool amax_same = true, codes_same = true;
-  for (size_t b = 0; b < nb; ++b) amax_same = amax_same && __uint_as_float(am[b]) == amax[b];
-  for (size_t i = 0; i < n; ++i) codes_same = codes_same && codes[i] == codes_ref[i];
-  expect(amax_same, tag + ": every block's amax");
+  bool amax_same = true, codes_same = true, inv_same = true;
+  for (size_t b = 0; b < nb; ++b) {
+    amax_same = amax_same && __uint_as_float(am[b]) == amax[b];
+    // The reference scale by halving, inverted: a power of two, so exactly.
+    double s = 1.0;
+    if (amax[b] > 0) {
+      s = std::ldexp(1.0, 127);
+      while ((double)amax[b] * s > max && s > std::ldexp(1.0, -126)) s /= 2;
+    }
+    inv_same = inv_same && (double)inv[b] == 1.0 / s;
+  }
+  for (size_t i = 0; i < n; ++i)
+    codes_same = codes_same && codes[i] == codes_ref[i] &&
+                 codes_t[(i % cols) * rows + i / cols] == codes_ref[i];
+  expect(amax_same && inv_same, tag + ": every block's amax and inverse scale");
   expect(codes_same && std::memcmp(y.data(), y_ref.data(), n * sizeof(T)) == 0,
-         tag + ": codes and values bitwise as the reference");
+         tag + ": codes (as laid out and transposed) and values bitwise as the reference");
 }
 
 template <typename T> void check_casts(uint64_t seed) {

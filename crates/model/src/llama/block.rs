@@ -149,8 +149,8 @@ impl Llama {
         w: &Tensor,
         shape: impl Into<candle_core::Shape>,
     ) -> Result<Tensor> {
-        match self.fp8_scaling(layer) {
-            Some(s) => super::fp8::linear_to(x, w, shape, s),
+        match self.fp8_at(layer) {
+            Some(f) => super::fp8::linear_to(x, w, shape, f),
             None => linear_to(x, w, shape),
         }
     }
@@ -163,8 +163,8 @@ impl Llama {
         w: &Tensor,
         g: &Tensor,
     ) -> Result<(Tensor, ParamGrad)> {
-        match self.fp8_scaling(layer) {
-            Some(s) => super::fp8::projection_bwd(x, w, g, s),
+        match self.fp8_at(layer) {
+            Some(f) => super::fp8::projection_bwd(x, w, g, f),
             None => projection_bwd(x, w, g),
         }
     }

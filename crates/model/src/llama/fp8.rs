@@ -36,10 +36,21 @@ pub enum Fp8Scaling {
     Blockwise,
 }
 
+/// What multiplies the rounded operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Gemm {
+    /// The model dtype's GEMM, on the operands' rounded values (any device).
+    Emulated,
+    /// FP8 GEMMs on their codes (cuBLASLt, tensorwise scaling, CUDA; the CPU multiplies the
+    /// same rounded values as `Emulated`).
+    CublasLt,
+}
+
 /// Which blocks run their linears in FP8, and how.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fp8Linears {
     pub scaling: Fp8Scaling,
+    pub gemm: Fp8Gemm,
     /// Global layer indices (the first and last blocks are usually left out).
     pub layers: Range<usize>,
 }
@@ -50,12 +61,12 @@ impl super::Llama {
         self.fp8 = fp8;
     }
 
-    /// How layer `layer`'s linears scale FP8 operands; `None`: they run in the model dtype.
-    pub fn fp8_scaling(&self, layer: usize) -> Option<Fp8Scaling> {
+    /// How layer `layer`'s linears run in FP8; `None`: in the model dtype.
+    pub fn fp8_at(&self, layer: usize) -> Option<(Fp8Scaling, Fp8Gemm)> {
         self.fp8
             .as_ref()
             .filter(|f| f.layers.contains(&layer))
-            .map(|f| f.scaling)
+            .map(|f| (f.scaling, f.gemm))
     }
 }
 
@@ -104,8 +115,11 @@ pub(crate) fn linear_to(
     x: &Tensor,
     w: &Tensor,
     shape: impl Into<candle_core::Shape>,
-    s: Fp8Scaling,
+    (s, gemm): (Fp8Scaling, Fp8Gemm),
 ) -> Result<Tensor> {
+    if gemm == Fp8Gemm::CublasLt {
+        return ops::fp8_linear(x, w, shape);
+    }
     let n_in = w.dim(1)?;
     let xq = s.round(x, n_in, Operand::Input)?; // x's shape
     let wq = s.round(w, n_in, Operand::Weight)?; // [out, in]
@@ -113,13 +127,19 @@ pub(crate) fn linear_to(
 }
 
 /// The backward of [`linear_to`]: `dx = fp8(g) · fp8(w)` in `x`'s shape and the weight
-/// gradient's factors, each rounded along the tokens.
+/// gradient's factors, each rounded along the tokens (with FP8 GEMMs the factors as they are,
+/// for the gradient buffer's FP8 GEMM: [`ParamGrad::Fp8Product`]).
 pub(crate) fn projection_bwd(
     x: &Tensor,
     w: &Tensor,
     g: &Tensor,
-    s: Fp8Scaling,
+    (s, gemm): (Fp8Scaling, Fp8Gemm),
 ) -> Result<(Tensor, ParamGrad)> {
+    if gemm == Fp8Gemm::CublasLt {
+        let dx = ops::fp8_linear_dx(w, g, x.shape())?; // x's shape
+        let (g, x) = ops::linear_factors(x, w, g)?; // [rows, out], [rows, in]
+        return Ok((dx, ParamGrad::Fp8Product { g, x }));
+    }
     let (n_out, n_in) = w.dims2()?;
     let wq = s.round(w, n_in, Operand::Weight)?; // [out, in]
     let gq = s.round(g, n_out, Operand::Grad)?; // g's shape
@@ -148,7 +168,7 @@ mod tests {
         let w = Tensor::randn(0f32, 0.05, (384, 256), &dev)?; // [out, in]
         let g = Tensor::randn(0f32, 1e-3, (2, 130, 384), &dev)?; // [b, s, out]
         for s in [Fp8Scaling::Tensorwise, Fp8Scaling::Blockwise] {
-            let y = linear_to(&x, &w, (2, 130, 384), s)?;
+            let y = linear_to(&x, &w, (2, 130, 384), (s, Fp8Gemm::Emulated))?;
             let by_hand = ops::linear(
                 &s.round(&x, 256, Operand::Input)?,
                 &s.round(&w, 256, Operand::Weight)?,
@@ -162,7 +182,7 @@ mod tests {
                 / exact.sqr()?.sum_all()?.to_scalar::<f32>()?)
             .sqrt();
             assert!(rel < 0.05, "{s:?}: forward off by {rel}");
-            let (dx, dw) = projection_bwd(&x, &w, &g, s)?;
+            let (dx, dw) = projection_bwd(&x, &w, &g, (s, Fp8Gemm::Emulated))?;
             let ParamGrad::Product { g: g2, x: x2 } = dw else {
                 panic!("a product")
             };
@@ -186,7 +206,7 @@ mod tests {
             &x.to_dtype(DType::BF16)?,
             &w.to_dtype(DType::BF16)?,
             (2, 130, 384),
-            Fp8Scaling::Blockwise,
+            (Fp8Scaling::Blockwise, Fp8Gemm::Emulated),
         )?;
         assert_eq!(y.dtype(), DType::BF16);
         Ok(())

@@ -3,12 +3,12 @@
 //! element's rounded value (`fp8_cast`). The scales stay on the device: nothing is read back.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::PushKernelArg;
+use candle_core::cuda::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::cuda::{CudaStorage, WrapErr};
 use candle_core::{bail, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
-use crate::ops::Fp8Quant;
+use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant};
 
 /// Threads per CUDA block of `fp8_amax` (`AMAX_THREADS` in the emulation driver).
 const AMAX_THREADS: u32 = 256;
@@ -54,14 +54,68 @@ pub fn fp8_round(
             // word per scaling block.
             unsafe { b.launch(grid(blocks * splits, AMAX_THREADS, 0)) }.w()?;
             let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
-            let no_codes = 0u64; // a null `codes`: only the values are written
+            let null = 0u64; // no codes: only the values are written
             let mut b = stream.launch_builder(&f);
-            b.arg(&xv).arg(&amax).arg(&no_codes).arg(&mut y);
+            b.arg(&xv).arg(&amax).arg(&null).arg(&null).arg(&mut y);
             b.arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
-            // SAFETY: matches `fp8_cast_<T>(const T*, const unsigned*, unsigned char*, T*,
-            // u64 x4, int)`; the grid-stride loop touches elements below n = rows × cols.
+            // SAFETY: matches `fp8_cast_<T>(const T*, const unsigned*, unsigned char*,
+            // unsigned char*, T*, u64 x4, int)`; the grid-stride loop touches elements below
+            // n = rows × cols.
             unsafe { b.launch(elementwise(n)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// `x` (`(rows, cols)` of its layout) as E4M3 or E5M2 codes with one tensorwise scale: the
+/// codes `[rows, cols]`, or `[cols, rows]` when `transposed`, and the scale's inverse (one f32),
+/// the factor an FP8 GEMM multiplies their product by.
+pub fn quantize(
+    x: &CudaStorage,
+    xl: &Layout,
+    (rows, cols): (usize, usize),
+    format: Fp8Format,
+    transposed: bool,
+) -> Result<(CudaSlice<u8>, CudaSlice<f32>)> {
+    const OP: &str = "fp8_quantize";
+    let dev = x.device();
+    let n = rows * cols;
+    let blocks = Fp8Blocks::Tensor;
+    let (br, bc) = blocks.dims(rows, cols);
+    let splits = (br * bc).div_ceil(SPLIT_ELEMS).clamp(1, MAX_SPLITS);
+    let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
+    let (splits_u, fmt, one) = (splits as u32, format.code(), 1u64);
+    crate::with_cuda_dtype!(OP, x.dtype(), T => {
+        let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
+        // SAFETY: fp8_cast writes every one of the n codes, fp8_inv_scales the one scale.
+        let mut codes = unsafe { alloc::<u8>(dev, n) }?;
+        let mut inv = unsafe { alloc::<f32>(dev, 1) }?;
+        let mut amax = zeros::<u32>(dev, 1)?; // f32 bits
+        let stream = dev.cuda_stream();
+        let dtype = x.dtype();
+        let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_amax", dtype)?)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&mut amax).arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u);
+        b.arg(&splits_u);
+        // SAFETY: as in `fp8_round`, for one block of the whole tensor.
+        unsafe { b.launch(grid(splits, AMAX_THREADS, 0)) }.w()?;
+        let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
+        let null = 0u64;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&amax);
+        if transposed {
+            b.arg(&null).arg(&mut codes);
+        } else {
+            b.arg(&mut codes).arg(&null);
+        }
+        b.arg(&null).arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
+        // SAFETY: matches `fp8_cast_<T>`; codes (as laid out or transposed) hold n bytes.
+        unsafe { b.launch(elementwise(n)) }.w()?;
+        let f = load(dev, Module::Fp8, "fp8_inv_scales")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&amax).arg(&mut inv).arg(&one).arg(&fmt);
+        // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, int)` for one block.
+        unsafe { b.launch(elementwise(1)) }.w()?;
+        Ok((codes, inv))
     })
 }

@@ -24,13 +24,19 @@ use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Ten
 use half::bf16;
 use rayon::prelude::*;
 
+mod gemm;
+
+pub use gemm::{
+    fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_product_factors, LtGemm, LtMatrix, LtOut,
+};
+
 const OP: &str = "fp8_round";
 
 /// Elements per side of a scaling block (DeepSeek-V3's 1 × 128 and 128 × 128).
 pub const FP8_BLOCK: usize = 128;
 
 /// An 8-bit float format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fp8Format {
     /// 4 exponent bits, 3 mantissa bits: forward operands.
     E4M3,

@@ -1,0 +1,333 @@
+//! FP8 GEMMs through cuBLASLt (tensorwise scaling): a linear's forward, input gradient and
+//! weight gradient on bf16 operands, each quantized to FP8 codes (transposed where the plan of
+//! `ops::fp8::gemm` says) with its inverse scale on the device, then one `cublasLtMatmul` with
+//! the scales as `A_SCALE_POINTER` / `B_SCALE_POINTER`. One handle and 32 MiB workspace per
+//! CUDA context; the algorithm the heuristic picks for a plan is kept, so a shape is searched
+//! once and always runs the same kernel.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, LazyLock, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
+use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
+use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::{bail, DType, Layout, Result};
+
+use super::alloc;
+use super::fp8::quantize;
+use crate::ops::{Fp8Format, LtGemm, LtMatrix, LtOut};
+
+/// Workspace bytes of a handle (NVIDIA's recommendation for Hopper).
+const WORKSPACE: usize = 32 << 20;
+
+fn lt_err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
+}
+
+/// A context's handle, workspace and the algorithms chosen so far.
+struct Handle {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    algos: Mutex<HashMap<LtGemm, sys::cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the handle is used on its context's one stream, and cuBLASLt handles may be shared
+// between host threads.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
+    static HANDLES: LazyLock<Mutex<HashMap<usize, Arc<Handle>>>> = LazyLock::new(Mutex::default);
+    let key = dev.cuda_stream().context().cu_ctx() as usize;
+    let mut all = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(h) = all.get(&key) {
+        return Ok(h.clone());
+    }
+    let h = Arc::new(Handle {
+        handle: lt::create_handle().map_err(|e| lt_err("handle", e))?,
+        // SAFETY: the workspace is cuBLASLt's scratch; nothing reads it before it writes.
+        workspace: unsafe { alloc::<u8>(dev, WORKSPACE) }?,
+        algos: Mutex::default(),
+    });
+    all.insert(key, h.clone());
+    Ok(h)
+}
+
+fn data_type(f: Fp8Format) -> sys::cudaDataType {
+    match f {
+        Fp8Format::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+        Fp8Format::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+    }
+}
+
+/// Descriptors of one call, destroyed when dropped.
+struct Descs {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: Vec<sys::cublasLtMatrixLayout_t>,
+}
+
+impl Drop for Descs {
+    fn drop(&mut self) {
+        // SAFETY: created by this value, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in &self.layouts {
+                let _ = lt::destroy_matrix_layout(*l);
+            }
+        }
+    }
+}
+
+fn layout(ty: sys::cudaDataType, m: &LtMatrix) -> Result<sys::cublasLtMatrixLayout_t> {
+    lt::create_matrix_layout(ty, m.rows, m.cols, m.ld as i64).map_err(|e| lt_err("layout", e))
+}
+
+/// # Safety
+/// `value` must point to a value of the attribute's type, `size` bytes long.
+unsafe fn set(
+    d: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: *const c_void,
+    size: usize,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe { lt::set_matmul_desc_attribute(d, attr, value, size) }
+        .map_err(|e| lt_err("descriptor", e))
+}
+
+/// Runs `plan` on FP8 codes `a` and `b` with inverse scales `a_inv`, `b_inv` (one f32 each)
+/// into `d` (bf16 or f32 as the plan says).
+///
+/// # Safety
+/// The pointers must be live device buffers of `dev`'s stream holding what the plan's
+/// matrices address, and stay alive until the stream has run the call.
+unsafe fn matmul(
+    dev: &CudaDevice,
+    plan: &LtGemm,
+    (a, b): (CUdeviceptr, CUdeviceptr),
+    (a_inv, b_inv): (CUdeviceptr, CUdeviceptr),
+    d: CUdeviceptr,
+) -> Result<()> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let h = handle(dev)?;
+    let desc = lt::create_matmul_desc(
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        sys::cudaDataType::CUDA_R_32F,
+    )
+    .map_err(|e| lt_err("descriptor", e))?;
+    let mut descs = Descs {
+        desc,
+        layouts: Vec::new(),
+    };
+    let (t, n, fast) = (1i32, 0i32, plan.fast_accum as i8); // CUBLAS_OP_T, CUBLAS_OP_N
+    let int = std::mem::size_of::<i32>();
+    let ptr = std::mem::size_of::<CUdeviceptr>();
+    // SAFETY: each value has its attribute's type and size.
+    unsafe {
+        set(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            &t as *const i32 as _,
+            int,
+        )?;
+        set(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_TRANSB,
+            &n as *const i32 as _,
+            int,
+        )?;
+        set(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+            &a_inv as *const _ as _,
+            ptr,
+        )?;
+        set(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            &b_inv as *const _ as _,
+            ptr,
+        )?;
+        set(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+            &fast as *const i8 as _,
+            1,
+        )?;
+    }
+    let out = match plan.out {
+        LtOut::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        LtOut::AccumulateF32 => sys::cudaDataType::CUDA_R_32F,
+    };
+    descs
+        .layouts
+        .push(layout(data_type(plan.a_format), &plan.a)?);
+    descs
+        .layouts
+        .push(layout(data_type(plan.b_format), &plan.b)?);
+    descs.layouts.push(layout(out, &plan.d)?);
+    let [al, bl, dl] = [descs.layouts[0], descs.layouts[1], descs.layouts[2]];
+    let algo = {
+        let mut algos = h.algos.lock().unwrap_or_else(|e| e.into_inner());
+        match algos.get(plan) {
+            Some(a) => *a,
+            None => {
+                let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
+                let size = WORKSPACE;
+                // SAFETY: a live preference; the attribute is a size_t.
+                let found = unsafe {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        &size as *const usize as _,
+                        std::mem::size_of::<usize>(),
+                    )
+                    .and_then(|_| {
+                        lt::get_matmul_algo_heuristic(h.handle, desc, al, bl, dl, dl, pref)
+                    })
+                };
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { lt::destroy_matmul_pref(pref) };
+                let found = found.map_err(|e| {
+                    lt_err(
+                        &format!("has no FP8 algorithm for {plan:?} (sm_89 or newer?)"),
+                        e,
+                    )
+                })?;
+                algos.insert(*plan, found.algo);
+                found.algo
+            }
+        }
+    };
+    let (alpha, beta) = (
+        1f32,
+        if plan.out == LtOut::AccumulateF32 {
+            1f32
+        } else {
+            0f32
+        },
+    );
+    let stream = dev.cuda_stream();
+    let (ws, _ws) = h.workspace.device_ptr(&stream);
+    // SAFETY: the caller's buffers, described by the layouts above; C = D.
+    unsafe {
+        lt::matmul(
+            h.handle,
+            desc,
+            &alpha as *const f32 as _,
+            &beta as *const f32 as _,
+            a as *const c_void,
+            al,
+            b as *const c_void,
+            bl,
+            d as *const c_void,
+            dl,
+            d as *mut c_void,
+            dl,
+            &algo,
+            ws as *mut c_void,
+            WORKSPACE,
+            stream.cu_stream() as _,
+        )
+    }
+    .map_err(|e| lt_err(&format!("matmul {plan:?}"), e))
+}
+
+/// Errors unless every operand is bf16.
+fn check_bf16(op: &str, s: &[&CudaStorage]) -> Result<()> {
+    if let Some(x) = s.iter().find(|s| s.dtype() != DType::BF16) {
+        bail!("{op}: FP8 GEMMs take bf16 operands, got {:?}", x.dtype())
+    }
+    Ok(())
+}
+
+/// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ` in bf16 from E4M3 codes.
+pub fn linear(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    (rows, out, inp): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    check_bf16("fp8_linear", &[x, w])?;
+    let dev = x.device();
+    let (xc, xs) = quantize(x, xl, (rows, inp), Fp8Format::E4M3, false)?;
+    let (wc, ws) = quantize(w, wl, (out, inp), Fp8Format::E4M3, false)?;
+    // SAFETY: every element is written by the GEMM.
+    let mut y = unsafe { alloc::<half::bf16>(dev, rows * out) }?; // [rows, out]
+    let plan = LtGemm::forward(rows, out, inp);
+    let stream = dev.cuda_stream();
+    let ((a, _a), (b, _b)) = (wc.device_ptr(&stream), xc.device_ptr(&stream));
+    let ((sa, _sa), (sb, _sb)) = (ws.device_ptr(&stream), xs.device_ptr(&stream));
+    let (d, _d) = y.device_ptr_mut(&stream);
+    // SAFETY: codes of out·inp and rows·inp bytes, one scale each, rows·out outputs.
+    unsafe { matmul(dev, &plan, (a, b), (sa, sb), d) }?;
+    drop((_a, _b, _sa, _sb, _d));
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+/// `dx [rows, inp] = g [rows, out] · w [out, inp]` in bf16 from `wᵀ`'s E4M3 and `g`'s E5M2
+/// codes.
+pub fn linear_dx(
+    w: &CudaStorage,
+    wl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    (rows, out, inp): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    check_bf16("fp8_linear_dx", &[w, g])?;
+    let dev = w.device();
+    let (wt, ws) = quantize(w, wl, (out, inp), Fp8Format::E4M3, true)?; // [inp, out]
+    let (gc, gs) = quantize(g, gl, (rows, out), Fp8Format::E5M2, false)?;
+    // SAFETY: every element is written by the GEMM.
+    let mut dx = unsafe { alloc::<half::bf16>(dev, rows * inp) }?; // [rows, inp]
+    let plan = LtGemm::input_grad(rows, out, inp);
+    let stream = dev.cuda_stream();
+    let ((a, _a), (b, _b)) = (wt.device_ptr(&stream), gc.device_ptr(&stream));
+    let ((sa, _sa), (sb, _sb)) = (ws.device_ptr(&stream), gs.device_ptr(&stream));
+    let (d, _d) = dx.device_ptr_mut(&stream);
+    // SAFETY: codes of inp·out and rows·out bytes, one scale each, rows·inp outputs.
+    unsafe { matmul(dev, &plan, (a, b), (sa, sb), d) }?;
+    drop((_a, _b, _sa, _sb, _d));
+    Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+}
+
+/// `dst [out, inp] += g [rows, out]ᵀ · x [rows, inp]` into an f32 buffer view, from `xᵀ`'s
+/// E4M3 and `gᵀ`'s E5M2 codes.
+pub fn add_product(
+    dst: &mut CudaStorage,
+    dl: &Layout,
+    (g, gl): (&CudaStorage, &Layout),
+    (x, xl): (&CudaStorage, &Layout),
+    (rows, out, inp): (usize, usize, usize),
+) -> Result<()> {
+    const OP: &str = "fp8-add-product";
+    check_bf16(OP, &[g, x])?;
+    let dev = dst.device().clone();
+    let (start, end) = super::flat::range(OP, "buffer", dl)?;
+    if end - start != out * inp {
+        bail!("{OP}: buffer slice of {} for [{out}, {inp}]", end - start)
+    }
+    if rows == 0 || out * inp == 0 {
+        return Ok(());
+    }
+    let (xt, xs) = quantize(x, xl, (rows, inp), Fp8Format::E4M3, true)?; // [inp, rows]
+    let (gt, gs) = quantize(g, gl, (rows, out), Fp8Format::E5M2, true)?; // [out, rows]
+    let plan = LtGemm::weight_grad(rows, out, inp);
+    let stream = dev.cuda_stream();
+    let data = match dst.as_cuda_slice_mut::<f32>() {
+        Ok(d) => d,
+        Err(_) => bail!("{OP}: expected an f32 buffer"),
+    };
+    let mut d = data.slice_mut(start..end); // [out, inp]
+    let ((a, _a), (b, _b)) = (xt.device_ptr(&stream), gt.device_ptr(&stream));
+    let ((sa, _sa), (sb, _sb)) = (xs.device_ptr(&stream), gs.device_ptr(&stream));
+    let (dp, _d) = d.device_ptr_mut(&stream);
+    // SAFETY: codes of inp·rows and out·rows bytes, one scale each, out·inp f32 accumulated.
+    unsafe { matmul(&dev, &plan, (a, b), (sa, sb), dp) }?;
+    drop((_a, _b, _sa, _sb, _d));
+    Ok(())
+}
