@@ -29,7 +29,10 @@
 //!    attention, in bf16 against f64 on the CPU: causal calls and an unmasked ring block, forward
 //!    and backward (`selftest/attention.rs`).
 //! 9. **FP8 rounding.** Rounding to E4M3 and E5M2 by block on the device against the CPU, bit for
-//!    bit, and a linear of rounded bf16 operands against f64 (`selftest/fp8.rs`).
+//!    bit, a linear of rounded bf16 operands and the three FP8 GEMMs of a linear (cuBLASLt on
+//!    CUDA) against f64 (`selftest/fp8.rs`).
+//! 10. **Grouped linears.** The experts' projections over uneven runs of rows as one call (one
+//!     grouped cuBLAS GEMM on CUDA) against the CPU's per-run products (`selftest/grouped.rs`).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -42,6 +45,7 @@ mod attention;
 mod block;
 mod flat;
 mod fp8;
+mod grouped;
 mod processes;
 
 use crate::recipe::{self, DeviceKind, Recipe};
@@ -50,6 +54,7 @@ pub use attention::check_attention;
 pub use block::check_block;
 pub use flat::check_flat_kernels;
 pub use fp8::check_fp8;
+pub use grouped::check_grouped;
 
 /// One check's outcome.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -484,5 +489,6 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     checks.extend(check_block(&device, seq)?);
     checks.extend(check_attention(&device)?);
     checks.extend(check_fp8(&device)?);
+    checks.extend(check_grouped(&device)?);
     Ok(checks)
 }

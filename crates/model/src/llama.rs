@@ -34,7 +34,6 @@ mod embedding;
 mod fp8;
 mod head;
 mod logits;
-pub(crate) use block::projection_bwd;
 pub use block::BlockTape;
 pub use embedding::EmbeddingTape;
 pub use fp8::{Fp8Gemm, Fp8Linears, Fp8Scaling};

@@ -14,10 +14,11 @@
 //! contributes nothing (its row reads an appended zero row when un-permuted). The choice of
 //! experts is made on the host from the probabilities (it is discrete and takes no gradient);
 //! gradients reach the router through the selected probabilities (the routing weights) and the
-//! balancing losses. Each expert is one GEMM chain over its contiguous rows, cut from the grouped
-//! rows by a balanced tree of `narrow`s ([`split_rows`]). With expert parallelism the grouped
+//! balancing losses. The local experts run over their contiguous runs of the grouped rows, one
+//! grouped call per projection (`ops::grouped_linear`: bit for bit each expert's own GEMM),
+//! their SwiGLU as one op over all the rows. With expert parallelism the grouped
 //! rows travel to the experts' ranks and back ([`ExpertParallel`]). The layer's forward and its
-//! hand-written backward are in `saved.rs` ([`forward`], [`backward`]), checked against finite
+//! hand-written backward are in `pass.rs` ([`forward`], [`backward`]), checked against finite
 //! differences and against a dense reference that runs every expert on every token with a top-k
 //! mask (`tests/moe.rs`); the routing itself is in `routing.rs`.
 //!
@@ -137,36 +138,6 @@ impl<'a> Router<'a> {
     /// A router without a selection bias.
     pub fn plain(weight: &'a Tensor) -> Self {
         Self { weight, bias: None }
-    }
-}
-
-/// Appends to `out` the rows of `x` of each expert (`counts[e]` consecutive rows each; `None`
-/// for an expert without rows), cut by halving the expert range recursively. The gradient of a
-/// `narrow` is a zero-padded tensor of its input's size, so cutting every expert straight from
-/// `x` would cost `E` full-size gradients in the backward; a balanced tree of cuts costs about
-/// two per level, `2·log₂ E` in all.
-fn split_rows(x: &Tensor, counts: &[usize], out: &mut Vec<Option<Tensor>>) -> Result<()> {
-    match counts {
-        [] => Ok(()),
-        [count] => {
-            out.push((*count > 0).then(|| x.clone()));
-            Ok(())
-        }
-        _ => {
-            let mid = counts.len() / 2;
-            let (left, right) = counts.split_at(mid);
-            let rows: usize = left.iter().sum();
-            for (part, start, len) in [(left, 0, rows), (right, rows, x.dim(0)? - rows)] {
-                if len == 0 {
-                    out.extend(part.iter().map(|_| None));
-                } else if len == x.dim(0)? {
-                    split_rows(x, part, out)?;
-                } else {
-                    split_rows(&x.narrow(0, start, len)?, part, out)?;
-                }
-            }
-            Ok(())
-        }
     }
 }
 
@@ -323,17 +294,6 @@ fn route_rows(
     })
 }
 
-/// The local experts' outputs `outs` as one `[m, h]` tensor; with no local rows, the (empty)
-/// input `x_local` stands in, so that the backward still takes part in the group's reverse
-/// all-to-all.
-fn local_outputs(outs: &[Tensor], x_local: Tensor) -> Result<Tensor> {
-    if outs.is_empty() {
-        Ok(x_local)
-    } else {
-        Tensor::cat(outs, 0)
-    }
-}
-
 /// The balancing losses when the micro-batch's tokens are split over the tensor-parallel group
 /// (sequence parallelism): the token counts, probability sums and squared log-sum-exps of all
 /// members are summed ([`TensorParallel::sum_over_sequence`]), and this rank's losses are its
@@ -413,35 +373,5 @@ mod tests {
             .map(|s| (s.load_balancing().unwrap(), s.z_loss().unwrap()))
             .collect();
         assert_eq!(got, [(2.5, 0.25), (1.0, 0.5), (3.0, 0.75)]);
-    }
-
-    #[test]
-    fn rows_are_split_by_expert_with_none_for_idle_experts() {
-        let x = Tensor::arange(0f32, 12.0, &Device::Cpu)
-            .unwrap()
-            .reshape((6, 2))
-            .unwrap();
-        let mut parts = Vec::new();
-        split_rows(&x, &[3, 0, 2, 1, 0], &mut parts).unwrap();
-        let rows: Vec<Option<Vec<f32>>> = parts
-            .iter()
-            .map(|p| {
-                p.as_ref()
-                    .map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
-            })
-            .collect();
-        assert_eq!(
-            rows,
-            vec![
-                Some(vec![0., 1., 2., 3., 4., 5.]),
-                None,
-                Some(vec![6., 7., 8., 9.]),
-                Some(vec![10., 11.]),
-                None
-            ]
-        );
-        let mut none = Vec::new();
-        split_rows(&x.narrow(0, 0, 0).unwrap(), &[0, 0, 0], &mut none).unwrap();
-        assert!(none.iter().all(Option::is_none) && none.len() == 3);
     }
 }

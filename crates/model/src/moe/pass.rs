@@ -27,22 +27,30 @@ use parallel::tp::TensorParallel;
 
 use super::routing::Plan;
 use super::{
-    local_outputs, losses, route_rows, router_dtype, split_rows, unpermute, weigh, Expert,
-    LayerStats, Routed, Router,
+    losses, route_rows, router_dtype, unpermute, weigh, Expert, LayerStats, Routed, Router,
 };
 use crate::config::MoeConfig;
-use crate::llama::projection_bwd;
-use crate::ops::{self, linear};
+use crate::ops::{self, grouped_linear, Grouped};
 use crate::segment::ParamGrad;
 
-/// One local expert's saved activations (`count` rows).
-struct ExpertTape {
-    /// Its input rows `[count, h]`.
+/// The local experts' gate, up and down weights, in expert order.
+fn weights_of(experts: &[Expert]) -> (Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>) {
+    (
+        experts.iter().map(|e| &e.w1).collect(),
+        experts.iter().map(|e| &e.w3).collect(),
+        experts.iter().map(|e| &e.w2).collect(),
+    )
+}
+
+/// The local experts' saved activations over their `m` rows, in expert order (each expert's
+/// run of `dispatch.counts[e]` rows).
+struct ExpertsTape {
+    /// Their input rows `[m, h]`.
     x: Tensor,
-    /// Gate and up projections `[count, f]`.
+    /// Gate and up projections `[m, f]`.
     gate: Tensor,
     up: Tensor,
-    /// Their SwiGLU `[count, f]` (`None`: recomputed, `moe_act`).
+    /// Their SwiGLU `[m, f]` (`None`: recomputed, `moe_act`).
     act: Option<Tensor>,
 }
 
@@ -59,8 +67,8 @@ pub struct MoeTape {
     yk: Tensor,
     plan: Plan,
     dispatch: Dispatch,
-    /// Per local expert, `None` for one without rows.
-    experts: Vec<Option<ExpertTape>>,
+    /// The local experts' (`None` when no row reached them).
+    experts: Option<ExpertsTape>,
     /// `fᵢ` per expert `[E]` and the tokens the losses' means run over.
     share: Tensor,
     tokens: f64,
@@ -92,7 +100,7 @@ impl MoeTape {
     pub fn tensors(&self) -> Vec<&Tensor> {
         let mut kept = vec![&self.probs, &self.lse, &self.weights, &self.yk, &self.share];
         kept.extend(&self.x);
-        for e in self.experts.iter().flatten() {
+        if let Some(e) = &self.experts {
             kept.extend([&e.x, &e.gate, &e.up]);
             kept.extend(&e.act);
         }
@@ -106,10 +114,8 @@ impl MoeTape {
         if input {
             self.x = None;
         }
-        if act {
-            for e in self.experts.iter_mut().flatten() {
-                e.act = None;
-            }
+        if let (true, Some(e)) = (act, &mut self.experts) {
+            e.act = None;
         }
     }
 
@@ -159,26 +165,24 @@ pub fn forward(
         x_perm,
     } = route_rows(&x, router, experts.len(), ep, cfg, layer)?;
     let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts)?; // [m, h]
-    let mut inputs = Vec::with_capacity(experts.len());
-    split_rows(&x_local, &dispatch.counts, &mut inputs)?;
-    let (mut outs, mut tapes) = (Vec::new(), Vec::with_capacity(experts.len()));
-    for (ex, xe) in experts.iter().zip(inputs) {
-        let Some(xe) = xe else {
-            tapes.push(None);
-            continue;
-        }; // [count, h]
-        let gate = linear(&xe, &ex.w1)?; // [count, f]
-        let up = linear(&xe, &ex.w3)?;
+                                                                   // Every local expert over its run of rows, one grouped call per projection.
+    let counts = &dispatch.counts;
+    let (w1, w3, w2) = weights_of(experts);
+    let (y_local, tapes) = if x_local.dim(0)? == 0 {
+        (x_local, None)
+    } else {
+        let gate = grouped_linear(&x_local, counts, &w1, Grouped::Forward)?; // [m, f]
+        let up = grouped_linear(&x_local, counts, &w3, Grouped::Forward)?;
         let act = ops::swiglu(&gate, &up)?;
-        outs.push(linear(&act, &ex.w2)?); // [count, h]
-        tapes.push(Some(ExpertTape {
-            x: xe,
+        let y = grouped_linear(&act, counts, &w2, Grouped::Forward)?; // [m, h]
+        let tape = ExpertsTape {
+            x: x_local,
             gate,
             up,
             act: Some(act),
-        }));
-    }
-    let y_local = local_outputs(&outs, x_local)?; // [m, h]
+        };
+        (y, Some(tape))
+    };
     let y_perm = ep.combine(&y_local, &dispatch)?; // [rows, h]
     let yk = unpermute(&y_perm, &plan)?; // [n, k, h]
     let y = weigh(&yk, &weights)?; // [n, h]
@@ -244,27 +248,43 @@ pub fn backward(
         .index_select(&plan.order(dev)?, 0)?; // [rows, h]
     let dy_local = ep.combine_grad(&dy_perm, &dispatch)?; // [m, h]
 
-    // The experts, over their contiguous rows.
-    let mut douts = Vec::with_capacity(experts.len());
-    split_rows(&dy_local, &dispatch.counts, &mut douts)?;
-    let (mut dxs, mut grads) = (Vec::new(), Vec::with_capacity(experts.len()));
-    for ((ex, t), dout) in experts.iter().zip(tapes).zip(douts) {
-        let (Some(t), Some(dout)) = (t, dout) else {
-            grads.push(None);
-            continue;
-        };
-        let act = match t.act {
-            Some(act) => act,
-            None => ops::swiglu(&t.gate, &t.up)?, // as the forward computed it
-        };
-        let (dact, d_w2) = projection_bwd(&act, &ex.w2, &dout)?; // [count, f]
-        let (dgate, dup) = ops::swiglu_bwd(&t.gate, &t.up, &dact)?;
-        let (dx_up, d_w3) = projection_bwd(&t.x, &ex.w3, &dup)?; // [count, h]
-        let (dx_gate, d_w1) = projection_bwd(&t.x, &ex.w1, &dgate)?;
-        dxs.push((dx_up + dx_gate)?);
-        grads.push(Some([d_w1, d_w3, d_w2]));
-    }
-    let dx_local = local_outputs(&dxs, dy_local)?; // [m, h]
+    // The experts over their runs of rows, one grouped call per projection; each weight
+    // gradient as the factors of its run.
+    let counts = &dispatch.counts;
+    let (w1, w3, w2) = weights_of(experts);
+    let (dx_local, grads) = match tapes {
+        None => (dy_local, experts.iter().map(|_| None).collect()),
+        Some(t) => {
+            let act = match t.act {
+                Some(act) => act,
+                None => ops::swiglu(&t.gate, &t.up)?, // as the forward computed it
+            };
+            let dact = grouped_linear(&dy_local, counts, &w2, Grouped::InputGrad)?; // [m, f]
+            let (dgate, dup) = ops::swiglu_bwd(&t.gate, &t.up, &dact)?;
+            let dx_up = grouped_linear(&dup, counts, &w3, Grouped::InputGrad)?; // [m, h]
+            let dx_gate = grouped_linear(&dgate, counts, &w1, Grouped::InputGrad)?;
+            let product = |g: &Tensor, x: &Tensor, start, c| -> Result<ParamGrad> {
+                Ok(ParamGrad::Product {
+                    g: g.narrow(0, start, c)?,
+                    x: x.narrow(0, start, c)?,
+                })
+            };
+            let mut grads = Vec::with_capacity(experts.len());
+            let mut start = 0;
+            for &c in counts {
+                grads.push(match c {
+                    0 => None,
+                    _ => Some([
+                        product(&dgate, &t.x, start, c)?,
+                        product(&dup, &t.x, start, c)?,
+                        product(&dy_local, &act, start, c)?,
+                    ]),
+                });
+                start += c;
+            }
+            ((dx_up + dx_gate)?, grads)
+        }
+    }; // dx_local: [m, h]
     let dx_perm = ep.dispatch_grad(&dx_local, &dispatch)?; // [rows, h]
 
     // Each token's k slots, gathered back to slot order (a dropped slot reads zero) and summed:

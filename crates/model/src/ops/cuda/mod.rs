@@ -15,6 +15,7 @@ pub mod cudnn;
 mod cudnn_ragged;
 pub mod flat;
 pub mod fp8;
+pub mod grouped;
 pub mod lt;
 pub mod muon;
 pub mod norm;
