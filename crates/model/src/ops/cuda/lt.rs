@@ -27,11 +27,12 @@ fn lt_err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
 }
 
-/// A context's handle, workspace and the algorithms chosen so far.
+/// A context's handle, workspace and the algorithms chosen so far, by plan and the alignment
+/// of D (a weight gradient's slot in the flat buffer may sit at any f32 offset).
 struct Handle {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    algos: Mutex<HashMap<LtGemm, sys::cublasLtMatmulAlgo_t>>,
+    algos: Mutex<HashMap<(LtGemm, u32), sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the handle is used on its context's one stream, and cuBLASLt handles may be shared
@@ -46,6 +47,8 @@ fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
     if let Some(h) = all.get(&key) {
         return Ok(h.clone());
     }
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().map_err(|e| lt_err("context", e))?;
     let h = Arc::new(Handle {
         handle: lt::create_handle().map_err(|e| lt_err("handle", e))?,
         // SAFETY: the workspace is cuBLASLt's scratch; nothing reads it before it writes.
@@ -170,21 +173,44 @@ unsafe fn matmul(
         .push(layout(data_type(plan.b_format), &plan.b)?);
     descs.layouts.push(layout(out, &plan.d)?);
     let [al, bl, dl] = [descs.layouts[0], descs.layouts[1], descs.layouts[2]];
+    // D's alignment in bytes (a power of two, at most 256); A and B are fresh allocations.
+    let align = 1u32 << d.trailing_zeros().min(8);
     let algo = {
         let mut algos = h.algos.lock().unwrap_or_else(|e| e.into_inner());
-        match algos.get(plan) {
+        match algos.get(&(*plan, align)) {
             Some(a) => *a,
             None => {
+                use sys::cublasLtMatmulPreferenceAttributes_t as P;
                 let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
                 let size = WORKSPACE;
-                // SAFETY: a live preference; the attribute is a size_t.
+                let u32s = std::mem::size_of::<u32>();
+                // SAFETY: a live preference; each attribute has the value's type and size.
                 let found = unsafe {
+                    let usize_ = std::mem::size_of::<usize>();
+                    let ws = &size as *const usize as _;
+                    let al_ = &align as *const u32 as _;
                     lt::set_matmul_pref_attribute(
                         pref,
-                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                        &size as *const usize as _,
-                        std::mem::size_of::<usize>(),
+                        P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        ws,
+                        usize_,
                     )
+                    .and_then(|_| {
+                        lt::set_matmul_pref_attribute(
+                            pref,
+                            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                            al_,
+                            u32s,
+                        )
+                    })
+                    .and_then(|_| {
+                        lt::set_matmul_pref_attribute(
+                            pref,
+                            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                            al_,
+                            u32s,
+                        )
+                    })
                     .and_then(|_| {
                         lt::get_matmul_algo_heuristic(h.handle, desc, al, bl, dl, dl, pref)
                     })
@@ -197,7 +223,7 @@ unsafe fn matmul(
                         e,
                     )
                 })?;
-                algos.insert(*plan, found.algo);
+                algos.insert((*plan, align), found.algo);
                 found.algo
             }
         }
