@@ -38,7 +38,8 @@
 #   rates     pretrain bench-rates on bench-1b and bench-7b (every projection's forward, input and
 #             weight gradient at tp 1-8 and micro-batches 1-8, the causal attention, element-wise
 #             bandwidth): the tables for `pretrain plan --rates` (keep them: $OUT/rates/), then
-#             the 1.1B plan priced from them, to set beside the step `bench` measured
+#             the 1.1B plan priced from them, to set beside the step `bench` measured; and
+#             bench-1b's products with FP8 GEMMs (tp 1), the FP8 plan priced from them
 #   7b        Llama-2-7B's shape on one GPU (recipes/bench-7b.yaml): the plan, then
 #             bench/gpu_step.sh against PyTorch eager and torch.compile (tokens/s, MFU in both
 #             attention counts, memory against the plan), then 6 steps saving at step 3 and a
@@ -390,6 +391,13 @@ print(sys.argv[2], {k: t[0].get(k) for k in ('bubble', 'bubble_simulated', 'act_
       done
       "$BIN" plan --recipe recipes/bench-1b.yaml --gpu "${GPU_PRESET:-h200}" \
         --rates "$OUT/rates/bench-1b.json" | tee "$OUT/plan-1b-measured-rates.txt"
+      # The block's products with FP8 GEMMs (quantizing included), and the FP8 plan priced
+      # from them instead of the assumed 1.6x.
+      FP8_SET="train.fp8.scaling=tensorwise,train.fp8.gemm=cublaslt"
+      part rates-bench-1b-fp8 "$BIN" bench-rates --recipe recipes/bench-1b.yaml --tp 1 \
+        --set "$FP8_SET" --json-out "$OUT/rates/bench-1b-fp8.json"
+      "$BIN" plan --recipe recipes/bench-1b.yaml --gpu "${GPU_PRESET:-h200}" --set "$FP8_SET" \
+        --rates "$OUT/rates/bench-1b-fp8.json" | tee "$OUT/plan-1b-fp8-measured-rates.txt"
       ;;
     7b)
       "$BIN" plan --recipe recipes/bench-7b.yaml --gpu "${GPU_PRESET:-h200}" | tee "$OUT/plan-7b.txt"

@@ -166,10 +166,11 @@ fn attention_bench_runs_on_the_cpu_and_refuses_by_name() {
     }
 }
 
-/// `pretrain bench-rates` measures each projection's three products, the attention and the
-/// element-wise bandwidth on the CPU and writes a table that `pretrain plan --rates` prices the
-/// step from: a table of very slow GEMMs lengthens the planned step, and a damaged one is
-/// refused naming the file and the entry.
+/// `pretrain bench-rates` measures each projection's three products (with FP8 on, the block's
+/// again as its FP8 linears run them), the attention and the element-wise bandwidth on the CPU
+/// and writes a table that `pretrain plan --rates` prices the step from: a table of very slow
+/// GEMMs lengthens the planned step, and a damaged one is refused naming the file and the
+/// entry.
 #[test]
 fn rates_bench_writes_the_table_the_planner_reads() {
     let dir = tempfile::tempdir().unwrap();
@@ -204,6 +205,26 @@ fn rates_bench_writes_the_table_the_planner_reads() {
     assert_eq!(attention["head_dim"], 16, "{text}");
     assert!(attention["fwd_tflops"].as_f64().unwrap() > 0.0, "{text}");
     assert!(json["bandwidth_gbps"].as_f64().unwrap() > 0.0, "{text}");
+    assert!(json.get("fp8_gemms").is_none(), "FP8 is off: {text}");
+    // With FP8 on, the block's projections again as its FP8 linears run them (not the head).
+    let fp8_table = dir.path().join("rates-fp8.json");
+    let fp8 = ["--set", "train.fp8.scaling=tensorwise", "--json-out"];
+    let (ok, text) = run(&[
+        &["bench-rates"],
+        &bench[..],
+        &fp8[..],
+        &[fp8_table.to_str().unwrap()],
+    ]
+    .concat());
+    assert!(ok, "{text}");
+    let fp8_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&fp8_table).unwrap()).unwrap();
+    let fp8_gemms = fp8_json["fp8_gemms"].as_array().unwrap();
+    assert!(fp8_gemms.len() >= 9 && fp8_gemms.len() <= 15, "{text}");
+    assert!(
+        text.contains("q tp1 mb4 fp8 fwd") && !text.contains("head tp1 mb4 fp8"),
+        "{text}"
+    );
 
     let step = |extra: &[&str]| {
         let plan = [

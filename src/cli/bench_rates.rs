@@ -8,7 +8,9 @@
 //! - the causal attention's forward and backward on the recipe's backend at its sequence length
 //!   (FLOPs counted as `pretrain bench-attention` counts them);
 //! - the bandwidth of an element-wise kernel (the residual addition) on tensors of the size of a
-//!   micro-batch's MLP activations.
+//!   micro-batch's MLP activations;
+//! - with `train.fp8` on, the block's projections again as its FP8 linears run them, rounding or
+//!   quantizing included (the table's `fp8_gemms`).
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -129,19 +131,66 @@ fn measure(p: &Projection, dtype: DType, device: &Device, iters: usize) -> Resul
     let dw = timed(device, iters, &|| {
         Ok(crate::optim::kernels::add_product_into(&dst, &g, &x)?)
     })?;
+    Ok(rates_of(p, [fwd, dx, dw], ""))
+}
+
+/// `p`'s forward, input-gradient and weight-gradient rates from their seconds per call (named
+/// with `tag`, e.g. `fp8`, when not empty).
+fn rates_of(p: &Projection, [fwd, dx, dw]: [f64; 3], tag: &str) -> [GemmRate; 3] {
     let flops = 2.0 * (p.rows * p.out * p.inp) as f64;
+    let what = match tag {
+        "" => p.what.clone(),
+        t => format!("{} {t}", p.what),
+    };
     let rate = |(m, n, k): (usize, usize, usize), secs: f64, dir: &str| GemmRate {
         m: m as u64,
         n: n as u64,
         k: k as u64,
         tflops: flops / secs / 1e12,
-        what: format!("{} {dir}", p.what),
+        what: format!("{what} {dir}"),
     };
-    Ok([
+    [
         rate((p.rows, p.out, p.inp), fwd, "fwd"),
         rate((p.rows, p.inp, p.out), dx, "dx"),
         rate((p.out, p.inp, p.rows), dw, "dw"),
-    ])
+    ]
+}
+
+/// The rates of `p`'s three products as the recipe's FP8 linears run them (`train.fp8`, `how`),
+/// the operands' rounding or quantizing included: the forward, the input gradient (with the
+/// weight gradient's factors' rounding) and the weight gradient's accumulation.
+fn measure_fp8(
+    p: &Projection,
+    how: (model::Fp8Scaling, model::Fp8Gemm),
+    dtype: DType,
+    device: &Device,
+    iters: usize,
+) -> Result<[GemmRate; 3]> {
+    use model::llama::{fp8_linear_to, fp8_projection_bwd};
+    use model::segment::ParamGrad;
+    let randn = |shape: (usize, usize)| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?)
+    };
+    let (x, w, g) = (
+        randn((p.rows, p.inp))?,
+        randn((p.out, p.inp))?,
+        randn((p.rows, p.out))?,
+    );
+    let dst = Tensor::zeros(p.out * p.inp, DType::F32, device)?;
+    let fwd = timed(device, iters, &|| {
+        Ok(fp8_linear_to(&x, &w, (p.rows, p.out), how).map(drop)?)
+    })?;
+    let dx = timed(device, iters, &|| {
+        Ok(fp8_projection_bwd(&x, &w, &g, how).map(drop)?)
+    })?;
+    let (_, factors) = fp8_projection_bwd(&x, &w, &g, how)?;
+    use crate::optim::kernels::{add_fp8_product_into, add_product_into};
+    let dw = timed(device, iters, &|| match &factors {
+        ParamGrad::Product { g, x } => Ok(add_product_into(&dst, g, x)?),
+        ParamGrad::Fp8Product { g, x } => Ok(add_fp8_product_into(&dst, g, x)?),
+        ParamGrad::Tensor(_) => bail!("an FP8 linear's weight gradient is a product"),
+    })?;
+    Ok(rates_of(p, [fwd, dx, dw], "fp8"))
 }
 
 /// The causal attention's forward and backward at `r`'s model and sequence length on `r`'s
@@ -230,7 +279,10 @@ pub fn bench_rates(a: &RatesArgs) -> Result<Rates> {
     let dtype = r.train.dtype.dtype();
     let free = crate::device::capacity(&device);
     let mut seen = HashSet::new();
-    let mut gemms = Vec::new();
+    let (mut gemms, mut fp8_gemms) = (Vec::new(), Vec::new());
+    // The block's linears in FP8 where the recipe has it on (the head, router and experts stay
+    // in the model dtype).
+    let fp8 = r.train.fp8.linears(r.model.num_hidden_layers);
     for &tp in &tps {
         for &mb in &mbs {
             for p in projections(&r, tp, mb) {
@@ -244,13 +296,26 @@ pub fn bench_rates(a: &RatesArgs) -> Result<Rates> {
                     );
                     continue;
                 }
-                for g in measure(&p, dtype, &device, a.iters)? {
-                    if seen.insert((g.m, g.n, g.k)) {
-                        println!(
-                            "{:<28} [{} × {}] · [{} × {}]  {:9.2} TFLOP/s",
-                            g.what, g.m, g.k, g.k, g.n, g.tflops
-                        );
-                        gemms.push(g);
+                let fp8 = fp8.as_ref().filter(|_| !p.what.starts_with("head"));
+                let fp8 = fp8.filter(|_| !p.what.starts_with("router"));
+                let fp8 = fp8.filter(|_| !p.what.starts_with("expert"));
+                let mut lists = vec![(measure(&p, dtype, &device, a.iters)?, &mut gemms)];
+                if let Some(f) = fp8 {
+                    let how = (f.scaling, f.gemm);
+                    lists.push((
+                        measure_fp8(&p, how, dtype, &device, a.iters)?,
+                        &mut fp8_gemms,
+                    ));
+                }
+                for (measured, list) in lists {
+                    for g in measured {
+                        if seen.insert((g.m, g.n, g.k, g.what.contains(" fp8 "))) {
+                            println!(
+                                "{:<32} [{} × {}] · [{} × {}]  {:9.2} TFLOP/s",
+                                g.what, g.m, g.k, g.k, g.n, g.tflops
+                            );
+                            list.push(g);
+                        }
                     }
                 }
             }
@@ -274,6 +339,7 @@ pub fn bench_rates(a: &RatesArgs) -> Result<Rates> {
         gemms,
         attention: vec![attention],
         bandwidth_gbps: Some(bandwidth_gbps),
+        fp8_gemms,
     };
     if let Some(path) = &a.json_out {
         crate::files::write_replacing(path, serde_json::to_string_pretty(&table)?.as_bytes())?;

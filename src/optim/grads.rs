@@ -96,12 +96,7 @@ impl GradBuffer {
     /// [`GradBuffer::accumulate_product`] for a linear with FP8 GEMMs: one FP8 GEMM on CUDA, the
     /// factors' FP8-rounded values multiplied elsewhere.
     pub fn accumulate_fp8_product(&self, i: usize, g: &Tensor, x: &Tensor) -> Result<()> {
-        let slot = self.slot(i)?;
-        if slot.device().is_cuda() {
-            return model::ops::fp8_add_product_into(&slot, g, x);
-        }
-        let (g, x) = model::ops::fp8_product_factors(g, x)?;
-        kernels::add_product_into(&slot, &g, &x)
+        kernels::add_fp8_product_into(&self.slot(i)?, g, x)
     }
 
     /// The f32 view parameter `i`'s gradient accumulates into: its slot of the whole buffer, or

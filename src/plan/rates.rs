@@ -40,6 +40,10 @@ pub struct Rates {
     /// Element-wise kernels' streaming rate (bytes read and written), GB/s.
     #[serde(default)]
     pub bandwidth_gbps: Option<f64>,
+    /// The GEMMs as the recipe's FP8 linears run them (`train.fp8`: the operands' rounding or
+    /// quantizing included), measured when the recipe has FP8 on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fp8_gemms: Vec<GemmRate>,
 }
 
 /// One measured GEMM: `[m, k] × [k, n]` at `tflops`.
@@ -86,11 +90,13 @@ impl Rates {
                 "{field} must be above 0 and at most 1e5, got {v:.3e}"
             ))),
         };
-        for (i, g) in rates.gemms.iter().enumerate() {
-            if g.m == 0 || g.n == 0 || g.k == 0 {
-                return Err(bad(format!("gemms[{i}]: m, n and k must be at least 1")));
+        for (list, gemms) in [("gemms", &rates.gemms), ("fp8_gemms", &rates.fp8_gemms)] {
+            for (i, g) in gemms.iter().enumerate() {
+                if g.m == 0 || g.n == 0 || g.k == 0 {
+                    return Err(bad(format!("{list}[{i}]: m, n and k must be at least 1")));
+                }
+                rate(format!("{list}[{i}]: tflops"), g.tflops)?;
             }
-            rate(format!("gemms[{i}]: tflops"), g.tflops)?;
         }
         for (i, a) in rates.attention.iter().enumerate() {
             if a.head_dim == 0 || a.seq == 0 {
@@ -110,13 +116,12 @@ impl Rates {
     /// The measured TFLOP/s of `[m, k] × [k, n]`, or of the nearest measured shape within
     /// [`NEAREST`] (the first of equally near ones); `None` when none is that near.
     pub fn gemm(&self, m: f64, n: f64, k: f64) -> Option<f64> {
-        let log = |a: f64, b: u64| (a / b as f64).log2().abs();
-        self.gemms
-            .iter()
-            .map(|g| (log(m, g.m) + log(n, g.n) + log(k, g.k), g.tflops))
-            .filter(|(d, _)| *d <= NEAREST + 1e-9)
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .map(|(_, tflops)| tflops)
+        nearest(&self.gemms, m, n, k)
+    }
+
+    /// [`Rates::gemm`] of the FP8 linears' GEMMs (`fp8_gemms`).
+    pub fn fp8_gemm(&self, m: f64, n: f64, k: f64) -> Option<f64> {
+        nearest(&self.fp8_gemms, m, n, k)
     }
 
     /// The measured forward and backward TFLOP/s of causal attention at `head_dim` and the
@@ -136,6 +141,18 @@ impl Rates {
     pub fn leak(self) -> &'static Rates {
         Box::leak(Box::new(self))
     }
+}
+
+/// The TFLOP/s of the entry of `gemms` nearest `[m, k] × [k, n]` within [`NEAREST`] (the
+/// first of equally near ones).
+fn nearest(gemms: &[GemmRate], m: f64, n: f64, k: f64) -> Option<f64> {
+    let log = |a: f64, b: u64| (a / b as f64).log2().abs();
+    gemms
+        .iter()
+        .map(|g| (log(m, g.m) + log(n, g.n) + log(k, g.k), g.tflops))
+        .filter(|(d, _)| *d <= NEAREST + 1e-9)
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, tflops)| tflops)
 }
 
 #[cfg(test)]
@@ -163,6 +180,7 @@ mod tests {
             gemms: vec![rate(4096, 4096, 4096, 700.0), rate(4096, 256, 2048, 300.0)],
             attention: vec![attention(64, 2048, 200.0), attention(128, 4096, 400.0)],
             bandwidth_gbps: Some(3000.0),
+            fp8_gemms: vec![rate(4096, 4096, 4096, 1100.0)],
         }
     }
 
@@ -170,6 +188,8 @@ mod tests {
     fn a_measured_shape_gives_its_rate_and_a_near_one_the_nearest() {
         let t = rates();
         assert_eq!(t.gemm(4096.0, 4096.0, 4096.0), Some(700.0));
+        assert_eq!(t.fp8_gemm(4096.0, 4096.0, 4096.0), Some(1100.0));
+        assert_eq!(t.fp8_gemm(4096.0, 256.0, 2048.0), None);
         assert_eq!(t.gemm(4096.0, 256.0, 2048.0), Some(300.0));
         // Twice the rows of the narrow shape: one doubling away.
         assert_eq!(t.gemm(8192.0, 256.0, 2048.0), Some(300.0));
@@ -204,6 +224,9 @@ mod tests {
         t = rates();
         t.attention[1].bwd_tflops = 0.0;
         assert!(refused(&t).contains("attention[1]: bwd_tflops"));
+        t = rates();
+        t.fp8_gemms[0].tflops = f64::NAN;
+        assert!(refused(&t).contains("fp8_gemms[0]: tflops"));
         t = rates();
         t.bandwidth_gbps = Some(1e9);
         assert!(refused(&t).contains("bandwidth_gbps"));

@@ -376,6 +376,7 @@ mod tests {
             gemms,
             attention: Vec::new(),
             bandwidth_gbps: None,
+            fp8_gemms: Vec::new(),
         }
     }
 

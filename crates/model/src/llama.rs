@@ -36,7 +36,10 @@ mod head;
 mod logits;
 pub use block::BlockTape;
 pub use embedding::EmbeddingTape;
-pub use fp8::{Fp8Gemm, Fp8Linears, Fp8Scaling};
+pub use fp8::{
+    linear_to as fp8_linear_to, projection_bwd as fp8_projection_bwd, Fp8Gemm, Fp8Linears,
+    Fp8Scaling,
+};
 pub use head::HeadTape;
 
 /// A piece of the model run as one segment.

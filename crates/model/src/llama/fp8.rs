@@ -111,7 +111,7 @@ impl Fp8Scaling {
 }
 
 /// [`ops::linear_to`] with both operands rounded to FP8 (`x` holds rows of `w`'s `in`).
-pub(crate) fn linear_to(
+pub fn linear_to(
     x: &Tensor,
     w: &Tensor,
     shape: impl Into<candle_core::Shape>,
@@ -129,7 +129,7 @@ pub(crate) fn linear_to(
 /// The backward of [`linear_to`]: `dx = fp8(g) · fp8(w)` in `x`'s shape and the weight
 /// gradient's factors, each rounded along the tokens (with FP8 GEMMs the factors as they are,
 /// for the gradient buffer's FP8 GEMM: [`ParamGrad::Fp8Product`]).
-pub(crate) fn projection_bwd(
+pub fn projection_bwd(
     x: &Tensor,
     w: &Tensor,
     g: &Tensor,
