@@ -1,12 +1,12 @@
 //! Grouped linears: the projections of several experts over their contiguous runs of rows, as
 //! one call. Rows `[m, in]` are cut into runs of `counts[e]` rows (in order, a run of 0 rows
 //! skipped); run `e` is multiplied by weight `e`. On CUDA each is one
-//! `cublasGemmGroupedBatchedEx` for all runs (`cuda/grouped.rs`; f32 and bf16); elsewhere the
-//! runs' products, each the GEMM a lone [`super::linear`] makes, run side by side on the thread
-//! pool.
-//! Either way every run's result is bit for bit the single product's of its rows (the GEMM of
-//! one run does not depend on the others), so a grouped MoE layer equals its expert-by-expert
-//! form.
+//! `cublasGemmGroupedBatchedEx` for all runs (`cuda/grouped.rs`; f32 and bf16 with widths that
+//! keep every run 16-byte aligned); elsewhere the runs' products, each the GEMM a lone
+//! [`super::linear`] makes, run side by side on the thread pool, so on the CPU every run's
+//! result is bit for bit the single product's of its rows and a grouped MoE layer equals its
+//! expert-by-expert form. On CUDA the grouped kernel sums in its own order (within the GEMM
+//! tolerance of `pretrain selftest`).
 
 use candle_core::{bail, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -62,6 +62,7 @@ pub fn grouped_linear(
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda()
+        && [width, x.dim(1)?].iter().all(|w| w % 8 == 0)
         && matches!(
             x.dtype(),
             candle_core::DType::F32 | candle_core::DType::BF16

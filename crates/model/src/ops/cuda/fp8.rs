@@ -85,6 +85,12 @@ pub fn quantize(
     let splits = (br * bc).div_ceil(SPLIT_ELEMS).clamp(1, MAX_SPLITS);
     let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
     let (splits_u, fmt, one) = (splits as u32, format.code(), 1u64);
+    if xl.shape().elem_count() != n {
+        bail!(
+            "{OP}: x has {} elements, not {rows} x {cols}",
+            xl.shape().elem_count()
+        )
+    }
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
         let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
         // SAFETY: fp8_cast writes every one of the n codes, fp8_inv_scales the one scale.

@@ -27,8 +27,8 @@ fn lt_err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
 }
 
-/// A context's handle, workspace and the algorithms chosen so far, by plan and the alignment
-/// of D (a weight gradient's slot in the flat buffer may sit at any f32 offset).
+/// A stream's handle, workspace and the algorithms chosen so far, by plan and the alignment of
+/// D (at least 16 bytes: [`add_product`] goes through an aligned temporary otherwise).
 struct Handle {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
@@ -40,9 +40,11 @@ struct Handle {
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
+/// The handle of `dev`'s stream (one per stream: its workspace is used by that stream's calls
+/// only).
 fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
     static HANDLES: LazyLock<Mutex<HashMap<usize, Arc<Handle>>>> = LazyLock::new(Mutex::default);
-    let key = dev.cuda_stream().context().cu_ctx() as usize;
+    let key = dev.cuda_stream().cu_stream() as usize;
     let mut all = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(h) = all.get(&key) {
         return Ok(h.clone());
@@ -280,6 +282,12 @@ pub fn linear(
 ) -> Result<CudaStorage> {
     check_bf16("fp8_linear", &[x, w])?;
     let dev = x.device();
+    if rows * out * inp == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(
+            super::zeros::<half::bf16>(dev, rows * out)?,
+            dev.clone(),
+        ));
+    }
     let (xc, xs) = quantize(x, xl, (rows, inp), Fp8Format::E4M3, false)?;
     let (wc, ws) = quantize(w, wl, (out, inp), Fp8Format::E4M3, false)?;
     // SAFETY: every element is written by the GEMM.
@@ -306,6 +314,12 @@ pub fn linear_dx(
 ) -> Result<CudaStorage> {
     check_bf16("fp8_linear_dx", &[w, g])?;
     let dev = w.device();
+    if rows * out * inp == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(
+            super::zeros::<half::bf16>(dev, rows * inp)?,
+            dev.clone(),
+        ));
+    }
     let (wt, ws) = quantize(w, wl, (out, inp), Fp8Format::E4M3, true)?; // [inp, out]
     let (gc, gs) = quantize(g, gl, (rows, out), Fp8Format::E5M2, false)?;
     // SAFETY: every element is written by the GEMM.
@@ -344,16 +358,36 @@ pub fn add_product(
     let (gt, gs) = quantize(g, gl, (rows, out), Fp8Format::E5M2, true)?; // [out, rows]
     let plan = LtGemm::weight_grad(rows, out, inp);
     let stream = dev.cuda_stream();
-    let data = match dst.as_cuda_slice_mut::<f32>() {
-        Ok(d) => d,
-        Err(_) => bail!("{OP}: expected an f32 buffer"),
-    };
-    let mut d = data.slice_mut(start..end); // [out, inp]
     let ((a, _a), (b, _b)) = (xt.device_ptr(&stream), gt.device_ptr(&stream));
     let ((sa, _sa), (sb, _sb)) = (xs.device_ptr(&stream), gs.device_ptr(&stream));
-    let (dp, _d) = d.device_ptr_mut(&stream);
-    // SAFETY: codes of inp·rows and out·rows bytes, one scale each, out·inp f32 accumulated.
-    unsafe { matmul(&dev, &plan, (a, b), (sa, sb), dp) }?;
-    drop((_a, _b, _sa, _sb, _d));
+    let aligned = {
+        let data = match dst.as_cuda_slice_mut::<f32>() {
+            Ok(d) => d,
+            Err(_) => bail!("{OP}: expected an f32 buffer"),
+        };
+        let mut d = data.slice_mut(start..end); // [out, inp]
+        let (dp, _d) = d.device_ptr_mut(&stream);
+        // FP8 GEMMs want 16-byte aligned operands; a slot at another f32 offset gets the
+        // product through an aligned temporary.
+        if dp % 16 == 0 {
+            // SAFETY: codes of inp·rows and out·rows bytes, one scale each, out·inp f32
+            // accumulated.
+            unsafe { matmul(&dev, &plan, (a, b), (sa, sb), dp) }?;
+            true
+        } else {
+            false
+        }
+    };
+    if !aligned {
+        let mut tmp = super::zeros::<f32>(&dev, out * inp)?; // [out, inp], 0 + product
+        {
+            let (tp, _t) = tmp.device_ptr_mut(&stream);
+            // SAFETY: as above, into a fresh (aligned) buffer of out·inp zeros.
+            unsafe { matmul(&dev, &plan, (a, b), (sa, sb), tp) }?;
+        }
+        let tmp = CudaStorage::wrap_cuda_slice(tmp, dev.clone());
+        super::flat::add_into(dst, dl, &tmp, &Layout::contiguous(out * inp))?;
+    }
+    drop((_a, _b, _sa, _sb));
     Ok(())
 }

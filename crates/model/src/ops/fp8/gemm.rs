@@ -198,7 +198,15 @@ pub fn fp8_product_factors(g: &Tensor, x: &Tensor) -> Result<(Tensor, Tensor)> {
 /// `[rows, out]`, `x` `[rows, in]`, bf16): cuBLASLt accumulating into `dst`. Elsewhere the
 /// gradient buffer multiplies [`fp8_product_factors`] with its own kernel; here it is an error.
 pub fn fp8_add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
-    let ((rows, out), (_, inp)) = (g.dims2()?, x.dims2()?);
+    let ((rows, out), (xrows, inp)) = (g.dims2()?, x.dims2()?);
+    if xrows != rows || dst.elem_count() != out * inp {
+        bail!(
+            "fp8-add-product: g {:?} and x {:?} do not make the {} elements of the buffer slice",
+            g.dims(),
+            x.dims(),
+            dst.elem_count()
+        )
+    }
     let op = OnCuda {
         product: Product::WeightGrad,
         dims: (rows, out, inp),
