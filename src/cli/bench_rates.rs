@@ -112,18 +112,24 @@ fn timed(device: &Device, iters: usize, f: &dyn Fn() -> Result<()>) -> Result<f6
     Ok(t0.elapsed().as_secs_f64() / iters as f64)
 }
 
-/// The rates of `p`'s three products, as the step runs them: forward, input gradient, weight
-/// gradient.
-fn measure(p: &Projection, dtype: DType, device: &Device, iters: usize) -> Result<[GemmRate; 3]> {
+/// `p`'s operands: `x` `[rows, in]`, `w` `[out, in]` and `g` `[rows, out]` drawn in `dtype`,
+/// and an f32 gradient slot `[out · in]`.
+fn operands(p: &Projection, dtype: DType, device: &Device) -> Result<[Tensor; 4]> {
     let randn = |shape: (usize, usize)| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?)
     };
-    let (x, w, g) = (
+    Ok([
         randn((p.rows, p.inp))?,
         randn((p.out, p.inp))?,
         randn((p.rows, p.out))?,
-    );
-    let dst = Tensor::zeros(p.out * p.inp, DType::F32, device)?;
+        Tensor::zeros(p.out * p.inp, DType::F32, device)?,
+    ])
+}
+
+/// The rates of `p`'s three products, as the step runs them: forward, input gradient, weight
+/// gradient.
+fn measure(p: &Projection, dtype: DType, device: &Device, iters: usize) -> Result<[GemmRate; 3]> {
+    let [x, w, g, dst] = operands(p, dtype, device)?;
     let fwd = timed(device, iters, &|| Ok(ops::linear(&x, &w).map(drop)?))?;
     let dx = timed(device, iters, &|| {
         Ok(ops::linear_dx(&w, &g, x.shape()).map(drop)?)
@@ -168,15 +174,7 @@ fn measure_fp8(
 ) -> Result<[GemmRate; 3]> {
     use model::llama::{fp8_linear_to, fp8_projection_bwd};
     use model::segment::ParamGrad;
-    let randn = |shape: (usize, usize)| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1f32, shape, device)?.to_dtype(dtype)?)
-    };
-    let (x, w, g) = (
-        randn((p.rows, p.inp))?,
-        randn((p.out, p.inp))?,
-        randn((p.rows, p.out))?,
-    );
-    let dst = Tensor::zeros(p.out * p.inp, DType::F32, device)?;
+    let [x, w, g, dst] = operands(p, dtype, device)?;
     let fwd = timed(device, iters, &|| {
         Ok(fp8_linear_to(&x, &w, (p.rows, p.out), how).map(drop)?)
     })?;

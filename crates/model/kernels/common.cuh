@@ -1,8 +1,16 @@
-// Shared device helpers of the project's kernels: the accumulation type of each storage type,
-// conversions, warp/block reductions and the macro that exports a template once per dtype.
+// Shared device helpers of the project's kernels: grid-stride indices, the accumulation type of
+// each storage type, conversions, warp/block reductions and the macro that exports a template
+// once per dtype.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+typedef unsigned long long u64;
+
+// A thread's index in a 1-D grid and the grid's thread count, for grid-stride loops over
+// 64-bit element indices (any 1-D grid).
+__device__ __forceinline__ u64 global_id() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ u64 grid_stride() { return (u64)gridDim.x * blockDim.x; }
 
 // Accumulation (compute) type of a storage type: f32 for f32 and bf16, f64 for f64.
 template <typename T> struct Acc { typedef float type; };

@@ -10,11 +10,6 @@
 // a grid of fixed shape writes one partial per block, then a single block sums the partials.
 #include "common.cuh"
 
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 global_id() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
-__device__ __forceinline__ u64 grid_stride() { return (u64)gridDim.x * blockDim.x; }
-
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(double x) { return __double2float_rn(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -8,11 +8,6 @@
 #include "common.cuh"
 #include <cuda_fp8.h>
 
-typedef unsigned long long u64;
-
-__device__ __forceinline__ u64 fp8_global_id() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
-__device__ __forceinline__ u64 fp8_grid_stride() { return (u64)gridDim.x * blockDim.x; }
-
 __device__ __forceinline__ float fp8_in(float x) { return x; }
 __device__ __forceinline__ float fp8_in(double x) { return __double2float_rn(x); }
 __device__ __forceinline__ float fp8_in(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -90,7 +85,7 @@ __device__ void fp8_cast_impl(const T* x, const unsigned* amax, unsigned char* c
                               int fmt) {
   const u64 n = rows * cols, nbc = (cols + bc - 1) / bc;
   const float max = fp8_max(fmt);
-  for (u64 i = fp8_global_id(); i < n; i += fp8_grid_stride()) {
+  for (u64 i = global_id(); i < n; i += grid_stride()) {
     const u64 r = i / cols, c = i % cols;
     const float s = fp8_block_scale(amax[r / br * nbc + c / bc], max);
     const unsigned char q = fp8_encode(__fmul_rn(fp8_in(x[i]), s), fmt);
@@ -108,6 +103,6 @@ EXPORT3(fp8_cast,
 // GEMM multiplies its product by (cuBLASLt's A_SCALE / B_SCALE), exact (s is a power of two).
 extern "C" __global__ void fp8_inv_scales(const unsigned* amax, float* inv, u64 n, int fmt) {
   const float max = fp8_max(fmt);
-  for (u64 b = fp8_global_id(); b < n; b += fp8_grid_stride())
+  for (u64 b = global_id(); b < n; b += grid_stride())
     inv[b] = __fdiv_rn(1.0f, fp8_block_scale(amax[b], max));
 }

@@ -15,12 +15,6 @@
 // results are bitwise reproducible for a given input and launch shape.
 #include "common.cuh"
 
-typedef unsigned long long u64;
-
-// Index of this thread in a 1-D grid, and the grid's stride.
-__device__ __forceinline__ u64 global_id() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
-__device__ __forceinline__ u64 grid_stride() { return (u64)gridDim.x * blockDim.x; }
-
 // Element kernels move 16 bytes at a time (8 bf16, 4 f32 or 2 f64 elements: a Pack) when all
 // their buffers are 16-byte aligned, then the elements past the last whole pack one at a time;
 // an element's arithmetic is the same on either path. Launch them with one thread per pack.

@@ -1,11 +1,12 @@
-//! Launcher of the FP8 rounding kernels of `kernels/fp8.cu` on contiguous f32, f64 or bf16
-//! CUDA storage: each block's amax (`fp8_amax`, into a zeroed word per block), then every
-//! element's rounded value (`fp8_cast`). The scales stay on the device: nothing is read back.
+//! Launchers of the FP8 kernels of `kernels/fp8.cu` on contiguous f32, f64 or bf16 CUDA
+//! storage: each block's amax (`fp8_amax`, into a zeroed word per block), then every element's
+//! rounded value or code (`fp8_cast`) and the inverse scales (`fp8_inv_scales`). The scales stay
+//! on the device: nothing is read back.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaSlice, PushKernelArg};
-use candle_core::cuda::{CudaStorage, WrapErr};
-use candle_core::{bail, Layout, Result};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
+use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{bail, DType, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
 use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant};
@@ -17,6 +18,39 @@ const AMAX_THREADS: u32 = 256;
 /// `fp8_amax` (`SPLIT_ELEMS` in the emulation driver), at most [`MAX_SPLITS`].
 const SPLIT_ELEMS: usize = 4096;
 const MAX_SPLITS: usize = 1024;
+
+/// Each `br × bc` block's largest magnitude of `x` `[rows, cols]` (f32 bits, one word per
+/// block): `fp8_amax` over `ceil(block elements / SPLIT_ELEMS)` CUDA blocks per block.
+fn block_amax<T: DeviceRepr>(
+    dev: &CudaDevice,
+    op: &str,
+    (xv, dtype): (&CudaView<'_, T>, DType),
+    (rows, cols): (usize, usize),
+    (br, bc): (usize, usize),
+) -> Result<CudaSlice<u32>> {
+    let blocks = rows.div_ceil(br) * cols.div_ceil(bc);
+    let splits = (br * bc).div_ceil(SPLIT_ELEMS).clamp(1, MAX_SPLITS);
+    if blocks.saturating_mul(splits) > i32::MAX as usize {
+        bail!("{op}: {rows} x {cols} elements in {br} x {bc} blocks need too many CUDA blocks")
+    }
+    let mut amax = zeros::<u32>(dev, blocks)?; // [blocks], f32 bits
+    let f = load(dev, Module::Fp8, &kernel_name(op, "fp8_amax", dtype)?)?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
+    let splits_u = splits as u32;
+    b.arg(xv)
+        .arg(&mut amax)
+        .arg(&rows_u)
+        .arg(&cols_u)
+        .arg(&br_u)
+        .arg(&bc_u);
+    b.arg(&splits_u);
+    // SAFETY: matches `fp8_amax_<T>(const T*, unsigned*, u64 x4, unsigned)`; CUDA block k reads
+    // elements of scaling block k / splits < blocks only, and `amax` holds one word per block.
+    unsafe { b.launch(grid(blocks * splits, AMAX_THREADS, 0)) }.w()?;
+    Ok(amax)
+}
 
 /// `x` (`(rows, cols)` of its layout) rounded to FP8 as `q` says, in `x`'s dtype
 /// (`ops::fp8_round`).
@@ -30,29 +64,16 @@ pub fn fp8_round(
     let dev = x.device();
     let n = rows * cols;
     let (br, bc) = q.blocks.dims(rows, cols);
-    let blocks = rows.div_ceil(br) * cols.div_ceil(bc);
-    let splits = (br * bc).div_ceil(SPLIT_ELEMS).clamp(1, MAX_SPLITS);
-    if blocks.saturating_mul(splits) > i32::MAX as usize {
-        bail!("{OP}: {rows} x {cols} elements in {br} x {bc} blocks need too many CUDA blocks")
-    }
     let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
-    let (splits_u, fmt) = (splits as u32, q.format.code());
+    let fmt = q.format.code();
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
         let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
         // SAFETY: fp8_cast writes every one of the n elements.
         let mut y = unsafe { alloc::<T>(dev, n) }?; // [rows, cols]
         if n > 0 {
-            let mut amax = zeros::<u32>(dev, blocks)?; // [blocks], f32 bits
+            let amax = block_amax(dev, OP, (&xv, x.dtype()), (rows, cols), (br, bc))?;
             let stream = dev.cuda_stream();
             let dtype = x.dtype();
-            let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_amax", dtype)?)?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&xv).arg(&mut amax).arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u);
-            b.arg(&splits_u);
-            // SAFETY: matches `fp8_amax_<T>(const T*, unsigned*, u64 x4, unsigned)`; CUDA block
-            // k reads elements of scaling block k / splits < blocks only, and `amax` holds one
-            // word per scaling block.
-            unsafe { b.launch(grid(blocks * splits, AMAX_THREADS, 0)) }.w()?;
             let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
             let null = 0u64; // no codes: only the values are written
             let mut b = stream.launch_builder(&f);
@@ -80,11 +101,9 @@ pub fn quantize(
     const OP: &str = "fp8_quantize";
     let dev = x.device();
     let n = rows * cols;
-    let blocks = Fp8Blocks::Tensor;
-    let (br, bc) = blocks.dims(rows, cols);
-    let splits = (br * bc).div_ceil(SPLIT_ELEMS).clamp(1, MAX_SPLITS);
+    let (br, bc) = Fp8Blocks::Tensor.dims(rows, cols);
     let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
-    let (splits_u, fmt, one) = (splits as u32, format.code(), 1u64);
+    let (fmt, one) = (format.code(), 1u64);
     if xl.shape().elem_count() != n {
         bail!(
             "{OP}: x has {} elements, not {rows} x {cols}",
@@ -96,15 +115,9 @@ pub fn quantize(
         // SAFETY: fp8_cast writes every one of the n codes, fp8_inv_scales the one scale.
         let mut codes = unsafe { alloc::<u8>(dev, n) }?;
         let mut inv = unsafe { alloc::<f32>(dev, 1) }?;
-        let mut amax = zeros::<u32>(dev, 1)?; // f32 bits
+        let amax = block_amax(dev, OP, (&xv, x.dtype()), (rows, cols), (br, bc))?;
         let stream = dev.cuda_stream();
         let dtype = x.dtype();
-        let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_amax", dtype)?)?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(&mut amax).arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u);
-        b.arg(&splits_u);
-        // SAFETY: as in `fp8_round`, for one block of the whole tensor.
-        unsafe { b.launch(grid(splits, AMAX_THREADS, 0)) }.w()?;
         let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
         let null = 0u64;
         let mut b = stream.launch_builder(&f);

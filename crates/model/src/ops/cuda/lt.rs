@@ -272,6 +272,34 @@ fn check_bf16(op: &str, s: &[&CudaStorage]) -> Result<()> {
     Ok(())
 }
 
+/// An operand as the GEMM reads it: its storage, layout, `(rows, cols)`, format and whether
+/// its codes are transposed.
+type Operand<'a> = (&'a CudaStorage, &'a Layout, (usize, usize), Fp8Format, bool);
+
+/// `plan`'s product of the quantized operands `a` and `b` into a fresh bf16 buffer of `len`
+/// elements (zeros without a GEMM when the plan is empty).
+fn into_bf16(plan: &LtGemm, a: Operand, b: Operand, len: usize) -> Result<CudaStorage> {
+    check_bf16("fp8 GEMM", &[a.0, b.0])?;
+    let dev = a.0.device();
+    if plan.m * plan.n * plan.k == 0 {
+        let zeros = super::zeros::<half::bf16>(dev, len)?;
+        return Ok(CudaStorage::wrap_cuda_slice(zeros, dev.clone()));
+    }
+    let (ac, as_) = quantize(a.0, a.1, a.2, a.3, a.4)?;
+    let (bc, bs) = quantize(b.0, b.1, b.2, b.3, b.4)?;
+    // SAFETY: every element is written by the GEMM.
+    let mut d = unsafe { alloc::<half::bf16>(dev, len) }?;
+    let stream = dev.cuda_stream();
+    let ((ap, _a), (bp, _b)) = (ac.device_ptr(&stream), bc.device_ptr(&stream));
+    let ((sa, _sa), (sb, _sb)) = (as_.device_ptr(&stream), bs.device_ptr(&stream));
+    let (dp, _d) = d.device_ptr_mut(&stream);
+    // SAFETY: the codes hold what the plan's A and B address, one scale each, and D its `len`
+    // outputs.
+    unsafe { matmul(dev, plan, (ap, bp), (sa, sb), dp) }?;
+    drop((_a, _b, _sa, _sb, _d));
+    Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
+}
+
 /// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ` in bf16 from E4M3 codes.
 pub fn linear(
     x: &CudaStorage,
@@ -280,27 +308,10 @@ pub fn linear(
     wl: &Layout,
     (rows, out, inp): (usize, usize, usize),
 ) -> Result<CudaStorage> {
-    check_bf16("fp8_linear", &[x, w])?;
-    let dev = x.device();
-    if rows * out * inp == 0 {
-        return Ok(CudaStorage::wrap_cuda_slice(
-            super::zeros::<half::bf16>(dev, rows * out)?,
-            dev.clone(),
-        ));
-    }
-    let (xc, xs) = quantize(x, xl, (rows, inp), Fp8Format::E4M3, false)?;
-    let (wc, ws) = quantize(w, wl, (out, inp), Fp8Format::E4M3, false)?;
-    // SAFETY: every element is written by the GEMM.
-    let mut y = unsafe { alloc::<half::bf16>(dev, rows * out) }?; // [rows, out]
     let plan = LtGemm::forward(rows, out, inp);
-    let stream = dev.cuda_stream();
-    let ((a, _a), (b, _b)) = (wc.device_ptr(&stream), xc.device_ptr(&stream));
-    let ((sa, _sa), (sb, _sb)) = (ws.device_ptr(&stream), xs.device_ptr(&stream));
-    let (d, _d) = y.device_ptr_mut(&stream);
-    // SAFETY: codes of out·inp and rows·inp bytes, one scale each, rows·out outputs.
-    unsafe { matmul(dev, &plan, (a, b), (sa, sb), d) }?;
-    drop((_a, _b, _sa, _sb, _d));
-    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    let a = (w, wl, (out, inp), Fp8Format::E4M3, false);
+    let b = (x, xl, (rows, inp), Fp8Format::E4M3, false);
+    into_bf16(&plan, a, b, rows * out) // [rows, out]
 }
 
 /// `dx [rows, inp] = g [rows, out] · w [out, inp]` in bf16 from `wᵀ`'s E4M3 and `g`'s E5M2
@@ -312,27 +323,10 @@ pub fn linear_dx(
     gl: &Layout,
     (rows, out, inp): (usize, usize, usize),
 ) -> Result<CudaStorage> {
-    check_bf16("fp8_linear_dx", &[w, g])?;
-    let dev = w.device();
-    if rows * out * inp == 0 {
-        return Ok(CudaStorage::wrap_cuda_slice(
-            super::zeros::<half::bf16>(dev, rows * inp)?,
-            dev.clone(),
-        ));
-    }
-    let (wt, ws) = quantize(w, wl, (out, inp), Fp8Format::E4M3, true)?; // [inp, out]
-    let (gc, gs) = quantize(g, gl, (rows, out), Fp8Format::E5M2, false)?;
-    // SAFETY: every element is written by the GEMM.
-    let mut dx = unsafe { alloc::<half::bf16>(dev, rows * inp) }?; // [rows, inp]
     let plan = LtGemm::input_grad(rows, out, inp);
-    let stream = dev.cuda_stream();
-    let ((a, _a), (b, _b)) = (wt.device_ptr(&stream), gc.device_ptr(&stream));
-    let ((sa, _sa), (sb, _sb)) = (ws.device_ptr(&stream), gs.device_ptr(&stream));
-    let (d, _d) = dx.device_ptr_mut(&stream);
-    // SAFETY: codes of inp·out and rows·out bytes, one scale each, rows·inp outputs.
-    unsafe { matmul(dev, &plan, (a, b), (sa, sb), d) }?;
-    drop((_a, _b, _sa, _sb, _d));
-    Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
+    let a = (w, wl, (out, inp), Fp8Format::E4M3, true); // [inp, out] codes
+    let b = (g, gl, (rows, out), Fp8Format::E5M2, false);
+    into_bf16(&plan, a, b, rows * inp) // [rows, inp]
 }
 
 /// `dst [out, inp] += g [rows, out]ᵀ · x [rows, inp]` into an f32 buffer view, from `xᵀ`'s
