@@ -61,12 +61,17 @@ impl Fp8Format {
         }
     }
 
-    /// The value of `code`.
+    /// The value of `code` (from a table of the `float8` crate's values).
     pub fn decode(self, code: u8) -> f32 {
-        match self {
-            Fp8Format::E4M3 => float8::F8E4M3::from_bits(code).to_f32(),
-            Fp8Format::E5M2 => float8::F8E5M2::from_bits(code).to_f32(),
-        }
+        static VALUES: std::sync::LazyLock<[[f32; 256]; 2]> = std::sync::LazyLock::new(|| {
+            let mut t = [[0f32; 256]; 2];
+            for c in 0..=255u8 {
+                t[0][c as usize] = float8::F8E4M3::from_bits(c).to_f32();
+                t[1][c as usize] = float8::F8E5M2::from_bits(c).to_f32();
+            }
+            t
+        });
+        VALUES[self.code() as usize][code as usize]
     }
 
     /// The number `kernels/fp8.cu` knows the format by.
@@ -159,9 +164,9 @@ pub(crate) fn round_cpu(x: &mut [f32], cols: usize, q: Fp8Quant) {
         .flat_map_iter(|band| {
             let mut amax = vec![0f32; nbc];
             for row in band.chunks(cols) {
-                for (c, v) in row.iter().enumerate() {
-                    let a = &mut amax[c / bc];
-                    *a = a.max(v.abs()); // f32::max ignores NaN
+                for (run, a) in row.chunks(bc).zip(amax.iter_mut()) {
+                    // f32::max ignores NaN.
+                    *a = run.iter().fold(*a, |a, v| a.max(v.abs()));
                 }
             }
             amax.into_iter().map(move |a| fp8_scale(a, max))
@@ -170,9 +175,11 @@ pub(crate) fn round_cpu(x: &mut [f32], cols: usize, q: Fp8Quant) {
     debug_assert_eq!(scales.len(), nbr * nbc);
     x.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
         let s = &scales[r / br * nbc..(r / br + 1) * nbc];
-        for (c, v) in row.iter_mut().enumerate() {
-            let s = s[c / bc];
-            *v = q.format.decode(q.format.encode(*v * s)) * (1.0 / s);
+        for (run, &s) in row.chunks_mut(bc).zip(s) {
+            let inv = 1.0 / s;
+            for v in run {
+                *v = q.format.decode(q.format.encode(*v * s)) * inv;
+            }
         }
     });
 }
