@@ -58,8 +58,9 @@
 #             768, 12 layers, ffn 3072) on the bundled corpus for 1000 steps in bf16, emulated
 #             tensorwise and blockwise, and cuBLASLt tensorwise: each FP8 run's last-10-step mean
 #             loss and last validation loss within 0.25% of bf16's; then 8 steps of bench-1b in
-#             bf16 and with FP8 GEMMs: tokens/s at least 1.15x bf16's; not in the default list
-#             (about 7 minutes)
+#             bf16 and with FP8 GEMMs: tokens/s at least 1.15x bf16's; and bench/gpu_step.sh
+#             with FP8 on both sides (torchao float8, eager and compiled; needs torchao); not in
+#             the default list (about 9 minutes)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
 #             to the binary) beside the binary or at CUPTI_TRACE_SO; compiled here as a fallback,
@@ -480,6 +481,12 @@ PY
         part "fp8-bench-$mode" "$BIN" --recipe recipes/bench-1b.yaml \
           --set "run.dir=$RUNS/fp8-bench-$mode,$set_mode"
       done
+      # Against torchao's float8 training on the same linears (eager and torch.compile), when
+      # torchao is installed in $PYTHON's environment.
+      part fp8-bench-torchao env OUT="$OUT/fp8" OUT_DIR="$RUNS/gpu_step-fp8" PYTHON="$PYTHON" \
+        STEPS=12 WARMUP=3 TORCH_COMPILE=1 bench/gpu_step.sh "$BIN" \
+        --set "train.fp8.scaling=tensorwise,$FP8_LT"
+      pkill -f bench/torch_llama.py 2>/dev/null || true
       part fp8-bench-speed "$PYTHON" - "$RUNS/fp8-bench-bf16/metrics.jsonl" \
         "$RUNS/fp8-bench-cublaslt/metrics.jsonl" <<'PY'
 import json, sys

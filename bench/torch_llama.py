@@ -29,12 +29,17 @@ different optimizer than ours. The difference that remains: under autocast the r
 and the norms stay in fp32 (the matmul inputs are cast to bf16), whereas this project keeps
 activations in bf16. The global gradient norm is computed and clipped every step
 (train.grad_clip) as in `pretrain`.
+
+FP8 on GPU: a recipe with `train.fp8.scaling: tensorwise` (e.g. `--set
+train.fp8.scaling=tensorwise`, given to both sides by bench/gpu_step.sh) runs torchao's float8
+training on the blocks' linears of the layers `pretrain` runs in FP8; torchao must be installed.
 """
 import argparse
 import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -381,6 +386,7 @@ def cuda_bench(recipe, args):
     # Activation checkpointing exactly where our side recomputes whole blocks.
     model.recompute = t.get("recompute", "none") == "full"
     import torch.utils.checkpoint  # noqa: F401  (the submodule, for Llama.forward)
+    fp8 = float8(model, t, c["num_hidden_layers"])
     params = [p for p in model.parameters()]
     step_model = torch.compile(model) if args.compile else model
     opt = torch.optim.AdamW(params, lr=float(o["lr"]),
@@ -396,7 +402,7 @@ def cuda_bench(recipe, args):
 
     name = torch.cuda.get_device_name(dev)
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {name}: {num_params(c):,} parameters, "
-          f"{micro} x {b} x {s} tokens per step, {args.dtype}{' + torch.compile' if args.compile else ''}, "
+          f"{micro} x {b} x {s} tokens per step, {args.dtype}{' + torch.compile' if args.compile else ''}{fp8}, "
           f"sdpa {args.sdpa}, {fpt / 1e9:.3f} GFLOP/token", file=sys.stderr, flush=True)
     records = []
     for i in range(steps):
@@ -443,6 +449,31 @@ def cuda_bench(recipe, args):
         "max_mem_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2),
         "per_step": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in records],
     }))
+
+
+def float8(model, t, layers):
+    """The recipe's `train.fp8` on the PyTorch side: torchao's float8 training (dynamic
+    tensorwise scaling, its default) on the blocks' seven linears of the layers `pretrain` runs in
+    FP8 (all but `bf16_first` and `bf16_last`). Returns the description for the log line."""
+    f = t.get("fp8") or {}
+    scaling = f.get("scaling", "none")
+    if scaling == "none":
+        return ""
+    if scaling != "tensorwise":
+        raise SystemExit(f"train.fp8.scaling: {scaling} has no torchao peer here (tensorwise only)")
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as e:
+        raise SystemExit(f"train.fp8 on the PyTorch side needs torchao (pip install torchao): {e}")
+    first, last = int(f.get("bf16_first", 1)), int(f.get("bf16_last", 1))
+    linear = re.compile(r"blocks\.(\d+)\.(q|k|v|o|gate|up|down)$")
+
+    def chosen(_module, fqn):
+        m = linear.match(fqn)
+        return m is not None and first <= int(m.group(1)) < layers - last
+
+    convert_to_float8_training(model, module_filter_fn=chosen)
+    return f", torchao float8 tensorwise on layers {first}..{layers - last}"
 
 
 def main():
