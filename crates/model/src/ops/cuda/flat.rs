@@ -36,6 +36,33 @@ pub(super) fn range(op: &str, name: &str, l: &Layout) -> Result<(usize, usize)> 
     }
 }
 
+/// The element range of a gradient slot `[out, in]` of an f32 buffer view `dl` (contiguous, of
+/// `out × in` elements).
+pub(super) fn slot_range(
+    op: &str,
+    dl: &Layout,
+    (out, inp): (usize, usize),
+) -> Result<(usize, usize)> {
+    let (a, b) = range(op, "buffer", dl)?;
+    if b - a != out * inp {
+        bail!("{op}: buffer slice of {} for [{out}, {inp}]", b - a)
+    }
+    Ok((a, b))
+}
+
+/// Elements `a..b` of the f32 buffer `dst`, to write.
+pub(super) fn f32_slot<'a>(
+    op: &str,
+    dst: &'a mut CudaStorage,
+    (a, b): (usize, usize),
+) -> Result<candle_core::cuda::cudarc::driver::CudaViewMut<'a, f32>> {
+    let dtype = dst.dtype();
+    match dst.as_cuda_slice_mut::<f32>() {
+        Ok(d) => Ok(d.slice_mut(a..b)),
+        Err(_) => bail!("{op}: expected an f32 buffer, got {dtype:?}"),
+    }
+}
+
 /// `dst += src` elementwise: `dst` an f32 buffer view (any offset), `src` f32, f64 or bf16 with
 /// the same number of elements.
 pub fn add_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layout) -> Result<()> {
@@ -85,10 +112,7 @@ pub fn add_product(
 ) -> Result<()> {
     const OP: &str = "add-product";
     let dev = dst.device().clone();
-    let (a, b) = range(OP, "buffer", dl)?;
-    if b - a != out * inp {
-        bail!("{OP}: buffer slice of {} for [{out}, {inp}]", b - a)
-    }
+    let (a, b) = slot_range(OP, dl, (out, inp))?;
     if rows == 0 || out * inp == 0 {
         return Ok(());
     }
@@ -99,12 +123,7 @@ pub fn add_product(
     let [Ok(rows), Ok(out), Ok(inp)] = dims else {
         bail!("{OP}: [{rows}, {out}] x [{rows}, {inp}] exceeds cuBLAS's 32-bit dimensions")
     };
-    let dtype = dst.dtype();
-    let data = match dst.as_cuda_slice_mut::<f32>() {
-        Ok(d) => d,
-        Err(_) => bail!("{OP}: expected an f32 buffer, got {dtype:?}"),
-    };
-    let mut d = data.slice_mut(a..b); // [out, in]
+    let mut d = f32_slot(OP, dst, (a, b))?; // [out, in]
     match g.dtype() {
         candle_core::DType::F32 => gemm_ex::<f32>(
             &dev,

@@ -341,10 +341,7 @@ pub fn add_product(
     const OP: &str = "fp8-add-product";
     check_bf16(OP, &[g, x])?;
     let dev = dst.device().clone();
-    let (start, end) = super::flat::range(OP, "buffer", dl)?;
-    if end - start != out * inp {
-        bail!("{OP}: buffer slice of {} for [{out}, {inp}]", end - start)
-    }
+    let (start, end) = super::flat::slot_range(OP, dl, (out, inp))?;
     if rows == 0 || out * inp == 0 {
         return Ok(());
     }
@@ -355,11 +352,7 @@ pub fn add_product(
     let ((a, _a), (b, _b)) = (xt.device_ptr(&stream), gt.device_ptr(&stream));
     let ((sa, _sa), (sb, _sb)) = (xs.device_ptr(&stream), gs.device_ptr(&stream));
     let aligned = {
-        let data = match dst.as_cuda_slice_mut::<f32>() {
-            Ok(d) => d,
-            Err(_) => bail!("{OP}: expected an f32 buffer"),
-        };
-        let mut d = data.slice_mut(start..end); // [out, inp]
+        let mut d = super::flat::f32_slot(OP, dst, (start, end))?; // [out, inp]
         let (dp, _d) = d.device_ptr_mut(&stream);
         // FP8 GEMMs want 16-byte aligned operands; a slot at another f32 offset gets the
         // product through an aligned temporary.
