@@ -278,9 +278,8 @@ impl<'a> Executor<'a> {
                 // The projections' weight gradients wait for the weight action as GEMM factors;
                 // the norms' (reduced already, and views into their backward's buffers) are
                 // added now.
-                let (later, now): (Vec<_>, Vec<_>) = b.grads.into_iter().partition(|(_, g)| {
-                    matches!(g, ParamGrad::Product { .. } | ParamGrad::Fp8Product { .. })
-                });
+                let (later, now): (Vec<_>, Vec<_>) =
+                    b.grads.into_iter().partition(|(_, g)| g.is_product());
                 let later = compact(later)?;
                 let later_params: Vec<usize> = later.iter().map(|(i, _)| *i).collect();
                 let mut now_params = self.model.piece_params(p);

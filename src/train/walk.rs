@@ -132,23 +132,7 @@ pub(super) fn compact(grads: Vec<(usize, ParamGrad)>) -> Result<Vec<(usize, Para
     };
     grads
         .into_iter()
-        .map(|(i, g)| match g {
-            ParamGrad::Product { g, x } => Ok((
-                i,
-                ParamGrad::Product {
-                    g: fit(g)?,
-                    x: fit(x)?,
-                },
-            )),
-            ParamGrad::Fp8Product { g, x } => Ok((
-                i,
-                ParamGrad::Fp8Product {
-                    g: fit(g)?,
-                    x: fit(x)?,
-                },
-            )),
-            other => Ok((i, other)),
-        })
+        .map(|(i, g)| Ok((i, g.map_factors(fit)?)))
         .collect()
 }
 

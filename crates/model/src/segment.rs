@@ -244,6 +244,23 @@ impl ParamGrad {
         }
     }
 
+    /// Whether it is a product's factors (either kind), which a split backward defers.
+    pub fn is_product(&self) -> bool {
+        !matches!(self, ParamGrad::Tensor(_))
+    }
+
+    /// The same gradient with `f` applied to a product's two factors.
+    pub fn map_factors<E>(
+        self,
+        f: impl Fn(Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(match self {
+            ParamGrad::Tensor(t) => ParamGrad::Tensor(t),
+            ParamGrad::Product { g, x } => ParamGrad::Product { g: f(g)?, x: f(x)? },
+            ParamGrad::Fp8Product { g, x } => ParamGrad::Fp8Product { g: f(g)?, x: f(x)? },
+        })
+    }
+
     /// The tensors it holds.
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
