@@ -163,25 +163,28 @@ fn rates_of(p: &Projection, [fwd, dx, dw]: [f64; 3], tag: &str) -> [GemmRate; 3]
 }
 
 /// The rates of `p`'s three products as the recipe's FP8 linears run them (`train.fp8`, `how`),
-/// the operands' rounding or quantizing included: the forward, the input gradient (with the
-/// weight gradient's factors' rounding) and the weight gradient's accumulation.
+/// the operands' rounding or quantizing included but the weight's, which the model makes once a
+/// step: the forward (with its input's), the input gradient (with the weight gradient's
+/// factors' rounding) and the weight gradient's accumulation.
 fn measure_fp8(
     p: &Projection,
-    how: (model::Fp8Scaling, model::Fp8Gemm),
+    how: model::llama::Fp8Mode,
     dtype: DType,
     device: &Device,
     iters: usize,
 ) -> Result<[GemmRate; 3]> {
-    use model::llama::{fp8_linear_to, fp8_projection_bwd};
+    use model::llama::{fp8_input_operand, fp8_projection_bwd_of, fp8_weight_operand};
     use model::segment::ParamGrad;
     let [x, w, g, dst] = operands(p, dtype, device)?;
+    let wq = fp8_weight_operand(&w, how)?;
     let fwd = timed(device, iters, &|| {
-        Ok(fp8_linear_to(&x, &w, (p.rows, p.out), how).map(drop)?)
+        let xq = fp8_input_operand(&x, p.inp, how)?;
+        Ok(model::ops::fp8_linear_of(&xq, &wq, (p.rows, p.out)).map(drop)?)
     })?;
     let dx = timed(device, iters, &|| {
-        Ok(fp8_projection_bwd(&x, &w, &g, how).map(drop)?)
+        Ok(fp8_projection_bwd_of(&x, None, &wq, &g, how).map(drop)?)
     })?;
-    let (_, factors) = fp8_projection_bwd(&x, &w, &g, how)?;
+    let (_, factors) = fp8_projection_bwd_of(&x, None, &wq, &g, how)?;
     use crate::optim::kernels::{add_fp8_product_into, add_product_into};
     let dw = timed(device, iters, &|| match &factors {
         ParamGrad::Product { g, x } => Ok(add_product_into(&dst, g, x)?),

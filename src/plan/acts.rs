@@ -75,10 +75,10 @@ impl<'a> Acts<'a> {
         }
     }
 
-    /// The emulated FP8 path's copies in block `i`'s backward (`train.fp8`): each linear's
-    /// input rounded along the tokens and its upstream gradient rounded, kept as its weight
-    /// gradient's factors (q, k and v each round the norm's rows); a MoE block's experts stay
-    /// in the model dtype.
+    /// The emulated FP8 path's copies in block `i`'s backward (`train.fp8`): each input
+    /// rounded along the tokens (once for the linears that read it: q, k, v; gate, up) and
+    /// each upstream gradient rounded, kept as the weight gradients' factors; a MoE block's
+    /// experts stay in the model dtype.
     fn fp8_temp(&self, i: usize) -> u64 {
         if !self.fp8.as_ref().is_some_and(|f| f.layers.contains(&i)) {
             return 0;
@@ -89,8 +89,8 @@ impl<'a> Acts<'a> {
         let kv = (c.num_key_value_heads * c.head_dim()) as u64 / t;
         let f = c.intermediate_size as u64 / t;
         let (inputs, grads) = match c.is_moe_layer(i) {
-            true => (3 * h + q, q + 2 * kv + h),
-            false => (5 * h + q + f, q + 2 * kv + 2 * h + 2 * f),
+            true => (h + q, q + 2 * kv + h),
+            false => (2 * h + q + f, q + 2 * kv + 2 * h + 2 * f),
         };
         s.p * n * (inputs + grads)
     }

@@ -209,7 +209,7 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
             (optimizer_bytes, 0, 0)
         };
         let mut bytes = MemoryBytes {
-            parameters: param_bytes as u64,
+            parameters: param_bytes as u64 + super::fp8::kept_on_stage(r, &layers),
             gradients: grad_bytes as u64,
             optimizer: optimizer_bytes as u64,
             activations,

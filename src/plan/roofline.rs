@@ -59,6 +59,8 @@ pub(super) struct Model<'a> {
     /// Expert-parallel ranks, and their all-to-all bandwidth, bytes/s.
     pub(super) ep: f64,
     pub(super) ep_bw: f64,
+    /// Micro-batches a rank runs per step (what is done once a step is shared among them).
+    pub(super) micro_batches: f64,
 }
 
 /// Seconds of a piece's projections: forward, input-gradient and weight-gradient GEMMs.
@@ -337,6 +339,7 @@ pub(super) fn model_of<'a>(r: &'a Recipe, hw: &'a Hardware) -> Model<'a> {
         // Expert-parallel ranks are adjacent data-parallel ranks, tp · cp apart.
         ep: par.ep as f64,
         ep_bw: group_bandwidth(hw, par.ep, tp * cp),
+        micro_batches: r.grad_accum_steps().max(1) as f64,
     }
 }
 

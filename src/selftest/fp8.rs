@@ -1,12 +1,13 @@
 //! Check 9 of `pretrain selftest`: FP8 rounding by block on the device against the CPU, bit for
-//! bit (f32 and bf16, both formats, the four block shapes), a linear of rounded operands, and
-//! the three FP8 GEMMs of a linear (cuBLASLt on CUDA) against f64.
+//! bit (f32 and bf16, both formats, the four block shapes), a linear of rounded operands, the
+//! three FP8 GEMMs of a linear (cuBLASLt on CUDA) against f64, and operands quantized once for
+//! several GEMMs against the one-call GEMMs.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use model::ops::{
-    fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_product_factors, fp8_round, linear,
-    Fp8Blocks, Fp8Format, Fp8Quant,
+    fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_linear_dx_of, fp8_linear_of,
+    fp8_product_factors, fp8_round, linear, Fp8Blocks, Fp8Format, Fp8Operand, Fp8Quant,
 };
 
 use super::{op_tolerance, randn, rel_error, Check};
@@ -119,6 +120,26 @@ fn check_fp8_gemms(device: &Device) -> Result<Vec<Check>> {
         name: "fp8 GEMM input gradient against f64".into(),
         error: rel_error(&dx, &gq.matmul(&wq)?)?,
         tolerance: 1e-2,
+    });
+    // Operands made once: a weight's codes as laid out and transposed in one pass, read by
+    // both GEMMs, and an input read by two linears, give the one-call products bit for bit.
+    let (xd, wd, gd) = (on(&x)?, on(&w)?, on(&g)?);
+    let w_op = Fp8Operand::codes(&wd, inp, Fp8Format::E4M3, (true, true))?;
+    let x_op = Fp8Operand::codes(&xd, inp, Fp8Format::E4M3, (true, false))?;
+    let g_op = Fp8Operand::codes(&gd, out, Fp8Format::E5M2, (true, false))?;
+    let shared = [
+        fp8_linear_of(&x_op, &w_op, (rows, out))?,
+        fp8_linear_of(&x_op, &w_op, (rows, out))?,
+    ];
+    let one_call = fp8_linear(&xd, &wd, (rows, out))?;
+    let dx_shared = fp8_linear_dx_of(&w_op, &g_op, x.shape())?;
+    let dx_one_call = fp8_linear_dx(&wd, &gd, x.shape())?;
+    checks.push(Check {
+        name: "fp8 operands made once against one-call GEMMs (bits differing)".into(),
+        error: differing(&shared[0], &one_call)?
+            .max(differing(&shared[1], &one_call)?)
+            .max(differing(&dx_shared, &dx_one_call)?),
+        tolerance: 0.0,
     });
     let prior = (randn(&[out * inp], 37)? * 1e-3)?.to_dtype(DType::F32)?;
     let want = (f64s(prior.clone())? + gq.t()?.matmul(&xq)?.flatten_all()?)?;

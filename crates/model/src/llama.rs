@@ -11,8 +11,8 @@
 //!
 //! Each piece (the embedding, a decoder block, the head with its loss) has one forward, which
 //! builds no autograd graph and keeps a [`Tape`] of what its hand-written backward reads
-//! (`embedding.rs`, `block.rs`, `head.rs`): training, evaluation, the export parity gate and the
-//! self-test all run it. [`crate::segment`] runs the pieces one by one (recompute keeps only a
+//! (`embedding.rs`, `block.rs`, `head.rs`; the block's projections, plain or FP8, in
+//! `project.rs`): training, evaluation, the export parity gate and the self-test all run it. [`crate::segment`] runs the pieces one by one (recompute keeps only a
 //! piece's input and re-runs its forward inside the backward).
 
 use std::collections::BTreeMap;
@@ -34,11 +34,13 @@ mod embedding;
 mod fp8;
 mod head;
 mod logits;
+mod project;
 pub use block::BlockTape;
 pub use embedding::EmbeddingTape;
 pub use fp8::{
-    linear_to as fp8_linear_to, projection_bwd as fp8_projection_bwd, Fp8Gemm, Fp8Linears,
-    Fp8Scaling,
+    input_operand as fp8_input_operand, linear_to as fp8_linear_to,
+    projection_bwd as fp8_projection_bwd, projection_bwd_of as fp8_projection_bwd_of,
+    weight_operand as fp8_weight_operand, Fp8Gemm, Fp8Linears, Fp8Mode, Fp8Scaling,
 };
 pub use head::HeadTape;
 

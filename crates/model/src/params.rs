@@ -5,12 +5,14 @@
 //! it ([`Parameter::install`], [`Parameter::release`]). Reading a released parameter is an error
 //! naming it, never a silent zero.
 
-use std::sync::{RwLock, RwLockReadGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use parallel::tp::{tp_shard, Block, Shard, TensorParallel};
 
 use crate::init::Init;
+use crate::llama::Fp8Mode;
+use crate::ops::Fp8Operand;
 
 /// What role a parameter plays; decides weight decay and initialisation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +47,9 @@ pub struct Parameter {
     pub block: Block,
     /// How it starts.
     pub init: Init,
+    /// Its values as the FP8 linears of a mode read them, made on first use and dropped
+    /// whenever the values change ([`Parameter::fp8_operand`]).
+    fp8: Mutex<Option<(Fp8Mode, Fp8Operand)>>,
 }
 
 /// What a parameter is, before any sharding: its name, whole shape, role and initialisation.
@@ -130,13 +135,44 @@ impl Parameter {
             .reshape(self.block.shape.as_slice())?
             .to_dtype(self.dtype)?;
         let var = Var::from_tensor(&t)?;
+        self.forget_fp8();
         *self.var.write().unwrap_or_else(|e| e.into_inner()) = Some(var);
         Ok(())
     }
 
     /// Drops the tensor (its memory is freed once no tape holds it).
     pub fn release(&self) {
+        self.forget_fp8();
         *self.var.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The parameter as the FP8 linears of `mode` read it, made by `make` from its values on
+    /// first use and kept until they change (`set`, `install`, `release`): every micro-batch of
+    /// a step, and the forward and input gradient of each, read one quantization of a weight.
+    pub fn fp8_operand(
+        &self,
+        mode: Fp8Mode,
+        make: impl FnOnce(&Tensor) -> Result<Fp8Operand>,
+    ) -> Result<Fp8Operand> {
+        let mut kept = self.fp8.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((m, op)) = kept.as_ref() {
+            if *m == mode {
+                return Ok(op.clone());
+            }
+        }
+        let op = make(&self.tensor()?)?;
+        *kept = Some((mode, op.clone()));
+        Ok(op)
+    }
+
+    /// Bytes of the FP8 operand kept (0 when none is).
+    pub fn fp8_bytes(&self) -> usize {
+        let kept = self.fp8.lock().unwrap_or_else(|e| e.into_inner());
+        kept.as_ref().map_or(0, |(_, op)| op.bytes())
+    }
+
+    fn forget_fp8(&self) {
+        *self.fp8.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Overwrites the installed tensor's values in place with `t` (same number of elements;
@@ -147,6 +183,7 @@ impl Parameter {
         let t = t
             .reshape(self.block.shape.as_slice())?
             .to_dtype(self.dtype)?;
+        self.forget_fp8();
         self.var()?.set(&parallel::dp::moved(&t, &self.device)?)
     }
 }
@@ -203,6 +240,7 @@ impl ParamSet {
             shard,
             block,
             init,
+            fp8: Mutex::new(None),
         });
         Ok(self.params.len() - 1)
     }

@@ -17,14 +17,14 @@
 //! against an autograd reference over the same ops and against finite differences
 //! (`tests/hand_written_backward.rs`, `tests/moe.rs`).
 
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Shape, Tensor};
 use parallel::cp::DocumentStarts;
 
 use super::Llama;
 use crate::config::LlamaConfig;
 use crate::inventory::{BlockParams, MlpParams};
 use crate::moe::{self, LayerStats, MoeTape};
-use crate::ops::{self, linear_to};
+use crate::ops;
 use crate::segment::{ParamGrad, TapeShape};
 
 /// What a decoder block's forward keeps for its backward pass (model dtype unless said
@@ -121,54 +121,13 @@ impl BlockTape {
     }
 }
 
-/// The attention weights and norms of a block.
+/// The norms of a block (its projections are read by parameter index).
 struct Weights {
     norm1: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
     norm2: Tensor,
 }
 
-/// A projection's backward: the input gradient `g · w` (in `x`'s shape) and the weight gradient
-/// `gᵀ · x` as its factors, for the gradient buffer to accumulate with one GEMM.
-pub(crate) fn projection_bwd(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, ParamGrad)> {
-    let dx = ops::linear_dx(w, g, x.shape())?;
-    let (g, x) = ops::linear_factors(x, w, g)?;
-    Ok((dx, ParamGrad::Product { g, x }))
-}
-
 impl Llama {
-    /// `x · wᵀ` in `shape` (`x` holds rows of `w`'s `in`), in FP8 where the model runs layer
-    /// `layer`'s linears so.
-    fn project(
-        &self,
-        layer: usize,
-        x: &Tensor,
-        w: &Tensor,
-        shape: impl Into<candle_core::Shape>,
-    ) -> Result<Tensor> {
-        match self.fp8_at(layer) {
-            Some(f) => super::fp8::linear_to(x, w, shape, f),
-            None => linear_to(x, w, shape),
-        }
-    }
-
-    /// The backward of [`Llama::project`].
-    fn project_bwd(
-        &self,
-        layer: usize,
-        x: &Tensor,
-        w: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Tensor, ParamGrad)> {
-        match self.fp8_at(layer) {
-            Some(f) => super::fp8::projection_bwd(x, w, g, f),
-            None => projection_bwd(x, w, g),
-        }
-    }
-
     fn block_weights(&self, layer: usize) -> Result<(&BlockParams, Weights)> {
         let blk = self
             .inventory
@@ -178,10 +137,6 @@ impl Llama {
         let w = |i: usize| self.w(i);
         let weights = Weights {
             norm1: w(blk.input_layernorm)?,
-            q: w(blk.q_proj)?,
-            k: w(blk.k_proj)?,
-            v: w(blk.v_proj)?,
-            o: w(blk.o_proj)?,
             norm2: w(blk.post_attention_layernorm)?,
         };
         Ok((blk, weights))
@@ -254,9 +209,15 @@ impl Llama {
         let (b, s, _) = h.dims3()?;
         let mask = self.document_mask(docs, (b, s))?;
         let (cos, sin, scale) = self.rope_and_scale((b, s), docs)?;
-        let q = self.project(layer, &h, &w.q, (b, s, hq, d))?; // [b, s, hq/tp, d]
-        let k = self.project(layer, &h, &w.k, (b, s, hkv, d))?; // [b, s, hkv/tp, d]
-        let v = self.project(layer, &h, &w.v, (b, s, hkv, d))?;
+        let [q, k, v] = self.project(
+            layer,
+            &h,
+            [
+                (blk.q_proj, (b, s, hq, d).into()),  // [b, s, hq/tp, d]
+                (blk.k_proj, (b, s, hkv, d).into()), // [b, s, hkv/tp, d]
+                (blk.v_proj, (b, s, hkv, d).into()),
+            ],
+        )?;
         let (q, k) = (ops::rope(&q, &cos, &sin)?, ops::rope(&k, &cos, &sin)?);
         let (attn, lse) = self.placement.cp.attention(
             (&q, &k, &v),
@@ -265,7 +226,7 @@ impl Llama {
             mask,
         )?;
         let a = attn.to_dtype(x.dtype())?; // [b, s, hq/tp, d]
-        let o = self.project(layer, &a, &w.o, (b, s, c.hidden_size))?; // [b, s, h] partial
+        let [o] = self.project(layer, &a, [(blk.o_proj, (b, s, c.hidden_size).into())])?; // [b, s, h] partial
 
         // x1 = x + o and its norm in one pass; [b, s(/tp), h] each.
         let (x1, normed) = ops::add_rms_norm(&x, &tp.exit(&o)?, &w.norm2, c.rms_norm_eps)?;
@@ -276,13 +237,12 @@ impl Llama {
                 down_proj,
             } => {
                 let h2 = tp.enter(&normed)?; // [b, s, h]
-                let (gw, uw) = (self.w(*gate_proj)?, self.w(*up_proj)?);
-                let f = (b, s, gw.dim(0)?);
-                let gate = self.project(layer, &h2, &gw, f)?; // [b, s, f/tp]
-                let up = self.project(layer, &h2, &uw, f)?;
+                let f: Shape = (b, s, self.params.get(*gate_proj).block.shape[0]).into();
+                let [gate, up] =
+                    self.project(layer, &h2, [(*gate_proj, f.clone()), (*up_proj, f)])?; // [b, s, f/tp]
                 let act = ops::swiglu(&gate, &up)?;
-                let down =
-                    self.project(layer, &act, &self.w(*down_proj)?, (b, s, c.hidden_size))?;
+                let [down] =
+                    self.project(layer, &act, [(*down_proj, (b, s, c.hidden_size).into())])?;
                 let y = ops::add(&x1, &tp.exit(&down)?)?;
                 let r = &self.recomputed;
                 let tape = MlpTape::Dense {
@@ -374,13 +334,12 @@ impl Llama {
                     None => ops::swiglu(&gate, &up)?,
                 };
                 let dd = tp.exit_grad(&dy)?; // [b, s, h]
-                let (dact, d_down) = self.project_bwd(layer, &act, &self.w(*down_proj)?, &dd)?; // [b, s, f/tp]
+                let (dact, [d_down]) = self.project_bwd(layer, &act, [(*down_proj, &dd)])?; // [b, s, f/tp]
                 let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
-                let (dh2_up, d_up) = self.project_bwd(layer, &h2, &self.w(*up_proj)?, &dup)?; // [b, s, h] partial
-                let (dh2_gate, d_gate) =
-                    self.project_bwd(layer, &h2, &self.w(*gate_proj)?, &dgate)?;
-                let dh2 = ops::add(&dh2_up, &dh2_gate)?;
-                grads.extend([(*gate_proj, d_gate), (*up_proj, d_up), (*down_proj, d_down)]);
+                // [b, s, h] partial: up's contribution plus gate's.
+                let (dh2, [d_up, d_gate]) =
+                    self.project_bwd(layer, &h2, [(*up_proj, &dup), (*gate_proj, &dgate)])?;
+                grads.extend([d_gate, d_up, d_down]);
                 let dh2 = tp.enter_grad(&dh2)?;
                 ops::rms_norm_bwd_add(&x1, &w.norm2, c.rms_norm_eps, &dh2, &dy)?
             }
@@ -425,25 +384,27 @@ impl Llama {
         };
         let dout = tp.exit_grad(&dx1)?; // [b, s, h]
         let a = attn.to_dtype(x.dtype())?;
-        let (da, d_o) = self.project_bwd(layer, &a, &w.o, &dout)?; // [b, s, hq/tp, d]
+        let (da, [d_o]) = self.project_bwd(layer, &a, [(blk.o_proj, &dout)])?; // [b, s, hq/tp, d]
         let saved = (&attn, &lse);
         let (dq, dk, dv) = cp.attention_bwd((&q, &k, &v), saved, &da, scale, kernels, mask)?;
         let (dq, dk) = (
             ops::rope_bwd(&dq, &cos, &sin)?,
             ops::rope_bwd(&dk, &cos, &sin)?,
         );
-        let (dh_v, d_v) = self.project_bwd(layer, &h, &w.v, &dv)?; // [b, s, h] partial
-        let (dh_k, d_k) = self.project_bwd(layer, &h, &w.k, &dk)?;
-        let (dh_q, d_q) = self.project_bwd(layer, &h, &w.q, &dq)?;
-        let dh = ops::add(&ops::add(&dh_v, &dh_k)?, &dh_q)?;
+        // [b, s, h] partial: v's contribution, then k's, then q's.
+        let (dh, [d_v, d_k, d_q]) = self.project_bwd(
+            layer,
+            &h,
+            [(blk.v_proj, &dv), (blk.k_proj, &dk), (blk.q_proj, &dq)],
+        )?;
         let dh = tp.enter_grad(&dh)?;
         let (dx, d_norm1) = ops::rms_norm_bwd_add(&x, &w.norm1, c.rms_norm_eps, &dh, &dx1)?;
         grads.extend([
             (blk.input_layernorm, ParamGrad::Tensor(d_norm1)),
-            (blk.q_proj, d_q),
-            (blk.k_proj, d_k),
-            (blk.v_proj, d_v),
-            (blk.o_proj, d_o),
+            d_q,
+            d_k,
+            d_v,
+            d_o,
             (blk.post_attention_layernorm, ParamGrad::Tensor(d_norm2)),
         ]);
         Ok((dx, grads))

@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use candle_core::{Result, Tensor};
 
-use crate::ops::{self, Fp8Blocks, Fp8Format, Fp8Quant};
+use crate::ops::{self, Fp8Blocks, Fp8Format, Fp8Operand, Fp8Quant};
 use crate::segment::ParamGrad;
 
 /// How FP8 linears scale their operands.
@@ -110,47 +110,101 @@ impl Fp8Scaling {
     }
 }
 
-/// [`ops::linear_to`] with both operands rounded to FP8 (`x` holds rows of `w`'s `in`).
+/// How a block's linears run in FP8: their scaling and what multiplies.
+pub type Fp8Mode = (Fp8Scaling, Fp8Gemm);
+
+/// A weight `[out, in]` as both its GEMMs read it (E4M3; 128 × 128 tiles under blockwise): its
+/// rounded values, or with FP8 GEMMs its codes as laid out (the forward's) and transposed (the
+/// input gradient's). The model keeps it for the step (`Parameter::fp8_operand`).
+pub fn weight_operand(w: &Tensor, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
+    let n_in = w.dim(1)?;
+    match gemm {
+        Fp8Gemm::CublasLt => Fp8Operand::codes(w, n_in, Fp8Format::E4M3, (true, true)),
+        Fp8Gemm::Emulated => Fp8Operand::values(w, n_in, s.quant(Operand::Weight)),
+    }
+}
+
+/// A linear's input `x` (rows of `cols`) as its forward reads it: E4M3 (1 × 128 blocks under
+/// blockwise). The linears that read one input (q, k, v; gate, up) share it.
+pub fn input_operand(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
+    match gemm {
+        Fp8Gemm::CublasLt => Fp8Operand::codes(x, cols, Fp8Format::E4M3, (true, false)),
+        Fp8Gemm::Emulated => Fp8Operand::values(x, cols, s.quant(Operand::Input)),
+    }
+}
+
+/// An upstream gradient `g` (rows of `cols`) as the input gradient's GEMM reads it: E5M2.
+fn grad_operand(g: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
+    match gemm {
+        Fp8Gemm::CublasLt => Fp8Operand::codes(g, cols, Fp8Format::E5M2, (true, false)),
+        Fp8Gemm::Emulated => Fp8Operand::values(g, cols, s.quant(Operand::Grad)),
+    }
+}
+
+/// The input `x` (rows of `cols`) rounded along the tokens as the emulated weight gradient's
+/// factor `[rows, cols]`, shared by the linears that read it; `None` with FP8 GEMMs, whose
+/// gradient buffer quantizes the factors itself.
+pub fn input_by_token(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Option<Tensor>> {
+    match gemm {
+        Fp8Gemm::CublasLt => Ok(None),
+        Fp8Gemm::Emulated => {
+            let x2 = x.reshape((x.elem_count() / cols.max(1), cols))?;
+            s.round(&x2, cols, Operand::InputByToken).map(Some)
+        }
+    }
+}
+
+/// [`ops::linear_to`] with both operands rounded to FP8 (`x` holds rows of `w`'s `in`), each
+/// for this one call.
 pub fn linear_to(
     x: &Tensor,
     w: &Tensor,
     shape: impl Into<candle_core::Shape>,
-    (s, gemm): (Fp8Scaling, Fp8Gemm),
+    mode: Fp8Mode,
 ) -> Result<Tensor> {
-    if gemm == Fp8Gemm::CublasLt {
-        return ops::fp8_linear(x, w, shape);
-    }
-    let n_in = w.dim(1)?;
-    let xq = s.round(x, n_in, Operand::Input)?; // x's shape
-    let wq = s.round(w, n_in, Operand::Weight)?; // [out, in]
-    ops::linear_to(&xq, &wq, shape)
+    let xq = input_operand(x, w.dim(1)?, mode)?;
+    ops::fp8_linear_of(&xq, &weight_operand(w, mode)?, shape)
 }
 
-/// The backward of [`linear_to`]: `dx = fp8(g) · fp8(w)` in `x`'s shape and the weight
-/// gradient's factors, each rounded along the tokens (with FP8 GEMMs the factors as they are,
-/// for the gradient buffer's FP8 GEMM: [`ParamGrad::Fp8Product`]).
+/// The backward of [`linear_to`], each operand rounded for this one call.
 pub fn projection_bwd(
     x: &Tensor,
     w: &Tensor,
     g: &Tensor,
-    (s, gemm): (Fp8Scaling, Fp8Gemm),
+    mode: Fp8Mode,
 ) -> Result<(Tensor, ParamGrad)> {
-    if gemm == Fp8Gemm::CublasLt {
-        let dx = ops::fp8_linear_dx(w, g, x.shape())?; // x's shape
-        let (g, x) = ops::linear_factors(x, w, g)?; // [rows, out], [rows, in]
-        return Ok((dx, ParamGrad::Fp8Product { g, x }));
-    }
-    let (n_out, n_in) = w.dims2()?;
-    let wq = s.round(w, n_in, Operand::Weight)?; // [out, in]
-    let gq = s.round(g, n_out, Operand::Grad)?; // g's shape
-    let dx = ops::linear_dx(&wq, &gq, x.shape())?; // x's shape
-    let (g2, x2) = ops::linear_factors(x, w, g)?; // [rows, out], [rows, in]
-    let g2 = match s {
-        // One tensor scale serves both GEMMs.
-        Fp8Scaling::Tensorwise => gq.reshape(g2.shape())?,
-        Fp8Scaling::Blockwise => s.round(&g2, n_out, Operand::GradByToken)?,
+    projection_bwd_of(x, None, &weight_operand(w, mode)?, g, mode)
+}
+
+/// The backward of a linear `x · wᵀ` from the weight's operand `wq`: `dx = fp8(g) · fp8(w)`
+/// in `x`'s shape and the weight gradient's factors, each rounded along the tokens (`x`'s as
+/// `x_by_token` when given, [`input_by_token`]); with FP8 GEMMs the factors as they are, for
+/// the gradient buffer's FP8 GEMM ([`ParamGrad::Fp8Product`]).
+pub fn projection_bwd_of(
+    x: &Tensor,
+    x_by_token: Option<&Tensor>,
+    wq: &Fp8Operand,
+    g: &Tensor,
+    mode: Fp8Mode,
+) -> Result<(Tensor, ParamGrad)> {
+    let (n_out, n_in) = wq.dims();
+    let rows = x.elem_count() / n_in.max(1);
+    let gq = grad_operand(g, n_out, mode)?; // [rows, out]
+    let dx = ops::fp8_linear_dx_of(wq, &gq, x.shape())?; // x's shape
+    let (g2, x2) = (g.reshape((rows, n_out))?, x.detach().reshape((rows, n_in))?);
+    let s = match mode {
+        (_, Fp8Gemm::CublasLt) => return Ok((dx, ParamGrad::Fp8Product { g: g2, x: x2 })),
+        (s, Fp8Gemm::Emulated) => s,
     };
-    let x2 = s.round(&x2, n_in, Operand::InputByToken)?;
+    let g2 = match (s, gq.rounded()) {
+        // One tensor scale serves both GEMMs.
+        (Fp8Scaling::Tensorwise, Some(rounded)) => rounded.clone(),
+        _ => s.round(&g2, n_out, Operand::GradByToken)?,
+    };
+    let x2 = match x_by_token {
+        Some(t) => t.clone(),
+        None => s.round(&x2, n_in, Operand::InputByToken)?,
+    };
     Ok((dx, ParamGrad::Product { g: g2, x: x2 }))
 }
 
@@ -209,6 +263,57 @@ mod tests {
             (Fp8Scaling::Blockwise, Fp8Gemm::Emulated),
         )?;
         assert_eq!(y.dtype(), DType::BF16);
+        Ok(())
+    }
+
+    /// A weight's FP8 operand is made once and read by every later use until the weight's
+    /// values change: a new value, a reinstall (ZeRO-3) or another mode makes it anew, and a
+    /// release drops it.
+    #[test]
+    fn a_weights_operand_is_kept_until_its_values_change() -> Result<()> {
+        use crate::init::Init;
+        use crate::params::{ParamKind, ParamSet, ParamSpec};
+        use parallel::tp::TensorParallel;
+        let dev = Device::Cpu;
+        let mut set = ParamSet::default();
+        let spec = ParamSpec {
+            name: "model.layers.0.self_attn.q_proj.weight",
+            global_shape: &[8, 16],
+            kind: ParamKind::Matrix,
+            init: Init::Normal { std: 0.02 },
+        };
+        let i = set.add(spec, 7, &TensorParallel::single(), DType::F32, &dev)?;
+        let p = set.get(i);
+        let made = std::cell::Cell::new(0);
+        let operand = |mode: Fp8Mode| {
+            p.fp8_operand(mode, |w| {
+                made.set(made.get() + 1);
+                weight_operand(w, mode)
+            })
+        };
+        let values = |o: &Fp8Operand| o.rounded().unwrap().flatten_all()?.to_vec1::<f32>();
+        let tensorwise = (Fp8Scaling::Tensorwise, Fp8Gemm::Emulated);
+        let first = operand(tensorwise)?;
+        operand(tensorwise)?;
+        assert_eq!(made.get(), 1, "the second read reuses the first operand");
+        assert_eq!(p.fp8_bytes(), 8 * 16 * 4);
+        let new = Tensor::randn(0f32, 1.0, (8, 16), &dev)?;
+        p.set(&new)?;
+        let after = operand(tensorwise)?;
+        assert_eq!(made.get(), 2, "a new value makes a new operand");
+        assert_ne!(values(&after)?, values(&first)?);
+        assert_eq!(values(&after)?, values(&weight_operand(&new, tensorwise)?)?);
+        operand((Fp8Scaling::Blockwise, Fp8Gemm::Emulated))?;
+        assert_eq!(made.get(), 3, "another mode makes its own");
+        p.install(&new)?;
+        operand(tensorwise)?;
+        assert_eq!(made.get(), 4, "a reinstalled weight is quantized anew");
+        p.release();
+        assert_eq!(p.fp8_bytes(), 0, "a release drops the operand");
+        assert!(
+            operand(tensorwise).is_err(),
+            "a released weight has no operand"
+        );
         Ok(())
     }
 }

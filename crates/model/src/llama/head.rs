@@ -11,7 +11,7 @@
 use candle_core::{Result, Tensor};
 use parallel::tp::LossSaved;
 
-use super::block::projection_bwd;
+use super::project::projection_bwd;
 use super::{Llama, Targets, LOSS};
 use crate::ops::{self, linear};
 use crate::segment::ParamGrad;

@@ -18,8 +18,8 @@
 //!
 //! One file per op: `add.rs`, `linear.rs`, `rms_norm.rs`, `rope.rs`, `attention.rs` (+
 //! `attention_bwd.rs`, and `attention_dims.rs` for a call's sizes and mask), `swiglu.rs`,
-//! `cross_entropy.rs`, `embedding.rs`, `fp8/` (rounding to FP8 by block, and a linear's FP8
-//! GEMMs), `grouped.rs` (the experts' projections over their runs of rows as one call); shared kernel helpers live in `common.rs`; `sdpa.rs` holds the
+//! `cross_entropy.rs`, `embedding.rs`, `fp8/` (rounding to FP8 by block, operands quantized once
+//! for several GEMMs, and a linear's FP8 GEMMs), `grouped.rs` (the experts' projections over their runs of rows as one call); shared kernel helpers live in `common.rs`; `sdpa.rs` holds the
 //! attention backend choice (the project's kernels or cuDNN's fused attention) and the cuDNN
 //! calls' descriptions, `sdpa_cache.rs` the cache of built graphs, `sdpa_ragged.rs` the documents
 //! of a masked call as cuDNN's ragged batch.
@@ -29,8 +29,9 @@ pub use parallel::cp::Floor;
 use parallel::cp::Kernels;
 
 pub use fp8::{
-    fp8_add_product_into, fp8_dtype_supported, fp8_linear, fp8_linear_dx, fp8_product_factors,
-    fp8_round, fp8_scale, Fp8Blocks, Fp8Format, Fp8Quant, LtGemm, LtMatrix, LtOut, FP8_BLOCK,
+    fp8_add_product_into, fp8_dtype_supported, fp8_linear, fp8_linear_dx, fp8_linear_dx_of,
+    fp8_linear_of, fp8_product_factors, fp8_round, fp8_scale, Fp8Blocks, Fp8Format, Fp8Operand,
+    Fp8Quant, LtGemm, LtMatrix, LtOut, Packing, FP8_BLOCK,
 };
 pub use grouped::{grouped_linear, Grouped};
 pub use sdpa::{AttentionBackend, CUDNN_MAX_HEAD_DIM};

@@ -4,12 +4,14 @@
 //! on the device: nothing is read back.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtrMut, DeviceRepr, PushKernelArg,
+};
 use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
-use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant};
+use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant, Packing};
 
 /// Threads per CUDA block of `fp8_amax` (`AMAX_THREADS` in the emulation driver).
 const AMAX_THREADS: u32 = 256;
@@ -88,16 +90,30 @@ pub fn fp8_round(
     })
 }
 
-/// `x` (`(rows, cols)` of its layout) as E4M3 or E5M2 codes with one tensorwise scale: the
-/// codes `[rows, cols]`, or `[cols, rows]` when `transposed`, and the scale's inverse (one f32),
-/// the factor an FP8 GEMM multiplies their product by.
+/// `x` (`(rows, cols)` of its layout) as E4M3 or E5M2 codes with one tensorwise scale, packed
+/// as `packing` says (`ops::Packing`): the codes `[rows, cols]` and/or transposed `[cols, rows]`,
+/// from one amax pass and one cast pass, then the scale's inverse (one f32), the factor an FP8
+/// GEMM multiplies their product by.
 pub fn quantize(
     x: &CudaStorage,
     xl: &Layout,
     (rows, cols): (usize, usize),
     format: Fp8Format,
-    transposed: bool,
-) -> Result<(CudaSlice<u8>, CudaSlice<f32>)> {
+    packing: Packing,
+) -> Result<CudaStorage> {
+    let dev = x.device();
+    let packed = quantize_slice(x, xl, (rows, cols), format, packing)?;
+    Ok(CudaStorage::wrap_cuda_slice(packed, dev.clone()))
+}
+
+/// [`quantize`] into a bare device buffer of `packing.len` bytes.
+pub fn quantize_slice(
+    x: &CudaStorage,
+    xl: &Layout,
+    (rows, cols): (usize, usize),
+    format: Fp8Format,
+    packing: Packing,
+) -> Result<CudaSlice<u8>> {
     const OP: &str = "fp8_quantize";
     let dev = x.device();
     let n = rows * cols;
@@ -112,29 +128,32 @@ pub fn quantize(
     }
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
         let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
-        // SAFETY: fp8_cast writes every one of the n codes, fp8_inv_scales the one scale.
-        let mut codes = unsafe { alloc::<u8>(dev, n) }?;
-        let mut inv = unsafe { alloc::<f32>(dev, 1) }?;
+        // SAFETY: fp8_cast writes every code of each part asked for, fp8_inv_scales the scale;
+        // the alignment padding is never read.
+        let mut packed = unsafe { alloc::<u8>(dev, packing.len) }?;
         let amax = block_amax(dev, OP, (&xv, x.dtype()), (rows, cols), (br, bc))?;
         let stream = dev.cuda_stream();
+        let (base, guard) = packed.device_ptr_mut(&stream);
+        let at = |part: Option<usize>| part.map_or(0u64, |o| base + o as u64); // 0: not written
+        let (plain, transposed, scale) =
+            (at(packing.plain), at(packing.transposed), base + packing.scale as u64);
         let dtype = x.dtype();
-        let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
-        let null = 0u64;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(&amax);
-        if transposed {
-            b.arg(&null).arg(&mut codes);
-        } else {
-            b.arg(&mut codes).arg(&null);
+        if n > 0 {
+            let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
+            let null = 0u64;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&amax).arg(&plain).arg(&transposed).arg(&null);
+            b.arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
+            // SAFETY: matches `fp8_cast_<T>`; each part asked for holds n bytes of `packed`.
+            unsafe { b.launch(elementwise(n)) }.w()?;
         }
-        b.arg(&null).arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
-        // SAFETY: matches `fp8_cast_<T>`; codes (as laid out or transposed) hold n bytes.
-        unsafe { b.launch(elementwise(n)) }.w()?;
         let f = load(dev, Module::Fp8, "fp8_inv_scales")?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&amax).arg(&mut inv).arg(&one).arg(&fmt);
-        // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, int)` for one block.
+        b.arg(&amax).arg(&scale).arg(&one).arg(&fmt);
+        // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, int)` for one block,
+        // written at the packing's 256-byte aligned scale offset.
         unsafe { b.launch(elementwise(1)) }.w()?;
-        Ok((codes, inv))
+        drop(guard);
+        Ok(packed)
     })
 }

@@ -1,7 +1,8 @@
-//! FP8 GEMMs through cuBLASLt (tensorwise scaling): a linear's forward, input gradient and
-//! weight gradient on bf16 operands, each quantized to FP8 codes (transposed where the plan of
-//! `ops::fp8::gemm` says) with its inverse scale on the device, then one `cublasLtMatmul` with
-//! the scales as `A_SCALE_POINTER` / `B_SCALE_POINTER`. One handle and 32 MiB workspace per
+//! FP8 GEMMs through cuBLASLt (tensorwise scaling): a linear's forward and input gradient on
+//! operands already quantized (`ops::Fp8Operand`: codes packed with their inverse scale, made
+//! once for every GEMM that reads them), and its weight gradient on bf16 factors quantized here
+//! (transposed, as the plan of `ops::fp8::gemm` says); each one `cublasLtMatmul` with the scales
+//! as `A_SCALE_POINTER` / `B_SCALE_POINTER`. One handle and 32 MiB workspace per
 //! CUDA context; the algorithm the heuristic picks for a plan is kept, so a shape is searched
 //! once and always runs the same kernel.
 
@@ -17,8 +18,8 @@ use candle_core::cuda::{CudaDevice, CudaStorage};
 use candle_core::{bail, DType, Layout, Result};
 
 use super::alloc;
-use super::fp8::quantize;
-use crate::ops::{Fp8Format, LtGemm, LtMatrix, LtOut};
+use super::fp8::quantize_slice;
+use crate::ops::{Fp8Format, LtGemm, LtMatrix, LtOut, Packing};
 
 /// Workspace bytes of a handle (NVIDIA's recommendation for Hopper).
 const WORKSPACE: usize = 32 << 20;
@@ -272,61 +273,92 @@ fn check_bf16(op: &str, s: &[&CudaStorage]) -> Result<()> {
     Ok(())
 }
 
-/// An operand as the GEMM reads it: its storage, layout, `(rows, cols)`, format and whether
-/// its codes are transposed.
-type Operand<'a> = (&'a CudaStorage, &'a Layout, (usize, usize), Fp8Format, bool);
+/// A packed operand (`ops::Fp8Operand`'s codes) and where its parts lie.
+type Packed<'a> = ((&'a CudaStorage, &'a Layout), Packing);
 
-/// `plan`'s product of the quantized operands `a` and `b` into a fresh bf16 buffer of `len`
-/// elements (zeros without a GEMM when the plan is empty).
-fn into_bf16(plan: &LtGemm, a: Operand, b: Operand, len: usize) -> Result<CudaStorage> {
-    check_bf16("fp8 GEMM", &[a.0, b.0])?;
-    let dev = a.0.device();
+/// The device addresses of a packed operand's codes (`transposed` or as laid out) and scale.
+fn parts(op: &str, ((s, l), p): Packed, transposed: bool, dev: &CudaDevice) -> Result<[u64; 2]> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!("{op}: a packed FP8 operand must be contiguous")
+    };
+    let codes = if transposed { p.transposed } else { p.plain };
+    let (Some(codes), true) = (codes, end - start == p.len && start % 256 == 0) else {
+        bail!(
+            "{op}: the packed operand ({} bytes from byte {start}) is not the whole aligned \
+             buffer with the {} codes the GEMM reads ({p:?})",
+            end - start,
+            if transposed { "transposed" } else { "laid-out" }
+        )
+    };
+    let bytes = s
+        .as_cuda_slice::<u8>()
+        .map_err(|_| candle_core::Error::Msg(format!("{op}: packed operands are u8")))?;
+    let stream = dev.cuda_stream();
+    let (base, _g) = bytes.device_ptr(&stream); // one stream: the GEMM queued after is ordered
+    let base = base + start as u64;
+    Ok([base + codes as u64, base + p.scale as u64])
+}
+
+/// `plan`'s product of packed operands `a` and `b` (codes and inverse scales: `[codes, scale]`
+/// device addresses) into a fresh bf16 buffer of `len` elements (zeros without a GEMM when the
+/// plan is empty).
+fn into_bf16(
+    dev: &CudaDevice,
+    plan: &LtGemm,
+    a: [u64; 2],
+    b: [u64; 2],
+    len: usize,
+) -> Result<CudaStorage> {
     if plan.m * plan.n * plan.k == 0 {
         let zeros = super::zeros::<half::bf16>(dev, len)?;
         return Ok(CudaStorage::wrap_cuda_slice(zeros, dev.clone()));
     }
-    let (ac, as_) = quantize(a.0, a.1, a.2, a.3, a.4)?;
-    let (bc, bs) = quantize(b.0, b.1, b.2, b.3, b.4)?;
     // SAFETY: every element is written by the GEMM.
     let mut d = unsafe { alloc::<half::bf16>(dev, len) }?;
     let stream = dev.cuda_stream();
-    let ((ap, _a), (bp, _b)) = (ac.device_ptr(&stream), bc.device_ptr(&stream));
-    let ((sa, _sa), (sb, _sb)) = (as_.device_ptr(&stream), bs.device_ptr(&stream));
     let (dp, _d) = d.device_ptr_mut(&stream);
-    // SAFETY: the codes hold what the plan's A and B address, one scale each, and D its `len`
-    // outputs.
-    unsafe { matmul(dev, plan, (ap, bp), (sa, sb), dp) }?;
-    drop((_a, _b, _sa, _sb, _d));
+    // SAFETY: the packed operands hold what the plan's A and B address and one scale each (the
+    // caller's storages outlive the queued call: candle frees on the same stream), and D its
+    // `len` outputs.
+    unsafe { matmul(dev, plan, (a[0], b[0]), (a[1], b[1]), dp) }?;
+    drop(_d);
     Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
 }
 
-/// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ` in bf16 from E4M3 codes.
+/// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ` in bf16 from packed E4M3 codes of `x` and
+/// `w` (as laid out).
 pub fn linear(
-    x: &CudaStorage,
-    xl: &Layout,
-    w: &CudaStorage,
-    wl: &Layout,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    (xp, wp): (Packing, Packing),
     (rows, out, inp): (usize, usize, usize),
 ) -> Result<CudaStorage> {
+    const OP: &str = "fp8 linear";
+    let dev = x.0.device();
     let plan = LtGemm::forward(rows, out, inp);
-    let a = (w, wl, (out, inp), Fp8Format::E4M3, false);
-    let b = (x, xl, (rows, inp), Fp8Format::E4M3, false);
-    into_bf16(&plan, a, b, rows * out) // [rows, out]
+    let (a, b) = (
+        parts(OP, (w, wp), false, dev)?,
+        parts(OP, (x, xp), false, dev)?,
+    );
+    into_bf16(dev, &plan, a, b, rows * out) // [rows, out]
 }
 
-/// `dx [rows, inp] = g [rows, out] · w [out, inp]` in bf16 from `wᵀ`'s E4M3 and `g`'s E5M2
-/// codes.
+/// `dx [rows, inp] = g [rows, out] · w [out, inp]` in bf16 from `w`'s packed transposed E4M3
+/// codes and `g`'s E5M2 codes.
 pub fn linear_dx(
-    w: &CudaStorage,
-    wl: &Layout,
-    g: &CudaStorage,
-    gl: &Layout,
+    w: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    (wp, gp): (Packing, Packing),
     (rows, out, inp): (usize, usize, usize),
 ) -> Result<CudaStorage> {
+    const OP: &str = "fp8 linear dx";
+    let dev = w.0.device();
     let plan = LtGemm::input_grad(rows, out, inp);
-    let a = (w, wl, (out, inp), Fp8Format::E4M3, true); // [inp, out] codes
-    let b = (g, gl, (rows, out), Fp8Format::E5M2, false);
-    into_bf16(&plan, a, b, rows * inp) // [rows, inp]
+    let (a, b) = (
+        parts(OP, (w, wp), true, dev)?,
+        parts(OP, (g, gp), false, dev)?,
+    );
+    into_bf16(dev, &plan, a, b, rows * inp) // [rows, inp]
 }
 
 /// `dst [out, inp] += g [rows, out]ᵀ · x [rows, inp]` into an f32 buffer view, from `xᵀ`'s
@@ -345,12 +377,22 @@ pub fn add_product(
     if rows == 0 || out * inp == 0 {
         return Ok(());
     }
-    let (xt, xs) = quantize(x, xl, (rows, inp), Fp8Format::E4M3, true)?; // [inp, rows]
-    let (gt, gs) = quantize(g, gl, (rows, out), Fp8Format::E5M2, true)?; // [out, rows]
+    let (xk, gk) = (
+        Packing::new(rows * inp, false, true),
+        Packing::new(rows * out, false, true),
+    );
+    let xt = quantize_slice(x, xl, (rows, inp), Fp8Format::E4M3, xk)?; // [inp, rows] codes
+    let gt = quantize_slice(g, gl, (rows, out), Fp8Format::E5M2, gk)?; // [out, rows] codes
     let plan = LtGemm::weight_grad(rows, out, inp);
     let stream = dev.cuda_stream();
-    let ((a, _a), (b, _b)) = (xt.device_ptr(&stream), gt.device_ptr(&stream));
-    let ((sa, _sa), (sb, _sb)) = (xs.device_ptr(&stream), gs.device_ptr(&stream));
+    let ((xb, _a), (gb, _b)) = (xt.device_ptr(&stream), gt.device_ptr(&stream));
+    let at = |base: u64, p: Packing| {
+        (
+            base + p.transposed.unwrap_or(0) as u64,
+            base + p.scale as u64,
+        )
+    };
+    let ((a, sa), (b, sb)) = (at(xb, xk), at(gb, gk));
     let aligned = {
         let mut d = super::flat::f32_slot(OP, dst, (start, end))?; // [out, inp]
         let (dp, _d) = d.device_ptr_mut(&stream);
@@ -375,6 +417,6 @@ pub fn add_product(
         let tmp = CudaStorage::wrap_cuda_slice(tmp, dev.clone());
         super::flat::add_into(dst, dl, &tmp, &Layout::contiguous(out * inp))?;
     }
-    drop((_a, _b, _sa, _sb));
+    drop((_a, _b));
     Ok(())
 }

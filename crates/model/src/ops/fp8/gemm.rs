@@ -21,6 +21,7 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
+use super::operand::{fp8_linear_dx_of, fp8_linear_of, Fp8Operand, Packing};
 use super::{fp8_round, Fp8Blocks, Fp8Format, Fp8Quant};
 
 /// A matrix as cuBLASLt reads it: column-major `rows × cols` with leading dimension `ld`.
@@ -129,60 +130,59 @@ fn tensorwise(format: Fp8Format) -> Fp8Quant {
     }
 }
 
-/// `t` as rows of `cols`.
-fn rows_of(t: &Tensor, cols: usize) -> Result<Tensor> {
-    t.reshape((t.elem_count() / cols.max(1), cols))
-}
-
-/// `x · wᵀ` in `shape` with both operands in E4M3, tensorwise (`x` holds rows of `w`'s `in`).
+/// `x · wᵀ` in `shape` with both operands in E4M3, tensorwise (`x` holds rows of `w`'s `in`),
+/// each quantized for this one GEMM.
 pub fn fp8_linear(x: &Tensor, w: &Tensor, shape: impl Into<Shape>) -> Result<Tensor> {
-    let shape = shape.into();
-    let (out, inp) = w.dims2()?;
-    let x2 = rows_of(x, inp)?; // [rows, in]
-    let rows = x2.dim(0)?;
-    if shape.elem_count() != rows * out {
-        bail!(
-            "fp8_linear: shape {shape:?} does not hold x {:?} · w {:?}ᵀ",
-            x.dims(),
-            w.dims()
-        )
-    }
-    if x.device().is_cuda() {
-        let op = OnCuda {
-            product: Product::Forward,
-            dims: (rows, out, inp),
-        };
-        return x2
-            .contiguous()?
-            .apply_op2_no_bwd(&w.contiguous()?, &op)?
-            .reshape(shape);
-    }
-    let (xq, wq) = (
-        fp8_round(&x2, tensorwise(Fp8Format::E4M3))?,
-        fp8_round(w, tensorwise(Fp8Format::E4M3))?,
-    );
-    super::super::linear_to(&xq, &wq, shape)
+    let inp = w.dim(1)?;
+    let xq = Fp8Operand::codes(x, inp, Fp8Format::E4M3, (true, false))?;
+    let wq = Fp8Operand::codes(w, inp, Fp8Format::E4M3, (true, false))?;
+    fp8_linear_of(&xq, &wq, shape)
 }
 
-/// `g · w` in `shape` (`x`'s) with `g` in E5M2 and `w` in E4M3, tensorwise.
+/// `g · w` in `shape` (`x`'s) with `g` in E5M2 and `w` in E4M3, tensorwise, each quantized
+/// for this one GEMM.
 pub fn fp8_linear_dx(w: &Tensor, g: &Tensor, shape: &Shape) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
-    let g2 = rows_of(g, out)?; // [rows, out]
-    if g.device().is_cuda() {
-        let op = OnCuda {
-            product: Product::InputGrad,
-            dims: (g2.dim(0)?, out, inp),
-        };
-        return w
-            .contiguous()?
-            .apply_op2_no_bwd(&g2.contiguous()?, &op)?
-            .reshape(shape);
+    let wq = Fp8Operand::codes(w, inp, Fp8Format::E4M3, (false, true))?;
+    let gq = Fp8Operand::codes(g, out, Fp8Format::E5M2, (true, false))?;
+    fp8_linear_dx_of(&wq, &gq, shape)
+}
+
+/// The forward's FP8 GEMM on CUDA codes: `[rows, out]` bf16.
+pub(super) fn on_cuda_forward(
+    x: &Fp8Operand,
+    w: &Fp8Operand,
+    dims: (usize, usize, usize),
+) -> Result<Tensor> {
+    let ((xp, xk), (wp, wk)) = (packed(x)?, packed(w)?);
+    let op = OnCuda {
+        product: Product::Forward,
+        dims,
+        packings: (xk, wk),
+    };
+    xp.apply_op2_no_bwd(wp, &op)
+}
+
+/// The input gradient's FP8 GEMM on CUDA codes: `[rows, in]` bf16.
+pub(super) fn on_cuda_input_grad(
+    w: &Fp8Operand,
+    g: &Fp8Operand,
+    dims: (usize, usize, usize),
+) -> Result<Tensor> {
+    let ((wp, wk), (gp, gk)) = (packed(w)?, packed(g)?);
+    let op = OnCuda {
+        product: Product::InputGrad,
+        dims,
+        packings: (wk, gk),
+    };
+    wp.apply_op2_no_bwd(gp, &op)
+}
+
+fn packed(o: &Fp8Operand) -> Result<(&Tensor, Packing)> {
+    match o.packed() {
+        Some(p) => Ok(p),
+        None => bail!("fp8 GEMM: an operand of rounded values where codes were expected"),
     }
-    let (gq, wq) = (
-        fp8_round(&g2, tensorwise(Fp8Format::E5M2))?,
-        fp8_round(w, tensorwise(Fp8Format::E4M3))?,
-    );
-    super::super::linear_dx(&wq, &gq, shape)
 }
 
 /// The operands of `gᵀ · x` as the FP8 weight gradient multiplies them on the CPU: `g`
@@ -210,15 +210,18 @@ pub fn fp8_add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> 
     let op = OnCuda {
         product: Product::WeightGrad,
         dims: (rows, out, inp),
+        packings: (Packing::new(0, false, false), Packing::new(0, false, false)),
     };
     dst.inplace_op3(&g.contiguous()?, &x.contiguous()?, &op)
 }
 
 /// One of the three products as an op on CUDA storage (`cuda/lt.rs`), with `(rows, out, inp)`
-/// of the linear.
+/// of the linear and, for the forward and the input gradient, the packings of its two packed
+/// operands (in the op's argument order).
 struct OnCuda {
     product: Product,
     dims: (usize, usize, usize),
+    packings: (Packing, Packing),
 }
 
 #[derive(Debug)]
@@ -231,10 +234,11 @@ enum Product {
 impl OnCuda {
     fn cpu_refused<T>(&self) -> Result<T> {
         bail!(
-            "FP8 GEMM ({:?}, rows x out x in = {:?}): FP8 GEMMs run on CUDA; on the CPU the \
-             operands are rounded and multiplied instead",
+            "FP8 GEMM ({:?}, rows x out x in = {:?}, packed {:?}): FP8 GEMMs run on CUDA; on \
+             the CPU the operands are rounded and multiplied instead",
             self.product,
-            self.dims
+            self.dims,
+            self.packings
         )
     }
 }
@@ -265,9 +269,12 @@ impl CustomOp2 for OnCuda {
         use super::super::cuda::lt;
         let (rows, out, inp) = self.dims;
         match self.product {
-            Product::Forward => Ok((lt::linear(s1, l1, s2, l2, self.dims)?, (rows, out).into())),
+            Product::Forward => Ok((
+                lt::linear((s1, l1), (s2, l2), self.packings, self.dims)?,
+                (rows, out).into(),
+            )),
             Product::InputGrad => Ok((
-                lt::linear_dx(s1, l1, s2, l2, self.dims)?,
+                lt::linear_dx((s1, l1), (s2, l2), self.packings, self.dims)?,
                 (rows, inp).into(),
             )),
             Product::WeightGrad => bail!("fp8-gemm: the weight gradient is in place"),

@@ -25,10 +25,12 @@ use half::bf16;
 use rayon::prelude::*;
 
 mod gemm;
+mod operand;
 
 pub use gemm::{
     fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_product_factors, LtGemm, LtMatrix, LtOut,
 };
+pub use operand::{fp8_linear_dx_of, fp8_linear_of, Fp8Operand, Packing};
 
 const OP: &str = "fp8_round";
 

@@ -1,0 +1,279 @@
+//! An FP8 GEMM operand made once and read by several GEMMs: a weight by its forward and input
+//! gradient in every micro-batch of a step, a norm's rows by the q, k and v (or gate and up)
+//! projections. Quantizing is a pass over the operand (its amax, then its codes), so an operand
+//! that several GEMMs read is quantized once.
+//!
+//! An [`Fp8Operand`] is either its rounded values in its own dtype ([`fp8_round`]'s: what the
+//! emulated path, and FP8 GEMMs on the CPU, multiply with the model dtype's GEMM) or, on CUDA
+//! with FP8 GEMMs (tensorwise), its one-byte codes packed with their inverse scale: the codes as
+//! laid out and/or transposed (Hopper reads both operands K-major, [`super::LtGemm`]), each part
+//! 256-byte aligned, then the scale ([`Packing`]). One amax pass and one cast pass write every
+//! part.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::{fp8_round, Fp8Blocks, Fp8Format, Fp8Quant};
+
+/// Where the parts of a packed operand of `n` codes lie in its bytes: the codes as laid out,
+/// the transposed codes (each 256-byte aligned, when present) and the inverse scale (one f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Packing {
+    pub plain: Option<usize>,
+    pub transposed: Option<usize>,
+    pub scale: usize,
+    /// Bytes in all (the scale padded to 16).
+    pub len: usize,
+}
+
+impl Packing {
+    pub fn new(n: usize, plain: bool, transposed: bool) -> Self {
+        let aligned = |x: usize| x.div_ceil(256) * 256;
+        let mut at = 0;
+        let mut part = |wanted: bool| {
+            wanted.then(|| {
+                let start = at;
+                at = aligned(at + n);
+                start
+            })
+        };
+        let (plain, transposed) = (part(plain), part(transposed));
+        Packing {
+            plain,
+            transposed,
+            scale: at,
+            len: at + 16,
+        }
+    }
+}
+
+/// What an operand holds.
+#[derive(Debug, Clone)]
+enum Form {
+    /// The rounded values `[rows, cols]`, in the operand's dtype.
+    Values(Tensor),
+    /// The packed codes and scale (u8 `[packing.len]`, CUDA).
+    Codes { packed: Tensor, packing: Packing },
+}
+
+/// A matrix `[rows, cols]` rounded to FP8 for the GEMMs that read it (see the module's header).
+#[derive(Debug, Clone)]
+pub struct Fp8Operand {
+    rows: usize,
+    cols: usize,
+    format: Fp8Format,
+    form: Form,
+}
+
+impl Fp8Operand {
+    /// `x` read as rows of `cols`, rounded as `q` says: its values (any device, any blocks).
+    pub fn values(x: &Tensor, cols: usize, q: Fp8Quant) -> Result<Self> {
+        let rows = x.elem_count() / cols.max(1);
+        Ok(Fp8Operand {
+            rows,
+            cols,
+            format: q.format,
+            form: Form::Values(fp8_round(&x.reshape((rows, cols))?, q)?),
+        })
+    }
+
+    /// `x` read as rows of `cols`, quantized tensorwise in `format` for FP8 GEMMs: on CUDA its
+    /// codes as laid out (`plain`) and/or `transposed`, with their inverse scale; elsewhere its
+    /// rounded values, what those GEMMs multiply.
+    pub fn codes(
+        x: &Tensor,
+        cols: usize,
+        format: Fp8Format,
+        (plain, transposed): (bool, bool),
+    ) -> Result<Self> {
+        let rows = x.elem_count() / cols.max(1);
+        let x2 = x.reshape((rows, cols))?;
+        if !x.device().is_cuda() {
+            let q = Fp8Quant {
+                format,
+                blocks: Fp8Blocks::Tensor,
+            };
+            return Self::values(&x2, cols, q);
+        }
+        if x.dtype() != candle_core::DType::BF16 {
+            bail!(
+                "fp8 codes: FP8 GEMMs on CUDA take bf16 operands (their products are bf16), got \
+                 {:?}",
+                x.dtype()
+            )
+        }
+        let packing = Packing::new(rows * cols, plain, transposed);
+        let op = Quantize {
+            format,
+            packing,
+            rows,
+            cols,
+        };
+        let packed = x2.contiguous()?.apply_op1_no_bwd(&op)?;
+        Ok(Fp8Operand {
+            rows,
+            cols,
+            format,
+            form: Form::Codes { packed, packing },
+        })
+    }
+
+    /// `(rows, cols)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    pub fn format(&self) -> Fp8Format {
+        self.format
+    }
+
+    /// The rounded values `[rows, cols]`; `None` for codes.
+    pub fn rounded(&self) -> Option<&Tensor> {
+        match &self.form {
+            Form::Values(v) => Some(v),
+            Form::Codes { .. } => None,
+        }
+    }
+
+    /// The packed codes and where their parts lie; `None` for values.
+    pub(super) fn packed(&self) -> Option<(&Tensor, Packing)> {
+        match &self.form {
+            Form::Codes { packed, packing } => Some((packed, *packing)),
+            Form::Values(_) => None,
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match &self.form {
+            Form::Values(v) => v.elem_count() * v.dtype().size_in_bytes(),
+            Form::Codes { packing, .. } => packing.len,
+        }
+    }
+}
+
+/// `x · wᵀ` in `shape` from FP8 operands `x` `[rows, in]` and `w` `[out, in]`: one FP8 GEMM
+/// on codes, or the model dtype's GEMM on rounded values.
+pub fn fp8_linear_of(x: &Fp8Operand, w: &Fp8Operand, shape: impl Into<Shape>) -> Result<Tensor> {
+    let shape = shape.into();
+    let ((rows, inp), (out, w_in)) = (x.dims(), w.dims());
+    if inp != w_in || shape.elem_count() != rows * out {
+        bail!("fp8 linear: x [{rows}, {inp}] · w [{out}, {w_in}]ᵀ does not make shape {shape:?}")
+    }
+    match (&x.form, &w.form) {
+        (Form::Values(xv), Form::Values(wv)) => super::super::linear_to(xv, wv, shape),
+        (Form::Codes { .. }, Form::Codes { .. }) => {
+            super::gemm::on_cuda_forward(x, w, (rows, out, inp))?.reshape(shape)
+        }
+        _ => bail!("fp8 linear: one operand as values, the other as codes"),
+    }
+}
+
+/// `g · w` in `shape` from FP8 operands `w` `[out, in]` and `g` `[rows, out]`.
+pub fn fp8_linear_dx_of(w: &Fp8Operand, g: &Fp8Operand, shape: &Shape) -> Result<Tensor> {
+    let ((out, inp), (rows, g_out)) = (w.dims(), g.dims());
+    if out != g_out || shape.elem_count() != rows * inp {
+        bail!("fp8 linear dx: g [{rows}, {g_out}] · w [{out}, {inp}] does not make {shape:?}")
+    }
+    match (&w.form, &g.form) {
+        (Form::Values(wv), Form::Values(gv)) => super::super::linear_dx(wv, gv, shape),
+        (Form::Codes { .. }, Form::Codes { .. }) => {
+            super::gemm::on_cuda_input_grad(w, g, (rows, out, inp))?.reshape(shape)
+        }
+        _ => bail!("fp8 linear dx: one operand as values, the other as codes"),
+    }
+}
+
+/// Packs `[rows, cols]` as codes (CUDA only).
+struct Quantize {
+    format: Fp8Format,
+    packing: Packing,
+    rows: usize,
+    cols: usize,
+}
+
+impl CustomOp1 for Quantize {
+    fn name(&self) -> &'static str {
+        "fp8_quantize"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!(
+            "fp8_quantize: FP8 codes ({:?}, {} x {}, {} bytes packed) are made on CUDA; a {:?} \
+             operand on the CPU keeps its rounded values",
+            self.format,
+            self.rows,
+            self.cols,
+            self.packing.len,
+            s.dtype()
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = (self.rows, self.cols);
+        let out = super::super::cuda::fp8::quantize(s, l, dims, self.format, self.packing)?;
+        Ok((out, Shape::from(self.packing.len)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn packing_aligns_each_part_and_ends_with_the_scale() {
+        let p = Packing::new(300, true, true);
+        assert_eq!(
+            (p.plain, p.transposed, p.scale, p.len),
+            (Some(0), Some(512), 1024, 1040)
+        );
+        let t = Packing::new(300, false, true);
+        assert_eq!((t.plain, t.transposed, t.scale), (None, Some(0), 512));
+        assert_eq!(Packing::new(256, true, false).scale, 256);
+    }
+
+    /// On the CPU codes are the tensorwise rounded values, and the GEMMs of operands equal the
+    /// plain GEMMs of those values bit for bit.
+    #[test]
+    fn operands_on_the_cpu_multiply_their_rounded_values() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 5, 64), &dev)?; // [b, s, in]
+        let w = Tensor::randn(0f32, 0.05, (48, 64), &dev)?; // [out, in]
+        let g = Tensor::randn(0f32, 1e-3, (15, 48), &dev)?; // [rows, out]
+        let t = |format| Fp8Quant {
+            format,
+            blocks: Fp8Blocks::Tensor,
+        };
+        let xq = Fp8Operand::codes(&x, 64, Fp8Format::E4M3, (true, false))?;
+        let wq = Fp8Operand::codes(&w, 64, Fp8Format::E4M3, (true, true))?;
+        let gq = Fp8Operand::codes(&g, 48, Fp8Format::E5M2, (true, false))?;
+        assert_eq!(
+            (xq.dims(), wq.dims(), gq.dims()),
+            ((15, 64), (48, 64), (15, 48))
+        );
+        let xr = fp8_round(&x.reshape((15, 64))?, t(Fp8Format::E4M3))?;
+        let wr = fp8_round(&w, t(Fp8Format::E4M3))?;
+        let gr = fp8_round(&g, t(Fp8Format::E5M2))?;
+        let v = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+        assert_eq!(v(xq.rounded().unwrap())?, v(&xr)?);
+        let y = fp8_linear_of(&xq, &wq, (3, 5, 48))?;
+        assert_eq!(
+            v(&y)?,
+            v(&super::super::super::linear_to(&xr, &wr, (3, 5, 48))?)?
+        );
+        let dx = fp8_linear_dx_of(&wq, &gq, x.shape())?;
+        assert_eq!(
+            v(&dx)?,
+            v(&super::super::super::linear_dx(&wr, &gr, x.shape())?)?
+        );
+        assert!(fp8_linear_of(&xq, &wq, (3, 5, 47)).is_err());
+        assert!(fp8_linear_dx_of(&wq, &xq, x.shape()).is_err());
+        Ok(())
+    }
+}
