@@ -135,14 +135,16 @@ impl Parameter {
             .reshape(self.block.shape.as_slice())?
             .to_dtype(self.dtype)?;
         let var = Var::from_tensor(&t)?;
-        self.forget_fp8();
+        let mut kept = self.fp8_kept(); // held across the write: no operand of the old values
+        *kept = None;
         *self.var.write().unwrap_or_else(|e| e.into_inner()) = Some(var);
         Ok(())
     }
 
     /// Drops the tensor (its memory is freed once no tape holds it).
     pub fn release(&self) {
-        self.forget_fp8();
+        let mut kept = self.fp8_kept();
+        *kept = None;
         *self.var.write().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
@@ -154,7 +156,7 @@ impl Parameter {
         mode: Fp8Mode,
         make: impl FnOnce(&Tensor) -> Result<Fp8Operand>,
     ) -> Result<Fp8Operand> {
-        let mut kept = self.fp8.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = self.fp8_kept();
         if let Some((m, op)) = kept.as_ref() {
             if *m == mode {
                 return Ok(op.clone());
@@ -167,12 +169,14 @@ impl Parameter {
 
     /// Bytes of the FP8 operand kept (0 when none is).
     pub fn fp8_bytes(&self) -> usize {
-        let kept = self.fp8.lock().unwrap_or_else(|e| e.into_inner());
-        kept.as_ref().map_or(0, |(_, op)| op.bytes())
+        self.fp8_kept().as_ref().map_or(0, |(_, op)| op.bytes())
     }
 
-    fn forget_fp8(&self) {
-        *self.fp8.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    /// The kept FP8 operand's slot. Writers of the values hold it across the write, and it is
+    /// taken before the variable's lock, as [`Parameter::fp8_operand`] takes them.
+    fn fp8_kept(&self) -> std::sync::MutexGuard<'_, Option<(Fp8Mode, Fp8Operand)>> {
+        // A poisoned lock only means a panic elsewhere; an operand is dropped on any write.
+        self.fp8.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Overwrites the installed tensor's values in place with `t` (same number of elements;
@@ -183,8 +187,10 @@ impl Parameter {
         let t = t
             .reshape(self.block.shape.as_slice())?
             .to_dtype(self.dtype)?;
-        self.forget_fp8();
-        self.var()?.set(&parallel::dp::moved(&t, &self.device)?)
+        let moved = parallel::dp::moved(&t, &self.device)?;
+        let mut kept = self.fp8_kept();
+        *kept = None;
+        self.var()?.set(&moved)
     }
 }
 

@@ -126,6 +126,9 @@ pub fn quantize_slice(
             xl.shape().elem_count()
         )
     }
+    if packing != Packing::new(n, packing.plain.is_some(), packing.transposed.is_some()) {
+        bail!("{OP}: {packing:?} does not pack {rows} x {cols} codes")
+    }
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
         let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
         // SAFETY: fp8_cast writes every code of each part asked for, fp8_inv_scales the scale;

@@ -157,6 +157,7 @@ impl Fp8Operand {
 pub fn fp8_linear_of(x: &Fp8Operand, w: &Fp8Operand, shape: impl Into<Shape>) -> Result<Tensor> {
     let shape = shape.into();
     let ((rows, inp), (out, w_in)) = (x.dims(), w.dims());
+    formats("fp8 linear", [x, w], [Fp8Format::E4M3, Fp8Format::E4M3])?;
     if inp != w_in || shape.elem_count() != rows * out {
         bail!("fp8 linear: x [{rows}, {inp}] · w [{out}, {w_in}]ᵀ does not make shape {shape:?}")
     }
@@ -172,6 +173,7 @@ pub fn fp8_linear_of(x: &Fp8Operand, w: &Fp8Operand, shape: impl Into<Shape>) ->
 /// `g · w` in `shape` from FP8 operands `w` `[out, in]` and `g` `[rows, out]`.
 pub fn fp8_linear_dx_of(w: &Fp8Operand, g: &Fp8Operand, shape: &Shape) -> Result<Tensor> {
     let ((out, inp), (rows, g_out)) = (w.dims(), g.dims());
+    formats("fp8 linear dx", [w, g], [Fp8Format::E4M3, Fp8Format::E5M2])?;
     if out != g_out || shape.elem_count() != rows * inp {
         bail!("fp8 linear dx: g [{rows}, {g_out}] · w [{out}, {inp}] does not make {shape:?}")
     }
@@ -182,6 +184,16 @@ pub fn fp8_linear_dx_of(w: &Fp8Operand, g: &Fp8Operand, shape: &Shape) -> Result
         }
         _ => bail!("fp8 linear dx: one operand as values, the other as codes"),
     }
+}
+
+/// Errors unless the operands have the formats the product reads them in (an FP8 GEMM reads
+/// its codes as the plan's formats say, whatever they were made in).
+fn formats(op: &str, operands: [&Fp8Operand; 2], want: [Fp8Format; 2]) -> Result<()> {
+    let got = operands.map(Fp8Operand::format);
+    if got != want {
+        bail!("{op}: operands in {got:?}, the product reads {want:?}")
+    }
+    Ok(())
 }
 
 /// Packs `[rows, cols]` as codes (CUDA only).
@@ -274,6 +286,8 @@ mod tests {
         );
         assert!(fp8_linear_of(&xq, &wq, (3, 5, 47)).is_err());
         assert!(fp8_linear_dx_of(&wq, &xq, x.shape()).is_err());
+        let e = fp8_linear_of(&gq, &wq, (15, 48)).unwrap_err().to_string(); // g as an input
+        assert!(e.contains("operands in [E5M2, E4M3]"), "{e}");
         Ok(())
     }
 }
