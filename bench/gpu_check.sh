@@ -61,6 +61,9 @@
 #             bf16 and with FP8 GEMMs: tokens/s at least 1.15x bf16's; and bench/gpu_step.sh
 #             with FP8 on both sides (torchao float8, eager and compiled; needs torchao); not in
 #             the default list (about 9 minutes)
+#   fp8-7b    recipes/bench-7b.yaml for 6 steps in bf16 and with FP8 GEMMs on one GPU (the plan
+#             with FP8 first): tokens/s at least 1.3x bf16's; not in the default list (about 4
+#             minutes)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
 #             to the binary) beside the binary or at CUPTI_TRACE_SO; compiled here as a fallback,
@@ -202,6 +205,19 @@ sys.exit("; ".join(bad) or 0)
 PY
 }
 
+fp8_speed() { # NAME BF16_RUN FP8_RUN TARGET: mean tokens/s after two steps, FP8 at least TARGET x
+  "$PYTHON" - "$@" <<'PY'
+import json, sys
+name, bf16_run, fp8_run, target = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+def rate(run):
+    recs = [r for r in map(json.loads, open(run + "/metrics.jsonl")) if "tokens_per_s" in r][2:]
+    return sum(r["tokens_per_s"] for r in recs) / len(recs)
+bf16, fp8 = rate(bf16_run), rate(fp8_run)
+print(f"{name}: bf16 {bf16:.0f} tokens/s, FP8 GEMMs {fp8:.0f} tokens/s: {fp8 / bf16:.2f}x")
+sys.exit(0 if fp8 >= target * bf16 else f"FP8 GEMMs {fp8 / bf16:.2f}x bf16, below {target}x")
+PY
+}
+
 docs_data() { # the plays' paragraphs as short documents, preprocessed into $RUNS/docs/docs
   [ -f "$RUNS/docs/docs.bin" ] && return 0
   mkdir -p "$RUNS/docs"
@@ -218,7 +234,7 @@ PY
 }
 
 export BIN RUNS PYTHON
-export -f tiny_run recipe_run compare compare_drift
+export -f tiny_run recipe_run compare compare_drift fp8_speed
 
 MOE_STEPS="train.steps=50,train.eval_interval=25"
 FP8_TINY="train.steps=60,train.eval_interval=30,train.fp8.scaling=tensorwise"
@@ -487,16 +503,19 @@ PY
         STEPS=12 WARMUP=3 TORCH_COMPILE=1 bench/gpu_step.sh "$BIN" \
         --set "train.fp8.scaling=tensorwise,$FP8_LT"
       pkill -f bench/torch_llama.py 2>/dev/null || true
-      part fp8-bench-speed "$PYTHON" - "$RUNS/fp8-bench-bf16/metrics.jsonl" \
-        "$RUNS/fp8-bench-cublaslt/metrics.jsonl" <<'PY'
-import json, sys
-def rate(p):
-    recs = [r for r in map(json.loads, open(p)) if "tokens_per_s" in r][2:]
-    return sum(r["tokens_per_s"] for r in recs) / len(recs)
-bf16, fp8 = rate(sys.argv[1]), rate(sys.argv[2])
-print(f"bench-1b: bf16 {bf16:.0f} tokens/s, FP8 GEMMs {fp8:.0f} tokens/s: {fp8 / bf16:.2f}x")
-sys.exit(0 if fp8 >= 1.15 * bf16 else f"FP8 GEMMs {fp8 / bf16:.2f}x bf16, below 1.15x")
-PY
+      part fp8-bench-speed fp8_speed bench-1b "$RUNS/fp8-bench-bf16" "$RUNS/fp8-bench-cublaslt" 1.15
+      ;;
+    fp8-7b)
+      "$BIN" plan --recipe recipes/bench-7b.yaml --gpu "${GPU_PRESET:-h200}" \
+        --set "train.fp8.scaling=tensorwise,$FP8_LT" | tee "$OUT/plan-7b-fp8.txt"
+      for mode in bf16 cublaslt; do
+        set_mode="train.steps=6"
+        [ $mode = cublaslt ] && set_mode="$set_mode,train.fp8.scaling=tensorwise,$FP8_LT"
+        rm -rf "$RUNS/fp8-7b-$mode"
+        part "fp8-7b-$mode" "$BIN" --recipe recipes/bench-7b.yaml \
+          --set "run.dir=$RUNS/fp8-7b-$mode,$set_mode"
+      done
+      part fp8-7b-speed fp8_speed bench-7b "$RUNS/fp8-7b-bf16" "$RUNS/fp8-7b-cublaslt" 1.3
       ;;
     profile)
       SO=${CUPTI_TRACE_SO:-$(dirname "$BIN")/cupti_trace.so}
