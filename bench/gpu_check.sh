@@ -205,6 +205,17 @@ sys.exit("; ".join(bad) or 0)
 PY
 }
 
+fp8_pair() { # NAME RECIPE STEPS: recipes/RECIPE.yaml for STEPS steps in bf16 (run NAME-bf16)
+  # and with FP8 GEMMs (NAME-cublaslt)
+  local mode set_mode
+  for mode in bf16 cublaslt; do
+    set_mode="train.steps=$3"
+    [ $mode = cublaslt ] && set_mode="$set_mode,train.fp8.scaling=tensorwise,$FP8_LT"
+    rm -rf "$RUNS/$1-$mode"
+    part "$1-$mode" "$BIN" --recipe "recipes/$2.yaml" --set "run.dir=$RUNS/$1-$mode,$set_mode"
+  done
+}
+
 fp8_speed() { # NAME BF16_RUN FP8_RUN TARGET: mean tokens/s after two steps, FP8 at least TARGET x
   "$PYTHON" - "$@" <<'PY'
 import json, sys
@@ -490,13 +501,7 @@ PY
         part "fp8-116m-$mode" tiny_run "fp8-116m-$mode" cuda bf16 --set "$FP8_116M,$set_mode"
         part "fp8-116m-$mode-quality" compare_drift "fp8-116m-$mode" fp8-116m-bf16 10 5e-2 2.5e-3
       done
-      for mode in bf16 cublaslt; do
-        set_mode="train.steps=8"
-        [ $mode = cublaslt ] && set_mode="$set_mode,train.fp8.scaling=tensorwise,$FP8_LT"
-        rm -rf "$RUNS/fp8-bench-$mode"
-        part "fp8-bench-$mode" "$BIN" --recipe recipes/bench-1b.yaml \
-          --set "run.dir=$RUNS/fp8-bench-$mode,$set_mode"
-      done
+      fp8_pair fp8-bench bench-1b 8
       # Against torchao's float8 training on the same linears (eager and torch.compile), when
       # torchao is installed in $PYTHON's environment.
       part fp8-bench-torchao env OUT="$OUT/fp8" OUT_DIR="$RUNS/gpu_step-fp8" PYTHON="$PYTHON" \
@@ -508,13 +513,7 @@ PY
     fp8-7b)
       "$BIN" plan --recipe recipes/bench-7b.yaml --gpu "${GPU_PRESET:-h200}" \
         --set "train.fp8.scaling=tensorwise,$FP8_LT" | tee "$OUT/plan-7b-fp8.txt"
-      for mode in bf16 cublaslt; do
-        set_mode="train.steps=6"
-        [ $mode = cublaslt ] && set_mode="$set_mode,train.fp8.scaling=tensorwise,$FP8_LT"
-        rm -rf "$RUNS/fp8-7b-$mode"
-        part "fp8-7b-$mode" "$BIN" --recipe recipes/bench-7b.yaml \
-          --set "run.dir=$RUNS/fp8-7b-$mode,$set_mode"
-      done
+      fp8_pair fp8-7b bench-7b 6
       part fp8-7b-speed fp8_speed bench-7b "$RUNS/fp8-7b-bf16" "$RUNS/fp8-7b-cublaslt" 1.3
       ;;
     profile)
