@@ -95,7 +95,12 @@ impl GradBuffer {
 
     /// [`GradBuffer::accumulate_product`] for a linear with FP8 GEMMs: one FP8 GEMM on CUDA, the
     /// factors' FP8-rounded values multiplied elsewhere.
-    pub fn accumulate_fp8_product(&self, i: usize, g: &Tensor, x: &Tensor) -> Result<()> {
+    pub fn accumulate_fp8_product(
+        &self,
+        i: usize,
+        g: &model::ops::Fp8Operand,
+        x: &model::ops::Fp8Operand,
+    ) -> Result<()> {
         kernels::add_fp8_product_into(&self.slot(i)?, g, x)
     }
 

@@ -16,6 +16,7 @@ use candle_core::{
 use half::bf16;
 #[cfg(feature = "cuda")]
 use model::ops::cuda::flat;
+use model::ops::Fp8Operand;
 
 mod adamw;
 pub use adamw::{state_words, AdamWPart, AdamWStep, NonFinite};
@@ -217,15 +218,14 @@ pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
     dst.inplace_op3(&g.contiguous()?, &x.contiguous()?, &op)
 }
 
-/// [`add_product_into`] for a linear with FP8 GEMMs (`ParamGrad::Fp8Product`): one FP8 GEMM
-/// on CUDA (`g` in E5M2, `x` in E4M3, tensorwise), the factors' FP8-rounded values multiplied
-/// elsewhere.
-pub fn add_fp8_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
-    if dst.device().is_cuda() {
-        return model::ops::fp8_add_product_into(dst, g, x);
+/// [`add_product_into`] for a linear with FP8 GEMMs (`ParamGrad::Fp8Product`), from the
+/// factors' operands: one FP8 GEMM on CUDA (their transposed codes), their rounded values
+/// multiplied elsewhere.
+pub fn add_fp8_product_into(dst: &Tensor, g: &Fp8Operand, x: &Fp8Operand) -> Result<()> {
+    match (g.rounded(), x.rounded()) {
+        (Some(g), Some(x)) => add_product_into(dst, g, x),
+        _ => model::ops::fp8_add_product_of(dst, g, x),
     }
-    let (g, x) = model::ops::fp8_product_factors(g, x)?;
-    add_product_into(dst, &g, &x)
 }
 
 /// Sum of squares of an f32 buffer whose words hold elements of `elems` (f32, or bf16 two to a

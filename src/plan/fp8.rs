@@ -15,9 +15,9 @@ impl Model<'_> {
     /// weight once a step (kept for the step's micro-batches, both GEMMs' forms from one pass);
     /// backward each upstream gradient (twice under `blockwise`: once per GEMM's blocks) and
     /// each input along the tokens, once for the linears that read it. With cuBLASLt: the same
-    /// quantized to one-byte codes, but the weight gradient's factors are quantized
-    /// (transposed) by the gradient buffer per linear, and the linears' GEMMs run
-    /// [`FP8_GEMM_SPEEDUP`] times faster. A linear whose three products a rates table measured
+    /// quantized to one-byte codes (an upstream gradient's two layouts, for the input and the
+    /// weight gradient, from one pass), and the linears' GEMMs run [`FP8_GEMM_SPEEDUP`] times
+    /// faster. A linear whose three products a rates table measured
     /// with FP8 on (`fp8_gemms`) is priced from those instead. A MoE block's experts stay in
     /// the model dtype: only its attention's four linears.
     pub(super) fn fp8_change(&self, moe: bool, f: &model::Fp8Linears) -> Cost {
@@ -39,7 +39,14 @@ impl Model<'_> {
         } else {
             1.0
         };
-        // Elements rounded or quantized, and weight elements (once a step).
+        // Bytes of a pass over an element: read twice and written in the model dtype, or read
+        // twice and written as a code (`both`: as laid out and transposed).
+        let (one, both) = if lt {
+            (2.0 * self.p + 1.0, 2.0 * self.p + 2.0)
+        } else {
+            (3.0 * self.p, 3.0 * self.p)
+        };
+        // Bytes rounded or quantized per micro-batch, and once a step (the weights).
         let (mut fwd, mut bwd, mut weights) = (0.0, 0.0, 0.0);
         let mut products = Products::default();
         let mut measured = Cost::default();
@@ -59,38 +66,27 @@ impl Model<'_> {
                     measured.wgt += dw;
                     continue;
                 }
-                weights += out * inp;
-                bwd += if lt { 2.0 } else { grads } * n * out;
-                if lt {
-                    bwd += n * inp; // the weight gradient's input factor, per linear
-                }
+                weights += both * out * inp;
+                // With FP8 GEMMs one pass writes both GEMMs' codes of the upstream gradient.
+                bwd += if lt { both } else { grads * one } * n * out;
                 if !input_read {
-                    fwd += n * inp;
-                    if !lt {
-                        bwd += n * inp;
-                    }
+                    fwd += one * n * inp;
+                    bwd += one * n * inp; // the weight gradients' input factor
                     input_read = true;
                 }
                 products = products + self.projection(n, out, inp);
             }
         }
-        // Bytes per element: read twice and written in the model dtype, or read twice and
-        // written as a code (a weight's two codes, as laid out and transposed).
-        let (bytes, weight_bytes) = if lt {
-            (2.0 * self.p + 1.0, 2.0 * self.p + 2.0)
-        } else {
-            (3.0 * self.p, 3.0 * self.p)
-        };
         let faster = if lt {
             1.0 - 1.0 / FP8_GEMM_SPEEDUP
         } else {
             0.0
         };
-        let weights = self.memory(weight_bytes * weights) / self.micro_batches;
+        let weights = self.memory(weights) / self.micro_batches;
         measured
             + Cost {
-                fwd: self.memory(bytes * fwd) + weights - faster * products.fwd,
-                bwd: self.memory(bytes * bwd) - faster * (products.dx + products.dw),
+                fwd: self.memory(fwd) + weights - faster * products.fwd,
+                bwd: self.memory(bwd) - faster * (products.dx + products.dw),
                 tp: 0.0,
                 wgt: -faster * products.dw,
             }

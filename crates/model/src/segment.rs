@@ -220,14 +220,15 @@ pub enum ParamGrad {
         /// `[rows, in]`.
         x: Tensor,
     },
-    /// The weight gradient of a linear with FP8 GEMMs: the same factors, which the gradient
-    /// buffer multiplies as an FP8 GEMM (`g` in E5M2, `x` in E4M3, tensorwise; on the CPU their
-    /// rounded values, [`crate::ops::fp8_product_factors`]).
+    /// The weight gradient of a linear with FP8 GEMMs: the same factors as FP8 operands, which
+    /// the gradient buffer multiplies as an FP8 GEMM (`g` in E5M2, `x` in E4M3, tensorwise; on
+    /// CUDA their transposed codes, made with the codes the input gradient read, and `x`'s
+    /// shared by the linears that read it; elsewhere their rounded values).
     Fp8Product {
         /// `[rows, out]`.
-        g: Tensor,
+        g: crate::ops::Fp8Operand,
         /// `[rows, in]`.
-        x: Tensor,
+        x: crate::ops::Fp8Operand,
     },
 }
 
@@ -237,10 +238,7 @@ impl ParamGrad {
         match self {
             ParamGrad::Tensor(t) => Ok(t),
             ParamGrad::Product { g, x } => g.t()?.matmul(&x),
-            ParamGrad::Fp8Product { g, x } => {
-                let (g, x) = crate::ops::fp8_product_factors(&g, &x)?;
-                g.t()?.matmul(&x)
-            }
+            ParamGrad::Fp8Product { g, x } => crate::ops::fp8_product(&g, &x),
         }
     }
 
@@ -257,7 +255,10 @@ impl ParamGrad {
         Ok(match self {
             ParamGrad::Tensor(t) => ParamGrad::Tensor(t),
             ParamGrad::Product { g, x } => ParamGrad::Product { g: f(g)?, x: f(x)? },
-            ParamGrad::Fp8Product { g, x } => ParamGrad::Fp8Product { g: f(g)?, x: f(x)? },
+            ParamGrad::Fp8Product { g, x } => ParamGrad::Fp8Product {
+                g: g.map_tensor(&f)?,
+                x: x.map_tensor(&f)?,
+            },
         })
     }
 
@@ -265,7 +266,8 @@ impl ParamGrad {
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
             ParamGrad::Tensor(t) => vec![t],
-            ParamGrad::Product { g, x } | ParamGrad::Fp8Product { g, x } => vec![g, x],
+            ParamGrad::Product { g, x } => vec![g, x],
+            ParamGrad::Fp8Product { g, x } => vec![g.tensor(), x.tensor()],
         }
     }
 }

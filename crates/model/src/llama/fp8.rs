@@ -133,24 +133,21 @@ pub fn input_operand(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8O
     }
 }
 
-/// An upstream gradient `g` (rows of `cols`) as the input gradient's GEMM reads it: E5M2.
+/// An upstream gradient `g` (rows of `cols`) as the input gradient's GEMM reads it (E5M2);
+/// with FP8 GEMMs its codes also transposed, the weight gradient's, from the same pass.
 fn grad_operand(g: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
     match gemm {
-        Fp8Gemm::CublasLt => Fp8Operand::codes(g, cols, Fp8Format::E5M2, (true, false)),
+        Fp8Gemm::CublasLt => Fp8Operand::codes(g, cols, Fp8Format::E5M2, (true, true)),
         Fp8Gemm::Emulated => Fp8Operand::values(g, cols, s.quant(Operand::Grad)),
     }
 }
 
-/// The input `x` (rows of `cols`) rounded along the tokens as the emulated weight gradient's
-/// factor `[rows, cols]`, shared by the linears that read it; `None` with FP8 GEMMs, whose
-/// gradient buffer quantizes the factors itself.
-pub fn input_by_token(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Option<Tensor>> {
+/// The input `x` (rows of `cols`) as the weight gradient's factor, rounded along the tokens:
+/// shared by the linears that read it (with FP8 GEMMs, its transposed codes).
+pub fn input_by_token(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
     match gemm {
-        Fp8Gemm::CublasLt => Ok(None),
-        Fp8Gemm::Emulated => {
-            let x2 = x.reshape((x.elem_count() / cols.max(1), cols))?;
-            s.round(&x2, cols, Operand::InputByToken).map(Some)
-        }
+        Fp8Gemm::CublasLt => Fp8Operand::codes(x, cols, Fp8Format::E4M3, (false, true)),
+        Fp8Gemm::Emulated => Fp8Operand::values(x, cols, s.quant(Operand::InputByToken)),
     }
 }
 
@@ -178,32 +175,34 @@ pub fn projection_bwd(
 
 /// The backward of a linear `x · wᵀ` from the weight's operand `wq`: `dx = fp8(g) · fp8(w)`
 /// in `x`'s shape and the weight gradient's factors, each rounded along the tokens (`x`'s as
-/// `x_by_token` when given, [`input_by_token`]); with FP8 GEMMs the factors as they are, for
-/// the gradient buffer's FP8 GEMM ([`ParamGrad::Fp8Product`]).
+/// `x_by_token` when given, [`input_by_token`]); with FP8 GEMMs the factors' codes, for the
+/// gradient buffer's FP8 GEMM ([`ParamGrad::Fp8Product`]).
 pub fn projection_bwd_of(
     x: &Tensor,
-    x_by_token: Option<&Tensor>,
+    x_by_token: Option<&Fp8Operand>,
     wq: &Fp8Operand,
     g: &Tensor,
     mode: Fp8Mode,
 ) -> Result<(Tensor, ParamGrad)> {
     let (n_out, n_in) = wq.dims();
-    let rows = x.elem_count() / n_in.max(1);
     let gq = grad_operand(g, n_out, mode)?; // [rows, out]
     let dx = ops::fp8_linear_dx_of(wq, &gq, x.shape())?; // x's shape
-    let (g2, x2) = (g.reshape((rows, n_out))?, x.detach().reshape((rows, n_in))?);
+    let xq = match x_by_token {
+        Some(op) => op.clone(),
+        None => input_by_token(x, n_in, mode)?,
+    }; // [rows, in]
     let s = match mode {
-        (_, Fp8Gemm::CublasLt) => return Ok((dx, ParamGrad::Fp8Product { g: g2, x: x2 })),
+        (_, Fp8Gemm::CublasLt) => return Ok((dx, ParamGrad::Fp8Product { g: gq, x: xq })),
         (s, Fp8Gemm::Emulated) => s,
     };
     let g2 = match (s, gq.rounded()) {
         // One tensor scale serves both GEMMs.
         (Fp8Scaling::Tensorwise, Some(rounded)) => rounded.clone(),
-        _ => s.round(&g2, n_out, Operand::GradByToken)?,
+        _ => s.round(&g.reshape(gq.dims())?, n_out, Operand::GradByToken)?,
     };
-    let x2 = match x_by_token {
-        Some(t) => t.clone(),
-        None => s.round(&x2, n_in, Operand::InputByToken)?,
+    let x2 = match xq.rounded() {
+        Some(rounded) => rounded.clone(),
+        None => candle_core::bail!("an emulated FP8 factor holds codes"),
     };
     Ok((dx, ParamGrad::Product { g: g2, x: x2 }))
 }

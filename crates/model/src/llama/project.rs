@@ -84,7 +84,7 @@ impl Llama {
             let (d, pg) = match &fp8 {
                 Some((mode, by_token)) => {
                     let wq = self.fp8_weight(i, *mode)?;
-                    super::fp8::projection_bwd_of(x, by_token.as_ref(), &wq, g, *mode)?
+                    super::fp8::projection_bwd_of(x, Some(by_token), &wq, g, *mode)?
                 }
                 None => projection_bwd(x, &self.w(i)?, g)?,
             };

@@ -1,8 +1,8 @@
-//! FP8 GEMMs through cuBLASLt (tensorwise scaling): a linear's forward and input gradient on
-//! operands already quantized (`ops::Fp8Operand`: codes packed with their inverse scale, made
-//! once for every GEMM that reads them), and its weight gradient on bf16 factors quantized here
-//! (transposed, as the plan of `ops::fp8::gemm` says); each one `cublasLtMatmul` with the scales
-//! as `A_SCALE_POINTER` / `B_SCALE_POINTER`. One handle and 32 MiB workspace per
+//! FP8 GEMMs through cuBLASLt (tensorwise scaling): a linear's forward, input gradient and
+//! weight gradient on operands already quantized (`ops::Fp8Operand`: codes packed with their
+//! inverse scale, as laid out or transposed as the plan of `ops::fp8::gemm` says, made once for
+//! every GEMM that reads them); each one `cublasLtMatmul` with the scales as `A_SCALE_POINTER` /
+//! `B_SCALE_POINTER`. One handle and 32 MiB workspace per
 //! CUDA context; the algorithm the heuristic picks for a plan is kept, so a shape is searched
 //! once and always runs the same kernel.
 
@@ -15,10 +15,9 @@ use candle_core::cuda::cudarc::cublaslt::{result as lt, sys};
 use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda::{CudaDevice, CudaStorage};
-use candle_core::{bail, DType, Layout, Result};
+use candle_core::{bail, Layout, Result};
 
 use super::alloc;
-use super::fp8::quantize_slice;
 use crate::ops::{Fp8Format, LtGemm, LtMatrix, LtOut, Packing};
 
 /// Workspace bytes of a handle (NVIDIA's recommendation for Hopper).
@@ -265,14 +264,6 @@ unsafe fn matmul(
     .map_err(|e| lt_err(&format!("matmul {plan:?}"), e))
 }
 
-/// Errors unless every operand is bf16.
-fn check_bf16(op: &str, s: &[&CudaStorage]) -> Result<()> {
-    if let Some(x) = s.iter().find(|s| s.dtype() != DType::BF16) {
-        bail!("{op}: FP8 GEMMs take bf16 operands, got {:?}", x.dtype())
-    }
-    Ok(())
-}
-
 /// A packed operand (`ops::Fp8Operand`'s codes) and where its parts lie.
 type Packed<'a> = ((&'a CudaStorage, &'a Layout), Packing);
 
@@ -361,38 +352,27 @@ pub fn linear_dx(
     into_bf16(dev, &plan, a, b, rows * inp) // [rows, inp]
 }
 
-/// `dst [out, inp] += g [rows, out]ᵀ · x [rows, inp]` into an f32 buffer view, from `xᵀ`'s
-/// E4M3 and `gᵀ`'s E5M2 codes.
+/// `dst [out, inp] += g [rows, out]ᵀ · x [rows, inp]` into an f32 buffer view, from the packed
+/// transposed codes of `g` (E5M2) and `x` (E4M3).
 pub fn add_product(
-    dst: &mut CudaStorage,
-    dl: &Layout,
-    (g, gl): (&CudaStorage, &Layout),
-    (x, xl): (&CudaStorage, &Layout),
+    (dst, dl): (&mut CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    x: (&CudaStorage, &Layout),
+    (gk, xk): (Packing, Packing),
     (rows, out, inp): (usize, usize, usize),
 ) -> Result<()> {
     const OP: &str = "fp8-add-product";
-    check_bf16(OP, &[g, x])?;
     let dev = dst.device().clone();
     let (start, end) = super::flat::slot_range(OP, dl, (out, inp))?;
     if rows == 0 || out * inp == 0 {
         return Ok(());
     }
-    let (xk, gk) = (
-        Packing::new(rows * inp, false, true),
-        Packing::new(rows * out, false, true),
-    );
-    let xt = quantize_slice(x, xl, (rows, inp), Fp8Format::E4M3, xk)?; // [inp, rows] codes
-    let gt = quantize_slice(g, gl, (rows, out), Fp8Format::E5M2, gk)?; // [out, rows] codes
     let plan = LtGemm::weight_grad(rows, out, inp);
+    let ([a, sa], [b, sb]) = (
+        parts(OP, (x, xk), true, &dev)?,
+        parts(OP, (g, gk), true, &dev)?,
+    );
     let stream = dev.cuda_stream();
-    let ((xb, _a), (gb, _b)) = (xt.device_ptr(&stream), gt.device_ptr(&stream));
-    let at = |base: u64, p: Packing| {
-        (
-            base + p.transposed.unwrap_or(0) as u64,
-            base + p.scale as u64,
-        )
-    };
-    let ((a, sa), (b, sb)) = (at(xb, xk), at(gb, gk));
     let aligned = {
         let mut d = super::flat::f32_slot(OP, dst, (start, end))?; // [out, inp]
         let (dp, _d) = d.device_ptr_mut(&stream);
@@ -417,6 +397,5 @@ pub fn add_product(
         let tmp = CudaStorage::wrap_cuda_slice(tmp, dev.clone());
         super::flat::add_into(dst, dl, &tmp, &Layout::contiguous(out * inp))?;
     }
-    drop((_a, _b));
     Ok(())
 }

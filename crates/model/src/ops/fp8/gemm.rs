@@ -21,7 +21,7 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
-use super::operand::{fp8_linear_dx_of, fp8_linear_of, Fp8Operand, Packing};
+use super::operand::{fp8_add_product_of, fp8_linear_dx_of, fp8_linear_of, Fp8Operand, Packing};
 use super::{fp8_round, Fp8Blocks, Fp8Format, Fp8Quant};
 
 /// A matrix as cuBLASLt reads it: column-major `rows × cols` with leading dimension `ld`.
@@ -195,24 +195,30 @@ pub fn fp8_product_factors(g: &Tensor, x: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// `dst += gᵀ · x` as one FP8 GEMM on CUDA (`dst` an f32 view of `out × in` elements, `g`
-/// `[rows, out]`, `x` `[rows, in]`, bf16): cuBLASLt accumulating into `dst`. Elsewhere the
-/// gradient buffer multiplies [`fp8_product_factors`] with its own kernel; here it is an error.
+/// `[rows, out]`, `x` `[rows, in]`, bf16), each factor quantized (transposed) for this one
+/// GEMM: cuBLASLt accumulating into `dst`. Elsewhere the gradient buffer multiplies
+/// [`fp8_product_factors`] with its own kernel; here it is an error.
 pub fn fp8_add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
-    let ((rows, out), (xrows, inp)) = (g.dims2()?, x.dims2()?);
-    if xrows != rows || dst.elem_count() != out * inp {
-        bail!(
-            "fp8-add-product: g {:?} and x {:?} do not make the {} elements of the buffer slice",
-            g.dims(),
-            x.dims(),
-            dst.elem_count()
-        )
-    }
+    let (out, inp) = (g.dim(1)?, x.dim(1)?);
+    let gq = Fp8Operand::codes(g, out, Fp8Format::E5M2, (false, true))?;
+    let xq = Fp8Operand::codes(x, inp, Fp8Format::E4M3, (false, true))?;
+    fp8_add_product_of(dst, &gq, &xq)
+}
+
+/// The weight gradient's FP8 GEMM on CUDA codes, accumulated into `dst`.
+pub(super) fn on_cuda_weight_grad(
+    dst: &Tensor,
+    g: &Fp8Operand,
+    x: &Fp8Operand,
+    dims: (usize, usize, usize),
+) -> Result<()> {
+    let ((gp, gk), (xp, xk)) = (packed(g)?, packed(x)?);
     let op = OnCuda {
         product: Product::WeightGrad,
-        dims: (rows, out, inp),
-        packings: (Packing::new(0, false, false), Packing::new(0, false, false)),
+        dims,
+        packings: (gk, xk),
     };
-    dst.inplace_op3(&g.contiguous()?, &x.contiguous()?, &op)
+    dst.inplace_op3(gp, xp, &op)
 }
 
 /// One of the three products as an op on CUDA storage (`cuda/lt.rs`), with `(rows, out, inp)`
@@ -310,9 +316,13 @@ impl InplaceOp3 for OnCuda {
         xl: &Layout,
     ) -> Result<()> {
         match self.product {
-            Product::WeightGrad => {
-                super::super::cuda::lt::add_product(dst, dl, (g, gl), (x, xl), self.dims)
-            }
+            Product::WeightGrad => super::super::cuda::lt::add_product(
+                (dst, dl),
+                (g, gl),
+                (x, xl),
+                self.packings,
+                self.dims,
+            ),
             _ => bail!("fp8-add-product: only the weight gradient is in place"),
         }
     }

@@ -30,7 +30,9 @@ mod operand;
 pub use gemm::{
     fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_product_factors, LtGemm, LtMatrix, LtOut,
 };
-pub use operand::{fp8_linear_dx_of, fp8_linear_of, Fp8Operand, Packing};
+pub use operand::{
+    fp8_add_product_of, fp8_linear_dx_of, fp8_linear_of, fp8_product, Fp8Operand, Packing,
+};
 
 const OP: &str = "fp8_round";
 

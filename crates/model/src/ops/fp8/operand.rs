@@ -143,6 +143,29 @@ impl Fp8Operand {
         }
     }
 
+    /// The tensor it holds: the rounded values, or the packed codes.
+    pub fn tensor(&self) -> &Tensor {
+        match &self.form {
+            Form::Values(t) | Form::Codes { packed: t, .. } => t,
+        }
+    }
+
+    /// The same operand with `f` applied to the tensor it holds (a copy into storage of its
+    /// own, say), which must keep its shape.
+    pub fn map_tensor<E>(
+        self,
+        f: impl FnOnce(Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        let form = match self.form {
+            Form::Values(t) => Form::Values(f(t)?),
+            Form::Codes { packed, packing } => Form::Codes {
+                packed: f(packed)?,
+                packing,
+            },
+        };
+        Ok(Fp8Operand { form, ..self })
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match &self.form {
@@ -184,6 +207,42 @@ pub fn fp8_linear_dx_of(w: &Fp8Operand, g: &Fp8Operand, shape: &Shape) -> Result
         }
         _ => bail!("fp8 linear dx: one operand as values, the other as codes"),
     }
+}
+
+/// The weight gradient `gᵀ · x` `[out, in]` of operands `g` `[rows, out]` (E5M2) and `x`
+/// `[rows, in]` (E4M3): the rounded values' product in their dtype, or with codes one FP8 GEMM
+/// into f32 zeros.
+pub fn fp8_product(g: &Fp8Operand, x: &Fp8Operand) -> Result<Tensor> {
+    formats("fp8 product", [g, x], [Fp8Format::E5M2, Fp8Format::E4M3])?;
+    match (&g.form, &x.form) {
+        (Form::Values(gv), Form::Values(xv)) => gv.t()?.matmul(xv),
+        _ => {
+            let (out, inp) = (g.cols, x.cols);
+            let dst = Tensor::zeros(out * inp, candle_core::DType::F32, x.tensor().device())?;
+            fp8_add_product_of(&dst, g, x)?;
+            dst.reshape((out, inp))
+        }
+    }
+}
+
+/// `dst += gᵀ · x` as one FP8 GEMM on CUDA from operands with transposed codes (`dst` an f32
+/// view of `out × in` elements): cuBLASLt accumulating into `dst`. Operands of rounded values
+/// are the gradient buffer's to multiply; here they are an error.
+pub fn fp8_add_product_of(dst: &Tensor, g: &Fp8Operand, x: &Fp8Operand) -> Result<()> {
+    formats(
+        "fp8 add-product",
+        [g, x],
+        [Fp8Format::E5M2, Fp8Format::E4M3],
+    )?;
+    let ((rows, out), (x_rows, inp)) = (g.dims(), x.dims());
+    if x_rows != rows || dst.elem_count() != out * inp {
+        bail!(
+            "fp8 add-product: g [{rows}, {out}] and x [{x_rows}, {inp}] do not make the {} \
+             elements of the buffer slice",
+            dst.elem_count()
+        )
+    }
+    super::gemm::on_cuda_weight_grad(dst, g, x, (rows, out, inp))
 }
 
 /// Errors unless the operands have the formats the product reads them in (an FP8 GEMM reads
@@ -284,6 +343,15 @@ mod tests {
             v(&dx)?,
             v(&super::super::super::linear_dx(&wr, &gr, x.shape())?)?
         );
+        // The weight gradient of the factors' operands: the product of their rounded values.
+        let g_by_token = Fp8Operand::codes(&g, 48, Fp8Format::E5M2, (true, true))?;
+        let x_by_token = Fp8Operand::codes(&x, 64, Fp8Format::E4M3, (false, true))?;
+        let (gf, xf) = super::super::fp8_product_factors(&g, &x.reshape((15, 64))?)?;
+        assert_eq!(
+            v(&fp8_product(&g_by_token, &x_by_token)?)?,
+            v(&gf.t()?.matmul(&xf)?)?
+        );
+        assert!(fp8_product(&x_by_token, &g_by_token).is_err());
         assert!(fp8_linear_of(&xq, &wq, (3, 5, 47)).is_err());
         assert!(fp8_linear_dx_of(&wq, &xq, x.shape()).is_err());
         let e = fp8_linear_of(&gq, &wq, (15, 48)).unwrap_err().to_string(); // g as an input
