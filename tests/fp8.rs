@@ -145,7 +145,8 @@ fn an_fp8_run_resumes_bit_identically() {
 /// `train.fp8.gemm: cublaslt` multiplies FP8 codes on CUDA; on the CPU its products multiply
 /// the codes' values, which are exactly what the emulated tensorwise path multiplies: the two
 /// give the same loss and gradients bit for bit through the step executor and the gradient
-/// buffer (the weight gradient's factors travel unrounded and are rounded by the buffer).
+/// buffer (the weight gradient's factors travel as operands made in the backward, the input's
+/// shared by the linears that read it), with the whole tape kept and with full recompute.
 #[test]
 fn the_fp8_gemm_path_multiplies_what_the_emulated_path_multiplies() {
     use candle_core::DType;
@@ -153,18 +154,28 @@ fn the_fp8_gemm_path_multiplies_what_the_emulated_path_multiplies() {
     use model::{Fp8Gemm, Fp8Linears, Fp8Scaling, Recompute};
     let c = small::config(false);
     let batches = [small::batch(2, 0), small::batch(2, 40)];
-    let run = |gemm: Option<Fp8Gemm>| {
+    let run = |gemm: Option<Fp8Gemm>, recompute: Recompute| {
         let mut m = small::build(&c, DType::F32, 7);
         m.set_fp8(gemm.map(|gemm| Fp8Linears {
             scaling: Fp8Scaling::Tensorwise,
             gemm,
             layers: 0..3,
         }));
-        small::step(&m, &batches, Recompute::None)
+        small::step(&m, &batches, recompute)
     };
-    let (emulated, gemm) = (run(Some(Fp8Gemm::Emulated)), run(Some(Fp8Gemm::CublasLt)));
-    assert_eq!(emulated.loss.to_bits(), gemm.loss.to_bits());
-    assert_eq!(emulated.grads, gemm.grads);
-    let plain = run(None);
+    for recompute in [Recompute::None, Recompute::Full] {
+        let emulated = run(Some(Fp8Gemm::Emulated), recompute);
+        let gemm = run(Some(Fp8Gemm::CublasLt), recompute);
+        assert_eq!(
+            emulated.loss.to_bits(),
+            gemm.loss.to_bits(),
+            "{recompute:?}"
+        );
+        assert_eq!(emulated.grads, gemm.grads, "{recompute:?}");
+    }
+    let (plain, gemm) = (
+        run(None, Recompute::None),
+        run(Some(Fp8Gemm::CublasLt), Recompute::None),
+    );
     assert_ne!(plain.grads, gemm.grads, "FP8 changed nothing");
 }
