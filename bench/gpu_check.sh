@@ -59,11 +59,13 @@
 #             tensorwise and blockwise, and cuBLASLt tensorwise: each FP8 run's last-10-step mean
 #             loss and last validation loss within 0.25% of bf16's; then 8 steps of bench-1b in
 #             bf16 and with FP8 GEMMs: tokens/s at least 1.15x bf16's; and bench/gpu_step.sh
-#             with FP8 on both sides (torchao float8, eager and compiled; needs torchao); not in
-#             the default list (about 9 minutes)
-#   fp8-7b    recipes/bench-7b.yaml for 6 steps in bf16 and with FP8 GEMMs on one GPU (the plan
-#             with FP8 first): tokens/s at least 1.3x bf16's; not in the default list (about 4
-#             minutes)
+#             with FP8 on both sides (torchao float8, eager and compiled; needs torchao); the
+#             same with block-scaled FP8 GEMMs (train.fp8.scaling: blockwise, cublaslt; Hopper):
+#             the 116M model within 0.25% of bf16 and close to the emulated blockwise curve,
+#             bench-1b no slower than bf16; not in the default list (about 11 minutes)
+#   fp8-7b    recipes/bench-7b.yaml for 6 steps in bf16 and with FP8 GEMMs (tensorwise, then
+#             blockwise) on one GPU (the plan with FP8 first): tensorwise tokens/s at least 1.3x
+#             bf16's; not in the default list (about 5 minutes)
 #   profile   a kernel timeline of bench-1b steps (bench/cupti_trace.c) split by kernel
 #             (bench/kernel_split.py); needs cupti_trace.so (built by scripts/build-cuda.sh next
 #             to the binary) beside the binary or at CUPTI_TRACE_SO; compiled here as a fallback,
@@ -206,11 +208,12 @@ PY
 }
 
 fp8_pair() { # NAME RECIPE STEPS: recipes/RECIPE.yaml for STEPS steps in bf16 (run NAME-bf16)
-  # and with FP8 GEMMs (NAME-cublaslt)
+  # and with FP8 GEMMs, tensorwise (NAME-cublaslt) and blockwise (NAME-cublaslt-blockwise)
   local mode set_mode
-  for mode in bf16 cublaslt; do
+  for mode in bf16 cublaslt cublaslt-blockwise; do
     set_mode="train.steps=$3"
     [ $mode = cublaslt ] && set_mode="$set_mode,train.fp8.scaling=tensorwise,$FP8_LT"
+    [ $mode = cublaslt-blockwise ] && set_mode="$set_mode,train.fp8.scaling=blockwise,$FP8_LT"
     rm -rf "$RUNS/$1-$mode"
     part "$1-$mode" "$BIN" --recipe "recipes/$2.yaml" --set "run.dir=$RUNS/$1-$mode,$set_mode"
   done
@@ -493,15 +496,21 @@ PY
       part fp8-tiny-cublaslt tiny_run fp8-tiny-cublaslt cuda bf16 --set "$FP8_TINY,$FP8_LT"
       part fp8-tiny-cublaslt-curve compare_drift fp8-tiny-cublaslt fp8-tiny-emulated 10 1e-2 3e-2
       part fp8-116m-bf16 tiny_run fp8-116m-bf16 cuda bf16 --set "$FP8_116M"
-      for mode in tensorwise blockwise cublaslt; do
+      for mode in tensorwise blockwise cublaslt cublaslt-blockwise; do
         case $mode in
           cublaslt) set_mode="train.fp8.scaling=tensorwise,$FP8_LT" ;;
+          cublaslt-blockwise) set_mode="train.fp8.scaling=blockwise,$FP8_LT" ;;
           *) set_mode="train.fp8.scaling=$mode" ;;
         esac
         part "fp8-116m-$mode" tiny_run "fp8-116m-$mode" cuda bf16 --set "$FP8_116M,$set_mode"
         part "fp8-116m-$mode-quality" compare_drift "fp8-116m-$mode" fp8-116m-bf16 10 5e-2 2.5e-3
       done
+      # Block-scaled FP8 GEMMs multiply what the emulated blockwise path multiplies.
+      part fp8-116m-cublaslt-blockwise-curve compare_drift fp8-116m-cublaslt-blockwise \
+        fp8-116m-blockwise 10 1e-2 3e-2
       fp8_pair fp8-bench bench-1b 8
+      part fp8-bench-blockwise-speed fp8_speed bench-1b-blockwise "$RUNS/fp8-bench-bf16" \
+        "$RUNS/fp8-bench-cublaslt-blockwise" 1.0
       # Against torchao's float8 training on the same linears (eager and torch.compile), when
       # torchao is installed in $PYTHON's environment.
       part fp8-bench-torchao env OUT="$OUT/fp8" OUT_DIR="$RUNS/gpu_step-fp8" PYTHON="$PYTHON" \

@@ -48,16 +48,16 @@ pub fn prepare_attention(backend: AttentionBackend) -> Result<String> {
     )
 }
 
-/// Refuses FP8 on a GPU without FP8 tensor cores (the CPU runs the emulated path).
-pub fn check_fp8(device: &Device) -> Result<()> {
+/// Refuses `fp8` on a GPU that cannot run it (the CPU runs the emulated path).
+pub fn check_fp8(device: &Device, fp8: &crate::recipe::Fp8Config) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
         let (major, minor) = d.cuda_stream().context().compute_capability()?;
-        if let Some(p) = crate::recipe::fp8_device_problem((major * 10 + minor) as u32) {
+        if let Some(p) = crate::recipe::fp8_device_problem((major * 10 + minor) as u32, fp8) {
             anyhow::bail!(p);
         }
     }
-    let _ = device;
+    let _ = (device, fp8);
     Ok(())
 }
 

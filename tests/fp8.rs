@@ -146,7 +146,8 @@ fn an_fp8_run_resumes_bit_identically() {
 /// the codes' values, which are exactly what the emulated tensorwise path multiplies: the two
 /// give the same loss and gradients bit for bit through the step executor and the gradient
 /// buffer (the weight gradient's factors travel as operands made in the backward, the input's
-/// shared by the linears that read it), with the whole tape kept and with full recompute.
+/// shared by the linears that read it), with the whole tape kept and with full recompute, with
+/// tensorwise and with blockwise scales.
 #[test]
 fn the_fp8_gemm_path_multiplies_what_the_emulated_path_multiplies() {
     use candle_core::DType;
@@ -154,28 +155,28 @@ fn the_fp8_gemm_path_multiplies_what_the_emulated_path_multiplies() {
     use model::{Fp8Gemm, Fp8Linears, Fp8Scaling, Recompute};
     let c = small::config(false);
     let batches = [small::batch(2, 0), small::batch(2, 40)];
-    let run = |gemm: Option<Fp8Gemm>, recompute: Recompute| {
+    let run = |gemm: Option<Fp8Gemm>, scaling: Fp8Scaling, recompute: Recompute| {
         let mut m = small::build(&c, DType::F32, 7);
         m.set_fp8(gemm.map(|gemm| Fp8Linears {
-            scaling: Fp8Scaling::Tensorwise,
+            scaling,
             gemm,
             layers: 0..3,
         }));
         small::step(&m, &batches, recompute)
     };
-    for recompute in [Recompute::None, Recompute::Full] {
-        let emulated = run(Some(Fp8Gemm::Emulated), recompute);
-        let gemm = run(Some(Fp8Gemm::CublasLt), recompute);
-        assert_eq!(
-            emulated.loss.to_bits(),
-            gemm.loss.to_bits(),
-            "{recompute:?}"
-        );
-        assert_eq!(emulated.grads, gemm.grads, "{recompute:?}");
+    let (tensorwise, blockwise) = (Fp8Scaling::Tensorwise, Fp8Scaling::Blockwise);
+    for (scaling, recompute) in [
+        (tensorwise, Recompute::None),
+        (tensorwise, Recompute::Full),
+        (blockwise, Recompute::None),
+    ] {
+        let emulated = run(Some(Fp8Gemm::Emulated), scaling, recompute);
+        let gemm = run(Some(Fp8Gemm::CublasLt), scaling, recompute);
+        let what = format!("{scaling:?}, {recompute:?}");
+        assert_eq!(emulated.loss.to_bits(), gemm.loss.to_bits(), "{what}");
+        assert_eq!(emulated.grads, gemm.grads, "{what}");
     }
-    let (plain, gemm) = (
-        run(None, Recompute::None),
-        run(Some(Fp8Gemm::CublasLt), Recompute::None),
-    );
+    let plain = run(None, tensorwise, Recompute::None);
+    let gemm = run(Some(Fp8Gemm::CublasLt), tensorwise, Recompute::None);
     assert_ne!(plain.grads, gemm.grads, "FP8 changed nothing");
 }

@@ -15,9 +15,9 @@ impl Model<'_> {
     /// weight once a step (kept for the step's micro-batches, both GEMMs' forms from one pass);
     /// backward each upstream gradient (twice under `blockwise`: once per GEMM's blocks) and
     /// each input along the tokens, once for the linears that read it. With cuBLASLt: the same
-    /// quantized to one-byte codes (an upstream gradient's two layouts, for the input and the
-    /// weight gradient, from one pass), and the linears' GEMMs run [`FP8_GEMM_SPEEDUP`] times
-    /// faster. A linear whose three products a rates table measured
+    /// quantized to one-byte codes (under tensorwise an upstream gradient's two layouts, for
+    /// the input and the weight gradient, from one pass), and the linears' GEMMs run
+    /// [`FP8_GEMM_SPEEDUP`] times faster (blockwise scaling too: an assumption both ways). A linear whose three products a rates table measured
     /// with FP8 on (`fp8_gemms`) is priced from those instead. A MoE block's experts stay in
     /// the model dtype: only its attention's four linears.
     pub(super) fn fp8_change(&self, moe: bool, f: &model::Fp8Linears) -> Cost {
@@ -67,8 +67,14 @@ impl Model<'_> {
                     continue;
                 }
                 weights += both * out * inp;
-                // With FP8 GEMMs one pass writes both GEMMs' codes of the upstream gradient.
-                bwd += if lt { both } else { grads * one } * n * out;
+                // With FP8 GEMMs and one tensor scale, one pass writes both GEMMs' codes of the
+                // upstream gradient (blockwise: two, by their own blocks).
+                bwd += if lt && grads == 1.0 {
+                    both
+                } else {
+                    grads * one
+                } * n
+                    * out;
                 if !input_read {
                     fwd += one * n * inp;
                     bwd += one * n * inp; // the weight gradients' input factor

@@ -1,9 +1,9 @@
 //! `train.fp8:` — which blocks run their linears in FP8, and how they scale it.
 //!
-//! The FP8 path is emulated everywhere today (`crates/model/src/llama/fp8.rs`): each GEMM's
-//! operands are rounded to FP8 as an FP8 GEMM reads them, then multiplied by the ordinary bf16
-//! (or f32) GEMM. It trains with FP8's numerics, on the CPU and on any GPU, without FP8's speed;
-//! the start-up line says so.
+//! `gemm: emulated` (the default) rounds each GEMM's operands to FP8 as an FP8 GEMM reads them,
+//! then multiplies them with the ordinary bf16 (or f32) GEMM (`crates/model/src/llama/fp8.rs`):
+//! FP8's numerics on the CPU and on any GPU, without FP8's speed; `gemm: cublaslt` runs FP8
+//! GEMMs on the codes (CUDA). The start-up line says which.
 
 use serde::{Deserialize, Serialize};
 
@@ -28,7 +28,7 @@ pub enum Fp8GemmKind {
     /// The model dtype's GEMMs on the rounded values: FP8's numerics on any device.
     #[default]
     Emulated,
-    /// FP8 GEMMs through cuBLASLt on the codes (CUDA, bf16, tensorwise scaling).
+    /// FP8 GEMMs through cuBLASLt on the codes (CUDA, bf16; blockwise scaling on Hopper).
     Cublaslt,
 }
 
@@ -136,18 +136,12 @@ impl Fp8Config {
     }
 }
 
-/// What `train.fp8.gemm: cublaslt` needs: tensorwise scaling, bf16 on CUDA, and every FP8
-/// GEMM dimension a multiple of 16 (cuBLASLt's FP8 kernels read 16-byte rows).
+/// What `train.fp8.gemm: cublaslt` needs: bf16 on CUDA, and every FP8 GEMM dimension a
+/// multiple of 16 (cuBLASLt's FP8 kernels read 16-byte rows), or of 128 with blockwise scaling
+/// (whole blocks and tiles of scales, as cuBLASLt reads them).
 fn cublaslt_problems(scaling: Fp8Mode, r: &super::Recipe) -> Vec<String> {
     let mut p = Vec::new();
     let (t, m) = (&r.train, &r.model);
-    if scaling != Fp8Mode::Tensorwise {
-        p.push(
-            "train.fp8.gemm: cublaslt runs tensorwise scaling only (blockwise runs emulated: \
-             train.fp8.gemm: emulated)"
-                .into(),
-        );
-    }
     if t.device != super::DeviceKind::Cuda || t.dtype != super::Dtype::Bf16 {
         p.push(format!(
             "train.fp8.gemm: cublaslt needs train.device: cuda and train.dtype: bf16 (the \
@@ -156,6 +150,11 @@ fn cublaslt_problems(scaling: Fp8Mode, r: &super::Recipe) -> Vec<String> {
             t.device, t.dtype
         ));
     }
+    let multiple = if scaling == Fp8Mode::Blockwise {
+        128
+    } else {
+        16
+    };
     let (tp, cp) = (r.parallel.tp.max(1), r.parallel.cp.max(1));
     let kv = m.num_key_value_heads * m.head_dim();
     for (what, n) in [
@@ -171,24 +170,37 @@ fn cublaslt_problems(scaling: Fp8Mode, r: &super::Recipe) -> Vec<String> {
             t.micro_batch * t.seq_len / cp,
         ),
     ] {
-        if n % 16 != 0 {
+        if n % multiple != 0 {
             p.push(format!(
-                "train.fp8.gemm: cublaslt needs {what} ({n}) to be a multiple of 16"
+                "train.fp8.gemm: cublaslt needs {what} ({n}) to be a multiple of {multiple}{}",
+                if multiple == 128 {
+                    " with blockwise scaling (tensorwise: 16)"
+                } else {
+                    ""
+                }
             ));
         }
     }
     p
 }
 
-/// The refusal of FP8 on a GPU older than Ada/Hopper (compute capability `cap`, e.g. 80 for
-/// 8.0): FP8 tensor cores start at sm_89.
-pub fn device_problem(cap: u32) -> Option<String> {
-    (cap < 89).then(|| {
-        format!(
+/// The refusal of FP8 on a GPU that cannot run it (compute capability `cap`, e.g. 80 for 8.0):
+/// FP8 tensor cores start at sm_89, and cuBLASLt's block-scaled FP8 GEMMs (`VEC128_32F`,
+/// `BLK128x128_32F`) are Hopper's (sm_90).
+pub fn device_problem(cap: u32, fp8: &Fp8Config) -> Option<String> {
+    let (major, minor) = (cap / 10, cap % 10);
+    if cap < 89 {
+        return Some(format!(
             "train.fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, \
-             Hopper, Blackwell); this one is {}.{}. Set train.fp8.scaling: none",
-            cap / 10,
-            cap % 10
+             Hopper, Blackwell); this one is {major}.{minor}. Set train.fp8.scaling: none"
+        ));
+    }
+    let blockwise_gemms = fp8.scaling == Fp8Mode::Blockwise && fp8.gemm == Fp8GemmKind::Cublaslt;
+    (blockwise_gemms && major != 9).then(|| {
+        format!(
+            "train.fp8: blockwise scaling with train.fp8.gemm: cublaslt runs cuBLASLt's \
+             block-scaled FP8 GEMMs, which are Hopper's (compute capability 9.0); this GPU is \
+             {major}.{minor}. Use tensorwise scaling, or train.fp8.gemm: emulated"
         )
     })
 }
@@ -233,8 +245,11 @@ mod tests {
             "{:#}",
             load("train.fp8.scaling=blockwise,train.fp8.gemm=cublaslt").unwrap_err()
         );
+        assert!(e.contains("train.device: cuda"), "{e}");
+        // The tiny model's widths are not multiples of 128.
         assert!(
-            e.contains("tensorwise scaling only") && e.contains("train.device: cuda"),
+            !e.contains("model.hidden_size (128)")
+                && e.contains("the key-value width / parallel.tp (64) to be a multiple of 128"),
             "{e}"
         );
         let e =
@@ -247,7 +262,20 @@ mod tests {
             e.contains("model.intermediate_size / parallel.tp (392)"),
             "{e}"
         );
-        assert!(device_problem(80).unwrap().contains("8.0"));
-        assert!(device_problem(89).is_none() && device_problem(90).is_none());
+        let fp8 = |scaling, gemm| Fp8Config {
+            scaling,
+            gemm,
+            ..Fp8Config::default()
+        };
+        let (tw, bw) = (Fp8Mode::Tensorwise, Fp8Mode::Blockwise);
+        let (em, lt) = (Fp8GemmKind::Emulated, Fp8GemmKind::Cublaslt);
+        assert!(device_problem(80, &fp8(tw, em)).unwrap().contains("8.0"));
+        assert!(device_problem(89, &fp8(tw, lt)).is_none());
+        assert!(device_problem(90, &fp8(bw, lt)).is_none());
+        assert!(device_problem(89, &fp8(bw, em)).is_none());
+        for cap in [89, 100, 120] {
+            let e = device_problem(cap, &fp8(bw, lt)).unwrap();
+            assert!(e.contains("Hopper's (compute capability 9.0)"), "{e}");
+        }
     }
 }

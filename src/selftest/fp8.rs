@@ -1,7 +1,7 @@
 //! Check 9 of `pretrain selftest`: FP8 rounding by block on the device against the CPU, bit for
 //! bit (f32 and bf16, both formats, the four block shapes), a linear of rounded operands, the
-//! three FP8 GEMMs of a linear (cuBLASLt on CUDA) against f64, and operands quantized once for
-//! several GEMMs against the one-call GEMMs.
+//! three FP8 GEMMs of a linear (cuBLASLt on CUDA) against f64 with tensorwise and with blockwise
+//! scales, and operands quantized once for several GEMMs against the one-call GEMMs.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -85,6 +85,71 @@ pub fn check_fp8(device: &Device) -> Result<Vec<Check>> {
         tolerance: op_tolerance(DType::BF16),
     });
     checks.extend(check_fp8_gemms(device)?);
+    checks.extend(check_fp8_blockwise_gemms(device)?);
+    Ok(checks)
+}
+
+/// The three FP8 GEMMs of a blockwise linear (cuBLASLt's `VEC128_32F` and `BLK128x128_32F`
+/// scales on CUDA; the rounded values multiplied on the CPU) against f64 products of the CPU's
+/// rounded operands: `x` and `g` by 1 × 128 blocks, `w` by 128 × 128 tiles (its transposed codes
+/// for the input gradient), and the weight gradient's factors by 128 × 1 blocks. K of 384 runs
+/// a grid of tiles three wide.
+fn check_fp8_blockwise_gemms(device: &Device) -> Result<Vec<Check>> {
+    let (rows, out, inp) = (256, 256, 384);
+    let x = randn(&[rows, inp], 38)?.to_dtype(DType::BF16)?;
+    let w = (randn(&[out, inp], 39)? * 0.05)?.to_dtype(DType::BF16)?;
+    let g = (randn(&[rows, out], 40)? * 1e-3)?.to_dtype(DType::BF16)?;
+    let (xd, wd, gd) = (
+        x.to_device(device)?,
+        w.to_device(device)?,
+        g.to_device(device)?,
+    );
+    let q = |format, blocks| Fp8Quant { format, blocks };
+    let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+    use Fp8Blocks::{Cols, Rows, Tiles};
+    let rounded =
+        |t: &Tensor, quant| -> Result<Tensor> { Ok(fp8_round(t, quant)?.to_dtype(DType::F64)?) };
+    let back =
+        |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?) };
+    let w_op = Fp8Operand::codes(&wd, inp, e4, (Some(Tiles), Some(Tiles)))?;
+    let x_op = Fp8Operand::codes(&xd, inp, e4, (Some(Rows), None))?;
+    let g_op = Fp8Operand::codes(&gd, out, e5, (Some(Rows), None))?;
+    let (xr, wr, gr) = (
+        rounded(&x, q(e4, Rows))?,
+        rounded(&w, q(e4, Tiles))?,
+        rounded(&g, q(e5, Rows))?,
+    );
+    let y = back(&fp8_linear_of(&x_op, &w_op, (rows, out))?)?;
+    let dx = back(&fp8_linear_dx_of(&w_op, &g_op, x.shape())?)?;
+    let mut checks = vec![
+        Check {
+            name: "fp8 GEMM forward (blockwise) against f64".into(),
+            error: rel_error(&y, &xr.matmul(&wr.t()?)?)?,
+            tolerance: 1e-2,
+        },
+        Check {
+            name: "fp8 GEMM input gradient (blockwise) against f64".into(),
+            error: rel_error(&dx, &gr.matmul(&wr)?)?,
+            tolerance: 1e-2,
+        },
+    ];
+    let g_tok = Fp8Operand::codes(&gd, out, e5, (None, Some(Cols)))?;
+    let x_tok = Fp8Operand::codes(&xd, inp, e4, (None, Some(Cols)))?;
+    let dst = Tensor::zeros(out * inp, DType::F32, device)?;
+    crate::optim::kernels::add_fp8_product_into(&dst, &g_tok, &x_tok)?;
+    let want = rounded(&g, q(e5, Cols))?
+        .t()?
+        .matmul(&rounded(&x, q(e4, Cols))?)?;
+    checks.push(Check {
+        name: "fp8 GEMM weight gradient (blockwise, into f32) against f64".into(),
+        error: rel_error(&back(&dst)?, &want.flatten_all()?)?,
+        // f32 sums on a GPU; bf16 factors on the CPU round their product to bf16 first.
+        tolerance: if device.is_cuda() {
+            1e-4
+        } else {
+            op_tolerance(DType::BF16)
+        },
+    });
     Ok(checks)
 }
 
@@ -124,9 +189,10 @@ fn check_fp8_gemms(device: &Device) -> Result<Vec<Check>> {
     // Operands made once: a weight's codes as laid out and transposed in one pass, read by
     // both GEMMs, and an input read by two linears, give the one-call products bit for bit.
     let (xd, wd, gd) = (on(&x)?, on(&w)?, on(&g)?);
-    let w_op = Fp8Operand::codes(&wd, inp, Fp8Format::E4M3, (true, true))?;
-    let x_op = Fp8Operand::codes(&xd, inp, Fp8Format::E4M3, (true, false))?;
-    let g_op = Fp8Operand::codes(&gd, out, Fp8Format::E5M2, (true, false))?;
+    let tensor = Some(Fp8Blocks::Tensor);
+    let w_op = Fp8Operand::codes(&wd, inp, Fp8Format::E4M3, (tensor, tensor))?;
+    let x_op = Fp8Operand::codes(&xd, inp, Fp8Format::E4M3, (tensor, None))?;
+    let g_op = Fp8Operand::codes(&gd, out, Fp8Format::E5M2, (tensor, None))?;
     let shared = [
         fp8_linear_of(&x_op, &w_op, (rows, out))?,
         fp8_linear_of(&x_op, &w_op, (rows, out))?,

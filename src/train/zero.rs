@@ -111,7 +111,7 @@ pub fn rank_model(recipe: &Recipe, ctx: &RankCtx) -> Result<Llama> {
     model.set_recomputed(t.recomputed());
     model.set_fp8(t.fp8.linears(c.num_hidden_layers));
     if !t.fp8.is_off() {
-        crate::device::check_fp8(device)?;
+        crate::device::check_fp8(device, &t.fp8)?;
     }
     model.set_documents(model::DocumentUse {
         mask: recipe.data.reset_attention_mask,

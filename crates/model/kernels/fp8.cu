@@ -99,10 +99,15 @@ EXPORT3(fp8_cast,
          u64 rows, u64 cols, u64 br, u64 bc, int fmt),
         (x, amax, codes, codes_t, y, rows, cols, br, bc, fmt))
 
-// inv[b] = 1 / s for each of n blocks' scales s (from amax): the dequantization factor an FP8
-// GEMM multiplies its product by (cuBLASLt's A_SCALE / B_SCALE), exact (s is a power of two).
-extern "C" __global__ void fp8_inv_scales(const unsigned* amax, float* inv, u64 n, int fmt) {
+// 1 / s for each block's scale s (from amax) of an nbr x nbc grid of blocks: the dequantization
+// factor an FP8 GEMM multiplies its product by (cuBLASLt's A_SCALE / B_SCALE), exact (s is a
+// power of two). Written in the grid's row-major order (amax's), or column-major when colmajor
+// (block (i, j) at j * nbr + i: the order cuBLASLt reads 1 x 128 scales of a K-major operand).
+extern "C" __global__ void fp8_inv_scales(const unsigned* amax, float* inv, u64 nbr, u64 nbc,
+                                          int colmajor, int fmt) {
   const float max = fp8_max(fmt);
-  for (u64 b = global_id(); b < n; b += grid_stride())
-    inv[b] = __fdiv_rn(1.0f, fp8_block_scale(amax[b], max));
+  for (u64 b = global_id(); b < nbr * nbc; b += grid_stride()) {
+    const u64 at = colmajor ? b % nbc * nbr + b / nbc : b;
+    inv[at] = __fdiv_rn(1.0f, fp8_block_scale(amax[b], max));
+  }
 }

@@ -117,37 +117,52 @@ pub type Fp8Mode = (Fp8Scaling, Fp8Gemm);
 /// rounded values, or with FP8 GEMMs its codes as laid out (the forward's) and transposed (the
 /// input gradient's). The model keeps it for the step (`Parameter::fp8_operand`).
 pub fn weight_operand(w: &Tensor, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
-    let n_in = w.dim(1)?;
+    let (n_in, q) = (w.dim(1)?, s.quant(Operand::Weight));
     match gemm {
-        Fp8Gemm::CublasLt => Fp8Operand::codes(w, n_in, Fp8Format::E4M3, (true, true)),
-        Fp8Gemm::Emulated => Fp8Operand::values(w, n_in, s.quant(Operand::Weight)),
+        Fp8Gemm::CublasLt => Fp8Operand::codes(w, n_in, q.format, (Some(q.blocks), Some(q.blocks))),
+        Fp8Gemm::Emulated => Fp8Operand::values(w, n_in, q),
     }
 }
 
 /// A linear's input `x` (rows of `cols`) as its forward reads it: E4M3 (1 × 128 blocks under
 /// blockwise). The linears that read one input (q, k, v; gate, up) share it.
-pub fn input_operand(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
-    match gemm {
-        Fp8Gemm::CublasLt => Fp8Operand::codes(x, cols, Fp8Format::E4M3, (true, false)),
-        Fp8Gemm::Emulated => Fp8Operand::values(x, cols, s.quant(Operand::Input)),
-    }
+pub fn input_operand(x: &Tensor, cols: usize, mode: Fp8Mode) -> Result<Fp8Operand> {
+    operand(x, cols, mode, Operand::Input, false)
 }
 
-/// An upstream gradient `g` (rows of `cols`) as the input gradient's GEMM reads it (E5M2);
-/// with FP8 GEMMs its codes also transposed, the weight gradient's, from the same pass.
-fn grad_operand(g: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
-    match gemm {
-        Fp8Gemm::CublasLt => Fp8Operand::codes(g, cols, Fp8Format::E5M2, (true, true)),
-        Fp8Gemm::Emulated => Fp8Operand::values(g, cols, s.quant(Operand::Grad)),
+/// An upstream gradient `g` (rows of `cols`) as the input gradient's GEMM reads it (E5M2; 1 ×
+/// 128 blocks under blockwise); with FP8 GEMMs and one tensor scale, its codes also transposed,
+/// the weight gradient's, from the same pass.
+fn grad_operand(g: &Tensor, cols: usize, mode: Fp8Mode) -> Result<Fp8Operand> {
+    match mode {
+        (Fp8Scaling::Tensorwise, Fp8Gemm::CublasLt) => {
+            let tensor = Some(Fp8Blocks::Tensor);
+            Fp8Operand::codes(g, cols, Fp8Format::E5M2, (tensor, tensor))
+        }
+        _ => operand(g, cols, mode, Operand::Grad, false),
     }
 }
 
 /// The input `x` (rows of `cols`) as the weight gradient's factor, rounded along the tokens:
 /// shared by the linears that read it (with FP8 GEMMs, its transposed codes).
-pub fn input_by_token(x: &Tensor, cols: usize, (s, gemm): Fp8Mode) -> Result<Fp8Operand> {
-    match gemm {
-        Fp8Gemm::CublasLt => Fp8Operand::codes(x, cols, Fp8Format::E4M3, (false, true)),
-        Fp8Gemm::Emulated => Fp8Operand::values(x, cols, s.quant(Operand::InputByToken)),
+pub fn input_by_token(x: &Tensor, cols: usize, mode: Fp8Mode) -> Result<Fp8Operand> {
+    operand(x, cols, mode, Operand::InputByToken, true)
+}
+
+/// `t` (rows of `cols`) as `role` rounds it: its values, or with FP8 GEMMs its codes as laid
+/// out, or `transposed` (an operand along the tokens).
+fn operand(
+    t: &Tensor,
+    cols: usize,
+    (s, gemm): Fp8Mode,
+    role: Operand,
+    transposed: bool,
+) -> Result<Fp8Operand> {
+    let q = s.quant(role);
+    match (gemm, transposed) {
+        (Fp8Gemm::CublasLt, false) => Fp8Operand::codes(t, cols, q.format, (Some(q.blocks), None)),
+        (Fp8Gemm::CublasLt, true) => Fp8Operand::codes(t, cols, q.format, (None, Some(q.blocks))),
+        (Fp8Gemm::Emulated, _) => Fp8Operand::values(t, cols, q),
     }
 }
 
@@ -192,7 +207,13 @@ pub fn projection_bwd_of(
         None => input_by_token(x, n_in, mode)?,
     }; // [rows, in]
     let s = match mode {
-        (_, Fp8Gemm::CublasLt) => return Ok((dx, ParamGrad::Fp8Product { g: gq, x: xq })),
+        (Fp8Scaling::Tensorwise, Fp8Gemm::CublasLt) => {
+            return Ok((dx, ParamGrad::Fp8Product { g: gq, x: xq })); // both layouts in gq
+        }
+        (_, Fp8Gemm::CublasLt) => {
+            let gw = operand(g, n_out, mode, Operand::GradByToken, true)?; // 128 × 1 blocks
+            return Ok((dx, ParamGrad::Fp8Product { g: gw, x: xq }));
+        }
         (s, Fp8Gemm::Emulated) => s,
     };
     let g2 = match (s, gq.rounded()) {

@@ -31,7 +31,8 @@ use parallel::cp::Kernels;
 pub use fp8::{
     fp8_add_product_into, fp8_add_product_of, fp8_dtype_supported, fp8_linear, fp8_linear_dx,
     fp8_linear_dx_of, fp8_linear_of, fp8_product, fp8_product_factors, fp8_round, fp8_scale,
-    Fp8Blocks, Fp8Format, Fp8Operand, Fp8Quant, LtGemm, LtMatrix, LtOut, Packing, FP8_BLOCK,
+    Fp8Blocks, Fp8Format, Fp8Operand, Fp8Quant, LtGemm, LtMatrix, LtOut, LtScale, Packing, Part,
+    FP8_BLOCK,
 };
 pub use grouped::{grouped_linear, Grouped};
 pub use sdpa::{AttentionBackend, CUDNN_MAX_HEAD_DIM};

@@ -11,7 +11,7 @@ use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
-use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant, Packing};
+use crate::ops::{Fp8Format, Fp8Quant, Packing, Part};
 
 /// Threads per CUDA block of `fp8_amax` (`AMAX_THREADS` in the emulation driver).
 const AMAX_THREADS: u32 = 256;
@@ -90,73 +90,79 @@ pub fn fp8_round(
     })
 }
 
-/// `x` (`(rows, cols)` of its layout) as E4M3 or E5M2 codes with one tensorwise scale, packed
-/// as `packing` says (`ops::Packing`): the codes `[rows, cols]` and/or transposed `[cols, rows]`,
-/// from one amax pass and one cast pass, then the scale's inverse (one f32), the factor an FP8
-/// GEMM multiplies their product by.
+/// `x` (`packing.rows × packing.cols` of its layout) as E4M3 or E5M2 codes packed as
+/// `packing` says (`ops::Packing`): the codes `[rows, cols]` and/or transposed `[cols, rows]`,
+/// each followed by the inverse scales of its blocks (the factors an FP8 GEMM multiplies by), in
+/// the order its part names. Parts with the same blocks share one amax pass and one cast pass.
 pub fn quantize(
     x: &CudaStorage,
     xl: &Layout,
-    (rows, cols): (usize, usize),
     format: Fp8Format,
     packing: Packing,
 ) -> Result<CudaStorage> {
-    let dev = x.device();
-    let packed = quantize_slice(x, xl, (rows, cols), format, packing)?;
-    Ok(CudaStorage::wrap_cuda_slice(packed, dev.clone()))
-}
-
-/// [`quantize`] into a bare device buffer of `packing.len` bytes.
-pub fn quantize_slice(
-    x: &CudaStorage,
-    xl: &Layout,
-    (rows, cols): (usize, usize),
-    format: Fp8Format,
-    packing: Packing,
-) -> Result<CudaSlice<u8>> {
     const OP: &str = "fp8_quantize";
     let dev = x.device();
+    let (rows, cols) = (packing.rows, packing.cols);
     let n = rows * cols;
-    let (br, bc) = Fp8Blocks::Tensor.dims(rows, cols);
-    let (rows_u, cols_u, br_u, bc_u) = (rows as u64, cols as u64, br as u64, bc as u64);
-    let (fmt, one) = (format.code(), 1u64);
     if xl.shape().elem_count() != n {
         bail!(
             "{OP}: x has {} elements, not {rows} x {cols}",
             xl.shape().elem_count()
         )
     }
-    if packing != Packing::new(n, packing.plain.is_some(), packing.transposed.is_some()) {
-        bail!("{OP}: {packing:?} does not pack {rows} x {cols} codes")
+    let blocks = |p: Option<Part>| p.map(|p| p.blocks);
+    if packing
+        != Packing::new(
+            (rows, cols),
+            blocks(packing.plain),
+            blocks(packing.transposed),
+        )
+    {
+        bail!("{OP}: {packing:?} is not a packing of {rows} x {cols} codes")
     }
+    // The passes: the parts that share their blocks together.
+    let passes: Vec<Vec<Part>> = match (packing.plain, packing.transposed) {
+        (Some(a), Some(b)) if a.blocks == b.blocks => vec![vec![a, b]],
+        (a, b) => a.into_iter().chain(b).map(|p| vec![p]).collect(),
+    };
+    let (rows_u, cols_u, fmt) = (rows as u64, cols as u64, format.code());
     crate::with_cuda_dtype!(OP, x.dtype(), T => {
         let xv = view::<T>(OP, "x", x, xl)?; // [rows, cols]
-        // SAFETY: fp8_cast writes every code of each part asked for, fp8_inv_scales the scale;
+        // SAFETY: fp8_cast writes every code of each part, fp8_inv_scales each part's scales;
         // the alignment padding is never read.
         let mut packed = unsafe { alloc::<u8>(dev, packing.len) }?;
-        let amax = block_amax(dev, OP, (&xv, x.dtype()), (rows, cols), (br, bc))?;
         let stream = dev.cuda_stream();
-        let (base, guard) = packed.device_ptr_mut(&stream);
-        let at = |part: Option<usize>| part.map_or(0u64, |o| base + o as u64); // 0: not written
-        let (plain, transposed, scale) =
-            (at(packing.plain), at(packing.transposed), base + packing.scale as u64);
         let dtype = x.dtype();
-        if n > 0 {
-            let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
-            let null = 0u64;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&xv).arg(&amax).arg(&plain).arg(&transposed).arg(&null);
-            b.arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
-            // SAFETY: matches `fp8_cast_<T>`; each part asked for holds n bytes of `packed`.
-            unsafe { b.launch(elementwise(n)) }.w()?;
+        for parts in &passes {
+            let (br, bc) = parts[0].blocks.dims(rows, cols);
+            let (nbr, nbc) = (rows.div_ceil(br.max(1)) as u64, cols.div_ceil(bc.max(1)) as u64);
+            let amax = block_amax(dev, OP, (&xv, dtype), (rows, cols), (br, bc))?;
+            let (base, guard) = packed.device_ptr_mut(&stream);
+            let codes = |transposed: bool| {
+                let p = parts.iter().find(|p| p.transposed == transposed);
+                p.map_or(0u64, |p| base + p.codes as u64) // 0: not written
+            };
+            let (plain, transposed) = (codes(false), codes(true));
+            if n > 0 {
+                let f = load(dev, Module::Fp8, &kernel_name(OP, "fp8_cast", dtype)?)?;
+                let (null, br_u, bc_u) = (0u64, br as u64, bc as u64);
+                let mut b = stream.launch_builder(&f);
+                b.arg(&xv).arg(&amax).arg(&plain).arg(&transposed).arg(&null);
+                b.arg(&rows_u).arg(&cols_u).arg(&br_u).arg(&bc_u).arg(&fmt);
+                // SAFETY: matches `fp8_cast_<T>`; each part written holds n bytes of `packed`.
+                unsafe { b.launch(elementwise(n)) }.w()?;
+            }
+            for p in parts {
+                let f = load(dev, Module::Fp8, "fp8_inv_scales")?;
+                let (scales, colmajor) = (base + p.scales as u64, p.colmajor() as i32);
+                let mut b = stream.launch_builder(&f);
+                b.arg(&amax).arg(&scales).arg(&nbr).arg(&nbc).arg(&colmajor).arg(&fmt);
+                // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, u64, int, int)`;
+                // the part's scales hold nbr · nbc floats at a 256-byte aligned offset.
+                unsafe { b.launch(elementwise((nbr * nbc) as usize)) }.w()?;
+            }
+            drop(guard);
         }
-        let f = load(dev, Module::Fp8, "fp8_inv_scales")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&amax).arg(&scale).arg(&one).arg(&fmt);
-        // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, int)` for one block,
-        // written at the packing's 256-byte aligned scale offset.
-        unsafe { b.launch(elementwise(1)) }.w()?;
-        drop(guard);
-        Ok(packed)
+        Ok(CudaStorage::wrap_cuda_slice(packed, dev.clone()))
     })
 }

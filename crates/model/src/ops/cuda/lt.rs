@@ -1,8 +1,8 @@
-//! FP8 GEMMs through cuBLASLt (tensorwise scaling): a linear's forward, input gradient and
-//! weight gradient on operands already quantized (`ops::Fp8Operand`: codes packed with their
-//! inverse scale, as laid out or transposed as the plan of `ops::fp8::gemm` says, made once for
-//! every GEMM that reads them); each one `cublasLtMatmul` with the scales as `A_SCALE_POINTER` /
-//! `B_SCALE_POINTER`. One handle and 32 MiB workspace per
+//! FP8 GEMMs through cuBLASLt: a linear's forward, input gradient and weight gradient on
+//! operands already quantized (`ops::Fp8Operand`: codes packed with their inverse scales, as laid
+//! out or transposed as the plan of `ops::fp8::gemm` says, made once for every GEMM that reads
+//! them); each one `cublasLtMatmul` with the scales as `A_SCALE_POINTER` / `B_SCALE_POINTER`
+//! and, for blockwise scaling, their modes (`VEC128_32F`, `BLK128x128_32F`; Hopper). One handle and 32 MiB workspace per
 //! CUDA context; the algorithm the heuristic picks for a plan is kept, so a shape is searched
 //! once and always runs the same kernel.
 
@@ -18,7 +18,7 @@ use candle_core::cuda::{CudaDevice, CudaStorage};
 use candle_core::{bail, Layout, Result};
 
 use super::alloc;
-use crate::ops::{Fp8Format, LtGemm, LtMatrix, LtOut, Packing};
+use crate::ops::{Fp8Format, LtGemm, LtMatrix, LtOut, LtScale, Packing};
 
 /// Workspace bytes of a handle (NVIDIA's recommendation for Hopper).
 const WORKSPACE: usize = 32 << 20;
@@ -65,6 +65,16 @@ fn data_type(f: Fp8Format) -> sys::cudaDataType {
     match f {
         Fp8Format::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
         Fp8Format::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+    }
+}
+
+/// cuBLASLt's scale mode of an operand (Hopper's block scaling: CUDA 12.9 and newer).
+fn scale_mode(s: LtScale) -> sys::cublasLtMatmulMatrixScale_t {
+    use sys::cublasLtMatmulMatrixScale_t as M;
+    match s {
+        LtScale::Scalar => M::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+        LtScale::Vec128 => M::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+        LtScale::Blk128 => M::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
     }
 }
 
@@ -162,6 +172,13 @@ unsafe fn matmul(
             &fast as *const i8 as _,
             1,
         )?;
+        for (attr, scale) in [
+            (A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, plan.a_scale),
+            (A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, plan.b_scale),
+        ] {
+            let mode = scale_mode(scale) as u32;
+            set(desc, attr, &mode as *const u32 as _, 4)?;
+        }
     }
     let out = match plan.out {
         LtOut::Bf16 => sys::cudaDataType::CUDA_R_16BF,
@@ -267,13 +284,18 @@ unsafe fn matmul(
 /// A packed operand (`ops::Fp8Operand`'s codes) and where its parts lie.
 type Packed<'a> = ((&'a CudaStorage, &'a Layout), Packing);
 
-/// The device addresses of a packed operand's codes (`transposed` or as laid out) and scale.
-fn parts(op: &str, ((s, l), p): Packed, transposed: bool, dev: &CudaDevice) -> Result<[u64; 2]> {
+/// The device addresses of a packed operand's codes (`transposed` or as laid out) and their
+/// scales, and how a GEMM scales them.
+fn parts(
+    op: &str,
+    ((s, l), p): Packed,
+    transposed: bool,
+    dev: &CudaDevice,
+) -> Result<([u64; 2], LtScale)> {
     let Some((start, end)) = l.contiguous_offsets() else {
         bail!("{op}: a packed FP8 operand must be contiguous")
     };
-    let codes = if transposed { p.transposed } else { p.plain };
-    let (Some(codes), true) = (codes, end - start == p.len && start % 256 == 0) else {
+    let (Some(part), true) = (p.part(transposed), end - start == p.len && start % 256 == 0) else {
         bail!(
             "{op}: the packed operand ({} bytes from byte {start}) is not the whole aligned \
              buffer with the {} codes the GEMM reads ({p:?})",
@@ -287,10 +309,11 @@ fn parts(op: &str, ((s, l), p): Packed, transposed: bool, dev: &CudaDevice) -> R
     let stream = dev.cuda_stream();
     let (base, _g) = bytes.device_ptr(&stream); // one stream: the GEMM queued after is ordered
     let base = base + start as u64;
-    Ok([base + codes as u64, base + p.scale as u64])
+    let at = [base + part.codes as u64, base + part.scales as u64];
+    Ok((at, part.scale()?))
 }
 
-/// `plan`'s product of packed operands `a` and `b` (codes and inverse scales: `[codes, scale]`
+/// `plan`'s product of packed operands `a` and `b` (codes and inverse scales: `[codes, scales]`
 /// device addresses) into a fresh bf16 buffer of `len` elements (zeros without a GEMM when the
 /// plan is empty).
 fn into_bf16(
@@ -326,11 +349,11 @@ pub fn linear(
 ) -> Result<CudaStorage> {
     const OP: &str = "fp8 linear";
     let dev = x.0.device();
-    let plan = LtGemm::forward(rows, out, inp);
-    let (a, b) = (
+    let ((a, sa), (b, sb)) = (
         parts(OP, (w, wp), false, dev)?,
         parts(OP, (x, xp), false, dev)?,
     );
+    let plan = LtGemm::forward(rows, out, inp).scaled(sa, sb);
     into_bf16(dev, &plan, a, b, rows * out) // [rows, out]
 }
 
@@ -344,11 +367,11 @@ pub fn linear_dx(
 ) -> Result<CudaStorage> {
     const OP: &str = "fp8 linear dx";
     let dev = w.0.device();
-    let plan = LtGemm::input_grad(rows, out, inp);
-    let (a, b) = (
+    let ((a, sa), (b, sb)) = (
         parts(OP, (w, wp), true, dev)?,
         parts(OP, (g, gp), false, dev)?,
     );
+    let plan = LtGemm::input_grad(rows, out, inp).scaled(sa, sb);
     into_bf16(dev, &plan, a, b, rows * inp) // [rows, inp]
 }
 
@@ -367,11 +390,11 @@ pub fn add_product(
     if rows == 0 || out * inp == 0 {
         return Ok(());
     }
-    let plan = LtGemm::weight_grad(rows, out, inp);
-    let ([a, sa], [b, sb]) = (
+    let (([a, sa], xs), ([b, sb], gs)) = (
         parts(OP, (x, xk), true, &dev)?,
         parts(OP, (g, gk), true, &dev)?,
     );
+    let plan = LtGemm::weight_grad(rows, out, inp).scaled(xs, gs);
     let stream = dev.cuda_stream();
     let aligned = {
         let mut d = super::flat::f32_slot(OP, dst, (start, end))?; // [out, inp]

@@ -21,7 +21,8 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
-use super::operand::{fp8_add_product_of, fp8_linear_dx_of, fp8_linear_of, Fp8Operand, Packing};
+use super::operand::{fp8_add_product_of, fp8_linear_dx_of, fp8_linear_of, Fp8Operand};
+use super::packing::{LtScale, Packing};
 use super::{fp8_round, Fp8Blocks, Fp8Format, Fp8Quant};
 
 /// A matrix as cuBLASLt reads it: column-major `rows × cols` with leading dimension `ld`.
@@ -69,6 +70,9 @@ pub struct LtGemm {
     pub b_format: Fp8Format,
     pub out: LtOut,
     pub fast_accum: bool,
+    /// How A and B are scaled (one scale each, unless [`LtGemm::scaled`] says).
+    pub a_scale: LtScale,
+    pub b_scale: LtScale,
 }
 
 impl LtGemm {
@@ -85,6 +89,8 @@ impl LtGemm {
             b_format: Fp8Format::E4M3,
             out: LtOut::Bf16,
             fast_accum: true,
+            a_scale: LtScale::Scalar,
+            b_scale: LtScale::Scalar,
         }
     }
 
@@ -101,6 +107,8 @@ impl LtGemm {
             b_format: Fp8Format::E5M2,
             out: LtOut::Bf16,
             fast_accum: false,
+            a_scale: LtScale::Scalar,
+            b_scale: LtScale::Scalar,
         }
     }
 
@@ -118,9 +126,23 @@ impl LtGemm {
             b_format: Fp8Format::E5M2,
             out: LtOut::AccumulateF32,
             fast_accum: false,
+            a_scale: LtScale::Scalar,
+            b_scale: LtScale::Scalar,
+        }
+    }
+
+    /// The plan with A and B scaled as `a` and `b` say.
+    pub fn scaled(self, a: LtScale, b: LtScale) -> Self {
+        LtGemm {
+            a_scale: a,
+            b_scale: b,
+            ..self
         }
     }
 }
+
+/// One scale for the whole operand.
+const TENSOR: Option<Fp8Blocks> = Some(Fp8Blocks::Tensor);
 
 /// Tensorwise rounding in `format`.
 fn tensorwise(format: Fp8Format) -> Fp8Quant {
@@ -134,8 +156,8 @@ fn tensorwise(format: Fp8Format) -> Fp8Quant {
 /// each quantized for this one GEMM.
 pub fn fp8_linear(x: &Tensor, w: &Tensor, shape: impl Into<Shape>) -> Result<Tensor> {
     let inp = w.dim(1)?;
-    let xq = Fp8Operand::codes(x, inp, Fp8Format::E4M3, (true, false))?;
-    let wq = Fp8Operand::codes(w, inp, Fp8Format::E4M3, (true, false))?;
+    let xq = Fp8Operand::codes(x, inp, Fp8Format::E4M3, (TENSOR, None))?;
+    let wq = Fp8Operand::codes(w, inp, Fp8Format::E4M3, (TENSOR, None))?;
     fp8_linear_of(&xq, &wq, shape)
 }
 
@@ -143,8 +165,8 @@ pub fn fp8_linear(x: &Tensor, w: &Tensor, shape: impl Into<Shape>) -> Result<Ten
 /// for this one GEMM.
 pub fn fp8_linear_dx(w: &Tensor, g: &Tensor, shape: &Shape) -> Result<Tensor> {
     let (out, inp) = w.dims2()?;
-    let wq = Fp8Operand::codes(w, inp, Fp8Format::E4M3, (false, true))?;
-    let gq = Fp8Operand::codes(g, out, Fp8Format::E5M2, (true, false))?;
+    let wq = Fp8Operand::codes(w, inp, Fp8Format::E4M3, (None, TENSOR))?;
+    let gq = Fp8Operand::codes(g, out, Fp8Format::E5M2, (TENSOR, None))?;
     fp8_linear_dx_of(&wq, &gq, shape)
 }
 
@@ -200,8 +222,8 @@ pub fn fp8_product_factors(g: &Tensor, x: &Tensor) -> Result<(Tensor, Tensor)> {
 /// [`fp8_product_factors`] with its own kernel; here it is an error.
 pub fn fp8_add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
     let (out, inp) = (g.dim(1)?, x.dim(1)?);
-    let gq = Fp8Operand::codes(g, out, Fp8Format::E5M2, (false, true))?;
-    let xq = Fp8Operand::codes(x, inp, Fp8Format::E4M3, (false, true))?;
+    let gq = Fp8Operand::codes(g, out, Fp8Format::E5M2, (None, TENSOR))?;
+    let xq = Fp8Operand::codes(x, inp, Fp8Format::E4M3, (None, TENSOR))?;
     fp8_add_product_of(dst, &gq, &xq)
 }
 

@@ -26,13 +26,13 @@ use rayon::prelude::*;
 
 mod gemm;
 mod operand;
+mod packing;
 
 pub use gemm::{
     fp8_add_product_into, fp8_linear, fp8_linear_dx, fp8_product_factors, LtGemm, LtMatrix, LtOut,
 };
-pub use operand::{
-    fp8_add_product_of, fp8_linear_dx_of, fp8_linear_of, fp8_product, Fp8Operand, Packing,
-};
+pub use operand::{fp8_add_product_of, fp8_linear_dx_of, fp8_linear_of, fp8_product, Fp8Operand};
+pub use packing::{LtScale, Packing, Part};
 
 const OP: &str = "fp8_round";
 
@@ -88,7 +88,7 @@ impl Fp8Format {
 }
 
 /// Which elements of a tensor read as `[rows, cols]` share one scale.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fp8Blocks {
     /// The whole tensor.
     Tensor,
@@ -113,7 +113,7 @@ impl Fp8Blocks {
 }
 
 /// How [`fp8_round`] rounds: a format and the blocks that share a scale.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fp8Quant {
     pub format: Fp8Format,
     pub blocks: Fp8Blocks,

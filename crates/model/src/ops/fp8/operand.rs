@@ -5,47 +5,16 @@
 //!
 //! An [`Fp8Operand`] is either its rounded values in its own dtype ([`fp8_round`]'s: what the
 //! emulated path, and FP8 GEMMs on the CPU, multiply with the model dtype's GEMM) or, on CUDA
-//! with FP8 GEMMs (tensorwise), its one-byte codes packed with their inverse scale: the codes as
-//! laid out and/or transposed (Hopper reads both operands K-major, [`super::LtGemm`]), each part
-//! 256-byte aligned, then the scale ([`Packing`]). One amax pass and one cast pass write every
-//! part.
+//! with FP8 GEMMs, its one-byte codes packed with their inverse scales: the codes as laid out
+//! and/or transposed (Hopper reads both operands K-major, [`super::LtGemm`]), each with its
+//! scales ([`Packing`]). One amax pass and one cast pass write the parts that share their
+//! blocks.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+use super::packing::Packing;
 use super::{fp8_round, Fp8Blocks, Fp8Format, Fp8Quant};
-
-/// Where the parts of a packed operand of `n` codes lie in its bytes: the codes as laid out,
-/// the transposed codes (each 256-byte aligned, when present) and the inverse scale (one f32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Packing {
-    pub plain: Option<usize>,
-    pub transposed: Option<usize>,
-    pub scale: usize,
-    /// Bytes in all (the scale padded to 16).
-    pub len: usize,
-}
-
-impl Packing {
-    pub fn new(n: usize, plain: bool, transposed: bool) -> Self {
-        let aligned = |x: usize| x.div_ceil(256) * 256;
-        let mut at = 0;
-        let mut part = |wanted: bool| {
-            wanted.then(|| {
-                let start = at;
-                at = aligned(at + n);
-                start
-            })
-        };
-        let (plain, transposed) = (part(plain), part(transposed));
-        Packing {
-            plain,
-            transposed,
-            scale: at,
-            len: at + 16,
-        }
-    }
-}
 
 /// What an operand holds.
 #[derive(Debug, Clone)]
@@ -77,23 +46,27 @@ impl Fp8Operand {
         })
     }
 
-    /// `x` read as rows of `cols`, quantized tensorwise in `format` for FP8 GEMMs: on CUDA its
-    /// codes as laid out (`plain`) and/or `transposed`, with their inverse scale; elsewhere its
-    /// rounded values, what those GEMMs multiply.
+    /// `x` read as rows of `cols`, quantized in `format` for FP8 GEMMs with the blocks given
+    /// for its codes as laid out (`plain`) and/or `transposed`: on CUDA the codes and their
+    /// inverse scales; elsewhere its rounded values, what those GEMMs multiply (one rounding:
+    /// both parts' blocks must then be the same).
     pub fn codes(
         x: &Tensor,
         cols: usize,
         format: Fp8Format,
-        (plain, transposed): (bool, bool),
+        (plain, transposed): (Option<Fp8Blocks>, Option<Fp8Blocks>),
     ) -> Result<Self> {
         let rows = x.elem_count() / cols.max(1);
         let x2 = x.reshape((rows, cols))?;
         if !x.device().is_cuda() {
-            let q = Fp8Quant {
-                format,
-                blocks: Fp8Blocks::Tensor,
+            let blocks = match (plain, transposed) {
+                (Some(a), Some(b)) if a != b => {
+                    bail!("fp8 codes: rounded values hold one rounding, not {a:?} and {b:?} blocks")
+                }
+                (Some(a), _) | (None, Some(a)) => a,
+                (None, None) => bail!("fp8 codes: neither layout asked for"),
             };
-            return Self::values(&x2, cols, q);
+            return Self::values(&x2, cols, Fp8Quant { format, blocks });
         }
         if x.dtype() != candle_core::DType::BF16 {
             bail!(
@@ -102,13 +75,11 @@ impl Fp8Operand {
                 x.dtype()
             )
         }
-        let packing = Packing::new(rows * cols, plain, transposed);
-        let op = Quantize {
-            format,
-            packing,
-            rows,
-            cols,
-        };
+        let packing = Packing::new((rows, cols), plain, transposed);
+        for part in packing.plain.iter().chain(&packing.transposed) {
+            part.scale()?; // a layout a GEMM can read
+        }
+        let op = Quantize { format, packing };
         let packed = x2.contiguous()?.apply_op1_no_bwd(&op)?;
         Ok(Fp8Operand {
             rows,
@@ -259,8 +230,6 @@ fn formats(op: &str, operands: [&Fp8Operand; 2], want: [Fp8Format; 2]) -> Result
 struct Quantize {
     format: Fp8Format,
     packing: Packing,
-    rows: usize,
-    cols: usize,
 }
 
 impl CustomOp1 for Quantize {
@@ -273,8 +242,8 @@ impl CustomOp1 for Quantize {
             "fp8_quantize: FP8 codes ({:?}, {} x {}, {} bytes packed) are made on CUDA; a {:?} \
              operand on the CPU keeps its rounded values",
             self.format,
-            self.rows,
-            self.cols,
+            self.packing.rows,
+            self.packing.cols,
             self.packing.len,
             s.dtype()
         )
@@ -286,8 +255,7 @@ impl CustomOp1 for Quantize {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = (self.rows, self.cols);
-        let out = super::super::cuda::fp8::quantize(s, l, dims, self.format, self.packing)?;
+        let out = super::super::cuda::fp8::quantize(s, l, self.format, self.packing)?;
         Ok((out, Shape::from(self.packing.len)))
     }
 }
@@ -296,18 +264,6 @@ impl CustomOp1 for Quantize {
 mod tests {
     use super::*;
     use candle_core::Device;
-
-    #[test]
-    fn packing_aligns_each_part_and_ends_with_the_scale() {
-        let p = Packing::new(300, true, true);
-        assert_eq!(
-            (p.plain, p.transposed, p.scale, p.len),
-            (Some(0), Some(512), 1024, 1040)
-        );
-        let t = Packing::new(300, false, true);
-        assert_eq!((t.plain, t.transposed, t.scale), (None, Some(0), 512));
-        assert_eq!(Packing::new(256, true, false).scale, 256);
-    }
 
     /// On the CPU codes are the tensorwise rounded values, and the GEMMs of operands equal the
     /// plain GEMMs of those values bit for bit.
@@ -321,9 +277,10 @@ mod tests {
             format,
             blocks: Fp8Blocks::Tensor,
         };
-        let xq = Fp8Operand::codes(&x, 64, Fp8Format::E4M3, (true, false))?;
-        let wq = Fp8Operand::codes(&w, 64, Fp8Format::E4M3, (true, true))?;
-        let gq = Fp8Operand::codes(&g, 48, Fp8Format::E5M2, (true, false))?;
+        let tensor = Some(Fp8Blocks::Tensor);
+        let xq = Fp8Operand::codes(&x, 64, Fp8Format::E4M3, (tensor, None))?;
+        let wq = Fp8Operand::codes(&w, 64, Fp8Format::E4M3, (tensor, tensor))?;
+        let gq = Fp8Operand::codes(&g, 48, Fp8Format::E5M2, (tensor, None))?;
         assert_eq!(
             (xq.dims(), wq.dims(), gq.dims()),
             ((15, 64), (48, 64), (15, 48))
@@ -344,8 +301,8 @@ mod tests {
             v(&super::super::super::linear_dx(&wr, &gr, x.shape())?)?
         );
         // The weight gradient of the factors' operands: the product of their rounded values.
-        let g_by_token = Fp8Operand::codes(&g, 48, Fp8Format::E5M2, (true, true))?;
-        let x_by_token = Fp8Operand::codes(&x, 64, Fp8Format::E4M3, (false, true))?;
+        let g_by_token = Fp8Operand::codes(&g, 48, Fp8Format::E5M2, (tensor, tensor))?;
+        let x_by_token = Fp8Operand::codes(&x, 64, Fp8Format::E4M3, (None, tensor))?;
         let (gf, xf) = super::super::fp8_product_factors(&g, &x.reshape((15, 64))?)?;
         assert_eq!(
             v(&fp8_product(&g_by_token, &x_by_token)?)?,
@@ -353,6 +310,8 @@ mod tests {
         );
         assert!(fp8_product(&x_by_token, &g_by_token).is_err());
         assert!(fp8_linear_of(&xq, &wq, (3, 5, 47)).is_err());
+        let two = (Some(Fp8Blocks::Rows), Some(Fp8Blocks::Cols));
+        assert!(Fp8Operand::codes(&g, 48, Fp8Format::E5M2, two).is_err());
         assert!(fp8_linear_dx_of(&wq, &xq, x.shape()).is_err());
         let e = fp8_linear_of(&gq, &wq, (15, 48)).unwrap_err().to_string(); // g as an input
         assert!(e.contains("operands in [E5M2, E4M3]"), "{e}");
