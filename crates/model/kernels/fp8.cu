@@ -101,13 +101,16 @@ EXPORT3(fp8_cast,
 
 // 1 / s for each block's scale s (from amax) of an nbr x nbc grid of blocks: the dequantization
 // factor an FP8 GEMM multiplies its product by (cuBLASLt's A_SCALE / B_SCALE), exact (s is a
-// power of two). Written in the grid's row-major order (amax's), or column-major when colmajor
-// (block (i, j) at j * nbr + i: the order cuBLASLt reads 1 x 128 scales of a K-major operand).
+// power of two). Written line by line, ld floats a line: the grid's rows (row-major, amax's
+// order), or its columns when colmajor (block (i, j) at j * ld + i: the order cuBLASLt reads
+// 1 x 128 scales of a K-major operand); a line's entries past the grid's width are zeros.
 extern "C" __global__ void fp8_inv_scales(const unsigned* amax, float* inv, u64 nbr, u64 nbc,
-                                          int colmajor, int fmt) {
+                                          int colmajor, u64 ld, int fmt) {
   const float max = fp8_max(fmt);
-  for (u64 b = global_id(); b < nbr * nbc; b += grid_stride()) {
-    const u64 at = colmajor ? b % nbc * nbr + b / nbc : b;
-    inv[at] = __fdiv_rn(1.0f, fp8_block_scale(amax[b], max));
+  const u64 inner = colmajor ? nbr : nbc, lines = colmajor ? nbc : nbr;
+  for (u64 p = global_id(); p < lines * ld; p += grid_stride()) {
+    const u64 line = p / ld, k = p % ld;
+    const u64 b = colmajor ? k * nbc + line : line * nbc + k;
+    inv[p] = k < inner ? __fdiv_rn(1.0f, fp8_block_scale(amax[b], max)) : 0.0f;
   }
 }

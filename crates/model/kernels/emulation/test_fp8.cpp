@@ -120,7 +120,9 @@ template <typename T> void check_cast(size_t rows, size_t cols, Blocks bl, int f
   for (size_t b = 0; b < nb; ++b) am[b] = 0;
   Buffer<unsigned char> codes(n, "codes"), codes_t(n, "codes_t");
   Buffer<T> y(n, "y");
-  Buffer<float> inv(nb, "inv"), inv_cm(nb, "inv_colmajor");
+  // Column-major lines padded to a multiple of 4 (cuBLASLt's scale strides).
+  const size_t ld_cm = (nbr + 3) / 4 * 4;
+  Buffer<float> inv(nb, "inv"), inv_cm(ld_cm * nbc, "inv_colmajor");
   const std::string tag = format("fp8 %s %s %zux%zu blocks %s", type_name<T>(),
                                  fmt == 0 ? "E4M3" : "E5M2", rows, cols, bl.name);
   bool ok = run(format("fp8_amax_%s", type_name<T>()), grid(nb * splits, AMAX_THREADS, 0), [&] {
@@ -131,10 +133,10 @@ template <typename T> void check_cast(size_t rows, size_t cols, Blocks bl, int f
                              (u64)rows, (u64)cols, (u64)br, (u64)bc, fmt);
        });
   ok = ok && run("fp8_inv_scales", elementwise(nb), [&] {
-         fp8_inv_scales(am.data(), inv.data(), (u64)nbr, (u64)nbc, 0, fmt);
+         fp8_inv_scales(am.data(), inv.data(), (u64)nbr, (u64)nbc, 0, (u64)nbc, fmt);
        });
-  ok = ok && run("fp8_inv_scales colmajor", elementwise(nb), [&] {
-         fp8_inv_scales(am.data(), inv_cm.data(), (u64)nbr, (u64)nbc, 1, fmt);
+  ok = ok && run("fp8_inv_scales colmajor", elementwise(ld_cm * nbc), [&] {
+         fp8_inv_scales(am.data(), inv_cm.data(), (u64)nbr, (u64)nbc, 1, (u64)ld_cm, fmt);
        });
   if (!ok) return;
   bool amax_same = true, codes_same = true, inv_same = true;
@@ -147,13 +149,15 @@ template <typename T> void check_cast(size_t rows, size_t cols, Blocks bl, int f
       while ((double)amax[b] * s > max && s > std::ldexp(1.0, -126)) s /= 2;
     }
     inv_same = inv_same && (double)inv[b] == 1.0 / s &&
-               (double)inv_cm[b % nbc * nbr + b / nbc] == 1.0 / s;
+               (double)inv_cm[b % nbc * ld_cm + b / nbc] == 1.0 / s;
   }
+  for (size_t j = 0; j < nbc; ++j)
+    for (size_t k = nbr; k < ld_cm; ++k) inv_same = inv_same && inv_cm[j * ld_cm + k] == 0.0f;
   for (size_t i = 0; i < n; ++i)
     codes_same = codes_same && codes[i] == codes_ref[i] &&
                  codes_t[(i % cols) * rows + i / cols] == codes_ref[i];
   expect(amax_same && inv_same,
-         tag + ": every block's amax and inverse scale (row- and column-major grid order)");
+         tag + ": every block's amax and inverse scale (row-major, and column-major padded)");
   expect(codes_same && std::memcmp(y.data(), y_ref.data(), n * sizeof(T)) == 0,
          tag + ": codes (as laid out and transposed) and values bitwise as the reference");
 }

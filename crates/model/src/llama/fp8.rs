@@ -41,8 +41,8 @@ pub enum Fp8Scaling {
 pub enum Fp8Gemm {
     /// The model dtype's GEMM, on the operands' rounded values (any device).
     Emulated,
-    /// FP8 GEMMs on their codes (cuBLASLt, tensorwise scaling, CUDA; the CPU multiplies the
-    /// same rounded values as `Emulated`).
+    /// FP8 GEMMs on their codes (cuBLASLt on CUDA, block-scaled under blockwise scaling; the
+    /// CPU multiplies the same rounded values as `Emulated`).
     CublasLt,
 }
 

@@ -11,7 +11,7 @@ use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
-use crate::ops::{Fp8Format, Fp8Quant, Packing, Part};
+use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant, Packing, Part};
 
 /// Threads per CUDA block of `fp8_amax` (`AMAX_THREADS` in the emulation driver).
 const AMAX_THREADS: u32 = 256;
@@ -155,11 +155,12 @@ pub fn quantize(
             for p in parts {
                 let f = load(dev, Module::Fp8, "fp8_inv_scales")?;
                 let (scales, colmajor) = (base + p.scales as u64, p.colmajor() as i32);
+                let ld = if p.blocks == Fp8Blocks::Tensor { 1 } else { p.ld as u64 };
                 let mut b = stream.launch_builder(&f);
-                b.arg(&amax).arg(&scales).arg(&nbr).arg(&nbc).arg(&colmajor).arg(&fmt);
-                // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, u64, int, int)`;
-                // the part's scales hold nbr · nbc floats at a 256-byte aligned offset.
-                unsafe { b.launch(elementwise((nbr * nbc) as usize)) }.w()?;
+                b.arg(&amax).arg(&scales).arg(&nbr).arg(&nbc).arg(&colmajor).arg(&ld).arg(&fmt);
+                // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, u64, int, u64,
+                // int)`; the part's scales hold lines · ld floats at a 256-byte aligned offset.
+                unsafe { b.launch(elementwise(p.lines * p.ld)) }.w()?;
             }
             drop(guard);
         }

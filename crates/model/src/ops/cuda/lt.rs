@@ -176,8 +176,11 @@ unsafe fn matmul(
             (A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, plan.a_scale),
             (A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, plan.b_scale),
         ] {
-            let mode = scale_mode(scale) as u32;
-            set(desc, attr, &mode as *const u32 as _, 4)?;
+            // One scale per operand is the default: set only block modes.
+            if scale != LtScale::Scalar {
+                let mode = scale_mode(scale) as u32;
+                set(desc, attr, &mode as *const u32 as _, 4)?;
+            }
         }
     }
     let out = match plan.out {
@@ -331,7 +334,7 @@ fn into_bf16(
     let mut d = unsafe { alloc::<half::bf16>(dev, len) }?;
     let stream = dev.cuda_stream();
     let (dp, _d) = d.device_ptr_mut(&stream);
-    // SAFETY: the packed operands hold what the plan's A and B address and one scale each (the
+    // SAFETY: the packed operands hold what the plan's A and B address and their scales (the
     // caller's storages outlive the queued call: candle frees on the same stream), and D its
     // `len` outputs.
     unsafe { matmul(dev, plan, (a[0], b[0]), (a[1], b[1]), dp) }?;

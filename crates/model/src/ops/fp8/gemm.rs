@@ -1,5 +1,5 @@
-//! FP8 GEMMs of a linear with tensorwise scaling: the forward `y = x · wᵀ`, the input
-//! gradient `dx = g · w` and the weight gradient `dw += gᵀ · x` with FP8 operands. On CUDA each
+//! FP8 GEMMs of a linear: the forward `y = x · wᵀ`, the input gradient `dx = g · w` and the
+//! weight gradient `dw += gᵀ · x` with FP8 operands, scaled per tensor or by blocks. On CUDA each
 //! is one cuBLASLt matmul on FP8 codes with the operands' inverse scales as its scale pointers
 //! (`cuda/lt.rs`). On the CPU each multiplies the operands' rounded values with the model
 //! dtype's GEMM, the same values the FP8 GEMM multiplies, so the two differ only in the order
@@ -131,11 +131,14 @@ impl LtGemm {
         }
     }
 
-    /// The plan with A and B scaled as `a` and `b` say.
+    /// The plan with A and B scaled as `a` and `b` say (block-scaled GEMMs accumulate
+    /// without `FAST_ACCUM`, which cuBLASLt's block scaling does not take).
     pub fn scaled(self, a: LtScale, b: LtScale) -> Self {
+        let scalar = a == LtScale::Scalar && b == LtScale::Scalar;
         LtGemm {
             a_scale: a,
             b_scale: b,
+            fast_accum: self.fast_accum && scalar,
             ..self
         }
     }

@@ -21,8 +21,11 @@ use super::{fp8_round, Fp8Blocks, Fp8Format, Fp8Quant};
 enum Form {
     /// The rounded values `[rows, cols]`, in the operand's dtype.
     Values(Tensor),
-    /// The packed codes and scale (u8 `[packing.len]`, CUDA).
-    Codes { packed: Tensor, packing: Packing },
+    /// The packed codes and scales (u8 `[packing.len]`, CUDA).
+    Codes {
+        packed: Tensor,
+        packing: Box<Packing>,
+    },
 }
 
 /// A matrix `[rows, cols]` rounded to FP8 for the GEMMs that read it (see the module's header).
@@ -85,7 +88,10 @@ impl Fp8Operand {
             rows,
             cols,
             format,
-            form: Form::Codes { packed, packing },
+            form: Form::Codes {
+                packed,
+                packing: Box::new(packing),
+            },
         })
     }
 
@@ -109,7 +115,7 @@ impl Fp8Operand {
     /// The packed codes and where their parts lie; `None` for values.
     pub(super) fn packed(&self) -> Option<(&Tensor, Packing)> {
         match &self.form {
-            Form::Codes { packed, packing } => Some((packed, *packing)),
+            Form::Codes { packed, packing } => Some((packed, **packing)),
             Form::Values(_) => None,
         }
     }

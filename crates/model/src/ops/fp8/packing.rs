@@ -5,11 +5,11 @@
 //! A part is the operand's codes as laid out (`[rows, cols]`, K = cols) or transposed
 //! (`[cols, rows]`, K = rows), then its scales. The scales of an `mn × K` operand form a grid
 //! of blocks; cuBLASLt reads a 1 × 128 grid with `mn` fastest (column-major) and a 128 × 128
-//! grid with K fastest (row-major), the layouts PyTorch's `_scaled_mm` hands it. The
-//! quantizing kernels compute the grid of the tensor as laid out (row-major over its blocks),
-//! so a part whose operand grid is that grid's transpose, or whose order is column-major, is
-//! written in column-major order of the laid-out grid ([`Part::colmajor`]). Each piece starts
-//! 256-byte aligned.
+//! grid with K fastest (row-major), each line of scales padded to a multiple of 4 (cuBLAS's
+//! scale strides; PyTorch pads a weight's tile grid so). The quantizing kernels compute the grid
+//! of the tensor as laid out (row-major over its blocks), so a part whose operand grid is that
+//! grid's transpose, or whose order is column-major, is written in column-major order of the
+//! laid-out grid ([`Part::colmajor`]). Each piece starts 256-byte aligned.
 
 use candle_core::{bail, Result};
 
@@ -37,6 +37,11 @@ pub struct Part {
     pub blocks: Fp8Blocks,
     /// Whether the codes are transposed.
     pub transposed: bool,
+    /// Scales a line of them holds ([`Part::colmajor`]: a column of the block grid, else a
+    /// row), the line's length rounded up to a multiple of 4 as cuBLASLt reads them.
+    pub ld: usize,
+    /// Lines of scales.
+    pub lines: usize,
 }
 
 impl Part {
@@ -91,14 +96,21 @@ impl Packing {
                 let codes = at;
                 let scales = aligned(codes + rows * cols);
                 let (br, bc) = blocks.dims(rows, cols);
-                let count = rows.div_ceil(br.max(1)) * cols.div_ceil(bc.max(1));
-                at = aligned(scales + 4 * count.max(1));
-                Part {
+                let (nbr, nbc) = (rows.div_ceil(br.max(1)), cols.div_ceil(bc.max(1)));
+                let mut p = Part {
                     codes,
                     scales,
                     blocks,
                     transposed,
+                    ld: 1,
+                    lines: 1,
+                };
+                if blocks != Fp8Blocks::Tensor {
+                    let (inner, lines) = if p.colmajor() { (nbr, nbc) } else { (nbc, nbr) };
+                    (p.ld, p.lines) = (inner.div_ceil(4) * 4, lines);
                 }
+                at = aligned(scales + 4 * (p.ld * p.lines).max(1));
+                p
             })
         };
         let (plain, transposed) = (part(plain, false), part(transposed, true));
@@ -120,10 +132,10 @@ impl Packing {
         }
     }
 
-    /// The number of scales of a part: its blocks on `[rows, cols]`.
-    pub fn scales(&self, part: &Part) -> usize {
+    /// The block grid of a part on `[rows, cols]`: `(rows, columns)` of blocks.
+    pub fn grid(&self, part: &Part) -> (usize, usize) {
         let (br, bc) = part.blocks.dims(self.rows, self.cols);
-        self.rows.div_ceil(br.max(1)) * self.cols.div_ceil(bc.max(1))
+        (self.rows.div_ceil(br.max(1)), self.cols.div_ceil(bc.max(1)))
     }
 }
 
@@ -143,8 +155,16 @@ mod tests {
         assert_eq!(p.len, 156672);
         let g = Packing::new((300, 260), Some(Fp8Blocks::Rows), Some(Fp8Blocks::Cols));
         let (a, b) = (g.plain.unwrap(), g.transposed.unwrap());
-        assert_eq!((g.scales(&a), g.scales(&b)), (300 * 3, 3 * 260));
+        assert_eq!((g.grid(&a), g.grid(&b)), ((300, 3), (3, 260)));
+        // 1 × 128 runs: a line per column of runs, the 300 rows fastest; 128 × 1: a line per
+        // row of runs, the 260 columns fastest.
+        assert_eq!((a.ld, a.lines, b.ld, b.lines), (300, 3, 260, 3));
         assert_eq!(b.codes, (a.scales + 4 * 900).div_ceil(256) * 256);
+        // A weight [384, 640]: tiles 3 × 5; lines of K blocks padded to 8 as laid out (K = 640)
+        // and to 4 transposed (K = 384).
+        let w = Packing::new((384, 640), Some(Fp8Blocks::Tiles), Some(Fp8Blocks::Tiles));
+        let (a, b) = (w.plain.unwrap(), w.transposed.unwrap());
+        assert_eq!((a.ld, a.lines, b.ld, b.lines), (8, 3, 4, 5));
         assert_eq!(Packing::new((0, 0), Some(Fp8Blocks::Tensor), None).len, 256);
     }
 
@@ -158,6 +178,8 @@ mod tests {
             scales: 0,
             blocks,
             transposed,
+            ld: 1,
+            lines: 1,
         };
         use Fp8Blocks::*;
         let cases = [
