@@ -11,7 +11,7 @@ use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
 use super::{alloc, elementwise, grid, kernel_name, load, view, zeros, Module};
-use crate::ops::{Fp8Blocks, Fp8Format, Fp8Quant, Packing, Part};
+use crate::ops::{Fp8Format, Fp8Quant, Packing, Part};
 
 /// Threads per CUDA block of `fp8_amax` (`AMAX_THREADS` in the emulation driver).
 const AMAX_THREADS: u32 = 256;
@@ -135,7 +135,8 @@ pub fn quantize(
         let dtype = x.dtype();
         for parts in &passes {
             let (br, bc) = parts[0].blocks.dims(rows, cols);
-            let (nbr, nbc) = (rows.div_ceil(br.max(1)) as u64, cols.div_ceil(bc.max(1)) as u64);
+            let (nbr, nbc) = packing.grid(&parts[0]);
+            let (nbr, nbc) = (nbr as u64, nbc as u64);
             let amax = block_amax(dev, OP, (&xv, dtype), (rows, cols), (br, bc))?;
             let (base, guard) = packed.device_ptr_mut(&stream);
             let codes = |transposed: bool| {
@@ -155,7 +156,7 @@ pub fn quantize(
             for p in parts {
                 let f = load(dev, Module::Fp8, "fp8_inv_scales")?;
                 let (scales, colmajor) = (base + p.scales as u64, p.colmajor() as i32);
-                let ld = if p.blocks == Fp8Blocks::Tensor { 1 } else { p.ld as u64 };
+                let ld = p.ld as u64; // 1 for one tensor scale
                 let mut b = stream.launch_builder(&f);
                 b.arg(&amax).arg(&scales).arg(&nbr).arg(&nbc).arg(&colmajor).arg(&ld).arg(&fmt);
                 // SAFETY: matches `fp8_inv_scales(const unsigned*, float*, u64, u64, int, u64,

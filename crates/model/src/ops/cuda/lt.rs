@@ -285,7 +285,7 @@ unsafe fn matmul(
 }
 
 /// A packed operand (`ops::Fp8Operand`'s codes) and where its parts lie.
-type Packed<'a> = ((&'a CudaStorage, &'a Layout), Packing);
+pub type Packed<'a> = ((&'a CudaStorage, &'a Layout), Packing);
 
 /// The device addresses of a packed operand's codes (`transposed` or as laid out) and their
 /// scales, and how a GEMM scales them.
@@ -342,40 +342,23 @@ fn into_bf16(
     Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
 }
 
-/// `y [rows, out] = x [rows, inp] · w [out, inp]ᵀ` in bf16 from packed E4M3 codes of `x` and
-/// `w` (as laid out).
-pub fn linear(
-    x: (&CudaStorage, &Layout),
-    w: (&CudaStorage, &Layout),
-    (xp, wp): (Packing, Packing),
-    (rows, out, inp): (usize, usize, usize),
+/// `plan`'s product (a forward or an input gradient) into a fresh bf16 buffer of `m · n`
+/// elements from packed operands `a` and `b`, each read transposed or as laid out as the
+/// bools say: `y = x · wᵀ` takes `w`'s and `x`'s codes as laid out, `dx = g · w` `w`'s
+/// transposed and `g`'s as laid out.
+pub fn product(
+    plan: LtGemm,
+    (a, a_transposed): (Packed, bool),
+    (b, b_transposed): (Packed, bool),
 ) -> Result<CudaStorage> {
-    const OP: &str = "fp8 linear";
-    let dev = x.0.device();
+    const OP: &str = "fp8 GEMM";
+    let dev = a.0 .0.device();
     let ((a, sa), (b, sb)) = (
-        parts(OP, (w, wp), false, dev)?,
-        parts(OP, (x, xp), false, dev)?,
+        parts(OP, a, a_transposed, dev)?,
+        parts(OP, b, b_transposed, dev)?,
     );
-    let plan = LtGemm::forward(rows, out, inp).scaled(sa, sb);
-    into_bf16(dev, &plan, a, b, rows * out) // [rows, out]
-}
-
-/// `dx [rows, inp] = g [rows, out] · w [out, inp]` in bf16 from `w`'s packed transposed E4M3
-/// codes and `g`'s E5M2 codes.
-pub fn linear_dx(
-    w: (&CudaStorage, &Layout),
-    g: (&CudaStorage, &Layout),
-    (wp, gp): (Packing, Packing),
-    (rows, out, inp): (usize, usize, usize),
-) -> Result<CudaStorage> {
-    const OP: &str = "fp8 linear dx";
-    let dev = w.0.device();
-    let ((a, sa), (b, sb)) = (
-        parts(OP, (w, wp), true, dev)?,
-        parts(OP, (g, gp), false, dev)?,
-    );
-    let plan = LtGemm::input_grad(rows, out, inp).scaled(sa, sb);
-    into_bf16(dev, &plan, a, b, rows * inp) // [rows, inp]
+    let plan = plan.scaled(sa, sb);
+    into_bf16(dev, &plan, a, b, (plan.m * plan.n) as usize) // [n, m] row-major
 }
 
 /// `dst [out, inp] += g [rows, out]ᵀ · x [rows, inp]` into an f32 buffer view, from the packed

@@ -299,13 +299,24 @@ impl CustomOp2 for OnCuda {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::super::cuda::lt;
         let (rows, out, inp) = self.dims;
+        let (p1, p2) = self.packings;
+        // Forward: s1 = x, s2 = w (A = w's codes, B = x's); input gradient: s1 = w, s2 = g
+        // (A = w's transposed codes, B = g's).
         match self.product {
             Product::Forward => Ok((
-                lt::linear((s1, l1), (s2, l2), self.packings, self.dims)?,
+                lt::product(
+                    LtGemm::forward(rows, out, inp),
+                    (((s2, l2), p2), false),
+                    (((s1, l1), p1), false),
+                )?,
                 (rows, out).into(),
             )),
             Product::InputGrad => Ok((
-                lt::linear_dx((s1, l1), (s2, l2), self.packings, self.dims)?,
+                lt::product(
+                    LtGemm::input_grad(rows, out, inp),
+                    (((s1, l1), p1), true),
+                    (((s2, l2), p2), false),
+                )?,
                 (rows, inp).into(),
             )),
             Product::WeightGrad => bail!("fp8-gemm: the weight gradient is in place"),
