@@ -6,7 +6,8 @@
 //! Check-in keys: `join/node/N` (or `join/rank/R` under another launcher: the seat, claimed
 //! first come, first served, holding who took it), `join/launch` (rank 0's [`Launch`]),
 //! `join/count`, `join/in/R` (rank R checked in), `join/verdict` (claimed once: empty when all
-//! ranks are in, else `R why` from rank R, which found a disagreement).
+//! ranks are in, else `R why` from rank R, which found a disagreement), `join/seen` (ranks that
+//! read the verdict: rank 0 serves a refusal until those that checked in have read it).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -266,6 +267,17 @@ fn check_in(
         }
     };
     let verdict = String::from_utf8_lossy(&verdict).into_owned();
+    let seen = store.add("join/seen", 1)?;
+    if info.rank == 0 && verdict.contains(' ') {
+        // Rank 0 serves the store: before it fails, the ranks that checked in read the
+        // refusal (else they would report the store closing instead of the disagreement).
+        let start = std::time::Instant::now();
+        let mut seen = seen;
+        while seen < store.add("join/count", 0)? && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+            seen = store.add("join/seen", 0)?;
+        }
+    }
     match verdict.split_once(' ') {
         None => Ok(()),
         Some((by, why)) => Err(Refused {
