@@ -33,6 +33,9 @@
 //!    CUDA) against f64 (`selftest/fp8.rs`).
 //! 10. **Grouped linears.** The experts' projections over uneven runs of rows as one call (one
 //!     grouped cuBLAS GEMM on CUDA) against the CPU's per-run products (`selftest/grouped.rs`).
+//! 11. **Fused projections.** The SwiGLU on the joined gate/up output against the halves', bit
+//!     for bit, and a weight gradient read from a range of a wider gradient's columns
+//!     (`selftest/fused.rs`).
 //!
 //! Each check reports its measured error and its tolerance; any failure makes the command fail.
 
@@ -45,6 +48,7 @@ mod attention;
 mod block;
 mod flat;
 mod fp8;
+mod fused;
 mod grouped;
 mod processes;
 
@@ -54,6 +58,7 @@ pub use attention::check_attention;
 pub use block::check_block;
 pub use flat::check_flat_kernels;
 pub use fp8::check_fp8;
+pub use fused::check_fused;
 pub use grouped::check_grouped;
 
 /// One check's outcome.
@@ -490,5 +495,6 @@ pub fn run(kind: DeviceKind, recipe: &Path) -> Result<Vec<Check>> {
     checks.extend(check_attention(&device)?);
     checks.extend(check_fp8(&device)?);
     checks.extend(check_grouped(&device)?);
+    checks.extend(check_fused(&device)?);
     Ok(checks)
 }

@@ -54,7 +54,8 @@ struct Projection {
 }
 
 /// The projections of `r`'s model at tensor-parallel size `tp` and micro-batch `mb` (one of each
-/// kind: k and v share a shape, as do gate and up).
+/// kind: k and v share a shape, as do gate and up), and the fused GEMMs of q, k and v and of
+/// gate and up (FP8 linears run them one by one).
 fn projections(r: &Recipe, tp: usize, mb: usize) -> Vec<Projection> {
     let c = &r.model;
     let rows = mb * r.train.seq_len / r.parallel.cp;
@@ -73,6 +74,7 @@ fn projections(r: &Recipe, tp: usize, mb: usize) -> Vec<Projection> {
     let mut all = vec![
         p("q", rows, q / tp, h),
         p("k/v", rows, kv / tp, h),
+        p("q+k+v", rows, (q + 2 * kv) / tp, h),
         p("o", rows, h, q / tp),
         p("head", rows, c.vocab_size / tp, h),
     ];
@@ -91,6 +93,7 @@ fn projections(r: &Recipe, tp: usize, mb: usize) -> Vec<Projection> {
         }
         None => {
             all.push(p("gate/up", rows, c.intermediate_size / tp, h));
+            all.push(p("gate+up", rows, 2 * c.intermediate_size / tp, h));
             all.push(p("down", rows, h, c.intermediate_size / tp));
         }
     }

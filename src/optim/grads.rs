@@ -314,6 +314,23 @@ mod tests {
             assert!(err < tolerance, "{dtype:?}: off by {err:.2e} relative");
             assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 2]);
         }
+        // A range of a wider gradient's columns (rows 8 apart) is read in place, with the
+        // bits of its contiguous copy.
+        let wide = Tensor::from_vec(values(300 * 8, 5), (300, 8), &dev).unwrap();
+        let x = Tensor::from_vec(values(300 * 5, 6), (300, 5), &dev).unwrap();
+        let g = wide.narrow(1, 2, 3).unwrap();
+        assert!(model::ops::row_strided(g.layout()).is_some() && !g.is_contiguous());
+        let (strided, copied) = (
+            GradBuffer::new(layout.clone(), &dev).unwrap(),
+            GradBuffer::new(layout.clone(), &dev).unwrap(),
+        );
+        strided.accumulate_product(1, &g, &x).unwrap();
+        copied
+            .accumulate_product(1, &g.copy().unwrap(), &x)
+            .unwrap();
+        let bits = |b: &GradBuffer| b.get(1).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&strided), bits(&copied));
+        assert!(bits(&strided).iter().any(|&v| v != 0.0));
         // The product must fill the slot exactly.
         let g = GradBuffer::new(layout, &dev).unwrap();
         let ones = |r, c| Tensor::ones((r, c), DType::F32, &dev).unwrap();

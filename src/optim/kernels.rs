@@ -15,7 +15,7 @@ use candle_core::{
 };
 use half::bf16;
 #[cfg(feature = "cuda")]
-use model::ops::cuda::flat;
+use model::ops::cuda::{flat, products};
 use model::ops::Fp8Operand;
 
 mod adamw;
@@ -32,6 +32,26 @@ fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]>
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&v[a..b]),
         None => bail!("{what}: buffer must be contiguous"),
+    }
+}
+
+/// The f32 elements of a `[rows, cols]` matrix whose rows may lie `ld ≥ cols` apart (see
+/// `model::ops::row_strided`), from its first to its last, and `ld`.
+fn f32_rows<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    (rows, cols): (usize, usize),
+) -> Result<(&'a [f32], usize)> {
+    let CpuStorage::F32(v) = s else {
+        bail!("add-product: expected f32 factors, got {:?}", s.dtype())
+    };
+    let Some((start, ld)) = model::ops::row_strided(l).filter(|_| l.dims() == [rows, cols]) else {
+        bail!("add-product: g must be [{rows}, {cols}] with rows of unit stride, got {l:?}")
+    };
+    let end = start + if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+    match v.get(start..end) {
+        Some(g) => Ok((g, ld)),
+        None => bail!("add-product: g's rows reach past its buffer ({l:?})"),
     }
 }
 
@@ -134,23 +154,22 @@ impl InplaceOp3 for AddProduct {
         xl: &Layout,
     ) -> Result<()> {
         let dst = f32_slice_mut(dst, dl, "add-product")?;
-        let g = f32_slice(g, gl, "add-product")?; // [rows, out]
-        let x = f32_slice(x, xl, "add-product")?; // [rows, in]
         let (rows, out, inp) = (self.rows, self.out, self.inp);
-        if dst.len() != out * inp || g.len() != rows * out || x.len() != rows * inp {
+        let (g, ld) = f32_rows(g, gl, (rows, out))?; // [rows, out], rows `ld` apart
+        let x = f32_slice(x, xl, "add-product")?; // [rows, in]
+        if dst.len() != out * inp || x.len() != rows * inp {
             bail!(
-                "add-product: buffer of {} for [{out}, {inp}] from g of {} and x of {} ({rows} rows)",
+                "add-product: buffer of {} for [{out}, {inp}] from x of {} ({rows} rows)",
                 dst.len(),
-                g.len(),
                 x.len()
             )
         }
         if rows == 0 || dst.is_empty() {
             return Ok(());
         }
-        // SAFETY: the strides address dst [out, in] row-major, gᵀ as (o, r) = g[r·out + o] and
-        // x as (r, i) = x[r·in + i], all within the slices (lengths checked above); `dst` is
-        // borrowed mutably and overlaps neither input.
+        // SAFETY: the strides address dst [out, in] row-major, gᵀ as (o, r) = g[r·ld + o] and
+        // x as (r, i) = x[r·in + i], all within the slices (lengths checked above and by
+        // `f32_rows`); `dst` is borrowed mutably and overlaps neither input.
         unsafe {
             gemm::gemm(
                 out,
@@ -161,7 +180,7 @@ impl InplaceOp3 for AddProduct {
                 inp as isize,
                 true,
                 g.as_ptr(),
-                out as isize,
+                ld as isize,
                 1,
                 x.as_ptr(),
                 1,
@@ -187,7 +206,7 @@ impl InplaceOp3 for AddProduct {
         x: &CudaStorage,
         xl: &Layout,
     ) -> Result<()> {
-        flat::add_product(dst, dl, (g, gl), (x, xl), (self.rows, self.out, self.inp))
+        products::add_product(dst, dl, (g, gl), (x, xl), (self.rows, self.out, self.inp))
     }
 }
 
@@ -215,7 +234,12 @@ pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
         return add_into(dst, &g.t()?.matmul(x)?);
     }
     let op = AddProduct { rows, out, inp };
-    dst.inplace_op3(&g.contiguous()?, &x.contiguous()?, &op)
+    // A range of a wider gradient's columns is read in place, its rows `ld` apart.
+    let g = match model::ops::row_strided(g.layout()) {
+        Some(_) => g.clone(),
+        None => g.contiguous()?,
+    };
+    dst.inplace_op3(&g, &x.contiguous()?, &op)
 }
 
 /// [`add_product_into`] for a linear with FP8 GEMMs (`ParamGrad::Fp8Product`), from the

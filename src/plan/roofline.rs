@@ -129,6 +129,32 @@ impl Model<'_> {
         }
     }
 
+    /// Linears that read one input, fused in the model dtype (`llama/project.rs`): one forward
+    /// GEMM to all `outs` features and one input-gradient GEMM from them; the weight gradients
+    /// one GEMM each.
+    pub(super) fn fused(&self, rows: f64, outs: &[f64], inp: f64) -> Products {
+        let total: f64 = outs.iter().sum();
+        Products {
+            fwd: self.gemm(rows, total, inp),
+            dx: self.gemm(rows, inp, total),
+            dw: outs.iter().map(|&out| self.gemm(out, inp, rows)).sum(),
+        }
+    }
+
+    /// The passes of the fused q, k and v: their outputs copied out of the fused one (forward)
+    /// and their gradients joined (backward), `[n, (q + 2kv)/t]` read and written each. Gate and
+    /// up need none: the SwiGLU reads and writes their joined layout.
+    pub(super) fn qkv_split(&self) -> Products {
+        let c = self.c;
+        let qkv = (c.q_dim() + 2 * c.num_key_value_heads * c.head_dim()) as f64 / self.t;
+        let pass = self.memory(2.0 * self.p * self.n * qkv);
+        Products {
+            fwd: pass,
+            dx: pass,
+            dw: 0.0,
+        }
+    }
+
     /// Memory-bound work moving `bytes`: at the measured element-wise bandwidth, or at the
     /// fraction [`HBM_EFFICIENCY`] of the preset's.
     pub(super) fn memory(&self, bytes: f64) -> f64 {
@@ -191,15 +217,12 @@ impl Model<'_> {
             }
             None => {
                 let f = c.intermediate_size as f64;
-                let mlp = 2.0 * self.projection(n, f / t, h) + self.projection(n, h, f / t);
+                let mlp = self.fused(n, &[f / t, f / t], h) + self.projection(n, h, f / t);
                 (mlp, 3.0 * n * f / t)
             }
         };
-        let (qo, kv_proj) = (
-            self.projection(n, q / t, h) + self.projection(n, h, q / t),
-            self.projection(n, kv / t, h),
-        );
-        let products = qo + 2.0 * kv_proj + mlp;
+        let qkv = self.fused(n, &[q / t, kv / t, kv / t], h) + self.qkv_split();
+        let products = qkv + self.projection(n, h, q / t) + mlp;
         let gemms = products.fwd;
         // Causal QKᵀ and PV: 2 · 2 · b · s² · q / 2 per rank's heads (the share of it a
         // document mask keeps), split evenly over the context-parallel ranks by the
@@ -350,7 +373,8 @@ mod tests {
     use crate::plan::GpuPreset;
 
     /// Every product a dense block and the head run at `r`'s layout (forward, input and weight
-    /// gradient of q, k, v, o, gate, up, down and the head), at `tflops`.
+    /// gradient of q, k, v, o, gate, up, down, the fused q+k+v and gate+up, and the head), at
+    /// `tflops`.
     fn table_of(r: &Recipe, tflops: f64) -> Rates {
         let c = &r.model;
         let n = (r.train.micro_batch * r.train.seq_len) as u64;
@@ -362,7 +386,11 @@ mod tests {
             c.vocab_size as u64,
         );
         let mut gemms = Vec::new();
-        for (out, inp) in [(q, h), (kv, h), (h, q), (f, h), (h, f), (v, h)] {
+        let fused = [(q + 2 * kv, h), (2 * f, h)];
+        for (out, inp) in [(q, h), (kv, h), (h, q), (f, h), (h, f), (v, h)]
+            .into_iter()
+            .chain(fused)
+        {
             for (m, nn, k) in [(n, out, inp), (n, inp, out), (out, inp, n)] {
                 gemms.push(GemmRate {
                     m,

@@ -282,6 +282,37 @@ __device__ void swiglu_bwd_impl(const T* gate, const T* up, const T* grad, T* ou
 EXPORT3(swiglu_bwd, (const T* gate, const T* up, const T* grad, T* out, u64 n),
         (gate, up, grad, out, n))
 
+// Joined: gu [rows, 2f] holds each row's gate, then its up (the fused gate/up GEMM's output);
+// y [rows, f]. The same arithmetic as swiglu_fwd, element for element.
+template <typename T>
+__device__ void swiglu_joined_fwd_impl(const T* gu, T* y, u64 rows, u64 f) {
+  typedef typename Acc<T>::type A;
+  const u64 n = rows * f;
+  for (u64 i = global_id(); i < n; i += grid_stride()) {
+    const u64 r = i / f, at = 2 * f * r + (i - r * f);
+    const A a = to_acc(gu[at]);
+    y[i] = from_acc<T>(a * sigmoid_acc(a) * to_acc(gu[at + f]));
+  }
+}
+EXPORT3(swiglu_joined_fwd, (const T* gu, T* y, u64 rows, u64 f), (gu, y, rows, f))
+
+// gu [rows, 2f] as above, grad [rows, f]; out [rows, 2f]: each row's d gate, then its d up (the
+// layout the fused input-gradient GEMM reads). The arithmetic of swiglu_bwd.
+template <typename T>
+__device__ void swiglu_joined_bwd_impl(const T* gu, const T* grad, T* out, u64 rows, u64 f) {
+  typedef typename Acc<T>::type A;
+  const u64 n = rows * f;
+  for (u64 i = global_id(); i < n; i += grid_stride()) {
+    const u64 r = i / f, at = 2 * f * r + (i - r * f);
+    const A g = to_acc(gu[at]), u = to_acc(gu[at + f]), gr = to_acc(grad[i]);
+    const A s = sigmoid_acc(g);
+    out[at] = from_acc<T>(gr * u * s * ((A)1 + g * ((A)1 - s)));
+    out[at + f] = from_acc<T>(gr * g * s);
+  }
+}
+EXPORT3(swiglu_joined_bwd, (const T* gu, const T* grad, T* out, u64 rows, u64 f),
+        (gu, grad, out, rows, f))
+
 // ---------------------------------------------------------------------------------------------
 // Addition of two tensors of one shape (the residual stream and the gradients that meet where a
 // tensor feeds several operations): out = a + b, each sum rounded once to T.

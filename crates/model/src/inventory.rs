@@ -118,6 +118,19 @@ impl BlockParams {
         }
         all
     }
+
+    /// The linears that read one input and run as one GEMM in the model dtype: q, k and v;
+    /// gate and up of a dense MLP.
+    pub fn fused(&self) -> Vec<Vec<usize>> {
+        let mut groups = vec![vec![self.q_proj, self.k_proj, self.v_proj]];
+        if let MlpParams::Dense {
+            gate_proj, up_proj, ..
+        } = &self.mlp
+        {
+            groups.push(vec![*gate_proj, *up_proj]);
+        }
+        groups
+    }
 }
 
 /// The parameters of a model part (see [`crate::Placement`]) and the pieces using them.

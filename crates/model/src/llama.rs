@@ -23,7 +23,7 @@ use parallel::ep::ExpertParallel;
 use parallel::tp::{EmbeddingKernels, LossKernels, TensorParallel};
 
 use crate::config::LlamaConfig;
-use crate::inventory::{Inventory, MoeParams};
+use crate::inventory::{BlockParams, Inventory, MoeParams};
 use crate::moe::{Expert, LayerStats, Router};
 use crate::ops::{self, AttentionBackend};
 use crate::params::{ParamSet, ParamSpec};
@@ -241,6 +241,11 @@ impl Llama {
                 Some(seed) => params.add(spec, seed, &placement.tp, dtype, device)?,
                 None => params.declare(spec, &placement.tp, dtype, device)?,
             };
+        }
+        if seed.is_some() {
+            for group in inventory.blocks.values().flat_map(BlockParams::fused) {
+                params.pack(&group)?; // back to back: a view for the fused GEMMs
+            }
         }
         let (cos, sin) = rope_tables(config, dtype, device)?;
         Ok(Self {

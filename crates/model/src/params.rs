@@ -4,6 +4,11 @@
 //! only a shard of each parameter, and the full tensor is installed just for the pieces that use
 //! it ([`Parameter::install`], [`Parameter::release`]). Reading a released parameter is an error
 //! naming it, never a silent zero.
+//!
+//! A slot holds a range of a flat tensor, alone or beside other parameters: the linears that
+//! read one input (q, k and v; gate and up) are packed back to back ([`ParamSet::pack`]), and
+//! ZeRO-3 installs a gathered bucket's ranges without copying them, so those linears run as one
+//! GEMM over their rows ([`ParamSet::span`]), as Megatron's fused `linear_qkv` and `linear_fc1`.
 
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
@@ -30,9 +35,8 @@ pub enum ParamKind {
 pub struct Parameter {
     /// Hugging Face parameter name.
     pub name: String,
-    /// The tensor (`None` while released); a variable so that its values can be overwritten in
-    /// place by the optimizer.
-    var: RwLock<Option<Var>>,
+    /// Where its values are (`None` while released); written in place by the optimizer.
+    slot: RwLock<Option<Slot>>,
     /// Element type of the tensor.
     pub dtype: DType,
     /// Its device.
@@ -65,16 +69,21 @@ pub struct ParamSpec<'a> {
     pub init: Init,
 }
 
+/// Where an installed parameter's values are: elements `offset..offset + numel` of the flat
+/// (1-D, contiguous) tensor `base`, which other parameters' slots may share.
+#[derive(Debug, Clone)]
+struct Slot {
+    base: Tensor,
+    offset: usize,
+}
+
 impl Parameter {
-    fn slot(&self) -> RwLockReadGuard<'_, Option<Var>> {
+    fn slot(&self) -> RwLockReadGuard<'_, Option<Slot>> {
         // A poisoned lock only means a panic elsewhere mid-update; the slot itself is intact.
-        self.var.read().unwrap_or_else(|e| e.into_inner())
+        self.slot.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The parameter as an autograd variable sharing its storage: for reference computations
-    /// that differentiate through candle's graph (tests). The model itself reads
-    /// [`Parameter::tensor`].
-    pub fn var(&self) -> Result<Var> {
+    fn installed(&self) -> Result<Slot> {
         self.slot().clone().ok_or_else(|| {
             candle_core::Error::Msg(format!(
                 "parameter {} is not on this rank right now (released after its use; ZeRO-3 \
@@ -84,10 +93,19 @@ impl Parameter {
         })
     }
 
-    /// The parameter's tensor (this rank's block, shape `block.shape`), carrying no autograd
-    /// graph: nothing computed from it builds one.
+    /// A copy of the parameter as an autograd variable: for reference computations that
+    /// differentiate through candle's graph (tests). The model itself reads
+    /// [`Parameter::tensor`].
+    pub fn var(&self) -> Result<Var> {
+        Var::from_tensor(&self.tensor()?.copy()?)
+    }
+
+    /// The parameter's tensor (this rank's block, shape `block.shape`; a view of its slot),
+    /// carrying no autograd graph: nothing computed from it builds one.
     pub fn tensor(&self) -> Result<Tensor> {
-        Ok(self.var()?.as_tensor().detach())
+        let Slot { base, offset } = self.installed()?;
+        base.narrow(0, offset, self.numel())?
+            .reshape(self.block.shape.as_slice())
     }
 
     /// The initial values (run seed `seed`) of elements `range` of this rank's block, in row-major
@@ -128,24 +146,58 @@ impl Parameter {
         self.slot().is_some()
     }
 
-    /// Installs `t` (this rank's block, any layout; cast to the parameter's dtype) as a new
-    /// variable.
+    /// Installs `t` (this rank's block, any layout; cast to the parameter's dtype) in a slot of
+    /// its own: a copy, never a view of `t`'s storage.
     pub fn install(&self, t: &Tensor) -> Result<()> {
-        let t = t
-            .reshape(self.block.shape.as_slice())?
-            .to_dtype(self.dtype)?;
-        let var = Var::from_tensor(&t)?;
-        let mut kept = self.fp8_kept(); // held across the write: no operand of the old values
-        *kept = None;
-        *self.var.write().unwrap_or_else(|e| e.into_inner()) = Some(var);
+        if t.elem_count() != self.numel() {
+            candle_core::bail!(
+                "{}: installing {} values into a block of {}",
+                self.name,
+                t.elem_count(),
+                self.numel()
+            );
+        }
+        let base = t.flatten_all()?.to_dtype(self.dtype)?.copy()?; // [numel]
+        self.put(Some(Slot { base, offset: 0 }));
         Ok(())
     }
 
-    /// Drops the tensor (its memory is freed once no tape holds it).
+    /// Installs elements `offset..offset + numel` of the flat tensor `base` (a gathered
+    /// bucket): in place, sharing `base`'s storage, when it already has the parameter's dtype
+    /// and device; else a cast copy of them.
+    pub fn install_from(&self, base: &Tensor, offset: usize) -> Result<()> {
+        let n = self.numel();
+        if base.rank() != 1 || offset + n > base.elem_count() {
+            candle_core::bail!(
+                "{}: elements {offset}..{} of a tensor of shape {:?}",
+                self.name,
+                offset + n,
+                base.dims()
+            );
+        }
+        let kept = base.dtype() == self.dtype
+            && base.device().same_device(&self.device)
+            && base.is_contiguous();
+        if !kept {
+            return self.install(&base.narrow(0, offset, n)?);
+        }
+        self.put(Some(Slot {
+            base: base.clone(),
+            offset,
+        }));
+        Ok(())
+    }
+
+    /// Drops the slot (the memory is freed once no slot or tape holds it).
     pub fn release(&self) {
-        let mut kept = self.fp8_kept();
+        self.put(None);
+    }
+
+    /// Replaces the slot, dropping any FP8 operand of the old values.
+    fn put(&self, slot: Option<Slot>) {
+        let mut kept = self.fp8_kept(); // held across the write: no operand of the old values
         *kept = None;
-        *self.var.write().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.slot.write().unwrap_or_else(|e| e.into_inner()) = slot;
     }
 
     /// The parameter as the FP8 linears of `mode` read it, made by `make` from its values on
@@ -190,14 +242,25 @@ impl Parameter {
         let moved = parallel::dp::moved(&t, &self.device)?;
         let mut kept = self.fp8_kept();
         *kept = None;
-        self.var()?.set(&moved)
+        let dst = self.tensor()?;
+        if same_storage(&dst, &moved) {
+            // A value read from a parameter sharing this slot's storage: copied out first.
+            return dst.slice_set(&moved.copy()?, 0, 0);
+        }
+        dst.slice_set(&moved, 0, 0)
     }
+}
+
+/// Whether `a` and `b` are views of one storage (each read lock taken and dropped in turn).
+fn same_storage(a: &Tensor, b: &Tensor) -> bool {
+    let key = |t: &Tensor| std::ptr::from_ref(&*t.storage_and_layout().0) as usize;
+    key(a) == key(b)
 }
 
 /// ZeRO-3 installs and releases parameters through their slots.
 impl parallel::dp::ParamSlots for ParamSet {
-    fn install(&self, i: usize, values: &Tensor) -> Result<()> {
-        self.get(i).install(values)
+    fn install(&self, i: usize, bucket: &Tensor, offset: usize) -> Result<()> {
+        self.get(i).install_from(bucket, offset)
     }
 
     fn release(&self, i: usize) {
@@ -238,7 +301,7 @@ impl ParamSet {
             .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
         self.params.push(Parameter {
             name: name.to_string(),
-            var: RwLock::new(None),
+            slot: RwLock::new(None),
             dtype,
             device: device.clone(),
             kind,
@@ -291,6 +354,91 @@ impl ParamSet {
     /// Total number of elements.
     pub fn numel(&self) -> usize {
         self.params.iter().map(Parameter::numel).sum()
+    }
+
+    /// Packs the installed matrices `members` (one dtype, device and column count) back to back
+    /// in that order into one new flat tensor, each slot a range of it: their values are
+    /// unchanged, and [`ParamSet::span`] of them is a view.
+    pub fn pack(&self, members: &[usize]) -> Result<()> {
+        self.columns(members)?;
+        let parts = members
+            .iter()
+            .map(|&i| self.get(i).tensor()?.flatten_all())
+            .collect::<Result<Vec<_>>>()?;
+        let base = Tensor::cat(&parts, 0)?; // [Σ numel]
+        let mut offset = 0;
+        for &i in members {
+            let p = self.get(i);
+            p.put(Some(Slot {
+                base: base.clone(),
+                offset,
+            }));
+            offset += p.numel();
+        }
+        Ok(())
+    }
+
+    /// The matrices `members` (one column count) stacked in that order, `[Σ rows, cols]`: a
+    /// view where their slots lie back to back in one tensor (packed, or the ranges of one
+    /// gathered bucket), else a copy.
+    pub fn span(&self, members: &[usize]) -> Result<Tensor> {
+        let cols = self.columns(members)?;
+        let slots = members
+            .iter()
+            .map(|&i| self.get(i).installed())
+            .collect::<Result<Vec<_>>>()?;
+        let rows: usize = members.iter().map(|&i| self.get(i).block.shape[0]).sum();
+        let follows = |(a, b): (&Slot, &Slot), i: usize| {
+            let one_base = a.base.layout().start_offset() == b.base.layout().start_offset()
+                && a.base.elem_count() == b.base.elem_count()
+                && same_storage(&a.base, &b.base);
+            one_base && b.offset == a.offset + self.get(i).numel()
+        };
+        let back_to_back = slots
+            .iter()
+            .zip(slots.iter().skip(1))
+            .zip(members)
+            .all(|(pair, &i)| follows(pair, i));
+        if back_to_back {
+            let first = &slots[0];
+            return first
+                .base
+                .narrow(0, first.offset, rows * cols)?
+                .reshape((rows, cols));
+        }
+        let parts = members
+            .iter()
+            .map(|&i| self.get(i).tensor())
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
+    /// The column count the matrices `members` share (an error naming the first that differs).
+    fn columns(&self, members: &[usize]) -> Result<usize> {
+        let Some(&first) = members.first() else {
+            candle_core::bail!("stacking no parameters");
+        };
+        let head = self.get(first);
+        let cols = match head.block.shape.as_slice() {
+            &[_, c] => c,
+            s => candle_core::bail!("{}: a matrix to stack, got shape {s:?}", head.name),
+        };
+        for &i in members {
+            let p = self.get(i);
+            let same = p.block.shape.len() == 2 && p.block.shape[1] == cols;
+            if !same || p.dtype != head.dtype || !p.device.same_device(&head.device) {
+                candle_core::bail!(
+                    "{} ({:?}, {:?}) cannot be stacked under {} ({:?}, {:?})",
+                    p.name,
+                    p.block.shape,
+                    p.dtype,
+                    head.name,
+                    head.block.shape,
+                    head.dtype
+                );
+            }
+        }
+        Ok(cols)
     }
 
     /// Index of the parameter called `name`.

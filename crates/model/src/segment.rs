@@ -127,12 +127,20 @@ pub struct SegmentRun {
 /// counting (a block's output is the next block's input).
 pub type Held = Vec<(usize, usize)>;
 
-/// The key and the bytes a tensor's view covers of its storage (its offset plus its elements; a
-/// storage's size is the largest of its views').
+/// The key and the bytes a tensor's view covers of its storage (its offset plus the span from
+/// its first element to its last, which for a strided view such as a range of a wider
+/// matrix's columns passes its own elements; a storage's size is the largest of its views').
 fn storage_of(t: &Tensor) -> (usize, usize) {
     let (storage, layout) = t.storage_and_layout();
     let key = std::ptr::from_ref(&*storage) as usize;
-    let elems = layout.start_offset() + t.elem_count();
+    let span = match t.elem_count() {
+        0 => 0,
+        _ => {
+            let steps = layout.dims().iter().zip(layout.stride());
+            1 + steps.map(|(&d, &s)| (d - 1) * s).sum::<usize>()
+        }
+    };
+    let elems = layout.start_offset() + span;
     (key, elems * t.dtype().size_in_bytes())
 }
 

@@ -81,3 +81,35 @@ fn bad_inputs_are_errors() {
         "`gate` must be a float tensor (f32, f64, bf16, f16), got U32",
     );
 }
+
+/// On the fused gate/up GEMM's output `[.., 2f]` (each row's gate, then its up), the joined op
+/// and its backward give `swiglu` and `swiglu_bwd` of the two halves bit for bit, the gradient
+/// in the joined layout.
+#[test]
+fn the_joined_layout_gives_the_halves_results_bit_for_bit() -> Result<()> {
+    let mut rng = Rng::new(5);
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let gu = rng
+            .tensor((2, 5, 2 * 37), 3.0, DType::F32)
+            .to_dtype(dtype)?;
+        let dy = rng.tensor((2, 5, 37), 1.0, DType::F32).to_dtype(dtype)?;
+        let (gate, up) = (gu.narrow(2, 0, 37)?, gu.narrow(2, 37, 37)?);
+        let bits =
+            |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
+        let y = model::ops::swiglu_joined(&gu)?;
+        assert_eq!((y.dims(), y.dtype()), (&[2, 5, 37][..], dtype));
+        assert_eq!(bits(&y)?, bits(&swiglu(&gate, &up)?)?, "{dtype:?} forward");
+        let d = model::ops::swiglu_joined_bwd(&gu, &dy)?;
+        let (dg, du) = model::ops::swiglu_bwd(&gate, &up, &dy)?;
+        assert_eq!(bits(&d.narrow(2, 0, 37)?)?, bits(&dg)?, "{dtype:?} d gate");
+        assert_eq!(bits(&d.narrow(2, 37, 37)?)?, bits(&du)?, "{dtype:?} d up");
+    }
+    let odd = Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?;
+    expect_err(model::ops::swiglu_joined(&odd), "gate|up must be [.., 2f]");
+    let gu = Tensor::zeros((3, 8), DType::F32, &Device::Cpu)?;
+    expect_err(
+        model::ops::swiglu_joined_bwd(&gu, &odd),
+        "grad [3, 5] is not half of gate|up [3, 8]",
+    );
+    Ok(())
+}

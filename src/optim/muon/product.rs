@@ -7,7 +7,7 @@
 //!
 //! CPU: f32 through the `gemm` crate (bf16 widened to f32, the result rounded once); CUDA: one
 //! `cublasGemmEx`, or for a batch one `cublasGemmStridedBatchedEx`
-//! (`model::ops::cuda::flat::scaled_product`).
+//! (`model::ops::cuda::products::scaled_product`).
 
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "cuda")]
@@ -15,7 +15,7 @@ use candle_core::CudaStorage;
 use candle_core::{bail, CpuStorage, InplaceOp3, Layout, Result, Tensor};
 use half::bf16;
 #[cfg(feature = "cuda")]
-use model::ops::cuda::flat;
+use model::ops::cuda::products;
 
 /// `beta · c + alpha · (a · b)` for `a` `[m, k]`, `b` `[k, n]` and `c` `[m, n]` of one dtype
 /// (f32 or bf16), or for a batch of them (`[B, m, k]`, `[B, k, n]`, `[B, m, n]`: one
@@ -158,6 +158,6 @@ impl InplaceOp3 for ScaledProduct {
         bl: &Layout,
     ) -> Result<()> {
         let scale = (self.alpha, self.beta);
-        flat::scaled_product(dst, dl, (a, al), (b, bl), (self.batch, self.mkn), scale)
+        products::scaled_product(dst, dl, (a, al), (b, bl), (self.batch, self.mkn), scale)
     }
 }

@@ -1,6 +1,7 @@
 // Emulation driver of kernels/pointwise.cu: runs every exported kernel (rms_norm_fwd,
 // rms_norm_bwd + rms_norm_dw, add_rms_norm_fwd and rms_norm_bwd_add against add with the unfused
-// kernels, rope forward and inverse, swiglu_fwd, swiglu_bwd, add,
+// kernels, rope forward and inverse, swiglu_fwd, swiglu_bwd, swiglu_joined_fwd and
+// swiglu_joined_bwd against them, add,
 // cross_entropy_fwd, cross_entropy_bwd, embedding_count + embedding_offsets + embedding_order +
 // embedding_bwd) for f32, f64 and bf16 with the launch shapes and argument order of
 // src/ops/cuda/pointwise.rs and norm.rs, and compares the results with double-precision references.
@@ -174,6 +175,51 @@ template <typename T> void swiglu(size_t n, size_t skip, uint64_t seed) {
                                 d.data() + skip, (u64)n);
         }))
       compare("swiglu_bwd " + tag + " [d gate, d up]", read(d, skip, 2 * n), rd, tol<T>());
+  }
+}
+
+// Joined SwiGLU on gu [rows, 2f] against swiglu_fwd / swiglu_bwd on its two halves, bit for
+// bit (pointwise.rs `swiglu_joined_*`: elementwise(rows·f); also a small grid).
+template <typename T> void swiglu_joined(size_t rows, size_t f, uint64_t seed) {
+  Rng rng(seed);
+  const size_t n = rows * f;
+  Buffer<T> gu(2 * n, "gate|up"), gate(n, "gate"), up(n, "up"), grad(n, "grad");
+  fill_normal(gu, rng, 0.0, 3.0);
+  fill_normal(grad, rng);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t j = 0; j < f; ++j) {
+      gate[r * f + j] = gu[2 * f * r + j];
+      up[r * f + j] = gu[2 * f * r + f + j];
+    }
+  Buffer<T> ry(n, "y"), rd(2 * n, "d gate|d up");
+  if (!run(format("swiglu_fwd_%s", type_name<T>()), packed<T>(n), [&] {
+        KERNEL(T, swiglu_fwd)(gate.data(), up.data(), ry.data(), (u64)n);
+      }))
+    return;
+  if (!run(format("swiglu_bwd_%s", type_name<T>()), packed<T>(n), [&] {
+        KERNEL(T, swiglu_bwd)(gate.data(), up.data(), grad.data(), rd.data(), (u64)n);
+      }))
+    return;
+  std::vector<double> want_y(n), want_d(2 * n);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t j = 0; j < f; ++j) {
+      want_y[r * f + j] = tod(ry[r * f + j]);
+      want_d[2 * f * r + j] = tod(rd[r * f + j]);
+      want_d[2 * f * r + f + j] = tod(rd[n + r * f + j]);
+    }
+  const Shape shapes[2] = {elementwise(n), grid(2, 96, 0)};
+  for (const Shape& sh : shapes) {
+    const std::string tag =
+        format("%s rows=%zu f=%zu grid=%ux%u", type_name<T>(), rows, f, sh.blocks, sh.threads);
+    Buffer<T> y(n, "y"), d(2 * n, "d gate|d up");
+    if (run(format("swiglu_joined_fwd_%s", type_name<T>()), sh, [&] {
+          KERNEL(T, swiglu_joined_fwd)(gu.data(), y.data(), (u64)rows, (u64)f);
+        }))
+      compare("swiglu_joined_fwd " + tag, read(y, 0, n), want_y, 0.0);
+    if (run(format("swiglu_joined_bwd_%s", type_name<T>()), sh, [&] {
+          KERNEL(T, swiglu_joined_bwd)(gu.data(), grad.data(), d.data(), (u64)rows, (u64)f);
+        }))
+      compare("swiglu_joined_bwd " + tag, read(d, 0, 2 * n), want_d, 0.0);
   }
 }
 
@@ -399,6 +445,8 @@ template <typename T> void all(uint64_t seed) {
   swiglu<T>(1000, 0, seed + 6);  // whole packs
   swiglu<T>(1003, 0, seed + 14); // whole packs and a tail of 3 (bf16), 3 (f32), 1 (f64)
   swiglu<T>(1000, 1, seed + 15); // misaligned: elements only
+  swiglu_joined<T>(7, 33, seed + 18);  // rows of an odd width
+  swiglu_joined<T>(3, 400, seed + 19); // f wider than a block's threads
   add<T>(4099, 0, seed + 16);
   add<T>(4099, 1, seed + 17);
   cross_entropy<T>(3, 1500, {}, seed + 7);      // v > CE_THREADS: strided

@@ -17,9 +17,10 @@
 //! against an autograd reference over the same ops and against finite differences
 //! (`tests/hand_written_backward.rs`, `tests/moe.rs`).
 
-use candle_core::{Result, Shape, Tensor};
+use candle_core::{Result, Tensor};
 use parallel::cp::DocumentStarts;
 
+use super::project::GateUp;
 use super::Llama;
 use crate::config::LlamaConfig;
 use crate::inventory::{BlockParams, MlpParams};
@@ -60,10 +61,8 @@ enum MlpTape {
     Dense {
         /// The norm of the residual as the MLP reads it `[b, s, h]` (`None`: recomputed).
         h2: Option<Tensor>,
-        /// Gate projection `[b, s, f/tp]`.
-        gate: Tensor,
-        /// Up projection `[b, s, f/tp]`.
-        up: Tensor,
+        /// Gate and up projections, joined `[b, s, 2f/tp]` or apart.
+        gu: GateUp,
         /// SwiGLU of the two `[b, s, f/tp]` (`None`: recomputed).
         act: Option<Tensor>,
     },
@@ -111,8 +110,8 @@ impl BlockTape {
         kept.extend(&self.h);
         kept.extend(self.attn.iter().flat_map(|(a, l)| [a, l]));
         match &self.mlp {
-            MlpTape::Dense { h2, gate, up, act } => {
-                kept.extend([gate, up]);
+            MlpTape::Dense { h2, gu, act } => {
+                kept.extend(gu.tensors());
                 kept.extend(h2.iter().chain(act));
             }
             MlpTape::Moe(tape) => kept.extend(tape.tensors()),
@@ -237,18 +236,15 @@ impl Llama {
                 down_proj,
             } => {
                 let h2 = tp.enter(&normed)?; // [b, s, h]
-                let f: Shape = (b, s, self.params.get(*gate_proj).block.shape[0]).into();
-                let [gate, up] =
-                    self.project(layer, &h2, [(*gate_proj, f.clone()), (*up_proj, f)])?; // [b, s, f/tp]
-                let act = ops::swiglu(&gate, &up)?;
+                let gu = self.gate_up(layer, &h2, [*gate_proj, *up_proj])?;
+                let act = gu.act()?; // [b, s, f/tp]
                 let [down] =
                     self.project(layer, &act, [(*down_proj, (b, s, c.hidden_size).into())])?;
                 let y = ops::add(&x1, &tp.exit(&down)?)?;
                 let r = &self.recomputed;
                 let tape = MlpTape::Dense {
                     h2: (!r.layernorm).then_some(h2),
-                    gate,
-                    up,
+                    gu,
                     act: (!r.mlp_act).then_some(act),
                 };
                 (y, tape, None)
@@ -316,7 +312,7 @@ impl Llama {
         // The feed-forward part: y = x1 + mlp(norm(x1)).
         let (dx1, d_norm2) = match (mlp, &blk.mlp) {
             (
-                MlpTape::Dense { h2, gate, up, act },
+                MlpTape::Dense { h2, gu, act },
                 MlpParams::Dense {
                     gate_proj,
                     up_proj,
@@ -331,14 +327,13 @@ impl Llama {
                 };
                 let act = match act {
                     Some(act) => act,
-                    None => ops::swiglu(&gate, &up)?,
+                    None => gu.act()?,
                 };
                 let dd = tp.exit_grad(&dy)?; // [b, s, h]
                 let (dact, [d_down]) = self.project_bwd(layer, &act, [(*down_proj, &dd)])?; // [b, s, f/tp]
-                let (dgate, dup) = ops::swiglu_bwd(&gate, &up, &dact)?;
-                // [b, s, h] partial: up's contribution plus gate's.
-                let (dh2, [d_up, d_gate]) =
-                    self.project_bwd(layer, &h2, [(*up_proj, &dup), (*gate_proj, &dgate)])?;
+                                                                                            // [b, s, h] partial.
+                let (dh2, [d_gate, d_up]) =
+                    self.gate_up_bwd(layer, &h2, [*gate_proj, *up_proj], &gu, &dact)?;
                 grads.extend([d_gate, d_up, d_down]);
                 let dh2 = tp.enter_grad(&dh2)?;
                 ops::rms_norm_bwd_add(&x1, &w.norm2, c.rms_norm_eps, &dh2, &dy)?

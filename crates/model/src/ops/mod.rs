@@ -57,6 +57,18 @@ pub mod sdpa_cache;
 mod sdpa_ragged;
 mod swiglu;
 
+/// Where a matrix's rows lie when they are contiguous but spaced `ld` elements apart (a range
+/// of columns of a wider matrix: the fused projections' per-weight gradients): `(first element,
+/// ld)` for a 2-D layout with unit column stride and `ld ≥ columns`, else `None`.
+pub fn row_strided(l: &candle_core::Layout) -> Option<(usize, usize)> {
+    match (l.dims(), l.stride()) {
+        (&[rows, cols], &[ld, 1]) if ld >= cols || rows <= 1 => {
+            Some((l.start_offset(), ld.max(cols)))
+        }
+        _ => None,
+    }
+}
+
 /// `a + b` for tensors of one shape and dtype, each sum rounded once to the storage type (bit for
 /// bit candle's addition); on CUDA one kernel moving 16 bytes at a time.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -363,6 +375,18 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// Gradients `(d gate, d up)` of [`swiglu`] for the upstream gradient `dy`, without a graph.
 pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     swiglu::swiglu_bwd(gate, up, dy)
+}
+
+/// [`swiglu`] of the fused gate/up GEMM's output `gu` `[.., 2f]` (each row's gate, then its
+/// up): `[.., f]`, bit for bit `swiglu` of the two halves.
+pub fn swiglu_joined(gu: &Tensor) -> Result<Tensor> {
+    swiglu::swiglu_joined(gu)
+}
+
+/// The gradient of [`swiglu_joined`] for `dy` `[.., f]`: `[.., 2f]` in `gu`'s layout (each
+/// row's `d gate`, then its `d up`), bit for bit [`swiglu_bwd`]'s.
+pub fn swiglu_joined_bwd(gu: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    swiglu::swiglu_joined_bwd(gu, dy)
 }
 
 /// Rows of `w` `[v, h]` for `ids` (u32, any shape of `n` elements): `[n, h]`. Backward: the

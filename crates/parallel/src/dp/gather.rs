@@ -22,8 +22,9 @@ use crate::comm::thread::Ticket;
 
 /// The model's parameter slots, which hold a parameter's full tensor only while it is installed.
 pub trait ParamSlots {
-    /// Installs parameter `i` from its flat values (any dtype; the slot casts and shapes them).
-    fn install(&self, i: usize, values: &Tensor) -> Result<()>;
+    /// Installs parameter `i` from elements `offset..` of the gathered bucket `bucket` (flat,
+    /// any dtype; the slot casts and shapes them, or keeps a view where it can).
+    fn install(&self, i: usize, bucket: &Tensor, offset: usize) -> Result<()>;
     /// Releases parameter `i`.
     fn release(&self, i: usize);
 }
@@ -164,7 +165,7 @@ impl<P: Copy + Eq + Hash + Debug> Gatherer<P> {
         let bucket = &self.layout.buckets[b];
         for i in bucket.params.clone() {
             let r = self.layout.range(i);
-            slots.install(i, &full.narrow(0, r.start - bucket.start, r.len())?)?;
+            slots.install(i, full, r.start - bucket.start)?;
         }
         self.installed.insert(b);
         Ok(())

@@ -20,6 +20,7 @@ pub mod lt;
 pub mod muon;
 pub mod norm;
 pub mod pointwise;
+pub mod products;
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};

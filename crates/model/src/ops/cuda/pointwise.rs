@@ -195,6 +195,61 @@ pub fn swiglu_bwd(
     })
 }
 
+/// SwiGLU of the joined `gu` `[rows, 2f]` (each row's gate, then its up): `[rows, f]`.
+pub fn swiglu_joined_fwd(gu: &CudaStorage, gl: &Layout, f: usize) -> Result<CudaStorage> {
+    const OP: &str = "swiglu";
+    let dev = gu.device();
+    let n = gl.shape().elem_count() / 2; // rows · f
+    let (rows, f_u) = ((n / f.max(1)) as u64, f as u64);
+    crate::with_cuda_dtype!(OP, gu.dtype(), T => {
+        let v = view::<T>(OP, "gate|up", gu, gl)?; // [rows, 2f]
+        // SAFETY: the grid-stride loop writes every element `i < rows · f`.
+        let mut y = unsafe { alloc::<T>(dev, n) }?; // [rows, f]
+        if n > 0 {
+            let k = kernel(dev, OP, "swiglu_joined_fwd", gu.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&k);
+            b.arg(&v).arg(&mut y).arg(&rows).arg(&f_u);
+            // SAFETY: matches `swiglu_joined_fwd_<T>(const T*, T*, u64, u64)`; reads indices
+            // below rows · 2f, writes below rows · f.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// The gradient of [`swiglu_joined_fwd`] for `grad` `[rows, f]`: `[rows, 2f]`, each row's
+/// `d gate`, then its `d up`.
+pub fn swiglu_joined_bwd(
+    gu: &CudaStorage,
+    gl: &Layout,
+    grad: &CudaStorage,
+    dl: &Layout,
+    f: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "swiglu";
+    let dev = gu.device();
+    let n = gl.shape().elem_count() / 2; // rows · f
+    check_len(OP, "grad", dl.shape().elem_count(), n)?;
+    let (rows, f_u) = ((n / f.max(1)) as u64, f as u64);
+    crate::with_cuda_dtype!(OP, gu.dtype(), T => {
+        let v = view::<T>(OP, "gate|up", gu, gl)?; // [rows, 2f]
+        let dv = view::<T>(OP, "grad", grad, dl)?; // [rows, f]
+        // SAFETY: element `i < rows · f` writes its row's d gate and d up: all 2 · rows · f.
+        let mut out = unsafe { alloc::<T>(dev, 2 * n) }?; // [rows, 2f]
+        if n > 0 {
+            let k = kernel(dev, OP, "swiglu_joined_bwd", gu.dtype())?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&k);
+            b.arg(&v).arg(&dv).arg(&mut out).arg(&rows).arg(&f_u);
+            // SAFETY: matches `swiglu_joined_bwd_<T>(const T*, const T*, T*, u64, u64)`;
+            // indices below rows · 2f.
+            unsafe { b.launch(elementwise(n)) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    })
+}
+
 /// The `(rows, v)` of `logits` `[n, v]`, and the rows' `i32` kernel arguments.
 fn ce_dims(op: &str, ll: &Layout, tl: &Layout) -> Result<(usize, usize, i32, i32)> {
     let &[n, v] = ll.dims() else {
