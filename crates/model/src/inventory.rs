@@ -298,6 +298,20 @@ impl Inventory {
         flags
     }
 
+    /// Whether each parameter is read back to back with the next one by a fused GEMM (q with
+    /// k, k with v; gate with up): a flat layout keeps them in one bucket.
+    pub fn joined_flags(&self) -> Vec<bool> {
+        let mut flags = vec![false; self.params.len()];
+        for group in self.blocks.values().flat_map(BlockParams::fused) {
+            for pair in group.windows(2) {
+                if pair[1] == pair[0] + 1 {
+                    flags[pair[0]] = true;
+                }
+            }
+        }
+        flags
+    }
+
     /// Whether each parameter is a hidden projection matrix: attention's q, k, v and o, the
     /// MLP's gate, up and down, every expert's w1, w3 and w2 (what Muon updates; the embedding,
     /// the output matrix, norms and routers are not).

@@ -46,8 +46,9 @@ pub fn state_layout(
     (shard_index, expert_index): (usize, usize),
 ) -> StateLayout {
     let pieces = piece_params(inventory, chunks);
-    let expert = inventory.expert_flags();
-    StateLayout::new(par, numels, &pieces, &expert, shard_index, expert_index)
+    let (expert, joined) = (inventory.expert_flags(), inventory.joined_flags());
+    let flags = (expert.as_slice(), joined.as_slice());
+    StateLayout::new(par, numels, &pieces, flags, shard_index, expert_index)
 }
 
 #[cfg(test)]

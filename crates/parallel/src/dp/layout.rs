@@ -51,20 +51,17 @@ impl FlatLayout {
     /// Lays out parameters of `numels` elements into buckets of at least `bucket_elems` elements
     /// (the last may be smaller), each padded to a multiple of `dp_size`.
     pub fn new(numels: &[usize], bucket_elems: usize, dp_size: usize) -> Self {
-        Self::grouped(
-            numels,
-            &vec![false; numels.len()],
-            bucket_elems,
-            [dp_size; 2],
-        )
+        let none = vec![false; numels.len()];
+        Self::grouped(numels, (&none, &none), bucket_elems, [dp_size; 2])
     }
 
     /// [`FlatLayout::new`] where parameter `i` is a routed expert's if `expert[i]`: a bucket
     /// also ends where that changes, and is padded to a multiple of `pad[0]` (others) or
-    /// `pad[1]` (experts).
+    /// `pad[1]` (experts); and never ends after parameter `i` while `joined[i]` (the weights
+    /// a fused GEMM reads back to back: q, k, v; gate, up).
     pub fn grouped(
         numels: &[usize],
-        expert: &[bool],
+        (expert, joined): (&[bool], &[bool]),
         bucket_elems: usize,
         pad: [usize; 2],
     ) -> Self {
@@ -75,7 +72,8 @@ impl FlatLayout {
             offsets.push(total + filled);
             filled += n;
             let last = i + 1 == numels.len();
-            if filled >= bucket_elems || last || expert[i + 1] != expert[i] {
+            let full = filled >= bucket_elems && !joined.get(i).copied().unwrap_or(false);
+            if full || last || expert[i + 1] != expert[i] {
                 let pad = pad[usize::from(expert[i])];
                 let len = filled.div_ceil(pad) * pad;
                 buckets.push(Bucket {
@@ -193,6 +191,24 @@ mod tests {
         assert!(intersect(&(0..2), &(3..9)).is_empty());
     }
 
+    /// A bucket that fills up inside a joined run (parameter 1 joined with 2, 2 with 3) ends
+    /// only after it.
+    #[test]
+    fn buckets_never_end_inside_a_joined_run() {
+        let (expert, joined) = ([false; 5], [false, true, true, false, false]);
+        let l = FlatLayout::grouped(&[5, 3, 7, 2, 4], (&expert, &joined), 8, [4, 4]);
+        let params: Vec<_> = l.buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(params, vec![0..4, 4..5]);
+        assert_eq!((l.buckets[0].len, l.total), (20, 24));
+        let plain = FlatLayout::new(&[5, 3, 7, 2, 4], 8, 4);
+        let cut: Vec<_> = plain.buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(
+            cut,
+            vec![0..2, 2..4, 4..5],
+            "without the flags the first run is cut"
+        );
+    }
+
     #[test]
     fn given_buckets_are_padded_one_by_one() {
         let l = FlatLayout::with_buckets(&[5, 3, 7, 2], &[0..1, 1..3, 3..4], 4);
@@ -205,7 +221,8 @@ mod tests {
     #[test]
     fn expert_buckets_stand_apart_with_their_own_padding() {
         // Parameters 1 and 2 are experts, sharded over 2 ranks; the others over 4.
-        let l = FlatLayout::grouped(&[5, 3, 7, 2], &[false, true, true, false], 100, [4, 2]);
+        let flags = ([false, true, true, false], [false; 4]);
+        let l = FlatLayout::grouped(&[5, 3, 7, 2], (&flags.0, &flags.1), 100, [4, 2]);
         let spans: Vec<_> = l
             .buckets
             .iter()

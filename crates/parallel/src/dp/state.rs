@@ -59,13 +59,14 @@ impl StateLayout {
     /// The layout of a rank at data-parallel shard index `shard_index` (and `expert_index` in
     /// its expert gradient group) under `par`, holding parameters of local sizes `numels` (in
     /// construction order) read by the pieces `piece_params` (see [`unit_buckets`]), `expert[i]`
-    /// for a routed expert's. With expert parallelism the experts' parameters get buckets of
-    /// their own, sharded over the expert gradient group.
+    /// for a routed expert's, `joined[i]` where parameter `i` stays in the bucket of `i + 1`
+    /// (see [`FlatLayout::grouped`]). With expert parallelism the experts' parameters get buckets
+    /// of their own, sharded over the expert gradient group.
     pub fn new(
         par: &ParallelConfig,
         numels: &[usize],
         piece_params: &[Vec<usize>],
-        expert: &[bool],
+        (expert, joined): (&[bool], &[bool]),
         shard_index: usize,
         expert_index: usize,
     ) -> Self {
@@ -85,7 +86,7 @@ impl StateLayout {
             let buckets = unit_buckets(numels.len(), piece_params, expert, split);
             FlatLayout::with_grouped_buckets(numels, &buckets, expert, pads)
         } else {
-            FlatLayout::grouped(numels, expert, par.bucket_size, pads)
+            FlatLayout::grouped(numels, (expert, joined), par.bucket_size, pads)
         };
         let pos = ShardPos {
             dense: (shard_index, shard),

@@ -125,7 +125,8 @@ mod tests {
         assert_eq!(owned_ranges(&l, true, at(3, 4)), vec![6..8, 17..20]);
         assert_eq!(owned_ranges(&l, true, at(0, 4)), vec![0..2, 8..11]);
         // Expert buckets are cut by the expert gradient group.
-        let g = FlatLayout::grouped(&[5, 3, 7, 2], &[false, true, true, false], 100, [4, 2]);
+        let flags = ([false, true, true, false], [false; 4]);
+        let g = FlatLayout::grouped(&[5, 3, 7, 2], (&flags.0, &flags.1), 100, [4, 2]);
         let pos = ShardPos {
             dense: (3, 4),
             expert: (1, 2),
