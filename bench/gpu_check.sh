@@ -422,6 +422,26 @@ print(sys.argv[2], {k: t[0].get(k) for k in ('bubble', 'bubble_simulated', 'act_
       done
       "$BIN" plan --recipe recipes/bench-1b.yaml --gpu "${GPU_PRESET:-h200}" \
         --rates "$OUT/rates/bench-1b.json" | tee "$OUT/plan-1b-measured-rates.txt"
+      # The fused projections against their parts, from the measured table: q, k, v (and
+      # gate, up) one GEMM each against one fused GEMM, forward and input gradient.
+      "$PYTHON" - "$OUT/rates/bench-1b.json" <<'PY' | tee "$OUT/rates/fused-vs-apart.txt"
+import json, sys
+gemms = json.load(open(sys.argv[1]))["gemms"]
+secs = {(g["m"], g["n"], g["k"]): 2 * g["m"] * g["n"] * g["k"] / (g["tflops"] * 1e12) for g in gemms}
+named = {g["what"]: (g["m"], g["n"], g["k"]) for g in gemms}
+for w, (m, total, h) in named.items():
+    if not (w.startswith("q+k+v ") and w.endswith(" fwd")):
+        continue
+    at = w[len("q+k+v "):-len(" fwd")]
+    q, kv = named[f"q {at} fwd"][1], named[f"k/v {at} fwd"][1]
+    f = named[f"gate/up {at} fwd"][1] if f"gate/up {at} fwd" in named else None
+    for d, shape in (("fwd", lambda o: (m, o, h)), ("dx", lambda o: (m, h, o))):
+        t = lambda o: secs.get(shape(o), float("nan"))
+        line = f"{at} {d}: q,k,v apart {1e3 * (t(q) + 2 * t(kv)):.3f} ms, fused {1e3 * t(total):.3f} ms"
+        if f:
+            line += f"; gate,up apart {1e3 * 2 * t(f):.3f} ms, fused {1e3 * t(2 * f):.3f} ms"
+        print(line)
+PY
       # The block's products with FP8 GEMMs (quantizing included), and the FP8 plan priced
       # from them instead of the assumed 1.6x.
       FP8_SET="train.fp8.scaling=tensorwise,train.fp8.gemm=cublaslt"

@@ -181,8 +181,12 @@ pub fn element_problems(recipe: &crate::recipe::Recipe) -> Vec<String> {
             rows * m.vocab_size as u64 / tp,
         ),
         (
-            "the MLP activations of a micro-batch",
-            rows * m.intermediate_size as u64 / tp,
+            "the MLP's gate and up projections of a micro-batch (one joined tensor)",
+            rows * 2 * m.intermediate_size as u64 / tp,
+        ),
+        (
+            "the q, k and v projections of a micro-batch (one fused GEMM's output)",
+            rows * (m.q_dim() + 2 * m.num_key_value_heads * m.head_dim()) as u64 / tp,
         ),
     ];
     let limit = CUDA_MAX_ELEMENTS as u64;

@@ -6,9 +6,10 @@
 //!    GQA groups 2, 4 and 8); the error is `max |device − reference| / max |reference|` per
 //!    output and per gradient. Head dim 64 with 8 query heads per KV head over 2048 positions
 //!    and the 32000-id vocabulary are the 1B recipes' shapes.
-//! 2. **Flat kernels.** Gradient accumulation, the AdamW update and the sum of squares on the
-//!    device against the CPU kernels, and a weight gradient's product accumulated into the f32
-//!    buffer (f32 and bf16 factors; cuBLAS on a GPU) against f64.
+//! 2. **Flat kernels.** Gradient accumulation, the AdamW update, the sum of squares and the
+//!    masters cast into the parameters on the device against the CPU kernels, and a weight
+//!    gradient's product accumulated into the f32 buffer (f32 and bf16 factors; cuBLAS on a
+//!    GPU) against f64.
 //! 3. **bf16 training.** Steps of the tiny recipe in bf16 on the device against the same steps in
 //!    f32 on the CPU (relative loss difference).
 //! 4. **Collective backend.** With NCCL (CUDA builds with the `nccl` feature): a world of one rank
@@ -21,7 +22,6 @@
 //!    and input: the output, the input gradient and every weight gradient. Over the recipes' 2048
 //!    positions on a GPU; over 128 on the CPU, where f64 time forces it (the only scaled
 //!    dimension).
-//!
 //! 7. **Rank processes.** Two processes started by the launcher (tp=2 with sequence
 //!    parallelism) against one rank: over `tcp` on the CPU, over NCCL with two or more GPUs, where
 //!    ZeRO-1, pp 2 and (with four) dp 2 × tp 2 run too (`selftest/processes.rs`).

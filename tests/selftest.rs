@@ -19,13 +19,13 @@ fn cpu_selftest_passes_every_check() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("all 156 checks passed"), "{stdout}");
+    assert!(stdout.contains("all 157 checks passed"), "{stdout}");
     let checks: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Forward and backward of the six ops (attention at three head dims, cross-entropy at two
     // vocabularies, the embedding) and of an unmasked ring attention block in f32 and bf16, the
     // residual addition fused with RMSNorm forward and backward (values, f32 and bf16),
-    // three optimizer kernels and the fused weight-gradient product (f32, bf16), four training
+    // three optimizer kernels, the masters cast into bf16 parameters and the fused weight-gradient product (f32, bf16), four training
     // comparisons (bf16; dp2 x tp2, cp2 and MoE ep2 thread-ranks), two rank processes over tcp,
     // and the 1B decoder block's output, input gradient and nine weight gradients in f32 and
     // bf16, through its forward and hand-written backward; attention in bf16 against f64 (causal
@@ -35,7 +35,7 @@ fn cpu_selftest_passes_every_check() {
     // tensorwise and with blockwise scales, and operands made once for several GEMMs; the
     // grouped linears (forward, input gradient; f32, bf16); the SwiGLU on the fused gate/up
     // output (forward, backward) and a weight gradient from a range of its columns (f32, bf16).
-    assert_eq!(checks.len(), 156);
+    assert_eq!(checks.len(), 157);
     for c in &checks {
         let (e, t) = (
             c["error"].as_f64().unwrap(),

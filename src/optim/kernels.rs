@@ -123,6 +123,70 @@ impl InplaceOp2 for AddInto {
     }
 }
 
+/// `dst ← src` rounded to `dst`'s dtype (nearest even), in place: `dst` the parameters' flat
+/// tensor (f32, f64 or bf16), `src` the f32 master weights of the same length. One pass where a
+/// cast and a copy made two.
+struct CastInto;
+
+impl InplaceOp2 for CastInto {
+    fn name(&self) -> &'static str {
+        "cast-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        src: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        let src = f32_slice(src, sl, "cast-into")?;
+        let Some((a, b)) = dl.contiguous_offsets() else {
+            bail!("cast-into: the destination must be contiguous")
+        };
+        if b - a != src.len() {
+            bail!("cast-into: {} values into {} elements", src.len(), b - a)
+        }
+        fn each<T: Send>(dst: &mut [T], src: &[f32], f: impl Fn(f32) -> T + Sync) {
+            dst.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s)));
+        }
+        match dst {
+            CpuStorage::F32(v) => v[a..b].copy_from_slice(src),
+            CpuStorage::F64(v) => each(&mut v[a..b], src, f64::from),
+            CpuStorage::BF16(v) => each(&mut v[a..b], src, bf16::from_f32),
+            other => bail!("cast-into: no cast to {:?}", other.dtype()),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dl: &Layout,
+        src: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        flat::cast_into(dst, dl, src, sl)
+    }
+}
+
+/// Writes the f32 `src` into `dst` (same length) rounded to `dst`'s dtype, in place.
+pub fn cast_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if src.dtype() != DType::F32 || src.elem_count() != dst.elem_count() {
+        bail!(
+            "cast-into: {:?} {:?} into {:?} {:?}",
+            src.dims(),
+            src.dtype(),
+            dst.dims(),
+            dst.dtype()
+        )
+    }
+    dst.inplace_op2(&src.contiguous()?, &CastInto)
+}
+
 /// Adds `grad` (any float dtype, same element count) into the f32 view `dst`.
 pub fn add_into(dst: &Tensor, grad: &Tensor) -> Result<()> {
     dst.inplace_op2(&grad.contiguous()?, &AddInto)
@@ -231,7 +295,7 @@ pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
         _ => false,
     };
     if !fused {
-        return add_into(dst, &g.t()?.matmul(x)?);
+        return add_into(dst, &g.contiguous()?.t()?.matmul(x)?);
     }
     let op = AddProduct { rows, out, inp };
     // A range of a wider gradient's columns is read in place, its rows `ld` apart.

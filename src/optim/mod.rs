@@ -117,8 +117,27 @@ pub(crate) fn copy_owned(
     Ok(())
 }
 
+/// Packs `params` (all installed) into one flat tensor at `layout`'s offsets, so that
+/// [`write_params`] writes them in one pass.
+pub fn pack_params(params: &ParamSet, layout: &FlatLayout) -> Result<()> {
+    params.pack_at(&layout.offsets, layout.total)
+}
+
 /// Writes a whole flat f32 vector `[layout.total]` into the parameters (cast to their dtype).
 pub fn write_params(params: &ParamSet, layout: &FlatLayout, flat: &Tensor) -> Result<()> {
+    // Packed at the layout's offsets (`pack_params`), on the values' device: one pass writes
+    // them all. (Offloaded values are cast on the host first, parameter by parameter: half
+    // the bytes to copy.)
+    if params
+        .iter()
+        .next()
+        .is_some_and(|p| p.device.same_device(flat.device()))
+    {
+        let cast = |packed: &Tensor| kernels::cast_into(packed, &flat.to_dtype(DType::F32)?);
+        if params.write_flat(&layout.offsets, layout.total, cast)? {
+            return Ok(());
+        }
+    }
     for (i, p) in params.iter().enumerate() {
         let r = layout.range(i);
         p.set(&flat.narrow(0, r.start, r.len())?)?;
@@ -147,4 +166,55 @@ pub fn write_f32(t: &Tensor, at: usize, values: &[f32]) -> Result<()> {
     }
     let part = Tensor::from_slice(values, values.len(), t.device())?;
     t.slice_set(&part, 0, at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parameters packed at the layout's offsets are written by one cast pass, with the bits the
+    /// parameter-by-parameter writes give (f32; bf16 on the CPU is not packed, and written
+    /// parameter by parameter alike).
+    #[test]
+    fn packed_parameters_are_written_in_one_pass_alike() -> Result<()> {
+        use model::{Llama, LlamaConfig, Placement};
+        let c = LlamaConfig {
+            vocab_size: 64,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            max_position_embeddings: 16,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            init_std: 0.02,
+            ..Default::default()
+        };
+        for dtype in [DType::BF16, DType::F32] {
+            let build = || Llama::new(&c, Placement::whole(&c), 3, dtype, &Device::Cpu);
+            let (apart, packed) = (build()?, build()?);
+            let layout = layout_of(apart.params(), 1000, 2); // buckets padded for 2 shards
+            pack_params(packed.params(), &layout)?;
+            // 16-bit parameters on the CPU keep storages of their own.
+            let flat = packed.params().flat_at(&layout.offsets, layout.total);
+            assert_eq!(flat.is_some(), dtype == DType::F32);
+            let values = (Tensor::randn(0f32, 1.0, layout.total, &Device::Cpu)? * 3.0)?;
+            write_params(apart.params(), &layout, &values)?;
+            write_params(packed.params(), &layout, &values)?;
+            for (a, b) in apart.params().iter().zip(packed.params().iter()) {
+                let bits = |t: Tensor| -> Result<Vec<u32>> {
+                    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    Ok(v.iter().map(|x| x.to_bits()).collect())
+                };
+                assert_eq!(
+                    bits(a.tensor()?)?,
+                    bits(b.tensor()?)?,
+                    "{dtype:?} {}",
+                    a.name
+                );
+            }
+        }
+        Ok(())
+    }
 }

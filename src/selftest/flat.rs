@@ -1,13 +1,13 @@
 //! Check 2: the optimizer's flat-buffer kernels (gradient accumulation, the AdamW update with
-//! fp32 and bf16 moments, sums of squares, the fused weight-gradient product) and Muon's
-//! Newton-Schulz iteration on the device against the CPU.
+//! fp32 and bf16 moments, sums of squares, the masters cast into the parameters, the fused
+//! weight-gradient product) and Muon's Newton-Schulz iteration on the device against the CPU.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
 use super::{op_tolerance, randn, rel_error, Check};
 use crate::optim::kernels::{
-    add_into, add_product_into, sum_squares, sum_squares_of, AdamWStep, NonFinite,
+    add_into, add_product_into, cast_into, sum_squares, sum_squares_of, AdamWStep, NonFinite,
 };
 
 /// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
@@ -91,6 +91,25 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
             tolerance: 1e-12,
         });
     }
+    // The masters written into a view of bf16 parameters (cast in place), against the CPU's
+    // cast bit for bit.
+    let cast = |dev: &Device| -> Result<Tensor> {
+        let params = Tensor::zeros(n + 8, DType::BF16, dev)?;
+        cast_into(&params.narrow(0, 3, n)?, &master.to_device(dev)?)?;
+        Ok(params.to_device(&Device::Cpu)?)
+    };
+    let (on_device, on_cpu) = (cast(device)?, cast(&Device::Cpu)?);
+    let differs = on_device
+        .to_dtype(DType::F32)?
+        .ne(&on_cpu.to_dtype(DType::F32)?)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    checks.push(Check {
+        name: "cast_into (f32 masters into bf16 parameters)".into(),
+        error: differs as f64 / n as f64,
+        tolerance: 0.0,
+    });
     // A weight gradient's product accumulated into the buffer, against f64 on the CPU from the
     // same (rounded) values. Sums of 1000 products in f32: 1e-5. bf16 factors on the CPU take
     // the unfused path, whose product is rounded to bf16 before it is added (op tolerance).

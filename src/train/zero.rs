@@ -144,6 +144,10 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
             anyhow::bail!("rank {}: {p}", ctx.rank);
         }
     }
+    if !zero.shards_parameters() {
+        // One flat tensor in the layout's order: the update writes it in one pass.
+        crate::optim::pack_params(model.params(), &layout)?;
+    }
     let grads = if zero.shards_gradients() {
         GradBuffer::sharded(layout.clone(), owned.clone(), device, ctx.stats.clone())?
     } else {

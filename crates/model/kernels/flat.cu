@@ -1,9 +1,10 @@
-// Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the AdamW
+// Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the master
+// weights written into the parameters' flat tensor in their dtype (cast_into), the AdamW
 // update (adamw_f32, adamw_bf16: the moments' type; it also flags a non-finite stored value),
 // Muon's element-wise passes (muon_*) and the sum of squares for the global gradient norm and
 // Muon's finiteness check (sum_squares_*).
 //
-// add_into and adamw are elementwise with grid-stride loops over 64-bit indices (any 1-D grid).
+// add_into, cast_into and adamw are elementwise with grid-stride loops over 64-bit indices (any 1-D grid).
 // adamw uses the explicitly rounded intrinsics (__fmul_rn, ...), which nvcc never contracts into
 // FMAs, so it performs exactly the f32 operations of the CPU AdamWStep, in the same order, and
 // gives bitwise identical results. sum_squares is a deterministic two-stage reduction in f64:
@@ -19,6 +20,17 @@ template <typename T> __device__ void add_into_impl(float* dst, const T* src, u6
   for (u64 i = global_id(); i < n; i += grid_stride()) dst[i] = __fadd_rn(dst[i], to_f32(src[i]));
 }
 EXPORT3(add_into, (float* dst, const T* src, u64 n), (dst, src, n))
+
+// dst[i] = src[i] rounded to T (nearest even) for i < n; dst: [n] of the storage type T (the
+// parameters' flat tensor), src: [n] f32 (the master weights).
+template <typename T> __device__ __forceinline__ T from_f32(float x) { return (T)x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <typename T> __device__ void cast_into_impl(T* dst, const float* src, u64 n) {
+  for (u64 i = global_id(); i < n; i += grid_stride()) dst[i] = from_f32<T>(src[i]);
+}
+EXPORT3(cast_into, (T* dst, const float* src, u64 n), (dst, src, n))
 
 // One AdamW step over the elements [start, start + len) of one decay range.
 // state: [n] f32 master, then the moments exp_avg [n] M and exp_avg_sq [n] M (M = f32 or bf16:

@@ -15,9 +15,14 @@ use std::sync::{Mutex, RwLock, RwLockReadGuard};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use parallel::tp::{tp_shard, Block, Shard, TensorParallel};
 
+mod packing;
+
 use crate::init::Init;
 use crate::llama::Fp8Mode;
 use crate::ops::Fp8Operand;
+
+/// Most elements one copy into a slot covers (candle's CUDA copies index 32 bits).
+const COPY_SPAN: usize = 1 << 31;
 
 /// What role a parameter plays; decides weight decay and initialisation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,7 +77,7 @@ pub struct ParamSpec<'a> {
 /// Where an installed parameter's values are: elements `offset..offset + numel` of the flat
 /// (1-D, contiguous) tensor `base`, which other parameters' slots may share.
 #[derive(Debug, Clone)]
-struct Slot {
+pub(crate) struct Slot {
     base: Tensor,
     offset: usize,
 }
@@ -83,7 +88,7 @@ impl Parameter {
         self.slot.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn installed(&self) -> Result<Slot> {
+    pub(crate) fn installed(&self) -> Result<Slot> {
         self.slot().clone().ok_or_else(|| {
             candle_core::Error::Msg(format!(
                 "parameter {} is not on this rank right now (released after its use; ZeRO-3 \
@@ -177,7 +182,8 @@ impl Parameter {
         }
         let kept = base.dtype() == self.dtype
             && base.device().same_device(&self.device)
-            && base.is_contiguous();
+            && base.is_contiguous()
+            && self.views_are_cheap();
         if !kept {
             return self.install(&base.narrow(0, offset, n)?);
         }
@@ -188,13 +194,21 @@ impl Parameter {
         Ok(())
     }
 
+    /// Whether the parameter may be a view of a larger tensor without slowing what reads it:
+    /// candle's CPU matmul widens a 16-bit operand's whole storage to f32, so there a 16-bit
+    /// parameter keeps a storage of its own (a q, k, v or gate, up group excepted: the fused
+    /// GEMM reads all of it).
+    pub(crate) fn views_are_cheap(&self) -> bool {
+        self.device.is_cuda() || matches!(self.dtype, DType::F32 | DType::F64)
+    }
+
     /// Drops the slot (the memory is freed once no slot or tape holds it).
     pub fn release(&self) {
         self.put(None);
     }
 
     /// Replaces the slot, dropping any FP8 operand of the old values.
-    fn put(&self, slot: Option<Slot>) {
+    pub(crate) fn put(&self, slot: Option<Slot>) {
         let mut kept = self.fp8_kept(); // held across the write: no operand of the old values
         *kept = None;
         *self.slot.write().unwrap_or_else(|e| e.into_inner()) = slot;
@@ -226,7 +240,7 @@ impl Parameter {
 
     /// The kept FP8 operand's slot. Writers of the values hold it across the write, and it is
     /// taken before the variable's lock, as [`Parameter::fp8_operand`] takes them.
-    fn fp8_kept(&self) -> std::sync::MutexGuard<'_, Option<(Fp8Mode, Fp8Operand)>> {
+    pub(crate) fn fp8_kept(&self) -> std::sync::MutexGuard<'_, Option<(Fp8Mode, Fp8Operand)>> {
         // A poisoned lock only means a panic elsewhere; an operand is dropped on any write.
         self.fp8.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -242,19 +256,22 @@ impl Parameter {
         let moved = parallel::dp::moved(&t, &self.device)?;
         let mut kept = self.fp8_kept();
         *kept = None;
-        let dst = self.tensor()?;
-        if same_storage(&dst, &moved) {
+        let dst = self.tensor()?.flatten_all()?; // [numel], a view of the slot
+        let src = match packing::same_storage(&dst, &moved) {
             // A value read from a parameter sharing this slot's storage: copied out first.
-            return dst.slice_set(&moved.copy()?, 0, 0);
+            true => moved.copy()?,
+            false => moved,
         }
-        dst.slice_set(&moved, 0, 0)
+        .flatten_all()?;
+        // candle's copy kernels index 32 bits: at most 2^31 elements a copy.
+        let n = self.numel();
+        for at in (0..n).step_by(COPY_SPAN) {
+            let len = COPY_SPAN.min(n - at);
+            dst.narrow(0, at, len)?
+                .slice_set(&src.narrow(0, at, len)?, 0, 0)?;
+        }
+        Ok(())
     }
-}
-
-/// Whether `a` and `b` are views of one storage (each read lock taken and dropped in turn).
-fn same_storage(a: &Tensor, b: &Tensor) -> bool {
-    let key = |t: &Tensor| std::ptr::from_ref(&*t.storage_and_layout().0) as usize;
-    key(a) == key(b)
 }
 
 /// ZeRO-3 installs and releases parameters through their slots.
@@ -354,91 +371,6 @@ impl ParamSet {
     /// Total number of elements.
     pub fn numel(&self) -> usize {
         self.params.iter().map(Parameter::numel).sum()
-    }
-
-    /// Packs the installed matrices `members` (one dtype, device and column count) back to back
-    /// in that order into one new flat tensor, each slot a range of it: their values are
-    /// unchanged, and [`ParamSet::span`] of them is a view.
-    pub fn pack(&self, members: &[usize]) -> Result<()> {
-        self.columns(members)?;
-        let parts = members
-            .iter()
-            .map(|&i| self.get(i).tensor()?.flatten_all())
-            .collect::<Result<Vec<_>>>()?;
-        let base = Tensor::cat(&parts, 0)?; // [Σ numel]
-        let mut offset = 0;
-        for &i in members {
-            let p = self.get(i);
-            p.put(Some(Slot {
-                base: base.clone(),
-                offset,
-            }));
-            offset += p.numel();
-        }
-        Ok(())
-    }
-
-    /// The matrices `members` (one column count) stacked in that order, `[Σ rows, cols]`: a
-    /// view where their slots lie back to back in one tensor (packed, or the ranges of one
-    /// gathered bucket), else a copy.
-    pub fn span(&self, members: &[usize]) -> Result<Tensor> {
-        let cols = self.columns(members)?;
-        let slots = members
-            .iter()
-            .map(|&i| self.get(i).installed())
-            .collect::<Result<Vec<_>>>()?;
-        let rows: usize = members.iter().map(|&i| self.get(i).block.shape[0]).sum();
-        let follows = |(a, b): (&Slot, &Slot), i: usize| {
-            let one_base = a.base.layout().start_offset() == b.base.layout().start_offset()
-                && a.base.elem_count() == b.base.elem_count()
-                && same_storage(&a.base, &b.base);
-            one_base && b.offset == a.offset + self.get(i).numel()
-        };
-        let back_to_back = slots
-            .iter()
-            .zip(slots.iter().skip(1))
-            .zip(members)
-            .all(|(pair, &i)| follows(pair, i));
-        if back_to_back {
-            let first = &slots[0];
-            return first
-                .base
-                .narrow(0, first.offset, rows * cols)?
-                .reshape((rows, cols));
-        }
-        let parts = members
-            .iter()
-            .map(|&i| self.get(i).tensor())
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&parts, 0)
-    }
-
-    /// The column count the matrices `members` share (an error naming the first that differs).
-    fn columns(&self, members: &[usize]) -> Result<usize> {
-        let Some(&first) = members.first() else {
-            candle_core::bail!("stacking no parameters");
-        };
-        let head = self.get(first);
-        let cols = match head.block.shape.as_slice() {
-            &[_, c] => c,
-            s => candle_core::bail!("{}: a matrix to stack, got shape {s:?}", head.name),
-        };
-        for &i in members {
-            let p = self.get(i);
-            let same = p.block.shape.len() == 2 && p.block.shape[1] == cols;
-            if !same || p.dtype != head.dtype || !p.device.same_device(&head.device) {
-                candle_core::bail!(
-                    "{} ({:?}, {:?}) cannot be stacked under {} ({:?}, {:?})",
-                    p.name,
-                    p.block.shape,
-                    p.dtype,
-                    head.name,
-                    head.block.shape,
-                    head.dtype
-                );
-            }
-        }
-        Ok(cols)
     }
 
     /// Index of the parameter called `name`.

@@ -245,7 +245,9 @@ impl ParamGrad {
     pub fn into_tensor(self) -> Result<Tensor> {
         match self {
             ParamGrad::Tensor(t) => Ok(t),
-            ParamGrad::Product { g, x } => g.t()?.matmul(&x),
+            // A factor may be a range of a wider gradient's columns, which candle's CUDA matmul
+            // does not take transposed: copied out first.
+            ParamGrad::Product { g, x } => g.contiguous()?.t()?.matmul(&x),
             ParamGrad::Fp8Product { g, x } => crate::ops::fp8_product(&g, &x),
         }
     }

@@ -182,3 +182,59 @@ fn fused_projections_read_packed_and_apart_weights_alike() -> Result<()> {
     assert!(a == b, "packed and apart weights give different bits");
     Ok(())
 }
+
+#[test]
+fn packing_at_a_layouts_offsets_gives_one_flat_tensor() -> Result<()> {
+    let set = set()?;
+    let before: Vec<Vec<f32>> = (0..4)
+        .map(|i| set.get(i).tensor()?.flatten_all()?.to_vec1::<f32>())
+        .collect::<Result<_>>()?;
+    // Out of index order, with gaps: c at 0, a at 6, b at 14, n at 26; 32 in all.
+    let offsets = [6, 14, 0, 26];
+    set.pack_at(&offsets, 32)?;
+    let flat = set.flat_at(&offsets, 32).expect("packed at the offsets");
+    let v = flat.to_vec1::<f32>()?;
+    for (i, want) in before.iter().enumerate() {
+        assert_eq!(&v[offsets[i]..offsets[i] + want.len()], &want[..]);
+        let got = set.get(i).tensor()?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(&got, want, "values unchanged");
+    }
+    assert!(
+        v[4..6].iter().chain(&v[30..]).all(|&x| x == 0.0),
+        "gaps are zero"
+    );
+    assert!(set.flat_at(&[6, 14, 0, 27], 32).is_none(), "other offsets");
+    assert!(set.flat_at(&offsets, 33).is_none(), "another size");
+    // Written through the flat tensor, read through the slots.
+    flat.slice_set(&Tensor::full(2f32, 8, &Device::Cpu)?, 0, 6)?;
+    assert_eq!(
+        set.get(0).tensor()?.flatten_all()?.to_vec1::<f32>()?,
+        vec![2.0; 8]
+    );
+    // A write through it drops the FP8 operands kept of the old values, as `set` does.
+    let mode = (model::Fp8Scaling::Tensorwise, model::Fp8Gemm::Emulated);
+    let p = set.get(1);
+    p.fp8_operand(mode, |w| model::llama::fp8_weight_operand(w, mode))?;
+    assert!(p.fp8_bytes() > 0);
+    assert!(set.write_flat(&offsets, 32, |t| t.slice_set(&t.ones_like()?, 0, 0))?);
+    assert_eq!(
+        p.fp8_bytes(),
+        0,
+        "the packed write dropped the kept operand"
+    );
+    assert!(set
+        .get(1)
+        .tensor()?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|&v| v == 1.0));
+    assert!(!set.write_flat(&offsets, 33, |_| unreachable!("not packed so"))?);
+    // A parameter installed elsewhere leaves it.
+    set.get(3)
+        .install(&Tensor::zeros(4, DType::F32, &Device::Cpu)?)?;
+    assert!(set.flat_at(&offsets, 32).is_none());
+    expect_err(set.pack_at(&[0, 4, 30, 26], 32), "cannot be packed at 4");
+    expect_err(set.pack_at(&[0, 8], 32), "2 offsets for 4 parameters");
+    Ok(())
+}

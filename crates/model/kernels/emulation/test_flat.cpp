@@ -1,5 +1,5 @@
-// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), adamw (f32 and
-// bf16 moments) over two decay ranges, Muon's passes (muon_*) and the two-stage sum_squares
+// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), cast_into (f32,
+// f64 and bf16 destinations), adamw (f32 and bf16 moments) over two decay ranges, Muon's passes (muon_*) and the two-stage sum_squares
 // (f32 and bf16), with the launch shapes and argument order of
 // src/ops/cuda/flat.rs, compared with double-precision references (and adamw also bitwise with
 // the CPU AdamWStep's f32 arithmetic, which the kernel promises to reproduce exactly).
@@ -38,6 +38,42 @@ template <typename T> void check_add_into(size_t n, uint64_t seed) {
     const std::string tag = format("add_into f32 += %s n=%zu grid=%ux%u", type_name<T>(), n,
                                    sh.blocks, sh.threads);
     compare(tag, read(dst, off, n), ref, tol<float>());
+    expect(same_bits(dst, before, 0, off) && same_bits(dst, before, off + n, total),
+           tag + " leaves the rest of the buffer untouched");
+  }
+}
+
+// cast_into: dst[i] = src[i] rounded to T, on a view at an offset inside a larger buffer of T
+// (the parameters' flat tensor); the reference rounds to bf16 by the bits (nearest even), not
+// through the stand-in conversion under test.
+template <typename T> void check_cast_into(size_t n, uint64_t seed) {
+  Rng rng(seed);
+  const size_t off = 5, total = n + 11;
+  Buffer<T> dst(total, "dst");
+  Buffer<float> src(n, "src");
+  fill_normal(dst, rng);
+  fill_normal(src, rng, 0.0, 100.0);
+  src[0] = 1.0f + 1.0f / 256.0f;  // a tie: to even (1.0 in bf16)
+  src[1] = 1.0f + 3.0f / 256.0f;  // a tie: to even (1 + 1/64)
+  const std::vector<T> before(dst.data(), dst.data() + total);
+  std::vector<double> ref(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &src[i], 4);
+    const uint32_t rounded = ((b + 0x7fffu + ((b >> 16) & 1u)) >> 16) << 16;
+    float r;
+    std::memcpy(&r, &rounded, 4);
+    ref[i] = sizeof(T) == 2 ? (double)r : (double)src[i];
+  }
+  const Shape shapes[2] = {elementwise(n), grid(2, 64, 0)};
+  for (const Shape& sh : shapes) {
+    std::memcpy(dst.data(), before.data(), total * sizeof(T));
+    if (!run(format("cast_into_%s", type_name<T>()), sh,
+             [&] { KERNEL(T, cast_into)(dst.data() + off, src.data(), (u64)n); }))
+      continue;
+    const std::string tag =
+        format("cast_into f32 -> %s n=%zu grid=%ux%u", type_name<T>(), n, sh.blocks, sh.threads);
+    compare(tag, read(dst, off, n), ref, 0.0);
     expect(same_bits(dst, before, 0, off) && same_bits(dst, before, off + n, total),
            tag + " leaves the rest of the buffer untouched");
   }
@@ -286,6 +322,9 @@ void flat_checks() {
   check_add_into<float>(1000, 1);
   check_add_into<double>(1000, 2);
   check_add_into<__nv_bfloat16>(1000, 3);
+  check_cast_into<float>(1000, 11);
+  check_cast_into<double>(1000, 12);
+  check_cast_into<__nv_bfloat16>(1000, 13);
   check_adamw<float>(600, 4);
   check_adamw<__nv_bfloat16>(600, 9);
   check_sum_squares<float>(0, 5, true);

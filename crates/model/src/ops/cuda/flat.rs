@@ -61,6 +61,35 @@ pub(super) fn f32_slot<'a>(
     }
 }
 
+/// `dst ← src` rounded to `dst`'s dtype (f32, f64 or bf16; nearest even): `dst` a view of the
+/// parameters' flat tensor (any offset), `src` f32 with the same number of elements.
+pub fn cast_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layout) -> Result<()> {
+    const OP: &str = "cast-into";
+    let dev = dst.device().clone();
+    let (a, b) = range(OP, "parameters", dl)?;
+    let n = b - a;
+    let sv = view::<f32>(OP, "masters", src, sl)?; // [n]
+    if sv.len() != n {
+        bail!("{OP}: {} values into {n} elements", sv.len())
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let n_u = n as u64;
+    let f = kernel(&dev, &kernel_name(OP, "cast_into", dst.dtype())?)?;
+    crate::with_cuda_dtype!(OP, dst.dtype(), T => {
+        let data = dst.as_cuda_slice_mut::<T>()?;
+        let mut d = data.slice_mut(a..b); // [n]
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&f);
+        builder.arg(&mut d).arg(&sv).arg(&n_u);
+        // SAFETY: matches `cast_into_<T>(T*, const float*, u64)`; both views hold n elements
+        // and the kernel touches indices `i < n`.
+        unsafe { builder.launch(elementwise(n)) }.w()?;
+        Ok(())
+    })
+}
+
 /// `dst += src` elementwise: `dst` an f32 buffer view (any offset), `src` f32, f64 or bf16 with
 /// the same number of elements.
 pub fn add_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layout) -> Result<()> {
