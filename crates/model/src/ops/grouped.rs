@@ -2,7 +2,7 @@
 //! one call. Rows `[m, in]` are cut into runs of `counts[e]` rows (in order, a run of 0 rows
 //! skipped); run `e` is multiplied by weight `e`. On CUDA each is one
 //! `cublasGemmGroupedBatchedEx` for all runs (`cuda/grouped.rs`; f32 and bf16 with widths that
-//! keep every run 16-byte aligned); elsewhere the runs' products, each the GEMM a lone
+//! keep every run 16-byte aligned, and weights that start so); elsewhere the runs' products, each the GEMM a lone
 //! [`super::linear`] makes, run side by side on the thread pool, so on the CPU every run's
 //! result is bit for bit the single product's of its rows and a grouped MoE layer equals its
 //! expert-by-expert form. On CUDA the grouped kernel sums in its own order (within the GEMM
@@ -60,8 +60,15 @@ pub fn grouped_linear(
     if m == 0 {
         return Tensor::zeros((0, width), x.dtype(), x.device());
     }
+    // Weights may be views at any offset of a packed parameter tensor: the grouped call takes
+    // them only where each starts 16 bytes into its buffer's alignment.
+    #[cfg(feature = "cuda")]
+    let aligned = ws
+        .iter()
+        .all(|w| (w.layout().start_offset() * w.dtype().size_in_bytes()) % 16 == 0);
     #[cfg(feature = "cuda")]
     if x.device().is_cuda()
+        && aligned
         && [width, x.dim(1)?].iter().all(|w| w % 8 == 0)
         && matches!(
             x.dtype(),

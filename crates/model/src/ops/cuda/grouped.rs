@@ -38,6 +38,11 @@ fn address<'a, T: CudaDType + DeviceRepr>(
     Ok((base + (start * std::mem::size_of::<T>()) as u64, s))
 }
 
+/// Which storage `t` views (its read lock taken and dropped).
+fn storage_key(t: &Tensor) -> usize {
+    std::ptr::from_ref(&*t.storage_and_layout().0) as usize
+}
+
 /// `kind`'s product for every run of rows of contiguous `x` `[m, ·]`; the result is `[m, width]`
 /// (f32 or bf16).
 pub fn grouped(
@@ -90,6 +95,8 @@ fn typed<T: CudaDType + DeviceRepr>(
     width: usize,
     ty: sys::cudaDataType_t,
 ) -> Result<CudaStorage> {
+    // Before any lock is held: which storage each weight views.
+    let keys: Vec<usize> = ws.iter().map(|w| storage_key(w)).collect();
     let (m, xw) = x.dims2()?;
     let (out, inp) = ws[0].dims2()?;
     let size = std::mem::size_of::<T>() as u64;
@@ -106,12 +113,23 @@ fn typed<T: CudaDType + DeviceRepr>(
         Grouped::InputGrad => (inp, out, sys::cublasOperation_t::CUBLAS_OP_N),
     };
     let (mut a, mut b, mut c, mut n) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut held = Vec::with_capacity(ws.len()); // the weights' storages, read-locked
+    // The weights' storages, read-locked once each: experts' weights packed in one parameter
+    // tensor share a storage, whose lock one thread must not take twice.
+    let mut held = Vec::with_capacity(ws.len());
+    let mut bases: Vec<(usize, u64)> = Vec::new(); // (storage key, device address of element 0)
     let mut row = 0u64;
-    for (&rows, w) in counts.iter().zip(ws) {
+    for ((&rows, w), &key) in counts.iter().zip(ws).zip(&keys) {
         if rows > 0 {
-            let (w0, lock) = address::<T>(w, dev)?;
-            held.push(lock);
+            let start = w.layout().start_offset() as u64 * size;
+            let w0 = match bases.iter().find(|(k, _)| *k == key) {
+                Some(&(_, base)) => base + start,
+                None => {
+                    let (w0, lock) = address::<T>(w, dev)?;
+                    held.push(lock);
+                    bases.push((key, w0 - start));
+                    w0
+                }
+            };
             a.push(w0);
             b.push(x0 + row * xw as u64 * size);
             c.push(y0 + row * width as u64 * size);
