@@ -45,11 +45,10 @@ fn f32_rows<'a>(
     let CpuStorage::F32(v) = s else {
         bail!("add-product: expected f32 factors, got {:?}", s.dtype())
     };
-    let Some((start, ld)) = model::ops::row_strided(l).filter(|_| l.dims() == [rows, cols]) else {
+    let Some((range, ld)) = model::ops::row_strided(l).filter(|_| l.dims() == [rows, cols]) else {
         bail!("add-product: g must be [{rows}, {cols}] with rows of unit stride, got {l:?}")
     };
-    let end = start + if rows == 0 { 0 } else { (rows - 1) * ld + cols };
-    match v.get(start..end) {
+    match v.get(range) {
         Some(g) => Ok((g, ld)),
         None => bail!("add-product: g's rows reach past its buffer ({l:?})"),
     }

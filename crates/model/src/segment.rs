@@ -127,12 +127,18 @@ pub struct SegmentRun {
 /// counting (a block's output is the next block's input).
 pub type Held = Vec<(usize, usize)>;
 
+/// Which storage `t` views: equal keys are one allocation (its read lock taken and dropped, so
+/// never call it while holding that storage's lock).
+pub(crate) fn storage_key(t: &Tensor) -> usize {
+    std::ptr::from_ref(&*t.storage_and_layout().0) as usize
+}
+
 /// The key and the bytes a tensor's view covers of its storage (its offset plus the span from
 /// its first element to its last, which for a strided view such as a range of a wider
 /// matrix's columns passes its own elements; a storage's size is the largest of its views').
 fn storage_of(t: &Tensor) -> (usize, usize) {
-    let (storage, layout) = t.storage_and_layout();
-    let key = std::ptr::from_ref(&*storage) as usize;
+    let key = storage_key(t);
+    let layout = t.layout();
     let span = match t.elem_count() {
         0 => 0,
         _ => {

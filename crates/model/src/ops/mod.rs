@@ -58,12 +58,15 @@ mod sdpa_ragged;
 mod swiglu;
 
 /// Where a matrix's rows lie when they are contiguous but spaced `ld` elements apart (a range
-/// of columns of a wider matrix: the fused projections' per-weight gradients): `(first element,
-/// ld)` for a 2-D layout with unit column stride and `ld ≥ columns`, else `None`.
-pub fn row_strided(l: &candle_core::Layout) -> Option<(usize, usize)> {
+/// of columns of a wider matrix: the fused projections' per-weight gradients): the elements
+/// from its first to its last, and `ld`, for a 2-D layout with unit column stride and
+/// `ld ≥ columns`; else `None`.
+pub fn row_strided(l: &candle_core::Layout) -> Option<(std::ops::Range<usize>, usize)> {
     match (l.dims(), l.stride()) {
         (&[rows, cols], &[ld, 1]) if ld >= cols || rows <= 1 => {
-            Some((l.start_offset(), ld.max(cols)))
+            let (start, ld) = (l.start_offset(), ld.max(cols));
+            let span = if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+            Some((start..start + span, ld))
         }
         _ => None,
     }

@@ -6,11 +6,11 @@
 use candle_core::{Result, Tensor};
 
 use super::{ParamSet, Slot};
+use crate::segment::storage_key;
 
 /// Whether `a` and `b` are views of one storage (each read lock taken and dropped in turn).
 pub(super) fn same_storage(a: &Tensor, b: &Tensor) -> bool {
-    let key = |t: &Tensor| std::ptr::from_ref(&*t.storage_and_layout().0) as usize;
-    key(a) == key(b)
+    storage_key(a) == storage_key(b)
 }
 
 /// Whether slots `a` and `b` are ranges of one flat tensor (one storage, one view of it).

@@ -38,11 +38,6 @@ fn address<'a, T: CudaDType + DeviceRepr>(
     Ok((base + (start * std::mem::size_of::<T>()) as u64, s))
 }
 
-/// Which storage `t` views (its read lock taken and dropped).
-fn storage_key(t: &Tensor) -> usize {
-    std::ptr::from_ref(&*t.storage_and_layout().0) as usize
-}
-
 /// `kind`'s product for every run of rows of contiguous `x` `[m, ·]`; the result is `[m, width]`
 /// (f32 or bf16).
 pub fn grouped(
@@ -96,7 +91,7 @@ fn typed<T: CudaDType + DeviceRepr>(
     ty: sys::cudaDataType_t,
 ) -> Result<CudaStorage> {
     // Before any lock is held: which storage each weight views.
-    let keys: Vec<usize> = ws.iter().map(|w| storage_key(w)).collect();
+    let keys: Vec<usize> = ws.iter().map(|w| crate::segment::storage_key(w)).collect();
     let (m, xw) = x.dims2()?;
     let (out, inp) = ws[0].dims2()?;
     let size = std::mem::size_of::<T>() as u64;

@@ -101,22 +101,21 @@ fn rows_view<
     (rows, cols): (i32, i32),
 ) -> Result<(candle_core::cuda::cudarc::driver::CudaView<'a, T>, i32)> {
     let (rows, cols) = (rows as usize, cols as usize);
-    let Some((start, ld)) = super::super::row_strided(l).filter(|_| l.dims() == [rows, cols])
+    let Some((range, ld)) = super::super::row_strided(l).filter(|_| l.dims() == [rows, cols])
     else {
         bail!("{op}: g must be [{rows}, {cols}] with rows of unit stride, got {l:?}")
     };
     let Ok(ld32) = i32::try_from(ld) else {
         bail!("{op}: g's rows lie {ld} elements apart, past cuBLAS's 32-bit leading dimension")
     };
-    let end = start + if rows == 0 { 0 } else { (rows - 1) * ld + cols };
     let data = match s.as_cuda_slice::<T>() {
         Ok(d) => d,
         Err(_) => bail!("{op}: g has dtype {:?}", s.dtype()),
     };
-    if end > data.len() {
+    if range.end > data.len() {
         bail!("{op}: g's rows reach past its buffer ({l:?})")
     }
-    Ok((data.slice(start..end), ld32))
+    Ok((data.slice(range), ld32))
 }
 
 /// `d ← beta · d + alpha · a · b` (row-major) for `d` `[m, n]`, `a` `[m, k]` and `b` `[k, n]`,
