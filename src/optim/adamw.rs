@@ -189,6 +189,37 @@ impl AdamW {
         }
     }
 
+    /// [`AdamW::step`], then the new master weights written into `params` (`[n]`, the
+    /// parameters' flat tensor over the owned elements) rounded to its dtype: on CUDA with bf16
+    /// parameters by the update kernel itself as it stores them (one pass fewer over the
+    /// masters), elsewhere by [`super::kernels::cast_into`] after it (the same values).
+    pub fn step_into(
+        &mut self,
+        grads: &GradBuffer,
+        (lr, grad_scale): (f64, f64),
+        params: &Tensor,
+    ) -> Result<()> {
+        if params.elem_count() != self.n || !params.is_contiguous() {
+            candle_core::bail!(
+                "adamw: parameters of {:?} to write for {} owned elements",
+                params.layout(),
+                self.n
+            );
+        }
+        let Some(mut op) = self.begin(lr, grad_scale) else {
+            return Ok(());
+        };
+        let fused = self.state.device().is_cuda()
+            && params.dtype() == DType::BF16
+            && params.device().same_device(self.state.device());
+        if fused {
+            op.params = Some(params.clone());
+            return self.state.inplace_op2(&grads.owned(&self.owned)?, &op);
+        }
+        self.state.inplace_op2(&grads.owned(&self.owned)?, &op)?;
+        super::kernels::cast_into(params, &self.master()?.to_device(params.device())?)
+    }
+
     /// Counts one update and returns its kernel for [`AdamW::apply_part`] (`None` when the rank
     /// owns nothing).
     pub fn begin(&mut self, lr: f64, grad_scale: f64) -> Option<AdamWStep> {
@@ -203,6 +234,7 @@ impl AdamW {
             decay: self.decay.clone(),
             moments: self.moments,
             nonfinite: self.nonfinite.clone(),
+            params: None,
         })
     }
 

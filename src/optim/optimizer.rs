@@ -253,6 +253,27 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Whether [`Optimizer::step_into`] can write the parameters: AdamW alone, beside the
+    /// gradients (not offloaded).
+    pub fn writes_params(&self) -> bool {
+        self.muon.is_none() && self.host.is_none()
+    }
+
+    /// [`Optimizer::step`] writing the new master weights into `params` (`[n]` owned elements,
+    /// the parameters' flat tensor) as it stores them (see [`AdamW::step_into`]); an error
+    /// unless [`Optimizer::writes_params`].
+    pub fn step_into(
+        &mut self,
+        grads: &GradBuffer,
+        lr_scale: (f64, f64),
+        params: &Tensor,
+    ) -> Result<()> {
+        if !self.writes_params() {
+            candle_core::bail!("only AdamW's update beside the gradients writes the parameters");
+        }
+        self.adamw.step_into(grads, lr_scale, params)
+    }
+
     /// Whether the state lives in host memory (`optimizer.offload: cpu`).
     pub fn offloaded(&self) -> bool {
         self.host.is_some()

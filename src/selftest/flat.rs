@@ -1,5 +1,6 @@
 //! Check 2: the optimizer's flat-buffer kernels (gradient accumulation, the AdamW update with
-//! fp32 and bf16 moments, sums of squares, the masters cast into the parameters, the fused
+//! fp32 and bf16 moments, sums of squares, the masters cast into the parameters, by a pass of
+//! their own and by the update itself, the fused
 //! weight-gradient product) and Muon's Newton-Schulz iteration on the device against the CPU.
 
 use anyhow::Result;
@@ -44,6 +45,7 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
                 decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
                 moments: dtype,
                 nonfinite: NonFinite::on(dev)?,
+                params: None,
             };
             st.inplace_op2(&grad.to_device(dev)?, &op)?;
             if op.nonfinite.take()? {
@@ -108,6 +110,36 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
     checks.push(Check {
         name: "cast_into (f32 masters into bf16 parameters)".into(),
         error: differs as f64 / n as f64,
+        tolerance: 0.0,
+    });
+    // The update writing the bf16 parameters as it stores the masters (CUDA; the CPU casts
+    // after it), against the CPU's update and cast bit for bit.
+    let written = |dev: &Device| -> Result<Tensor> {
+        let st = state_of(DType::F32)?.to_device(dev)?;
+        let params = Tensor::zeros(n, DType::BF16, dev)?;
+        let op = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            step: 3,
+            grad_scale: 0.5,
+            decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
+            moments: DType::F32,
+            nonfinite: NonFinite::on(dev)?,
+            params: dev.is_cuda().then(|| params.clone()),
+        };
+        st.inplace_op2(&grad.to_device(dev)?, &op)?;
+        if !dev.is_cuda() {
+            cast_into(&params, &st.narrow(0, 0, n)?)?;
+        }
+        Ok(params.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
+    };
+    let (on_device, on_cpu) = (written(device)?, written(&Device::Cpu)?);
+    let differs = on_device.ne(&on_cpu)?.to_dtype(DType::F32)?.sum_all()?;
+    checks.push(Check {
+        name: "adamw writing bf16 parameters as it updates".into(),
+        error: differs.to_scalar::<f32>()? as f64 / n as f64,
         tolerance: 0.0,
     });
     // A weight gradient's product accumulated into the buffer, against f64 on the CPU from the

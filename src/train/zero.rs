@@ -267,6 +267,17 @@ pub fn update(
     dp: &mut DataParallel,
     (model, ctx): (&Llama, &RankCtx),
 ) -> Result<()> {
+    if dp.zero() == ZeroStage::Off && optimizer.writes_params() {
+        // The parameters packed at the layout's offsets: the update writes them as it goes.
+        let layout = dp.layout();
+        let step = |flat: &Tensor| optimizer.step_into(grads, (lr, scale), flat);
+        if model
+            .params()
+            .write_flat(&layout.offsets, layout.total, step)?
+        {
+            return Ok(());
+        }
+    }
     if !optimizer.offloaded() || dp.zero() == ZeroStage::Parameters {
         optimizer.step(grads, lr, scale)?;
         return publish(optimizer, dp, model, ctx);

@@ -39,11 +39,13 @@ EXPORT3(cast_into, (T* dst, const float* src, u64 n), (dst, src, n))
 //   p = p keep - step_size m / (sqrt(v) inv_sqrt_bc2 + eps);
 // the moments are stored rounded to M (nearest even), the update uses their f32 values. Any
 // stored value that is not finite sets *bad to 1 (the state's finiteness check, without a pass
-// over the state; x - x is 0 exactly for finite x).
+// over the state; x - x is 0 exactly for finite x). With out (else null), the new master weight
+// is also written there rounded to bf16 (nearest even): the parameters' flat tensor [n], made
+// in the same pass instead of a second one (cast_into) re-reading the masters.
 template <typename M>
 __device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u64 len, float b1,
                            float b2, float step_size, float inv_sqrt_bc2, float eps, float gs,
-                           float keep, unsigned* bad) {
+                           float keep, unsigned* bad, __nv_bfloat16* out) {
   float* master = state;
   M* exp_avg = (M*)(state + n);
   M* exp_avg_sq = exp_avg + n;
@@ -60,6 +62,7 @@ __device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u6
     const float p =
         __fsub_rn(__fmul_rn(master[k], keep), __fdiv_rn(__fmul_rn(step_size, m), denom));
     master[k] = p;
+    if (out) out[k] = __float2bfloat16_rn(p);
     const float fm = to_f32(sm), fv = to_f32(sv);
     if (!(__fsub_rn(p, p) == 0.0f && __fsub_rn(fm, fm) == 0.0f && __fsub_rn(fv, fv) == 0.0f))
       *bad = 1u;
@@ -67,9 +70,10 @@ __device__ void adamw_impl(float* state, const float* grad, u64 n, u64 start, u6
 }
 #define ADAMW_PARAMS                                                                             \
   (float* state, const float* grad, u64 n, u64 start, u64 len, float b1, float b2,              \
-   float step_size, float inv_sqrt_bc2, float eps, float gs, float keep, unsigned* bad)
+   float step_size, float inv_sqrt_bc2, float eps, float gs, float keep, unsigned* bad,          \
+   __nv_bfloat16* out)
 #define ADAMW_ARGS \
-  (state, grad, n, start, len, b1, b2, step_size, inv_sqrt_bc2, eps, gs, keep, bad)
+  (state, grad, n, start, len, b1, b2, step_size, inv_sqrt_bc2, eps, gs, keep, bad, out)
 EXPORT_ONE(adamw, f32, float, ADAMW_PARAMS, ADAMW_ARGS)
 EXPORT_ONE(adamw, bf16, __nv_bfloat16, ADAMW_PARAMS, ADAMW_ARGS)
 

@@ -393,3 +393,35 @@ fn an_update_that_stores_a_non_finite_value_is_flagged_once() {
         assert!(!a.state_sum_squares().unwrap().is_finite());
     }
 }
+
+/// The update writing the parameters: the same state as `step`, and the new masters in the
+/// parameters rounded to their dtype (bf16 nearest even, f32 as they are); parameters of
+/// another length are refused before anything is updated.
+#[test]
+fn an_update_into_the_parameters_writes_the_new_masters_in_their_dtype() {
+    let n = 29;
+    for dtype in [DType::F32, DType::BF16] {
+        let (_, layout, mut plain) = matrix(n, StateDtype::Fp32);
+        let (_, _, mut into) = matrix(n, StateDtype::Fp32);
+        let grads = GradBuffer::new(layout, &Device::Cpu).unwrap();
+        let g: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.3 - 1.0).collect();
+        grads
+            .accumulate(0, &Tensor::new(g.as_slice(), &Device::Cpu).unwrap())
+            .unwrap();
+        let params = Tensor::zeros(n, dtype, &Device::Cpu).unwrap();
+        let short = Tensor::zeros(n - 1, dtype, &Device::Cpu).unwrap();
+        assert!(into.step_into(&grads, (0.01, 0.5), &short).is_err());
+        plain.step(&grads, 0.01, 0.5).unwrap();
+        into.step_into(&grads, (0.01, 0.5), &params).unwrap();
+        assert_eq!(plain.state().unwrap(), into.state().unwrap(), "{dtype:?}");
+        let want: Vec<f32> = plain.master().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = params.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+        for (w, x) in want.iter().zip(&got) {
+            let w = match dtype {
+                DType::BF16 => bf16::from_f32(*w).to_f32(),
+                _ => *w,
+            };
+            assert_eq!(w.to_bits(), x.to_bits(), "{dtype:?}");
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! The AdamW update in place over a flat state (fp32 master weights, fp32 or bf16 moments):
 //! the whole owned range at once on the device, or a part at a time on the host
 //! ([`AdamWPart`], the offloaded update). The update flags a stored value that is not finite
-//! ([`NonFinite`]), so the check after a step reads one word instead of the whole state.
+//! ([`NonFinite`]), so the check after a step reads one word instead of the whole state; on
+//! CUDA it can also write the bf16 parameters as it stores the masters ([`AdamWStep::params`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -39,6 +40,10 @@ pub struct AdamWStep {
     pub moments: DType,
     /// Where the update reports a non-finite stored value.
     pub nonfinite: NonFinite,
+    /// Where the CUDA update also writes the new master weights rounded to bf16 (`[n]`, the
+    /// parameters' flat tensor), in the same pass; `None` on the CPU, which casts after the
+    /// update instead ([`super::cast_into`]).
+    pub params: Option<Tensor>,
 }
 
 /// Where an AdamW update reports that it stored a value that is not finite (a master weight or
@@ -220,6 +225,9 @@ impl InplaceOp2 for AdamWStep {
     }
 
     fn cpu_fwd(&self, st: &mut CpuStorage, sl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
+        if self.params.is_some() {
+            bail!("adamw: the CPU update writes no parameters (cast them after it)");
+        }
         let grad = f32_slice(g, gl, "adamw gradient")?;
         let n = grad.len();
         AdamWPart { step: self, at: 0 }.cpu_update(st, sl, grad, n)
@@ -255,7 +263,16 @@ impl InplaceOp2 for AdamWStep {
         let candle_core::Storage::Cuda(flag) = &*flag else {
             bail!("adamw: the non-finite flag is not on the CUDA device of the state");
         };
-        flat::adamw(st, sl, g, gl, &scalars, &ranges, self.moments, (flag, fl))
+        let held = self.params.as_ref().map(|p| p.storage_and_layout());
+        let params = match &held {
+            Some((storage, l)) => match &**storage {
+                candle_core::Storage::Cuda(p) => Some((p, *l)),
+                _ => bail!("adamw: the parameters are not on the CUDA device of the state"),
+            },
+            None => None,
+        };
+        let side = ((flag, fl), params);
+        flat::adamw(st, sl, g, gl, &scalars, &ranges, self.moments, side)
     }
 }
 

@@ -1,5 +1,6 @@
 // Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), cast_into (f32,
-// f64 and bf16 destinations), adamw (f32 and bf16 moments) over two decay ranges, Muon's passes (muon_*) and the two-stage sum_squares
+// f64 and bf16 destinations), adamw (f32 and bf16 moments; with and without bf16 parameters
+// written) over two decay ranges, Muon's passes (muon_*) and the two-stage sum_squares
 // (f32 and bf16), with the launch shapes and argument order of
 // src/ops/cuda/flat.rs, compared with double-precision references (and adamw also bitwise with
 // the CPU AdamWStep's f32 arithmetic, which the kernel promises to reproduce exactly).
@@ -147,20 +148,42 @@ template <typename M> void check_adamw(size_t n, uint64_t seed) {
     }
 
   // flat.rs `adamw`: adjacent ranges with equal keep merged (these differ), one launch per range
-  // with elementwise(len); also small grids (grid-stride).
+  // with elementwise(len); also small grids (grid-stride), which also write the new master
+  // weights into bf16 parameters (`out`, prefilled so that untouched elements show).
   for (int small = 0; small < 2; ++small) {
     Buffer<float> state(words, "state");
     std::memcpy(state.data(), init.data(), words * sizeof(float));
     Buffer<unsigned> bad(1, "non-finite flag");
     bad[0] = 0;
+    Buffer<__nv_bfloat16> out(n, "bf16 parameters");
+    for (size_t i = 0; i < n; ++i) out[i] = __float2bfloat16_rn(-7.0f);
+    __nv_bfloat16* out_ptr = small ? out.data() : nullptr;
     bool ok = true;
     for (const Range& r : ranges)
       ok = ok && run(format("adamw_%s", type_name<M>()), small ? grid(2, 64, 0) : elementwise(r.len), [&] {
              pick<M>(adamw_f32_ns::adamw_f32, adamw_f32_ns::adamw_f32, adamw_bf16_ns::adamw_bf16)(
                  state.data(), grad.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
-                 inv_sqrt_bc2, epsf, gs, r.keep, bad.data());
+                 inv_sqrt_bc2, epsf, gs, r.keep, bad.data(), out_ptr);
            });
     if (!ok) continue;
+    if (small) {
+      // The parameters: the new masters rounded to bf16 by the bits (nearest even) in the
+      // ranges, the prefill outside them.
+      size_t wrong = 0;
+      const size_t end = ranges.back().start + ranges.back().len;
+      for (size_t i = 0; i < n; ++i) {
+        uint32_t b, got;
+        std::memcpy(&b, &state[i], 4);
+        const uint32_t want = i < end ? ((b + 0x7fffu + ((b >> 16) & 1u)) >> 16) : 0xc0e0u;
+        uint16_t bits;
+        std::memcpy(&bits, &out[i], 2);
+        got = bits;
+        wrong += got != want;
+      }
+      expect(wrong == 0, format("adamw %s: the bf16 parameters it writes are the new masters "
+                                "rounded to nearest even, untouched outside the ranges (%zu differ)",
+                                type_name<M>(), wrong));
+    }
     expect(bad[0] == 0, format("adamw %s: a finite update leaves the non-finite flag clear",
                                type_name<M>()));
     const std::string tag =
@@ -195,7 +218,7 @@ template <typename M> void check_adamw(size_t n, uint64_t seed) {
     if (run(format("adamw_%s", type_name<M>()), elementwise(r.len), [&] {
           pick<M>(adamw_f32_ns::adamw_f32, adamw_f32_ns::adamw_f32, adamw_bf16_ns::adamw_bf16)(
               state.data(), g.data(), (u64)n, (u64)r.start, (u64)r.len, b1, b2, step_size,
-              inv_sqrt_bc2, epsf, gs, r.keep, bad.data());
+              inv_sqrt_bc2, epsf, gs, r.keep, bad.data(), nullptr);
         }))
       expect(bad[0] == 1u, format("adamw %s: a gradient of %g sets the non-finite flag",
                                   type_name<M>(), (double)poison));

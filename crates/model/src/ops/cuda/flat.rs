@@ -150,6 +150,8 @@ pub struct AdamWScalars {
 /// `[0, n)`, `keep` the decoupled weight-decay factor `1 - lr · wd` of the range; elements
 /// outside every range are left unchanged. Adjacent ranges with equal `keep` share one launch.
 /// A stored value that is not finite sets the `u32` word `bad` to 1 (it is never cleared here).
+/// With `params` (bf16 `[n]`), each new master weight in a range is also written there rounded
+/// to nearest even, in the same pass: the parameters without a second pass over the masters.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw(
     state: &mut CudaStorage,
@@ -159,7 +161,7 @@ pub fn adamw(
     s: &AdamWScalars,
     ranges: &[(usize, usize, f32)],
     moments: DType,
-    (bad, bl): (&CudaStorage, &Layout),
+    ((bad, bl), params): ((&CudaStorage, &Layout), Option<(&CudaStorage, &Layout)>),
 ) -> Result<()> {
     const OP: &str = "adamw";
     let bad = view::<u32>(OP, "non-finite flag", bad, bl)?; // [1]
@@ -169,6 +171,10 @@ pub fn adamw(
             bad.len()
         )
     }
+    let params = match params {
+        Some((p, pl)) => Some(view::<half::bf16>(OP, "parameters", p, pl)?), // [n]
+        None => None,
+    };
     let dev = state.device().clone();
     let (a, b) = range(OP, "state", sl)?;
     let g = view::<f32>(OP, "gradient", grad, gl)?; // [n]
@@ -203,8 +209,14 @@ pub fn adamw(
         Err(_) => bail!("{OP}: expected an f32 state, got {dtype:?}"),
     };
     let mut st = data.slice_mut(a..b); // [words]
+    if let Some(p) = &params {
+        if p.len() != n {
+            bail!("{OP}: {} parameters for {n} master weights", p.len())
+        }
+    }
     let stream = dev.cuda_stream();
     let n_u = n as u64;
+    let null = 0u64; // a null `out`: no parameters written
     for (start, len, keep) in merged.into_iter().filter(|r| r.1 > 0) {
         let (start_u, len_u) = (start as u64, len as u64);
         let mut builder = stream.launch_builder(&f);
@@ -220,12 +232,19 @@ pub fn adamw(
             .arg(&s.step_size)
             .arg(&s.inv_sqrt_bc2);
         builder.arg(&s.eps).arg(&s.grad_scale).arg(&keep).arg(&bad);
+        match &params {
+            Some(p) => builder.arg(p),
+            None => builder.arg(&null),
+        };
         // SAFETY: matches `adamw_{f32,bf16}(float*, const float*, u64, u64, u64, float × 7,
-        // unsigned*)`; the kernel touches indices start + i < start + len <= n of grad ([n]),
-        // of the master weights (the first n words) and of the two [n] moment arrays after
-        // them, which end at word n + 2 n · size(moments) / 4 = `words` (checked above), and
-        // may write 1 into the flag's one word: device memory the host never reads while the
-        // kernel runs (it reads the word once the update is done).
+        // unsigned*, __nv_bfloat16*)`; the kernel touches indices start + i < start + len <= n
+        // of grad ([n]), of the master weights (the first n words) and of the two [n] moment
+        // arrays after them, which end at word n + 2 n · size(moments) / 4 = `words` (checked
+        // above), of the parameters ([n], checked above; a null pointer writes none), and may
+        // write 1 into the flag's one word. The flag and the parameters are device memory the
+        // host does not touch while the kernel runs: it reads the flag once the update is done,
+        // and the parameters' writers hold their lock across the update
+        // (`ParamSet::write_flat`).
         unsafe { builder.launch(elementwise(len)) }.w()?;
     }
     Ok(())
