@@ -199,22 +199,35 @@ fn one_replicas_nonfinite_gradients_get_one_job_wide_verdict() {
     assert!(!e.contains("does not match"), "{e}");
 }
 
+/// The update's state is checked where the host waits for the device anyway: before the
+/// checkpoint of its step, or else with the next step's gradient norm, before that step's
+/// update; either way the run halts naming the step whose update overflowed, with or without
+/// the host waiting at every step's end.
 #[test]
 fn an_update_that_overflows_the_parameters_is_never_checkpointed() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("run");
-    // 3e38 is finite as an f32, but weight decay and the step overflow the weights.
-    let o = output(pretrain(
-        &dir,
-        "train.steps=4,checkpoint.interval=1,optimizer.lr=3e38,schedule.min_lr=0",
-    ));
-    let e = stderr(&o);
-    assert!(
-        !o.status.success()
-            && e.contains("step 1: the update made parameters or optimizer moments non-finite"),
-        "{e}"
-    );
-    assert!(!dir.join("checkpoints/step-00000001").exists());
+    for (name, sets) in [
+        ("saved", "checkpoint.interval=1"),
+        ("unsaved", "checkpoint.interval=0"),
+        (
+            "synchronized",
+            "checkpoint.interval=0,run.timing=synchronized",
+        ),
+    ] {
+        let dir = tmp.path().join(name);
+        // 3e38 is finite as an f32, but weight decay and the step overflow the weights.
+        let o = output(pretrain(
+            &dir,
+            &format!("train.steps=4,{sets},optimizer.lr=3e38,schedule.min_lr=0"),
+        ));
+        let e = stderr(&o);
+        assert!(
+            !o.status.success()
+                && e.contains("step 1: the update made parameters or optimizer moments non-finite"),
+            "{name}: {e}"
+        );
+        assert!(!dir.join("checkpoints/step-00000001").exists(), "{name}");
+    }
 }
 
 /// Rewrites the first master value of a checkpoint's shard as NaN and fixes the manifest's size

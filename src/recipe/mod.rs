@@ -17,7 +17,7 @@ pub use load::{load, load_stored, load_str, RecipeError};
 pub use optimizer::{AdjustLr, MuonConfig, Offload, OptimizerConfig, OptimizerName, StateDtype};
 pub use sections::{
     CheckpointConfig, DeviceKind, Dtype, LrCurve, OnNonFinite, Resume, ResumeChange, RunConfig,
-    ScheduleConfig, TrainConfig, SPIKE_WINDOW,
+    ScheduleConfig, StepTiming, TrainConfig, SPIKE_WINDOW,
 };
 pub use validate::MAX_RANKS;
 

@@ -371,6 +371,27 @@ pub struct RunConfig {
     /// many times the median is named as a straggler in the log and in `metrics.jsonl`.
     #[serde(default = "default_straggler_factor")]
     pub straggler_factor: f64,
+    /// How a GPU step is timed (see [`StepTiming`]).
+    #[serde(default)]
+    pub timing: StepTiming,
+}
+
+/// How a step on a GPU is timed and where the host waits for the device (`run.timing`). On the
+/// CPU, whose work is done when its call returns, both give the same times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepTiming {
+    /// The host does not wait for the update: it logs and queues the next step while the device
+    /// runs it. A step's time is its cadence, from the previous step's end (or, after a
+    /// validation or checkpoint, its own start) to its own, so the times add up to the run's;
+    /// `optimizer_s` is the time to queue the update, except on the traced and the last step,
+    /// which wait for the device.
+    #[default]
+    Overlapped,
+    /// The host waits for the device after the update and at every step's end: each step's
+    /// times are the device's own, and the device idles while the host logs and prepares the
+    /// next step.
+    Synchronized,
 }
 
 fn default_straggler_factor() -> f64 {
@@ -393,6 +414,7 @@ impl Default for RunConfig {
             trace_step: None,
             tensorboard: false,
             straggler_factor: default_straggler_factor(),
+            timing: StepTiming::default(),
         }
     }
 }

@@ -8,8 +8,10 @@
 //! - After the update: the optimizer's state (fp32 masters, of which the parameters are copies,
 //!   and the moments) must be finite, or the run halts before anything is saved. AdamW's update
 //!   flags a non-finite value as it stores it (one word read, no pass over the state); Muon's
-//!   state is summed. The same world-wide reduction carries the stop signals (`signals.rs`), so
-//!   all ranks agree on stopping at the same step.
+//!   state is summed. The host asks once the device is done anyway ([`Trainer::settle`]: with
+//!   the next step's gradient norm, or before a validation, a checkpoint or the run's end), so
+//!   it need not wait for the update. A world-wide reduction after every step carries the stop
+//!   signals (`signals.rs`), so all ranks agree on stopping at the same step.
 //!
 //! [`LoopState`] is what the guard remembers across steps; checkpoints carry it, so a resumed
 //! run decides as the uninterrupted one would.
@@ -231,12 +233,27 @@ impl Trainer {
         }
     }
 
-    /// After step `step`'s update: halts if it made any rank's parameters non-finite, and returns
-    /// the stop signal any rank received (the same on every rank).
-    pub(crate) fn after_update(&self, step: usize, updated: bool) -> Result<Option<i32>> {
-        // Read even after a skipped update, so that the flag is clear for the next one.
-        let bad = self.state.optimizer.updated_nonfinite()? && updated;
-        let answers = self.ranks_where(&signal_flags(bad))?;
+    /// After step `step`'s update: the stop signal any rank received (the same on every rank).
+    /// Whether the update left the state finite is asked later ([`Trainer::settle`]), where the
+    /// host waits for the device anyway, so that the host need not wait for the update here.
+    pub(crate) fn after_update(&mut self, step: usize, updated: bool) -> Result<Option<i32>> {
+        if updated {
+            self.edge.unsettled = Some(step);
+        }
+        self.stop_signal()
+    }
+
+    /// Halts if the last update not yet checked made any rank's parameters or optimizer moments
+    /// non-finite (AdamW's flag, one word read once the device has done the update; Muon's
+    /// state summed), with one small collective; nothing when every update is checked. Called
+    /// before the next step's update (once its gradient norm is read), before a validation or
+    /// a checkpoint, and at the run's end: a non-finite state is never saved or updated again.
+    pub(crate) fn settle(&mut self) -> Result<()> {
+        let Some(step) = self.edge.unsettled.take() else {
+            return Ok(());
+        };
+        let bad = self.state.optimizer.updated_nonfinite()?;
+        let answers = self.ranks_where(&[bad])?;
         if !answers[0].is_empty() {
             bail!(
                 "step {step}: the update made parameters or optimizer moments non-finite on {}; \
@@ -244,22 +261,21 @@ impl Trainer {
                 self.describe(&answers[0])
             );
         }
-        Ok(agreed_signal(&answers[1..]))
+        Ok(())
     }
 
     /// The stop signal some rank has received, agreed by every rank (one small collective):
     /// asked again after a validation, which may take long enough for a scheduler's grace period.
     pub(crate) fn stop_signal(&self) -> Result<Option<i32>> {
-        let answers = self.ranks_where(&signal_flags(false))?;
-        Ok(agreed_signal(&answers[1..]))
+        let answers = self.ranks_where(&signal_flags())?;
+        Ok(agreed_signal(&answers))
     }
 }
 
-/// `[first, this rank received SIGTERM, … SIGINT]`.
-fn signal_flags(first: bool) -> [bool; 3] {
+/// `[this rank received SIGTERM, … SIGINT]`.
+fn signal_flags() -> [bool; 2] {
     let sig = signals::pending();
     [
-        first,
         sig == Some(signals::STOP_SIGNALS[0]),
         sig == Some(signals::STOP_SIGNALS[1]),
     ]

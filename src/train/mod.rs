@@ -77,6 +77,18 @@ pub struct Trainer {
     observe: Observers,
     /// Checkpoints being written and what they record of the data.
     saves: Saves,
+    /// Where the host stands against the device between steps.
+    edge: StepEdge,
+}
+
+/// Where the host stands against the device between steps: what it has not yet waited for.
+#[derive(Default)]
+struct StepEdge {
+    /// The step whose update has not yet been checked for non-finite values (`guard.rs`).
+    unsettled: Option<usize>,
+    /// When the last step ended, while nothing but the loop's bookkeeping has run since: where
+    /// the next step's time starts with `run.timing: overlapped`.
+    last_end: Option<std::time::Instant>,
 }
 
 /// The schedule of a rank's step and what follows from it.
@@ -195,6 +207,7 @@ impl Trainer {
             stop: None,
             observe: Observers::default(),
             saves: Saves::default(),
+            edge: StepEdge::default(),
         };
         let from = match &trainer.recipe.checkpoint.resume {
             Resume::None => None,
@@ -332,6 +345,7 @@ impl Trainer {
             // validation stops the run after it.
             let due = eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps);
             if due && self.stop.is_none() {
+                self.settle()?;
                 last_eval = Some(self.validate(rec.step)?);
                 if self.step < steps {
                     self.stop = self.stop_signal()?;
@@ -343,6 +357,7 @@ impl Trainer {
                 return Err(self.interrupted(signal, saved)?.into());
             }
         }
+        self.settle()?;
         self.wait_for_save()?;
         if let Some(m) = &self.observe.metrics {
             m.plot()?;
@@ -352,6 +367,7 @@ impl Trainer {
 
     /// Validation after step `step`: logged, recorded and plotted.
     fn validate(&mut self, step: usize) -> Result<f64> {
+        self.edge.last_end = None; // the next step's time starts with it
         let val_loss = self.evaluate()?;
         if self.ctx.is_main() {
             let text = report::loss_text(val_loss);
@@ -376,6 +392,9 @@ impl Trainer {
     fn save_if_due(&mut self, step: usize) -> Result<Option<std::path::PathBuf>> {
         let (every, steps) = (self.recipe.checkpoint.interval, self.recipe.train.steps);
         if (every > 0 && (step.is_multiple_of(every) || step == steps)) || self.stop.is_some() {
+            // Nothing is saved of an update that made the state non-finite.
+            self.settle()?;
+            self.edge.last_end = None;
             // A failed background save is reported as its own step's, not this one's.
             self.wait_for_save()?;
             let saved = self

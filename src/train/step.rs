@@ -17,6 +17,7 @@ use super::pipeline::{Executor, MicroBatch};
 use super::routing::StepRouting;
 use super::{all_reduce_f64, zero, Trainer};
 use crate::lr::lr_at;
+use crate::recipe::StepTiming;
 
 /// Bytes per MiB.
 const MIB: f64 = (1u64 << 20) as f64;
@@ -72,6 +73,8 @@ impl Trainer {
         let moe = std::mem::take(&mut run.moe);
         let mut routing = super::routing::gather(self.model.config(), moe, ctx)?;
         let (grad_norm, grad_sq) = self.grad_norm()?;
+        // The device is done with the last update now (its gradients' norm is read).
+        self.settle()?;
         let local = LocalNumbers {
             loss: run.loss,
             grad_sq,
@@ -99,7 +102,7 @@ impl Trainer {
         let updated = verdict == Verdict::Update;
         if updated {
             self.update(lr, grad_norm, routing.as_mut())?;
-            if self.ctx.device.is_cuda() && self.is_logged(self.step + 1) {
+            if self.waits_for_device(self.step + 1) {
                 crate::device::synchronize(&self.ctx.device)?;
             }
         }
@@ -331,9 +334,18 @@ impl Trainer {
         // the host's clock cannot time them (a traced step shows them on the device's clock).
         let counts = ctx.stats.take(); // the step's measurements, read once
         let ring = Some(counts.ring).filter(|_| ctx.groups.cp.size() > 1 && !ctx.device.is_cuda());
-        // The update's kernels may still be queued: the step ends when the device is done.
-        crate::device::synchronize(&self.ctx.device)?;
-        let secs = m.start.elapsed().as_secs_f64();
+        // The update's kernels may still be queued: waited for where the step's times are the
+        // device's, else the step's time is its cadence (`run.timing`).
+        if self.waits_for_device(self.step) {
+            crate::device::synchronize(&self.ctx.device)?;
+        }
+        let end = Instant::now();
+        let from = match (r.run.timing, self.edge.last_end) {
+            (StepTiming::Overlapped, Some(last)) => last,
+            _ => m.start,
+        };
+        let secs = (end - from).as_secs_f64();
+        self.edge.last_end = Some(end);
         let device_mem = crate::device::memory(&self.ctx.device);
         let t = &r.train;
         let tokens = (t.global_batch * t.seq_len) as f64;
@@ -397,6 +409,15 @@ impl Trainer {
             },
             compute: m.compute,
         })
+    }
+
+    /// Whether the host waits for the device to finish step `step` (1-based) before timing it:
+    /// every step with `run.timing: synchronized`, else the traced and the last step.
+    fn waits_for_device(&self, step: usize) -> bool {
+        let run = &self.recipe.run;
+        run.timing == StepTiming::Synchronized
+            || run.trace_step == Some(step)
+            || step == self.recipe.train.steps
     }
 
     /// Bytes of this rank's persistent training state.

@@ -135,6 +135,21 @@ fn optimizer_state_dtype_is_fp32_by_default_and_names_bad_values() {
 }
 
 #[test]
+fn step_timing_overlaps_by_default_and_names_bad_values() {
+    use pretrain::recipe::StepTiming;
+    let read = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        load(Path::new(TINY), &o).unwrap().run.timing
+    };
+    assert_eq!(read(&[]), StepTiming::Overlapped);
+    assert_eq!(read(&["run.timing=synchronized"]), StepTiming::Synchronized);
+    assert_err(
+        &["run.timing=exact"],
+        "run.timing: unknown variant `exact`, expected `overlapped` or `synchronized`",
+    );
+}
+
+#[test]
 fn recompute_modules_apply_to_selective_recompute_only() {
     use model::{Recompute, Recomputed};
     let read = |o: &[&str]| {
