@@ -91,6 +91,24 @@ template <typename A> __device__ A block_max(A v, A* scratch) {
   return warp_max(t);
 }
 
+// 16 bytes of elements (8 bf16, 4 f32 or 2 f64), loaded and stored at once where a buffer is
+// 16-byte aligned: more bytes in flight per thread than element-wise loads.
+template <typename T> struct Pack {
+  static constexpr int N = 16 / sizeof(T);
+  float4 raw;  // the 16 bytes, carried as a float4
+  __device__ __forceinline__ T get(int e) const { return reinterpret_cast<const T*>(&raw)[e]; }
+  __device__ __forceinline__ void set(int e, T v) { reinterpret_cast<T*>(&raw)[e] = v; }
+};
+template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p, u64 k) {
+  return Pack<T>{reinterpret_cast<const float4*>(p)[k]};
+}
+template <typename T> __device__ __forceinline__ void store_pack(T* p, u64 k, const Pack<T>& v) {
+  reinterpret_cast<float4*>(p)[k] = v.raw;
+}
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+  return (((size_t)a | (size_t)b | (size_t)c) & 15) == 0;
+}
+
 // Exports a `template <typename T> __device__ void NAME##_impl(...)` body as kernels:
 // EXPORT3(NAME, PARAMS, ARGS) defines extern "C" NAME_f32 / NAME_f64 / NAME_bf16 whose parameter
 // list PARAMS may use `T` (bound to the storage type in a namespace of its own) and which call

@@ -15,24 +15,9 @@
 // results are bitwise reproducible for a given input and launch shape.
 #include "common.cuh"
 
-// Element kernels move 16 bytes at a time (8 bf16, 4 f32 or 2 f64 elements: a Pack) when all
-// their buffers are 16-byte aligned, then the elements past the last whole pack one at a time;
-// an element's arithmetic is the same on either path. Launch them with one thread per pack.
-template <typename T> struct Pack {
-  static constexpr int N = 16 / sizeof(T);
-  float4 raw;  // the 16 bytes, carried as a float4
-  __device__ __forceinline__ T get(int e) const { return reinterpret_cast<const T*>(&raw)[e]; }
-  __device__ __forceinline__ void set(int e, T v) { reinterpret_cast<T*>(&raw)[e] = v; }
-};
-template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p, u64 k) {
-  return Pack<T>{reinterpret_cast<const float4*>(p)[k]};
-}
-template <typename T> __device__ __forceinline__ void store_pack(T* p, u64 k, const Pack<T>& v) {
-  reinterpret_cast<float4*>(p)[k] = v.raw;
-}
-__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
-  return (((size_t)a | (size_t)b | (size_t)c) & 15) == 0;
-}
+// Element kernels move 16 bytes at a time (a Pack, common.cuh) when all their buffers are
+// 16-byte aligned, then the elements past the last whole pack one at a time; an element's
+// arithmetic is the same on either path. Launch them with one thread per pack.
 
 // out[i] = f(a[i], b[i]) for i < n: by packs where all three are 16-byte aligned, then the rest
 // one element at a time (any 1-D grid).

@@ -225,37 +225,48 @@ template <typename M> void check_adamw(size_t n, uint64_t seed) {
   }
 }
 
-// sum_squares: stage 1 writes one f64 partial per block, stage 2 sums them in one block.
-template <typename T> void check_sum_squares(size_t n, uint64_t seed, bool rust_shape) {
+// sum_squares: stage 1 writes one f64 partial per block, stage 2 sums them in one block. The
+// buffer starts `skew` elements past a 256-byte boundary (a gradient run at any offset of the
+// flat buffer): the first elements up to a 16-byte boundary, and those after the last whole
+// 16-byte pack, are summed one by one.
+template <typename T>
+void check_sum_squares(size_t n, uint64_t seed, bool rust_shape, size_t skew = 0) {
   Rng rng(seed);
-  Buffer<T> x(n, "x");
-  fill_normal(x, rng);
+  Buffer<T> storage(n + skew, "x");
+  fill_normal(storage, rng);
+  const T* x = storage.data() + skew;
   // flat.rs `sum_squares`: blocks = n.div_ceil(SUM_THREADS).clamp(1, SUM_BLOCKS), stage 1
   // grid(blocks, SUM_THREADS, 0), stage 2 grid(1, SUM_THREADS, 0). Otherwise a small grid whose
-  // threads stride over several elements.
+  // threads stride over several packs.
   const size_t blocks =
       rust_shape ? std::min(std::max<size_t>((n + SUM_THREADS - 1) / SUM_THREADS, 1), SUM_BLOCKS) : 3;
   const unsigned threads = rust_shape ? SUM_THREADS : 64;
+  // The kernel's assignment: packs of 16 bytes from the first aligned element, pack v to thread
+  // v mod (blocks threads); the elements before and after the packs to threads 0, 1, ...
+  const size_t per = 16 / sizeof(T), off = ((size_t)x / sizeof(T)) % per;
+  const size_t head = off == 0 ? 0 : std::min(per - off, n);
+  const size_t packs = (n - head) / per, tail = head + packs * per, all = blocks * threads;
   std::vector<long double> rpart(blocks, 0.0L);
   long double total = 0;
   for (size_t i = 0; i < n; ++i) {
     const long double v = (long double)tod(x[i]) * tod(x[i]);
-    rpart[(i / threads) % blocks] += v;  // grid-stride assignment: block (i / threads) mod grid
+    const size_t thread = i < head ? i : i >= tail ? head + (i - tail) : ((i - head) / per) % all;
+    rpart[thread / threads] += v;
     total += v;
   }
   Buffer<double> partial(blocks, "partial"), out(1, "out");
   if (!run(format("sum_squares_partial_%s", type_name<T>()), grid(blocks, threads, 0), [&] {
         pick<T>(sum_squares_partial_f32_ns::sum_squares_partial_f32,
                 sum_squares_partial_f32_ns::sum_squares_partial_f32,
-                sum_squares_partial_bf16_ns::sum_squares_partial_bf16)(x.data(), (u64)n,
+                sum_squares_partial_bf16_ns::sum_squares_partial_bf16)(x, (u64)n,
                                                                        partial.data());
       }))
     return;
   if (!run("sum_squares_final", grid(1, threads, 0),
            [&] { sum_squares_final(partial.data(), (int)blocks, out.data()); }))
     return;
-  const std::string tag = format("sum_squares %s n=%zu, %zu partials of %u threads", type_name<T>(),
-                                 n, blocks, threads);
+  const std::string tag = format("sum_squares %s n=%zu skew=%zu, %zu partials of %u threads",
+                                 type_name<T>(), n, skew, blocks, threads);
   std::vector<double> got(partial.data(), partial.data() + blocks), want(rpart.begin(), rpart.end());
   compare(tag + " partials", got, want, tol<double>());
   compare(tag + " total", {out[0]}, {(double)total}, tol<double>());
@@ -355,5 +366,11 @@ void flat_checks() {
   check_sum_squares<float>(70000, 7, true);  // 274 partials: stage 2's threads stride
   check_sum_squares<float>(1000, 8, false);
   check_sum_squares<__nv_bfloat16>(2000, 10, true);  // the optimizer's packed bf16 moments
+  // Runs that start off a 16-byte boundary, several packs per thread, and shorter than a pack.
+  check_sum_squares<float>(70001, 11, true, 1);
+  check_sum_squares<float>(1003, 12, false, 3);
+  check_sum_squares<float>(2, 13, false, 1);
+  check_sum_squares<__nv_bfloat16>(5003, 14, false, 5);
+  check_sum_squares<__nv_bfloat16>(6, 15, true, 7);
   check_muon(11);
 }

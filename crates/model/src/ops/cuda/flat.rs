@@ -5,7 +5,8 @@
 //!
 //! `adamw` performs exactly the f32 operations of the CPU `AdamWStep` (bitwise equal results);
 //! `sum_squares` is a deterministic two-stage reduction (a grid of [`SUM_BLOCKS`] or fewer
-//! blocks, its size a function of the length only, then one block), so equal inputs give equal
+//! blocks, its size a function of the length only, reading 16 bytes at a time from the
+//! buffer's first aligned element, then one block), so equal inputs at equal offsets give equal
 //! norms on every run.
 
 use candle_core::backend::BackendStorage;
