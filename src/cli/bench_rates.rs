@@ -191,7 +191,7 @@ fn measure_fp8(
     use crate::optim::kernels::{add_fp8_product_into, add_product_into};
     let dw = timed(device, iters, &|| match &factors {
         ParamGrad::Product { g, x } => Ok(add_product_into(&dst, g, x)?),
-        ParamGrad::Fp8Product { g, x } => Ok(add_fp8_product_into(&dst, g, x)?),
+        ParamGrad::Fp8Product { g, x } => Ok(add_fp8_product_into(&dst, g, x, false)?),
         ParamGrad::Tensor(_) => bail!("an FP8 linear's weight gradient is a product"),
     })?;
     Ok(rates_of(p, [fwd, dx, dw], "fp8"))

@@ -7,9 +7,15 @@
 //!   the buckets they belong to, which the data-parallel side takes after that piece's backward
 //!   ([`GradBuffer::take_staged`]), reduce-scatters and adds into the shards; the staging is then
 //!   freed.
+//!
+//! A whole buffer need not be zeroed at each step's start ([`GradBuffer::overwriting`]): a
+//! parameter that receives a gradient in every step takes its first one written over its slot's
+//! old values (the weight-gradient GEMM's beta = 0, a copy for other gradients), and only the
+//! rest (the padding, routed experts no token may choose) is zeroed.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -28,6 +34,20 @@ pub struct GradBuffer {
     staged: Mutex<BTreeMap<usize, Tensor>>,
     /// Sharded: where the bytes staged at once are reported.
     stats: Option<Arc<StepStats>>,
+    /// Whole, [`GradBuffer::overwriting`]: what a step's start leaves for the first gradients
+    /// to overwrite.
+    fresh: Fresh,
+}
+
+/// A whole buffer's step start without a pass over all of it: `stale[i]` while parameter `i`'s
+/// slot holds an earlier step's values, to be written over by its first gradient; the spans
+/// `zeroed` (everything else) zeroed. Without `stale`, the whole buffer is zeroed.
+#[derive(Default)]
+struct Fresh {
+    /// Per parameter: `Some` for those whose first gradient overwrites the slot.
+    stale: Vec<Option<AtomicBool>>,
+    /// The flat spans zeroed at a step's start.
+    zeroed: Vec<Range<usize>>,
 }
 
 impl GradBuffer {
@@ -39,6 +59,7 @@ impl GradBuffer {
             owned: None,
             staged: Mutex::new(BTreeMap::new()),
             stats: None,
+            fresh: Fresh::default(),
         })
     }
 
@@ -62,6 +83,7 @@ impl GradBuffer {
             owned: Some((owned, at)),
             staged: Mutex::new(BTreeMap::new()),
             stats: Some(stats),
+            fresh: Fresh::default(),
         })
     }
 
@@ -70,10 +92,66 @@ impl GradBuffer {
         self.owned.is_some()
     }
 
-    /// Clears all gradients (start of a step).
+    /// A whole buffer whose parameters `always[i]` receive a gradient in every step (all but
+    /// routed experts): their first gradient of a step is written over the slot instead of
+    /// added into a zeroed one, and [`GradBuffer::zero`] zeroes only the rest. A sharded
+    /// buffer is returned as it is (its staging starts zeroed, its shards are reduced into).
+    pub fn overwriting(mut self, always: &[bool]) -> Result<Self> {
+        if self.owned.is_some() {
+            return Ok(self);
+        }
+        if always.len() != self.layout.offsets.len() {
+            candle_core::bail!(
+                "gradient buffer: {} flags for {} parameters",
+                always.len(),
+                self.layout.offsets.len()
+            );
+        }
+        let mut kept: Vec<Range<usize>> = (0..always.len())
+            .filter(|&i| always[i])
+            .map(|i| self.layout.range(i))
+            .collect();
+        kept.sort_by_key(|r| r.start);
+        let mut zeroed = Vec::new();
+        let mut at = 0;
+        for r in &kept {
+            if r.start > at {
+                zeroed.push(at..r.start);
+            }
+            at = at.max(r.end);
+        }
+        if at < self.layout.total {
+            zeroed.push(at..self.layout.total);
+        }
+        let stale = always.iter().map(|&a| a.then(|| AtomicBool::new(true)));
+        self.fresh = Fresh {
+            stale: stale.collect(),
+            zeroed,
+        };
+        Ok(self)
+    }
+
+    /// Clears all gradients (start of a step): zeroes the buffer, or with
+    /// [`GradBuffer::overwriting`] its spans that no first gradient overwrites.
     pub fn zero(&self) -> Result<()> {
         self.staging().clear();
-        super::spans::zero(&self.flat)
+        if self.fresh.stale.is_empty() {
+            return super::spans::zero(&self.flat);
+        }
+        for s in self.fresh.stale.iter().flatten() {
+            s.store(true, Ordering::Relaxed);
+        }
+        for r in &self.fresh.zeroed {
+            super::spans::zero(&self.flat.narrow(0, r.start, r.len())?)?;
+        }
+        Ok(())
+    }
+
+    /// Whether parameter `i`'s slot holds an earlier step's values, which its gradient now
+    /// being added must overwrite (the flag is cleared).
+    fn take_stale(&self, i: usize) -> bool {
+        let stale = self.fresh.stale.get(i).and_then(|s| s.as_ref());
+        stale.is_some_and(|s| s.swap(false, Ordering::Relaxed))
     }
 
     /// Bytes of the persistent buffer.
@@ -83,14 +161,22 @@ impl GradBuffer {
 
     /// Adds `grad` into parameter `i`'s gradient (sharded: into its bucket's staging buffer).
     pub fn accumulate(&self, i: usize, grad: &Tensor) -> Result<()> {
-        kernels::add_into(&self.slot(i)?, grad)
+        let slot = self.slot(i)?;
+        match self.take_stale(i) {
+            true => kernels::write_into(&slot, grad),
+            false => kernels::add_into(&slot, grad),
+        }
     }
 
     /// Adds the weight gradient `gᵀ · x` (`g` `[rows, out]`, `x` `[rows, in]`) into parameter
     /// `i`'s gradient `[out, in]` with one GEMM into the buffer (see
-    /// [`kernels::add_product_into`]).
+    /// [`kernels::add_product_into`]; the step's first, over the old values, with beta = 0).
     pub fn accumulate_product(&self, i: usize, g: &Tensor, x: &Tensor) -> Result<()> {
-        kernels::add_product_into(&self.slot(i)?, g, x)
+        let slot = self.slot(i)?;
+        match self.take_stale(i) {
+            true => kernels::write_product_into(&slot, g, x),
+            false => kernels::add_product_into(&slot, g, x),
+        }
     }
 
     /// [`GradBuffer::accumulate_product`] for a linear with FP8 GEMMs: one FP8 GEMM on CUDA, the
@@ -101,7 +187,7 @@ impl GradBuffer {
         g: &model::ops::Fp8Operand,
         x: &model::ops::Fp8Operand,
     ) -> Result<()> {
-        kernels::add_fp8_product_into(&self.slot(i)?, g, x)
+        kernels::add_fp8_product_into(&self.slot(i)?, g, x, self.take_stale(i))
     }
 
     /// The f32 view parameter `i`'s gradient accumulates into: its slot of the whole buffer, or
@@ -238,6 +324,56 @@ mod tests {
         );
         g.zero().unwrap();
         assert_eq!(g.sum_squares(0..5).unwrap(), 0.0);
+    }
+
+    /// Overwriting: a step's first gradient (a tensor or a weight-gradient product) is written
+    /// over the last step's values, bit for bit what a zeroed buffer would hold; a parameter
+    /// that may go without a gradient (a routed expert) and the padding are zeroed, even after
+    /// something wrote NaN over the whole buffer.
+    #[test]
+    fn overwriting_buffers_write_each_first_gradient_and_zero_the_rest() {
+        let dev = Device::Cpu;
+        // Parameters of 2, 6 and 3 elements in buckets padded to multiples of 4 (16 in all).
+        let layout = FlatLayout::new(&[2, 6, 3], 1 << 20, 4);
+        assert!(layout.total > 11);
+        let plain = GradBuffer::new(layout.clone(), &dev).unwrap();
+        let fresh = GradBuffer::new(layout.clone(), &dev)
+            .unwrap()
+            .overwriting(&[true, true, false])
+            .unwrap();
+        let g = Tensor::new(&[[0.5f32, -1.25, 2.0], [3.0, 0.1, -0.7]], &dev).unwrap(); // [2, 3]
+        let x = Tensor::new(&[[1.5f32, 0.3], [-2.0, 0.9]], &dev).unwrap(); // [2, 2]: gᵀx [3, 2]
+        let step = |b: &GradBuffer, k: f32| {
+            b.zero().unwrap();
+            for m in 0..2 {
+                let a = Tensor::new(&[k, 2.0 * k + m as f32], &dev).unwrap();
+                b.accumulate(0, &a).unwrap();
+                b.accumulate_product(1, &g.affine(k as f64, 0.0).unwrap(), &x)
+                    .unwrap();
+            }
+            if k > 1.0 {
+                // The expert-like parameter: a gradient in some steps only.
+                b.accumulate(2, &Tensor::new(&[k; 3], &dev).unwrap())
+                    .unwrap();
+            }
+        };
+        for k in [1.0f32, 2.0, 3.0, 0.5] {
+            step(&plain, k);
+            step(&fresh, k);
+            let (a, b) = (
+                plain.flat().to_vec1::<f32>().unwrap(),
+                fresh.flat().to_vec1::<f32>().unwrap(),
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "step of {k}");
+            let nan = Tensor::full(f32::NAN, layout.total, &dev).unwrap();
+            fresh.flat().slice_set(&nan, 0, 0).unwrap();
+        }
+        // The flags must cover every parameter.
+        assert!(GradBuffer::new(layout, &dev)
+            .unwrap()
+            .overwriting(&[true])
+            .is_err());
     }
 
     #[test]

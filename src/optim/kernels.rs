@@ -66,8 +66,11 @@ fn f32_slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'
 }
 
 /// `dst += src` where `dst` is an f32 view (e.g. a slice of a gradient buffer) and `src` a
-/// contiguous gradient of any float dtype with the same number of elements.
-struct AddInto;
+/// contiguous gradient of any float dtype with the same number of elements; with `overwrite`,
+/// `dst = src` (a step's first gradient, the old values never read).
+struct AddInto {
+    overwrite: bool,
+}
 
 impl InplaceOp2 for AddInto {
     fn name(&self) -> &'static str {
@@ -92,18 +95,25 @@ impl InplaceOp2 for AddInto {
                 dst.len()
             );
         }
-        fn add<T: Copy + Sync>(dst: &mut [f32], src: &[T], f: impl Fn(T) -> f32 + Sync) {
+        fn add<T: Copy + Sync>(
+            dst: &mut [f32],
+            src: &[T],
+            overwrite: bool,
+            f: impl Fn(T) -> f32 + Sync,
+        ) {
             dst.par_chunks_mut(CHUNK)
                 .zip(src.par_chunks(CHUNK))
-                .for_each(|(d, s)| {
-                    d.iter_mut().zip(s).for_each(|(d, s)| *d += f(*s));
+                .for_each(|(d, s)| match overwrite {
+                    true => d.iter_mut().zip(s).for_each(|(d, s)| *d = f(*s)),
+                    false => d.iter_mut().zip(s).for_each(|(d, s)| *d += f(*s)),
                 });
         }
+        let o = self.overwrite;
         match src {
-            CpuStorage::F32(v) => add(dst, &v[a..b], |x| x),
-            CpuStorage::F64(v) => add(dst, &v[a..b], |x| x as f32),
-            CpuStorage::BF16(v) => add(dst, &v[a..b], |x| x.to_f32()),
-            CpuStorage::F16(v) => add(dst, &v[a..b], |x| x.to_f32()),
+            CpuStorage::F32(v) => add(dst, &v[a..b], o, |x| x),
+            CpuStorage::F64(v) => add(dst, &v[a..b], o, |x| x as f32),
+            CpuStorage::BF16(v) => add(dst, &v[a..b], o, |x| x.to_f32()),
+            CpuStorage::F16(v) => add(dst, &v[a..b], o, |x| x.to_f32()),
             s => bail!("add-into: unsupported gradient dtype {:?}", s.dtype()),
         }
         Ok(())
@@ -118,7 +128,7 @@ impl InplaceOp2 for AddInto {
         src: &CudaStorage,
         sl: &Layout,
     ) -> Result<()> {
-        flat::add_into(dst, dl, src, sl)
+        flat::add_into(dst, dl, src, sl, self.overwrite)
     }
 }
 
@@ -188,18 +198,26 @@ pub fn cast_into(dst: &Tensor, src: &Tensor) -> Result<()> {
 
 /// Adds `grad` (any float dtype, same element count) into the f32 view `dst`.
 pub fn add_into(dst: &Tensor, grad: &Tensor) -> Result<()> {
-    dst.inplace_op2(&grad.contiguous()?, &AddInto)
+    dst.inplace_op2(&grad.contiguous()?, &AddInto { overwrite: false })
+}
+
+/// Writes `grad` (any float dtype, same element count) into the f32 view `dst` as f32, over
+/// its old values: [`add_into`] onto zeros, without zeroing first.
+pub fn write_into(dst: &Tensor, grad: &Tensor) -> Result<()> {
+    dst.inplace_op2(&grad.contiguous()?, &AddInto { overwrite: true })
 }
 
 /// `dst += gᵀ · x` for an f32 view `dst` holding a weight gradient `[out, in]` (row-major), the
 /// upstream gradient `g` `[rows, out]` and the input `x` `[rows, in]` (both contiguous, same
 /// dtype): Megatron's gradient-accumulation fusion, one GEMM reading and writing the buffer with
 /// no `[out, in]` temporary. CPU: f32 factors through the `gemm` crate; CUDA: f32 or bf16 factors
-/// through cuBLAS (`cublasGemmEx`, f32 accumulation and output, beta = 1).
+/// through cuBLAS (`cublasGemmEx`, f32 accumulation and output, beta = 1). With `overwrite`,
+/// `dst = gᵀ · x` instead (beta = 0: the old values never read).
 struct AddProduct {
     rows: usize,
     out: usize,
     inp: usize,
+    overwrite: bool,
 }
 
 impl InplaceOp3 for AddProduct {
@@ -228,6 +246,9 @@ impl InplaceOp3 for AddProduct {
             )
         }
         if rows == 0 || dst.is_empty() {
+            if self.overwrite {
+                dst.fill(0.0); // an empty sum
+            }
             return Ok(());
         }
         // SAFETY: the strides address dst [out, in] row-major, gᵀ as (o, r) = g[r·ld + o] and
@@ -241,7 +262,7 @@ impl InplaceOp3 for AddProduct {
                 dst.as_mut_ptr(),
                 1,
                 inp as isize,
-                true,
+                !self.overwrite, // read dst: accumulate (1.0 · dst + 1.0 · gᵀx), else gᵀx
                 g.as_ptr(),
                 ld as isize,
                 1,
@@ -269,7 +290,9 @@ impl InplaceOp3 for AddProduct {
         x: &CudaStorage,
         xl: &Layout,
     ) -> Result<()> {
-        products::add_product(dst, dl, (g, gl), (x, xl), (self.rows, self.out, self.inp))
+        let beta = if self.overwrite { 0.0 } else { 1.0 };
+        let dims = (self.rows, self.out, self.inp, beta);
+        products::add_product(dst, dl, (g, gl), (x, xl), dims)
     }
 }
 
@@ -277,6 +300,17 @@ impl InplaceOp3 for AddProduct {
 /// `[rows, out]` and `x` `[rows, in]` of one float dtype. One GEMM into the buffer for f32 on
 /// the CPU and f32 or bf16 on CUDA; other dtypes compute the product and add it.
 pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
+    product_into(dst, g, x, false)
+}
+
+/// Writes the weight gradient `gᵀ · x` into the f32 view `dst` over its old values, as
+/// [`add_product_into`] onto zeros, without zeroing first (beta = 0).
+pub fn write_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
+    product_into(dst, g, x, true)
+}
+
+/// [`add_product_into`], or with `overwrite` [`write_product_into`].
+fn product_into(dst: &Tensor, g: &Tensor, x: &Tensor, overwrite: bool) -> Result<()> {
     let ((rows, out), (xrows, inp)) = (g.dims2()?, x.dims2()?);
     if xrows != rows || dst.elem_count() != out * inp || g.dtype() != x.dtype() {
         bail!(
@@ -294,9 +328,16 @@ pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
         _ => false,
     };
     if !fused {
-        return add_into(dst, &g.contiguous()?.t()?.matmul(x)?);
+        let product = g.contiguous()?.t()?.matmul(x)?;
+        let op = AddInto { overwrite };
+        return dst.inplace_op2(&product.contiguous()?, &op);
     }
-    let op = AddProduct { rows, out, inp };
+    let op = AddProduct {
+        rows,
+        out,
+        inp,
+        overwrite,
+    };
     // A range of a wider gradient's columns is read in place, its rows `ld` apart.
     let g = match model::ops::row_strided(g.layout()) {
         Some(_) => g.clone(),
@@ -307,11 +348,22 @@ pub fn add_product_into(dst: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
 
 /// [`add_product_into`] for a linear with FP8 GEMMs (`ParamGrad::Fp8Product`), from the
 /// factors' operands: one FP8 GEMM on CUDA (their transposed codes), their rounded values
-/// multiplied elsewhere.
-pub fn add_fp8_product_into(dst: &Tensor, g: &Fp8Operand, x: &Fp8Operand) -> Result<()> {
+/// multiplied elsewhere. With `overwrite` the product replaces the old values (the FP8 GEMM
+/// adds into the view once it is zeroed).
+pub fn add_fp8_product_into(
+    dst: &Tensor,
+    g: &Fp8Operand,
+    x: &Fp8Operand,
+    overwrite: bool,
+) -> Result<()> {
     match (g.rounded(), x.rounded()) {
-        (Some(g), Some(x)) => add_product_into(dst, g, x),
-        _ => model::ops::fp8_add_product_of(dst, g, x),
+        (Some(g), Some(x)) => product_into(dst, g, x, overwrite),
+        _ => {
+            if overwrite {
+                dst.zero_set()?;
+            }
+            model::ops::fp8_add_product_of(dst, g, x)
+        }
     }
 }
 

@@ -8,7 +8,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{op_tolerance, randn, rel_error, Check};
 use crate::optim::kernels::{
-    add_into, add_product_into, cast_into, sum_squares, sum_squares_of, AdamWStep, NonFinite,
+    add_into, add_product_into, cast_into, sum_squares, sum_squares_of, write_into,
+    write_product_into, AdamWStep, NonFinite,
 };
 
 /// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
@@ -161,6 +162,45 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
             tolerance: if fused { 1e-5 } else { op_tolerance(dtype) },
         });
     }
+    // A step's first gradients written over the slot's old values (NaN here; GEMM beta = 0, a
+    // copy with cast), against the same gradients added onto zeros, bit for bit.
+    let (rows, out, inp) = (300, 48, 40);
+    let g = randn(&[rows, out], 31)?
+        .to_dtype(DType::BF16)?
+        .to_device(device)?;
+    let x = randn(&[rows, inp], 32)?
+        .to_dtype(DType::BF16)?
+        .to_device(device)?;
+    let t = randn(&[out * inp], 33)?
+        .to_dtype(DType::BF16)?
+        .to_device(device)?;
+    let onto = |nan: bool| -> Result<Vec<u32>> {
+        let fill = if nan { f32::NAN } else { 0.0 };
+        let buf = Tensor::full(fill, 2 * out * inp, device)?;
+        let (a, b) = (
+            buf.narrow(0, 0, out * inp)?,
+            buf.narrow(0, out * inp, out * inp)?,
+        );
+        match nan {
+            true => {
+                write_product_into(&a, &g, &x)?;
+                write_into(&b, &t)?;
+            }
+            false => {
+                add_product_into(&a, &g, &x)?;
+                add_into(&b, &t)?;
+            }
+        }
+        let v = buf.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+        Ok(v.iter().map(|x| x.to_bits()).collect())
+    };
+    let (over, added) = (onto(true)?, onto(false)?);
+    let differ = over.iter().zip(&added).filter(|(a, b)| a != b).count();
+    checks.push(Check {
+        name: "first gradients written over old values (beta 0) as onto zeros".into(),
+        error: differ as f64 / over.len() as f64,
+        tolerance: 0.0,
+    });
     // Muon's iteration: bf16 with f32 accumulation on a GPU (as torch's Muon), f32 on the CPU;
     // against f32 on the CPU, a wide and a tall matrix. bf16 rounds each of the 5 steps'
     // products once (`addmm`; torch's bf16 against its f32 steps: 1.3e-2 relative).

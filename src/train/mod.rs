@@ -71,19 +71,20 @@ pub struct Trainer {
     consumed: u64,
     /// The step guard's memory (skips, recent losses), saved in checkpoints.
     progress: guard::LoopState,
-    /// A stop signal every rank saw by the end of the last step.
-    stop: Option<i32>,
     /// Where the run's numbers go.
     observe: Observers,
     /// Checkpoints being written and what they record of the data.
     saves: Saves,
-    /// Where the host stands against the device between steps.
+    /// Where the rank stands between steps.
     edge: StepEdge,
 }
 
-/// Where the host stands against the device between steps: what it has not yet waited for.
+/// Where a rank stands between steps: a stop signal it must act on, and what the host has not
+/// yet waited the device for.
 #[derive(Default)]
 struct StepEdge {
+    /// A stop signal every rank saw by the end of the last step.
+    stop: Option<i32>,
     /// The step whose update has not yet been checked for non-finite values (`guard.rs`).
     unsettled: Option<usize>,
     /// When the last step ended, while nothing but the loop's bookkeeping has run since: where
@@ -204,7 +205,6 @@ impl Trainer {
             step: 0,
             consumed: 0,
             progress: guard::LoopState::default(),
-            stop: None,
             observe: Observers::default(),
             saves: Saves::default(),
             edge: StepEdge::default(),
@@ -339,21 +339,21 @@ impl Trainer {
             }
             // A stop signal during the last step changes nothing: the run is complete.
             if self.step == steps {
-                self.stop = None;
+                self.edge.stop = None;
             }
             // A stopping run saves without validating first; a signal that arrives during a
             // validation stops the run after it.
             let due = eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps);
-            if due && self.stop.is_none() {
+            if due && self.edge.stop.is_none() {
                 self.settle()?;
                 last_eval = Some(self.validate(rec.step)?);
                 if self.step < steps {
-                    self.stop = self.stop_signal()?;
+                    self.edge.stop = self.stop_signal()?;
                 }
             }
             let saved = self.save_if_due(rec.step)?;
             records.push(rec);
-            if let Some(signal) = self.stop {
+            if let Some(signal) = self.edge.stop {
                 return Err(self.interrupted(signal, saved)?.into());
             }
         }
@@ -391,7 +391,8 @@ impl Trainer {
     /// asks for one.
     fn save_if_due(&mut self, step: usize) -> Result<Option<std::path::PathBuf>> {
         let (every, steps) = (self.recipe.checkpoint.interval, self.recipe.train.steps);
-        if (every > 0 && (step.is_multiple_of(every) || step == steps)) || self.stop.is_some() {
+        if (every > 0 && (step.is_multiple_of(every) || step == steps)) || self.edge.stop.is_some()
+        {
             // Nothing is saved of an update that made the state non-finite.
             self.settle()?;
             self.edge.last_end = None;

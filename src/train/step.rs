@@ -109,7 +109,7 @@ impl Trainer {
         let optimizer_s = start.elapsed().as_secs_f64() - opt_start;
         self.step += 1;
         self.consumed += self.recipe.train.global_batch as u64;
-        self.stop = self.after_update(self.step, updated)?;
+        self.edge.stop = self.after_update(self.step, updated)?;
         let compute = self.compute_spread(self.step)?;
         let record = self.record(Measured {
             start,

@@ -151,7 +151,14 @@ pub fn rank_state(recipe: &Recipe, ctx: &RankCtx, model: &Llama) -> Result<RankS
     let grads = if zero.shards_gradients() {
         GradBuffer::sharded(layout.clone(), owned.clone(), device, ctx.stats.clone())?
     } else {
-        GradBuffer::new(layout.clone(), device)?
+        // Every parameter but a routed expert receives a gradient in every step.
+        let always: Vec<bool> = model
+            .inventory()
+            .expert_flags()
+            .iter()
+            .map(|e| !e)
+            .collect();
+        GradBuffer::new(layout.clone(), device)?.overwriting(&always)?
     };
     let (params, optim) = (model.params(), &recipe.optimizer);
     let (master, shards) = if zero.shards_parameters() {

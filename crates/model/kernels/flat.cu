@@ -1,4 +1,5 @@
-// Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into), the master
+// Kernels over the optimizer's flat f32 buffers: gradient accumulation (add_into, or the first
+// gradient written over the buffer's old values), the master
 // weights written into the parameters' flat tensor in their dtype (cast_into), the AdamW
 // update (adamw_f32, adamw_bf16: the moments' type; it also flags a non-finite stored value),
 // Muon's element-wise passes (muon_*) and the sum of squares for the global gradient norm and
@@ -16,11 +17,14 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(double x) { return __double2float_rn(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// dst[i] += (f32) src[i] for i < n; dst: [n] f32, src: [n] of the storage type T.
-template <typename T> __device__ void add_into_impl(float* dst, const T* src, u64 n) {
-  for (u64 i = global_id(); i < n; i += grid_stride()) dst[i] = __fadd_rn(dst[i], to_f32(src[i]));
+// dst[i] += (f32) src[i] for i < n, or with overwrite dst[i] = (f32) src[i] (a step's first
+// gradient of a parameter, without zeroing the buffer first); dst: [n] f32, src: [n] of the
+// storage type T.
+template <typename T> __device__ void add_into_impl(float* dst, const T* src, u64 n, int overwrite) {
+  for (u64 i = global_id(); i < n; i += grid_stride())
+    dst[i] = overwrite ? to_f32(src[i]) : __fadd_rn(dst[i], to_f32(src[i]));
 }
-EXPORT3(add_into, (float* dst, const T* src, u64 n), (dst, src, n))
+EXPORT3(add_into, (float* dst, const T* src, u64 n, int overwrite), (dst, src, n, overwrite))
 
 // dst[i] = src[i] rounded to T (nearest even) for i < n; dst: [n] of the storage type T (the
 // parameters' flat tensor), src: [n] f32 (the master weights).

@@ -1,4 +1,5 @@
-// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources), cast_into (f32,
+// Emulation driver of kernels/flat.cu: add_into (f32, f64 and bf16 sources; adding, or
+// writing over the old values), cast_into (f32,
 // f64 and bf16 destinations), adamw (f32 and bf16 moments; with and without bf16 parameters
 // written) over two decay ranges, Muon's passes (muon_*) and the two-stage sum_squares
 // (f32 and bf16), with the launch shapes and argument order of
@@ -27,20 +28,27 @@ template <typename T> void check_add_into(size_t n, uint64_t seed) {
   fill_normal(dst, rng);
   fill_normal(src, rng);
   const std::vector<float> before(dst.data(), dst.data() + total);
-  std::vector<double> ref(n);
-  for (size_t i = 0; i < n; ++i) ref[i] = (double)before[off + i] + tod(src[i]);
   // flat.rs `add_into`: elementwise(n); also a small grid (the grid-stride loop takes any).
+  // overwrite 1 (a step's first gradient) writes src over the old values: over NaN here.
   const Shape shapes[2] = {elementwise(n), grid(2, 64, 0)};
-  for (const Shape& sh : shapes) {
-    std::memcpy(dst.data(), before.data(), total * sizeof(float));
-    if (!run(format("add_into_%s", type_name<T>()), sh,
-             [&] { KERNEL(T, add_into)(dst.data() + off, src.data(), (u64)n); }))
-      continue;
-    const std::string tag = format("add_into f32 += %s n=%zu grid=%ux%u", type_name<T>(), n,
-                                   sh.blocks, sh.threads);
-    compare(tag, read(dst, off, n), ref, tol<float>());
-    expect(same_bits(dst, before, 0, off) && same_bits(dst, before, off + n, total),
-           tag + " leaves the rest of the buffer untouched");
+  for (int overwrite = 0; overwrite < 2; ++overwrite) {
+    std::vector<float> start = before;
+    for (size_t i = 0; i < n && overwrite; ++i) start[off + i] = NAN;
+    std::vector<double> ref(n);
+    // Written over: src rounded to f32 once; added: within f32's rounding of the sum.
+    for (size_t i = 0; i < n; ++i)
+      ref[i] = overwrite ? (double)(float)tod(src[i]) : (double)before[off + i] + tod(src[i]);
+    for (const Shape& sh : shapes) {
+      std::memcpy(dst.data(), start.data(), total * sizeof(float));
+      if (!run(format("add_into_%s", type_name<T>()), sh,
+               [&] { KERNEL(T, add_into)(dst.data() + off, src.data(), (u64)n, overwrite); }))
+        continue;
+      const std::string tag = format("add_into f32 %s %s n=%zu grid=%ux%u", overwrite ? "=" : "+=",
+                                     type_name<T>(), n, sh.blocks, sh.threads);
+      compare(tag, read(dst, off, n), ref, overwrite ? 0.0 : tol<float>());
+      expect(same_bits(dst, before, 0, off) && same_bits(dst, before, off + n, total),
+             tag + " leaves the rest of the buffer untouched");
+    }
   }
 }
 

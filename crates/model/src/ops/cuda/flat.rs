@@ -91,9 +91,16 @@ pub fn cast_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Lay
     })
 }
 
-/// `dst += src` elementwise: `dst` an f32 buffer view (any offset), `src` f32, f64 or bf16 with
-/// the same number of elements.
-pub fn add_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layout) -> Result<()> {
+/// `dst += src` elementwise, or with `overwrite` `dst = src` (the old values never read):
+/// `dst` an f32 buffer view (any offset), `src` f32, f64 or bf16 with the same number of
+/// elements.
+pub fn add_into(
+    dst: &mut CudaStorage,
+    dl: &Layout,
+    src: &CudaStorage,
+    sl: &Layout,
+    overwrite: bool,
+) -> Result<()> {
     const OP: &str = "add-into";
     let dev = dst.device().clone();
     let (a, b) = range(OP, "buffer", dl)?;
@@ -120,9 +127,10 @@ pub fn add_into(dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layo
         let s = view::<T>(OP, "gradient", src, sl)?; // [n]
         let stream = dev.cuda_stream();
         let mut builder = stream.launch_builder(&f);
-        builder.arg(&mut d).arg(&s).arg(&n_u);
-        // SAFETY: matches `add_into_<T>(float*, const T*, u64)`; both views hold n elements
-        // and the kernel touches indices `i < n`.
+        let overwrite = i32::from(overwrite);
+        builder.arg(&mut d).arg(&s).arg(&n_u).arg(&overwrite);
+        // SAFETY: matches `add_into_<T>(float*, const T*, u64, int)`; both views hold n
+        // elements and the kernel touches indices `i < n`.
         unsafe { builder.launch(elementwise(n)) }.w()?;
         Ok(())
     })

@@ -404,7 +404,7 @@ pub fn add_product(
             unsafe { matmul(&dev, &plan, (a, b), (sa, sb), tp) }?;
         }
         let tmp = CudaStorage::wrap_cuda_slice(tmp, dev.clone());
-        super::flat::add_into(dst, dl, &tmp, &Layout::contiguous(out * inp))?;
+        super::flat::add_into(dst, dl, &tmp, &Layout::contiguous(out * inp), false)?;
     }
     Ok(())
 }

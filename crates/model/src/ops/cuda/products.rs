@@ -1,30 +1,40 @@
 //! The optimizer's cuBLAS products, called from the root crate's `optim::kernels` and Muon: a
-//! weight gradient `gᵀ · x` accumulated into its f32 buffer slot (beta = 1; `g` may be a range
+//! weight gradient `gᵀ · x` accumulated into its f32 buffer slot (beta = 1, or 0 for a step's
+//! first gradient; `g` may be a range
 //! of a wider gradient's columns, read in place), and Muon's scaled products, rounded as
 //! `torch.addmm` rounds them, one or a batch at a time.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublas::sys::cudaDataType_t;
-use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::cuda::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{bail, DType, Layout, Result};
 
 use super::flat::{f32_slot, range, slot_range};
 use super::view;
 
-/// `dst[out, in] += gᵀ · x` (row-major) for an f32 buffer view `dst`, `g` `[rows, out]` and `x`
-/// `[rows, in]`, both f32 or both bf16: one `cublasGemmEx` with f32 accumulation and output and
-/// beta = 1 on the device's stream (whose handle candle made for it).
+/// `dst[out, in] = beta · dst + gᵀ · x` (row-major) for an f32 buffer view `dst`, `g`
+/// `[rows, out]` and `x` `[rows, in]`, both f32 or both bf16: one `cublasGemmEx` with f32
+/// accumulation and output on the device's stream (whose handle candle made for it); beta 1
+/// accumulates, beta 0 writes the product over the old values without reading them.
 pub fn add_product(
     dst: &mut CudaStorage,
     dl: &Layout,
     (g, gl): (&CudaStorage, &Layout),
     (x, xl): (&CudaStorage, &Layout),
-    (rows, out, inp): (usize, usize, usize),
+    (rows, out, inp, beta): (usize, usize, usize, f32),
 ) -> Result<()> {
     const OP: &str = "add-product";
     let dev = dst.device().clone();
     let (a, b) = slot_range(OP, dl, (out, inp))?;
-    if rows == 0 || out * inp == 0 {
+    if out * inp == 0 {
+        return Ok(());
+    }
+    if rows == 0 {
+        // An empty sum: the buffer is kept, or written with zeros.
+        if beta == 0.0 {
+            let mut d = f32_slot(OP, dst, (a, b))?;
+            dev.cuda_stream().memset_zeros(&mut d).w()?;
+        }
         return Ok(());
     }
     if g.dtype() != x.dtype() {
@@ -42,7 +52,7 @@ pub fn add_product(
             (g, gl),
             (x, xl),
             cudaDataType_t::CUDA_R_32F,
-            (rows, out, inp),
+            (rows, out, inp, beta),
         ),
         candle_core::DType::BF16 => gemm_ex::<half::bf16>(
             &dev,
@@ -50,7 +60,7 @@ pub fn add_product(
             (g, gl),
             (x, xl),
             cudaDataType_t::CUDA_R_16BF,
-            (rows, out, inp),
+            (rows, out, inp, beta),
         ),
         other => bail!("{OP}: no fused product for {other:?} factors"),
     }
@@ -63,7 +73,7 @@ fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::
     (g, gl): (&CudaStorage, &Layout),
     (x, xl): (&CudaStorage, &Layout),
     ty: cudaDataType_t,
-    (rows, out, inp): (i32, i32, i32),
+    (rows, out, inp, beta): (i32, i32, i32, f32),
 ) -> Result<()> {
     use candle_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
     const OP: &str = "add-product";
@@ -73,8 +83,9 @@ fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::
     let (gp, _g_read) = gv.device_ptr(&stream);
     let (xp, _x_read) = xv.device_ptr(&stream);
     let (dp, _d_write) = d.device_ptr_mut(&stream);
-    // Column-major, cuBLAS's view of the row-major buffers: D'[in, out] (ld in) += X'[in, rows]
-    // (ld in) · G'[out, rows]ᵀ (ld ld), i.e. D[o, i] += Σ_r g[r, o] · x[r, i].
+    // Column-major, cuBLAS's view of the row-major buffers: D'[in, out] (ld in) = beta D' +
+    // X'[in, rows] (ld in) · G'[out, rows]ᵀ (ld ld), i.e. D[o, i] = beta D[o, i] +
+    // Σ_r g[r, o] · x[r, i].
     let call = GemmCall {
         transpose_b: true,
         mnk: (inp, out, rows),
@@ -82,7 +93,7 @@ fn gemm_ex<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::
         b: (gp, ld),
         d: (dp, inp),
         types: (ty, cudaDataType_t::CUDA_R_32F),
-        scale: (1.0, 1.0),
+        scale: (1.0, beta),
         batch: (1, [0; 3]),
     };
     // SAFETY: the pointers are live device buffers of the device's stream holding rows·in,
