@@ -12,6 +12,23 @@ use crate::optim::kernels::{
     write_product_into, AdamWStep, NonFinite,
 };
 
+/// The checks' AdamW step over `n` elements (two decay ranges, a clipping scale), with
+/// `moments` and, on CUDA, the bf16 `params` it also writes.
+fn step_of(n: usize, moments: DType, dev: &Device, params: Option<Tensor>) -> Result<AdamWStep> {
+    Ok(AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        step: 3,
+        grad_scale: 0.5,
+        decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
+        moments,
+        nonfinite: NonFinite::on(dev)?,
+        params,
+    })
+}
+
 /// Check 2: the optimizer's flat-buffer kernels on `device` against the CPU.
 pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
     let n = 10_007;
@@ -36,18 +53,7 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
         let mut states = Vec::new();
         for dtype in [DType::F32, DType::BF16] {
             let st = state_of(dtype)?.to_device(dev)?;
-            let op = AdamWStep {
-                lr: 1e-2,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                step: 3,
-                grad_scale: 0.5,
-                decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
-                moments: dtype,
-                nonfinite: NonFinite::on(dev)?,
-                params: None,
-            };
+            let op = step_of(n, dtype, dev, None)?;
             st.inplace_op2(&grad.to_device(dev)?, &op)?;
             if op.nonfinite.take()? {
                 anyhow::bail!("adamw on {dev:?}: a finite update set the non-finite flag");
@@ -118,18 +124,7 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
     let written = |dev: &Device| -> Result<Tensor> {
         let st = state_of(DType::F32)?.to_device(dev)?;
         let params = Tensor::zeros(n, DType::BF16, dev)?;
-        let op = AdamWStep {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            step: 3,
-            grad_scale: 0.5,
-            decay: vec![(0, n / 2, 0.1), (n / 2, n - n / 2, 0.0)],
-            moments: DType::F32,
-            nonfinite: NonFinite::on(dev)?,
-            params: dev.is_cuda().then(|| params.clone()),
-        };
+        let op = step_of(n, DType::F32, dev, dev.is_cuda().then(|| params.clone()))?;
         st.inplace_op2(&grad.to_device(dev)?, &op)?;
         if !dev.is_cuda() {
             cast_into(&params, &st.narrow(0, 0, n)?)?;
