@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor};
 use model::placement::state_layout;
 use model::{Llama, ParamKind, Piece};
 use parallel::dp::{
-    moved, publish_bucket, publish_shards, DataParallel, FlatLayout, Gatherer, MatrixGroups,
-    Partial, Pass, ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
+    moved, publish_bucket, publish_shards, publish_shards_into, DataParallel, FlatLayout, Gatherer,
+    MatrixGroups, Partial, Pass, ShardPos, Spread, StateLayout, WholeMatrices, ZeroStage,
 };
 use parallel::pipeline::{Action, Schedule};
 use parallel::tp::Shard;
@@ -327,14 +327,25 @@ pub fn publish(
     match dp.zero() {
         ZeroStage::Off => write_params(model.params(), dp.layout(), &master)?,
         ZeroStage::Optimizer | ZeroStage::Gradients => {
-            let params = model.params();
+            let (params, layout) = (model.params(), dp.layout());
             let groups = (
                 ctx.comm.as_ref(),
                 &ctx.groups.shard,
                 &ctx.groups.expert_grad,
             );
+            // Packed at the layout's offsets (`pack_params`): each bucket gathered where its
+            // parameters lie. (Offloaded masters take the bucket-by-bucket path below.)
+            if master.device().same_device(&ctx.device) {
+                let cast = |place: &Tensor, masters: &Tensor| {
+                    crate::optim::kernels::cast_into(place, masters)
+                };
+                let into = |flat: &Tensor| publish_shards_into(layout, &master, flat, groups, cast);
+                if params.write_flat(&layout.offsets, layout.total, into)? {
+                    return Ok(());
+                }
+            }
             let to = (params.get(0).dtype, &ctx.device);
-            publish_shards(dp.layout(), &master, to, groups, |i, values| {
+            publish_shards(layout, &master, to, groups, |i, values| {
                 params.get(i).set(values)
             })?;
         }
@@ -354,5 +365,83 @@ pub fn whole_params(dp: &DataParallel, model: &Llama) -> Result<Tensor> {
         gather_all(dp)
     } else {
         Ok(flatten_params(model.params(), dp.layout())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallel::comm::local::LocalWorld;
+    use parallel::dp::owned_ranges;
+
+    /// ZeRO-1/2's publish into the packed parameters (each bucket's shard cast into its place,
+    /// the bucket gathered in place) gives every rank the parameters that gathering each bucket
+    /// and writing parameter by parameter gives, bit for bit.
+    #[test]
+    fn publishing_into_the_packed_parameters_equals_writing_them_one_by_one() {
+        use model::{LlamaConfig, Placement};
+        let c = LlamaConfig {
+            vocab_size: 64,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            max_position_embeddings: 16,
+            init_std: 0.02,
+            ..Default::default()
+        };
+        let comms = LocalWorld::new(2, std::time::Duration::from_secs(30));
+        let group = Group::new(vec![0, 1]);
+        let results: Vec<bool> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (c, group) = (&c, &group);
+                    s.spawn(move || -> anyhow::Result<bool> {
+                        let dev = Device::Cpu;
+                        let build = || Llama::new(c, Placement::whole(c), 3, DType::F32, &dev);
+                        let (apart, packed) = (build()?, build()?);
+                        let layout = crate::optim::layout_of(apart.params(), 700, 2);
+                        crate::optim::pack_params(packed.params(), &layout)?;
+                        // The job's new masters (the same on both ranks), of which this rank
+                        // owns its shard of each bucket.
+                        let all = Tensor::randn(0f32, 1.0, layout.total, &Device::Cpu)?;
+                        let owned = owned_ranges(&layout, true, ShardPos::uniform(rank, 2));
+                        let parts = owned
+                            .iter()
+                            .map(|r| all.narrow(0, r.start, r.len()))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        let own = Tensor::cat(&parts, 0)?;
+                        let groups = (comm.as_ref() as &dyn parallel::Comm, group, group);
+                        let into = |flat: &Tensor| {
+                            let cast =
+                                |p: &Tensor, m: &Tensor| crate::optim::kernels::cast_into(p, m);
+                            publish_shards_into(&layout, &own, flat, groups, cast)
+                        };
+                        let params = packed.params();
+                        assert!(params.write_flat(&layout.offsets, layout.total, into)?);
+                        let to = (DType::F32, &dev);
+                        let set = |i: usize, v: &Tensor| apart.params().get(i).set(v);
+                        publish_shards(&layout, &own, to, groups, set)?;
+                        let mut same = true;
+                        for (a, b) in apart.params().iter().zip(params.iter()) {
+                            let (a, b) = (a.tensor()?.flatten_all()?, b.tensor()?.flatten_all()?);
+                            let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                                Ok(t.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())
+                            };
+                            same &= bits(&a)? == bits(&b)?;
+                        }
+                        Ok(same)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect()
+        });
+        assert_eq!(results, [true, true]);
     }
 }

@@ -46,4 +46,6 @@ pub use stage::{StateBytes, ZeroStage};
 pub use staging::STAGED_IN_FLIGHT;
 pub use state::{unit_buckets, StateLayout};
 pub use sync::{BucketSpan, GradSync, Reduction};
-pub use zero::{moved, owned_ranges, publish_bucket, publish_shards, ShardPos};
+pub use zero::{
+    moved, owned_ranges, publish_bucket, publish_shards, publish_shards_into, ShardPos,
+};

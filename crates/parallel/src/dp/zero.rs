@@ -9,7 +9,7 @@ use std::ops::Range;
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::{Bucket, FlatLayout};
-use crate::comm::{Comm, Group};
+use crate::comm::{Comm, Group, HandOff};
 
 /// A rank's place in the groups its buckets are sharded over: `(index, size)` in the shard
 /// group (other buckets) and in the expert gradient group (expert buckets, see
@@ -101,6 +101,49 @@ pub fn publish_bucket(
     for i in bucket.params.clone() {
         let r = layout.range(i);
         write(i, &whole.narrow(0, r.start - bucket.start, r.len())?)?;
+    }
+    Ok(())
+}
+
+/// [`publish_shards`] into `flat` `[layout.total]`, the parameters' flat tensor in their dtype
+/// in which every parameter lies at its layout offset: each bucket's shard of `own` is written
+/// into its place there by `cast(place, masters)` (rounding f32 masters to the parameters'
+/// dtype), then the bucket is all-gathered in place. No gathered bucket is allocated and no
+/// parameter copied one by one. `own` must be on `flat`'s device.
+pub fn publish_shards_into(
+    layout: &FlatLayout,
+    own: &Tensor,
+    flat: &Tensor,
+    (comm, shard, expert_grad): (&dyn Comm, &Group, &Group),
+    cast: impl Fn(&Tensor, &Tensor) -> Result<()>,
+) -> Result<()> {
+    if flat.elem_count() != layout.total || !own.device().same_device(flat.device()) {
+        candle_core::bail!(
+            "publishing into a flat tensor of {} elements on {:?}: expected {} on the masters' \
+             device {:?}",
+            flat.elem_count(),
+            flat.device(),
+            layout.total,
+            own.device()
+        );
+    }
+    let mut offset = 0;
+    for bucket in &layout.buckets {
+        let group = if bucket.expert { expert_grad } else { shard };
+        let Some(me) = group.index_of(comm.rank()) else {
+            candle_core::bail!(
+                "publish: rank {} is not in its group {group:?}",
+                comm.rank()
+            );
+        };
+        let n = bucket.len / group.size();
+        if n == 0 {
+            continue;
+        }
+        let whole = flat.narrow(0, bucket.start, bucket.len)?; // [len]
+        cast(&whole.narrow(0, me * n, n)?, &own.narrow(0, offset, n)?)?;
+        comm.all_gather_in_place(group, &whole, &HandOff::none())?;
+        offset += n;
     }
     Ok(())
 }
