@@ -180,10 +180,12 @@ pub fn stages(r: &Recipe) -> Result<Vec<StageMemory>, PlanError> {
         } else {
             (4 * par.bucket_size as u64).min(4 * numels.iter().sum::<usize>() as u64)
         };
-        // ZeRO 1-2 publish the updated weights one bucket at a time, in the parameters' dtype:
-        // the gathered bucket and this rank's cast shard of it (after the step's other
-        // temporaries are gone, hence the larger of the two).
-        let publish = if matches!(par.zero, ZeroStage::Optimizer | ZeroStage::Gradients) {
+        // ZeRO 1-2 gather each bucket in place in the packed parameters; with offloaded masters
+        // they publish one bucket at a time through a copy, in the parameters' dtype: the
+        // gathered bucket and this rank's cast shard of it (after the step's other temporaries
+        // are gone, hence the larger of the two).
+        let sharded = matches!(par.zero, ZeroStage::Optimizer | ZeroStage::Gradients);
+        let publish = if sharded && r.optimizer.offload == Offload::Cpu {
             let shards = par.shard_size().max(1) as u64;
             let largest = state.layout.buckets.iter().map(|b| b.len as u64).max();
             p * largest.unwrap_or(0) * (shards + 1) / shards

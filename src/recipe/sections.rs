@@ -382,10 +382,10 @@ pub struct RunConfig {
 #[serde(rename_all = "lowercase")]
 pub enum StepTiming {
     /// The host does not wait for the update: it logs and queues the next step while the device
-    /// runs it. A step's time is its cadence, from the previous step's end (or, after a
-    /// validation or checkpoint, its own start) to its own, so the times add up to the run's;
-    /// `optimizer_s` is the time to queue the update, except on the traced and the last step,
-    /// which wait for the device.
+    /// runs it. A step's time is its cadence, from the previous step's end to its own; the
+    /// traced and the last step, and a step a validation or checkpoint follows, wait for the
+    /// device at their start and end and are timed on their own. `optimizer_s` is the time to
+    /// queue the update, except on those steps.
     #[default]
     Overlapped,
     /// The host waits for the device after the update and at every step's end: each step's

@@ -158,7 +158,8 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
         });
     }
     // A step's first gradients written over the slot's old values (NaN here; GEMM beta = 0, a
-    // copy with cast), against the same gradients added onto zeros, bit for bit.
+    // copy with cast), against the same gradients added onto zeros: no old value read, the same
+    // sums (cuBLAS may pick another kernel for beta = 0, so within f32's rounding of a sum).
     let (rows, out, inp) = (300, 48, 40);
     let g = randn(&[rows, out], 31)?
         .to_dtype(DType::BF16)?
@@ -169,7 +170,7 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
     let t = randn(&[out * inp], 33)?
         .to_dtype(DType::BF16)?
         .to_device(device)?;
-    let onto = |nan: bool| -> Result<Vec<u32>> {
+    let onto = |nan: bool| -> Result<Tensor> {
         let fill = if nan { f32::NAN } else { 0.0 };
         let buf = Tensor::full(fill, 2 * out * inp, device)?;
         let (a, b) = (
@@ -186,15 +187,12 @@ pub fn check_flat_kernels(device: &Device) -> Result<Vec<Check>> {
                 add_into(&b, &t)?;
             }
         }
-        let v = buf.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
-        Ok(v.iter().map(|x| x.to_bits()).collect())
+        Ok(buf.to_device(&Device::Cpu)?)
     };
-    let (over, added) = (onto(true)?, onto(false)?);
-    let differ = over.iter().zip(&added).filter(|(a, b)| a != b).count();
     checks.push(Check {
         name: "first gradients written over old values (beta 0) as onto zeros".into(),
-        error: differ as f64 / over.len() as f64,
-        tolerance: 0.0,
+        error: rel_error(&onto(true)?, &onto(false)?)?,
+        tolerance: 1e-6,
     });
     // Muon's iteration: bf16 with f32 accumulation on a GPU (as torch's Muon), f32 on the CPU;
     // against f32 on the CPU, a wide and a tall matrix. bf16 rounds each of the 5 steps'

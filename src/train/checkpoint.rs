@@ -48,6 +48,7 @@ impl Trainer {
     /// With `checkpoint.async`, the state is copied to host memory here and written by a
     /// background thread (`saver.rs`); the directory appears when that finishes.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        self.settle()?; // nothing is saved of an update that left the state non-finite
         self.wait_for_save()?;
         let start = Instant::now();
         let (root, step) = (self.checkpoint_root(), self.step as u64);

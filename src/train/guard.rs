@@ -8,10 +8,13 @@
 //! - After the update: the optimizer's state (fp32 masters, of which the parameters are copies,
 //!   and the moments) must be finite, or the run halts before anything is saved. AdamW's update
 //!   flags a non-finite value as it stores it (one word read, no pass over the state); Muon's
-//!   state is summed. The host asks once the device is done anyway ([`Trainer::settle`]: with
-//!   the next step's gradient norm, or before a validation, a checkpoint or the run's end), so
-//!   it need not wait for the update. A world-wide reduction after every step carries the stop
-//!   signals (`signals.rs`), so all ranks agree on stopping at the same step.
+//!   state is summed. The host asks once the device is done anyway: in the next step's
+//!   agreement, or before a validation, a checkpoint or the run's end ([`Trainer::settle`]),
+//!   so it need not wait for the update.
+//! - One world-wide reduction a step, before the update ([`Trainer::agree`]), carries every
+//!   rank's answers: non-finite loss or gradients, the last update's state, the stop signals
+//!   (`signals.rs`, so all ranks stop after the same step) and, on logged steps, the compute
+//!   times the straggler report compares.
 //!
 //! [`LoopState`] is what the guard remembers across steps; checkpoints carry it, so a resumed
 //! run decides as the uninterrupted one would.
@@ -96,6 +99,19 @@ pub enum Verdict {
     Skip(String),
 }
 
+/// For each question the ranks that answered yes, and with figures asked every rank's.
+type Answers = (Vec<Vec<usize>>, Option<Vec<f64>>);
+
+/// What the whole job agreed at a step ([`Trainer::agree`]).
+pub struct StepAgreement {
+    /// The ranks whose own loss, and whose own gradients, were not finite.
+    pub bad: [Vec<usize>; 2],
+    /// The stop signal some rank received, the same on every rank.
+    pub signal: Option<i32>,
+    /// With the step's compute time asked: every rank's, by rank.
+    pub compute: Option<Vec<f64>>,
+}
+
 /// A step's own view of its numbers, before they were reduced over the job.
 pub struct LocalNumbers {
     /// This rank's share of the loss (last pipeline stage; 0 elsewhere).
@@ -126,12 +142,22 @@ impl Trainer {
     /// Sums `flags` (one row of 0/1 per question, one column per rank) over the job: for each
     /// question, the ranks that answered yes.
     fn ranks_where(&self, flags: &[bool]) -> Result<Vec<Vec<usize>>> {
-        let world = self.ctx.mesh.world_size();
-        let mut v = vec![0f64; flags.len() * world];
+        Ok(self.exchange(flags, None)?.0)
+    }
+
+    /// [`Trainer::ranks_where`] of `flags`, and with `seconds` every rank's figure (a row of
+    /// them, one column per rank), in one world-wide reduction.
+    fn exchange(&self, flags: &[bool], seconds: Option<f64>) -> Result<Answers> {
+        let (world, me) = (self.ctx.mesh.world_size(), self.ctx.rank);
+        let rows = flags.len() + usize::from(seconds.is_some());
+        let mut v = vec![0f64; rows * world];
         for (k, &f) in flags.iter().enumerate() {
-            v[k * world + self.ctx.rank] = f as u8 as f64;
+            v[k * world + me] = f as u8 as f64;
         }
-        let t = Tensor::from_vec(v, flags.len() * world, &Device::Cpu)?;
+        if let Some(s) = seconds {
+            v[flags.len() * world + me] = s;
+        }
+        let t = Tensor::from_vec(v, rows * world, &Device::Cpu)?;
         let summed = if world > 1 {
             self.ctx
                 .comm
@@ -140,9 +166,42 @@ impl Trainer {
             t
         };
         let v = summed.to_vec1::<f64>()?;
-        Ok((0..flags.len())
+        let ranks = (0..flags.len())
             .map(|k| (0..world).filter(|&r| v[k * world + r] > 0.0).collect())
-            .collect())
+            .collect();
+        let figures = seconds.map(|_| v[flags.len() * world..].to_vec());
+        Ok((ranks, figures))
+    }
+
+    /// Step `step`'s one agreement of the whole job, once its gradient norm is read (the device
+    /// has done the step's backward and the last update by then, so waiting costs nothing):
+    /// which ranks saw a non-finite loss or gradient, whether the last update left any rank's
+    /// state non-finite (which halts the run, see [`Trainer::settle`]), the stop signal any rank
+    /// received, and with `seconds` every rank's compute time. One small world-wide reduction.
+    pub(crate) fn agree(
+        &mut self,
+        local: &LocalNumbers,
+        seconds: Option<f64>,
+    ) -> Result<StepAgreement> {
+        let unsettled = self.edge.unsettled.take();
+        let state_bad = unsettled.is_some() && self.state.optimizer.updated_nonfinite()?;
+        let [term, int] = signal_flags();
+        let flags = [
+            !local.loss.is_finite(),
+            !local.grad_sq.is_finite(),
+            state_bad,
+            term,
+            int,
+        ];
+        let (ranks, compute) = self.exchange(&flags, seconds)?;
+        if let Some(step) = unsettled.filter(|_| !ranks[2].is_empty()) {
+            bail!("{}", self.state_halt(step, &ranks[2]));
+        }
+        Ok(StepAgreement {
+            bad: [ranks[0].clone(), ranks[1].clone()],
+            signal: agreed_signal(&ranks[3..]),
+            compute,
+        })
     }
 
     /// `ranks` with their pipeline stages, for messages.
@@ -163,13 +222,14 @@ impl Trainer {
     }
 
     /// Decides what step `step` (1-based) does with its update, given the job-wide `loss` and
-    /// `grad_norm` and this rank's own numbers; an error halts the run.
+    /// `grad_norm` and the ranks whose own loss or gradients were non-finite (`bad`, from
+    /// [`Trainer::agree`]); an error halts the run.
     pub(crate) fn judge(
         &mut self,
         step: usize,
         loss: f64,
         grad_norm: f64,
-        local: LocalNumbers,
+        bad: &[Vec<usize>; 2],
     ) -> Result<Verdict> {
         let loss = loss * crate::faults::faults().loss_factor(step);
         let t = &self.recipe.train;
@@ -178,7 +238,6 @@ impl Trainer {
         // norm is not reduced over data-parallel replicas (their gradients are equal after the
         // all-reduce), so a replica whose gradients went bad afterwards (a faulty kernel, a bit
         // flip) is the only one to see it, and deciding alone desynchronises the collectives.
-        let bad = self.ranks_where(&[!local.loss.is_finite(), !local.grad_sq.is_finite()])?;
         let nonfinite = !loss.is_finite() || !grad_norm.is_finite();
         let problem = if nonfinite || bad.iter().any(|r| !r.is_empty()) {
             let mut parts = Vec::new();
@@ -233,35 +292,30 @@ impl Trainer {
         }
     }
 
-    /// After step `step`'s update: the stop signal any rank received (the same on every rank).
-    /// Whether the update left the state finite is asked later ([`Trainer::settle`]), where the
-    /// host waits for the device anyway, so that the host need not wait for the update here.
-    pub(crate) fn after_update(&mut self, step: usize, updated: bool) -> Result<Option<i32>> {
-        if updated {
-            self.edge.unsettled = Some(step);
-        }
-        self.stop_signal()
-    }
-
     /// Halts if the last update not yet checked made any rank's parameters or optimizer moments
     /// non-finite (AdamW's flag, one word read once the device has done the update; Muon's
-    /// state summed), with one small collective; nothing when every update is checked. Called
-    /// before the next step's update (once its gradient norm is read), before a validation or
-    /// a checkpoint, and at the run's end: a non-finite state is never saved or updated again.
-    pub(crate) fn settle(&mut self) -> Result<()> {
+    /// state summed), with one small collective; nothing when every update is checked. The next
+    /// step asks in its agreement ([`Trainer::agree`]); before a validation, a checkpoint or
+    /// the run's end this asks: a non-finite state is never saved or updated again.
+    pub fn settle(&mut self) -> Result<()> {
         let Some(step) = self.edge.unsettled.take() else {
             return Ok(());
         };
         let bad = self.state.optimizer.updated_nonfinite()?;
         let answers = self.ranks_where(&[bad])?;
         if !answers[0].is_empty() {
-            bail!(
-                "step {step}: the update made parameters or optimizer moments non-finite on {}; \
-                 halting before anything is saved (is optimizer.lr too large?)",
-                self.describe(&answers[0])
-            );
+            bail!("{}", self.state_halt(step, &answers[0]));
         }
         Ok(())
+    }
+
+    /// Why the run halts when step `step`'s update left the state of `ranks` non-finite.
+    fn state_halt(&self, step: usize, ranks: &[usize]) -> String {
+        format!(
+            "step {step}: the update made parameters or optimizer moments non-finite on {}; \
+             halting before anything is saved (is optimizer.lr too large?)",
+            self.describe(ranks)
+        )
     }
 
     /// The stop signal some rank has received, agreed by every rank (one small collective):

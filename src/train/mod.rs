@@ -322,7 +322,7 @@ impl Trainer {
 
     /// Trains for the recipe's steps; returns every step's record and the final validation loss.
     pub fn run(&mut self) -> Result<(Vec<StepRecord>, Option<f64>)> {
-        let (steps, eval_every) = (self.recipe.train.steps, self.recipe.train.eval_interval);
+        let steps = self.recipe.train.steps;
         let main = self.ctx.is_main();
         if main {
             self.log_start();
@@ -343,8 +343,7 @@ impl Trainer {
             }
             // A stopping run saves without validating first; a signal that arrives during a
             // validation stops the run after it.
-            let due = eval_every > 0 && (rec.step % eval_every == 0 || rec.step == steps);
-            if due && self.edge.stop.is_none() {
+            if self.validates_after(rec.step) && self.edge.stop.is_none() {
                 self.settle()?;
                 last_eval = Some(self.validate(rec.step)?);
                 if self.step < steps {
@@ -387,14 +386,23 @@ impl Trainer {
         Ok(val_loss)
     }
 
+    /// Whether a validation follows step `step` (`train.eval_interval`, and the last step).
+    fn validates_after(&self, step: usize) -> bool {
+        let (every, steps) = (self.recipe.train.eval_interval, self.recipe.train.steps);
+        every > 0 && (step.is_multiple_of(every) || step == steps)
+    }
+
+    /// Whether a checkpoint follows step `step` (`checkpoint.interval`, and the last step),
+    /// a stop signal aside.
+    fn saves_after(&self, step: usize) -> bool {
+        let (every, steps) = (self.recipe.checkpoint.interval, self.recipe.train.steps);
+        every > 0 && (step.is_multiple_of(every) || step == steps)
+    }
+
     /// Saves the checkpoint of step `step` when the interval, the last step or a stop signal
     /// asks for one.
     fn save_if_due(&mut self, step: usize) -> Result<Option<std::path::PathBuf>> {
-        let (every, steps) = (self.recipe.checkpoint.interval, self.recipe.train.steps);
-        if (every > 0 && (step.is_multiple_of(every) || step == steps)) || self.edge.stop.is_some()
-        {
-            // Nothing is saved of an update that made the state non-finite.
-            self.settle()?;
+        if self.saves_after(step) || self.edge.stop.is_some() {
             self.edge.last_end = None;
             // A failed background save is reported as its own step's, not this one's.
             self.wait_for_save()?;
@@ -430,7 +438,9 @@ impl Trainer {
         Ok(stop)
     }
 
-    /// This rank's parameter slices: `(name, global shape, slice, values)`.
+    /// This rank's parameter slices: `(name, global shape, slice, values)`. After
+    /// [`Trainer::run`], whose end checks the last update; a caller exporting after
+    /// [`Trainer::train_step`] calls [`Trainer::settle`] first.
     pub fn weight_slices(&self) -> Result<Vec<WeightSlice>> {
         // One copy to the host: a narrowed device tensor would copy its whole buffer each time.
         let whole = zero::whole_params(&self.state.dp, &self.model)?.to_device(&Device::Cpu)?; // [layout.total] f32

@@ -15,6 +15,7 @@ use super::hooks::StepSync;
 use super::metrics::{self, peak_rss_mib, StateBytes, StepRecord};
 use super::pipeline::{Executor, MicroBatch};
 use super::routing::StepRouting;
+use super::stragglers::compute_seconds;
 use super::{all_reduce_f64, zero, Trainer};
 use crate::lr::lr_at;
 use crate::recipe::StepTiming;
@@ -54,6 +55,10 @@ impl Trainer {
     /// One optimizer step over the next global batch: its micro-batches through the schedule,
     /// the global loss and gradient norm, the step guard's verdict, the update, the record.
     pub fn train_step(&mut self) -> Result<StepRecord> {
+        if self.waits_for_device(self.step + 1) {
+            // Timed from its own start: the last step's update is done first.
+            crate::device::synchronize(&self.ctx.device)?;
+        }
         let start = Instant::now();
         if let Some(f) = &self.observe.flight {
             f.set_step(self.step as u64 + 1);
@@ -73,15 +78,18 @@ impl Trainer {
         let moe = std::mem::take(&mut run.moe);
         let mut routing = super::routing::gather(self.model.config(), moe, ctx)?;
         let (grad_norm, grad_sq) = self.grad_norm()?;
-        // The device is done with the last update now (its gradients' norm is read).
-        self.settle()?;
         let local = LocalNumbers {
             loss: run.loss,
             grad_sq,
         };
+        // The device is done with the backward and the last update now (the norm is read): the
+        // job agrees once on what the step decides by (`guard.rs`).
+        let logged = self.is_logged(self.step + 1);
+        let seconds = logged.then(|| compute_seconds(&self.observe.timing));
+        let agreed = self.agree(&local, seconds)?;
         // A global batch without a single loss target (`data.eod_mask_loss` on data of nothing
         // but end-of-document tokens) has nothing to learn: its loss is 0/0. Every rank counted
-        // the same targets, so all skip alike, without the guard's collectives.
+        // the same targets, so all skip alike.
         let (loss, verdict) = if targets == 0.0 {
             let why = format!(
                 "step {}: no token of the global batch has a loss target (data.eod_mask_loss \
@@ -93,7 +101,7 @@ impl Trainer {
             }
             (f64::NAN, Verdict::Skip(why))
         } else {
-            let verdict = self.judge(self.step + 1, loss, grad_norm, local)?;
+            let verdict = self.judge(self.step + 1, loss, grad_norm, &agreed.bad)?;
             (loss, verdict)
         };
         let r = &self.recipe;
@@ -109,8 +117,13 @@ impl Trainer {
         let optimizer_s = start.elapsed().as_secs_f64() - opt_start;
         self.step += 1;
         self.consumed += self.recipe.train.global_batch as u64;
-        self.edge.stop = self.after_update(self.step, updated)?;
-        let compute = self.compute_spread(self.step)?;
+        // Whether the update left the state finite is asked where the host waits anyway: in
+        // the next step's agreement, or before a validation, checkpoint or the run's end.
+        if updated {
+            self.edge.unsettled = Some(self.step);
+        }
+        self.edge.stop = agreed.signal;
+        let compute = self.compute_spread(agreed.compute);
         let record = self.record(Measured {
             start,
             loss,
@@ -336,12 +349,13 @@ impl Trainer {
         let ring = Some(counts.ring).filter(|_| ctx.groups.cp.size() > 1 && !ctx.device.is_cuda());
         // The update's kernels may still be queued: waited for where the step's times are the
         // device's, else the step's time is its cadence (`run.timing`).
-        if self.waits_for_device(self.step) {
+        let waits = self.waits_for_device(self.step);
+        if waits {
             crate::device::synchronize(&self.ctx.device)?;
         }
         let end = Instant::now();
-        let from = match (r.run.timing, self.edge.last_end) {
-            (StepTiming::Overlapped, Some(last)) => last,
+        let from = match self.edge.last_end {
+            Some(last) if !waits => last,
             _ => m.start,
         };
         let secs = (end - from).as_secs_f64();
@@ -411,13 +425,17 @@ impl Trainer {
         })
     }
 
-    /// Whether the host waits for the device to finish step `step` (1-based) before timing it:
-    /// every step with `run.timing: synchronized`, else the traced and the last step.
+    /// Whether step `step` (1-based) is timed on its own, the host waiting for the device at
+    /// its start and its end: every step with `run.timing: synchronized`; else the traced and
+    /// the last step, and a step a validation or checkpoint follows (which waits for its
+    /// update anyway). Other steps are timed by their cadence (`run.timing`).
     fn waits_for_device(&self, step: usize) -> bool {
         let run = &self.recipe.run;
         run.timing == StepTiming::Synchronized
             || run.trace_step == Some(step)
             || step == self.recipe.train.steps
+            || self.validates_after(step)
+            || self.saves_after(step)
     }
 
     /// Bytes of this rank's persistent training state.

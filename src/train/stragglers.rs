@@ -1,5 +1,6 @@
 //! Stragglers: on each logged step every rank's compute time (its forward and backward actions,
-//! timed on the device on a GPU) is gathered with one small all-reduce over the job, and a rank
+//! timed on the device on a GPU) is gathered in the step's one agreement over the job (an
+//! all-reduce, `guard.rs`), and a rank
 //! slower than `run.straggler_factor` times the median is named in the log and in
 //! `metrics.jsonl`.
 //!
@@ -10,9 +11,6 @@
 //! tensor-parallel group look alike: a slow GPU shows against the other data-parallel replicas
 //! of its stage (a pipeline-only job has no peers to compare).
 
-use anyhow::Result;
-use candle_core::{Device, Tensor};
-use parallel::ReduceOp;
 use serde::Serialize;
 
 use super::clock::Timed;
@@ -97,25 +95,11 @@ impl Trainer {
         step.is_multiple_of(self.recipe.run.log_interval) || step == self.recipe.train.steps
     }
 
-    /// On a logged step: every rank's compute time of the step just run, gathered, and the
-    /// stragglers among them. Every rank calls it at the same steps.
-    pub(super) fn compute_spread(&self, step: usize) -> Result<Option<ComputeSpread>> {
-        if !self.is_logged(step) {
-            return Ok(None);
-        }
-        let world = self.ctx.mesh.world_size();
-        let mut v = vec![0f64; world];
-        v[self.ctx.rank] = compute_seconds(&self.observe.timing);
-        if world > 1 {
-            let t = Tensor::from_vec(v, world, &Device::Cpu)?;
-            v = self
-                .ctx
-                .comm
-                .all_reduce(&self.world_group(), &t, ReduceOp::Sum)?
-                .to_vec1::<f64>()?;
-        }
+    /// On a logged step: every rank's compute time of the step just run (`seconds`, by rank,
+    /// gathered in the step's agreement) and the stragglers among them.
+    pub(super) fn compute_spread(&self, seconds: Option<Vec<f64>>) -> Option<ComputeSpread> {
         let stage = stages(&self.ctx.mesh);
-        Ok(Some(spread(&v, &stage, self.recipe.run.straggler_factor)))
+        Some(spread(&seconds?, &stage, self.recipe.run.straggler_factor))
     }
 }
 

@@ -251,9 +251,10 @@ pub fn adamw(
         // arrays after them, which end at word n + 2 n · size(moments) / 4 = `words` (checked
         // above), of the parameters ([n], checked above; a null pointer writes none), and may
         // write 1 into the flag's one word. The flag and the parameters are device memory the
-        // host does not touch while the kernel runs: it reads the flag once the update is done,
-        // and the parameters' writers hold their lock across the update
-        // (`ParamSet::write_flat`).
+        // host does not touch while the kernel runs (it reads the flag once the update is
+        // done), and the parameters' other users are kernels on this same stream, ordered
+        // before or after the update: the caller holds only a read lock on the parameters'
+        // storage, and nothing else writes it meanwhile (stage 0, one stream).
         unsafe { builder.launch(elementwise(len)) }.w()?;
     }
     Ok(())
