@@ -7,7 +7,7 @@
 //
 // Launch shapes (chosen by src/ops/cuda/pointwise.rs):
 //   row kernels (rms_norm*, add_rms_norm_fwd, cross_entropy*): one block per row (rms_norm_bwd*:
-//     per block of rows),
+//     per block of rows; the RMSNorm kernels move rows in 16-byte packs where aligned),
 //     blockDim.x a multiple of 32 and at most 1024, any grid at least as large as needed;
 //   element kernels (rope, swiglu*, add): any 1-D grid, grid-stride loops over 64-bit indices
 //     (swiglu* and add over 16-byte packs of elements where aligned, see Pack).
@@ -35,106 +35,286 @@ __device__ void map2(const T* a, const T* b, T* out, u64 n, F f) {
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: y = x * r * w per row, r = 1 / sqrt(mean(x²) + eps).
+//
+// A row's elements go to the block's threads in packs of Pack<T>::N consecutive elements (the
+// last may be short): pack k to thread k mod blockDim.x, which takes its packs in order and each
+// pack's elements in order, so every sum has one order whatever the row's alignment. Where a
+// row and its companions are 16-byte aligned (h a multiple of N), a pack is one 16-byte load or
+// store, else N scalar ones: the same values either way. The forward keeps a thread's first
+// ROW_PACKS packs of the row in registers between its two passes (wider rows read the rest
+// again); the backward keeps the dweight partials of its first BWD_PACKS packs in registers
+// across its rows (the rest in the partial row), and reads x and g again for dx, from cache:
+// more registers would cut the kernel's occupancy.
+#define ROW_PACKS 2
+#define BWD_PACKS 1
+
+// Elements of pack k of a row of h (at most Pack<T>::N), loaded into v as Acc<T>.
+template <typename T>
+__device__ __forceinline__ int load_row_pack(const T* row, int h, int k, bool vec,
+                                             typename Acc<T>::type* v) {
+  constexpr int N = Pack<T>::N;
+  const int base = k * N, n = min(N, h - base);
+  if (vec) {
+    const Pack<T> p = load_pack(row, k);
+#pragma unroll
+    for (int e = 0; e < N; ++e) v[e] = to_acc(p.get(e));
+  } else {
+    for (int e = 0; e < N; ++e) if (e < n) v[e] = to_acc(row[base + e]);
+  }
+  return n;
+}
+
+// Stores the n elements of v (Acc<T>, rounded to T) as pack k of a row.
+template <typename T>
+__device__ __forceinline__ void store_row_pack(T* row, int k, int n, bool vec,
+                                               const typename Acc<T>::type* v) {
+  constexpr int N = Pack<T>::N;
+  if (vec) {
+    Pack<T> p;
+#pragma unroll
+    for (int e = 0; e < N; ++e) p.set(e, from_acc<T>(v[e]));
+    store_pack(row, k, p);
+  } else {
+    for (int e = 0; e < N; ++e) if (e < n) row[k * N + e] = from_acc<T>(v[e]);
+  }
+}
+
+// y = x * r * w for a row x whose squares sum to ss (summed as described above). kept holds the
+// thread's first ROW_PACKS packs of x.
+template <typename T>
+__device__ __forceinline__ void rms_norm_row_out(const T* xr, const T* w, T* yr, int h,
+                                                 bool vec, typename Acc<T>::type r,
+                                                 typename Acc<T>::type (*kept)[Pack<T>::N]) {
+  typedef typename Acc<T>::type A;
+  constexpr int N = Pack<T>::N;
+  const int packs = (h + N - 1) / N;
+#pragma unroll
+  for (int i = 0; i < ROW_PACKS; ++i) {
+    const int k = threadIdx.x + i * blockDim.x;
+    if (k < packs) {
+      A wv[N], o[N];
+      const int n = load_row_pack(w, h, k, vec, wv);
+      for (int e = 0; e < N; ++e) if (e < n) o[e] = kept[i][e] * r * wv[e];
+      store_row_pack(yr, k, n, vec, o);
+    }
+  }
+  #pragma unroll 1
+  for (int k = threadIdx.x + ROW_PACKS * blockDim.x; k < packs; k += blockDim.x) {
+    A v[N], wv[N], o[N];
+    const int n = load_row_pack(xr, h, k, vec, v);
+    load_row_pack(w, h, k, vec, wv);
+    for (int e = 0; e < N; ++e) if (e < n) o[e] = v[e] * r * wv[e];
+    store_row_pack(yr, k, n, vec, o);
+  }
+}
 
 // x, y: [rows, h]; w: [h]. One block per row.
 template <typename T>
 __device__ void rms_norm_fwd_impl(const T* x, const T* w, T* y, int rows, int h, double eps) {
   typedef typename Acc<T>::type A;
+  constexpr int N = Pack<T>::N;
   __shared__ A scratch[32];
   const int row = blockIdx.x;
   if (row >= rows) return;
   const T* xr = x + (size_t)row * h;
   T* yr = y + (size_t)row * h;
+  const bool vec = h % N == 0 && aligned16(xr, w, yr);
+  const int packs = (h + N - 1) / N;
+  A kept[ROW_PACKS][N];
   A ss = 0;
-  for (int j = threadIdx.x; j < h; j += blockDim.x) {
-    const A v = to_acc(xr[j]);
-    ss += v * v;
+#pragma unroll
+  for (int i = 0; i < ROW_PACKS; ++i) {
+    const int k = threadIdx.x + i * blockDim.x;
+    if (k < packs) {
+      const int n = load_row_pack(xr, h, k, vec, kept[i]);
+      for (int e = 0; e < N; ++e) if (e < n) ss += kept[i][e] * kept[i][e];
+    }
+  }
+  #pragma unroll 1
+  for (int k = threadIdx.x + ROW_PACKS * blockDim.x; k < packs; k += blockDim.x) {
+    A v[N];
+    const int n = load_row_pack(xr, h, k, vec, v);
+    for (int e = 0; e < N; ++e) if (e < n) ss += v[e] * v[e];
   }
   ss = block_sum(ss, scratch);
   const A r = (A)1 / sqrt_acc(ss / (A)h + (A)eps);
-  for (int j = threadIdx.x; j < h; j += blockDim.x) {
-    yr[j] = from_acc<T>(to_acc(xr[j]) * r * to_acc(w[j]));
-  }
+  rms_norm_row_out<T>(xr, w, yr, h, vec, r, kept);
 }
 EXPORT3(rms_norm_fwd, (const T* x, const T* w, T* y, int rows, int h, double eps),
         (x, w, y, rows, h, eps))
 
 // The residual addition and RMSNorm in one pass: s = x + o, rounded to T as `add` stores it,
-// then y = s * r * w with r from the stored s, as rms_norm_fwd computes it from s. x, o, s, y:
-// [rows, h]; w: [h]. One block per row; each thread reads back only the elements of s it
-// wrote, so the row needs no barrier between the two passes beyond block_sum's.
+// then y = s * r * w with r from the stored s, as rms_norm_fwd computes it from s (the same
+// packs, the same order). x, o, s, y: [rows, h]; w: [h]. One block per row; each thread reads
+// back only the elements of s it wrote.
 template <typename T>
 __device__ void add_rms_norm_fwd_impl(const T* x, const T* o, const T* w, T* s, T* y, int rows,
                                       int h, double eps) {
   typedef typename Acc<T>::type A;
+  constexpr int N = Pack<T>::N;
   __shared__ A scratch[32];
   const int row = blockIdx.x;
   if (row >= rows) return;
   const size_t off = (size_t)row * h;
+  const bool vec = h % N == 0 && aligned16(x + off, o + off, w) && aligned16(s + off, y + off, w);
+  const int packs = (h + N - 1) / N;
+  A kept[ROW_PACKS][N];
   A ss = 0;
-  for (int j = threadIdx.x; j < h; j += blockDim.x) {
-    const T sum = from_acc<T>(to_acc(x[off + j]) + to_acc(o[off + j]));
-    s[off + j] = sum;
-    const A v = to_acc(sum);
-    ss += v * v;
+  // The sum of pack k into s, its values (as stored) into v.
+  auto sum_pack = [&](int k, A* v) {
+    A xv[N], ov[N];
+    const int n = load_row_pack(x + off, h, k, vec, xv);
+    load_row_pack(o + off, h, k, vec, ov);
+    for (int e = 0; e < N; ++e) if (e < n) v[e] = to_acc(from_acc<T>(xv[e] + ov[e]));
+    store_row_pack(s + off, k, n, vec, v);
+    return n;
+  };
+#pragma unroll
+  for (int i = 0; i < ROW_PACKS; ++i) {
+    const int k = threadIdx.x + i * blockDim.x;
+    if (k < packs) {
+      const int n = sum_pack(k, kept[i]);
+      for (int e = 0; e < N; ++e) if (e < n) ss += kept[i][e] * kept[i][e];
+    }
+  }
+  #pragma unroll 1
+  for (int k = threadIdx.x + ROW_PACKS * blockDim.x; k < packs; k += blockDim.x) {
+    A v[N];
+    const int n = sum_pack(k, v);
+    for (int e = 0; e < N; ++e) if (e < n) ss += v[e] * v[e];
   }
   ss = block_sum(ss, scratch);
   const A r = (A)1 / sqrt_acc(ss / (A)h + (A)eps);
-  for (int j = threadIdx.x; j < h; j += blockDim.x) {
-    y[off + j] = from_acc<T>(to_acc(s[off + j]) * r * to_acc(w[j]));
-  }
+  rms_norm_row_out<T>(s + off, w, y + off, h, vec, r, kept);
 }
 EXPORT3(add_rms_norm_fwd,
         (const T* x, const T* o, const T* w, T* s, T* y, int rows, int h, double eps),
         (x, o, w, s, y, rows, h, eps))
 
+// Pack k of a row, read as Acc<T> element by element: loaded whole (VEC: the row 16-byte
+// aligned) or element by element where used. Only the loaded packs take registers, not their
+// Acc<T> values.
+template <typename T, bool VEC> struct PackIn {
+  Pack<T> p;
+  const T* at;
+  __device__ __forceinline__ PackIn(const T* row, int k) : at(row + k * Pack<T>::N) {
+    if (VEC) p = load_pack(row, k);
+  }
+  __device__ __forceinline__ typename Acc<T>::type operator[](int e) const {
+    return to_acc(VEC ? p.get(e) : at[e]);
+  }
+};
+
+// Backward, stage 1, over one block's rows with the row's alignment fixed (VEC) and with or
+// without the residual gradient (RES): see rms_norm_bwd_rows.
+template <typename T, bool VEC, bool RES>
+__device__ __forceinline__ void rms_norm_bwd_row(const T* x, const T* w, const T* g, const T* res,
+                                                 T* dx, typename Acc<T>::type* p,
+                                                 typename Acc<T>::type (*dw)[Pack<T>::N],
+                                                 int h, double eps,
+                                                 typename Acc<T>::type* scratch) {
+  typedef typename Acc<T>::type A;
+  constexpr int N = Pack<T>::N;
+  const int packs = (h + N - 1) / N;
+  A ss = 0, a = 0;
+#pragma unroll 1
+  for (int k = threadIdx.x; k < packs; k += blockDim.x) {
+    const PackIn<T, VEC> xv(x, k), gv(g, k), wv(w, k);
+    const int n = min(N, h - k * N);
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (e < n) {
+        const A xe = xv[e];
+        ss += xe * xe;
+        a += gv[e] * wv[e] * xe;
+      }
+  }
+  ss = block_sum(ss, scratch);
+  a = block_sum(a, scratch);
+  const A r = (A)1 / sqrt_acc(ss / (A)h + (A)eps);
+  const A c = r * r * r * a / (A)h;
+  // Pack k's dx (x and g read again, from cache), and its dweight terms into acc.
+  auto out = [&](int k, A* acc) {
+    const PackIn<T, VEC> xv(x, k), gv(g, k), wv(w, k);
+    const int n = min(N, h - k * N);
+    Pack<T> o;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if (e < n) {
+        const A xe = xv[e], ge = gv[e];
+        A d = to_acc(from_acc<T>(r * ge * wv[e] - xe * c));
+        if (RES) d = to_acc(res[k * N + e]) + d;
+        if (VEC) o.set(e, from_acc<T>(d));
+        else dx[k * N + e] = from_acc<T>(d);
+        acc[e] += ge * xe * r;
+      }
+    if (VEC) store_pack(dx, k, o);
+  };
+#pragma unroll
+  for (int i = 0; i < BWD_PACKS; ++i) {
+    const int k = threadIdx.x + i * blockDim.x;
+    if (k < packs) out(k, dw[i]);
+  }
+#pragma unroll 1
+  for (int k = threadIdx.x + BWD_PACKS * blockDim.x; k < packs; k += blockDim.x) out(k, p + k * N);
+}
+
 // Backward, stage 1. x, g, dx: [rows, h]; w: [h]; partial: [gridDim.x, h] in Acc<T>.
 // Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block) in order. Per row, with
 // a = Σ_k g_k w_k x_k: dx_j = r g_j w_j - x_j r³ a / h; the block's dweight partial
-// partial[b, j] = Σ_rows g_j x_j r. Thread t owns columns j ≡ t (mod blockDim.x) of the partial
-// row, so it accumulates them in global memory without races, in row order. With a residual
-// gradient res ([rows, h], or null), dx_j is rounded to T and added to res_j (as `add` would).
-template <typename T>
+// partial[b, j] = Σ_rows g_j x_j r, added in row order by the thread owning column j's pack (in
+// registers for its first BWD_PACKS packs, written once at the end; in the partial row for the
+// rest). With a residual gradient res ([rows, h], RES), dx_j is rounded to T and added to res_j
+// (as `add` would).
+template <typename T, bool RES>
 __device__ void rms_norm_bwd_rows(const T* x, const T* w, const T* g, const T* res, T* dx,
                                   typename Acc<T>::type* partial, int rows, int h,
                                   int rows_per_block, double eps) {
   typedef typename Acc<T>::type A;
+  constexpr int N = Pack<T>::N;
   __shared__ A scratch[32];
   const long long first = (long long)blockIdx.x * rows_per_block;
   if (first >= rows) return;
   const int last = (int)min((long long)rows, first + rows_per_block);
+  const int packs = (h + N - 1) / N;
   A* p = partial + (size_t)blockIdx.x * h;
-  for (int j = threadIdx.x; j < h; j += blockDim.x) p[j] = 0;
+#pragma unroll 1
+  for (int k = threadIdx.x + BWD_PACKS * blockDim.x; k < packs; k += blockDim.x)
+    for (int e = 0; e < min(N, h - k * N); ++e) p[k * N + e] = 0;
+  A dw[BWD_PACKS][N];
+#pragma unroll
+  for (int i = 0; i < BWD_PACKS; ++i)
+#pragma unroll
+    for (int e = 0; e < N; ++e) dw[i][e] = 0;
   for (int row = (int)first; row < last; ++row) {
-    const T* xr = x + (size_t)row * h;
-    const T* gr = g + (size_t)row * h;
-    T* dxr = dx + (size_t)row * h;
-    A ss = 0, a = 0;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-      const A xv = to_acc(xr[j]);
-      ss += xv * xv;
-      a += to_acc(gr[j]) * to_acc(w[j]) * xv;
-    }
-    ss = block_sum(ss, scratch);
-    a = block_sum(a, scratch);
-    const A r = (A)1 / sqrt_acc(ss / (A)h + (A)eps);
-    const A c = r * r * r * a / (A)h;
-    const T* rr = res ? res + (size_t)row * h : nullptr;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-      const A xv = to_acc(xr[j]), gv = to_acc(gr[j]);
-      const T d = from_acc<T>(r * gv * to_acc(w[j]) - xv * c);
-      dxr[j] = rr ? from_acc<T>(to_acc(rr[j]) + to_acc(d)) : d;
-      p[j] += gv * xv * r;
-    }
+    const size_t off = (size_t)row * h;
+    const T* rr = RES ? res + off : nullptr;
+    const bool vec = h % N == 0 && aligned16(x + off, g + off, dx + off) &&
+                     aligned16(w, RES ? rr : w, w);
+    if (vec)
+      rms_norm_bwd_row<T, true, RES>(x + off, w, g + off, rr, dx + off, p, dw, h, eps, scratch);
+    else
+      rms_norm_bwd_row<T, false, RES>(x + off, w, g + off, rr, dx + off, p, dw, h, eps, scratch);
+  }
+#pragma unroll
+  for (int i = 0; i < BWD_PACKS; ++i) {
+    const int k = threadIdx.x + i * blockDim.x;
+    if (k < packs)
+#pragma unroll
+      for (int e = 0; e < N; ++e)
+        if (e < h - k * N) p[k * N + e] = dw[i][e];
   }
 }
 template <typename T>
 __device__ void rms_norm_bwd_impl(const T* x, const T* w, const T* g, T* dx,
                                   typename Acc<T>::type* partial, int rows, int h,
                                   int rows_per_block, double eps) {
-  rms_norm_bwd_rows<T>(x, w, g, nullptr, dx, partial, rows, h, rows_per_block, eps);
+  rms_norm_bwd_rows<T, false>(x, w, g, nullptr, dx, partial, rows, h, rows_per_block, eps);
 }
-EXPORT3(rms_norm_bwd,
+// At least 4 blocks of ROW_THREADS (256) threads a multiprocessor: the packs' unrolled loads
+// would otherwise take registers enough to leave 2, too few to hide a row's two reductions.
+#define RMS_BWD_BOUNDS __launch_bounds__(256, 4)
+EXPORT3_BOUNDED(rms_norm_bwd, RMS_BWD_BOUNDS,
         (const T* x, const T* w, const T* g, T* dx, Acc<T>::type* partial, int rows, int h,
          int rows_per_block, double eps),
         (x, w, g, dx, partial, rows, h, rows_per_block, eps))
@@ -142,9 +322,9 @@ template <typename T>
 __device__ void rms_norm_bwd_add_impl(const T* x, const T* w, const T* g, const T* res, T* dx,
                                       typename Acc<T>::type* partial, int rows, int h,
                                       int rows_per_block, double eps) {
-  rms_norm_bwd_rows<T>(x, w, g, res, dx, partial, rows, h, rows_per_block, eps);
+  rms_norm_bwd_rows<T, true>(x, w, g, res, dx, partial, rows, h, rows_per_block, eps);
 }
-EXPORT3(rms_norm_bwd_add,
+EXPORT3_BOUNDED(rms_norm_bwd_add, RMS_BWD_BOUNDS,
         (const T* x, const T* w, const T* g, const T* res, T* dx, Acc<T>::type* partial,
          int rows, int h, int rows_per_block, double eps),
         (x, w, g, res, dx, partial, rows, h, rows_per_block, eps))

@@ -441,6 +441,13 @@ template <typename T> void all(uint64_t seed) {
   rms_norm<T>(2100, 70, false, seed + 9); // 700 partials over 8 slices, h not a multiple of 32
   add_rms_norm<T>(3, 300, seed + 10);      // h > ROW_THREADS: strided columns
   add_rms_norm<T>(1030, 36, seed + 11);    // > RMS_DW_BLOCKS rows, a short row
+  // Rows wider than the packs a thread keeps in registers (ROW_PACKS · ROW_THREADS packs),
+  // whole packs (16-byte loads) and a short last pack (element loads).
+  rms_norm<T>(3, 4200, true, seed + 12);
+  rms_norm<T>(4, 4203, true, seed + 13);
+  add_rms_norm<T>(3, 4200, seed + 14);
+  add_rms_norm<T>(2, 4203, seed + 15);
+  rms_norm<T>(1030, 2100, false, seed + 16);  // wide rows, 2 a block: partials kept and in memory
   rope<T>(2, 5, 3, 12, seed + 5);
   swiglu<T>(1000, 0, seed + 6);  // whole packs
   swiglu<T>(1003, 0, seed + 14); // whole packs and a tail of 3 (bf16), 3 (f32), 1 (f64)
