@@ -133,6 +133,23 @@ template <typename T> void rope(size_t b, size_t s, size_t heads, size_t d, uint
                      type_name<T>(), b, s, heads, d, sh.blocks, sh.threads),
               read(y), ref, tol<T>());
     }
+    // x one element past a 16-byte boundary: the element-wise path where the aligned run
+    // took packs (when half is a multiple of a pack), bit for bit the same outputs.
+    Buffer<T> xs(n + 1, "x shifted"), ya(n, "y"), yb(n + 1, "y shifted");
+    for (size_t i = 0; i < n; ++i) xs[i + 1] = x[i];
+    const bool ok =
+        run(format("rope_%s", type_name<T>()), elementwise(pairs), [&] {
+          KERNEL(T, rope)(x.data(), cs.data(), sn.data(), ya.data(), (u64)pairs, (int)s,
+                          (int)heads, (int)half, inverse);
+        }) &&
+        run(format("rope_%s", type_name<T>()), elementwise(pairs), [&] {
+          KERNEL(T, rope)(xs.data() + 1, cs.data(), sn.data(), yb.data() + 1, (u64)pairs, (int)s,
+                          (int)heads, (int)half, inverse);
+        });
+    if (ok)
+      compare(format("rope %s %s d=%zu: packs and elements alike", inverse ? "inverse" : "forward",
+                     type_name<T>(), d),
+              read(yb, 1, n), read(ya), 0.0);
   }
 }
 
@@ -449,6 +466,8 @@ template <typename T> void all(uint64_t seed) {
   add_rms_norm<T>(2, 4203, seed + 15);
   rms_norm<T>(1030, 2100, false, seed + 16);  // wide rows, 2 a block: partials kept and in memory
   rope<T>(2, 5, 3, 12, seed + 5);
+  rope<T>(2, 5, 3, 64, seed + 17);  // half a multiple of every pack: 16-byte loads
+  rope<T>(1, 7, 2, 16, seed + 18);
   swiglu<T>(1000, 0, seed + 6);  // whole packs
   swiglu<T>(1003, 0, seed + 14); // whole packs and a tail of 3 (bf16), 3 (f32), 1 (f64)
   swiglu<T>(1000, 1, seed + 15); // misaligned: elements only

@@ -89,10 +89,18 @@ pub fn rope(
             let mut b = stream.launch_builder(&f);
             b.arg(&xv).arg(&cv).arg(&sv).arg(&mut y);
             b.arg(&pairs_u).arg(&s_i).arg(&heads_i).arg(&half_i).arg(&inverse_i);
+            // A thread a pack of pairs where the kernel takes packs (half a multiple of a pack,
+            // every buffer at a pack boundary of its allocation), else a thread a pair.
+            let pack = 16 / std::mem::size_of::<T>();
+            let at_pack = |l: &Layout| l.start_offset().is_multiple_of(pack);
+            let packed = half.is_multiple_of(pack) && at_pack(xl) && at_pack(cl) && at_pack(sl);
+            let units = if packed { pairs / pack } else { pairs };
             // SAFETY: matches `rope_<T>(const T*, const T*, const T*, T*, u64, int, int, int,
             // int)`; pair `p < b s heads half` touches x/y at (p / half) d + p % half (+ half)
-            // < n and cos/sin at pos half + p % half < s half.
-            unsafe { b.launch(elementwise(pairs)) }.w()?;
+            // < n and cos/sin at pos half + p % half < s half (a pack of pairs, N of them from
+            // a multiple of N within one half, the same elements 16 bytes at a time); any grid
+            // covers them (grid-stride).
+            unsafe { b.launch(elementwise(units)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     })
