@@ -93,8 +93,10 @@ fn thread_ranks_report_the_rank_that_did_not_arrive() {
 
 /// Without a launcher of ours (torchrun- or Slurm-style processes), rank 0 reports from the
 /// records it can read when it times out: here rank 1 is stopped, and rank 0 names it. Rank 1
-/// is made the slower one, so the stop finds it computing rather than inside a collective it
-/// has entered (which the records would show as entered, not missing).
+/// is made the slower one (a second in each forward, two a step: the stop, sent once rank 0
+/// logs step 2, finds it computing even when a loaded machine delays the signal), rather than
+/// inside a collective it has entered (which the records would show as entered, not missing).
+/// Rank 0 waits at most those two seconds for it, within the 3 s timeout.
 #[test]
 fn rank_zero_reports_under_another_launcher() {
     let dir = tempfile::tempdir().unwrap();
@@ -116,7 +118,7 @@ fn rank_zero_reports_under_another_launcher() {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("PRETRAIN_JOB_TOKEN", "flight-test")
-            .env("PRETRAIN_TEST_SLOW_RANK", "1:300");
+            .env("PRETRAIN_TEST_SLOW_RANK", "1:1000");
         cmd
     };
     let mut first = Job::start(rank(0));
