@@ -169,16 +169,12 @@ pub fn write_f32(t: &Tensor, at: usize, values: &[f32]) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Parameters packed at the layout's offsets are written by one cast pass, with the bits the
-    /// parameter-by-parameter writes give (f32; bf16 on the CPU is not packed, and written
-    /// parameter by parameter alike).
-    #[test]
-    fn packed_parameters_are_written_in_one_pass_alike() -> Result<()> {
-        use model::{Llama, LlamaConfig, Placement};
-        let c = LlamaConfig {
+    /// A two-layer model small enough for the optimizer's unit tests.
+    pub(crate) fn small_model() -> model::LlamaConfig {
+        model::LlamaConfig {
             vocab_size: 64,
             hidden_size: 32,
             intermediate_size: 48,
@@ -190,7 +186,16 @@ mod tests {
             rms_norm_eps: 1e-5,
             init_std: 0.02,
             ..Default::default()
-        };
+        }
+    }
+
+    /// Parameters packed at the layout's offsets are written by one cast pass, with the bits the
+    /// parameter-by-parameter writes give (f32; bf16 on the CPU is not packed, and written
+    /// parameter by parameter alike).
+    #[test]
+    fn packed_parameters_are_written_in_one_pass_alike() -> Result<()> {
+        use model::{Llama, Placement};
+        let c = small_model();
         for dtype in [DType::BF16, DType::F32] {
             let build = || Llama::new(&c, Placement::whole(&c), 3, dtype, &Device::Cpu);
             let (apart, packed) = (build()?, build()?);

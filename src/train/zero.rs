@@ -379,18 +379,8 @@ mod tests {
     /// and writing parameter by parameter gives, bit for bit.
     #[test]
     fn publishing_into_the_packed_parameters_equals_writing_them_one_by_one() {
-        use model::{LlamaConfig, Placement};
-        let c = LlamaConfig {
-            vocab_size: 64,
-            hidden_size: 32,
-            intermediate_size: 48,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            max_position_embeddings: 16,
-            init_std: 0.02,
-            ..Default::default()
-        };
+        use model::Placement;
+        let c = crate::optim::tests::small_model();
         let comms = LocalWorld::new(2, std::time::Duration::from_secs(30));
         let group = Group::new(vec![0, 1]);
         let results: Vec<bool> = std::thread::scope(|s| {
