@@ -223,13 +223,23 @@ impl TcpComm {
             }));
         }
         let (kind, code, gid, seq) = frame;
-        write_frame(&mut *lock(w), kind, code, gid, seq, payload).map_err(|e| {
-            let reason = format!("connection lost while sending: {e}");
+        let written = write_frame(&mut *lock(w), kind, code, gid, seq, payload);
+        written.map_err(|e| {
+            // Recorded and reported as the reader records a lost connection (unless a failure is
+            // known already): a write can notice the peer's end before its reader does, and the
+            // job's failure must still be the peer's, not this rank's own.
+            let (failed, reason) = {
+                let mut inbox = lock(&self.shared.inbox);
+                let lost = (peer, format!("connection lost while sending: {e}"));
+                inbox.failure.get_or_insert(lost).clone()
+            };
+            super::failure::report(failed, &reason);
+            self.shared.cv.notify_all();
             self.err(op, group, |me, op, group| CommError::PeerFailed {
                 me,
                 op,
                 group,
-                failed: peer,
+                failed,
                 reason: reason.clone(),
             })
         })
