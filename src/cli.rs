@@ -427,7 +427,7 @@ fn selftest(
         );
     }
     if let Some(path) = json {
-        std::fs::write(path, serde_json::to_string_pretty(&checks)?)
+        crate::files::write_replacing(path, serde_json::to_string_pretty(&checks)?.as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let failed = checks.iter().filter(|c| !c.passed()).count();

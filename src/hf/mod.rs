@@ -348,7 +348,10 @@ pub fn import(model_dir: &Path, recipe: &Recipe, root: &Path) -> Result<PathBuf>
     let c = &recipe.model;
     let tokenizer = model_dir.join("tokenizer.json");
     let tokenizer = if tokenizer.exists() {
-        let same = std::fs::read(&tokenizer).ok() == std::fs::read(&recipe.data.tokenizer).ok();
+        // Compared without blocking on a FIFO or reading past a tokenizer's cap (either is
+        // refused when the tokenizer is loaded below).
+        let read = |p: &Path| crate::files::read_capped(p, data::MAX_TOKENIZER_BYTES).ok();
+        let same = read(&tokenizer) == read(&recipe.data.tokenizer);
         if !same {
             tracing::warn!(
                 "{} differs from the recipe's data.tokenizer {}: the checkpoint carries the \

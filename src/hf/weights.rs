@@ -3,6 +3,7 @@
 //! `weight_map` names. Every tensor must be where the index says and nowhere else.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -22,7 +23,13 @@ pub struct HfWeights {
 }
 
 fn map(path: &Path) -> Result<memmap2::Mmap> {
-    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    // Links are followed (a Hugging Face cache links its snapshots to blobs); a FIFO is refused
+    // below instead of blocking the open until a writer comes.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
     let meta = file
         .metadata()
         .with_context(|| format!("reading {}", path.display()))?;

@@ -271,10 +271,16 @@ impl Trainer {
     /// the model learned would mean other text) unless `accept_changes` lists `tokenizer`.
     fn check_tokenizer(&self, dir: &Path, ck: &Checkpoint) -> Result<()> {
         let (ours, theirs) = (&self.recipe.data.tokenizer, ck.tokenizer_path());
-        let same = match (std::fs::read(ours), std::fs::read(&theirs)) {
+        // Read without blocking on a FIFO planted in place of either.
+        let read = |p: &Path| crate::files::read_capped(p, data::MAX_TOKENIZER_BYTES);
+        let same = match (read(ours), read(&theirs)) {
             (Ok(a), Ok(b)) => a == b,
             // A checkpoint without its copy (an old one) has nothing to compare.
-            (_, Err(e)) if e.kind() == std::io::ErrorKind::NotFound => true,
+            (_, Err(crate::files::ReadError::Io(e)))
+                if e.kind() == std::io::ErrorKind::NotFound =>
+            {
+                true
+            }
             (Err(e), _) => return Err(e).with_context(|| format!("reading {}", ours.display())),
             (_, Err(e)) => return Err(e).with_context(|| format!("reading {}", theirs.display())),
         };

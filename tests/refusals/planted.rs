@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{assert_says, text, train, training};
+use super::{assert_says, bin, text, train, training};
 
 /// Makes a FIFO at `path`.
 fn mkfifo(path: &Path) {
@@ -97,6 +97,7 @@ fn fifos_in_a_checkpoint_are_refused_at_once() {
         root.join("latest"),
         step.join("manifest.json"),
         step.join("rank-00000.safetensors"),
+        step.join("tokenizer.json"),
     ] {
         let kept = std::fs::read(&file).unwrap();
         std::fs::remove_file(&file).unwrap();
@@ -121,4 +122,35 @@ fn a_fifo_in_place_of_a_dataset_index_is_refused_at_once() {
     );
     let o = within(&mut training(&tmp.path().join("run"), &set), 60);
     refused_as_not_regular(&o, &idx);
+}
+
+#[test]
+fn fifos_in_a_hugging_face_model_are_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let o = train(&run, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let hf = tmp.path().join("hf");
+    let o = bin()
+        .args(["export-hf", "--checkpoint"])
+        .arg(run.join("checkpoints/step-00000002"))
+        .arg("--output")
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    for (k, name) in ["tokenizer.json", "model.safetensors"].iter().enumerate() {
+        let file = hf.join(name);
+        let kept = std::fs::read(&file).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        mkfifo(&file);
+        let mut cmd = bin();
+        cmd.args(["import-hf", "--model"])
+            .arg(&hf)
+            .args(["--recipe", "recipes/tiny.yaml", "--output"])
+            .arg(tmp.path().join(format!("import-{k}")));
+        refused_as_not_regular(&within(&mut cmd, 60), &file);
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, kept).unwrap();
+    }
 }

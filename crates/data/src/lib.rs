@@ -36,5 +36,5 @@ pub use sample_index::SampleIndex;
 pub use split::SplitWeights;
 pub use tokenizer::{
     bos_id, eod_id, find_bos, find_eod, load_tokenizer, train_tokenizer, TokenizerTrainOptions,
-    TokenizerTrainSummary, BOS_TOKENS, EOD_TOKEN, EOD_TOKENS,
+    TokenizerTrainSummary, BOS_TOKENS, EOD_TOKEN, EOD_TOKENS, MAX_TOKENIZER_BYTES,
 };

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
-use super::{file_name, slots::parse, OpRecord, RankRecord};
+use super::slots::{parse, read_file};
+use super::{file_name, OpRecord, RankRecord};
 
 /// The findings, one line each.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -25,11 +26,11 @@ impl fmt::Display for Diagnosis {
     }
 }
 
-/// Every readable record of ranks `0..world` in `dir` (a rank whose file is missing or
-/// unreadable is left out).
+/// Every readable record of ranks `0..world` in `dir` (a rank whose file is missing,
+/// unreadable or not a regular file of a ring's size is left out).
 pub fn read_dir(dir: &Path, world: usize) -> Vec<RankRecord> {
     (0..world)
-        .filter_map(|r| std::fs::read(dir.join(file_name(r))).ok())
+        .filter_map(|r| read_file(&dir.join(file_name(r))))
         .filter_map(|bytes| parse(&bytes))
         .collect()
 }

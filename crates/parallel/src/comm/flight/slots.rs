@@ -210,6 +210,26 @@ impl Ring {
     }
 }
 
+/// The bytes of the record file at `path`, or `None` when it is missing, unreadable, a link, a
+/// FIFO or other non-regular file (refused without blocking), or larger than a full ring.
+pub(super) fn read_file(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let cap = ((SLOTS + 1) * SLOT) as u64; // the header and every slot
+    let meta = f.metadata().ok()?;
+    if !meta.is_file() || meta.len() > cap {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.take(cap).read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
 /// A record from a ring's bytes (a file's contents); `None` without a readable header.
 pub fn parse(bytes: &[u8]) -> Option<RankRecord> {
     let mut lines = bytes.chunks(SLOT);
@@ -257,7 +277,7 @@ mod tests {
             file.write(slot, &r);
             mem.push(&mut record(seq));
         }
-        let got = parse(&std::fs::read(&path).unwrap()).unwrap();
+        let got = parse(&read_file(&path).unwrap()).unwrap();
         assert_eq!((got.rank, got.world, got.ops.len()), (1, 4, SLOTS));
         assert_eq!(got.ops.first().unwrap().seq, 7);
         assert_eq!(got.ops.last().unwrap().n, SLOTS as u64 + 6);
@@ -304,5 +324,30 @@ mod tests {
             .unwrap()
             .ops
             .is_empty());
+    }
+
+    /// A diagnosis reads only regular record files of at most a full ring: a FIFO planted in
+    /// place of one is passed over at once, not waited on, and so are a link and an
+    /// oversized file.
+    #[test]
+    fn record_files_that_are_not_a_rings_are_passed_over_without_blocking() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let ring = dir.path().join("rank-00000.flight");
+        let mut live = Ring::file(&ring, 4, 0, 1).unwrap();
+        live.push(&mut record(1));
+        assert_eq!(parse(&read_file(&ring).unwrap()).unwrap().ops.len(), 1);
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(read_file(&fifo).is_none());
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&ring, &link).unwrap();
+        assert!(read_file(&link).is_none());
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![b' '; (SLOTS + 1) * SLOT + 1]).unwrap();
+        assert!(read_file(&big).is_none());
+        assert!(read_file(&dir.path().join("missing")).is_none());
     }
 }
