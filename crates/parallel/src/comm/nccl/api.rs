@@ -157,7 +157,7 @@ impl Comm for NcclComm {
 
     /// Creates the communicator of every channel with this rank and another member, in order
     /// (single-member groups never use one), and connects each point-to-point direction (see
-    /// [`NcclComm::connect`]).
+    /// [`NcclComm::connect`]) and each ring's and all-to-all's ([`NcclComm::warm_up`]).
     fn prepare(&self, channels: &[Channel]) -> Result<()> {
         let me = self.shared.rank;
         for channel in channels.iter().filter(|c| c.includes(me)) {
@@ -176,8 +176,10 @@ impl Comm for NcclComm {
             let call = self.call("prepare", members, others);
             self.start(&call)?;
             let comm = self.shared.comm(&call, &key)?;
-            if let CommKey::P2p { src, .. } = key {
-                self.connect(&call, &comm, src == me)?;
+            match &key {
+                CommKey::P2p { src, .. } => self.connect(&call, &comm, *src == me)?,
+                CommKey::Ring(g) | CommKey::AllToAll(g) => self.warm_up(&key, g)?,
+                CommKey::Group(_) => {}
             }
         }
         Ok(())

@@ -451,6 +451,35 @@ impl NcclComm {
         }))
     }
 
+    /// Connects the point-to-point directions of a ring's or an all-to-all's communicator now,
+    /// as `prepare` does after creating it: one byte goes around the ring (as its hops go: to
+    /// the next member, from the previous one), or one byte to and from every member. Every
+    /// member walks the same channel list, so all get here together, and an operation's launch
+    /// settles its connections before it returns (bounded by the communicator's timeout);
+    /// NCCL's connection buffers are then allocated before the first step, not inside it. The
+    /// bytes themselves are left to arrive in stream order, as any operation's do.
+    pub(super) fn warm_up(&self, key: &CommKey, group: &Group) -> Result<()> {
+        let sh = &self.shared;
+        let n = group.size();
+        let dev = Device::Cuda(sh.device.clone());
+        match key {
+            CommKey::Ring(_) => {
+                let i = group.index_of(sh.rank).unwrap_or(0);
+                let ranks = group.ranks();
+                let (next, prev) = (ranks[(i + 1) % n], ranks[(i + n - 1) % n]);
+                let byte = Tensor::zeros(1, DType::U8, &dev)?;
+                self.send_recv_in(group, &byte, next, prev)?.wait()?;
+            }
+            CommKey::AllToAll(_) => {
+                let bytes = Tensor::zeros((n, 1), DType::U8, &dev)?; // [n, 1]
+                let ones = vec![1; n];
+                self.all_to_all_in(group, &bytes, &ones, &ones)?;
+            }
+            CommKey::Group(_) | CommKey::P2p { .. } => {}
+        }
+        Ok(())
+    }
+
     /// Connects a point-to-point direction now, as `prepare` does after creating its
     /// communicator: NCCL connects a direction at its first send and receive, each waiting for
     /// the other, so one byte goes from the sender (`sender`: this rank) to the receiver and the
