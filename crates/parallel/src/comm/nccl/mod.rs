@@ -93,6 +93,7 @@
 //! `Tensor` variant.
 
 mod api;
+mod connect;
 mod in_place;
 mod layout;
 mod ops;
