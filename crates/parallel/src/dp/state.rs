@@ -55,6 +55,9 @@ pub struct StateLayout {
     pub owned: Vec<Range<usize>>,
 }
 
+/// Elements a bucket's and a shard's length is a multiple of: 16 bytes of a 16-bit dtype.
+pub const ALIGN: usize = 8;
+
 impl StateLayout {
     /// The layout of a rank at data-parallel shard index `shard_index` (and `expert_index` in
     /// its expert gradient group) under `par`, holding parameters of local sizes `numels` (in
@@ -81,7 +84,10 @@ impl StateLayout {
         let split = par.ep > 1;
         let none = vec![false; numels.len()];
         let expert = if split { expert } else { &none };
-        let pads = [pad, expert_pad];
+        // Every bucket and every member's shard of it is a whole number of `ALIGN` elements, so
+        // each starts 16-byte aligned for the kernels' packed loads (with a dp of 3 a bucket
+        // padded to a multiple of 3 alone would leave the parameters after it unaligned).
+        let pads = [pad * ALIGN, expert_pad * ALIGN];
         let layout = if zero.shards_gradients() {
             let buckets = unit_buckets(numels.len(), piece_params, expert, split);
             FlatLayout::with_grouped_buckets(numels, &buckets, expert, pads)
@@ -128,5 +134,45 @@ impl StateLayout {
         let (flat, owned) = (self.layout.total, self.owned_elems());
         let (p, m) = (dtype.size_in_bytes(), moments.size_in_bytes());
         par.zero.state_bytes(params, flat, owned, p, m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dp::ZeroStage;
+
+    /// With data-parallel sizes that are not powers of two, every bucket, every parameter after
+    /// it and every rank's shard still start on a multiple of [`ALIGN`] elements, at every
+    /// stage (bucketed by size or by piece).
+    #[test]
+    fn buckets_and_shards_start_aligned_for_any_data_parallel_size() {
+        // Parameters of whole packs, bucketed a few at a time.
+        let numels = [24, 8, 40, 16, 8, 64, 32, 8];
+        let pieces: Vec<Vec<usize>> = vec![vec![0, 1, 2], vec![3, 4], vec![5, 6, 7]];
+        let none = vec![false; numels.len()];
+        for dp in [1, 3, 5, 6, 7, 12] {
+            for zero in [ZeroStage::Off, ZeroStage::Optimizer, ZeroStage::Gradients] {
+                let par = ParallelConfig {
+                    dp,
+                    zero,
+                    bucket_size: 50,
+                    ..ParallelConfig::default()
+                };
+                for index in 0..dp {
+                    let s = StateLayout::new(&par, &numels, &pieces, (&none, &none), index, 0);
+                    let l = &s.layout;
+                    let starts = l.buckets.iter().map(|b| b.start);
+                    let owned = s.owned.iter().map(|r| r.start);
+                    for at in starts.chain(l.offsets.iter().copied()).chain(owned) {
+                        assert_eq!(at % ALIGN, 0, "dp {dp} {zero:?} rank {index}: {at}");
+                    }
+                    assert!(l
+                        .buckets
+                        .iter()
+                        .all(|b| b.len % (ALIGN * par.shard_size()) == 0));
+                }
+            }
+        }
     }
 }
