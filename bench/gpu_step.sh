@@ -11,6 +11,11 @@
 #   STEPS=30 WARMUP=5                   steps run by each side; the first WARMUP are not in the medians
 #   PEAK_TFLOPS                         device peak for MFU (default: from the GPU name, see below)
 #   TORCH_COMPILE=1                     also time PyTorch with torch.compile (adds compile time)
+#   TORCH_MODES="eager compile"         the PyTorch modes to run (default: eager, plus compile
+#                                       with TORCH_COMPILE=1)
+#   TORCH_SET=KEY=VALUE[,KEY=VALUE]     recipe overrides for the PyTorch side only (e.g.
+#                                       train.recompute=full where PyTorch must recompute to fit);
+#                                       recorded in gpu_step.json as torch_overrides
 #   ONLY=ours|torch                     run one side only (no ratio)
 #   RECIPE=recipes/bench-1b.yaml
 #   OUT=.                               gpu_step.json is written here; runs and logs go to
@@ -110,18 +115,28 @@ if [ "$ONLY" != torch ]; then
   [ "$OURS_RC" = 0 ] || echo "gpu_step.sh: error: pretrain failed with exit status $OURS_RC (log: $OUT_DIR/ours.log)" >&2
 fi
 
-TORCH_MODES=(eager)
-[ "${TORCH_COMPILE:-0}" = 0 ] || TORCH_MODES+=(compile)
+if [ -n "${TORCH_MODES:-}" ]; then
+  read -ra TORCH_MODES <<<"$TORCH_MODES"
+  for mode in "${TORCH_MODES[@]}"; do
+    case "$mode" in eager|compile) ;; *) die "TORCH_MODES: '$mode' is neither eager nor compile" ;; esac
+  done
+else
+  TORCH_MODES=(eager)
+  [ "${TORCH_COMPILE:-0}" = 0 ] || TORCH_MODES+=(compile)
+fi
+TORCH_EXTRA=()
+[ -z "${TORCH_SET:-}" ] || TORCH_EXTRA=(--set "$TORCH_SET")
+export TORCH_SET=${TORCH_SET:-}
 declare -A TORCH_RC TORCH_MEM
 if [ "$ONLY" != ours ]; then
   for mode in "${TORCH_MODES[@]}"; do
     flag=()
     [ "$mode" = compile ] && flag=(--compile)
-    echo "== PyTorch ($mode): bench/torch_llama.py $RECIPE $STEPS --device cuda --dtype bf16 ${flag[*]-}"
+    echo "== PyTorch ($mode): bench/torch_llama.py $RECIPE $STEPS --device cuda --dtype bf16 ${flag[*]-} ${TORCH_EXTRA[*]-}"
     start_mem "$OUT_DIR/torch_$mode.mem"
     set +e
     "$PYTHON" bench/torch_llama.py "$RECIPE" "$STEPS" --device cuda --dtype bf16 --warmup "$WARMUP" \
-      --peak-tflops "$PEAK" ${flag[@]+"${flag[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} \
+      --peak-tflops "$PEAK" ${flag[@]+"${flag[@]}"} ${EXTRA[@]+"${EXTRA[@]}"} ${TORCH_EXTRA[@]+"${TORCH_EXTRA[@]}"} \
       >"$OUT_DIR/torch_$mode.json" 2> >(tee "$OUT_DIR/torch_$mode.log" >&2)
     TORCH_RC[$mode]=$?
     set -e
@@ -142,7 +157,7 @@ fi
 set +e
 "$PYTHON" - "$SUMMARY_DIR/gpu_step.json" "$GPU" "$PEAK" "$RECIPE" "$STEPS" "$WARMUP" \
   "$OURS_RC" "$OURS_MEM" "$OUT_DIR/ours/metrics.jsonl" ${TORCH_ARGS[@]+"${TORCH_ARGS[@]}"} <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 
 out, gpu, peak, recipe, steps, warmup, ours_rc, ours_mem, ours_metrics = sys.argv[1:10]
 peak, steps, warmup = float(peak), int(steps), int(warmup)
@@ -216,7 +231,8 @@ for r in [o] + list(t.values()):
 summary = {"gpu": gpu, "peak_tflops": peak, "recipe": recipe, "steps": steps, "warmup": warmup,
            "median_of_steps": [warmup + 1, steps], "tokens_per_step": first.get("tokens_per_step"),
            "params": first.get("params"), "flops_per_token": fpt, "ours": o,
-           "torch": t, "ratio_ours_over_torch_tokens_per_s": ratios, "errors": errors, "ok": not errors}
+           "torch": t, "torch_overrides": os.environ.get("TORCH_SET") or None,
+           "ratio_ours_over_torch_tokens_per_s": ratios, "errors": errors, "ok": not errors}
 with open(out, "w") as f:
     json.dump(summary, f, indent=1)
 
@@ -239,6 +255,8 @@ for name, r in rows:
           f"{fmt(mfu_full, '>8.1f')}% {r['step_ms']:>9.1f} {fmt(r.get('peak_gpu_mem_mib'), '>12.0f')}")
 for m, x in ratios.items():
     print(f"ratio ours / PyTorch {m} (tokens/s): {x:.3f}x")
+if os.environ.get("TORCH_SET"):
+    print(f"PyTorch ran with {os.environ['TORCH_SET']}" + (" (this project without)" if o else ""))
 if ok(o) and o.get("pool_mib") and o.get("peak_gpu_mem_mib"):
     print(f"this project's memory outside its pool: {o['peak_gpu_mem_mib'] - o['pool_mib']:.0f} MiB "
           f"(nvidia-smi peak {o['peak_gpu_mem_mib']:.0f} less the pool's {o['pool_mib']:.0f}; "
