@@ -239,4 +239,19 @@ fn expert_capacity_drops_alike_on_every_layout() {
             .collect();
         assert_eq!(d, dropped, "{layout}");
     }
+    // Each expert keeping its first pairs, routed on the host or (padded) on the device: the
+    // same training on one rank and on data, expert and pipeline parallelism.
+    let position = format!("{capacity},model.moe_capacity_policy=position");
+    let base = common::run(&position);
+    let padded = format!("{capacity},model.moe_capacity_policy=padded");
+    for layout in [
+        "",
+        ",parallel.dp=2,parallel.ep=2,parallel.pp=2,parallel.zero=1",
+    ] {
+        let set = format!("{padded}{layout}");
+        let other = common::run(&set);
+        common::assert_equivalent(&set, common::compare(&set, &base, &other));
+        let routing = routing_differences(&set, &base, &other);
+        assert!(routing.is_empty(), "{routing:#?}");
+    }
 }

@@ -86,8 +86,8 @@ pub fn gather(
         row[0] += 1.0;
         row[1] += s.load_balancing()?;
         row[2] += s.z_loss()?;
-        row[3] += s.dropped as f64;
-        for (dst, &n) in row[4..].iter_mut().zip(&s.tokens_per_expert) {
+        row[3] += s.dropped()? as f64;
+        for (dst, &n) in row[4..].iter_mut().zip(&s.tokens_per_expert()?) {
             *dst += n as f64;
         }
     }

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::moe_config::MoeConfig;
+pub use crate::moe_config::{CapacityPolicy, MoeConfig};
 
 /// Largest parameter count a model may have (far beyond any trained model; only sizes that
 /// cannot exist are refused).
@@ -109,6 +109,10 @@ pub struct LlamaConfig {
     /// nothing. Absent: dropless (Mixtral). Evaluation and exports are always dropless.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_expert_capacity_factor: Option<f64>,
+    /// Which pairs an expert over its capacity keeps, and how (see [`CapacityPolicy`]; default
+    /// `probs`). A capacity setting: needs `moe_expert_capacity_factor`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_capacity_policy: Option<CapacityPolicy>,
 }
 
 /// One token id or several (Llama 3 lists three end-of-sequence ids).

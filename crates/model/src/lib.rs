@@ -12,7 +12,7 @@ pub mod params;
 pub mod placement;
 pub mod segment;
 
-pub use config::{LlamaConfig, MoeConfig, RopeScaling, TokenIds};
+pub use config::{CapacityPolicy, LlamaConfig, MoeConfig, RopeScaling, TokenIds};
 pub use inventory::{Inventory, ParamDecl};
 pub use llama::{
     DocumentUse, Fp8Gemm, Fp8Linears, Fp8Scaling, Llama, Piece, Placement, Tape, Targets,

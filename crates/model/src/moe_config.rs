@@ -29,6 +29,32 @@ pub struct MoeConfig {
     pub bias_update_rate: f64,
     /// Expert capacity factor (`None`: dropless).
     pub capacity_factor: Option<f64>,
+    /// Which pairs an expert over its capacity keeps, and where the routing runs.
+    pub capacity_policy: CapacityPolicy,
+}
+
+/// Which `(token, slot)` pairs an expert over its capacity keeps, and how its rows are laid out
+/// (`model.moe_capacity_policy`; Megatron's `moe_token_drop_policy` and
+/// `moe_pad_expert_input_to_capacity`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CapacityPolicy {
+    /// Each expert keeps its most probable pairs (ties: the earlier pair); routed on the host.
+    #[default]
+    Probs,
+    /// Each expert keeps its first pairs in token order; routed on the host.
+    Position,
+    /// As `position`, with every expert's rows padded to the capacity: the shapes are fixed,
+    /// so the routing, the permutation and the statistics stay on the device and a layer reads
+    /// nothing back (padding rows are zero and add nothing; they cost their share of GEMM).
+    Padded,
+}
+
+impl CapacityPolicy {
+    /// Whether each expert keeps its first pairs in token order (else its most probable).
+    pub fn by_position(self) -> bool {
+        self != CapacityPolicy::Probs
+    }
 }
 
 impl LlamaConfig {
@@ -45,6 +71,7 @@ impl LlamaConfig {
             dense_layers: self.mlp_only_layers.clone(),
             bias_update_rate: self.router_bias_update_rate.unwrap_or(0.0),
             capacity_factor: self.moe_expert_capacity_factor,
+            capacity_policy: self.moe_capacity_policy.unwrap_or_default(),
         })
     }
 
@@ -90,6 +117,7 @@ impl LlamaConfig {
                     "moe_expert_capacity_factor",
                     self.moe_expert_capacity_factor.is_some(),
                 ),
+                ("moe_capacity_policy", self.moe_capacity_policy.is_some()),
             ];
             return match set.iter().find(|(_, set)| *set) {
                 Some((field, _)) => Err(format!(
@@ -135,6 +163,19 @@ impl LlamaConfig {
             return Err(format!(
                 "model.moe_expert_capacity_factor ({f}) must be a number > 0 (remove it for \
                  dropless routing)"
+            ));
+        }
+        if m.capacity_factor.is_none() && self.moe_capacity_policy.is_some() {
+            return Err("model.moe_capacity_policy is a capacity setting: set \
+                        model.moe_expert_capacity_factor too, or remove it"
+                .to_string());
+        }
+        let most = crate::moe::MAX_PADDED_EXPERTS;
+        if m.capacity_policy == CapacityPolicy::Padded && m.num_experts > most {
+            return Err(format!(
+                "model.moe_capacity_policy: padded routes on the device, which sorts a token's \
+                 experts in one thread block: at most {most} experts, not {} (use position)",
+                m.num_experts
             ));
         }
         if let Some(&bad) = m

@@ -10,9 +10,11 @@
 //!
 //! Every routed (token, slot) pair is computed (dropless, Mixtral's way) unless an expert
 //! capacity is set (`moe_expert_capacity_factor`, training only): then each expert keeps at most
-//! `ceil(factor · n · k / E)` pairs, those with the highest probability, and a dropped pair
-//! contributes nothing (its row reads an appended zero row when un-permuted). The choice of
-//! experts is made on the host from the probabilities (it is discrete and takes no gradient);
+//! `ceil(factor · n · k / E)` pairs (by default its most probable; `moe_capacity_policy`), and
+//! a dropped pair contributes nothing (its row reads an appended zero row when un-permuted). The
+//! choice of experts is made on the host from the
+//! probabilities (it is discrete and takes no gradient), or on the device when every expert's
+//! rows are padded to its capacity (`padded.rs`: fixed shapes, no read back in a layer);
 //! gradients reach the router through the selected probabilities (the routing weights) and the
 //! balancing losses. The local experts run over their contiguous runs of the grouped rows, one
 //! grouped call per projection (`ops::grouped_linear`: bit for bit each expert's own GEMM),
@@ -28,6 +30,7 @@
 //! number of MoE layers, is part of the objective: it takes no part in the block's output, so
 //! the backward adds its gradients to the router's directly.
 
+mod padded;
 mod pass;
 mod routing;
 
@@ -39,9 +42,10 @@ use parallel::tp::TensorParallel;
 use crate::config::MoeConfig;
 use crate::ops::linear;
 
+pub use padded::{padded_tables, MAX_PADDED_EXPERTS};
 pub use pass::{backward, forward, MoeGrads, MoeTape};
-use routing::Plan;
 pub use routing::{apply_capacity, expert_order, route, Routing};
+use routing::{Loads, Plan};
 
 /// The weights of one SwiGLU expert (Mixtral's names): `w2(silu(w1 x) · w3 x)`.
 #[derive(Debug, Clone)]
@@ -61,10 +65,9 @@ pub struct LayerStats {
     pub layer: usize,
     /// The load-balancing and z-losses, unweighted.
     losses: LossValues,
-    /// Tokens routed to each expert (all `E`; they sum to `n · k`), before any capacity.
-    pub tokens_per_expert: Vec<u64>,
-    /// `(token, slot)` pairs the expert capacity dropped.
-    pub dropped: u64,
+    /// Tokens routed to each expert (all `E`; they sum to `n · k`), before any capacity, and the
+    /// `(token, slot)` pairs the capacity dropped.
+    loads: Loads,
 }
 
 /// A layer's two balancing losses: on the host, or still on the device (`[2]`: load balancing,
@@ -87,6 +90,26 @@ impl LayerStats {
         Ok(self.losses()?[1])
     }
 
+    /// Tokens routed to each expert (all `E`; they sum to `n · k`), before any capacity.
+    pub fn tokens_per_expert(&self) -> Result<Vec<u64>> {
+        Ok(self.counts()?.0)
+    }
+
+    /// `(token, slot)` pairs the expert capacity dropped.
+    pub fn dropped(&self) -> Result<u64> {
+        Ok(self.counts()?.1)
+    }
+
+    fn counts(&self) -> Result<(Vec<u64>, u64)> {
+        match &self.loads {
+            Loads::Host {
+                per_expert,
+                dropped,
+            } => Ok((per_expert.iter().map(|&c| c as u64).collect(), *dropped)),
+            Loads::Device(t) => Ok(counts_of(&t.to_vec1::<f32>()?)),
+        }
+    }
+
     fn losses(&self) -> Result<[f64; 2]> {
         match &self.losses {
             LossValues::Host(v) => Ok(*v),
@@ -97,31 +120,52 @@ impl LayerStats {
         }
     }
 
-    /// Reads the losses of every layer of `stats` still on the device, in one transfer per
-    /// device.
+    /// Reads the losses, loads and drops of every layer of `stats` still on the device, in one
+    /// transfer per device.
     pub fn read_all(stats: &mut [LayerStats]) -> Result<()> {
-        let pending: Vec<Tensor> = stats
-            .iter()
-            .filter_map(|s| match &s.losses {
-                LossValues::Device(t) => Some(t.to_dtype(DType::F64)),
-                LossValues::Host(_) => None,
-            })
-            .collect::<Result<_>>()?;
+        let mut pending: Vec<Tensor> = Vec::new();
+        for s in stats.iter() {
+            if let LossValues::Device(t) = &s.losses {
+                pending.push(t.to_dtype(DType::F64)?); // [2]
+            }
+            if let Loads::Device(t) = &s.loads {
+                pending.push(t.to_dtype(DType::F64)?); // [E + 1]
+            }
+        }
         if pending.is_empty() {
             return Ok(());
         }
-        let all = Tensor::cat(&pending, 0)?.to_vec1::<f64>()?; // [2 · layers]
-        let mut values = all.chunks_exact(2);
+        let all = Tensor::cat(&pending, 0)?.to_vec1::<f64>()?;
+        let short = || candle_core::Error::Msg("MoE statistics: fewer values than layers".into());
+        let mut at = 0;
+        let mut take = |len: usize| -> Result<&[f64]> {
+            let v = all.get(at..at + len).ok_or_else(short)?;
+            at += len;
+            Ok(v)
+        };
         for s in stats.iter_mut() {
             if matches!(s.losses, LossValues::Device(_)) {
-                let v = values.next().ok_or_else(|| {
-                    candle_core::Error::Msg("MoE statistics: fewer values than layers".into())
-                })?;
+                let v = take(2)?;
                 s.losses = LossValues::Host([v[0], v[1]]);
+            }
+            if let Loads::Device(t) = &s.loads {
+                let v: Vec<f32> = take(t.elem_count())?.iter().map(|&x| x as f32).collect();
+                let (per_expert, dropped) = counts_of(&v);
+                s.loads = Loads::Host {
+                    per_expert: per_expert.iter().map(|&c| c as usize).collect(),
+                    dropped,
+                };
             }
         }
         Ok(())
     }
+}
+
+/// Loads `[E]` then drops, as counted on the device (exact integers in f32), as host counts.
+fn counts_of(v: &[f32]) -> (Vec<u64>, u64) {
+    let (loads, dropped) = v.split_at(v.len().saturating_sub(1));
+    let dropped = dropped.first().map_or(0, |&d| d as u64);
+    (loads.iter().map(|&c| c as u64).collect(), dropped)
 }
 
 /// A MoE layer's router: its weight `[E, h]` and, with auxiliary-loss-free balancing, the
@@ -195,17 +239,19 @@ fn routing_weights(probs: &Tensor, chosen: &Tensor, cfg: &MoeConfig) -> Result<T
 /// The experts' output rows `y_perm` `[rows, h]` back in (token, slot) order `[n, k, h]`; a
 /// dropped pair reads an appended zero row.
 fn unpermute(y_perm: &Tensor, plan: &Plan) -> Result<Tensor> {
-    let (rows, h) = y_perm.dims2()?;
-    let dev = y_perm.device();
-    let padded = if rows < plan.n * plan.k {
-        let zero = Tensor::zeros((1, h), y_perm.dtype(), dev)?;
-        Tensor::cat(&[y_perm, &zero], 0)? // [rows + 1, h]
-    } else {
-        y_perm.clone()
-    };
-    padded
-        .index_select(&plan.inverse(dev)?, 0)?
+    let h = y_perm.dim(1)?;
+    with_zero_row(y_perm, plan.may_drop())?
+        .index_select(&plan.inverse, 0)?
         .reshape((plan.n, plan.k, h))
+}
+
+/// `rows` `[r, h]` with a zero row appended (`[r + 1, h]`) when `zero`.
+fn with_zero_row(rows: &Tensor, zero: bool) -> Result<Tensor> {
+    if !zero {
+        return Ok(rows.clone());
+    }
+    let z = Tensor::zeros((1, rows.dim(1)?), rows.dtype(), rows.device())?;
+    Tensor::cat(&[rows, &z], 0)
 }
 
 /// The layer's output `[n, h]`: the slots' rows `yk` `[n, k, h]` weighted and summed.
@@ -233,30 +279,39 @@ fn losses(
     tp: &TensorParallel,
     layer: usize,
 ) -> Result<Losses> {
-    let counts = &plan.routing.counts;
-    let mut losses = match tp.splits_sequence() {
-        false => {
-            let (n, e) = probs.dims2()?;
-            let share: Vec<f64> = counts.iter().map(|&c| c as f64 / n as f64).collect();
-            let share = Tensor::from_vec(share, e, probs.device())?.to_dtype(probs.dtype())?;
-            let load_balancing = ((probs.mean(0)? * &share)?.sum_all()? * e as f64)?;
-            let z_loss = lse.sqr()?.mean_all()?;
-            let stats = LayerStats {
-                layer,
-                losses: LossValues::Device(Tensor::stack(&[load_balancing, z_loss], 0)?),
-                tokens_per_expert: counts.iter().map(|&c| c as u64).collect(),
-                dropped: 0,
-            };
-            Losses {
-                stats,
-                share,
-                tokens: n as f64,
-            }
-        }
-        true => split_losses(tp, probs, lse, counts, layer)?,
+    let (n, e) = probs.dims2()?;
+    let (per_expert, loads) = match &plan.loads {
+        Loads::Host { per_expert, .. } => (per_expert, None),
+        Loads::Device(t) => (&Vec::new(), Some(t)),
     };
-    losses.stats.dropped = plan.dropped();
-    Ok(losses)
+    if tp.splits_sequence() {
+        return match loads {
+            None => split_losses(tp, probs, lse, per_expert, plan, layer),
+            Some(_) => candle_core::bail!(
+                "MoE layer {layer}: padded routing with the tokens split over tensor-parallel \
+                 ranks (sequence parallelism)"
+            ),
+        };
+    }
+    let share = match loads {
+        None => {
+            let share: Vec<f64> = per_expert.iter().map(|&c| c as f64 / n as f64).collect();
+            Tensor::from_vec(share, e, probs.device())?.to_dtype(probs.dtype())?
+        }
+        Some(t) => (t.narrow(0, 0, e)?.to_dtype(probs.dtype())? / n as f64)?,
+    };
+    let load_balancing = ((probs.mean(0)? * &share)?.sum_all()? * e as f64)?;
+    let z_loss = lse.sqr()?.mean_all()?;
+    let stats = LayerStats {
+        layer,
+        losses: LossValues::Device(Tensor::stack(&[load_balancing, z_loss], 0)?),
+        loads: plan.loads.clone(),
+    };
+    Ok(Losses {
+        stats,
+        share,
+        tokens: n as f64,
+    })
 }
 
 /// The router's side of a forward (either pass): probabilities `[n, E]` and log-sum-exps `[n]`
@@ -280,11 +335,10 @@ fn route_rows(
     layer: usize,
 ) -> Result<Routed> {
     check_experts(experts, ep, cfg, layer)?;
-    let dev = x.device();
     let (probs, lse) = router_probs(x, router.weight)?; // [n, E], [n]
     let plan = Plan::new(&probs, router, cfg, layer)?;
-    let weights = routing_weights(&probs, &plan.chosen(dev)?, cfg)?; // [n, k]
-    let x_perm = x.index_select(&plan.tokens(dev)?, 0)?; // [rows, h]
+    let weights = routing_weights(&probs, &plan.chosen, cfg)?; // [n, k]
+    let x_perm = with_zero_row(x, plan.padded)?.index_select(&plan.tokens, 0)?; // [rows, h]
     Ok(Routed {
         probs,
         lse,
@@ -305,6 +359,7 @@ fn split_losses(
     probs: &Tensor,
     lse: &Tensor,
     counts: &[usize],
+    plan: &Plan,
     layer: usize,
 ) -> Result<Losses> {
     let e = counts.len();
@@ -325,11 +380,17 @@ fn split_losses(
             .map(|(f, p)| f * p)
             .sum::<f64>()
         / tokens;
+    let dropped = match plan.loads {
+        Loads::Host { dropped, .. } => dropped,
+        Loads::Device(_) => 0, // refused by the caller
+    };
     let stats = LayerStats {
         layer,
         losses: LossValues::Host([load_balancing, all[2 * e] / tokens]),
-        tokens_per_expert: all[..e].iter().map(|&c| c as u64).collect(),
-        dropped: 0,
+        loads: Loads::Host {
+            per_expert: all[..e].iter().map(|&c| c as usize).collect(),
+            dropped,
+        },
     };
     let share = Tensor::from_vec(share, e, dev)?.to_dtype(rdt)?;
     Ok(Losses {
@@ -347,21 +408,22 @@ mod tests {
     #[test]
     fn losses_left_on_the_device_are_read_together_in_layer_order() {
         let dev = Device::Cpu;
-        let on_device = |layer: usize, lb: f32, z: f32| LayerStats {
+        let on_device = |layer: usize, lb: f32, z: f32, loads: &[f32]| LayerStats {
             layer,
             losses: LossValues::Device(Tensor::new(&[lb, z], &dev).unwrap()),
-            tokens_per_expert: vec![],
-            dropped: 0,
+            loads: Loads::Device(Tensor::new(loads, &dev).unwrap()),
         };
         let mut stats = vec![
-            on_device(0, 2.5, 0.25),
+            on_device(0, 2.5, 0.25, &[3.0, 1.0, 2.0]),
             LayerStats {
                 layer: 1,
                 losses: LossValues::Host([1.0, 0.5]),
-                tokens_per_expert: vec![],
-                dropped: 0,
+                loads: Loads::Host {
+                    per_expert: vec![4, 0],
+                    dropped: 1,
+                },
             },
-            on_device(2, 3.0, 0.75),
+            on_device(2, 3.0, 0.75, &[0.0, 4.0, 0.0]),
         ];
         assert_eq!(stats[2].z_loss().unwrap(), 0.75); // a single read works too
         LayerStats::read_all(&mut stats).unwrap();
@@ -373,5 +435,15 @@ mod tests {
             .map(|s| (s.load_balancing().unwrap(), s.z_loss().unwrap()))
             .collect();
         assert_eq!(got, [(2.5, 0.25), (1.0, 0.5), (3.0, 0.75)]);
+        let loads: Vec<(Vec<u64>, u64)> = stats
+            .iter()
+            .map(|s| (s.tokens_per_expert().unwrap(), s.dropped().unwrap()))
+            .collect();
+        assert_eq!(
+            loads,
+            [(vec![3, 1], 2), (vec![4, 0], 1), (vec![0, 4], 0)],
+            "each layer's loads, then its drops"
+        );
+        assert!(stats.iter().all(|s| matches!(s.loads, Loads::Host { .. })));
     }
 }

@@ -27,7 +27,8 @@ use parallel::tp::TensorParallel;
 
 use super::routing::Plan;
 use super::{
-    losses, route_rows, router_dtype, unpermute, weigh, Expert, LayerStats, Routed, Router,
+    losses, route_rows, router_dtype, unpermute, weigh, with_zero_row, Expert, LayerStats, Routed,
+    Router,
 };
 use crate::config::MoeConfig;
 use crate::ops::{self, grouped_linear, Grouped};
@@ -85,12 +86,17 @@ impl MoeTape {
     /// expert shares (f32; f64 for f64), the experts' outputs in slot order and the rows in
     /// expert order (those received with expert parallelism, as many on average), and each
     /// expert's gate, up and SwiGLU outputs (the SwiGLU unless `moe_act` is recomputed),
-    /// `[n_s·k, ·]` each.
+    /// `[n_s·k, ·]` each (`[E·C, ·]` with every expert padded to its capacity `C`).
     pub fn bytes(c: &crate::LlamaConfig, s: &crate::segment::TapeShape) -> u64 {
         let Some(m) = c.moe() else { return 0 };
         let (ns, p, h) = (s.ns, s.p, s.h);
         let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
-        let rows = ns * k;
+        let rows = match (m.capacity_factor, m.capacity_policy) {
+            (Some(f), crate::config::CapacityPolicy::Padded) => {
+                e * (f * (ns * k) as f64 / e as f64).ceil() as u64
+            }
+            _ => ns * k,
+        };
         let norm = if s.recomputed.layernorm { 0 } else { ns * h };
         let acts = if s.recomputed.moe_act { 2 } else { 3 };
         (norm + 2 * rows * h + acts * rows * fe) * p + s.acc() * (ns * e + ns + ns * k + e)
@@ -164,8 +170,8 @@ pub fn forward(
         weights,
         x_perm,
     } = route_rows(&x, router, experts.len(), ep, cfg, layer)?;
-    let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts)?; // [m, h]
-                                                                   // Every local expert over its run of rows, one grouped call per projection.
+    let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts, plan.padded)?; // [m, h]
+                                                                                // Every local expert over its run of rows, one grouped call per projection.
     let counts = &dispatch.counts;
     let (w1, w3, w2) = weights_of(experts);
     let (y_local, tapes) = if x_local.dim(0)? == 0 {
@@ -237,15 +243,14 @@ pub fn backward(
         )
     })?;
     let (n, h) = x.dims2()?;
-    let (dt, rdt, dev) = (x.dtype(), router_dtype(x.dtype()), x.device());
+    let (dt, rdt) = (x.dtype(), router_dtype(x.dtype()));
     let dy = dy.to_dtype(dt)?.unsqueeze(1)?; // [n, 1, h]
 
     // y = Σⱼ wⱼ·ykⱼ.
     let dyk = dy.broadcast_mul(&weights.to_dtype(dt)?.unsqueeze(2)?)?; // [n, k, h]
     let dw = dy.broadcast_mul(&yk)?.sum(2)?.to_dtype(rdt)?; // [n, k]
-    let dy_perm = dyk
-        .reshape((n * plan.k, h))?
-        .index_select(&plan.order(dev)?, 0)?; // [rows, h]
+    let dy_perm =
+        with_zero_row(&dyk.reshape((n * plan.k, h))?, plan.padded)?.index_select(&plan.order, 0)?; // [rows, h]; a padding row reads zero
     let dy_local = ep.combine_grad(&dy_perm, &dispatch)?; // [m, h]
 
     // The experts over their runs of rows, one grouped call per projection; each weight
@@ -292,9 +297,9 @@ pub fn backward(
     let dx = unpermute(&dx_perm, &plan)?.sum(1)?; // [n, h]
 
     // The router: routing weights, balancing losses, softmax, projection.
-    let chosen = plan.chosen(dev)?;
+    let chosen = &plan.chosen;
     let dp_sel = if norm_topk_prob {
-        let sum = probs.gather(&chosen, 1)?.sum_keepdim(1)?; // [n, 1]
+        let sum = probs.gather(chosen, 1)?.sum_keepdim(1)?; // [n, 1]
         let dot = (&dw * &weights)?.sum_keepdim(1)?;
         dw.broadcast_sub(&dot)?.broadcast_div(&sum)?
     } else {
@@ -304,7 +309,7 @@ pub fn backward(
     let lb = (share * (lb_weight * e as f64 / tokens))?.unsqueeze(0)?; // [1, E]
     let dprobs = probs
         .zeros_like()?
-        .scatter_add(&chosen, &dp_sel, 1)?
+        .scatter_add(chosen, &dp_sel, 1)?
         .broadcast_add(&lb)?; // [n, E]
     let dlse = (lse * (2.0 * z_weight / tokens))?.unsqueeze(1)?; // [n, 1]
     let dot = (&dprobs * &probs)?.sum_keepdim(1)?; // [n, 1]

@@ -4,10 +4,10 @@
 
 use std::cmp::Ordering;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::Router;
-use crate::config::MoeConfig;
+use crate::config::{CapacityPolicy, MoeConfig};
 
 /// The experts chosen for each token: `experts[t · k + j]` is token `t`'s `j`-th choice (in
 /// descending probability; ties go to the lower expert index), `counts[e]` the tokens routed to
@@ -92,13 +92,13 @@ fn expert_order_of(experts: &[u32], counts: &[usize], kept: Option<&[bool]>) -> 
 
 /// Expert capacity: which `(token, slot)` pairs of `r` each expert keeps when it takes at most
 /// `capacity` of them — those with the highest probability (`probs` `[n, e]`, row-major; ties
-/// to the lower pair) — and the kept pairs per expert.
+/// to the lower pair), or with `by_position` its first pairs — and the kept pairs per expert.
 pub fn apply_capacity(
     r: &Routing,
     probs: &[f32],
-    e: usize,
-    k: usize,
+    (e, k): (usize, usize),
     capacity: usize,
+    by_position: bool,
 ) -> (Vec<bool>, Vec<usize>) {
     let mut kept = vec![true; r.experts.len()];
     let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); e];
@@ -107,7 +107,9 @@ pub fn apply_capacity(
     }
     let prob = |pair: usize| probs[pair / k * e + r.experts[pair] as usize];
     for pairs in by_expert.iter_mut().filter(|p| p.len() > capacity) {
-        pairs.sort_by(|&a, &b| prob(b).total_cmp(&prob(a)).then(a.cmp(&b)));
+        if !by_position {
+            pairs.sort_by(|&a, &b| prob(b).total_cmp(&prob(a)).then(a.cmp(&b)));
+        }
         for &dropped in &pairs[capacity..] {
             kept[dropped] = false;
         }
@@ -116,93 +118,110 @@ pub fn apply_capacity(
     (kept, counts)
 }
 
+/// How many pairs chose each expert (before any capacity) and how many the capacity dropped:
+/// counted on the host, or still on the device (`[E + 1]` f32, the drops last) until the
+/// step's statistics are read.
+#[derive(Debug, Clone)]
+pub(super) enum Loads {
+    Host {
+        per_expert: Vec<usize>,
+        dropped: u64,
+    },
+    Device(Tensor),
+}
+
 /// How one micro-batch's tokens are routed: the top-k choice, what the expert capacity keeps,
-/// and the permutation grouping the kept `(token, slot)` pairs by expert.
+/// and the permutation grouping the kept `(token, slot)` pairs by expert, as index tensors on
+/// the device. A gather by `tokens` or `order` may read the row past the inputs' last (a
+/// padding row, [`Plan::padded`]) and one by `inverse` the row past the last permuted row (a
+/// dropped pair, [`Plan::may_drop`]): their callers append a zero row.
 pub(super) struct Plan {
-    /// The top-k choice (its counts are before any capacity).
-    pub routing: Routing,
-    /// Kept pairs per expert.
+    /// The chosen experts `[n, k]` (u32).
+    pub chosen: Tensor,
+    /// The token of each permuted row `[rows]` (u32; padding: `n`).
+    pub tokens: Tensor,
+    /// The pair of each permuted row `[rows]` (u32; padding: `n·k`).
+    pub order: Tensor,
+    /// The permuted row of each pair `[n·k]` (u32; a dropped pair: `rows`).
+    pub inverse: Tensor,
+    /// Rows per expert (known on the host: the grouped GEMMs' sizes).
     pub counts: Vec<usize>,
-    /// The pair at each permuted row.
-    pub order: Vec<u32>,
+    /// The loads and drops, for the statistics and the balancing loss.
+    pub loads: Loads,
     /// Tokens.
     pub n: usize,
     /// Experts per token.
     pub k: usize,
+    /// Every expert's rows padded to its capacity (routed on the device, `padded.rs`).
+    pub padded: bool,
 }
 
 impl Plan {
-    /// Routes the rows of the router's probabilities `probs` `[n, E]` (read on the host) with
-    /// `router`'s selection bias and `cfg`'s capacity.
+    /// Routes the rows of the router's probabilities `probs` `[n, E]` with `router`'s
+    /// selection bias and `cfg`'s capacity: on the device with `moe_capacity_policy: padded`,
+    /// else read on the host.
     pub fn new(probs: &Tensor, router: &Router, cfg: &MoeConfig, layer: usize) -> Result<Self> {
         let (n, e) = probs.dims2()?;
         let k = cfg.top_k;
-        let host = probs
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
         if let Some(b) = router.bias.filter(|b| b.len() != e) {
             candle_core::bail!(
                 "MoE layer {layer}: {} selection biases for {e} experts",
                 b.len()
             );
         }
+        let capacity = cfg
+            .capacity_factor
+            .map(|f| (f * (n * k) as f64 / e as f64).ceil() as usize);
+        if let (Some(c), CapacityPolicy::Padded) = (capacity, cfg.capacity_policy) {
+            return super::padded::route(probs, router.bias, k, c);
+        }
+        let host = probs
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let routing = route(&host, router.bias, e, k);
-        // With a capacity, each expert keeps its most probable pairs; the others are dropped.
-        let (kept, counts) = match cfg.capacity_factor {
-            Some(factor) => {
-                let capacity = (factor * (n * k) as f64 / e as f64).ceil() as usize;
-                let (kept, counts) = apply_capacity(&routing, &host, e, k, capacity);
+        // With a capacity, each expert keeps its most probable (or first) pairs; the others are
+        // dropped.
+        let (kept, counts) = match capacity {
+            Some(c) => {
+                let by_position = cfg.capacity_policy.by_position();
+                let (kept, counts) = apply_capacity(&routing, &host, (e, k), c, by_position);
                 (Some(kept), counts)
             }
             None => (None, routing.counts.clone()),
         };
         let order = expert_order_of(&routing.experts, &counts, kept.as_deref());
+        let rows = order.len();
+        let mut inverse = vec![rows as u32; n * k];
+        for (row, &pair) in order.iter().enumerate() {
+            inverse[pair as usize] = row as u32;
+        }
+        let tokens: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
+        let dev = probs.device();
         Ok(Self {
-            routing,
+            chosen: Tensor::from_slice(&routing.experts, (n, k), dev)?,
+            tokens: Tensor::from_vec(tokens, rows, dev)?,
+            order: Tensor::from_vec(order, rows, dev)?,
+            inverse: Tensor::from_vec(inverse, n * k, dev)?,
             counts,
-            order,
+            loads: Loads::Host {
+                per_expert: routing.counts,
+                dropped: (n * k - rows) as u64,
+            },
             n,
             k,
+            padded: false,
         })
     }
 
-    /// Permuted rows: `n·k` less the dropped pairs.
+    /// Permuted rows: the kept pairs, or with padding every expert's capacity.
     pub fn rows(&self) -> usize {
-        self.order.len()
+        self.counts.iter().sum()
     }
 
-    /// The chosen experts `[n, k]` (u32).
-    pub fn chosen(&self, dev: &Device) -> Result<Tensor> {
-        Tensor::from_slice(&self.routing.experts, (self.n, self.k), dev)
-    }
-
-    /// The token of each permuted row `[rows]` (u32).
-    pub fn tokens(&self, dev: &Device) -> Result<Tensor> {
-        let k = self.k as u32;
-        let tokens: Vec<u32> = self.order.iter().map(|&p| p / k).collect();
-        Tensor::from_vec(tokens, self.rows(), dev)
-    }
-
-    /// The pair of each permuted row `[rows]` (u32).
-    pub fn order(&self, dev: &Device) -> Result<Tensor> {
-        Tensor::from_slice(&self.order, self.rows(), dev)
-    }
-
-    /// The permuted row of each pair `[n·k]` (u32): `rows` (one past the last row) for a
-    /// dropped pair.
-    pub fn inverse(&self, dev: &Device) -> Result<Tensor> {
-        let rows = self.rows();
-        let mut inverse = vec![rows as u32; self.n * self.k];
-        for (row, &pair) in self.order.iter().enumerate() {
-            inverse[pair as usize] = row as u32;
-        }
-        Tensor::from_vec(inverse, self.n * self.k, dev)
-    }
-
-    /// Pairs the capacity dropped.
-    pub fn dropped(&self) -> u64 {
-        (self.n * self.k - self.rows()) as u64
+    /// Whether a pair may have been dropped (its `inverse` is `rows`).
+    pub fn may_drop(&self) -> bool {
+        self.padded || self.rows() < self.n * self.k
     }
 }
 
@@ -216,12 +235,20 @@ mod tests {
         let probs = [0.9, 0.1, 0.6, 0.4, 0.6, 0.4, 0.2, 0.8];
         let r = route(&probs, None, 2, 1);
         assert_eq!(r.experts, vec![0, 0, 0, 1]);
-        let (kept, counts) = apply_capacity(&r, &probs, 2, 1, 2);
+        let (kept, counts) = apply_capacity(&r, &probs, (2, 1), 2, false);
         // Expert 0 keeps 0.9 and the first of the tied 0.6s.
         assert_eq!(kept, vec![true, true, false, true]);
         assert_eq!(counts, vec![2, 1]);
         let order = expert_order_of(&r.experts, &counts, Some(&kept));
         assert_eq!(order, vec![0, 1, 3]);
+        // The least probable pair first: dropped by probability, kept by position.
+        let probs = [0.55, 0.45, 0.9, 0.1, 0.6, 0.4, 0.2, 0.8];
+        let r = route(&probs, None, 2, 1);
+        assert_eq!(r.experts, vec![0, 0, 0, 1]);
+        let by_probs = apply_capacity(&r, &probs, (2, 1), 2, false).0;
+        assert_eq!(by_probs, vec![false, true, true, true]);
+        let by_position = apply_capacity(&r, &probs, (2, 1), 2, true).0;
+        assert_eq!(by_position, vec![true, true, false, true]);
     }
 
     #[test]

@@ -122,8 +122,14 @@ impl ExpertParallel {
     /// Sends the rows of `x` (`[n·k, h]`, grouped by global expert, `counts[e]` rows for expert
     /// `e` of all `E`) to the ranks holding their experts; returns the rows this rank's experts
     /// must process (`[m, h]`, grouped by local expert, with the [`Dispatch`] saying how many
-    /// each).
-    pub fn dispatch(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Dispatch)> {
+    /// each). With `uniform`, every member has `counts` rows for each expert (experts padded to
+    /// one capacity), so the counts are not exchanged.
+    pub fn dispatch(
+        &self,
+        x: &Tensor,
+        counts: &[usize],
+        uniform: bool,
+    ) -> Result<(Tensor, Dispatch)> {
         let (n, e) = (self.size(), counts.len());
         let Some(comm) = self.comm.as_ref().filter(|_| n > 1) else {
             let d = Dispatch {
@@ -138,20 +144,27 @@ impl ExpertParallel {
             candle_core::bail!("expert parallelism: {e} experts do not split over {n} ranks");
         }
         let per = e / n;
-        // Each member's counts for this rank's experts: [n, per]. Exchanged by all-to-all (each
-        // member gets the counts of its own experts), like the rows: collectives over the same
-        // ranks may be running on the data-parallel communication thread.
         let mine: Vec<u32> = counts
             .iter()
             .map(|&c| u32::try_from(c).map_err(candle_core::Error::wrap))
             .collect::<Result<_>>()?;
-        let split = vec![per; n];
-        let theirs = Tensor::from_vec(mine, (e, 1), &Device::Cpu)?;
-        let got = comm
-            .all_to_all(&self.group, &theirs, &split, &split)?
-            .to_device(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1::<u32>()?;
+        // Each member's counts for this rank's experts: [n, per]. Exchanged by all-to-all (each
+        // member gets the counts of its own experts), like the rows: collectives over the same
+        // ranks may be running on the data-parallel communication thread. Uniform counts are
+        // every member's alike.
+        let got = if uniform {
+            if mine.windows(2).any(|w| w[0] != w[1]) {
+                candle_core::bail!("expert parallelism: uniform rows, but {counts:?} per expert");
+            }
+            mine[self.local_experts(e)].repeat(n)
+        } else {
+            let split = vec![per; n];
+            let theirs = Tensor::from_vec(mine, (e, 1), &Device::Cpu)?;
+            comm.all_to_all(&self.group, &theirs, &split, &split)?
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<u32>()?
+        };
         let from: Vec<&[u32]> = got.chunks(per).collect(); // from[j][l]
         let send: Vec<usize> = counts.chunks(per).map(|c| c.iter().sum()).collect();
         let recv: Vec<usize> = from
