@@ -14,7 +14,9 @@
 #   zero3     the tiny recipe at dp 2 with ZeRO-3 (thread-ranks sharing the GPU) against one rank
 #   levers    the tiny recipe in bf16 with selective recompute of every module (must equal the
 #             run that keeps everything bit for bit) and with bf16 AdamW moments (close to it)
-#   moe       tiny-moe (50 steps) on CUDA in f32 and bf16 against the CPU (f32)
+#   moe       tiny-moe (50 steps) on CUDA in f32 and bf16 against the CPU (f32); and with an
+#             expert capacity whose rows are padded (routed on the device, no host read in a
+#             layer) against the same capacity routed on the host (moe_capacity_policy: position)
 #   long      tiny-long (cp 4: ring attention over thread-ranks sharing the GPU) on CUDA in f32
 #             and bf16 (the ring's blocks on cuDNN) against the CPU (f32)
 #   documents the tiny recipe (60 steps) on the plays' paragraphs as short documents with
@@ -54,7 +56,8 @@
 #             (about 4 minutes; not in the default list)
 #   moe-bench recipes/bench-moe.yaml (Mixtral-style, 8 experts, top-2) by bench/gpu_step.sh
 #             against bench/torch_llama.py's eager MoE: MFU on the active parameters at least
-#             40%, at least 2x PyTorch; not in the default list (about 4 minutes)
+#             40%, at least 2x PyTorch; then ours alone at capacity 1.25, routed on the host
+#             (position) and padded on the device; not in the default list (about 5 minutes)
 #   offload   the 7B of recipes/bench-7b.yaml with optimizer.offload: cpu at 256K tokens a step
 #             (4 steps): the GPU's peak at most 60 GiB and the update at most 15% of the step;
 #             not in the default list (about 5 minutes)
@@ -257,6 +260,7 @@ export BIN RUNS PYTHON
 export -f tiny_run recipe_run compare compare_drift fp8_speed
 
 MOE_STEPS="train.steps=50,train.eval_interval=25"
+MOE_CAPACITY="model.moe_expert_capacity_factor=1.25,model.moe_capacity_policy"
 FP8_TINY="train.steps=60,train.eval_interval=30,train.fp8.scaling=tensorwise"
 FP8_LT="train.fp8.gemm=cublaslt"
 FP8_116M="model.hidden_size=768,model.intermediate_size=3072,model.num_hidden_layers=12,\
@@ -333,6 +337,13 @@ for p in "${PARTS[@]}"; do
       cpu_wait moe-cpu
       part moe-f32-curve compare_drift moe-cuda-f32 moe-cpu 10 1e-5 3e-2
       part moe-bf16-curve compare_drift moe-cuda-bf16 moe-cpu 10 5e-3 3e-2
+      # The same pairs kept, routed on the host or on the device with padded rows: the sums
+      # differ only where cuBLAS blocks the padded GEMMs otherwise.
+      part moe-cuda-position recipe_run tiny-moe moe-cuda-position cuda f32 \
+        --set "$MOE_STEPS,$MOE_CAPACITY=position"
+      part moe-cuda-padded recipe_run tiny-moe moe-cuda-padded cuda f32 \
+        --set "$MOE_STEPS,$MOE_CAPACITY=padded"
+      part moe-padded-curve compare_drift moe-cuda-padded moe-cuda-position 10 1e-5 3e-2
       ;;
     long)
       part long-cuda-f32 recipe_run tiny-long long-cuda-f32 cuda f32
@@ -531,6 +542,12 @@ ratio = min(s["ratio_ours_over_torch_tokens_per_s"].values(), default=0.0)
 print(f"bench-moe: MFU {mfu:.1%} on the active parameters, {ratio:.2f}x PyTorch eager")
 sys.exit("; ".join([f"MFU {mfu:.1%} < 40%"] * (mfu < 0.40) + [f"{ratio:.2f}x < 2x"] * (ratio < 2.0)) or 0)
 PY
+      # Capacity 1.25 routed on the host (a read per layer) and padded on the device (none).
+      for policy in position padded; do
+        part "moe-bench-$policy" env OUT="$OUT/moe-$policy" OUT_DIR="$RUNS/gpu_step-moe-$policy" \
+          PYTHON="$PYTHON" ONLY=ours RECIPE=recipes/bench-moe.yaml STEPS=12 WARMUP=3 \
+          bench/gpu_step.sh "$BIN" --set "$MOE_CAPACITY=$policy"
+      done
       ;;
     offload)
       # The 7B with AdamW's state on the host at 256K tokens a step: at most 60 GiB of the GPU
