@@ -298,7 +298,13 @@ fn losses(
             let share: Vec<f64> = per_expert.iter().map(|&c| c as f64 / n as f64).collect();
             Tensor::from_vec(share, e, probs.device())?.to_dtype(probs.dtype())?
         }
-        Some(t) => (t.narrow(0, 0, e)?.to_dtype(probs.dtype())? / n as f64)?,
+        Some(t) => {
+            // Divided (as the host's counts are), not multiplied by 1/n.
+            let n = Tensor::full(n as f32, 1, probs.device())?.to_dtype(probs.dtype())?;
+            t.narrow(0, 0, e)?
+                .to_dtype(probs.dtype())?
+                .broadcast_div(&n)?
+        }
     };
     let load_balancing = ((probs.mean(0)? * &share)?.sum_all()? * e as f64)?;
     let z_loss = lse.sqr()?.mean_all()?;

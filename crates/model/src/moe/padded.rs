@@ -8,7 +8,7 @@
 //! probs (+ bias) [n, E] ──arg sort, first k──> chosen [n, k] ──one-hot──> [P, E]   (P = n·k pairs)
 //!   place of a pair among its expert's pairs = exclusive prefix sum of the one-hots, in pair order
 //!   kept = place < C;  slot = expert · C + place (kept), E · C (dropped: reads a zero row)
-//!   pair of each slot: scattered from the slots (padding: P, a zero row); token = pair / k
+//!   pair and token of each slot: products of one-hots (padding: P and n, zero rows)
 //! ```
 //!
 //! Each expert keeps its first `C` pairs in pair (token) order, as `position` does on the host:
@@ -29,7 +29,9 @@ const BLOCK: usize = 128;
 /// block's shared memory (4 bytes each, a power of two of them, in 48 KiB).
 pub const MAX_PADDED_EXPERTS: usize = 8192;
 
-/// `x` `[p, c]` (f32) summed over the rows before each row: `out[i] = Σ_{j < i} x[j]`.
+/// `x` `[p, c]` (f32) summed over the rows before each row: `out[i] = Σ_{j < i} x[j]` (exact
+/// for integer counts below 2^24, as long as f32 products are not rounded to TF32, which
+/// nothing here enables).
 fn exclusive_prefix_sum(x: &Tensor) -> Result<Tensor> {
     let (p, c) = x.dims2()?;
     let dev = x.device();
@@ -63,6 +65,63 @@ fn strictly_lower(n: usize, dev: &Device) -> Result<Tensor> {
     rows.broadcast_gt(&cols)?.to_dtype(DType::F32)
 }
 
+/// Most elements of one chunk of place one-hots in [`slot_pairs`] (64 MiB of f32).
+const CHUNK_ELEMS: usize = 1 << 24;
+
+/// The pair and the token of each slot `e·C + c` (u32 `[E·C]` each): expert `e`'s kept pair at
+/// place `c`, or for an unused slot `P` and `n` (past the last pair and token). Found as a sum
+/// over the pairs of `[expert is e]·[place is c]·(pair + 1)`, a product of one-hots over chunks
+/// of pairs with one non-zero term per slot (exact in f32), rather than by writing each pair to
+/// its slot: candle's scatters run one GPU thread per column through every index.
+fn slot_pairs(
+    one_hot: &Tensor,
+    place: &Tensor,
+    (n, k): (usize, usize),
+    capacity: usize,
+    chunk_elems: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (p, e) = one_hot.dims2()?;
+    let dev = one_hot.device();
+    let ids = |count: usize| -> Result<Tensor> {
+        Tensor::arange(0u32, count as u32, dev)?.to_dtype(DType::F32)? + 1.0 // [count]
+    };
+    let tokens = ids(n)?.unsqueeze(1)?.broadcast_as((n, k))?.flatten_all()?; // [P]
+                                                                             // Each pair's id and token (plus one: zero is "none") in its expert's column: [P, 2E].
+    let marked = Tensor::cat(
+        &[
+            one_hot.broadcast_mul(&ids(p)?.unsqueeze(1)?)?,
+            one_hot.broadcast_mul(&tokens.unsqueeze(1)?)?,
+        ],
+        1,
+    )?;
+    let places = Tensor::arange(0u32, capacity as u32, dev)?
+        .to_dtype(DType::F32)?
+        .unsqueeze(0)?; // [1, C]
+    let chunk = (chunk_elems / capacity.max(1)).max(1);
+    let mut found = Tensor::zeros((2 * e, capacity), DType::F32, dev)?; // [2E, C]
+    for start in (0..p).step_by(chunk) {
+        let len = chunk.min(p - start);
+        // [len, C]: a dropped pair's place matches none.
+        let at = place
+            .narrow(0, start, len)?
+            .unsqueeze(1)?
+            .broadcast_eq(&places)?
+            .to_dtype(DType::F32)?;
+        found = (found + marked.narrow(0, start, len)?.t()?.matmul(&at)?)?;
+    }
+    // Found: the value less one; none: the value past the last.
+    let resolve = |v: Tensor, none: usize| -> Result<Tensor> {
+        let missing = v.eq(0.0)?.to_dtype(DType::F32)?;
+        ((v - 1.0)? + (missing * (none + 1) as f64)?)?
+            .flatten_all()?
+            .to_dtype(DType::U32) // [E·C]
+    };
+    Ok((
+        resolve(found.narrow(0, 0, e)?, p)?,
+        resolve(found.narrow(0, e, e)?, n)?,
+    ))
+}
+
 /// The plan of routing the rows of `probs` `[n, E]` (f32 or f64, on the device) to their top
 /// `k` experts ranked by `probs + bias`, each expert taking its first `capacity` pairs and its
 /// rows padded to `capacity`.
@@ -86,6 +145,12 @@ pub(super) fn route(
         Some(b) => scores.broadcast_add(&Tensor::from_slice(b, (1, e), dev)?)?,
         None => scores,
     };
+    // A NaN (a diverged router) ranks last, as on the host, and leaves the sort a total order.
+    let nan = scores.ne(&scores)?;
+    let scores = nan.where_cond(
+        &scores.ones_like()?.affine(0.0, f64::NEG_INFINITY)?,
+        &scores,
+    )?;
     let chosen = scores
         .arg_sort_last_dim(false)?
         .narrow(1, 0, k)?
@@ -101,25 +166,8 @@ pub(super) fn route(
     let slot = ((experts.to_dtype(DType::F32)? * capacity as f64)? + &place)?;
     // Kept: the slot; dropped: the slot past the last (`rows`, a zero row when gathered).
     let inverse = ((slot - rows as f64)?.mul(&kept)? + rows as f64)?; // [P]
-                                                                      // Each kept pair's index and token written to its slot (slots are distinct): an unused slot
-                                                                      // keeps P (a pair past the last) and n (a token past the last); the slot past the end
-                                                                      // gathers the dropped pairs and is cut off.
     let slots = inverse.to_dtype(DType::U32)?;
-    let to_slots = |v: Tensor, none: usize| -> Result<Tensor> {
-        (Tensor::zeros(rows + 1, DType::F32, dev)?
-            .index_add(&slots, &(v - none as f64)?, 0)?
-            .narrow(0, 0, rows)?
-            + none as f64)?
-            .to_dtype(DType::U32) // [rows]
-    };
-    let pairs = Tensor::arange(0u32, p as u32, dev)?.to_dtype(DType::F32)?; // [P]
-    let token_of_pair = Tensor::arange(0u32, n as u32, dev)?
-        .to_dtype(DType::F32)?
-        .unsqueeze(1)?
-        .broadcast_as((n, k))?
-        .flatten_all()?; // [P]
-    let order = to_slots(pairs, p)?;
-    let tokens = to_slots(token_of_pair, n)?;
+    let (order, tokens) = slot_pairs(&one_hot, &place, (n, k), capacity, CHUNK_ELEMS)?;
     let loads = one_hot.sum(0)?; // [E]
     let dropped = (kept.sum_all()?.neg()? + p as f64)?.reshape(1)?;
     Ok(Plan {
@@ -156,6 +204,53 @@ pub fn padded_tables(probs: &Tensor, k: usize, capacity: usize) -> Result<Vec<Te
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every kept pair is found in its slot, with its token, whatever the chunks; the other
+    /// slots point past the last pair and token; a NaN probability ranks last.
+    #[test]
+    fn each_slot_holds_its_kept_pair_in_any_chunking() {
+        let dev = Device::Cpu;
+        let (n, e, k, capacity) = (40, 4, 2, 15); // 80 pairs, 60 slots
+        let mut v: Vec<f32> = (0..n * e).map(|i| ((i * 37 + 11) % 97) as f32).collect();
+        v[3] = f32::NAN; // token 0, expert 3
+        let probs = Tensor::from_vec(v, (n, e), &dev).unwrap();
+        let plan = route(&probs, None, k, capacity).unwrap();
+        let chosen = plan.chosen.to_vec2::<u32>().unwrap();
+        assert!(!chosen[0].contains(&3), "{:?}", chosen[0]);
+        let inverse = plan.inverse.to_vec1::<u32>().unwrap();
+        let rows = e * capacity;
+        let kept = inverse.iter().filter(|&&s| (s as usize) < rows).count();
+        assert!(kept < n * k, "the case drops nothing");
+        let experts = chosen.concat();
+        let one_hot = Tensor::from_iter(
+            (0..n * k * e).map(|i| f32::from(experts[i / e] as usize == i % e)),
+            &dev,
+        )
+        .unwrap()
+        .reshape((n * k, e))
+        .unwrap();
+        let place = exclusive_prefix_sum(&one_hot)
+            .unwrap()
+            .mul(&one_hot)
+            .unwrap()
+            .sum(1)
+            .unwrap();
+        for chunk in [CHUNK_ELEMS, capacity, 7 * capacity] {
+            let (order, tokens) = slot_pairs(&one_hot, &place, (n, k), capacity, chunk).unwrap();
+            let (order, tokens) = (
+                order.to_vec1::<u32>().unwrap(),
+                tokens.to_vec1::<u32>().unwrap(),
+            );
+            let mut want = (vec![(n * k) as u32; rows], vec![n as u32; rows]);
+            for (pair, &slot) in inverse.iter().enumerate() {
+                if (slot as usize) < rows {
+                    want.0[slot as usize] = pair as u32;
+                    want.1[slot as usize] = (pair / k) as u32;
+                }
+            }
+            assert_eq!((order, tokens), want, "chunks of {chunk} elements");
+        }
+    }
 
     #[test]
     fn prefix_sums_are_exact_across_blocks() {

@@ -153,6 +153,8 @@ impl ExpertParallel {
         // ranks may be running on the data-parallel communication thread. Uniform counts are
         // every member's alike.
         let got = if uniform {
+            // Every member routes micro-batches of one shape, so one capacity: its counts for
+            // this rank's experts are this rank's own.
             if mine.windows(2).any(|w| w[0] != w[1]) {
                 candle_core::bail!("expert parallelism: uniform rows, but {counts:?} per expert");
             }
