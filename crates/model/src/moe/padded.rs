@@ -45,12 +45,16 @@ fn exclusive_prefix_sum(x: &Tensor) -> Result<Tensor> {
     } else {
         x.clone()
     };
-    let b = padded.reshape((blocks, BLOCK, c))?; // [blocks, BLOCK, c]
-    let within = strictly_lower(BLOCK, dev)?
-        .unsqueeze(0)?
-        .broadcast_as((blocks, BLOCK, BLOCK))?
+    // [blocks, BLOCK, c]; every block at once: one product with their rows side by side.
+    let b = padded.reshape((blocks, BLOCK, c))?;
+    let side = b
+        .transpose(0, 1)?
         .contiguous()?
-        .matmul(&b)?; // [blocks, BLOCK, c]
+        .reshape((BLOCK, blocks * c))?;
+    let within = strictly_lower(BLOCK, dev)?
+        .matmul(&side)? // [BLOCK, blocks·c]
+        .reshape((BLOCK, blocks, c))?
+        .transpose(0, 1)?; // [blocks, BLOCK, c]
     let before = exclusive_prefix_sum(&b.sum(1)?)?; // [blocks, c]
     within
         .broadcast_add(&before.unsqueeze(1)?)?
@@ -86,7 +90,8 @@ fn slot_pairs(
         Tensor::arange(0u32, count as u32, dev)?.to_dtype(DType::F32)? + 1.0 // [count]
     };
     let tokens = ids(n)?.unsqueeze(1)?.broadcast_as((n, k))?.flatten_all()?; // [P]
-                                                                             // Each pair's id and token (plus one: zero is "none") in its expert's column: [P, 2E].
+
+    // Each pair's id and token (plus one: zero is "none") in its expert's column: [P, 2E].
     let marked = Tensor::cat(
         &[
             one_hot.broadcast_mul(&ids(p)?.unsqueeze(1)?)?,
