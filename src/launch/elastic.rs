@@ -192,8 +192,9 @@ fn meet<'a>(
     e: Elastic,
 ) -> Result<(Agents, Option<Coordinator<'a>>)> {
     let port = super::agreed_port(layout)?.unwrap_or(0); // 0: the store binds any free port
-                                                         // Several nodes agree on a token without talking: PRETRAIN_JOB_TOKEN (or its file), else
-                                                         // one derived from public values, with a warning; one node draws a secret.
+
+    // Several nodes agree on a token without talking: PRETRAIN_JOB_TOKEN (or its file), else
+    // one derived from public values, with a warning; one node draws a secret.
     let token = if layout.nnodes == 1 {
         super::random_token()
     } else {

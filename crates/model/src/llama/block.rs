@@ -331,7 +331,8 @@ impl Llama {
                 };
                 let dd = tp.exit_grad(&dy)?; // [b, s, h]
                 let (dact, [d_down]) = self.project_bwd(layer, &act, [(*down_proj, &dd)])?; // [b, s, f/tp]
-                                                                                            // [b, s, h] partial.
+
+                // [b, s, h] partial.
                 let (dh2, [d_gate, d_up]) =
                     self.gate_up_bwd(layer, &h2, [*gate_proj, *up_proj], &gu, &dact)?;
                 grads.extend([d_gate, d_up, d_down]);

@@ -171,7 +171,8 @@ pub fn forward(
         x_perm,
     } = route_rows(&x, router, experts.len(), ep, cfg, layer)?;
     let (x_local, dispatch) = ep.dispatch(&x_perm, &plan.counts, plan.padded)?; // [m, h]
-                                                                                // Every local expert over its run of rows, one grouped call per projection.
+
+    // Every local expert over its run of rows, one grouped call per projection.
     let counts = &dispatch.counts;
     let (w1, w3, w2) = weights_of(experts);
     let (y_local, tapes) = if x_local.dim(0)? == 0 {

@@ -376,7 +376,8 @@ impl WholeMatrices {
                 parts.push(zeros(bucket.start + bucket.len - pos)?);
             }
             let o = Tensor::cat(&parts, 0)?; // [bucket.len]
-                                             // Its own storage: a view would keep the whole bucket alive until the end.
+
+            // Its own storage: a view would keep the whole bucket alive until the end.
             out.push(
                 o.narrow(0, own.start - bucket.start, n)?
                     .force_contiguous()?,

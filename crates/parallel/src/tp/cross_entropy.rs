@@ -173,7 +173,8 @@ pub fn vocab_parallel_cross_entropy_bwd(
     // log(sum_exp) − target: the sum's rows get dl / sum_exp, spread over the slice through exp.
     let row = (&dlosses / sum_exp)?.unsqueeze(1)?; // [n, 1]
     let dz = row.broadcast_as(exp.shape())?.mul(exp)?; // [n, v/tp]
-                                                       // The target logit's −dl, where this rank holds the target.
+
+    // The target logit's −dl, where this rank holds the target.
     let target = (dlosses.neg()? * mask)?.unsqueeze(1)?; // [n, 1]
     dz.scatter_add(local, &target, 1)
 }

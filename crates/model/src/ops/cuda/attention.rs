@@ -419,13 +419,14 @@ fn tc_dkv_launch<T: KernelFloat>(
         a.arg(&0u64); // a null pointer: the kernel writes dK, dV itself
     }
     a.arg(&b).arg(&s).arg(&hq).arg(&hkv).arg(&d);
-    a.arg(&sk).arg(&causal).arg(&0u64).arg(&sc); // a null floor: `plan` picks none with one
-                                                 // SAFETY: matches `attn_tc_dkv_d<D>_bf16(const bf16* q, const bf16* k, const bf16* v,
-                                                 // const bf16* dout, const float* lse, const float* delta, bf16* grads, float* part, int b,
-                                                 // int s, int hq, int hkv, int d, int sk, int causal, const unsigned* floor, float scale)`
-                                                 // (`plan` picks it only for
-                                                 // bf16, so T::Acc = f32); buffers as for the dQ kernel, `part` holds 2 np floats with GQA (the
-                                                 // kernel traps on a null `part` with GQA); grid and shared memory come from `plan`.
+    // A null floor: `plan` picks none with one.
+    a.arg(&sk).arg(&causal).arg(&0u64).arg(&sc);
+    // SAFETY: matches `attn_tc_dkv_d<D>_bf16(const bf16* q, const bf16* k, const bf16* v,
+    // const bf16* dout, const float* lse, const float* delta, bf16* grads, float* part, int b,
+    // int s, int hq, int hkv, int d, int sk, int causal, const unsigned* floor, float scale)`
+    // (`plan` picks it only for bf16, so T::Acc = f32); buffers as for the dQ kernel, `part`
+    // holds 2 np floats with GQA (the kernel traps on a null `part` with GQA); grid and shared
+    // memory come from `plan`.
     unsafe { a.launch(cfg) }.w()?;
     if gqa {
         let f = load(dev, Module::AttentionTc, "attn_tc_dkv_reduce_bf16")?;
