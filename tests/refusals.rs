@@ -114,18 +114,7 @@ fn plan_refuses_more_gpus_than_ranks_at_once() {
 #[test]
 fn import_never_writes_into_a_runs_checkpoints() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    let o = train(&run, "train.steps=2,checkpoint.interval=2");
-    assert!(o.status.success(), "{}", text(&o));
-    let hf = tmp.path().join("hf");
-    let o = bin()
-        .args(["export-hf", "--checkpoint"])
-        .arg(run.join("checkpoints/step-00000002"))
-        .arg("--output")
-        .arg(&hf)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    let (run, hf) = planted::trained_and_exported(tmp.path());
     let import = |output: Option<&Path>| {
         let mut cmd = bin();
         cmd.args(["import-hf", "--model"])

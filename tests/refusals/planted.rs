@@ -4,7 +4,7 @@
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,24 @@ fn within(cmd: &mut Command, secs: u64) -> Output {
         std::thread::sleep(Duration::from_millis(50));
     }
     child.wait_with_output().unwrap()
+}
+
+/// A tiny run of 2 steps under `dir` (`dir/run`, saved at step 2) and its Hugging Face export
+/// (`dir/hf`).
+pub(super) fn trained_and_exported(dir: &Path) -> (PathBuf, PathBuf) {
+    let run = dir.join("run");
+    let o = train(&run, "train.steps=2,checkpoint.interval=2");
+    assert!(o.status.success(), "{}", text(&o));
+    let hf = dir.join("hf");
+    let o = bin()
+        .args(["export-hf", "--checkpoint"])
+        .arg(run.join("checkpoints/step-00000002"))
+        .arg("--output")
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    (run, hf)
 }
 
 /// Asserts that `o` failed, saying that `file` is not a regular file.
@@ -127,18 +145,7 @@ fn a_fifo_in_place_of_a_dataset_index_is_refused_at_once() {
 #[test]
 fn fifos_in_a_hugging_face_model_are_refused_at_once() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    let o = train(&run, "train.steps=2,checkpoint.interval=2");
-    assert!(o.status.success(), "{}", text(&o));
-    let hf = tmp.path().join("hf");
-    let o = bin()
-        .args(["export-hf", "--checkpoint"])
-        .arg(run.join("checkpoints/step-00000002"))
-        .arg("--output")
-        .arg(&hf)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    let (_, hf) = trained_and_exported(tmp.path());
     for (k, name) in ["tokenizer.json", "model.safetensors"].iter().enumerate() {
         let file = hf.join(name);
         let kept = std::fs::read(&file).unwrap();
