@@ -46,6 +46,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint  # noqa: F401  (the submodule, for Llama.forward's recompute)
 import yaml
 
 # Set for GPU runs: RMSNorm through F.rms_norm (one kernel where PyTorch has a fused one) instead of
@@ -385,7 +386,6 @@ def cuda_bench(recipe, args):
         model = Llama(c)
     # Activation checkpointing exactly where our side recomputes whole blocks.
     model.recompute = t.get("recompute", "none") == "full"
-    import torch.utils.checkpoint  # noqa: F401  (the submodule, for Llama.forward)
     fp8 = float8(model, t, c["num_hidden_layers"])
     params = [p for p in model.parameters()]
     step_model = torch.compile(model) if args.compile else model

@@ -143,9 +143,11 @@ fn check_fp8_blockwise_gemms(device: &Device) -> Result<Vec<Check>> {
     checks.push(Check {
         name: "fp8 GEMM weight gradient (blockwise, into f32) against f64".into(),
         error: rel_error(&back(&dst)?, &want.flatten_all()?)?,
-        // f32 sums on a GPU; bf16 factors on the CPU round their product to bf16 first.
+        // A GPU's FP8 tensor cores sum with fewer bits than f32 between promotions (measured on
+        // an H200: 2.6e-4, fast accumulation off); bf16 factors on the CPU round their product
+        // to bf16 first.
         tolerance: if device.is_cuda() {
-            1e-4
+            1e-3
         } else {
             op_tolerance(DType::BF16)
         },
@@ -219,9 +221,11 @@ fn check_fp8_gemms(device: &Device) -> Result<Vec<Check>> {
     checks.push(Check {
         name: "fp8 GEMM weight gradient (into f32) against f64".into(),
         error: rel_error(&back(dst)?, &want)?,
-        // f32 sums on a GPU; bf16 factors on the CPU round their product to bf16 first.
+        // A GPU's FP8 tensor cores sum with fewer bits than f32 between promotions (measured on
+        // an H200: 2.2e-4, fast accumulation off); bf16 factors on the CPU round their product
+        // to bf16 first.
         tolerance: if device.is_cuda() {
-            1e-4
+            1e-3
         } else {
             op_tolerance(DType::BF16)
         },
