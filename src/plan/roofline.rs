@@ -4,7 +4,7 @@
 //! bandwidth of a group of ranks by where its members sit. `time.rs` combines the pieces into a
 //! step.
 
-use model::{CapacityPolicy, LlamaConfig, Recompute, Recomputed};
+use model::{LlamaConfig, Recompute, Recomputed};
 use parallel::cp::register::Cp;
 use parallel::ep::register::Ep;
 use parallel::tp::register::Tp;
@@ -203,10 +203,7 @@ impl Model<'_> {
                 let n = self.ns;
                 let (e, fe) = (m.num_experts as f64, m.expert_size as f64);
                 // Padded to the capacity, every expert runs its capacity's rows.
-                let rows = match (m.capacity_factor, m.capacity_policy) {
-                    (Some(f), CapacityPolicy::Padded) => e * (f * n * m.top_k as f64 / e).ceil(),
-                    _ => n * m.top_k as f64,
-                };
+                let rows = m.expert_rows(n.round() as usize) as f64;
                 a2a = Ep::exchange_s(self.ep, rows * h * p, self.ep_bw);
                 let local = e / self.ep;
                 let per = rows / local; // rows of one local expert, on average

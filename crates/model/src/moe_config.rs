@@ -50,6 +50,25 @@ pub enum CapacityPolicy {
     Padded,
 }
 
+impl MoeConfig {
+    /// Pairs each expert may keep of the `n · k` pairs of `n` routed tokens: `ceil(factor · n ·
+    /// k / E)`, or `None` without a capacity (dropless).
+    pub fn capacity(&self, n: usize) -> Option<usize> {
+        let (pairs, e) = ((n * self.top_k) as f64, self.num_experts as f64);
+        self.capacity_factor
+            .map(|f| (f * pairs / e).ceil() as usize)
+    }
+
+    /// Rows the experts compute for `n` routed tokens: every expert's capacity when padded,
+    /// else the `n · k` pairs (an upper bound with a capacity that drops).
+    pub fn expert_rows(&self, n: usize) -> usize {
+        match (self.capacity(n), self.capacity_policy) {
+            (Some(c), CapacityPolicy::Padded) => self.num_experts * c,
+            _ => n * self.top_k,
+        }
+    }
+}
+
 impl CapacityPolicy {
     /// Whether each expert keeps its first pairs in token order (else its most probable).
     pub fn by_position(self) -> bool {

@@ -91,12 +91,7 @@ impl MoeTape {
         let Some(m) = c.moe() else { return 0 };
         let (ns, p, h) = (s.ns, s.p, s.h);
         let (e, k, fe) = (m.num_experts as u64, m.top_k as u64, m.expert_size as u64);
-        let rows = match (m.capacity_factor, m.capacity_policy) {
-            (Some(f), crate::config::CapacityPolicy::Padded) => {
-                e * (f * (ns * k) as f64 / e as f64).ceil() as u64
-            }
-            _ => ns * k,
-        };
+        let rows = m.expert_rows(ns as usize) as u64;
         let norm = if s.recomputed.layernorm { 0 } else { ns * h };
         let acts = if s.recomputed.moe_act { 2 } else { 3 };
         (norm + 2 * rows * h + acts * rows * fe) * p + s.acc() * (ns * e + ns + ns * k + e)

@@ -169,9 +169,7 @@ impl Plan {
                 b.len()
             );
         }
-        let capacity = cfg
-            .capacity_factor
-            .map(|f| (f * (n * k) as f64 / e as f64).ceil() as usize);
+        let capacity = cfg.capacity(n);
         if let (Some(c), CapacityPolicy::Padded) = (capacity, cfg.capacity_policy) {
             return super::padded::route(probs, router.bias, k, c);
         }
